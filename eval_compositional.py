@@ -1,0 +1,1093 @@
+"""
+Evaluate an il_clip.py / mm_learngene.py checkpoint on compositional and recognition
+benchmarks, and run the analysis probes of the IL-CLIP paper (section 4.4).
+
+    python eval_compositional.py --ckpt out/il                       # built-in shapes benchmark
+    python eval_compositional.py --ckpt out/il --benchmarks all \
+        --sugarcrepe sugarcrepe/ --sugarcrepe_images coco/val2017 --out results.json
+    python eval_compositional.py --init ViT-B-32.safetensors --vocab bpe_simple_vocab_16e6.txt.gz
+
+Benchmarks (--benchmarks a,b,...; default `shapes`; `all` = every one below):
+  shapes        the built-in benchmark of data.py: 7 SugarCrepe categories (pair accuracy) +
+                systematicity / productivity (R@1 among positive + hard negatives). No files.
+  sugarcrepe    --sugarcrepe DIR ({subset}.json x 7) --sugarcrepe_images DIR (COCO val2017)
+  crepe         --crepe DIR (the released CSVs, searched recursively) --crepe_images DIR (VG)
+  cola          --cola FILE (JSON list of [img1, cap1, img2, cap2]) --cola_images DIR
+  winoground    --winoground DIR (examples.jsonl + images/)
+  zeroshot      --zeroshot DIR|shapes (ImageFolder) [--classnames F] [--templates F]
+  retrieval     --retrieval FILE|shapes (Karpathy JSON) --retrieval_images DIR [--retrieval_split]
+  linear_probe  --linear_probe DIR|shapes (ImageFolder with train/ and test/)
+  easy_to_learn frozen vision agent + codebook, a fresh language agent (fixed seed) trained on
+                shapes; accuracy curve for --ckpt and every --probe_ckpts in one plot (Fig. 5)
+  lipschitz     product of per-layer spectral norms (power iteration), per generation
+                snapshot when the checkpoint dir holds them (Fig. 4)
+  codebook      top-k images per code as a PNG grid (Fig. 6)
+All accuracies are in percent. Output: a markdown table on stdout, JSON to --out, PNGs to
+--plot_dir. Scoring conventions (stated once): a hard-negative comparison is correct only
+if the positive scores strictly higher, so a tie counts as wrong; R@k ranks ties
+pessimistically (a negative that ties the best positive is ranked above it).
+"""
+import argparse
+import ast
+import copy
+import csv
+import glob
+import json
+import math
+import os
+import random
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageDraw
+from tqdm import tqdm
+
+import data
+
+BENCHMARKS = ["shapes", "sugarcrepe", "crepe", "cola", "winoground", "zeroshot", "retrieval",
+              "linear_probe", "easy_to_learn", "lipschitz", "codebook"]
+SUGARCREPE_SUBSETS = ["add_obj", "add_att", "replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att"]
+IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")
+# a few of OpenAI CLIP's ImageNet prompt templates; --templates FILE gives your own (one per line, `{}`)
+DEFAULT_TEMPLATES = ["a photo of a {}.", "a picture of a {}.", "a rendering of a {}.", "a drawing of a {}.",
+                     "a photo of the {}.", "a close-up photo of a {}.", "a photo of a small {}.",
+                     "a photo of a large {}."]
+
+
+class ConfigError(Exception):
+    """A user mistake in flags or checkpoints: printed as `error: ...`, exit 2."""
+
+
+class Skip(Exception):
+    """A benchmark that cannot run here (its files were not given or not found)."""
+
+
+def warn(msg):
+    tqdm.write(f"warning: {msg}", file=sys.stderr)
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", help="an il_clip.py / mm_learngene.py out_dir")
+    p.add_argument("--init", help="OpenAI-format weights (.safetensors / .pt) instead of --ckpt")
+    p.add_argument("--vocab", help="bpe_simple_vocab_16e6.txt.gz, the tokenizer for --init weights")
+    p.add_argument("--benchmarks", default="shapes", help=f"comma list of {','.join(BENCHMARKS)} or all")
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--plot_dir", help="where PNGs go (default: the --out folder, else the checkpoint dir)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch_size", type=int, default=64, help="images / captions per forward pass")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no_progress", action="store_true", help="no tqdm bars")
+    # built-in data
+    p.add_argument("--shapes_n", type=int, default=200, help="shapes benchmark items per category")
+    p.add_argument("--shapes_seed", type=int, default=0)
+    # released benchmarks
+    p.add_argument("--sugarcrepe"), p.add_argument("--sugarcrepe_images")
+    p.add_argument("--crepe"), p.add_argument("--crepe_images")
+    p.add_argument("--cola"), p.add_argument("--cola_images")
+    p.add_argument("--winoground")
+    p.add_argument("--zeroshot", default="shapes", help="ImageFolder DIR, or `shapes`")
+    p.add_argument("--classnames", help="class names, one per line in sorted-folder order (default: folder names)")
+    p.add_argument("--templates", help="prompt templates, one per line with {} (default: 8 CLIP templates)")
+    p.add_argument("--retrieval", default="shapes", help="Karpathy JSON FILE, or `shapes`")
+    p.add_argument("--retrieval_images", help="image root of the Karpathy JSON")
+    p.add_argument("--retrieval_split", default="test")
+    p.add_argument("--linear_probe", default="shapes", help="ImageFolder DIR with train/ and test/, or `shapes`")
+    p.add_argument("--probe_val_frac", type=float, default=0.2, help="linear probe: train fraction held out to pick the regulariser")
+    # analysis
+    p.add_argument("--probe_ckpts", default="", help="easy_to_learn: more checkpoints drawn in the same plot (comma list)")
+    p.add_argument("--probe_steps", type=int, default=200)
+    p.add_argument("--probe_batch", type=int, default=64)
+    p.add_argument("--probe_lr", type=float, default=5e-4)
+    p.add_argument("--probe_eval_every", type=int, default=20)
+    p.add_argument("--probe_eval_n", type=int, default=256, help="held-out shapes val pairs for the accuracy curve")
+    p.add_argument("--probe_seed", type=int, default=1234, help="seed of the fresh language agent (same for every checkpoint)")
+    p.add_argument("--power_iters", type=int, default=100)
+    p.add_argument("--viz_codes", type=int, default=8, help="codebook: how many codes (the most used ones)")
+    p.add_argument("--viz_topk", type=int, default=5)
+    p.add_argument("--viz_images", type=int, default=500, help="codebook: shapes test images searched")
+    args = p.parse_args(argv)
+    names = BENCHMARKS if args.benchmarks == "all" else [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    unknown = [b for b in names if b not in BENCHMARKS]
+    if unknown:
+        raise ConfigError(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)} or all")
+    args.benchmark_list = names
+    if bool(args.ckpt) == bool(args.init):
+        raise ConfigError("give exactly one of --ckpt OUT_DIR or --init WEIGHTS")
+    return args
+
+
+# -----------------------------------------------------------------------------
+# Model and tokenizer
+
+KNOWN_SCRIPTS = ("il_clip.py", "mm_learngene.py")
+
+
+def load_checkpoint(path, vocab=None, device="cpu"):
+    """(model, tokenizer, config) from an out_dir or a weight file, via il_clip.load_model.
+    Refuses, with one line, checkpoints of other methods and tokenizers that do not fit."""
+    try:
+        import il_clip
+    except ImportError as e:
+        raise ConfigError(f"cannot import il_clip.py ({e}); run from the repository root") from None
+    if not os.path.exists(path):
+        raise ConfigError(f"{path}: checkpoint not found")
+    cfg_path = os.path.join(path, "config.json")
+    if os.path.isdir(path) and os.path.exists(cfg_path):
+        with open(cfg_path) as f:
+            try:
+                cfg = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{cfg_path}: invalid JSON ({e.msg}, line {e.lineno})") from None
+        script = cfg.get("script") or cfg.get("args", {}).get("script")
+        if script and os.path.basename(str(script)) not in KNOWN_SCRIPTS:
+            raise ConfigError(f"{path}: a {script} checkpoint; eval_compositional.py evaluates "
+                              f"{' / '.join(KNOWN_SCRIPTS)} checkpoints")
+    try:
+        model, tok, config = il_clip.load_model(path, device=device)
+    except (data.DataError, il_clip.ConfigError) as e:
+        raise ConfigError(str(e)) from None
+    except (KeyError, ValueError, RuntimeError, OSError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{path}: not an il_clip.py / mm_learngene.py checkpoint or OpenAI-format weights ({msg})") from None
+    if tok is None:
+        if not vocab:
+            raise ConfigError(f"{path}: weights without a tokenizer; give --vocab bpe_simple_vocab_16e6.txt.gz")
+        tok = data.build_tokenizer(vocab_path=vocab, context_length=model_field(model, config, "context_length", 77))
+    check_tokenizer(tok, model, config, path)
+    model.to(device).eval()
+    return model, tok, config
+
+
+def model_field(model, config, name, default=None):
+    """A model-config value: model.cfg / model.config (dataclass or dict), else config.json."""
+    for holder in (getattr(model, "cfg", None), getattr(model, "config", None), config, (config or {}).get("model")):
+        if holder is None:
+            continue
+        value = holder.get(name) if isinstance(holder, dict) else getattr(holder, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def check_tokenizer(tok, model, config, path):
+    vocab = model_field(model, config, "vocab_size")
+    eot = model_field(model, config, "eot_token_id")
+    ctx = model_field(model, config, "context_length")
+    problems = []
+    if vocab is not None and tok.vocab_size != vocab:
+        problems.append(f"tokenizer has {tok.vocab_size} tokens, the model's embedding {vocab}")
+    if eot is not None and tok.eot_id != eot:
+        problems.append(f"tokenizer EOT id {tok.eot_id}, the model pools at {eot}")
+    if ctx is not None and tok.context_length != ctx:
+        problems.append(f"tokenizer context {tok.context_length}, the model's {ctx}")
+    if problems:
+        raise ConfigError(f"{path}: tokenizer mismatch: {'; '.join(problems)}")
+
+
+# -----------------------------------------------------------------------------
+# Embeddings: computed in batches, once per unique image and caption, shared by benchmarks
+
+@dataclass(frozen=True)
+class ImageRef:
+    """An image to embed: a file (optionally cropped to box = (x, y, w, h)) or an in-memory PIL."""
+    key: str
+    path: str = None
+    box: tuple = None
+    pil: object = None
+
+    def open(self):
+        img = self.pil if self.pil is not None else Image.open(self.path)
+        img = img.convert("RGB")
+        if self.box is not None:
+            x, y, w, h = self.box
+            img = img.crop((x, y, x + w, y + h))
+        return img
+
+
+def file_ref(path, box=None):
+    path = os.path.abspath(path)
+    key = path if box is None else f"{path}#{','.join(str(v) for v in box)}"
+    return ImageRef(key, path=path, box=box)
+
+
+class Embedder:
+    def __init__(self, model, tokenizer, image_size, batch_size=64, device="cpu", progress=True):
+        self.model, self.tokenizer, self.batch_size, self.device = model, tokenizer, batch_size, device
+        self.transform = data.eval_transform(image_size)
+        self.progress = progress
+        self.image_cache, self.text_cache, self.bad_images = {}, {}, {}
+
+    def _bar(self, n, desc):
+        return tqdm(total=n, desc=desc, unit="item", disable=not self.progress or n == 0, leave=False)
+
+    @torch.no_grad()
+    def images(self, refs):
+        """{key: embedding} for every ref whose image could be read (the others are warned
+        about once and left out, so a benchmark can drop the rows that use them)."""
+        todo = list({r.key: r for r in refs if r.key not in self.image_cache and r.key not in self.bad_images}.values())
+        bar = self._bar(len(todo), "images")
+        for i in range(0, len(todo), self.batch_size):
+            chunk, tensors = [], []
+            for r in todo[i:i + self.batch_size]:
+                try:
+                    tensors.append(self.transform(r.open()))
+                    chunk.append(r)
+                except (OSError, ValueError, Image.DecompressionBombError) as e:
+                    self.bad_images[r.key] = str(e)
+                    warn(f"{r.path or r.key}: cannot read image ({type(e).__name__}); rows that use it are skipped")
+            if chunk:
+                z = self.model.encode_image(torch.stack(tensors).to(self.device)).float().cpu()
+                self.image_cache.update(zip((r.key for r in chunk), z))
+            bar.update(len(todo[i:i + self.batch_size]))
+        bar.close()
+        return {r.key: self.image_cache[r.key] for r in refs if r.key in self.image_cache}
+
+    @torch.no_grad()
+    def texts(self, captions):
+        """[N, E] embeddings of the captions, in order."""
+        todo = list(dict.fromkeys(c for c in captions if c not in self.text_cache))
+        bar = self._bar(len(todo), "captions")
+        for i in range(0, len(todo), self.batch_size):
+            chunk = todo[i:i + self.batch_size]
+            z = self.model.encode_text(self.tokenizer(chunk).to(self.device)).float().cpu()
+            self.text_cache.update(zip(chunk, z))
+            bar.update(len(chunk))
+        bar.close()
+        if not captions:
+            return torch.zeros(0, 0)
+        return torch.stack([self.text_cache[c] for c in captions])
+
+
+# -----------------------------------------------------------------------------
+# Scores (pure functions of embeddings; rows hold ImageRefs and captions)
+
+def pct(x):
+    return round(100.0 * float(x), 4)
+
+
+def usable(rows, emb_images, refs_of):
+    """Rows whose images were all read."""
+    return [r for r in rows if all(ref.key in emb_images for ref in refs_of(r))]
+
+
+def pair_accuracy(emb, rows):
+    """rows: (image, positive, negative). Correct iff s(img, pos) > s(img, neg), strictly."""
+    images = emb.images([r[0] for r in rows])
+    rows = usable(rows, images, lambda r: [r[0]])
+    if not rows:
+        return {"acc": float("nan"), "n": 0}
+    img = torch.stack([images[r[0].key] for r in rows])
+    pos, neg = emb.texts([r[1] for r in rows]), emb.texts([r[2] for r in rows])
+    correct = (img * pos).sum(-1) > (img * neg).sum(-1)
+    return {"acc": pct(correct.float().mean()), "n": len(rows)}
+
+
+def r1_among_negatives(emb, rows):
+    """rows: (image, positive, [negatives]). R@1 (image -> text): correct iff the positive
+    scores strictly higher than every hard negative."""
+    images = emb.images([r[0] for r in rows])
+    rows = usable(rows, images, lambda r: [r[0]])
+    if not rows:
+        return {"acc": float("nan"), "n": 0}
+    text = emb.texts(sorted({c for r in rows for c in [r[1], *r[2]]}))
+    index = {c: i for i, c in enumerate(sorted({c for r in rows for c in [r[1], *r[2]]}))}
+    correct = 0
+    for r in rows:
+        s = text[[index[c] for c in [r[1], *r[2]]]] @ images[r[0].key]
+        correct += bool(s[0] > s[1:].max())
+    return {"acc": pct(correct / len(rows)), "n": len(rows)}
+
+
+def winoground_scores(s):
+    """s: [N, 2, 2] similarities s[n, caption, image]. Winoground's three scores:
+    text  (each image prefers its caption):  s00 > s10 and s11 > s01
+    image (each caption prefers its image):  s00 > s01 and s11 > s10   (= text -> image)
+    group: both."""
+    text = (s[:, 0, 0] > s[:, 1, 0]) & (s[:, 1, 1] > s[:, 0, 1])
+    image = (s[:, 0, 0] > s[:, 0, 1]) & (s[:, 1, 1] > s[:, 1, 0])
+    return {"text": pct(text.float().mean()), "image": pct(image.float().mean()),
+            "group": pct((text & image).float().mean()), "n": len(s)}
+
+
+def pair_of_pairs(emb, rows):
+    """rows: (image0, caption0, image1, caption1) -> Winoground scores."""
+    images = emb.images([ref for r in rows for ref in (r[0], r[2])])
+    rows = usable(rows, images, lambda r: [r[0], r[2]])
+    if not rows:
+        return {"text": float("nan"), "image": float("nan"), "group": float("nan"), "n": 0}
+    img = torch.stack([torch.stack([images[r[0].key], images[r[2].key]]) for r in rows])  # [N, 2, E]
+    cap = torch.stack([emb.texts([r[1], r[3]]) for r in rows])  # [N, 2, E]
+    return winoground_scores(cap @ img.transpose(1, 2))
+
+
+def recall_at_k(sim, positive, ks=(1, 5, 10), chunk=1024):
+    """sim [Q, D], positive bool [Q, D] (each query has >= 1 positive). A query is a hit at k
+    iff some positive is among its k best-scored items; ties rank against the positive."""
+    hits = {k: 0 for k in ks}
+    for i in range(0, sim.shape[0], chunk):
+        s, p = sim[i:i + chunk], positive[i:i + chunk]
+        best = s.masked_fill(~p, float("-inf")).max(1).values
+        n_above = ((s >= best[:, None]) & ~p).sum(1)
+        for k in ks:
+            hits[k] += int((n_above < k).sum())
+    return {k: pct(hits[k] / sim.shape[0]) for k in ks}
+
+
+def retrieval_scores(emb, items):
+    """items: [(ImageRef, [captions])]. Image -> text and text -> image R@1/5/10."""
+    images = emb.images([it[0] for it in items])
+    items = usable(items, images, lambda it: [it[0]])
+    img = torch.stack([images[it[0].key] for it in items])
+    captions = [c for it in items for c in it[1]]
+    owner = torch.tensor([i for i, it in enumerate(items) for _ in it[1]])
+    txt = emb.texts(captions)
+    positive = owner[None, :] == torch.arange(len(items))[:, None]  # [images, captions]
+    i2t = recall_at_k(img @ txt.T, positive)
+    t2i = recall_at_k(txt @ img.T, positive.T)
+    out = {f"i2t_R@{k}": v for k, v in i2t.items()} | {f"t2i_R@{k}": v for k, v in t2i.items()}
+    out["mean_R"] = round(sum(i2t.values()) / 3 / 2 + sum(t2i.values()) / 3 / 2, 4)
+    return out | {"n_images": len(items), "n_captions": len(captions)}
+
+
+def zeroshot_weights(emb, classnames, templates):
+    """Class embeddings: normalise each prompt's embedding, average over templates, re-normalise."""
+    prompts = [t.format(c) for c in classnames for t in templates]
+    z = F.normalize(emb.texts(prompts).view(len(classnames), len(templates), -1), dim=-1)
+    return F.normalize(z.mean(1), dim=-1)
+
+
+def topk_accuracy(logits, labels, ks=(1, 5)):
+    out = {}
+    for k in ks:
+        k_ = min(k, logits.shape[1])
+        out[f"top{k}"] = pct((logits.topk(k_, dim=1).indices == labels[:, None]).any(1).float().mean())
+    return out
+
+
+def fit_logistic(x, y, n_classes, weight_decay, max_iter=100):
+    """Multinomial logistic regression with L2 penalty by L-BFGS (full batch)."""
+    w = torch.zeros(x.shape[1], n_classes, requires_grad=True)
+    b = torch.zeros(n_classes, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=max_iter, history_size=20, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(x @ w + b, y) + weight_decay * (w * w).sum()
+        loss.backward()
+        return loss
+    opt.step(closure)
+    return w.detach(), b.detach()
+
+
+def linear_probe(train_x, train_y, test_x, test_y, n_classes, val_frac=0.2, seed=0,
+                 weight_decays=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)):
+    """Pick the L2 strength on a held-out part of train, refit on all of train, test top-1."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(len(train_x), generator=g)
+    n_val = max(1, int(len(train_x) * val_frac))
+    val, fit = perm[:n_val], perm[n_val:]
+    val_acc = {}
+    for wd in weight_decays:
+        w, b = fit_logistic(train_x[fit], train_y[fit], n_classes, wd)
+        val_acc[wd] = float(((train_x[val] @ w + b).argmax(1) == train_y[val]).float().mean())
+    best = max(weight_decays, key=lambda wd: (val_acc[wd], wd))  # ties: the stronger regulariser
+    w, b = fit_logistic(train_x, train_y, n_classes, best)
+    acc = ((test_x @ w + b).argmax(1) == test_y).float().mean()
+    return {"top1": pct(acc), "weight_decay": best, "val_top1": pct(val_acc[best]),
+            "n_train": len(train_x), "n_test": len(test_x)}
+
+
+# -----------------------------------------------------------------------------
+# Readers for the released formats. A malformed row is reported (file:line) and skipped.
+
+def json_rows(path):
+    """[(line, key, value)] of a top-level JSON list (key = index) or object, so a
+    malformed row can be reported with its line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise data.DataError(f"{path}: cannot read ({e})") from None
+    dec, rows, n, line, seen = json.JSONDecoder(), [], 0, 1, 0
+
+    def skip(i):
+        while i < len(text) and text[i] in " \t\r\n":
+            i += 1
+        return i
+
+    def line_of(pos):
+        nonlocal line, seen
+        line, seen = line + text.count("\n", seen, pos), pos
+        return line
+    try:
+        i = skip(0)
+        if i >= len(text) or text[i] not in "[{":
+            raise data.DataError(f"{path}: expected a JSON list or object")
+        close = "]" if text[i] == "[" else "}"
+        i = skip(i + 1)
+        while i < len(text) and text[i] != close:
+            key = n
+            if close == "}":
+                key, i = dec.raw_decode(text, i)
+                i = skip(i)
+                if text[i:i + 1] != ":":
+                    raise data.DataError(f"{path}: line {line_of(i)}: expected ':'")
+                i = skip(i + 1)
+            value, end = dec.raw_decode(text, i)
+            rows.append((line_of(i), key, value))
+            n, i = n + 1, skip(end)
+            if text[i:i + 1] == ",":
+                i = skip(i + 1)
+            elif text[i:i + 1] != close:
+                raise data.DataError(f"{path}: line {line_of(i)}: expected ',' or '{close}'")
+    except json.JSONDecodeError as e:
+        raise data.DataError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
+    return rows
+
+
+def bad_row(path, line, why):
+    warn(f"{path}:{line}: {why}; row skipped")
+
+
+def find_image(root, name, exts=("",) + IMAGE_EXTS):
+    """root/name, root/basename(name) (URLs, foreign prefixes), with or without an extension."""
+    for cand in (name, os.path.basename(str(name).rstrip("/"))):
+        for ext in exts:
+            path = os.path.join(root, f"{cand}{ext}")
+            if os.path.isfile(path):
+                return path
+    return None
+
+
+def require(*paths_and_flags):
+    """Skip (with what was looked for) unless every given (path, flag) exists."""
+    for path, flag in paths_and_flags:
+        if not path:
+            raise Skip(f"no {flag} given")
+        if not os.path.exists(path):
+            raise Skip(f"{flag} {path} not found")
+
+
+def read_sugarcrepe(root, image_root):
+    out = {}
+    for subset in SUGARCREPE_SUBSETS:
+        path = os.path.join(root, f"{subset}.json")
+        if not os.path.exists(path):
+            warn(f"{path} not found; SugarCrepe subset {subset} skipped")
+            continue
+        rows = []
+        for line, key, v in json_rows(path):
+            if not isinstance(v, dict) or not all(isinstance(v.get(k), str) for k in ("filename", "caption", "negative_caption")):
+                bad_row(path, line, f"entry {key!r} needs string fields filename, caption, negative_caption")
+                continue
+            img = find_image(image_root, v["filename"], ("",))
+            if img is None:
+                bad_row(path, line, f"image {v['filename']} not found under {image_root}")
+                continue
+            rows.append((file_ref(img), v["caption"], v["negative_caption"]))
+        out[subset] = rows
+    if not out:
+        raise Skip(f"no {{{','.join(SUGARCREPE_SUBSETS)}}}.json in {root}")
+    return out
+
+
+def parse_list(text):
+    """A CREPE hard-negative cell: a Python / JSON list literal of strings."""
+    value = ast.literal_eval(text)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
+        raise ValueError("not a list of strings")
+    return list(value)
+
+
+def crepe_subsets(path, fieldnames):
+    """CREPE's CSVs: productivity files have `hard_negs` (one subset per file: swap, negate,
+    replace); systematicity files have `valid_hard_negs_{atom,comp}` (two subsets each)."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if "hard_negs" in fieldnames:
+        kind = next((k for k in ("swap", "negate", "replace") if k in stem), stem)
+        return {f"productivity/{kind}": "hard_negs"}
+    return {f"systematicity/{col[len('valid_hard_negs_'):]}": col for col in fieldnames
+            if col.startswith("valid_hard_negs_")}
+
+
+def read_crepe(root, image_root):
+    out = {}
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.csv"), recursive=True)):
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            fields = reader.fieldnames or []
+            missing = [c for c in ("image_id", "x", "y", "width", "height", "caption") if c not in fields]
+            subsets = crepe_subsets(path, fields)
+            if missing or not subsets:
+                warn(f"{path}: not a CREPE hard-negative CSV (needs image_id,x,y,width,height,caption and "
+                     f"hard_negs or valid_hard_negs_*); file skipped")
+                continue
+            for row in reader:
+                line = reader.line_num
+                try:
+                    box = tuple(int(round(float(row[c]))) for c in ("x", "y", "width", "height"))
+                    negs = {name: parse_list(row[col]) for name, col in subsets.items()}
+                except (ValueError, SyntaxError, TypeError) as e:
+                    bad_row(path, line, f"bad box or hard-negative list ({type(e).__name__})")
+                    continue
+                img = find_image(image_root, row["image_id"])
+                if img is None:
+                    bad_row(path, line, f"image {row['image_id']} not found under {image_root}")
+                    continue
+                for name, n in negs.items():
+                    if n:  # rows with no valid negative for this subset do not count in it
+                        out.setdefault(name, []).append((file_ref(img, box), row["caption"], n))
+    if not out:
+        raise Skip(f"no CREPE CSV (hard_negs / valid_hard_negs_*) under {root}")
+    return out
+
+
+def read_cola(path, image_root):
+    rows = []
+    for line, _, v in json_rows(path):
+        if not (isinstance(v, list) and len(v) == 4 and all(isinstance(s, str) for s in v)):
+            bad_row(path, line, "expected [image1, caption1, image2, caption2]")
+            continue
+        imgs = [find_image(image_root, v[0], ("",)), find_image(image_root, v[2], ("",))]
+        if None in imgs:
+            bad_row(path, line, f"image {v[0] if imgs[0] is None else v[2]} not found under {image_root}")
+            continue
+        rows.append((file_ref(imgs[0]), v[1], file_ref(imgs[1]), v[3]))
+    return rows
+
+
+def read_winoground(root):
+    """The released layout: examples.jsonl (id, image_0, image_1, caption_0, caption_1) and
+    images/{image}.png, at root or root/data."""
+    cands = [os.path.join(root, "examples.jsonl"), os.path.join(root, "data", "examples.jsonl")]
+    path = next((c for c in cands if os.path.exists(c)), None)
+    if path is None:
+        raise Skip(f"no examples.jsonl in {root} or {root}/data")
+    image_root = os.path.join(os.path.dirname(path), "images")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            try:
+                v = json.loads(text)
+                names, caps = [v["image_0"], v["image_1"]], [v["caption_0"], v["caption_1"]]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                bad_row(path, line, f"needs image_0, image_1, caption_0, caption_1 ({type(e).__name__})")
+                continue
+            imgs = [find_image(image_root, str(n)) for n in names]
+            if None in imgs:
+                bad_row(path, line, f"image {names[imgs.index(None)]} not found under {image_root}")
+                continue
+            rows.append((file_ref(imgs[0]), caps[0], file_ref(imgs[1]), caps[1]))
+    return rows
+
+
+def read_image_folder(root):
+    """ImageFolder: root/<class>/<image>; classes in sorted order."""
+    classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    items = [(file_ref(os.path.join(root, c, f)), i) for i, c in enumerate(classes)
+             for f in sorted(os.listdir(os.path.join(root, c))) if f.lower().endswith(IMAGE_EXTS)]
+    if not items:
+        raise Skip(f"no images in class folders under {root}")
+    return classes, items
+
+
+def read_karpathy(path, image_root, split):
+    items = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            blob = json.load(f)
+    except json.JSONDecodeError as e:
+        raise data.DataError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
+    if not isinstance(blob, dict) or not isinstance(blob.get("images"), list):
+        raise data.DataError(f"{path}: not a Karpathy split JSON (no images list)")
+    for k, im in enumerate(blob["images"]):
+        try:
+            if im.get("split") != split:
+                continue
+            name = os.path.join(im.get("filepath", ""), im["filename"])
+            captions = [s["raw"] for s in im["sentences"]]
+        except (KeyError, TypeError, AttributeError) as e:
+            warn(f"{path}: images[{k}]: needs filename and sentences[].raw ({type(e).__name__}); entry skipped")
+            continue
+        img = find_image(image_root, name, ("",)) or find_image(image_root, im["filename"], ("",))
+        if img is None or not captions:
+            warn(f"{path}: images[{k}]: {'image ' + name + ' not found under ' + image_root if img is None else 'no captions'}; entry skipped")
+            continue
+        items.append((file_ref(img), captions))
+    if not items:
+        raise Skip(f"no usable images of split {split!r} in {path}")
+    return items
+
+
+def read_lines(path):
+    with open(path, encoding="utf-8") as f:
+        return [s.strip() for s in f if s.strip()]
+
+
+# -----------------------------------------------------------------------------
+# Benchmarks: each returns {metric: value} (and may raise Skip)
+
+def shapes_refs(seed, n, name, images):
+    return [ImageRef(f"shapes/{seed}/{n}/{name}/{i}", pil=img) for i, img in enumerate(images)]
+
+
+_SHAPES_BENCH = {}
+
+
+def shapes_benchmark(seed, n):
+    if (seed, n) not in _SHAPES_BENCH:
+        _SHAPES_BENCH[(seed, n)] = data.shapes_benchmark(seed=seed, n=n)
+    return _SHAPES_BENCH[(seed, n)]
+
+
+def bench_shapes(args, emb):
+    bench, out = shapes_benchmark(args.shapes_seed, args.shapes_n), {}
+    for cat in data.SHAPES_CATEGORIES:
+        refs = shapes_refs(args.shapes_seed, args.shapes_n, cat, [it["image"] for it in bench[cat]])
+        out[cat] = pair_accuracy(emb, [(r, it["caption"], it["negative_caption"]) for r, it in zip(refs, bench[cat])])["acc"]
+    out["mean_7"] = round(sum(out[c] for c in data.SHAPES_CATEGORIES) / 7, 4)
+    for split in ("systematicity", "productivity"):
+        refs = shapes_refs(args.shapes_seed, args.shapes_n, split, [it["image"] for it in bench[split]])
+        out[split] = r1_among_negatives(emb, [(r, it["caption"], it["negatives"]) for r, it in zip(refs, bench[split])])["acc"]
+    return out | {"n_per_category": args.shapes_n}
+
+
+def bench_sugarcrepe(args, emb):
+    require((args.sugarcrepe, "--sugarcrepe"), (args.sugarcrepe_images, "--sugarcrepe_images"))
+    out, counts = {}, {}
+    for subset, rows in read_sugarcrepe(args.sugarcrepe, args.sugarcrepe_images).items():
+        r = pair_accuracy(emb, rows)
+        out[subset], counts[subset] = r["acc"], r["n"]
+    out["mean"] = round(sum(out.values()) / len(out), 4)
+    return out | {"n": counts}
+
+
+def bench_crepe(args, emb):
+    require((args.crepe, "--crepe"), (args.crepe_images, "--crepe_images"))
+    out, counts = {}, {}
+    for subset, rows in sorted(read_crepe(args.crepe, args.crepe_images).items()):
+        r = r1_among_negatives(emb, rows)
+        out[subset], counts[subset] = r["acc"], r["n"]
+    return out | {"n": counts}
+
+
+def bench_cola(args, emb):
+    require((args.cola, "--cola"), (args.cola_images, "--cola_images"))
+    r = pair_of_pairs(emb, read_cola(args.cola, args.cola_images))
+    # Cola multi-object: both captions must retrieve their own image (text -> image)
+    return {"t2i": r["image"], "i2t": r["text"], "group": r["group"], "n": r["n"]}
+
+
+def bench_winoground(args, emb):
+    require((args.winoground, "--winoground"))
+    return pair_of_pairs(emb, read_winoground(args.winoground))
+
+
+def shapes_classification_set(split, n, seed):
+    items = [data.shapes_classification(split, i, seed) for i in range(n)]
+    refs = [ImageRef(f"shapes-cls/{seed}/{split}/{i}", pil=img) for i, (img, _) in enumerate(items)]
+    return list(data.SHAPE_NAMES), list(zip(refs, [label for _, label in items]))
+
+
+def classification_features(emb, items):
+    images = emb.images([r for r, _ in items])
+    items = [(r, y) for r, y in items if r.key in images]
+    return torch.stack([images[r.key] for r, _ in items]), torch.tensor([y for _, y in items])
+
+
+def bench_zeroshot(args, emb):
+    if args.zeroshot == "shapes":
+        classnames, items = shapes_classification_set("test", max(args.shapes_n, 100), args.shapes_seed)
+    else:
+        require((args.zeroshot, "--zeroshot"))
+        folders, items = read_image_folder(args.zeroshot)
+        classnames = read_lines(args.classnames) if args.classnames else [c.replace("_", " ") for c in folders]
+        if len(classnames) != len(folders):
+            raise data.DataError(f"{args.classnames}: {len(classnames)} class names for {len(folders)} class folders")
+    templates = read_lines(args.templates) if args.templates else DEFAULT_TEMPLATES
+    bad = [t for t in templates if "{}" not in t]
+    if bad:
+        raise data.DataError(f"{args.templates}: template without {{}}: {bad[0]!r}")
+    x, y = classification_features(emb, items)
+    w = zeroshot_weights(emb, classnames, templates)
+    return topk_accuracy(x @ w.T, y) | {"n": len(y), "classes": len(classnames), "templates": len(templates)}
+
+
+def bench_retrieval(args, emb):
+    if args.retrieval == "shapes":
+        n = max(args.shapes_n, 100)
+        scenes = [data.shapes_scene("test", i, args.shapes_seed) for i in range(n)]
+        items = [(ImageRef(f"shapes-scene/{args.shapes_seed}/test/{i}", pil=s.image), [s.caption])
+                 for i, s in enumerate(scenes)]
+    else:
+        require((args.retrieval, "--retrieval"), (args.retrieval_images, "--retrieval_images"))
+        items = read_karpathy(args.retrieval, args.retrieval_images, args.retrieval_split)
+    return retrieval_scores(emb, items)
+
+
+def bench_linear_probe(args, emb):
+    if args.linear_probe == "shapes":
+        n = max(4 * args.shapes_n, 200)
+        classnames, train = shapes_classification_set("train", n, args.shapes_seed)
+        _, test = shapes_classification_set("test", n // 2, args.shapes_seed)
+    else:
+        require((args.linear_probe, "--linear_probe"))
+        train_dir, test_dir = (os.path.join(args.linear_probe, s) for s in ("train", "test"))
+        require((train_dir, "--linear_probe"), (test_dir, "--linear_probe"))
+        classnames, train = read_image_folder(train_dir)
+        test_classes, test = read_image_folder(test_dir)
+        if test_classes != classnames:
+            raise data.DataError(f"{args.linear_probe}: train/ and test/ have different class folders")
+    (tx, ty), (vx, vy) = classification_features(emb, train), classification_features(emb, test)
+    return linear_probe(tx, ty, vx, vy, len(classnames), args.probe_val_frac, args.seed)
+
+
+# -----------------------------------------------------------------------------
+# Analysis (paper section 4.4)
+
+def spectral_norm(w, iters=100, tol=1e-7, seed=0):
+    """Largest singular value of a matrix by power iteration on W^T W (conv kernels are
+    flattened to [out, in * kh * kw], exact for a stride = kernel patch embedding)."""
+    w = w.detach().float().reshape(w.shape[0], -1)
+    g = torch.Generator().manual_seed(seed)
+    v = F.normalize(torch.randn(w.shape[1], generator=g), dim=0)
+    sigma = 0.0
+    for _ in range(iters):
+        u = F.normalize(w @ v, dim=0)
+        v = F.normalize(w.T @ u, dim=0)
+        new = float(torch.dot(u, w @ v))
+        if abs(new - sigma) <= tol * max(new, 1e-12):
+            return new
+        sigma = new
+    return sigma
+
+
+VISION_PREFIXES = ("visual.", "image_query.")  # il_clip.VISION_PREFIXES
+
+
+def lipschitz_layers(model):
+    """The linear maps of a model in parameter order: every weight with >= 2 dims except
+    lookup tables (token / positional / class embeddings)."""
+    return [(n, p) for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
+
+
+def lipschitz_bound(model, iters=100):
+    """Upper bound of the Lipschitz constant as in Gouk et al. (paper ref. [19]): the product
+    of per-layer spectral norms. Returned as log10 (it is astronomically large for a
+    transformer): all layers (both agents + the shared codebook), the vision agent alone
+    (`visual.*`, `image_query.*`) and the language agent alone (the rest but the codebook)."""
+    per_layer = {n: spectral_norm(p, iters) for n, p in lipschitz_layers(model)}
+    log = lambda names: round(sum(math.log10(max(per_layer[n], 1e-30)) for n in names), 6)
+    vision = [n for n in per_layer if n.startswith(VISION_PREFIXES)]
+    text = [n for n in per_layer if not n.startswith(VISION_PREFIXES) and n != "codebook"]
+    return {"log10_bound": log(per_layer), "log10_vision": log(vision), "log10_text": log(text),
+            "layers": len(per_layer), "spectral_norms": {n: round(v, 6) for n, v in per_layer.items()}}
+
+
+def generation_snapshots(ckpt):
+    """Generation snapshots inside an out_dir: sub-folders (gen*/ or generations/*/) with
+    a model.safetensors, or files *gen*.safetensors; sorted by the number in the name."""
+    if not ckpt or not os.path.isdir(ckpt):
+        return []
+    found = glob.glob(os.path.join(ckpt, "gen*", "model.safetensors")) + \
+        glob.glob(os.path.join(ckpt, "generations", "*", "model.safetensors"))
+    found = [os.path.dirname(p) for p in found] + glob.glob(os.path.join(ckpt, "*gen*.safetensors")) + \
+        glob.glob(os.path.join(ckpt, "generations", "*.safetensors"))
+    num = lambda p: int("".join(ch for ch in os.path.basename(p) if ch.isdigit()) or -1)
+    return sorted(set(found), key=lambda p: (num(p), p))
+
+
+def bench_lipschitz(args, model, tok, config):
+    out = lipschitz_bound(model, args.power_iters)
+    snaps = generation_snapshots(args.ckpt)
+    if snaps:
+        curve = []
+        for path in snaps:
+            snap = load_snapshot(path, model, args.ckpt, args.device)
+            curve.append({"snapshot": os.path.relpath(path, args.ckpt)} |
+                         {k: v for k, v in lipschitz_bound(snap, args.power_iters).items() if k != "spectral_norms"})
+        out["generations"] = curve
+        png = os.path.join(args.plot_dir, "lipschitz.png")
+        draw_line_plot(png, {"vision": [(i, c["log10_vision"]) for i, c in enumerate(curve)],
+                             "total": [(i, c["log10_bound"]) for i, c in enumerate(curve)]},
+                       "Lipschitz upper bound per generation", "generation snapshot", "log10 bound")
+        out["png"] = png
+    return out
+
+
+def load_snapshot(path, model, ckpt, device):
+    """A generation snapshot: a folder loadable by il_clip.load_model, or a bare state dict
+    loaded into a copy of the model."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return load_checkpoint(path, device=device)[0]
+    from safetensors.torch import load_file
+    snap = copy.deepcopy(model)
+    try:
+        snap.load_state_dict(load_file(os.path.join(path, "model.safetensors") if os.path.isdir(path) else path))
+    except RuntimeError as e:
+        raise ConfigError(f"{path}: generation snapshot does not match the model of {ckpt} ({str(e).splitlines()[0]})") from None
+    return snap
+
+
+def bench_codebook(args, model, tok, config):
+    """Top-k shapes test images per code (paper Eq. 2: r_i = max over patches of <f_p, c_i>)
+    for the codes used most (largest total sparsemax weight over the images)."""
+    if not getattr(getattr(model, "cfg", None), "codebook_size", 0):
+        raise Skip("the model has no codebook (needs il_clip.py --method codebook / il)")
+    images = [data.shapes_scene("test", i, args.shapes_seed).image for i in range(args.viz_images)]
+    transform, size = data.eval_transform(image_size_of(model, config)), args.batch_size
+    scores, weights = [], []
+    with torch.no_grad():
+        for i in tqdm(range(0, len(images), size), desc="codes", disable=args.no_progress, leave=False):
+            x = torch.stack([transform(im) for im in images[i:i + size]]).to(args.device)
+            s, w = image_code_scores(model, x)
+            scores.append(s.float().cpu()), weights.append(w.float().cpu())
+    scores, weights = torch.cat(scores), torch.cat(weights)  # [N, K]
+    usage = weights.sum(0)
+    codes = usage.argsort(descending=True)[:args.viz_codes].tolist()
+    rows, out = [], {}
+    for c in codes:
+        top = scores[:, c].topk(min(args.viz_topk, len(images))).indices.tolist()
+        out[str(c)] = {"usage": round(float(usage[c]), 6), "images": [f"shapes/test/{i}" for i in top],
+                       "captions": [data.shapes_scene("test", i, args.shapes_seed).caption for i in top]}
+        rows.append((f"code {c}", [images[i] for i in top]))
+    png = os.path.join(args.plot_dir, "codebook.png")
+    draw_image_grid(png, rows)
+    return {"codes": out, "active_codes": int((usage > 0).sum()), "png": png}
+
+
+def image_code_scores(model, images):
+    """Per-code scores of images, r_i = max over patches of q(f_p) . c_i (paper Eq. 2, with
+    il_clip's scaling and temperature), and their sparsemax weights w_i (Eq. 3): [B, K] each."""
+    import il_clip
+    q, codes = model.image_query(model.visual.forward_tokens(images)), model.codebook
+    if model.cfg.code_sim == "cos":
+        q, codes, scale = F.normalize(q, dim=-1), F.normalize(codes, dim=-1), 1.0 / model.code_temperature
+    else:
+        scale = 1.0 / (math.sqrt(model.cfg.code_dim) * model.code_temperature)
+    s = il_clip.max_code_scores(q, codes, None) * scale
+    return s, il_clip.sparsemax(s, dim=-1, topk=model.cfg.sparsemax_topk)
+
+
+def image_size_of(model, config):
+    return int(model_field(model, config, "image_size", data.SHAPES_IMAGE_SIZE))
+
+
+def fresh_language_agent(model, seed):
+    """A copy of the model whose language agent (il_clip.agent_params(.., "language"): token +
+    positional embedding, text transformer, ln_final, text projection, text query map) is
+    re-initialised as at step 0 from `seed` (il_clip's own spawn initialiser, so every
+    checkpoint of one architecture gets the same student), everything else frozen."""
+    import il_clip
+    student = copy.deepcopy(model).cpu()
+    fresh = copy.deepcopy(student)
+    fresh.init_agent("language", torch.Generator().manual_seed(seed))
+    names = {n for n, _ in il_clip.agent_params(student, "language")}
+    src = dict(fresh.named_parameters())
+    with torch.no_grad():
+        for n, p in student.named_parameters():
+            if n in names:
+                p.copy_(src[n])
+            p.requires_grad_(n in names)
+    return student
+
+
+def in_batch_accuracy(img, txt):
+    """Mean of image -> text and text -> image top-1 within the batch."""
+    s = img @ txt.T
+    target = torch.arange(len(s))
+    return 0.5 * float((s.argmax(1) == target).float().mean() + (s.argmax(0) == target).float().mean())
+
+
+def easy_to_learn_curve(model, tok, config, args):
+    """Train a fresh language agent against the frozen vision agent + codebook on shapes;
+    in-batch accuracy on held-out val pairs every probe_eval_every steps."""
+    size, device = image_size_of(model, config), args.device
+    student = fresh_language_agent(model, args.probe_seed).to(device)
+    student.eval()  # no dropout; vision statistics stay fixed
+    params = [p for p in student.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.probe_lr, weight_decay=0.0)
+    scale = float(student.logit_scale.exp().clamp(max=100)) if hasattr(student, "logit_scale") else 1 / 0.07
+    train = data.make_loader("shapes", "train", batch_size=args.probe_batch, tokenizer=tok, image_size=size,
+                             seed=args.probe_seed).forever()
+    val = list(data.make_loader("shapes", "val", batch_size=args.probe_batch, tokenizer=tok, image_size=size,
+                                train=False))[:max(1, args.probe_eval_n // args.probe_batch)]
+    with torch.no_grad():
+        val_img = [student.encode_image(b["image"].to(device)) for b in val]
+
+    def evaluate():
+        with torch.no_grad():
+            accs = [in_batch_accuracy(vi, student.encode_text(b["text"].to(device))) for vi, b in zip(val_img, val)]
+        return pct(sum(accs) / len(accs))
+    curve = [(0, evaluate())]
+    for step in tqdm(range(1, args.probe_steps + 1), desc="easy-to-learn", disable=args.no_progress, leave=False):
+        batch = next(train)
+        with torch.no_grad():
+            img = student.encode_image(batch["image"].to(device))
+        txt = student.encode_text(batch["text"].to(device))
+        logits = scale * img @ txt.T
+        target = torch.arange(len(logits), device=device)
+        loss = 0.5 * (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % args.probe_eval_every == 0 or step == args.probe_steps:
+            curve.append((step, evaluate()))
+    return curve
+
+
+def bench_easy_to_learn(args, model, tok, config):
+    runs = {os.path.basename(os.path.normpath(args.ckpt or args.init)): (model, tok, config)}
+    for path in [p.strip() for p in args.probe_ckpts.split(",") if p.strip()]:
+        runs[os.path.basename(os.path.normpath(path))] = load_checkpoint(path, args.vocab, args.device)
+    curves = {name: easy_to_learn_curve(m, t, c, args) for name, (m, t, c) in runs.items()}
+    png = os.path.join(args.plot_dir, "easy_to_learn.png")
+    draw_line_plot(png, curves, "fresh language agent vs frozen vision agent", "step", "in-batch accuracy (%)")
+    out = {name: {"final": c[-1][1], "curve": [{"step": s, "acc": a} for s, a in c]} for name, c in curves.items()}
+    return out | {"png": png, "seed": args.probe_seed, "steps": args.probe_steps}
+
+
+# -----------------------------------------------------------------------------
+# PNGs with PIL only
+
+PALETTE = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (255, 127, 14), (148, 103, 189), (140, 86, 75),
+           (227, 119, 194), (127, 127, 127)]
+
+
+def draw_line_plot(path, series, title, xlabel, ylabel, size=(640, 420)):
+    """series: {name: [(x, y), ...]} -> a line plot with axes, tick labels and a legend."""
+    W, H = size
+    left, right, top, bottom = 60, 20, 30, 50
+    img = Image.new("RGB", size, "white")
+    d = ImageDraw.Draw(img)
+    pts = [p for s in series.values() for p in s if math.isfinite(p[1])]
+    if not pts:
+        pts = [(0, 0), (1, 1)]
+    x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
+    y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
+    x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1)
+    pad = 0.05 * (y1 - y0)
+    y0, y1 = y0 - pad, y1 + pad
+    X = lambda x: left + (x - x0) / (x1 - x0) * (W - left - right)
+    Y = lambda y: H - bottom - (y - y0) / (y1 - y0) * (H - top - bottom)
+    d.rectangle([left, top, W - right, H - bottom], outline="black")
+    for i in range(5):
+        xv, yv = x0 + i * (x1 - x0) / 4, y0 + i * (y1 - y0) / 4
+        d.line([X(xv), H - bottom, X(xv), H - bottom + 4], fill="black")
+        d.text((X(xv) - 10, H - bottom + 6), f"{xv:.4g}", fill="black")
+        d.line([left - 4, Y(yv), left, Y(yv)], fill="black")
+        d.text((4, Y(yv) - 5), f"{yv:.4g}", fill="black")
+    d.text((W // 2 - 3 * len(title), 8), title, fill="black")
+    d.text((W // 2 - 3 * len(xlabel), H - 18), xlabel, fill="black")
+    d.text((4, top - 22), ylabel, fill="black")
+    for k, (name, s) in enumerate(series.items()):
+        colour = PALETTE[k % len(PALETTE)]
+        xy = [(X(x), Y(y)) for x, y in s if math.isfinite(y)]
+        if len(xy) > 1:
+            d.line(xy, fill=colour, width=2)
+        for x, y in xy:
+            d.ellipse([x - 2, y - 2, x + 2, y + 2], fill=colour)
+        d.line([left + 10, top + 10 + 14 * k, left + 30, top + 10 + 14 * k], fill=colour, width=3)
+        d.text((left + 36, top + 4 + 14 * k), str(name), fill="black")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    img.save(path)
+
+
+def draw_image_grid(path, rows, cell=64, label_w=80):
+    """rows: [(label, [PIL images])] -> one row per label."""
+    cols = max((len(ims) for _, ims in rows), default=1)
+    img = Image.new("RGB", (label_w + cols * (cell + 4), max(1, len(rows)) * (cell + 4)), "white")
+    d = ImageDraw.Draw(img)
+    for r, (label, ims) in enumerate(rows):
+        y = r * (cell + 4) + 2
+        d.text((4, y + cell // 2 - 5), label, fill="black")
+        for c, im in enumerate(ims):
+            img.paste(im.convert("RGB").resize((cell, cell)), (label_w + c * (cell + 4), y))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    img.save(path)
+
+
+# -----------------------------------------------------------------------------
+# Report
+
+# counts and settings: kept in the JSON, left out of the table
+META_KEYS = {"n", "n_per_category", "n_images", "n_captions", "n_train", "n_test", "classes", "templates",
+             "layers", "seed", "steps", "weight_decay", "spectral_norms", "curve", "codes", "png", "generations"}
+
+
+def flatten(results):
+    """(benchmark, metric, value) rows for the table: numbers only, nested dicts dotted."""
+    rows = []
+
+    def walk(bench, prefix, v):
+        if isinstance(v, dict):
+            for k, x in v.items():
+                if k not in META_KEYS:
+                    walk(bench, f"{prefix}{k}.", x)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            rows.append((bench, prefix[:-1], v))
+    for bench, r in results.items():
+        walk(bench, "", r)
+    return rows
+
+
+def markdown_table(results, skipped):
+    lines = ["| benchmark | metric | value |", "|---|---|---|"]
+    for bench, metric, v in flatten(results):
+        lines.append(f"| {bench} | {metric} | {v:.2f} |" if isinstance(v, float) else f"| {bench} | {metric} | {v} |")
+    for bench, why in skipped.items():
+        lines.append(f"| {bench} | skipped | {why} |")
+    return "\n".join(lines)
+
+
+def run(args):
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    path = args.ckpt or args.init
+    model, tok, config = load_checkpoint(path, args.vocab, args.device)
+    if args.plot_dir is None:
+        args.plot_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else (
+            args.ckpt if args.ckpt else os.path.dirname(os.path.abspath(args.init)))
+    emb = Embedder(model, tok, image_size_of(model, config), args.batch_size, args.device, not args.no_progress)
+    results, skipped, failed = {}, {}, {}
+    scorers = {"shapes": bench_shapes, "sugarcrepe": bench_sugarcrepe, "crepe": bench_crepe, "cola": bench_cola,
+               "winoground": bench_winoground, "zeroshot": bench_zeroshot, "retrieval": bench_retrieval,
+               "linear_probe": bench_linear_probe}
+    analyses = {"easy_to_learn": bench_easy_to_learn, "lipschitz": bench_lipschitz, "codebook": bench_codebook}
+    for name in args.benchmark_list:
+        try:
+            results[name] = scorers[name](args, emb) if name in scorers else analyses[name](args, model, tok, config)
+        except Skip as e:
+            skipped[name] = str(e)
+            print(f"skipped {name}: {e}", file=sys.stderr)
+        except data.DataError as e:
+            failed[name] = str(e)
+            print(f"error: {name}: {e}", file=sys.stderr)
+    print(markdown_table(results, skipped | {k: f"error: {v}" for k, v in failed.items()}))
+    blob = {"checkpoint": os.path.abspath(path), "results": results, "skipped": skipped, "errors": failed,
+            "args": {k: v for k, v in vars(args).items() if k != "benchmark_list"}}
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        tmp = f"{args.out}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(blob, f, indent=1)
+        os.replace(tmp, args.out)
+    return blob
+
+
+def main(argv=None):
+    try:
+        blob = run(get_args(argv))
+    except (ConfigError, data.DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 2 if blob["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
