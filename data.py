@@ -13,12 +13,22 @@ data.py -- the one module shared by every script of this repo.
 Run `python data.py --help` for the commands (make-shapes, check).
 """
 import argparse
+import collections
+import csv
+import glob
 import gzip
+import io
+import itertools
 import json
+import logging
 import math
 import os
 import random
+import re
 import sys
+import tarfile
+import time
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -455,7 +465,8 @@ def shapes_benchmark(seed: int = 0, n: int = 200, image_size: int = SHAPES_IMAGE
     """The built-in compositional benchmark. For each SugarCrepe category, n items
     {"image", "caption", "negative_caption"} drawn from the test split (scenes that admit no
     negative of the category are skipped); for systematicity / productivity, n items
-    {"image", "caption", "negatives"} (CREPE style: R@1 among the positive + negatives)."""
+    {"image", "caption", "negatives", "negative_categories"} (CREPE style: R@1 among the
+    positive + negatives; `negative_categories[i]` is the category that made negatives[i])."""
     out = {}
     for c, category in enumerate(SHAPES_CATEGORIES):
         items, index = [], 0
@@ -475,10 +486,14 @@ def shapes_benchmark(seed: int = 0, n: int = 200, image_size: int = SHAPES_IMAGE
         while len(items) < n:
             scene = shapes_scene(split, index, seed, image_size)
             index += 1
-            negs = [make_negative(cat, scene, rng, allow_held_out=True) for cat in cats]
-            negs = list(dict.fromkeys(x for x in negs if x is not None))
-            if len(negs) >= 2:
-                items.append({"image": scene.image, "caption": scene.caption, "negatives": negs})
+            found = {}  # negative -> the first category that made it
+            for cat in cats:
+                neg = make_negative(cat, scene, rng, allow_held_out=True)
+                if neg is not None:
+                    found.setdefault(neg, cat)
+            if len(found) >= 2:
+                items.append({"image": scene.image, "caption": scene.caption, "negatives": list(found),
+                              "negative_categories": list(found.values())})
         out[split] = items
     return out
 
@@ -771,18 +786,97 @@ def eval_transform(image_size: int) -> Compose:
 
 
 # -----------------------------------------------------------------------------
-# Datasets and the loader
+# Samples, batches and bad input
+#
+# Every reader turns one record of the user's data into a sample dict {"image": float
+# [3, S, S], "caption", "tree" (PTB string or None), "key"} or, when the record is bad, into
+# `Skip(reason, where)`. Skips travel inside the batch (batch["_skips"], removed by the
+# loader), so they are counted and logged in the main process whatever the number of
+# dataloader workers. A run that skips more than `max_skip_fraction` (default 10%) of what it
+# reads stops with a DataError: a data set that bad is a wrong path or a broken download,
+# and training on the remainder would be a silently different experiment.
 
-def _atomic_write_text(path: str, text: str):
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+MAX_SKIP_FRACTION = 0.1
+SKIP_CHECK_MIN = 100  # the fraction is checked once this many samples were read, and at every epoch's end
+SKIP_LOG_LINES = 20  # the first skips are logged one by one, later ones only counted
+log = logging.getLogger("data")
+
+
+@dataclass
+class Skip:
+    reason: str  # a short category, e.g. "undecodable image"; counted in loader.skip_reasons
+    where: str  # the file / key it came from
+
+
+def _atomic_write_bytes(path: str, blob: bytes):
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(blob)
     os.replace(tmp, path)
 
 
-def _sample_rng(seed: int, epoch: int, index: int) -> random.Random:
+def _atomic_write_text(path: str, text: str):
+    _atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _sample_rng(seed: int, epoch: int, index) -> random.Random:
+    """Per-sample augmentation RNG from (seed, epoch, index or key): resume is exact."""
     return random.Random(f"aug/{seed}/{epoch}/{index}")
 
+
+def load_image(source) -> Image.Image:
+    """An RGB PIL image from a path or the bytes of an image file; raises on bad data."""
+    img = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+    img.load()
+    return img.convert("RGB")
+
+
+def make_sample(image, caption, tree, key: str, transform, rng):
+    """The one place where a record becomes a sample or a Skip. `image`: path, bytes or None."""
+    if image is None:
+        return Skip("caption with no image", key)
+    if caption is None:
+        return Skip("image with no caption", key)
+    if not caption.strip():
+        return Skip("empty caption", key)
+    try:
+        x = transform(load_image(image), rng)
+    except FileNotFoundError:
+        return Skip("missing image file", f"{key} ({image})")
+    except Exception as e:  # PIL raises many types for bad bytes (OSError, SyntaxError, ValueError, ...)
+        return Skip("undecodable image", f"{key} ({type(e).__name__}: {e})"[:200])
+    return {"image": x, "caption": " ".join(caption.split()), "tree": tree or None, "key": key}
+
+
+def collate(samples: list, tokenizer=None) -> dict:
+    """List of samples -> batch dict. Skips (and None) are left out of the batch and listed
+    as (reason, where) pairs in batch["_skips"]; the loader removes that entry."""
+    good = [s for s in samples if isinstance(s, dict)]
+    batch = {"image": torch.stack([s["image"] for s in good]) if good else torch.zeros(0, 3, 0, 0),
+             "caption": [s["caption"] for s in good],
+             "tree": [s.get("tree") for s in good],
+             "key": [s.get("key") for s in good],
+             "_skips": [(s.reason, s.where) if isinstance(s, Skip) else ("bad sample", "?")
+                        for s in samples if not isinstance(s, dict)]}
+    if good and "label" in good[0]:
+        batch["label"] = torch.tensor([s["label"] for s in good])
+    if tokenizer is not None and good:
+        batch["text"] = tokenizer(batch["caption"])
+    return batch
+
+
+class _Collate:  # picklable for worker processes
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, samples):
+        return collate(samples, self.tokenizer)
+
+
+# -----------------------------------------------------------------------------
+# Map-style datasets: shapes (generated) and files listed by a CSV, a Karpathy JSON or an
+# ImageFolder tree
 
 class ShapesDataset(torch.utils.data.Dataset):
     """Map-style view of one shapes split. The shapes images are generated at the model's
@@ -804,47 +898,386 @@ class ShapesDataset(torch.utils.data.Dataset):
                 "key": f"{self.split}{index:08d}"}
 
 
-def collate(samples: list, tokenizer=None) -> dict:
-    """List of sample dicts -> batch dict; None samples (skipped bad input) are dropped."""
-    samples = [s for s in samples if s is not None]
-    batch = {"image": torch.stack([s["image"] for s in samples]),
-             "caption": [s["caption"] for s in samples],
-             "tree": [s.get("tree") for s in samples],
-             "key": [s.get("key") for s in samples]}
-    if tokenizer is not None:
-        batch["text"] = tokenizer(batch["caption"])
-    return batch
+@dataclass
+class Item:
+    """One listed sample: image path (None when the listing has none), caption, tree, key."""
+    image: str | None
+    caption: str | None
+    tree: str | None
+    key: str
+    label: int | None = None
 
 
-class _Collate:  # picklable for worker processes
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+class FileDataset(torch.utils.data.Dataset):
+    """Map-style dataset over `Item`s; images are read and transformed in __getitem__."""
 
-    def __call__(self, samples):
-        return collate(samples, self.tokenizer)
+    def __init__(self, items: list, transform, seed: int = 0):
+        self.items, self.transform, self.seed, self.epoch = items, transform, seed, 0
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, index):
+        it = self.items[index]
+        s = make_sample(it.image, it.caption, it.tree, it.key, self.transform, _sample_rng(self.seed, self.epoch, it.key))
+        if isinstance(s, dict) and it.label is not None:
+            s["label"] = it.label
+        return s
 
 
-class MapLoader:
+def _resolve_image(path, base: str):
+    return None if not path else os.path.normpath(os.path.join(base, path))
+
+
+def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath", caption_key: str = "title",
+              separator: str | None = None, tree_key: str = "tree") -> list:
+    """open_clip's CSV/TSV convention: a header row, columns `filepath` and `title` (names
+    overridable), tab-separated by default (`separator=None` takes a tab when the header
+    has one, else a comma). Relative paths are taken against `image_root` or the CSV's
+    folder. An optional `tree` column carries PTB trees."""
+    base = image_root or os.path.dirname(os.path.abspath(path))
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            header = f.readline()
+            sep = separator or ("\t" if "\t" in header else ",")
+            f.seek(0)
+            reader = csv.DictReader(f, delimiter=sep)
+            columns = reader.fieldnames or []
+            missing = [c for c in (img_key, caption_key) if c not in columns]
+            if missing:
+                raise DataError(f"{path}: malformed CSV: no column {missing[0]!r} (columns: {columns}; "
+                                f"set the column names with csv_img_key / csv_caption_key)")
+            items = [Item(_resolve_image(row[img_key], base), row[caption_key], row.get(tree_key), f"{path}:{n + 2}")
+                     for n, row in enumerate(reader)]
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except (csv.Error, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: malformed CSV ({e})") from None
+    return items
+
+
+def _read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: malformed JSON ({e})") from None
+
+
+def _karpathy_images(json_path: str, image_root: str | None, split: str) -> list:
+    """[(image path, [(raw caption, tree or None), ...])] of one split of a Karpathy JSON.
+    split "train" also takes "restval" (the usual 113k COCO training set)."""
+    blob = _read_json(json_path)
+    images = blob.get("images") if isinstance(blob, dict) else None
+    if not isinstance(images, list):
+        raise DataError(f"{json_path}: malformed Karpathy JSON: no 'images' list")
+    root = image_root or os.path.dirname(os.path.abspath(json_path))
+    wanted = {"train", "restval"} if split == "train" else {split}
+    out = []
+    for n, im in enumerate(images):
+        if not isinstance(im, dict) or "filename" not in im:
+            raise DataError(f"{json_path}: malformed Karpathy JSON: images[{n}] has no 'filename'")
+        if im.get("split") in wanted:
+            sents = [(s.get("raw"), s.get("tree")) for s in im.get("sentences", []) if isinstance(s, dict)]
+            out.append((_resolve_image(os.path.join(im.get("filepath", ""), im["filename"]), root), sents))
+    if not out:
+        present = sorted({str(im.get("split")) for im in images})
+        raise DataError(f"{json_path}: no images with split {split!r} (splits present: {', '.join(present)})")
+    return out
+
+
+def karpathy_items(json_path: str, image_root: str | None = None, split: str = "test", with_trees: bool = False) -> list:
+    """Per-image caption lists for retrieval evaluation: [(image_path, [captions])], or
+    [(image_path, [captions], [trees])] with `with_trees`."""
+    out = []
+    for path, sents in _karpathy_images(json_path, image_root, split):
+        caps = [c for c, _ in sents]
+        out.append((path, caps, [t for _, t in sents]) if with_trees else (path, caps))
+    return out
+
+
+def karpathy_train_items(json_path: str, image_root: str | None, split: str) -> list:
+    """One Item per sentence (images without sentences give one Item that is skipped)."""
+    items = []
+    for path, sents in _karpathy_images(json_path, image_root, split):
+        key = os.path.splitext(os.path.basename(path))[0]
+        items += [Item(path, raw, tree, f"{key}/{k}") for k, (raw, tree) in enumerate(sents)] or [Item(path, None, None, key)]
+    return items
+
+
+def image_folder(root: str):
+    """ImageFolder: root/class_name/*.{jpg,jpeg,png,webp}, classes sorted by name.
+    Returns (paths, labels, class_names)."""
+    if not os.path.isdir(root):
+        raise DataError(f"{root}: no such directory")
+    classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    paths, labels = [], []
+    for label, c in enumerate(classes):
+        for name in sorted(os.listdir(os.path.join(root, c))):
+            if name.rsplit(".", 1)[-1].lower() in IMAGE_EXTS:
+                paths.append(os.path.join(root, c, name))
+                labels.append(label)
+    if not paths:
+        raise DataError(f"{root}: no images in class folders (expected root/class_name/*.jpg)")
+    return paths, labels, classes
+
+
+def image_folder_items(root: str) -> list:
+    """Caption = the class name with '_' as spaces (for zero-shot style contrastive use)."""
+    paths, labels, classes = image_folder(root)
+    return [Item(p, classes[y].replace("_", " "), None, os.path.relpath(p, root), y) for p, y in zip(paths, labels)]
+
+
+# -----------------------------------------------------------------------------
+# Webdataset / img2dataset tar shards, read with `tarfile` in streaming mode
+#
+# A record is the group of consecutive members sharing a key (the member name up to the
+# first dot of its base name): {"__key__", "__shard__", "jpg": bytes, "txt": bytes, ...}.
+# A tar that ends early or cannot be read yields one record {"__error__": ...} and stops;
+# the half-read group it was in is dropped with it (counted, never returned half-made).
+
+def expand_braces(pattern: str) -> list:
+    """`dir/{00000..00003}.tar` -> 4 names (zero padding kept); `{a,b}` lists too; nested
+    and repeated groups expand left to right."""
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if not m:
+        return [pattern]
+    head, tail, body = pattern[: m.start()], pattern[m.end():], m.group(1)
+    rng = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if rng:
+        lo, hi = rng.groups()
+        choices = [str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1)]
+    else:
+        choices = body.split(",")
+    return [name for c in choices for name in expand_braces(head + c + tail)]
+
+
+def _tar_records(path: str, keep_exts=None):
+    """Records of one tar, streaming. keep_exts: read only these members' bytes (others are
+    marked present with b"")."""
+    cur = None
+    try:
+        with tarfile.open(path, mode="r|*") as tf:
+            for m in tf:
+                if not m.isfile():
+                    continue
+                folder, base = os.path.split(m.name)
+                stem, _, ext = base.partition(".")
+                key = f"{folder}/{stem}" if folder else stem
+                if cur is None or cur["__key__"] != key:
+                    if cur is not None:
+                        yield cur
+                    cur = {"__key__": key, "__shard__": path}
+                ext = ext.lower()
+                cur[ext] = tf.extractfile(m).read() if keep_exts is None or ext in keep_exts else b""
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+        what = "empty tar" if cur is None and "empty" in str(e) else "truncated or unreadable tar"
+        yield {"__key__": cur["__key__"] if cur else "", "__shard__": path, "__error__": f"{what} ({e})"}
+        return
+    if cur is None:
+        yield {"__key__": "", "__shard__": path, "__error__": "empty tar (no members)"}
+    else:
+        yield cur
+
+
+def decode_record(rec: dict, transform, rng):
+    """A tar record -> sample or Skip."""
+    where = f"{rec['__shard__']}:{rec['__key__']}"
+    if "__error__" in rec:
+        return Skip(rec["__error__"].split(" (")[0], f"{where} {rec['__error__']}")
+    image = next((rec[e] for e in IMAGE_EXTS if e in rec), None)
+    try:
+        caption = rec["txt"].decode("utf-8") if "txt" in rec else None
+        tree = rec["tree"].decode("utf-8").strip() if "tree" in rec else None
+    except UnicodeDecodeError:
+        return Skip("caption not UTF-8", where)
+    s = make_sample(image, caption, tree, rec["__key__"], transform, rng)
+    if isinstance(s, Skip):
+        s.where = f"{rec['__shard__']}:{s.where}"
+    return s
+
+
+def _shard_count(path: str) -> int | None:
+    """Samples in one shard from img2dataset's `{shard}_stats.json` ("successes") or a
+    `sizes.json` {shard file name: count} beside it; None when neither says."""
+    folder, name = os.path.split(path)
+    stats = os.path.join(folder, name.rsplit(".", 1)[0] + "_stats.json")
+    if os.path.exists(stats):
+        blob = _read_json(stats)
+        if isinstance(blob, dict) and isinstance(blob.get("successes", blob.get("count")), int):
+            return blob.get("successes", blob.get("count"))
+        raise DataError(f"{stats}: malformed img2dataset stats (no 'successes' count)")
+    sizes = os.path.join(folder, "sizes.json")
+    if os.path.exists(sizes):
+        blob = _read_json(sizes)
+        return blob.get(name) if isinstance(blob, dict) else None
+    return None
+
+
+def _shuffled(records, size: int, rng: random.Random):
+    """Shuffle buffer of `size` records (raw bytes, before decoding)."""
+    buf = []
+    for r in records:
+        if len(buf) < size:
+            buf.append(r)
+            continue
+        i = rng.randrange(size)
+        yield buf[i]
+        buf[i] = r
+    rng.shuffle(buf)
+    yield from buf
+
+
+# -----------------------------------------------------------------------------
+# --data specs: presets, shard patterns, files, folders
+
+DATA_PRESETS = {  # name -> (what to download, how img2dataset reads it)
+    "cc3m": "--url_list cc3m.tsv --input_format tsv --url_col url --caption_col caption",
+    "cc12m": "--url_list cc12m.tsv --input_format tsv --url_col url --caption_col caption",
+    "datacomp": "--url_list datacomp_metadata/ --input_format parquet --url_col url --caption_col text",
+}
+
+
+def data_root() -> str:
+    return os.environ.get("DATA_ROOT", "./data")
+
+
+def _tar_source(shards: list) -> dict:
+    counts = [_shard_count(s) for s in shards]
+    return {"kind": "tar", "shards": shards, "num_samples": None if None in counts else sum(counts)}
+
+
+def _preset_source(name: str) -> dict:
+    folder = os.path.join(data_root(), name)
+    shards = sorted(glob.glob(os.path.join(folder, "*.tar")))
+    if not shards:
+        raise DataError(f"{name}: no webdataset shards (*.tar) in {folder} ($DATA_ROOT={data_root()}); make them with: "
+                        f"img2dataset {DATA_PRESETS[name]} --output_format webdataset --output_folder {folder} "
+                        f"--image_size 256 --resize_mode keep_ratio --processes 16 --thread_count 64")
+    return _tar_source(shards)
+
+
+def resolve_data(spec: str, image_root: str | None = None) -> dict:
+    """What a --data spec names: {"kind": "shapes"|"tar"|"csv"|"karpathy"|"imagefolder", ...}
+    with "shards" + "num_samples" (tar), "path" (csv, karpathy, imagefolder) and
+    "image_root"; raises a one-line DataError when it names nothing readable."""
+    if spec == "shapes" or spec.startswith("shapes:"):
+        return {"kind": "shapes", **parse_shapes_spec(spec)}
+    if spec in DATA_PRESETS:
+        return _preset_source(spec)
+    if "{" in spec:
+        shards = expand_braces(spec)
+        missing = [s for s in shards if not os.path.isfile(s)]
+        if missing:
+            raise DataError(f"{spec}: {len(missing)} of {len(shards)} shards do not exist, first: {missing[0]}")
+        return _tar_source(shards)
+    if not os.path.exists(spec):
+        raise DataError(f"{spec}: no such file or directory")
+    if os.path.isdir(spec):
+        shards = sorted(glob.glob(os.path.join(spec, "*.tar")))
+        if shards:
+            return _tar_source(shards)
+        if any(os.path.isdir(os.path.join(spec, d)) for d in os.listdir(spec)):
+            return {"kind": "imagefolder", "path": spec, "image_root": image_root}
+        raise DataError(f"{spec}: directory has neither .tar shards nor class folders")
+    ext = spec.rsplit(".", 1)[-1].lower()
+    kind = {"tar": "tar", "csv": "csv", "tsv": "csv", "json": "karpathy"}.get(ext)
+    if kind is None:
+        raise DataError(f"{spec}: unknown data format (expected shapes, cc3m/cc12m/datacomp, .tar shards, "
+                        f".csv/.tsv, a Karpathy .json or an ImageFolder directory)")
+    return _tar_source([spec]) if kind == "tar" else {"kind": kind, "path": spec, "image_root": image_root}
+
+
+def _file_items(src: dict, split: str, csv_options: dict) -> list:
+    if src["kind"] == "csv":
+        return csv_items(src["path"], src["image_root"], **csv_options)
+    if src["kind"] == "karpathy":
+        return karpathy_train_items(src["path"], src["image_root"], split)
+    return image_folder_items(src["path"])
+
+
+# -----------------------------------------------------------------------------
+# Loaders. Both give dict batches, keep their position as a JSON-able state (epoch and
+# batches consumed) so a resumed run continues with exactly the next batch, and count skips.
+
+class _Loader:
+    def __init__(self, name, batch_size, tokenizer, train, rank, world_size, num_workers, seed, drop_last,
+                 max_skip_fraction):
+        self.name, self.batch_size, self.tokenizer = name, batch_size, tokenizer
+        self.train, self.rank, self.world_size = train, rank, world_size
+        self.num_workers, self.seed, self.drop_last = num_workers, seed, drop_last
+        self.max_skip_fraction = max_skip_fraction
+        self.epoch, self.batches_done = 0, 0
+        self.good, self.skipped = 0, 0
+        self.skip_reasons = collections.Counter()
+
+    def set_epoch(self, epoch):
+        if epoch != self.epoch:
+            self.epoch, self.batches_done = epoch, 0
+            self._new_epoch()
+
+    def _new_epoch(self):
+        pass
+
+    def forever(self):
+        """Batches across epochs without end (for step-based training loops). An epoch that
+        starts from its beginning and gives no batch raises a DataError instead of spinning."""
+        while True:
+            fresh, n = self.batches_done == 0, 0
+            for batch in self:
+                n += 1
+                yield batch
+            if fresh and n == 0:
+                raise DataError(f"{self.name}: rank {self.rank} got no batch in a whole epoch ({self.good} good / "
+                                f"{self.skipped} skipped samples so far; batch {self.batch_size} x "
+                                f"{self.world_size} ranks x {max(1, self.num_workers)} workers)")
+
+    def _account(self, batch: dict):
+        """Count the batch's samples and skips (logging the first skips); stop the run when
+        more than max_skip_fraction of what was read is bad."""
+        for reason, where in batch.pop("_skips"):
+            if self.skipped < SKIP_LOG_LINES:
+                log.warning("data: skipped %s: %s", reason, where)
+            self.skipped += 1
+            self.skip_reasons[reason] += 1
+        self.good += len(batch["caption"])
+        if self.good + self.skipped >= SKIP_CHECK_MIN:
+            self._check_skips()
+
+    def _check_skips(self):
+        seen = self.good + self.skipped
+        if seen and self.skipped > self.max_skip_fraction * seen:
+            common = ", ".join(f"{r} x{n}" for r, n in self.skip_reasons.most_common(3))
+            raise DataError(f"{self.name}: skipped {self.skipped} of {seen} samples ({100 * self.skipped / seen:.0f}%), "
+                            f"more than max_skip_fraction={self.max_skip_fraction} ({common})")
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batches_done": self.batches_done, "skipped": self.skipped, "good": self.good,
+                "skip_reasons": dict(self.skip_reasons)}
+
+    def load_state_dict(self, state: dict):
+        self.epoch, self.batches_done = int(state["epoch"]), int(state["batches_done"])
+        self.skipped, self.good = int(state.get("skipped", 0)), int(state.get("good", 0))
+        self.skip_reasons = collections.Counter(state.get("skip_reasons", {}))
+
+
+class MapLoader(_Loader):
     """DDP loader over a map-style dataset. Each epoch draws a permutation from (seed, epoch)
     (the same on every rank), drops the tail so that every rank gets the same number of
     full batches, and gives rank r the indices r, r + W, r + 2W, ... Its position (epoch,
     batches consumed) is a JSON-able state, so a resumed run continues with the next batch."""
 
     def __init__(self, dataset, batch_size, tokenizer=None, train=True, rank=0, world_size=1, num_workers=0,
-                 seed=0, drop_last=True):
-        self.dataset, self.batch_size, self.tokenizer = dataset, batch_size, tokenizer
-        self.train, self.rank, self.world_size = train, rank, world_size
-        self.num_workers, self.seed, self.drop_last = num_workers, seed, drop_last
-        self.epoch, self.batches_done = 0, 0
+                 seed=0, drop_last=True, name="data", max_skip_fraction=MAX_SKIP_FRACTION):
+        super().__init__(name, batch_size, tokenizer, train, rank, world_size, num_workers, seed, drop_last,
+                         max_skip_fraction)
+        self.dataset = dataset
         self.num_samples = len(dataset)
-        self.skipped = 0
         if drop_last and len(dataset) < batch_size * world_size:
-            raise DataError(f"dataset has {len(dataset)} samples, fewer than one global batch "
+            raise DataError(f"{name}: {len(dataset)} samples, fewer than one global batch "
                             f"({batch_size} x {world_size} ranks)")
-
-    def set_epoch(self, epoch):
-        if epoch != self.epoch:
-            self.epoch, self.batches_done = epoch, 0
 
     def _rank_batches(self) -> list:
         n = len(self.dataset)
@@ -871,23 +1304,146 @@ class MapLoader:
                                          collate_fn=_Collate(self.tokenizer), persistent_workers=False)
         for batch in dl:
             self.batches_done += 1
-            self.skipped += self.batch_size - len(batch["caption"])
-            if len(batch["caption"]):
+            self._account(batch)
+            if batch["caption"]:
                 yield batch
+        self._check_skips()
         self.epoch, self.batches_done = self.epoch + 1, 0
 
-    def forever(self):
-        """Batches across epochs without end (for step-based training loops)."""
-        while True:
-            yield from self
+
+class ShardStream(torch.utils.data.IterableDataset):
+    """One (rank, dataloader worker) slot's share of the shards for one epoch, as batches.
+
+    Slots: S = world_size x max(1, num_workers); slot = rank x workers + worker. The shard
+    list is shuffled with (seed, epoch) -- the same on every rank -- and slot s reads shards
+    s, s + S, ... When there are fewer shards than slots, every slot reads all shards and
+    keeps records s, s + S, ... of the stream. Either way each record is read by exactly one
+    slot per epoch. With `resampled`, slot s instead draws ceil(#shards / S) shards with
+    replacement from (seed, epoch, slot): an epoch is then a nominal pass, and every slot has
+    data. Records go through a shuffle buffer (train) before they are decoded, so a resumed
+    worker can replay its stream without decoding and drop the records it already used."""
+
+    def __init__(self, shards, batch_size, tokenizer, transform, seed, train, rank, world_size, num_workers,
+                 resampled, drop_last, shuffle_buffer):
+        self.shards, self.batch_size, self.tokenizer, self.transform = shards, batch_size, tokenizer, transform
+        self.seed, self.train, self.rank, self.world_size = seed, train, rank, world_size
+        self.workers, self.resampled, self.drop_last = max(1, num_workers), resampled, drop_last
+        self.shuffle_buffer = shuffle_buffer
+        self.epoch, self.worker_offset = 0, 0
+        self.records_done = [0] * self.workers  # per logical worker: records consumed (resume)
+
+    def _slot(self):
+        info = torch.utils.data.get_worker_info()
+        logical = ((info.id if info else 0) + self.worker_offset) % self.workers
+        return logical, self.rank * self.workers + logical, self.world_size * self.workers
+
+    def _records(self, slot: int, n_slots: int):
+        if self.resampled:
+            rng = random.Random(f"resample/{self.seed}/{self.epoch}/{slot}")
+            shards, stride = [rng.choice(self.shards) for _ in range(-(-len(self.shards) // n_slots))], False
+        else:
+            shards = list(self.shards)
+            if self.train:
+                random.Random(f"shards/{self.seed}/{self.epoch}").shuffle(shards)
+            stride = len(shards) < n_slots
+            shards = shards if stride else shards[slot::n_slots]
+        records = (r for shard in shards for r in _tar_records(shard))
+        if stride:
+            records = (r for i, r in enumerate(records) if i % n_slots == slot)
+        if self.train and self.shuffle_buffer > 1:
+            records = _shuffled(records, self.shuffle_buffer, random.Random(f"buffer/{self.seed}/{self.epoch}/{slot}"))
+        return records
+
+    def _batch(self, samples: list, logical: int, records: int) -> dict:
+        batch = collate(samples, self.tokenizer)
+        batch["_meta"] = {"worker": logical, "records": records}
+        return batch
+
+    def __iter__(self):
+        logical, slot, n_slots = self._slot()
+        done = self.records_done[logical]
+        pending, n_good, n = [], 0, done
+        for n, rec in enumerate(itertools.islice(self._records(slot, n_slots), done, None), done + 1):
+            s = decode_record(rec, self.transform, _sample_rng(self.seed, self.epoch, rec["__key__"]))
+            pending.append(s)
+            n_good += isinstance(s, dict)
+            if n_good == self.batch_size:
+                yield self._batch(pending, logical, n)
+                pending, n_good = [], 0
+        if pending:  # the last partial batch (its samples dropped with drop_last; skips still reported)
+            yield self._batch([s for s in pending if not (self.drop_last and isinstance(s, dict))], logical, n)
+
+
+class ShardLoader(_Loader):
+    """Streaming loader over tar shards (see ShardStream for who reads what).
+
+    DDP: ranks may get different numbers of samples in an epoch (shards differ in size). An
+    epoch is per rank: each rank's epoch ends when its own shards are done, and `forever()`
+    rolls it into the next epoch, so a step-based training loop (the scripts of this repo
+    run `--max_steps` over `forever()`) never waits for another rank and never hangs; an
+    epoch-based loop over `for batch in loader` with DDP can desynchronise ranks and should
+    use `resampled=True` and a step count instead. A rank whose share holds no batch at all
+    raises a DataError in `forever()` instead of spinning.
+
+    State: epoch, batches consumed, and per dataloader worker the records it consumed and
+    which worker gave the last batch: a resumed loader replays each worker's record stream
+    without decoding, drops what was used, and restarts the round-robin at the next worker,
+    so it continues with exactly the next batch (same num_workers and world size needed)."""
+
+    def __init__(self, shards, batch_size, tokenizer=None, transform=None, train=True, rank=0, world_size=1,
+                 num_workers=0, seed=0, resampled=False, drop_last=True, shuffle_buffer=1000, num_samples=None,
+                 name="data", max_skip_fraction=MAX_SKIP_FRACTION):
+        super().__init__(name, batch_size, tokenizer, train, rank, world_size, num_workers, seed, drop_last,
+                         max_skip_fraction)
+        self.stream = ShardStream(shards, batch_size, tokenizer, transform or eval_transform(SHAPES_IMAGE_SIZE), seed,
+                                  train, rank, world_size, num_workers, resampled, drop_last, shuffle_buffer)
+        self.num_samples = num_samples
+        self._new_epoch()
+
+    def _new_epoch(self):
+        self.records_done = [0] * self.stream.workers
+        self.last_worker = self.stream.workers - 1
+
+    def __len__(self):
+        """Nominal batches per rank and epoch (from the shard counts); TypeError when unknown."""
+        if self.num_samples is None:
+            raise TypeError("number of batches unknown: the shards have no _stats.json / sizes.json")
+        return self.num_samples // (self.batch_size * self.world_size)
+
+    def __iter__(self):
+        """The rest of the current epoch; afterwards the loader points at the next epoch."""
+        s = self.stream
+        s.epoch, s.records_done = self.epoch, list(self.records_done)
+        s.worker_offset = (self.last_worker + 1) % s.workers
+        dl = torch.utils.data.DataLoader(s, batch_size=None, num_workers=self.num_workers, persistent_workers=False)
+        for batch in dl:
+            meta = batch.pop("_meta")
+            self.records_done[meta["worker"]], self.last_worker = meta["records"], meta["worker"]
+            self._account(batch)
+            if batch["caption"]:
+                self.batches_done += 1
+                yield batch
+        self._check_skips()
+        self.epoch, self.batches_done = self.epoch + 1, 0
+        self._new_epoch()
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches_done": self.batches_done, "skipped": self.skipped}
+        return {**super().state_dict(), "records_done": list(self.records_done), "last_worker": self.last_worker,
+                "num_workers": self.stream.workers, "world_size": self.world_size}
 
     def load_state_dict(self, state: dict):
-        self.epoch, self.batches_done = int(state["epoch"]), int(state["batches_done"])
-        self.skipped = int(state.get("skipped", 0))
+        super().load_state_dict(state)
+        self._new_epoch()
+        if state.get("num_workers") == self.stream.workers and state.get("world_size") == self.world_size:
+            self.records_done, self.last_worker = list(state["records_done"]), int(state["last_worker"])
+        elif self.batches_done:
+            log.warning("data: loader state saved with %s workers x %s ranks; restarting epoch %d from its start",
+                        state.get("num_workers"), state.get("world_size"), self.epoch)
+            self.batches_done = 0
 
+
+# -----------------------------------------------------------------------------
+# make_loader: every --data spec
 
 def parse_shapes_spec(spec: str) -> dict:
     """`shapes` or `shapes:train_size=20000,seed=1` -> options."""
@@ -903,17 +1459,232 @@ def parse_shapes_spec(spec: str) -> dict:
 
 def make_loader(spec: str, split: str = "train", batch_size: int = 64, tokenizer=None, image_size: int = 64,
                 train: bool = True, rank: int = 0, world_size: int = 1, num_workers: int = 0, seed: int = 0,
-                resampled: bool = False, drop_last: bool = True, image_root: str | None = None):
-    """The loader for a `--data` spec (see the module docstring and SPEC.md section 1)."""
-    if spec == "shapes" or spec.startswith("shapes:"):
-        opts = parse_shapes_spec(spec)
-        size = opts.get("train_size") if split == "train" else None
-        ds = ShapesDataset(split, size, opts.get("seed", 0), image_size, tokenizer)
-        return MapLoader(ds, batch_size, tokenizer, train, rank, world_size, num_workers, seed, drop_last)
-    raise DataError(f"{spec}: unknown data spec")
+                resampled: bool = False, drop_last: bool = True, image_root: str | None = None, *,
+                shuffle_buffer: int = 1000, max_skip_fraction: float = MAX_SKIP_FRACTION, transform=None,
+                csv_img_key: str = "filepath", csv_caption_key: str = "title", csv_separator: str | None = None):
+    """The loader for a `--data` spec (SPEC.md section 1): a MapLoader for shapes, CSV,
+    Karpathy JSON (`split`) and ImageFolder (batches also carry "label"), a ShardLoader for
+    tar shards (`split` is ignored: a shard set is one split). Real images get
+    train_transform(image_size) when `train`, else eval_transform(image_size); `transform`
+    overrides both (a callable (PIL image, random.Random) -> tensor)."""
+    src = resolve_data(spec, image_root)
+    loader_args = dict(tokenizer=tokenizer, train=train, rank=rank, world_size=world_size, num_workers=num_workers,
+                       seed=seed, drop_last=drop_last)
+    if src["kind"] == "shapes":
+        size = src.get("train_size") if split == "train" else None
+        ds = ShapesDataset(split, size, src.get("seed", 0), image_size, tokenizer)
+        return MapLoader(ds, batch_size, name=spec, **loader_args)
+    transform = transform or (train_transform if train else eval_transform)(image_size)
+    if src["kind"] == "tar":
+        return ShardLoader(src["shards"], batch_size, transform=transform, resampled=resampled,
+                           shuffle_buffer=shuffle_buffer, num_samples=src["num_samples"], name=spec,
+                           max_skip_fraction=max_skip_fraction, **loader_args)
+    items = _file_items(src, split, dict(img_key=csv_img_key, caption_key=csv_caption_key, separator=csv_separator))
+    return MapLoader(FileDataset(items, transform, seed), batch_size, name=spec, max_skip_fraction=max_skip_fraction,
+                     **loader_args)
 
 
-def captions_for_tokenizer(spec: str, max_captions: int = 100_000) -> list:
-    if spec == "shapes" or spec.startswith("shapes:"):
-        return shapes_captions(min(max_captions, 5000), parse_shapes_spec(spec).get("seed", 0))
-    raise DataError(f"{spec}: unknown data spec")
+def captions_for_tokenizer(spec: str, max_captions: int = 100_000, split: str = "train", image_root: str | None = None,
+                           **csv_options) -> list:
+    """Training captions to train a BPE on (tar shards: only the .txt members are read)."""
+    src = resolve_data(spec, image_root)
+    if src["kind"] == "shapes":
+        return shapes_captions(min(max_captions, 5000), src.get("seed", 0))
+    if src["kind"] == "tar":
+        records = (r for s in src["shards"] for r in _tar_records(s, keep_exts={"txt"}))
+        caps = (r["txt"].decode("utf-8", "replace") for r in records if r.get("txt"))
+    else:
+        caps = (it.caption for it in _file_items(src, split, csv_options))
+    return [c for c in itertools.islice((c for c in caps if c and c.strip()), max_captions)]
+
+
+# -----------------------------------------------------------------------------
+# `python data.py make-shapes`: the shapes data in the real formats
+#
+# OUT/shards/{00000..}.tar    img2dataset webdataset: {key}.png .txt .json .tree, key = train index
+#                             (9 digits); {shard}_stats.json per shard and sizes.json
+# OUT/sugarcrepe/{cat}.json   SugarCrepe: {"0": {"filename", "caption", "negative_caption"}, ...}
+#                             for the 7 categories; images in OUT/sugarcrepe/images/
+# OUT/crepe/{systematicity,productivity}.csv  CREPE rows image_id,x,y,width,height,caption,
+#                             hard_negs (+ valid_hard_negs_atom/comp for systematicity; lists as
+#                             JSON strings, which ast.literal_eval also reads); box = whole image;
+#                             images OUT/crepe/images/{image_id}.png
+# OUT/karpathy/dataset_shapes.json  Karpathy JSON, splits train/val/test, one sentence per image
+#                             with raw, tokens and tree; images OUT/karpathy/{split}/ (image root
+#                             = the JSON's folder, filepath = split)
+# OUT/csv/{train,val,test}.tsv open_clip TSV (filepath, title, tree) over the Karpathy images
+# OUT/imagefolder/{train,test}/{shape}/*.png  classification (data.shapes_classification)
+# OUT/manifest.json           what was written, with counts
+
+def _png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _save_png(img: Image.Image, path: str):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    _atomic_write_bytes(path, _png(img))
+
+
+def _progress(it, desc: str, total=None):
+    from tqdm import tqdm
+    return tqdm(it, desc=desc, total=total, leave=False, dynamic_ncols=True)
+
+
+def _tar_add(tf: tarfile.TarFile, name: str, blob: bytes):
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(blob), 0, 0o644  # fixed metadata: same seed, same bytes
+    tf.addfile(info, io.BytesIO(blob))
+
+
+def write_shapes_shards(out: str, n: int, seed: int, shard_size: int, image_size: int) -> list:
+    folder = os.path.join(out, "shards")
+    os.makedirs(folder, exist_ok=True)
+    sizes, shards = {}, []
+    bar = _progress(range(n), "shards", n)
+    for first in range(0, n, shard_size):
+        name = f"{first // shard_size:05d}.tar"
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
+            for i in range(first, min(n, first + shard_size)):
+                scene = shapes_scene("train", i, seed, image_size)
+                key = f"{i:09d}"
+                meta = {"key": key, "caption": scene.caption, "status": "success", "width": image_size,
+                        "height": image_size, "objects": [vars(o) for o in scene.objects]}
+                for ext, blob in (("png", _png(scene.image)), ("txt", scene.caption.encode()),
+                                  ("json", json.dumps(meta).encode()), ("tree", scene.tree.encode())):
+                    _tar_add(tf, f"{key}.{ext}", blob)
+                bar.update()
+        _atomic_write_bytes(os.path.join(folder, name), buf.getvalue())
+        count = min(n, first + shard_size) - first
+        _atomic_write_text(os.path.join(folder, name[:-4] + "_stats.json"), json.dumps(
+            {"count": count, "successes": count, "failed_to_download": 0, "failed_to_resize": 0}))
+        sizes[name] = count
+        shards.append(os.path.join(folder, name))
+    bar.close()
+    _atomic_write_text(os.path.join(folder, "sizes.json"), json.dumps(sizes, indent=1))
+    return shards
+
+
+def write_shapes_benchmarks(out: str, n: int, seed: int, image_size: int) -> dict:
+    bench = shapes_benchmark(seed, n, image_size)
+    sc = os.path.join(out, "sugarcrepe")
+    for cat in _progress(SHAPES_CATEGORIES, "sugarcrepe"):
+        rows = {}
+        for i, item in enumerate(bench[cat]):
+            filename = f"{cat}_{i:05d}.png"
+            _save_png(item["image"], os.path.join(sc, "images", filename))
+            rows[str(i)] = {"filename": filename, "caption": item["caption"], "negative_caption": item["negative_caption"]}
+        _atomic_write_text(os.path.join(sc, f"{cat}.json"), json.dumps(rows, indent=1))
+    for split in _progress(("systematicity", "productivity"), "crepe"):
+        columns = ["image_id", "x", "y", "width", "height", "caption", "hard_negs"]
+        columns += ["valid_hard_negs_atom", "valid_hard_negs_comp"] if split == "systematicity" else []
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(columns)
+        for i, item in enumerate(bench[split]):
+            image_id = f"{split}_{i:05d}"
+            _save_png(item["image"], os.path.join(out, "crepe", "images", f"{image_id}.png"))
+            cats = dict(zip(item["negatives"], item["negative_categories"]))
+            row = [image_id, 0, 0, item["image"].width, item["image"].height, item["caption"], json.dumps(item["negatives"])]
+            if split == "systematicity":
+                row += [json.dumps([x for x in item["negatives"] if cats[x].startswith(kind)]) for kind in ("replace", "swap")]
+            writer.writerow(row)
+        _atomic_write_text(os.path.join(out, "crepe", f"{split}.csv"), buf.getvalue())
+    return {k: len(v) for k, v in bench.items()}
+
+
+def write_shapes_karpathy(out: str, n: int, seed: int, image_size: int) -> dict:
+    folder, images, rows = os.path.join(out, "karpathy"), [], {}
+    for split in ("train", "val", "test"):
+        rows[split] = [("filepath", "title", "tree")]
+        for i in _progress(range(n), f"karpathy {split}"):
+            scene = shapes_scene(split, i, seed, image_size)
+            filename = f"{i:09d}.png"
+            _save_png(scene.image, os.path.join(folder, split, filename))
+            k = len(images)
+            images.append({"filepath": split, "filename": filename, "split": split, "imgid": k, "sentids": [k],
+                           "sentences": [{"raw": scene.caption, "tokens": scene.caption.split(), "imgid": k,
+                                          "sentid": k, "tree": scene.tree}]})
+            rows[split].append((f"../karpathy/{split}/{filename}", scene.caption, scene.tree))
+    _atomic_write_text(os.path.join(folder, "dataset_shapes.json"), json.dumps({"dataset": "shapes", "images": images}))
+    os.makedirs(os.path.join(out, "csv"), exist_ok=True)
+    for split, lines in rows.items():
+        _atomic_write_text(os.path.join(out, "csv", f"{split}.tsv"), "".join("\t".join(r) + "\n" for r in lines))
+    return {split: n for split in rows}
+
+
+def write_shapes_imagefolder(out: str, n: int, seed: int, image_size: int) -> dict:
+    for split in ("train", "test"):
+        for i in _progress(range(n), f"imagefolder {split}"):
+            img, label = shapes_classification(split, i, seed, image_size)
+            _save_png(img, os.path.join(out, "imagefolder", split, SHAPE_NAMES[label], f"{i:06d}.png"))
+    return {"train": n, "test": n, "classes": SHAPE_NAMES}
+
+
+def make_shapes(out: str, train: int = 10_000, test: int = 500, seed: int = 0, shard_size: int = 1000,
+                image_size: int = SHAPES_IMAGE_SIZE) -> dict:
+    """Write every format (see the section comment); returns the manifest."""
+    if train < 1 or test < 1 or shard_size < 1:
+        raise DataError("make-shapes: --train, --test and --shard_size must be positive")
+    t0 = time.time()
+    shards = write_shapes_shards(out, train, seed, shard_size, image_size)
+    manifest = {"seed": seed, "image_size": image_size,
+                "shards": {"pattern": os.path.join(out, "shards", f"{{00000..{len(shards) - 1:05d}}}.tar"),
+                           "samples": train, "shards": len(shards)},
+                "benchmarks": write_shapes_benchmarks(out, test, seed, image_size),
+                "karpathy": write_shapes_karpathy(out, test, seed, image_size),
+                "imagefolder": write_shapes_imagefolder(out, test, seed, image_size)}
+    manifest["seconds"] = round(time.time() - t0, 2)
+    _atomic_write_text(os.path.join(out, "manifest.json"), json.dumps(manifest, indent=1))
+    return manifest
+
+
+# -----------------------------------------------------------------------------
+# `python data.py check`: read a dataset once, count good and skipped samples
+
+def check_data(spec: str, split: str = "train", image_root: str | None = None, batch_size: int = 64,
+               num_workers: int = 0, image_size: int = 64) -> dict:
+    loader = make_loader(spec, split, batch_size, image_size=image_size, train=False, num_workers=num_workers,
+                         drop_last=False, image_root=image_root, max_skip_fraction=1.0)
+    bar = _progress(None, "check", loader.num_samples)
+    t0 = time.time()
+    for batch in loader:
+        bar.update(len(batch["caption"]))
+    bar.close()
+    return {"data": spec, "kind": resolve_data(spec, image_root)["kind"], "split": split,
+            "declared_samples": loader.num_samples, "good": loader.good, "skipped": loader.skipped,
+            "skip_reasons": dict(loader.skip_reasons), "seconds": round(time.time() - t0, 2)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="data.py: the shapes data in real formats, and data checks")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make-shapes", help="write the shapes data as shards, SugarCrepe, CREPE, Karpathy, ImageFolder")
+    m.add_argument("--out", required=True)
+    m.add_argument("--train", type=int, default=10_000, help="training scenes in the shards")
+    m.add_argument("--test", type=int, default=500, help="items per benchmark category / split / class set")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--shard_size", type=int, default=1000)
+    m.add_argument("--image_size", type=int, default=SHAPES_IMAGE_SIZE)
+    c = sub.add_parser("check", help="read a dataset once; print JSON counts of good and skipped samples")
+    c.add_argument("--data", required=True)
+    c.add_argument("--split", default="train")
+    c.add_argument("--image_root", default=None)
+    c.add_argument("--num_workers", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "make-shapes":
+            result = make_shapes(args.out, args.train, args.test, args.seed, args.shard_size, args.image_size)
+        else:
+            result = check_data(args.data, args.split, args.image_root, num_workers=args.num_workers)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
