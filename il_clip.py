@@ -437,7 +437,7 @@ class _MaxCodeScores(torch.autograd.Function):
         K = codes.shape[0]
         cb = codes.to(q.dtype)
         chunk = max(1, budget // max(1, P * K))
-        out = torch.empty(B, K, device=q.device, dtype=torch.float32)
+        out = torch.empty(B, K, device=q.device, dtype=torch.promote_types(q.dtype, torch.float32))
         idx = torch.empty(B, K, device=q.device, dtype=torch.long)
         for s in range(0, B, chunk):
             sc = torch.matmul(q[s:s + chunk], cb.t())                          # [b, P, K]
@@ -456,7 +456,8 @@ class _MaxCodeScores(torch.autograd.Function):
         K = codes.shape[0]
         cb = codes.to(q.dtype)
         dq = torch.zeros_like(q) if ctx.needs_input_grad[0] else None
-        dc = torch.zeros(K, D, device=q.device, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        acc = torch.promote_types(q.dtype, torch.float32)
+        dc = torch.zeros(K, D, device=q.device, dtype=acc) if ctx.needs_input_grad[1] else None
         for s in range(0, B, ctx.chunk):
             b = min(ctx.chunk, B - s)
             # one-hot routing matrix A[b, k, p] = g[b, k] at p = argmax, built per chunk
@@ -465,7 +466,7 @@ class _MaxCodeScores(torch.autograd.Function):
             if dq is not None:
                 dq[s:s + b] = A.transpose(1, 2) @ cb
             if dc is not None:
-                dc += (A.permute(1, 0, 2).reshape(K, b * P) @ q[s:s + b].reshape(b * P, D)).float()
+                dc += (A.permute(1, 0, 2).reshape(K, b * P) @ q[s:s + b].reshape(b * P, D)).to(acc)
         return dq, (dc.to(codes.dtype) if dc is not None else None), None, None
 
 
@@ -836,6 +837,12 @@ def build_args(argv=None):
     a("--vocab_size", type=int, default=None)
     a("--context_length", type=int, default=None)
     a("--quick_gelu", action=argparse.BooleanOptionalAction, default=None)
+    a("--width", type=int, default=None, help="override both towers' width (preset otherwise)")
+    a("--layers", type=int, default=None, help="override both towers' depth")
+    a("--heads", type=int, default=None, help="override both towers' heads")
+    a("--embed_dim", type=int, default=None)
+    a("--image_size", type=int, default=None)
+    a("--patch_size", type=int, default=None)
     a("--num_workers", type=int, default=0)
     a("--resampled", action="store_true")
     # codebook (FDT)
@@ -931,8 +938,13 @@ def build_tokenizer(args, rank, world):
 def model_config(args, tok):
     cfg = ModelConfig(**MODEL_PRESETS[args.model])
     cfg.vocab_size, cfg.context_length, cfg.eot_token_id = tok.vocab_size, tok.context_length, tok.eot_id
-    if args.quick_gelu is not None:
-        cfg.quick_gelu = args.quick_gelu
+    for flag, names in (("quick_gelu", ["quick_gelu"]), ("width", ["vision_width", "text_width"]),
+                        ("layers", ["vision_layers", "text_layers"]), ("heads", ["vision_heads", "text_heads"]),
+                        ("embed_dim", ["embed_dim"]), ("image_size", ["image_size"]),
+                        ("patch_size", ["patch_size"])):
+        if getattr(args, flag) is not None:
+            for n in names:
+                setattr(cfg, n, getattr(args, flag))
     cfg.codebook_size = args.codebook
     if args.code_dim:
         cfg.code_dim = args.code_dim

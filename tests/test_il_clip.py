@@ -1,0 +1,341 @@
+"""Unit tests of il_clip.py: sparsemax, the chunked codebook max, the IL schedule / spawn /
+freeze / optimizer-state logic, resume, --init round trip, bad input (all tiny, CPU)."""
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import il_clip as M
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# a 1-layer, width-32 model on 32x32 shapes images: a training step takes a few ms
+TINY = ["--width", "32", "--layers", "1", "--heads", "2", "--embed_dim", "32", "--image_size", "32",
+        "--patch_size", "8", "--batch_size", "8", "--code_dim", "32", "--log_interval", "1",
+        "--eval_n", "0", "--warmup", "2", "--rewarm", "1"]
+IL = ["--method", "il", "--codebook", "64", "--t_warm", "3", "--t_distill", "2", "--t_interact", "2",
+      "--generations", "2", "--t_extend", "1"]
+
+
+def run_main(argv):
+    return M.main(argv)
+
+
+def weights(out_dir):
+    return load_file(os.path.join(out_dir, "model.safetensors"))
+
+
+# ----------------------------------------------------------------------------- sparsemax
+
+def brute_force_simplex_projection(z):
+    """argmin_p ||p - z|| over the simplex by enumerating every support set."""
+    n, best, best_d = z.shape[0], None, float("inf")
+    for k in range(1, n + 1):
+        for S in itertools.combinations(range(n), k):
+            S = list(S)
+            p = torch.zeros_like(z)
+            p[S] = z[S] - (z[S].sum() - 1) / k
+            if (p >= 0).all():
+                d = (p - z).norm().item()
+                if d < best_d:
+                    best, best_d = p, d
+    return best
+
+
+def test_sparsemax_matches_entmax_at_width_16384():
+    entmax = pytest.importorskip("entmax")
+    g = torch.Generator().manual_seed(0)
+    for dtype, scale in ((torch.float64, 1.0), (torch.float32, 1.0), (torch.float32, 30.0)):
+        x = (torch.randn(16, 16384, generator=g) * scale).to(dtype)
+        ref = entmax.sparsemax(x, dim=-1)
+        for topk in (0, 256, 8):      # exact sort, top-k fast path, top-k with fallback rows
+            out = M.sparsemax(x, dim=-1, topk=topk)
+            # 1e-6 at unit scale; float32 rounding of the threshold grows with the input's scale
+            assert (out - ref).abs().max().item() < 1e-6 * scale, (dtype, scale, topk)
+            assert torch.allclose(out.sum(-1), torch.ones(16, dtype=dtype), atol=1e-5)
+    x = torch.randn(5, 7, 9, generator=g, dtype=torch.float64)   # another dim
+    assert (M.sparsemax(x, dim=1) - entmax.sparsemax(x, dim=1)).abs().max().item() < 1e-12
+
+
+def test_sparsemax_is_the_simplex_projection():
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        z = torch.randn(7, generator=g, dtype=torch.float64) * 2
+        assert torch.allclose(M.sparsemax(z[None])[0], brute_force_simplex_projection(z), atol=1e-12)
+
+
+def test_sparsemax_gradcheck():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 12, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: M.sparsemax(t, dim=-1), (x,))
+    assert torch.autograd.gradcheck(lambda t: M.sparsemax(t, dim=0, topk=3), (x,))
+
+
+# ----------------------------------------------------------------------------- codebook head
+
+@pytest.mark.parametrize("budget", [1, 7 * 13 * 2, 1 << 25])
+def test_chunked_max_scores_match_naive(budget):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(5, 7, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    C = torch.randn(13, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    valid = torch.ones(5, 7, dtype=torch.bool)
+    valid[0, 3:] = False
+    valid[2, 1:] = False
+    # naive: the full B x P x K tensor, pads at -inf
+    naive = (q @ C.t()).masked_fill(~valid[..., None], float("-inf")).max(1).values
+    out = M.max_code_scores(q, C, valid, budget=budget)
+    assert torch.allclose(out, naive, rtol=0, atol=1e-12)
+    up = torch.randn(5, 13, generator=g, dtype=torch.float64)
+    ga = torch.autograd.grad(out, (q, C), up)
+    gb = torch.autograd.grad(naive, (q, C), up)
+    for a, b in zip(ga, gb):
+        assert torch.allclose(a, b, atol=1e-12)
+    # pads really are excluded: a code anti-aligned with every real token keeps its negative max
+    assert torch.allclose(out[2], q[2, 0] @ C.t(), rtol=0, atol=1e-12) and (out[2] < 0).any()
+
+
+def test_codebook_embedding_end_to_end_grad():
+    cfg = M.ModelConfig(
+        embed_dim=16, image_size=16, patch_size=8, vision_width=16, vision_layers=1, vision_heads=2,
+        context_length=8, vocab_size=20, text_width=16, text_layers=1, text_heads=2, eot_token_id=19,
+        codebook_size=32, code_dim=16)
+    m = M.CLIP(cfg, seed=0)
+    text = torch.tensor([[1, 5, 19, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7, 19]])
+    e = m.encode_text(text)
+    assert torch.allclose(e.norm(dim=-1), torch.ones(2))
+    e.sum().backward()
+    assert m.codebook.grad is not None and m.text_query.fc_2.weight.grad is not None
+
+
+# ----------------------------------------------------------------------------- model layout / --init
+
+OPENAI_KEYS = ["visual.conv1.weight", "visual.class_embedding", "visual.positional_embedding",
+               "visual.ln_pre.weight", "visual.transformer.resblocks.0.attn.in_proj_weight",
+               "visual.transformer.resblocks.0.attn.in_proj_bias",
+               "visual.transformer.resblocks.0.attn.out_proj.weight", "visual.transformer.resblocks.0.ln_1.weight",
+               "visual.transformer.resblocks.0.mlp.c_fc.weight", "visual.transformer.resblocks.0.mlp.c_proj.bias",
+               "visual.transformer.resblocks.0.ln_2.bias", "visual.ln_post.weight", "visual.proj",
+               "token_embedding.weight", "positional_embedding", "transformer.resblocks.0.attn.in_proj_weight",
+               "transformer.resblocks.0.mlp.c_fc.weight", "ln_final.weight", "text_projection", "logit_scale"]
+
+
+def test_openai_key_layout_and_shapes():
+    cfg = M.ModelConfig(**M.MODEL_PRESETS["ViT-B-32"])
+    sd = {k: v.shape for k, v in _meta_state_dict(cfg).items()}
+    assert set(OPENAI_KEYS) <= set(sd)
+    assert sd["visual.positional_embedding"] == (50, 768) and sd["visual.proj"] == (768, 512)
+    assert sd["transformer.resblocks.11.attn.in_proj_weight"] == (1536, 512)
+    assert sd["positional_embedding"] == (77, 512) and sd["token_embedding.weight"] == (49408, 512)
+    assert not any(k.startswith(("codebook", "image_query", "text_query")) for k in sd)
+    inferred = M.config_from_state_dict({k: torch.empty(v, device="meta") for k, v in sd.items()})
+    assert (inferred.vision_layers, inferred.text_layers, inferred.image_size, inferred.patch_size) == (12, 12, 224, 32)
+
+
+def _meta_state_dict(cfg):
+    class Meta(M.CLIP):
+        def init_weights(self, seed):     # no init on the meta device
+            pass
+    with torch.device("meta"):
+        return Meta(cfg).state_dict()
+
+
+def test_init_round_trip_and_load_model(tmp_path):
+    a = str(tmp_path / "a")
+    assert run_main(TINY + ["--method", "clip", "--max_steps", "0", "--seed", "5", "--out_dir", a]) == 0
+    sd = weights(a)
+    sd = {k: v + 0.01 * torch.randn_like(v) for k, v in sd.items()}      # something no init produces
+    pt, st = str(tmp_path / "w.pt"), str(tmp_path / "w.safetensors")
+    torch.save({"state_dict": {"module." + k: v for k, v in sd.items()}}, pt)
+    save_file(sd, st)
+    for f in (pt, st):
+        b = str(tmp_path / ("b" + os.path.basename(f)))
+        assert run_main(TINY + ["--method", "clip", "--max_steps", "0", "--init", f, "--out_dir", b]) == 0
+        got = weights(b)
+        assert set(got) == set(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+    # a codebook model takes CLIP weights and initialises only its codebook head
+    c = str(tmp_path / "c")
+    assert run_main(TINY + ["--method", "codebook", "--codebook", "16", "--max_steps", "0", "--init", st,
+                            "--out_dir", c]) == 0
+    assert torch.equal(weights(c)["visual.conv1.weight"], sd["visual.conv1.weight"])
+    model, tok, config = M.load_model(a)
+    assert tok is not None and config["model"]["vision_width"] == 32
+    model2, _, config2 = M.load_model(st)      # OpenAI-format file: the config comes from the shapes
+    assert config2["model"]["vision_layers"] == 1 and config2["model"]["image_size"] == 32
+    x = torch.randn(2, 3, 32, 32)
+    assert model.encode_image(x).shape == (2, 32)
+
+
+def _one_error_line(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_bad_input_lines(tmp_path, capsys):
+    out = str(tmp_path / "o")
+    assert run_main(TINY + ["--init", str(tmp_path / "nope.pt"), "--out_dir", out]) == 2
+    assert "--init file not found" in _one_error_line(capsys)
+    w = str(tmp_path / "w")
+    assert run_main(TINY + ["--method", "clip", "--max_steps", "0", "--out_dir", w]) == 0
+    capsys.readouterr()
+    assert run_main(TINY + ["--method", "clip", "--width", "48", "--init", os.path.join(w, "model.safetensors"),
+                            "--out_dir", out]) == 2
+    line = _one_error_line(capsys)
+    assert "config/weights mismatch" in line and "shape mismatch" in line
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    assert run_main(TINY + ["--init", str(tmp_path / "junk.pt"), "--out_dir", out]) == 2
+    assert "cannot read weights" in _one_error_line(capsys)
+    os.environ["DATA_ROOT"] = str(tmp_path / "no_data_here")
+    try:
+        assert run_main(["--data", "cc3m", "--out_dir", out, "--eval_n", "0"]) == 2
+    finally:
+        del os.environ["DATA_ROOT"]
+    assert "cc3m" in _one_error_line(capsys)
+    assert run_main(TINY + ["--method", "clip", "--codebook", "8", "--out_dir", out]) == 2
+    _one_error_line(capsys)
+
+
+# ----------------------------------------------------------------------------- IL schedule
+
+def test_il_schedule_phases_and_lr():
+    s = M.ILSchedule(t_warm=5, t_distill=2, t_interact=3, generations=3, t_extend=4)
+    assert s.total == 5 + 3 * 5 + 4 and s.spawn_steps == [5, 10, 15]
+    expect = (["warmup"] * 5 + (["distill"] * 2 + ["interact"] * 3) * 3 + ["interact"] * 4)
+    gens = [0] * 5 + [1] * 5 + [2] * 5 + [3] * 5 + [3] * 4
+    for step in range(s.total):
+        phase, gen, start = s.at(step)
+        assert (phase, gen) == (expect[step], gens[step]), step
+        assert start == (0 if gen == 0 else 5 + 5 * (gen - 1))
+    assert M.ILSchedule(5, 2, 3, 3, 4, enabled=False).at(7) == ("train", 0, 0)
+    # global cosine x linear re-warm-up at each generation start
+    args = type("A", (), dict(lr=1.0, min_lr=0.0, warmup=2, rewarm=2, max_steps=s.total))()
+    lrs = [M.get_lr(t, args, s) for t in range(s.total)]
+    assert lrs[0] == 0.5 and lrs[1] == 1.0
+    for start in s.spawn_steps:
+        assert lrs[start] == pytest.approx(0.5 * M.get_lr(start, args, M.ILSchedule(5, 2, 3, 3, 4, enabled=False)))
+        assert lrs[start + 1] == pytest.approx(M.get_lr(start + 1, args, M.ILSchedule(5, 2, 3, 3, 4, enabled=False)))
+    assert M.spawn_seed(0, 1) != M.spawn_seed(0, 2) and M.spawn_seed(3, 1) == M.spawn_seed(3, 1)
+
+
+def _trainer(tmp_path, extra=()):
+    args = M.build_args(TINY + IL + ["--out_dir", str(tmp_path / "t"), "--wd", "0.5"] + list(extra))
+    M.setup_distributed(args)
+    return M.Trainer(args, 0, 1)
+
+
+def test_spawn_reinitialises_language_agent_and_distill_freezes(tmp_path):
+    tr = _trainer(tmp_path)
+    tr.args.stop_at = 3                                  # end of warm-up
+    assert tr.train() == "done"
+    before = {k: v.clone() for k, v in tr.raw.state_dict().items()}
+    lang = {n for n, _ in M.agent_params(tr.raw, "language")}
+    vis = {n for n, _ in M.agent_params(tr.raw, "vision")}
+    assert lang and vis and not (lang & vis)
+    assert {"token_embedding.weight", "positional_embedding", "text_projection", "ln_final.weight",
+            "transformer.resblocks.0.attn.in_proj_weight", "text_query.fc_1.weight"} <= lang
+    # the whole parameter set is covered: agents + the shared codebook + logit_scale
+    assert lang | vis | {"codebook", "logit_scale"} == {n for n, _ in tr.raw.named_parameters()}
+    params = dict(tr.raw.named_parameters())
+    # every language tensor in use has AdamW state (text_projection is unused with a codebook head)
+    assert all(len(tr.opt.state[params[n]]) > 0 for n in lang - {"text_projection"})
+    tr.args.stop_at = 4                                  # the spawn step + one distill step
+    assert tr.train() == "done"
+    after_distill_1 = {k: v.clone() for k, v in tr.raw.state_dict().items()}
+    # expected re-initialisation: a fresh model's init_agent with the generation's seed
+    fresh = M.CLIP(tr.cfg, seed=123)
+    fresh.init_agent("language", torch.Generator().manual_seed(M.spawn_seed(tr.args.seed, 1)))
+    tr2 = _trainer(tmp_path / "2")
+    tr2.args.stop_at = 3
+    tr2.train()
+    tr2.spawn(1)
+    for n, p in tr2.raw.named_parameters():
+        if n in lang:
+            assert torch.equal(p, dict(fresh.named_parameters())[n]), n
+            assert not torch.equal(p, before[n]), n
+            assert len(tr2.opt.state.get(p, {})) == 0, n            # AdamW state cleared
+        else:
+            assert torch.equal(p, before[n]), n                       # vision + codebook untouched
+            assert len(tr2.opt.state[p]) > 0 or n in ("visual.proj", "visual.ln_post.weight",
+                                                      "visual.ln_post.bias"), n
+    assert tr2.teacher is not None
+    # during distill: codebook and vision bitwise unchanged (despite weight decay 0.5), language trains
+    tr.args.stop_at = 5                                  # end of generation 1's distill
+    tr.train()
+    for n, v in tr.raw.state_dict().items():
+        if n in vis or n in ("codebook", "logit_scale"):
+            assert torch.equal(v, before[n]), n
+    assert not torch.equal(tr.raw.state_dict()["text_query.fc_2.weight"], after_distill_1["text_query.fc_2.weight"])
+    tr.args.stop_at = 6                                  # first interact step: everything trains again
+    tr.train()
+    assert not torch.equal(tr.raw.codebook, before["codebook"])
+    assert not torch.equal(tr.raw.visual.conv1.weight, before["visual.conv1.weight"])
+
+
+def test_ablation_flags_freeze_and_spawn_targets(tmp_path):
+    tr = _trainer(tmp_path, ["--no_freeze_codebook", "--distill_train_vision", "--spawn", "alternate"])
+    w = tr.trainable("distill", 1)
+    assert w["codebook"] and w["visual.conv1.weight"] and not w["logit_scale"]
+    assert M.spawn_agent(tr.args, 1) == "language" and M.spawn_agent(tr.args, 2) == "vision"
+    tr = _trainer(tmp_path / "v", ["--spawn", "vision"])
+    w = tr.trainable("distill", 1)
+    assert w["visual.conv1.weight"] and not w["token_embedding.weight"] and not w["codebook"]
+    tr.args.stop_at = 4
+    assert tr.train() == "done"           # spawn vision + distill runs
+    tr = _trainer(tmp_path / "s", ["--spectral_norm", "--codebook", "0", "--distill_loss", "cos"])
+    assert any("parametrizations" in n for n, _ in tr.raw.named_parameters())
+    tr.args.stop_at = 5
+    assert tr.train() == "done"
+
+
+# ----------------------------------------------------------------------------- resume / signals / NaN
+
+@pytest.mark.parametrize("extra,stop", [(IL + ["--negatives"], 4), (["--method", "negclip"], 3)])
+def test_resume_n_plus_m_equals_one_go(tmp_path, extra, stop):
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    common = TINY + extra + ["--max_steps", "7", "--save_interval", "100"]
+    assert run_main(common + ["--out_dir", one]) == 0
+    assert run_main(common + ["--out_dir", two, "--stop_at", str(stop)]) == 0
+    assert json.load(open(os.path.join(two, "train_state.json")))["step"] == stop
+    assert run_main(common + ["--out_dir", two, "--resume"]) == 0
+    a, b = weights(one), weights(two)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    sa, sb = (load_file(os.path.join(d, "train_state.safetensors")) for d in (one, two))
+    assert set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    la = [json.loads(x)["loss"] for x in open(os.path.join(one, "metrics.jsonl"))]
+    lb = [json.loads(x)["loss"] for x in open(os.path.join(two, "metrics.jsonl"))]
+    assert la == lb
+
+
+def test_sigterm_saves_and_exits(tmp_path):
+    out = str(tmp_path / "s")
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "il_clip.py")] + TINY +
+                         ["--method", "clip", "--max_steps", "100000", "--out_dir", out],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    metrics = os.path.join(out, "metrics.jsonl")
+    t0 = time.time()
+    while not (os.path.isfile(metrics) and os.path.getsize(metrics) > 0) and time.time() - t0 < 60:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err.decode()[-500:]
+    step = json.load(open(os.path.join(out, "train_state.json")))["step"]
+    assert step > 0 and "sigterm" in err.decode()
+    assert run_main(TINY + ["--method", "clip", "--max_steps", str(step + 1), "--out_dir", out, "--resume"]) == 0
+
+
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys):
+    out = str(tmp_path / "n")
+    rc = run_main(TINY + ["--method", "clip", "--max_steps", "50", "--lr", "1e30", "--grad_clip", "0",
+                          "--warmup", "0", "--save_interval", "1", "--out_dir", out])
+    assert rc == 1
+    assert "non-finite loss" in capsys.readouterr().err
+    step = json.load(open(os.path.join(out, "train_state.json")))["step"]
+    assert step < 50
+    last = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))][-1]
+    assert last["step"] == step
