@@ -1,0 +1,63 @@
+"""torchrun (2 processes, gloo) gives the same losses and the same updated weights as one
+process on the combined batch, for every method. One torchrun launch trains every method
+(this file is its worker script); the single-process references run in the pytest process."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import il_clip as M  # noqa: E402
+
+# eps 1e-3: AdamW's first steps are ~lr * sign(grad); a large eps keeps the update linear in
+# the gradient, so float-rounding differences of the all-reduce cannot flip a sign
+COMMON = ["--width", "32", "--layers", "1", "--heads", "2", "--embed_dim", "32", "--image_size", "32",
+          "--patch_size", "8", "--batch_size", "8", "--code_dim", "32", "--log_interval", "1",
+          "--eval_n", "0", "--warmup", "1", "--rewarm", "1", "--eps", "1e-3", "--lr", "1e-3",
+          "--grad_clip", "1.0"]
+IL = ["--codebook", "64", "--t_warm", "1", "--t_distill", "1", "--t_interact", "1", "--generations", "1",
+      "--t_extend", "0"]
+METHODS = {
+    "clip": ["--method", "clip", "--max_steps", "2"],
+    "codebook": ["--method", "codebook", "--codebook", "64", "--max_steps", "2"],
+    "negclip": ["--method", "negclip", "--max_steps", "3"],
+    "il": ["--method", "il"] + IL,                                       # warm-up, spawn+distill, interact
+    "il_neg_vision": ["--method", "il", "--negatives", "--spawn", "vision", "--accum", "2"] + IL,
+}
+
+
+def test_torchrun_two_ranks_equal_one_process(tmp_path):
+    worker = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+         os.path.abspath(__file__), str(tmp_path / "ddp")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert worker.returncode == 0, worker.stderr[-3000:]
+    from safetensors.torch import load_file
+    for name, argv in METHODS.items():
+        one = str(tmp_path / "one" / name)
+        assert M.main(COMMON + argv + ["--out_dir", one]) == 0
+        two = str(tmp_path / "ddp" / name)
+        la = [json.loads(x) for x in open(os.path.join(one, "metrics.jsonl"))]
+        lb = [json.loads(x) for x in open(os.path.join(two, "metrics.jsonl"))]
+        assert [r["phase"] for r in la] == [r["phase"] for r in lb]
+        for a, b in zip(la, lb):
+            assert abs(a["loss"] - b["loss"]) < 1e-5, (name, a, b)
+        wa, wb = load_file(os.path.join(one, "model.safetensors")), load_file(os.path.join(two, "model.safetensors"))
+        assert json.load(open(os.path.join(two, "config.json")))["world_size"] == 2
+        for k in wa:
+            assert torch.allclose(wa[k], wb[k], rtol=1e-4, atol=1e-6), (name, k, (wa[k] - wb[k]).abs().max())
+
+
+if __name__ == "__main__":        # torchrun worker: every method, one process group
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    out = sys.argv[1]
+    for name, argv in METHODS.items():
+        rc = M.main(COMMON + argv + ["--out_dir", os.path.join(out, name)])
+        if rc != 0:
+            sys.exit(rc)
+    dist.destroy_process_group()
