@@ -141,10 +141,10 @@ def load_checkpoint(path, vocab=None, device="cpu"):
                 cfg = json.load(f)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{cfg_path}: invalid JSON ({e.msg}, line {e.lineno})") from None
-        script = cfg.get("script") or cfg.get("args", {}).get("script")
-        if script and os.path.basename(str(script)) not in KNOWN_SCRIPTS:
-            raise ConfigError(f"{path}: a {script} checkpoint; eval_compositional.py evaluates "
-                              f"{' / '.join(KNOWN_SCRIPTS)} checkpoints")
+        model_cfg = cfg.get("model") if isinstance(cfg, dict) else None
+        if not (isinstance(model_cfg, dict) and {"vision_width", "text_width", "vocab_size"} <= set(model_cfg)):
+            raise ConfigError(f"{path}: config.json holds no CLIP model config: a checkpoint of another method "
+                              f"(composer.py?); eval_compositional.py evaluates {' / '.join(KNOWN_SCRIPTS)} checkpoints")
     try:
         model, tok, config = il_clip.load_model(path, device=device)
     except (data.DataError, il_clip.ConfigError) as e:
@@ -292,11 +292,11 @@ def r1_among_negatives(emb, rows):
     rows = usable(rows, images, lambda r: [r[0]])
     if not rows:
         return {"acc": float("nan"), "n": 0}
-    text = emb.texts(sorted({c for r in rows for c in [r[1], *r[2]]}))
-    index = {c: i for i, c in enumerate(sorted({c for r in rows for c in [r[1], *r[2]]}))}
+    captions = sorted({c for r in rows for c in [r[1], *r[2]]})
+    text, index = emb.texts(captions), {c: i for i, c in enumerate(captions)}
     correct = 0
     for r in rows:
-        s = text[[index[c] for c in [r[1], *r[2]]]] @ images[r[0].key]
+        s = (text[[index[c] for c in [r[1], *r[2]]]] * images[r[0].key]).sum(-1)  # equal captions tie exactly
         correct += bool(s[0] > s[1:].max())
     return {"acc": pct(correct / len(rows)), "n": len(rows)}
 
@@ -320,7 +320,7 @@ def pair_of_pairs(emb, rows):
         return {"text": float("nan"), "image": float("nan"), "group": float("nan"), "n": 0}
     img = torch.stack([torch.stack([images[r[0].key], images[r[2].key]]) for r in rows])  # [N, 2, E]
     cap = torch.stack([emb.texts([r[1], r[3]]) for r in rows])  # [N, 2, E]
-    return winoground_scores(cap @ img.transpose(1, 2))
+    return winoground_scores((cap[:, :, None] * img[:, None]).sum(-1))
 
 
 def recall_at_k(sim, positive, ks=(1, 5, 10), chunk=1024):
@@ -514,7 +514,9 @@ def crepe_subsets(path, fieldnames):
 
 
 def read_crepe(root, image_root):
-    out = {}
+    """{subset: rows}; a subset found in several files (CREPE's systematicity ships one file
+    per pre-training corpus) is named after each file."""
+    per_file = {}
     for path in sorted(glob.glob(os.path.join(root, "**", "*.csv"), recursive=True)):
         with open(path, newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
@@ -539,7 +541,12 @@ def read_crepe(root, image_root):
                     continue
                 for name, n in negs.items():
                     if n:  # rows with no valid negative for this subset do not count in it
-                        out.setdefault(name, []).append((file_ref(img, box), row["caption"], n))
+                        per_file.setdefault(name, {}).setdefault(path, []).append((file_ref(img, box), row["caption"], n))
+    out = {}
+    for name, files in per_file.items():
+        for path, rows in files.items():
+            stem = os.path.splitext(os.path.relpath(path, root))[0]
+            out[name if len(files) == 1 else f"{name} ({stem})"] = rows
     if not out:
         raise Skip(f"no CREPE CSV (hard_negs / valid_hard_negs_*) under {root}")
     return out
@@ -587,41 +594,9 @@ def read_winoground(root):
 
 
 def read_image_folder(root):
-    """ImageFolder: root/<class>/<image>; classes in sorted order."""
-    classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
-    items = [(file_ref(os.path.join(root, c, f)), i) for i, c in enumerate(classes)
-             for f in sorted(os.listdir(os.path.join(root, c))) if f.lower().endswith(IMAGE_EXTS)]
-    if not items:
-        raise Skip(f"no images in class folders under {root}")
-    return classes, items
-
-
-def read_karpathy(path, image_root, split):
-    items = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            blob = json.load(f)
-    except json.JSONDecodeError as e:
-        raise data.DataError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
-    if not isinstance(blob, dict) or not isinstance(blob.get("images"), list):
-        raise data.DataError(f"{path}: not a Karpathy split JSON (no images list)")
-    for k, im in enumerate(blob["images"]):
-        try:
-            if im.get("split") != split:
-                continue
-            name = os.path.join(im.get("filepath", ""), im["filename"])
-            captions = [s["raw"] for s in im["sentences"]]
-        except (KeyError, TypeError, AttributeError) as e:
-            warn(f"{path}: images[{k}]: needs filename and sentences[].raw ({type(e).__name__}); entry skipped")
-            continue
-        img = find_image(image_root, name, ("",)) or find_image(image_root, im["filename"], ("",))
-        if img is None or not captions:
-            warn(f"{path}: images[{k}]: {'image ' + name + ' not found under ' + image_root if img is None else 'no captions'}; entry skipped")
-            continue
-        items.append((file_ref(img), captions))
-    if not items:
-        raise Skip(f"no usable images of split {split!r} in {path}")
-    return items
+    """data.image_folder (root/<class>/<image>, classes sorted) as ImageRefs."""
+    paths, labels, classes = data.image_folder(root)
+    return classes, [(file_ref(p), y) for p, y in zip(paths, labels)]
 
 
 def read_lines(path):
@@ -726,7 +701,8 @@ def bench_retrieval(args, emb):
                  for i, s in enumerate(scenes)]
     else:
         require((args.retrieval, "--retrieval"), (args.retrieval_images, "--retrieval_images"))
-        items = read_karpathy(args.retrieval, args.retrieval_images, args.retrieval_split)
+        items = [(file_ref(path), caps) for path, caps in
+                 data.karpathy_items(args.retrieval, args.retrieval_images, args.retrieval_split)]
     return retrieval_scores(emb, items)
 
 
