@@ -1008,7 +1008,8 @@ def karpathy_train_items(json_path: str, image_root: str | None, split: str) -> 
 
 
 def image_folder(root: str):
-    """ImageFolder: root/class_name/*.{jpg,jpeg,png,webp}, classes sorted by name.
+    """ImageFolder: root/class_name/*.{jpg,jpeg,png,webp}, classes = every sub-folder (an
+    empty one too, so class indices do not shift), sorted by name.
     Returns (paths, labels, class_names)."""
     if not os.path.isdir(root):
         raise DataError(f"{root}: no such directory")
@@ -1072,6 +1073,10 @@ def _tar_records(path: str, keep_exts=None):
                     cur = {"__key__": key, "__shard__": path}
                 ext = ext.lower()
                 cur[ext] = tf.extractfile(m).read() if keep_exts is None or ext in keep_exts else b""
+            # tarfile stops quietly at a header cut short: an uncompressed tar must still hold
+            # its end-of-archive marker (two zero blocks) after the last member
+            if getattr(tf.fileobj, "comptype", "tar") == "tar" and os.path.getsize(path) < tf.offset + 2 * tarfile.BLOCKSIZE:
+                raise tarfile.ReadError("unexpected end of data")
     except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
         what = "empty tar" if cur is None and "empty" in str(e) else "truncated or unreadable tar"
         yield {"__key__": cur["__key__"] if cur else "", "__shard__": path, "__error__": f"{what} ({e})"}
@@ -1505,9 +1510,9 @@ def captions_for_tokenizer(spec: str, max_captions: int = 100_000, split: str = 
 #                             (9 digits); {shard}_stats.json per shard and sizes.json
 # OUT/sugarcrepe/{cat}.json   SugarCrepe: {"0": {"filename", "caption", "negative_caption"}, ...}
 #                             for the 7 categories; images in OUT/sugarcrepe/images/
-# OUT/crepe/{systematicity,productivity}.csv  CREPE rows image_id,x,y,width,height,caption,
-#                             hard_negs (+ valid_hard_negs_atom/comp for systematicity; lists as
-#                             JSON strings, which ast.literal_eval also reads); box = whole image;
+# OUT/crepe/*.csv             CREPE rows image_id,x,y,width,height,caption + negatives (see
+#                             CREPE_FILES): systematicity.csv (valid_hard_negs_atom/comp),
+#                             productivity_{swap,replace}.csv (hard_negs); box = whole image;
 #                             images OUT/crepe/images/{image_id}.png
 # OUT/karpathy/dataset_shapes.json  Karpathy JSON, splits train/val/test, one sentence per image
 #                             with raw, tokens and tree; images OUT/karpathy/{split}/ (image root
@@ -1578,21 +1583,36 @@ def write_shapes_benchmarks(out: str, n: int, seed: int, image_size: int) -> dic
             rows[str(i)] = {"filename": filename, "caption": item["caption"], "negative_caption": item["negative_caption"]}
         _atomic_write_text(os.path.join(sc, f"{cat}.json"), json.dumps(rows, indent=1))
     for split in _progress(("systematicity", "productivity"), "crepe"):
-        columns = ["image_id", "x", "y", "width", "height", "caption", "hard_negs"]
-        columns += ["valid_hard_negs_atom", "valid_hard_negs_comp"] if split == "systematicity" else []
-        buf = io.StringIO()
-        writer = csv.writer(buf, lineterminator="\n")
-        writer.writerow(columns)
         for i, item in enumerate(bench[split]):
-            image_id = f"{split}_{i:05d}"
-            _save_png(item["image"], os.path.join(out, "crepe", "images", f"{image_id}.png"))
-            cats = dict(zip(item["negatives"], item["negative_categories"]))
-            row = [image_id, 0, 0, item["image"].width, item["image"].height, item["caption"], json.dumps(item["negatives"])]
-            if split == "systematicity":
-                row += [json.dumps([x for x in item["negatives"] if cats[x].startswith(kind)]) for kind in ("replace", "swap")]
-            writer.writerow(row)
-        _atomic_write_text(os.path.join(out, "crepe", f"{split}.csv"), buf.getvalue())
+            _save_png(item["image"], os.path.join(out, "crepe", "images", f"{split}_{i:05d}.png"))
+        for name, column, kinds in CREPE_FILES[split]:
+            _write_crepe_csv(os.path.join(out, "crepe", f"{name}.csv"), split, bench[split], column, kinds)
     return {k: len(v) for k, v in bench.items()}
+
+
+# CREPE's released layout: systematicity CSVs carry `valid_hard_negs_atom` (here: replace_*
+# negatives) and `valid_hard_negs_comp` (swap_*); productivity CSVs one `hard_negs` column,
+# one file per negative kind named after it. (file stem, columns, category prefix per column)
+CREPE_FILES = {
+    "systematicity": [("systematicity", ["valid_hard_negs_atom", "valid_hard_negs_comp"], ["replace", "swap"])],
+    "productivity": [("productivity_swap", ["hard_negs"], ["swap"]), ("productivity_replace", ["hard_negs"], ["replace"])],
+}
+
+
+def _write_crepe_csv(path: str, split: str, items: list, columns: list, kinds: list):
+    """Rows image_id,x,y,width,height,caption,<columns> (lists as JSON strings, which
+    ast.literal_eval reads too); box = the whole image; rows without a negative are left out."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(["image_id", "x", "y", "width", "height", "caption"] + columns)
+    for i, item in enumerate(items):
+        negs = [[x for x, cat in zip(item["negatives"], item["negative_categories"]) if cat.startswith(kind)]
+                for kind in kinds]
+        if any(negs):
+            writer.writerow([f"{split}_{i:05d}", 0, 0, item["image"].width, item["image"].height, item["caption"]]
+                            + [json.dumps(n) for n in negs])
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    _atomic_write_text(path, buf.getvalue())
 
 
 def write_shapes_karpathy(out: str, n: int, seed: int, image_size: int) -> dict:
@@ -1617,6 +1637,8 @@ def write_shapes_karpathy(out: str, n: int, seed: int, image_size: int) -> dict:
 
 def write_shapes_imagefolder(out: str, n: int, seed: int, image_size: int) -> dict:
     for split in ("train", "test"):
+        for name in SHAPE_NAMES:  # every class has its folder, even when no image drew it
+            os.makedirs(os.path.join(out, "imagefolder", split, name), exist_ok=True)
         for i in _progress(range(n), f"imagefolder {split}"):
             img, label = shapes_classification(split, i, seed, image_size)
             _save_png(img, os.path.join(out, "imagefolder", split, SHAPE_NAMES[label], f"{i:06d}.png"))
