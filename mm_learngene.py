@@ -800,8 +800,9 @@ class Trainer:
                 self.step = done
                 if self.out_dir and a.ckpt_every > 0 and done % a.ckpt_every == 0 and done < max_steps:
                     self.save()
-                if self.stop:
-                    print(f"{self.tag}: SIGTERM, checkpoint saved at step {done}", flush=True)
+                if self.stop or (getattr(a, "halt_at", 0) and done == a.halt_at and done < max_steps):
+                    print(f"{self.tag}: {'SIGTERM' if self.stop else '--halt_at'}, checkpoint saved at step {done}; "
+                          f"continue with --resume", flush=True)
                     self.save()
                     sys.exit(0)
             if self.out_dir:
@@ -1255,6 +1256,7 @@ def build_parser():
     g.add_argument("--only_mm", action="store_true", help="ablation: multimodal blocks only")
     p.add_argument("--lambda_dist", type=float, default=1.0, help="lambda of Eq. 8 (paper: 1)")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--halt_at", type=int, default=0, help="save a checkpoint and exit after this step")
     p.set_defaults(func=cmd_extract, out_dir="out/learngene")
 
     p = sub.add_parser("expand", help="learngene -> descendant out_dir (OpenAI layout)")

@@ -1,0 +1,332 @@
+"""Tests of mm_learngene.py: index mapping, expansion arithmetic, distillation loss,
+ablations, il_clip compatibility, DDP equality, exact resume, bad input."""
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import data
+import mm_learngene as M
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+
+
+def small_cfg(layers=12, width=16, heads=2, vocab=50, ctx=8, image=16):
+    return M.ModelConfig(embed_dim=width, image_size=image, patch_size=8, vision_width=width, vision_layers=layers,
+                         vision_heads=heads, context_length=ctx, vocab_size=vocab, text_width=width,
+                         text_layers=layers, text_heads=heads, eot_token_id=2)
+
+
+def randomise(aux, seed=0):
+    """Coefficients away from their (equal) init so a wrong index shows up."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in aux.parameters():
+            if p.ndim == 1 and p.numel() == aux.aux_layers // 2:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            elif p.ndim == 1:  # LN gains/biases, biases
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return aux
+
+
+def inputs(cfg, B=3):
+    g = torch.Generator().manual_seed(1)
+    images = torch.randn(B, 3, cfg.image_size, cfg.image_size, generator=g)
+    text = torch.randint(3, cfg.vocab_size, (B, cfg.context_length), generator=g)
+    text[:, 0] = 1
+    text[torch.arange(B), torch.tensor([3, 5, 7])[:B]] = 2
+    return images, text
+
+
+# The hand-written table of the paper's Fig. 3a for L = 12 (0-indexed layers; theta1 = 0):
+# 0,1 -> theta1, c0; 2,3 -> theta2, c1; 4,5 -> theta1, c2; 6,7 -> theta2, c3; 8,9 -> theta1, c4;
+# 10,11 -> theta2, c5
+HAND_TABLE = [(0, 0), (0, 0), (1, 1), (1, 1), (0, 2), (0, 2), (1, 3), (1, 3), (0, 4), (0, 4), (1, 5), (1, 5)]
+
+
+def hand_layer(sd, tower, g, k, part="both"):
+    """c * theta + c' * theta^m written out from the saved tensors."""
+    uni, cu, cm = {"visual": ("vision", "v", "mv"), "text": ("language", "l", "ml")}[tower]
+    th = f"learngene.theta{g + 1}"
+    out = {}
+    for n in M.LINEAR_NAMES:
+        w = 0
+        if part != "only_mm":
+            w = w + sd[f"learngene.coef.{cu}"][k] * sd[f"{th}.{uni}.{n}"]
+        if part != "no_mm":
+            w = w + sd[f"learngene.coef.{cm}"][k] * sd[f"{th}.multimodal.{n}"]
+        out[n] = w
+    for n in M.LN_NAMES:
+        out[n] = sd[f"shared_ln.{tower}.{n}"]
+    return out
+
+
+def test_index_mapping_matches_hand_table():
+    assert [M.aux_index(i) for i in range(12)] == HAND_TABLE
+    # the paper's example: layer 6 -> group 2 (theta2), coefficient 3
+    assert M.aux_index(6) == (1, 3)
+    aux = randomise(M.AuxCLIP(small_cfg()))
+    sd = aux.state_dict()
+    for tower in M.TOWERS:
+        layers = aux.layer_list(tower)
+        assert len(layers) == 12
+        for i, (g, k) in enumerate(HAND_TABLE):
+            want = hand_layer(sd, tower, g, k)
+            for n, t in want.items():
+                torch.testing.assert_close(layers[i][n], t, rtol=1e-6, atol=1e-7)
+
+
+def test_expand_order():
+    assert M.expand_order(6, 6) == [0, 1, 2, 3, 4, 5]
+    assert M.expand_order(8, 6) == [0, 0, 1, 1, 2, 3, 4, 5]
+    assert M.expand_order(12, 6) == [k for k in range(6) for _ in (0, 1)]
+    assert M.expand_order(3, 6) == [0, 1, 2]
+    for bad in (0, 13):
+        with pytest.raises(M.ConfigError):
+            M.expand_order(bad, 6)
+
+
+@pytest.mark.parametrize("n", [6, 8])
+def test_descendant_weights_are_weighted_sums(n):
+    aux = randomise(M.AuxCLIP(small_cfg()))
+    sd_aux = aux.state_dict()
+    sd, cfg = M.descendant_state(aux, n, "clip")
+    assert cfg.vision_layers == cfg.text_layers == n
+    order = {6: [0, 1, 2, 3, 4, 5], 8: [0, 0, 1, 1, 2, 3, 4, 5]}[n]
+    for tower, prefix in (("visual", "visual.transformer.resblocks."), ("text", "transformer.resblocks.")):
+        for i, k in enumerate(order):
+            want = hand_layer(sd_aux, tower, k % 2, k)  # 6-layer descendant layer k: (group k % 2, c[k])
+            for name, t in want.items():
+                torch.testing.assert_close(sd[f"{prefix}{i}.{name}"], t, rtol=1e-6, atol=1e-7)
+    if n == 8:  # replicated layers are identical, the following ones are not
+        w = lambda i: sd[f"visual.transformer.resblocks.{i}.attn.in_proj_weight"]
+        assert torch.equal(w(0), w(1)) and torch.equal(w(2), w(3)) and not torch.equal(w(3), w(4))
+    for k, v in sd_aux.items():  # non-learngene parts are copied unchanged
+        if not k.startswith(M.LEARNGENE_PREFIXES):
+            assert torch.equal(sd[k], v)
+    assert not any(k.startswith(M.LEARNGENE_PREFIXES) for k in sd)
+
+
+def test_n12_reproduces_auxiliary_forward_exactly():
+    cfg = small_cfg()
+    aux = randomise(M.AuxCLIP(cfg)).eval()
+    sd, dcfg = M.descendant_state(aux, 12, "clip")
+    desc = M.CLIP(dcfg)
+    desc.load_state_dict(sd, strict=True)
+    images, text = inputs(cfg)
+    with torch.no_grad():
+        assert torch.equal(aux.encode_image(images), desc.encode_image(images))
+        assert torch.equal(aux.encode_text(text), desc.encode_text(text))
+
+
+def test_distillation_loss_hand_computation():
+    s = torch.tensor([[2.0, 0.5, -1.0], [0.0, 1.0, 0.3], [-0.5, 0.2, 1.5]])
+    t = torch.tensor([[3.0, 0.0, 0.0], [1.0, 2.0, -1.0], [0.0, 0.5, 2.5]])
+
+    def ce_rows(S, T):  # mean_i sum_j -softmax(T_i)_j log softmax(S_i)_j
+        total = 0.0
+        for i in range(3):
+            zt = sum(math.exp(x) for x in T[i])
+            zs = sum(math.exp(x) for x in S[i])
+            total += sum(-(math.exp(T[i][j]) / zt) * (S[i][j] - math.log(zs)) for j in range(3))
+        return total / 3
+
+    S, T = s.tolist(), t.tolist()
+    St, Tt = s.t().tolist(), t.t().tolist()
+    want = 0.5 * (ce_rows(S, T) + ce_rows(St, Tt))
+    got = M.distill_loss(s, s.t(), t, t.t()).item()
+    assert abs(got - want) < 1e-6
+    # L_CLIP with identity targets (Eq. 4)
+    want_clip = 0.5 * sum(-(S[i][i] - math.log(sum(math.exp(x) for x in S[i]))) / 3
+                          + -(St[i][i] - math.log(sum(math.exp(x) for x in St[i]))) / 3 for i in range(3))
+    assert abs(M.clip_loss(s, s.t(), torch.arange(3)).item() - want_clip) < 1e-6
+
+
+@pytest.mark.parametrize("part", ["no_mm", "only_mm"])
+def test_ablations_drop_the_part(part):
+    aux = randomise(M.AuxCLIP(small_cfg(layers=4), part=part))
+    sd_aux = aux.state_dict()
+    keys = set(sd_aux)
+    if part == "no_mm":
+        assert not any("multimodal" in k for k in keys) and "learngene.coef.mv" not in keys
+        assert "learngene.coef.ml" not in keys and any(".vision." in k for k in keys)
+    else:
+        assert not any(".vision." in k or ".language." in k for k in keys)
+        assert "learngene.coef.v" not in keys and "learngene.coef.l" not in keys
+    sd, _ = M.descendant_state(aux, 2, "clip")
+    for tower, prefix in (("visual", "visual.transformer.resblocks."), ("text", "transformer.resblocks.")):
+        for k in range(2):
+            for name, t in hand_layer(sd_aux, tower, k % 2, k, part).items():
+                torch.testing.assert_close(sd[f"{prefix}{k}.{name}"], t)
+    if part == "only_mm":  # both towers are multiples of the same theta^m
+        v = sd["visual.transformer.resblocks.0.mlp.c_fc.weight"] / sd_aux["learngene.coef.mv"][0]
+        l = sd["transformer.resblocks.0.mlp.c_fc.weight"] / sd_aux["learngene.coef.ml"][0]
+        torch.testing.assert_close(v, l)
+
+
+def test_tleg_and_helg_expansion():
+    aux = randomise(M.AuxCLIP(small_cfg(layers=4), method="tleg"))
+    sd_aux = aux.state_dict()
+    sd, _ = M.descendant_state(aux, 5, "vision")
+    assert not any(not k.startswith("visual.") for k in sd)
+    for l in range(5):
+        for n in M.LINEAR_NAMES + M.LN_NAMES:
+            want = sd_aux[f"tleg.visual.A.{n}"] + (l / 5) * sd_aux[f"tleg.visual.B.{n}"]
+            torch.testing.assert_close(sd[f"visual.transformer.resblocks.{l}.{n}"], want)
+    aux = M.AuxCLIP(small_cfg(layers=4), method="helg", helg_layers=2)
+    sd_aux = aux.state_dict()
+    sd, _ = M.descendant_state(aux, 5, "text")
+    for i in range(2):  # the last 2 of 5 are the aux's last 2 layers
+        for n in M.LINEAR_NAMES:
+            assert torch.equal(sd[f"transformer.resblocks.{3 + i}.{n}"], sd_aux[f"transformer.resblocks.{2 + i}.{n}"])
+    assert not torch.equal(sd["transformer.resblocks.0.attn.in_proj_weight"], sd_aux["transformer.resblocks.0.attn.in_proj_weight"])
+
+
+def test_descendant_loads_into_il_clip(tmp_path):
+    il_clip = pytest.importorskip("il_clip")
+    aux = randomise(M.AuxCLIP(small_cfg(layers=4))).eval()
+    sd, cfg = M.descendant_state(aux, 3, "clip")
+    M.write_descendant(str(tmp_path / "d"), sd, cfg, "clip", None, {})
+    model, _, _ = il_clip.load_model(str(tmp_path / "d"))  # strict: raises on a missing key
+    names = {f.name for f in dataclasses.fields(il_clip.ModelConfig)}
+    icfg = il_clip.ModelConfig(**{k: v for k, v in dataclasses.asdict(cfg).items() if k in names})
+    missing, unexpected = il_clip.CLIP(icfg).load_state_dict(sd, strict=False)
+    assert missing == [] and unexpected == []
+    mine = M.CLIP(cfg)
+    mine.load_state_dict(sd)
+    images, text = inputs(cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(model.encode_image(images), mine.encode_image(images), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.encode_text(text), mine.encode_text(text), rtol=1e-5, atol=1e-5)
+    vsd, vcfg = M.descendant_state(aux, 3, "vision")
+    vis = il_clip.VisionTransformer(il_clip.ModelConfig(**{k: v for k, v in dataclasses.asdict(vcfg).items() if k in names}))
+    missing, unexpected = vis.load_state_dict({k.removeprefix("visual."): v for k, v in vsd.items()}, strict=False)
+    assert missing == [] and unexpected == []
+
+
+# --- command line: extract (1 process, torchrun 2 processes, halt + resume), bad input ------
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    out = tmp_path_factory.mktemp("teacher")
+    tok = data.build_tokenizer(captions=data.shapes_captions(200), vocab_size=300, context_length=24)
+    cfg = M.ModelConfig(embed_dim=32, image_size=32, patch_size=8, vision_width=32, vision_layers=1, vision_heads=2,
+                        context_length=24, vocab_size=tok.vocab_size, text_width=32, text_layers=1, text_heads=2,
+                        eot_token_id=tok.eot_id)
+    torch.manual_seed(0)
+    M.atomic_save_file(M.CLIP(cfg).state_dict(), str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({"model": dataclasses.asdict(cfg)}))
+    tok.save(str(out))
+    return out
+
+
+EXTRACT = ["extract", "--aux_width", "32", "--aux_heads", "2", "--aux_layers", "4", "--max_steps", "3",
+           "--batch_size", "8", "--warmup", "1", "--log_every", "1", "--ckpt_every", "0"]
+
+
+def run_cli(args, nproc=1):
+    pre = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone"] \
+        if nproc > 1 else [sys.executable]
+    r = subprocess.run(pre + [os.path.join(ROOT, "mm_learngene.py")] + args, env=ENV, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def extracted(teacher, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lg1")
+    M.main(EXTRACT + ["--teacher", str(teacher), "--out_dir", str(out)])
+    return out
+
+
+def test_extract_ddp_equals_single_process(teacher, extracted, tmp_path):
+    run_cli(EXTRACT + ["--teacher", str(teacher), "--out_dir", str(tmp_path / "ddp")], nproc=2)
+    a = load_file(str(extracted / "learngene.safetensors"))
+    b = load_file(str(tmp_path / "ddp" / "learngene.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    assert not torch.equal(a["learngene.coef.v"], torch.full_like(a["learngene.coef.v"], 2 ** -0.5))  # it trained
+
+
+def test_extract_resume_is_exact(teacher, extracted, tmp_path, capsys):
+    args = EXTRACT + ["--teacher", str(teacher), "--out_dir", str(tmp_path / "r")]
+    with pytest.raises(SystemExit) as e:
+        M.main(args + ["--halt_at", "1"])
+    assert e.value.code == 0 and "--halt_at" in capsys.readouterr().out
+    M.main(args + ["--resume"])
+    assert "learngene parameters" in capsys.readouterr().out
+    a = load_file(str(extracted / "learngene.safetensors"))
+    b = load_file(str(tmp_path / "r" / "learngene.safetensors"))
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    steps = [json.loads(l)["step"] for l in open(tmp_path / "r" / "metrics.jsonl")]
+    assert steps == [1, 2, 3]
+
+
+def test_expand_and_finetune_cli(extracted, tmp_path, capsys):
+    lg = str(extracted / "learngene.safetensors")
+    M.main(["expand", "--learngene", lg, "--layers", "4", "--out_dir", str(tmp_path / "d4")])
+    M.main(["expand", "--learngene", lg, "--layers", "3", "--modality", "vision", "--out_dir", str(tmp_path / "v3")])
+    cfg = json.loads((tmp_path / "d4" / "config.json").read_text())
+    assert cfg["model"]["vision_layers"] == 4 and cfg["layer_order"] == [0, 0, 1, 1]
+    common = ["--max_steps", "2", "--batch_size", "8", "--eval_size", "20", "--log_every", "1"]
+    M.main(["finetune", "--init", str(tmp_path / "d4"), "--task", "retrieval", "--activate_steps", "1",
+            "--out_dir", str(tmp_path / "ft")] + common)
+    res = json.loads((tmp_path / "ft" / "results.json").read_text())
+    assert res["activation_steps"] == 1 and 0 <= res["i2t_r1"] <= 100 and res["n_images"] == 20
+    M.main(["finetune", "--init", str(tmp_path / "v3"), "--task", "classification", "--train_size", "16",
+            "--out_dir", str(tmp_path / "ftc")] + common)
+    assert "top1" in json.loads((tmp_path / "ftc" / "results.json").read_text())
+    M.main(["finetune", "--init", "scratch", "--like", str(tmp_path / "d4"), "--task", "retrieval",
+            "--out_dir", str(tmp_path / "scr")] + common)
+    res = json.loads((tmp_path / "scr" / "results.json").read_text())
+    assert res["kind"] == "scratch" and "activation_steps" not in res and res["layers"] == 4
+    M.main(["report", "--learngene", lg, "--layers", "2", "3", "4"])
+    assert "learngene (blocks + coefficients)" in capsys.readouterr().out
+
+
+def expect_error(args, capsys, fragment):
+    with pytest.raises(SystemExit) as e:
+        M.main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and fragment in err, err
+
+
+def test_bad_input(teacher, extracted, tmp_path, capsys):
+    lg = str(extracted / "learngene.safetensors")
+    expect_error(["expand", "--learngene", lg, "--layers", "0"], capsys, "--layers must be >= 1")
+    expect_error(["expand", "--learngene", lg, "--layers", "5"], capsys, "fills at most 4 layers")
+    expect_error(["expand", "--learngene", lg, "--layers", "2", "--width", "64"], capsys, "width 32")
+    expect_error(["expand", "--learngene", str(teacher / "model.safetensors"), "--layers", "2"], capsys,
+                 "not a learngene file")
+    # a learngene file whose tensors come from another width than its header says
+    sd = load_file(lg)
+    from safetensors import safe_open
+    with safe_open(lg, "pt") as f:
+        meta = f.metadata()
+    info = json.loads(meta["learngene"])
+    info["model_config"]["vision_width"] = info["model_config"]["text_width"] = 64
+    info["model_config"]["embed_dim"] = 64
+    M.atomic_save_file(sd, str(tmp_path / "w.safetensors"), {**meta, "learngene": json.dumps(info)})
+    expect_error(["expand", "--learngene", str(tmp_path / "w.safetensors"), "--layers", "2"], capsys, "another width")
+    # a teacher whose text tower cannot be read
+    tsd = load_file(str(teacher / "model.safetensors"))
+    (tmp_path / "bad").mkdir()
+    M.atomic_save_file({k: v for k, v in tsd.items() if k.startswith("visual.")}, str(tmp_path / "bad" / "model.safetensors"))
+    (tmp_path / "bad" / "config.json").write_text((teacher / "config.json").read_text())
+    expect_error(["extract", "--teacher", str(tmp_path / "bad"), "--max_steps", "1"], capsys, "text tower")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    expect_error(["extract", "--teacher", str(tmp_path / "junk.safetensors"), "--max_steps", "1"], capsys,
+                 "cannot read weights")
+    expect_error(["extract", "--teacher", str(teacher), "--aux_layers", "3", "--max_steps", "1"], capsys, "even")
