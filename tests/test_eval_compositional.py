@@ -1,0 +1,316 @@
+"""eval_compositional.py: every benchmark format on a tiny fixture written here, scored by a
+deterministic stand-in model with hand-computed expected scores (ties included: strict `>`
+counts a tie as wrong); R@k against brute force; zero-shot template averaging against an
+independent computation; the Lipschitz bound against exact spectral norms; then the CLI
+end to end on a tiny il_clip.py checkpoint."""
+import csv
+import json
+import math
+import os
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from PIL import Image
+
+import data
+import eval_compositional as E
+
+# ----------------------------------------------------------------------------- stand-in model
+# Image embedding: the colour of the image, relu(2 * mean RGB - 1) per channel, normalised:
+# solid red -> (1, 0, 0), yellow -> (1, 1, 0)/sqrt2, blue -> (0, 0, 1), exact zeros elsewhere.
+# Text embedding: counts of the words red / green / blue, normalised (a bag of words, so
+# "red" and "red red" embed identically: an exact tie).
+RED, GREEN, BLUE, YELLOW = (255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0)
+WORDS = {"red": 1, "green": 2, "blue": 3}
+
+
+class WordTokenizer:
+    vocab_size, context_length, eot_id, pad_id = 5, 8, 4, 0
+
+    def __call__(self, texts):
+        texts = [texts] if isinstance(texts, str) else texts
+        out = torch.zeros(len(texts), self.context_length, dtype=torch.long)
+        for i, t in enumerate(texts):
+            ids = [WORDS.get(w, 0) for w in t.lower().split()][: self.context_length]
+            out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        return out
+
+
+class ColourModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mean = torch.tensor(data.CLIP_MEAN).view(1, 3, 1, 1)
+        self.std = torch.tensor(data.CLIP_STD).view(1, 3, 1, 1)
+        self.images_seen, self.texts_seen = 0, 0
+
+    def encode_image(self, x):
+        self.images_seen += len(x)
+        rgb = (x * self.std + self.mean).mean((2, 3))
+        return F.normalize(torch.relu(2 * rgb - 1), dim=-1)
+
+    def encode_text(self, tokens):
+        self.texts_seen += len(tokens)
+        counts = torch.stack([(tokens == i).sum(1) for i in (1, 2, 3)], dim=1).float()
+        return F.normalize(counts, dim=-1)
+
+
+@pytest.fixture
+def emb():
+    return E.Embedder(ColourModel(), WordTokenizer(), image_size=16, batch_size=3, progress=False)
+
+
+def solid(path, colour, size=(16, 16)):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    Image.new("RGB", size, colour).save(path)
+    return path
+
+
+def args(**kw):
+    base = dict(shapes_n=5, shapes_seed=0, seed=0, sugarcrepe=None, sugarcrepe_images=None, crepe=None,
+                crepe_images=None, cola=None, cola_images=None, winoground=None, zeroshot=None, classnames=None,
+                templates=None, retrieval=None, retrieval_images=None, retrieval_split="test",
+                linear_probe=None, probe_val_frac=0.2)
+    return types.SimpleNamespace(**(base | kw))
+
+
+# ----------------------------------------------------------------------------- SugarCrepe
+
+def test_sugarcrepe_strict_ties_and_bad_rows(tmp_path, emb, capsys):
+    img = tmp_path / "coco"
+    solid(img / "red.jpg", RED), solid(img / "yellow.jpg", YELLOW), solid(img / "blue.jpg", BLUE)
+    sc = tmp_path / "sugarcrepe"
+    sc.mkdir()
+    add_obj = {
+        "0": {"filename": "red.jpg", "caption": "a red ball", "negative_caption": "a red and blue ball"},  # 1 > .71
+        "1": {"filename": "yellow.jpg", "caption": "red and green", "negative_caption": "red"},           # 1 > .71
+        "2": {"filename": "red.jpg", "caption": "a red cube", "negative_caption": "a red red cube"},       # tie: wrong
+        "3": {"filename": "blue.jpg", "caption": "a red thing", "negative_caption": "a blue thing"},      # 0 < 1
+        "4": {"filename": "red.jpg", "caption": "no negative here"},                                      # malformed
+        "5": {"filename": "missing.jpg", "caption": "red", "negative_caption": "blue"},                   # no image
+    }
+    (sc / "add_obj.json").write_text(json.dumps(add_obj, indent=1))
+    (sc / "swap_att.json").write_text(json.dumps({"0": {"filename": "blue.jpg", "caption": "blue",
+                                                        "negative_caption": "red blue"}}))
+    r = E.bench_sugarcrepe(args(sugarcrepe=str(sc), sugarcrepe_images=str(img)), emb)
+    assert r["add_obj"] == 50.0 and r["n"]["add_obj"] == 4
+    assert r["swap_att"] == 100.0
+    assert r["mean"] == 75.0
+    err = capsys.readouterr().err
+    lines = (sc / "add_obj.json").read_text().splitlines()
+    line_4 = next(i for i, s in enumerate(lines, 1) if s.strip().startswith('"4"'))
+    assert f"{sc / 'add_obj.json'}:{line_4}:" in err and "row skipped" in err
+    assert "missing.jpg not found" in err
+    assert "replace_rel.json not found" in err  # absent subsets: one line each, not a crash
+
+
+def test_embeddings_are_cached_per_unique_image_and_caption(tmp_path, emb):
+    solid(tmp_path / "red.png", RED)
+    rows = [(E.file_ref(str(tmp_path / "red.png")), "red", "blue")] * 3
+    E.pair_accuracy(emb, rows)
+    E.pair_accuracy(emb, [(E.file_ref(str(tmp_path / "red.png")), "red", "green")])
+    assert emb.model.images_seen == 1 and emb.model.texts_seen == 3
+
+
+def test_missing_files_skip_with_what_was_looked_for(tmp_path, emb):
+    with pytest.raises(E.Skip, match="no --sugarcrepe given"):
+        E.bench_sugarcrepe(args(), emb)
+    with pytest.raises(E.Skip, match="not found"):
+        E.bench_crepe(args(crepe=str(tmp_path / "nope"), crepe_images=str(tmp_path)), emb)
+    with pytest.raises(E.Skip, match="examples.jsonl"):
+        E.bench_winoground(args(winoground=str(tmp_path)), emb)
+
+
+def test_json_rows_lines_and_invalid_json(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text('[\n ["a", 1],\n\n {"b": 2}\n]')
+    assert [(line, key) for line, key, _ in E.json_rows(str(p))] == [(2, 0), (4, 1)]
+    p.write_text('{"0": {"a": 1},\n "1": {"a": }\n}')
+    with pytest.raises(data.DataError, match=r"x.json: line 2: invalid JSON"):
+        E.json_rows(str(p))
+
+
+# ----------------------------------------------------------------------------- CREPE
+
+def test_crepe_crops_boxes_and_counts_ties_wrong(tmp_path, emb, capsys):
+    vg = tmp_path / "vg"
+    vg.mkdir()
+    im = Image.new("RGB", (20, 10), RED)
+    im.paste(Image.new("RGB", (10, 10), BLUE), (10, 0))  # left half red, right half blue
+    im.save(vg / "7.jpg")
+    prod = tmp_path / "crepe" / "prod_hard_negatives"
+    prod.mkdir(parents=True)
+    with open(prod / "prod_vg_hard_negs_swap_all.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["image_id", "x", "y", "width", "height", "caption", "hard_negs"])
+        w.writerow([7, 0, 0, 10, 10, "red", "['blue', 'green']"])   # red crop: 1 > 0: right
+        w.writerow([7, 10, 0, 10, 10, "red", "['blue']"])           # blue crop: 0 < 1: wrong
+        w.writerow([7, 0, 0, 10, 10, "red", "['red red', 'blue']"])  # tie with 'red red': wrong
+        w.writerow([7, 0, 0, 10, 10, "red", "[not a list"])          # malformed: line 5
+    syst = tmp_path / "crepe" / "syst_hard_negatives"
+    syst.mkdir()
+    with open(syst / "syst_vg_hard_negs_seen_compounds_in_cc12m.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["image_id", "x", "y", "width", "height", "caption", "valid_hard_negs_comp", "valid_hard_negs_atom"])
+        w.writerow([7, 0, 0, 10, 10, "red", "['blue']", "['red red']"])  # comp right, atom tie
+        w.writerow([7, 10, 0, 10, 10, "blue", "['red']", "[]"])          # comp right, no atom negative
+    r = E.bench_crepe(args(crepe=str(tmp_path / "crepe"), crepe_images=str(vg)), emb)
+    assert r["productivity/swap"] == pytest.approx(100 / 3, abs=1e-3) and r["n"]["productivity/swap"] == 3
+    assert r["systematicity/comp"] == 100.0 and r["n"]["systematicity/comp"] == 2
+    assert r["systematicity/atom"] == 0.0 and r["n"]["systematicity/atom"] == 1
+    assert f"prod_vg_hard_negs_swap_all.csv:5:" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- Cola / Winoground
+# (image0, caption0, image1, caption1) and s[caption][image]:
+#  A red "red" | blue "blue"                 -> text, image, group right
+#  B red "red" | yellow "red green"           -> all right (1 > .71 everywhere)
+#  C red "red" | yellow "red"                 -> s00 = s10 = 1: text wrong (tie); s11 < s10: image wrong
+#  D red "red blue" | yellow "red green"      -> s00 = s10 = .71 (tie): text wrong; .71 > .5, 1 > .71: image right
+# text 2/4, image (text -> image) 3/4, group 2/4.
+WINO = [("red", "red", "blue", "blue"), ("red", "red", "yellow", "red green"), ("red", "red", "yellow", "red"),
+        ("red", "red blue", "yellow", "red green")]
+
+
+def colour_images(root):
+    for name, c in (("red", RED), ("blue", BLUE), ("yellow", YELLOW)):
+        solid(os.path.join(root, f"{name}.png"), c)
+
+
+def test_cola_multi_object(tmp_path, emb, capsys):
+    colour_images(tmp_path / "imgs")
+    rows = [[f"https://host/x/{i0}.png", c0, f"{i1}.png", c1] for i0, c0, i1, c1 in WINO] + [["red.png", "red"]]
+    (tmp_path / "cola.json").write_text(json.dumps(rows))
+    r = E.bench_cola(args(cola=str(tmp_path / "cola.json"), cola_images=str(tmp_path / "imgs")), emb)
+    assert (r["t2i"], r["i2t"], r["group"], r["n"]) == (75.0, 50.0, 50.0, 4)
+    assert "cola.json:1:" in capsys.readouterr().err  # a one-line JSON: the bad row is on line 1
+
+
+def test_winoground_scores(tmp_path, emb):
+    colour_images(tmp_path / "wino" / "images")
+    with open(tmp_path / "wino" / "examples.jsonl", "w") as f:
+        for k, (i0, c0, i1, c1) in enumerate(WINO):
+            f.write(json.dumps({"id": k, "image_0": i0, "image_1": i1, "caption_0": c0, "caption_1": c1}) + "\n")
+    r = E.bench_winoground(args(winoground=str(tmp_path / "wino")), emb)
+    assert (r["text"], r["image"], r["group"], r["n"]) == (50.0, 75.0, 50.0, 4)
+
+
+def test_winoground_scores_formula_on_hand_matrices():
+    s = torch.tensor([[[1.0, 0.0], [0.0, 1.0]],     # all right
+                      [[0.5, 0.4], [0.6, 0.9]],     # image right; text: 0.5 > 0.6 no
+                      [[0.5, 0.5], [0.1, 0.9]]])    # image tie: wrong; text right
+    r = E.winoground_scores(s)
+    assert r["text"] == pytest.approx(200 / 3, abs=1e-3) and r["image"] == pytest.approx(200 / 3, abs=1e-3)
+    assert r["group"] == pytest.approx(100 / 3, abs=1e-3)
+
+
+# ----------------------------------------------------------------------------- shapes
+
+def test_shapes_matches_an_independent_loop(emb):
+    bench = data.shapes_benchmark(seed=0, n=5)
+    r = E.bench_shapes(args(), emb)
+    m, tok, tf = ColourModel(), WordTokenizer(), data.eval_transform(16)
+    for cat in data.SHAPES_CATEGORIES:
+        right = 0
+        for it in bench[cat]:
+            i = m.encode_image(tf(it["image"])[None])[0]
+            p, n = m.encode_text(tok([it["caption"], it["negative_caption"]]))
+            right += float((i * p).sum()) > float((i * n).sum())
+        assert r[cat] == pytest.approx(100 * right / 5), cat
+    for split in ("systematicity", "productivity"):
+        right = 0
+        for it in bench[split]:
+            i = m.encode_image(tf(it["image"])[None])[0]
+            s = (m.encode_text(tok([it["caption"]] + it["negatives"])) * i).sum(-1)
+            right += bool(s[0] > s[1:].max())
+        assert r[split] == pytest.approx(100 * right / 5), split
+
+
+# ----------------------------------------------------------------------------- zero-shot
+
+def test_zeroshot_template_averaging_and_topk(tmp_path, emb):
+    classnames, templates = ["red", "green", "blue"], ["a {} photo", "a {} and red photo"]
+    w = E.zeroshot_weights(emb, classnames, templates)
+    m, tok = ColourModel(), WordTokenizer()
+    for c, name in enumerate(classnames):  # independent: per-template unit vectors, mean, unit
+        vs = [m.encode_text(tok(t.format(name)))[0] for t in templates]
+        v = sum(x / x.norm() for x in vs) / len(vs)
+        assert torch.allclose(w[c], v / v.norm(), atol=1e-6)
+    folder = tmp_path / "folder"
+    solid(folder / "red" / "a.png", RED), solid(folder / "green" / "b.png", GREEN)
+    solid(folder / "green" / "c.png", YELLOW)   # (.38, .92, 0) . yellow = .92 > red's .71: green
+    solid(folder / "blue" / "d.png", BLUE), solid(folder / "blue" / "e.png", RED)  # the one miss
+    (tmp_path / "templates.txt").write_text("\n".join(templates))
+    r = E.bench_zeroshot(args(zeroshot=str(folder), templates=str(tmp_path / "templates.txt")), emb)
+    assert (r["top1"], r["top5"], r["n"], r["classes"], r["templates"]) == (80.0, 100.0, 5, 3, 2)
+
+
+# ----------------------------------------------------------------------------- retrieval
+
+def test_recall_at_k_matches_brute_force():
+    g = torch.Generator().manual_seed(0)
+    sim = torch.randn(30, 60, generator=g)
+    owner = torch.arange(60) // 2                      # two captions per image
+    positive = owner[None] == torch.arange(30)[:, None]
+    for s, p in ((sim, positive), (sim.T, positive.T)):
+        r = E.recall_at_k(s, p, ks=(1, 5, 10), chunk=7)
+        for k in (1, 5, 10):
+            top = s.argsort(dim=1, descending=True)[:, :k]
+            brute = sum(bool(p[q, top[q]].any()) for q in range(len(s))) / len(s)
+            assert r[k] == pytest.approx(100 * brute, abs=1e-3)
+
+
+def test_recall_ties_rank_against_the_positive():
+    sim = torch.tensor([[1.0, 1.0, 0.0]])
+    assert E.recall_at_k(sim, torch.tensor([[True, False, False]]), ks=(1, 2)) == {1: 0.0, 2: 100.0}
+
+
+def test_retrieval_on_karpathy_json(tmp_path, emb):
+    root = tmp_path / "coco"
+    colour_images(root / "val2014")
+    solid(root / "val2014" / "red2.png", RED)
+    images = [{"filepath": "val2014", "filename": "red.png", "split": "test", "sentences": [{"raw": "red"}, {"raw": "red thing"}]},
+              {"filepath": "val2014", "filename": "blue.png", "split": "test", "sentences": [{"raw": "blue"}]},
+              {"filepath": "val2014", "filename": "yellow.png", "split": "test", "sentences": [{"raw": "red green"}]},
+              # a train image that would tie with red.png for "red" if the split were ignored
+              {"filepath": "val2014", "filename": "red2.png", "split": "train", "sentences": [{"raw": "green"}]}]
+    (tmp_path / "karpathy.json").write_text(json.dumps({"images": images}))
+    r = E.bench_retrieval(args(retrieval=str(tmp_path / "karpathy.json"), retrieval_images=str(root)), emb)
+    assert (r["i2t_R@1"], r["t2i_R@1"], r["n_images"], r["n_captions"]) == (100.0, 100.0, 3, 4)
+
+
+# ----------------------------------------------------------------------------- linear probe
+
+def test_linear_probe_separable_blobs():
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(3, 8, generator=g) * 4
+    def blobs(n):
+        y = torch.arange(n) % 3
+        return centres[y] + 0.3 * torch.randn(n, 8, generator=g), y
+    (tx, ty), (vx, vy) = blobs(60), blobs(30)
+    r = E.linear_probe(tx, ty, vx, vy, 3, weight_decays=(1e-4, 1e-2, 100.0))
+    assert r["top1"] == 100.0 and r["weight_decay"] in (1e-4, 1e-2)  # 100 underfits: not chosen
+
+
+# ----------------------------------------------------------------------------- Lipschitz
+
+def test_lipschitz_bound_equals_product_of_exact_spectral_norms():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 4))
+    exact = math.prod(float(torch.linalg.matrix_norm(m.weight.detach(), ord=2)) for m in model if isinstance(m, nn.Linear))
+    r = E.lipschitz_bound(model, iters=2000)
+    assert r["layers"] == 3
+    assert 10 ** r["log10_bound"] == pytest.approx(exact, rel=1e-4)
+    conv = torch.randn(6, 3, 4, 4)
+    assert E.spectral_norm(conv, 2000) == pytest.approx(float(torch.linalg.matrix_norm(conv.reshape(6, -1), ord=2)), rel=1e-4)
+
+
+# ----------------------------------------------------------------------------- PNGs
+
+def test_pngs_are_drawn_with_pil(tmp_path):
+    E.draw_line_plot(str(tmp_path / "p.png"), {"a": [(0, 1.0), (10, 30.0)], "b": [(0, 2.0), (10, float("nan"))]},
+                     "t", "step", "acc")
+    E.draw_image_grid(str(tmp_path / "g.png"), [("code 3", [Image.new("RGB", (8, 8), RED)] * 2)])
+    assert Image.open(tmp_path / "p.png").size == (640, 420) and Image.open(tmp_path / "g.png").size[1] == 68
