@@ -1,0 +1,1882 @@
+"""
+COMPOSER: visually grounded concept composition (Zhang, Hu, Qiu, Shaw, Sha; Findings of EMNLP
+2021, ../shared/papers/composer.md), in one file that reads top to bottom:
+
+  1. CRG    Concept & Relation Graph from PTB trees (+ a rule-based bracketer), denotations
+  2. MCD    compound divergence, the delta-ranking split procedure, graded splits
+  3. text   CRG -> token ids (templates with placeholder tokens)
+  4. model  COMPOSER (primitive cross-attention, Predicate Transformer, modulator, Composition
+            Transformer, linear regressor), level-batched; baselines VSE and single-stream
+  5. feats  visual region features: shapes gold boxes, region safetensors, frozen il_clip patches
+  6. loss   l_match + l_MVSA (hinge / nll) + l_order
+  7. eval   text->image and phrase->image R@1/R@5, interpretation view
+  8. train  torchrun DDP (gloo on CPU), atomic safetensors checkpoints, exact --resume
+  9. main   subcommands train (default) | eval | graph | mcd
+
+  python composer.py                                   # train COMPOSER on shapes
+  python composer.py --model vse | single              # baselines at the same budget
+  python composer.py eval --ckpt out/composer --split_file out/mcd/mcd.jsonl --interpret 2
+  python composer.py graph --data shapes               # paper Table 1 statistics
+  python composer.py mcd --train shapes --pool shapes --pool_split test --size 300 --out out/mcd
+
+No public code of COMPOSER or the CRG exists; every choice the paper leaves open is written
+next to the code that makes it, marked "Choice:".
+"""
+import argparse
+import json
+import math
+import os
+import random
+import re
+import signal
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+try:
+    import data  # the repo's shared module (shapes, tokenizer, loaders)
+except ImportError:  # the CRG / MCD / model parts below do not need it
+    data = None
+
+
+class ComposerError(Exception):
+    """A user-facing problem (bad flag combination, bad file): printed as `error: ...`, exit 2."""
+
+
+# =============================================================================
+# 1. Concept & Relation Graph (paper section 2, appendix A, Table 8; SPEC.md section 4)
+# =============================================================================
+
+PRIMITIVE_TAGS = ("NN", "NNS", "NNP", "NNPS")
+CONCEPT_TAGS = ("S", "SBAR", "SBARQ", "SQ", "SINV", "NP", "NX")
+PLACEHOLDER_TAGS = PRIMITIVE_TAGS + CONCEPT_TAGS  # one learned placeholder token per tag
+# Choice: punctuation leaves are dropped from predicates (they carry no visual meaning).
+PUNCT_TAGS = {".", ",", ":", "``", "''", "-LRB-", "-RRB-", "#", "$", "HYPH", "NFP", "-NONE-"}
+
+
+class CRGError(ValueError):
+    """A caption that cannot become a CRG; `kind` is the skip counter it goes to."""
+
+    def __init__(self, kind, msg):
+        super().__init__(msg)
+        self.kind = kind
+
+
+@dataclass
+class Tree:
+    label: str
+    children: list = field(default_factory=list)
+    word: str | None = None  # set for preterminals (POS tag + one word)
+
+    def leaves(self):
+        if self.word is not None:
+            return [] if self.label in PUNCT_TAGS else [self.word]
+        return [w for c in self.children for w in c.leaves()]
+
+
+def parse_ptb(s: str) -> Tree:
+    """PTB bracketed string -> Tree. Raises CRGError('malformed_tree') on anything else.
+    `(ROOT (S ...))` and `( (S ...))` wrappers and unary chains at the top are unwrapped."""
+    toks = re.findall(r"\(|\)|[^\s()]+", s or "")
+    pos = 0
+
+    def bad(why):
+        raise CRGError("malformed_tree", f"malformed tree ({why}): {s[:80]!r}")
+
+    def node():
+        nonlocal pos
+        if pos >= len(toks) or toks[pos] != "(":
+            bad("expected '('")
+        pos += 1
+        label = ""
+        if pos < len(toks) and toks[pos] not in "()":
+            label = toks[pos]
+            pos += 1
+        t = Tree(label)
+        while True:
+            if pos >= len(toks):
+                bad("unbalanced brackets")
+            tk = toks[pos]
+            if tk == ")":
+                pos += 1
+                break
+            if tk == "(":
+                if t.word is not None:
+                    bad("word and subtree in one node")
+                t.children.append(node())
+            else:
+                if t.children or t.word is not None or not label:
+                    bad(f"stray word {tk!r}")
+                t.word = tk
+                pos += 1
+        if t.word is None and not t.children:
+            bad("empty constituent")
+        return t
+
+    root = node()
+    if pos != len(toks):
+        bad("text after the tree")
+    while root.word is None and len(root.children) == 1:
+        root = root.children[0]
+    return root
+
+
+@dataclass
+class Prim:
+    """A primitive concept: one word tagged NN/NNS/NNP/NNPS (paper appendix A, rule 1)."""
+    word: str
+    tag: str
+    height = 0
+
+    @property
+    def text(self):
+        return self.word
+
+
+@dataclass
+class Concept:
+    """A concept: its words, the tag of its constituent, and its predicate = `template`, a
+    list of words (str) and argument slots (int index into `children`)."""
+    tag: str
+    words: list
+    template: list
+    children: list
+
+    @property
+    def text(self):
+        return " ".join(self.words)
+
+    @property
+    def predicate(self):
+        return " ".join(f"[{self.children[t].tag}]" if isinstance(t, int) else t for t in self.template)
+
+    @property
+    def height(self):
+        # Choice: primitives have height 0, a concept 1 + its tallest child; the paper's
+        # "average height" (Table 1) is the mean height of the sentence (root) concepts.
+        return 1 + max(c.height for c in self.children) if self.children else 1
+
+    def concepts(self):
+        """All concepts of this sub-graph, children before parents (post-order), self last."""
+        out = []
+        for c in self.children:
+            if isinstance(c, Concept):
+                out.extend(c.concepts())
+        return out + [self]
+
+    def primitives(self):
+        return [p for c in self.concepts() for p in c.children if isinstance(p, Prim)]
+
+
+def _has_prim(t: Tree) -> bool:
+    if t.word is not None:
+        return t.label in PRIMITIVE_TAGS
+    return any(_has_prim(c) for c in t.children)
+
+
+def _is_concept(t: Tree) -> bool:
+    """Appendix A rule 2: a phrase of >= 2 words, tag in CONCEPT_TAGS, containing a primitive."""
+    return t.word is None and t.label in CONCEPT_TAGS and len(t.leaves()) >= 2 and _has_prim(t)
+
+
+def _build_concept(t: Tree, tag: str) -> Concept:
+    """The predicate of constituent t: its words, each maximal sub-concept / primitive replaced
+    by a slot. Sub-concepts are built recursively (the paper's repeated extraction)."""
+    template, children = [], []
+
+    def walk(m: Tree):
+        for c in m.children:
+            if c.word is not None:
+                if c.label in PUNCT_TAGS:
+                    continue
+                if c.label in PRIMITIVE_TAGS:
+                    template.append(len(children))
+                    children.append(Prim(c.word.lower(), c.label))
+                else:
+                    template.append(c.word.lower())
+            elif _is_concept(c):
+                template.append(len(children))
+                children.append(_build_concept(c, c.label))
+            else:
+                walk(c)  # a non-concept phrase (VP, PP, ADJP, ...): its words join the predicate
+
+    walk(t)
+    concept = Concept(tag, [w.lower() for w in t.leaves()], template, children)
+    # Choice: a unary chain (NP (NP two dogs)) yields the predicate "[NP]"; it is collapsed
+    # into the inner concept, so no predicate is the identity.
+    if template == [0] and isinstance(children[0], Concept):
+        return children[0]
+    return concept
+
+
+def _norm(s: str) -> str:
+    s = s.replace("-LRB-", "").replace("-RRB-", "").replace("-LCB-", "").replace("-RCB-", "")
+    return re.sub(r"[^0-9a-z]", "", s.lower())
+
+
+def crg_from_tree(tree: str, caption: str | None = None) -> Concept:
+    """The CRG of one caption (the caption is the root concept, whatever its tag).
+    Raises CRGError: malformed_tree, tree_mismatch (leaves != caption words), no_primitive."""
+    t = parse_ptb(tree)
+    if caption is not None and _norm("".join(t.leaves())) != _norm(caption):
+        raise CRGError("tree_mismatch", f"tree does not match its caption: {caption[:60]!r}")
+    if not _has_prim(t):
+        raise CRGError("no_primitive", f"tree has no primitive (NN*) word: {tree[:60]!r}")
+    if t.word is not None:  # a one-word caption: a unary concept over its primitive
+        return Concept(t.label, [t.word.lower()], [0], [Prim(t.word.lower(), t.label)])
+    return _build_concept(t, t.label)
+
+
+# --- rule-based bracketer for captions without trees (closed-class word lists, no model) ---
+# Choice: a deterministic chunker, not a parser: base NPs = [det] [numbers] [adjectives] nouns;
+# NP <- NP (prep NP)* right-branching, NP and NP coordination, S <- NP VP when a verb follows
+# the first NP. Open-class words default to nouns (NNS when they end in -s), -ing -> VBG,
+# -ed -> VBN, -ly -> RB. Good enough to give the CRG the shape the paper describes on
+# caption-like text; gold trees should be used when available.
+_CLOSED = {}
+for _tag, _words in {
+    "DT": "a an the this that these those some any every each no another all both either neither",
+    "PRP$": "his her its their our my your",
+    "PRP": "he she it they we i you him them us me someone something somebody everyone",
+    "CD": "one two three four five six seven eight nine ten eleven twelve several many few dozen",
+    "IN": "of in on at by with from into onto over under above below behind beside besides near "
+          "through across along around between among against toward towards inside outside beneath "
+          "underneath upon during while for like than via past beyond atop after before without within",
+    "TO": "to",
+    "CC": "and or but nor",
+    "EX": "there",
+    "VBZ": "is has does",
+    "VBP": "are have do",
+    "VBD": "was were had did",
+    "VB": "be",
+    "VBN": "been",
+    "MD": "can could will would may might should must",
+    "RB": "very not also just together too almost really quite n't away out up down off back here",
+    "JJ": "red green blue yellow orange purple pink brown black white gray grey cyan magenta "
+          "small large big tiny huge little tall short long old young new wooden metal dark light "
+          "bright open empty full other same different round square-shaped wet dry hot cold "
+          "happy sad busy crowded clear cloudy sunny snowy grassy sandy dirty clean colorful "
+          "left right top bottom middle front first second third last next single several",
+}.items():
+    for _w in _words.split():
+        _CLOSED.setdefault(_w, _tag)
+# "left", "right", "top", "front" ... are nouns inside "to the left of" / "in front of".
+_NOUN_AFTER_DET = {"left", "right", "top", "bottom", "middle", "front", "side", "back", "center", "centre"}
+
+
+def _tag_word(w, prev_tag):
+    if re.fullmatch(r"[.,!?;:]", w):
+        return "." if w in ".!?" else ","
+    if re.fullmatch(r"\d+", w):
+        return "CD"
+    if w in _NOUN_AFTER_DET and prev_tag == "DT":
+        return "NN"
+    if w in _CLOSED:
+        return _CLOSED[w]
+    if len(w) > 4 and w.endswith("ing"):
+        return "VBG"
+    if len(w) > 4 and w.endswith("ed"):
+        return "VBN"
+    if len(w) > 4 and w.endswith("ly"):
+        return "RB"
+    if len(w) > 3 and w.endswith("s") and not w.endswith("ss"):
+        return "NNS"
+    return "NN"
+
+
+def bracket(caption: str) -> str:
+    """Caption -> PTB string with the rule-based chunker above (no model download)."""
+    words = re.findall(r"[a-z0-9]+(?:'[a-z]+)?|n't|[.,!?;:]", caption.lower())
+    tags = []
+    for w in words:
+        tags.append(_tag_word(w, tags[-1] if tags else None))
+    n = len(words)
+    leaf = lambda i: f"({tags[i]} {words[i]})"
+
+    def base_np(i):
+        j = i
+        if j < n and tags[j] in ("DT", "PRP$"):
+            j += 1
+        while j < n and tags[j] == "CD":
+            j += 1
+        while j < n and tags[j] in ("JJ", "VBN", "RB") and j + 1 < n and tags[j + 1] in ("JJ", "VBN", "RB", "NN", "NNS"):
+            j += 1
+        k = j
+        while k < n and tags[k] in ("NN", "NNS"):
+            k += 1
+        if k == j:
+            return None
+        return "(NP " + " ".join(leaf(x) for x in range(i, k)) + ")", k
+
+    def np_phrase(i):
+        r = base_np(i)
+        if r is None:
+            return None
+        tree, j = r
+        while j < n and tags[j] in ("IN", "TO"):
+            inner = np_phrase(j + 1)
+            if inner is None:
+                break
+            tree, j = f"(NP {tree} (PP {leaf(j)} {inner[0]}))", inner[1]
+        if j < n and tags[j] == "CC":
+            other = np_phrase(j + 1)
+            if other is not None:
+                tree, j = f"(NP {tree} {leaf(j)} {other[0]})", other[1]
+        return tree, j
+
+    def sequence(i):
+        items = []
+        while i < n:
+            r = np_phrase(i)
+            if r is None and tags[i] in ("IN", "TO"):
+                inner = np_phrase(i + 1)
+                if inner is not None:
+                    r = (f"(PP {leaf(i)} {inner[0]})", inner[1])
+            if r is None:
+                r = (leaf(i), i + 1)
+            items.append(r[0])
+            i = r[1]
+        return items
+
+    if n == 0:
+        return "(S )"
+    first = np_phrase(0)
+    if first is not None and first[1] < n and (tags[first[1]].startswith("VB") or tags[first[1]] == "MD"):
+        rest = sequence(first[1])
+        return f"(ROOT (S {first[0]} (VP {' '.join(rest)})))"
+    if first is not None and first[1] == n:
+        return f"(ROOT {first[0]})"
+    return f"(ROOT (S {' '.join(sequence(0))}))"
+
+
+def caption_crg(caption: str, tree: str | None = None) -> Concept:
+    """CRG from the gold tree when given, else from the rule-based bracketer."""
+    return crg_from_tree(tree if tree else bracket(caption), caption)
+
+
+def drop_branches(c: Concept, p: float, rng: random.Random) -> Concept:
+    """--parse_dropout (paper Table 7): each non-root sub-concept is removed with probability p,
+    its words and arguments spliced into the parent predicate (the parse loses that branch).
+    Choice: primitives are never dropped, so every concept keeps its grounded words."""
+    template, children = [], []
+    for t in c.template:
+        if not isinstance(t, int):
+            template.append(t)
+            continue
+        ch = c.children[t]
+        if isinstance(ch, Concept):
+            ch = drop_branches(ch, p, rng)
+            if rng.random() < p:
+                for u in ch.template:
+                    template.append(len(children) + u if isinstance(u, int) else u)
+                children.extend(ch.children)
+                continue
+        template.append(len(children))
+        children.append(ch)
+    return Concept(c.tag, c.words, template, children)
+
+
+def graph_stats(crgs: list, image_keys: list) -> dict:
+    """Paper Table 1: unique concepts / predicates / primitives, average height; denotation
+    = the set of images whose captions contain the concept (paper section 2)."""
+    denot = defaultdict(set)
+    predicates, primitives = set(), set()
+    for crg, key in zip(crgs, image_keys):
+        for c in crg.concepts():
+            denot[c.text].add(key)
+            predicates.add(c.predicate)
+        for p in crg.primitives():
+            primitives.add(p.word)
+            denot[p.word].add(key)
+    sizes = [len(denot[t]) for t in denot]
+    return {"captions": len(crgs), "images": len(set(image_keys)),
+            "concepts": sum(1 for t in denot if t not in primitives) if crgs else 0,
+            "predicates": len(predicates), "primitives": len(primitives),
+            "avg_height": round(float(np.mean([c.height for c in crgs])), 3) if crgs else 0.0,
+            "avg_concepts_per_caption": round(float(np.mean([len(c.concepts()) for c in crgs])), 3) if crgs else 0.0,
+            "avg_denotation_size": round(float(np.mean(sizes)), 3) if sizes else 0.0}
+
+
+# =============================================================================
+# 2. Maximum compound divergence splits (paper section 5.1, appendix B; SPEC.md section 4)
+# =============================================================================
+
+def chernoff_divergence(p: Counter, q: Counter, alpha: float) -> float:
+    """D(P||Q) = 1 - sum_k p_k^alpha q_k^(1-alpha) (Keysers et al. 2020); p = train, q = test.
+    Choice: an empty distribution on either side has divergence 1."""
+    P, Q = sum(p.values()), sum(q.values())
+    if P <= 0 or Q <= 0:
+        return 1.0
+    return 1.0 - sum((pc / P) ** alpha * (q[k] / Q) ** (1 - alpha) for k, pc in p.items() if q.get(k, 0) > 0)
+
+
+def compound_divergence(p, q):
+    return chernoff_divergence(p, q, 0.1)
+
+
+def atom_divergence(p, q):
+    return chernoff_divergence(p, q, 0.5)
+
+
+def crg_compounds(crg: Concept) -> Counter:
+    """Compounds = predicates (paper section 5.1)."""
+    return Counter(c.predicate for c in crg.concepts())
+
+
+def crg_atoms(crg: Concept) -> Counter:
+    """Atoms = primitives."""
+    return Counter(p.word for p in crg.primitives())
+
+
+def delta_ranking(train: Counter, items: list, alpha: float = 0.1):
+    """Delta_i = CD(pool without item i) - CD(pool), for every item (a Counter of compounds),
+    in O(total compounds) via the closed form of the Chernoff coefficient. Returns (cd_all,
+    deltas). An item whose compounds are rare in training has Delta_i < 0 (removing it makes
+    the pool *less* divergent)."""
+    P = sum(train.values())
+    Qk = Counter()
+    for it in items:
+        Qk.update(it)
+    T = sum(Qk.values())
+    pa = {k: (train[k] / P) ** alpha for k in Qk if train.get(k, 0) > 0}
+    S = sum(pa[k] * Qk[k] ** (1 - alpha) for k in pa)
+    cd_all = 1.0 - S / T ** (1 - alpha) if T > 0 else 1.0
+    deltas = []
+    for it in items:
+        n_i = sum(it.values())
+        if T - n_i <= 0:
+            deltas.append(1.0 - cd_all)
+            continue
+        S_i = S - sum(pa[k] * (Qk[k] ** (1 - alpha) - (Qk[k] - c) ** (1 - alpha)) for k, c in it.items() if k in pa)
+        deltas.append((1.0 - S_i / (T - n_i) ** (1 - alpha)) - cd_all)
+    return cd_all, deltas
+
+
+def mcd_split(train_crgs: list, pool: list, size: int, stride: int | None = None):
+    """Paper appendix B. `pool` = list of (item, [crg, ...]) (an image with its captions).
+    1) drop pool items with a primitive unseen in training; 2) Delta-rank; 3) the top `size`
+    items form the MCD split; 4) sliding windows of `size` over the ranking give graded splits.
+    Choice: the paper's "top ranking" is read as *most negative* Delta first (the items whose
+    removal lowers the divergence most, i.e. that carry the divergence); the printed CD of
+    the split confirms the direction. Returns a dict with the order, the split and windows."""
+    train_c, train_a = Counter(), Counter()
+    for c in train_crgs:
+        train_c.update(crg_compounds(c))
+        train_a.update(crg_atoms(c))
+    kept = [(it, crgs) for it, crgs in pool if all(p.word in train_a for c in crgs for p in c.primitives())]
+    dropped = len(pool) - len(kept)
+    comp = [sum((crg_compounds(c) for c in crgs), Counter()) for _, crgs in kept]
+    atoms = [sum((crg_atoms(c) for c in crgs), Counter()) for _, crgs in kept]
+    cd_all, deltas = delta_ranking(train_c, comp)
+    order = sorted(range(len(kept)), key=lambda i: (deltas[i], i))
+
+    def divergences(idx):
+        qc, qa = Counter(), Counter()
+        for i in idx:
+            qc.update(comp[i])
+            qa.update(atoms[i])
+        return round(compound_divergence(train_c, qc), 5), round(atom_divergence(train_a, qa), 5)
+
+    size = min(size, len(kept))
+    stride = stride or max(1, size // 2)
+    windows = []
+    for s in list(range(0, len(kept) - size + 1, stride)) or [0]:
+        cd, ad = divergences(order[s:s + size])
+        windows.append({"start": s, "compound_divergence": cd, "atom_divergence": ad,
+                        "items": [kept[i][0] for i in order[s:s + size]]})
+    rnd = random.Random(0).sample(range(len(kept)), size) if kept else []
+    cd_r, ad_r = divergences(rnd)
+    cd_m, ad_m = divergences(order[:size])
+    return {"pool": len(pool), "dropped_unseen_primitive": dropped, "pool_compound_divergence": round(cd_all, 5),
+            "mcd": [kept[i][0] for i in order[:size]], "mcd_compound_divergence": cd_m, "mcd_atom_divergence": ad_m,
+            "random": [kept[i][0] for i in rnd], "random_compound_divergence": cd_r, "random_atom_divergence": ad_r,
+            "windows": windows}
+
+
+# =============================================================================
+# 3. Text: CRG -> token ids. Templates are word-piece ids of their words with one placeholder
+#    token per slot (ids vocab_size + tag index). Choice: a word is tokenized on its own
+#    (SOT/EOT stripped), so its pieces are the same in a template and as a primitive.
+# =============================================================================
+
+class TextCompiler:
+    def __init__(self, tok, max_len: int = 40):
+        self.tok, self.max_len, self.cache = tok, max_len, {}
+        self.vocab_size = tok.vocab_size
+
+    def word_ids(self, words):
+        missing = sorted({w for w in words if w not in self.cache})
+        if missing:
+            ids = self.tok(missing)
+            for w, row in zip(missing, ids.tolist()):
+                e = row.index(self.tok.eot_id) if self.tok.eot_id in row else len(row)
+                self.cache[w] = row[1:e] or [self.tok.eot_id]  # never empty
+        return [self.cache[w] for w in words]
+
+    def compile(self, crg: Concept) -> dict:
+        """-> {"prims": [[ids]], "nodes": [{tok, slots: [(pos, is_prim, local)], level, parent}],
+        "texts": node texts, "words": primitive words}; nodes post-order, root last."""
+        concepts = crg.concepts()
+        cidx = {id(c): i for i, c in enumerate(concepts)}
+        prims, words, pidx = [], [], {}
+        for c in concepts:
+            for ch in c.children:
+                if isinstance(ch, Prim):
+                    pidx[id(ch)] = len(prims)
+                    prims.append(ch.word)
+                    words.append(ch.word)
+        all_words = words + [t for c in concepts for t in c.template if not isinstance(t, int)]
+        self.word_ids(all_words)
+        nodes = []
+        parent = {}
+        for c in concepts:
+            for ch in c.children:
+                if isinstance(ch, Concept):
+                    parent[id(ch)] = cidx[id(c)]
+        for c in concepts:
+            ids, slots = [], []
+            for t in c.template:
+                if isinstance(t, int):
+                    ch = c.children[t]
+                    slots.append((len(ids), isinstance(ch, Prim), pidx[id(ch)] if isinstance(ch, Prim) else cidx[id(ch)]))
+                    ids.append(self.vocab_size + PLACEHOLDER_TAGS.index(ch.tag))
+                else:
+                    ids.extend(self.cache[t])
+            if len(ids) > self.max_len:
+                raise CRGError("too_long", f"predicate longer than {self.max_len} tokens: {c.predicate[:60]!r}")
+            nodes.append({"tok": ids, "slots": slots, "level": c.height, "parent": parent.get(id(c), -1)})
+        return {"prims": [self.cache[w] for w in prims], "nodes": nodes,
+                "texts": [c.text for c in concepts], "words": prims}
+
+
+def _pad(rows, fill=0, width=None):
+    width = width or max(1, max((len(r) for r in rows), default=1))
+    out = torch.full((len(rows), width), fill, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    return out
+
+
+def collate_text(comps: list) -> dict:
+    """Compiled captions -> flat tensors over all primitives [P] and concept nodes [M]."""
+    prims, nodes = [], []
+    cap_nprim, cap_nnode = [], []
+    for ci, c in enumerate(comps):
+        cap_nprim.append(len(c["prims"]))
+        cap_nnode.append(len(c["nodes"]))
+        prims.extend(c["prims"])
+        nodes.extend(c["nodes"])
+    S = max(1, max(len(n["slots"]) for n in nodes))
+    slot_pos = torch.full((len(nodes), S), -1, dtype=torch.long)
+    child_prim = torch.zeros(len(nodes), S, dtype=torch.bool)
+    child_local = torch.zeros(len(nodes), S, dtype=torch.long)
+    for r, n in enumerate(nodes):
+        for s, (pos, isp, loc) in enumerate(n["slots"]):
+            slot_pos[r, s], child_prim[r, s], child_local[r, s] = pos, isp, loc
+    cap_nprim, cap_nnode = torch.tensor(cap_nprim), torch.tensor(cap_nnode)
+    prim_tok = _pad(prims) if prims else torch.zeros(0, 1, dtype=torch.long)
+    return {"prim_tok": prim_tok, "prim_len": torch.tensor([len(p) for p in prims], dtype=torch.long),
+            "node_tok": _pad([n["tok"] for n in nodes]), "node_len": torch.tensor([len(n["tok"]) for n in nodes]),
+            "node_level": torch.tensor([n["level"] for n in nodes]), "node_parent": torch.tensor([n["parent"] for n in nodes]),
+            "slot_pos": slot_pos, "child_prim": child_prim, "child_local": child_local,
+            "cap_nprim": cap_nprim, "cap_nnode": cap_nnode,
+            "cap_prim_start": torch.cumsum(cap_nprim, 0) - cap_nprim, "cap_node_start": torch.cumsum(cap_nnode, 0) - cap_nnode}
+
+
+# =============================================================================
+# 4. Model (paper section 3, appendix C)
+# =============================================================================
+
+@dataclass
+class ModelConfig:
+    arch: str = "composer"        # composer | vse | single
+    vocab_size: int = 1000        # text vocabulary; composer appends len(PLACEHOLDER_TAGS) placeholder ids
+    eot_token_id: int = 2
+    max_len: int = 77             # positions (template tokens for composer, caption tokens for baselines)
+    feat_dim: int = 70            # region feature dim D (boxes are always 5-d)
+    width: int = 64               # paper: 768 (BERT-base); CPU default 64
+    heads: int = 4
+    mlp_ratio: int = 4
+    vis_layers: int = 1           # visual self-attention over regions, once per image
+    pt_layers: int = 1            # Predicate Transformer depth (paper: 6, BERT-initialised)
+    ct_layers: int = 3            # Composition Transformer: self, cross, self, cross, ... (paper: 3)
+    modulator: str = "film"       # film | mlp | replace
+    crossatt_primitives: bool = True
+
+
+class Attention(nn.Module):
+    def __init__(self, w, h):
+        super().__init__()
+        self.h = h
+        self.q, self.kv, self.o = nn.Linear(w, w), nn.Linear(w, 2 * w), nn.Linear(w, w)
+
+    def forward(self, x, ctx, ctx_mask=None):
+        """x [B, Lq, w] attends to ctx [B, Lk, w]; ctx_mask [B, Lk] True = valid key."""
+        B, Lq, w = x.shape
+        Lk, hd = ctx.shape[1], w // self.h
+        q = self.q(x).view(B, Lq, self.h, hd).transpose(1, 2)
+        k, v = self.kv(ctx).view(B, Lk, 2, self.h, hd).permute(2, 0, 3, 1, 4)
+        m = None if ctx_mask is None else ctx_mask[:, None, None, :]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        return self.o(y.transpose(1, 2).reshape(B, Lq, w))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block. kind: "self" (SelfAtt), "cross" (CrossAtt: queries x, keys/values
+    ctx) or "self+cross" (keys/values = x U ctx: the paper's primitive encoder)."""
+
+    def __init__(self, w, h, r, kind="self"):
+        super().__init__()
+        self.kind = kind
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(w), Attention(w, h), nn.LayerNorm(w)
+        self.mlp = nn.Sequential(nn.Linear(w, r * w), nn.GELU(), nn.Linear(r * w, w))
+        if kind != "self":
+            self.ln_ctx = nn.LayerNorm(w)
+
+    def forward(self, x, mask=None, ctx=None, ctx_mask=None):
+        hx = self.ln1(x)
+        if self.kind == "self":
+            kv, kv_mask = hx, mask
+        elif self.kind == "cross":
+            kv, kv_mask = self.ln_ctx(ctx), ctx_mask
+        else:
+            kv, kv_mask = torch.cat([hx, self.ln_ctx(ctx)], 1), torch.cat([mask, ctx_mask], 1)
+        x = x + self.attn(hx, kv, kv_mask)
+        return x + self.mlp(self.ln2(x))
+
+
+def _ct_kinds(n):
+    """Appendix C / Fig. 6: SelfAtt first, then interleaved CrossAtt and SelfAtt (3 -> S X S)."""
+    return ["self" if i % 2 == 0 else "cross" for i in range(n)]
+
+
+class VisualEncoder(nn.Module):
+    """Regions -> [I, N, w]: Linear(feat) + Linear(box) (ViLBERT's 5-d position feature), LN,
+    then self-attention over the regions of each image. Choice (Composer, single-stream): the
+    visual stream is not updated by the text (ViLBERT co-attention would), so it is computed
+    once per image and shared by every node and caption that is scored against that image."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        w = cfg.width
+        self.feat, self.box, self.ln = nn.Linear(cfg.feat_dim, w), nn.Linear(5, w), nn.LayerNorm(w)
+        self.blocks = nn.ModuleList(Block(w, cfg.heads, cfg.mlp_ratio) for _ in range(cfg.vis_layers))
+
+    def forward(self, feats, boxes, mask):
+        x = self.ln(self.feat(feats) + self.box(boxes))
+        for b in self.blocks:
+            x = b(x, mask)
+        return x, mask
+
+
+class Modulator(nn.Module):
+    """Binds a child concept embedding c to its placeholder p (paper section 3.2).
+    film: a = 1 + MLP_a(p), b = MLP_b(p), out = MLP(a * c + b)  (Choice: a is centred at 1 so
+          the untrained modulator passes c through the output MLP unscaled)
+    mlp: out = MLP([p; c]); replace: out = c."""
+
+    def __init__(self, kind, w):
+        super().__init__()
+        self.kind = kind
+        mlp = lambda i: nn.Sequential(nn.Linear(i, w), nn.GELU(), nn.Linear(w, w))  # paper: hidden = width
+        if kind == "film":
+            self.a, self.b, self.out = mlp(w), mlp(w), mlp(w)
+        elif kind == "mlp":
+            self.out = mlp(2 * w)
+        elif kind != "replace":
+            raise ComposerError(f"--modulator must be film, mlp or replace, not {kind!r}")
+
+    def forward(self, p, c):
+        if self.kind == "film":
+            return self.out((1 + self.a(p)) * c + self.b(p))
+        if self.kind == "mlp":
+            return self.out(torch.cat([p, c], -1))
+        return c
+
+
+class Composer(nn.Module):
+    """COMPOSER. Text inputs are collate_text() batches of compiled CRGs; a "pair" is
+    (caption index, image index); every concept node of every pair gets a score s(x, c)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        w, h, r = cfg.width, cfg.heads, cfg.mlp_ratio
+        self.tok_emb = nn.Embedding(cfg.vocab_size + len(PLACEHOLDER_TAGS), w)
+        self.pos_emb = nn.Embedding(cfg.max_len, w)
+        self.visual = VisualEncoder(cfg)
+        # primitive encoder: one layer, queries = the word's pieces, keys/values = pieces U regions
+        # (--no_crossatt_primitives: keys/values = pieces only, no visual context; paper Table 3)
+        self.prim = Block(w, h, r, "self+cross" if cfg.crossatt_primitives else "self")
+        self.pt = nn.ModuleList(Block(w, h, r) for _ in range(cfg.pt_layers))
+        self.pt_ln = nn.LayerNorm(w)
+        self.mod = Modulator(cfg.modulator, w)
+        # Choice: the CT sequence starts with a learned output token; its final state is the
+        # concept embedding (fed to the parent's modulator) and, through LN + theta, the score.
+        self.out_token = nn.Parameter(torch.randn(w) * 0.02)
+        self.ct = nn.ModuleList(Block(w, h, r, k) for k in _ct_kinds(cfg.ct_layers))
+        self.ln_out = nn.LayerNorm(w)
+        self.theta = nn.Linear(w, 1)  # the linear regressor
+
+    # --- text-only parts: computed once per caption, shared by all images it is scored with
+    def embed(self, ids):
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        return self.tok_emb(ids) + self.pos_emb(pos)
+
+    def encode_text(self, tb):
+        """Predicate Transformer over every template; embeddings of primitive word pieces."""
+        tmask = torch.arange(tb["node_tok"].shape[1], device=tb["node_tok"].device) < tb["node_len"][:, None]
+        x = self.embed(tb["node_tok"])
+        for b in self.pt:
+            x = b(x, tmask)
+        pmask = torch.arange(tb["prim_tok"].shape[1], device=tb["prim_tok"].device) < tb["prim_len"][:, None]
+        return {"pt": self.pt_ln(x), "tmask": tmask, "prim": self.embed(tb["prim_tok"]), "pmask": pmask}
+
+    def encode_image(self, feats, boxes, mask):
+        return self.visual(feats, boxes, mask)
+
+    # --- the composition step for a set of nodes (any mix of captions, images and depths)
+    def encode_primitives(self, q, qmask, V, vmask):
+        x = self.prim(q, qmask, V, vmask)
+        m = qmask.unsqueeze(-1).to(x.dtype)
+        return (x * m).sum(1) / m.sum(1).clamp(min=1)  # mean over the word's pieces
+
+    def compose(self, seq, tmask, slot_rows, slot_pos, child_emb, V, vmask):
+        """seq [n, T, w] encoded predicates; the slots (slot_rows, slot_pos) get the modulated
+        child embeddings; then the CT with an output token. Returns (embedding, score)."""
+        if len(slot_rows):
+            seq = seq.index_put((slot_rows, slot_pos), self.mod(seq[slot_rows, slot_pos], child_emb))
+        x = torch.cat([self.out_token.expand(seq.shape[0], 1, -1).to(seq.dtype), seq], 1)
+        mask = torch.cat([torch.ones_like(tmask[:, :1]), tmask], 1)
+        for b in self.ct:
+            x = b(x, mask, V, vmask)
+        e = self.ln_out(x[:, 0])
+        return e, self.theta(e).squeeze(-1)
+
+    def score_pairs(self, tb, te, V, vmask, pair_cap, pair_img):
+        """Level-batched recursion over all pairs at once: level 1 nodes of every pair, then
+        level 2, ... (paper section 3.2; SPEC: not a Python loop per node).
+        Returns (root scores [Q], {"node_score" [M'], "node_start" [Q], "node_src" [M']})."""
+        dev = pair_cap.device
+        npr, nnd = tb["cap_nprim"][pair_cap], tb["cap_nnode"][pair_cap]
+
+        def expand(counts, cap_start):
+            pair = torch.repeat_interleave(torch.arange(len(counts), device=dev), counts)
+            start = torch.cumsum(counts, 0) - counts
+            local = torch.arange(int(counts.sum()), device=dev) - start[pair]
+            return pair, start, cap_start[pair_cap][pair] + local
+
+        ppair, pstart, psrc = expand(npr, tb["cap_prim_start"])
+        npair, nstart, nsrc = expand(nnd, tb["cap_node_start"])
+        E_p = self.encode_primitives(te["prim"][psrc], te["pmask"][psrc], V[pair_img[ppair]], vmask[pair_img[ppair]])
+        P, M = E_p.shape[0], nsrc.shape[0]
+        # child ids into cat([E_p, E_c]) per pair node and slot
+        slot_pos = tb["slot_pos"][nsrc]
+        cp, cl = tb["child_prim"][nsrc], tb["child_local"][nsrc]
+        child = torch.where(cp, pstart[npair][:, None] + cl, P + nstart[npair][:, None] + cl)
+        level = tb["node_level"][nsrc]
+        E_c = E_p.new_zeros(M, E_p.shape[1])
+        score = E_p.new_zeros(M)
+        for lv in range(1, int(level.max()) + 1 if M else 1):
+            sel = (level == lv).nonzero().squeeze(1)
+            if len(sel) == 0:
+                continue
+            sp = slot_pos[sel]
+            rows, cols = (sp >= 0).nonzero(as_tuple=True)
+            E_all = torch.cat([E_p, E_c])
+            e, s = self.compose(te["pt"][nsrc[sel]], te["tmask"][nsrc[sel]], rows, sp[rows, cols],
+                                E_all[child[sel][rows, cols]], V[pair_img[npair[sel]]], vmask[pair_img[npair[sel]]])
+            E_c = E_c.index_copy(0, sel, e)
+            score = score.index_copy(0, sel, s)
+        root = nstart + nnd - 1
+        return score[root], {"node_score": score, "node_start": nstart, "node_src": nsrc}
+
+    def score_recursive(self, comp, feats, boxes, mask):
+        """Reference: node-by-node recursion for ONE caption and ONE image (batch size 1 per
+        node). Used by the tests to check the level-batched path; returns node scores."""
+        tb = collate_text([comp])
+        te = self.encode_text(tb)
+        V, vmask = self.encode_image(feats[None], boxes[None], mask[None])
+        prim_emb = [self.encode_primitives(te["prim"][i:i + 1, :tb["prim_len"][i]],
+                                           te["pmask"][i:i + 1, :tb["prim_len"][i]], V, vmask)
+                    for i in range(len(comp["prims"]))]
+        memo = {}
+
+        def node(j):
+            if j not in memo:
+                n = comp["nodes"][j]
+                L = len(n["tok"])
+                kids = [prim_emb[loc] if isp else node(loc)[0] for _, isp, loc in n["slots"]]
+                rows = torch.zeros(len(kids), dtype=torch.long)
+                pos = torch.tensor([p for p, _, _ in n["slots"]], dtype=torch.long)
+                memo[j] = self.compose(te["pt"][j:j + 1, :L], te["tmask"][j:j + 1, :L], rows, pos,
+                                       torch.cat(kids) if kids else None, V, vmask)
+            return memo[j]
+
+        node(len(comp["nodes"]) - 1)
+        return torch.cat([memo[j][1] for j in range(len(comp["nodes"]))])
+
+
+class SingleStream(nn.Module):
+    """Baseline: one transformer over the whole caption's tokens (no tree), interleaving self-
+    and cross-attention to the regions like the CT; output at the SOT position -> theta.
+    Equal budget: pt_layers self blocks + the CT pattern, same width and visual encoder."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        w, h, r = cfg.width, cfg.heads, cfg.mlp_ratio
+        self.tok_emb, self.pos_emb = nn.Embedding(cfg.vocab_size, w), nn.Embedding(cfg.max_len, w)
+        self.visual = VisualEncoder(cfg)
+        self.blocks = nn.ModuleList([Block(w, h, r) for _ in range(cfg.pt_layers)] +
+                                    [Block(w, h, r, k) for k in _ct_kinds(cfg.ct_layers)])
+        self.ln_out, self.theta = nn.LayerNorm(w), nn.Linear(w, 1)
+
+    def encode_text(self, tb):
+        t = tb["tokens"][:, :self.cfg.max_len]
+        eot = (t == self.cfg.eot_token_id).int().argmax(-1)  # contract: pool/mask by the first EOT
+        mask = torch.arange(t.shape[1], device=t.device) <= eot[:, None]
+        return {"x": self.tok_emb(t) + self.pos_emb(torch.arange(t.shape[1], device=t.device)), "mask": mask}
+
+    def encode_image(self, feats, boxes, mask):
+        return self.visual(feats, boxes, mask)
+
+    def score_pairs(self, tb, te, V, vmask, pair_cap, pair_img):
+        x, m, V, vm = te["x"][pair_cap], te["mask"][pair_cap], V[pair_img], vmask[pair_img]
+        for b in self.blocks:
+            x = b(x, m, V, vm)
+        return self.theta(self.ln_out(x[:, 0])).squeeze(-1), {}
+
+
+class VSE(nn.Module):
+    """Baseline (Kiros et al. 2014 as in paper appendix C): text = mean of contextualised tokens,
+    image = mean of residual-MLP-transformed regions, score = scale * cosine.
+    Equal budget: pt_layers + ct_layers self-attention blocks on the text side."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        w, h, r = cfg.width, cfg.heads, cfg.mlp_ratio
+        self.tok_emb, self.pos_emb = nn.Embedding(cfg.vocab_size, w), nn.Embedding(cfg.max_len, w)
+        self.blocks = nn.ModuleList(Block(w, h, r) for _ in range(cfg.pt_layers + cfg.ct_layers))
+        self.ln_t, self.proj_t = nn.LayerNorm(w), nn.Linear(w, w)
+        self.feat, self.box = nn.Linear(cfg.feat_dim, w), nn.Linear(5, w)
+        self.mlp_v = nn.Sequential(nn.LayerNorm(w), nn.Linear(w, r * w), nn.GELU(), nn.Linear(r * w, w))
+        self.proj_v = nn.Linear(w, w)
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(10.0)))
+
+    def encode_text(self, tb):
+        t = tb["tokens"][:, :self.cfg.max_len]
+        eot = (t == self.cfg.eot_token_id).int().argmax(-1)
+        mask = torch.arange(t.shape[1], device=t.device) <= eot[:, None]
+        x = self.tok_emb(t) + self.pos_emb(torch.arange(t.shape[1], device=t.device))
+        for b in self.blocks:
+            x = b(x, mask)
+        m = mask.unsqueeze(-1).to(x.dtype)
+        return F.normalize(self.proj_t((self.ln_t(x) * m).sum(1) / m.sum(1)), dim=-1)
+
+    def encode_image(self, feats, boxes, mask):
+        x = self.feat(feats) + self.box(boxes)
+        x = x + self.mlp_v(x)
+        m = mask.unsqueeze(-1).to(x.dtype)
+        return F.normalize(self.proj_v((x * m).sum(1) / m.sum(1).clamp(min=1)), dim=-1), mask
+
+    def score_pairs(self, tb, te, V, vmask, pair_cap, pair_img):
+        return self.logit_scale.exp() * (te[pair_cap] * V[pair_img]).sum(-1), {}
+
+
+MODELS = {"composer": Composer, "vse": VSE, "single": SingleStream}
+
+
+def text_inputs(cfg: ModelConfig, compiler: TextCompiler, comps: list, captions: list):
+    """The text batch a model takes: compiled CRGs (composer) or caption token ids (baselines)."""
+    if cfg.arch == "composer":
+        return collate_text(comps)
+    return {"tokens": compiler.tok(captions)}
+
+
+# =============================================================================
+# 5. Visual features: [I, N, D] feats, [I, N, 5] boxes (x0, y0, x1, y1, area; normalised),
+#    [I, N] mask. Three sources (SPEC.md section 4).
+# =============================================================================
+
+SHAPES_FEAT_DIM = 70
+
+
+def shapes_region_features(image, objects, max_regions=8):
+    """Default for `shapes`: the gold object boxes as regions (the paper uses detector boxes).
+    Choice: a fixed, non-learned descriptor per box (a stand-in for the frozen detector
+    features): mean and std RGB of the box's foreground pixels (pixels that differ from the
+    background colour = median of the image border) + the box's 8x8 foreground-occupancy mask
+    (shape), 70-d; boxes normalised. Regions are sorted by x0 (not in caption order)."""
+    from PIL import Image
+    a = np.asarray(image, dtype=np.float32) / 255.0
+    H, W = a.shape[:2]
+    border = np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]])
+    fg = np.abs(a - np.median(border, 0)).sum(-1) > 0.15
+    feats, boxes = [], []
+    for o in sorted(objects, key=lambda o: (o.box[0], o.box[1]))[:max_regions]:
+        x0, y0 = max(0, int(o.box[0])), max(0, int(o.box[1]))
+        x1, y1 = min(W, max(x0 + 1, int(math.ceil(o.box[2])))), min(H, max(y0 + 1, int(math.ceil(o.box[3]))))
+        crop, m = a[y0:y1, x0:x1], fg[y0:y1, x0:x1]
+        px = crop[m] if m.any() else crop.reshape(-1, 3)
+        occ = np.asarray(Image.fromarray((m * 255).astype(np.uint8)).resize((8, 8), Image.BOX), np.float32) / 255
+        feats.append(np.concatenate([px.mean(0), px.std(0), occ.reshape(-1)]))
+        boxes.append([x0 / W, y0 / H, x1 / W, y1 / H, (x1 - x0) * (y1 - y0) / (W * H)])
+    return np.stack(feats).astype(np.float32), np.asarray(boxes, np.float32)
+
+
+class FeatureStore:
+    """In-memory region features of a set of images, padded to the largest region count."""
+
+    def __init__(self, feats: list, boxes: list):
+        N = max(f.shape[0] for f in feats)
+        D = feats[0].shape[1]
+        self.feats = torch.zeros(len(feats), N, D)
+        self.boxes = torch.zeros(len(feats), N, 5)
+        self.mask = torch.zeros(len(feats), N, dtype=torch.bool)
+        for i, (f, b) in enumerate(zip(feats, boxes)):
+            self.feats[i, :len(f)] = torch.as_tensor(f)
+            self.boxes[i, :len(b)] = torch.as_tensor(b)
+            self.mask[i, :len(f)] = True
+        self.feat_dim = D
+
+    def __len__(self):
+        return self.feats.shape[0]
+
+    def get(self, idx, device="cpu"):
+        return self.feats[idx].to(device), self.boxes[idx].to(device), self.mask[idx].to(device)
+
+
+def read_region_file(path, feat_dim=None):
+    """A precomputed region file: safetensors with feats [N, D] and boxes [N, 5].
+    Raises CRGError('bad_regions') when missing or of the wrong shape."""
+    try:
+        with safe_open(path, "pt") as f:
+            keys = set(f.keys())
+            if not {"feats", "boxes"} <= keys:
+                raise CRGError("bad_regions", f"{path}: needs tensors 'feats' and 'boxes', has {sorted(keys)}")
+            feats, boxes = f.get_tensor("feats").float(), f.get_tensor("boxes").float()
+    except FileNotFoundError:
+        raise CRGError("bad_regions", f"{path}: region file not found") from None
+    except CRGError:
+        raise
+    except Exception as e:
+        raise CRGError("bad_regions", f"{path}: not a safetensors file ({type(e).__name__})") from None
+    if feats.dim() != 2 or boxes.dim() != 2 or boxes.shape[1] != 5 or feats.shape[0] != boxes.shape[0] \
+            or feats.shape[0] == 0 or (feat_dim is not None and feats.shape[1] != feat_dim):
+        raise CRGError("bad_regions", f"{path}: expected feats [N, {feat_dim or 'D'}] and boxes [N, 5], "
+                                      f"got {list(feats.shape)} and {list(boxes.shape)}")
+    if not (torch.isfinite(feats).all() and torch.isfinite(boxes).all()):
+        raise CRGError("bad_regions", f"{path}: non-finite values")
+    return feats.numpy(), boxes.numpy()
+
+
+@torch.no_grad()
+def clip_patch_features(images, clip_path, batch=64):
+    """Frozen il_clip.py checkpoint: last-block patch tokens (before ln_post) as regions, the
+    patch grid as boxes (il_clip contract: model.visual.forward_tokens)."""
+    try:
+        import il_clip
+    except ImportError:
+        raise ComposerError("--features clip needs il_clip.py next to composer.py") from None
+    model, _, cfg = il_clip.load_model(clip_path)
+    model.eval()
+    size = cfg.get("image_size", 64) if isinstance(cfg, dict) else getattr(cfg, "image_size", 64)
+    tf = data.eval_transform(size)
+    feats = []
+    for i in range(0, len(images), batch):
+        x = torch.stack([tf(im) for im in images[i:i + batch]])
+        feats.append(model.visual.forward_tokens(x).float())
+    feats = torch.cat(feats)
+    P = feats.shape[1]
+    g = int(round(math.sqrt(P)))
+    if g * g != P:
+        raise ComposerError(f"{clip_path}: {P} patch tokens do not form a square grid")
+    ys, xs = torch.meshgrid(torch.arange(g), torch.arange(g), indexing="ij")
+    box = torch.stack([xs / g, ys / g, (xs + 1) / g, (ys + 1) / g, torch.full_like(xs, 1, dtype=torch.float) / P], -1)
+    box = box.reshape(P, 5).float().numpy()
+    return [f.numpy() for f in feats], [box] * len(feats)
+
+
+# =============================================================================
+# 5b. Datasets: captions + CRGs + one FeatureStore. Bad captions / trees / region files are
+#     skipped and counted; too many skips -> ComposerError.
+# =============================================================================
+
+@dataclass
+class Split:
+    keys: list            # image keys (one per image)
+    captions: list        # caption strings
+    crgs: list            # their CRGs
+    cap_img: list         # caption -> image index
+    store: FeatureStore
+    skipped: Counter
+    comps: list = None    # compiled CRGs (set by attach_compiler)
+    items: list = None    # JSON-able description of each caption (for split files)
+
+
+def _shapes_opts(spec):
+    return data.parse_shapes_spec(spec) if spec != "shapes" else {}
+
+
+def _is_shapes(spec):
+    return spec == "shapes" or spec.startswith("shapes:")
+
+
+def _check_skips(skipped: Counter, total: int, max_frac: float, what: str):
+    bad = sum(skipped.values())
+    if total == 0 or total - bad <= 0:
+        raise ComposerError(f"{what}: no usable captions ({dict(skipped)} skipped)")
+    if bad / total > max_frac:
+        raise ComposerError(f"{what}: {bad} of {total} captions skipped ({dict(skipped)}), more than "
+                            f"--max_skip_frac {max_frac}")
+
+
+def load_split(args, split: str, n: int | None, items: list | None = None, need_images=True) -> Split:
+    """Captions, trees and region features of `n` captions of a split (or of the given split-
+    file items). Features: --features gold (shapes gold boxes) | regions (--regions DIR with
+    {key}.safetensors) | clip (--clip CKPT, frozen il_clip patch tokens)."""
+    raw = []  # (key, caption, tree, scene-or-image, item)
+    if items is not None:
+        for it in items:
+            if it.get("source") == "shapes":
+                sc = data.shapes_scene(it["split"], it["index"], it.get("seed", 0))
+                raw.append((it["key"], sc.caption, sc.tree, sc, it))
+            else:
+                raw.append((it["key"], it["caption"], it.get("tree"), None, it))
+    elif _is_shapes(args.data):
+        seed = _shapes_opts(args.data).get("seed", 0)
+        for i in range(n):
+            sc = data.shapes_scene(split, i, seed)
+            raw.append((f"{split}{i:08d}", sc.caption, sc.tree, sc,
+                        {"source": "shapes", "split": split, "index": i, "seed": seed, "key": f"{split}{i:08d}"}))
+    else:
+        loader = data.make_loader(args.data, split=split, batch_size=64, tokenizer=None, image_size=args.image_size,
+                                  train=False, drop_last=False, image_root=getattr(args, "image_root", None))
+        for b in loader:
+            for j, (k, c, t) in enumerate(zip(b["key"], b["caption"], b["tree"])):
+                raw.append((k, c, t, b["image"][j] if args.features == "clip" else None,
+                            {"source": args.data, "split": split, "key": k, "caption": c, "tree": t}))
+                if n and len(raw) >= n:
+                    break
+            if n and len(raw) >= n:
+                break
+    skipped = Counter()
+    keys, kidx, captions, crgs, cap_img, feats, boxes, its = [], {}, [], [], [], [], [], []
+    for key, cap, tree, obj, it in raw:
+        try:
+            crg = caption_crg(cap, tree)
+            if key not in kidx:
+                if args.features == "gold":
+                    if obj is None or not hasattr(obj, "objects"):
+                        raise ComposerError("--features gold needs --data shapes (use regions or clip)")
+                    f, bx = shapes_region_features(obj.image, obj.objects)
+                elif args.features == "regions":
+                    f, bx = read_region_file(os.path.join(args.regions, f"{key}.safetensors"),
+                                             feats[0].shape[1] if feats else None)
+                else:
+                    f, bx = obj, None  # images; clip features below
+                kidx[key] = len(keys)
+                keys.append(key)
+                feats.append(f)
+                boxes.append(bx)
+        except CRGError as e:
+            skipped[e.kind] += 1
+            continue
+        captions.append(cap)
+        crgs.append(crg)
+        cap_img.append(kidx[key])
+        its.append(it)
+    _check_skips(skipped, len(raw), args.max_skip_frac, f"{args.data} ({split})")
+    if args.features == "clip":
+        imgs = [f.image if hasattr(f, "image") else f for f in feats]
+        feats, boxes = clip_patch_features(imgs, args.clip)
+    return Split(keys, captions, crgs, cap_img, FeatureStore(feats, boxes), skipped, items=its)
+
+
+def attach_compiler(sp: Split, compiler: TextCompiler, max_skip_frac: float):
+    """Compile every CRG; captions whose templates are too long are dropped and counted."""
+    keep = []
+    comps = []
+    for i, c in enumerate(sp.crgs):
+        try:
+            comps.append(compiler.compile(c))
+            keep.append(i)
+        except CRGError as e:
+            sp.skipped[e.kind] += 1
+    if len(keep) < len(sp.crgs):
+        sp.captions = [sp.captions[i] for i in keep]
+        sp.crgs = [sp.crgs[i] for i in keep]
+        sp.cap_img = [sp.cap_img[i] for i in keep]
+        sp.items = [sp.items[i] for i in keep]
+    _check_skips(Counter(), len(sp.crgs), max_skip_frac, "compiled captions")
+    sp.comps = comps
+    return sp
+
+
+# =============================================================================
+# 6. Losses (paper section 3.3, appendix D)
+# =============================================================================
+
+def match_loss(s_pos, s_neg):
+    """l_match: NLL of the true pair against its sampled negative pairs. s_pos [b], s_neg [b, k]."""
+    return F.cross_entropy(torch.cat([s_pos[:, None], s_neg], 1), torch.zeros_like(s_pos, dtype=torch.long))
+
+
+def mvsa_hinge(s, s_negc, s_negx, alpha=0.8, denom=None):
+    """l_MVSA (hinge): per concept c of a true pair, [a - s(x,c) + s(x,c-)]_+ + [a - s(x,c) + s(x-,c)]_+.
+    s [n], s_negc [n, kc], s_negx [n, kx]. Choice: with several negatives each hinge term is
+    averaged over them, and the sum of both terms is averaged over concepts (the paper sums;
+    the mean keeps lambda = 1 independent of batch size and tree size). `denom` replaces n
+    (the global concept count / world under DDP, so that ranks average to the global mean)."""
+    s = s[:, None]
+    t = (alpha - s + s_negc).clamp(min=0).mean(1) + (alpha - s + s_negx).clamp(min=0).mean(1)
+    return t.sum() / (denom or len(t))
+
+
+def mvsa_nll(s, s_negc, s_negx, denom=None):
+    """--mvsa nll (appendix D, Table 10): per concept, -log softmax over (true, negatives)."""
+    t = F.cross_entropy(torch.cat([s[:, None], s_negc, s_negx], 1),
+                        torch.zeros(len(s), dtype=torch.long, device=s.device), reduction="sum")
+    return t / (denom or len(s))
+
+
+def order_loss(s_parent, s_child, beta=0.2, denom=None):
+    """l_order (Zhang et al. 2020): [b - s(x, c_parent) + s(x, c_child)]_+ per concept edge, mean
+    (`denom` as in mvsa_hinge). A batch without edges (one-concept captions) gives 0."""
+    return (beta - s_parent + s_child).clamp(min=0).sum() / max(1, denom or s_parent.numel())
+
+
+def _neg_concept(levels_i, levels_j):
+    """Choice: the negative concept c- of concept c (from the negative caption of the pair) is
+    the concept of that caption with the same height, k-th of its height for the k-th of c's
+    height (cyclic); if the caption has no concept of that height, the nearest height."""
+    by_h = defaultdict(list)
+    for u, h in enumerate(levels_j):
+        by_h[h].append(u)
+    seen, out = Counter(), []
+    for h in levels_i:
+        hh = h if h in by_h else min(by_h, key=lambda x: (abs(x - h), x))
+        out.append(by_h[hh][seen[hh] % len(by_h[hh])])
+        seen[hh] += 1
+    return out
+
+
+def composer_losses(aux, comps, cap_idx, neg_img_pairs, neg_txt_caps, pair_base, args, world=1):
+    """MVSA + order terms from the node scores of one step. comps: the global batch's compiled
+    captions; cap_idx [b] caption of each of this rank's true pairs; pair q = i is true pair i,
+    pair_base[0] + i*ki + m its m-th negative image, pair_base[1] + i*kt + m its m-th negative
+    caption (caption neg_txt_caps[i][m]). Normalised by global counts (see mvsa_hinge)."""
+    ns, start = aux["node_score"], aux["node_start"].tolist()
+    pos_i, negx_i, negc_i, par_i, chi_i = [], [], [], [], []
+    ki, kt = neg_img_pairs, len(neg_txt_caps[0]) if len(neg_txt_caps) else 0
+    for i, c in enumerate(cap_idx):
+        nodes = comps[c]["nodes"]
+        lv = [n["level"] for n in nodes]
+        maps = [_neg_concept(lv, [n["level"] for n in comps[j]["nodes"]]) for j in neg_txt_caps[i]]
+        for u, n in enumerate(nodes):
+            pos_i.append(start[i] + u)
+            negx_i.append([start[pair_base[0] + i * ki + m] + u for m in range(ki)])
+            negc_i.append([start[pair_base[1] + i * kt + m] + maps[m][u] for m in range(kt)])
+            if n["parent"] >= 0:
+                par_i.append(start[i] + n["parent"])
+                chi_i.append(start[i] + u)
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=ns.device)
+    s, sx, sc = ns[t(pos_i)], ns[t(negx_i)].reshape(len(pos_i), ki), ns[t(negc_i)].reshape(len(pos_i), kt)
+    n_nodes = sum(len(c["nodes"]) for c in comps) / world
+    n_edges = sum(len(c["nodes"]) - 1 for c in comps) / world
+    mvsa = mvsa_hinge(s, sc, sx, args.alpha, n_nodes) if args.mvsa == "hinge" else mvsa_nll(s, sc, sx, n_nodes)
+    return mvsa, order_loss(ns[t(par_i)], ns[t(chi_i)], args.beta, n_edges)
+
+
+# =============================================================================
+# 7. Evaluation (paper section 5): text->image and phrase->image R@1/R@5, interpretation view
+# =============================================================================
+
+@torch.no_grad()
+def score_matrix(model, compiler, comps, captions, store, img_idx, device, cap_chunk=32, img_chunk=128):
+    """Scores [C, I] of every caption against every image, batched over images: the text side
+    (PT / token encoder) runs once per caption chunk, the visual side once per image chunk,
+    and each (caption chunk x image chunk) block is one level-batched call."""
+    cfg = model.cfg
+    img_idx = torch.as_tensor(img_idx, dtype=torch.long)
+    vis = []
+    for j in range(0, len(img_idx), img_chunk):
+        f, b, m = store.get(img_idx[j:j + img_chunk], device)
+        vis.append(model.encode_image(f, b, m))
+    out = torch.zeros(len(captions), len(img_idx))
+    for i in range(0, len(captions), cap_chunk):
+        tb = _to(text_inputs(cfg, compiler, comps[i:i + cap_chunk], captions[i:i + cap_chunk]), device)
+        te = model.encode_text(tb)
+        nc = min(cap_chunk, len(captions) - i)
+        for j, (V, vm) in enumerate(vis):
+            ni = V.shape[0]
+            pc = torch.arange(nc, device=device).repeat_interleave(ni)
+            pi = torch.arange(ni, device=device).repeat(nc)
+            s, _ = model.score_pairs(tb, te, V, vm, pc, pi)
+            out[i:i + nc, j * img_chunk:j * img_chunk + ni] = s.view(nc, ni).float().cpu()
+    return out
+
+
+def recall_at(scores, gold_sets, ks=(1, 5)):
+    """R@k: fraction of queries with a correct image among the k best (gold_sets: per query the
+    set of correct image columns). Ties count against the query."""
+    res = {}
+    order = scores.argsort(dim=1, descending=True)
+    for k in ks:
+        top = order[:, :k].tolist()
+        res[f"R@{k}"] = round(100.0 * float(np.mean([bool(set(t) & g) for t, g in zip(top, gold_sets)])), 2)
+    return res
+
+
+def _to(tb, device):
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in tb.items()}
+
+
+def phrase_queries(sp: Split, per_caption=5, seed=0):
+    """Phrase->image (paper section 5): up to 5 non-sentence concepts per caption; a hit is any
+    image whose caption contains the phrase (its denotation within the evaluated images).
+    Choice: when a caption has more, 5 are drawn with a fixed seed."""
+    rng = random.Random(seed)
+    denot = defaultdict(set)
+    for crg, im in zip(sp.crgs, sp.cap_img):
+        for c in crg.concepts():
+            denot[c.text].add(im)
+    crgs, caps, gold = [], [], []
+    for crg in sp.crgs:
+        sub = crg.concepts()[:-1]
+        for c in (rng.sample(sub, per_caption) if len(sub) > per_caption else sub):
+            crgs.append(c)
+            caps.append(c.text)
+            gold.append(denot[c.text])
+    return crgs, caps, gold
+
+
+@torch.no_grad()
+def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True, seed=0):
+    """Text->image R@1/R@5 (each caption ranks all images of the split) and phrase->image."""
+    model.eval()
+    crgs = sp.crgs
+    if parse_dropout > 0:
+        rng = random.Random(seed)
+        crgs = [drop_branches(c, parse_dropout, rng) for c in crgs]
+    comps = [compiler.compile(c) for c in crgs] if model.cfg.arch == "composer" else [None] * len(crgs)
+    imgs = list(range(len(sp.keys)))
+    S = score_matrix(model, compiler, comps, sp.captions, sp.store, imgs, device)
+    res = {"images": len(imgs), "captions": len(sp.captions), **recall_at(S, [{g} for g in sp.cap_img])}
+    if phrases:
+        pc, pcap, gold = phrase_queries(sp, seed=seed)
+        if pc:
+            pcomps = [compiler.compile(c) for c in pc] if model.cfg.arch == "composer" else [None] * len(pc)
+            Sp = score_matrix(model, compiler, pcomps, pcap, sp.store, imgs, device)
+            res.update({f"phrase_{k}": v for k, v in recall_at(Sp, gold).items()})
+            res["phrases"] = len(pc)
+    return res, S
+
+
+@torch.no_grad()
+def interpret(model, compiler, sp: Split, S, i, device) -> str:
+    """Paper Fig. 5: caption i's CRG with the score of every concept on its true image and on
+    a wrong image (Choice: the highest-scoring wrong image, the most informative contrast)."""
+    g = sp.cap_img[i]
+    row = S[i].clone()
+    row[g] = -float("inf")
+    w = int(row.argmax())
+    comp = compiler.compile(sp.crgs[i])
+    tb = _to(collate_text([comp]), device)
+    te = model.encode_text(tb)
+    f, b, m = sp.store.get(torch.tensor([g, w]), device)
+    V, vm = model.encode_image(f, b, m)
+    _, aux = model.score_pairs(tb, te, V, vm, torch.tensor([0, 0], device=device), torch.tensor([0, 1], device=device))
+    ns, n = aux["node_score"].tolist(), len(comp["nodes"])
+    lines = [f"caption: {sp.captions[i]!r}   true image {sp.keys[g]}   wrong image {sp.keys[w]} "
+             f"(sentence score {float(S[i, g]):+.2f} vs {float(S[i, w]):+.2f})"]
+    idx = {id(c): j for j, c in enumerate(sp.crgs[i].concepts())}
+
+    def show(c, depth):
+        if isinstance(c, Prim):
+            lines.append(f"{'  ' * depth}({c.tag}) {c.word}")
+            return
+        j = idx[id(c)]
+        lines.append(f"{'  ' * depth}[{c.tag}] {c.text:<50s} true {ns[j]:+6.2f}  wrong {ns[n + j]:+6.2f}"
+                     f"   predicate: {c.predicate}")
+        for ch in c.children:
+            show(ch, depth + 1)
+
+    show(sp.crgs[i], 0)
+    return "\n".join(lines)
+
+
+# =============================================================================
+# 8. Training: torchrun DDP, checkpoints, resume
+# =============================================================================
+
+def ddp_setup(device_arg):
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = device_arg or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and world > 1:
+        device = f"cuda:{local}"
+        torch.cuda.set_device(device)
+    if world > 1:
+        import torch.distributed as dist
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return rank, world, device
+
+
+def allreduce_grads(params, world):
+    """Average gradients over ranks (one flat all-reduce). Choice: manual instead of the DDP
+    wrapper, so levels / modulator branches that a rank's batch does not use need no
+    find_unused_parameters; every rank computes the same global batch's forward parts."""
+    if world == 1:
+        return
+    import torch.distributed as dist
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    o = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[o:o + g.numel()].view_as(g).clone()
+        o += g.numel()
+
+
+class Sampler:
+    """Global batches of caption indices: a permutation per epoch from (seed, epoch), the same on
+    every rank; rank r trains on the slice r::world of each global batch. State = (epoch, pos)."""
+
+    def __init__(self, n, batch, seed):
+        if n < batch:
+            raise ComposerError(f"{n} training captions, fewer than one batch of {batch}")
+        self.n, self.batch, self.seed, self.epoch, self.pos = n, batch, seed, 0, 0
+
+    def next(self):
+        if self.pos + self.batch > self.n:
+            self.epoch, self.pos = self.epoch + 1, 0
+        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch))
+        b = perm[self.pos:self.pos + self.batch]
+        self.pos += self.batch
+        return b
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, d):
+        self.epoch, self.pos = int(d["epoch"]), int(d["pos"])
+
+
+def sample_negatives(img_of, k, gen):
+    """For each position i of a global batch, k other positions with a different image (random,
+    ViLBERT-style in-batch negatives), from a generator shared by all ranks."""
+    B = len(img_of)
+    r = torch.rand(B, B, generator=gen)
+    same = img_of[:, None] == img_of[None, :]
+    r[same] = 2.0
+    r[torch.arange(B), torch.arange(B)] = 3.0
+    return r.argsort(1)[:, :k]
+
+
+def train_step(model, compiler, sp: Split, gidx, rank, world, step, args, device):
+    """One step's loss on this rank's slice of the global batch `gidx` (caption indices)."""
+    cfg = model.cfg
+    B = len(gidx)
+    gen = torch.Generator().manual_seed(args.seed * 7919 + step)
+    img_of = torch.tensor([sp.cap_img[c] for c in gidx.tolist()])
+    ni = sample_negatives(img_of, args.n_neg_img, gen)
+    nt = sample_negatives(img_of, args.n_neg_txt, gen)
+    local = torch.arange(B)[rank::world]
+    caps = gidx.tolist()
+    tb = _to(text_inputs(cfg, compiler, [sp.comps[c] for c in caps] if sp.comps else None, [sp.captions[c] for c in caps]), device)
+    te = model.encode_text(tb)
+    V, vm = model.encode_image(*sp.store.get(img_of, device))
+    b, ki, kt = len(local), args.n_neg_img, args.n_neg_txt
+    if cfg.arch == "vse":
+        # Choice: VSE trains with its natural symmetric in-batch softmax over the whole global
+        # batch (every image and caption of the step as negatives), a stronger recipe than
+        # the sampled negatives the cross-modal models can afford.
+        logits = model.logit_scale.exp() * te[local] @ V.t()
+        lg_i = model.logit_scale.exp() * V[local] @ te.t()
+        mask_t = (img_of[local][:, None] == img_of[None, :]) & (torch.arange(B)[None, :] != local[:, None])
+        loss = 0.5 * (F.cross_entropy(logits.masked_fill(mask_t.to(device), -1e4), local.to(device)) +
+                      F.cross_entropy(lg_i.masked_fill(mask_t.to(device), -1e4), local.to(device)))
+        return loss, {"match": loss.item()}
+    pair_cap = torch.cat([local, local.repeat_interleave(ki), nt[local].reshape(-1)]).to(device)
+    pair_img = torch.cat([local, ni[local].reshape(-1), local.repeat_interleave(kt)]).to(device)
+    s, aux = model.score_pairs(tb, te, V, vm, pair_cap, pair_img)
+    s_neg = torch.cat([s[b:b + b * ki].view(b, ki), s[b + b * ki:].view(b, kt)], 1)
+    l_match = match_loss(s[:b], s_neg)
+    parts = {"match": l_match.item()}
+    loss = l_match
+    if cfg.arch == "composer" and (args.lambda1 > 0 or args.lambda2 > 0):
+        nodes_caps = [sp.comps[c] for c in caps]
+        l_mvsa, l_order = composer_losses(aux, nodes_caps, local.tolist(), ki, nt[local].tolist(), (b, b + b * ki), args, world)
+        loss = loss + args.lambda1 * l_mvsa + args.lambda2 * l_order
+        parts.update(mvsa=l_mvsa.item(), order=l_order.item())
+    return loss, parts
+
+
+def lr_at(step, args):
+    """Choice: linear warm-up then cosine decay to 10% (the paper's step schedule is for 20
+    epochs of BERT fine-tuning; a from-scratch tiny model trains better with cosine)."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    t = (step - args.warmup) / max(1, args.max_steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def _atomic(path, writer):
+    tmp = f"{path}.tmp{os.getpid()}"
+    writer(tmp)
+    os.replace(tmp, path)
+
+
+def _write_json(path, obj):
+    def w(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+    _atomic(path, w)
+
+
+def _rng_state():
+    npst = np.random.get_state()
+    return {"torch": torch.get_rng_state().tolist(), "numpy": [npst[0], npst[1].tolist(), *npst[2:]],
+            "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]]}
+
+
+def _set_rng_state(st):
+    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
+    n = st["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+    p = st["python"]
+    random.setstate((p[0], tuple(p[1]), p[2]))
+
+
+def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra):
+    """Contract layout: model.safetensors, config.json, tokenizer.json, train_state.safetensors
+    + train_state.json; every file written atomically (temp + os.replace)."""
+    os.makedirs(out_dir, exist_ok=True)
+    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    _atomic(os.path.join(out_dir, "model.safetensors"), lambda t: save_file(sd, t))
+    _write_json(os.path.join(out_dir, "config.json"), {"args": vars(args), "model": asdict(cfg)})
+    tok.save(out_dir)
+    osd = opt.state_dict()
+    tens = {f"state.{pid}.{k}": v.detach().contiguous().cpu().reshape(v.shape) for pid, st in osd["state"].items()
+            for k, v in st.items() if torch.is_tensor(v)}
+    scal = {str(pid): {k: v for k, v in st.items() if not torch.is_tensor(v)} for pid, st in osd["state"].items()}
+    _atomic(os.path.join(out_dir, "train_state.safetensors"), lambda t: save_file(tens or {"_": torch.zeros(1)}, t))
+    _write_json(os.path.join(out_dir, "train_state.json"),
+                {"step": step, "sampler": sampler.state_dict(), "rng": _rng_state(), "param_groups": osd["param_groups"],
+                 "opt_scalars": scal, **extra})
+
+
+def load_train_state(out_dir, opt):
+    with open(os.path.join(out_dir, "train_state.json")) as f:
+        st = json.load(f)
+    tens = load_file(os.path.join(out_dir, "train_state.safetensors"))
+    state = defaultdict(dict)
+    for k, v in tens.items():
+        if k.startswith("state."):
+            _, pid, name = k.split(".", 2)
+            state[int(pid)][name] = v
+    for pid, d in st["opt_scalars"].items():
+        state[int(pid)].update(d)
+    opt.load_state_dict({"state": dict(state), "param_groups": st["param_groups"]})
+    return st
+
+
+def draw_loss_curve(metrics_path, png_path):
+    """loss_curve.png from metrics.jsonl, drawn with PIL (no matplotlib in the project)."""
+    from PIL import Image, ImageDraw
+    pts = []
+    with open(metrics_path) as f:
+        for line in f:
+            r = json.loads(line)
+            if "loss" in r:
+                pts.append((r["step"], r["loss"]))
+    if len(pts) < 2:
+        return
+    W, H, m = 640, 360, 40
+    img = Image.new("RGB", (W, H), "white")
+    d = ImageDraw.Draw(img)
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
+    sx = lambda x: m + (W - 2 * m) * (x - x0) / max(1e-9, x1 - x0)
+    sy = lambda y: H - m - (H - 2 * m) * (y - y0) / max(1e-9, y1 - y0)
+    d.rectangle((m, m, W - m, H - m), outline="black")
+    d.line([(sx(x), sy(y)) for x, y in pts], fill=(31, 119, 180), width=2)
+    d.text((m, 10), f"loss  {y1:.3f} (top) .. {y0:.3f} (bottom), steps {x0}..{x1}", fill="black")
+    _atomic(png_path, lambda t: img.save(t, format="PNG"))
+
+
+def build_tokenizer(args, out_dir_for_resume=None):
+    if out_dir_for_resume and os.path.exists(os.path.join(out_dir_for_resume, "tokenizer.json")):
+        return data.Tokenizer.load(out_dir_for_resume)
+    return data.build_tokenizer(vocab_path=args.vocab, captions=data.captions_for_tokenizer(args.data),
+                                vocab_size=args.vocab_size)
+
+
+def read_split_file(path):
+    """A split file written by `composer.py mcd` (JSON lines: one caption item per line)."""
+    try:
+        with open(path) as f:
+            return [json.loads(l) for l in f if l.strip()]
+    except FileNotFoundError:
+        raise ComposerError(f"{path}: split file not found") from None
+    except json.JSONDecodeError as e:
+        raise ComposerError(f"{path}: not a JSON-lines split file ({e.msg}, line {e.lineno})") from None
+
+
+def make_model(args, tok, feat_dim):
+    cfg = ModelConfig(arch=args.model, vocab_size=tok.vocab_size, eot_token_id=tok.eot_id, max_len=args.max_len,
+                      feat_dim=feat_dim, width=args.width, heads=args.heads, vis_layers=args.vis_layers,
+                      pt_layers=args.pt_layers, ct_layers=args.ct_layers, modulator=args.modulator,
+                      crossatt_primitives=not args.no_crossatt_primitives)
+    return MODELS[cfg.arch](cfg), cfg
+
+
+def train(args):
+    rank, world, device = ddp_setup(args.device)
+    master = rank == 0
+    if args.batch_size % world:
+        raise ComposerError(f"--batch_size {args.batch_size} is not divisible by {world} ranks")
+    if args.width % args.heads:
+        raise ComposerError(f"--width {args.width} is not divisible by --heads {args.heads}")
+    if args.features == "regions" and not args.regions:
+        raise ComposerError("--features regions needs --regions DIR")
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    resume = args.resume and os.path.exists(os.path.join(args.out_dir, "train_state.json"))
+    tok = build_tokenizer(args, args.out_dir if resume else None)
+    compiler = TextCompiler(tok, args.max_len)
+    t0 = time.time()
+    sp = attach_compiler(load_split(args, "train", args.n_train), compiler, args.max_skip_frac)
+    evals = {}
+    if args.n_eval:
+        evals["in_domain"] = attach_compiler(load_split(args, args.eval_split, args.n_eval), compiler, args.max_skip_frac)
+    for path in args.split_file or []:
+        evals[os.path.splitext(os.path.basename(path))[0]] = attach_compiler(
+            load_split(args, None, None, items=read_split_file(path)), compiler, args.max_skip_frac)
+    model, cfg = make_model(args, tok, sp.store.feat_dim)
+    if args.init:
+        model.load_state_dict(load_file(os.path.join(args.init, "model.safetensors")
+                                        if os.path.isdir(args.init) else args.init))
+    model.to(device)
+    if master:
+        print(f"data: {len(sp.captions)} train captions / {len(sp.keys)} images, skipped {dict(sp.skipped)}, "
+              f"{time.time() - t0:.1f}s; model {cfg.arch}: {sum(p.numel() for p in model.parameters()) / 1e6:.3f}M params; "
+              f"world {world}, device {device}", flush=True)
+    params = list(model.parameters())
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.98), foreach=True)
+    sampler = Sampler(len(sp.captions), args.batch_size, args.seed)
+    step = 0
+    if resume:
+        model.load_state_dict(load_file(os.path.join(args.out_dir, "model.safetensors")))
+        st = load_train_state(args.out_dir, opt)
+        step = st["step"]
+        sampler.load_state_dict(st["sampler"])
+        _set_rng_state(st["rng"])
+        if master:
+            print(f"resumed from {args.out_dir} at step {step}", flush=True)
+    fwd = torch.compile(model) if args.compile else model
+    stop = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    metrics = os.path.join(args.out_dir, "metrics.jsonl")
+    if master:
+        os.makedirs(args.out_dir, exist_ok=True)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") and args.dtype == "bfloat16" \
+        else torch.autocast("cpu", enabled=False)
+    last_log = time.time()
+    extra = {"skipped": dict(sp.skipped)}
+
+    def log(rec):
+        if master:
+            with open(metrics, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    def run_evals(tag_step):
+        out = {}
+        for name, es in evals.items():
+            r, S = evaluate(model, compiler, es, device, args.parse_dropout, phrases=name == "in_domain", seed=args.seed)
+            out[name] = r
+        model.train()
+        return out
+
+    model.train()
+    while step < args.max_steps:
+        gidx = sampler.next()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args)
+        with autocast:
+            loss, parts = train_step(fwd, compiler, sp, gidx, rank, world, step, args, device)
+        if not torch.isfinite(loss):
+            raise ComposerError(f"loss is {float(loss)} at step {step}: stopping; the last good checkpoint "
+                                f"is in {args.out_dir}")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        allreduce_grads(params, world)
+        torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        opt.step()
+        step += 1
+        if step % args.log_every == 0 or step == args.max_steps:
+            vals = torch.tensor([loss.item()] + list(parts.values()), dtype=torch.float64)
+            if world > 1:  # log the global batch's loss: the mean of the ranks' losses
+                import torch.distributed as dist
+                dist.all_reduce(vals)
+                vals /= world
+            parts = dict(zip(parts, vals[1:].tolist()))
+            dt = time.time() - last_log
+            last_log = time.time()
+            rec = {"step": step, "loss": round(vals[0].item(), 6), **{k: round(v, 6) for k, v in parts.items()},
+                   "lr": opt.param_groups[0]["lr"], "samples_per_s": round(args.batch_size * args.log_every / max(dt, 1e-9), 1)}
+            log(rec)
+            if master:
+                print(json.dumps(rec), flush=True)
+        if args.eval_every and step % args.eval_every == 0 and step < args.max_steps and master:
+            ev = run_evals(step)
+            log({"step": step, "eval": ev})
+            print(json.dumps({"step": step, "eval": ev}), flush=True)
+        if master and (step % args.ckpt_every == 0 or step == args.max_steps or stop["flag"]):
+            save_checkpoint(args.out_dir, model, opt, cfg, args, step, sampler, tok, extra)
+        if stop["flag"]:
+            if master:
+                print(f"SIGTERM: checkpoint saved at step {step}", flush=True)
+            break
+    result = None
+    if master and not stop["flag"]:
+        ev = run_evals(step)
+        log({"step": step, "eval": ev, "final": True})
+        result = {"step": step, "eval": ev}
+        print(json.dumps({"final": result}), flush=True)
+        draw_loss_curve(metrics, os.path.join(args.out_dir, "loss_curve.png"))
+    if world > 1:
+        import torch.distributed as dist
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
+
+
+# =============================================================================
+# 9. main: subcommands
+# =============================================================================
+
+def load_checkpoint(ckpt, device="cpu"):
+    """(model, tokenizer, saved args as a Namespace) from a composer.py out_dir."""
+    try:
+        with open(os.path.join(ckpt, "config.json")) as f:
+            conf = json.load(f)
+    except FileNotFoundError:
+        raise ComposerError(f"{ckpt}: no config.json (not a composer.py out_dir)") from None
+    cfg = ModelConfig(**conf["model"])
+    model = MODELS[cfg.arch](cfg)
+    model.load_state_dict(load_file(os.path.join(ckpt, "model.safetensors")))
+    return model.to(device).eval(), data.Tokenizer.load(ckpt), argparse.Namespace(**conf["args"])
+
+
+def cmd_eval(args):
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tok, targs = load_checkpoint(args.ckpt, device)
+    for k in ("features", "regions", "clip", "image_size", "image_root"):
+        if getattr(args, k, None) is None:
+            setattr(args, k, getattr(targs, k, None))
+    args.data = args.data or targs.data
+    compiler = TextCompiler(tok, model.cfg.max_len)
+    sets = {}
+    if args.n:
+        sets[args.split] = load_split(args, args.split, args.n)
+    for path in args.split_file or []:
+        sets[os.path.splitext(os.path.basename(path))[0]] = load_split(args, None, None, items=read_split_file(path))
+    out = {}
+    for name, sp in sets.items():
+        attach_compiler(sp, compiler, args.max_skip_frac)
+        t0 = time.time()
+        res, S = evaluate(model, compiler, sp, device, args.parse_dropout, phrases=not args.no_phrases, seed=args.seed)
+        res["skipped"] = dict(sp.skipped)
+        res["seconds"] = round(time.time() - t0, 1)
+        out[name] = res
+        if args.interpret and model.cfg.arch == "composer":
+            for i in range(min(args.interpret, len(sp.captions))):
+                print(interpret(model, compiler, sp, S, i, device) + "\n")
+    print(json.dumps(out, indent=1))
+    return out
+
+
+def _collect(args, spec, split, n):
+    ns = argparse.Namespace(**{**vars(args), "data": spec, "features": "none"})
+    raw = []
+    if spec.endswith(".jsonl"):
+        for it in read_split_file(spec):
+            raw.append((it.get("key"), it.get("caption", ""), it.get("tree"), it))
+    elif _is_shapes(spec):
+        seed = _shapes_opts(spec).get("seed", 0)
+        for i in range(n):
+            sc = data.shapes_scene(split, i, seed)
+            raw.append((f"{split}{i:08d}", sc.caption, sc.tree,
+                        {"source": "shapes", "split": split, "index": i, "seed": seed, "key": f"{split}{i:08d}"}))
+    else:
+        loader = data.make_loader(spec, split=split, batch_size=64, train=False, drop_last=False,
+                                  image_root=getattr(ns, "image_root", None))
+        for b in loader:
+            for k, c, t in zip(b["key"], b["caption"], b["tree"]):
+                raw.append((k, c, t, {"source": spec, "split": split, "key": k, "caption": c, "tree": t}))
+            if n and len(raw) >= n:
+                break
+        raw = raw[:n] if n else raw
+    crgs, items, skipped = [], [], Counter()
+    for key, cap, tree, it in raw:
+        try:
+            crgs.append(caption_crg(cap, tree))
+            items.append(it)
+        except CRGError as e:
+            skipped[e.kind] += 1
+    _check_skips(skipped, len(raw), args.max_skip_frac, spec)
+    return crgs, items, skipped
+
+
+def cmd_graph(args):
+    crgs, items, skipped = _collect(args, args.data, args.split, args.n)
+    st = graph_stats(crgs, [it.get("key") for it in items])
+    st["skipped"] = dict(skipped)
+    print(json.dumps(st, indent=1))
+    return st
+
+
+def cmd_mcd(args):
+    train_crgs, _, sk_t = _collect(args, args.train, args.train_split, args.n_train)
+    pool_crgs, pool_items, sk_p = _collect(args, args.pool, args.pool_split, args.n_pool)
+    by_img = defaultdict(list)  # pool items are images with all their captions (appendix B)
+    for crg, it in zip(pool_crgs, pool_items):
+        by_img[it.get("key")].append((crg, it))
+    pool = [(k, [c for c, _ in v]) for k, v in by_img.items()]
+    res = mcd_split(train_crgs, pool, args.size, args.stride)
+    summary = {k: v for k, v in res.items() if k not in ("mcd", "random", "windows")}
+    summary["windows"] = [{k: v for k, v in w.items() if k != "items"} for w in res["windows"]]
+    summary["skipped"] = {"train": dict(sk_t), "pool": dict(sk_p)}
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        for name, keys in (("mcd", res["mcd"]), ("random", res["random"])):
+            lines = [json.dumps(it) for k in keys for _, it in by_img[k]]
+            _atomic(os.path.join(args.out, f"{name}.jsonl"), lambda t: open(t, "w").write("\n".join(lines) + "\n"))
+        _write_json(os.path.join(args.out, "windows.json"), res["windows"])
+        summary["written"] = [os.path.join(args.out, f) for f in ("mcd.jsonl", "random.jsonl", "windows.json")]
+    print(json.dumps(summary, indent=1))
+    return res
+
+
+def add_common(p):
+    p.add_argument("--data", default="shapes", help="data spec (data.py): shapes, shapes:train_size=N,seed=S, ...")
+    p.add_argument("--device", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max_skip_frac", type=float, default=0.1, help="stop if more captions than this are skipped")
+    p.add_argument("--image_root", default=None)
+
+
+def add_features(p, default="gold"):
+    p.add_argument("--features", choices=["gold", "regions", "clip"], default=default,
+                   help="gold: shapes gold boxes; regions: --regions DIR/{key}.safetensors; clip: frozen il_clip patches")
+    p.add_argument("--regions", default=None, help="directory of {key}.safetensors with feats [N,D], boxes [N,5]")
+    p.add_argument("--clip", default=None, help="il_clip.py out_dir or OpenAI-format weights (--features clip)")
+    p.add_argument("--image_size", type=int, default=64)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description="COMPOSER: CRG, model, training, retrieval, MCD splits")
+    sub = ap.add_subparsers(dest="cmd")
+    t = sub.add_parser("train", help="train COMPOSER or a baseline (default subcommand)")
+    add_common(t)
+    add_features(t)
+    t.add_argument("--model", choices=list(MODELS), default="composer")
+    t.add_argument("--out_dir", default="out/composer")
+    t.add_argument("--max_steps", type=int, default=600)
+    t.add_argument("--batch_size", type=int, default=32, help="global batch (split over ranks)")
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--weight_decay", type=float, default=0.01)
+    t.add_argument("--warmup", type=int, default=50)
+    t.add_argument("--grad_clip", type=float, default=1.0)
+    t.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    t.add_argument("--resume", action="store_true")
+    t.add_argument("--compile", action="store_true")
+    t.add_argument("--init", default=None, help="initial weights: a composer out_dir or model.safetensors")
+    t.add_argument("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz (else a BPE trained on the captions)")
+    t.add_argument("--vocab_size", type=int, default=1000)
+    t.add_argument("--max_len", type=int, default=40)
+    t.add_argument("--width", type=int, default=64)
+    t.add_argument("--heads", type=int, default=4)
+    t.add_argument("--vis_layers", type=int, default=1)
+    t.add_argument("--pt_layers", type=int, default=1)
+    t.add_argument("--ct_layers", type=int, default=3)
+    t.add_argument("--modulator", choices=["film", "mlp", "replace"], default="film")
+    t.add_argument("--no_crossatt_primitives", action="store_true")
+    t.add_argument("--mvsa", choices=["hinge", "nll"], default="hinge")
+    t.add_argument("--alpha", type=float, default=0.8, help="MVSA hinge margin")
+    t.add_argument("--beta", type=float, default=0.2, help="order hinge margin")
+    t.add_argument("--lambda1", type=float, default=1.0, help="weight of l_MVSA")
+    t.add_argument("--lambda2", type=float, default=1.0, help="weight of l_order")
+    t.add_argument("--n_neg_img", type=int, default=3, help="negative images per true pair (l_match, MVSA)")
+    t.add_argument("--n_neg_txt", type=int, default=3, help="negative captions per true pair (l_match, MVSA)")
+    t.add_argument("--n_train", type=int, default=20000, help="training captions (shapes: scenes 0..n-1)")
+    t.add_argument("--n_eval", type=int, default=200, help="in-domain eval captions (0: none)")
+    t.add_argument("--eval_split", default="test")
+    t.add_argument("--split_file", action="append", help="extra eval set(s) written by `composer.py mcd`")
+    t.add_argument("--parse_dropout", type=float, default=0.0, help="remove parse branches with prob p at eval")
+    t.add_argument("--eval_every", type=int, default=0)
+    t.add_argument("--log_every", type=int, default=25)
+    t.add_argument("--ckpt_every", type=int, default=200)
+    e = sub.add_parser("eval", help="text->image / phrase->image retrieval of a checkpoint")
+    add_common(e)
+    add_features(e, default=None)
+    e.set_defaults(data=None)
+    e.add_argument("--ckpt", required=True)
+    e.add_argument("--split", default="test")
+    e.add_argument("--n", type=int, default=1000, help="captions of --split to evaluate (0: none)")
+    e.add_argument("--split_file", action="append")
+    e.add_argument("--parse_dropout", type=float, default=0.0)
+    e.add_argument("--no_phrases", action="store_true")
+    e.add_argument("--interpret", type=int, default=0, help="print the per-node score tree of the first K captions")
+    g = sub.add_parser("graph", help="CRG statistics (paper Table 1)")
+    add_common(g)
+    g.add_argument("--split", default="train")
+    g.add_argument("--n", type=int, default=10000, help="captions to read (shapes: scenes 0..n-1)")
+    m = sub.add_parser("mcd", help="maximum compound divergence split (paper appendix B)")
+    add_common(m)
+    m.add_argument("--train", default="shapes", help="training data spec (or a .jsonl of caption items)")
+    m.add_argument("--train_split", default="train")
+    m.add_argument("--n_train", type=int, default=20000)
+    m.add_argument("--pool", default="shapes", help="candidate data spec (or a .jsonl of caption items)")
+    m.add_argument("--pool_split", default="test")
+    m.add_argument("--n_pool", type=int, default=1000)
+    m.add_argument("--size", type=int, default=300, help="items (images) in the MCD split")
+    m.add_argument("--stride", type=int, default=None, help="sliding-window stride for graded splits")
+    m.add_argument("--out", default=None, help="write mcd.jsonl, random.jsonl, windows.json here")
+    if not argv or argv[0].startswith("-"):
+        argv = ["train"] + list(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    errors = (ComposerError, CRGError) + ((data.DataError,) if data is not None else ())
+    try:
+        if data is None and args.cmd != "mcd":
+            raise ComposerError("data.py is missing (composer.py imports it for data, tokenizer and shapes)")
+        return {"train": train, "eval": cmd_eval, "graph": cmd_graph, "mcd": cmd_mcd}[args.cmd](args)
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
