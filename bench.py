@@ -1,0 +1,568 @@
+"""
+Throughput, MFU and memory benchmarks (nanoGPT's bench.py is the model).
+
+    python bench.py --model tiny --method il --batch_size 64                   # training step, CPU
+    python bench.py --model ViT-B-32 --method clip --batch_size 256 --compile --dtype bf16   # GPU
+    python bench.py --model tiny --method clip --reference open_clip           # ratio vs open_clip
+    python bench.py --data shapes                                              # data pipeline alone
+    python bench.py --codebook_memory                                          # codebook head memory
+    python bench.py --composer                                                 # COMPOSER recursion
+
+Training steps run through il_clip.Trainer itself (its loss, IL phase logic, spawn, AdamW,
+grad clipping, logit_scale clamp) on one synthetic batch that stays on the device; only the
+tokenizer and the batches are replaced. The timed window starts and ends with one device
+synchronisation each, so the hot loop keeps whatever host-device overlap il_clip.py has.
+Memory: CUDA reports torch.cuda.max_memory_allocated over the timed steps; the CPU reports the
+peak RSS (VmHWM, reset through /proc/self/clear_refs at the start of the timed window) minus
+the RSS before the model was built: model + optimizer + activations + allocator slack.
+"""
+import argparse
+import contextlib
+import gc
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+import data
+import il_clip
+
+# -----------------------------------------------------------------------------
+# device helpers
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rss_bytes(field="VmRSS"):
+    """Resident set size (VmRSS) or its peak since the last reset (VmHWM) of this process, Linux."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakMemory:
+    """CUDA: max_memory_allocated since start(). CPU: VmHWM since start() (the kernel's peak RSS,
+    reset by writing 5 to /proc/self/clear_refs) minus the RSS at `base` (taken before the model
+    was built)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.base = rss_bytes() if device.type != "cuda" else 0
+
+    def start(self):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            with contextlib.suppress(OSError):
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+
+    def peak(self):
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return rss_bytes("VmHWM") - self.base
+
+    def kind(self):
+        return "max_memory_allocated" if self.device.type == "cuda" else "peak RSS delta (VmHWM)"
+
+
+def fmt_bytes(n):
+    return f"{n / 2**20:,.0f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def setup_device(args):
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return device
+
+
+# -----------------------------------------------------------------------------
+# training steps through il_clip.Trainer on synthetic tensors
+
+
+class SyntheticTokenizer:
+    """Stands in for data's tokenizer (only its sizes and ids are used): the preset's vocab and
+    context length, EOT the largest id (so open_clip's argmax pooling finds it too)."""
+
+    def __init__(self, vocab_size, context_length):
+        self.vocab_size, self.context_length = vocab_size, context_length
+        self.pad_id, self.sot_id, self.eot_id = 0, vocab_size - 2, vocab_size - 1
+
+    def save(self, out_dir):
+        pass
+
+    def batch(self, B, device, g):
+        L = self.context_length
+        text = torch.randint(1, self.sot_id, (B, L), generator=g)
+        n = torch.randint(2, L, (B,), generator=g)                  # position of EOT, 2..L-1
+        pos = torch.arange(L)[None]
+        text[:, 0] = self.sot_id
+        text = torch.where(pos == n[:, None], self.eot_id, torch.where(pos > n[:, None], 0, text))
+        return text.to(device)
+
+
+class StopBench(Exception):
+    pass
+
+
+class TimedBatches:
+    """Trainer.batches replacement: the same on-device batch at every step. At the step indices
+    in `marks` it synchronises the device and takes the time (the start of that step's forward);
+    at the last mark it stops the run."""
+
+    def __init__(self, batch, device, marks, mem):
+        self.batch, self.device, self.marks, self.mem = batch, device, sorted(marks), mem
+        self.calls, self.times, self.cpu = 0, [], []
+
+    def next(self):
+        if self.calls in self.marks:
+            sync(self.device)
+            self.times.append(time.perf_counter())
+            self.cpu.append(time.process_time())
+            if len(self.times) == 1:
+                self.mem.start()
+            if self.calls == self.marks[-1]:
+                raise StopBench
+        self.calls += 1
+        return self.batch
+
+
+def model_config(model, method, codebook):
+    cfg = il_clip.ModelConfig(**il_clip.MODEL_PRESETS[model])
+    cfg.codebook_size = codebook if method in ("codebook", "il") else 0
+    return cfg
+
+
+def default_codebook(model):
+    return 1024 if model == "tiny" else 16384      # shapes default / the paper's K
+
+
+def run_trainer(args, method, device):
+    """Time `args.steps` training steps of il_clip.Trainer. For `il` the timed window is one whole
+    generation (distill 1/6, interact 5/6 as in the paper's 1000/5000) after a warm-up that already
+    ran a generation, so compiled graphs of both phases exist; the spawn is timed separately."""
+    preset = il_clip.MODEL_PRESETS[args.model]
+    tok = SyntheticTokenizer(preset["vocab_size"], preset["context_length"])
+    K = args.codebook if args.codebook is not None else default_codebook(args.model)
+    W, N = args.warmup, args.steps
+    if method == "il":
+        d = max(1, round(N / 6))
+        i = max(1, N - d)
+        s0 = W + d + i                          # first step of generation 2 (spawn already done)
+        marks = [s0, s0 + d, s0 + d + i]
+        sched = ["--t_warm", W, "--t_distill", d, "--t_interact", i, "--generations", 2, "--t_extend", 1]
+    else:
+        marks, sched = [W, W + N], []
+    argv = ["--data", "shapes", "--model", args.model, "--method", method, "--batch_size", args.batch_size,
+            "--device", str(device), "--dtype", args.dtype, "--max_steps", marks[-1] + 1,
+            "--log_interval", 10**9, "--save_interval", 10**9, "--eval_n", 0, "--seed", 0, *sched]
+    if method != "clip":
+        argv += ["--codebook", K]
+    if args.compile:
+        argv.append("--compile")
+    mem = PeakMemory(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        targs = il_clip.build_args([str(a) for a in argv + ["--out_dir", tmp]])
+        real_build = il_clip.build_tokenizer
+        il_clip.build_tokenizer = lambda *a, **k: tok       # no BPE training: the preset's vocab
+        try:
+            torch.manual_seed(0)
+            trainer = il_clip.Trainer(targs, 0, 1)
+        finally:
+            il_clip.build_tokenizer = real_build
+        trainer.master = False                  # no tqdm, metrics.jsonl or checkpoints while timing
+        g = torch.Generator().manual_seed(0)
+        S = trainer.cfg.image_size
+        batch = {"image": torch.randn(args.batch_size, 3, S, S, generator=g).to(device),
+                 "text": tok.batch(args.batch_size, device, g),
+                 "caption": ["a red square left of a blue circle"] * args.batch_size}
+        trainer.batches = tb = TimedBatches(batch, device, marks, mem)
+        spawn_times = []
+        real_spawn = trainer.spawn
+
+        def timed_spawn(gen):
+            sync(device)
+            t = time.perf_counter()
+            real_spawn(gen)
+            sync(device)
+            spawn_times.append(time.perf_counter() - t)
+        trainer.spawn = timed_spawn
+        try:
+            trainer.train()
+            raise RuntimeError("the training loop ended before the timed window closed")
+        except StopBench:
+            pass
+        peak = mem.peak()
+        cfg = trainer.cfg
+        del trainer
+    t = tb.times
+    res = {"method": method, "cfg": cfg, "peak_bytes": peak, "mem_kind": mem.kind(),
+           "step_s": (t[-1] - t[0]) / (marks[-1] - marks[0]),
+           "cpu_s": (tb.cpu[-1] - tb.cpu[0]) / (marks[-1] - marks[0])}
+    if method == "il":
+        res.update(distill_s=(t[1] - t[0]) / d, interact_s=(t[2] - t[1]) / i, spawn_s=spawn_times[-1], d=d, i=i)
+        # the paper's schedule: 48000 steps, 5 x 1000 distill, 5 spawns, the rest contrastive
+        res["paper_avg_s"] = (5000 * res["distill_s"] + 43000 * res["interact_s"] + 5 * res["spawn_s"]) / 48000
+        res["window_avg_s"] = (t[2] - t[0] + res["spawn_s"]) / (d + i)
+    return res
+
+
+def report_train(args, res, device, label="il_clip"):
+    cfg, B = res["cfg"], args.batch_size
+    flops = il_clip.estimate_flops_per_pair(cfg)
+    step = res.get("paper_avg_s", res["step_s"])
+    sps = B / step
+    mfu = il_clip.estimate_mfu(cfg, sps, device)
+    extra = f"K={cfg.codebook_size} " if cfg.codebook_size else ""
+    print(f"{label} {args.model} {res['method']} {extra}batch {B} {args.dtype}{' compiled' if args.compile else ''} "
+          f"on {device_name(device)}")
+    if res["method"] == "il":
+        print(f"  distill step {res['distill_s'] * 1e3:.1f} ms, interact step {res['interact_s'] * 1e3:.1f} ms, "
+              f"spawn {res['spawn_s'] * 1e3:.0f} ms; window average ({res['d']} distill + {res['i']} interact "
+              f"+ 1 spawn) {res['window_avg_s'] * 1e3:.1f} ms/step")
+        print(f"  IL average at the paper's schedule (10.4% distill, 5 spawns in 48k steps): {step * 1e3:.1f} ms/step")
+    else:
+        print(f"  step {step * 1e3:.1f} ms")
+    if device.type == "cpu":   # process CPU time (all threads): less sensitive to other jobs on a shared CPU
+        print(f"  process CPU time {res['cpu_s'] * 1e3:.1f} ms/step (wall-clock above)")
+    print(f"  {sps:,.1f} samples/s, {flops / 1e9:.2f} GFLOPs/pair/step -> {flops * sps / 1e12:.3f} TFLOP/s, "
+          f"MFU {'n/a (no GPU peak for this device)' if mfu is None else f'{mfu:.1%}'}")
+    print(f"  peak memory {fmt_bytes(res['peak_bytes'])} ({res['mem_kind']})")
+    return sps
+
+
+def device_name(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({torch.get_num_threads()} threads)"
+
+
+# -----------------------------------------------------------------------------
+# --reference open_clip: the same configuration with open_clip's model and ClipLoss
+
+
+def import_open_clip():
+    """open_clip for comparisons only (SPEC.md 6; the project scripts never import it). It imports
+    torchvision, which has no CPU build here: every `torchvision.*` import gets a dummy module
+    (the hook of tests/conftest.py)."""
+    import importlib.abc
+    import importlib.machinery
+    import types
+
+    class _AnyMeta(type):
+        def __getattr__(cls, name):
+            return cls
+
+    class _Any(metaclass=_AnyMeta):
+        def __init__(self, *a, **k):
+            pass
+
+        def __call__(self, *a, **k):
+            return self
+
+    class _DummyTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            if name == "torchvision" or name.startswith("torchvision."):
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+            return None
+
+        def create_module(self, spec):
+            module = types.ModuleType(spec.name)
+            module.__path__ = []
+            module.__getattr__ = lambda name: _Any
+            return module
+
+        def exec_module(self, module):
+            pass
+
+    if not any(type(f).__name__ == "_DummyTorchvision" for f in sys.meta_path):
+        sys.meta_path.insert(0, _DummyTorchvision())
+    import open_clip
+    return open_clip
+
+
+def open_clip_model(open_clip, cfg):
+    from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
+    vision = CLIPVisionCfg(layers=cfg.vision_layers, width=cfg.vision_width, head_width=cfg.vision_width // cfg.vision_heads,
+                           mlp_ratio=cfg.mlp_ratio, patch_size=cfg.patch_size, image_size=cfg.image_size)
+    text = CLIPTextCfg(context_length=cfg.context_length, vocab_size=cfg.vocab_size, width=cfg.text_width,
+                       heads=cfg.text_heads, layers=cfg.text_layers, mlp_ratio=cfg.mlp_ratio)
+    return CLIP(cfg.embed_dim, vision, text, quick_gelu=cfg.quick_gelu)
+
+
+def run_open_clip(args, device):
+    """open_clip CLIP + ClipLoss, the same step as il_clip's: autocast, AdamW (same groups, fused on
+    CUDA), grad clip 1.0, logit_scale clamp, optional torch.compile."""
+    open_clip = import_open_clip()
+    from open_clip.loss import ClipLoss
+    cfg = model_config(args.model, "clip", 0)
+    mem = PeakMemory(device)
+    torch.manual_seed(0)
+    raw = open_clip_model(open_clip, cfg).to(device).train()
+    decay, no_decay = il_clip.param_groups(raw)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=5e-4, betas=(0.9, 0.98), eps=1e-6, **({"fused": True} if device.type == "cuda" else {}))
+    model = torch.compile(raw) if args.compile else raw
+    loss_fn = ClipLoss()
+    ac = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext())
+    g = torch.Generator().manual_seed(0)
+    tok = SyntheticTokenizer(cfg.vocab_size, cfg.context_length)
+    images = torch.randn(args.batch_size, 3, cfg.image_size, cfg.image_size, generator=g).to(device)
+    text = tok.batch(args.batch_size, device, g)
+    for s in range(args.warmup + args.steps):
+        if s == args.warmup:
+            sync(device)
+            mem.start()
+            t0, c0 = time.perf_counter(), time.process_time()
+        with ac:
+            img, txt, scale = model(images, text)
+            loss = loss_fn(img, txt, scale)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            raw.logit_scale.clamp_(0, math.log(100))
+    sync(device)
+    return {"method": "clip", "cfg": cfg, "step_s": (time.perf_counter() - t0) / args.steps,
+            "cpu_s": (time.process_time() - c0) / args.steps,
+            "peak_bytes": mem.peak(), "mem_kind": mem.kind()}
+
+
+# -----------------------------------------------------------------------------
+# --data: the input pipeline alone
+
+
+def bench_data(args):
+    """decode (shapes: render) + augment + tokenize through data.make_loader, no model."""
+    t = time.perf_counter()
+    tok = data.build_tokenizer(captions=data.captions_for_tokenizer(args.data), vocab_size=1000, context_length=32)
+    print(f"tokenizer trained in {time.perf_counter() - t:.1f}s (not timed below)")
+    size = il_clip.MODEL_PRESETS[args.model]["image_size"]
+    B = args.batch_size
+    loader = data.make_loader(args.data, split="train", batch_size=B, tokenizer=tok, image_size=size, train=True,
+                              num_workers=args.num_workers, seed=0)
+    it = iter(loader)
+    n, t0 = 0, None
+    for b in range(args.warmup + args.steps):
+        if b == args.warmup:
+            t0 = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        n += len(batch["caption"]) if b >= args.warmup else 0
+    dt = time.perf_counter() - t0
+    workers = max(1, args.num_workers)
+    print(f"data {args.data}: image {size}, batch {B}, num_workers {args.num_workers}: {n / dt:,.1f} samples/s "
+          f"({n / dt / workers:,.1f} per worker{'; main process' if args.num_workers == 0 else ''}), "
+          f"{n} samples in {dt:.2f}s, skipped {loader.skipped}")
+
+
+# -----------------------------------------------------------------------------
+# --codebook_memory: the codebook head alone, chunked (il_clip) vs naive
+
+
+class LiveTensorBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the bytes of tensor storages created by ops under this mode (forward and backward)
+    and keeps the peak of the live total; a storage leaves the count when it is freed (weakref
+    finalizer). Storages that existed before (inputs, parameters, views of them) are not counted.
+    Exact on the CPU, where no caching allocator hides frees; it does not see allocator overhead
+    or scratch buffers inside one kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen = set()
+
+    def _free(self, key, n):
+        self.live -= n
+        self.seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat_in = torch.utils._pytree.tree_leaves((args, kwargs))
+        inputs = {t.untyped_storage().data_ptr() for t in flat_in if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            key, n = st.data_ptr(), st.nbytes()
+            if n == 0 or key in inputs or key in self.seen:
+                continue
+            self.seen.add(key)
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(st, self._free, key, n)
+        return out
+
+
+def codebook_head(q, codes, topk, naive=False):
+    """query-map output q [B, P, D] -> max over tokens -> sparsemax over K -> weighted sum of codes."""
+    if naive:
+        s = (q @ codes.t()).max(dim=1).values                    # materialises B x P x K
+    else:
+        s = il_clip.max_code_scores(q, codes)
+    w = il_clip.sparsemax(s / math.sqrt(q.shape[-1]), dim=-1, topk=topk)
+    return F.normalize(w @ codes, dim=-1)
+
+
+def head_peak(B, P, K, D, topk, naive, device):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, P, D, generator=g).to(device).requires_grad_()
+    codes = torch.randn(K, D, generator=g).to(device).requires_grad_()
+    target = torch.randn(B, D, generator=g).to(device)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        (codebook_head(q, codes, topk, naive) * target).sum().backward()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base, "CUDA max_memory_allocated"
+    with LiveTensorBytes() as m:
+        (codebook_head(q, codes, topk, naive) * target).sum().backward()
+    return m.peak, "live tensor storage bytes (TorchDispatchMode)"
+
+
+def bench_codebook_memory(args, device):
+    B, K, D = args.batch_size, args.codebook or 16384, args.code_dim
+    topk = 256 if K > 2048 else 0
+    print(f"codebook head forward + backward, B={B}, K={K}, D={D}, sparsemax top-k {topk}, fp32, {device_name(device)}")
+    avail = _mem_available()
+    for P in (49, 196):
+        ours, kind = head_peak(B, P, K, D, topk, False, device)
+        naive_need = B * P * K * 4
+        if device.type == "cuda" or 3 * naive_need < avail:
+            naive, _ = head_peak(B, P, K, D, topk, True, device)
+            naive_s = fmt_bytes(naive)
+        else:
+            naive_s = f"skipped (B*P*K*4 = {fmt_bytes(naive_need)}, too close to free memory)"
+        print(f"  P={P:3d}: chunked {fmt_bytes(ours):>10}   naive {naive_s:>10}   "
+              f"(B*P*K fp32 = {fmt_bytes(naive_need)}, B*K fp32 = {fmt_bytes(B * K * 4)})  [{kind}]")
+
+
+def _mem_available():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+# -----------------------------------------------------------------------------
+# --composer: level-batched composition vs node-by-node recursion
+
+
+def bench_composer(args, device):
+    import composer
+    n = args.batch_size
+    scenes = [data.shapes_scene("train", i) for i in range(n)]
+    tok = data.build_tokenizer(captions=[s.caption for s in scenes], vocab_size=1000, context_length=32)
+    cfg = composer.ModelConfig(vocab_size=tok.vocab_size, eot_token_id=tok.eot_id)
+    torch.manual_seed(0)
+    model = composer.Composer(cfg).to(device).eval()
+    compiler = composer.TextCompiler(tok, cfg.max_len)
+    comps = [compiler.compile(composer.caption_crg(s.caption, s.tree)) for s in scenes]
+    regions = [composer.shapes_region_features(s.image, s.objects) for s in scenes]
+    store = composer.FeatureStore([r[0] for r in regions], [r[1] for r in regions])
+    feats, boxes, mask = store.get(torch.arange(n), device)
+    nodes = sum(len(c["nodes"]) for c in comps)
+
+    def batched():
+        tb = {k: v.to(device) if torch.is_tensor(v) else v for k, v in composer.collate_text(comps).items()}
+        te = model.encode_text(tb)
+        V, vm = model.encode_image(feats, boxes, mask)
+        idx = torch.arange(n, device=device)
+        return model.score_pairs(tb, te, V, vm, idx, idx)[1]["node_score"]
+
+    def recursive():
+        return torch.cat([model.score_recursive(c, feats[i], boxes[i], mask[i]) for i, c in enumerate(comps)])
+
+    times = {}
+    with torch.no_grad():
+        for name, fn in (("level-batched", batched), ("node-by-node", recursive)):
+            out = fn()                                           # warm-up
+            reps = []
+            for _ in range(max(1, args.steps // 4)):
+                sync(device)
+                t = time.perf_counter()
+                fn()
+                sync(device)
+                reps.append(time.perf_counter() - t)
+            times[name] = (statistics.median(reps), out)
+    (tb_, a), (tr_, b) = times["level-batched"], times["node-by-node"]
+    print(f"composer forward, {n} caption-image pairs ({nodes} concept nodes, max depth "
+          f"{max(max(x['level'] for x in c['nodes']) for c in comps)}), width {cfg.width}, {device_name(device)}:")
+    print(f"  level-batched {tb_ * 1e3:.1f} ms ({n / tb_:,.0f} pairs/s), node-by-node {tr_ * 1e3:.1f} ms "
+          f"({n / tr_:,.0f} pairs/s): {tr_ / tb_:.1f}x; max |node score diff| {float((a - b).abs().max()):.2e}")
+
+
+# -----------------------------------------------------------------------------
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="tiny", choices=list(il_clip.MODEL_PRESETS))
+    p.add_argument("--method", default="clip", choices=["clip", "codebook", "il"])
+    p.add_argument("--batch_size", type=int, default=None, help="default: 64 for tiny, 256 otherwise")
+    p.add_argument("--codebook", type=int, default=None, help="K (default: 1024 for tiny, 16384 otherwise; "
+                   "--codebook_memory: 16384)")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16"], help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--reference", default=None, choices=["open_clip"], help="also time open_clip, print the ratio")
+    p.add_argument("--rounds", type=int, default=2, help="with --reference: alternate ours/theirs this many "
+                   "times and keep each one's best (the CPU here is shared)")
+    p.add_argument("--data", default=None, help="time the data pipeline of this --data spec alone")
+    p.add_argument("--num_workers", type=int, default=0)
+    p.add_argument("--codebook_memory", action="store_true", help="peak memory of the codebook head alone")
+    p.add_argument("--code_dim", type=int, default=512, help="--codebook_memory: D of codes and queries")
+    p.add_argument("--composer", action="store_true", help="level-batched vs node-by-node composition")
+    args = p.parse_args(argv)
+    device = setup_device(args)
+    args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    if args.batch_size is None:
+        args.batch_size = 256 if args.codebook_memory else 64 if args.model == "tiny" else 256
+    if args.data:
+        return bench_data(args)
+    if args.codebook_memory:
+        return bench_codebook_memory(args, device)
+    if args.composer:
+        return bench_composer(args, device)
+    if args.reference != "open_clip":
+        report_train(args, run_trainer(args, args.method, device), device)
+        return 0
+    ours, theirs = [], []
+    for _ in range(args.rounds):
+        ours.append(run_trainer(args, args.method, device))
+        theirs.append(run_open_clip(args, device))
+    best = lambda rs: min(rs, key=lambda r: r.get("paper_avg_s", r["step_s"]))
+    a = report_train(args, best(ours), device)
+    b = report_train(args, best(theirs), device, label="open_clip")
+    print(f"il_clip / open_clip samples/s: {a / b:.3f} (best of {args.rounds} alternating rounds each; per round: "
+          + ", ".join(f"{t['step_s'] / o.get('paper_avg_s', o['step_s']):.3f}" for o, t in zip(ours, theirs)) + ")")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (data.DataError, il_clip.ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
