@@ -268,9 +268,12 @@ def pct(x):
     return round(100.0 * float(x), 4)
 
 
-def usable(rows, emb_images, refs_of):
-    """Rows whose images were all read."""
-    return [r for r in rows if all(ref.key in emb_images for ref in refs_of(r))]
+def usable(rows, emb_images, refs_of, required=False):
+    """Rows whose images were all read (with `required`, none is a DataError)."""
+    kept = [r for r in rows if all(ref.key in emb_images for ref in refs_of(r))]
+    if required and not kept:
+        raise data.DataError(f"none of the {len(rows)} images could be read")
+    return kept
 
 
 def pair_accuracy(emb, rows):
@@ -278,7 +281,7 @@ def pair_accuracy(emb, rows):
     images = emb.images([r[0] for r in rows])
     rows = usable(rows, images, lambda r: [r[0]])
     if not rows:
-        return {"acc": float("nan"), "n": 0}
+        return {"acc": None, "n": 0}
     img = torch.stack([images[r[0].key] for r in rows])
     pos, neg = emb.texts([r[1] for r in rows]), emb.texts([r[2] for r in rows])
     correct = (img * pos).sum(-1) > (img * neg).sum(-1)
@@ -291,7 +294,7 @@ def r1_among_negatives(emb, rows):
     images = emb.images([r[0] for r in rows])
     rows = usable(rows, images, lambda r: [r[0]])
     if not rows:
-        return {"acc": float("nan"), "n": 0}
+        return {"acc": None, "n": 0}
     captions = sorted({c for r in rows for c in [r[1], *r[2]]})
     text, index = emb.texts(captions), {c: i for i, c in enumerate(captions)}
     correct = 0
@@ -317,7 +320,7 @@ def pair_of_pairs(emb, rows):
     images = emb.images([ref for r in rows for ref in (r[0], r[2])])
     rows = usable(rows, images, lambda r: [r[0], r[2]])
     if not rows:
-        return {"text": float("nan"), "image": float("nan"), "group": float("nan"), "n": 0}
+        return {"text": None, "image": None, "group": None, "n": 0}
     img = torch.stack([torch.stack([images[r[0].key], images[r[2].key]]) for r in rows])  # [N, 2, E]
     cap = torch.stack([emb.texts([r[1], r[3]]) for r in rows])  # [N, 2, E]
     return winoground_scores((cap[:, :, None] * img[:, None]).sum(-1))
@@ -339,7 +342,7 @@ def recall_at_k(sim, positive, ks=(1, 5, 10), chunk=1024):
 def retrieval_scores(emb, items):
     """items: [(ImageRef, [captions])]. Image -> text and text -> image R@1/5/10."""
     images = emb.images([it[0] for it in items])
-    items = usable(items, images, lambda it: [it[0]])
+    items = usable(items, images, lambda it: [it[0]], required=True)
     img = torch.stack([images[it[0].key] for it in items])
     captions = [c for it in items for c in it[1]]
     owner = torch.tensor([i for i, it in enumerate(items) for _ in it[1]])
@@ -552,18 +555,23 @@ def read_crepe(root, image_root):
     return out
 
 
+def pair_of_pairs_row(path, line, image_root, names, captions, exts):
+    """(image0, caption0, image1, caption1), or None (reported) when an image is missing."""
+    imgs = [find_image(image_root, str(n), exts) for n in names]
+    if None in imgs:
+        bad_row(path, line, f"image {names[imgs.index(None)]} not found under {image_root}")
+        return None
+    return file_ref(imgs[0]), captions[0], file_ref(imgs[1]), captions[1]
+
+
 def read_cola(path, image_root):
     rows = []
     for line, _, v in json_rows(path):
         if not (isinstance(v, list) and len(v) == 4 and all(isinstance(s, str) for s in v)):
             bad_row(path, line, "expected [image1, caption1, image2, caption2]")
             continue
-        imgs = [find_image(image_root, v[0], ("",)), find_image(image_root, v[2], ("",))]
-        if None in imgs:
-            bad_row(path, line, f"image {v[0] if imgs[0] is None else v[2]} not found under {image_root}")
-            continue
-        rows.append((file_ref(imgs[0]), v[1], file_ref(imgs[1]), v[3]))
-    return rows
+        rows.append(pair_of_pairs_row(path, line, image_root, [v[0], v[2]], [v[1], v[3]], ("",)))
+    return [r for r in rows if r is not None]
 
 
 def read_winoground(root):
@@ -585,12 +593,8 @@ def read_winoground(root):
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 bad_row(path, line, f"needs image_0, image_1, caption_0, caption_1 ({type(e).__name__})")
                 continue
-            imgs = [find_image(image_root, str(n)) for n in names]
-            if None in imgs:
-                bad_row(path, line, f"image {names[imgs.index(None)]} not found under {image_root}")
-                continue
-            rows.append((file_ref(imgs[0]), caps[0], file_ref(imgs[1]), caps[1]))
-    return rows
+            rows.append(pair_of_pairs_row(path, line, image_root, names, caps, ("",) + IMAGE_EXTS))
+    return [r for r in rows if r is not None]
 
 
 def read_image_folder(root):
@@ -638,7 +642,8 @@ def bench_sugarcrepe(args, emb):
     for subset, rows in read_sugarcrepe(args.sugarcrepe, args.sugarcrepe_images).items():
         r = pair_accuracy(emb, rows)
         out[subset], counts[subset] = r["acc"], r["n"]
-    out["mean"] = round(sum(out.values()) / len(out), 4)
+    scored = [v for v in out.values() if v is not None]
+    out["mean"] = round(sum(scored) / len(scored), 4) if scored else None
     return out | {"n": counts}
 
 
@@ -671,7 +676,7 @@ def shapes_classification_set(split, n, seed):
 
 def classification_features(emb, items):
     images = emb.images([r for r, _ in items])
-    items = [(r, y) for r, y in items if r.key in images]
+    items = usable(items, images, lambda it: [it[0]], required=True)
     return torch.stack([images[r.key] for r, _ in items]), torch.tensor([y for _, y in items])
 
 
