@@ -145,6 +145,9 @@ def load_checkpoint(path, vocab=None, device="cpu"):
         if not (isinstance(model_cfg, dict) and {"vision_width", "text_width", "vocab_size"} <= set(model_cfg)):
             raise ConfigError(f"{path}: config.json holds no CLIP model config: a checkpoint of another method "
                               f"(composer.py?); eval_compositional.py evaluates {' / '.join(KNOWN_SCRIPTS)} checkpoints")
+        if cfg.get("modality", "clip") != "clip":
+            raise ConfigError(f"{path}: a {cfg['modality']}-only mm_learngene.py descendant; these benchmarks need "
+                              f"both towers (expand with --modality clip)")
     try:
         model, tok, config = il_clip.load_model(path, device=device)
     except (data.DataError, il_clip.ConfigError) as e:
