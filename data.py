@@ -8,9 +8,15 @@ data.py -- the one module shared by every script of this repo.
   * the tokenizer (CLIP BPE from `bpe_simple_vocab_16e6.txt.gz`, or a BPE trained on the
     training captions), built with the `tokenizers` library;
   * image transforms written with PIL + numpy + torch (no torchvision);
-  * readers for real data and a DDP-aware loader whose position can be saved and resumed.
+  * readers for real data -- webdataset/img2dataset tar shards (streamed with `tarfile`),
+    open_clip CSV/TSV, Karpathy split JSON, ImageFolder, and the presets cc3m / cc12m /
+    datacomp under $DATA_ROOT -- behind one `make_loader(spec, ...)`; the loaders split the
+    data across DDP ranks and dataloader workers, skip and count bad samples, and save a
+    position that a resumed run continues from with exactly the next batch.
 
-Run `python data.py --help` for the commands (make-shapes, check).
+Commands:
+  python data.py make-shapes --out DIR [--train N --test N --seed S --shard_size N]
+  python data.py check --data SPEC [--split S] [--image_root DIR]
 """
 import argparse
 import collections
@@ -756,13 +762,17 @@ class RandomHorizontalFlip:
 
 
 class ToNormalizedTensor:
+    """PIL -> float [3, H, W], (x / 255 - mean) / std. The arithmetic is done in numpy: it is
+    single-threaded, where torch's intra-op threads made this 15x slower on a busy 2-core
+    machine (41 ms vs 2.4 ms at 224 px) in a loader without workers."""
+
     def __init__(self, mean=CLIP_MEAN, std=CLIP_STD):
-        self.mean = torch.tensor(mean).view(3, 1, 1)
-        self.std = torch.tensor(std).view(3, 1, 1)
+        self.mean = np.asarray(mean, dtype=np.float32)
+        self.std = np.asarray(std, dtype=np.float32)
 
     def __call__(self, img, rng=None):
-        x = torch.from_numpy(np.asarray(img.convert("RGB"), dtype=np.uint8).copy()).permute(2, 0, 1).float() / 255.0
-        return (x - self.mean) / self.std
+        x = (np.asarray(img.convert("RGB"), dtype=np.float32) / np.float32(255.0) - self.mean) / self.std
+        return torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1)))
 
 
 def train_transform(image_size: int, scale=(0.9, 1.0), color_jitter: float = 0.0, grayscale: float = 0.0,
@@ -947,7 +957,8 @@ def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath
             if missing:
                 raise DataError(f"{path}: malformed CSV: no column {missing[0]!r} (columns: {columns}; "
                                 f"set the column names with csv_img_key / csv_caption_key)")
-            items = [Item(_resolve_image(row[img_key], base), row[caption_key], row.get(tree_key), f"{path}:{n + 2}")
+            name = os.path.basename(path)  # key: file name and line number
+            items = [Item(_resolve_image(row[img_key], base), row[caption_key], row.get(tree_key), f"{name}:{n + 2}")
                      for n, row in enumerate(reader)]
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None

@@ -163,7 +163,7 @@ def test_shard_loader_resume_gives_the_next_batch(shapes_dir, workers):
     kw = dict(batch_size=4, num_workers=workers, seed=2, image_size=16, shuffle_buffer=10)
     loader = data.make_loader(_pattern(shapes_dir), **kw)
     it = loader.forever()
-    for steps in (5, 17):  # mid-epoch 0, then mid-epoch 1 (15 batches per epoch)
+    for steps in (5, 14, 17):  # mid-epoch 0, after one worker ran dry, mid-epoch 1 (15 batches per epoch)
         while loader.epoch * 100 + loader.batches_done < (steps // 15) * 100 + steps % 15:
             next(it)
         state = json.loads(json.dumps(loader.state_dict()))
