@@ -910,7 +910,8 @@ class ShapesDataset(torch.utils.data.Dataset):
 
 @dataclass
 class Item:
-    """One listed sample: image path (None when the listing has none), caption, tree, key."""
+    """One listed sample: image path (None when the listing has none), caption, tree, and a
+    key that names the image (several captions of one image share it)."""
     image: str | None
     caption: str | None
     tree: str | None
@@ -957,8 +958,9 @@ def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath
             if missing:
                 raise DataError(f"{path}: malformed CSV: no column {missing[0]!r} (columns: {columns}; "
                                 f"set the column names with csv_img_key / csv_caption_key)")
-            name = os.path.basename(path)  # key: file name and line number
-            items = [Item(_resolve_image(row[img_key], base), row[caption_key], row.get(tree_key), f"{name}:{n + 2}")
+            name = os.path.basename(path)  # key: the image path as listed, else file name and line
+            items = [Item(_resolve_image(row[img_key], base), row[caption_key], row.get(tree_key),
+                          row[img_key] or f"{name}:{n + 2}")
                      for n, row in enumerate(reader)]
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None
@@ -978,7 +980,8 @@ def _read_json(path: str):
 
 
 def _karpathy_images(json_path: str, image_root: str | None, split: str) -> list:
-    """[(image path, [(raw caption, tree or None), ...])] of one split of a Karpathy JSON.
+    """[(image path, key, [(raw caption, tree or None), ...])] of one split of a Karpathy JSON
+    (key = filepath/filename without extension).
     split "train" also takes "restval" (the usual 113k COCO training set)."""
     blob = _read_json(json_path)
     images = blob.get("images") if isinstance(blob, dict) else None
@@ -992,7 +995,8 @@ def _karpathy_images(json_path: str, image_root: str | None, split: str) -> list
             raise DataError(f"{json_path}: malformed Karpathy JSON: images[{n}] has no 'filename'")
         if im.get("split") in wanted:
             sents = [(s.get("raw"), s.get("tree")) for s in im.get("sentences", []) if isinstance(s, dict)]
-            out.append((_resolve_image(os.path.join(im.get("filepath", ""), im["filename"]), root), sents))
+            name = os.path.join(im.get("filepath", ""), im["filename"])
+            out.append((_resolve_image(name, root), os.path.splitext(name)[0], sents))
     if not out:
         present = sorted({str(im.get("split")) for im in images})
         raise DataError(f"{json_path}: no images with split {split!r} (splits present: {', '.join(present)})")
@@ -1001,20 +1005,21 @@ def _karpathy_images(json_path: str, image_root: str | None, split: str) -> list
 
 def karpathy_items(json_path: str, image_root: str | None = None, split: str = "test", with_trees: bool = False) -> list:
     """Per-image caption lists for retrieval evaluation: [(image_path, [captions])], or
-    [(image_path, [captions], [trees])] with `with_trees`."""
+    [(image_path, [captions], [trees])] with `with_trees`. Empty captions are left out."""
     out = []
-    for path, sents in _karpathy_images(json_path, image_root, split):
+    for path, _, sents in _karpathy_images(json_path, image_root, split):
+        sents = [(c, t) for c, t in sents if isinstance(c, str) and c.strip()]
         caps = [c for c, _ in sents]
         out.append((path, caps, [t for _, t in sents]) if with_trees else (path, caps))
     return out
 
 
 def karpathy_train_items(json_path: str, image_root: str | None, split: str) -> list:
-    """One Item per sentence (images without sentences give one Item that is skipped)."""
+    """One Item per sentence (images without sentences give one Item that is skipped); the
+    key names the image, so the captions of one image share it (retrieval groups by key)."""
     items = []
-    for path, sents in _karpathy_images(json_path, image_root, split):
-        key = os.path.splitext(os.path.basename(path))[0]
-        items += [Item(path, raw, tree, f"{key}/{k}") for k, (raw, tree) in enumerate(sents)] or [Item(path, None, None, key)]
+    for path, key, sents in _karpathy_images(json_path, image_root, split):
+        items += [Item(path, raw, tree, key) for raw, tree in sents] or [Item(path, None, None, key)]
     return items
 
 

@@ -318,3 +318,20 @@ def test_expand_braces():
     assert data.expand_braces("d/{008..011}.tar") == ["d/008.tar", "d/009.tar", "d/010.tar", "d/011.tar"]
     assert data.expand_braces("{a,b}/{0..1}") == ["a/0", "a/1", "b/0", "b/1"]
     assert data.expand_braces("plain.tar") == ["plain.tar"]
+
+
+def test_karpathy_several_captions_restval_and_bad_sentences(tmp_path):
+    Image.open(io.BytesIO(_png(2))).save(tmp_path / "a.png")
+    Image.open(io.BytesIO(_png(3))).save(tmp_path / "b.png")
+    images = [{"filename": "a.png", "split": "train", "sentences": [{"raw": "one"}, {"raw": "two", "tree": "(X two)"}]},
+              {"filename": "b.png", "split": "restval", "sentences": [{"raw": ""}, {"raw": "three"}]},
+              {"filename": "b.png", "split": "train", "sentences": []},
+              {"filename": "a.png", "split": "test", "sentences": [{"raw": "four"}]}]
+    (tmp_path / "k.json").write_text(json.dumps({"images": images}))
+    loader = data.make_loader(str(tmp_path / "k.json"), batch_size=8, train=False, drop_last=False, max_skip_fraction=1.0)
+    b = _read_all(loader)[0][0]
+    assert b["caption"] == ["one", "two", "three"] and b["key"] == ["a", "a", "b"] and b["tree"] == [None, "(X two)", None]
+    assert dict(loader.skip_reasons) == {"empty caption": 1, "image with no caption": 1}
+    items = data.karpathy_items(str(tmp_path / "k.json"), split="train")
+    assert [(os.path.basename(p), caps) for p, caps in items] == [("a.png", ["one", "two"]), ("b.png", ["three"]), ("b.png", [])]
+    assert data.karpathy_items(str(tmp_path / "k.json"), str(tmp_path), "test") == [(str(tmp_path / "a.png"), ["four"])]
