@@ -1,0 +1,96 @@
+"""bench.py: the paths it times compute what the plain ones do (no timed assertions).
+compiled vs eager is not tested here: inductor's C++ compile of even the tiny model takes
+longer on the shared 2-core CPU than this file's budget (il_clip's own tests cover --compile)."""
+import math
+import types
+
+import pytest
+import torch
+
+import bench
+import il_clip
+from conftest import import_open_clip
+
+
+def test_chunked_codebook_head_matches_naive_and_counts_less_memory():
+    g = torch.Generator().manual_seed(0)
+    B, P, K, D = 8, 7, 300, 16
+    q = torch.randn(B, P, D, generator=g, dtype=torch.float64, requires_grad=True)
+    c = torch.randn(K, D, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(B, D, generator=g, dtype=torch.float64)
+    outs = []
+    for naive in (False, True):
+        q.grad = c.grad = None
+        y = bench.codebook_head(q, c, topk=16, naive=naive)
+        (y * t).sum().backward()
+        outs.append((y.detach(), q.grad.clone(), c.grad.clone()))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    # the memory probe sees the B x P x K scores of the naive head, and only a 2-sample chunk of
+    # them in il_clip's chunked head
+    B, P, K, D = 4, 16, 512, 8
+    ours, _ = bench.head_peak(B, P, K, D, 0, False, torch.device("cpu"), budget=2 * P * K)
+    naive, _ = bench.head_peak(B, P, K, D, 0, True, torch.device("cpu"))
+    assert naive >= B * P * K * 4 > ours
+
+
+def test_live_tensor_bytes_counts_allocations_and_frees():
+    x = torch.randn(256, 256, requires_grad=True)             # pre-existing: not counted
+    with bench.LiveTensorBytes() as m:
+        y = (x @ x).relu()                                    # 256 KiB, kept by relu for backward
+        assert m.live == 256 * 256 * 4
+        y.sum().backward()
+        del y
+        x.grad = None
+    assert m.live == 0 and m.peak >= 2 * 256 * 256 * 4
+
+
+def test_synthetic_text_has_one_eot_and_pads_after():
+    tok = bench.SyntheticTokenizer(1000, 32)
+    text = tok.batch(50, torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert ((text == tok.eot_id).sum(1) == 1).all()
+    eot = (text == tok.eot_id).int().argmax(-1)
+    assert (eot == text.argmax(-1)).all()                     # open_clip's argmax pooling agrees
+    pos = torch.arange(32)[None]
+    assert (text[pos > eot[:, None]] == 0).all() and (text[pos < eot[:, None]] != 0).all()
+
+
+def _args(**kw):
+    a = dict(model="tiny", batch_size=4, codebook=64, compile=False, dtype="fp32", steps=2, warmup=1)
+    a.update(kw)
+    return types.SimpleNamespace(**a)
+
+
+@pytest.mark.parametrize("method", ["clip", "il"])
+def test_trainer_bench_runs_the_real_loop(method, monkeypatch):
+    seen = []
+    real = il_clip.Trainer.loss
+    monkeypatch.setattr(il_clip.Trainer, "loss", lambda self, b, phase, gen: seen.append(phase) or real(self, b, phase, gen))
+    res = bench.run_trainer(_args(), method, torch.device("cpu"))
+    assert res["step_s"] > 0 and res["cfg"].codebook_size == (64 if method == "il" else 0)
+    if method == "il":
+        # warm-up 1, generation 1 (1 distill + 1 interact), generation 2 timed: distill, interact
+        assert seen == ["warmup", "distill", "interact", "distill", "interact"]
+        assert res["spawn_s"] > 0 and math.isfinite(res["paper_avg_s"])
+    else:
+        assert seen == ["train"] * 3
+
+
+def test_open_clip_reference_is_the_same_model():
+    open_clip = import_open_clip()
+    cfg = bench.model_config("tiny", "clip", 0)
+    ours = il_clip.CLIP(cfg)
+    theirs = bench.open_clip_model(open_clip, cfg)
+    shapes = lambda m: sorted(tuple(p.shape) for p in m.parameters())
+    assert shapes(ours) == shapes(theirs)
+    # same state-dict layout (OpenAI key names): our weights load into open_clip's model
+    missing, unexpected = theirs.load_state_dict(ours.state_dict(), strict=False)
+    assert not missing and not unexpected
+    tok = bench.SyntheticTokenizer(cfg.vocab_size, cfg.context_length)
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(2, 3, cfg.image_size, cfg.image_size, generator=g)
+    text = tok.batch(2, torch.device("cpu"), g)
+    with torch.no_grad():
+        a, b = ours.eval()(images, text)[:2], theirs.eval()(images, text)[:2]
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
