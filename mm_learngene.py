@@ -1173,8 +1173,12 @@ def _run_cost(path):
     if secs is None and os.path.exists(mj):
         with open(mj) as f:
             last = [json.loads(l) for l in f if l.strip()]
+        if last and "elapsed" in last[-1]:
+            secs = last[-1]["elapsed"]
+        elif len(last) > 1 and "time" in last[-1]:  # il_clip.py logs wall-clock timestamps
+            span = last[-1]["time"] - last[0]["time"]
+            secs = span * last[-1]["step"] / max(1, last[-1]["step"] - last[0]["step"])
         if last:
-            secs = next((last[-1][k] for k in ("elapsed", "time", "wall_s") if k in last[-1]), None)
             steps = steps or last[-1].get("step")
     return steps, secs, batch
 
