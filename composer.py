@@ -825,6 +825,15 @@ class Composer(nn.Module):
         return torch.cat([memo[j][1] for j in range(len(comp["nodes"]))])
 
 
+def caption_tokens(tb, cfg):
+    """Caption ids cut to the batch's longest caption, and the mask of non-pad positions: those
+    up to the first EOT (data.py contract; `text != 0` would be wrong for the CLIP vocabulary)."""
+    t = tb["tokens"][:, :cfg.max_len]
+    eot = (t == cfg.eot_token_id).int().argmax(-1)
+    t = t[:, :int(eot.max()) + 1]
+    return t, torch.arange(t.shape[1], device=t.device) <= eot[:, None]
+
+
 class SingleStream(nn.Module):
     """Baseline: one transformer over the whole caption's tokens (no tree), interleaving self-
     and cross-attention to the regions like the CT; output at the SOT position -> theta.
@@ -841,9 +850,7 @@ class SingleStream(nn.Module):
         self.ln_out, self.theta = nn.LayerNorm(w), nn.Linear(w, 1)
 
     def encode_text(self, tb):
-        t = tb["tokens"][:, :self.cfg.max_len]
-        eot = (t == self.cfg.eot_token_id).int().argmax(-1)  # contract: pool/mask by the first EOT
-        mask = torch.arange(t.shape[1], device=t.device) <= eot[:, None]
+        t, mask = caption_tokens(tb, self.cfg)
         return {"x": self.tok_emb(t) + self.pos_emb(torch.arange(t.shape[1], device=t.device)), "mask": mask}
 
     def encode_image(self, feats, boxes, mask):
@@ -874,9 +881,7 @@ class VSE(nn.Module):
         self.logit_scale = nn.Parameter(torch.tensor(math.log(10.0)))
 
     def encode_text(self, tb):
-        t = tb["tokens"][:, :self.cfg.max_len]
-        eot = (t == self.cfg.eot_token_id).int().argmax(-1)
-        mask = torch.arange(t.shape[1], device=t.device) <= eot[:, None]
+        t, mask = caption_tokens(tb, self.cfg)
         x = self.tok_emb(t) + self.pos_emb(torch.arange(t.shape[1], device=t.device))
         for b in self.blocks:
             x = b(x, mask)
@@ -990,7 +995,7 @@ def clip_patch_features(images, clip_path, batch=64):
         raise ComposerError("--features clip needs il_clip.py next to composer.py") from None
     model, _, cfg = il_clip.load_model(clip_path)
     model.eval()
-    size = cfg.get("image_size", 64) if isinstance(cfg, dict) else getattr(cfg, "image_size", 64)
+    size = cfg.get("model", cfg).get("image_size", 64)
     tf = data.eval_transform(size)
     feats = []
     for i in range(0, len(images), batch):
@@ -1229,13 +1234,14 @@ def score_matrix(model, compiler, comps, captions, store, img_idx, device, cap_c
 
 def recall_at(scores, gold_sets, ks=(1, 5)):
     """R@k: fraction of queries with a correct image among the k best (gold_sets: per query the
-    set of correct image columns). Ties count against the query."""
-    res = {}
-    order = scores.argsort(dim=1, descending=True)
-    for k in ks:
-        top = order[:, :k].tolist()
-        res[f"R@{k}"] = round(100.0 * float(np.mean([bool(set(t) & g) for t, g in zip(top, gold_sets)])), 2)
-    return res
+    set of correct image columns). Ties count against the query: a hit needs fewer than k wrong
+    images scoring >= the best correct one."""
+    G = torch.zeros_like(scores, dtype=torch.bool)
+    for q, g in enumerate(gold_sets):
+        G[q, list(g)] = True
+    best = scores.masked_fill(~G, -float("inf")).max(1).values
+    wrong_above = ((scores >= best[:, None]) & ~G).sum(1)
+    return {f"R@{k}": round(100.0 * (wrong_above < k).float().mean().item(), 2) for k in ks}
 
 
 def _to(tb, device):
@@ -1522,7 +1528,7 @@ def build_tokenizer(args, out_dir_for_resume=None):
     if out_dir_for_resume and os.path.exists(os.path.join(out_dir_for_resume, "tokenizer.json")):
         return data.Tokenizer.load(out_dir_for_resume)
     return data.build_tokenizer(vocab_path=args.vocab, captions=data.captions_for_tokenizer(args.data),
-                                vocab_size=args.vocab_size)
+                                vocab_size=args.vocab_size, context_length=args.max_len)
 
 
 def read_split_file(path):
@@ -1591,7 +1597,10 @@ def train(args):
         _set_rng_state(st["rng"])
         if master:
             print(f"resumed from {args.out_dir} at step {step}", flush=True)
-    fwd = torch.compile(model) if args.compile else model
+    if args.compile:  # compile each transformer block (shapes vary by level: dynamic=True)
+        for mod in model.modules():
+            if isinstance(mod, Block):
+                mod.compile(dynamic=True)
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     metrics = os.path.join(args.out_dir, "metrics.jsonl")
@@ -1621,7 +1630,7 @@ def train(args):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
         with autocast:
-            loss, parts = train_step(fwd, compiler, sp, gidx, rank, world, step, args, device)
+            loss, parts = train_step(model, compiler, sp, gidx, rank, world, step, args, device)
         if not torch.isfinite(loss):
             raise ComposerError(f"loss is {float(loss)} at step {step}: stopping; the last good checkpoint "
                                 f"is in {args.out_dir}")

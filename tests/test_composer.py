@@ -268,3 +268,21 @@ def test_cli_bad_flags_one_line(tmp_path, capsys):
             C.main(argv + (["--out_dir", str(tmp_path)] if argv[0] != "eval" else []))
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+
+
+def test_frozen_il_clip_patch_features(tmp_path):
+    il_clip = pytest.importorskip("il_clip")
+    cfg = il_clip.ModelConfig(**{**il_clip.MODEL_PRESETS["tiny"], "vision_layers": 1, "text_layers": 1,
+                                 "vision_width": 32, "text_width": 32, "embed_dim": 32, "vision_heads": 2,
+                                 "text_heads": 2})
+    path = str(tmp_path / "clip.safetensors")
+    save_file({k: v.contiguous() for k, v in il_clip.CLIP(cfg).state_dict().items()}, path)
+    out = C.main(["train", "--features", "clip", "--clip", path, "--out_dir", str(tmp_path / "o"), "--max_steps", "1"]
+                 + TRAIN[:2] + ["--n_train", "16"] + TRAIN[4:] + ["--n_eval", "8"])
+    assert out["eval"]["in_domain"]["images"] == 8  # 64 patch tokens per image as regions
+
+
+def test_recall_ties_count_against_the_query():
+    S = torch.tensor([[1.0, 1.0, 0.0], [0.0, 2.0, 1.0]])
+    assert C.recall_at(S, [{0}, {1}], ks=(1, 2)) == {"R@1": 50.0, "R@2": 100.0}
+    assert C.recall_at(S, [{0, 1}, {0, 2}], ks=(1,)) == {"R@1": 50.0}  # any correct image counts
