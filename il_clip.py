@@ -84,10 +84,10 @@ PAPER_DEFAULTS = dict(model="ViT-B-32", batch_size=1024, lr=5e-4, warmup=500, re
                       codebook=16384, code_temp=1000.0, t_warm=6000, t_distill=1000,
                       t_interact=5000, generations=5, t_extend=12000, context_length=77,
                       vocab_size=49408, neg_pool=16384, log_interval=50, save_interval=1000)
-SHAPES_DEFAULTS = dict(model="tiny", batch_size=64, lr=1e-3, warmup=30, rewarm=15,
-                       codebook=1024, code_temp=100.0, t_warm=160, t_distill=20,
-                       t_interact=100, generations=2, t_extend=80, context_length=32,
-                       vocab_size=1000, neg_pool=1024, log_interval=10, save_interval=100)
+SHAPES_DEFAULTS = dict(model="tiny", batch_size=64, lr=1e-3, warmup=50, rewarm=25,
+                       codebook=1024, code_temp=100.0, t_warm=300, t_distill=40,
+                       t_interact=160, generations=3, t_extend=100, context_length=32,
+                       vocab_size=1000, neg_pool=1024, log_interval=20, save_interval=200)
 
 # -----------------------------------------------------------------------------
 # model (OpenAI CLIP layout and key names; batch-first tensors, SDPA attention)
@@ -225,6 +225,7 @@ class VisionTransformer(nn.Module):
         self.transformer = Transformer(w, cfg.vision_layers, cfg.vision_heads, cfg.mlp_ratio, cfg.quick_gelu)
         self.ln_post = nn.LayerNorm(w)
         self.proj = nn.Parameter(torch.zeros(w, cfg.embed_dim))
+        self.init_weights(torch.Generator().manual_seed(0))     # usable alone (CLIP re-seeds)
 
     def init_weights(self, g):
         w = self.class_embedding.shape[0]
@@ -263,6 +264,7 @@ class TextTransformer(nn.Module):
         self.transformer = Transformer(w, cfg.text_layers, cfg.text_heads, cfg.mlp_ratio, cfg.quick_gelu)
         self.ln_final = nn.LayerNorm(w)
         self.text_projection = nn.Parameter(torch.zeros(w, cfg.embed_dim))
+        self.init_text_weights(torch.Generator().manual_seed(0))  # usable alone (CLIP re-seeds)
 
     def init_text_weights(self, g):
         _normal(self.token_embedding, "weight", 0.02, g)
@@ -845,6 +847,7 @@ def build_args(argv=None):
     a("--patch_size", type=int, default=None)
     a("--num_workers", type=int, default=0)
     a("--resampled", action="store_true")
+    a("--image_root", default=None, help="image folder for a CSV / Karpathy JSON --data")
     # codebook (FDT)
     a("--codebook", type=int, default=None, help="K codes (0 = none; default by method/data)")
     a("--code_dim", type=int, default=None)
@@ -875,7 +878,7 @@ def build_args(argv=None):
     args = p.parse_args(argv)
     if args.negatives and args.method not in ("il", "negclip"):
         raise ConfigError("--negatives goes with --method il (negclip always uses them)")
-    defaults = SHAPES_DEFAULTS if args.data == "shapes" else PAPER_DEFAULTS
+    defaults = SHAPES_DEFAULTS if args.data.startswith("shapes") else PAPER_DEFAULTS
     for k, v in defaults.items():
         if k == "codebook":
             continue
@@ -1028,7 +1031,7 @@ class Trainer:
         if args.init and not os.path.isfile(args.init):
             raise ConfigError(f"--init file not found: {args.init}")
         if hasattr(data, "resolve_data"):
-            data.resolve_data(args.data)      # e.g. cc3m without shards: DataError naming where it looked
+            data.resolve_data(args.data, args.image_root)      # e.g. cc3m without shards: DataError naming where it looked
         self.tok = build_tokenizer(args, rank, world)
         self.cfg = model_config(args, self.tok)
         self.raw = CLIP(self.cfg, seed=args.seed).to(self.device)
@@ -1041,7 +1044,10 @@ class Trainer:
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd},
                                       {"params": no_decay, "weight_decay": 0.0}],
                                      lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps, **extra)
-        self.model = torch.compile(self.raw) if args.compile else self.raw
+        # compile the two encoders (the IL phase logic stays outside the graphs); the raw module
+        # is what gets saved
+        self.encode_image = torch.compile(self.raw.encode_image) if args.compile else self.raw.encode_image
+        self.encode_text = torch.compile(self.raw.encode_text) if args.compile else self.raw.encode_text
         self.teacher = None
         self.spawned = 0          # last generation whose spawn has been performed
         self.step = 0
@@ -1052,7 +1058,7 @@ class Trainer:
         self.loader = data.make_loader(args.data, split="train", batch_size=self.micro, tokenizer=self.tok,
                                        image_size=self.cfg.image_size, train=True, rank=rank,
                                        world_size=world, num_workers=args.num_workers, seed=args.seed,
-                                       resampled=args.resampled, drop_last=True)
+                                       resampled=args.resampled, drop_last=True, image_root=args.image_root)
         self.batches = Batches(self.loader)
         self.stop_requested = False
         self.metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
@@ -1102,7 +1108,7 @@ class Trainer:
 
     # --- one micro-batch loss
     def loss(self, batch, phase, gen):
-        args, m = self.args, self.model
+        args, m = self.args, self
         images = batch["image"].to(self.device, non_blocking=True)
         text = batch["text"].to(self.device, non_blocking=True)
         with self.autocast:
@@ -1286,7 +1292,8 @@ class Trainer:
             self.step += 1
             pbar.update(1)
             last = self.step == end
-            if self.step % args.log_interval == 0 or last or self.step in self.sched.spawn_steps:
+            # log at intervals and at every phase change, so no record mixes two phases' losses
+            if self.step % args.log_interval == 0 or last or self.sched.at(self.step)[0] != phase:
                 # the only host-device syncs of the loop: loss, non-finite check, stop flag
                 stats = torch.stack([loss_sum / max(1, n_loss), bad.float(),
                                      torch.tensor(float(self.stop_requested), device=self.device)])
@@ -1419,12 +1426,38 @@ def evaluate_shapes(model, tok, device="cpu", n=200, n_val=500, seed=0):
     return res
 
 
-def format_table(res):
-    cols = list(res)
-    head = "| " + " | ".join(cols) + " |"
-    sep = "|" + "|".join("---" for _ in cols) + "|"
-    row = "| " + " | ".join(f"{100 * res[c]:.1f}" for c in cols) + " |"
-    return "\n".join([head, sep, row])
+def format_table(rows, label="method"):
+    """Markdown table in %: one result dict, or one row per {name: {metric: value or [values
+    over seeds]}} (lists shown as mean ± std)."""
+    single = not isinstance(next(iter(rows.values())), dict)
+    rows = {"": rows} if single else rows
+    cols = list(next(iter(rows.values())))
+    fmt = lambda v: (f"{100 * np.mean(v):.1f} ± {100 * np.std(v):.1f}" if isinstance(v, list)
+                     else f"{100 * v:.1f}")
+    lines = [[label] + cols] + [[name] + [fmt(r[c]) for c in cols] for name, r in rows.items()]
+    lines = [ln[1:] if single else ln for ln in lines]
+    lines.insert(1, ["---"] * len(lines[0]))
+    return "\n".join("| " + " | ".join(ln) + " |" for ln in lines)
+
+
+def summarize(root):
+    """Mean ± std (over seeds) of the shapes_eval.json of every run under `root`, grouped by
+    method: `python -c "import il_clip; il_clip.summarize('out/compare')"`."""
+    groups = {}
+    for d in sorted(os.listdir(root)):
+        res_path, cfg_path = os.path.join(root, d, "shapes_eval.json"), os.path.join(root, d, "config.json")
+        if not (os.path.isfile(res_path) and os.path.isfile(cfg_path)):
+            continue
+        cfg, res = json.load(open(cfg_path)), json.load(open(res_path))
+        res["sugarcrepe_mean"] = float(np.mean([res[c] for c in data.SHAPES_CATEGORIES]))
+        name = cfg["method"] + ("+neg" if cfg.get("negatives") else "")
+        for k, v in res.items():
+            groups.setdefault(name, {}).setdefault(k, []).append(v)
+    table = format_table(groups, label="method (n seeds)")
+    for name, r in groups.items():
+        table = table.replace(f"| {name} |", f"| {name} ({len(r['i2t_r1'])}) |", 1)
+    print(table)
+    return groups
 
 
 # -----------------------------------------------------------------------------
@@ -1451,7 +1484,7 @@ def run(argv=None):
         print(f"{status}: step {trainer.step}/{args.max_steps} in {time.time() - t0:.0f}s, "
               f"checkpoint in {args.out_dir}", file=sys.stderr)
     if status == "done" and trainer.step >= args.max_steps and rank == 0 and args.eval_n > 0 \
-            and args.data == "shapes":
+            and args.data.startswith("shapes"):
         res = evaluate_shapes(trainer.raw, trainer.tok, trainer.device, n=args.eval_n)
         save_json(os.path.join(args.out_dir, "shapes_eval.json"), res)
         print(format_table(res))

@@ -282,7 +282,7 @@ def test_ablation_flags_freeze_and_spawn_targets(tmp_path):
     w = tr.trainable("distill", 1)
     assert w["codebook"] and w["visual.conv1.weight"] and not w["logit_scale"]
     assert M.spawn_agent(tr.args, 1) == "language" and M.spawn_agent(tr.args, 2) == "vision"
-    tr = _trainer(tmp_path / "v", ["--spawn", "vision"])
+    tr = _trainer(tmp_path / "v", ["--spawn", "vision", "--code_sim", "cos", "--sparsemax_topk", "4"])
     w = tr.trainable("distill", 1)
     assert w["visual.conv1.weight"] and not w["token_embedding.weight"] and not w["codebook"]
     tr.args.stop_at = 4
