@@ -999,7 +999,10 @@ def clip_patch_features(images, clip_path, batch=64):
     tf = data.eval_transform(size)
     feats = []
     for i in range(0, len(images), batch):
-        x = torch.stack([tf(im) for im in images[i:i + batch]])
+        x = torch.stack([im if torch.is_tensor(im) else tf(im) for im in images[i:i + batch]])
+        if x.shape[-1] != size:
+            raise ComposerError(f"{clip_path} takes {size}px images, the loader gives {x.shape[-1]}px: "
+                                f"pass --image_size {size}")
         feats.append(model.visual.forward_tokens(x).float())
     feats = torch.cat(feats)
     P = feats.shape[1]
@@ -1046,7 +1049,7 @@ def _check_skips(skipped: Counter, total: int, max_frac: float, what: str):
                             f"--max_skip_frac {max_frac}")
 
 
-def load_split(args, split: str, n: int | None, items: list | None = None, need_images=True) -> Split:
+def load_split(args, split: str, n: int | None, items: list | None = None) -> Split:
     """Captions, trees and region features of `n` captions of a split (or of the given split-
     file items). Features: --features gold (shapes gold boxes) | regions (--regions DIR with
     {key}.safetensors) | clip (--clip CKPT, frozen il_clip patch tokens)."""
@@ -1089,6 +1092,9 @@ def load_split(args, split: str, n: int | None, items: list | None = None, need_
                     f, bx = read_region_file(os.path.join(args.regions, f"{key}.safetensors"),
                                              feats[0].shape[1] if feats else None)
                 else:
+                    if obj is None:
+                        raise ComposerError("--features clip with a split file needs shapes items (no images "
+                                            "for other sources; evaluate with --split instead)")
                     f, bx = obj, None  # images; clip features below
                 kidx[key] = len(keys)
                 keys.append(key)
@@ -1809,7 +1815,7 @@ def parse_args(argv):
     add_features(t)
     t.add_argument("--model", choices=list(MODELS), default="composer")
     t.add_argument("--out_dir", default="out/composer")
-    t.add_argument("--max_steps", type=int, default=600)
+    t.add_argument("--max_steps", type=int, default=400)
     t.add_argument("--batch_size", type=int, default=32, help="global batch (split over ranks)")
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--weight_decay", type=float, default=0.01)
@@ -1836,7 +1842,7 @@ def parse_args(argv):
     t.add_argument("--lambda2", type=float, default=1.0, help="weight of l_order")
     t.add_argument("--n_neg_img", type=int, default=3, help="negative images per true pair (l_match, MVSA)")
     t.add_argument("--n_neg_txt", type=int, default=3, help="negative captions per true pair (l_match, MVSA)")
-    t.add_argument("--n_train", type=int, default=20000, help="training captions (shapes: scenes 0..n-1)")
+    t.add_argument("--n_train", type=int, default=12800, help="training captions (shapes: scenes 0..n-1)")
     t.add_argument("--n_eval", type=int, default=200, help="in-domain eval captions (0: none)")
     t.add_argument("--eval_split", default="test")
     t.add_argument("--split_file", action="append", help="extra eval set(s) written by `composer.py mcd`")
