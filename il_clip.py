@@ -597,7 +597,12 @@ def negative_caption(caption, rng):
     else:
         i = rng.choice(cands)
         out[i] = RELATION_FLIPS[low[i]]
-    neg = " ".join(out)
+    neg = " ".join(out).split()
+    for i in range(len(neg) - 1):       # keep "a"/"an" right, or the article gives the negative away
+        if neg[i].lower() in ("a", "an"):
+            an = neg[i + 1][0].lower() in "aeiou"
+            neg[i] = ("An" if an else "A") if neg[i][0].isupper() else ("an" if an else "a")
+    neg = " ".join(neg)
     return neg if neg.lower() != caption.lower() else None
 
 

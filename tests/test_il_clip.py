@@ -339,3 +339,24 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys):
     assert step < 50
     last = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))][-1]
     assert last["step"] == step
+
+
+def test_negclip_caption_swaps():
+    import random
+    rng = random.Random(0)
+    assert M.negative_caption("a white star", rng) is None          # nothing to swap
+    for cap in ["a small purple star above a blue cross", "a white triangle to the right of an orange cross",
+                "a green diamond is above a purple star", "a man riding a brown horse next to a white tent"]:
+        for seed in range(5):
+            neg = M.negative_caption(cap, random.Random(seed))
+            assert neg is not None and neg != cap
+            assert sorted(neg.replace(" an ", " a ").split()) == sorted(cap.replace(" an ", " a ").split()) \
+                or any(w in neg.split() for w in ("below", "above", "left", "right"))
+            words = neg.split()
+            for a, b in zip(words, words[1:]):                       # articles agree with the next word
+                if a in ("a", "an"):
+                    assert (a == "an") == (b[0] in "aeiou"), neg
+    pool = M.ImagePool(4, 2, "cpu")
+    assert pool.nearest(torch.ones(1, 2)) is None
+    pool.push(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+    assert torch.equal(pool.nearest(torch.tensor([[0.1, 0.9]])), torch.tensor([[0.0, 1.0]]))
