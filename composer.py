@@ -1412,10 +1412,11 @@ def train_step(model, compiler, sp: Split, gidx, rank, world, step, args, device
     te = model.encode_text(tb)
     V, vm = model.encode_image(*sp.store.get(img_of, device))
     b, ki, kt = len(local), args.n_neg_img, args.n_neg_txt
-    if cfg.arch == "vse":
+    if cfg.arch == "vse" and args.vse_loss == "inbatch":
         # Choice: VSE trains with its natural symmetric in-batch softmax over the whole global
         # batch (every image and caption of the step as negatives), a stronger recipe than
-        # the sampled negatives the cross-modal models can afford.
+        # the sampled negatives the cross-modal models can afford; `--vse_loss sampled` gives
+        # it l_match with the same sampled negatives as COMPOSER and the single stream.
         logits = model.logit_scale.exp() * te[local] @ V.t()
         lg_i = model.logit_scale.exp() * V[local] @ te.t()
         mask_t = (img_of[local][:, None] == img_of[None, :]) & (torch.arange(B)[None, :] != local[:, None])
@@ -1840,6 +1841,8 @@ def parse_args(argv):
     t.add_argument("--beta", type=float, default=0.2, help="order hinge margin")
     t.add_argument("--lambda1", type=float, default=1.0, help="weight of l_MVSA")
     t.add_argument("--lambda2", type=float, default=1.0, help="weight of l_order")
+    t.add_argument("--vse_loss", choices=["inbatch", "sampled"], default="inbatch",
+                   help="VSE: symmetric in-batch softmax, or l_match with the sampled negatives")
     t.add_argument("--n_neg_img", type=int, default=3, help="negative images per true pair (l_match, MVSA)")
     t.add_argument("--n_neg_txt", type=int, default=3, help="negative captions per true pair (l_match, MVSA)")
     t.add_argument("--n_train", type=int, default=12800, help="training captions (shapes: scenes 0..n-1)")

@@ -254,9 +254,9 @@ def test_resume_exact_and_ddp_equals_single(tmp_path):
     assert set(out["test"]) >= {"R@1", "R@5", "phrase_R@1", "phrase_R@5"}
 
 
-@pytest.mark.parametrize("model", ["vse", "single"])
+@pytest.mark.parametrize("model", [["vse"], ["vse", "--vse_loss", "sampled"], ["single"]])
 def test_baseline_training_runs(tmp_path, model):
-    out = C.main(["train", "--model", model, "--out_dir", str(tmp_path), "--max_steps", "2"]
+    out = C.main(["train", "--model", *model, "--out_dir", str(tmp_path), "--max_steps", "2"]
                  + TRAIN + ["--n_eval", "8"])
     assert 0 <= out["eval"]["in_domain"]["R@1"] <= 100
 
