@@ -1032,6 +1032,36 @@ class Split:
     items: list = None    # JSON-able description of each caption (for split files)
 
 
+def _spec_items(args, spec, split, n, with_images=False) -> list:
+    """Caption items (JSON-able dicts, the lines of a split file) of a data spec's split:
+    shapes items name (split, index, seed) and are regenerated on use; other specs carry their
+    caption and tree (and, for --features clip, the loader's image tensor, not saved)."""
+    if spec.endswith(".jsonl"):
+        return read_split_file(spec)
+    if _is_shapes(spec):
+        seed = _shapes_opts(spec).get("seed", 0)
+        return [{"source": "shapes", "split": split, "index": i, "seed": seed, "key": f"{split}{i:08d}"}
+                for i in range(n)]
+    items = []
+    loader = data.make_loader(spec, split=split, batch_size=64, tokenizer=None, image_size=getattr(args, "image_size", 64),
+                              train=False, drop_last=False, image_root=getattr(args, "image_root", None))
+    for b in loader:
+        for j, (k, c, t) in enumerate(zip(b["key"], b["caption"], b["tree"])):
+            items.append({"source": spec, "split": split, "key": k, "caption": c, "tree": t,
+                          **({"_image": b["image"][j]} if with_images else {})})
+        if n and len(items) >= n:
+            break
+    return items[:n] if n else items
+
+
+def _resolve_item(it):
+    """(key, caption, tree, scene / image / None) of a caption item."""
+    if it.get("source") == "shapes":
+        sc = data.shapes_scene(it["split"], it["index"], it.get("seed", 0))
+        return it["key"], sc.caption, sc.tree, sc
+    return it.get("key"), it.get("caption", ""), it.get("tree"), it.get("_image")
+
+
 def _shapes_opts(spec):
     return data.parse_shapes_spec(spec) if spec != "shapes" else {}
 
@@ -1053,31 +1083,9 @@ def load_split(args, split: str, n: int | None, items: list | None = None) -> Sp
     """Captions, trees and region features of `n` captions of a split (or of the given split-
     file items). Features: --features gold (shapes gold boxes) | regions (--regions DIR with
     {key}.safetensors) | clip (--clip CKPT, frozen il_clip patch tokens)."""
-    raw = []  # (key, caption, tree, scene-or-image, item)
-    if items is not None:
-        for it in items:
-            if it.get("source") == "shapes":
-                sc = data.shapes_scene(it["split"], it["index"], it.get("seed", 0))
-                raw.append((it["key"], sc.caption, sc.tree, sc, it))
-            else:
-                raw.append((it["key"], it["caption"], it.get("tree"), None, it))
-    elif _is_shapes(args.data):
-        seed = _shapes_opts(args.data).get("seed", 0)
-        for i in range(n):
-            sc = data.shapes_scene(split, i, seed)
-            raw.append((f"{split}{i:08d}", sc.caption, sc.tree, sc,
-                        {"source": "shapes", "split": split, "index": i, "seed": seed, "key": f"{split}{i:08d}"}))
-    else:
-        loader = data.make_loader(args.data, split=split, batch_size=64, tokenizer=None, image_size=args.image_size,
-                                  train=False, drop_last=False, image_root=getattr(args, "image_root", None))
-        for b in loader:
-            for j, (k, c, t) in enumerate(zip(b["key"], b["caption"], b["tree"])):
-                raw.append((k, c, t, b["image"][j] if args.features == "clip" else None,
-                            {"source": args.data, "split": split, "key": k, "caption": c, "tree": t}))
-                if n and len(raw) >= n:
-                    break
-            if n and len(raw) >= n:
-                break
+    if items is None:
+        items = _spec_items(args, args.data, split, n, with_images=args.features == "clip")
+    raw = [(*_resolve_item(it), it) for it in items]  # (key, caption, tree, scene-or-image, item)
     skipped = Counter()
     keys, kidx, captions, crgs, cap_img, feats, boxes, its = [], {}, [], [], [], [], [], []
     for key, cap, tree, obj, it in raw:
@@ -1731,26 +1739,8 @@ def cmd_eval(args):
 
 
 def _collect(args, spec, split, n):
-    ns = argparse.Namespace(**{**vars(args), "data": spec, "features": "none"})
-    raw = []
-    if spec.endswith(".jsonl"):
-        for it in read_split_file(spec):
-            raw.append((it.get("key"), it.get("caption", ""), it.get("tree"), it))
-    elif _is_shapes(spec):
-        seed = _shapes_opts(spec).get("seed", 0)
-        for i in range(n):
-            sc = data.shapes_scene(split, i, seed)
-            raw.append((f"{split}{i:08d}", sc.caption, sc.tree,
-                        {"source": "shapes", "split": split, "index": i, "seed": seed, "key": f"{split}{i:08d}"}))
-    else:
-        loader = data.make_loader(spec, split=split, batch_size=64, train=False, drop_last=False,
-                                  image_root=getattr(ns, "image_root", None))
-        for b in loader:
-            for k, c, t in zip(b["key"], b["caption"], b["tree"]):
-                raw.append((k, c, t, {"source": spec, "split": split, "key": k, "caption": c, "tree": t}))
-            if n and len(raw) >= n:
-                break
-        raw = raw[:n] if n else raw
+    """CRGs of a spec's captions (for graph / mcd; no visual features)."""
+    raw = [(*_resolve_item(it)[:3], it) for it in _spec_items(args, spec, split, n)]
     crgs, items, skipped = [], [], Counter()
     for key, cap, tree, it in raw:
         try:
