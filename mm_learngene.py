@@ -1054,34 +1054,52 @@ def load_init(a):
     return model, tok, cfg, modality, kind
 
 
+def retrieval_hits(sim, owners):
+    """Per-query R@1 hits from `sim` [images, texts] and `owners` [texts] (the image index
+    each text belongs to). Ties count as misses (pessimistic ranking): an image is a hit only
+    if its best correct text scores strictly higher than every text of another image; a text
+    only if its image scores strictly higher than every other image. So a collapsed model
+    scores 0, and two identical captions of different images (the shapes data repeats short
+    ones such as "a white star") can never credit either image, whatever their order:
+    `argmax` gave the hit to whichever came first. Returns (i2t [images], t2i [texts]) bool."""
+    pos = owners[None, :] == torch.arange(sim.shape[0], device=sim.device)[:, None]
+    best_pos = sim.masked_fill(~pos, -math.inf).amax(1)
+    best_neg = sim.masked_fill(pos, -math.inf).amax(1)
+    right = sim.t().gather(1, owners[:, None]).squeeze(1)
+    wrong = sim.t().masked_fill(pos.t(), -math.inf).amax(1)
+    return best_pos > best_neg, right > wrong
+
+
 @torch.no_grad()
 def eval_retrieval(model, spec, tok, image_size, device, split="test", n=None, batch_size=100):
-    """I2T / T2I R@1 (%). Images are grouped by sample key, so several captions of one image
-    (Karpathy JSON) count a hit for any of them (I2T)."""
+    """I2T / T2I R@1 (%) on the first `n` texts of `split` (all when n is None). Images are
+    grouped by sample key, so several captions of one image (Karpathy JSON) are all correct
+    for it (I2T). Ties count as misses (see `retrieval_hits`). Identical token sequences are
+    encoded once, so duplicate captions tie exactly, also across batches."""
     model.eval()
     loader = data.make_loader(spec, split, min(batch_size, n or batch_size), tok, image_size, train=False, drop_last=False)
-    keys, img_feats, txt_feats, owners = {}, [], [], []
-    seen = 0
+    keys, img_feats, texts, owners = {}, [], [], []
     for batch in loader:
-        txt_feats.append(model.encode_text(batch["text"].to(device)).float())
+        take = len(batch["key"]) if not n else min(len(batch["key"]), n - len(owners))
         new = []
-        for j, k in enumerate(batch["key"]):
+        for j, k in enumerate(batch["key"][:take]):
             if k not in keys:
                 keys[k] = len(keys)
                 new.append(j)
             owners.append(keys[k])
+        texts.append(batch["text"][:take])
         if new:
             img_feats.append(model.encode_image(batch["image"][new].to(device)).float())
-        seen += len(batch["key"])
-        if n and seen >= n:
+        if n and len(owners) >= n:
             break
-    I, T = torch.cat(img_feats), torch.cat(txt_feats)
-    owners = torch.tensor(owners, device=device)
-    sim = I @ T.t()  # [images, texts]
-    i2t = (owners[sim.argmax(1)] == torch.arange(len(I), device=device)).float().mean().item() * 100
-    t2i = (sim.t().argmax(1) == owners).float().mean().item() * 100
+    uniq, inverse = torch.unique(torch.cat(texts), dim=0, return_inverse=True)
+    T = torch.cat([model.encode_text(uniq[i:i + batch_size].to(device)).float()
+                   for i in range(0, len(uniq), batch_size)])[inverse.to(device)]
+    I = torch.cat(img_feats)
+    i2t, t2i = retrieval_hits(I @ T.t(), torch.tensor(owners, device=device))
     model.train()
-    return {"i2t_r1": round(i2t, 2), "t2i_r1": round(t2i, 2), "n_images": len(I), "n_texts": len(T)}
+    return {"i2t_r1": round(i2t.float().mean().item() * 100, 2), "t2i_r1": round(t2i.float().mean().item() * 100, 2),
+            "n_images": len(I), "n_texts": len(T)}
 
 
 @torch.no_grad()

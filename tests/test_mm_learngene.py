@@ -330,3 +330,63 @@ def test_bad_input(teacher, extracted, tmp_path, capsys):
     expect_error(["extract", "--teacher", str(tmp_path / "junk.safetensors"), "--max_steps", "1"], capsys,
                  "cannot read weights")
     expect_error(["extract", "--teacher", str(teacher), "--aux_layers", "3", "--max_steps", "1"], capsys, "even")
+
+
+class OracleStub(torch.nn.Module):
+    """encode_image/encode_text = one-hot of the caption id written into the image / token 1:
+    a perfect model, except that identical captions of different images are truly ambiguous.
+    `collapse=True` returns one constant embedding for everything."""
+
+    def __init__(self, collapse=False):
+        super().__init__()
+        self.collapse = collapse
+
+    def _one_hot(self, ids):
+        out = torch.nn.functional.one_hot(ids.long(), 8).float()
+        return torch.ones_like(out) / 8 ** 0.5 if self.collapse else out
+
+    def encode_image(self, images):
+        return self._one_hot(images[:, 0, 0, 0])
+
+    def encode_text(self, text):
+        return self._one_hot(text[:, 1])
+
+
+def fake_loader(items, batch_size=2):
+    """`data.make_loader` stand-in: items = [(key, image caption id, text caption id)]."""
+    def make(*args, **kwargs):
+        for s in range(0, len(items), batch_size):
+            chunk = items[s:s + batch_size]
+            yield {"key": [k for k, _, _ in chunk],
+                   "image": torch.tensor([float(i) for _, i, _ in chunk]).view(-1, 1, 1, 1).expand(-1, 3, 4, 4),
+                   "text": torch.tensor([[1, t, 2] for _, _, t in chunk])}
+    return make
+
+
+def test_retrieval_hits_ties_are_misses():
+    # images 0 and 1 have identical captions (texts 0 and 1 tie exactly); image 2 is clean
+    sim = torch.tensor([[.9, .9, .1], [.9, .9, .1], [.1, .1, .8]])
+    i2t, t2i = M.retrieval_hits(sim, torch.tensor([0, 1, 2]))
+    assert i2t.tolist() == [False, False, True] and t2i.tolist() == [False, False, True]
+    i2t, t2i = M.retrieval_hits(torch.full((4, 4), .3), torch.arange(4))  # collapsed embeddings
+    assert not i2t.any() and not t2i.any()
+    # two captions of image 0 (Karpathy): the best correct one must beat every wrong one
+    i2t, t2i = M.retrieval_hits(torch.tensor([[.5, .9, .7], [.7, .1, .6]]), torch.tensor([0, 0, 1]))
+    assert i2t.tolist() == [True, False] and t2i.tolist() == [False, True, False]
+
+
+def test_eval_retrieval_duplicate_captions_and_collapse(monkeypatch):
+    """Regression: argmax credited a duplicated caption to whichever copy came first, and a
+    collapsed model scored 100/n (12.5 at n = 8) instead of 0."""
+    items = [("a", 0, 0), ("b", 1, 1), ("c", 2, 2), ("d", 0, 0), ("e", 3, 3), ("f", 4, 4), ("g", 5, 5), ("h", 6, 6)]
+    monkeypatch.setattr(M.data, "make_loader", fake_loader(items))
+    r = M.eval_retrieval(OracleStub(), "shapes", None, 4, "cpu", n=8)
+    # images/texts "a" and "d" (one batch apart) share caption 0: both miss, both ways
+    assert r == {"i2t_r1": 75.0, "t2i_r1": 75.0, "n_images": 8, "n_texts": 8}
+    r = M.eval_retrieval(OracleStub(collapse=True), "shapes", None, 4, "cpu", n=8)
+    assert r["i2t_r1"] == 0 and r["t2i_r1"] == 0
+    assert M.eval_retrieval(OracleStub(), "shapes", None, 4, "cpu", n=5)["n_texts"] == 5  # n is exact
+    # several captions of one image (same key) are all correct for it
+    monkeypatch.setattr(M.data, "make_loader", fake_loader([("a", 0, 0), ("b", 1, 1), ("b", 1, 1), ("c", 2, 2)]))
+    assert M.eval_retrieval(OracleStub(), "shapes", None, 4, "cpu") == \
+        {"i2t_r1": 100.0, "t2i_r1": 100.0, "n_images": 3, "n_texts": 4}
