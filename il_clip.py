@@ -837,7 +837,7 @@ def build_args(argv=None):
     a("--grad_clip", type=float, default=1.0, help="0 = off")
     a("--seed", type=int, default=0)
     a("--device", default=None)
-    a("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="autocast dtype")
+    a("--dtype", default=None, choices=["fp32", "bf16"], help="autocast dtype (default bf16 on CUDA)")
     a("--compile", action="store_true")
     a("--init", default=None, help="OpenAI/open_clip-layout weights (.safetensors or .pt)")
     a("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz for the CLIP BPE")
@@ -1024,8 +1024,7 @@ class Trainer:
         self.master = rank == 0
         self.device = torch.device(args.device)
         dt = args.dtype or ("bf16" if self.device.type == "cuda" else "fp32")
-        self.autocast = nullcontext() if dt == "fp32" else torch.autocast(
-            self.device.type, dtype=torch.bfloat16 if dt == "bf16" else torch.float16)
+        self.autocast = nullcontext() if dt == "fp32" else torch.autocast(self.device.type, dtype=torch.bfloat16)
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -1035,8 +1034,7 @@ class Trainer:
         self.sched = make_schedule(args)
         if args.init and not os.path.isfile(args.init):
             raise ConfigError(f"--init file not found: {args.init}")
-        if hasattr(data, "resolve_data"):
-            data.resolve_data(args.data, args.image_root)      # e.g. cc3m without shards: DataError naming where it looked
+        data.resolve_data(args.data, args.image_root)   # e.g. cc3m without shards: DataError saying where it looked
         self.tok = build_tokenizer(args, rank, world)
         self.cfg = model_config(args, self.tok)
         self.raw = CLIP(self.cfg, seed=args.seed).to(self.device)
@@ -1437,8 +1435,8 @@ def format_table(rows, label="method"):
     single = not isinstance(next(iter(rows.values())), dict)
     rows = {"": rows} if single else rows
     cols = list(next(iter(rows.values())))
-    fmt = lambda v: (f"{100 * np.mean(v):.1f} ± {100 * np.std(v):.1f}" if isinstance(v, list)
-                     else f"{100 * v:.1f}")
+    fmt = lambda v: (f"{100 * np.mean(v):.1f} ± {100 * (np.std(v, ddof=1) if len(v) > 1 else 0):.1f}"
+                     if isinstance(v, list) else f"{100 * v:.1f}")      # sample std over seeds
     lines = [[label] + cols] + [[name] + [fmt(r[c]) for c in cols] for name, r in rows.items()]
     lines = [ln[1:] if single else ln for ln in lines]
     lines.insert(1, ["---"] * len(lines[0]))
