@@ -1098,6 +1098,7 @@ class Trainer:
         """New generation: keep the old agent as the distillation teacher, re-initialise the
         agent exactly as at step 0 from a generation-derived seed, clear its AdamW state."""
         agent = spawn_agent(self.args, gen)
+        self.save_generation_snapshot(gen - 1)
         self.teacher = copy.deepcopy(self.raw).eval().requires_grad_(False)
         g = torch.Generator().manual_seed(spawn_seed(self.args.seed, gen))
         cpu = copy.deepcopy(self.raw).cpu()                  # init on CPU: same numbers everywhere
@@ -1162,6 +1163,15 @@ class Trainer:
                 bucket, size = [], 0
 
     # --- checkpoints
+    def save_generation_snapshot(self, gen):
+        """Weights at the end of generation `gen` (0 = warm-up) as out_dir/gen{gen}/model.safetensors,
+        for the per-generation analyses of eval_compositional.py (Lipschitz bound, paper Fig. 4;
+        easy-to-learn probe, Fig. 5)."""
+        if self.master:
+            d = os.path.join(self.args.out_dir, f"gen{gen}")
+            os.makedirs(d, exist_ok=True)
+            save_tensors(os.path.join(d, "model.safetensors"), self.raw.state_dict(), self.step)
+
     def save_checkpoint(self):
         if not self.master:
             return
@@ -1336,6 +1346,8 @@ class Trainer:
         pbar.close()
         if status == "done" and self.step == end:
             self.save_checkpoint()
+            if self.spawned and end == args.max_steps:
+                self.save_generation_snapshot(self.spawned)
             if self.master:
                 draw_loss_curve(self.metrics_path, os.path.join(args.out_dir, "loss_curve.png"),
                                 self.sched.spawn_steps)

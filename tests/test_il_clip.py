@@ -310,6 +310,13 @@ def test_resume_n_plus_m_equals_one_go(tmp_path, extra, stop):
     la = [json.loads(x)["loss"] for x in open(os.path.join(one, "metrics.jsonl"))]
     lb = [json.loads(x)["loss"] for x in open(os.path.join(two, "metrics.jsonl"))]
     assert la == lb
+    if "il" in extra:  # generation snapshots (for eval's per-generation analyses) survive the resume
+        for d in (one, two):
+            assert sorted(x for x in os.listdir(d) if x.startswith("gen")) == ["gen0", "gen1"]
+        g0a, g1a, g0b = (weights(os.path.join(d, g)) for d, g in ((one, "gen0"), (one, "gen1"), (two, "gen0")))
+        assert all(torch.equal(g1a[k], a[k]) for k in a)                   # last generation = final weights
+        assert all(torch.equal(g0a[k], g0b[k]) for k in a)
+        assert not torch.equal(g0a["token_embedding.weight"], a["token_embedding.weight"])
 
 
 def test_sigterm_saves_and_exits(tmp_path):
