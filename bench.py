@@ -102,7 +102,7 @@ class SyntheticTokenizer:
         self.pad_id, self.sot_id, self.eot_id = 0, vocab_size - 2, vocab_size - 1
 
     def save(self, out_dir):
-        pass
+        """The bench writes no checkpoint, so there is nothing to save."""
 
     def batch(self, B, device, g):
         L = self.context_length
@@ -115,7 +115,7 @@ class SyntheticTokenizer:
 
 
 class StopBench(Exception):
-    pass
+    """Raised from inside the training loop to close the timed window."""
 
 
 class TimedBatches:
@@ -205,7 +205,7 @@ def run_trainer(args, method, device):
             trainer.train()
             raise RuntimeError("the training loop ended before the timed window closed")
         except StopBench:
-            pass
+            pass  # the timed window closed: the expected way out of trainer.train()
         peak = mem.peak()
         cfg = trainer.cfg
         del trainer

@@ -1240,7 +1240,7 @@ class _Loader:
             self._new_epoch()
 
     def _new_epoch(self):
-        pass
+        """Hook for loaders that keep per-epoch state (ShardLoader resets its worker positions)."""
 
     def forever(self):
         """Batches across epochs without end (for step-based training loops). An epoch that
