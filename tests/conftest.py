@@ -47,7 +47,16 @@ def import_open_clip():
         def exec_module(self, module):
             pass
 
-    if not any(isinstance(f, _DummyTorchvision.__class__) and type(f).__name__ == "_DummyTorchvision" for f in sys.meta_path):
-        sys.meta_path.insert(0, _DummyTorchvision())
-    import open_clip
+    if "open_clip" in sys.modules:
+        return sys.modules["open_clip"]
+    finder = _DummyTorchvision()
+    sys.meta_path.insert(0, finder)
+    try:
+        import open_clip
+    finally:
+        # take the dummy away again: torch itself probes for torchvision (e.g. torch.testing),
+        # and a dummy left in sys.modules would break later tests of other files
+        sys.meta_path.remove(finder)
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
     return open_clip
