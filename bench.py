@@ -256,12 +256,17 @@ def device_name(device):
 
 
 def import_open_clip():
-    """open_clip for comparisons only (SPEC.md 6; the project scripts never import it). It imports
-    torchvision, which has no CPU build here: every `torchvision.*` import gets a dummy module
-    (the hook of tests/conftest.py)."""
+    """open_clip for comparisons only (SPEC.md 6; the project scripts never import it; the tests
+    use this function too). It imports torchvision, which has no CPU build here: while it is
+    imported, every `torchvision.*` import gets a dummy module whose attributes are all one
+    do-nothing class; afterwards the dummy is taken away again, because torch itself probes for
+    torchvision (e.g. torch.testing) and a dummy left in sys.modules breaks it."""
     import importlib.abc
     import importlib.machinery
     import types
+
+    if "open_clip" in sys.modules:
+        return sys.modules["open_clip"]
 
     class _AnyMeta(type):
         def __getattr__(cls, name):
@@ -269,7 +274,7 @@ def import_open_clip():
 
     class _Any(metaclass=_AnyMeta):
         def __init__(self, *a, **k):
-            pass
+            """Accepts any arguments and stores nothing."""
 
         def __call__(self, *a, **k):
             return self
@@ -287,11 +292,16 @@ def import_open_clip():
             return module
 
         def exec_module(self, module):
-            pass
+            """The dummy module has no code to run."""
 
-    if not any(type(f).__name__ == "_DummyTorchvision" for f in sys.meta_path):
-        sys.meta_path.insert(0, _DummyTorchvision())
-    import open_clip
+    finder = _DummyTorchvision()
+    sys.meta_path.insert(0, finder)
+    try:
+        import open_clip
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
     return open_clip
 
 
