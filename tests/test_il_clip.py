@@ -139,8 +139,8 @@ def test_openai_key_layout_and_shapes():
 
 def _meta_state_dict(cfg):
     class Meta(M.CLIP):
-        def init_weights(self, seed):     # no init on the meta device
-            pass
+        def init_weights(self, seed):
+            """No init: meta tensors have shapes only."""
     with torch.device("meta"):
         return Meta(cfg).state_dict()
 
