@@ -297,6 +297,8 @@ class CLIP(TextTransformer):
             self.text_query = QueryMap(cfg.text_width, cfg.code_dim)
             # current sparsemax temperature T (a schedule: T0 * w^(step/iters), floor 0.01); saved
             self.register_buffer("code_temperature", torch.tensor(1.0))
+            # rows where the top-k sparsemax refinement had not settled (read with the logged stats)
+            self.register_buffer("sparsemax_inexact", torch.zeros((), dtype=torch.long), persistent=False)
         self.init_weights(seed)
         if cfg.spectral_norm:
             apply_spectral_norm(self)
@@ -331,7 +333,8 @@ class CLIP(TextTransformer):
         else:
             scale = 1.0 / (math.sqrt(self.cfg.code_dim) * self.code_temperature)
         s = max_code_scores(q, codes, valid) * scale                           # [B, K]
-        w = sparsemax(s, dim=-1, topk=self.cfg.sparsemax_topk)
+        w, inexact = sparsemax(s, dim=-1, topk=self.cfg.sparsemax_topk, return_inexact=True)
+        self.sparsemax_inexact.add_(inexact)
         return w @ self.codebook.float()
 
     def encode_image(self, images):
@@ -389,27 +392,51 @@ def _sparsemax_tau(z, k):
     return cs.gather(-1, ksz - 1) / ksz.to(z.dtype), ksz
 
 
+SPARSEMAX_REFINE_STEPS = 12
+
+
+def _michelot_step(z, tau):
+    """One Newton step on sum_i max(z_i - tau, 0) = 1 (Michelot 1986): tau <- (sum of the values
+    above tau - 1) / their count. The true threshold is a fixed point; from below, the iterates
+    rise monotonically and reach it in finitely many steps (the set above tau only shrinks)."""
+    above = z > tau
+    n_above = above.sum(-1, keepdim=True)
+    return (torch.where(above, z, 0).sum(-1, keepdim=True) - 1) / n_above.to(z.dtype), n_above
+
+
+def _sparsemax_tau_topk(z, k):
+    """tau from the k largest values, with no host-device sync (no graph break, no stall).
+    If a row's support is smaller than k its top-k tau is exact: the k-th value lies outside the
+    support, so everything below it does too. Otherwise the top-k tau is a lower bound of the true
+    tau (the k values alone already sum to >= 1 above it), and Newton steps from it converge to
+    the exact value; we run a fixed number for every row and keep them where the support
+    overflowed, instead of branching on the data. Rows whose iterates still moved at the last
+    step are counted as inexact (returned as a 0-dim tensor, read with the logged stats)."""
+    tau, ksz = _sparsemax_tau(z, k)
+    overflow = ksz >= k
+    t, n_prev, n_above = tau, None, None
+    for _ in range(SPARSEMAX_REFINE_STEPS):
+        n_prev = n_above
+        t, n_above = _michelot_step(z, t)
+    inexact = (overflow & (n_above != n_prev)).sum()
+    return torch.where(overflow, t, tau), inexact
+
+
 class _Sparsemax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, topk):
         n = z.shape[-1]
         if 0 < topk < n:
-            # fast path: exact whenever the support is smaller than k (the k-th largest value is
-            # outside the support, so everything below it is too); other rows fall back to the
-            # full sort. The check is one host sync, only on this path.
-            tau, ksz = _sparsemax_tau(z, topk)
-            redo = (ksz >= topk).squeeze(-1)
-            if bool(redo.any()):
-                tau = tau.clone()
-                tau[redo] = _sparsemax_tau(z[redo], n)[0]
+            tau, inexact = _sparsemax_tau_topk(z, topk)
         else:
-            tau, _ = _sparsemax_tau(z, n)
+            tau, inexact = _sparsemax_tau(z, n)[0], torch.zeros((), dtype=torch.long, device=z.device)
         out = torch.clamp(z - tau, min=0)
         ctx.save_for_backward(out)
-        return out
+        ctx.mark_non_differentiable(inexact)
+        return out, inexact
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g, _):
         # closed form: on the support S, grad - mean_S(grad); zero elsewhere
         (out,) = ctx.saved_tensors
         supp = out > 0
@@ -418,14 +445,17 @@ class _Sparsemax(torch.autograd.Function):
         return torch.where(supp, g - v, torch.zeros_like(g)), None
 
 
-def sparsemax(x, dim=-1, topk=0):
+def sparsemax(x, dim=-1, topk=0, return_inexact=False):
     """Exact sparsemax along `dim` (Euclidean projection onto the simplex), computed in at
-    least float32; `topk` > 0 enables the top-k fast path (same result)."""
+    least float32; `topk` > 0 enables the sync-free top-k fast path (same result). With
+    `return_inexact`, also the number of rows where the fast path's refinement had not settled
+    (0 in every case we have measured; see _sparsemax_tau_topk)."""
     dtype = x.dtype
     z = x.float() if dtype in (torch.float16, torch.bfloat16) else x
     z = z.transpose(dim, -1)
-    out = _Sparsemax.apply(z.contiguous(), int(topk or 0)).transpose(dim, -1)
-    return out.to(dtype)
+    out, inexact = _Sparsemax.apply(z.contiguous(), int(topk or 0))
+    out = out.transpose(dim, -1).to(dtype)
+    return (out, inexact) if return_inexact else out
 
 
 class _MaxCodeScores(torch.autograd.Function):
@@ -1307,13 +1337,17 @@ class Trainer:
             last = self.step == end
             # log at intervals and at every phase change, so no record mixes two phases' losses
             if self.step % args.log_interval == 0 or last or self.sched.at(self.step)[0] != phase:
-                # the only host-device syncs of the loop: loss, non-finite check, stop flag
+                # the only host-device syncs of the loop: loss, non-finite check, stop flag, and
+                # the count of inexact top-k sparsemax rows (0 unless the refinement fell short)
+                inexact = sum(m.sparsemax_inexact for m in (raw, self.teacher)
+                              if m is not None and hasattr(m, "sparsemax_inexact"))
                 stats = torch.stack([loss_sum / max(1, n_loss), bad.float(),
-                                     torch.tensor(float(self.stop_requested), device=self.device)])
+                                     torch.tensor(float(self.stop_requested), device=self.device),
+                                     torch.as_tensor(inexact, device=self.device).float()])
                 if self.world > 1:
                     dist.all_reduce(stats)
                     stats[0] /= self.world
-                loss_v, is_bad, stop = stats.tolist()
+                loss_v, is_bad, stop, n_inexact = stats.tolist()
                 if is_bad:
                     if self.master:
                         print(f"error: non-finite loss at step <= {self.step} (phase {phase}, generation "
@@ -1327,6 +1361,15 @@ class Trainer:
                 rec = {"step": self.step, "loss": loss_v, "lr": lr, "phase": phase, "generation": gen,
                        "logit_scale": raw.logit_scale.item(), "samples_per_s": round(sps, 2),
                        "mfu": mfu, "time": time.time()}
+                if n_inexact:
+                    rec["sparsemax_inexact_rows"] = int(n_inexact)
+                    if self.master:
+                        print(f"warning: {int(n_inexact)} top-k sparsemax rows did not settle in "
+                              f"{SPARSEMAX_REFINE_STEPS} refinement steps before step {self.step}; "
+                              f"raise --sparsemax_topk (0 = exact sort)", file=sys.stderr)
+                    for m in (raw, self.teacher):
+                        if m is not None and hasattr(m, "sparsemax_inexact"):
+                            m.sparsemax_inexact.zero_()
                 self.log(rec)
                 pbar.set_postfix(loss=f"{loss_v:.3f}", phase=phase, gen=gen)
                 loss_sum.zero_()

@@ -1,6 +1,6 @@
 """bench.py: the paths it times compute what the plain ones do (no timed assertions).
 compiled vs eager is not tested here: inductor's C++ compile of even the tiny model takes
-longer on the shared 2-core CPU than this file's budget (il_clip's own tests cover --compile)."""
+longer on the shared 2-core CPU than this file's budget (tests/test_il_clip_fast.py covers --compile)."""
 import math
 import types
 

@@ -1,0 +1,151 @@
+"""The fast paths of il_clip.py give the plain paths' numbers: the sync-free top-k sparsemax,
+no host-device sync anywhere in a training step (run on the meta device, where any .item() /
+bool(tensor) raises), torch.compile without graph breaks and with eager's numbers (dynamo +
+AOTAutograd for the whole IL loop, inductor for the codebook text encoder)."""
+import functools
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import il_clip as M
+from test_il_clip import IL, TINY
+
+
+def _cos_scores(rows, width, scale, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(rows, 64, generator=g, dtype=torch.float64), dim=-1)
+    c = F.normalize(torch.randn(width, 64, generator=g, dtype=torch.float64), dim=-1)
+    return (q @ c.t()) * scale
+
+
+def test_topk_sparsemax_settles_where_the_support_overflows(monkeypatch):
+    # small scales: thousands of codes in the support, far more than k, so every row takes the
+    # Newton refinement from the top-k lower bound (up to 7 steps in this range)
+    for scale in (1e-3, 1e-2, 0.1, 1.0):
+        z = _cos_scores(32, 16384, scale)
+        tau_sort, support = M._sparsemax_tau(z, z.shape[-1])
+        exact = torch.clamp(z - tau_sort, min=0)
+        for k in (2, 8, 256):
+            out, inexact = M.sparsemax(z, topk=k, return_inexact=True)
+            assert inexact.item() == 0
+            assert (out - exact).abs().max().item() < 1e-12, (scale, k)
+        if scale == 1e-3:
+            assert (support > 256).all()
+    # too few refinement steps: the rows that had not settled are counted, not hidden
+    monkeypatch.setattr(M, "SPARSEMAX_REFINE_STEPS", 2)
+    out, inexact = M.sparsemax(_cos_scores(32, 16384, 1e-3), topk=8, return_inexact=True)
+    assert 0 < inexact.item() <= 32
+
+
+def test_sparsemax_topk_grad_matches_sort():
+    z = _cos_scores(6, 512, 0.05).requires_grad_()
+    g = torch.randn(6, 512, dtype=torch.float64)
+    for k in (0, 4):
+        (gz,) = torch.autograd.grad((M.sparsemax(z, topk=k) * g).sum(), z)
+        if k == 0:
+            ref = gz
+    assert torch.allclose(gz, ref, atol=1e-12)
+
+
+class _MetaCLIP(M.CLIP):
+    def init_weights(self, seed):
+        """No init: meta tensors have shapes only."""
+
+
+@pytest.mark.parametrize("method", ["clip", "codebook", "negclip", "distill"])
+def test_training_step_has_no_host_device_sync(method):
+    """Forward, loss, backward, clipping and AdamW on the meta device: meta tensors have no
+    values, so any data-dependent host decision (.item(), bool(tensor), tensor indexing by a
+    mask) raises here, just as it would stall a GPU."""
+    cfg = M.ModelConfig(**M.MODEL_PRESETS["tiny"])
+    if method in ("codebook", "distill"):
+        cfg.codebook_size, cfg.code_dim, cfg.sparsemax_topk = 64, cfg.embed_dim, 8
+    with torch.device("meta"):
+        model = _MetaCLIP(cfg)
+        images = torch.randn(4, 3, cfg.image_size, cfg.image_size)
+        text = torch.randint(0, 100, (4, cfg.context_length))
+        img, txt, scale = model(images, text)
+        if method == "negclip":
+            pool = M.ImagePool(16, img.shape[1], "meta")
+            pool.push(img.detach())
+            loss = M.contrastive_loss(img, txt, scale, neg_txt=model.encode_text(text),
+                                      neg_txt_valid=torch.ones(4, dtype=torch.bool),
+                                      neg_img=pool.nearest(img.detach()))
+        elif method == "distill":
+            loss = M.kd_loss(img, txt, txt.detach() * 2, scale.detach())
+        else:
+            loss = M.contrastive_loss(img, txt, scale)
+        loss.backward()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    assert loss.device.type == "meta" and model.visual.conv1.weight.grad is not None
+
+
+def _tiny_model(codebook=True):
+    cfg = M.ModelConfig(**M.MODEL_PRESETS["tiny"], eot_token_id=999)
+    if codebook:
+        cfg.codebook_size, cfg.code_dim, cfg.sparsemax_topk = 64, cfg.embed_dim, 8
+    model = M.CLIP(cfg, seed=0)
+    if codebook:
+        model.code_temperature.fill_(0.05)    # a mid-training temperature: sparse, not one-hot
+    g = torch.Generator().manual_seed(1)
+    images = torch.randn(3, 3, cfg.image_size, cfg.image_size, generator=g)
+    text = torch.randint(1, 100, (3, cfg.context_length), generator=g)
+    text[:, 9:] = 0
+    text[:, 8] = cfg.eot_token_id
+    return model, images, text
+
+
+def _grads(model, fn, x):
+    model.zero_grad(set_to_none=True)
+    out = fn(x)
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("codebook", [False, True])
+def test_encoders_trace_without_graph_breaks_and_match_eager(codebook):
+    torch._dynamo.reset()
+    model, images, text = _tiny_model(codebook)
+    for fn, x in ((model.encode_image, images), (model.encode_text, text)):
+        explained = torch._dynamo.explain(fn)(x)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+        ref, ref_grads = _grads(model, fn, x)
+        out, grads = _grads(model, torch.compile(fn, backend="aot_eager"), x)
+        assert torch.allclose(out, ref, atol=1e-6)
+        assert grads.keys() == ref_grads.keys()
+        for n in grads:
+            assert torch.allclose(grads[n], ref_grads[n], atol=1e-6, rtol=1e-4), n
+
+
+def test_compiled_il_training_matches_eager_with_no_graph_break(tmp_path, monkeypatch):
+    """The whole IL loop (warm-up, spawn, distill with frozen parts, interact) with --compile:
+    the phase logic stays outside the graphs, so a phase change only re-specialises them and
+    nothing breaks a graph. AOTAutograd traces forward and backward exactly as inductor would
+    receive them; the inductor code generation itself is the next test."""
+    def losses(out, extra):
+        argv = TINY + IL + ["--max_steps", "9", "--sparsemax_topk", "8", "--out_dir", str(tmp_path / out)]
+        assert M.main(argv + extra) == 0
+        return [json.loads(x)["loss"] for x in open(tmp_path / out / "metrics.jsonl")]
+
+    eager = losses("eager", [])
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    compiled = losses("compiled", ["--compile"])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2     # both encoders compiled
+    assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
+    assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5)
+
+
+def test_inductor_codebook_text_encoder_matches_eager():
+    torch._dynamo.reset()
+    model, _, text = _tiny_model()
+    ref, ref_grads = _grads(model, model.encode_text, text)
+    out, grads = _grads(model, torch.compile(model.encode_text), text)
+    assert torch.allclose(out, ref, atol=1e-5)
+    for n in ref_grads:
+        assert torch.allclose(grads[n], ref_grads[n], atol=1e-5, rtol=1e-3), n
