@@ -1001,16 +1001,18 @@ def param_groups(model):
     return decay, no_decay
 
 
-def estimate_flops_per_pair(cfg):
-    """Training FLOPs per image-text pair (3 x forward; 2 FLOPs per MAC)."""
+def estimate_flops_per_pair(cfg, text_len=None):
+    """Training FLOPs per image-text pair (3 x forward; 2 FLOPs per MAC). `text_len`: the text
+    length actually computed (after trim_text_padding; default the full context)."""
     def tower(T, w, L):
         return L * (12 * T * w * w + 2 * T * T * w)
     P = (cfg.image_size // cfg.patch_size) ** 2
+    L_text = text_len or cfg.context_length
     macs = tower(P + 1, cfg.vision_width, cfg.vision_layers) + P * 3 * cfg.patch_size ** 2 * cfg.vision_width
-    macs += tower(cfg.context_length, cfg.text_width, cfg.text_layers)
+    macs += tower(L_text, cfg.text_width, cfg.text_layers)
     if cfg.codebook_size:
         K, D = cfg.codebook_size, cfg.code_dim
-        for T, w in ((P, cfg.vision_width), (cfg.context_length, cfg.text_width)):
+        for T, w in ((P, cfg.vision_width), (L_text, cfg.text_width)):
             macs += T * (w * D + D * D) + T * K * D + K * D
     else:
         macs += (cfg.vision_width + cfg.text_width) * cfg.embed_dim
@@ -1020,13 +1022,25 @@ def estimate_flops_per_pair(cfg):
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A10": 125e12, "L4": 121e12}
 
 
-def estimate_mfu(cfg, pairs_per_s, device):
+def estimate_mfu(cfg, pairs_per_s, device, text_len=None):
     """Model FLOPs utilisation against the dense bf16 peak of the GPU (None on CPU/unknown)."""
     if not str(device).startswith("cuda"):
         return None
     name = torch.cuda.get_device_name(device)
     peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-    return None if peak is None else estimate_flops_per_pair(cfg) * pairs_per_s / peak
+    return None if peak is None else estimate_flops_per_pair(cfg, text_len) * pairs_per_s / peak
+
+
+def trim_text_padding(text, eot_token_id, multiple=8):
+    """Drop the columns after the batch's last EOT from a token batch still on the CPU (so the
+    length is known without a device sync). The result is exact: under the causal mask no position
+    up to a caption's EOT sees anything after it, and the codebook head ignores pads. Captions are
+    short (CC3M: ~13 tokens of 77), so the text tower and the text codebook scores shrink with
+    them. Rounded up to a multiple of 8 for tensor cores and so that compile sees few lengths."""
+    if text.device.type != "cpu":
+        return text
+    n = int((text == eot_token_id).int().argmax(-1).max()) + 1
+    return text[:, :min(text.shape[1], -(-n // multiple) * multiple)]
 
 
 class Batches:
@@ -1094,6 +1108,7 @@ class Trainer:
                                        resampled=args.resampled, drop_last=True, image_root=args.image_root)
         self.batches = Batches(self.loader)
         self.stop_requested = False
+        self.text_tokens = 0      # sum of trimmed text lengths since the last log (for the MFU)
         self.metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
         if args.resume:
             self.load_checkpoint()
@@ -1144,7 +1159,9 @@ class Trainer:
     def loss(self, batch, phase, gen):
         args, m = self.args, self
         images = batch["image"].to(self.device, non_blocking=True)
-        text = batch["text"].to(self.device, non_blocking=True)
+        text = trim_text_padding(batch["text"], self.cfg.eot_token_id)
+        self.text_tokens += text.shape[1]
+        text = text.to(self.device, non_blocking=True)
         with self.autocast:
             if phase == "distill":
                 agent = spawn_agent(args, gen)
@@ -1168,7 +1185,7 @@ class Trainer:
                     n = negative_caption(c, random.Random(f"{args.seed}:{self.step}:{c}"))
                     negs.append(n if n is not None else c)
                     valid.append(n is not None)
-                neg_txt = m.encode_text(self.tok(negs).to(self.device))
+                neg_txt = m.encode_text(trim_text_padding(self.tok(negs), self.cfg.eot_token_id).to(self.device))
                 neg_valid = torch.tensor(valid, device=self.device)
                 all_img = gather(img.detach())
                 neg_img = self.pool.nearest(all_img)
@@ -1357,10 +1374,11 @@ class Trainer:
                     break
                 dt = time.time() - t_last
                 sps = (self.step - step_last) * args.batch_size / max(dt, 1e-9)
-                mfu = estimate_mfu(self.cfg, sps, self.device)
+                text_len = self.text_tokens / max(1, n_loss)
+                mfu = estimate_mfu(self.cfg, sps, self.device, text_len)
                 rec = {"step": self.step, "loss": loss_v, "lr": lr, "phase": phase, "generation": gen,
                        "logit_scale": raw.logit_scale.item(), "samples_per_s": round(sps, 2),
-                       "mfu": mfu, "time": time.time()}
+                       "text_len": round(text_len, 2), "mfu": mfu, "time": time.time()}
                 if n_inexact:
                     rec["sparsemax_inexact_rows"] = int(n_inexact)
                     if self.master:
@@ -1373,6 +1391,7 @@ class Trainer:
                 self.log(rec)
                 pbar.set_postfix(loss=f"{loss_v:.3f}", phase=phase, gen=gen)
                 loss_sum.zero_()
+                self.text_tokens = 0
                 n_loss, t_last, step_last = 0, time.time(), self.step
                 if stop:
                     self.save_checkpoint()

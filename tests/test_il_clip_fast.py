@@ -149,3 +149,22 @@ def test_inductor_codebook_text_encoder_matches_eager():
     assert torch.allclose(out, ref, atol=1e-5)
     for n in ref_grads:
         assert torch.allclose(grads[n], ref_grads[n], atol=1e-5, rtol=1e-3), n
+
+
+@pytest.mark.parametrize("codebook", [False, True])
+def test_trimmed_text_padding_gives_the_same_embeddings(codebook):
+    model, _, _ = _tiny_model(codebook)
+    eot, L = model.cfg.eot_token_id, model.cfg.context_length
+    g = torch.Generator().manual_seed(2)
+    text = torch.randint(1, 100, (5, L), generator=g)
+    ends = torch.tensor([3, 9, 1, 6, 4])               # EOT positions: the longest caption has 10 tokens
+    pos = torch.arange(L)[None]
+    text = torch.where(pos == ends[:, None], eot, torch.where(pos > ends[:, None], 0, text))
+    trimmed = M.trim_text_padding(text, eot)
+    assert trimmed.shape == (5, 16) and torch.equal(trimmed, text[:, :16])
+    assert M.trim_text_padding(text, eot, multiple=1).shape == (5, 10)
+    assert M.trim_text_padding(text.to("meta"), eot).shape == (5, L)   # on a device: untouched, no sync
+    with torch.no_grad():
+        assert torch.allclose(model.encode_text(trimmed), model.encode_text(text), atol=1e-6)
+    flops = M.estimate_flops_per_pair(model.cfg, text_len=16)
+    assert flops < M.estimate_flops_per_pair(model.cfg) == M.estimate_flops_per_pair(model.cfg, L)
