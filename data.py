@@ -1233,6 +1233,9 @@ class _Loader:
         self.epoch, self.batches_done = 0, 0
         self.good, self.skipped = 0, 0
         self.skip_reasons = collections.Counter()
+        # page-locked batches for a CUDA consumer: the .to(device, non_blocking=True) of the
+        # training loop is then a true async copy that overlaps the running step
+        self.pin_memory = False
 
     def set_epoch(self, epoch):
         if epoch != self.epoch:
@@ -1322,7 +1325,8 @@ class MapLoader(_Loader):
         if hasattr(self.dataset, "epoch"):
             self.dataset.epoch = self.epoch
         dl = torch.utils.data.DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers,
-                                         collate_fn=_Collate(self.tokenizer), persistent_workers=False)
+                                         collate_fn=_Collate(self.tokenizer), persistent_workers=False,
+                                         pin_memory=self.pin_memory)
         for batch in dl:
             self.batches_done += 1
             self._account(batch)
@@ -1436,7 +1440,8 @@ class ShardLoader(_Loader):
         s = self.stream
         s.epoch, s.records_done = self.epoch, list(self.records_done)
         s.worker_offset = (self.last_worker + 1) % s.workers
-        dl = torch.utils.data.DataLoader(s, batch_size=None, num_workers=self.num_workers, persistent_workers=False)
+        dl = torch.utils.data.DataLoader(s, batch_size=None, num_workers=self.num_workers, persistent_workers=False,
+                                         pin_memory=self.pin_memory)
         for batch in dl:
             meta = batch.pop("_meta")
             self.records_done[meta["worker"]], self.last_worker = meta["records"], meta["worker"]
@@ -1482,27 +1487,34 @@ def make_loader(spec: str, split: str = "train", batch_size: int = 64, tokenizer
                 train: bool = True, rank: int = 0, world_size: int = 1, num_workers: int = 0, seed: int = 0,
                 resampled: bool = False, drop_last: bool = True, image_root: str | None = None, *,
                 shuffle_buffer: int = 1000, max_skip_fraction: float = MAX_SKIP_FRACTION, transform=None,
-                csv_img_key: str = "filepath", csv_caption_key: str = "title", csv_separator: str | None = None):
+                csv_img_key: str = "filepath", csv_caption_key: str = "title", csv_separator: str | None = None,
+                pin_memory: bool = False):
     """The loader for a `--data` spec (SPEC.md section 1): a MapLoader for shapes, CSV,
     Karpathy JSON (`split`) and ImageFolder (batches also carry "label"), a ShardLoader for
     tar shards (`split` is ignored: a shard set is one split). Real images get
     train_transform(image_size) when `train`, else eval_transform(image_size); `transform`
-    overrides both (a callable (PIL image, random.Random) -> tensor)."""
+    overrides both (a callable (PIL image, random.Random) -> tensor). `pin_memory`: page-locked
+    batches for a CUDA training loop."""
     src = resolve_data(spec, image_root)
     loader_args = dict(tokenizer=tokenizer, train=train, rank=rank, world_size=world_size, num_workers=num_workers,
                        seed=seed, drop_last=drop_last)
     if src["kind"] == "shapes":
         size = src.get("train_size") if split == "train" else None
         ds = ShapesDataset(split, size, src.get("seed", 0), image_size, tokenizer)
-        return MapLoader(ds, batch_size, name=spec, **loader_args)
-    transform = transform or (train_transform if train else eval_transform)(image_size)
-    if src["kind"] == "tar":
-        return ShardLoader(src["shards"], batch_size, transform=transform, resampled=resampled,
-                           shuffle_buffer=shuffle_buffer, num_samples=src["num_samples"], name=spec,
-                           max_skip_fraction=max_skip_fraction, **loader_args)
-    items = _file_items(src, split, dict(img_key=csv_img_key, caption_key=csv_caption_key, separator=csv_separator))
-    return MapLoader(FileDataset(items, transform, seed), batch_size, name=spec, max_skip_fraction=max_skip_fraction,
-                     **loader_args)
+        loader = MapLoader(ds, batch_size, name=spec, **loader_args)
+    else:
+        transform = transform or (train_transform if train else eval_transform)(image_size)
+        if src["kind"] == "tar":
+            loader = ShardLoader(src["shards"], batch_size, transform=transform, resampled=resampled,
+                                 shuffle_buffer=shuffle_buffer, num_samples=src["num_samples"], name=spec,
+                                 max_skip_fraction=max_skip_fraction, **loader_args)
+        else:
+            items = _file_items(src, split, dict(img_key=csv_img_key, caption_key=csv_caption_key,
+                                                 separator=csv_separator))
+            loader = MapLoader(FileDataset(items, transform, seed), batch_size, name=spec,
+                               max_skip_fraction=max_skip_fraction, **loader_args)
+    loader.pin_memory = pin_memory and torch.cuda.is_available()
+    return loader
 
 
 def captions_for_tokenizer(spec: str, max_captions: int = 100_000, split: str = "train", image_root: str | None = None,

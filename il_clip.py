@@ -1105,7 +1105,8 @@ class Trainer:
         self.loader = data.make_loader(args.data, split="train", batch_size=self.micro, tokenizer=self.tok,
                                        image_size=self.cfg.image_size, train=True, rank=rank,
                                        world_size=world, num_workers=args.num_workers, seed=args.seed,
-                                       resampled=args.resampled, drop_last=True, image_root=args.image_root)
+                                       resampled=args.resampled, drop_last=True, image_root=args.image_root,
+                                       pin_memory=self.device.type == "cuda")
         self.batches = Batches(self.loader)
         self.stop_requested = False
         self.text_tokens = 0      # sum of trimmed text lengths since the last log (for the MFU)
@@ -1185,8 +1186,10 @@ class Trainer:
                     n = negative_caption(c, random.Random(f"{args.seed}:{self.step}:{c}"))
                     negs.append(n if n is not None else c)
                     valid.append(n is not None)
-                neg_txt = m.encode_text(trim_text_padding(self.tok(negs), self.cfg.eot_token_id).to(self.device))
-                neg_valid = torch.tensor(valid, device=self.device)
+                # non_blocking: a blocking host-to-device copy would wait for the device (a sync)
+                neg_tok = trim_text_padding(self.tok(negs), self.cfg.eot_token_id)
+                neg_txt = m.encode_text(neg_tok.to(self.device, non_blocking=True))
+                neg_valid = torch.tensor(valid).to(self.device, non_blocking=True)
                 all_img = gather(img.detach())
                 neg_img = self.pool.nearest(all_img)
                 self.pool.push(all_img)
