@@ -177,13 +177,8 @@ def run_trainer(args, method, device):
     mem = PeakMemory(device)
     with tempfile.TemporaryDirectory() as tmp:
         targs = il_clip.build_args([str(a) for a in argv + ["--out_dir", tmp]])
-        real_build = il_clip.build_tokenizer
-        il_clip.build_tokenizer = lambda *a, **k: tok       # no BPE training: the preset's vocab
-        try:
-            torch.manual_seed(0)
-            trainer = il_clip.Trainer(targs, 0, 1)
-        finally:
-            il_clip.build_tokenizer = real_build
+        torch.manual_seed(0)
+        trainer = il_clip.Trainer(targs, 0, 1, tokenizer=tok)     # no BPE training: the preset's vocab
         trainer.master = False                  # no tqdm, metrics.jsonl or checkpoints while timing
         g = torch.Generator().manual_seed(0)
         S = trainer.cfg.image_size

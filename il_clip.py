@@ -1063,7 +1063,7 @@ class Batches:
 
 
 class Trainer:
-    def __init__(self, args, rank, world):
+    def __init__(self, args, rank, world, tokenizer=None):
         self.args, self.rank, self.world = args, rank, world
         self.master = rank == 0
         self.device = torch.device(args.device)
@@ -1079,7 +1079,7 @@ class Trainer:
         if args.init and not os.path.isfile(args.init):
             raise ConfigError(f"--init file not found: {args.init}")
         data.resolve_data(args.data, args.image_root)   # e.g. cc3m without shards: DataError saying where it looked
-        self.tok = build_tokenizer(args, rank, world)
+        self.tok = tokenizer or build_tokenizer(args, rank, world)     # bench.py passes its own
         self.cfg = model_config(args, self.tok)
         self.raw = CLIP(self.cfg, seed=args.seed).to(self.device)
         if args.init:
