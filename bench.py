@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import gc
 import math
-import os
 import statistics
 import sys
 import tempfile

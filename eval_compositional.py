@@ -848,14 +848,7 @@ def bench_codebook(args, model, tok, config):
 def image_code_scores(model, images):
     """Per-code scores of images, r_i = max over patches of q(f_p) . c_i (paper Eq. 2, with
     il_clip's scaling and temperature), and their sparsemax weights w_i (Eq. 3): [B, K] each."""
-    import il_clip
-    q, codes = model.image_query(model.visual.forward_tokens(images)), model.codebook
-    if model.cfg.code_sim == "cos":
-        q, codes, scale = F.normalize(q, dim=-1), F.normalize(codes, dim=-1), 1.0 / model.code_temperature
-    else:
-        scale = 1.0 / (math.sqrt(model.cfg.code_dim) * model.code_temperature)
-    s = il_clip.max_code_scores(q, codes, None) * scale
-    return s, il_clip.sparsemax(s, dim=-1, topk=model.cfg.sparsemax_topk)
+    return model.code_scores(model.visual.forward_tokens(images), None, model.image_query)
 
 
 def image_size_of(model, config):

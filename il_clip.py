@@ -324,7 +324,9 @@ class CLIP(TextTransformer):
                 self.text_query.init_weights(g)
 
     # --- heads
-    def codebook_embed(self, tokens, valid, query):
+    def code_scores(self, tokens, valid, query):
+        """Per-code scores r_k = max over valid tokens of q(f_p) . c_k / (sqrt(D) T) (FDT; the
+        paper's Eq. 2, with `--code_sim cos`: cos / T) and their sparsemax weights (Eq. 3)."""
         q = query(tokens)
         codes = self.codebook
         if self.cfg.code_sim == "cos":
@@ -335,7 +337,10 @@ class CLIP(TextTransformer):
         s = max_code_scores(q, codes, valid) * scale                           # [B, K]
         w, inexact = sparsemax(s, dim=-1, topk=self.cfg.sparsemax_topk, return_inexact=True)
         self.sparsemax_inexact.add_(inexact)
-        return w @ self.codebook.float()
+        return s, w
+
+    def codebook_embed(self, tokens, valid, query):
+        return self.code_scores(tokens, valid, query)[1] @ self.codebook.float()
 
     def encode_image(self, images):
         if self.cfg.codebook_size:

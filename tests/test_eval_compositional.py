@@ -160,7 +160,7 @@ def test_crepe_crops_boxes_and_counts_ties_wrong(tmp_path, emb, capsys):
     assert r["productivity/swap"] == pytest.approx(100 / 3, abs=1e-3) and r["n"]["productivity/swap"] == 3
     assert r["systematicity/comp"] == 100.0 and r["n"]["systematicity/comp"] == 2
     assert r["systematicity/atom"] == 0.0 and r["n"]["systematicity/atom"] == 1
-    assert f"prod_vg_hard_negs_swap_all.csv:5:" in capsys.readouterr().err
+    assert "prod_vg_hard_negs_swap_all.csv:5:" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- Cola / Winoground
