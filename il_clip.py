@@ -324,9 +324,10 @@ class CLIP(TextTransformer):
                 self.text_query.init_weights(g)
 
     # --- heads
-    def code_scores(self, tokens, valid, query):
+    def code_scores(self, tokens, valid, query, max_tokens=None):
         """Per-code scores r_k = max over valid tokens of q(f_p) . c_k / (sqrt(D) T) (FDT; the
-        paper's Eq. 2, with `--code_sim cos`: cos / T) and their sparsemax weights (Eq. 3)."""
+        paper's Eq. 2, with `--code_sim cos`: cos / T) and their sparsemax weights (Eq. 3).
+        `max_tokens`: the largest token count this call can see (see max_code_scores)."""
         q = query(tokens)
         codes = self.codebook
         if self.cfg.code_sim == "cos":
@@ -334,13 +335,13 @@ class CLIP(TextTransformer):
             scale = 1.0 / self.code_temperature
         else:
             scale = 1.0 / (math.sqrt(self.cfg.code_dim) * self.code_temperature)
-        s = max_code_scores(q, codes, valid) * scale                           # [B, K]
+        s = max_code_scores(q, codes, valid, max_tokens=max_tokens) * scale   # [B, K]
         w, inexact = sparsemax(s, dim=-1, topk=self.cfg.sparsemax_topk, return_inexact=True)
         self.sparsemax_inexact.add_(inexact)
         return s, w
 
-    def codebook_embed(self, tokens, valid, query):
-        return self.code_scores(tokens, valid, query)[1] @ self.codebook.float()
+    def codebook_embed(self, tokens, valid, query, max_tokens=None):
+        return self.code_scores(tokens, valid, query, max_tokens)[1] @ self.codebook.float()
 
     def encode_image(self, images):
         if self.cfg.codebook_size:
@@ -354,7 +355,7 @@ class CLIP(TextTransformer):
             x, eot = self.forward_tokens(text)
             # non-pad tokens = positions <= the first EOT (data.py contract)
             valid = torch.arange(text.shape[1], device=text.device)[None] <= eot[:, None]
-            x = self.codebook_embed(x, valid, self.text_query)
+            x = self.codebook_embed(x, valid, self.text_query, max_tokens=self.cfg.context_length)
         else:
             x = TextTransformer.forward(self, text)
         return F.normalize(x.float(), dim=-1)
@@ -469,11 +470,11 @@ class _MaxCodeScores(torch.autograd.Function):
     needs only the argmax token per (sample, code), [B, K], and routes the gradient there."""
 
     @staticmethod
-    def forward(ctx, q, codes, valid, budget):
+    def forward(ctx, q, codes, valid, budget, max_tokens):
         B, P, D = q.shape
         K = codes.shape[0]
         cb = codes.to(q.dtype)
-        chunk = max(1, budget // max(1, P * K))
+        chunk = max(1, budget // max(1, (max_tokens or P) * K))
         out = torch.empty(B, K, device=q.device, dtype=torch.promote_types(q.dtype, torch.float32))
         idx = torch.empty(B, K, device=q.device, dtype=torch.long)
         for s in range(0, B, chunk):
@@ -504,15 +505,18 @@ class _MaxCodeScores(torch.autograd.Function):
                 dq[s:s + b] = A.transpose(1, 2) @ cb
             if dc is not None:
                 dc += (A.permute(1, 0, 2).reshape(K, b * P) @ q[s:s + b].reshape(b * P, D)).to(acc)
-        return dq, (dc.to(codes.dtype) if dc is not None else None), None, None
+        return dq, (dc.to(codes.dtype) if dc is not None else None), None, None, None
 
 
-def max_code_scores(q, codes, valid=None, budget=1 << 25):
+def max_code_scores(q, codes, valid=None, budget=1 << 25, max_tokens=None):
     """max over tokens of q @ codes.T -> [B, K] float32. `valid` [B, P] bool marks real tokens.
+    Samples go in chunks of budget // (max_tokens x K) score values. `max_tokens` (default P)
+    should be a fixed bound when P varies between calls (trimmed text): a chunk size computed
+    from P would make torch.compile specialise, and recompile, on every text length.
     Pads are excluded with -inf before the max (the FDT reference multiplies pad features by
     0 instead, which puts a 0 score into every max and so clamps all scores at >= 0: a code
     anti-aligned with every real token would still score 0 instead of its true negative max)."""
-    return _MaxCodeScores.apply(q, codes, valid, budget)
+    return _MaxCodeScores.apply(q, codes, valid, budget, max_tokens)
 
 
 # -----------------------------------------------------------------------------

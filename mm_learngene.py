@@ -1213,7 +1213,7 @@ def cmd_report(a):
         total += cnt
         rows.append((n, cnt))
     ext = json.loads(meta.get("extract", "{}"))
-    lines = [f"| | parameters stored | ratio |", "|---|---:|---:|"]
+    lines = ["| | parameters stored | ratio |", "|---|---:|---:|"]
     for n, cnt in rows:
         lines.append(f"| PT-FT {n}-layer CLIP | {cnt:,} | |")
     lines.append(f"| PT-FT total ({', '.join(str(n) for n in a.layers)} layers) | {total:,} | 100% |")

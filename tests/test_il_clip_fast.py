@@ -122,12 +122,12 @@ def test_encoders_trace_without_graph_breaks_and_match_eager(codebook):
 
 
 def test_compiled_il_training_matches_eager_with_no_graph_break(tmp_path, monkeypatch):
-    """The whole IL loop (warm-up, spawn, distill with frozen parts, interact) with --compile:
-    the phase logic stays outside the graphs, so a phase change only re-specialises them and
-    nothing breaks a graph. AOTAutograd traces forward and backward exactly as inductor would
+    """The whole IL loop (warm-up, spawn, distill with frozen parts, interact; NegCLIP negatives
+    on top) with --compile: the phase logic stays outside the graphs, so a phase change only
+    re-specialises them and nothing breaks a graph. AOTAutograd traces forward and backward exactly as inductor would
     receive them; the inductor code generation itself is the next test."""
     def losses(out, extra):
-        argv = TINY + IL + ["--max_steps", "9", "--sparsemax_topk", "8", "--out_dir", str(tmp_path / out)]
+        argv = TINY + IL + ["--max_steps", "9", "--sparsemax_topk", "8", "--negatives", "--out_dir", str(tmp_path / out)]
         assert M.main(argv + extra) == 0
         return [json.loads(x)["loss"] for x in open(tmp_path / out / "metrics.jsonl")]
 
@@ -136,7 +136,9 @@ def test_compiled_il_training_matches_eager_with_no_graph_break(tmp_path, monkey
     torch._dynamo.utils.counters.clear()
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     compiled = losses("compiled", ["--compile"])
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2     # both encoders compiled
+    # both encoders compiled; one graph per (phase's requires_grad set, static / dynamic text
+    # length): 5 here, never one per text length
+    assert 2 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 6
     assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
     assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5)
 
@@ -168,3 +170,21 @@ def test_trimmed_text_padding_gives_the_same_embeddings(codebook):
         assert torch.allclose(model.encode_text(trimmed), model.encode_text(text), atol=1e-6)
     flops = M.estimate_flops_per_pair(model.cfg, text_len=16)
     assert flops < M.estimate_flops_per_pair(model.cfg) == M.estimate_flops_per_pair(model.cfg, L)
+
+
+def test_compiled_text_encoder_does_not_recompile_per_text_length():
+    """Trimmed batches vary in length; after one static and one dynamic-shape graph every length
+    must reuse the dynamic one. (A chunk size computed from the length made dynamo specialise
+    on each length until its recompile limit, then fall back to eager.)"""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model, _, _ = _tiny_model()
+    encode = torch.compile(model.encode_text, backend="aot_eager")
+    for L in (24, 16, 8, 32, 16, 24, 8, 32, 16, 24):
+        text = torch.randint(1, 100, (3, L))
+        text[:, L - 1] = model.cfg.eot_token_id
+        ref = model.encode_text(text)
+        out = encode(text)
+        out.sum().backward()
+        assert torch.allclose(out, ref, atol=1e-6)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
