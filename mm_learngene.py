@@ -1125,6 +1125,14 @@ def cmd_finetune(a):
                "layers": cfg.vision_layers or cfg.text_layers, "params": sum(p.numel() for p in model.parameters())}
     if modality == "vision" and a.task == "retrieval":
         raise ConfigError("retrieval needs a CLIP descendant (--modality clip at expand time)")
+
+    def phase(tag, model_, loss_fn, loader, args, steps):
+        """Run one phase with checkpoints in out/{tag}/; with --resume it continues from them
+        (a finished phase loads its final state and runs no step)."""
+        d = os.path.join(out, tag)
+        resume = a.resume and os.path.exists(os.path.join(d, "train_state.json"))
+        Trainer(model_, loss_fn, loader, args, rank, world, device, out_dir=d, config={"phase": tag, "init": a.init},
+                tag=tag).run(steps, resume)
     # Activation (appendix A.2.1): contrastive training on --activate_frac of the
     # image-text data for --activate_epochs epoch(s). CHOICE: applied to every learngene
     # descendant (MM-LG, TLEG, He-LG alike), not to scratch or PT-FT; needs both towers
@@ -1134,16 +1142,13 @@ def cmd_finetune(a):
         act_loader = data.make_loader(a.activate_data, "train", a.batch_size // world, tok, cfg.image_size, True,
                                       rank, world, a.num_workers, a.seed)
         steps = a.activate_steps or max(1, int(a.activate_frac * act_loader.num_samples * a.activate_epochs) // a.batch_size)
-        act_args = argparse.Namespace(**{**vars(a), "lr": a.activate_lr, "warmup": -1})
-        Trainer(model, lambda m, b: contrastive_loss_fn(m, b, device), act_loader, act_args, rank, world, device,
-                tag="activate").run(steps)
+        act_args = argparse.Namespace(**{**vars(a), "lr": a.activate_lr, "warmup": -1, "halt_at": 0})
+        phase("activate", model, lambda m, b: contrastive_loss_fn(m, b, device), act_loader, act_args, steps)
         results["activation_steps"] = steps
     if a.task == "retrieval":
         loader = data.make_loader(a.data, "train", a.batch_size // world, tok, cfg.image_size, True, rank, world,
                                   a.num_workers, a.seed + 1)
-        tr = Trainer(model, lambda m, b: contrastive_loss_fn(m, b, device), loader, a, rank, world, device,
-                     tag="finetune")
-        tr.run(a.max_steps)
+        phase("finetune", model, lambda m, b: contrastive_loss_fn(m, b, device), loader, a, a.max_steps)
         if rank == 0:
             results.update(eval_retrieval(model, a.data, tok, cfg.image_size, device, a.eval_split, a.eval_size))
         final = model
@@ -1156,7 +1161,7 @@ def cmd_finetune(a):
         def cls_loss(m, batch):
             loss = F.cross_entropy(m(batch["image"].to(device)), batch["label"].to(device))
             return loss, {}
-        Trainer(clf, cls_loss, train_loader, a, rank, world, device, tag="finetune").run(a.max_steps)
+        phase("finetune", clf, cls_loss, train_loader, a, a.max_steps)
         if rank == 0:
             test = ClassificationLoader(a.data, a.eval_split, 100, cfg.image_size, size=a.eval_size)
             results.update(eval_classification(clf, test, device))
@@ -1306,6 +1311,8 @@ def build_parser():
     p.add_argument("--train_size", type=int, default=None, help="classification: training images")
     p.add_argument("--eval_split", default="test")
     p.add_argument("--eval_size", type=int, default=1000)
+    p.add_argument("--resume", action="store_true", help="continue from out_dir/activate and out_dir/finetune")
+    p.add_argument("--halt_at", type=int, default=0, help="save and exit after this fine-tuning step")
     p.set_defaults(func=cmd_finetune)
 
     p = sub.add_parser("report", help="storage / cost table (paper Table 3)")

@@ -390,3 +390,27 @@ def test_eval_retrieval_duplicate_captions_and_collapse(monkeypatch):
     monkeypatch.setattr(M.data, "make_loader", fake_loader([("a", 0, 0), ("b", 1, 1), ("b", 1, 1), ("c", 2, 2)]))
     assert M.eval_retrieval(OracleStub(), "shapes", None, 4, "cpu") == \
         {"i2t_r1": 100.0, "t2i_r1": 100.0, "n_images": 3, "n_texts": 4}
+
+
+@pytest.mark.parametrize("task", ["retrieval", "classification"])
+def test_finetune_resume_is_exact(extracted, tmp_path, capsys, task):
+    """Activation and fine-tuning checkpoint into out_dir/activate and out_dir/finetune; a run
+    halted in fine-tuning and resumed ends with the one-go weights and results (the finished
+    activation phase is loaded, not rerun)."""
+    lg = str(extracted / "learngene.safetensors")
+    d = tmp_path / "d"
+    M.main(["expand", "--learngene", lg, "--layers", "3", "--out_dir", str(d)])
+    args = ["finetune", "--init", str(d), "--task", task, "--activate_steps", "2", "--max_steps", "4",
+            "--batch_size", "8", "--eval_size", "20", "--log_every", "1", "--train_size", "32"]
+    M.main(args + ["--out_dir", str(tmp_path / "one")])
+    with pytest.raises(SystemExit) as e:
+        M.main(args + ["--out_dir", str(tmp_path / "two"), "--halt_at", "2"])
+    assert e.value.code == 0 and "--halt_at" in capsys.readouterr().out
+    assert json.loads((tmp_path / "two" / "finetune" / "train_state.json").read_text())["step"] == 2
+    M.main(args + ["--out_dir", str(tmp_path / "two"), "--resume"])
+    a, b = (load_file(str(tmp_path / r / "model.safetensors")) for r in ("one", "two"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ra, rb = (json.loads((tmp_path / r / "results.json").read_text()) for r in ("one", "two"))
+    assert ra == rb and ra["activation_steps"] == 2
+    steps = [json.loads(x)["step"] for x in open(tmp_path / "two" / "finetune" / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4]
