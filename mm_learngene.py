@@ -702,8 +702,10 @@ def plot_curve(metrics: list, path: str, key="loss"):
 
 
 class Trainer:
-    """One training phase. `loss_fn(model, batch) -> (loss, {name: float})`, `model` being the
-    DDP-wrapped module when world > 1. Checkpoints (when out_dir): model.safetensors,
+    """One training phase. `loss_fn(model, batch) -> (loss, {name: detached tensor})`, `model`
+    being the DDP-wrapped module when world > 1. Nothing in a step waits for the device: the
+    losses and a non-finite flag are read every `log_every` steps and before every checkpoint,
+    so a NaN/inf stops the run before anything after it is saved. Checkpoints (when out_dir): model.safetensors,
     config.json, tokenizer.json, train_state.{safetensors,json}; all written atomically;
     `resume` continues exactly (optimizer, step, RNG, loader position)."""
 
@@ -756,6 +758,14 @@ class Trainer:
             with open(mpath) as f:
                 self.metrics = [m for m in map(json.loads, f) if m["step"] <= self.step]
 
+    def check_finite(self, bad, done):
+        if self.world > 1:      # every rank stops together, or the others would hang in a collective
+            bad = bad.to(torch.int32)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bool(bad):
+            raise ConfigError(f"{self.tag}: non-finite loss at a step <= {done}; stopped, "
+                              f"the last good checkpoint is kept")
+
     def run(self, max_steps, resume=False):
         a = self.args
         if resume:
@@ -764,19 +774,18 @@ class Trainer:
         it = self.loader.forever()
         warmup = max(1, max_steps // 10) if a.warmup < 0 else a.warmup
         bar = range(self.step, max_steps)
-        t0 = time.time()
+        t0 = t_log = time.time()
+        step_log = self.step
+        bad = torch.zeros((), dtype=torch.bool, device=self.device)
         try:
             for self.step in bar:
                 lr = lr_at(self.step, max_steps, a.lr, max(1, warmup))
                 for g in self.opt.param_groups:
                     g["lr"] = lr
                 batch = next(it)
-                tb = time.time()
                 with autocast(self.device, a.dtype):
                     loss, parts = self.loss_fn(self.model, batch)
-                if not torch.isfinite(loss):
-                    raise ConfigError(f"{self.tag}: loss is {loss.item()} at step {self.step}; stopped, "
-                                      f"the last good checkpoint is kept")
+                bad |= ~torch.isfinite(loss.detach())
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 if a.grad_clip > 0:
@@ -788,9 +797,14 @@ class Trainer:
                 self.elapsed += time.time() - t0
                 t0 = time.time()
                 done = self.step + 1
+                if done % a.log_every == 0 or done == max_steps:
+                    self.check_finite(bad, done)
                 if self.rank == 0 and (done % a.log_every == 0 or done == max_steps):
-                    m = {"phase": self.tag, "step": done, "loss": loss.item(), "lr": lr, "elapsed": round(self.elapsed, 3),
-                         "samples_per_s": round(a.batch_size / max(1e-9, time.time() - tb), 1), **parts}
+                    vals = torch.stack([loss.detach().float(), *(v.float() for v in parts.values())]).tolist()
+                    sps = a.batch_size * (done - step_log) / max(1e-9, time.time() - t_log)
+                    t_log, step_log = time.time(), done
+                    m = {"phase": self.tag, "step": done, "loss": vals[0], "lr": lr, "elapsed": round(self.elapsed, 3),
+                         "samples_per_s": round(sps, 1), **dict(zip(parts, vals[1:]))}
                     self.metrics.append(m)
                     print(json.dumps(m), flush=True)
                     if self.out_dir:
@@ -799,12 +813,15 @@ class Trainer:
                             f.write(json.dumps(m) + "\n")
                 self.step = done
                 if self.out_dir and a.ckpt_every > 0 and done % a.ckpt_every == 0 and done < max_steps:
+                    self.check_finite(bad, done)
                     self.save()
                 if self.stop or (getattr(a, "halt_at", 0) and done == a.halt_at and done < max_steps):
+                    self.check_finite(bad, done)
                     print(f"{self.tag}: {'SIGTERM' if self.stop else '--halt_at'}, checkpoint saved at step {done}; "
                           f"continue with --resume", flush=True)
                     self.save()
                     sys.exit(0)
+            self.check_finite(bad, self.step)
             if self.out_dir:
                 self.save()
                 if self.rank == 0:
@@ -819,7 +836,7 @@ def contrastive_loss_fn(model, batch, device):
     img, txt, scale = model(batch["image"].to(device), batch["text"].to(device))
     i2t, t2i, labels = clip_logits(img, txt, scale)
     loss = clip_loss(i2t, t2i, labels)
-    return loss, {"clip": loss.item()}
+    return loss, {"clip": loss.detach()}
 
 
 # -----------------------------------------------------------------------------
@@ -870,7 +887,7 @@ def cmd_extract(a):
                                           teacher.logit_scale.exp().float(), grad=False)
         l_clip = clip_loss(s_i2t, s_t2i, labels)
         l_dist = distill_loss(s_i2t, s_t2i, t_i2t, t_t2i)
-        return l_clip + a.lambda_dist * l_dist, {"clip": l_clip.item(), "dist": l_dist.item()}  # Eq. 8
+        return l_clip + a.lambda_dist * l_dist, {"clip": l_clip.detach(), "dist": l_dist.detach()}  # Eq. 8
 
     config = {**{k: v for k, v in vars(a).items() if k != "func"}, "preset": a.model, "world_size": world,
               **aux.meta(), "model": dataclasses.asdict(aux.cfg), "teacher_config": dataclasses.asdict(tcfg)}

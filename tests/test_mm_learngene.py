@@ -1,5 +1,6 @@
 """Tests of mm_learngene.py: index mapping, expansion arithmetic, distillation loss,
 ablations, il_clip compatibility, DDP equality, exact resume, bad input."""
+import argparse
 import dataclasses
 import json
 import math
@@ -414,3 +415,43 @@ def test_finetune_resume_is_exact(extracted, tmp_path, capsys, task):
     assert ra == rb and ra["activation_steps"] == 2
     steps = [json.loads(x)["step"] for x in open(tmp_path / "two" / "finetune" / "metrics.jsonl")]
     assert steps == [1, 2, 3, 4]
+
+
+class _ListLoader:
+    """The loader interface Trainer uses, over a fixed list of batches."""
+
+    def __init__(self, batches):
+        self.batches, self.done = batches, 0
+
+    def forever(self):
+        while True:
+            self.done += 1
+            yield self.batches[(self.done - 1) % len(self.batches)]
+
+    def state_dict(self):
+        return {"done": self.done}
+
+    def load_state_dict(self, s):
+        self.done = s["done"]
+
+
+def test_trainer_nan_stops_without_saving_anything_after_it(tmp_path):
+    """The non-finite check is read at log and checkpoint steps (no sync per step): a NaN at
+    step 5 stops the run at the next check, and the checkpoint on disk is the last one before."""
+    model = torch.nn.Linear(4, 1)
+    xs = [torch.randn(8, 4, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    xs[4] = xs[4].clone().fill_(float("nan"))           # the 5th step's batch
+
+    def loss_fn(m, x):
+        loss = m(x).pow(2).mean()
+        return loss, {"sq": loss.detach()}
+    args = argparse.Namespace(lr=1e-2, weight_decay=0.0, warmup=1, grad_clip=1.0, dtype="float32", log_every=3,
+                              ckpt_every=3, batch_size=8)
+    tr = M.Trainer(model, loss_fn, _ListLoader(xs), args, 0, 1, "cpu", out_dir=str(tmp_path), tag="t")
+    with pytest.raises(M.ConfigError, match="non-finite loss at a step <= 6"):
+        tr.run(8)
+    assert json.loads((tmp_path / "train_state.json").read_text())["step"] == 3
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert all(torch.isfinite(v).all() for v in saved.values())
+    logged = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [m["step"] for m in logged] == [3] and logged[0]["sq"] == pytest.approx(logged[0]["loss"])
