@@ -13,6 +13,7 @@ checkpoints -> training loop -> evaluation -> main().
 """
 import argparse
 import copy
+import functools
 import json
 import math
 import os
@@ -557,6 +558,63 @@ def _rank():
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+class GradReducer:
+    """Averages gradients over ranks while backward is still running, as DDP does, for a model
+    whose trainable set changes with the IL phase and whose loss is not one forward() call.
+
+    Parameters go into ~25 MB buckets in reverse registration order (about the order backward
+    produces them). A post-accumulate-grad hook marks a parameter ready. Buckets are launched as
+    async all-reduces strictly in bucket order, so every rank issues the same collectives in the
+    same order. Each bucket waits for the parameters that had a gradient at the previous step.
+    finish() then launches whatever is still pending, in order, and reduces any gradient nobody
+    waited for. A phase change or an unused parameter therefore costs overlap for one step, never
+    correctness. Only the last micro-batch of a step is `armed`."""
+
+    def __init__(self, params, world, bucket_bytes=25 << 20):
+        self.params, self.world, self.armed = list(params)[::-1], world, False
+        self.buckets, cur, size = [], [], 0
+        for j, p in enumerate(self.params):
+            cur.append(j)
+            size += p.numel() * p.element_size()
+            if size >= bucket_bytes or j == len(self.params) - 1:
+                self.buckets.append(cur)
+                cur, size = [], 0
+        self.bucket_of = {j: i for i, b in enumerate(self.buckets) for j in b}
+        self.expected = [set() for _ in self.buckets]       # learnt at every finish()
+        self.ready, self.next, self.pending = [set() for _ in self.buckets], 0, []
+        for j, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, j))
+
+    def _on_grad(self, j, _param):
+        if not self.armed:
+            return
+        self.ready[self.bucket_of[j]].add(j)
+        while self.next < len(self.buckets) and self.ready[self.next] >= self.expected[self.next]:
+            if self.expected[self.next]:
+                self._launch(self.expected[self.next])
+            self.next += 1
+
+    def _launch(self, idx):
+        grads = [self.params[j].grad for j in sorted(idx)]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.pending.append((dist.all_reduce(flat, async_op=True), flat, grads))
+
+    def finish(self):
+        """Wait for every reduction and write the averages into .grad."""
+        have = [{j for j in b if self.params[j].grad is not None} for b in self.buckets]
+        for i in range(len(self.buckets)):
+            rest = have[i] - self.expected[i] if i < self.next else have[i]
+            if rest:
+                self._launch(rest)
+        for work, flat, grads in self.pending:
+            work.wait()
+            flat /= self.world
+            for g, avg in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+                g.copy_(avg.view_as(g))
+        self.expected = have
+        self.ready, self.next, self.pending = [set() for _ in self.buckets], 0, []
+
+
 def contrastive_loss(img, txt, scale, neg_txt=None, neg_txt_valid=None, neg_img=None):
     """Symmetric InfoNCE with local rows against all-gathered columns; labels offset by rank.
     The mean over ranks equals the single-process loss on the combined batch. NegCLIP adds
@@ -865,6 +923,7 @@ def build_args(argv=None):
     a("--stop_at", type=int, default=None, help="save and exit after this step (job chaining)")
     a("--batch_size", type=int, default=None, help="global batch (all ranks, all micro-steps)")
     a("--accum", type=int, default=1, help="gradient accumulation micro-steps")
+    a("--bucket_mb", type=float, default=25.0, help="DDP: gradient all-reduce bucket size (MB)")
     a("--lr", type=float, default=None)
     a("--min_lr", type=float, default=0.0)
     a("--warmup", type=int, default=None)
@@ -1128,6 +1187,8 @@ class Trainer:
         if world > 1:       # identical start on every rank (init is seeded, this makes sure)
             for t in self.raw.state_dict().values():
                 dist.broadcast(t, 0)
+        self.reducer = (GradReducer(self.raw.parameters(), world, int(args.bucket_mb * 2**20))
+                        if world > 1 else None)
 
     # --- IL phases
     def trainable(self, phase, gen):
@@ -1203,23 +1264,6 @@ class Trainer:
                 neg_img = self.pool.nearest(all_img)
                 self.pool.push(all_img)
             return contrastive_loss(img, txt, self.raw.logit_scale.exp(), neg_txt, neg_valid, neg_img)
-
-    def allreduce_grads(self):
-        grads = [p.grad for p in self.raw.parameters() if p.grad is not None]
-        if self.world == 1 or not grads:
-            return
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-        bucket, size = [], 0
-        for i, g in enumerate(grads):
-            bucket.append(g)
-            size += g.numel()
-            if size >= (1 << 24) or i == len(grads) - 1:
-                flat = _flatten_dense_tensors(bucket)
-                dist.all_reduce(flat)
-                flat /= self.world
-                for b, s in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                    b.copy_(s)
-                bucket, size = [], 0
 
     # --- checkpoints
     def save_generation_snapshot(self, gen):
@@ -1345,13 +1389,16 @@ class Trainer:
                 grp["lr"] = lr
             if raw.cfg.codebook_size:
                 raw.code_temperature.fill_(code_temperature(self.step, args))
-            for _ in range(args.accum):
+            for micro in range(args.accum):
+                if self.reducer is not None:    # reduce while the last micro-batch's backward runs
+                    self.reducer.armed = micro == args.accum - 1
                 loss = self.loss(self.batches.next(), phase, gen)
                 (loss / args.accum).backward()
                 loss_sum += loss.detach()
                 bad |= ~torch.isfinite(loss.detach())
                 n_loss += 1
-            self.allreduce_grads()
+            if self.reducer is not None:
+                self.reducer.finish()
             if args.grad_clip > 0:
                 params = [p for p in raw.parameters() if p.grad is not None]
                 if params:

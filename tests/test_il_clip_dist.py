@@ -25,7 +25,10 @@ METHODS = {
     "codebook": ["--method", "codebook", "--codebook", "64", "--max_steps", "2"],
     "negclip": ["--method", "negclip", "--max_steps", "3"],
     "il": ["--method", "il"] + IL,                                       # warm-up, spawn+distill, interact
-    "il_neg_vision": ["--method", "il", "--negatives", "--spawn", "vision", "--accum", "2"] + IL,
+    # small buckets: many all-reduces launched from the backward hooks, across phase changes
+    "il_neg_vision": ["--method", "il", "--negatives", "--spawn", "vision", "--accum", "2", "--bucket_mb", "0.005"] + IL,
+    "il_buckets": ["--method", "il", "--bucket_mb", "0.005"] + IL + ["--t_warm", "2", "--t_distill", "2",
+                                                                     "--t_interact", "2"],
 }
 
 
@@ -61,3 +64,48 @@ if __name__ == "__main__":        # torchrun worker: every method, one process g
         if rc != 0:
             sys.exit(rc)
     dist.destroy_process_group()
+
+
+def test_grad_reducer_overlaps_backward_and_reduces_each_gradient_once(tmp_path):
+    """GradReducer's bookkeeping on a one-rank gloo group (the collectives are identities; the
+    two-rank numbers are the torchrun test above). Told world=2, it must halve every gradient
+    exactly once. It must launch buckets from the backward hooks once it knows what to wait
+    for, and it must stay exact when a phase freezes or unfreezes parameters."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8),
+                                    torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        red = M.GradReducer(model.parameters(), world=2, bucket_bytes=1)      # one parameter per bucket
+        launched = []
+        real_launch = red._launch
+        red._launch = lambda idx: (launched.extend(idx), real_launch(idx))
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+        first = list(model[0].parameters())
+
+        def step(frozen, accum=1):
+            for p in first:
+                p.requires_grad_(not frozen)
+            model.zero_grad(set_to_none=True)
+            for micro in range(accum):
+                red.armed = micro == accum - 1
+                model(x[micro::accum]).pow(2).sum().backward()
+            ref = {p: p.grad.clone() for p in model.parameters() if p.grad is not None}
+            during = len(launched)
+            red.finish()
+            reduced = list(launched)
+            launched.clear()
+            assert sorted(reduced) == sorted(set(reduced))                     # each gradient once
+            assert {id(red.params[j]) for j in reduced} == {id(p) for p in ref}
+            for p, g in ref.items():
+                assert torch.equal(p.grad, g / 2)
+            return during, len(ref)
+
+        assert step(False) == (0, 6)            # nothing known yet: all reduced in finish()
+        assert step(False, accum=2) == (6, 6)   # now every bucket goes out during backward
+        during, n = step(True)                  # first layer frozen: the rest still overlaps
+        assert n == 4 and during == 4 and first[0].grad is None
+        assert step(False)[1] == 6              # unfrozen again: the new gradients are not lost
+        assert step(False) == (6, 6)
+    finally:
+        dist.destroy_process_group()
