@@ -1430,19 +1430,19 @@ def train_step(model, compiler, sp: Split, gidx, rank, world, step, args, device
         mask_t = (img_of[local][:, None] == img_of[None, :]) & (torch.arange(B)[None, :] != local[:, None])
         loss = 0.5 * (F.cross_entropy(logits.masked_fill(mask_t.to(device), -1e4), local.to(device)) +
                       F.cross_entropy(lg_i.masked_fill(mask_t.to(device), -1e4), local.to(device)))
-        return loss, {"match": loss.item()}
+        return loss, {"match": loss.detach()}
     pair_cap = torch.cat([local, local.repeat_interleave(ki), nt[local].reshape(-1)]).to(device)
     pair_img = torch.cat([local, ni[local].reshape(-1), local.repeat_interleave(kt)]).to(device)
     s, aux = model.score_pairs(tb, te, V, vm, pair_cap, pair_img)
     s_neg = torch.cat([s[b:b + b * ki].view(b, ki), s[b + b * ki:].view(b, kt)], 1)
     l_match = match_loss(s[:b], s_neg)
-    parts = {"match": l_match.item()}
+    parts = {"match": l_match.detach()}       # read only at log steps: no device sync per step
     loss = l_match
     if cfg.arch == "composer" and (args.lambda1 > 0 or args.lambda2 > 0):
         nodes_caps = [sp.comps[c] for c in caps]
         l_mvsa, l_order = composer_losses(aux, nodes_caps, local.tolist(), ki, nt[local].tolist(), (b, b + b * ki), args, world)
         loss = loss + args.lambda1 * l_mvsa + args.lambda2 * l_order
-        parts.update(mvsa=l_mvsa.item(), order=l_order.item())
+        parts.update(mvsa=l_mvsa.detach(), order=l_order.detach())
     return loss, parts
 
 
@@ -1640,31 +1640,41 @@ def train(args):
         return out
 
     model.train()
+    bad = torch.zeros((), dtype=torch.bool, device=device)     # any non-finite loss since the start
+
+    def nonfinite(step):
+        return ComposerError(f"non-finite loss at a step <= {step}: stopping; the last good checkpoint "
+                             f"is in {args.out_dir}")
+
     while step < args.max_steps:
         gidx = sampler.next()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
         with autocast:
             loss, parts = train_step(model, compiler, sp, gidx, rank, world, step, args, device)
-        if not torch.isfinite(loss):
-            raise ComposerError(f"loss is {float(loss)} at step {step}: stopping; the last good checkpoint "
-                                f"is in {args.out_dir}")
+        bad |= ~torch.isfinite(loss.detach())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         allreduce_grads(params, world)
         torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         opt.step()
         step += 1
-        if step % args.log_every == 0 or step == args.max_steps:
-            vals = torch.tensor([loss.item()] + list(parts.values()), dtype=torch.float64)
+        at_ckpt = step % args.ckpt_every == 0 or step == args.max_steps    # the same step on every rank
+        if step % args.log_every == 0 or at_ckpt:
+            # the losses and the non-finite flag stay on the device until here (no sync per step)
+            vals = torch.stack([loss.detach(), *parts.values(), bad.float()]).double()
             if world > 1:  # log the global batch's loss: the mean of the ranks' losses
                 import torch.distributed as dist
                 dist.all_reduce(vals)
-                vals /= world
-            parts = dict(zip(parts, vals[1:].tolist()))
+                vals[:-1] /= world
+            vals = vals.tolist()
+            if vals[-1]:
+                raise nonfinite(step)
+        if step % args.log_every == 0 or step == args.max_steps:
+            parts = dict(zip(parts, vals[1:-1]))
             dt = time.time() - last_log
             last_log = time.time()
-            rec = {"step": step, "loss": round(vals[0].item(), 6), **{k: round(v, 6) for k, v in parts.items()},
+            rec = {"step": step, "loss": round(vals[0], 6), **{k: round(v, 6) for k, v in parts.items()},
                    "lr": opt.param_groups[0]["lr"], "samples_per_s": round(args.batch_size * args.log_every / max(dt, 1e-9), 1)}
             log(rec)
             if master:
@@ -1673,7 +1683,9 @@ def train(args):
             ev = run_evals(step)
             log({"step": step, "eval": ev})
             print(json.dumps({"step": step, "eval": ev}), flush=True)
-        if master and (step % args.ckpt_every == 0 or step == args.max_steps or stop["flag"]):
+        if master and stop["flag"] and not at_ckpt and bool(bad):    # SIGTERM between checks
+            raise nonfinite(step)
+        if master and (at_ckpt or stop["flag"]):
             save_checkpoint(args.out_dir, model, opt, cfg, args, step, sampler, tok, extra)
         if stop["flag"]:
             if master:

@@ -286,3 +286,21 @@ def test_recall_ties_count_against_the_query():
     S = torch.tensor([[1.0, 1.0, 0.0], [0.0, 2.0, 1.0]])
     assert C.recall_at(S, [{0}, {1}], ks=(1, 2)) == {"R@1": 50.0, "R@2": 100.0}
     assert C.recall_at(S, [{0, 1}, {0, 2}], ks=(1,)) == {"R@1": 50.0}  # any correct image counts
+
+
+def test_nonfinite_loss_stops_at_the_next_check_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    """The non-finite flag stays on the device and is read at log / checkpoint steps: a NaN at
+    step 5 stops the run at step 6 with one line, and nothing after step 3 is saved."""
+    real_step = C.train_step
+
+    def nan_at_5(*a, **k):
+        loss, parts = real_step(*a, **k)
+        return (loss * float("nan"), parts) if a[6] == 4 else (loss, parts)   # a[6]: 0-based step
+    monkeypatch.setattr(C, "train_step", nan_at_5)
+    with pytest.raises(SystemExit) as e:
+        C.main(["train", "--out_dir", str(tmp_path), "--max_steps", "9"] + TRAIN + ["--log_every", "3", "--ckpt_every", "3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "non-finite loss at a step <= 6" in err[0], err
+    assert json.load(open(tmp_path / "train_state.json"))["step"] == 3
+    logged = [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl") if "loss" in x]
+    assert logged == [3]
