@@ -859,9 +859,10 @@ def make_sample(image, caption, tree, key: str, transform, rng):
     return {"image": x, "caption": " ".join(caption.split()), "tree": tree or None, "key": key}
 
 
-def collate(samples: list, tokenizer=None) -> dict:
+def collate(samples: list, tokenizer=None, batch_extra=None) -> dict:
     """List of samples -> batch dict. Skips (and None) are left out of the batch and listed
-    as (reason, where) pairs in batch["_skips"]; the loader removes that entry."""
+    as (reason, where) pairs in batch["_skips"]; the loader removes that entry. `batch_extra`
+    (picklable, batch -> dict) adds entries in the loader's workers, off the training loop."""
     good = [s for s in samples if isinstance(s, dict)]
     batch = {"image": torch.stack([s["image"] for s in good]) if good else torch.zeros(0, 3, 0, 0),
              "caption": [s["caption"] for s in good],
@@ -873,15 +874,17 @@ def collate(samples: list, tokenizer=None) -> dict:
         batch["label"] = torch.tensor([s["label"] for s in good])
     if tokenizer is not None and good:
         batch["text"] = tokenizer(batch["caption"])
+    if batch_extra is not None and good:
+        batch.update(batch_extra(batch))
     return batch
 
 
 class _Collate:  # picklable for worker processes
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, batch_extra=None):
+        self.tokenizer, self.batch_extra = tokenizer, batch_extra
 
     def __call__(self, samples):
-        return collate(samples, self.tokenizer)
+        return collate(samples, self.tokenizer, self.batch_extra)
 
 
 # -----------------------------------------------------------------------------
@@ -1236,6 +1239,7 @@ class _Loader:
         # page-locked batches for a CUDA consumer: the .to(device, non_blocking=True) of the
         # training loop is then a true async copy that overlaps the running step
         self.pin_memory = False
+        self.batch_extra = None     # see collate()
 
     def set_epoch(self, epoch):
         if epoch != self.epoch:
@@ -1325,7 +1329,7 @@ class MapLoader(_Loader):
         if hasattr(self.dataset, "epoch"):
             self.dataset.epoch = self.epoch
         dl = torch.utils.data.DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers,
-                                         collate_fn=_Collate(self.tokenizer), persistent_workers=False,
+                                         collate_fn=_Collate(self.tokenizer, self.batch_extra), persistent_workers=False,
                                          pin_memory=self.pin_memory)
         for batch in dl:
             self.batches_done += 1
@@ -1356,6 +1360,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.shuffle_buffer = shuffle_buffer
         self.epoch, self.worker_offset = 0, 0
         self.records_done = [0] * self.workers  # per logical worker: records consumed (resume)
+        self.batch_extra = None
 
     def _slot(self):
         info = torch.utils.data.get_worker_info()
@@ -1380,7 +1385,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         return records
 
     def _batch(self, samples: list, logical: int, records: int) -> dict:
-        batch = collate(samples, self.tokenizer)
+        batch = collate(samples, self.tokenizer, self.batch_extra)
         batch["_meta"] = {"worker": logical, "records": records}
         return batch
 
@@ -1438,7 +1443,7 @@ class ShardLoader(_Loader):
     def __iter__(self):
         """The rest of the current epoch; afterwards the loader points at the next epoch."""
         s = self.stream
-        s.epoch, s.records_done = self.epoch, list(self.records_done)
+        s.epoch, s.records_done, s.batch_extra = self.epoch, list(self.records_done), self.batch_extra
         s.worker_offset = (self.last_worker + 1) % s.workers
         dl = torch.utils.data.DataLoader(s, batch_size=None, num_workers=self.num_workers, persistent_workers=False,
                                          pin_memory=self.pin_memory)
@@ -1488,13 +1493,13 @@ def make_loader(spec: str, split: str = "train", batch_size: int = 64, tokenizer
                 resampled: bool = False, drop_last: bool = True, image_root: str | None = None, *,
                 shuffle_buffer: int = 1000, max_skip_fraction: float = MAX_SKIP_FRACTION, transform=None,
                 csv_img_key: str = "filepath", csv_caption_key: str = "title", csv_separator: str | None = None,
-                pin_memory: bool = False):
+                pin_memory: bool = False, batch_extra=None):
     """The loader for a `--data` spec (SPEC.md section 1): a MapLoader for shapes, CSV,
     Karpathy JSON (`split`) and ImageFolder (batches also carry "label"), a ShardLoader for
     tar shards (`split` is ignored: a shard set is one split). Real images get
     train_transform(image_size) when `train`, else eval_transform(image_size); `transform`
     overrides both (a callable (PIL image, random.Random) -> tensor). `pin_memory`: page-locked
-    batches for a CUDA training loop."""
+    batches for a CUDA training loop. `batch_extra`: see collate()."""
     src = resolve_data(spec, image_root)
     loader_args = dict(tokenizer=tokenizer, train=train, rank=rank, world_size=world_size, num_workers=num_workers,
                        seed=seed, drop_last=drop_last)
@@ -1514,6 +1519,7 @@ def make_loader(spec: str, split: str = "train", batch_size: int = 64, tokenizer
             loader = MapLoader(FileDataset(items, transform, seed), batch_size, name=spec,
                                max_skip_fraction=max_skip_fraction, **loader_args)
     loader.pin_memory = pin_memory and torch.cuda.is_available()
+    loader.batch_extra = batch_extra
     return loader
 
 

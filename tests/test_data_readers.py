@@ -335,3 +335,17 @@ def test_karpathy_several_captions_restval_and_bad_sentences(tmp_path):
     items = data.karpathy_items(str(tmp_path / "k.json"), split="train")
     assert [(os.path.basename(p), caps) for p, caps in items] == [("a.png", ["one", "two"]), ("b.png", ["three"]), ("b.png", [])]
     assert data.karpathy_items(str(tmp_path / "k.json"), str(tmp_path), "test") == [(str(tmp_path / "a.png"), ["four"])]
+
+
+class _CaptionLengths:
+    """A picklable batch_extra: one entry computed from the collated batch."""
+
+    def __call__(self, batch):
+        return {"caption_len": torch.tensor([len(c) for c in batch["caption"]])}
+
+
+def test_batch_extra_runs_in_the_shard_workers(shapes_dir):
+    loader = data.make_loader(_pattern(shapes_dir), batch_size=7, image_size=64, train=False, drop_last=False,
+                              num_workers=2, batch_extra=_CaptionLengths())
+    batches, _ = _read_all(loader)
+    assert batches and all(b["caption_len"].tolist() == [len(c) for c in b["caption"]] for b in batches)

@@ -367,3 +367,22 @@ def test_negclip_caption_swaps():
     assert pool.nearest(torch.ones(1, 2)) is None
     pool.push(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
     assert torch.equal(pool.nearest(torch.tensor([[0.1, 0.9]])), torch.tensor([[0.0, 1.0]]))
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_negatives_are_made_in_the_loader(num_workers):
+    """NegCLIP's hard negatives come with the batch (made and tokenized in the loader's workers),
+    as a fixed function of (seed, caption), with neg_valid False where nothing could be swapped."""
+    import random
+
+    import data
+    tok = data.build_tokenizer(captions=data.shapes_captions(200, 0), vocab_size=300, context_length=32)
+    negatives = M.NegativeCaptions(tok, seed=3)
+    loader = data.make_loader("shapes:train_size=64", batch_size=16, tokenizer=tok, num_workers=num_workers,
+                              batch_extra=negatives)
+    batch = next(iter(loader))
+    assert batch["neg_text"].shape == batch["text"].shape and batch["neg_valid"].dtype == torch.bool
+    expect = [M.negative_caption(c, random.Random(f"3:{c}")) for c in batch["caption"]]
+    assert batch["neg_valid"].tolist() == [n is not None for n in expect]
+    assert torch.equal(batch["neg_text"], tok([n or c for n, c in zip(expect, batch["caption"])]))
+    assert batch["neg_valid"].any()
