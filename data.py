@@ -413,24 +413,17 @@ def _negative_candidates(category: str, s: CaptionStruct, objects: list, rng: ra
             for other in RELATION_NAMES:
                 if other != rel:
                     t = _copy_struct(s); t.relations[r_idx] = other; out.append(t)
-    elif category == "swap_obj":
+    elif category in ("swap_obj", "swap_att"):
+        fields = ("shape",) if category == "swap_obj" else ("colour", "size")
         for i in range(k):
             for j in range(i + 1, k):
-                if s.phrases[i].shape != s.phrases[j].shape:
-                    t = _copy_struct(s)
-                    t.phrases[i].shape, t.phrases[j].shape = s.phrases[j].shape, s.phrases[i].shape
-                    out.append(t)
-    elif category == "swap_att":
-        for i in range(k):
-            for j in range(i + 1, k):
-                if s.phrases[i].colour != s.phrases[j].colour:
-                    t = _copy_struct(s)
-                    t.phrases[i].colour, t.phrases[j].colour = s.phrases[j].colour, s.phrases[i].colour
-                    out.append(t)
-                if s.phrases[i].size and s.phrases[j].size and s.phrases[i].size != s.phrases[j].size:
-                    t = _copy_struct(s)
-                    t.phrases[i].size, t.phrases[j].size = s.phrases[j].size, s.phrases[i].size
-                    out.append(t)
+                for f in fields:    # swap two phrases' values where both have one and they differ
+                    a, b = getattr(s.phrases[i], f), getattr(s.phrases[j], f)
+                    if a and b and a != b:
+                        t = _copy_struct(s)
+                        setattr(t.phrases[i], f, b)
+                        setattr(t.phrases[j], f, a)
+                        out.append(t)
     elif category == "add_obj":
         if s.form in ("single", "rel", "and"):  # append "and a <absent object>"
             for c, sh in _seen_compounds():
