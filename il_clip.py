@@ -562,7 +562,7 @@ class GradReducer:
     """Averages gradients over ranks while backward is still running, as DDP does, for a model
     whose trainable set changes with the IL phase and whose loss is not one forward() call.
 
-    Parameters go into ~25 MB buckets in reverse registration order (about the order backward
+    Parameters go into buckets of `bucket_bytes` (--bucket_mb) in reverse registration order (about the order backward
     produces them). A post-accumulate-grad hook marks a parameter ready. Buckets are launched as
     async all-reduces strictly in bucket order, so every rank issues the same collectives in the
     same order. Each bucket waits for the parameters that had a gradient at the previous step.
@@ -1118,7 +1118,7 @@ def trim_text_padding(text, eot_token_id, multiple=8):
     """Drop the columns after the batch's last EOT from a token batch still on the CPU (so the
     length is known without a device sync). The result is exact: under the causal mask no position
     up to a caption's EOT sees anything after it, and the codebook head ignores pads. Captions are
-    short (CC3M: ~13 tokens of 77), so the text tower and the text codebook scores shrink with
+    short (CC3M: about 10 words in a 77-token context), so the text tower and the text codebook scores shrink with
     them. Rounded up to a multiple of 8 for tensor cores and so that compile sees few lengths."""
     if text.device.type != "cpu":
         return text

@@ -758,8 +758,9 @@ class Trainer:
             with open(mpath) as f:
                 self.metrics = [m for m in map(json.loads, f) if m["step"] <= self.step]
 
-    def check_finite(self, bad, done):
-        if self.world > 1:      # every rank stops together, or the others would hang in a collective
+    def check_finite(self, bad, done, local=False):
+        """`local`: this rank only (SIGTERM reaches rank 0 alone, so no collective there)."""
+        if self.world > 1 and not local:    # every rank stops together, or the others would hang
             bad = bad.to(torch.int32)
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if bool(bad):
@@ -816,7 +817,7 @@ class Trainer:
                     self.check_finite(bad, done)
                     self.save()
                 if self.stop or (getattr(a, "halt_at", 0) and done == a.halt_at and done < max_steps):
-                    self.check_finite(bad, done)
+                    self.check_finite(bad, done, local=self.stop)
                     print(f"{self.tag}: {'SIGTERM' if self.stop else '--halt_at'}, checkpoint saved at step {done}; "
                           f"continue with --resume", flush=True)
                     self.save()
