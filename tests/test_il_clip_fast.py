@@ -22,7 +22,7 @@ def _cos_scores(rows, width, scale, seed=0):
 
 def test_topk_sparsemax_settles_where_the_support_overflows(monkeypatch):
     # small scales: thousands of codes in the support, far more than k, so every row takes the
-    # Newton refinement from the top-k lower bound (up to 7 steps in this range)
+    # Newton refinement from the top-k lower bound (up to 11 steps in this range at k = 2)
     for scale in (1e-3, 1e-2, 0.1, 1.0):
         z = _cos_scores(32, 16384, scale)
         tau_sort, support = M._sparsemax_tau(z, z.shape[-1])
