@@ -1646,6 +1646,7 @@ def train(args):
         return ComposerError(f"non-finite loss at a step <= {step}: stopping; the last good checkpoint "
                              f"is in {args.out_dir}")
 
+    stopping = False
     while step < args.max_steps:
         gidx = sampler.next()
         for g in opt.param_groups:
@@ -1660,18 +1661,22 @@ def train(args):
         opt.step()
         step += 1
         at_ckpt = step % args.ckpt_every == 0 or step == args.max_steps    # the same step on every rank
-        if step % args.log_every == 0 or at_ckpt:
-            # the losses and the non-finite flag stay on the device until here (no sync per step)
-            vals = torch.stack([loss.detach(), *parts.values(), bad.float()]).double()
+        if step % args.log_every == 0 or at_ckpt or (world == 1 and stop["flag"]):
+            # The losses and the non-finite flag stay on the device until here (no sync per step).
+            # SIGTERM reaches the ranks at different steps, so its flag is summed with them: every
+            # rank then stops at this same step, and none waits in a collective the others left.
+            vals = torch.stack([loss.detach(), *parts.values(), bad.float(), loss.new_tensor(float(stop["flag"]))])
+            vals = vals.double()
             if world > 1:  # log the global batch's loss: the mean of the ranks' losses
                 import torch.distributed as dist
                 dist.all_reduce(vals)
-                vals[:-1] /= world
+                vals[:-2] /= world
             vals = vals.tolist()
-            if vals[-1]:
+            if vals[-2]:
                 raise nonfinite(step)
+            stopping = vals[-1] > 0 and step < args.max_steps
         if step % args.log_every == 0 or step == args.max_steps:
-            parts = dict(zip(parts, vals[1:-1]))
+            parts = dict(zip(parts, vals[1:-2]))
             dt = time.time() - last_log
             last_log = time.time()
             rec = {"step": step, "loss": round(vals[0], 6), **{k: round(v, 6) for k, v in parts.items()},
@@ -1683,16 +1688,14 @@ def train(args):
             ev = run_evals(step)
             log({"step": step, "eval": ev})
             print(json.dumps({"step": step, "eval": ev}), flush=True)
-        if master and stop["flag"] and not at_ckpt and bool(bad):    # SIGTERM between checks
-            raise nonfinite(step)
-        if master and (at_ckpt or stop["flag"]):
+        if master and (at_ckpt or stopping):
             save_checkpoint(args.out_dir, model, opt, cfg, args, step, sampler, tok, extra)
-        if stop["flag"]:
+        if stopping:
             if master:
-                print(f"SIGTERM: checkpoint saved at step {step}", flush=True)
+                print(f"SIGTERM: checkpoint saved at step {step}; continue with --resume", flush=True)
             break
     result = None
-    if master and not stop["flag"]:
+    if master and not stopping:
         ev = run_evals(step)
         log({"step": step, "eval": ev, "final": True})
         result = {"step": step, "eval": ev}

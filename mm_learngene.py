@@ -758,20 +758,24 @@ class Trainer:
             with open(mpath) as f:
                 self.metrics = [m for m in map(json.loads, f) if m["step"] <= self.step]
 
-    def check_finite(self, bad, done, local=False):
-        """`local`: this rank only (SIGTERM reaches rank 0 alone, so no collective there)."""
-        if self.world > 1 and not local:    # every rank stops together, or the others would hang
-            bad = bad.to(torch.int32)
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if bool(bad):
+    def agree_flags(self, bad, done):
+        """Every rank's non-finite flag and SIGTERM flag, combined (MAX) over ranks. SIGTERM reaches
+        the ranks at different steps: agreeing here makes all of them stop at this same step, and
+        none is left waiting in a collective the others have left. Returns whether to stop."""
+        flags = torch.stack([bad.float(), torch.tensor(float(self.stop), device=self.device)])
+        if self.world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        bad, stop = flags.tolist()
+        if bad:
             raise ConfigError(f"{self.tag}: non-finite loss at a step <= {done}; stopped, "
                               f"the last good checkpoint is kept")
+        return bool(stop)
 
     def run(self, max_steps, resume=False):
         a = self.args
         if resume:
             self.load()
-        prev = signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stop", True)) if self.rank == 0 else None
+        prev = signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stop", True))
         it = self.loader.forever()
         warmup = max(1, max_steps // 10) if a.warmup < 0 else a.warmup
         bar = range(self.step, max_steps)
@@ -798,9 +802,13 @@ class Trainer:
                 self.elapsed += time.time() - t0
                 t0 = time.time()
                 done = self.step + 1
-                if done % a.log_every == 0 or done == max_steps:
-                    self.check_finite(bad, done)
-                if self.rank == 0 and (done % a.log_every == 0 or done == max_steps):
+                at_log = done % a.log_every == 0 or done == max_steps
+                at_ckpt = bool(self.out_dir) and a.ckpt_every > 0 and done % a.ckpt_every == 0 and done < max_steps
+                at_halt = bool(getattr(a, "halt_at", 0)) and done == a.halt_at and done < max_steps
+                # flags are read (a device sync) only where every rank reads them at the same step;
+                # one process may stop at any step
+                stop = (at_log or at_ckpt or at_halt or (self.world == 1 and self.stop)) and self.agree_flags(bad, done)
+                if self.rank == 0 and at_log:
                     vals = torch.stack([loss.detach().float(), *(v.float() for v in parts.values())]).tolist()
                     sps = a.batch_size * (done - step_log) / max(1e-9, time.time() - t_log)
                     t_log, step_log = time.time(), done
@@ -813,16 +821,15 @@ class Trainer:
                         with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
                             f.write(json.dumps(m) + "\n")
                 self.step = done
-                if self.out_dir and a.ckpt_every > 0 and done % a.ckpt_every == 0 and done < max_steps:
-                    self.check_finite(bad, done)
+                if (stop and done < max_steps) or at_halt:
                     self.save()
-                if self.stop or (getattr(a, "halt_at", 0) and done == a.halt_at and done < max_steps):
-                    self.check_finite(bad, done, local=self.stop)
-                    print(f"{self.tag}: {'SIGTERM' if self.stop else '--halt_at'}, checkpoint saved at step {done}; "
-                          f"continue with --resume", flush=True)
-                    self.save()
+                    if self.rank == 0:
+                        print(f"{self.tag}: {'SIGTERM' if stop else '--halt_at'}, checkpoint saved at step "
+                              f"{done}; continue with --resume", flush=True)
                     sys.exit(0)
-            self.check_finite(bad, self.step)
+                if at_ckpt:
+                    self.save()
+            self.agree_flags(bad, self.step)
             if self.out_dir:
                 self.save()
                 if self.rank == 0:

@@ -18,3 +18,56 @@ def import_open_clip():
         pytest.skip("open_clip_torch is not installed")
     import bench
     return bench.import_open_clip()
+
+
+def sigterm_one_rank(cmd, progress_file, env=None, timeout=180):
+    """Runs `cmd` (a 2-process torchrun launch), waits until `progress_file` has content (training
+    has begun), then sends SIGTERM to the LOCAL_RANK=1 worker alone: a preemption reaches the ranks
+    at different moments, and the others must learn of it rather than wait in a collective the
+    signalled rank has left. Returns (returncode, stdout, stderr); fails the test on a hang."""
+    import signal
+    import subprocess
+    import time
+
+    import pytest
+
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+    def workers():
+        """{LOCAL_RANK: pid} of the launcher's children (torchrun puts them in their own sessions)."""
+        found = {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env_vars = [v for v in f.read().split(b"\0") if v.startswith(b"LOCAL_RANK=")]
+            except OSError:
+                continue
+            if ppid == p.pid and env_vars:
+                found[int(env_vars[0].split(b"=")[1])] = int(pid)
+        return found
+
+    def give_up(why):
+        for pid in [*workers().values(), p.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        out, err = p.communicate()
+        pytest.fail(f"{why}\n{out[-1500:]}\n{err[-3000:]}")
+
+    t0 = time.time()
+    while not (os.path.isfile(progress_file) and os.path.getsize(progress_file) > 0):
+        if p.poll() is not None or time.time() - t0 > timeout:
+            give_up("training never started")
+        time.sleep(0.2)
+    rank1 = workers().get(1)
+    if rank1 is None:
+        give_up("no LOCAL_RANK=1 worker found")
+    os.kill(rank1, signal.SIGTERM)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        give_up("the run hung after SIGTERM to one rank")
+    return p.returncode, out, err

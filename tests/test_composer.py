@@ -304,3 +304,20 @@ def test_nonfinite_loss_stops_at_the_next_check_and_keeps_the_last_good_checkpoi
     assert json.load(open(tmp_path / "train_state.json"))["step"] == 3
     logged = [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl") if "loss" in x]
     assert logged == [3]
+
+
+def test_sigterm_to_one_rank_stops_every_rank_and_resumes(tmp_path):
+    """torchrun, 2 processes: SIGTERM to rank 1 alone; both ranks agree on the stop step at the
+    next log step, rank 0 saves it, all exit 0; --resume continues from that step."""
+    from conftest import sigterm_one_rank
+    out = str(tmp_path / "s")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                os.path.join(ROOT, "composer.py")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    rc, stdout, stderr = sigterm_one_rank(torchrun + ["--out_dir", out, "--max_steps", "100000"] + TRAIN,
+                                          os.path.join(out, "metrics.jsonl"), env=env)
+    assert rc == 0, stderr[-3000:]
+    step = json.load(open(os.path.join(out, "train_state.json")))["step"]
+    assert 0 < step < 100000 and f"SIGTERM: checkpoint saved at step {step}" in stdout
+    _run(["--out_dir", out, "--max_steps", str(step + 1), "--resume"] + TRAIN, nproc=2)
+    assert json.load(open(os.path.join(out, "train_state.json")))["step"] == step + 1

@@ -109,3 +109,22 @@ def test_grad_reducer_overlaps_backward_and_reduces_each_gradient_once(tmp_path)
         assert step(False) == (6, 6)
     finally:
         dist.destroy_process_group()
+
+
+def test_sigterm_to_one_rank_stops_every_rank_and_resumes(tmp_path):
+    """il_clip.py under torchrun: SIGTERM to rank 1 alone; the ranks agree on it at the next log
+    step, a checkpoint is saved, all exit 0, and --resume continues from it."""
+    from conftest import sigterm_one_rank
+    out = str(tmp_path / "s")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                os.path.join(ROOT, "il_clip.py")] + COMMON + ["--method", "clip", "--out_dir", out]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    rc, _, stderr = sigterm_one_rank(torchrun + ["--max_steps", "100000"], os.path.join(out, "metrics.jsonl"),
+                                     env=env)
+    assert rc == 0, stderr[-3000:]
+    step = json.load(open(os.path.join(out, "train_state.json")))["step"]
+    assert 0 < step < 100000 and f"sigterm: step {step}/100000" in stderr
+    r = subprocess.run(torchrun + ["--max_steps", str(step + 1), "--resume"], env=env, capture_output=True,
+                       text=True, timeout=180, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.load(open(os.path.join(out, "train_state.json")))["step"] == step + 1

@@ -455,3 +455,20 @@ def test_trainer_nan_stops_without_saving_anything_after_it(tmp_path):
     assert all(torch.isfinite(v).all() for v in saved.values())
     logged = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert [m["step"] for m in logged] == [3] and logged[0]["sq"] == pytest.approx(logged[0]["loss"])
+
+
+def test_sigterm_to_one_rank_stops_every_rank_and_resumes(teacher, tmp_path):
+    """torchrun, 2 processes: SIGTERM to rank 1 alone; every rank stops at the same (next log)
+    step, rank 0 saves, all exit 0; --resume continues from that step."""
+    from conftest import sigterm_one_rank
+    out = tmp_path / "s"
+    argv = EXTRACT + ["--teacher", str(teacher), "--out_dir", str(out)]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                os.path.join(ROOT, "mm_learngene.py")]
+    rc, stdout, stderr = sigterm_one_rank(torchrun + argv + ["--max_steps", "100000"],
+                                          str(out / "metrics.jsonl"), env=ENV)
+    assert rc == 0, stderr[-3000:]
+    step = json.load(open(out / "train_state.json"))["step"]
+    assert 0 < step < 100000 and f"SIGTERM, checkpoint saved at step {step}" in stdout
+    run_cli(argv + ["--max_steps", str(step + 1), "--resume"], nproc=2)
+    assert json.load(open(out / "train_state.json"))["step"] == step + 1
