@@ -1176,9 +1176,8 @@ class Trainer:
                                      lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps, **extra)
         # compile the two encoders (the IL phase logic stays outside the graphs); the raw module
         # is what gets saved
-        self.encode_image = torch.compile(self.raw.encode_image) if args.compile else self.raw.encode_image
-        self.encode_text = torch.compile(self.raw.encode_text) if args.compile else self.raw.encode_text
-        self.teacher = None
+        self.encode_image, self.encode_text = self.compiled(self.raw.encode_image, self.raw.encode_text)
+        self.set_teacher(None)
         self.spawned = 0          # last generation whose spawn has been performed
         self.step = 0
         self.pool = self.negatives = None
@@ -1206,6 +1205,16 @@ class Trainer:
         self.reducer = (GradReducer(self.raw.parameters(), world, int(args.bucket_mb * 2**20))
                         if world > 1 else None)
 
+    def compiled(self, *fns):
+        return tuple(torch.compile(f) for f in fns) if self.args.compile else fns
+
+    def set_teacher(self, model):
+        """The frozen previous generation (None outside distillation). Under --compile its
+        encoders are compiled too: a no-grad forward of one encoder, a third of a distill step."""
+        self.teacher = model      # the encoders below hold it too: None releases all three
+        self.teacher_encode_image, self.teacher_encode_text = (
+            self.compiled(model.encode_image, model.encode_text) if model is not None else (None, None))
+
     # --- IL phases
     def trainable(self, phase, gen):
         """requires_grad per parameter for this phase. A frozen parameter gets no .grad, so
@@ -1231,7 +1240,7 @@ class Trainer:
         agent exactly as at step 0 from a generation-derived seed, clear its AdamW state."""
         agent = spawn_agent(self.args, gen)
         self.save_generation_snapshot(gen - 1)
-        self.teacher = copy.deepcopy(self.raw).eval().requires_grad_(False)
+        self.set_teacher(copy.deepcopy(self.raw).eval().requires_grad_(False))
         g = torch.Generator().manual_seed(spawn_seed(self.args.seed, gen))
         cpu = copy.deepcopy(self.raw).cpu()                  # init on CPU: same numbers everywhere
         cpu.init_agent(agent, g)
@@ -1255,7 +1264,7 @@ class Trainer:
                 enc_s, enc_o = ((m.encode_text, m.encode_image) if agent == "language"
                                 else (m.encode_image, m.encode_text))
                 x_s, x_o = (text, images) if agent == "language" else (images, text)
-                teach = self.teacher.encode_text if agent == "language" else self.teacher.encode_image
+                teach = self.teacher_encode_text if agent == "language" else self.teacher_encode_image
                 with torch.no_grad():
                     t_emb = teach(x_s)
                 o_emb = enc_o(x_o)
@@ -1352,7 +1361,7 @@ class Trainer:
         self.step, self.spawned = state["step"], state["spawned"]
         teacher = {k[8:]: v for k, v in ts.items() if k.startswith("teacher.")}
         if teacher:
-            self.teacher = copy.deepcopy(self.raw).eval().requires_grad_(False)
+            self.set_teacher(copy.deepcopy(self.raw).eval().requires_grad_(False))
             self.teacher.load_state_dict(teacher)
         if self.pool is not None and "pool.emb" in ts:
             self.pool.emb.copy_(ts["pool.emb"])
@@ -1390,7 +1399,7 @@ class Trainer:
             if gen > self.spawned and self.step in self.sched.spawn_steps:
                 self.spawn(gen)
             if phase != "distill":
-                self.teacher = None
+                self.set_teacher(None)
             want = self.trainable(phase, gen)
             if want != prev_trainable:
                 for n, p in raw.named_parameters():
