@@ -140,12 +140,13 @@ def test_compiled_il_training_matches_eager_with_no_graph_break(tmp_path, monkey
         return real_compile(fn, backend="aot_eager")
     monkeypatch.setattr(torch, "compile", compile_aot_eager)
     compiled = losses("compiled", ["--compile"])
-    # the student's encoders, then each spawned generation's teacher encoders
+    # the student's encoders, then each spawned generation's teacher encoders (two spawns in 9 steps);
+    # a new teacher module reuses the graphs of the last one (parameters are graph inputs)
     owners = {id(f.__self__) for f in compile_calls}
-    assert [f.__name__ for f in compile_calls] == ["encode_image", "encode_text"] * len(owners) and len(owners) >= 2
+    assert [f.__name__ for f in compile_calls] == ["encode_image", "encode_text"] * len(owners) and len(owners) == 3
     # one graph per (phase's requires_grad set, static / dynamic text length), and one for the
-    # teacher's no-grad text encoder: 6 here, never one per text length
-    assert 2 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 7
+    # teacher's no-grad text encoder: 6 here, never one per text length or per generation
+    assert 2 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 6
     assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
     assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5)
 
