@@ -1352,6 +1352,8 @@ def main(argv=None):
     a = build_parser().parse_args(argv)
     try:
         a.func(a)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()      # no rank tears down its connections while another still writes
     except (ConfigError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
