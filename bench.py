@@ -7,6 +7,7 @@ Throughput, MFU and memory benchmarks (nanoGPT's bench.py is the model).
     python bench.py --data shapes                                              # data pipeline alone
     python bench.py --codebook_memory                                          # codebook head memory
     python bench.py --composer                                                 # COMPOSER recursion
+    python bench.py --model ViT-B-32 --method codebook --grad_overlap          # all-reduce vs backward
 
 Training steps run through il_clip.Trainer itself (its loss, IL phase logic, spawn, AdamW,
 grad clipping, logit_scale clamp) on one synthetic batch that stays on the device; only the
@@ -517,6 +518,64 @@ def bench_composer(args, device):
 
 
 # -----------------------------------------------------------------------------
+# --grad_overlap: when GradReducer's all-reduces start, relative to backward
+
+
+def grad_overlap(model, images, text, bucket_bytes, rebuild=True):
+    """Second-step launches of a GradReducer on `model`: (gradients, buckets, gradients arrived
+    before the first all-reduce starts, fraction of gradient bytes that start only once backward
+    has ended). rebuild=False keeps the first buckets (reverse registration order)."""
+    red = il_clip.GradReducer(model.parameters(), world=1, bucket_bytes=bucket_bytes)
+    if not rebuild:
+        red.seen = set(range(len(red.params)))      # nothing is ever new: no rebuild
+    arrived, launches = [0], []                     # gradients so far; (gradients so far, bytes) per launch
+    for p in red.params:                            # registered after the reducer's hooks: run after them
+        p.register_post_accumulate_grad_hook(lambda _p: arrived.__setitem__(0, arrived[0] + 1))
+    launch = red._launch
+    red._launch = lambda idx: (launches.append((arrived[0], sum(red.params[j].grad.nbytes for j in idx))),
+                               launch(idx))
+    for _ in range(2):                              # the first step learns what to wait for
+        model.zero_grad(set_to_none=True)
+        arrived[0], red.armed = 0, True
+        launches.clear()
+        il_clip.contrastive_loss(model.encode_image(images), model.encode_text(text),
+                                 model.logit_scale.exp()).backward()
+        n = arrived[0]
+        red.finish()
+    total = sum(b for _, b in launches)
+    during = [(a, b) for a, b in launches if a < n - 1]     # launched before the last gradient arrived
+    return n, len(red.buckets), during[0][0] if during else n, 1 - sum(b for _, b in during) / total
+
+
+def bench_grad_overlap(args):
+    """Which gradient all-reduces il_clip.GradReducer starts while backward still runs. The order
+    gradients arrive in is a property of the graph, so this runs on the CPU, batch 4, fp32, on a
+    one-rank gloo group (the collectives are identities)."""
+    import copy
+    import os
+    import torch.distributed as dist
+    K = args.codebook if args.codebook is not None else default_codebook(args.model)
+    cfg = model_config(args.model, args.method, K)
+    torch.manual_seed(0)
+    model = il_clip.CLIP(cfg)
+    images = torch.randn(4, 3, cfg.image_size, cfg.image_size)
+    text = SyntheticTokenizer(cfg.vocab_size, cfg.context_length).batch(4, "cpu", torch.Generator().manual_seed(0))
+    print(f"gradient all-reduce buckets, {args.model} {args.method}" + (f" K={K}" if cfg.codebook_size else "")
+          + f", --bucket_mb {args.bucket_mb:g}, from the second step on:")
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method="file://" + os.path.join(d, "store"), rank=0, world_size=1)
+        try:
+            for rebuild, label in ((False, "reverse registration order"), (True, "arrival order (il_clip.py)")):
+                n, buckets, first, late = grad_overlap(copy.deepcopy(model), images, text,
+                                                       int(args.bucket_mb * 2**20), rebuild)
+                print(f"  {label:27s}: {buckets} buckets; the first all-reduce starts after {first} of {n} "
+                      f"gradients; {late:.0%} of the gradient bytes start only after the last gradient")
+        finally:
+            dist.destroy_process_group()
+    return 0
+
+
+# -----------------------------------------------------------------------------
 
 
 def main(argv=None):
@@ -539,6 +598,8 @@ def main(argv=None):
     p.add_argument("--codebook_memory", action="store_true", help="peak memory of the codebook head alone")
     p.add_argument("--code_dim", type=int, default=512, help="--codebook_memory: D of codes and queries")
     p.add_argument("--composer", action="store_true", help="level-batched vs node-by-node composition")
+    p.add_argument("--grad_overlap", action="store_true", help="which gradient all-reduces start during backward")
+    p.add_argument("--bucket_mb", type=float, default=25.0, help="--grad_overlap: il_clip.py's --bucket_mb")
     args = p.parse_args(argv)
     device = setup_device(args)
     args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
@@ -550,6 +611,8 @@ def main(argv=None):
         return bench_codebook_memory(args, device)
     if args.composer:
         return bench_composer(args, device)
+    if args.grad_overlap:
+        return bench_grad_overlap(args)
     if args.reference != "open_clip":
         report_train(args, run_trainer(args, args.method, device), device)
         return 0

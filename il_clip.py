@@ -562,32 +562,49 @@ class GradReducer:
     """Averages gradients over ranks while backward is still running, as DDP does, for a model
     whose trainable set changes with the IL phase and whose loss is not one forward() call.
 
-    Parameters go into buckets of `bucket_bytes` (--bucket_mb) in reverse registration order (about the order backward
-    produces them). A post-accumulate-grad hook marks a parameter ready. Buckets are launched as
-    async all-reduces strictly in bucket order, so every rank issues the same collectives in the
-    same order. Each bucket waits for the parameters that had a gradient at the previous step.
-    finish() then launches whatever is still pending, in order, and reduces any gradient nobody
-    waited for. A phase change or an unused parameter therefore costs overlap for one step, never
-    correctness. Only the last micro-batch of a step is `armed`."""
+    Parameters go into buckets of `bucket_bytes` (--bucket_mb; the first bucket 1 MiB at most,
+    so the first all-reduce starts early). A post-accumulate-grad hook marks a parameter ready.
+    Buckets are launched as async all-reduces strictly in bucket order, so every rank issues the
+    same collectives in the same order. Each bucket waits for the parameters that had a gradient
+    at the previous step. finish() then launches whatever is still pending, in order, and reduces
+    any gradient nobody waited for. A phase change or an unused parameter therefore costs overlap
+    for one step, never correctness. Only the last micro-batch of a step is `armed`.
 
-    def __init__(self, params, world, bucket_bytes=25 << 20):
-        self.params, self.world, self.armed = list(params)[::-1], world, False
-        self.buckets, cur, size = [], [], 0
-        for j, p in enumerate(self.params):
-            cur.append(j)
-            size += p.numel() * p.element_size()
-            if size >= bucket_bytes or j == len(self.params) - 1:
-                self.buckets.append(cur)
-                cur, size = [], 0
-        self.bucket_of = {j: i for i, b in enumerate(self.buckets) for j in b}
+    The first buckets follow reverse registration order. That is not the order backward produces
+    gradients here: CLIP registers the text tower first and encodes it last, so its gradients
+    arrive first, and the codebook's arrive after both towers. So armed steps record the arrival
+    order, and a step in which a parameter produced its first gradient rebuilds the buckets in
+    that order (rank 0's, broadcast). Whether that happened depends only on which parameters are
+    trainable, the same on every rank, so all ranks rebuild together, and only a few times a run
+    (once if the first step trains everything, as DDP). Then bucket i goes out as soon as its
+    own gradients exist."""
+
+    def __init__(self, params, world, bucket_bytes=25 << 20, first_bucket_bytes=1 << 20):
+        self.params, self.world, self.armed = list(params), world, False
+        self.bucket_bytes, self.first_bucket_bytes = bucket_bytes, first_bucket_bytes
+        self.arrived, self.seen, self.rebuilds = [], set(), 0
+        self._make_buckets(range(len(self.params) - 1, -1, -1))
         self.expected = [set() for _ in self.buckets]       # learnt at every finish()
         self.ready, self.next, self.pending = [set() for _ in self.buckets], 0, []
         for j, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, j))
 
+    def _make_buckets(self, order):
+        self.buckets, cur, size, cap = [], [], 0, min(self.bucket_bytes, self.first_bucket_bytes)
+        for j in order:
+            cur.append(j)
+            size += self.params[j].numel() * self.params[j].element_size()
+            if size >= cap:
+                self.buckets.append(cur)
+                cur, size, cap = [], 0, self.bucket_bytes
+        if cur:
+            self.buckets.append(cur)
+        self.bucket_of = {j: i for i, b in enumerate(self.buckets) for j in b}
+
     def _on_grad(self, j, _param):
         if not self.armed:
             return
+        self.arrived.append(j)
         self.ready[self.bucket_of[j]].add(j)
         while self.next < len(self.buckets) and self.ready[self.next] >= self.expected[self.next]:
             if self.expected[self.next]:
@@ -598,6 +615,17 @@ class GradReducer:
         grads = [self.params[j].grad for j in sorted(idx)]
         flat = torch.cat([g.reshape(-1) for g in grads])
         self.pending.append((dist.all_reduce(flat, async_op=True), flat, grads))
+
+    def _rebuild_in_arrival_order(self):
+        """This step's arrivals first, then the others in their current bucket order (earlier
+        arrivals, then reverse registration order). Rank 0's order is used everywhere."""
+        now = dict.fromkeys(self.arrived)
+        order = list(now) + [j for b in self.buckets for j in b if j not in now]
+        order = torch.tensor(order, device=self.params[0].device)
+        dist.broadcast(order, 0)            # a few times a run: the only sync this class adds
+        self._make_buckets(order.tolist())
+        self.seen |= set(now)
+        self.rebuilds += 1
 
     def finish(self):
         """Wait for every reduction and write the averages into .grad."""
@@ -611,7 +639,10 @@ class GradReducer:
             flat /= self.world
             for g, avg in zip(grads, torch.split(flat, [g.numel() for g in grads])):
                 g.copy_(avg.view_as(g))
-        self.expected = have
+        if not self.seen.issuperset(self.arrived):
+            self._rebuild_in_arrival_order()
+            have = [{j for j in b if self.params[j].grad is not None} for b in self.buckets]
+        self.expected, self.arrived = have, []
         self.ready, self.next, self.pending = [set() for _ in self.buckets], 0, []
 
 

@@ -94,3 +94,22 @@ def test_open_clip_reference_is_the_same_model():
         a, b = ours.eval()(images, text)[:2], theirs.eval()(images, text)[:2]
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+
+
+def test_grad_overlap_on_clip_buckets_in_arrival_order(tmp_path):
+    """CLIP registers the text tower first and encodes it last: in reverse registration order
+    the all-reduces wait for the vision tower and half the bytes start after backward; in the
+    arrival order GradReducer learns, they start as the gradients arrive."""
+    import torch.distributed as dist
+    cfg = bench.model_config("tiny", "codebook", 64)
+    model = il_clip.CLIP(cfg)
+    images = torch.randn(2, 3, cfg.image_size, cfg.image_size)
+    text = bench.SyntheticTokenizer(cfg.vocab_size, cfg.context_length).batch(2, "cpu", torch.Generator().manual_seed(0))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        n, _, first_reg, late_reg = bench.grad_overlap(model, images, text, 256 << 10, rebuild=False)
+        n2, _, first, late = bench.grad_overlap(model, images, text, 256 << 10)
+    finally:
+        dist.destroy_process_group()
+    assert n == n2 == sum(p.grad is not None for p in model.parameters())
+    assert late_reg > 0.4 and late < 0.05 and first < first_reg / 2

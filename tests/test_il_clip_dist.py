@@ -111,6 +111,73 @@ def test_grad_reducer_overlaps_backward_and_reduces_each_gradient_once(tmp_path)
         dist.destroy_process_group()
 
 
+def test_grad_reducer_rebuilds_buckets_in_the_order_backward_produces_gradients(tmp_path):
+    """Like CLIP (text tower registered first, encoded last; the codebook used by both towers),
+    tower `a` is registered first but run last, and `shared` feeds both. Reverse registration
+    order would hold every bucket back until `shared`'s gradient, the very last one. After the
+    first step the buckets follow the recorded arrival order: each goes out the moment its
+    gradient arrives. A parameter frozen at that first step is bucketed after the others; once
+    unfrozen it is reduced exactly once, and its first gradient rebuilds the buckets again."""
+    import torch.distributed as dist
+    from torch import nn
+
+    class TwoTowers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+            self.b = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+            self.shared = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            hb = self.b(x * self.shared)
+            return (self.a(x * self.shared) * hb).sum()
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = TwoTowers()
+        red = M.GradReducer(model.parameters(), world=2, bucket_bytes=1)       # one parameter per bucket
+        arrivals, launches = [], []          # param index per hook call; (hooks so far, bucket) per launch
+        for j, p in enumerate(red.params):   # registered after the reducer's hooks: runs after them
+            p.register_post_accumulate_grad_hook(lambda _p, j=j: arrivals.append(j))
+        real_launch = red._launch
+        red._launch = lambda idx: (launches.append((len(arrivals), sorted(idx))), real_launch(idx))
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+
+        by_param = {id(p): j for j, p in enumerate(red.params)}
+
+        def step(frozen=()):
+            for p in model.parameters():
+                p.requires_grad_(id(p) not in {id(f) for f in frozen})
+            model.zero_grad(set_to_none=True)
+            arrivals.clear(), launches.clear()
+            red.armed = True
+            model(x).backward()
+            ref = {p: p.grad.clone() for p in model.parameters() if p.grad is not None}
+            during = [(h, idx) for h, idx in launches]
+            red.finish()
+            assert sorted(j for _, idx in launches for j in idx) == sorted(by_param[id(p)] for p in ref)
+            for p, g in ref.items():
+                assert torch.equal(p.grad, g / 2)
+            return during, list(arrivals)
+
+        frozen = tuple(model.b[0].parameters())
+        assert step(frozen)[0] == []                    # first step: order unknown, all in finish()
+        shared, b0 = by_param[id(model.shared)], [by_param[id(p)] for p in frozen]
+        assert red.rebuilds == 1 and red.buckets[-3:] == [[shared], [b0[1]], [b0[0]]]
+        a_params = {by_param[id(p)] for p in model.a.parameters()}
+        assert {j for b in red.buckets[:4] for j in b} == a_params     # tower a: registered first, run last
+        during, arrived = step(frozen)                  # same set: every bucket at its gradient's arrival
+        assert during == [(i, [j]) for i, j in enumerate(arrived)] and len(arrived) == 7
+        during, arrived = step()                        # unfrozen: b0's first gradients, reduced once
+        assert red.rebuilds == 2 and len(arrived) == 9
+        during, arrived = step()
+        # every bucket at its own gradient's arrival (the hook count there is its position)
+        assert during == [(i, [j]) for i, j in enumerate(arrived)] and arrived[-1] == shared
+        assert red.rebuilds == 2
+    finally:
+        dist.destroy_process_group()
+
+
 def test_sigterm_to_one_rank_stops_every_rank_and_resumes(tmp_path):
     """il_clip.py under torchrun: SIGTERM to rank 1 alone; the ranks agree on it at the next log
     step, a checkpoint is saved, all exit 0, and --resume continues from it."""
