@@ -627,9 +627,12 @@ class GradReducer:
         self.seen |= set(now)
         self.rebuilds += 1
 
+    def _with_grad(self):
+        return [{j for j in b if self.params[j].grad is not None} for b in self.buckets]
+
     def finish(self):
         """Wait for every reduction and write the averages into .grad."""
-        have = [{j for j in b if self.params[j].grad is not None} for b in self.buckets]
+        have = self._with_grad()
         for i in range(len(self.buckets)):
             rest = have[i] - self.expected[i] if i < self.next else have[i]
             if rest:
@@ -641,7 +644,7 @@ class GradReducer:
                 g.copy_(avg.view_as(g))
         if not self.seen.issuperset(self.arrived):
             self._rebuild_in_arrival_order()
-            have = [{j for j in b if self.params[j].grad is not None} for b in self.buckets]
+            have = self._with_grad()
         self.expected, self.arrived = have, []
         self.ready, self.next, self.pending = [set() for _ in self.buckets], 0, []
 

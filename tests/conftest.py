@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 
@@ -50,10 +51,8 @@ def sigterm_one_rank(cmd, progress_file, env=None, timeout=180):
 
     def give_up(why):
         for pid in [*workers().values(), p.pid]:
-            try:
+            with contextlib.suppress(OSError):      # already gone
                 os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
         out, err = p.communicate()
         pytest.fail(f"{why}\n{out[-1500:]}\n{err[-3000:]}")
 
