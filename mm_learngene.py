@@ -826,6 +826,8 @@ class Trainer:
                     if self.rank == 0:
                         print(f"{self.tag}: {'SIGTERM' if stop else '--halt_at'}, checkpoint saved at step "
                               f"{done}; continue with --resume", flush=True)
+                    if self.world > 1:      # as at the end of main: rank 0 has written before any rank exits
+                        dist.barrier()
                     sys.exit(0)
                 if at_ckpt:
                     self.save()
