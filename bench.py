@@ -8,6 +8,7 @@ Throughput, MFU and memory benchmarks (nanoGPT's bench.py is the model).
     python bench.py --codebook_memory                                          # codebook head memory
     python bench.py --composer                                                 # COMPOSER recursion
     python bench.py --model ViT-B-32 --method codebook --grad_overlap          # all-reduce vs backward
+    python bench.py --targets --model ViT-B-32 --compile --json targets.json   # every target, checked
 
 Training steps run through il_clip.Trainer itself (its loss, IL phase logic, spawn, AdamW,
 grad clipping, logit_scale clamp) on one synthetic batch that stays on the device; only the
@@ -576,6 +577,102 @@ def bench_grad_overlap(args):
 
 
 # -----------------------------------------------------------------------------
+# --targets: every target of the speed issue measured in one run and checked against its threshold
+
+
+# (key, what is measured, comparison, threshold on a GPU, threshold on the CPU; None = not a target there)
+TARGETS = [
+    ("clip_mfu", "CLIP MFU (dense bf16 peak)", ">=", 0.35, None),
+    ("codebook_over_clip", "Codebook-CLIP step time / CLIP step time", "<=", 1.15, None),
+    ("il_over_codebook", "IL average step (paper schedule) / Codebook-CLIP step", "<=", 1.02, None),
+    ("vs_open_clip", "samples/s, il_clip CLIP / open_clip CLIP + ClipLoss", ">=", 1.2, 1.0),
+    ("codebook_head_bytes", "codebook head peak memory, B=256 P=49 K=16384 D=512", "<", 1e9, 1e9),
+]
+
+
+def target_rows(values, gpu):
+    """One row per target: the measured value (None when not measured), the threshold that
+    applies on this kind of machine (None: the target is set for the other kind; shown for
+    information) and the verdict: True / False, or None when there is nothing to judge."""
+    ops = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, "<": lambda a, b: a < b}
+    rows = []
+    for key, what, op, on_gpu, on_cpu in TARGETS:
+        threshold, value = (on_gpu if gpu else on_cpu), values.get(key)
+        ok = None if threshold is None or value is None else bool(ops[op](value, threshold))
+        rows.append({"key": key, "what": what, "op": op, "threshold": threshold, "value": value, "ok": ok})
+    return rows
+
+
+def _fmt_target(key, v):
+    if v is None:
+        return "-"
+    if key == "codebook_head_bytes":
+        return f"{v / 1e9:.2f} GB"
+    return f"{v:.1%}" if key == "clip_mfu" else f"{v:.3f}x"
+
+
+def run_targets(args, device):
+    """Measures what TARGETS needs with the given model / batch / dtype / compile flags: CLIP,
+    Codebook-CLIP and IL training steps through il_clip.Trainer, the same CLIP step through
+    open_clip (when installed), each run --rounds times in turn and the fastest kept, and the
+    codebook head's peak memory at the issue's fixed size. Returns (rows, the kept result per
+    method, (head peak bytes, how they were counted))."""
+    import importlib.util
+    methods = ["clip", "codebook", "il"] + (["open_clip"] if importlib.util.find_spec("open_clip") else [])
+    runs = {m: [] for m in methods}
+    for _ in range(args.rounds):            # alternate the runs: a shared machine drifts between them
+        for m in methods:
+            runs[m].append(run_open_clip(args, device) if m == "open_clip" else run_trainer(args, m, device))
+    res = {m: min(rs, key=lambda r: r.get("paper_avg_s", r["step_s"])) for m, rs in runs.items()}
+    clip_step = res["clip"]["step_s"]
+    values = {"clip_mfu": il_clip.estimate_mfu(res["clip"]["cfg"], args.batch_size / clip_step, device),
+              "codebook_over_clip": res["codebook"]["step_s"] / clip_step,
+              "il_over_codebook": res["il"]["paper_avg_s"] / res["codebook"]["step_s"]}
+    if "open_clip" in res:          # samples/s ratio = inverse step-time ratio (same batch)
+        values["vs_open_clip"] = res["open_clip"]["step_s"] / clip_step
+    head = head_peak(256, 49, 16384, 512, 256, False, device)
+    values["codebook_head_bytes"] = head[0]
+    return target_rows(values, device.type == "cuda"), res, head
+
+
+def bench_targets(args, device):
+    import dataclasses
+    import datetime
+    import json
+    import os
+    import platform
+    rows, res, (head_bytes, head_kind) = run_targets(args, device)
+    for m, r in res.items():
+        report_train(args, r, device, label="open_clip" if m == "open_clip" else "il_clip")
+    print(f"codebook head (B=256, P=49, K=16384, D=512, fp32) peak {fmt_bytes(head_bytes)} [{head_kind}]")
+    print(f"\ntargets on {device_name(device)}: {args.model}, batch {args.batch_size}, {args.dtype}"
+          f"{', compiled' if args.compile else ''}")
+    print("| target | measured | threshold | met |\n|---|---|---|---|")
+    for r in rows:
+        thr = "-" if r["threshold"] is None else f"{r['op']} {_fmt_target(r['key'], r['threshold'])}"
+        verdict = {True: "yes", False: "**no**", None: "n/a" if r["threshold"] is None else "not measured"}[r["ok"]]
+        print(f"| {r['what']} | {_fmt_target(r['key'], r['value'])} | {thr} | {verdict} |")
+    judged = [r for r in rows if r["ok"] is not None]
+    print(f"{sum(r['ok'] for r in judged)} of {len(judged)} targets met on this machine"
+          + ("" if "open_clip" in res else " (open_clip_torch not installed: no reference)"))
+    if args.json:
+        runs = {m: {k: (dataclasses.asdict(v) if k == "cfg" else v) for k, v in r.items()} for m, r in res.items()}
+        report = {"date": datetime.date.today().isoformat(), "device": device_name(device),
+                  "torch": torch.__version__, "python": platform.python_version(),
+                  "command": "python bench.py " + " ".join(args.argv),
+                  "config": {"model": args.model, "batch_size": args.batch_size, "dtype": args.dtype,
+                             "compile": args.compile, "steps": args.steps, "warmup": args.warmup},
+                  "targets": rows, "runs": runs,
+                  "codebook_head": {"bytes": head_bytes, "counted_by": head_kind}}
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(tmp, args.json)
+        print(f"report written to {args.json}")
+    return 0
+
+
+# -----------------------------------------------------------------------------
 
 
 def main(argv=None):
@@ -591,8 +688,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--reference", default=None, choices=["open_clip"], help="also time open_clip, print the ratio")
-    p.add_argument("--rounds", type=int, default=2, help="with --reference: alternate ours/theirs this many "
-                   "times and keep each one's best (the CPU here is shared)")
+    p.add_argument("--rounds", type=int, default=2, help="with --reference / --targets: alternate the runs "
+                   "this many times and keep each one's best (the CPU here is shared)")
     p.add_argument("--data", default=None, help="time the data pipeline of this --data spec alone")
     p.add_argument("--num_workers", type=int, default=0)
     p.add_argument("--codebook_memory", action="store_true", help="peak memory of the codebook head alone")
@@ -600,7 +697,11 @@ def main(argv=None):
     p.add_argument("--composer", action="store_true", help="level-batched vs node-by-node composition")
     p.add_argument("--grad_overlap", action="store_true", help="which gradient all-reduces start during backward")
     p.add_argument("--bucket_mb", type=float, default=25.0, help="--grad_overlap: il_clip.py's --bucket_mb")
+    p.add_argument("--targets", action="store_true", help="measure every target of the speed issue (CLIP MFU, "
+                   "codebook and IL overhead, open_clip ratio, codebook head memory) and check each")
+    p.add_argument("--json", default=None, help="--targets: also write the report to this JSON file")
     args = p.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     device = setup_device(args)
     args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     if args.batch_size is None:
@@ -613,6 +714,8 @@ def main(argv=None):
         return bench_composer(args, device)
     if args.grad_overlap:
         return bench_grad_overlap(args)
+    if args.targets:
+        return bench_targets(args, device)
     if args.reference != "open_clip":
         report_train(args, run_trainer(args, args.method, device), device)
         return 0

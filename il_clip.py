@@ -499,13 +499,15 @@ class _MaxCodeScores(torch.autograd.Function):
         dc = torch.zeros(K, D, device=q.device, dtype=acc) if ctx.needs_input_grad[1] else None
         for s in range(0, B, ctx.chunk):
             b = min(ctx.chunk, B - s)
-            # one-hot routing matrix A[b, k, p] = g[b, k] at p = argmax, built per chunk
-            A = torch.zeros(b, K, P, device=q.device, dtype=q.dtype)
-            A.scatter_(2, idx[s:s + b, :, None], g[s:s + b, :, None].to(q.dtype))
+            # one-hot routing matrix A[k, b, p] = g[b, k] at p = argmax, built per chunk. Code-major,
+            # so that dC = A @ q is one GEMM over (b, p) with no copy of A (a [b, K, P] layout needs
+            # a transposed copy of the chunk for it), and dq reads A through a transposed view.
+            A = torch.zeros(K, b, P, device=q.device, dtype=q.dtype)
+            A.scatter_(2, idx[s:s + b].t()[:, :, None], g[s:s + b].t()[:, :, None].to(q.dtype))
             if dq is not None:
-                dq[s:s + b] = A.transpose(1, 2) @ cb
+                dq[s:s + b] = A.permute(1, 2, 0) @ cb                       # [b, P, K] @ [K, D]
             if dc is not None:
-                dc += (A.permute(1, 0, 2).reshape(K, b * P) @ q[s:s + b].reshape(b * P, D)).to(acc)
+                dc += (A.view(K, b * P) @ q[s:s + b].reshape(b * P, D)).to(acc)
         return dq, (dc.to(codes.dtype) if dc is not None else None), None, None, None
 
 

@@ -113,3 +113,46 @@ def test_grad_overlap_on_clip_buckets_in_arrival_order(tmp_path):
         dist.destroy_process_group()
     assert n == n2 == sum(p.grad is not None for p in model.parameters())
     assert late_reg > 0.4 and late < 0.05 and first < first_reg / 2
+
+
+def test_target_rows_judge_each_target_against_its_machines_threshold():
+    values = {"clip_mfu": 0.35, "codebook_over_clip": 1.151, "il_over_codebook": 0.97,
+              "vs_open_clip": 1.1, "codebook_head_bytes": 1e9}
+    gpu = {r["key"]: r["ok"] for r in bench.target_rows(values, gpu=True)}
+    # at the threshold counts as met for >= / <=, not for the strict "< 1 GB"
+    assert gpu == {"clip_mfu": True, "codebook_over_clip": False, "il_over_codebook": True,
+                   "vs_open_clip": False, "codebook_head_bytes": False}
+    cpu = {r["key"]: r["ok"] for r in bench.target_rows(values, gpu=False)}
+    # on the CPU only the open_clip ratio (>= 1.0) and the head memory are targets
+    assert cpu == {"clip_mfu": None, "codebook_over_clip": None, "il_over_codebook": None,
+                   "vs_open_clip": True, "codebook_head_bytes": False}
+    missing = bench.target_rows({"codebook_head_bytes": 4e8}, gpu=False)
+    assert [r["ok"] for r in missing] == [None, None, None, None, True]      # not measured: no verdict
+
+
+def test_targets_run_measures_every_method_and_derives_the_ratios(monkeypatch, tmp_path, capsys):
+    import json
+    heads, real_head_peak = [], bench.head_peak
+
+    def small_head(B, P, K, D, topk, naive, device):
+        heads.append((B, P, K, D, topk, naive))
+        return real_head_peak(8, P, 256, 16, 0, naive, device)       # the real probe, smaller
+    monkeypatch.setattr(bench, "head_peak", small_head)
+    out = tmp_path / "targets.json"
+    argv = ["--targets", "--batch_size", "4", "--codebook", "64", "--steps", "2", "--warmup", "1",
+            "--rounds", "1", "--json", str(out)]
+    assert bench.main(argv) == 0
+    assert heads == [(256, 49, 16384, 512, 256, False)]     # the fixed size, chunked head
+    report = json.loads(out.read_text())
+    runs, v = report["runs"], {r["key"]: r["value"] for r in report["targets"]}
+    assert report["command"] == "python bench.py " + " ".join(argv) and report["config"]["batch_size"] == 4
+    assert runs["codebook"]["cfg"]["codebook_size"] == 64 and runs["clip"]["cfg"]["codebook_size"] == 0
+    assert v["codebook_over_clip"] == pytest.approx(runs["codebook"]["step_s"] / runs["clip"]["step_s"])
+    assert v["il_over_codebook"] == pytest.approx(runs["il"]["paper_avg_s"] / runs["codebook"]["step_s"])
+    assert v["clip_mfu"] is None and v["codebook_head_bytes"] == report["codebook_head"]["bytes"] > 0
+    if "open_clip" in runs:
+        assert v["vs_open_clip"] == pytest.approx(runs["open_clip"]["step_s"] / runs["clip"]["step_s"])
+    else:
+        assert v["vs_open_clip"] is None
+    table = capsys.readouterr().out
+    assert "| codebook head peak memory, B=256 P=49 K=16384 D=512 |" in table and "targets met" in table
