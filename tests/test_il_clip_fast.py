@@ -151,3 +151,116 @@ def test_bf16_codebook_max_matches_fp32():
         outs.append((s.detach(), x.grad.clone(), codes.grad.clone()))
     for ref, bf in zip(*outs):
         assert ((bf - ref).abs().max() / ref.abs().max()).item() < 2e-2
+
+
+def _tiny_model(codebook=True):
+    cfg = _method_config("codebook" if codebook else "clip")
+    model = M.CLIP(cfg, seed=0)
+    if codebook:
+        model.code_temperature.fill_(0.05)    # a mid-training temperature: sparse, not one-hot
+    g = torch.Generator().manual_seed(1)
+    images = torch.randn(3, 3, cfg.image_size, cfg.image_size, generator=g)
+    text = torch.randint(1, 100, (3, cfg.context_length), generator=g)
+    text[:, 9:] = 0
+    text[:, 8] = cfg.eot_token_id
+    return model, images, text
+
+
+def _grads(model, fn, x):
+    model.zero_grad(set_to_none=True)
+    out = fn(x)
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("codebook", [False, True])
+def test_encoders_trace_without_graph_breaks_and_match_eager(codebook):
+    torch._dynamo.reset()
+    model, images, text = _tiny_model(codebook)
+    for fn, x in ((model.encode_image, images), (model.encode_text, text)):
+        explained = torch._dynamo.explain(fn)(x)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+        ref, ref_grads = _grads(model, fn, x)
+        out, grads = _grads(model, torch.compile(fn, backend="aot_eager"), x)
+        assert torch.allclose(out, ref, atol=1e-6)
+        assert grads.keys() == ref_grads.keys()
+        for n in grads:
+            assert torch.allclose(grads[n], ref_grads[n], atol=1e-6, rtol=1e-4), n
+
+
+def test_compiled_il_training_matches_eager_with_no_graph_break(tmp_path, monkeypatch):
+    """The whole IL loop (warm-up, spawn, distill with frozen parts, interact; NegCLIP negatives
+    on top) with --compile: the phase logic stays outside the graphs, so a phase change only
+    re-specialises them and nothing breaks a graph. AOTAutograd traces forward and backward exactly as inductor would
+    receive them; the inductor code generation itself is the next test."""
+    def losses(out, extra):
+        argv = TINY + IL + ["--max_steps", "9", "--sparsemax_topk", "8", "--negatives", "--out_dir", str(tmp_path / out)]
+        assert M.main(argv + extra) == 0
+        return [json.loads(x)["loss"] for x in open(tmp_path / out / "metrics.jsonl")]
+
+    eager = losses("eager", [])
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compile_calls, real_compile = [], torch.compile
+
+    def compile_aot_eager(fn, **kw):
+        compile_calls.append(fn)
+        return real_compile(fn, backend="aot_eager")
+    monkeypatch.setattr(torch, "compile", compile_aot_eager)
+    compiled = losses("compiled", ["--compile"])
+    # the student's encoders, then each spawned generation's teacher encoders (two spawns in 9 steps);
+    # a new teacher module reuses the graphs of the last one (parameters are graph inputs)
+    owners = {id(f.__self__) for f in compile_calls}
+    assert [f.__name__ for f in compile_calls] == ["encode_image", "encode_text"] * len(owners) and len(owners) == 3
+    # one graph per (phase's requires_grad set, static / dynamic text length), and one for the
+    # teacher's no-grad text encoder: 6 here, never one per text length or per generation
+    assert 2 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 6
+    assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
+    assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5)
+
+
+def test_inductor_codebook_text_encoder_matches_eager():
+    torch._dynamo.reset()
+    model, _, text = _tiny_model()
+    ref, ref_grads = _grads(model, model.encode_text, text)
+    out, grads = _grads(model, torch.compile(model.encode_text), text)
+    assert torch.allclose(out, ref, atol=1e-5)
+    for n in ref_grads:
+        assert torch.allclose(grads[n], ref_grads[n], atol=1e-5, rtol=1e-3), n
+
+
+@pytest.mark.parametrize("codebook", [False, True])
+def test_trimmed_text_padding_gives_the_same_embeddings(codebook):
+    model, _, _ = _tiny_model(codebook)
+    eot, L = model.cfg.eot_token_id, model.cfg.context_length
+    g = torch.Generator().manual_seed(2)
+    text = torch.randint(1, 100, (5, L), generator=g)
+    ends = torch.tensor([3, 9, 1, 6, 4])               # EOT positions: the longest caption has 10 tokens
+    pos = torch.arange(L)[None]
+    text = torch.where(pos == ends[:, None], eot, torch.where(pos > ends[:, None], 0, text))
+    trimmed = M.trim_text_padding(text, eot)
+    assert trimmed.shape == (5, 16) and torch.equal(trimmed, text[:, :16])
+    assert M.trim_text_padding(text, eot, multiple=1).shape == (5, 10)
+    assert M.trim_text_padding(text.to("meta"), eot).shape == (5, L)   # on a device: untouched, no sync
+    with torch.no_grad():
+        assert torch.allclose(model.encode_text(trimmed), model.encode_text(text), atol=1e-6)
+    flops = M.estimate_flops_per_pair(model.cfg, text_len=16)
+    assert flops < M.estimate_flops_per_pair(model.cfg) == M.estimate_flops_per_pair(model.cfg, L)
+
+
+def test_compiled_text_encoder_does_not_recompile_per_text_length():
+    """Trimmed batches vary in length; after one static and one dynamic-shape graph every length
+    must reuse the dynamic one. (A chunk size computed from the length made dynamo specialise
+    on each length until its recompile limit, then fall back to eager.)"""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model, _, _ = _tiny_model()
+    encode = torch.compile(model.encode_text, backend="aot_eager")
+    for L in (24, 16, 8, 32, 16, 24, 8, 32, 16, 24):
+        text = torch.randint(1, 100, (3, L))
+        text[:, L - 1] = model.cfg.eot_token_id
+        ref = model.encode_text(text)
+        out = encode(text)
+        out.sum().backward()
+        assert torch.allclose(out, ref, atol=1e-6)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
