@@ -663,6 +663,11 @@ def bench_targets(args, device):
     judged = [r for r in rows if r["ok"] is not None]
     print(f"{sum(r['ok'] for r in judged)} of {len(judged)} targets met on this machine"
           + ("" if "open_clip" in res else " (open_clip_torch not installed: no reference)"))
+    K = res["codebook"]["cfg"].codebook_size
+    issue_config = (args.model, args.batch_size, args.dtype, K) == ("ViT-B-32", 256, "bf16", 16384)
+    if device.type == "cuda" and not issue_config:
+        print(f"note: the GPU targets are set for ViT-B-32, batch 256, bf16, K=16384; this run is "
+              f"{args.model}, batch {args.batch_size}, {args.dtype}, K={K}")
     if args.json:
         runs = {m: {k: (dataclasses.asdict(v) if k == "cfg" else v) for k, v in r.items()} for m, r in res.items()}
         report = {"date": datetime.date.today().isoformat(), "device": device_name(device),
@@ -670,7 +675,7 @@ def bench_targets(args, device):
                   "command": "python bench.py " + " ".join(args.argv),
                   "config": {"model": args.model, "batch_size": args.batch_size, "dtype": args.dtype,
                              "compile": args.compile, "steps": args.steps, "warmup": args.warmup},
-                  "targets": rows, "runs": runs,
+                  "issue_config": issue_config, "targets": rows, "runs": runs,
                   "codebook_head": {"bytes": head_bytes, "counted_by": head_kind}}
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:

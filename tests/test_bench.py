@@ -146,6 +146,7 @@ def test_targets_run_measures_every_method_and_derives_the_ratios(monkeypatch, t
     report = json.loads(out.read_text())
     runs, v = report["runs"], {r["key"]: r["value"] for r in report["targets"]}
     assert report["command"] == "python bench.py " + " ".join(argv) and report["config"]["batch_size"] == 4
+    assert report["issue_config"] is False          # tiny, batch 4: not the configuration the targets are set for
     assert runs["codebook"]["cfg"]["codebook_size"] == 64 and runs["clip"]["cfg"]["codebook_size"] == 0
     assert v["codebook_over_clip"] == pytest.approx(runs["codebook"]["step_s"] / runs["clip"]["step_s"])
     assert v["il_over_codebook"] == pytest.approx(runs["il"]["paper_avg_s"] / runs["codebook"]["step_s"])
