@@ -1138,15 +1138,22 @@ def estimate_flops_per_pair(cfg, text_len=None):
     return 3 * 2 * macs
 
 
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A10": 125e12, "L4": 121e12}
+# dense bf16 peak FLOP/s by device-name fragment, first match wins: the PCIe and NVL H100s run
+# lower clocks than the SXM part that `torch.cuda.get_device_name` calls "NVIDIA H100 80GB HBM3"
+PEAK_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,
+              "A100": 312e12, "A10": 125e12, "L4": 121e12}
+
+
+def peak_flops(device_name):
+    """Dense bf16 peak of a GPU from its name (None when unknown)."""
+    return next((v for k, v in PEAK_FLOPS.items() if k in device_name), None)
 
 
 def estimate_mfu(cfg, pairs_per_s, device, text_len=None):
     """Model FLOPs utilisation against the dense bf16 peak of the GPU (None on CPU/unknown)."""
     if not str(device).startswith("cuda"):
         return None
-    name = torch.cuda.get_device_name(device)
-    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    peak = peak_flops(torch.cuda.get_device_name(device))
     return None if peak is None else estimate_flops_per_pair(cfg, text_len) * pairs_per_s / peak
 
 

@@ -157,3 +157,28 @@ def test_targets_run_measures_every_method_and_derives_the_ratios(monkeypatch, t
         assert v["vs_open_clip"] is None
     table = capsys.readouterr().out
     assert "| codebook head peak memory, B=256 P=49 K=16384 D=512 |" in table and "targets met" in table
+
+
+@pytest.mark.parametrize("model,codebook,text_len", [("ViT-B-32", 0, None), ("ViT-B-32", 16384, 32), ("tiny", 1024, None)])
+def test_flops_per_pair_matches_torch_flop_counter(model, codebook, text_len):
+    """The MFU numerator, il_clip.estimate_flops_per_pair, against torch's FlopCounterMode over a
+    real forward (on the meta device: shapes only, no arithmetic), times 3 for a training step."""
+    from torch.utils.flop_counter import FlopCounterMode
+    cfg = bench.model_config(model, "codebook" if codebook else "clip", codebook)
+    L = text_len or cfg.context_length
+    with torch.device("meta"):
+        net = il_clip.CLIP(cfg)
+        images = torch.empty(2, 3, cfg.image_size, cfg.image_size)
+        text = torch.zeros(2, L, dtype=torch.long)
+        with FlopCounterMode(display=False) as counter:
+            net.encode_image(images), net.encode_text(text)
+    counted = 3 * counter.get_total_flops() / 2
+    assert il_clip.estimate_flops_per_pair(cfg, text_len) == pytest.approx(counted, rel=1e-9)
+    if model == "ViT-B-32" and not codebook:
+        assert counted == pytest.approx(44.3e9, rel=2e-3)        # the issue's 14.8 GFLOPs forward x 3
+
+
+def test_peak_flops_by_device_name():
+    assert il_clip.peak_flops("NVIDIA H100 80GB HBM3") == il_clip.peak_flops("NVIDIA H200") == 989e12
+    assert il_clip.peak_flops("NVIDIA H100 PCIe") == 756e12 and il_clip.peak_flops("NVIDIA H100 NVL") == 835e12
+    assert il_clip.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12 and il_clip.peak_flops("Tesla T4") is None
