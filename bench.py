@@ -385,6 +385,7 @@ def bench_data(args):
     print(f"data {args.data}: image {size}, batch {B}, num_workers {args.num_workers}: {n / dt:,.1f} samples/s "
           f"({n / dt / workers:,.1f} per worker{'; main process' if args.num_workers == 0 else ''}), "
           f"{n} samples in {dt:.2f}s, skipped {loader.skipped}")
+    return 0
 
 
 # -----------------------------------------------------------------------------
@@ -468,6 +469,7 @@ def bench_codebook_memory(args, device):
             naive_s = f"skipped (B*P*K*4 = {fmt_bytes(naive_need)}, too close to free memory)"
         print(f"  P={P:3d}: chunked {fmt_bytes(ours):>10}   naive {naive_s:>10}   "
               f"(B*P*K fp32 = {fmt_bytes(naive_need)}, B*K fp32 = {fmt_bytes(B * K * 4)})  [{kind}]")
+    return 0
 
 
 def _mem_available():
@@ -524,6 +526,7 @@ def bench_composer(args, device):
           f"{max(max(x['level'] for x in c['nodes']) for c in comps)}), width {cfg.width}, {device_name(device)}:")
     print(f"  level-batched {tb_ * 1e3:.1f} ms ({n / tb_:,.1f} pairs/s), node-by-node {tr_ * 1e3:.1f} ms "
           f"({n / tr_:,.1f} pairs/s): {tr_ / tb_:.1f}x; max |node score diff| {float((a - b).abs().max()):.2e}")
+    return 0
 
 
 # -----------------------------------------------------------------------------

@@ -349,3 +349,13 @@ def test_batch_extra_runs_in_the_shard_workers(shapes_dir):
                               num_workers=2, batch_extra=_CaptionLengths())
     batches, _ = _read_all(loader)
     assert batches and all(b["caption_len"].tolist() == [len(c) for c in b["caption"]] for b in batches)
+
+
+def test_bench_times_the_shard_pipeline_alone(shapes_dir, capsys):
+    """bench.py --data on real tar shards: decode + augment + tokenize at the tiny preset's 64 px,
+    samples counted over the timed batches."""
+    import bench
+    assert bench.main(["--data", _pattern(shapes_dir), "--batch_size", "8", "--steps", "3", "--warmup", "1"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith(f"data {_pattern(shapes_dir)}: image 64, batch 8, num_workers 0:")
+    assert " 24 samples in " in line and line.endswith("skipped 0")
