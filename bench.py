@@ -225,10 +225,15 @@ def run_trainer(args, method, device):
     return res
 
 
+def avg_step(res):
+    """A run's cost per step: IL's paper-schedule average, otherwise the plain step time."""
+    return res.get("paper_avg_s", res["step_s"])
+
+
 def report_train(args, res, device, label="il_clip"):
     cfg, B = res["cfg"], args.batch_size
     flops = il_clip.estimate_flops_per_pair(cfg)
-    step = res.get("paper_avg_s", res["step_s"])
+    step = avg_step(res)
     sps = B / step
     mfu = il_clip.estimate_mfu(cfg, sps, device)
     extra = f"K={cfg.codebook_size} " if cfg.codebook_size else ""
@@ -355,6 +360,16 @@ def run_open_clip(args, device):
     return {"method": "clip", "cfg": cfg, "step_s": (time.perf_counter() - t0) / args.steps,
             "cpu_s": (time.process_time() - c0) / args.steps,
             "peak_bytes": mem.peak(), "mem_kind": mem.kind()}
+
+
+def alternating_rounds(args, device, methods):
+    """Runs each of `methods` ("open_clip" or an il_clip method) in turn, --rounds times, so that a
+    shared machine's drift falls on all of them alike. Returns every run per method."""
+    runs = {m: [] for m in methods}
+    for _ in range(args.rounds):
+        for m in methods:
+            runs[m].append(run_open_clip(args, device) if m == "open_clip" else run_trainer(args, m, device))
+    return runs
 
 
 # -----------------------------------------------------------------------------
@@ -630,11 +645,7 @@ def run_targets(args, device):
     method, (head peak bytes, how they were counted))."""
     import importlib.util
     methods = ["clip", "codebook", "il"] + (["open_clip"] if importlib.util.find_spec("open_clip") else [])
-    runs = {m: [] for m in methods}
-    for _ in range(args.rounds):            # alternate the runs: a shared machine drifts between them
-        for m in methods:
-            runs[m].append(run_open_clip(args, device) if m == "open_clip" else run_trainer(args, m, device))
-    res = {m: min(rs, key=lambda r: r.get("paper_avg_s", r["step_s"])) for m, rs in runs.items()}
+    res = {m: min(rs, key=avg_step) for m, rs in alternating_rounds(args, device, methods).items()}
     clip_step = res["clip"]["step_s"]
     values = {"clip_mfu": il_clip.estimate_mfu(res["clip"]["cfg"], args.batch_size / clip_step, device),
               "codebook_over_clip": res["codebook"]["step_s"] / clip_step,
@@ -735,15 +746,12 @@ def main(argv=None):
     if args.reference != "open_clip":
         report_train(args, run_trainer(args, args.method, device), device)
         return 0
-    ours, theirs = [], []
-    for _ in range(args.rounds):
-        ours.append(run_trainer(args, args.method, device))
-        theirs.append(run_open_clip(args, device))
-    best = lambda rs: min(rs, key=lambda r: r.get("paper_avg_s", r["step_s"]))
-    a = report_train(args, best(ours), device)
-    b = report_train(args, best(theirs), device, label="open_clip")
+    runs = alternating_rounds(args, device, [args.method, "open_clip"])
+    ours, theirs = runs[args.method], runs["open_clip"]
+    a = report_train(args, min(ours, key=avg_step), device)
+    b = report_train(args, min(theirs, key=avg_step), device, label="open_clip")
     print(f"il_clip / open_clip samples/s: {a / b:.3f} (best of {args.rounds} alternating rounds each; per round: "
-          + ", ".join(f"{t['step_s'] / o.get('paper_avg_s', o['step_s']):.3f}" for o, t in zip(ours, theirs)) + ")")
+          + ", ".join(f"{t['step_s'] / avg_step(o):.3f}" for o, t in zip(ours, theirs)) + ")")
     if device.type == "cpu":
         cpu = lambda rs: min(r["cpu_s"] for r in rs)
         print(f"il_clip / open_clip by process CPU time per step: {cpu(theirs) / cpu(ours):.3f}")
