@@ -31,6 +31,7 @@ import math
 import os
 import random
 import re
+import signal
 import sys
 import tarfile
 import time
@@ -1219,6 +1220,13 @@ def _file_items(src: dict, split: str, csv_options: dict) -> list:
 # Loaders. Both give dict batches, keep their position as a JSON-able state (epoch and
 # batches consumed) so a resumed run continues with exactly the next batch, and count skips.
 
+def _ignore_sigterm(worker_id):
+    """DataLoader worker_init_fn. torchrun's agent and SLURM send SIGTERM to the whole process
+    group: a worker that died of it would crash the rank before it could checkpoint. Workers
+    ignore SIGTERM; the rank saves, then shuts them down (and they exit with a dead parent)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class _Loader:
     def __init__(self, name, batch_size, tokenizer, train, rank, world_size, num_workers, seed, drop_last,
                  max_skip_fraction):
@@ -1323,7 +1331,7 @@ class MapLoader(_Loader):
             self.dataset.epoch = self.epoch
         dl = torch.utils.data.DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers,
                                          collate_fn=_Collate(self.tokenizer, self.batch_extra), persistent_workers=False,
-                                         pin_memory=self.pin_memory)
+                                         pin_memory=self.pin_memory, worker_init_fn=_ignore_sigterm)
         for batch in dl:
             self.batches_done += 1
             self._account(batch)
@@ -1439,7 +1447,7 @@ class ShardLoader(_Loader):
         s.epoch, s.records_done, s.batch_extra = self.epoch, list(self.records_done), self.batch_extra
         s.worker_offset = (self.last_worker + 1) % s.workers
         dl = torch.utils.data.DataLoader(s, batch_size=None, num_workers=self.num_workers, persistent_workers=False,
-                                         pin_memory=self.pin_memory)
+                                         pin_memory=self.pin_memory, worker_init_fn=_ignore_sigterm)
         for batch in dl:
             meta = batch.pop("_meta")
             self.records_done[meta["worker"]], self.last_worker = meta["records"], meta["worker"]
