@@ -10,33 +10,47 @@ benchmarks, and run the analysis probes of the IL-CLIP paper (section 4.4).
 Benchmarks (--benchmarks a,b,...; default `shapes`; `all` = every one below):
   shapes        the built-in benchmark of data.py: 7 SugarCrepe categories (pair accuracy) +
                 systematicity / productivity (R@1 among positive + hard negatives). No files.
-  sugarcrepe    --sugarcrepe DIR ({subset}.json x 7) --sugarcrepe_images DIR (COCO val2017)
-  crepe         --crepe DIR (the released CSVs, searched recursively) --crepe_images DIR (VG)
+  sugarcrepe    --sugarcrepe DIR ({subset}.json x 7) --sugarcrepe_images DIR (COCO val2017);
+                per subset, Table 1's add / replace / swap means, and the mean of the 7
+  crepe         --crepe DIR (the released CSVs, searched recursively) --crepe_images DIR (Visual
+                Genome: VG_100K/, VG_100K_2/; the CSV's image_path when present); per file, and
+                per productivity type (atom, negate, swap) the mean over complexities 4-12
   cola          --cola FILE (JSON list of [img1, cap1, img2, cap2]) --cola_images DIR
-  winoground    --winoground DIR (examples.jsonl + images/)
-  zeroshot      --zeroshot DIR|shapes (ImageFolder) [--classnames F] [--templates F]
+  winoground    --winoground DIR (examples.jsonl + images/ or images.zip, at DIR or DIR/data)
+  zeroshot      --zeroshot DIR|shapes (ImageFolder) [--classnames F] [--templates NAME|F]:
+                top-1, top-5 (null under 5 classes), mean per-class recall (CLIP_benchmark's)
   retrieval     --retrieval FILE|shapes (Karpathy JSON) --retrieval_images DIR [--retrieval_split]
-  linear_probe  --linear_probe DIR|shapes (ImageFolder with train/ and test/)
+  linear_probe  --linear_probe DIR|shapes (ImageFolder with train/ and test/); no weight decay
+                (the IL paper's appendix) unless --linear_probe_l2_sweep
   easy_to_learn frozen vision agent + codebook, a fresh language agent (fixed seed) trained on
-                shapes; accuracy curve for --ckpt and every --probe_ckpts in one plot (Fig. 5)
-  lipschitz     product of per-layer spectral norms (power iteration), per generation
-                snapshot when the checkpoint dir holds them (Fig. 4)
-  codebook      top-k images per code as a PNG grid (Fig. 6)
+                --probe_data; accuracy curve for --ckpt and every --compare_ckpts on one plot (Fig. 5)
+  spectral      product of per-layer spectral norms (power iteration; Fig. 4's quantity, NOT a
+                Lipschitz bound: see spectral_product), per gen{g}/ snapshot, for --ckpt and
+                every --compare_ckpts on one plot
+  codebook      top-k --viz_data images per code as a PNG grid (Fig. 6)
 All accuracies are in percent. Output: a markdown table on stdout, JSON to --out, PNGs to
---plot_dir. Scoring conventions (stated once): a hard-negative comparison is correct only
-if the positive scores strictly higher, so a tie counts as wrong; R@k ranks ties
-pessimistically (a negative that ties the best positive is ranked above it).
+--plot_dir. What each number covers sits beside it: n_scored and n_skipped (malformed rows,
+images not found or unreadable), and a mean is null, with the reason, unless every subset
+it averages was scored in full. A benchmark whose flags are not given is skipped; one whose
+paths do not exist, or that scored nothing, is an `error:` line and exit status 2 at the
+end (the other benchmarks still run). Scoring conventions (stated once): a hard-negative
+comparison is correct only if the positive scores strictly higher, so a tie counts as
+wrong; R@k ranks ties pessimistically (a negative that ties the best positive is ranked
+above it).
 """
 import argparse
 import ast
 import copy
 import csv
 import glob
+import io
 import json
 import math
 import os
 import random
+import re
 import sys
+import zipfile
 from dataclasses import dataclass
 
 import torch
@@ -47,13 +61,37 @@ from tqdm import tqdm
 import data
 
 BENCHMARKS = ["shapes", "sugarcrepe", "crepe", "cola", "winoground", "zeroshot", "retrieval",
-              "linear_probe", "easy_to_learn", "lipschitz", "codebook"]
+              "linear_probe", "easy_to_learn", "spectral", "codebook"]
 SUGARCREPE_SUBSETS = ["add_obj", "add_att", "replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att"]
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")
-# a few of OpenAI CLIP's ImageNet prompt templates; --templates FILE gives your own (one per line, `{}`)
-DEFAULT_TEMPLATES = ["a photo of a {}.", "a picture of a {}.", "a rendering of a {}.", "a drawing of a {}.",
-                     "a photo of the {}.", "a close-up photo of a {}.", "a photo of a small {}.",
-                     "a photo of a large {}."]
+# OpenAI CLIP's 80 ImageNet prompt templates (CLIP repo, notebooks/Prompt_Engineering_for_ImageNet.ipynb)
+OPENAI_IMAGENET_TEMPLATES = [
+    'a bad photo of a {}.', 'a photo of many {}.', 'a sculpture of a {}.', 'a photo of the hard to see {}.',
+    'a low resolution photo of the {}.', 'a rendering of a {}.', 'graffiti of a {}.', 'a bad photo of the {}.',
+    'a cropped photo of the {}.', 'a tattoo of a {}.', 'the embroidered {}.', 'a photo of a hard to see {}.',
+    'a bright photo of a {}.', 'a photo of a clean {}.', 'a photo of a dirty {}.', 'a dark photo of the {}.',
+    'a drawing of a {}.', 'a photo of my {}.', 'the plastic {}.', 'a photo of the cool {}.',
+    'a close-up photo of a {}.', 'a black and white photo of the {}.', 'a painting of the {}.',
+    'a painting of a {}.', 'a pixelated photo of the {}.', 'a sculpture of the {}.', 'a bright photo of the {}.',
+    'a cropped photo of a {}.', 'a plastic {}.', 'a photo of the dirty {}.', 'a jpeg corrupted photo of a {}.',
+    'a blurry photo of the {}.', 'a photo of the {}.', 'a good photo of the {}.', 'a rendering of the {}.',
+    'a {} in a video game.', 'a photo of one {}.', 'a doodle of a {}.', 'a close-up photo of the {}.',
+    'a photo of a {}.', 'the origami {}.', 'the {} in a video game.', 'a sketch of a {}.', 'a doodle of the {}.',
+    'a origami {}.', 'a low resolution photo of a {}.', 'the toy {}.', 'a rendition of the {}.',
+    'a photo of the clean {}.', 'a photo of a large {}.', 'a rendition of a {}.', 'a photo of a nice {}.',
+    'a photo of a weird {}.', 'a blurry photo of a {}.', 'a cartoon {}.', 'art of a {}.', 'a sketch of the {}.',
+    'a embroidered {}.', 'a pixelated photo of a {}.', 'itap of the {}.', 'a jpeg corrupted photo of the {}.',
+    'a good photo of a {}.', 'a plushie {}.', 'a photo of the nice {}.', 'a photo of the small {}.',
+    'a photo of the weird {}.', 'the cartoon {}.', 'art of the {}.', 'a drawing of the {}.',
+    'a photo of the large {}.', 'a black and white photo of a {}.', 'the plushie {}.', 'a dark photo of a {}.',
+    'itap of a {}.', 'graffiti of the {}.', 'a toy {}.', 'itap of my {}.', 'a photo of a cool {}.',
+    'a photo of a small {}.', 'a tattoo of the {}.',
+]
+# --templates NAME: a named set; --templates FILE: your own (one per line, with `{}`)
+TEMPLATES = {"clip8": ["a photo of a {}.", "a picture of a {}.", "a rendering of a {}.", "a drawing of a {}.",
+                       "a photo of the {}.", "a close-up photo of a {}.", "a photo of a small {}.",
+                       "a photo of a large {}."],  # 8 of the 80, the default
+             "openai_imagenet": OPENAI_IMAGENET_TEMPLATES}
 
 
 class ConfigError(Exception):
@@ -73,6 +111,10 @@ def get_args(argv=None):
     p.add_argument("--ckpt", help="an il_clip.py / mm_learngene.py out_dir")
     p.add_argument("--init", help="OpenAI-format weights (.safetensors / .pt) instead of --ckpt")
     p.add_argument("--vocab", help="bpe_simple_vocab_16e6.txt.gz, the tokenizer for --init weights")
+    p.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
+                   help="the MLP activation of the loaded weights: QuickGELU (OpenAI's CLIP, open_clip's *-quickgelu) or "
+                        "exact GELU (--no-quick_gelu: open_clip's LAION / DataComp ViT-B-32). Default None: what the "
+                        "checkpoint's config.json says; for --init weights, which do not say, QuickGELU. Printed.")
     p.add_argument("--benchmarks", default="shapes", help=f"comma list of {','.join(BENCHMARKS)} or all")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--plot_dir", help="where PNGs go (default: the --out folder, else the checkpoint dir)")
@@ -90,24 +132,36 @@ def get_args(argv=None):
     p.add_argument("--winoground")
     p.add_argument("--zeroshot", default="shapes", help="ImageFolder DIR, or `shapes`")
     p.add_argument("--classnames", help="class names, one per line in sorted-folder order (default: folder names)")
-    p.add_argument("--templates", help="prompt templates, one per line with {} (default: 8 CLIP templates)")
+    p.add_argument("--templates", default="clip8", help=f"zero-shot prompt templates: {' | '.join(TEMPLATES)} "
+                   "(OpenAI's 80 ImageNet templates) or a FILE, one per line with {} (default: clip8, 8 of the 80)")
     p.add_argument("--retrieval", default="shapes", help="Karpathy JSON FILE, or `shapes`")
     p.add_argument("--retrieval_images", help="image root of the Karpathy JSON")
     p.add_argument("--retrieval_split", default="test")
     p.add_argument("--linear_probe", default="shapes", help="ImageFolder DIR with train/ and test/, or `shapes`")
-    p.add_argument("--probe_val_frac", type=float, default=0.2, help="linear probe: train fraction held out to pick the regulariser")
+    p.add_argument("--linear_probe_l2_sweep", action="store_true",
+                   help="linear probe: pick the L2 strength on held-out train (CLIP's protocol); default: none, as the IL "
+                        "paper's appendix")
+    p.add_argument("--linear_probe_val_frac", type=float, default=0.2,
+                   help="--linear_probe_l2_sweep: train fraction held out to pick the L2 strength")
     # analysis
-    p.add_argument("--probe_ckpts", default="", help="easy_to_learn: more checkpoints drawn in the same plot (comma list)")
+    p.add_argument("--compare_ckpts", default="",
+                   help="easy_to_learn, spectral: more checkpoints drawn in the same plot (comma list; Figs. 4, 5)")
+    p.add_argument("--probe_data", help="easy_to_learn: any --data spec (default: the checkpoint's training data)")
+    p.add_argument("--viz_data", help="codebook: any --data spec (default: the checkpoint's training data)")
+    p.add_argument("--image_root", help="--probe_data / --viz_data image root (default: the checkpoint's)")
+    p.add_argument("--csv_img_key", help="--probe_data / --viz_data CSV image column (default: the checkpoint's)")
+    p.add_argument("--csv_caption_key", help="--probe_data / --viz_data CSV caption column (default: the checkpoint's)")
+    p.add_argument("--csv_separator", help="--probe_data / --viz_data CSV separator (default: the checkpoint's)")
     p.add_argument("--probe_steps", type=int, default=200)
     p.add_argument("--probe_batch", type=int, default=64)
     p.add_argument("--probe_lr", type=float, default=5e-4)
     p.add_argument("--probe_eval_every", type=int, default=20)
-    p.add_argument("--probe_eval_n", type=int, default=256, help="held-out shapes val pairs for the accuracy curve")
+    p.add_argument("--probe_eval_n", type=int, default=256, help="held-out --probe_data pairs for the accuracy curve")
     p.add_argument("--probe_seed", type=int, default=1234, help="seed of the fresh language agent (same for every checkpoint)")
     p.add_argument("--power_iters", type=int, default=100)
     p.add_argument("--viz_codes", type=int, default=8, help="codebook: how many codes (the most used ones)")
     p.add_argument("--viz_topk", type=int, default=5)
-    p.add_argument("--viz_images", type=int, default=500, help="codebook: shapes test images searched")
+    p.add_argument("--viz_images", type=int, default=500, help="codebook: --viz_data images searched")
     args = p.parse_args(argv)
     names = BENCHMARKS if args.benchmarks == "all" else [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     unknown = [b for b in names if b not in BENCHMARKS]
@@ -125,15 +179,26 @@ def get_args(argv=None):
 KNOWN_SCRIPTS = ("il_clip.py", "mm_learngene.py")
 
 
-def load_checkpoint(path, vocab=None, device="cpu"):
-    """(model, tokenizer, config) from an out_dir or a weight file, via il_clip.load_model.
-    Refuses, with one line, checkpoints of other methods and tokenizers that do not fit."""
+def checkpoint_dir(path):
+    """Where an out_dir's weights live: out_dir/checkpoint/ (the current layout, when it holds
+    a model.safetensors), else the out_dir itself (the old layout), else the path as given
+    (a checkpoint/ folder, or a weights file)."""
+    inner = os.path.join(path, "checkpoint")
+    return inner if os.path.isfile(os.path.join(inner, "model.safetensors")) else path
+
+
+def load_checkpoint(path, args):
+    """(model, tokenizer, config) from an out_dir, a checkpoint/ folder or a weights file,
+    via il_clip.load_model with args.quick_gelu (None: the config's; QuickGELU for bare
+    weights). Refuses, with one line, checkpoints of other methods and tokenizers that do
+    not fit."""
     try:
         import il_clip
     except ImportError as e:
         raise ConfigError(f"cannot import il_clip.py ({e}); run from the repository root") from None
     if not os.path.exists(path):
         raise ConfigError(f"{path}: checkpoint not found")
+    path = checkpoint_dir(path)
     cfg_path = os.path.join(path, "config.json")
     if os.path.isdir(path) and os.path.exists(cfg_path):
         with open(cfg_path) as f:
@@ -149,18 +214,18 @@ def load_checkpoint(path, vocab=None, device="cpu"):
             raise ConfigError(f"{path}: a {cfg['modality']}-only mm_learngene.py descendant; these benchmarks need "
                               f"both towers (expand with --modality clip)")
     try:
-        model, tok, config = il_clip.load_model(path, device=device)
+        model, tok, config = il_clip.load_model(path, device=args.device, quick_gelu=args.quick_gelu)
     except (data.DataError, il_clip.ConfigError) as e:
         raise ConfigError(str(e)) from None
     except (KeyError, ValueError, RuntimeError, OSError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{path}: not an il_clip.py / mm_learngene.py checkpoint or OpenAI-format weights ({msg})") from None
     if tok is None:
-        if not vocab:
+        if not args.vocab:
             raise ConfigError(f"{path}: weights without a tokenizer; give --vocab bpe_simple_vocab_16e6.txt.gz")
-        tok = data.build_tokenizer(vocab_path=vocab, context_length=model_field(model, config, "context_length", 77))
+        tok = data.build_tokenizer(vocab_path=args.vocab, context_length=model_field(model, config, "context_length", 77))
     check_tokenizer(tok, model, config, path)
-    model.to(device).eval()
+    model.to(args.device).eval()
     return model, tok, config
 
 
@@ -195,14 +260,20 @@ def check_tokenizer(tok, model, config, path):
 
 @dataclass(frozen=True)
 class ImageRef:
-    """An image to embed: a file (optionally cropped to box = (x, y, w, h)) or an in-memory PIL."""
+    """An image to embed: a file, a member of a zip file (path = the zip), or an in-memory
+    PIL; optionally cropped to box = (x, y, w, h)."""
     key: str
     path: str = None
     box: tuple = None
     pil: object = None
+    member: str = None
 
     def open(self):
-        img = self.pil if self.pil is not None else Image.open(self.path)
+        if self.member is not None:
+            with zipfile.ZipFile(self.path) as z:
+                img = Image.open(io.BytesIO(z.read(self.member)))
+        else:
+            img = self.pil if self.pil is not None else Image.open(self.path)
         img = img.convert("RGB")
         if self.box is not None:
             x, y, w, h = self.box
@@ -238,7 +309,7 @@ class Embedder:
                 try:
                     tensors.append(self.transform(r.open()))
                     chunk.append(r)
-                except (OSError, ValueError, Image.DecompressionBombError) as e:
+                except (OSError, ValueError, KeyError, zipfile.BadZipFile, Image.DecompressionBombError) as e:
                     self.bad_images[r.key] = str(e)
                     warn(f"{r.path or r.key}: cannot read image ({type(e).__name__}); rows that use it are skipped")
             if chunk:
@@ -271,40 +342,56 @@ def pct(x):
     return round(100.0 * float(x), 4)
 
 
-def usable(rows, emb_images, refs_of, required=False):
-    """Rows whose images were all read (with `required`, none is a DataError)."""
-    kept = [r for r in rows if all(ref.key in emb_images for ref in refs_of(r))]
-    if required and not kept:
-        raise data.DataError(f"none of the {len(rows)} images could be read")
-    return kept
+@dataclass
+class Part:
+    """One subset as read from its files: the rows that can be scored, and how many rows
+    were skipped before scoring (malformed, or the image not found)."""
+    rows: list
+    skipped: int = 0
 
 
-def pair_accuracy(emb, rows):
-    """rows: (image, positive, negative). Correct iff s(img, pos) > s(img, neg), strictly."""
-    images = emb.images([r[0] for r in rows])
-    rows = usable(rows, images, lambda r: [r[0]])
+def usable(rows, emb_images, refs_of):
+    """Rows whose images were all read (the rest are counted as skipped by the caller)."""
+    return [r for r in rows if all(ref.key in emb_images for ref in refs_of(r))]
+
+
+def counted(scores, rows, part):
+    """scores | n_scored | n_skipped: what a number covers sits beside it. Nothing scored:
+    every score is None, never a number for what was not measured."""
+    n_skipped = part.skipped + len(part.rows) - len(rows)
     if not rows:
-        return {"acc": None, "n": 0}
+        scores = {k: None for k in scores}
+    return scores | {"n_scored": len(rows), "n_skipped": n_skipped}
+
+
+def pair_accuracy(emb, part):
+    """part.rows: (image, positive, negative). Correct iff s(img, pos) > s(img, neg), strictly."""
+    images = emb.images([r[0] for r in part.rows])
+    rows = usable(part.rows, images, lambda r: [r[0]])
+    if not rows:
+        return counted({"acc": None}, rows, part)
     img = torch.stack([images[r[0].key] for r in rows])
     pos, neg = emb.texts([r[1] for r in rows]), emb.texts([r[2] for r in rows])
     correct = (img * pos).sum(-1) > (img * neg).sum(-1)
-    return {"acc": pct(correct.float().mean()), "n": len(rows)}
+    return counted({"acc": pct(correct.float().mean())}, rows, part)
 
 
-def r1_among_negatives(emb, rows):
-    """rows: (image, positive, [negatives]). R@1 (image -> text): correct iff the positive
-    scores strictly higher than every hard negative."""
-    images = emb.images([r[0] for r in rows])
-    rows = usable(rows, images, lambda r: [r[0]])
+def r1_among_negatives(emb, part):
+    """part.rows: (image, positive, [negatives]). R@1 (image -> text) as CREPE's
+    get_one2many_rank: the rank of the positive among itself + its hard negatives is 0 iff
+    it scores strictly higher than every negative (a tie ranks it below), so a row with an
+    empty negative list has rank 0: correct, as the official script scores it."""
+    images = emb.images([r[0] for r in part.rows])
+    rows = usable(part.rows, images, lambda r: [r[0]])
     if not rows:
-        return {"acc": None, "n": 0}
+        return counted({"acc": None}, rows, part)
     captions = sorted({c for r in rows for c in [r[1], *r[2]]})
     text, index = emb.texts(captions), {c: i for i, c in enumerate(captions)}
     correct = 0
     for r in rows:
         s = (text[[index[c] for c in [r[1], *r[2]]]] * images[r[0].key]).sum(-1)  # equal captions tie exactly
-        correct += bool(s[0] > s[1:].max())
-    return {"acc": pct(correct / len(rows)), "n": len(rows)}
+        correct += bool(len(s) == 1 or s[0] > s[1:].max())
+    return counted({"acc": pct(correct / len(rows))}, rows, part)
 
 
 def winoground_scores(s):
@@ -315,18 +402,40 @@ def winoground_scores(s):
     text = (s[:, 0, 0] > s[:, 1, 0]) & (s[:, 1, 1] > s[:, 0, 1])
     image = (s[:, 0, 0] > s[:, 0, 1]) & (s[:, 1, 1] > s[:, 1, 0])
     return {"text": pct(text.float().mean()), "image": pct(image.float().mean()),
-            "group": pct((text & image).float().mean()), "n": len(s)}
+            "group": pct((text & image).float().mean())}
 
 
-def pair_of_pairs(emb, rows):
-    """rows: (image0, caption0, image1, caption1) -> Winoground scores."""
-    images = emb.images([ref for r in rows for ref in (r[0], r[2])])
-    rows = usable(rows, images, lambda r: [r[0], r[2]])
+def pair_of_pairs(emb, part):
+    """part.rows: (image0, caption0, image1, caption1) -> Winoground scores."""
+    images = emb.images([ref for r in part.rows for ref in (r[0], r[2])])
+    rows = usable(part.rows, images, lambda r: [r[0], r[2]])
     if not rows:
-        return {"text": None, "image": None, "group": None, "n": 0}
+        return counted({"text": None, "image": None, "group": None}, rows, part)
     img = torch.stack([torch.stack([images[r[0].key], images[r[2].key]]) for r in rows])  # [N, 2, E]
     cap = torch.stack([emb.texts([r[1], r[3]]) for r in rows])  # [N, 2, E]
-    return winoground_scores((cap[:, :, None] * img[:, None]).sum(-1))
+    return counted(winoground_scores((cap[:, :, None] * img[:, None]).sum(-1)), rows, part)
+
+
+def complete_mean(parts, names, metric="acc"):
+    """The mean of `metric` over the subsets `names`, only when every one of them was scored
+    in full; otherwise None and the reason (a mean over what happened to be readable is not
+    the benchmark's mean)."""
+    missing = [n for n in names if n not in parts or not parts[n].get("n_scored")]
+    partial = [f"{n} ({parts[n]['n_skipped']} skipped)" for n in names
+               if n not in missing and parts[n].get("n_skipped")]
+    if missing or partial:
+        why = [f"not scored: {', '.join(missing)}"] * bool(missing) + [f"incomplete: {', '.join(partial)}"] * bool(partial)
+        return {metric: None, "reason": "; ".join(why)}
+    return {metric: round(sum(parts[n][metric] for n in names) / len(names), 4), "over": len(names)}
+
+
+def n_scored(result):
+    """Items scored anywhere in a benchmark's result (None when it does not count items)."""
+    if not isinstance(result, dict):
+        return None
+    counts = [result["n_scored"]] if "n_scored" in result else []
+    counts += [c for c in (n_scored(v) for v in result.values()) if c is not None]
+    return sum(counts) if counts else None
 
 
 def recall_at_k(sim, positive, ks=(1, 5, 10), chunk=1024):
@@ -345,17 +454,19 @@ def recall_at_k(sim, positive, ks=(1, 5, 10), chunk=1024):
 def retrieval_scores(emb, items):
     """items: [(ImageRef, [captions])]. Image -> text and text -> image R@1/5/10."""
     images = emb.images([it[0] for it in items])
-    items = usable(items, images, lambda it: [it[0]], required=True)
-    img = torch.stack([images[it[0].key] for it in items])
-    captions = [c for it in items for c in it[1]]
-    owner = torch.tensor([i for i, it in enumerate(items) for _ in it[1]])
+    kept = usable(items, images, lambda it: [it[0]])
+    if not kept:
+        raise data.DataError(f"none of the {len(items)} images could be read")
+    img = torch.stack([images[it[0].key] for it in kept])
+    captions = [c for it in kept for c in it[1]]
+    owner = torch.tensor([i for i, it in enumerate(kept) for _ in it[1]])
     txt = emb.texts(captions)
-    positive = owner[None, :] == torch.arange(len(items))[:, None]  # [images, captions]
+    positive = owner[None, :] == torch.arange(len(kept))[:, None]  # [images, captions]
     i2t = recall_at_k(img @ txt.T, positive)
     t2i = recall_at_k(txt @ img.T, positive.T)
     out = {f"i2t_R@{k}": v for k, v in i2t.items()} | {f"t2i_R@{k}": v for k, v in t2i.items()}
     out["mean_R"] = round(sum(i2t.values()) / 3 / 2 + sum(t2i.values()) / 3 / 2, 4)
-    return out | {"n_images": len(items), "n_captions": len(captions)}
+    return counted(out, kept, Part(items)) | {"n_captions": len(captions)}
 
 
 def zeroshot_weights(emb, classnames, templates):
@@ -365,11 +476,17 @@ def zeroshot_weights(emb, classnames, templates):
     return F.normalize(z.mean(1), dim=-1)
 
 
-def topk_accuracy(logits, labels, ks=(1, 5)):
+def classification_scores(logits, labels, ks=(1, 5)):
+    """CLIP_benchmark's zero-shot metrics: top-k accuracy (None when there are fewer than k
+    classes: top-k would be trivially 100) and mean per-class recall (balanced accuracy:
+    the recall of each class present in `labels`, averaged with equal weight)."""
     out = {}
     for k in ks:
-        k_ = min(k, logits.shape[1])
-        out[f"top{k}"] = pct((logits.topk(k_, dim=1).indices == labels[:, None]).any(1).float().mean())
+        hit = (logits.topk(k, dim=1).indices == labels[:, None]).any(1) if k <= logits.shape[1] else None
+        out[f"top{k}"] = None if hit is None else pct(hit.float().mean())
+    pred = logits.argmax(1)
+    recalls = [(pred[labels == c] == c).float().mean() for c in labels.unique()]
+    out["mean_per_class_recall"] = pct(sum(recalls) / len(recalls))
     return out
 
 
@@ -388,22 +505,27 @@ def fit_logistic(x, y, n_classes, weight_decay, max_iter=100):
     return w.detach(), b.detach()
 
 
-def linear_probe(train_x, train_y, test_x, test_y, n_classes, val_frac=0.2, seed=0,
-                 weight_decays=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)):
-    """Pick the L2 strength on a held-out part of train, refit on all of train, test top-1."""
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(len(train_x), generator=g)
-    n_val = max(1, int(len(train_x) * val_frac))
-    val, fit = perm[:n_val], perm[n_val:]
-    val_acc = {}
-    for wd in weight_decays:
-        w, b = fit_logistic(train_x[fit], train_y[fit], n_classes, wd)
-        val_acc[wd] = float(((train_x[val] @ w + b).argmax(1) == train_y[val]).float().mean())
-    best = max(weight_decays, key=lambda wd: (val_acc[wd], wd))  # ties: the stronger regulariser
-    w, b = fit_logistic(train_x, train_y, n_classes, best)
+L2_SWEEP = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+
+
+def linear_probe(train_x, train_y, test_x, test_y, n_classes, sweep=False, val_frac=0.2, seed=0):
+    """Logistic regression on frozen image features. Default: the IL paper's appendix
+    setting, no weight decay, fitted on all of train. `sweep`: pick the L2 strength from
+    L2_SWEEP on a held-out part of train (CLIP's protocol), then refit on all of train."""
+    out = {"weight_decay": 0.0}
+    if sweep:
+        perm = torch.randperm(len(train_x), generator=torch.Generator().manual_seed(seed))
+        n_val = max(1, int(len(train_x) * val_frac))
+        val, fit = perm[:n_val], perm[n_val:]
+        val_acc = {}
+        for wd in L2_SWEEP:
+            w, b = fit_logistic(train_x[fit], train_y[fit], n_classes, wd)
+            val_acc[wd] = float(((train_x[val] @ w + b).argmax(1) == train_y[val]).float().mean())
+        best = max(L2_SWEEP, key=lambda wd: (val_acc[wd], wd))  # ties: the stronger regulariser
+        out = {"weight_decay": best, "val_top1": pct(val_acc[best])}
+    w, b = fit_logistic(train_x, train_y, n_classes, out["weight_decay"])
     acc = ((test_x @ w + b).argmax(1) == test_y).float().mean()
-    return {"top1": pct(acc), "weight_decay": best, "val_top1": pct(val_acc[best]),
-            "n_train": len(train_x), "n_test": len(test_x)}
+    return {"top1": pct(acc)} | out | {"n_train": len(train_x), "n_test": len(test_x)}
 
 
 # -----------------------------------------------------------------------------
@@ -469,32 +591,36 @@ def find_image(root, name, exts=("",) + IMAGE_EXTS):
 
 
 def require(*paths_and_flags):
-    """Skip (with what was looked for) unless every given (path, flag) exists."""
+    """Skip (a benchmark whose flag was not given) or fail (a path that was given but does
+    not exist: a user mistake that must not pass as an empty result)."""
     for path, flag in paths_and_flags:
         if not path:
             raise Skip(f"no {flag} given")
+    for path, flag in paths_and_flags:
         if not os.path.exists(path):
-            raise Skip(f"{flag} {path} not found")
+            raise data.DataError(f"{path}: not found (given as {flag})")
 
 
 def read_sugarcrepe(root, image_root):
+    """{subset: Part} for the subset files present ({subset}.json, SugarCrepe's layout)."""
     out = {}
     for subset in SUGARCREPE_SUBSETS:
         path = os.path.join(root, f"{subset}.json")
         if not os.path.exists(path):
-            warn(f"{path} not found; SugarCrepe subset {subset} skipped")
+            warn(f"{path} not found; SugarCrepe subset {subset} not scored")
             continue
-        rows = []
+        part = out[subset] = Part([])
         for line, key, v in json_rows(path):
             if not isinstance(v, dict) or not all(isinstance(v.get(k), str) for k in ("filename", "caption", "negative_caption")):
                 bad_row(path, line, f"entry {key!r} needs string fields filename, caption, negative_caption")
+                part.skipped += 1
                 continue
             img = find_image(image_root, v["filename"], ("",))
             if img is None:
                 bad_row(path, line, f"image {v['filename']} not found under {image_root}")
+                part.skipped += 1
                 continue
-            rows.append((file_ref(img), v["caption"], v["negative_caption"]))
-        out[subset] = rows
+            part.rows.append((file_ref(img), v["caption"], v["negative_caption"]))
     if not out:
         raise Skip(f"no {{{','.join(SUGARCREPE_SUBSETS)}}}.json in {root}")
     return out
@@ -508,84 +634,132 @@ def parse_list(text):
     return list(value)
 
 
+CREPE_TYPES = ("atom", "negate", "swap")  # productivity hard-negative types, as CREPE's files spell them
+CREPE_COMPLEXITIES = range(4, 13)
+
+
 def crepe_subsets(path, fieldnames):
-    """CREPE's CSVs: productivity files have `hard_negs` (one subset per file: swap, negate,
-    replace); systematicity files have `valid_hard_negs_{atom,comp}` (two subsets each)."""
+    """{subset name: hard-negative column} of one released CREPE CSV:
+    prod_hard_negatives/{type}/prod_vg_hard_negs_{type}_complexity_{n}.csv (column hard_negs)
+    -> productivity/{type}/complexity_{n}; syst_hard_negatives/
+    syst_vg_hard_negs_{seen,unseen}_compounds_in_{dataset}.csv (valid_hard_negs_{atom,comp})
+    -> systematicity/{dataset}/{seen,unseen}_compounds/{atom,comp}. Other names keep their stem."""
     stem = os.path.splitext(os.path.basename(path))[0]
     if "hard_negs" in fieldnames:
-        kind = next((k for k in ("swap", "negate", "replace") if k in stem), stem)
-        return {f"productivity/{kind}": "hard_negs"}
-    return {f"systematicity/{col[len('valid_hard_negs_'):]}": col for col in fieldnames
+        m = re.fullmatch(r"prod_vg_hard_negs_(\w+?)_complexity_(\d+)", stem)
+        return {f"productivity/{m[1]}/complexity_{m[2]}" if m else f"productivity/{stem}": "hard_negs"}
+    m = re.fullmatch(r"syst_vg_hard_negs_(\w+?)_in_(\w+)", stem)
+    prefix = f"systematicity/{m[2]}/{m[1]}" if m else f"systematicity/{stem}"
+    return {f"{prefix}/{col[len('valid_hard_negs_'):]}": col for col in fieldnames
             if col.startswith("valid_hard_negs_")}
 
 
-def read_crepe(root, image_root):
-    """{subset: rows}; a subset found in several files (CREPE's systematicity ships one file
-    per pre-training corpus) is named after each file."""
-    per_file = {}
-    for path in sorted(glob.glob(os.path.join(root, "**", "*.csv"), recursive=True)):
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            fields = reader.fieldnames or []
-            missing = [c for c in ("image_id", "x", "y", "width", "height", "caption") if c not in fields]
-            subsets = crepe_subsets(path, fields)
-            if missing or not subsets:
-                warn(f"{path}: not a CREPE hard-negative CSV (needs image_id,x,y,width,height,caption and "
-                     f"hard_negs or valid_hard_negs_*); file skipped")
+def find_vg_image(image_root, row):
+    """A Visual Genome image in the released layout: the CSV's image_path when present (as
+    given, or its last two parts / its name under image_root), else {image_id}.jpg in
+    image_root/VG_100K/, image_root/VG_100K_2/ or image_root/."""
+    given = (row.get("image_path") or "").strip()
+    cands = [given] if given and os.path.isabs(given) else []
+    if given:
+        parts = given.replace("\\", "/").split("/")
+        cands += [os.path.join(image_root, *parts[-2:]), os.path.join(image_root, parts[-1]),
+                  os.path.join(image_root, given)]
+    iid = str(row["image_id"]).strip()
+    iid = iid[:-2] if iid.endswith(".0") else iid  # ids written as floats by pandas
+    cands += [os.path.join(image_root, sub, f"{iid}{ext}") for sub in ("VG_100K", "VG_100K_2", "")
+              for ext in ("", ".jpg")]
+    return next((c for c in cands if os.path.isfile(c)), None)
+
+
+def read_crepe_file(path, image_root, out):
+    """Add one CREPE CSV's rows to out {subset: Part}."""
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        fields = reader.fieldnames or []
+        missing = [c for c in ("image_id", "x", "y", "width", "height", "caption") if c not in fields]
+        subsets = crepe_subsets(path, fields)
+        if missing or not subsets:
+            warn(f"{path}: not a CREPE hard-negative CSV (needs image_id,x,y,width,height,caption and "
+                 f"hard_negs or valid_hard_negs_*); file skipped")
+            return
+        parts = {name: out.setdefault(name, Part([])) for name in subsets}
+        for row in reader:
+            line = reader.line_num
+            try:
+                box = tuple(int(round(float(row[c]))) for c in ("x", "y", "width", "height"))
+                negs = {name: parse_list(row[col]) for name, col in subsets.items()}
+                img = find_vg_image(image_root, row)
+                why = None if img else f"image {row['image_id']} not found under {image_root} (VG_100K/, VG_100K_2/)"
+            except (ValueError, SyntaxError, TypeError) as e:
+                why = f"bad box or hard-negative list ({type(e).__name__})"
+            if why:
+                bad_row(path, line, why)
+                for part in parts.values():
+                    part.skipped += 1
                 continue
-            for row in reader:
-                line = reader.line_num
-                try:
-                    box = tuple(int(round(float(row[c]))) for c in ("x", "y", "width", "height"))
-                    negs = {name: parse_list(row[col]) for name, col in subsets.items()}
-                except (ValueError, SyntaxError, TypeError) as e:
-                    bad_row(path, line, f"bad box or hard-negative list ({type(e).__name__})")
-                    continue
-                img = find_image(image_root, row["image_id"])
-                if img is None:
-                    bad_row(path, line, f"image {row['image_id']} not found under {image_root}")
-                    continue
-                for name, n in negs.items():
-                    if n:  # rows with no valid negative for this subset do not count in it
-                        per_file.setdefault(name, {}).setdefault(path, []).append((file_ref(img, box), row["caption"], n))
+            for name, n in negs.items():
+                parts[name].rows.append((file_ref(img, box), row["caption"], n))
+
+
+def read_crepe(root, image_root):
+    """{subset: Part} of every CREPE CSV under root (searched recursively)."""
     out = {}
-    for name, files in per_file.items():
-        for path, rows in files.items():
-            stem = os.path.splitext(os.path.relpath(path, root))[0]
-            out[name if len(files) == 1 else f"{name} ({stem})"] = rows
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.csv"), recursive=True)):
+        read_crepe_file(path, image_root, out)
     if not out:
         raise Skip(f"no CREPE CSV (hard_negs / valid_hard_negs_*) under {root}")
     return out
 
 
-def pair_of_pairs_row(path, line, image_root, names, captions, exts):
-    """(image0, caption0, image1, caption1), or None (reported) when an image is missing."""
-    imgs = [find_image(image_root, str(n), exts) for n in names]
-    if None in imgs:
-        bad_row(path, line, f"image {names[imgs.index(None)]} not found under {image_root}")
-        return None
-    return file_ref(imgs[0]), captions[0], file_ref(imgs[1]), captions[1]
+def pair_of_pairs_row(path, line, find, names, captions, part):
+    """Append (image0, caption0, image1, caption1) to part, or count the row as skipped
+    (reported) when an image is missing. find: name -> ImageRef or None."""
+    refs = [find(str(n)) for n in names]
+    if None in refs:
+        bad_row(path, line, f"image {names[refs.index(None)]} not found")
+        part.skipped += 1
+    else:
+        part.rows.append((refs[0], captions[0], refs[1], captions[1]))
 
 
 def read_cola(path, image_root):
-    rows = []
+    part = Part([])
+    find = lambda name: (lambda p: p and file_ref(p))(find_image(image_root, name, ("",)))
     for line, _, v in json_rows(path):
         if not (isinstance(v, list) and len(v) == 4 and all(isinstance(s, str) for s in v)):
             bad_row(path, line, "expected [image1, caption1, image2, caption2]")
+            part.skipped += 1
             continue
-        rows.append(pair_of_pairs_row(path, line, image_root, [v[0], v[2]], [v[1], v[3]], ("",)))
-    return [r for r in rows if r is not None]
+        pair_of_pairs_row(path, line, find, [v[0], v[2]], [v[1], v[3]], part)
+    return part
+
+
+def winoground_images(folder):
+    """name -> ImageRef for Winoground's images: folder/images/{name}.png, else straight out
+    of folder/images.zip (the Hugging Face release ships the zip; no unzip needed)."""
+    image_dir, zip_path = os.path.join(folder, "images"), os.path.join(folder, "images.zip")
+    if os.path.isdir(image_dir):
+        return lambda name: (lambda p: p and file_ref(p))(find_image(image_dir, name, ("",) + IMAGE_EXTS))
+    if not os.path.isfile(zip_path):
+        return lambda name: None
+    try:
+        with zipfile.ZipFile(zip_path) as z:
+            members = {os.path.splitext(os.path.basename(m))[0]: m for m in z.namelist() if not m.endswith("/")}
+    except (zipfile.BadZipFile, OSError) as e:
+        raise data.DataError(f"{zip_path}: cannot read ({e})") from None
+    zip_path = os.path.abspath(zip_path)
+    return lambda name: (lambda m: m and ImageRef(f"{zip_path}::{m}", path=zip_path, member=m))(
+        members.get(os.path.splitext(name)[0]))
 
 
 def read_winoground(root):
-    """The released layout: examples.jsonl (id, image_0, image_1, caption_0, caption_1) and
-    images/{image}.png, at root or root/data."""
+    """The released layout: examples.jsonl (id, image_0, image_1, caption_0, caption_1) with
+    images/{image}.png or images.zip beside it, at root or root/data."""
     cands = [os.path.join(root, "examples.jsonl"), os.path.join(root, "data", "examples.jsonl")]
     path = next((c for c in cands if os.path.exists(c)), None)
     if path is None:
         raise Skip(f"no examples.jsonl in {root} or {root}/data")
-    image_root = os.path.join(os.path.dirname(path), "images")
-    rows = []
+    find, part = winoground_images(os.path.dirname(path)), Part([])
     with open(path, encoding="utf-8") as f:
         for line, text in enumerate(f, 1):
             if not text.strip():
@@ -595,9 +769,10 @@ def read_winoground(root):
                 names, caps = [v["image_0"], v["image_1"]], [v["caption_0"], v["caption_1"]]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 bad_row(path, line, f"needs image_0, image_1, caption_0, caption_1 ({type(e).__name__})")
+                part.skipped += 1
                 continue
-            rows.append(pair_of_pairs_row(path, line, image_root, names, caps, ("",) + IMAGE_EXTS))
-    return [r for r in rows if r is not None]
+            pair_of_pairs_row(path, line, find, names, caps, part)
+    return part
 
 
 def read_image_folder(root):
@@ -628,42 +803,52 @@ def shapes_benchmark(seed, n):
 
 
 def bench_shapes(args, emb):
+    """The built-in benchmark: generated, so every item is scored (the flat layout of
+    data.shapes_benchmark: accuracy per category, mean of the 7, R@1 per split)."""
     bench, out = shapes_benchmark(args.shapes_seed, args.shapes_n), {}
     for cat in data.SHAPES_CATEGORIES:
         refs = shapes_refs(args.shapes_seed, args.shapes_n, cat, [it["image"] for it in bench[cat]])
-        out[cat] = pair_accuracy(emb, [(r, it["caption"], it["negative_caption"]) for r, it in zip(refs, bench[cat])])["acc"]
+        rows = [(r, it["caption"], it["negative_caption"]) for r, it in zip(refs, bench[cat])]
+        out[cat] = pair_accuracy(emb, Part(rows))["acc"]
     out["mean_7"] = round(sum(out[c] for c in data.SHAPES_CATEGORIES) / 7, 4)
     for split in ("systematicity", "productivity"):
         refs = shapes_refs(args.shapes_seed, args.shapes_n, split, [it["image"] for it in bench[split]])
-        out[split] = r1_among_negatives(emb, [(r, it["caption"], it["negatives"]) for r, it in zip(refs, bench[split])])["acc"]
+        rows = [(r, it["caption"], it["negatives"]) for r, it in zip(refs, bench[split])]
+        out[split] = r1_among_negatives(emb, Part(rows))["acc"]
     return out | {"n_per_category": args.shapes_n}
 
 
 def bench_sugarcrepe(args, emb):
+    """Accuracy per subset, the paper's Table 1 columns (add, replace, swap: means of their
+    subsets) and the mean of all 7; a mean is given only over subsets scored in full."""
     require((args.sugarcrepe, "--sugarcrepe"), (args.sugarcrepe_images, "--sugarcrepe_images"))
-    out, counts = {}, {}
-    for subset, rows in read_sugarcrepe(args.sugarcrepe, args.sugarcrepe_images).items():
-        r = pair_accuracy(emb, rows)
-        out[subset], counts[subset] = r["acc"], r["n"]
-    scored = [v for v in out.values() if v is not None]
-    out["mean"] = round(sum(scored) / len(scored), 4) if scored else None
-    return out | {"n": counts}
+    parts = read_sugarcrepe(args.sugarcrepe, args.sugarcrepe_images)
+    out = {s: pair_accuracy(emb, parts[s]) if s in parts else
+           {"acc": None, "n_scored": 0, "n_skipped": 0, "reason": f"{s}.json not found"} for s in SUGARCREPE_SUBSETS}
+    for group in ("add", "replace", "swap"):
+        out[group] = complete_mean(out, [s for s in SUGARCREPE_SUBSETS if s.startswith(f"{group}_")])
+    out["mean"] = complete_mean(out, SUGARCREPE_SUBSETS)
+    return out
 
 
 def bench_crepe(args, emb):
+    """Image -> text R@1 per CSV subset, and per productivity type (atom, negate, swap; the
+    paper's Table 1 calls atom "replace") the mean over complexities 4-12."""
     require((args.crepe, "--crepe"), (args.crepe_images, "--crepe_images"))
-    out, counts = {}, {}
-    for subset, rows in sorted(read_crepe(args.crepe, args.crepe_images).items()):
-        r = r1_among_negatives(emb, rows)
-        out[subset], counts[subset] = r["acc"], r["n"]
-    return out | {"n": counts}
+    out = {name: r1_among_negatives(emb, part) for name, part in sorted(read_crepe(args.crepe, args.crepe_images).items())}
+    for kind in CREPE_TYPES:
+        if any(name.startswith(f"productivity/{kind}/") for name in out):
+            names = [f"productivity/{kind}/complexity_{c}" for c in CREPE_COMPLEXITIES]
+            out[f"productivity/{kind}/mean_4-12"] = complete_mean(out, names)
+    return out
 
 
 def bench_cola(args, emb):
     require((args.cola, "--cola"), (args.cola_images, "--cola_images"))
     r = pair_of_pairs(emb, read_cola(args.cola, args.cola_images))
     # Cola multi-object: both captions must retrieve their own image (text -> image)
-    return {"t2i": r["image"], "i2t": r["text"], "group": r["group"], "n": r["n"]}
+    return {"t2i": r["image"], "i2t": r["text"], "group": r["group"], "n_scored": r["n_scored"],
+            "n_skipped": r["n_skipped"]}
 
 
 def bench_winoground(args, emb):
@@ -678,9 +863,25 @@ def shapes_classification_set(split, n, seed):
 
 
 def classification_features(emb, items):
+    """(features, labels, n_skipped): the images that could not be read are left out and counted."""
     images = emb.images([r for r, _ in items])
-    items = usable(items, images, lambda it: [it[0]], required=True)
-    return torch.stack([images[r.key] for r, _ in items]), torch.tensor([y for _, y in items])
+    kept = usable(items, images, lambda it: [it[0]])
+    if not kept:
+        raise data.DataError(f"none of the {len(items)} images could be read")
+    return torch.stack([images[r.key] for r, _ in kept]), torch.tensor([y for _, y in kept]), len(items) - len(kept)
+
+
+def read_templates(spec):
+    """--templates: a named set (TEMPLATES) or a file with one template per line."""
+    if spec in TEMPLATES:
+        return TEMPLATES[spec]
+    if not os.path.isfile(spec):
+        raise data.DataError(f"{spec}: not a template file nor one of {', '.join(TEMPLATES)}")
+    templates = read_lines(spec)
+    bad = [t for t in templates if "{}" not in t]
+    if bad or not templates:
+        raise data.DataError(f"{spec}: " + (f"template without {{}}: {bad[0]!r}" if bad else "no templates"))
+    return templates
 
 
 def bench_zeroshot(args, emb):
@@ -692,13 +893,11 @@ def bench_zeroshot(args, emb):
         classnames = read_lines(args.classnames) if args.classnames else [c.replace("_", " ") for c in folders]
         if len(classnames) != len(folders):
             raise data.DataError(f"{args.classnames}: {len(classnames)} class names for {len(folders)} class folders")
-    templates = read_lines(args.templates) if args.templates else DEFAULT_TEMPLATES
-    bad = [t for t in templates if "{}" not in t]
-    if bad:
-        raise data.DataError(f"{args.templates}: template without {{}}: {bad[0]!r}")
-    x, y = classification_features(emb, items)
+    templates = read_templates(args.templates)
+    x, y, skipped = classification_features(emb, items)
     w = zeroshot_weights(emb, classnames, templates)
-    return topk_accuracy(x @ w.T, y) | {"n": len(y), "classes": len(classnames), "templates": len(templates)}
+    return classification_scores(x @ w.T, y) | {"n_scored": len(y), "n_skipped": skipped, "classes": len(classnames),
+                                                "templates": args.templates if args.templates in TEMPLATES else len(templates)}
 
 
 def bench_retrieval(args, emb):
@@ -727,8 +926,9 @@ def bench_linear_probe(args, emb):
         test_classes, test = read_image_folder(test_dir)
         if test_classes != classnames:
             raise data.DataError(f"{args.linear_probe}: train/ and test/ have different class folders")
-    (tx, ty), (vx, vy) = classification_features(emb, train), classification_features(emb, test)
-    return linear_probe(tx, ty, vx, vy, len(classnames), args.probe_val_frac, args.seed)
+    (tx, ty, train_skipped), (vx, vy, test_skipped) = classification_features(emb, train), classification_features(emb, test)
+    out = linear_probe(tx, ty, vx, vy, len(classnames), args.linear_probe_l2_sweep, args.linear_probe_val_frac, args.seed)
+    return out | {"n_scored": len(vy), "n_skipped": test_skipped, "n_train_skipped": train_skipped}
 
 
 # -----------------------------------------------------------------------------
@@ -754,23 +954,35 @@ def spectral_norm(w, iters=100, tol=1e-7, seed=0):
 VISION_PREFIXES = ("visual.", "image_query.")  # il_clip.VISION_PREFIXES
 
 
-def lipschitz_layers(model):
+def spectral_layers(model):
     """The linear maps of a model in parameter order: every weight with >= 2 dims except
     lookup tables (token / positional / class embeddings)."""
     return [(n, p) for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
 
 
-def lipschitz_bound(model, iters=100):
-    """Upper bound of the Lipschitz constant as in Gouk et al. (paper ref. [19]): the product
-    of per-layer spectral norms. Returned as log10 (it is astronomically large for a
-    transformer): all layers (both agents + the shared codebook), the vision agent alone
-    (`visual.*`, `image_query.*`) and the language agent alone (the rest but the codebook)."""
-    per_layer = {n: spectral_norm(p, iters) for n, p in lipschitz_layers(model)}
+def spectral_product(model, iters=100):
+    """The paper's Fig. 4 quantity, Gouk et al. (paper ref. [19]): the product of the
+    per-layer spectral norms, as log10 (astronomically large for a transformer), for all
+    layers (both agents + the shared codebook), the vision agent (`visual.*`,
+    `image_query.*`) and the language agent (the rest but the codebook).
+    It is NOT an upper bound of this network's Lipschitz constant, and none is reported,
+    because no finite global one exists: LayerNorm divides by the input's standard deviation
+    (its slope grows without bound as that goes to 0) and dot-product self-attention is not
+    globally Lipschitz (Kim et al., ICML 2021); residual paths (1 + L) are not in the product
+    either. It measures the size of the weights, which is what Fig. 4 compares."""
+    per_layer = {n: spectral_norm(p, iters) for n, p in spectral_layers(model)}
     log = lambda names: round(sum(math.log10(max(per_layer[n], 1e-30)) for n in names), 6)
     vision = [n for n in per_layer if n.startswith(VISION_PREFIXES)]
     text = [n for n in per_layer if not n.startswith(VISION_PREFIXES) and n != "codebook"]
-    return {"log10_bound": log(per_layer), "log10_vision": log(vision), "log10_text": log(text),
+    return {"log10_product": log(per_layer), "log10_vision": log(vision), "log10_text": log(text),
             "layers": len(per_layer), "spectral_norms": {n: round(v, 6) for n, v in per_layer.items()}}
+
+
+def out_dir_of(ckpt):
+    """The out_dir of a --ckpt given as an out_dir or as its checkpoint/ folder (where
+    gen{g}/ snapshots and config.json live)."""
+    ckpt = os.path.normpath(ckpt)
+    return os.path.dirname(ckpt) if os.path.basename(ckpt) == "checkpoint" else ckpt
 
 
 def generation_snapshots(ckpt):
@@ -778,37 +990,51 @@ def generation_snapshots(ckpt):
     a model.safetensors, or files *gen*.safetensors; sorted by the number in the name."""
     if not ckpt or not os.path.isdir(ckpt):
         return []
-    found = glob.glob(os.path.join(ckpt, "gen*", "model.safetensors")) + \
-        glob.glob(os.path.join(ckpt, "generations", "*", "model.safetensors"))
-    found = [os.path.dirname(p) for p in found] + glob.glob(os.path.join(ckpt, "*gen*.safetensors")) + \
-        glob.glob(os.path.join(ckpt, "generations", "*.safetensors"))
+    root = out_dir_of(ckpt)
+    found = glob.glob(os.path.join(root, "gen*", "model.safetensors")) + \
+        glob.glob(os.path.join(root, "generations", "*", "model.safetensors"))
+    found = [os.path.dirname(p) for p in found] + glob.glob(os.path.join(root, "*gen*.safetensors")) + \
+        glob.glob(os.path.join(root, "generations", "*.safetensors"))
     num = lambda p: int("".join(ch for ch in os.path.basename(p) if ch.isdigit()) or -1)
     return sorted(set(found), key=lambda p: (num(p), p))
 
 
-def bench_lipschitz(args, model, tok, config):
-    out = lipschitz_bound(model, args.power_iters)
-    snaps = generation_snapshots(args.ckpt)
-    if snaps:
-        curve = []
-        for path in snaps:
-            snap = load_snapshot(path, model, args.ckpt, args.device)
-            curve.append({"snapshot": os.path.relpath(path, args.ckpt)} |
-                         {k: v for k, v in lipschitz_bound(snap, args.power_iters).items() if k != "spectral_norms"})
-        out["generations"] = curve
-        png = os.path.join(args.plot_dir, "lipschitz.png")
-        draw_line_plot(png, {"vision": [(i, c["log10_vision"]) for i, c in enumerate(curve)],
-                             "total": [(i, c["log10_bound"]) for i, c in enumerate(curve)]},
-                       "Lipschitz upper bound per generation", "generation snapshot", "log10 bound")
-        out["png"] = png
-    return out
+def spectral_curve(ckpt, model, args):
+    """{"final": spectral_product of the checkpoint, "generations": [per snapshot]}."""
+    out = spectral_product(model, args.power_iters)
+    curve = []
+    for path in generation_snapshots(ckpt):
+        snap = load_snapshot(path, model, ckpt, args)
+        curve.append({"snapshot": os.path.relpath(path, out_dir_of(ckpt))} |
+                     {k: v for k, v in spectral_product(snap, args.power_iters).items() if k != "spectral_norms"})
+    return out | ({"generations": curve} if curve else {})
 
 
-def load_snapshot(path, model, ckpt, device):
+def bench_spectral(args, model, tok, config):
+    """The product of spectral norms per generation snapshot, for --ckpt and every
+    --compare_ckpts checkpoint on one plot (paper Fig. 4: IL-CLIP's generations against
+    Codebook-CLIP). A checkpoint without snapshots is drawn as a flat line at its value."""
+    runs = {run_name(args.ckpt or args.init): spectral_curve(args.ckpt, model, args)}
+    for path in compare_ckpts(args):
+        runs[run_name(path)] = spectral_curve(path, load_checkpoint(path, args)[0], args)
+    n_gen = max([len(r.get("generations", [])) for r in runs.values()] + [2])
+    series = {}
+    for name, r in runs.items():
+        gens = r.get("generations")
+        series[name] = [(i, g["log10_vision"]) for i, g in enumerate(gens)] if gens else \
+            [(0, r["log10_vision"]), (n_gen - 1, r["log10_vision"])]
+    png = os.path.join(args.plot_dir, "spectral.png")
+    draw_line_plot(png, series, "vision agent: product of spectral norms (not a Lipschitz bound)",
+                   "generation snapshot", "log10 product")
+    main = runs.pop(next(iter(runs)))
+    return main | ({"compare": runs} if runs else {}) | {"png": png}
+
+
+def load_snapshot(path, model, ckpt, args):
     """A generation snapshot: a folder loadable by il_clip.load_model, or a bare state dict
     loaded into a copy of the model."""
     if os.path.isfile(os.path.join(path, "config.json")):
-        return load_checkpoint(path, device=device)[0]
+        return load_checkpoint(path, args)[0]
     from safetensors.torch import load_file
     snap = copy.deepcopy(model)
     try:
@@ -818,18 +1044,64 @@ def load_snapshot(path, model, ckpt, device):
     return snap
 
 
+def run_name(path):
+    path = os.path.normpath(path)
+    return os.path.basename(out_dir_of(path)) if os.path.isdir(path) else os.path.basename(path)
+
+
+def compare_ckpts(args):
+    return [p.strip() for p in args.compare_ckpts.split(",") if p.strip()]
+
+
+def analysis_data(args, config, flag):
+    """(spec, make_loader keywords) an analysis runs on: --probe_data / --viz_data, else the
+    checkpoint's own training data (config.json "data", with its image root and CSV keys).
+    Weights that do not say (--init) need the flag: never a silent fallback to shapes."""
+    cfg = config if isinstance(config, dict) else {}
+    spec = getattr(args, flag) or cfg.get("data")
+    if not spec:
+        raise Skip(f"give --{flag} (any --data spec): the weights do not say what data they were trained on")
+    pick = lambda k, default: getattr(args, k) if getattr(args, k) is not None else cfg.get(k, default)
+    return spec, {"image_root": pick("image_root", None), "csv_img_key": pick("csv_img_key", "filepath"),
+                  "csv_caption_key": pick("csv_caption_key", "title"), "csv_separator": pick("csv_separator", None)}
+
+
+def loader_for(spec, kw, split, tok, image_size, batch_size, train, seed=0):
+    """data.make_loader for an analysis: a DataError (bad spec, unreadable files) is the
+    analysis's error line, not a crash."""
+    return data.make_loader(spec, split, batch_size=batch_size, tokenizer=tok, image_size=image_size, train=train,
+                            seed=seed, drop_last=train, **kw)
+
+
+def eval_batches(spec, kw, tok, size, batch_size, n):
+    """Up to n held-out (image, caption) pairs: the `val` split where the format has one
+    (shapes, Karpathy JSON), else the first n pairs of the data in loader order."""
+    loader = loader_for(spec, kw, "val", tok, size, batch_size, train=False)
+    batches, seen = [], 0
+    for b in loader:
+        if len(b["caption"]):
+            batches.append(b)
+            seen += len(b["caption"])
+        if seen >= n:
+            break
+    if not batches:
+        raise data.DataError(f"{spec}: no readable image-caption pair for the analysis")
+    return batches, loader
+
+
 def bench_codebook(args, model, tok, config):
-    """Top-k shapes test images per code (paper Eq. 2: r_i = max over patches of <f_p, c_i>)
-    for the codes used most (largest total sparsemax weight over the images)."""
+    """Top-k images of --viz_data per code (paper Eq. 2: r_i = max over patches of <f_p, c_i>)
+    for the codes used most (largest total sparsemax weight over the images; Fig. 6)."""
     if not getattr(getattr(model, "cfg", None), "codebook_size", 0):
         raise Skip("the model has no codebook (needs il_clip.py --method codebook / il)")
-    images = [data.shapes_scene("test", i, args.shapes_seed).image for i in range(args.viz_images)]
-    transform, size = data.eval_transform(image_size_of(model, config)), args.batch_size
+    spec, kw = analysis_data(args, config, "viz_data")
+    batches, loader = eval_batches(spec, kw, tok, image_size_of(model, config), args.batch_size, args.viz_images)
+    images = torch.cat([b["image"] for b in batches])[:args.viz_images]
+    captions = [c for b in batches for c in b["caption"]][:args.viz_images]
     scores, weights = [], []
     with torch.no_grad():
-        for i in tqdm(range(0, len(images), size), desc="codes", disable=args.no_progress, leave=False):
-            x = torch.stack([transform(im) for im in images[i:i + size]]).to(args.device)
-            s, w = image_code_scores(model, x)
+        for i in range(0, len(images), args.batch_size):
+            s, w = image_code_scores(model, images[i:i + args.batch_size].to(args.device))
             scores.append(s.float().cpu()), weights.append(w.float().cpu())
     scores, weights = torch.cat(scores), torch.cat(weights)  # [N, K]
     usage = weights.sum(0)
@@ -837,12 +1109,19 @@ def bench_codebook(args, model, tok, config):
     rows, out = [], {}
     for c in codes:
         top = scores[:, c].topk(min(args.viz_topk, len(images))).indices.tolist()
-        out[str(c)] = {"usage": round(float(usage[c]), 6), "images": [f"shapes/test/{i}" for i in top],
-                       "captions": [data.shapes_scene("test", i, args.shapes_seed).caption for i in top]}
-        rows.append((f"code {c}", [images[i] for i in top]))
+        out[str(c)] = {"usage": round(float(usage[c]), 6), "captions": [captions[i] for i in top]}
+        rows.append((f"code {c}", [to_pil(images[i]) for i in top]))
     png = os.path.join(args.plot_dir, "codebook.png")
     draw_image_grid(png, rows)
-    return {"codes": out, "active_codes": int((usage > 0).sum()), "png": png}
+    return {"data": spec, "n_images": len(images), "n_skipped": loader.skipped, "codes": out,
+            "active_codes": int((usage > 0).sum()), "png": png}
+
+
+def to_pil(x):
+    """A data.eval_transform tensor back to a PIL image (undo the CLIP normalisation)."""
+    mean, std = torch.tensor(data.CLIP_MEAN)[:, None, None], torch.tensor(data.CLIP_STD)[:, None, None]
+    arr = ((x.float().cpu() * std + mean).clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
+    return Image.fromarray(arr)
 
 
 def image_code_scores(model, images):
@@ -881,19 +1160,17 @@ def in_batch_accuracy(img, txt):
     return 0.5 * float((s.argmax(1) == target).float().mean() + (s.argmax(0) == target).float().mean())
 
 
-def easy_to_learn_curve(model, tok, config, args):
-    """Train a fresh language agent against the frozen vision agent + codebook on shapes;
-    in-batch accuracy on held-out val pairs every probe_eval_every steps."""
+def easy_to_learn_curve(model, tok, config, args, spec, kw):
+    """Train a fresh language agent against the frozen vision agent + codebook on `spec`;
+    in-batch accuracy on held-out pairs every probe_eval_every steps."""
     size, device = image_size_of(model, config), args.device
     student = fresh_language_agent(model, args.probe_seed).to(device)
     student.eval()  # no dropout; vision statistics stay fixed
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.probe_lr, weight_decay=0.0)
     scale = float(student.logit_scale.exp().clamp(max=100)) if hasattr(student, "logit_scale") else 1 / 0.07
-    train = data.make_loader("shapes", "train", batch_size=args.probe_batch, tokenizer=tok, image_size=size,
-                             seed=args.probe_seed).forever()
-    val = list(data.make_loader("shapes", "val", batch_size=args.probe_batch, tokenizer=tok, image_size=size,
-                                train=False))[:max(1, args.probe_eval_n // args.probe_batch)]
+    train = loader_for(spec, kw, "train", tok, size, args.probe_batch, train=True, seed=args.probe_seed).forever()
+    val, _ = eval_batches(spec, kw, tok, size, args.probe_batch, args.probe_eval_n)
     with torch.no_grad():
         val_img = [student.encode_image(b["image"].to(device)) for b in val]
 
@@ -919,14 +1196,17 @@ def easy_to_learn_curve(model, tok, config, args):
 
 
 def bench_easy_to_learn(args, model, tok, config):
-    runs = {os.path.basename(os.path.normpath(args.ckpt or args.init)): (model, tok, config)}
-    for path in [p.strip() for p in args.probe_ckpts.split(",") if p.strip()]:
-        runs[os.path.basename(os.path.normpath(path))] = load_checkpoint(path, args.vocab, args.device)
-    curves = {name: easy_to_learn_curve(m, t, c, args) for name, (m, t, c) in runs.items()}
+    """The Fig. 5 probe for --ckpt and every --compare_ckpts checkpoint, all on the same
+    --probe_data (default: --ckpt's training data) and the same student seed."""
+    spec, kw = analysis_data(args, config, "probe_data")
+    runs = {run_name(args.ckpt or args.init): (model, tok, config)}
+    for path in compare_ckpts(args):
+        runs[run_name(path)] = load_checkpoint(path, args)
+    curves = {name: easy_to_learn_curve(m, t, c, args, spec, kw) for name, (m, t, c) in runs.items()}
     png = os.path.join(args.plot_dir, "easy_to_learn.png")
     draw_line_plot(png, curves, "fresh language agent vs frozen vision agent", "step", "in-batch accuracy (%)")
     out = {name: {"final": c[-1][1], "curve": [{"step": s, "acc": a} for s, a in c]} for name, c in curves.items()}
-    return out | {"png": png, "seed": args.probe_seed, "steps": args.probe_steps}
+    return out | {"data": spec, "png": png, "seed": args.probe_seed, "steps": args.probe_steps}
 
 
 # -----------------------------------------------------------------------------
@@ -992,62 +1272,80 @@ def draw_image_grid(path, rows, cell=64, label_w=80):
 # -----------------------------------------------------------------------------
 # Report
 
-# counts and settings: kept in the JSON, left out of the table
-META_KEYS = {"n", "n_per_category", "n_images", "n_captions", "n_train", "n_test", "classes", "templates",
-             "layers", "seed", "steps", "weight_decay", "spectral_norms", "curve", "codes", "png", "generations"}
+# counts and settings: kept in the JSON, left out of the table (counts get their own columns)
+META_KEYS = {"n", "n_scored", "n_skipped", "n_train_skipped", "n_per_category", "n_images", "n_captions", "n_train",
+             "n_test", "classes", "templates", "layers", "seed", "steps", "weight_decay", "spectral_norms", "curve",
+             "codes", "png", "generations", "over", "reason"}
 
 
 def flatten(results):
-    """(benchmark, metric, value) rows for the table: numbers only, nested dicts dotted."""
+    """(benchmark, metric, value, n scored, n skipped, reason) rows for the table: numbers and
+    nulls (a null carries its reason), nested dicts dotted; the counts are those of the dict
+    the number sits in (blank where the number is not a score over items)."""
     rows = []
 
     def walk(bench, prefix, v):
-        if isinstance(v, dict):
-            for k, x in v.items():
-                if k not in META_KEYS:
-                    walk(bench, f"{prefix}{k}.", x)
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            rows.append((bench, prefix[:-1], v))
+        for k, x in v.items():
+            if k in META_KEYS:
+                continue
+            if isinstance(x, dict):
+                walk(bench, f"{prefix}{k}.", x)
+            elif x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)):
+                rows.append((bench, f"{prefix}{k}", x, v.get("n_scored", ""), v.get("n_skipped", ""), v.get("reason", "")))
     for bench, r in results.items():
         walk(bench, "", r)
     return rows
 
 
 def markdown_table(results, skipped):
-    lines = ["| benchmark | metric | value |", "|---|---|---|"]
-    for bench, metric, v in flatten(results):
-        lines.append(f"| {bench} | {metric} | {v:.2f} |" if isinstance(v, float) else f"| {bench} | {metric} | {v} |")
+    lines = ["| benchmark | metric | value | scored | skipped |", "|---|---|---|---|---|"]
+    for bench, metric, v, n_ok, n_bad, why in flatten(results):
+        value = f"null ({why})" if v is None and why else "null" if v is None else f"{v:.2f}" if isinstance(v, float) else v
+        lines.append(f"| {bench} | {metric} | {value} | {n_ok} | {n_bad} |")
     for bench, why in skipped.items():
-        lines.append(f"| {bench} | skipped | {why} |")
+        lines.append(f"| {bench} | skipped | {why} | | |")
     return "\n".join(lines)
 
 
-def run(args):
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    path = args.ckpt or args.init
-    model, tok, config = load_checkpoint(path, args.vocab, args.device)
-    if args.plot_dir is None:
-        args.plot_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else (
-            args.ckpt if args.ckpt else os.path.dirname(os.path.abspath(args.init)))
-    emb = Embedder(model, tok, image_size_of(model, config), args.batch_size, args.device, not args.no_progress)
-    results, skipped, failed = {}, {}, {}
+def run_benchmarks(args, emb, model, tok, config):
+    """(results, skipped, errors). A benchmark whose files were not given is skipped; one that
+    fails, or scored no item at all, is an error: its line is printed now, the others still
+    run, and the exit status says so at the end."""
     scorers = {"shapes": bench_shapes, "sugarcrepe": bench_sugarcrepe, "crepe": bench_crepe, "cola": bench_cola,
                "winoground": bench_winoground, "zeroshot": bench_zeroshot, "retrieval": bench_retrieval,
                "linear_probe": bench_linear_probe}
-    analyses = {"easy_to_learn": bench_easy_to_learn, "lipschitz": bench_lipschitz, "codebook": bench_codebook}
+    analyses = {"easy_to_learn": bench_easy_to_learn, "spectral": bench_spectral, "codebook": bench_codebook}
+    results, skipped, failed = {}, {}, {}
     for name in args.benchmark_list:
         try:
             results[name] = scorers[name](args, emb) if name in scorers else analyses[name](args, model, tok, config)
+            if n_scored(results[name]) == 0:
+                raise data.DataError("scored nothing: no item could be read (see the warnings above)")
         except Skip as e:
             skipped[name] = str(e)
             print(f"skipped {name}: {e}", file=sys.stderr)
         except data.DataError as e:
             failed[name] = str(e)
             print(f"error: {name}: {e}", file=sys.stderr)
+    return results, skipped, failed
+
+
+def run(args):
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    path = args.ckpt or args.init
+    model, tok, config = load_checkpoint(path, args)
+    quick_gelu = bool(model_field(model, config, "quick_gelu"))
+    source = "--quick_gelu" if args.quick_gelu is not None else "config.json" if args.ckpt else "default for --init"
+    print(f"model: {path}: activation {'QuickGELU' if quick_gelu else 'GELU'} ({source})", file=sys.stderr)
+    if args.plot_dir is None:
+        args.plot_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else (
+            out_dir_of(args.ckpt) if args.ckpt else os.path.dirname(os.path.abspath(args.init)))
+    emb = Embedder(model, tok, image_size_of(model, config), args.batch_size, args.device, not args.no_progress)
+    results, skipped, failed = run_benchmarks(args, emb, model, tok, config)
     print(markdown_table(results, skipped | {k: f"error: {v}" for k, v in failed.items()}))
-    blob = {"checkpoint": os.path.abspath(path), "results": results, "skipped": skipped, "errors": failed,
-            "args": {k: v for k, v in vars(args).items() if k != "benchmark_list"}}
+    blob = {"checkpoint": os.path.abspath(path), "quick_gelu": quick_gelu, "results": results, "skipped": skipped,
+            "errors": failed, "args": {k: v for k, v in vars(args).items() if k != "benchmark_list"}}
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         tmp = f"{args.out}.tmp{os.getpid()}"

@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -913,9 +913,11 @@ def load_state_checked(model, sd, source, allow_missing=()):
     model.load_state_dict({k: v for k, v in sd.items()}, strict=False)
 
 
-def load_model(path, device="cpu"):
+def load_model(path, device="cpu", quick_gelu=None):
     """-> (model, tokenizer or None, config dict) from an il_clip.py out_dir (also
-    mm_learngene.py's) or an OpenAI-format weight file (.safetensors / .pt)."""
+    mm_learngene.py's) or an OpenAI-format weight file (.safetensors / .pt). quick_gelu:
+    None = what the out_dir's config says (OpenAI's QuickGELU for a bare weight file),
+    else QuickGELU (True) or exact GELU (False)."""
     if os.path.isdir(path):
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
@@ -930,6 +932,9 @@ def load_model(path, device="cpu"):
     else:
         sd = read_state_dict(path)
         cfg = config_from_state_dict(sd)
+    if quick_gelu is not None:
+        cfg = replace(cfg, quick_gelu=quick_gelu)
+    if not os.path.isdir(path):
         config = {"model": asdict(cfg)}
         tdir = os.path.dirname(os.path.abspath(path))
     model = CLIP(cfg)

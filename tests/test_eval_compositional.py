@@ -4,10 +4,12 @@ counts a tie as wrong); R@k against brute force; zero-shot template averaging ag
 independent computation; the Lipschitz bound against exact spectral norms; then the CLI
 end to end on a tiny il_clip.py checkpoint."""
 import csv
+import importlib.util
 import json
 import math
 import os
 import types
+import zipfile
 
 import pytest
 import torch
@@ -71,8 +73,8 @@ def solid(path, colour, size=(16, 16)):
 def args(**kw):
     base = dict(shapes_n=5, shapes_seed=0, seed=0, sugarcrepe=None, sugarcrepe_images=None, crepe=None,
                 crepe_images=None, cola=None, cola_images=None, winoground=None, zeroshot=None, classnames=None,
-                templates=None, retrieval=None, retrieval_images=None, retrieval_split="test",
-                linear_probe=None, probe_val_frac=0.2)
+                templates="clip8", retrieval=None, retrieval_images=None, retrieval_split="test",
+                linear_probe=None, linear_probe_l2_sweep=False, linear_probe_val_frac=0.2)
     return types.SimpleNamespace(**(base | kw))
 
 
@@ -95,9 +97,12 @@ def test_sugarcrepe_strict_ties_and_bad_rows(tmp_path, emb, capsys):
     (sc / "swap_att.json").write_text(json.dumps({"0": {"filename": "blue.jpg", "caption": "blue",
                                                         "negative_caption": "red blue"}}))
     r = E.bench_sugarcrepe(args(sugarcrepe=str(sc), sugarcrepe_images=str(img)), emb)
-    assert r["add_obj"] == 50.0 and r["n"]["add_obj"] == 4
-    assert r["swap_att"] == 100.0
-    assert r["mean"] == 75.0
+    assert r["add_obj"] == {"acc": 50.0, "n_scored": 4, "n_skipped": 2}
+    assert r["swap_att"] == {"acc": 100.0, "n_scored": 1, "n_skipped": 0}
+    assert r["add_att"] == {"acc": None, "n_scored": 0, "n_skipped": 0, "reason": "add_att.json not found"}
+    # no mean over what happened to be readable: 5 subsets absent, add_obj incomplete
+    assert r["mean"]["acc"] is None and "add_att" in r["mean"]["reason"] and "add_obj (2 skipped)" in r["mean"]["reason"]
+    assert r["add"]["acc"] is None and r["swap"]["acc"] is None
     err = capsys.readouterr().err
     lines = (sc / "add_obj.json").read_text().splitlines()
     line_4 = next(i for i, s in enumerate(lines, 1) if s.strip().startswith('"4"'))
@@ -109,16 +114,47 @@ def test_sugarcrepe_strict_ties_and_bad_rows(tmp_path, emb, capsys):
 def test_embeddings_are_cached_per_unique_image_and_caption(tmp_path, emb):
     solid(tmp_path / "red.png", RED)
     rows = [(E.file_ref(str(tmp_path / "red.png")), "red", "blue")] * 3
-    E.pair_accuracy(emb, rows)
-    E.pair_accuracy(emb, [(E.file_ref(str(tmp_path / "red.png")), "red", "green")])
+    E.pair_accuracy(emb, E.Part(rows))
+    E.pair_accuracy(emb, E.Part([(E.file_ref(str(tmp_path / "red.png")), "red", "green")]))
     assert emb.model.images_seen == 1 and emb.model.texts_seen == 3
+
+
+def test_sugarcrepe_table1_means_only_over_complete_subsets(tmp_path, emb):
+    img = tmp_path / "coco"
+    solid(img / "red.jpg", RED), solid(img / "blue.jpg", BLUE)
+    sc = tmp_path / "sugarcrepe"
+    sc.mkdir()
+    right = {"filename": "red.jpg", "caption": "red", "negative_caption": "blue"}
+    wrong = {"filename": "blue.jpg", "caption": "red", "negative_caption": "blue"}
+    # subset i holds i + 1 rows of which the first is wrong: accuracy i / (i + 1)
+    for i, subset in enumerate(E.SUGARCREPE_SUBSETS):
+        (sc / f"{subset}.json").write_text(json.dumps({str(k): wrong if k == 0 else right for k in range(i + 1)}))
+    r = E.bench_sugarcrepe(args(sugarcrepe=str(sc), sugarcrepe_images=str(img)), emb)
+    acc = {s: 100 * i / (i + 1) for i, s in enumerate(E.SUGARCREPE_SUBSETS)}
+    assert all(r[s]["acc"] == pytest.approx(acc[s], abs=1e-3) for s in acc)
+    assert r["add"]["acc"] == pytest.approx((acc["add_obj"] + acc["add_att"]) / 2, abs=1e-3)
+    assert r["replace"]["acc"] == pytest.approx((acc["replace_obj"] + acc["replace_att"] + acc["replace_rel"]) / 3, abs=1e-3)
+    assert r["swap"]["acc"] == pytest.approx((acc["swap_obj"] + acc["swap_att"]) / 2, abs=1e-3)
+    assert r["mean"] == {"acc": pytest.approx(sum(acc.values()) / 7, abs=1e-3), "over": 7}
+    os.remove(img / "blue.jpg")  # half the images gone: every subset loses its first row
+    emb.image_cache.clear()
+    r = E.bench_sugarcrepe(args(sugarcrepe=str(sc), sugarcrepe_images=str(img)), emb)
+    assert r["add_obj"] == {"acc": None, "n_scored": 0, "n_skipped": 1}
+    assert r["swap_att"] == {"acc": 100.0, "n_scored": 6, "n_skipped": 1}
+    assert r["mean"]["acc"] is None and r["mean"]["reason"].startswith("not scored: add_obj; incomplete:")
+    assert E.n_scored(r) == sum(range(7))
 
 
 def test_missing_files_skip_with_what_was_looked_for(tmp_path, emb):
     with pytest.raises(E.Skip, match="no --sugarcrepe given"):
         E.bench_sugarcrepe(args(), emb)
-    with pytest.raises(E.Skip, match="not found"):
+    with pytest.raises(E.Skip, match="no --sugarcrepe_images given"):
+        E.bench_sugarcrepe(args(sugarcrepe=str(tmp_path)), emb)
+    # a path given but wrong is the user's mistake: an error, never an empty result
+    with pytest.raises(data.DataError, match="nope: not found \\(given as --crepe\\)"):
         E.bench_crepe(args(crepe=str(tmp_path / "nope"), crepe_images=str(tmp_path)), emb)
+    with pytest.raises(data.DataError, match="given as --sugarcrepe_images"):
+        E.bench_sugarcrepe(args(sugarcrepe=str(tmp_path), sugarcrepe_images=str(tmp_path / "coco")), emb)
     with pytest.raises(E.Skip, match="examples.jsonl"):
         E.bench_winoground(args(winoground=str(tmp_path)), emb)
 
@@ -134,33 +170,90 @@ def test_json_rows_lines_and_invalid_json(tmp_path):
 
 # ----------------------------------------------------------------------------- CREPE
 
-def test_crepe_crops_boxes_and_counts_ties_wrong(tmp_path, emb, capsys):
+def crepe_csv(path, header, rows):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+
+
+def one2many_rank(image, texts):
+    """CREPE's get_one2many_rank (crepe_eval_utils.py), rewritten: the position of the
+    positive (index 0) in the texts sorted by descending similarity."""
+    ranking = torch.argsort(image[None] @ texts.T, descending=True)
+    return int(torch.where(ranking == 0)[1][0])
+
+
+PROD = ["image_id", "x", "y", "width", "height", "caption", "hard_negs"]
+
+
+def test_crepe_released_layout_crops_and_counts_ties_wrong(tmp_path, emb, capsys):
     vg = tmp_path / "vg"
-    vg.mkdir()
     im = Image.new("RGB", (20, 10), RED)
     im.paste(Image.new("RGB", (10, 10), BLUE), (10, 0))  # left half red, right half blue
-    im.save(vg / "7.jpg")
-    prod = tmp_path / "crepe" / "prod_hard_negatives"
-    prod.mkdir(parents=True)
-    with open(prod / "prod_vg_hard_negs_swap_all.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["image_id", "x", "y", "width", "height", "caption", "hard_negs"])
-        w.writerow([7, 0, 0, 10, 10, "red", "['blue', 'green']"])   # red crop: 1 > 0: right
-        w.writerow([7, 10, 0, 10, 10, "red", "['blue']"])           # blue crop: 0 < 1: wrong
-        w.writerow([7, 0, 0, 10, 10, "red", "['red red', 'blue']"])  # tie with 'red red': wrong
-        w.writerow([7, 0, 0, 10, 10, "red", "[not a list"])          # malformed: line 5
-    syst = tmp_path / "crepe" / "syst_hard_negatives"
-    syst.mkdir()
-    with open(syst / "syst_vg_hard_negs_seen_compounds_in_cc12m.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["image_id", "x", "y", "width", "height", "caption", "valid_hard_negs_comp", "valid_hard_negs_atom"])
-        w.writerow([7, 0, 0, 10, 10, "red", "['blue']", "['red red']"])  # comp right, atom tie
-        w.writerow([7, 10, 0, 10, 10, "blue", "['red']", "[]"])          # comp right, no atom negative
+    os.makedirs(vg / "VG_100K"), os.makedirs(vg / "VG_100K_2"), os.makedirs(vg / "elsewhere")
+    im.save(vg / "VG_100K" / "7.jpg"), im.save(vg / "VG_100K_2" / "8.jpg"), im.save(vg / "elsewhere" / "9.jpg")
+    crepe = tmp_path / "crepe"
+    crepe_csv(crepe / "prod_hard_negatives" / "swap" / "prod_vg_hard_negs_swap_complexity_4.csv", PROD, [
+        [7, 0, 0, 10, 10, "red", "['blue', 'green']"],   # red crop: 1 > 0: right
+        [8, 10, 0, 10, 10, "red", "['blue']"],           # blue crop (VG_100K_2): 0 < 1: wrong
+        [7, 0, 0, 10, 10, "red", "['red red', 'blue']"],  # tie with 'red red': wrong
+        [7, 0, 0, 10, 10, "red", "[not a list"],          # malformed: line 5, skipped
+        [7, 0, 0, 10, 10, "red", "[]"],                   # no negative: rank 0, right (as the official script)
+        [6, 0, 0, 10, 10, "red", "['blue']"]])            # no such image: skipped
+    header = ["image_id", "x", "y", "width", "height", "caption", "valid_hard_negs_comp", "valid_hard_negs_atom",
+              "image_path"]
+    crepe_csv(crepe / "syst_hard_negatives" / "syst_vg_hard_negs_seen_compounds_in_cc12m.csv", header, [
+        [7, 0, 0, 10, 10, "red", "['blue']", "['red red']", ""],      # comp right, atom tie: wrong
+        [9, 10, 0, 10, 10, "blue", "['red']", "[]", "/data/visual_genome/elsewhere/9.jpg"]])  # image_path; atom empty: right
+    r = E.bench_crepe(args(crepe=str(crepe), crepe_images=str(vg)), emb)
+    assert r["productivity/swap/complexity_4"] == {"acc": 50.0, "n_scored": 4, "n_skipped": 2}
+    assert r["productivity/swap/mean_4-12"]["acc"] is None  # complexities 5-12 not there
+    assert "productivity/swap/complexity_5" in r["productivity/swap/mean_4-12"]["reason"]
+    assert r["systematicity/cc12m/seen_compounds/comp"] == {"acc": 100.0, "n_scored": 2, "n_skipped": 0}
+    assert r["systematicity/cc12m/seen_compounds/atom"] == {"acc": 50.0, "n_scored": 2, "n_skipped": 0}
+    err = capsys.readouterr().err
+    assert "prod_vg_hard_negs_swap_complexity_4.csv:5:" in err and "image 6 not found" in err
+
+
+def test_crepe_matches_get_one2many_rank_and_means_over_complexities(tmp_path, emb):
+    """Every productivity type (spelled as CREPE's files: atom, negate, swap) at complexities
+    4-12: R@1 equals the official rank's (on tie-free rows) and the per-type mean is the
+    mean of the 9; a type with one complexity incomplete has no mean."""
+    vg = tmp_path / "VG"
+    colours = {1: RED, 2: BLUE, 3: YELLOW}
+    for iid, c in colours.items():
+        solid(str(vg / "VG_100K" / f"{iid}.jpg"), c)
+    g = torch.Generator().manual_seed(0)
+    pool = ["red", "blue", "green", "red green", "blue green", "red blue green green"]
+    model, tok, tf = ColourModel(), WordTokenizer(), data.eval_transform(16)
+    expected = {}
+    for kind in ("atom", "negate", "swap"):
+        for c in range(4, 13):
+            rows, right = [], []
+            while len(rows) < 5:
+                iid = int(torch.randint(1, 4, (1,), generator=g))
+                pick = torch.randperm(len(pool), generator=g)[:int(torch.randint(1, 4, (1,), generator=g))].tolist()
+                caption, negs = pool[pick[0]], [pool[k] for k in pick[1:]]
+                image = model.encode_image(tf(Image.new("RGB", (16, 16), colours[iid]))[None])[0]
+                texts = model.encode_text(tok([caption] + negs))
+                if ((texts[1:] @ image) == texts[0] @ image).any():
+                    continue  # a tie: the official argsort order is arbitrary there (ours ranks it wrong)
+                rows.append([iid, 0, 0, 16, 16, caption, repr(negs)])
+                right.append(one2many_rank(image, texts) < 1)
+            if kind == "negate" and c == 12:
+                rows.append([99, 0, 0, 16, 16, "red", "['blue']"])  # image missing: complexity 12 incomplete
+            crepe_csv(tmp_path / "crepe" / kind / f"prod_vg_hard_negs_{kind}_complexity_{c}.csv", PROD, rows)
+            expected[(kind, c)] = 100 * sum(right) / len(right)
     r = E.bench_crepe(args(crepe=str(tmp_path / "crepe"), crepe_images=str(vg)), emb)
-    assert r["productivity/swap"] == pytest.approx(100 / 3, abs=1e-3) and r["n"]["productivity/swap"] == 3
-    assert r["systematicity/comp"] == 100.0 and r["n"]["systematicity/comp"] == 2
-    assert r["systematicity/atom"] == 0.0 and r["n"]["systematicity/atom"] == 1
-    assert "prod_vg_hard_negs_swap_all.csv:5:" in capsys.readouterr().err
+    for (kind, c), acc in expected.items():
+        assert r[f"productivity/{kind}/complexity_{c}"]["acc"] == pytest.approx(acc, abs=1e-3), (kind, c)
+    for kind in ("atom", "swap"):
+        mean = sum(expected[(kind, c)] for c in range(4, 13)) / 9
+        assert r[f"productivity/{kind}/mean_4-12"] == {"acc": pytest.approx(mean, abs=1e-3), "over": 9}
+    assert r["productivity/negate/mean_4-12"] == {
+        "acc": None, "reason": "incomplete: productivity/negate/complexity_12 (1 skipped)"}
 
 
 # ----------------------------------------------------------------------------- Cola / Winoground
@@ -184,17 +277,39 @@ def test_cola_multi_object(tmp_path, emb, capsys):
     rows = [[f"https://host/x/{i0}.png", c0, f"{i1}.png", c1] for i0, c0, i1, c1 in WINO] + [["red.png", "red"]]
     (tmp_path / "cola.json").write_text(json.dumps(rows))
     r = E.bench_cola(args(cola=str(tmp_path / "cola.json"), cola_images=str(tmp_path / "imgs")), emb)
-    assert (r["t2i"], r["i2t"], r["group"], r["n"]) == (75.0, 50.0, 50.0, 4)
+    assert (r["t2i"], r["i2t"], r["group"], r["n_scored"], r["n_skipped"]) == (75.0, 50.0, 50.0, 4, 1)
     assert "cola.json:1:" in capsys.readouterr().err  # a one-line JSON: the bad row is on line 1
+
+
+def winoground_examples(folder, rows):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "examples.jsonl"), "w") as f:
+        for k, (i0, c0, i1, c1) in enumerate(rows):
+            f.write(json.dumps({"id": k, "image_0": i0, "image_1": i1, "caption_0": c0, "caption_1": c1,
+                                "tag": "Object", "secondary_tag": "", "num_main_preds": 1, "collapsed_tag": "Object"}) + "\n")
 
 
 def test_winoground_scores(tmp_path, emb):
     colour_images(tmp_path / "wino" / "images")
-    with open(tmp_path / "wino" / "examples.jsonl", "w") as f:
-        for k, (i0, c0, i1, c1) in enumerate(WINO):
-            f.write(json.dumps({"id": k, "image_0": i0, "image_1": i1, "caption_0": c0, "caption_1": c1}) + "\n")
+    winoground_examples(tmp_path / "wino", WINO)
     r = E.bench_winoground(args(winoground=str(tmp_path / "wino")), emb)
-    assert (r["text"], r["image"], r["group"], r["n"]) == (50.0, 75.0, 50.0, 4)
+    assert (r["text"], r["image"], r["group"], r["n_scored"], r["n_skipped"]) == (50.0, 75.0, 50.0, 4, 0)
+
+
+def test_winoground_reads_images_zip_of_the_hf_release(tmp_path, emb):
+    """facebook/winoground on the Hub: data/examples.jsonl and data/images.zip (images/{name}.png
+    inside), read without unzipping; a missing member is a skipped row."""
+    colour_images(tmp_path / "png")
+    with zipfile.ZipFile(tmp_path / "hf" / "data" / "images.zip" if os.makedirs(tmp_path / "hf" / "data") is None else "", "w") as z:
+        for name in ("red", "blue", "yellow"):
+            z.write(tmp_path / "png" / f"{name}.png", f"images/{name}.png")
+    winoground_examples(tmp_path / "hf" / "data", WINO + [("red", "red", "green", "green")])
+    r = E.bench_winoground(args(winoground=str(tmp_path / "hf")), emb)
+    assert (r["text"], r["image"], r["group"], r["n_scored"], r["n_skipped"]) == (50.0, 75.0, 50.0, 4, 1)
+    (tmp_path / "empty" / "data").mkdir(parents=True)
+    winoground_examples(tmp_path / "empty" / "data", WINO)  # neither images/ nor images.zip
+    r = E.bench_winoground(args(winoground=str(tmp_path / "empty")), emb)
+    assert r["text"] is None and (r["n_scored"], r["n_skipped"]) == (0, 4) and E.n_scored(r) == 0
 
 
 def test_winoground_scores_formula_on_hand_matrices():
@@ -244,7 +359,36 @@ def test_zeroshot_template_averaging_and_topk(tmp_path, emb):
     solid(folder / "blue" / "d.png", BLUE), solid(folder / "blue" / "e.png", RED)  # the one miss
     (tmp_path / "templates.txt").write_text("\n".join(templates))
     r = E.bench_zeroshot(args(zeroshot=str(folder), templates=str(tmp_path / "templates.txt")), emb)
-    assert (r["top1"], r["top5"], r["n"], r["classes"], r["templates"]) == (80.0, 100.0, 5, 3, 2)
+    # 3 classes: top-5 would be trivially 100, so it is null; recall red 1/1, green 2/2, blue 1/2
+    assert (r["top1"], r["top5"], r["n_scored"], r["classes"], r["templates"]) == (80.0, None, 5, 3, 2)
+    assert r["mean_per_class_recall"] == pytest.approx(100 * (1 + 1 + 0.5) / 3, abs=1e-3)
+
+
+def test_classification_scores_against_a_loop():
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(50, 7, generator=g), torch.randint(0, 6, (50,), generator=g)  # class 6 never a label
+    r = E.classification_scores(logits, labels)
+    order = logits.argsort(1, descending=True)
+    assert r["top1"] == pytest.approx(100 * sum(int(order[i, 0] == labels[i]) for i in range(50)) / 50, abs=1e-3)
+    assert r["top5"] == pytest.approx(100 * sum(int(labels[i] in order[i, :5]) for i in range(50)) / 50, abs=1e-3)
+    present = sorted(set(labels.tolist()))
+    recall = [sum(int(order[i, 0] == c) for i in range(50) if labels[i] == c) / int((labels == c).sum()) for c in present]
+    assert r["mean_per_class_recall"] == pytest.approx(100 * sum(recall) / len(recall), abs=1e-3)
+
+
+def test_openai_imagenet_templates_by_name(tmp_path):
+    assert len(E.read_templates("openai_imagenet")) == 80 and len(set(E.TEMPLATES["openai_imagenet"])) == 80
+    assert all("{}" in t for t in E.TEMPLATES["openai_imagenet"])
+    with pytest.raises(data.DataError, match="not a template file nor one of clip8, openai_imagenet"):
+        E.read_templates(str(tmp_path / "nope.txt"))
+    spec = importlib.util.find_spec("open_clip")
+    if spec is None:
+        pytest.skip("open_clip_torch is not installed")
+    path = os.path.join(os.path.dirname(spec.origin), "zero_shot_metadata.py")
+    mod_spec = importlib.util.spec_from_file_location("zero_shot_metadata", path)  # no torchvision needed
+    meta = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(meta)
+    assert E.TEMPLATES["openai_imagenet"] == [f("{}") for f in meta.OPENAI_IMAGENET_TEMPLATES]
 
 
 # ----------------------------------------------------------------------------- retrieval
@@ -278,31 +422,36 @@ def test_retrieval_on_karpathy_json(tmp_path, emb):
               {"filepath": "val2014", "filename": "red2.png", "split": "train", "sentences": [{"raw": "green"}]}]
     (tmp_path / "karpathy.json").write_text(json.dumps({"images": images}))
     r = E.bench_retrieval(args(retrieval=str(tmp_path / "karpathy.json"), retrieval_images=str(root)), emb)
-    assert (r["i2t_R@1"], r["t2i_R@1"], r["n_images"], r["n_captions"]) == (100.0, 100.0, 3, 4)
+    assert (r["i2t_R@1"], r["t2i_R@1"], r["n_scored"], r["n_skipped"], r["n_captions"]) == (100.0, 100.0, 3, 0, 4)
 
 
 # ----------------------------------------------------------------------------- linear probe
 
-def test_linear_probe_separable_blobs():
+def test_linear_probe_separable_blobs(monkeypatch):
     g = torch.Generator().manual_seed(0)
     centres = torch.randn(3, 8, generator=g) * 4
     def blobs(n):
         y = torch.arange(n) % 3
         return centres[y] + 0.3 * torch.randn(n, 8, generator=g), y
     (tx, ty), (vx, vy) = blobs(60), blobs(30)
-    r = E.linear_probe(tx, ty, vx, vy, 3, weight_decays=(1e-4, 1e-2, 100.0))
+    r = E.linear_probe(tx, ty, vx, vy, 3)  # the IL paper's appendix: no weight decay
+    assert r["top1"] == 100.0 and r["weight_decay"] == 0.0 and "val_top1" not in r
+    w, b = E.fit_logistic(tx, ty, 3, 0.0)
+    assert torch.equal((vx @ w + b).argmax(1), vy)
+    monkeypatch.setattr(E, "L2_SWEEP", (1e-4, 1e-2, 100.0))
+    r = E.linear_probe(tx, ty, vx, vy, 3, sweep=True)
     assert r["top1"] == 100.0 and r["weight_decay"] in (1e-4, 1e-2)  # 100 underfits: not chosen
 
 
 # ----------------------------------------------------------------------------- Lipschitz
 
-def test_lipschitz_bound_equals_product_of_exact_spectral_norms():
+def test_spectral_product_equals_product_of_exact_spectral_norms():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 4))
     exact = math.prod(float(torch.linalg.matrix_norm(m.weight.detach(), ord=2)) for m in model if isinstance(m, nn.Linear))
-    r = E.lipschitz_bound(model, iters=2000)
+    r = E.spectral_product(model, iters=2000)
     assert r["layers"] == 3
-    assert 10 ** r["log10_bound"] == pytest.approx(exact, rel=1e-4)
+    assert 10 ** r["log10_product"] == pytest.approx(exact, rel=1e-4)
     conv = torch.randn(6, 3, 4, 4)
     assert E.spectral_norm(conv, 2000) == pytest.approx(float(torch.linalg.matrix_norm(conv.reshape(6, -1), ord=2)), rel=1e-4)
 
