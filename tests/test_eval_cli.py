@@ -43,28 +43,31 @@ def test_cli_end_to_end(ckpts, tmp_path):
                   os.path.join(ck, f"gen{g}", "model.safetensors"))
     out = tmp_path / "res.json"
     p = subprocess.run([sys.executable, "eval_compositional.py", "--ckpt", ck, "--out", str(out),
-                        "--benchmarks", "shapes,sugarcrepe,lipschitz,codebook,easy_to_learn",
-                        "--probe_ckpts", ckpts["clip"]] + FAST,
+                        "--benchmarks", "shapes,sugarcrepe,spectral,codebook,easy_to_learn",
+                        "--compare_ckpts", ckpts["clip"]] + FAST,
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.startswith("| benchmark | metric | value |") and "| shapes | mean_7 |" in p.stdout
+    assert p.stdout.startswith("| benchmark | metric | value | scored | skipped |") and "| shapes | mean_7 |" in p.stdout
+    assert "activation GELU (config.json)" in p.stderr  # the tiny preset's exact GELU, said once
     assert "skipped sugarcrepe: no --sugarcrepe given" in p.stderr
     res = json.loads(out.read_text())["results"]
-    assert set(res) == {"shapes", "lipschitz", "codebook", "easy_to_learn"}
+    assert set(res) == {"shapes", "spectral", "codebook", "easy_to_learn"}
     assert all(0 <= res["shapes"][c] <= 100 for c in data.SHAPES_CATEGORIES)
-    # weights scaled by 1.1 then 1.2: every spectral norm scales, so the bound grows
-    gens = res["lipschitz"]["generations"]
+    # weights scaled by 1.1 then 1.2: every spectral norm scales, so the product grows
+    gens = res["spectral"]["generations"]
     assert [g["snapshot"] for g in gens] == ["gen1", "gen2"]
-    assert gens[0]["log10_bound"] < gens[1]["log10_bound"]
+    assert gens[0]["log10_product"] < gens[1]["log10_product"]
+    assert set(res["spectral"]["compare"]) == {"clip"}  # Fig. 4: the other checkpoint on the same plot
+    assert res["codebook"]["data"] == res["easy_to_learn"]["data"] == "shapes"  # the checkpoint's training data
     curves = res["easy_to_learn"]
     assert {"codebook", "clip"} <= set(curves) and [c["step"] for c in curves["codebook"]["curve"]] == [0, 2, 4]
     assert len(res["codebook"]["codes"]) == 3
-    for png in ("lipschitz.png", "easy_to_learn.png", "codebook.png"):
+    for png in ("spectral.png", "easy_to_learn.png", "codebook.png"):
         assert os.path.getsize(tmp_path / png) > 0
 
 
 def test_code_scores_reproduce_the_models_image_embedding(ckpts):
-    model, tok, config = E.load_checkpoint(ckpts["codebook"])
+    model, tok, config = E.load_checkpoint(ckpts["codebook"], E.get_args(["--ckpt", ckpts["codebook"]]))
     x = torch.stack([data.eval_transform(32)(data.shapes_scene("test", i).image) for i in range(4)])
     with torch.no_grad():
         s, w = E.image_code_scores(model, x)
@@ -73,8 +76,8 @@ def test_code_scores_reproduce_the_models_image_embedding(ckpts):
 
 
 def test_fresh_language_agent_is_the_same_for_every_checkpoint(ckpts):
-    a = E.load_checkpoint(ckpts["codebook"])[0]
-    b = E.load_checkpoint(ckpts["codebook"])[0]
+    a = E.load_checkpoint(ckpts["codebook"], E.get_args(["--ckpt", ckpts["codebook"]]))[0]
+    b = E.load_checkpoint(ckpts["codebook"], E.get_args(["--ckpt", ckpts["codebook"]]))[0]
     with torch.no_grad():
         for p in b.visual.parameters():
             p.add_(1.0)  # another "teacher" of the same architecture
@@ -115,9 +118,78 @@ def test_malformed_benchmark_file_is_an_error_line_and_others_still_run(ckpts, t
     sc = tmp_path / "sc"
     sc.mkdir()
     (sc / "add_obj.json").write_text('{"0": {"filename": "a.png",\n "caption": }')
-    rc = E.main(["--ckpt", ckpts["clip"], "--benchmarks", "sugarcrepe,lipschitz", "--sugarcrepe", str(sc),
+    rc = E.main(["--ckpt", ckpts["clip"], "--benchmarks", "sugarcrepe,spectral", "--sugarcrepe", str(sc),
                  "--sugarcrepe_images", str(sc), "--out", str(tmp_path / "r.json")] + FAST)
     captured = capsys.readouterr()
     assert rc == 2 and f"error: sugarcrepe: {sc / 'add_obj.json'}: line 2: invalid JSON" in captured.err
     blob = json.loads((tmp_path / "r.json").read_text())
-    assert "lipschitz" in blob["results"] and "sugarcrepe" in blob["errors"]
+    assert "spectral" in blob["results"] and "sugarcrepe" in blob["errors"]
+
+
+def test_quick_gelu_flag_builds_the_named_activation(ckpts):
+    """--quick_gelu / --no-quick_gelu reach il_clip.load_model: the loaded model equals one built
+    by hand with that activation and the same weights (the tiny preset itself is GELU)."""
+    from dataclasses import replace
+    ck = ckpts["clip"]
+    x = torch.stack([data.eval_transform(32)(data.shapes_scene("test", i).image) for i in range(2)])
+    sd = load_file(os.path.join(ck, "model.safetensors"))
+    outs = {}
+    for flag, quick in (([], False), (["--quick_gelu"], True), (["--no-quick_gelu"], False)):
+        model, _, config = E.load_checkpoint(ck, E.get_args(["--ckpt", ck] + flag))
+        cfg = replace(il_clip.ModelConfig(**config["model"]), quick_gelu=quick)
+        ref = il_clip.CLIP(cfg).eval()
+        ref.load_state_dict(sd)
+        with torch.no_grad():
+            outs[tuple(flag)] = model.encode_image(x)
+            assert torch.allclose(outs[tuple(flag)], ref.encode_image(x), atol=1e-6), flag
+    assert not torch.allclose(outs[()], outs[("--quick_gelu",)], atol=1e-6)
+
+
+def test_new_checkpoint_layout_and_errors_at_the_end(ckpts, tmp_path, capsys):
+    """out_dir/checkpoint/ (COMMON layout) with gen{g}/ snapshots in the out_dir, given as the
+    out_dir or as its checkpoint/ folder. A wrong image path and a Winoground without images
+    are error lines and exit 2 at the end; the other benchmarks still run and report."""
+    out_dir = tmp_path / "run"
+    shutil.copytree(ckpts["codebook"], out_dir / "checkpoint", ignore=shutil.ignore_patterns("gen*", "*.png", "*.jsonl"))
+    os.makedirs(out_dir / "gen1")
+    shutil.copy(out_dir / "checkpoint" / "model.safetensors", out_dir / "gen1")
+    wino = tmp_path / "wino"
+    wino.mkdir()
+    (wino / "examples.jsonl").write_text(json.dumps({"id": 0, "image_0": "a", "image_1": "b", "caption_0": "x",
+                                                     "caption_1": "y"}) + "\n")
+    for ck in (out_dir, out_dir / "checkpoint"):
+        rc = E.main(["--ckpt", str(ck), "--benchmarks", "shapes,spectral,sugarcrepe,winoground", "--out",
+                     str(tmp_path / "r.json"), "--sugarcrepe", str(tmp_path), "--sugarcrepe_images",
+                     str(tmp_path / "no_coco"), "--winoground", str(wino)] + FAST)
+        captured = capsys.readouterr()
+        blob = json.loads((tmp_path / "r.json").read_text())
+        assert rc == 2 and set(blob["results"]) == {"shapes", "spectral", "winoground"}
+        assert [g["snapshot"] for g in blob["results"]["spectral"]["generations"]] == ["gen1"]
+        assert "no_coco: not found (given as --sugarcrepe_images)" in blob["errors"]["sugarcrepe"]
+        assert blob["results"]["winoground"]["n_skipped"] == 1 and "scored nothing" in blob["errors"]["winoground"]
+        assert "error: winoground: scored nothing" in captured.err
+        assert "| winoground | text | null | 0 | 1 |" in captured.out
+
+
+def test_analyses_need_data_for_bare_weights(ckpts, tmp_path):
+    """Weights that do not say what they were trained on (--init: config without "data") need
+    --probe_data / --viz_data, never a silent shapes; given any --data spec (here a CSV of
+    real image files), the analysis runs on it and says so."""
+    a = E.get_args(["--ckpt", ckpts["codebook"], "--plot_dir", str(tmp_path)] + FAST)
+    model, tok, config = E.load_checkpoint(ckpts["codebook"], a)
+    bare = {"model": config["model"]}  # what il_clip.load_model says of a bare weights file
+    for bench, flag in ((E.bench_easy_to_learn, "probe_data"), (E.bench_codebook, "viz_data")):
+        with pytest.raises(E.Skip, match=f"give --{flag}"):
+            bench(a, model, tok, bare)
+    rows = ["filepath,title"]
+    for i in range(6):
+        scene = data.shapes_scene("val", i)
+        scene.image.save(tmp_path / f"{i}.png")
+        rows.append(f"{i}.png,{scene.caption}")
+    (tmp_path / "pairs.csv").write_text("\n".join(rows) + "\n")
+    a.viz_data, a.probe_data, a.probe_batch, a.probe_eval_n = str(tmp_path / "pairs.csv"), str(tmp_path / "pairs.csv"), 3, 6
+    r = E.bench_codebook(a, model, tok, bare)
+    assert r["data"] == a.viz_data and r["n_images"] == 6 and r["n_skipped"] == 0
+    assert all(c in [s.split(",", 1)[1] for s in rows[1:]] for code in r["codes"].values() for c in code["captions"])
+    r = E.bench_easy_to_learn(a, model, tok, bare)
+    assert r["data"] == a.viz_data and [c["step"] for c in r["codebook"]["curve"]] == [0, 2, 4]

@@ -463,3 +463,23 @@ def test_pngs_are_drawn_with_pil(tmp_path):
                      "t", "step", "acc")
     E.draw_image_grid(str(tmp_path / "g.png"), [("code 3", [Image.new("RGB", (8, 8), RED)] * 2)])
     assert Image.open(tmp_path / "p.png").size == (640, 420) and Image.open(tmp_path / "g.png").size[1] == 68
+
+
+def test_spectral_product_is_no_lipschitz_bound_of_a_residual_block():
+    """Why the figure is not called a bound: for f(x) = x + W2 relu(W1 x) the product of the
+    spectral norms is tiny while a measured |f(x) - f(y)| / |x - y| is about 1 (the residual
+    path); and LayerNorm's slope grows without bound as the input's spread goes to 0."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    with torch.no_grad():
+        for m in (block[0], block[2]):
+            m.weight.mul_(1e-3)
+    product = 10 ** E.spectral_product(block, iters=500)["log10_product"]
+    x, y = torch.randn(64, 16), torch.randn(64, 16)
+    with torch.no_grad():
+        ratio = ((x + block(x)) - (y + block(y))).norm(dim=1) / (x - y).norm(dim=1)
+    assert product < 1e-5 and ratio.min() > 0.99
+    ln, base, d = nn.LayerNorm(16), torch.randn(1, 16), 1e-6 * torch.randn(1, 16)
+    with torch.no_grad():
+        slope = [float((ln(base * s + d) - ln(base * s)).norm() / d.norm()) for s in (1.0, 1e-2)]
+    assert slope[1] > 50 * slope[0]
