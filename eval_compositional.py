@@ -1297,13 +1297,13 @@ def flatten(results):
     return rows
 
 
-def markdown_table(results, skipped):
+def markdown_table(results, skipped, errors):
     lines = ["| benchmark | metric | value | scored | skipped |", "|---|---|---|---|---|"]
     for bench, metric, v, n_ok, n_bad, why in flatten(results):
         value = f"null ({why})" if v is None and why else "null" if v is None else f"{v:.2f}" if isinstance(v, float) else v
         lines.append(f"| {bench} | {metric} | {value} | {n_ok} | {n_bad} |")
-    for bench, why in skipped.items():
-        lines.append(f"| {bench} | skipped | {why} | | |")
+    for label, whys in (("not run", skipped), ("ERROR", errors)):
+        lines += [f"| {bench} | {label} | {why} | | |" for bench, why in whys.items()]
     return "\n".join(lines)
 
 
@@ -1343,7 +1343,7 @@ def run(args):
             out_dir_of(args.ckpt) if args.ckpt else os.path.dirname(os.path.abspath(args.init)))
     emb = Embedder(model, tok, image_size_of(model, config), args.batch_size, args.device, not args.no_progress)
     results, skipped, failed = run_benchmarks(args, emb, model, tok, config)
-    print(markdown_table(results, skipped | {k: f"error: {v}" for k, v in failed.items()}))
+    print(markdown_table(results, skipped, failed))
     blob = {"checkpoint": os.path.abspath(path), "quick_gelu": quick_gelu, "results": results, "skipped": skipped,
             "errors": failed, "args": {k: v for k, v in vars(args).items() if k != "benchmark_list"}}
     if args.out:

@@ -168,7 +168,7 @@ def test_new_checkpoint_layout_and_errors_at_the_end(ckpts, tmp_path, capsys):
         assert "no_coco: not found (given as --sugarcrepe_images)" in blob["errors"]["sugarcrepe"]
         assert blob["results"]["winoground"]["n_skipped"] == 1 and "scored nothing" in blob["errors"]["winoground"]
         assert "error: winoground: scored nothing" in captured.err
-        assert "| winoground | text | null | 0 | 1 |" in captured.out
+        assert "| winoground | text | null | 0 | 1 |" in captured.out and "| sugarcrepe | ERROR | " in captured.out
 
 
 def test_analyses_need_data_for_bare_weights(ckpts, tmp_path):
