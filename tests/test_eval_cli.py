@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import data
@@ -193,3 +194,31 @@ def test_analyses_need_data_for_bare_weights(ckpts, tmp_path):
     assert all(c in [s.split(",", 1)[1] for s in rows[1:]] for code in r["codes"].values() for c in code["captions"])
     r = E.bench_easy_to_learn(a, model, tok, bare)
     assert r["data"] == a.viz_data and [c["step"] for c in r["codebook"]["curve"]] == [0, 2, 4]
+
+
+def test_init_weights_give_open_clips_embeddings_with_either_activation(tmp_path):
+    """--init on OpenAI-layout weights saved from open_clip CLIP models (random, small, one
+    with QuickGELU as ViT-B-32-quickgelu, one with GELU as the LAION/DataComp ViT-B-32):
+    eval's loader with the matching --quick_gelu / --no-quick_gelu gives open_clip's image
+    and text embeddings; the default (None) is OpenAI's QuickGELU."""
+    from conftest import import_open_clip
+    open_clip = import_open_clip()
+    from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
+    from safetensors.torch import save_file
+    vocab = os.path.join(os.path.dirname(open_clip.__file__), "bpe_simple_vocab_16e6.txt.gz")
+    x = torch.randn(2, 3, 32, 32)
+    for quick, flags in ((True, []), (True, ["--quick_gelu"]), (False, ["--no-quick_gelu"])):
+        torch.manual_seed(0)
+        ref = CLIP(32, CLIPVisionCfg(layers=2, width=64, head_width=64, patch_size=16, image_size=32),
+                   CLIPTextCfg(context_length=77, vocab_size=49408, width=64, heads=1, layers=2),
+                   quick_gelu=quick).eval()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.add_(0.02 * torch.randn_like(p))  # no zero-initialised biases: every weight matters
+        path = tmp_path / f"w{int(quick)}.safetensors"
+        save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(path))
+        model, tok, _ = E.load_checkpoint(str(path), E.get_args(["--init", str(path), "--vocab", vocab] + flags))
+        text = tok(["a photo of a dog", "two red cubes left of a ball"])
+        with torch.no_grad():
+            assert torch.allclose(model.encode_image(x), F.normalize(ref.encode_image(x), dim=-1), atol=1e-5), flags
+            assert torch.allclose(model.encode_text(text), F.normalize(ref.encode_text(text), dim=-1), atol=1e-5), flags
