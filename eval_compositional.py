@@ -602,10 +602,13 @@ def require(*paths_and_flags):
 
 
 def read_sugarcrepe(root, image_root):
-    """{subset: Part} for the subset files present ({subset}.json, SugarCrepe's layout)."""
+    """{subset: Part} for the subset files present ({subset}.json, SugarCrepe's data/ layout;
+    early commits of the repository spell the object subsets add_ent / replace_ent / swap_ent)."""
     out = {}
     for subset in SUGARCREPE_SUBSETS:
         path = os.path.join(root, f"{subset}.json")
+        early = os.path.join(root, f"{subset[:-len('_obj')]}_ent.json") if subset.endswith("_obj") else path
+        path = early if not os.path.exists(path) and os.path.exists(early) else path  # *_ent.json: early releases
         if not os.path.exists(path):
             warn(f"{path} not found; SugarCrepe subset {subset} not scored")
             continue

@@ -126,9 +126,10 @@ def test_sugarcrepe_table1_means_only_over_complete_subsets(tmp_path, emb):
     sc.mkdir()
     right = {"filename": "red.jpg", "caption": "red", "negative_caption": "blue"}
     wrong = {"filename": "blue.jpg", "caption": "red", "negative_caption": "blue"}
-    # subset i holds i + 1 rows of which the first is wrong: accuracy i / (i + 1)
+    # subset i holds i + 1 rows of which the first is wrong: accuracy i / (i + 1); swap_obj under
+    # its early name swap_ent.json
     for i, subset in enumerate(E.SUGARCREPE_SUBSETS):
-        (sc / f"{subset}.json").write_text(json.dumps({str(k): wrong if k == 0 else right for k in range(i + 1)}))
+        (sc / f"{subset.replace('swap_obj', 'swap_ent')}.json").write_text(json.dumps({str(k): wrong if k == 0 else right for k in range(i + 1)}))
     r = E.bench_sugarcrepe(args(sugarcrepe=str(sc), sugarcrepe_images=str(img)), emb)
     acc = {s: 100 * i / (i + 1) for i, s in enumerate(E.SUGARCREPE_SUBSETS)}
     assert all(r[s]["acc"] == pytest.approx(acc[s], abs=1e-3) for s in acc)
