@@ -1283,7 +1283,8 @@ META_KEYS = {"n", "n_scored", "n_skipped", "n_train_skipped", "n_per_category", 
 
 def flatten(results):
     """(benchmark, metric, value, n scored, n skipped, reason) rows for the table: numbers and
-    nulls (a null carries its reason), nested dicts dotted; the counts are those of the dict
+    nulls (a null carries its reason), nested dicts dotted (a subset's "acc" named by the
+    subset alone); the counts are those of the dict
     the number sits in (blank where the number is not a score over items)."""
     rows = []
 
@@ -1294,7 +1295,8 @@ def flatten(results):
             if isinstance(x, dict):
                 walk(bench, f"{prefix}{k}.", x)
             elif x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)):
-                rows.append((bench, f"{prefix}{k}", x, v.get("n_scored", ""), v.get("n_skipped", ""), v.get("reason", "")))
+                name = prefix[:-1] if k == "acc" and prefix else f"{prefix}{k}"  # add_obj, not add_obj.acc
+                rows.append((bench, name, x, v.get("n_scored", ""), v.get("n_skipped", ""), v.get("reason", "")))
     for bench, r in results.items():
         walk(bench, "", r)
     return rows
