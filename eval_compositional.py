@@ -968,11 +968,13 @@ def spectral_product(model, iters=100):
     per-layer spectral norms, as log10 (astronomically large for a transformer), for all
     layers (both agents + the shared codebook), the vision agent (`visual.*`,
     `image_query.*`) and the language agent (the rest but the codebook).
-    It is NOT an upper bound of this network's Lipschitz constant, and none is reported,
-    because no finite global one exists: LayerNorm divides by the input's standard deviation
-    (its slope grows without bound as that goes to 0) and dot-product self-attention is not
-    globally Lipschitz (Kim et al., ICML 2021); residual paths (1 + L) are not in the product
-    either. It measures the size of the weights, which is what Fig. 4 compares."""
+    It is NOT an upper bound of this network's Lipschitz constant, and is not called one:
+    residual paths (1 + L(block)) are not in the product, LayerNorm's slope reaches
+    max|gain| / sqrt(eps) (about 316x at eps = 1e-5) on inputs of small spread, and
+    dot-product self-attention is not globally Lipschitz (Kim et al., ICML 2021); it is finite
+    here only because LayerNorm bounds its inputs, and a sound bound through all of that is
+    astronomically loose. The product measures the size of the weights, which is what Fig. 4
+    compares across generations."""
     per_layer = {n: spectral_norm(p, iters) for n, p in spectral_layers(model)}
     log = lambda names: round(sum(math.log10(max(per_layer[n], 1e-30)) for n in names), 6)
     vision = [n for n in per_layer if n.startswith(VISION_PREFIXES)]

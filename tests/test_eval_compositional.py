@@ -1,8 +1,8 @@
 """eval_compositional.py: every benchmark format on a tiny fixture written here, scored by a
 deterministic stand-in model with hand-computed expected scores (ties included: strict `>`
 counts a tie as wrong); R@k against brute force; zero-shot template averaging against an
-independent computation; the Lipschitz bound against exact spectral norms; then the CLI
-end to end on a tiny il_clip.py checkpoint."""
+independent computation; the spectral-norm product against exact spectral norms (and why it
+is no Lipschitz bound); then the CLI end to end on a tiny il_clip.py checkpoint."""
 import csv
 import importlib.util
 import json
@@ -444,7 +444,7 @@ def test_linear_probe_separable_blobs(monkeypatch):
     assert r["top1"] == 100.0 and r["weight_decay"] in (1e-4, 1e-2)  # 100 underfits: not chosen
 
 
-# ----------------------------------------------------------------------------- Lipschitz
+# ----------------------------------------------------------------------------- spectral norms
 
 def test_spectral_product_equals_product_of_exact_spectral_norms():
     torch.manual_seed(0)
@@ -469,7 +469,7 @@ def test_pngs_are_drawn_with_pil(tmp_path):
 def test_spectral_product_is_no_lipschitz_bound_of_a_residual_block():
     """Why the figure is not called a bound: for f(x) = x + W2 relu(W1 x) the product of the
     spectral norms is tiny while a measured |f(x) - f(y)| / |x - y| is about 1 (the residual
-    path); and LayerNorm's slope grows without bound as the input's spread goes to 0."""
+    path); and LayerNorm's slope grows (up to |gain| / sqrt(eps)) as the input's spread shrinks."""
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
     with torch.no_grad():
