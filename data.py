@@ -23,6 +23,8 @@ import collections
 import csv
 import glob
 import gzip
+import html
+import html.entities
 import io
 import itertools
 import json
@@ -35,6 +37,7 @@ import signal
 import sys
 import tarfile
 import time
+import unicodedata
 import zlib
 from dataclasses import dataclass, field
 
@@ -528,12 +531,130 @@ def _bytes_to_unicode() -> dict:
     return dict(zip(bs, [chr(c) for c in cs]))
 
 
+# OpenAI CLIP cleans every caption before BPE (simple_tokenizer.py: basic_clean, whitespace_clean):
+# ftfy.fix_text, html.unescape twice, strip, whitespace runs -> " ", lower-case. The ids of
+# released weights were made from cleaned text, so `&amp;`, `it’s`, `ﬁ`, full-width letters and
+# mojibake must reach the BPE as OpenAI's did. ftfy is used when installed; otherwise the fixes
+# below re-implement fix_text's steps in the standard library (ftfy 6.3: same tables, same order,
+# repeated to a fixed point). Only the mojibake repair is a simplification of ftfy's heuristic.
+
+_LIGATURES = {ord(k): v for k, v in {"Ĳ": "IJ", "ĳ": "ij", "ŉ": "ʼn", "Ǳ": "DZ", "ǲ": "Dz", "ǳ": "dz",
+              "Ǆ": "DŽ", "ǅ": "Dž", "ǆ": "dž", "Ǉ": "LJ", "ǈ": "Lj", "ǉ": "lj", "Ǌ": "NJ", "ǋ": "Nj",
+              "ǌ": "nj", "ﬀ": "ff", "ﬁ": "fi", "ﬂ": "fl", "ﬃ": "ffi", "ﬄ": "ffl", "ﬅ": "ſt", "ﬆ": "st"}.items()}
+_WIDTH = {0x3000: " ", **{i: unicodedata.normalize("NFKC", chr(i)) for i in range(0xFF01, 0xFFF0)
+                         if unicodedata.normalize("NFKC", chr(i)) != chr(i)}}
+_CONTROL = dict.fromkeys([*range(0x00, 0x09), 0x0B, *range(0x0E, 0x20), 0x7F, *range(0x206A, 0x2070),
+                          0xFEFF, *range(0xFFF9, 0xFFFD)])
+_HTML_ENTITY = re.compile(r"&#?[0-9A-Za-z]{1,24};")
+_ANSI_ESCAPE = re.compile("\033\\[((?:\\d|;)*)([a-zA-Z])")
+# one UTF-8 sequence whose bytes were each decoded as Windows-1252 (Latin-1 for the bytes it
+# leaves undefined): a lead byte, then 1-3 continuation bytes 0x80-0xbf
+_CP1252_CONTINUATION = "\u0080-\u00bf" + "".join(
+    bytes([b]).decode("cp1252") for b in range(0x80, 0xc0) if b not in (0x81, 0x8d, 0x8f, 0x90, 0x9d))
+_MOJIBAKE = re.compile(f"[\u00c2-\u00df][{_CP1252_CONTINUATION}]|[\u00e0-\u00ef][{_CP1252_CONTINUATION}]{{2}}"
+                       f"|[\u00f0-\u00f4][{_CP1252_CONTINUATION}]{{3}}")
+
+
+def _html_entities() -> dict:
+    """ftfy's table: html5 names ending in ';', plus upper-cased names of lower-case ones."""
+    table = {}
+    for name, char in html.entities.html5.items():
+        if name.endswith(";"):
+            table["&" + name] = char
+            if name == name.lower() and html.unescape("&" + name.upper()) == "&" + name.upper():
+                table["&" + name.upper()] = char.upper()
+    return table
+
+
+def _unescape_entity(match) -> str:
+    entity = match.group(0)
+    if entity in _ENTITIES:
+        return _ENTITIES[entity]
+    if entity.startswith("&#"):
+        char = html.unescape(entity)
+        return entity if ";" in char else char
+    return entity
+
+
+def _sloppy_cp1252_bytes(text: str) -> bytes:
+    """Each character back to the byte Windows-1252 (Latin-1 where it is undefined) decodes to it."""
+    return b"".join(bytes([ord(ch)]) if ord(ch) < 256 else ch.encode("cp1252") for ch in text)
+
+
+def _fix_mojibake_sequence(match) -> str:
+    try:
+        return _sloppy_cp1252_bytes(match.group(0)).decode("utf-8")
+    except UnicodeDecodeError:
+        return match.group(0)
+
+
+def _fix_mojibake(text: str) -> str:
+    """UTF-8 that was decoded as Windows-1252 ("cafÃ©", "itâ€™s") decoded again as UTF-8, one
+    sequence at a time (as ftfy's decode_inconsistent_utf8). Once only: a second pass would glue
+    a repaired character to a real neighbour ("é" + NBSP + "’" is valid UTF-8 for "頒")."""
+    return _MOJIBAKE.sub(_fix_mojibake_sequence, text)
+
+
+def _fix_c1(match) -> str:
+    return bytes([ord(match.group(0))]).decode("cp1252", errors="ignore") or match.group(0)
+
+
+def _fix_segment(text: str, unescape: bool) -> str:
+    first = True
+    while True:
+        before = text
+        if unescape:
+            text = _HTML_ENTITY.sub(_unescape_entity, text)
+        text, first = _fix_mojibake(text) if first else text, False
+        text = re.sub(r"[\x80-\x9f]", _fix_c1, text)
+        text = text.translate(_LIGATURES).translate(_WIDTH)
+        text = re.sub("[\u02bc\u2018-\u201b]", "'", re.sub("[\u201c-\u201f]", '"', text))
+        for line_break in ("\r\n", "\r", "\u2028", "\u2029", "\u0085"):
+            text = text.replace(line_break, "\n")
+        text = _ANSI_ESCAPE.sub("", text).translate(_CONTROL)
+        text = unicodedata.normalize("NFC", text)
+        if text == before:
+            return text
+
+
+def fix_text_stdlib(text: str) -> str:
+    """ftfy.fix_text's default steps without ftfy: per line, HTML entities (only while no '<'
+    has been seen, as ftfy's "auto"), mojibake, C1 controls, Latin ligatures, full-width forms,
+    curly quotes, line breaks, terminal escapes, control characters, NFC."""
+    out, unescape = [], True
+    for segment in re.split("(?<=\n)", text):
+        unescape = unescape and "<" not in segment
+        out.append(_fix_segment(segment, unescape))
+    return "".join(out)
+
+
+def clip_clean(text: str, fix_text=None) -> str:
+    """OpenAI CLIP's caption cleaning (basic_clean + whitespace_clean + lower); fix_text defaults
+    to ftfy.fix_text when installed, else fix_text_stdlib."""
+    text = (fix_text or _fix_text)(text)
+    text = html.unescape(html.unescape(text)).strip()
+    return " ".join(text.split()).lower()
+
+
+def _ftfy_or_stdlib():
+    try:
+        import ftfy
+        return ftfy.fix_text
+    except ImportError:
+        return fix_text_stdlib
+
+
+_ENTITIES = _html_entities()
+_fix_text = _ftfy_or_stdlib()
+
+
 SOT_TOKEN, EOT_TOKEN, PAD_TOKEN, UNK_TOKEN = "<|startoftext|>", "<|endoftext|>", "<pad>", "<unk>"
 
 
 class Tokenizer:
     """Captions -> LongTensor [B, context_length]: SOT, BPE ids, EOT, then pad id 0.
-    Truncation keeps EOT as the last token (as OpenAI CLIP's `truncate=True`)."""
+    Every caption is cleaned as OpenAI's (clip_clean) before the BPE. Truncation keeps EOT as
+    the last token (as OpenAI CLIP's `truncate=True`)."""
 
     def __init__(self, backend, kind: str, context_length: int = 77):
         self.backend, self.kind, self.context_length = backend, kind, context_length
@@ -546,7 +667,8 @@ class Tokenizer:
         if isinstance(texts, str):
             texts = [texts]
         out = torch.zeros(len(texts), self.context_length, dtype=torch.long)
-        for row, enc in enumerate(self.backend.encode_batch(list(texts), add_special_tokens=False)):
+        cleaned = [clip_clean(t) for t in texts]
+        for row, enc in enumerate(self.backend.encode_batch(cleaned, add_special_tokens=False)):
             ids = [self.sot_id] + enc.ids[: self.context_length - 2] + [self.eot_id]
             out[row, : len(ids)] = torch.tensor(ids)
         return out
@@ -581,10 +703,13 @@ class Tokenizer:
 
 def _clip_normalizer_and_pretokenizer():
     from tokenizers import Regex, normalizers, pre_tokenizers
-    # OpenAI CLIP: whitespace cleanup + lower-case, then its word regex, then byte-level chars
+    # OpenAI CLIP: whitespace cleanup + lower-case (for the trained BPE; the CLIP BPE gets
+    # clip_clean's text and no normalizer), then its word regex, then byte-level chars
     normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "),
                                        normalizers.Strip(), normalizers.Lowercase()])
-    pattern = r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
+    # no special-token alternatives (open_clip's SimpleTokenizer): a caption that contains the
+    # text "<|endoftext|>" must not put an EOT id mid-sequence, where argmax pooling would stop
+    pattern = r"""'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
     pre = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="removed", invert=True),
                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     return normalizer, pre
@@ -607,9 +732,12 @@ def clip_bpe_tokenizer(vocab_path: str, context_length: int = 77) -> Tokenizer:
     vocab = chars + [c + "</w>" for c in chars] + ["".join(m) for m in merges] + [SOT_TOKEN, EOT_TOKEN]
     backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(vocab)}, merges=merges,
                                  end_of_word_suffix="</w>", continuing_subword_prefix="", unk_token=EOT_TOKEN))
-    backend.normalizer, backend.pre_tokenizer = _clip_normalizer_and_pretokenizer()
+    # no normalizer: clip_clean already did OpenAI's; a second NFC or the Rust lower-case (no
+    # final sigma) would change ids
+    backend.pre_tokenizer = _clip_normalizer_and_pretokenizer()[1]
     backend.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Replace("</w>", " ")])
-    backend.add_special_tokens([SOT_TOKEN, EOT_TOKEN])
+    # SOT/EOT stay plain vocabulary entries, not added special tokens, which `tokenizers` would
+    # match inside caption text
     return Tokenizer(backend, "clip_bpe", context_length)
 
 
@@ -618,7 +746,7 @@ def trained_bpe_tokenizer(captions, vocab_size: int = 1000, context_length: int 
     vocabulary is given. Ids: 0 pad, 1 SOT, 2 EOT, 3 unk. All 256 bytes are in the alphabet,
     so no text is ever unknown; lower-case and whitespace cleanup as CLIP's."""
     from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
-    captions = [c for c in captions if c and c.strip()]
+    captions = [clip_clean(c) for c in captions if c and c.strip()]
     if not captions:
         raise DataError("cannot train a tokenizer: no captions")
     backend = Backend(models.BPE(unk_token=UNK_TOKEN))
