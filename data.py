@@ -16,7 +16,8 @@ data.py -- the one module shared by every script of this repo.
 
 Commands:
   python data.py make-shapes --out DIR [--train N --test N --seed S --shard_size N]
-  python data.py check --data SPEC [--split S] [--image_root DIR]
+  python data.py check --data SPEC [--split S] [--image_root DIR] [--batch_size N --drop_last]
+                       [--csv_img_key K --csv_caption_key K --csv_separator S]
 """
 import argparse
 import collections
@@ -1073,7 +1074,7 @@ def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath
     folder. An optional `tree` column carries PTB trees."""
     base = image_root or os.path.dirname(os.path.abspath(path))
     try:
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of a name
             header = f.readline()
             sep = separator or ("\t" if "\t" in header else ",")
             f.seek(0)
@@ -1082,7 +1083,7 @@ def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath
             missing = [c for c in (img_key, caption_key) if c not in columns]
             if missing:
                 raise DataError(f"{path}: malformed CSV: no column {missing[0]!r} (columns: {columns}; "
-                                f"set the column names with csv_img_key / csv_caption_key)")
+                                f"name the columns with --csv_img_key / --csv_caption_key)")
             name = os.path.basename(path)  # key: the image path as listed, else file name and line
             items = [Item(_resolve_image(row[img_key], base), row[caption_key], row.get(tree_key),
                           row[img_key] or f"{name}:{n + 2}")
@@ -1096,7 +1097,7 @@ def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath
 
 def _read_json(path: str):
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: tolerate a byte-order mark
             return json.load(f)
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None
@@ -1180,20 +1181,82 @@ def image_folder_items(root: str) -> list:
 # A tar that ends early or cannot be read yields one record {"__error__": ...} and stops;
 # the half-read group it was in is dropped with it (counted, never returned half-made).
 
+# Brace expansion as the `braceexpand` package (what webdataset and open_clip use for shard
+# lists): {a,b} lists (nested), {1..10..3} integer and {a..e} letter ranges with a step, either
+# direction, zero padding to the wider end when either end has a leading zero, `{x}` and `{}`
+# left literal, and a backslash escaping the next character.
+_INT_RANGE = re.compile(r"(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?")
+_LETTER_RANGE = re.compile(r"([A-Za-z])\.\.([A-Za-z])(?:\.\.-?(\d+))?")
+_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+
+
+def _brace_range(expr: str) -> list | None:
+    if m := _INT_RANGE.fullmatch(expr):
+        lo, hi, step = m.groups()
+        padded = any(e.startswith(("0", "-0")) for e in (lo, hi) if e not in ("0", "-0"))
+        width, step, lo, hi = max(len(lo), len(hi)) if padded else 0, int(step or 1) or 1, int(lo), int(hi)
+        return ["%0*d" % (width, i) for i in (range(lo, hi + 1, step) if lo < hi else range(lo, hi - 1, -step))]
+    if m := _LETTER_RANGE.fullmatch(expr):
+        lo, hi, step = _LETTERS.index(m[1]), _LETTERS.index(m[2]), int(m[3] or 1) or 1
+        return list(_LETTERS[lo:hi + 1:step] if lo < hi else _LETTERS[lo:(hi or -len(_LETTERS)) - 1:-step])
+    return None
+
+
+def _brace_tokens(text: str):
+    """(position, character) of every unescaped '{', '}' and ','."""
+    pos = 0
+    while pos < len(text):
+        if text[pos] == "\\":
+            pos += 2
+            continue
+        if text[pos] in "{},":
+            yield pos, text[pos]
+        pos += 1
+
+
+def _brace_alternatives(expr: str) -> list | None:
+    """The choices of one {...} body: a range, or its top-level comma list; None if neither
+    (the body is then kept literally, braces included)."""
+    choices = _brace_range(expr)
+    if choices is not None:
+        return choices
+    depth, bounds = 0, [-1]
+    for pos, ch in _brace_tokens(expr):
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            bounds.append(pos)
+    if depth != 0 or len(bounds) == 1:
+        return None
+    bounds.append(len(expr))
+    return [x for a, b in zip(bounds, bounds[1:]) for x in _expand_unescaped(expr[a + 1:b])]
+
+
+def _expand_unescaped(pattern: str) -> list:
+    """Expansions with the escapes still in (braceexpand's parse_pattern)."""
+    parts, start, depth = [], 0, 0
+    for pos, ch in _brace_tokens(pattern):
+        if ch == "{":
+            if depth == 0 and pos > start:
+                parts.append([pattern[start:pos]])
+                start = pos
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                body = pattern[start + 1:pos]
+                choices = _brace_alternatives(body)
+                parts.append(choices if choices is not None else ["{" + x + "}" for x in _expand_unescaped(body)])
+                start = pos + 1
+    if depth != 0:
+        raise DataError(f"{pattern}: unbalanced braces")
+    parts.append([pattern[start:]])
+    return ["".join(p) for p in itertools.product(*parts)]
+
+
 def expand_braces(pattern: str) -> list:
-    """`dir/{00000..00003}.tar` -> 4 names (zero padding kept); `{a,b}` lists too; nested
-    and repeated groups expand left to right."""
-    m = re.search(r"\{([^{}]*)\}", pattern)
-    if not m:
-        return [pattern]
-    head, tail, body = pattern[: m.start()], pattern[m.end():], m.group(1)
-    rng = re.fullmatch(r"(\d+)\.\.(\d+)", body)
-    if rng:
-        lo, hi = rng.groups()
-        choices = [str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1)]
-    else:
-        choices = body.split(",")
-    return [name for c in choices for name in expand_braces(head + c + tail)]
+    """`dir/{00000..00003}.tar` -> 4 names, as braceexpand.braceexpand(pattern) would give them
+    (see the rules above); unbalanced braces are a DataError."""
+    return [re.sub(r"\\(.)", r"\1", name) for name in _expand_unescaped(pattern)]
 
 
 def _tar_records(path: str, keep_exts=None):
@@ -1279,11 +1342,22 @@ def _shuffled(records, size: int, rng: random.Random):
 # -----------------------------------------------------------------------------
 # --data specs: presets, shard patterns, files, folders
 
-DATA_PRESETS = {  # name -> (what to download, how img2dataset reads it)
-    "cc3m": "--url_list cc3m.tsv --input_format tsv --url_col url --caption_col caption",
-    "cc12m": "--url_list cc12m.tsv --input_format tsv --url_col url --caption_col caption",
-    "datacomp": "--url_list datacomp_metadata/ --input_format parquet --url_col url --caption_col text",
+# name -> how to make its shards: the released URL list (with the header line img2dataset needs:
+# Google's CC3M/CC12M TSVs have none) and the img2dataset flags that read it. The flags are
+# img2dataset.download()'s parameters (img2dataset/main.py); tests check every one.
+DATA_PRESETS = {
+    "cc3m": "sed -i '1s/^/caption\\turl\\n/' cc3m.tsv && img2dataset --url_list cc3m.tsv --input_format tsv "
+            "--url_col url --caption_col caption",
+    "cc12m": "sed -i '1s/^/url\\tcaption\\n/' cc12m.tsv && img2dataset --url_list cc12m.tsv --input_format tsv "
+             "--url_col url --caption_col caption",
+    "datacomp": "img2dataset --url_list datacomp_metadata/ --input_format parquet --url_col url --caption_col text",
 }
+
+
+def img2dataset_command(name: str, folder: str) -> str:
+    """The shell command that writes preset `name`'s webdataset shards into `folder`."""
+    return (f"{DATA_PRESETS[name]} --output_format webdataset --output_folder {folder} --image_size 256 "
+            f"--resize_mode keep_ratio --processes_count 16 --thread_count 64")
 
 
 def data_root() -> str:
@@ -1300,8 +1374,7 @@ def _preset_source(name: str) -> dict:
     shards = sorted(glob.glob(os.path.join(folder, "*.tar")))
     if not shards:
         raise DataError(f"{name}: no webdataset shards (*.tar) in {folder} ($DATA_ROOT={data_root()}); make them with: "
-                        f"img2dataset {DATA_PRESETS[name]} --output_format webdataset --output_folder {folder} "
-                        f"--image_size 256 --resize_mode keep_ratio --processes 16 --thread_count 64")
+                        f"{img2dataset_command(name, folder)}")
     return _tar_source(shards)
 
 
@@ -1315,6 +1388,8 @@ def resolve_data(spec: str, image_root: str | None = None) -> dict:
         return _preset_source(spec)
     if "{" in spec:
         shards = expand_braces(spec)
+        if not shards:
+            raise DataError(f"{spec}: the brace pattern names no shard")
         missing = [s for s in shards if not os.path.isfile(s)]
         if missing:
             raise DataError(f"{spec}: {len(missing)} of {len(shards)} shards do not exist, first: {missing[0]}")
@@ -1363,7 +1438,7 @@ class _Loader:
         self.num_workers, self.seed, self.drop_last = num_workers, seed, drop_last
         self.max_skip_fraction = max_skip_fraction
         self.epoch, self.batches_done = 0, 0
-        self.good, self.skipped = 0, 0
+        self.good, self.skipped, self.dropped = 0, 0, 0  # dropped: good samples cut by drop_last
         self.skip_reasons = collections.Counter()
         # page-locked batches for a CUDA consumer: the .to(device, non_blocking=True) of the
         # training loop is then a true async copy that overlaps the running step
@@ -1380,16 +1455,17 @@ class _Loader:
 
     def forever(self):
         """Batches across epochs without end (for step-based training loops). An epoch that
-        starts from its beginning and gives no batch raises a DataError instead of spinning."""
+        starts from its beginning and gives no batch raises a DataError (in __iter__) instead
+        of spinning."""
         while True:
-            fresh, n = self.batches_done == 0, 0
-            for batch in self:
-                n += 1
-                yield batch
-            if fresh and n == 0:
-                raise DataError(f"{self.name}: rank {self.rank} got no batch in a whole epoch ({self.good} good / "
-                                f"{self.skipped} skipped samples so far; batch {self.batch_size} x "
-                                f"{self.world_size} ranks x {max(1, self.num_workers)} workers)")
+            yield from self
+
+    def _no_batch_error(self) -> DataError:
+        """Too little data: a whole epoch gave this rank no batch (a batch larger than the data,
+        every sample bad, no shard for this rank)."""
+        return DataError(f"{self.name}: rank {self.rank} got no batch in a whole epoch (samples: {self.good} good, "
+                         f"{self.skipped} skipped, {self.dropped} dropped by drop_last; batch "
+                         f"{self.batch_size} x {self.world_size} ranks x {max(1, self.num_workers)} workers)")
 
     def _account(self, batch: dict):
         """Count the batch's samples and skips (logging the first skips); stop the run when
@@ -1400,23 +1476,26 @@ class _Loader:
             self.skipped += 1
             self.skip_reasons[reason] += 1
         self.good += len(batch["caption"])
+        self.dropped += batch.pop("_dropped", 0)
         if self.good + self.skipped >= SKIP_CHECK_MIN:
             self._check_skips()
 
     def _check_skips(self):
-        seen = self.good + self.skipped
+        seen = self.good + self.skipped + self.dropped
         if seen and self.skipped > self.max_skip_fraction * seen:
             common = ", ".join(f"{r} x{n}" for r, n in self.skip_reasons.most_common(3))
-            raise DataError(f"{self.name}: skipped {self.skipped} of {seen} samples ({100 * self.skipped / seen:.0f}%), "
-                            f"more than max_skip_fraction={self.max_skip_fraction} ({common})")
+            raise DataError(f"{self.name}: skipped {self.skipped} of {seen} samples read ({100 * self.skipped / seen:.0f}%; "
+                            f"{self.good} used, {self.dropped} dropped by drop_last), more than "
+                            f"max_skip_fraction={self.max_skip_fraction} ({common})")
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batches_done": self.batches_done, "skipped": self.skipped, "good": self.good,
-                "skip_reasons": dict(self.skip_reasons)}
+                "dropped": self.dropped, "skip_reasons": dict(self.skip_reasons)}
 
     def load_state_dict(self, state: dict):
         self.epoch, self.batches_done = int(state["epoch"]), int(state["batches_done"])
         self.skipped, self.good = int(state.get("skipped", 0)), int(state.get("good", 0))
+        self.dropped = int(state.get("dropped", 0))
         self.skip_reasons = collections.Counter(state.get("skip_reasons", {}))
 
 
@@ -1454,7 +1533,11 @@ class MapLoader(_Loader):
 
     def __iter__(self):
         """The rest of the current epoch; afterwards the loader points at the next epoch."""
+        fresh, n_batches = self.batches_done == 0, 0
         batches = self._rank_batches()[self.batches_done:]
+        if fresh and self.drop_last:    # the tail cut to whole global batches, this rank's share
+            kept = len(self.dataset) // (self.batch_size * self.world_size) * self.batch_size * self.world_size
+            self.dropped += len(range(kept, len(self.dataset))[self.rank::self.world_size])
         if hasattr(self.dataset, "epoch"):
             self.dataset.epoch = self.epoch
         dl = torch.utils.data.DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers,
@@ -1464,8 +1547,11 @@ class MapLoader(_Loader):
             self.batches_done += 1
             self._account(batch)
             if batch["caption"]:
+                n_batches += 1
                 yield batch
         self._check_skips()
+        if fresh and n_batches == 0:
+            raise self._no_batch_error()
         self.epoch, self.batches_done = self.epoch + 1, 0
 
 
@@ -1513,9 +1599,9 @@ class ShardStream(torch.utils.data.IterableDataset):
             records = _shuffled(records, self.shuffle_buffer, random.Random(f"buffer/{self.seed}/{self.epoch}/{slot}"))
         return records
 
-    def _batch(self, samples: list, logical: int, records: int) -> dict:
+    def _batch(self, samples: list, logical: int, records: int, dropped: int = 0) -> dict:
         batch = collate(samples, self.tokenizer, self.batch_extra)
-        batch["_meta"] = {"worker": logical, "records": records}
+        batch["_meta"], batch["_dropped"] = {"worker": logical, "records": records}, dropped
         return batch
 
     def __iter__(self):
@@ -1530,7 +1616,8 @@ class ShardStream(torch.utils.data.IterableDataset):
                 yield self._batch(pending, logical, n)
                 pending, n_good = [], 0
         if pending:  # the last partial batch (its samples dropped with drop_last; skips still reported)
-            yield self._batch([s for s in pending if not (self.drop_last and isinstance(s, dict))], logical, n)
+            kept = [s for s in pending if not (self.drop_last and isinstance(s, dict))]
+            yield self._batch(kept, logical, n, dropped=len(pending) - len(kept))
 
 
 class ShardLoader(_Loader):
@@ -1557,6 +1644,11 @@ class ShardLoader(_Loader):
         self.stream = ShardStream(shards, batch_size, tokenizer, transform or eval_transform(SHAPES_IMAGE_SIZE), seed,
                                   train, rank, world_size, num_workers, resampled, drop_last, shuffle_buffer)
         self.num_samples = num_samples
+        if not shards:
+            raise DataError(f"{name}: no shard to read")
+        if drop_last and num_samples is not None and num_samples < batch_size * world_size:
+            raise DataError(f"{name}: {num_samples} samples (from the shards' counts), fewer than one global batch "
+                            f"({batch_size} x {world_size} ranks)")
         self._new_epoch()
 
     def _new_epoch(self):
@@ -1574,6 +1666,7 @@ class ShardLoader(_Loader):
         s = self.stream
         s.epoch, s.records_done, s.batch_extra = self.epoch, list(self.records_done), self.batch_extra
         s.worker_offset = (self.last_worker + 1) % s.workers
+        fresh, n_batches = self.batches_done == 0, 0
         dl = torch.utils.data.DataLoader(s, batch_size=None, num_workers=self.num_workers, persistent_workers=False,
                                          pin_memory=self.pin_memory, worker_init_fn=_ignore_sigterm)
         for batch in dl:
@@ -1582,8 +1675,11 @@ class ShardLoader(_Loader):
             self._account(batch)
             if batch["caption"]:
                 self.batches_done += 1
+                n_batches += 1
                 yield batch
         self._check_skips()
+        if fresh and n_batches == 0:
+            raise self._no_batch_error()
         self.epoch, self.batches_done = self.epoch + 1, 0
         self._new_epoch()
 
@@ -1830,17 +1926,27 @@ def make_shapes(out: str, train: int = 10_000, test: int = 500, seed: int = 0, s
 # `python data.py check`: read a dataset once, count good and skipped samples
 
 def check_data(spec: str, split: str = "train", image_root: str | None = None, batch_size: int = 64,
-               num_workers: int = 0, image_size: int = 64) -> dict:
+               num_workers: int = 0, image_size: int = 64, drop_last: bool = False, **csv_options) -> dict:
+    """Reads a dataset once. Counts: good (in batches), skipped (bad samples, by reason) and
+    dropped (good samples cut by drop_last, as a training loader with this batch size would).
+    No good sample at all gives an "error" entry (main() then exits 2)."""
     loader = make_loader(spec, split, batch_size, image_size=image_size, train=False, num_workers=num_workers,
-                         drop_last=False, image_root=image_root, max_skip_fraction=1.0)
+                         drop_last=drop_last, image_root=image_root, max_skip_fraction=1.0, **csv_options)
     bar = _progress(None, "check", loader.num_samples)
-    t0 = time.time()
-    for batch in loader:
-        bar.update(len(batch["caption"]))
+    t0, problem = time.time(), None
+    try:
+        for batch in loader:
+            bar.update(len(batch["caption"]))
+    except DataError as e:
+        if loader.good:
+            raise
+        problem = str(e)
     bar.close()
-    return {"data": spec, "kind": resolve_data(spec, image_root)["kind"], "split": split,
-            "declared_samples": loader.num_samples, "good": loader.good, "skipped": loader.skipped,
-            "skip_reasons": dict(loader.skip_reasons), "seconds": round(time.time() - t0, 2)}
+    result = {"data": spec, "kind": resolve_data(spec, image_root)["kind"], "split": split,
+              "declared_samples": loader.num_samples, "good": loader.good, "skipped": loader.skipped,
+              "dropped": loader.dropped, "batch_size": batch_size, "drop_last": drop_last,
+              "skip_reasons": dict(loader.skip_reasons), "seconds": round(time.time() - t0, 2)}
+    return {**result, "error": problem} if problem else result
 
 
 def main(argv=None) -> int:
@@ -1858,16 +1964,26 @@ def main(argv=None) -> int:
     c.add_argument("--split", default="train")
     c.add_argument("--image_root", default=None)
     c.add_argument("--num_workers", type=int, default=0)
+    c.add_argument("--batch_size", type=int, default=64, help="per rank, as in training (counts what drop_last cuts)")
+    c.add_argument("--drop_last", action="store_true", help="drop the last partial batch, as training does")
+    c.add_argument("--csv_img_key", default="filepath", help="CSV/TSV column of the image paths (open_clip's name)")
+    c.add_argument("--csv_caption_key", default="title", help="CSV/TSV column of the captions")
+    c.add_argument("--csv_separator", default=None, help="CSV separator (default: tab if the header has one, else comma)")
     args = p.parse_args(argv)
     try:
         if args.cmd == "make-shapes":
             result = make_shapes(args.out, args.train, args.test, args.seed, args.shard_size, args.image_size)
         else:
-            result = check_data(args.data, args.split, args.image_root, num_workers=args.num_workers)
+            result = check_data(args.data, args.split, args.image_root, args.batch_size, args.num_workers,
+                                drop_last=args.drop_last, csv_img_key=args.csv_img_key,
+                                csv_caption_key=args.csv_caption_key, csv_separator=args.csv_separator)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=1))
+    if result.get("error"):
+        print(f"error: {result['error']}", file=sys.stderr)
+        return 2
     return 0
 
 
