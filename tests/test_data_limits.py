@@ -12,7 +12,9 @@ import subprocess
 import sys
 import tarfile
 
+import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import data
@@ -212,3 +214,31 @@ def test_img2dataset_command_uses_real_flags(name, tmp_path, monkeypatch):
         assert flags[f"--{flag}"] in allowed
     assert flags["--output_format"] == "webdataset" and flags["--output_folder"] == str(tmp_path / name)
     assert int(flags["--processes_count"]) > 0 and int(flags["--thread_count"]) > 0
+
+
+# --- the loader's arithmetic after the speed work (issue 16 item 8; speed itself is measured
+# outside the tests) ------------------------------------------------------------------------
+
+def test_normalisation_table_equals_the_arithmetic():
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (17, 23, 3), dtype=np.uint8)
+    pixels[0, :3] = [[0, 0, 0], [255, 255, 255], [1, 128, 254]]
+    x = data.ToNormalizedTensor()(Image.fromarray(pixels))
+    mean = np.asarray(data.CLIP_MEAN, np.float32)[:, None, None]
+    std = np.asarray(data.CLIP_STD, np.float32)[:, None, None]
+    per_pixel = (pixels.transpose(2, 0, 1).astype(np.float32) / np.float32(255.0) - mean) / std
+    assert x.dtype == torch.float32 and x.shape == (3, 17, 23) and x.is_contiguous()
+    assert torch.equal(x, torch.from_numpy(per_pixel))                  # bit-identical to float32 arithmetic
+    closed = (pixels.transpose(2, 0, 1) / 255.0 - np.asarray(data.CLIP_MEAN)[:, None, None]) / np.asarray(
+        data.CLIP_STD)[:, None, None]
+    assert np.abs(x.numpy() - closed).max() < 1e-6                       # and to float64 within rounding
+    gray = data.ToNormalizedTensor()(Image.fromarray(pixels[..., 0], "L"))
+    assert torch.equal(gray, data.ToNormalizedTensor()(Image.fromarray(pixels[..., 0], "L").convert("RGB")))
+
+
+def test_collate_stack_equals_torch_stack_with_and_without_workers():
+    images = [torch.randn(3, 5, 7) for _ in range(4)]
+    assert torch.equal(data._stack_images(images), torch.stack(images))
+    make = lambda w: data.make_loader("shapes:train_size=12", batch_size=4, image_size=32, num_workers=w)  # noqa: E731
+    alone, workers = list(make(0)), list(make(1))
+    assert len(alone) == 3 and all(torch.equal(a["image"], b["image"]) for a, b in zip(alone, workers))
