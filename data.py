@@ -632,8 +632,10 @@ def fix_text_stdlib(text: str) -> str:
 def clip_clean(text: str, fix_text=None) -> str:
     """OpenAI CLIP's caption cleaning (basic_clean + whitespace_clean + lower); fix_text defaults
     to ftfy.fix_text when installed, else fix_text_stdlib."""
-    text = (fix_text or _fix_text)(text)
-    text = html.unescape(html.unescape(text)).strip()
+    if not (text.isascii() and text.isprintable() and "&" not in text):  # else fix_text would change nothing
+        text = (fix_text or _fix_text)(text)
+        text = html.unescape(html.unescape(text))
+    text = text.strip()
     return " ".join(text.split()).lower()
 
 

@@ -106,3 +106,14 @@ def test_ids_equal_live_open_clip(tokenizer, cases):
     from open_clip.tokenizer import SimpleTokenizer
     texts = [c["text"] for c in cases if c["text"] not in SPECIAL_TOKEN_TEXT]
     assert tokenizer(texts).tolist() == SimpleTokenizer(VOCAB)(texts).tolist()
+
+
+def test_clip_clean_shortcut_for_plain_ascii_changes_nothing(cases):
+    """Printable ASCII without '&' skips fix_text and unescaping: the full path gives the same."""
+    import html
+
+    def full(text):
+        return " ".join(html.unescape(html.unescape(data.fix_text_stdlib(text))).split()).lower()
+
+    texts = [c["text"] for c in cases] + ["A Dog < a Cat > 3", "x;y 'quoted' \"double\"", "~!@#$%^*()_+`"]
+    assert [data.clip_clean(t, data.fix_text_stdlib) for t in texts] == [full(t) for t in texts]
