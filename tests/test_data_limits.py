@@ -219,7 +219,7 @@ def test_img2dataset_command_uses_real_flags(name, tmp_path, monkeypatch):
 # --- the loader's arithmetic after the speed work (issue 16 item 8; speed itself is measured
 # outside the tests) ------------------------------------------------------------------------
 
-def test_normalisation_table_equals_the_arithmetic():
+def test_normalisation_equals_the_arithmetic():
     rng = np.random.default_rng(0)
     pixels = rng.integers(0, 256, (17, 23, 3), dtype=np.uint8)
     pixels[0, :3] = [[0, 0, 0], [255, 255, 255], [1, 128, 254]]
