@@ -601,12 +601,14 @@ def _fix_c1(match) -> str:
 
 
 def _fix_segment(text: str, unescape: bool) -> str:
-    first = True
+    """One line through fix_text's steps, repeated until nothing changes (mojibake once)."""
+    passes = 0
     while True:
-        before = text
+        before, passes = text, passes + 1
         if unescape:
             text = _HTML_ENTITY.sub(_unescape_entity, text)
-        text, first = _fix_mojibake(text) if first else text, False
+        if passes == 1:
+            text = _fix_mojibake(text)
         text = re.sub(r"[\x80-\x9f]", _fix_c1, text)
         text = text.translate(_LIGATURES).translate(_WIDTH)
         text = re.sub("[\u02bc\u2018-\u201b]", "'", re.sub("[\u201c-\u201f]", '"', text))

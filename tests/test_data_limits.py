@@ -81,6 +81,9 @@ BRACEEXPAND_CASES = [
     ("{,}", ["", ""]),
     ("{a,{b,c}d}", ["a", "bd", "cd"]),
     ("{Y..b}", ["Y", "Z", "a", "b"]),
+    ("{c..a}", ["c", "b", "a"]),
+    ("{e..a..2}", ["e", "c", "a"]),
+    ("{b..A}", ["b", "a"] + [chr(c) for c in range(ord("Z"), ord("A") - 1, -1)]),
     ("shard-{a,b}-{1..2}.tar", ["shard-a-1.tar", "shard-a-2.tar", "shard-b-1.tar", "shard-b-2.tar"]),
 ]
 
