@@ -662,6 +662,9 @@ class Tokenizer:
     the last token (as OpenAI CLIP's `truncate=True`)."""
 
     def __init__(self, backend, kind: str, context_length: int = 77):
+        backend = _special_tokens_not_in_text(backend)      # also for tokenizer.json files saved before
+        if kind == "clip_bpe":      # files saved before clip_clean: OpenAI's pipeline as clip_bpe_tokenizer's
+            backend.normalizer, backend.pre_tokenizer = None, _clip_normalizer_and_pretokenizer()[1]
         self.backend, self.kind, self.context_length = backend, kind, context_length
         self.sot_id = backend.token_to_id(SOT_TOKEN)
         self.eot_id = backend.token_to_id(EOT_TOKEN)
@@ -704,6 +707,20 @@ class Tokenizer:
         except (json.JSONDecodeError, KeyError, Exception) as e:
             raise DataError(f"{path}: not a tokenizer file written by this repo ({type(e).__name__})") from None
         return cls(backend, blob["kind"], blob["context_length"])
+
+
+def _special_tokens_not_in_text(backend):
+    """The backend without `added_tokens` entries for SOT/EOT/pad/unk: `tokenizers` matches
+    added tokens inside the input text, so a caption containing "<|endoftext|>" or "<pad>" got
+    those ids mid-sequence (where EOT pooling stops). They stay in the model's vocabulary, so
+    their ids are unchanged; Tokenizer puts SOT/EOT/pad around the text itself."""
+    from tokenizers import Tokenizer as Backend
+    blob = json.loads(backend.to_str())
+    specials = {SOT_TOKEN, EOT_TOKEN, PAD_TOKEN, UNK_TOKEN}
+    if not any(t["content"] in specials for t in blob.get("added_tokens") or []):
+        return backend
+    blob["added_tokens"] = [t for t in blob["added_tokens"] if t["content"] not in specials]
+    return Backend.from_str(json.dumps(blob))
 
 
 def _clip_normalizer_and_pretokenizer():

@@ -117,3 +117,30 @@ def test_clip_clean_shortcut_for_plain_ascii_changes_nothing(cases):
 
     texts = [c["text"] for c in cases] + ["A Dog < a Cat > 3", "x;y 'quoted' \"double\"", "~!@#$%^*()_+`"]
     assert [data.clip_clean(t, data.fix_text_stdlib) for t in texts] == [full(t) for t in texts]
+
+
+def test_tokenizer_files_saved_before_get_the_same_ids(tokenizer, cases, tmp_path):
+    """A tokenizer.json written before the cleaning (NFC + Rust lower-case normalizer, a word
+    regex and added tokens that matched "<|endoftext|>" in text) loads with today's pipeline."""
+    from tokenizers import Regex, normalizers, pre_tokenizers
+    old = data._special_tokens_not_in_text(tokenizer.backend)      # a copy to age
+    old = type(old).from_str(old.to_str())
+    old.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "),
+                                           normalizers.Strip(), normalizers.Lowercase()])
+    pattern = r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
+    old.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="removed", invert=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    old.add_special_tokens([data.SOT_TOKEN, data.EOT_TOKEN])
+    assert old.encode("a <|endoftext|>", add_special_tokens=False).ids[-1] == EOT      # the old behaviour
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"kind": "clip_bpe", "context_length": 77,
+                                                         "tokenizer": json.loads(old.to_str())}))
+    loaded = data.Tokenizer.load(str(tmp_path))
+    assert _differing(loaded, cases) == SPECIAL_TOKEN_TEXT
+
+
+def test_trained_bpe_reads_special_token_text_as_text():
+    tok = data.trained_bpe_tokenizer(data.shapes_captions(200), vocab_size=300, context_length=40)
+    ids = tok(["a red <|endoftext|> circle <pad> <|startoftext|>"])[0].tolist()
+    n = ids.index(tok.eot_id) + 1
+    assert ids[0] == tok.sot_id and tok.sot_id not in ids[1:n] and n > 10 and 0 not in ids[:n]
+    assert all(i == 0 for i in ids[n:])
