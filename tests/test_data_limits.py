@@ -118,6 +118,11 @@ def test_batch_larger_than_counted_shards_is_an_error_at_once(tmp_path):
         data.make_loader(shard, batch_size=4, world_size=2)
 
 
+def test_no_shard_at_all_is_an_error():
+    with pytest.raises(data.DataError, match="no shard to read"):
+        data.ShardLoader([], batch_size=2)
+
+
 def test_batch_larger_than_uncounted_shards_is_an_error_not_stopiteration(tmp_path):
     """Without _stats.json the size is known only after reading: a training loop's plain
     next(iter(loader)) gets the DataError, not a bare StopIteration."""
