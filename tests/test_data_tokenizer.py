@@ -1,0 +1,146 @@
+"""data.py's CLIP tokenizer against open_clip's SimpleTokenizer (issue 15 item 1).
+
+The expected ids are in tests/fixtures/clip_token_ids.json, made once with open_clip 3.3.0 and
+ftfy 6.3.1 by `python tests/fixtures/make_clip_token_ids.py` (its docstring has the install
+command); OpenAI's BPE merges (`bpe_simple_vocab_16e6.txt.gz`, MIT, as shipped in open_clip) are
+committed beside it, so CI checks the ids with neither open_clip nor ftfy installed."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+import data
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+VOCAB = os.path.join(FIXTURES, "bpe_simple_vocab_16e6.txt.gz")
+SOT, EOT = 49406, 49407
+
+# open_clip's own special-token spellings are matched inside caption text, so there a caption
+# gets an SOT/EOT id mid-sequence (and argmax pooling stops at it); data.py never reads a special
+# token from text. These are the only fixture strings whose ids differ, by design.
+SPECIAL_TOKEN_TEXT = {"<end_of_text>", "a <start_of_text> b"}
+# fixture strings whose ids differ when ftfy is absent and data.fix_text_stdlib cleans instead
+DIFFER_WITHOUT_FTFY = set()
+
+
+@pytest.fixture(scope="module")
+def cases():
+    with open(os.path.join(FIXTURES, "clip_token_ids.json"), encoding="utf-8") as f:
+        return json.load(f)["cases"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return data.clip_bpe_tokenizer(VOCAB)
+
+
+def _ids(tokenizer, texts) -> list:
+    rows = []
+    for row in tokenizer(texts).tolist():
+        while row[-1] == 0:     # padding; id 0 is also "!", so only the trailing run is cut
+            row.pop()
+        rows.append(row)
+    return rows
+
+
+def _differing(tokenizer, cases) -> set:
+    got = _ids(tokenizer, [c["text"] for c in cases])
+    return {c["text"] for c, ids in zip(cases, got) if ids != c["ids"]}
+
+
+def test_fixture_covers_the_tricky_kinds(cases):
+    texts = [c["text"] for c in cases]
+    assert len(texts) >= 100
+    for needle in ["&amp;", "&#233;", "’", "ﬁ", "Ａ", "Ã©", "\x07", "ΟΔΟΣ", "🐱", "<|endoftext|>"]:
+        assert any(needle in t for t in texts), needle
+    assert "" in texts and max(len(c["ids"]) for c in cases) == 77
+
+
+def test_ids_equal_open_clip(tokenizer, cases):
+    """With ftfy when it is installed, else with the standard-library cleaning."""
+    assert _differing(tokenizer, cases) == SPECIAL_TOKEN_TEXT | (
+        set() if importlib.util.find_spec("ftfy") else DIFFER_WITHOUT_FTFY)
+
+
+def test_ids_equal_open_clip_with_stdlib_cleaning(tokenizer, cases, monkeypatch):
+    monkeypatch.setattr(data, "_fix_text", data.fix_text_stdlib)
+    assert _differing(tokenizer, cases) == SPECIAL_TOKEN_TEXT | DIFFER_WITHOUT_FTFY
+
+
+def test_special_token_text_is_plain_text(tokenizer):
+    for text in sorted(SPECIAL_TOKEN_TEXT) + ["<|endoftext|>", "x<|startoftext|>y"]:
+        ids = _ids(tokenizer, [text])[0]
+        assert ids[0] == SOT and ids[-1] == EOT and SOT not in ids[1:] and EOT not in ids[:-1], text
+
+
+def test_truncation_keeps_eot_and_empty_text(tokenizer):
+    long_ids, empty_ids = _ids(tokenizer, ["word " * 200, ""])
+    assert len(long_ids) == 77 and long_ids[-1] == EOT
+    assert empty_ids == [SOT, EOT]
+
+
+@pytest.mark.parametrize("raw, clean", [
+    ("Fish &amp;amp; Chips", "fish & chips"),          # ftfy unescapes once, OpenAI twice more
+    ("It’s “OK”", "it's \"ok\""),
+    ("ﬁne ＦＵＬＬ　ｗｉｄｔｈ", "fine full width"),
+    ("cafÃ© itâ€™s", "café it's"),
+    ("ΟΔΟΣ ΣΑΣ", "οδος σας"),                           # final sigma, as Python's str.lower
+    ("a\x00b\x07c\x1b[31md\u2028e\r\nf", "abcd e f"),
+    ("cafe\u0301", "caf\u00e9"),                        # NFC
+    ("<b>&amp;</b>", "<b>&</b>"),                       # ftfy leaves entities next to '<'
+])
+def test_clip_clean_stdlib(raw, clean):
+    assert data.clip_clean(raw, data.fix_text_stdlib) == clean
+
+
+def test_stdlib_cleaning_equals_ftfy_on_fixture(cases):
+    ftfy = pytest.importorskip("ftfy")
+    texts = [c["text"] for c in cases]
+    assert [data.fix_text_stdlib(t) for t in texts] == [ftfy.fix_text(t) for t in texts]
+
+
+def test_ids_equal_live_open_clip(tokenizer, cases):
+    from conftest import import_open_clip
+    import_open_clip()          # skips when absent; installs the torchvision import hook
+    from open_clip.tokenizer import SimpleTokenizer
+    texts = [c["text"] for c in cases if c["text"] not in SPECIAL_TOKEN_TEXT]
+    assert tokenizer(texts).tolist() == SimpleTokenizer(VOCAB)(texts).tolist()
+
+
+def test_clip_clean_shortcut_for_plain_ascii_changes_nothing(cases):
+    """Printable ASCII without '&' skips fix_text and unescaping: the full path gives the same."""
+    import html
+
+    def full(text):
+        return " ".join(html.unescape(html.unescape(data.fix_text_stdlib(text))).split()).lower()
+
+    texts = [c["text"] for c in cases] + ["A Dog < a Cat > 3", "x;y 'quoted' \"double\"", "~!@#$%^*()_+`"]
+    assert [data.clip_clean(t, data.fix_text_stdlib) for t in texts] == [full(t) for t in texts]
+
+
+def test_tokenizer_files_saved_before_get_the_same_ids(tokenizer, cases, tmp_path):
+    """A tokenizer.json written before the cleaning (NFC + Rust lower-case normalizer, a word
+    regex and added tokens that matched "<|endoftext|>" in text) loads with today's pipeline."""
+    from tokenizers import Regex, normalizers, pre_tokenizers
+    old = data._special_tokens_not_in_text(tokenizer.backend)      # a copy to age
+    old = type(old).from_str(old.to_str())
+    old.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "),
+                                           normalizers.Strip(), normalizers.Lowercase()])
+    pattern = r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
+    old.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="removed", invert=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    old.add_special_tokens([data.SOT_TOKEN, data.EOT_TOKEN])
+    assert old.encode("a <|endoftext|>", add_special_tokens=False).ids[-1] == EOT      # the old behaviour
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"kind": "clip_bpe", "context_length": 77,
+                                                         "tokenizer": json.loads(old.to_str())}))
+    loaded = data.Tokenizer.load(str(tmp_path))
+    assert _differing(loaded, cases) == SPECIAL_TOKEN_TEXT
+
+
+def test_trained_bpe_reads_special_token_text_as_text():
+    tok = data.trained_bpe_tokenizer(data.shapes_captions(200), vocab_size=300, context_length=40)
+    ids = tok(["a red <|endoftext|> circle <pad> <|startoftext|>"])[0].tolist()
+    n = ids.index(tok.eot_id) + 1
+    assert ids[0] == tok.sot_id and tok.sot_id not in ids[1:n] and n > 10 and 0 not in ids[:n]
+    assert all(i == 0 for i in ids[n:])
