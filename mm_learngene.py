@@ -1263,7 +1263,7 @@ def eval_classification(clf, loader, device, n_classes):
     """Top-1 (%) over every readable image of `loader`; skipped images are counted apart."""
     clf.eval()
     right = total = 0
-    seen = set()
+    seen, skipped0 = set(), loader.skipped      # the loader's counter runs across epochs
     for batch in loader:
         pred = clf(batch["image"].to(device)).argmax(-1).cpu()
         right += (pred == batch["label"]).sum().item()
@@ -1271,7 +1271,7 @@ def eval_classification(clf, loader, device, n_classes):
         seen.update(batch["label"].tolist())
     clf.train()
     return {"top1": round(100 * right / max(1, total), 2), "n_images": total, "n_classes_scored": len(seen),
-            "n_classes": n_classes, "eval_skipped": loader.skipped}
+            "n_classes": n_classes, "eval_skipped": loader.skipped - skipped0}
 
 
 def retrieval_loader(a, tok, image_size, batch_size=100):
@@ -1325,6 +1325,7 @@ def eval_retrieval(model, loader, device, batch_size=100):
     captions tie exactly, also across batches."""
     model.eval()
     keys, img_feats, texts, owners = {}, [], [], []
+    skipped0 = getattr(loader, "skipped", 0)    # the loader's counter runs across epochs
     for batch in loader:
         new = []
         for j, k in enumerate(batch["key"]):
@@ -1342,7 +1343,7 @@ def eval_retrieval(model, loader, device, batch_size=100):
     i2t, t2i = retrieval_hits(I @ T.t(), torch.tensor(owners, device=device))
     model.train()
     return {"i2t_r1": round(i2t.float().mean().item() * 100, 2), "t2i_r1": round(t2i.float().mean().item() * 100, 2),
-            "n_images": len(I), "n_texts": len(T), "eval_skipped": getattr(loader, "skipped", 0)}
+            "n_images": len(I), "n_texts": len(T), "eval_skipped": getattr(loader, "skipped", 0) - skipped0}
 
 
 def count_shard_samples(spec: str, image_root=None) -> int:
@@ -1814,6 +1815,7 @@ def eval_captioning(model, loader, device, beam):
     """Captions every eval image once (its key), scored against all its reference captions."""
     model.mapper.eval()
     refs, hyps, lm_tok = {}, {}, model.frozen[2]
+    skipped0 = getattr(loader, "skipped", 0)
     for batch in loader:
         new = [j for j, k in enumerate(batch["key"]) if k not in refs]
         for k, c in zip(batch["key"], batch["caption"]):
@@ -1825,7 +1827,7 @@ def eval_captioning(model, loader, device, beam):
     scores = caption_scores(refs, hyps)
     examples = [{"ref": refs[k][0], "hyp": hyps[k][0]} for k in list(refs)[:3]]
     return {**scores, "n_images": len(refs), "n_refs": sum(map(len, refs.values())), "beam": beam,
-            "eval_skipped": getattr(loader, "skipped", 0), "examples": examples}
+            "eval_skipped": getattr(loader, "skipped", 0) - skipped0, "examples": examples}
 
 
 def finetune_caption(a, model, cfg, modality, phase, results, rank, world, device):
