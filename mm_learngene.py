@@ -8,15 +8,16 @@ public implementation, plus the learngene baselines it is compared with (He-LG, 
             coefficient vectors c^v, c^l, c^mv, c^ml); writes learngene.safetensors.
   expand    learngene -> a normal descendant (CLIP / vision / text, any depth up to 2x the
             unique layers) in OpenAI state-dict layout, as an out_dir that il_clip.py loads.
-  finetune  activation (short contrastive training on a fraction of the data, one epoch)
-            then fine-tuning for retrieval (I2T/T2I R@1) or classification (top-1).
-            Baselines: --init scratch, --init <il_clip out_dir> (PT-FT), He-LG and TLEG
-            descendants (extract --method helg|tleg), ablations extract --no_mm / --only_mm.
-  report    parameter storage and pre-training cost, like the paper's Table 3.
+  finetune  activation (short contrastive training on 10% of the learngene's extraction data,
+            one epoch) then fine-tuning: retrieval (I2T/T2I R@1), classification (top-1) or
+            captioning (--task caption: ClipCap mapper into a frozen GPT-2; BLEU, CIDEr-D,
+            ROUGE-L). Whole eval splits by default. Baselines: --init scratch, --init
+            <il_clip out_dir> (PT-FT), He-LG and TLEG descendants (extract --method helg|tleg);
+            Table 4's ablations: expand --part no_mm|only_mm.
+  report    parameter storage and pre-training cost (Table 3); finetune results side by side.
 
 Reads top to bottom: config -> model -> learngene parametrisations -> losses -> training
-loop -> subcommands -> main. The only repo import is data.py (and il_clip.py, when present,
-to load a teacher that may carry a codebook head).
+loop -> subcommands -> main. The only repo import is data.py.
 
 Every choice the paper leaves open is marked "CHOICE:" next to the equation it concerns.
 """
@@ -285,6 +286,41 @@ def mix(terms, name):
     return out
 
 
+def mmlg_learngene(w: int, L: int, part: str) -> nn.Module:
+    """theta1, theta2 = {vision, language, multimodal} blocks (Linear weights only) and the
+    coefficient vectors c^v, c^l, c^mv, c^ml of length L/2 (paper Sec. 3.1)."""
+    names = [n for n, keep in (("vision", part != "only_mm"), ("language", part != "only_mm"),
+                               ("multimodal", part != "no_mm")) if keep]
+    lg = nn.Module()
+    for g in ("theta1", "theta2"):
+        setattr(lg, g, nn.ModuleDict({n: Block(w, ln=False) for n in names}))
+        for b in getattr(lg, g).values():
+            init_block(b, w, L)
+    # CHOICE (init of c, not given by the paper): with both parts 1/sqrt(2) each, so
+    # c*theta + c'*theta^m of two independent OpenAI-initialised blocks has the variance
+    # of one; with a single part 1. Coefficients get no weight decay (it would pull
+    # them, and with them every layer, towards zero).
+    c0 = 1.0 if part != "both" else 2 ** -0.5
+    coefs = [n for n, keep in (("v", part != "only_mm"), ("l", part != "only_mm"),
+                               ("mv", part != "no_mm"), ("ml", part != "no_mm")) if keep]
+    lg.coef = nn.ParameterDict({c: nn.Parameter(torch.full((L // 2,), c0)) for c in coefs})
+    return lg
+
+
+def tleg_learngene(w: int, L: int) -> nn.ModuleDict:
+    """TLEG: per tower two full blocks A, B (layer l of L = A + (l / L) B)."""
+    tleg = nn.ModuleDict({t: nn.ModuleDict({"A": Block(w), "B": Block(w)}) for t in TOWERS})
+    for t in TOWERS:
+        init_block(tleg[t]["A"], w, L)
+        init_block(tleg[t]["B"], w, L)
+        # CHOICE: B starts with the same random Linear init as A (so layers differ
+        # from step 0) and zero LayerNorm gains/biases (LN of every layer starts as A's).
+        with torch.no_grad():
+            for n in LN_NAMES:
+                tleg[t]["B"].get_parameter(n).zero_()
+    return tleg
+
+
 class AuxCLIP(CLIP):
     """The auxiliary CLIP built from the learngene.
 
@@ -300,9 +336,8 @@ class AuxCLIP(CLIP):
       blocks (Linear + LayerNorm), layer l of an L-layer stack = A + (l / L) * B.
     method "helg" (Wang et al. 2022): an ordinary CLIP distilled from the teacher; the
       learngene is its last `helg_layers` layers per tower (expand fills the rest randomly).
-    Everything else (patch/token/positional embeddings, ln_pre, ln_post, ln_final,
-    projections, logit_scale) is an ordinary parameter, stored with the learngene.
-    """
+    Everything else (embeddings, ln_pre/post/final, projections, logit_scale) is an ordinary
+    parameter, stored with the learngene."""
 
     def __init__(self, cfg: ModelConfig, method="mmlg", part="both", helg_layers=3):
         L = cfg.vision_layers
@@ -314,34 +349,12 @@ class AuxCLIP(CLIP):
         self.cfg = dataclasses.replace(self.cfg, vision_layers=L, text_layers=L)
         w = cfg.vision_width
         if method == "mmlg":
-            names = [n for n, keep in (("vision", part != "only_mm"), ("language", part != "only_mm"),
-                                       ("multimodal", part != "no_mm")) if keep]
-            self.learngene = nn.Module()
-            for g in ("theta1", "theta2"):
-                setattr(self.learngene, g, nn.ModuleDict({n: Block(w, ln=False) for n in names}))
-                for b in getattr(self.learngene, g).values():
-                    init_block(b, w, L)
-            # CHOICE (init of c, not given by the paper): with both parts 1/sqrt(2) each, so
-            # c*theta + c'*theta^m of two independent OpenAI-initialised blocks has the variance
-            # of one; with a single part 1. Coefficients get no weight decay (it would pull
-            # them, and with them every layer, towards zero).
-            c0 = 1.0 if part != "both" else 2 ** -0.5
-            coefs = [n for n, keep in (("v", part != "only_mm"), ("l", part != "only_mm"),
-                                       ("mv", part != "no_mm"), ("ml", part != "no_mm")) if keep]
-            self.learngene.coef = nn.ParameterDict({c: nn.Parameter(torch.full((L // 2,), c0)) for c in coefs})
+            self.learngene = mmlg_learngene(w, L, part)
             # Paper: "The Layer Normalization part is shared in each Transformer layer";
             # SPEC: one set per modality.
             self.shared_ln = nn.ModuleDict({t: LNPair(w) for t in TOWERS})
         elif method == "tleg":
-            self.tleg = nn.ModuleDict({t: nn.ModuleDict({"A": Block(w), "B": Block(w)}) for t in TOWERS})
-            for t in TOWERS:
-                init_block(self.tleg[t]["A"], w, L)
-                init_block(self.tleg[t]["B"], w, L)
-                # CHOICE: B starts with the same random Linear init as A (so layers differ
-                # from step 0) and zero LayerNorm gains/biases (LN of every layer starts as A's).
-                with torch.no_grad():
-                    for n in LN_NAMES:
-                        self.tleg[t]["B"].get_parameter(n).zero_()
+            self.tleg = tleg_learngene(w, L)
         elif method != "helg":
             raise ConfigError(f"unknown --method {method}")
 
