@@ -6,7 +6,7 @@ public implementation, plus the learngene baselines it is compared with (He-LG, 
             weight-shared auxiliary CLIP-ViT-S whose layers are built from the learngene
             (two block groups theta1, theta2 of {vision, language, multimodal} blocks plus
             coefficient vectors c^v, c^l, c^mv, c^ml); writes learngene.safetensors.
-  expand    learngene -> a normal descendant (CLIP / vision / text, any depth up to 2x the
+  expand    learngene -> a normal descendant (CLIP or vision tower, any depth up to 2x the
             unique layers) in OpenAI state-dict layout, as an out_dir that il_clip.py loads.
   finetune  activation (short contrastive training on 10% of the learngene's extraction data,
             one epoch) then fine-tuning: retrieval (I2T/T2I R@1), classification (top-1) or
