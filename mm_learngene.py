@@ -1292,12 +1292,16 @@ def retrieval_loader(a, tok, image_size, batch_size=100):
     --eval_size N a seeded sample of N IMAGES (each with all its captions; COCO 5k /
     Flickr30k 1k count images). Tar shards are evaluated whole."""
     split = "test" if a.eval_split == "auto" else a.eval_split
-    src = data.resolve_data(a.data, a.image_root)
+    spec = getattr(a, "eval_data", None) or a.data
+    src = data.resolve_data(spec, a.image_root)
+    if src["kind"] in ("csv", "tar") and not getattr(a, "eval_data", None):
+        raise ConfigError(f"{a.data}: a CSV or shard set has no test split; pass --eval_data (a Karpathy JSON, "
+                          f"CSV or shards held out from training)")
     if src["kind"] == "tar":
         if a.eval_size:
-            raise ConfigError(f"{a.data}: --eval_size needs a listed split (Karpathy JSON, CSV, shapes); "
+            raise ConfigError(f"{spec}: --eval_size needs a listed split (Karpathy JSON, CSV, shapes); "
                               f"tar shards are evaluated whole")
-        return data.make_loader(a.data, split, batch_size, tok, image_size, train=False, drop_last=False)
+        return data.make_loader(spec, split, batch_size, tok, image_size, train=False, drop_last=False)
     if src["kind"] == "shapes":
         ds = data.ShapesDataset(split, None, src.get("seed", 0), image_size)
         keys = [f"{split}{i:08d}" for i in range(len(ds))]
@@ -1311,7 +1315,7 @@ def retrieval_loader(a, tok, image_size, batch_size=100):
         if a.eval_size < len(uniq):
             chosen = set(random.Random(f"subsample/{a.seed}").sample(uniq, a.eval_size))
             ds = torch.utils.data.Subset(ds, [i for i, k in enumerate(keys) if k in chosen])
-    return data.MapLoader(ds, batch_size, tokenizer=tok, train=False, drop_last=False, name=a.data)
+    return data.MapLoader(ds, batch_size, tokenizer=tok, train=False, drop_last=False, name=spec)
 
 
 def retrieval_hits(sim, owners):
@@ -2047,6 +2051,8 @@ def add_finetune_parser(sub):
     p.add_argument("--eval_size", type=int, default=None,
                    help="opt-in seeded subsample: N images (classification: stratified by class; retrieval and "
                         "captioning: N images with all their captions). Default: the whole split")
+    p.add_argument("--eval_data", default=None, help="retrieval/caption evaluation data when --data is a CSV or "
+                                                     "shards (no test split); default: --data's test split")
     p.add_argument("--lm", default=None, help="caption: folder with GPT-2's model.safetensors + tokenizer.json "
                                               "(or vocab.json + merges.txt); shapes: a stand-in GPT is trained")
     p.add_argument("--beam", type=int, default=1, help="caption decoding: 1 greedy, >1 beam search")

@@ -191,3 +191,14 @@ def test_expand_part_cli_and_refusals(tmp_path, extracted, capsys):  # noqa: F81
     M.main(["expand", "--learngene", lg, "--layers", "2", "--part", "only_mm", "--out_dir", str(tmp_path / "o")])
     assert json.loads((tmp_path / "o" / "config.json").read_text())["part"] == "only_mm"
     expect_error(["expand", "--learngene", lg, "--layers", "2", "--modality", "text"], capsys, "text-only")
+
+
+def test_retrieval_on_csv_needs_held_out_eval_data(tmp_path):
+    (tmp_path / "a.jpg").write_bytes(jpeg("red"))
+    (tmp_path / "train.csv").write_text("filepath\ttitle\na.jpg\ta red square\n")
+    a = argparse.Namespace(data=str(tmp_path / "train.csv"), eval_data=None, eval_split="auto", eval_size=None, seed=0,
+                           image_root=None, csv_img_key="filepath", csv_caption_key="title", csv_separator=None)
+    with pytest.raises(M.ConfigError, match="pass --eval_data"):
+        M.retrieval_loader(a, None, 16)
+    a.eval_data = str(tmp_path / "train.csv")
+    assert M.retrieval_loader(a, None, 16).num_samples == 1
