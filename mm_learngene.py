@@ -460,14 +460,18 @@ def checkpoint_dir(path: str) -> str:
 
 def read_state(path: str) -> tuple:
     """(state dict, config dict or {}) of an out_dir, a checkpoint/ folder (model.safetensors +
-    config.json) or a .safetensors / .pt (weights_only) OpenAI-layout file."""
+    config.json) or a .safetensors / .pt (weights_only) OpenAI-layout file, with the config.json
+    beside it if there is one (a bare file: OpenAI's conventions, see infer_config)."""
     cfg = {}
+    folder = checkpoint_dir(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        path = checkpoint_dir(path)
-        if os.path.exists(os.path.join(path, "config.json")):
-            with open(os.path.join(path, "config.json")) as f:
+        path = os.path.join(folder, "model.safetensors")
+    if os.path.exists(os.path.join(folder, "config.json")):
+        try:
+            with open(os.path.join(folder, "config.json")) as f:
                 cfg = json.load(f)
-        path = os.path.join(path, "model.safetensors")
+        except ValueError as e:
+            raise ConfigError(f"{os.path.join(folder, 'config.json')}: malformed JSON ({e})")
     if not os.path.exists(path):
         raise ConfigError(f"{path}: no such file")
     try:

@@ -168,3 +168,19 @@ def test_teacher_quick_gelu_flag_with_open_clip(tmp_path, teacher):  # noqa: F81
             mine = model.encode_image(images)
             torch.testing.assert_close(mine, feats[want], rtol=1e-4, atol=1e-4)
             assert not torch.allclose(mine, feats[not want], atol=1e-3)
+
+
+def test_teacher_readers_accept_every_layout(teacher, tmp_path):  # noqa: F811
+    """out_dir with checkpoint/ (COMMON layout), the checkpoint/ folder itself, the old layout
+    (model.safetensors in out_dir) and a bare weights file all give the same teacher."""
+    out = tmp_path / "run"
+    shutil.copytree(teacher, out / "checkpoint")
+    (out / "checkpoint" / "model.safetensors").rename(out / "checkpoint" / "model.safetensors.tmp")
+    save_file(load_file(str(out / "checkpoint" / "model.safetensors.tmp")), str(out / "checkpoint" / "model.safetensors"),
+              metadata={"step": "5"})
+    (out / "model.safetensors").write_bytes(b"a stale file the reader must not take")
+    ref, _, ref_cfg = M.load_teacher(str(teacher))
+    for path in (out, out / "checkpoint", teacher / "model.safetensors"):
+        model, tok, cfg = M.load_teacher(str(path))
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+        assert cfg == ref_cfg                 # the config.json beside a weights file is read too
