@@ -1847,7 +1847,10 @@ def eval_captioning(model, loader, device, beam):
     model.mapper.train()
     scores = caption_scores(refs, hyps)
     examples = [{"ref": refs[k][0], "hyp": hyps[k][0]} for k in list(refs)[:3]]
+    # how many different captions were generated: a mapper that ignores the image writes one
+    # caption for every image, and that can still score (the most frequent caption's n-grams)
     return {**scores, "n_images": len(refs), "n_refs": sum(map(len, refs.values())), "beam": beam,
+            "n_distinct_captions": len({h[0] for h in hyps.values()}),
             "eval_skipped": getattr(loader, "skipped", 0) - skipped0, "examples": examples}
 
 
@@ -1930,7 +1933,8 @@ def results_table(dirs: list) -> str:
             r = json.load(f)
         scores = ", ".join(f"{k} {r[k]}" for k in RESULT_COLUMNS.get(r.get("task"), []) if k in r)
         what = f"{r.get('n_images')} images" + (f", {r['n_classes']} classes" if "n_classes" in r else "") + \
-            (f", {r['n_refs']} refs" if "n_refs" in r else "") + f", {r.get('eval_subset', 'whole split')}"
+            (f", {r['n_refs']} refs" if "n_refs" in r else "") + f", {r.get('eval_subset', 'whole split')}" + \
+            (f"; {r['n_distinct_captions']} distinct captions" if "n_distinct_captions" in r else "")
         lines.append(f"| {os.path.basename(os.path.normpath(d))} | {r.get('kind')} | {r.get('part', 'both')} | "
                      f"{r.get('layers')} | {r.get('task')} | {scores} | {what} |")
     return "\n".join(lines)

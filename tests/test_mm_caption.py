@@ -170,6 +170,7 @@ def test_finetune_caption_trains_only_the_mapper(tmp_path):
             "--eval_size", "6", "--log_interval", "1", "--beam", "2", "--out_dir", str(tmp_path / "cap")])
     res = json.loads((tmp_path / "cap" / "results.json").read_text())
     assert res["lm"].startswith("stand-in") and res["n_images"] == 6 and res["beam"] == 2
+    assert 1 <= res["n_distinct_captions"] <= 6
     assert all(0 <= res[k] <= 100 for k in ("bleu1", "bleu4", "rouge_l")) and res["cider"] >= 0
     ck = load_file(str(tmp_path / "cap" / "finetune" / "checkpoint" / "model.safetensors"))
     assert ck and all(k.startswith("mapper.") for k in ck)
