@@ -923,6 +923,8 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
               tag, rank, on_save)
     if resume:
         run.load()
+    elif out_dir and rank == 0 and os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
+        os.remove(os.path.join(out_dir, "metrics.jsonl"))     # a fresh run into an old out_dir: a fresh log
     prev = signal.signal(signal.SIGTERM, lambda *_: setattr(run, "stop", True))
     it = loader.forever()
     warmup = max(1, max_steps // 10 if args.warmup < 0 else args.warmup)

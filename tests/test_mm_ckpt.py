@@ -42,6 +42,9 @@ def test_saves_at_save_interval_whatever_log_interval(tmp_path, monkeypatch):
                   out_dir=str(tmp_path), tag="t")
     assert saved == [2, 4, 6, 7]
     assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [3, 6, 7]
+    M.train_phase(torch.nn.Linear(4, 1), sq_loss, _ListLoader(toy_batches()), toy_args(), 0, 1, "cpu", 7,
+                  out_dir=str(tmp_path), tag="t")   # a fresh run into the same out_dir starts a fresh log
+    assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [3, 6, 7]
     assert sorted(os.listdir(tmp_path / "checkpoint")) == sorted(M.CKPT_FILES)
     assert not os.path.exists(tmp_path / "checkpoint.prev") and not os.path.exists(tmp_path / "checkpoint.tmp")
 
