@@ -1115,6 +1115,9 @@ class Classifier(nn.Module):
     def __init__(self, visual: VisionTransformer, n_classes: int):
         super().__init__()
         self.visual = visual
+        # `proj` is not used here: frozen, so DDP does not wait for a gradient it never gets
+        # (and its value stays the descendant's)
+        visual.proj.requires_grad_(False)
         self.head = nn.Linear(visual.cfg.vision_width, n_classes)
 
     def forward(self, images):

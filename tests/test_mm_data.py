@@ -202,3 +202,21 @@ def test_retrieval_on_csv_needs_held_out_eval_data(tmp_path):
         M.retrieval_loader(a, None, 16)
     a.eval_data = str(tmp_path / "train.csv")
     assert M.retrieval_loader(a, None, 16).num_samples == 1
+
+
+def test_finetune_classification_two_ranks_equal_one_process(tmp_path, extracted):  # noqa: F811
+    """torchrun with 2 gloo ranks (batch 8 = 2 x 4, the data loader shards by rank) ends with the
+    single process's weights and the same whole-split score."""
+    from test_mm_learngene import run_cli
+    from safetensors.torch import load_file
+    lg = str(extracted / "learngene.safetensors")
+    M.main(["expand", "--learngene", lg, "--layers", "2", "--modality", "vision", "--out_dir", str(tmp_path / "v")])
+    args = ["finetune", "--init", str(tmp_path / "v"), "--task", "classification", "--max_steps", "3",
+            "--batch_size", "8", "--train_size", "48", "--eval_size", "30", "--log_interval", "1", "--dtype", "fp32"]
+    run_cli(args + ["--out_dir", str(tmp_path / "one")])
+    run_cli(args + ["--out_dir", str(tmp_path / "two")], nproc=2)
+    a, b = (load_file(str(tmp_path / r / "model.safetensors")) for r in ("one", "two"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    ra, rb = (json.loads((tmp_path / r / "results.json").read_text()) for r in ("one", "two"))
+    assert ra["n_images"] == rb["n_images"] == 30 and ra["top1"] == rb["top1"]
