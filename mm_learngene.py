@@ -1809,19 +1809,22 @@ def train_shapes_lm(folder: str, seed: int, steps: int = 400):
     os.makedirs(folder, exist_ok=True)
     backend.save(os.path.join(folder, "tokenizer.json"))
     tok = LMTokenizer(folder)
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    lm = GPT2(backend.get_vocab_size(), 64, 128, 2, 4)
-    opt = torch.optim.AdamW(lm.parameters(), lr=2e-3, weight_decay=0.01)
-    for step in range(steps):
-        batch = [captions[i] for i in torch.randint(len(captions), (64,), generator=gen).tolist()]
-        tokens, mask = caption_batch(tok, batch)
-        seq = torch.cat([torch.full((len(batch), 1), tok.eos), tokens], 1)      # EOS opens a text (GPT-2)
-        logits = lm(lm.wte(seq[:, :-1]))
-        loss = F.cross_entropy(logits[mask], tokens[mask])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+    # its own RNG stream: the run that trains the stand-in must draw the mapper's init like the runs
+    # that reuse it
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed)
+        lm = GPT2(backend.get_vocab_size(), 64, 128, 2, 4)
+        opt = torch.optim.AdamW(lm.parameters(), lr=2e-3, weight_decay=0.01)
+        for step in range(steps):
+            batch = [captions[i] for i in torch.randint(len(captions), (64,), generator=gen).tolist()]
+            tokens, mask = caption_batch(tok, batch)
+            seq = torch.cat([torch.full((len(batch), 1), tok.eos), tokens], 1)      # EOS opens a text (GPT-2)
+            logits = lm(lm.wte(seq[:, :-1]))
+            loss = F.cross_entropy(logits[mask], tokens[mask])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
     atomic_save_file(lm.state_dict(), os.path.join(folder, "model.safetensors"))
     atomic_write_json({"n_head": 4, "stand_in": "a 2-layer GPT trained on shapes captions, not GPT-2",
                        "final_lm_loss": round(loss.item(), 4), "steps": steps}, os.path.join(folder, "config.json"))

@@ -175,3 +175,13 @@ def test_finetune_caption_trains_only_the_mapper(tmp_path):
     ck = load_file(str(tmp_path / "cap" / "finetune" / "checkpoint" / "model.safetensors"))
     assert ck and all(k.startswith("mapper.") for k in ck)
     assert json.loads((tmp_path / "shapes_lm" / "config.json").read_text())["steps"] == 5
+
+
+def test_shapes_stand_in_leaves_the_global_rng_alone(tmp_path):
+    """The run that trains the stand-in LM draws the mapper's init like the runs that reuse it."""
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    M.train_shapes_lm(str(tmp_path / "lm"), 0, steps=2)
+    assert torch.equal(torch.get_rng_state(), before)
+    lm, tok = M.load_gpt2(str(tmp_path / "lm"))
+    assert tok.decode(tok.encode("a red circle")) == "a red circle" and len(lm.h) == 2
