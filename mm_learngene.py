@@ -2048,7 +2048,9 @@ def add_finetune_parser(sub):
     p.add_argument("--init", required=True, help="descendant out_dir, il_clip.py out_dir (PT-FT) or scratch")
     p.add_argument("--task", default="retrieval", choices=["retrieval", "classification", "caption"])
     add_train_flags(p, 300, 64, 30, lr_help="default: Table 6 per task (retrieval 5e-5, classification 1e-4, "
-                    "caption 2e-5; weight decay 0.01)",
+                    "caption 2e-5; --wd 0.01). Table 6's real-scale warm-up 10k/5k/5k steps, batch 256, epochs "
+                    "50/500/10 are given with --warmup/--batch_size/--max_steps; the defaults here are shapes-sized. "
+                    "Classification trains with RandomResizedCrop(0.08-1) + flip on ImageFolder data",
                     data_help="retrieval/caption: shapes, Karpathy JSON, CSV, shards; classification: shapes "
                               "or an ImageFolder root with train/ and val/ (or test/)")
     p.add_argument("--like", default=None, help="scratch: copy config + tokenizer from this out_dir")
