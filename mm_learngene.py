@@ -921,6 +921,9 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
     fwd = torch.compile(ddp) if getattr(args, "compile", False) else ddp
     run = Run(model, make_optimizer(model, args.lr, args.wd, device), loader, out_dir, config or {}, tokenizer,
               tag, rank, on_save)
+    # no gradient carried over from an earlier phase (a resumed run starts without one)
+    model.zero_grad(set_to_none=True)
+    trained = [p for p in model.parameters() if p.requires_grad]
     if resume:
         run.load()
     elif out_dir and rank == 0 and os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
@@ -942,8 +945,8 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
             bad |= ~torch.isfinite(loss.detach())
             run.opt.zero_grad(set_to_none=True)
             loss.backward()
-            if args.grad_clip > 0:
-                nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            if args.grad_clip > 0:     # the trained parameters only: a frozen one may hold a stale grad
+                nn.utils.clip_grad_norm_(trained, args.grad_clip)
             run.opt.step()
             if hasattr(model, "logit_scale"):
                 with torch.no_grad():
