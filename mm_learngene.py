@@ -6,21 +6,23 @@ public implementation, plus the learngene baselines it is compared with (He-LG, 
             weight-shared auxiliary CLIP-ViT-S whose layers are built from the learngene
             (two block groups theta1, theta2 of {vision, language, multimodal} blocks plus
             coefficient vectors c^v, c^l, c^mv, c^ml); writes learngene.safetensors.
-  expand    learngene -> a normal descendant (CLIP / vision / text, any depth up to 2x the
+  expand    learngene -> a normal descendant (CLIP or vision tower, any depth up to 2x the
             unique layers) in OpenAI state-dict layout, as an out_dir that il_clip.py loads.
-  finetune  activation (short contrastive training on a fraction of the data, one epoch)
-            then fine-tuning for retrieval (I2T/T2I R@1) or classification (top-1).
-            Baselines: --init scratch, --init <il_clip out_dir> (PT-FT), He-LG and TLEG
-            descendants (extract --method helg|tleg), ablations extract --no_mm / --only_mm.
-  report    parameter storage and pre-training cost, like the paper's Table 3.
+  finetune  activation (short contrastive training on 10% of the learngene's extraction data,
+            one epoch) then fine-tuning: retrieval (I2T/T2I R@1), classification (top-1) or
+            captioning (--task caption: ClipCap mapper into a frozen GPT-2; BLEU, CIDEr-D,
+            ROUGE-L). Whole eval splits by default. Baselines: --init scratch, --init
+            <il_clip out_dir> (PT-FT), He-LG and TLEG descendants (extract --method helg|tleg);
+            Table 4's ablations: expand --part no_mm|only_mm.
+  report    parameter storage and pre-training cost (Table 3); finetune results side by side.
 
 Reads top to bottom: config -> model -> learngene parametrisations -> losses -> training
-loop -> subcommands -> main. The only repo import is data.py (and il_clip.py, when present,
-to load a teacher that may carry a codebook head).
+loop -> subcommands -> main. The only repo import is data.py.
 
 Every choice the paper leaves open is marked "CHOICE:" next to the equation it concerns.
 """
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
@@ -284,6 +286,41 @@ def mix(terms, name):
     return out
 
 
+def mmlg_learngene(w: int, L: int, part: str) -> nn.Module:
+    """theta1, theta2 = {vision, language, multimodal} blocks (Linear weights only) and the
+    coefficient vectors c^v, c^l, c^mv, c^ml of length L/2 (paper Sec. 3.1)."""
+    names = [n for n, keep in (("vision", part != "only_mm"), ("language", part != "only_mm"),
+                               ("multimodal", part != "no_mm")) if keep]
+    lg = nn.Module()
+    for g in ("theta1", "theta2"):
+        setattr(lg, g, nn.ModuleDict({n: Block(w, ln=False) for n in names}))
+        for b in getattr(lg, g).values():
+            init_block(b, w, L)
+    # CHOICE (init of c, not given by the paper): with both parts 1/sqrt(2) each, so
+    # c*theta + c'*theta^m of two independent OpenAI-initialised blocks has the variance
+    # of one; with a single part 1. Coefficients get no weight decay (it would pull
+    # them, and with them every layer, towards zero).
+    c0 = 1.0 if part != "both" else 2 ** -0.5
+    coefs = [n for n, keep in (("v", part != "only_mm"), ("l", part != "only_mm"),
+                               ("mv", part != "no_mm"), ("ml", part != "no_mm")) if keep]
+    lg.coef = nn.ParameterDict({c: nn.Parameter(torch.full((L // 2,), c0)) for c in coefs})
+    return lg
+
+
+def tleg_learngene(w: int, L: int) -> nn.ModuleDict:
+    """TLEG: per tower two full blocks A, B (layer l of L = A + (l / L) B)."""
+    tleg = nn.ModuleDict({t: nn.ModuleDict({"A": Block(w), "B": Block(w)}) for t in TOWERS})
+    for t in TOWERS:
+        init_block(tleg[t]["A"], w, L)
+        init_block(tleg[t]["B"], w, L)
+        # CHOICE: B starts with the same random Linear init as A (so layers differ
+        # from step 0) and zero LayerNorm gains/biases (LN of every layer starts as A's).
+        with torch.no_grad():
+            for n in LN_NAMES:
+                tleg[t]["B"].get_parameter(n).zero_()
+    return tleg
+
+
 class AuxCLIP(CLIP):
     """The auxiliary CLIP built from the learngene.
 
@@ -299,9 +336,8 @@ class AuxCLIP(CLIP):
       blocks (Linear + LayerNorm), layer l of an L-layer stack = A + (l / L) * B.
     method "helg" (Wang et al. 2022): an ordinary CLIP distilled from the teacher; the
       learngene is its last `helg_layers` layers per tower (expand fills the rest randomly).
-    Everything else (patch/token/positional embeddings, ln_pre, ln_post, ln_final,
-    projections, logit_scale) is an ordinary parameter, stored with the learngene.
-    """
+    Everything else (embeddings, ln_pre/post/final, projections, logit_scale) is an ordinary
+    parameter, stored with the learngene."""
 
     def __init__(self, cfg: ModelConfig, method="mmlg", part="both", helg_layers=3):
         L = cfg.vision_layers
@@ -313,46 +349,30 @@ class AuxCLIP(CLIP):
         self.cfg = dataclasses.replace(self.cfg, vision_layers=L, text_layers=L)
         w = cfg.vision_width
         if method == "mmlg":
-            names = [n for n, keep in (("vision", part != "only_mm"), ("language", part != "only_mm"),
-                                       ("multimodal", part != "no_mm")) if keep]
-            self.learngene = nn.Module()
-            for g in ("theta1", "theta2"):
-                setattr(self.learngene, g, nn.ModuleDict({n: Block(w, ln=False) for n in names}))
-                for b in getattr(self.learngene, g).values():
-                    init_block(b, w, L)
-            # CHOICE (init of c, not given by the paper): with both parts 1/sqrt(2) each, so
-            # c*theta + c'*theta^m of two independent OpenAI-initialised blocks has the variance
-            # of one; with a single part 1. Coefficients get no weight decay (it would pull
-            # them, and with them every layer, towards zero).
-            c0 = 1.0 if part != "both" else 2 ** -0.5
-            coefs = [n for n, keep in (("v", part != "only_mm"), ("l", part != "only_mm"),
-                                       ("mv", part != "no_mm"), ("ml", part != "no_mm")) if keep]
-            self.learngene.coef = nn.ParameterDict({c: nn.Parameter(torch.full((L // 2,), c0)) for c in coefs})
+            self.learngene = mmlg_learngene(w, L, part)
             # Paper: "The Layer Normalization part is shared in each Transformer layer";
             # SPEC: one set per modality.
             self.shared_ln = nn.ModuleDict({t: LNPair(w) for t in TOWERS})
         elif method == "tleg":
-            self.tleg = nn.ModuleDict({t: nn.ModuleDict({"A": Block(w), "B": Block(w)}) for t in TOWERS})
-            for t in TOWERS:
-                init_block(self.tleg[t]["A"], w, L)
-                init_block(self.tleg[t]["B"], w, L)
-                # CHOICE: B starts with the same random Linear init as A (so layers differ
-                # from step 0) and zero LayerNorm gains/biases (LN of every layer starts as A's).
-                with torch.no_grad():
-                    for n in LN_NAMES:
-                        self.tleg[t]["B"].get_parameter(n).zero_()
+            self.tleg = tleg_learngene(w, L)
         elif method != "helg":
             raise ConfigError(f"unknown --method {method}")
 
     # --- the layers of a stack of depth n built from the learngene ---------------------------
-    def mmlg_layer(self, tower, g, k):
+    def mmlg_layer(self, tower, g, k, part=None):
+        """Eq. 1 / Eq. 2 for (group g, coefficient k). `part` (Table 4's ablations at
+        initialisation) leaves a term out of the sum: "no_mm" drops c^m theta^m, "only_mm"
+        drops c^v theta^v / c^l theta^l; the kept term keeps its extracted coefficient."""
+        part = part or self.part
+        if part != self.part and self.part != "both":
+            raise ConfigError(f"--part {part}: this learngene was extracted with part {self.part}")
         uni, cu, cm = TOWER_PARTS[tower]
         theta = getattr(self.learngene, ("theta1", "theta2")[g])
         coef = self.learngene.coef
         terms = []
-        if self.part != "only_mm":
+        if part != "only_mm":
             terms.append((coef[cu][k], theta[uni].params()))
-        if self.part != "no_mm":
+        if part != "no_mm":
             terms.append((coef[cm][k], theta["multimodal"].params()))
         p = {n: mix(terms, n) for n in LINEAR_NAMES}
         p.update(self.shared_ln[tower].named_parameters())
@@ -370,10 +390,10 @@ class AuxCLIP(CLIP):
             return [self.tleg_layer(tower, l, self.aux_layers) for l in range(self.aux_layers)]
         return None
 
-    def descendant_layers(self, tower, n, seed=0):
+    def descendant_layers(self, tower, n, seed=0, part=None):
         """Per-layer param dicts of an n-layer descendant tower (paper Sec. 3.3)."""
         if self.method == "mmlg":
-            return [self.mmlg_layer(tower, *descendant_index(k)) for k in expand_order(n, self.aux_layers // 2)]
+            return [self.mmlg_layer(tower, *descendant_index(k), part) for k in expand_order(n, self.aux_layers // 2)]
         if self.method == "tleg":  # TLEG: theta_l = theta_A + (l / n) theta_B, l = 0..n-1
             return [self.tleg_layer(tower, l, n) for l in range(n)]
         # He-LG: the last K layers of the distilled model on top of n-K random layers
@@ -402,7 +422,7 @@ class AuxCLIP(CLIP):
                 "model_config": dataclasses.asdict(self.cfg)}
 
 
-def descendant_state(aux: AuxCLIP, n: int, modality: str, seed: int = 0) -> tuple:
+def descendant_state(aux: AuxCLIP, n: int, modality: str, seed: int = 0, part=None) -> tuple:
     """Normal descendant state dict (OpenAI layout) + its ModelConfig. Paper Sec. 3.3:
     layers from the learngene; "components other than the learngene could be loaded directly
     like Embedding or Layer Normalization"; per-layer LNs = the shared ones (MM-LG)."""
@@ -419,7 +439,7 @@ def descendant_state(aux: AuxCLIP, n: int, modality: str, seed: int = 0) -> tupl
                 sd[k] = v.detach().clone()
         for tower in towers:
             prefix = "visual.transformer.resblocks." if tower == "visual" else "transformer.resblocks."
-            for i, p in enumerate(aux.descendant_layers(tower, n, seed)):
+            for i, p in enumerate(aux.descendant_layers(tower, n, seed, part)):
                 for name, t in p.items():
                     sd[f"{prefix}{i}.{name}"] = t.detach().clone().contiguous()
     cfg = dataclasses.replace(aux.cfg, vision_layers=n if "visual" in towers else 0,
@@ -431,15 +451,27 @@ def descendant_state(aux: AuxCLIP, n: int, modality: str, seed: int = 0) -> tupl
 # Reading checkpoints: il_clip.py out_dirs, descendants, OpenAI-layout weight files
 
 
+def checkpoint_dir(path: str) -> str:
+    """An out_dir -> its checkpoint/ folder (the layout of all three training scripts), else
+    the folder itself (a descendant, or the old layout with model.safetensors in out_dir)."""
+    ckpt = os.path.join(path, "checkpoint")
+    return ckpt if os.path.isfile(os.path.join(ckpt, "model.safetensors")) else path
+
+
 def read_state(path: str) -> tuple:
-    """(state dict, config dict or {}) of an out_dir (model.safetensors + config.json) or a
-    .safetensors / .pt (weights_only) OpenAI-layout file."""
+    """(state dict, config dict or {}) of an out_dir, a checkpoint/ folder (model.safetensors +
+    config.json) or a .safetensors / .pt (weights_only) OpenAI-layout file, with the config.json
+    beside it if there is one (a bare file: OpenAI's conventions, see infer_config)."""
     cfg = {}
+    folder = checkpoint_dir(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        if os.path.exists(os.path.join(path, "config.json")):
-            with open(os.path.join(path, "config.json")) as f:
+        path = os.path.join(folder, "model.safetensors")
+    if os.path.exists(os.path.join(folder, "config.json")):
+        try:
+            with open(os.path.join(folder, "config.json")) as f:
                 cfg = json.load(f)
-        path = os.path.join(path, "model.safetensors")
+        except ValueError as e:
+            raise ConfigError(f"{os.path.join(folder, 'config.json')}: malformed JSON ({e})")
     if not os.path.exists(path):
         raise ConfigError(f"{path}: no such file")
     try:
@@ -498,38 +530,33 @@ def infer_config(sd: dict, cfg: dict, path: str, need=("visual", "text")) -> Mod
                                quick_gelu=bool(_cfg_value(cfg, "quick_gelu", bare)))
 
 
-def load_teacher(path: str, vocab=None):
-    """The frozen ancestry CLIP in eval mode: (model with encode_image/encode_text/logit_scale,
-    tokenizer). Both towers are checked first so a broken file is one clear line; il_clip.py's
-    loader is used when present (it knows codebook heads), else this script's CLIP."""
+def load_teacher(path: str, vocab=None, quick_gelu=None):
+    """The frozen ancestry CLIP in eval mode: (model, tokenizer, ModelConfig). Reads an
+    il_clip.py out_dir (checkpoint/ layout or the old one), a checkpoint/ folder, or an
+    OpenAI-layout weight file. `quick_gelu` None: what the file's config says, else OpenAI's
+    QuickGELU for a bare weight file. A codebook-head teacher (il_clip --method codebook) is
+    refused: its image/text embeddings are not the plain CLIP ones this script distils."""
     sd, cfg = read_state(path)
     if any(k.startswith(LEARNGENE_PREFIXES) for k in sd):
         raise ConfigError(f"{path}: this is a learngene file, not a CLIP teacher")
     mcfg = infer_config(sd, cfg, path)
-    tok = None
-    try:
-        import il_clip
-        loader = getattr(il_clip, "load_model", None)
-    except ImportError:
-        loader = None
-    if loader is not None:
-        try:
-            model, tok, _ = loader(path)
-        except Exception as e:
-            raise ConfigError(f"cannot read teacher {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    if quick_gelu is not None:
+        mcfg = dataclasses.replace(mcfg, quick_gelu=quick_gelu)
+    model = CLIP(mcfg)
+    extra = {"input_resolution", "context_length", "vocab_size"}  # OpenAI's JIT archives carry these
+    missing, unexpected = model.load_state_dict({k: v for k, v in sd.items() if k not in extra}, strict=False)
+    if missing:
+        raise ConfigError(f"{path}: cannot read the teacher towers (missing {missing[0]})")
+    if unexpected:
+        raise ConfigError(f"{path}: not a plain CLIP (unexpected {unexpected[0]}; a codebook-head teacher "
+                          f"is not supported)")
+    tdir = checkpoint_dir(path) if os.path.isdir(path) else os.path.dirname(path)
+    if vocab:
+        tok = data.build_tokenizer(vocab_path=vocab, context_length=mcfg.context_length)
+    elif os.path.exists(os.path.join(tdir, "tokenizer.json")):
+        tok = data.Tokenizer.load(tdir)
     else:
-        model = CLIP(mcfg)
-        missing, unexpected = model.load_state_dict(sd, strict=False)
-        if missing:
-            raise ConfigError(f"{path}: cannot read the teacher towers (missing {missing[0]})")
-    if tok is None:
-        tdir = path if os.path.isdir(path) else os.path.dirname(path)
-        if vocab:
-            tok = data.build_tokenizer(vocab_path=vocab, context_length=mcfg.context_length)
-        elif os.path.exists(os.path.join(tdir, "tokenizer.json")):
-            tok = data.Tokenizer.load(tdir)
-        else:
-            raise ConfigError(f"{path}: no tokenizer.json beside the teacher; pass --vocab bpe_simple_vocab_16e6.txt.gz")
+        raise ConfigError(f"{path}: no tokenizer.json beside the teacher; pass --vocab bpe_simple_vocab_16e6.txt.gz")
     model.eval().requires_grad_(False)
     return model, tok, mcfg
 
@@ -621,8 +648,8 @@ def setup_dist(device_arg):
 
 
 def autocast(device, dtype):
-    if device.startswith("cuda") and dtype in ("bfloat16", "float16"):
-        return torch.autocast("cuda", dtype=getattr(torch, dtype))
+    if device.startswith("cuda") and dtype == "bf16":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -701,145 +728,264 @@ def plot_curve(metrics: list, path: str, key="loss"):
     img.save(path)
 
 
-class Trainer:
-    """One training phase. `loss_fn(model, batch) -> (loss, {name: detached tensor})`, `model`
-    being the DDP-wrapped module when world > 1. Nothing in a step waits for the device: the
-    losses and a non-finite flag are read every `log_every` steps and before every checkpoint,
-    so a NaN/inf stops the run before anything after it is saved. Checkpoints (when out_dir): model.safetensors,
-    config.json, tokenizer.json, train_state.{safetensors,json}; all written atomically;
-    `resume` continues exactly (optimizer, step, RNG, loader position)."""
+class NonFiniteError(Exception):
+    """Divergence: printed as one line, exit code 1; the last good checkpoint stays."""
 
-    def __init__(self, model, loss_fn, loader, args, rank, world, device, out_dir=None, config=None,
-                 tokenizer=None, tag="train", on_save=None):
-        self.raw, self.loss_fn, self.loader, self.args = model, loss_fn, loader, args
-        self.rank, self.world, self.device, self.out_dir, self.tag = rank, world, device, out_dir, tag
-        self.config, self.tokenizer, self.on_save = config or {}, tokenizer, on_save
-        self.model = model
-        if world > 1:
-            self.model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.startswith("cuda") else None)
-        if getattr(args, "compile", False):
-            self.model = torch.compile(self.model)
-        self.opt = make_optimizer(model, args.lr, args.weight_decay, device)
-        self.step, self.metrics, self.stop = 0, [], False
-        self.elapsed = 0.0
+
+CKPT_FILES = ("model.safetensors", "config.json", "train_state.safetensors", "train_state.json")
+
+
+def _fsync_write(path, write):
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def all_finite(model, opt) -> bool:
+    tensors = list(model.state_dict().values()) + [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+def write_checkpoint(out_dir, model, opt, state: dict, config: dict, tokenizer_json: str | None):
+    """COMMON checkpoint layout, atomic as a set: every file into checkpoint.tmp/ (fsync'd),
+    checkpoint/ -> checkpoint.prev/, checkpoint.tmp/ -> checkpoint/, then checkpoint.prev/ goes.
+    A kill at any point leaves one complete checkpoint (checkpoint/ or checkpoint.prev/)."""
+    import shutil
+    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    meta = {"step": str(state["step"])}
+    from safetensors.torch import save as save_bytes
+    tensors, info = optimizer_to_tensors(opt)
+    blobs = {"model.safetensors": save_bytes({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()},
+                                             metadata=meta),
+             "train_state.safetensors": save_bytes({k: v.contiguous().cpu() for k, v in tensors.items()}, metadata=meta),
+             "train_state.json": json.dumps({**state, "optimizer": info}).encode(),
+             "config.json": json.dumps(config, indent=1).encode()}
+    if tokenizer_json is not None:
+        blobs["tokenizer.json"] = tokenizer_json.encode()
+    for name, blob in blobs.items():
+        _fsync_write(os.path.join(tmp, name), lambda f, b=blob: f.write(b))
+        if name in ("config.json", "tokenizer.json"):  # the run's own copies at the top of out_dir
+            _fsync_write(os.path.join(out_dir, name + ".tmp"), lambda f, b=blob: f.write(b))
+            os.replace(os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name))
+    _fsync_dir(tmp)
+    if os.path.isdir(final):
+        shutil.rmtree(prev, ignore_errors=True)
+        os.replace(final, prev)
+    os.replace(tmp, final)
+    _fsync_dir(out_dir)
+    shutil.rmtree(prev, ignore_errors=True)
+
+
+def read_checkpoint(folder) -> tuple:
+    """(model tensors, optimizer tensors, train_state dict) of a complete checkpoint folder;
+    raises ConfigError("<file>: <problem>") for a missing, truncated or inconsistent one."""
+    for name in CKPT_FILES:
+        if not os.path.isfile(os.path.join(folder, name)):
+            raise ConfigError(f"{os.path.join(folder, name)}: missing (incomplete checkpoint)")
+    steps, loaded = {}, {}
+    for name in ("model.safetensors", "train_state.safetensors"):
+        path = os.path.join(folder, name)
+        try:
+            with safe_open(path, "pt") as f:
+                steps[name] = (f.metadata() or {}).get("step")
+            loaded[name] = load_file(path)
+        except Exception as e:
+            raise ConfigError(f"{path}: damaged ({type(e).__name__})")
+    path = os.path.join(folder, "train_state.json")
+    try:
+        with open(path) as f:
+            st = json.load(f)
+        steps["train_state.json"] = str(st["step"])
+        with open(os.path.join(folder, "config.json")) as f:
+            json.load(f)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: damaged ({type(e).__name__})")
+    if len(set(steps.values())) != 1:
+        raise ConfigError(f"{folder}: files from different steps ({steps})")
+    return loaded["model.safetensors"], loaded["train_state.safetensors"], st
+
+
+def load_checkpoint(out_dir, tag) -> tuple:
+    """checkpoint/, or checkpoint.prev/ when checkpoint/ is missing or damaged (said in one line)."""
+    try:
+        return read_checkpoint(os.path.join(out_dir, "checkpoint"))
+    except ConfigError as e:
+        prev = os.path.join(out_dir, "checkpoint.prev")
+        if not os.path.isdir(prev):
+            raise ConfigError(f"--resume: {e}") from None
+        out = read_checkpoint(prev)
+        print(f"{tag}: {e}; resuming from the previous complete checkpoint {prev} (step {out[2]['step']})", flush=True)
+        return out
+
+
+def rng_state() -> dict:
+    return {"torch_rng": torch.get_rng_state().tolist(), "python_rng": list(random.getstate()[1]),
+            "numpy_rng": np.random.get_state()[1].tolist()}
+
+
+def set_rng_state(st):
+    torch.set_rng_state(torch.tensor(st["torch_rng"], dtype=torch.uint8))
+    random.setstate((3, tuple(st["python_rng"]), None))
+    np.random.set_state(("MT19937", np.array(st["numpy_rng"], dtype=np.uint32), 624, 0, 0.0))
+
+
+def rewind_metrics(out_dir, step) -> list:
+    """metrics.jsonl cut back to the checkpoint's step (no step appears twice after resume)."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        kept = [m for m in (json.loads(l) for l in f if l.strip()) if m["step"] <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in kept)
+    os.replace(path + ".tmp", path)
+    return kept
+
+
+def agree_flags(bad, stop, world, device, tag, done):
+    """Every rank's non-finite flag and SIGTERM flag, combined (MAX) over ranks. SIGTERM reaches
+    the ranks at different steps: agreeing here makes all of them stop at this same step, and
+    none is left waiting in a collective the others have left. Returns whether to stop."""
+    flags = torch.stack([bad.float(), torch.tensor(float(stop), device=device)])
+    if world > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    bad, stop = flags.tolist()
+    if bad:
+        raise NonFiniteError(f"{tag}: non-finite loss at a step <= {done}; stopped, the last good checkpoint is kept")
+    return bool(stop)
+
+
+class Run:
+    """The state of one training phase that a checkpoint holds (model, optimizer, step, time)."""
+
+    def __init__(self, raw, opt, loader, out_dir, config, tokenizer, tag, rank, on_save):
+        self.raw, self.opt, self.loader, self.out_dir, self.config = raw, opt, loader, out_dir, config
+        self.tokenizer, self.tag, self.rank, self.on_save = tokenizer, tag, rank, on_save
+        self.step, self.elapsed, self.metrics, self.stop = 0, 0.0, [], False
 
     def save(self):
+        """Rank 0 writes; never a checkpoint with non-finite weights or optimizer state."""
         if self.out_dir is None or self.rank != 0:
             return
+        if not all_finite(self.raw, self.opt):
+            raise NonFiniteError(f"{self.tag}: non-finite weights at step {self.step}; stopped, the last good "
+                                 f"checkpoint is kept")
         os.makedirs(self.out_dir, exist_ok=True)
-        atomic_save_file(self.raw.state_dict(), os.path.join(self.out_dir, "model.safetensors"))
-        atomic_write_json(self.config, os.path.join(self.out_dir, "config.json"))
+        tok_json = None
         if self.tokenizer is not None:
             self.tokenizer.save(self.out_dir)
-        tensors, info = optimizer_to_tensors(self.opt)
-        atomic_save_file(tensors, os.path.join(self.out_dir, "train_state.safetensors"))
-        atomic_write_json({"step": self.step, "elapsed": self.elapsed, "loader": self.loader.state_dict(),
-                           "torch_rng": torch.get_rng_state().tolist(), "python_rng": list(random.getstate()[1]),
-                           "numpy_rng": np.random.get_state()[1].tolist(), "optimizer": info},
-                          os.path.join(self.out_dir, "train_state.json"))
+            with open(os.path.join(self.out_dir, "tokenizer.json")) as f:
+                tok_json = f.read()
+        state = {"step": self.step, "elapsed": self.elapsed, "loader": self.loader.state_dict(), **rng_state()}
+        write_checkpoint(self.out_dir, self.raw, self.opt, state, self.config, tok_json)
         if self.on_save:
             self.on_save(self)
 
     def load(self):
-        path = os.path.join(self.out_dir, "train_state.json")
-        if not os.path.exists(path):
-            raise ConfigError(f"--resume: {path} not found")
-        with open(path) as f:
-            st = json.load(f)
-        self.raw.load_state_dict(load_file(os.path.join(self.out_dir, "model.safetensors")))
-        optimizer_from_tensors(self.opt, load_file(os.path.join(self.out_dir, "train_state.safetensors")), st["optimizer"])
+        model_sd, opt_tensors, st = load_checkpoint(self.out_dir, self.tag)
+        self.raw.load_state_dict(model_sd)
+        optimizer_from_tensors(self.opt, opt_tensors, st["optimizer"])
         self.step, self.elapsed = st["step"], st.get("elapsed", 0.0)
         self.loader.load_state_dict(st["loader"])
-        torch.set_rng_state(torch.tensor(st["torch_rng"], dtype=torch.uint8))
-        random.setstate((3, tuple(st["python_rng"]), None))
-        np.random.set_state(("MT19937", np.array(st["numpy_rng"], dtype=np.uint32), 624, 0, 0.0))
-        mpath = os.path.join(self.out_dir, "metrics.jsonl")
-        if os.path.exists(mpath):
-            with open(mpath) as f:
-                self.metrics = [m for m in map(json.loads, f) if m["step"] <= self.step]
+        set_rng_state(st)
+        self.metrics = rewind_metrics(self.out_dir, self.step)
 
-    def agree_flags(self, bad, done):
-        """Every rank's non-finite flag and SIGTERM flag, combined (MAX) over ranks. SIGTERM reaches
-        the ranks at different steps: agreeing here makes all of them stop at this same step, and
-        none is left waiting in a collective the others have left. Returns whether to stop."""
-        flags = torch.stack([bad.float(), torch.tensor(float(self.stop), device=self.device)])
-        if self.world > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        bad, stop = flags.tolist()
-        if bad:
-            raise ConfigError(f"{self.tag}: non-finite loss at a step <= {done}; stopped, "
-                              f"the last good checkpoint is kept")
-        return bool(stop)
+    def log(self, m):
+        self.metrics.append(m)
+        print(json.dumps(m), flush=True)
+        if self.out_dir:
+            os.makedirs(self.out_dir, exist_ok=True)
+            with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(m) + "\n")
 
-    def run(self, max_steps, resume=False):
-        a = self.args
-        if resume:
-            self.load()
-        prev = signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stop", True))
-        it = self.loader.forever()
-        warmup = max(1, max_steps // 10) if a.warmup < 0 else a.warmup
-        bar = range(self.step, max_steps)
-        t0 = t_log = time.time()
-        step_log = self.step
-        bad = torch.zeros((), dtype=torch.bool, device=self.device)
-        try:
-            for self.step in bar:
-                lr = lr_at(self.step, max_steps, a.lr, max(1, warmup))
-                for g in self.opt.param_groups:
-                    g["lr"] = lr
-                batch = next(it)
-                with autocast(self.device, a.dtype):
-                    loss, parts = self.loss_fn(self.model, batch)
-                bad |= ~torch.isfinite(loss.detach())
-                self.opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if a.grad_clip > 0:
-                    nn.utils.clip_grad_norm_(self.raw.parameters(), a.grad_clip)
-                self.opt.step()
-                if hasattr(self.raw, "logit_scale"):
-                    with torch.no_grad():
-                        self.raw.logit_scale.clamp_(0, math.log(100))
-                self.elapsed += time.time() - t0
-                t0 = time.time()
-                done = self.step + 1
-                at_log = done % a.log_every == 0 or done == max_steps
-                at_ckpt = bool(self.out_dir) and a.ckpt_every > 0 and done % a.ckpt_every == 0 and done < max_steps
-                at_halt = bool(getattr(a, "halt_at", 0)) and done == a.halt_at and done < max_steps
-                # flags are read (a device sync) only where every rank reads them at the same step;
-                # one process may stop at any step
-                stop = (at_log or at_ckpt or at_halt or (self.world == 1 and self.stop)) and self.agree_flags(bad, done)
-                if self.rank == 0 and at_log:
-                    vals = torch.stack([loss.detach().float(), *(v.float() for v in parts.values())]).tolist()
-                    sps = a.batch_size * (done - step_log) / max(1e-9, time.time() - t_log)
-                    t_log, step_log = time.time(), done
-                    m = {"phase": self.tag, "step": done, "loss": vals[0], "lr": lr, "elapsed": round(self.elapsed, 3),
-                         "samples_per_s": round(sps, 1), **dict(zip(parts, vals[1:]))}
-                    self.metrics.append(m)
-                    print(json.dumps(m), flush=True)
-                    if self.out_dir:
-                        os.makedirs(self.out_dir, exist_ok=True)
-                        with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
-                            f.write(json.dumps(m) + "\n")
-                self.step = done
-                if (stop and done < max_steps) or at_halt:
-                    self.save()
-                    if self.rank == 0:
-                        print(f"{self.tag}: {'SIGTERM' if stop else '--halt_at'}, checkpoint saved at step "
-                              f"{done}; continue with --resume", flush=True)
-                    if self.world > 1:      # as at the end of main: rank 0 has written before any rank exits
-                        dist.barrier()
-                    sys.exit(0)
-                if at_ckpt:
-                    self.save()
-            self.agree_flags(bad, self.step)
-            if self.out_dir:
-                self.save()
-                if self.rank == 0:
-                    plot_curve(self.metrics, os.path.join(self.out_dir, "loss_curve.png"))
-        finally:
-            if prev is not None:
-                signal.signal(signal.SIGTERM, prev)
-        return self.metrics
+
+def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, out_dir=None, config=None,
+                tokenizer=None, tag="train", on_save=None, resume=False) -> list:
+    """One training phase. `loss_fn(model, batch) -> (loss, {name: detached tensor})`, `model`
+    being the DDP-wrapped module when world > 1. Nothing in a step waits for the device: the
+    losses and a non-finite flag are read at log steps, save steps and --stop_at. Saves at
+    multiples of --save_interval, at --stop_at, on SIGTERM and at the end."""
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.startswith("cuda") else None) \
+        if world > 1 else model
+    fwd = torch.compile(ddp) if getattr(args, "compile", False) else ddp
+    run = Run(model, make_optimizer(model, args.lr, args.wd, device), loader, out_dir, config or {}, tokenizer,
+              tag, rank, on_save)
+    # no gradient carried over from an earlier phase (a resumed run starts without one)
+    model.zero_grad(set_to_none=True)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if resume:
+        run.load()
+    elif out_dir and rank == 0 and os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
+        os.remove(os.path.join(out_dir, "metrics.jsonl"))     # a fresh run into an old out_dir: a fresh log
+    prev = signal.signal(signal.SIGTERM, lambda *_: setattr(run, "stop", True))
+    it = loader.forever()
+    warmup = max(1, max_steps // 10 if args.warmup < 0 else args.warmup)
+    bad = torch.zeros((), dtype=torch.bool, device=device)
+    t0 = t_log = time.time()
+    step_log = run.step
+    try:
+        for step in range(run.step, max_steps):
+            lr = lr_at(step, max_steps, args.lr, warmup)
+            for g in run.opt.param_groups:
+                g["lr"] = lr
+            batch = next(it)
+            with autocast(device, args.dtype):
+                loss, parts = loss_fn(fwd, batch)
+            bad |= ~torch.isfinite(loss.detach())
+            run.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if args.grad_clip > 0:     # the trained parameters only: a frozen one may hold a stale grad
+                nn.utils.clip_grad_norm_(trained, args.grad_clip)
+            run.opt.step()
+            if hasattr(model, "logit_scale"):
+                with torch.no_grad():
+                    model.logit_scale.clamp_(0, math.log(100))
+            run.elapsed += time.time() - t0
+            t0 = time.time()
+            run.step = done = step + 1
+            at_log = done % args.log_interval == 0 or done == max_steps
+            at_save = bool(out_dir) and args.save_interval > 0 and done % args.save_interval == 0 and done < max_steps
+            at_stop = bool(getattr(args, "stop_at", 0)) and done == args.stop_at and done < max_steps
+            # flags are read (a device sync) only where every rank reads them at the same step;
+            # one process may stop at any step
+            stop = (at_log or at_save or at_stop or (world == 1 and run.stop)) and \
+                agree_flags(bad, run.stop, world, device, tag, done)
+            if rank == 0 and at_log:
+                vals = torch.stack([loss.detach().float(), *(v.float() for v in parts.values())]).tolist()
+                sps = args.batch_size * (done - step_log) / max(1e-9, time.time() - t_log)
+                t_log, step_log = time.time(), done
+                run.log({"phase": tag, "step": done, "loss": vals[0], "lr": lr, "elapsed": round(run.elapsed, 3),
+                         "samples_per_s": round(sps, 1), **dict(zip(parts, vals[1:]))})
+            if (stop and done < max_steps) or at_stop:
+                run.save()
+                if rank == 0:
+                    print(f"{tag}: {'SIGTERM' if stop else '--stop_at'}, checkpoint saved at step {done}; "
+                          f"continue with --resume", flush=True)
+                if world > 1:      # rank 0 has written before any rank exits
+                    dist.barrier()
+                sys.exit(0)
+            if at_save:
+                run.save()
+        agree_flags(bad, False, world, device, tag, run.step)
+        if out_dir:
+            run.save()
+            if rank == 0:
+                plot_curve(run.metrics, os.path.join(out_dir, "loss_curve.png"))
+    finally:
+        if prev is not None:
+            signal.signal(signal.SIGTERM, prev)
+    return run
 
 
 def contrastive_loss_fn(model, batch, device):
@@ -858,7 +1004,9 @@ def cmd_extract(a):
     torch.manual_seed(a.seed)
     random.seed(a.seed)
     np.random.seed(a.seed)
-    teacher, tok, tcfg = load_teacher(a.teacher, a.vocab)
+    teacher, tok, tcfg = load_teacher(a.teacher, a.vocab, a.quick_gelu)
+    if rank == 0:
+        print(f"teacher: {a.teacher}  activation {'QuickGELU' if tcfg.quick_gelu else 'GELU'}", flush=True)
     teacher.to(device)
     preset = dict(AUX_PRESETS[a.model])
     for k in ("width", "heads", "layers"):
@@ -874,7 +1022,7 @@ def cmd_extract(a):
                       vision_width=preset["width"], vision_layers=preset["layers"], vision_heads=preset["heads"],
                       context_length=tok.context_length, vocab_size=tok.vocab_size, text_width=preset["width"],
                       text_layers=preset["layers"], text_heads=preset["heads"], eot_token_id=tok.eot_id,
-                      quick_gelu=a.quick_gelu)
+                      quick_gelu=False)  # the student is a new model: GELU
     if cfg.image_size % cfg.patch_size:
         raise ConfigError(f"image size {cfg.image_size} is not a multiple of patch size {cfg.patch_size}")
     part = "no_mm" if a.no_mm else ("only_mm" if a.only_mm else "both")
@@ -885,8 +1033,9 @@ def cmd_extract(a):
             raise ConfigError(f"--resume: {a.out_dir} holds a learngene of width {old['model']['vision_width']}, "
                               f"not {cfg.vision_width}")
     aux = AuxCLIP(cfg, a.method, part, a.helg_layers).to(device)
+    csv = dict(csv_img_key=a.csv_img_key, csv_caption_key=a.csv_caption_key, csv_separator=a.csv_separator)
     loader = data.make_loader(a.data, "train", a.batch_size // world, tok, cfg.image_size, True, rank, world,
-                              a.num_workers, a.seed)
+                              a.num_workers, a.seed, image_root=a.image_root, **csv)
 
     def loss_fn(model, batch):
         images, text = batch["image"].to(device), batch["text"].to(device)
@@ -907,11 +1056,12 @@ def cmd_extract(a):
         with open(tmp) as f:
             tok_json = f.read()
         meta = {"learngene": json.dumps(aux.meta()), "tokenizer": tok_json,
-                "extract": json.dumps({"step": tr.step, "elapsed": tr.elapsed, "batch_size": a.batch_size})}
+                "extract": json.dumps({"step": tr.step, "elapsed": tr.elapsed, "batch_size": a.batch_size,
+                                       "data": a.data, "image_root": a.image_root, **csv})}
         atomic_save_file(aux.state_dict(), os.path.join(a.out_dir, "learngene.safetensors"), meta)
 
-    tr = Trainer(aux, loss_fn, loader, a, rank, world, device, a.out_dir, config, tok, "extract", write_learngene)
-    tr.run(a.max_steps, a.resume)
+    train_phase(aux, loss_fn, loader, a, rank, world, device, a.max_steps, a.out_dir, config, tok, "extract",
+                write_learngene, a.resume)
     if rank == 0:
         n_lg = aux.learngene_numel()
         n_all = sum(p.numel() for p in aux.parameters())
@@ -938,11 +1088,20 @@ def write_descendant(out_dir, sd, cfg, modality, tok_json, extra):
 def cmd_expand(a):
     if a.layers < 1:
         raise ConfigError(f"--layers must be >= 1, got {a.layers}")
+    if a.modality == "text":
+        raise ConfigError("--modality text: no task of finetune trains a text-only descendant (the paper's tasks "
+                          "are retrieval, classification and captioning); expand --modality clip for a text tower")
     aux, meta = load_learngene(a.learngene, a.width)
-    sd, cfg = descendant_state(aux, a.layers, a.modality, a.seed)
+    if a.part != "both" and aux.method != "mmlg":
+        raise ConfigError(f"--part {a.part}: only an MM-LG learngene has a multimodal part to drop")
+    part = aux.part if a.part == "both" else a.part
+    sd, cfg = descendant_state(aux, a.layers, a.modality, a.seed, part)
     out = a.out_dir or f"out/descendant_{aux.method}_{a.modality}{a.layers}"
+    extract = json.loads(meta.get("extract", "{}"))
     write_descendant(out, sd, cfg, a.modality, meta.get("tokenizer"),
-                     {"learngene": os.path.abspath(a.learngene), "method": aux.method, "part": aux.part,
+                     {"learngene": os.path.abspath(a.learngene), "method": aux.method, "part": part,
+                      "extract_data": {k: extract.get(k) for k in ("data", "image_root", "csv_img_key",
+                                                                   "csv_caption_key", "csv_separator")},
                       "layers": a.layers, "layer_order": expand_order(a.layers, aux.aux_layers // 2)
                       if aux.method == "mmlg" else None})
     print(f"descendant: {out}  ({a.modality}, {a.layers} layers, {sum(v.numel() for v in sd.values()):,} parameters)")
@@ -959,74 +1118,13 @@ class Classifier(nn.Module):
     def __init__(self, visual: VisionTransformer, n_classes: int):
         super().__init__()
         self.visual = visual
+        # `proj` is not used here: frozen, so DDP does not wait for a gradient it never gets
+        # (and its value stays the descendant's)
+        visual.proj.requires_grad_(False)
         self.head = nn.Linear(visual.cfg.vision_width, n_classes)
 
     def forward(self, images):
         return self.head(self.visual(images))
-
-
-class ClassificationLoader:
-    """(image, label) batches for shapes (data.shapes_classification) or an ImageFolder, with
-    the same interface as data's loaders (forever, state_dict, load_state_dict)."""
-
-    def __init__(self, spec, split, batch_size, image_size, rank=0, world=1, seed=0, size=None):
-        self.transform = data.eval_transform(image_size)
-        if spec == "shapes" or spec.startswith("shapes:"):
-            opts = data.parse_shapes_spec(spec)
-            n = size or (opts.get("train_size", 5000) if split == "train" else 1000)
-            sseed = opts.get("seed", 0)
-            self.items = [("shapes", split, i, sseed) for i in range(n)]
-            self.classes = list(data.SHAPE_NAMES)
-            self.image_size = image_size
-        else:
-            root = os.path.join(spec, split) if os.path.isdir(os.path.join(spec, split)) else spec
-            if not os.path.isdir(root):
-                raise data.DataError(f"{spec}: not an ImageFolder directory")
-            self.classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
-            self.items = [(os.path.join(root, c, f), ci) for ci, c in enumerate(self.classes)
-                          for f in sorted(os.listdir(os.path.join(root, c)))
-                          if f.lower().endswith((".jpg", ".jpeg", ".png", ".webp", ".bmp"))]
-            if size:
-                self.items = self.items[:size]
-            if not self.items:
-                raise data.DataError(f"{root}: no images found")
-        self.batch_size, self.rank, self.world, self.seed = batch_size, rank, world, seed
-        self.epoch, self.done = 0, 0
-
-    def _get(self, item):
-        if item[0] == "shapes":
-            img, label = data.shapes_classification(item[1], item[2], item[3], self.image_size)
-            return self.transform(img), label
-        from PIL import Image
-        with Image.open(item[0]) as im:
-            return self.transform(im.convert("RGB")), item[1]
-
-    def batches(self, train=True):
-        n = len(self.items)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)).tolist() \
-            if train else list(range(n))
-        per = self.batch_size * self.world
-        if train:
-            order = order[: n // per * per]
-        mine = order[self.rank::self.world]
-        return [mine[i:i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
-
-    def __iter__(self):
-        for idx in self.batches()[self.done:]:
-            self.done += 1
-            ims, labels = zip(*(self._get(self.items[i]) for i in idx))
-            yield {"image": torch.stack(ims), "label": torch.tensor(labels)}
-        self.epoch, self.done = self.epoch + 1, 0
-
-    def forever(self):
-        while True:
-            yield from self
-
-    def state_dict(self):
-        return {"epoch": self.epoch, "batches_done": self.done}
-
-    def load_state_dict(self, s):
-        self.epoch, self.done = s["epoch"], s["batches_done"]
 
 
 def load_init(a):
@@ -1057,7 +1155,7 @@ def load_init(a):
                                       text_layers=a.layers if cfg.text_layers else 0)
         torch.manual_seed(a.seed)
         model = CLIP(cfg) if modality == "clip" else VisionTransformer(cfg)
-        return model, tok, cfg, modality, "scratch"
+        return model, tok, cfg, modality, "scratch", {}
     sd, cfgj = read_state(a.init)
     if any(k.startswith(LEARNGENE_PREFIXES) for k in sd):
         raise ConfigError(f"{a.init}: a learngene file; run `expand` first and pass the descendant out_dir")
@@ -1074,11 +1172,162 @@ def load_init(a):
     missing, _ = model.load_state_dict(sd, strict=False)
     if missing:
         raise ConfigError(f"{a.init}: cannot read the checkpoint (missing {missing[0]})")
-    tok = data.Tokenizer.load(a.init) if os.path.isdir(a.init) and os.path.exists(os.path.join(a.init, "tokenizer.json")) else None
+    tdir = checkpoint_dir(a.init) if os.path.isdir(a.init) else os.path.dirname(a.init)
+    tok = data.Tokenizer.load(tdir) if os.path.exists(os.path.join(tdir, "tokenizer.json")) else None
     if tok is None and modality == "clip":
         raise ConfigError(f"{a.init}: no tokenizer.json")
     kind = cfgj.get("method", "pretrained") if "learngene" in cfgj else "pretrained"
-    return model, tok, cfg, modality, kind
+    return model, tok, cfg, modality, kind, cfgj
+
+
+def stratified_subsample(labels: list, n: int, seed: int) -> list:
+    """`n` of the indices of `labels`, seeded, each class in proportion to its size
+    (largest remainder, ties to the larger class then the lower label), in index order. Used
+    for the opt-in --train_size / --eval_size (the first n of a class-sorted split would be
+    the first few classes only)."""
+    if n >= len(labels):
+        return list(range(len(labels)))
+    groups = {}
+    for i, y in enumerate(labels):
+        groups.setdefault(y, []).append(i)
+    quota = {y: n * len(g) / len(labels) for y, g in groups.items()}
+    take = {y: int(q) for y, q in quota.items()}
+    rest = sorted(groups, key=lambda y: (-(quota[y] - take[y]), -len(groups[y]), y))
+    for y in rest[:n - sum(take.values())]:
+        take[y] += 1
+    rng = random.Random(f"subsample/{seed}")
+    return sorted(i for y in sorted(groups) for i in rng.sample(groups[y], take[y]))
+
+
+def shapes_class_label(split: str, index: int, seed: int) -> int:
+    """The label data.shapes_classification draws first from the same RNG (no rendering)."""
+    return random.Random(f"shapes-cls/{seed}/{split}/{index}").randrange(len(data.SHAPE_NAMES))
+
+
+class ShapesClassification(torch.utils.data.Dataset):
+    """data.shapes_classification images as data.MapLoader samples (never augmented: each
+    image is already a fresh draw of colour, size and place)."""
+
+    def __init__(self, split, indices, seed, image_size):
+        self.split, self.indices, self.seed, self.image_size = split, indices, seed, image_size
+        self.to_tensor = data.ToNormalizedTensor()
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __getitem__(self, i):
+        img, label = data.shapes_classification(self.split, self.indices[i], self.seed, self.image_size)
+        return {"image": self.to_tensor(img), "caption": data.SHAPE_NAMES[label],
+                "key": f"{self.split}{self.indices[i]:08d}", "label": label}
+
+
+def imagefolder_splits(root: str, eval_split: str) -> tuple:
+    """(train folder, eval folder) of an ImageNet-style tree: root/train/ with root/val/
+    (ImageNet) or root/test/; `eval_split` "auto" takes val/, else test/. A flat folder (class
+    folders directly under root) is an error: training and scoring on the same images would be
+    a silently wrong number."""
+    train = os.path.join(root, "train")
+    if not os.path.isdir(train):
+        raise ConfigError(f"{root}: an ImageFolder needs train/ and val/ (or test/) sub-folders of class folders "
+                          f"(root/train/<class>/*.jpg); a flat folder has no held-out split")
+    names = ["val", "test"] if eval_split == "auto" else [eval_split]
+    for name in names:
+        if os.path.isdir(os.path.join(root, name)):
+            return train, os.path.join(root, name)
+    raise ConfigError(f"{root}: no {' or '.join(n + '/' for n in names)} folder beside train/ to evaluate on")
+
+
+def folder_items(folder: str, classes: list) -> list:
+    """data.Item per image of `folder`, labelled by its class's index in `classes` (the
+    TRAINING folder's sorted class list, so a class missing from one split shifts nothing)."""
+    paths, labels, names = data.image_folder(folder)
+    unknown = sorted(set(names) - set(classes))
+    if unknown:
+        raise ConfigError(f"{folder}: class folder {unknown[0]!r} is not in the training folder's classes")
+    return [data.Item(p, names[y].replace("_", " "), None, os.path.relpath(p, folder), classes.index(names[y]))
+            for p, y in zip(paths, labels)]
+
+
+def classification_data(a, image_size, rank, world):
+    """(train loader, eval loader, class names, what was evaluated) for shapes or an
+    ImageFolder tree. Images go through data.py's reader: a bad image is skipped and counted.
+    Whole splits unless --train_size / --eval_size ask for a seeded stratified subsample."""
+    if a.data == "shapes" or a.data.startswith("shapes:"):
+        opts = data.parse_shapes_spec(a.data)
+        s, classes = opts.get("seed", 0), list(data.SHAPE_NAMES)
+        sizes = {"train": opts.get("train_size", 5000), "test": 1000}
+        split = "test" if a.eval_split == "auto" else a.eval_split
+        labels = {sp: [shapes_class_label(sp, i, s) for i in range(sizes.get(sp, 1000))] for sp in ("train", split)}
+        pick = {sp: stratified_subsample(labels[sp], n or len(labels[sp]), a.seed)
+                for sp, n in (("train", a.train_size), (split, a.eval_size))}
+        train_ds = ShapesClassification("train", pick["train"], s, image_size)
+        eval_ds = ShapesClassification(split, pick[split], s, image_size)
+        eval_name = f"shapes {split}"
+    else:
+        train_dir, eval_dir = imagefolder_splits(a.data, a.eval_split)
+        classes = data.image_folder(train_dir)[2]
+        train_items, eval_items = folder_items(train_dir, classes), folder_items(eval_dir, classes)
+        train_items = [train_items[i] for i in stratified_subsample([it.label for it in train_items],
+                                                                     a.train_size or len(train_items), a.seed)]
+        eval_items = [eval_items[i] for i in stratified_subsample([it.label for it in eval_items],
+                                                                  a.eval_size or len(eval_items), a.seed)]
+        # classification augmentation (Table 6 fine-tuning): random resized crop (0.08, 1) + flip
+        aug = data.train_transform(image_size, scale=(0.08, 1.0), flip=True)
+        train_ds = data.FileDataset(train_items, aug, a.seed)
+        eval_ds = data.FileDataset(eval_items, data.eval_transform(image_size), a.seed)
+        eval_name = eval_dir
+    train = data.MapLoader(train_ds, a.batch_size // world, train=True, rank=rank, world_size=world,
+                           num_workers=a.num_workers, seed=a.seed, name=a.data)
+    test = data.MapLoader(eval_ds, 100, train=False, drop_last=False, name=eval_name)
+    subsample = f"seeded stratified subsample (seed {a.seed})" if a.eval_size else "whole split"
+    return train, test, classes, {"eval_data": eval_name, "eval_subset": subsample}
+
+
+@torch.no_grad()
+def eval_classification(clf, loader, device, n_classes):
+    """Top-1 (%) over every readable image of `loader`; skipped images are counted apart."""
+    clf.eval()
+    right = total = 0
+    seen, skipped0 = set(), loader.skipped      # the loader's counter runs across epochs
+    for batch in loader:
+        pred = clf(batch["image"].to(device)).argmax(-1).cpu()
+        right += (pred == batch["label"]).sum().item()
+        total += len(pred)
+        seen.update(batch["label"].tolist())
+    clf.train()
+    return {"top1": round(100 * right / max(1, total), 2), "n_images": total, "n_classes_scored": len(seen),
+            "n_classes": n_classes, "eval_skipped": loader.skipped - skipped0}
+
+
+def retrieval_loader(a, tok, image_size, batch_size=100):
+    """Loader over the retrieval eval split: every image with all its captions, or with
+    --eval_size N a seeded sample of N IMAGES (each with all its captions; COCO 5k /
+    Flickr30k 1k count images). Tar shards are evaluated whole."""
+    split = "test" if a.eval_split == "auto" else a.eval_split
+    spec = getattr(a, "eval_data", None) or a.data
+    src = data.resolve_data(spec, a.image_root)
+    if src["kind"] in ("csv", "tar") and not getattr(a, "eval_data", None):
+        raise ConfigError(f"{a.data}: a CSV or shard set has no test split; pass --eval_data (a Karpathy JSON, "
+                          f"CSV or shards held out from training)")
+    if src["kind"] == "tar":
+        if a.eval_size:
+            raise ConfigError(f"{spec}: --eval_size needs a listed split (Karpathy JSON, CSV, shapes); "
+                              f"tar shards are evaluated whole")
+        return data.make_loader(spec, split, batch_size, tok, image_size, train=False, drop_last=False)
+    if src["kind"] == "shapes":
+        ds = data.ShapesDataset(split, None, src.get("seed", 0), image_size)
+        keys = [f"{split}{i:08d}" for i in range(len(ds))]
+    else:
+        items = data._file_items(src, split, dict(img_key=a.csv_img_key, caption_key=a.csv_caption_key,
+                                                  separator=a.csv_separator))
+        ds = data.FileDataset(items, data.eval_transform(image_size), a.seed)
+        keys = [it.key for it in items]
+    if a.eval_size:
+        uniq = sorted(set(keys))
+        if a.eval_size < len(uniq):
+            chosen = set(random.Random(f"subsample/{a.seed}").sample(uniq, a.eval_size))
+            ds = torch.utils.data.Subset(ds, [i for i, k in enumerate(keys) if k in chosen])
+    return data.MapLoader(ds, batch_size, tokenizer=tok, train=False, drop_last=False, name=spec)
 
 
 def retrieval_hits(sim, owners):
@@ -1098,27 +1347,24 @@ def retrieval_hits(sim, owners):
 
 
 @torch.no_grad()
-def eval_retrieval(model, spec, tok, image_size, device, split="test", n=None, batch_size=100):
-    """I2T / T2I R@1 (%) on the first `n` texts of `split` (all when n is None). Images are
-    grouped by sample key, so several captions of one image (Karpathy JSON) are all correct
-    for it (I2T). Ties count as misses (see `retrieval_hits`). Identical token sequences are
-    encoded once, so duplicate captions tie exactly, also across batches."""
+def eval_retrieval(model, loader, device, batch_size=100):
+    """I2T / T2I R@1 (%) over every batch of `loader`. Images are grouped by sample key, so
+    several captions of one image (Karpathy JSON) are all correct for it (I2T). Ties count as
+    misses (see `retrieval_hits`). Identical token sequences are encoded once, so duplicate
+    captions tie exactly, also across batches."""
     model.eval()
-    loader = data.make_loader(spec, split, min(batch_size, n or batch_size), tok, image_size, train=False, drop_last=False)
     keys, img_feats, texts, owners = {}, [], [], []
+    skipped0 = getattr(loader, "skipped", 0)    # the loader's counter runs across epochs
     for batch in loader:
-        take = len(batch["key"]) if not n else min(len(batch["key"]), n - len(owners))
         new = []
-        for j, k in enumerate(batch["key"][:take]):
+        for j, k in enumerate(batch["key"]):
             if k not in keys:
                 keys[k] = len(keys)
                 new.append(j)
             owners.append(keys[k])
-        texts.append(batch["text"][:take])
+        texts.append(batch["text"])
         if new:
             img_feats.append(model.encode_image(batch["image"][new].to(device)).float())
-        if n and len(owners) >= n:
-            break
     uniq, inverse = torch.unique(torch.cat(texts), dim=0, return_inverse=True)
     T = torch.cat([model.encode_text(uniq[i:i + batch_size].to(device)).float()
                    for i in range(0, len(uniq), batch_size)])[inverse.to(device)]
@@ -1126,30 +1372,104 @@ def eval_retrieval(model, spec, tok, image_size, device, split="test", n=None, b
     i2t, t2i = retrieval_hits(I @ T.t(), torch.tensor(owners, device=device))
     model.train()
     return {"i2t_r1": round(i2t.float().mean().item() * 100, 2), "t2i_r1": round(t2i.float().mean().item() * 100, 2),
-            "n_images": len(I), "n_texts": len(T)}
+            "n_images": len(I), "n_texts": len(T), "eval_skipped": getattr(loader, "skipped", 0) - skipped0}
 
 
-@torch.no_grad()
-def eval_classification(clf, loader, device):
-    clf.eval()
-    right = total = 0
-    for idx in loader.batches(train=False):
-        ims, labels = zip(*(loader._get(loader.items[i]) for i in idx))
-        pred = clf(torch.stack(ims).to(device)).argmax(-1).cpu()
-        right += (pred == torch.tensor(labels)).sum().item()
-        total += len(idx)
-    clf.train()
-    return {"top1": round(100 * right / max(1, total), 2), "n": total}
+def count_shard_samples(spec: str, image_root=None) -> int:
+    """Samples of a shard set without count files (no _stats.json / sizes.json): the keys
+    that have an image member, read from the tar headers (one pass, no decoding)."""
+    import tarfile
+    total = 0
+    for shard in data.resolve_data(spec, image_root)["shards"]:
+        keys = set()
+        try:
+            with tarfile.open(shard, "r|*") as tf:
+                for m in tf:
+                    base = os.path.basename(m.name)
+                    if m.isfile() and "." in base and base.split(".", 1)[1].lower() in data.IMAGE_EXTS:
+                        keys.add(os.path.join(os.path.dirname(m.name), base.split(".", 1)[0]))
+        except (tarfile.TarError, OSError):
+            pass                                        # a damaged shard counts what it held before the damage
+        total += len(keys)
+    return total
+
+
+def activation_source(a, init_cfg: dict) -> dict:
+    """Activation data (appendix A.2.1: 10% of the pre-training data, one epoch): --activate_data,
+    else the data the learngene was extracted on, recorded by extract and expand. Never a
+    silent `shapes` for real fine-tuning data."""
+    rec = init_cfg.get("extract_data") or {}
+    spec = a.activate_data or rec.get("data")
+    if spec is None:
+        raise ConfigError(f"{a.init}: the descendant does not record its learngene's extraction data; "
+                          f"pass --activate_data (the paper: its pre-training data, CC3M + CC12M)")
+    same = a.activate_data is None
+    return {"data": spec, "image_root": rec.get("image_root") if same else a.image_root,
+            "csv": {k: rec.get(k) if same else getattr(a, k) for k in ("csv_img_key", "csv_caption_key", "csv_separator")}}
+
+
+def activate(a, model, tok, cfg, init_cfg, phase, results, rank, world, device):
+    """Contrastive training on --activate_frac of the activation data for --activate_epochs."""
+    src = activation_source(a, init_cfg)
+    csv = {k: v for k, v in src["csv"].items() if v is not None}
+    loader = data.make_loader(src["data"], "train", a.batch_size // world, tok, cfg.image_size, True, rank, world,
+                              a.num_workers, a.seed, image_root=src["image_root"], **csv)
+    n = loader.num_samples
+    if n is None:
+        n = count_shard_samples(src["data"], src["image_root"])
+        if rank == 0:
+            print(f"activation: {src['data']} has no count files; counted {n} samples in the shards", flush=True)
+    steps = a.activate_steps or max(1, int(a.activate_frac * n * a.activate_epochs) // a.batch_size)
+    act_args = argparse.Namespace(**{**vars(a), "lr": a.activate_lr, "warmup": -1, "stop_at": 0})
+    phase("activate", model, lambda m, b: contrastive_loss_fn(m, b, device), loader, act_args, steps)
+    results.update({"activation_data": src["data"], "activation_samples": n, "activation_steps": steps})
+
+
+# Table 6 (appendix A.3) fine-tuning hyper-parameters per task: (lr, weight decay, warm-up
+# steps, batch). Epochs there: retrieval 50, classification 500, captioning 10. Captioning's
+# weight decay is blank in the table; 0.01 like the others is a CHOICE.
+TABLE6 = {"retrieval": (5e-5, 0.01, 10_000, 256), "classification": (1e-4, 0.01, 5_000, 256),
+          "caption": (2e-5, 0.01, 5_000, 256)}
+
+
+def finetune_classification(a, model, cfg, modality, phase, results, rank, world, device):
+    visual = model.visual if modality == "clip" else model
+    train, test, classes, info = classification_data(a, cfg.image_size, rank, world)
+    clf = Classifier(visual, len(classes)).to(device)
+
+    def cls_loss(m, batch):
+        return F.cross_entropy(m(batch["image"].to(device)), batch["label"].to(device)), {}
+    phase("finetune", clf, cls_loss, train, a, a.max_steps)
+    if rank == 0:
+        results.update({**info, **eval_classification(clf, test, device, len(classes)),
+                        "train_images": train.num_samples, "train_skipped": train.skipped})
+    return clf
+
+
+def finetune_retrieval(a, model, tok, cfg, phase, results, rank, world, device):
+    csv = dict(csv_img_key=a.csv_img_key, csv_caption_key=a.csv_caption_key, csv_separator=a.csv_separator)
+    loader = data.make_loader(a.data, "train", a.batch_size // world, tok, cfg.image_size, True, rank, world,
+                              a.num_workers, a.seed + 1, image_root=a.image_root, **csv)
+    phase("finetune", model, lambda m, b: contrastive_loss_fn(m, b, device), loader, a, a.max_steps)
+    if rank == 0:
+        results.update(eval_retrieval(model, retrieval_loader(a, tok, cfg.image_size), device))
+        results["eval_subset"] = f"seeded sample of {a.eval_size} images (seed {a.seed})" if a.eval_size else "whole split"
+    return model
 
 
 def cmd_finetune(a):
     rank, world, device = setup_dist(a.device)
+    lr, wd, _, _ = TABLE6[a.task]
+    a.lr = lr if a.lr is None else a.lr
+    a.wd = wd if a.wd is None else a.wd
     torch.manual_seed(a.seed)
-    model, tok, cfg, modality, kind = load_init(a)
+    model, tok, cfg, modality, kind, init_cfg = load_init(a)
     model.to(device)
     out = a.out_dir or f"out/finetune_{a.task}"
-    results = {"init": a.init, "kind": kind, "task": a.task, "modality": modality,
-               "layers": cfg.vision_layers or cfg.text_layers, "params": sum(p.numel() for p in model.parameters())}
+    a.out_dir = out
+    results = {"init": a.init, "kind": kind, "part": init_cfg.get("part", "both"), "task": a.task,
+               "modality": modality, "layers": cfg.vision_layers or cfg.text_layers, "lr": a.lr, "wd": a.wd,
+               "params": sum(p.numel() for p in model.parameters())}
     if modality == "vision" and a.task == "retrieval":
         raise ConfigError("retrieval needs a CLIP descendant (--modality clip at expand time)")
 
@@ -1157,42 +1477,20 @@ def cmd_finetune(a):
         """Run one phase with checkpoints in out/{tag}/; with --resume it continues from them
         (a finished phase loads its final state and runs no step)."""
         d = os.path.join(out, tag)
-        resume = a.resume and os.path.exists(os.path.join(d, "train_state.json"))
-        Trainer(model_, loss_fn, loader, args, rank, world, device, out_dir=d, config={"phase": tag, "init": a.init},
-                tag=tag).run(steps, resume)
-    # Activation (appendix A.2.1): contrastive training on --activate_frac of the
-    # image-text data for --activate_epochs epoch(s). CHOICE: applied to every learngene
-    # descendant (MM-LG, TLEG, He-LG alike), not to scratch or PT-FT; needs both towers
-    # (a vision-only descendant is not activated); learning rate --activate_lr.
-    activate = a.activate_frac > 0 and kind in ("mmlg", "tleg", "helg") and modality == "clip"
-    if activate:
-        act_loader = data.make_loader(a.activate_data, "train", a.batch_size // world, tok, cfg.image_size, True,
-                                      rank, world, a.num_workers, a.seed)
-        steps = a.activate_steps or max(1, int(a.activate_frac * act_loader.num_samples * a.activate_epochs) // a.batch_size)
-        act_args = argparse.Namespace(**{**vars(a), "lr": a.activate_lr, "warmup": -1, "halt_at": 0})
-        phase("activate", model, lambda m, b: contrastive_loss_fn(m, b, device), act_loader, act_args, steps)
-        results["activation_steps"] = steps
+        resume = a.resume and os.path.isdir(os.path.join(d, "checkpoint"))
+        train_phase(model_, loss_fn, loader, args, rank, world, device, out_dir=d,
+                    config={"phase": tag, "init": a.init}, tag=tag, resume=resume, max_steps=steps)
+    # Activation (appendix A.2.1). CHOICE: applied to every learngene descendant (MM-LG, TLEG,
+    # He-LG alike), not to scratch or PT-FT; needs both towers (a vision-only descendant is
+    # not activated); learning rate --activate_lr.
+    if a.activate_frac > 0 and kind in ("mmlg", "tleg", "helg") and modality == "clip":
+        activate(a, model, tok, cfg, init_cfg, phase, results, rank, world, device)
     if a.task == "retrieval":
-        loader = data.make_loader(a.data, "train", a.batch_size // world, tok, cfg.image_size, True, rank, world,
-                                  a.num_workers, a.seed + 1)
-        phase("finetune", model, lambda m, b: contrastive_loss_fn(m, b, device), loader, a, a.max_steps)
-        if rank == 0:
-            results.update(eval_retrieval(model, a.data, tok, cfg.image_size, device, a.eval_split, a.eval_size))
-        final = model
+        final = finetune_retrieval(a, model, tok, cfg, phase, results, rank, world, device)
+    elif a.task == "classification":
+        final = finetune_classification(a, model, cfg, modality, phase, results, rank, world, device)
     else:
-        visual = model.visual if modality == "clip" else model
-        train_loader = ClassificationLoader(a.data, "train", a.batch_size // world, cfg.image_size, rank, world,
-                                            a.seed, a.train_size)
-        clf = Classifier(visual, len(train_loader.classes)).to(device)
-
-        def cls_loss(m, batch):
-            loss = F.cross_entropy(m(batch["image"].to(device)), batch["label"].to(device))
-            return loss, {}
-        phase("finetune", clf, cls_loss, train_loader, a, a.max_steps)
-        if rank == 0:
-            test = ClassificationLoader(a.data, a.eval_split, 100, cfg.image_size, size=a.eval_size)
-            results.update(eval_classification(clf, test, device))
-        final = clf
+        final = finetune_caption(a, model, cfg, modality, phase, results, rank, world, device)
     results["finetune_steps"] = a.max_steps
     if rank == 0:
         os.makedirs(out, exist_ok=True)
@@ -1204,13 +1502,410 @@ def cmd_finetune(a):
 
 
 # -----------------------------------------------------------------------------
+# Captioning (paper Sec. 4.4, Table 2): ClipCap (Mokady & Hertz 2021) with its transformer
+# mapping network. The descendant's vision encoder and the language model are frozen; only
+# the mapper is trained. The language model is GPT-2 in raw PyTorch, in the released HF key
+# layout (wte, wpe, h.{i}.ln_1, h.{i}.attn.c_attn (Conv1D: weight [in, out]), h.{i}.attn.c_proj,
+# h.{i}.ln_2, h.{i}.mlp.c_fc, h.{i}.mlp.c_proj, ln_f; optional `transformer.` prefix).
+
+GPT2_EOS = "<|endoftext|>"
+
+
+class Conv1D(nn.Module):
+    """GPT-2's linear layer: weight stored [in, out] (the released checkpoints' layout)."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(d, eps=1e-5), nn.LayerNorm(d, eps=1e-5)
+        self.attn, self.mlp = nn.Module(), nn.Module()
+        self.attn.c_attn, self.attn.c_proj = Conv1D(d, 3 * d), Conv1D(d, d)
+        self.mlp.c_fc, self.mlp.c_proj = Conv1D(d, 4 * d), Conv1D(4 * d, d)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.attn.c_attn(self.ln_1(x)).split(D, dim=-1)
+        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, D)
+        x = x + self.attn.c_proj(y)
+        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh"))  # GPT-2's gelu_new
+
+
+class GPT2(nn.Module):
+    """GPT-2 (Radford et al. 2019) on input embeddings (ClipCap feeds a prefix); LM head tied to wte."""
+
+    def __init__(self, vocab_size, n_positions, d, layers, heads):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab_size, d), nn.Embedding(n_positions, d)
+        self.h = nn.ModuleList(GPT2Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d, eps=1e-5)
+        nn.init.normal_(self.wte.weight, std=0.02)
+        nn.init.normal_(self.wpe.weight, std=0.01)
+
+    def forward(self, embeds):
+        x = embeds + self.wpe(torch.arange(embeds.shape[1], device=embeds.device))
+        for b in self.h:
+            x = b(x)
+        return self.ln_f(x) @ self.wte.weight.t()
+
+
+class LMTokenizer:
+    """`tokenizers` byte-level BPE of a language model: tokenizer.json, or vocab.json + merges.txt."""
+
+    def __init__(self, folder):
+        import tokenizers
+        try:
+            if os.path.exists(os.path.join(folder, "tokenizer.json")):
+                self.backend = tokenizers.Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+            else:
+                self.backend = tokenizers.ByteLevelBPETokenizer(os.path.join(folder, "vocab.json"),
+                                                                os.path.join(folder, "merges.txt"))
+        except Exception as e:
+            raise ConfigError(f"{folder}: cannot read the LM tokenizer (tokenizer.json or vocab.json + merges.txt: "
+                              f"{type(e).__name__})")
+        self.eos = self.backend.token_to_id(GPT2_EOS)
+        if self.eos is None:
+            raise ConfigError(f"{folder}: the LM tokenizer has no {GPT2_EOS} token")
+
+    def encode(self, text):
+        return self.backend.encode(" " + " ".join(text.split())).ids  # GPT-2 words carry a leading space
+
+    def decode(self, ids):
+        return self.backend.decode([i for i in ids if i != self.eos]).strip()
+
+
+def load_gpt2(folder: str) -> tuple:
+    """(frozen GPT2 in eval mode, LMTokenizer) from a folder with model.safetensors in the
+    released HF layout; heads from its config.json ("n_head"), else d // 64."""
+    path = os.path.join(folder, "model.safetensors")
+    if not os.path.exists(path):
+        raise ConfigError(f"{path}: no such file (--lm wants a folder with GPT-2's model.safetensors)")
+    try:
+        sd = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
+    except Exception as e:
+        raise ConfigError(f"{path}: cannot read weights ({type(e).__name__})")
+    # the causal-mask buffers h.{i}.attn.bias / .masked_bias and the tied lm_head are not weights here
+    sd = {k: v for k, v in sd.items() if k.split(".")[-2:] not in (["attn", "bias"], ["attn", "masked_bias"])
+          and k != "lm_head.weight"}
+    if "wte.weight" not in sd or "wpe.weight" not in sd:
+        raise ConfigError(f"{path}: not a GPT-2 checkpoint (no wte.weight / wpe.weight)")
+    cfg = {}
+    if os.path.exists(os.path.join(folder, "config.json")):
+        with open(os.path.join(folder, "config.json")) as f:
+            cfg = json.load(f)
+    vocab, d = sd["wte.weight"].shape
+    layers = len({k.split(".")[1] for k in sd if k.startswith("h.")})
+    lm = GPT2(vocab, sd["wpe.weight"].shape[0], d, layers, cfg.get("n_head", max(1, d // 64)))
+    missing, unexpected = lm.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ConfigError(f"{path}: GPT-2 keys do not match (missing {missing[:1]}, unexpected {unexpected[:1]})")
+    return lm.eval().requires_grad_(False), LMTokenizer(folder)
+
+
+class TransformerMapper(nn.Module):
+    """ClipCap's transformer mapping network: the image embedding -> `clip_length` tokens,
+    concatenated with `prefix_length` learned constants, through a transformer; the outputs
+    at the constants are the prefix fed to the LM (ClipCap: 10 + 10 tokens, 8 layers)."""
+
+    def __init__(self, dim_clip, dim_lm, prefix_length=10, clip_length=10, layers=8, heads=8):
+        super().__init__()
+        self.clip_length = clip_length
+        self.linear = nn.Linear(dim_clip, clip_length * dim_lm)
+        self.prefix_const = nn.Parameter(torch.randn(prefix_length, dim_lm))
+        layer = nn.TransformerEncoderLayer(dim_lm, heads, 2 * dim_lm, dropout=0.0, batch_first=True, norm_first=True)
+        self.transformer = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+    def forward(self, x):
+        x = self.linear(x).view(x.shape[0], self.clip_length, -1)
+        prefix = self.prefix_const.unsqueeze(0).expand(x.shape[0], -1, -1)
+        return self.transformer(torch.cat([x, prefix], 1))[:, self.clip_length:]
+
+
+class ClipCap(nn.Module):
+    """Frozen vision encoder -> mapper -> frozen LM. Only the mapper is a registered module
+    (trained, checkpointed, DDP-synchronised); the frozen parts sit in a tuple."""
+
+    def __init__(self, visual, lm, tok, dim_clip, heads=8):
+        super().__init__()
+        self.frozen = (visual.eval().requires_grad_(False), lm, tok)
+        d = lm.wte.weight.shape[1]
+        self.mapper = TransformerMapper(dim_clip, d, heads=heads if d % heads == 0 else 1)
+
+    def prefix(self, images):
+        """ClipCap feeds CLIP's image embedding: the pooled feature through `proj`."""
+        visual = self.frozen[0]
+        with torch.no_grad():
+            feats = visual(images) @ visual.proj
+        return self.mapper(feats.float())
+
+    def forward(self, images, tokens):
+        """Teacher-forced logits of `tokens` [B, T] after the prefix: [B, T, vocab]."""
+        lm = self.frozen[1]
+        p = self.prefix(images)
+        logits = lm(torch.cat([p, lm.wte(tokens)], 1))
+        return logits[:, p.shape[1] - 1:-1]
+
+
+def caption_batch(tok, captions, max_len=30):
+    """(tokens [B, T], mask [B, T]) of captions + EOS, padded with EOS (masked out)."""
+    ids = [tok.encode(c)[:max_len - 1] + [tok.eos] for c in captions]
+    T = max(map(len, ids))
+    tokens = torch.full((len(ids), T), tok.eos, dtype=torch.long)
+    mask = torch.zeros(len(ids), T, dtype=torch.bool)
+    for i, s in enumerate(ids):
+        tokens[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), True
+    return tokens, mask
+
+
+@torch.no_grad()
+def generate(model, images, beam=1, max_len=30):
+    """Captions (token id lists) for `images`: greedy (beam 1) or beam search with scores
+    divided by length (ClipCap's generate_beam). No KV cache: captions are short."""
+    lm, tok = model.frozen[1], model.frozen[2]
+    out = []
+    for p in model.prefix(images):
+        beams = [([], 0.0, False)]                       # (ids, sum log-prob, finished)
+        for _ in range(max_len):
+            live = [b for b in beams if not b[2]]
+            if not live:
+                break
+            emb = torch.stack([torch.cat([p, lm.wte(torch.tensor(ids, dtype=torch.long, device=p.device))])
+                               for ids, _, _ in live])
+            logp = lm(emb)[:, -1].float().log_softmax(-1)
+            cand = [b for b in beams if b[2]]
+            top = logp.topk(beam, -1)
+            for (ids, s, _), vals, idx in zip(live, top.values.tolist(), top.indices.tolist()):
+                cand += [(ids + [i], s + v, i == tok.eos) for v, i in zip(vals, idx)]
+            beams = sorted(cand, key=lambda b: b[1] / len(b[0]), reverse=True)[:beam]
+        out.append(max(beams, key=lambda b: b[1] / len(b[0]))[0])
+    return out
+
+
+# --- caption metrics, as the COCO caption evaluation (pycocoevalcap) defines them ------------
+# Inputs are {image id: [tokenised strings]} (refs) and {image id: [one hypothesis]}.
+
+def ngram_counts(words, n):
+    return collections.Counter(tuple(words[i:i + k]) for k in range(1, n + 1) for i in range(len(words) - k + 1))
+
+
+def bleu(refs: dict, hyps: dict, n=4) -> list:
+    """Corpus BLEU-1..n (Papineni et al.): clipped n-gram matches summed over the corpus; the
+    brevity penalty uses per sentence the reference length closest to the hypothesis (ties
+    to the shorter), as pycocoevalcap's option 'closest'."""
+    tiny, small = 1e-15, 1e-9
+    correct, guess, testlen, reflen = [0] * n, [0] * n, 0, 0
+    for k in refs:
+        words = hyps[k][0].split()
+        counts = ngram_counts(words, n)
+        maxref = collections.Counter()
+        for r in refs[k]:
+            for g, c in ngram_counts(r.split(), n).items():
+                maxref[g] = max(maxref[g], c)
+        for g, c in counts.items():
+            correct[len(g) - 1] += min(c, maxref[g])
+        for j in range(n):
+            guess[j] += max(0, len(words) - j)
+        testlen += len(words)
+        reflen += min((abs(len(r.split()) - len(words)), len(r.split())) for r in refs[k])[1]
+    ratio = (testlen + tiny) / (reflen + small)
+    bp = math.exp(1 - 1 / ratio) if ratio < 1 else 1.0
+    out, prod = [], 1.0
+    for j in range(n):
+        prod *= (correct[j] + tiny) / (guess[j] + small)
+        out.append(prod ** (1 / (j + 1)) * bp)
+    return out
+
+
+def cider_d(refs: dict, hyps: dict, n=4, sigma=6.0) -> float:
+    """CIDEr-D (Vedantam et al. 2015) as pycocoevalcap's Cider: tf-idf n-gram vectors with
+    document frequencies from the references, clipped hypothesis weights, a Gaussian length
+    penalty (sigma 6; "length" = the bigram count, as there), the mean over n = 1..4 and
+    over references, x10."""
+    df = collections.Counter(g for k in refs for g in {g for r in refs[k] for g in ngram_counts(r.split(), n)})
+    log_n = math.log(len(refs))
+
+    def vec(words):
+        v, norm = [{} for _ in range(n)], [0.0] * n
+        counts = ngram_counts(words, n)
+        for g, tf in counts.items():
+            v[len(g) - 1][g] = tf * (log_n - math.log(max(1.0, df[g])))
+            norm[len(g) - 1] += v[len(g) - 1][g] ** 2
+        return v, [math.sqrt(x) for x in norm], sum(c for g, c in counts.items() if len(g) == 2)
+
+    total = 0.0
+    for k in refs:
+        vh, nh, lh = vec(hyps[k][0].split())
+        score = [0.0] * n
+        for r in refs[k]:
+            vr, nr, lr = vec(r.split())
+            for j in range(n):
+                val = sum(min(w, vr[j].get(g, 0.0)) * vr[j].get(g, 0.0) for g, w in vh[j].items())
+                if nh[j] and nr[j]:
+                    val /= nh[j] * nr[j]
+                score[j] += val * math.exp(-((lh - lr) ** 2) / (2 * sigma ** 2))
+        total += 10.0 * sum(score) / n / len(refs[k])
+    return total / len(refs)
+
+
+def lcs_len(a, b):
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+def rouge_l(refs: dict, hyps: dict, beta=1.2) -> float:
+    """ROUGE-L (Lin & Och 2004) as pycocoevalcap: LCS precision and recall, each the max over
+    references, F with beta 1.2; mean over images."""
+    total = 0.0
+    for k in refs:
+        c = hyps[k][0].split(" ")
+        lcs = [lcs_len(r.split(" "), c) for r in refs[k]]
+        p = max(l / len(c) for l in lcs)
+        r = max(l / len(ref.split(" ")) for l, ref in zip(lcs, refs[k]))
+        total += (1 + beta ** 2) * p * r / (r + beta ** 2 * p) if p and r else 0.0
+    return total / len(refs)
+
+
+def caption_tokens(text: str) -> str:
+    """Lower case, punctuation dropped, one space between words. CHOICE: stands in for the
+    COCO evaluation's Java PTBTokenizer (which also drops punctuation); contractions such as
+    "man's" stay one word here, two there."""
+    return " ".join("".join(ch if ch.isalnum() or ch == "'" else " " for ch in text.lower()).split())
+
+
+def caption_scores(refs: dict, hyps: dict) -> dict:
+    """BLEU-1..4, CIDEr-D, ROUGE-L, all x100 as the paper's Table 2 reports them."""
+    refs = {k: [caption_tokens(r) for r in v] for k, v in refs.items()}
+    hyps = {k: [caption_tokens(v[0]) or "."] for k, v in hyps.items()}
+    b = bleu(refs, hyps)
+    return {**{f"bleu{j + 1}": round(100 * x, 2) for j, x in enumerate(b)},
+            "cider": round(100 * cider_d(refs, hyps), 2), "rouge_l": round(100 * rouge_l(refs, hyps), 2)}
+
+
+def train_shapes_lm(folder: str, seed: int, steps: int = 400):
+    """The stand-in for GPT-2 on `shapes`: a 2-layer GPT (same class, same released key
+    layout, same loader) trained as a language model on shapes training captions, with its
+    own byte-level BPE; written to `folder` once and reused."""
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+    if os.path.exists(os.path.join(folder, "model.safetensors")):
+        return
+    captions = data.shapes_captions(5000, seed)
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(captions, trainers.BpeTrainer(vocab_size=400, special_tokens=[GPT2_EOS], show_progress=False,
+                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    os.makedirs(folder, exist_ok=True)
+    backend.save(os.path.join(folder, "tokenizer.json"))
+    tok = LMTokenizer(folder)
+    # its own RNG stream: the run that trains the stand-in must draw the mapper's init like the runs
+    # that reuse it
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed)
+        lm = GPT2(backend.get_vocab_size(), 64, 128, 2, 4)
+        opt = torch.optim.AdamW(lm.parameters(), lr=2e-3, weight_decay=0.01)
+        for step in range(steps):
+            batch = [captions[i] for i in torch.randint(len(captions), (64,), generator=gen).tolist()]
+            tokens, mask = caption_batch(tok, batch)
+            seq = torch.cat([torch.full((len(batch), 1), tok.eos), tokens], 1)      # EOS opens a text (GPT-2)
+            logits = lm(lm.wte(seq[:, :-1]))
+            loss = F.cross_entropy(logits[mask], tokens[mask])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    atomic_save_file(lm.state_dict(), os.path.join(folder, "model.safetensors"))
+    atomic_write_json({"n_head": 4, "stand_in": "a 2-layer GPT trained on shapes captions, not GPT-2",
+                       "final_lm_loss": round(loss.item(), 4), "steps": steps}, os.path.join(folder, "config.json"))
+
+
+def caption_data(a, image_size, rank, world):
+    """(train loader, eval loader) of captioned images (shapes, Karpathy JSON, CSV, shards)."""
+    csv = dict(csv_img_key=a.csv_img_key, csv_caption_key=a.csv_caption_key, csv_separator=a.csv_separator)
+    train = data.make_loader(a.data, "train", a.batch_size // world, None, image_size, True, rank, world,
+                             a.num_workers, a.seed, image_root=a.image_root, **csv)
+    test = retrieval_loader(a, None, image_size)
+    return train, test
+
+
+@torch.no_grad()
+def eval_captioning(model, loader, device, beam):
+    """Captions every eval image once (its key), scored against all its reference captions."""
+    model.mapper.eval()
+    refs, hyps, lm_tok = {}, {}, model.frozen[2]
+    skipped0 = getattr(loader, "skipped", 0)
+    for batch in loader:
+        new = [j for j, k in enumerate(batch["key"]) if k not in refs]
+        for k, c in zip(batch["key"], batch["caption"]):
+            refs.setdefault(k, []).append(c)
+        if new:
+            ids = generate(model, batch["image"][new].to(device), beam)
+            hyps.update({batch["key"][j]: [lm_tok.decode(s)] for j, s in zip(new, ids)})
+    model.mapper.train()
+    scores = caption_scores(refs, hyps)
+    examples = [{"ref": refs[k][0], "hyp": hyps[k][0]} for k in list(refs)[:3]]
+    # how many different captions were generated: a mapper that ignores the image writes one
+    # caption for every image, and that can still score (the most frequent caption's n-grams)
+    return {**scores, "n_images": len(refs), "n_refs": sum(map(len, refs.values())), "beam": beam,
+            "n_distinct_captions": len({h[0] for h in hyps.values()}),
+            "eval_skipped": getattr(loader, "skipped", 0) - skipped0, "examples": examples}
+
+
+def finetune_caption(a, model, cfg, modality, phase, results, rank, world, device):
+    """Table 2's protocol: vision encoder and LM frozen, the ClipCap mapper trained."""
+    lm_dir = a.lm
+    if lm_dir is None:
+        if not (a.data == "shapes" or a.data.startswith("shapes:")):
+            raise ConfigError("--task caption needs --lm <folder with GPT-2's model.safetensors and tokenizer.json or "
+                              "vocab.json + merges.txt>; only shapes has a stand-in")
+        # beside out_dir, so runs under one parent folder share the stand-in
+        lm_dir = os.path.join(os.path.dirname(os.path.abspath(a.out_dir)), "shapes_lm")
+        if rank == 0:
+            train_shapes_lm(lm_dir, 0)
+        if world > 1:
+            dist.barrier()
+        results["lm"] = "stand-in: a 2-layer GPT trained on shapes captions (not GPT-2)"
+    else:
+        results["lm"] = os.path.abspath(lm_dir)
+    lm, ltok = load_gpt2(lm_dir)
+    lm.to(device)
+    visual = model.visual if modality == "clip" else model
+    cap = ClipCap(visual, lm, ltok, cfg.embed_dim).to(device)
+    train, test = caption_data(a, cfg.image_size, rank, world)
+
+    def loss_fn(m, batch):
+        tokens, mask = caption_batch(ltok, batch["caption"])
+        logits = m(batch["image"].to(device), tokens.to(device))
+        return F.cross_entropy(logits[mask.to(device)].float(), tokens.to(device)[mask.to(device)]), {}
+    phase("finetune", cap, loss_fn, train, a, a.max_steps)
+    if rank == 0:
+        results.update(eval_captioning(cap, test, device, a.beam))
+        results["eval_subset"] = f"seeded sample of {a.eval_size} images (seed {a.seed})" if a.eval_size else "whole split"
+    return cap
+
+
+# -----------------------------------------------------------------------------
 # Subcommand: report (paper Table 3: storage and pre-training cost)
 
 
 def _run_cost(path):
     """(steps, seconds, batch) of a training out_dir (this script's or il_clip.py's)."""
     steps = secs = batch = None
-    st = os.path.join(path, "train_state.json")
+    st = os.path.join(checkpoint_dir(path), "train_state.json")
     if os.path.exists(st):
         with open(st) as f:
             j = json.load(f)
@@ -1233,7 +1928,39 @@ def _run_cost(path):
     return steps, secs, batch
 
 
+RESULT_COLUMNS = {"retrieval": ["i2t_r1", "t2i_r1"], "classification": ["top1"],
+                  "caption": ["bleu4", "cider", "rouge_l"]}
+
+
+def results_table(dirs: list) -> str:
+    """One row per finetune out_dir (its results.json): what was initialised (method, part,
+    layers), the scores, and what was scored (images, classes, subset)."""
+    lines = ["| run | init | part | layers | task | scores | evaluated |", "|---|---|---|---:|---|---|---|"]
+    for d in dirs:
+        path = os.path.join(d, "results.json")
+        if not os.path.exists(path):
+            raise ConfigError(f"{path}: no such file (not a finished finetune out_dir)")
+        with open(path) as f:
+            r = json.load(f)
+        scores = ", ".join(f"{k} {r[k]}" for k in RESULT_COLUMNS.get(r.get("task"), []) if k in r)
+        what = f"{r.get('n_images')} images" + (f", {r['n_classes']} classes" if "n_classes" in r else "") + \
+            (f", {r['n_refs']} refs" if "n_refs" in r else "") + f", {r.get('eval_subset', 'whole split')}" + \
+            (f"; {r['n_distinct_captions']} distinct captions" if "n_distinct_captions" in r else "")
+        lines.append(f"| {os.path.basename(os.path.normpath(d))} | {r.get('kind')} | {r.get('part', 'both')} | "
+                     f"{r.get('layers')} | {r.get('task')} | {scores} | {what} |")
+    return "\n".join(lines)
+
+
 def cmd_report(a):
+    if a.results:
+        print(results_table(a.results))
+    if a.learngene:
+        storage_report(a)
+    elif not a.results:
+        raise ConfigError("report needs --learngene (Table 3) and/or --results (finetune out_dirs)")
+
+
+def storage_report(a):
     aux, meta = load_learngene(a.learngene)
     lg = aux.learngene_numel()
     lg_all = sum(p.numel() for p in aux.parameters())
@@ -1271,61 +1998,64 @@ def cmd_report(a):
 # main
 
 
-def add_train_flags(p, lr, steps, batch, warmup):
-    p.add_argument("--data", default="shapes")
+def add_train_flags(p, steps, batch, warmup, lr=None, wd=None, lr_help="", data_help=""):
+    p.add_argument("--data", default="shapes", help=data_help or "shapes, tar shards, CSV, Karpathy JSON")
+    p.add_argument("--image_root", default=None, help="folder the image paths of a CSV / Karpathy JSON are under")
+    p.add_argument("--csv_img_key", default="filepath")
+    p.add_argument("--csv_caption_key", default="title")
+    p.add_argument("--csv_separator", default=None, help="default: tab if the header has one, else comma")
     p.add_argument("--out_dir", default=None)
     p.add_argument("--max_steps", type=int, default=steps)
     p.add_argument("--batch_size", type=int, default=batch, help="global batch size")
-    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--lr", type=float, default=lr, help=lr_help)
+    p.add_argument("--wd", type=float, default=wd, help="AdamW weight decay on matrices (not on gains, biases, coefficients)")
     p.add_argument("--warmup", type=int, default=warmup, help="warm-up steps (-1: 10%% of the steps)")
-    p.add_argument("--weight_decay", type=float, default=0.1)
     p.add_argument("--grad_clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="autocast dtype on CUDA (CPU: fp32)")
     p.add_argument("--num_workers", type=int, default=0)
-    p.add_argument("--log_every", type=int, default=10)
-    p.add_argument("--ckpt_every", type=int, default=200)
+    p.add_argument("--log_interval", type=int, default=10)
+    p.add_argument("--save_interval", type=int, default=200, help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--stop_at", type=int, default=0, help="stop at this step with a checkpoint, as if preempted")
+    p.add_argument("--resume", action="store_true", help="continue from out_dir/checkpoint/")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--model", default="shapes", choices=list(AUX_PRESETS))
 
 
-def build_parser():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+def add_extract_parser(sub):
     p = sub.add_parser("extract", help="distil a teacher CLIP into the learngene (paper: batch 512, lr 1e-3, "
                                        "10k warm-up, 32 epochs of CC3M+CC12M, --model ViT-S-16)")
-    p.add_argument("--teacher", required=True, help="il_clip.py out_dir or OpenAI-layout .safetensors/.pt")
+    p.add_argument("--teacher", required=True, help="il_clip.py out_dir, checkpoint/ folder or OpenAI-layout "
+                                                    ".safetensors/.pt")
     p.add_argument("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz for a bare OpenAI weight file")
-    add_train_flags(p, 1e-3, 500, 64, 50)
+    p.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
+                   help="the teacher's activation; default: its config.json's quick_gelu, else (a bare OpenAI "
+                        "weight file) QuickGELU as OpenAI's released CLIPs. Printed at start.")
+    add_train_flags(p, 500, 64, 50, lr=1e-3, wd=0.1)
     p.add_argument("--aux_width", type=int, default=None)
     p.add_argument("--aux_heads", type=int, default=None)
     p.add_argument("--aux_layers", type=int, default=None)
     p.add_argument("--patch_size", type=int, default=None)
-    p.add_argument("--quick_gelu", action="store_true")
     p.add_argument("--method", default="mmlg", choices=["mmlg", "tleg", "helg"])
     p.add_argument("--helg_layers", type=int, default=3, help="He-LG: layers per tower kept as the learngene")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--no_mm", action="store_true", help="ablation: no multimodal blocks")
-    g.add_argument("--only_mm", action="store_true", help="ablation: multimodal blocks only")
+    g.add_argument("--no_mm", action="store_true", help="extra (not Table 4): extract without multimodal blocks")
+    g.add_argument("--only_mm", action="store_true", help="extra (not Table 4): extract multimodal blocks only")
     p.add_argument("--lambda_dist", type=float, default=1.0, help="lambda of Eq. 8 (paper: 1)")
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--halt_at", type=int, default=0, help="save a checkpoint and exit after this step")
     p.set_defaults(func=cmd_extract, out_dir="out/learngene")
 
-    p = sub.add_parser("expand", help="learngene -> descendant out_dir (OpenAI layout)")
-    p.add_argument("--learngene", required=True)
-    p.add_argument("--layers", type=int, required=True)
-    p.add_argument("--modality", default="clip", choices=["clip", "vision", "text"])
-    p.add_argument("--width", type=int, default=None, help="expected width (checked)")
-    p.add_argument("--seed", type=int, default=0, help="He-LG: seed of the random layers")
-    p.add_argument("--out_dir", default=None)
-    p.set_defaults(func=cmd_expand)
 
-    p = sub.add_parser("finetune", help="activation + fine-tuning (retrieval or classification)")
+def add_finetune_parser(sub):
+    p = sub.add_parser("finetune", help="activation + fine-tuning (retrieval, classification or captioning)")
     p.add_argument("--init", required=True, help="descendant out_dir, il_clip.py out_dir (PT-FT) or scratch")
-    p.add_argument("--task", default="retrieval", choices=["retrieval", "classification"])
-    add_train_flags(p, 1e-4, 300, 64, 30)
+    p.add_argument("--task", default="retrieval", choices=["retrieval", "classification", "caption"])
+    add_train_flags(p, 300, 64, 30, lr_help="default: Table 6 per task (retrieval 5e-5, classification 1e-4, "
+                    "caption 2e-5; --wd 0.01). Table 6's real-scale warm-up 10k/5k/5k steps, batch 256, epochs "
+                    "50/500/10 are given with --warmup/--batch_size/--max_steps; the defaults here are shapes-sized. "
+                    "Classification trains with RandomResizedCrop(0.08-1) + flip on ImageFolder data",
+                    data_help="retrieval/caption: shapes, Karpathy JSON, CSV, shards; classification: shapes "
+                              "or an ImageFolder root with train/ and val/ (or test/)")
     p.add_argument("--like", default=None, help="scratch: copy config + tokenizer from this out_dir")
     p.add_argument("--layers", type=int, default=None, help="scratch: depth")
     p.add_argument("--modality", default="clip", choices=["clip", "vision"], help="scratch: towers")
@@ -1333,19 +2063,47 @@ def build_parser():
     p.add_argument("--activate_frac", type=float, default=0.1, help="paper: 10%% of the pre-training data")
     p.add_argument("--activate_epochs", type=float, default=1.0)
     p.add_argument("--activate_steps", type=int, default=None, help="override the computed activation steps")
-    p.add_argument("--activate_data", default="shapes")
+    p.add_argument("--activate_data", default=None, help="default: the data the learngene was extracted on "
+                                                         "(recorded in the descendant); required if not recorded")
     p.add_argument("--activate_lr", type=float, default=5e-4)
-    p.add_argument("--train_size", type=int, default=None, help="classification: training images")
-    p.add_argument("--eval_split", default="test")
-    p.add_argument("--eval_size", type=int, default=1000)
-    p.add_argument("--resume", action="store_true", help="continue from out_dir/activate and out_dir/finetune")
-    p.add_argument("--halt_at", type=int, default=0, help="save and exit after this fine-tuning step")
+    p.add_argument("--train_size", type=int, default=None,
+                   help="classification: a seeded class-stratified subsample of N training images (default all)")
+    p.add_argument("--eval_split", default="auto", help="auto: ImageFolder val/ else test/; shapes/JSON: test")
+    p.add_argument("--eval_size", type=int, default=None,
+                   help="opt-in seeded subsample: N images (classification: stratified by class; retrieval and "
+                        "captioning: N images with all their captions). Default: the whole split")
+    p.add_argument("--eval_data", default=None, help="retrieval/caption evaluation data when --data is a CSV or "
+                                                     "shards (no test split); default: --data's test split")
+    p.add_argument("--lm", default=None, help="caption: folder with GPT-2's model.safetensors + tokenizer.json "
+                                              "(or vocab.json + merges.txt); shapes: a stand-in GPT is trained")
+    p.add_argument("--beam", type=int, default=1, help="caption decoding: 1 greedy, >1 beam search")
     p.set_defaults(func=cmd_finetune)
 
-    p = sub.add_parser("report", help="storage / cost table (paper Table 3)")
+
+def build_parser():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    add_extract_parser(sub)
+    p = sub.add_parser("expand", help="learngene -> descendant out_dir (OpenAI layout)")
     p.add_argument("--learngene", required=True)
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--modality", default="clip", choices=["clip", "vision", "text"])
+    p.add_argument("--part", default="both", choices=["both", "no_mm", "only_mm"],
+                   help="Table 4's ablations at initialisation, from one full MM-LG learngene: no_mm leaves the "
+                        "multimodal term c^m theta^m out of Eq. 1-2 (W = c^v theta^v, W = c^l theta^l), only_mm "
+                        "leaves the unimodal term out (W = c^mv theta^m, W = c^ml theta^m); the kept term keeps its "
+                        "extracted coefficient, nothing is rescaled or filled randomly; embeddings, LayerNorms and "
+                        "projections are the full learngene's")
+    p.add_argument("--width", type=int, default=None, help="expected width (checked)")
+    p.add_argument("--seed", type=int, default=0, help="He-LG: seed of the random layers")
+    p.add_argument("--out_dir", default=None)
+    p.set_defaults(func=cmd_expand)
+    add_finetune_parser(sub)
+    p = sub.add_parser("report", help="storage / cost table (paper Table 3) and fine-tuning results side by side")
+    p.add_argument("--learngene", default=None)
     p.add_argument("--layers", type=int, nargs="+", default=[6, 8, 12])
     p.add_argument("--ptft", nargs="*", help="il_clip.py out_dirs of the directly pre-trained sizes")
+    p.add_argument("--results", nargs="*", help="finetune out_dirs: one row each (Tables 1, 2, 4)")
     p.set_defaults(func=cmd_report)
     return ap
 
@@ -1359,6 +2117,9 @@ def main(argv=None):
     except (ConfigError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except NonFiniteError as e:
+        print(str(e), file=sys.stderr, flush=True)
+        sys.exit(1)
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

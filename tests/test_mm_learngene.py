@@ -230,7 +230,7 @@ def teacher(tmp_path_factory):
 
 
 EXTRACT = ["extract", "--aux_width", "32", "--aux_heads", "2", "--aux_layers", "4", "--max_steps", "3",
-           "--batch_size", "8", "--warmup", "1", "--log_every", "1", "--ckpt_every", "0"]
+           "--batch_size", "8", "--warmup", "1", "--log_interval", "1", "--save_interval", "0"]
 
 
 def run_cli(args, nproc=1):
@@ -262,8 +262,8 @@ def test_extract_ddp_equals_single_process(teacher, extracted, tmp_path):
 def test_extract_resume_is_exact(teacher, extracted, tmp_path, capsys):
     args = EXTRACT + ["--teacher", str(teacher), "--out_dir", str(tmp_path / "r")]
     with pytest.raises(SystemExit) as e:
-        M.main(args + ["--halt_at", "1"])
-    assert e.value.code == 0 and "--halt_at" in capsys.readouterr().out
+        M.main(args + ["--stop_at", "1"])
+    assert e.value.code == 0 and "--stop_at" in capsys.readouterr().out
     M.main(args + ["--resume"])
     assert "learngene parameters" in capsys.readouterr().out
     a = load_file(str(extracted / "learngene.safetensors"))
@@ -280,7 +280,7 @@ def test_expand_and_finetune_cli(extracted, tmp_path, capsys):
     M.main(["expand", "--learngene", lg, "--layers", "3", "--modality", "vision", "--out_dir", str(tmp_path / "v3")])
     cfg = json.loads((tmp_path / "d4" / "config.json").read_text())
     assert cfg["model"]["vision_layers"] == 4 and cfg["layer_order"] == [0, 0, 1, 1]
-    common = ["--max_steps", "2", "--batch_size", "8", "--eval_size", "20", "--log_every", "1"]
+    common = ["--max_steps", "2", "--batch_size", "8", "--eval_size", "20", "--log_interval", "1"]
     M.main(["finetune", "--init", str(tmp_path / "d4"), "--task", "retrieval", "--activate_steps", "1",
             "--out_dir", str(tmp_path / "ft")] + common)
     res = json.loads((tmp_path / "ft" / "results.json").read_text())
@@ -354,14 +354,14 @@ class OracleStub(torch.nn.Module):
 
 
 def fake_loader(items, batch_size=2):
-    """`data.make_loader` stand-in: items = [(key, image caption id, text caption id)]."""
-    def make(*args, **kwargs):
-        for s in range(0, len(items), batch_size):
-            chunk = items[s:s + batch_size]
-            yield {"key": [k for k, _, _ in chunk],
-                   "image": torch.tensor([float(i) for _, i, _ in chunk]).view(-1, 1, 1, 1).expand(-1, 3, 4, 4),
-                   "text": torch.tensor([[1, t, 2] for _, _, t in chunk])}
-    return make
+    """A retrieval loader stand-in: items = [(key, image caption id, text caption id)]."""
+    out = []
+    for s in range(0, len(items), batch_size):
+        chunk = items[s:s + batch_size]
+        out.append({"key": [k for k, _, _ in chunk],
+                    "image": torch.tensor([float(i) for _, i, _ in chunk]).view(-1, 1, 1, 1).expand(-1, 3, 4, 4),
+                    "text": torch.tensor([[1, t, 2] for _, _, t in chunk])})
+    return out
 
 
 def test_retrieval_hits_ties_are_misses():
@@ -376,21 +376,18 @@ def test_retrieval_hits_ties_are_misses():
     assert i2t.tolist() == [True, False] and t2i.tolist() == [False, True, False]
 
 
-def test_eval_retrieval_duplicate_captions_and_collapse(monkeypatch):
+def test_eval_retrieval_duplicate_captions_and_collapse():
     """Regression: argmax credited a duplicated caption to whichever copy came first, and a
     collapsed model scored 100/n (12.5 at n = 8) instead of 0."""
     items = [("a", 0, 0), ("b", 1, 1), ("c", 2, 2), ("d", 0, 0), ("e", 3, 3), ("f", 4, 4), ("g", 5, 5), ("h", 6, 6)]
-    monkeypatch.setattr(M.data, "make_loader", fake_loader(items))
-    r = M.eval_retrieval(OracleStub(), "shapes", None, 4, "cpu", n=8)
+    r = M.eval_retrieval(OracleStub(), fake_loader(items), "cpu")
     # images/texts "a" and "d" (one batch apart) share caption 0: both miss, both ways
-    assert r == {"i2t_r1": 75.0, "t2i_r1": 75.0, "n_images": 8, "n_texts": 8}
-    r = M.eval_retrieval(OracleStub(collapse=True), "shapes", None, 4, "cpu", n=8)
+    assert r == {"i2t_r1": 75.0, "t2i_r1": 75.0, "n_images": 8, "n_texts": 8, "eval_skipped": 0}
+    r = M.eval_retrieval(OracleStub(collapse=True), fake_loader(items), "cpu")
     assert r["i2t_r1"] == 0 and r["t2i_r1"] == 0
-    assert M.eval_retrieval(OracleStub(), "shapes", None, 4, "cpu", n=5)["n_texts"] == 5  # n is exact
     # several captions of one image (same key) are all correct for it
-    monkeypatch.setattr(M.data, "make_loader", fake_loader([("a", 0, 0), ("b", 1, 1), ("b", 1, 1), ("c", 2, 2)]))
-    assert M.eval_retrieval(OracleStub(), "shapes", None, 4, "cpu") == \
-        {"i2t_r1": 100.0, "t2i_r1": 100.0, "n_images": 3, "n_texts": 4}
+    r = M.eval_retrieval(OracleStub(), fake_loader([("a", 0, 0), ("b", 1, 1), ("b", 1, 1), ("c", 2, 2)]), "cpu")
+    assert r == {"i2t_r1": 100.0, "t2i_r1": 100.0, "n_images": 3, "n_texts": 4, "eval_skipped": 0}
 
 
 @pytest.mark.parametrize("task", ["retrieval", "classification"])
@@ -402,12 +399,12 @@ def test_finetune_resume_is_exact(extracted, tmp_path, capsys, task):
     d = tmp_path / "d"
     M.main(["expand", "--learngene", lg, "--layers", "3", "--out_dir", str(d)])
     args = ["finetune", "--init", str(d), "--task", task, "--activate_steps", "2", "--max_steps", "4",
-            "--batch_size", "8", "--eval_size", "20", "--log_every", "1", "--train_size", "32"]
+            "--batch_size", "8", "--eval_size", "20", "--log_interval", "1", "--train_size", "32"]
     M.main(args + ["--out_dir", str(tmp_path / "one")])
     with pytest.raises(SystemExit) as e:
-        M.main(args + ["--out_dir", str(tmp_path / "two"), "--halt_at", "2"])
-    assert e.value.code == 0 and "--halt_at" in capsys.readouterr().out
-    assert json.loads((tmp_path / "two" / "finetune" / "train_state.json").read_text())["step"] == 2
+        M.main(args + ["--out_dir", str(tmp_path / "two"), "--stop_at", "2"])
+    assert e.value.code == 0 and "--stop_at" in capsys.readouterr().out
+    assert json.loads((tmp_path / "two" / "finetune" / "checkpoint" / "train_state.json").read_text())["step"] == 2
     M.main(args + ["--out_dir", str(tmp_path / "two"), "--resume"])
     a, b = (load_file(str(tmp_path / r / "model.safetensors")) for r in ("one", "two"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -418,7 +415,7 @@ def test_finetune_resume_is_exact(extracted, tmp_path, capsys, task):
 
 
 class _ListLoader:
-    """The loader interface Trainer uses, over a fixed list of batches."""
+    """The loader interface train_phase uses, over a fixed list of batches."""
 
     def __init__(self, batches):
         self.batches, self.done = batches, 0
@@ -445,13 +442,12 @@ def test_trainer_nan_stops_without_saving_anything_after_it(tmp_path):
     def loss_fn(m, x):
         loss = m(x).pow(2).mean()
         return loss, {"sq": loss.detach()}
-    args = argparse.Namespace(lr=1e-2, weight_decay=0.0, warmup=1, grad_clip=1.0, dtype="float32", log_every=3,
-                              ckpt_every=3, batch_size=8)
-    tr = M.Trainer(model, loss_fn, _ListLoader(xs), args, 0, 1, "cpu", out_dir=str(tmp_path), tag="t")
-    with pytest.raises(M.ConfigError, match="non-finite loss at a step <= 6"):
-        tr.run(8)
-    assert json.loads((tmp_path / "train_state.json").read_text())["step"] == 3
-    saved = load_file(str(tmp_path / "model.safetensors"))
+    args = argparse.Namespace(lr=1e-2, wd=0.0, warmup=1, grad_clip=1.0, dtype="fp32", log_interval=3,
+                              save_interval=3, batch_size=8)
+    with pytest.raises(M.NonFiniteError, match="non-finite loss at a step <= 6"):
+        M.train_phase(model, loss_fn, _ListLoader(xs), args, 0, 1, "cpu", 8, out_dir=str(tmp_path), tag="t")
+    assert json.loads((tmp_path / "checkpoint" / "train_state.json").read_text())["step"] == 3
+    saved = load_file(str(tmp_path / "checkpoint" / "model.safetensors"))
     assert all(torch.isfinite(v).all() for v in saved.values())
     logged = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert [m["step"] for m in logged] == [3] and logged[0]["sq"] == pytest.approx(logged[0]["loss"])
@@ -468,7 +464,7 @@ def test_sigterm_to_one_rank_stops_every_rank_and_resumes(teacher, tmp_path):
     rc, stdout, stderr = sigterm_one_rank(torchrun + argv + ["--max_steps", "100000"],
                                           str(out / "metrics.jsonl"), env=ENV)
     assert rc == 0, stderr[-3000:]
-    step = json.load(open(out / "train_state.json"))["step"]
+    step = json.load(open(out / "checkpoint" / "train_state.json"))["step"]
     assert 0 < step < 100000 and f"SIGTERM, checkpoint saved at step {step}" in stdout
     run_cli(argv + ["--max_steps", str(step + 1), "--resume"], nproc=2)
-    assert json.load(open(out / "train_state.json"))["step"] == step + 1
+    assert json.load(open(out / "checkpoint" / "train_state.json"))["step"] == step + 1

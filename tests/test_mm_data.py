@@ -1,0 +1,222 @@
+"""mm_learngene.py on real data layouts: ImageNet-style folders, a Karpathy JSON whose images
+sit under a separate root, img2dataset shards without count files; whole-split evaluation
+and its opt-in subsamples; Table 4's ablations at initialisation; the activation data."""
+import argparse
+import io
+import json
+import os
+import tarfile
+
+import pytest
+import torch
+from PIL import Image
+
+import data
+import mm_learngene as M
+from test_mm_learngene import expect_error, extracted, hand_layer, randomise, small_cfg, teacher  # noqa: F401
+
+
+def jpeg(colour, size=20):
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), colour).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def test_stratified_subsample():
+    labels = [0] * 50 + [1] * 30 + [2] * 20        # class-sorted, like a folder listing
+    pick = M.stratified_subsample(labels, 10, seed=0)
+    assert len(pick) == 10 == len(set(pick)) and pick == sorted(pick)
+    assert [sum(labels[i] == c for i in pick) for c in range(3)] == [5, 3, 2]
+    assert pick == M.stratified_subsample(labels, 10, seed=0) != M.stratified_subsample(labels, 10, seed=1)
+    # largest remainder: 7 of (50, 30, 20) -> quotas 3.5, 2.1, 1.4 -> 4, 2, 1
+    pick = M.stratified_subsample(labels, 7, seed=0)
+    assert [sum(labels[i] == c for i in pick) for c in range(3)] == [4, 2, 1]
+    assert M.stratified_subsample(labels, 500, 0) == list(range(100))
+
+
+def test_shapes_class_label_matches_the_generator():
+    assert all(M.shapes_class_label("test", i, 0) == data.shapes_classification("test", i, 0, 16)[1] for i in range(20))
+
+
+def make_imagefolder(root, eval_name="val"):
+    """ImageNet layout: train/ has 3 classes, the eval split lacks 'ant' (indices must still come
+    from train/) and holds one corrupt JPEG in 13 (skipped and counted, not a traceback)."""
+    colours = {"ant": "red", "bee": "green", "cat": "blue"}
+    for split, classes, n in (("train", ["ant", "bee", "cat"], 4), (eval_name, ["bee", "cat"], 6)):
+        for c in classes:
+            os.makedirs(os.path.join(root, split, c))
+            for i in range(n):
+                with open(os.path.join(root, split, c, f"{i}.JPEG"), "wb") as f:
+                    f.write(jpeg(colours[c]))
+    with open(os.path.join(root, eval_name, "cat", "bad.jpg"), "wb") as f:
+        f.write(b"\xff\xd8 not a jpeg")
+
+
+def cls_args(root, **kw):
+    base = dict(data=str(root), eval_split="auto", train_size=None, eval_size=None, seed=0, batch_size=4,
+                num_workers=0)
+    return argparse.Namespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("eval_name", ["val", "test"])
+def test_imagefolder_train_val_and_train_test(tmp_path, eval_name):
+    make_imagefolder(tmp_path, eval_name)
+    train, test, classes, info = M.classification_data(cls_args(tmp_path), 16, 0, 1)
+    assert classes == ["ant", "bee", "cat"] and info["eval_data"].endswith(eval_name)
+    labels = [y for b in test for y in b["label"].tolist()]
+    assert sorted(labels) == [1] * 6 + [2] * 6 and test.skipped == 1    # bee = 1, cat = 2 as in train/
+    clf = M.Classifier(M.VisionTransformer(M.ModelConfig(image_size=16, patch_size=8, vision_width=16, vision_layers=1,
+                                                         vision_heads=2, text_layers=0)), 3)
+    r = M.eval_classification(clf, test, "cpu", 3)
+    assert r["n_images"] == 12 and r["n_classes_scored"] == 2 and r["n_classes"] == 3 and r["eval_skipped"] == 1
+    assert train.num_samples == 12
+
+
+def test_imagefolder_flat_and_unknown_class_are_errors(tmp_path):
+    make_imagefolder(tmp_path / "tree")
+    with pytest.raises(M.ConfigError, match="flat folder"):
+        M.classification_data(cls_args(tmp_path / "tree" / "train"), 16, 0, 1)
+    os.makedirs(tmp_path / "tree" / "val" / "dog")
+    with open(tmp_path / "tree" / "val" / "dog" / "0.jpg", "wb") as f:
+        f.write(jpeg("white"))
+    with pytest.raises(M.ConfigError, match="'dog' is not in the training folder"):
+        M.classification_data(cls_args(tmp_path / "tree"), 16, 0, 1)
+
+
+def test_shapes_classification_whole_split_and_stratified_subsample():
+    train, test, classes, info = M.classification_data(cls_args("shapes", batch_size=8), 16, 0, 1)
+    assert test.num_samples == 1000 and info["eval_subset"] == "whole split"
+    train, test, _, info = M.classification_data(cls_args("shapes", eval_size=60, train_size=24, batch_size=8), 16, 0, 1)
+    labels = [y for b in test for y in b["label"].tolist()]
+    assert len(labels) == 60 and len(set(labels)) == 6 and "stratified" in info["eval_subset"]
+    assert train.num_samples == 24
+
+
+def make_karpathy(tmp_path, n_test=6):
+    """Flickr30k layout: no 'filepath', images under a root apart from the JSON."""
+    images = []
+    os.makedirs(tmp_path / "flickr_images")
+    for i in range(n_test + 4):
+        name = f"{1000 + i}.jpg"
+        with open(tmp_path / "flickr_images" / name, "wb") as f:
+            f.write(jpeg((20 * i, 100, 200 - 10 * i)))
+        images.append({"filename": name, "imgid": i, "split": "test" if i < n_test else "train",
+                       "sentences": [{"raw": f"photo {i} caption {j}.", "tokens": []} for j in range(5)]})
+    (tmp_path / "ann").mkdir()
+    path = tmp_path / "ann" / "dataset_flickr30k.json"
+    path.write_text(json.dumps({"images": images, "dataset": "flickr30k"}))
+    return str(path)
+
+
+def test_karpathy_image_root_and_retrieval_counted_in_images(tmp_path):
+    spec = make_karpathy(tmp_path)
+    tok = data.build_tokenizer(captions=[f"photo {i} caption {j}" for i in range(10) for j in range(5)], vocab_size=300,
+                               context_length=16)
+    a = argparse.Namespace(data=spec, eval_split="auto", eval_size=None, seed=0, image_root=str(tmp_path / "flickr_images"),
+                           csv_img_key="filepath", csv_caption_key="title", csv_separator=None)
+    cfg = M.ModelConfig(embed_dim=8, image_size=16, patch_size=8, vision_width=16, vision_layers=1, vision_heads=2,
+                        context_length=16, vocab_size=tok.vocab_size, text_width=16, text_layers=1, text_heads=2,
+                        eot_token_id=tok.eot_id)
+    model = M.CLIP(cfg)
+    r = M.eval_retrieval(model, M.retrieval_loader(a, tok, 16, batch_size=4), "cpu")
+    assert (r["n_images"], r["n_texts"], r["eval_skipped"]) == (6, 30, 0)
+    a.eval_size = 4                          # 4 IMAGES with all their captions, not 4 captions
+    r = M.eval_retrieval(model, M.retrieval_loader(a, tok, 16, batch_size=4), "cpu")
+    assert (r["n_images"], r["n_texts"]) == (4, 20)
+    a.image_root = None                      # without it every image is missing: the loader says so
+    with pytest.raises(data.DataError, match="skipped"):
+        M.eval_retrieval(model, M.retrieval_loader(a, tok, 16, batch_size=4), "cpu")
+
+
+def write_shards(folder, n_shards=2, per=5):
+    """img2dataset webdataset output without its _stats.json / sizes.json count files."""
+    os.makedirs(folder)
+    for s in range(n_shards):
+        with tarfile.open(os.path.join(folder, f"{s:05d}.tar"), "w") as tf:
+            for i in range(per):
+                key = f"{s:05d}{i:04d}"
+                for ext, blob in (("jpg", jpeg((40 * i, 80, 120))), ("txt", f"a photo number {i}".encode()),
+                                  ("json", b"{}")):
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(blob)
+                    tf.addfile(info, io.BytesIO(blob))
+    return folder
+
+
+def test_activation_on_shards_without_count_files(tmp_path, extracted, capsys):  # noqa: F811
+    shards = write_shards(str(tmp_path / "shards"))
+    assert data.resolve_data(shards)["num_samples"] is None and M.count_shard_samples(shards) == 10
+    lg = str(extracted / "learngene.safetensors")
+    M.main(["expand", "--learngene", lg, "--layers", "2", "--out_dir", str(tmp_path / "d")])
+    M.main(["finetune", "--init", str(tmp_path / "d"), "--activate_data", shards, "--activate_frac", "1",
+            "--max_steps", "1", "--batch_size", "4", "--eval_size", "8", "--log_interval", "1",
+            "--out_dir", str(tmp_path / "ft")])
+    res = json.loads((tmp_path / "ft" / "results.json").read_text())
+    assert res["activation_samples"] == 10 and res["activation_steps"] == 2 and res["activation_data"] == shards
+    assert "counted 10 samples" in capsys.readouterr().out
+
+
+def test_activation_data_comes_from_the_learngene_or_is_required(tmp_path, extracted, capsys):  # noqa: F811
+    lg = str(extracted / "learngene.safetensors")
+    M.main(["expand", "--learngene", lg, "--layers", "2", "--out_dir", str(tmp_path / "d")])
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["extract_data"]["data"] == "shapes"          # what extract ran on
+    del cfg["extract_data"]
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    expect_error(["finetune", "--init", str(tmp_path / "d"), "--data", make_karpathy(tmp_path), "--max_steps", "1"],
+                 capsys, "pass --activate_data")
+
+
+@pytest.mark.parametrize("part", ["no_mm", "only_mm"])
+def test_ablation_at_initialisation_from_one_full_learngene(part):
+    """Table 4: descendants of the FULL learngene with a term of Eq. 1-2 left out, the kept
+    term at its extracted coefficient; the rest of the descendant equals the full one."""
+    aux = randomise(M.AuxCLIP(small_cfg(layers=4))).eval()
+    lg_sd = aux.state_dict()
+    full, _ = M.descendant_state(aux, 3, "clip")
+    abl, _ = M.descendant_state(aux, 3, "clip", part=part)
+    for tower, prefix in (("visual", "visual.transformer.resblocks."), ("text", "transformer.resblocks.")):
+        for i, k in enumerate(M.expand_order(3, 2)):
+            want = hand_layer(lg_sd, tower, k % 2, k, part)
+            for n in M.LINEAR_NAMES:
+                torch.testing.assert_close(abl[f"{prefix}{i}.{n}"], want[n], rtol=0, atol=1e-6)
+                assert not torch.equal(abl[f"{prefix}{i}.{n}"], full[f"{prefix}{i}.{n}"])
+    for k in full:
+        if ".resblocks." not in k or k.rsplit(".", 2)[-2].startswith("ln_"):
+            assert torch.equal(abl[k], full[k]), k
+
+
+def test_expand_part_cli_and_refusals(tmp_path, extracted, capsys):  # noqa: F811
+    lg = str(extracted / "learngene.safetensors")
+    M.main(["expand", "--learngene", lg, "--layers", "2", "--part", "only_mm", "--out_dir", str(tmp_path / "o")])
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["part"] == "only_mm"
+    expect_error(["expand", "--learngene", lg, "--layers", "2", "--modality", "text"], capsys, "text-only")
+
+
+def test_retrieval_on_csv_needs_held_out_eval_data(tmp_path):
+    (tmp_path / "a.jpg").write_bytes(jpeg("red"))
+    (tmp_path / "train.csv").write_text("filepath\ttitle\na.jpg\ta red square\n")
+    a = argparse.Namespace(data=str(tmp_path / "train.csv"), eval_data=None, eval_split="auto", eval_size=None, seed=0,
+                           image_root=None, csv_img_key="filepath", csv_caption_key="title", csv_separator=None)
+    with pytest.raises(M.ConfigError, match="pass --eval_data"):
+        M.retrieval_loader(a, None, 16)
+    a.eval_data = str(tmp_path / "train.csv")
+    assert M.retrieval_loader(a, None, 16).num_samples == 1
+
+
+def test_finetune_classification_two_ranks_equal_one_process(tmp_path, extracted):  # noqa: F811
+    """torchrun with 2 gloo ranks (batch 8 = 2 x 4, the data loader shards by rank) ends with the
+    single process's weights and the same whole-split score."""
+    from test_mm_learngene import run_cli
+    from safetensors.torch import load_file
+    lg = str(extracted / "learngene.safetensors")
+    M.main(["expand", "--learngene", lg, "--layers", "2", "--modality", "vision", "--out_dir", str(tmp_path / "v")])
+    args = ["finetune", "--init", str(tmp_path / "v"), "--task", "classification", "--max_steps", "3",
+            "--batch_size", "8", "--train_size", "48", "--eval_size", "30", "--log_interval", "1", "--dtype", "fp32"]
+    run_cli(args + ["--out_dir", str(tmp_path / "one")])
+    run_cli(args + ["--out_dir", str(tmp_path / "two")], nproc=2)
+    a, b = (load_file(str(tmp_path / r / "model.safetensors")) for r in ("one", "two"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    ra, rb = (json.loads((tmp_path / r / "results.json").read_text()) for r in ("one", "two"))
+    assert ra["n_images"] == rb["n_images"] == 30 and ra["top1"] == rb["top1"]
