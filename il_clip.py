@@ -8,8 +8,10 @@ CLIP, Codebook-CLIP (FDT), NegCLIP and IL-CLIP (iterated learning) in one file.
 Paper: "Iterated Learning Improves Compositionality in Large Vision-Language Models"
 (Zheng et al., CVPR 2024), ../shared/papers/il_clip.md; choices the paper leaves open follow
 SPEC.md section 2 and are stated next to the code that makes them.
-Reads top to bottom: config -> model -> sparsemax / codebook head -> losses -> IL schedule ->
-checkpoints -> training loop -> evaluation -> main().
+Reads top to bottom: config (presets, defaults, flags) -> model -> sparsemax / codebook head ->
+losses -> IL schedule -> weights and checkpoints -> compute_loss (every loss term of a step) ->
+model, optimizer and IL phases (set_trainable, spawn) -> setup + train (the step loop) ->
+evaluation -> main().
 """
 import argparse
 import copy
@@ -1521,6 +1523,8 @@ def log(r, rec):
     if r.rank == 0:
         with open(r.metrics_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
+        print(f"step {rec['step']}: loss {rec['loss']:.4f} (contrastive {rec['clip_loss']:.4f}), "
+              f"{rec['phase']} gen {rec['generation']}, {rec['samples_per_s']:.1f} samples/s", flush=True)
 
 
 # -----------------------------------------------------------------------------
