@@ -7,16 +7,19 @@ Throughput, MFU and memory benchmarks (nanoGPT's bench.py is the model).
     python bench.py --data shapes                                              # data pipeline alone
     python bench.py --codebook_memory                                          # codebook head memory
     python bench.py --composer                                                 # COMPOSER recursion
-    python bench.py --model ViT-B-32 --method codebook --grad_overlap          # all-reduce vs backward
     python bench.py --targets --model ViT-B-32 --compile --json targets.json   # every target, checked
 
-Training steps run through il_clip.Trainer itself (its loss, IL phase logic, spawn, AdamW,
-grad clipping, logit_scale clamp) on one synthetic batch that stays on the device; only the
-tokenizer and the batches are replaced. The timed window starts and ends with one device
-synchronisation each, so the hot loop keeps whatever host-device overlap il_clip.py has.
+How it measures. The training step is il_clip.py's, written out in run_trainer: il_clip's CLIP,
+AdamW groups and il_clip.compute_loss (contrastive; KD to a frozen teacher in distill), grad
+clipping and the logit-scale clamp, on one synthetic batch kept on the device (text on the CPU,
+trimmed as in training). Timed windows start and end with one device synchronisation each, so
+the loop keeps the step's host-device overlap. IL: distill and interact steps are timed apart
+and combined at the paper's schedule (5 x 1000 distill steps and 5 spawns in 48k steps).
 Memory: CUDA reports torch.cuda.max_memory_allocated over the timed steps; the CPU reports the
 peak RSS (VmHWM, reset through /proc/self/clear_refs at the start of the timed window) minus
 the RSS before the model was built: model + optimizer + activations + allocator slack.
+The CPU is shared here: --reference / --targets alternate the runs --rounds times and keep the
+best; CPU runs also report process CPU time. Compare ratios from one run, never across runs.
 """
 import argparse
 import contextlib
@@ -24,8 +27,8 @@ import gc
 import math
 import statistics
 import sys
-import tempfile
 import time
+import types
 import weakref
 
 import torch
@@ -99,7 +102,7 @@ def setup_device(args):
 
 
 # -----------------------------------------------------------------------------
-# training steps through il_clip.Trainer on synthetic tensors
+# il_clip.py's training step, written out, on one synthetic on-device batch
 
 
 class SyntheticTokenizer:
@@ -110,9 +113,6 @@ class SyntheticTokenizer:
         self.vocab_size, self.context_length = vocab_size, context_length
         self.pad_id, self.sot_id, self.eot_id = 0, vocab_size - 2, vocab_size - 1
 
-    def save(self, out_dir):
-        """The bench writes no checkpoint, so there is nothing to save."""
-
     def batch(self, B, device, g):
         L = self.context_length
         text = torch.randint(1, self.sot_id, (B, L), generator=g)
@@ -121,32 +121,6 @@ class SyntheticTokenizer:
         text[:, 0] = self.sot_id
         text = torch.where(pos == n[:, None], self.eot_id, torch.where(pos > n[:, None], 0, text))
         return text.to(device)
-
-
-class StopBench(Exception):
-    """Raised from inside the training loop to close the timed window."""
-
-
-class TimedBatches:
-    """Trainer.batches replacement: the same on-device batch at every step. At the step indices
-    in `marks` it synchronises the device and takes the time (the start of that step's forward);
-    at the last mark it stops the run."""
-
-    def __init__(self, batch, device, marks, mem):
-        self.batch, self.device, self.marks, self.mem = batch, device, sorted(marks), mem
-        self.calls, self.times, self.cpu = 0, [], []
-
-    def next(self):
-        if self.calls in self.marks:
-            sync(self.device)
-            self.times.append(time.perf_counter())
-            self.cpu.append(time.process_time())
-            if len(self.times) == 1:
-                self.mem.start()
-            if self.calls == self.marks[-1]:
-                raise StopBench
-        self.calls += 1
-        return self.batch
 
 
 def model_config(model, method, codebook):
@@ -160,68 +134,79 @@ def default_codebook(model):
     return 1024 if model == "tiny" else 16384      # shapes default / the paper's K
 
 
-def run_trainer(args, method, device):
-    """Time `args.steps` training steps of il_clip.Trainer. For `il` the timed window is one whole
-    generation (distill 1/6, interact 5/6 as in the paper's 1000/5000) after a warm-up that already
-    ran a generation, so compiled graphs of both phases exist; the spawn is timed separately."""
-    preset = il_clip.MODEL_PRESETS[args.model]
-    tok = SyntheticTokenizer(preset["vocab_size"], preset["context_length"])
-    K = args.codebook if args.codebook is not None else default_codebook(args.model)
-    W, N = args.warmup, args.steps
-    if method == "il":
-        d = max(1, round(N / 6))
-        i = max(1, N - d)
-        s0 = W + d + i                          # first step of generation 2 (spawn already done)
-        marks = [s0, s0 + d, s0 + d + i]
-        sched = ["--t_warm", W, "--t_distill", d, "--t_interact", i, "--generations", 2, "--t_extend", 1]
-    else:
-        marks, sched = [W, W + N], []
-    argv = ["--data", "shapes", "--model", args.model, "--method", method, "--batch_size", args.batch_size,
-            "--device", str(device), "--dtype", args.dtype, "--max_steps", marks[-1] + 1,
-            "--log_interval", 10**9, "--save_interval", 10**9, "--eval_n", 0, "--seed", 0, *sched]
-    if method != "clip":
-        argv += ["--codebook", K]
-    if args.compile:
-        argv.append("--compile")
-    mem = PeakMemory(device)
-    with tempfile.TemporaryDirectory() as tmp:
-        targs = il_clip.build_args([str(a) for a in argv + ["--out_dir", tmp]])
-        torch.manual_seed(0)
-        trainer = il_clip.Trainer(targs, 0, 1, tokenizer=tok)     # no BPE training: the preset's vocab
-        trainer.master = False                  # no tqdm, metrics.jsonl or checkpoints while timing
-        g = torch.Generator().manual_seed(0)
-        S = trainer.cfg.image_size
-        batch = {"image": torch.randn(args.batch_size, 3, S, S, generator=g).to(device),
-                 "text": tok.batch(args.batch_size, device, g),
-                 "caption": ["a red square left of a blue circle"] * args.batch_size}
-        trainer.batches = tb = TimedBatches(batch, device, marks, mem)
-        spawn_times = []
-        real_spawn = trainer.spawn
+def timed(step, n, device, mem=None):
+    """(wall seconds, process CPU seconds) per call of step() over n calls, between two device
+    synchronisations (so the loop keeps whatever host-device overlap the step has)."""
+    sync(device)
+    if mem is not None:
+        mem.start()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        step()
+    sync(device)
+    return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
 
-        def timed_spawn(gen):
-            sync(device)
-            t = time.perf_counter()
-            real_spawn(gen)
-            sync(device)
-            spawn_times.append(time.perf_counter() - t)
-        trainer.spawn = timed_spawn
-        try:
-            trainer.train()
-            raise RuntimeError("the training loop ended before the timed window closed")
-        except StopBench:
-            pass  # the timed window closed: the expected way out of trainer.train()
-        peak = mem.peak()
-        cfg = trainer.cfg
-        del trainer
-    t = tb.times
-    res = {"method": method, "cfg": cfg, "peak_bytes": peak, "mem_kind": mem.kind(),
-           "step_s": (t[-1] - t[0]) / (marks[-1] - marks[0]),
-           "cpu_s": (tb.cpu[-1] - tb.cpu[0]) / (marks[-1] - marks[0])}
-    if method == "il":
-        res.update(distill_s=(t[1] - t[0]) / d, interact_s=(t[2] - t[1]) / i, spawn_s=spawn_times[-1], d=d, i=i)
+
+def run_trainer(args, method, device):
+    """Times il_clip.py's training step: its CLIP model, AdamW groups, il_clip.compute_loss
+    (contrastive, or KD to a frozen teacher in distill), grad clip, logit-scale clamp, optional
+    compiled encoders. For `il` the distill step (language agent spawned; vision and codebook
+    frozen) and the interact step are timed apart, after an untimed warm-up of each, and one
+    spawn (teacher copy, re-initialisation, AdamW state cleared) is timed on its own."""
+    K = args.codebook if args.codebook is not None else default_codebook(args.model)
+    cfg = model_config(args.model, method, K)
+    il_args = types.SimpleNamespace(distill_loss="kd", no_freeze_codebook=False, distill_train_vision=False)
+    mem = PeakMemory(device)
+    torch.manual_seed(0)
+    model = il_clip.CLIP(cfg, seed=0).to(device)
+    decay, no_decay = il_clip.param_groups(model)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=5e-4, betas=(0.9, 0.98), eps=1e-6, fused=device.type == "cuda")
+    if args.compile:
+        il_clip.compile_encoders(model)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext())
+    r = types.SimpleNamespace(device=device, cfg=cfg, pool=None, text_tokens=0, args=il_args, autocast=autocast)
+    g = torch.Generator().manual_seed(0)
+    batch = {"image": torch.randn(args.batch_size, 3, cfg.image_size, cfg.image_size, generator=g).to(device),
+             "text": SyntheticTokenizer(cfg.vocab_size, cfg.context_length).batch(args.batch_size, "cpu", g)}
+
+    def step(phase="train", teacher=None):
+        loss, _ = il_clip.compute_loss(model, teacher, batch, phase, "language" if teacher else None, r)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            model.logit_scale.clamp_(*((3.0, 6.0) if cfg.codebook_size else (0.0, math.log(100))))
+
+    il_clip.set_trainable(model, il_args, "train", None)
+    for _ in range(args.warmup):
+        step()
+    res = {"method": method, "cfg": cfg, "mem_kind": mem.kind()}
+    if method != "il":
+        res["step_s"], res["cpu_s"] = timed(step, args.steps, device, mem)
+    else:
+        d = max(1, round(args.steps / 6))           # the paper's 1000 distill : 5000 interact
+        i = max(1, args.steps - d)
+        sync(device)
+        t = time.perf_counter()
+        teacher = il_clip.frozen_copy(model, args.compile)
+        model.init_agent("language", torch.Generator().manual_seed(1))
+        for _, p in il_clip.agent_params(model, "language"):
+            opt.state.pop(p, None)
+        sync(device)
+        res["spawn_s"] = time.perf_counter() - t
+        il_clip.set_trainable(model, il_args, "distill", "language")
+        for _ in range(args.warmup):
+            step("distill", teacher)
+        res["distill_s"], cpu_d = timed(lambda: step("distill", teacher), d, device, mem)
+        il_clip.set_trainable(model, il_args, "interact", None)
+        res["interact_s"], cpu_i = timed(lambda: step("interact"), i, device)
+        res.update(d=d, i=i, cpu_s=(d * cpu_d + i * cpu_i) / (d + i))
+        res["window_avg_s"] = res["step_s"] = (d * res["distill_s"] + i * res["interact_s"] + res["spawn_s"]) / (d + i)
         # the paper's schedule: 48000 steps, 5 x 1000 distill, 5 spawns, the rest contrastive
         res["paper_avg_s"] = (5000 * res["distill_s"] + 43000 * res["interact_s"] + 5 * res["spawn_s"]) / 48000
-        res["window_avg_s"] = (t[2] - t[0] + res["spawn_s"]) / (d + i)
+    res["peak_bytes"] = mem.peak()
     return res
 
 
@@ -441,17 +426,17 @@ class LiveTensorBytes(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def codebook_head(q, codes, topk, naive=False, **chunking):
+def codebook_head(q, codes, naive=False, **chunking):
     """query-map output q [B, P, D] -> max over tokens -> sparsemax over K -> weighted sum of codes."""
     if naive:
         s = (q @ codes.t()).max(dim=1).values                    # materialises B x P x K
     else:
         s = il_clip.max_code_scores(q, codes, **chunking)        # chunking: il_clip's `budget`
-    w = il_clip.sparsemax(s / math.sqrt(q.shape[-1]), dim=-1, topk=topk)
+    w = il_clip.sparsemax(s / math.sqrt(q.shape[-1]), dim=-1)
     return F.normalize(w @ codes, dim=-1)
 
 
-def head_peak(B, P, K, D, topk, naive, device, **chunking):
+def head_peak(B, P, K, D, naive, device, **chunking):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(B, P, D, generator=g).to(device).requires_grad_()
     codes = torch.randn(K, D, generator=g).to(device).requires_grad_()
@@ -461,24 +446,23 @@ def head_peak(B, P, K, D, topk, naive, device, **chunking):
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        (codebook_head(q, codes, topk, naive, **chunking) * target).sum().backward()
+        (codebook_head(q, codes, naive, **chunking) * target).sum().backward()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base, "CUDA max_memory_allocated"
     with LiveTensorBytes() as m:
-        (codebook_head(q, codes, topk, naive, **chunking) * target).sum().backward()
+        (codebook_head(q, codes, naive, **chunking) * target).sum().backward()
     return m.peak, "live tensor storage bytes (TorchDispatchMode)"
 
 
 def bench_codebook_memory(args, device):
     B, K, D = args.batch_size, args.codebook or 16384, args.code_dim
-    topk = 256 if K > 2048 else 0
-    print(f"codebook head forward + backward, B={B}, K={K}, D={D}, sparsemax top-k {topk}, fp32, {device_name(device)}")
+    print(f"codebook head forward + backward, B={B}, K={K}, D={D}, exact sparsemax, fp32, {device_name(device)}")
     avail = _mem_available()
     for P in (49, 196):
-        ours, kind = head_peak(B, P, K, D, topk, False, device)
+        ours, kind = head_peak(B, P, K, D, False, device)
         naive_need = B * P * K * 4
         if device.type == "cuda" or 3 * naive_need < avail:
-            naive, _ = head_peak(B, P, K, D, topk, True, device)
+            naive, _ = head_peak(B, P, K, D, True, device)
             naive_s = fmt_bytes(naive)
         else:
             naive_s = f"skipped (B*P*K*4 = {fmt_bytes(naive_need)}, too close to free memory)"
@@ -545,64 +529,6 @@ def bench_composer(args, device):
 
 
 # -----------------------------------------------------------------------------
-# --grad_overlap: when GradReducer's all-reduces start, relative to backward
-
-
-def grad_overlap(model, images, text, bucket_bytes, rebuild=True):
-    """Second-step launches of a GradReducer on `model`: (gradients, buckets, gradients arrived
-    before the first all-reduce starts, fraction of gradient bytes that start only once backward
-    has ended). rebuild=False keeps the first buckets (reverse registration order)."""
-    red = il_clip.GradReducer(model.parameters(), world=1, bucket_bytes=bucket_bytes)
-    if not rebuild:
-        red.seen = set(range(len(red.params)))      # nothing is ever new: no rebuild
-    arrived, launches = [0], []                     # gradients so far; (gradients so far, bytes) per launch
-    for p in red.params:                            # registered after the reducer's hooks: run after them
-        p.register_post_accumulate_grad_hook(lambda _p: arrived.__setitem__(0, arrived[0] + 1))
-    launch = red._launch
-    red._launch = lambda idx: (launches.append((arrived[0], sum(red.params[j].grad.nbytes for j in idx))),
-                               launch(idx))
-    for _ in range(2):                              # the first step learns what to wait for
-        model.zero_grad(set_to_none=True)
-        arrived[0], red.armed = 0, True
-        launches.clear()
-        il_clip.contrastive_loss(model.encode_image(images), model.encode_text(text),
-                                 model.logit_scale.exp()).backward()
-        n = arrived[0]
-        red.finish()
-    total = sum(b for _, b in launches)
-    during = [(a, b) for a, b in launches if a < n - 1]     # launched before the last gradient arrived
-    return n, len(red.buckets), during[0][0] if during else n, 1 - sum(b for _, b in during) / total
-
-
-def bench_grad_overlap(args):
-    """Which gradient all-reduces il_clip.GradReducer starts while backward still runs. The order
-    gradients arrive in is a property of the graph, so this runs on the CPU, batch 4, fp32, on a
-    one-rank gloo group (the collectives are identities)."""
-    import copy
-    import os
-    import torch.distributed as dist
-    K = args.codebook if args.codebook is not None else default_codebook(args.model)
-    cfg = model_config(args.model, args.method, K)
-    torch.manual_seed(0)
-    model = il_clip.CLIP(cfg)
-    images = torch.randn(4, 3, cfg.image_size, cfg.image_size)
-    text = SyntheticTokenizer(cfg.vocab_size, cfg.context_length).batch(4, "cpu", torch.Generator().manual_seed(0))
-    print(f"gradient all-reduce buckets, {args.model} {args.method}" + (f" K={K}" if cfg.codebook_size else "")
-          + f", --bucket_mb {args.bucket_mb:g}, from the second step on:")
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method="file://" + os.path.join(d, "store"), rank=0, world_size=1)
-        try:
-            for rebuild, label in ((False, "reverse registration order"), (True, "arrival order (il_clip.py)")):
-                n, buckets, first, late = grad_overlap(copy.deepcopy(model), images, text,
-                                                       int(args.bucket_mb * 2**20), rebuild)
-                print(f"  {label:27s}: {buckets} buckets; the first all-reduce starts after {first} of {n} "
-                      f"gradients; {late:.0%} of the gradient bytes start only after the last gradient")
-        finally:
-            dist.destroy_process_group()
-    return 0
-
-
-# -----------------------------------------------------------------------------
 # --targets: every target of the speed issue measured in one run and checked against its threshold
 
 
@@ -639,7 +565,7 @@ def _fmt_target(key, v):
 
 def run_targets(args, device):
     """Measures what TARGETS needs with the given model / batch / dtype / compile flags: CLIP,
-    Codebook-CLIP and IL training steps through il_clip.Trainer, the same CLIP step through
+    Codebook-CLIP and IL training steps through il_clip.py's step (run_trainer), the same CLIP step through
     open_clip (when installed), each run --rounds times in turn and the fastest kept, and the
     codebook head's peak memory at the issue's fixed size. Returns (rows, the kept result per
     method, (head peak bytes, how they were counted))."""
@@ -652,7 +578,7 @@ def run_targets(args, device):
               "il_over_codebook": res["il"]["paper_avg_s"] / res["codebook"]["step_s"]}
     if "open_clip" in res:          # samples/s ratio = inverse step-time ratio (same batch)
         values["vs_open_clip"] = res["open_clip"]["step_s"] / clip_step
-    head = head_peak(256, 49, 16384, 512, 256, False, device)
+    head = head_peak(256, 49, 16384, 512, False, device)
     values["codebook_head_bytes"] = head[0]
     return target_rows(values, device.type == "cuda"), res, head
 
@@ -703,7 +629,7 @@ def bench_targets(args, device):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", choices=list(il_clip.MODEL_PRESETS))
     p.add_argument("--method", default="clip", choices=["clip", "codebook", "il"])
     p.add_argument("--batch_size", type=int, default=None, help="default: 64 for tiny, 256 otherwise")
@@ -722,8 +648,6 @@ def main(argv=None):
     p.add_argument("--codebook_memory", action="store_true", help="peak memory of the codebook head alone")
     p.add_argument("--code_dim", type=int, default=512, help="--codebook_memory: D of codes and queries")
     p.add_argument("--composer", action="store_true", help="level-batched vs node-by-node composition")
-    p.add_argument("--grad_overlap", action="store_true", help="which gradient all-reduces start during backward")
-    p.add_argument("--bucket_mb", type=float, default=25.0, help="--grad_overlap: il_clip.py's --bucket_mb")
     p.add_argument("--targets", action="store_true", help="measure every target of the speed issue (CLIP MFU, "
                    "codebook and IL overhead, open_clip ratio, codebook head memory) and check each")
     p.add_argument("--json", default=None, help="--targets: also write the report to this JSON file")
@@ -739,8 +663,6 @@ def main(argv=None):
         return bench_codebook_memory(args, device)
     if args.composer:
         return bench_composer(args, device)
-    if args.grad_overlap:
-        return bench_grad_overlap(args)
     if args.targets:
         return bench_targets(args, device)
     if args.reference != "open_clip":

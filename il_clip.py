@@ -8,21 +8,24 @@ CLIP, Codebook-CLIP (FDT), NegCLIP and IL-CLIP (iterated learning) in one file.
 Paper: "Iterated Learning Improves Compositionality in Large Vision-Language Models"
 (Zheng et al., CVPR 2024), ../shared/papers/il_clip.md; choices the paper leaves open follow
 SPEC.md section 2 and are stated next to the code that makes them.
-Reads top to bottom: config -> model -> sparsemax / codebook head -> losses -> IL schedule ->
-checkpoints -> training loop -> evaluation -> main().
+Reads top to bottom: config (presets, defaults, flags) -> model -> sparsemax / codebook head ->
+losses -> IL schedule -> weights and checkpoints -> compute_loss (every loss term of a step) ->
+model, optimizer and IL phases (set_trainable, spawn) -> setup + train (the step loop) ->
+evaluation -> main().
 """
 import argparse
 import copy
-import functools
 import json
 import math
 import os
 import random
+import re
 import signal
 import sys
 import time
+import types
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 import torch
@@ -59,7 +62,6 @@ class ModelConfig:
     codebook_size: int = 0        # K; 0 = plain CLIP head (CLS / EOT projection)
     code_dim: int = 512           # D of the codes and of the query maps (FDT: 512)
     code_sim: str = "dot"         # "dot": q.c / sqrt(D) / T (FDT reference); "cos": cos(q, c) / T
-    sparsemax_topk: int = 0       # 0 = exact sort-based sparsemax; >0 = top-k fast path + exact fallback
     spectral_norm: bool = False   # Lipschitz-regularised ablation (paper Table 3)
 
 
@@ -81,6 +83,8 @@ MODEL_PRESETS = {
 
 # Paper defaults (Table 4 / section 4.1) with --data cc3m|cc12m|datacomp, and the scaled-down
 # defaults used on the built-in shapes data (sized so `python il_clip.py` runs ~10 min on 2 CPU cores).
+# generations=5: the paper gives no count ("K training cycles"); 5 is this repo's choice, which
+# with its CC3M step counts (6000 + 5 x (1000 + 5000) + 12000) gives 48k steps.
 PAPER_DEFAULTS = dict(model="ViT-B-32", batch_size=1024, lr=5e-4, warmup=500, rewarm=500,
                       codebook=16384, code_temp=1000.0, t_warm=6000, t_distill=1000,
                       t_interact=5000, generations=5, t_extend=12000, context_length=77,
@@ -89,6 +93,107 @@ SHAPES_DEFAULTS = dict(model="tiny", batch_size=64, lr=1e-3, warmup=50, rewarm=2
                        codebook=1024, code_temp=100.0, t_warm=300, t_distill=40,
                        t_interact=160, generations=3, t_extend=100, context_length=32,
                        vocab_size=1000, neg_pool=1024, log_interval=20, save_interval=200)
+CODE_TEMP_ITERS = 1000      # T = T0 * decay^(step / 1000) (FDT's schedule), floor 0.01
+KD_TEMP = 1.0               # Hinton KD temperature of the distill phase
+
+
+def build_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument
+    a("--data", default="shapes", help="shapes | cc3m | cc12m | datacomp | shards | csv | ...")
+    a("--model", default=None, help=f"preset: {', '.join(MODEL_PRESETS)} (default tiny on shapes)")
+    a("--method", default="il", choices=["clip", "codebook", "negclip", "il"])
+    a("--negatives", action="store_true", help="add NegCLIP hard negatives to --method il")
+    a("--out_dir", default="out/il_clip")
+    a("--max_steps", type=int, default=None, help="default: the IL schedule's total")
+    a("--stop_at", type=int, default=None, help="stop at this step with a checkpoint, as if preempted")
+    a("--batch_size", type=int, default=None, help="global batch (all ranks, all micro-steps)")
+    a("--accum", type=int, default=1, help="gradient accumulation micro-steps")
+    a("--lr", type=float, default=None, help="peak LR; cosine decay to 0 over max_steps")
+    a("--warmup", type=int, default=None)
+    a("--rewarm", type=int, default=None, help="linear LR re-warm-up at each generation start")
+    a("--wd", type=float, default=0.1)
+    a("--betas", type=float, nargs=2, default=(0.9, 0.98))
+    a("--eps", type=float, default=1e-6)
+    a("--grad_clip", type=float, default=1.0, help="0 = off")
+    a("--seed", type=int, default=0)
+    a("--dtype", default=None, choices=["fp32", "bf16"], help="autocast dtype (default bf16 on CUDA)")
+    a("--compile", action="store_true")
+    a("--init", default=None, help="OpenAI/open_clip-layout weights (.safetensors or .pt)")
+    a("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
+      help="activation: default the preset's (tiny GELU, ViT-B QuickGELU); with --init, OpenAI's "
+           "QuickGELU unless --no-quick_gelu (open_clip's LAION/DataComp ViT-B-32 use GELU)")
+    a("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz for the CLIP BPE")
+    a("--vocab_size", type=int, default=None)
+    a("--width", type=int, default=None, help="override both towers' width (preset otherwise)")
+    a("--layers", type=int, default=None, help="override both towers' depth")
+    a("--heads", type=int, default=None, help="override both towers' heads")
+    a("--embed_dim", type=int, default=None)
+    a("--image_size", type=int, default=None)
+    a("--patch_size", type=int, default=None)
+    a("--num_workers", type=int, default=0)
+    a("--resampled", action="store_true")
+    a("--image_root", default=None, help="image folder for a CSV / Karpathy JSON --data")
+    a("--csv_img_key", default="filepath")
+    a("--csv_caption_key", default="title")
+    a("--csv_separator", default=None, help="default: data.py picks by file extension")
+    # codebook (FDT)
+    a("--codebook", type=int, default=None, help="K codes (0 = none; default by method/data)")
+    a("--code_dim", type=int, default=None)
+    a("--code_temp", type=float, default=None, help="T0 of T = T0 * decay^(step/1000), floor 0.01")
+    a("--code_temp_decay", type=float, default=1.0)
+    a("--code_sim", default="dot", choices=["dot", "cos"],
+      help="dot: q.c/sqrt(D)/T (FDT); cos: cos(q,c)/T, in [-1/T, 1/T]: use a T near 0.01-0.1")
+    # iterated learning
+    a("--t_warm", type=int, default=None)
+    a("--t_distill", type=int, default=None)
+    a("--t_interact", type=int, default=None)
+    a("--generations", type=int, default=None, help="spawns (5 on cc3m: our choice, no paper count)")
+    a("--t_extend", type=int, default=None)
+    a("--spawn", default="language", choices=["language", "vision", "alternate"])
+    a("--no_freeze_codebook", action="store_true")
+    a("--distill_loss", default="kd", choices=["kd", "cos"])
+    a("--distill_train_vision", action="store_true",
+      help="train the non-spawned agent during distill (frozen by default; needs --distill_loss kd)")
+    a("--spectral_norm", action="store_true", help="spectral norm on every nn.Linear and attention "
+      "in_proj (not patch conv, embeddings, projections, codebook)")
+    a("--neg_pool", type=int, default=None)
+    # logging / checkpoints / eval
+    a("--log_interval", type=int, default=None)
+    a("--save_interval", type=int, default=None)
+    a("--resume", action="store_true", help="continue exactly from out_dir/checkpoint")
+    a("--eval_n", type=int, default=200, help="shapes benchmark items per category (0 = no eval)")
+    return check_args(p.parse_args(argv))
+
+
+def check_args(args):
+    """Fill the data-dependent defaults and reject contradictory flags (ConfigError)."""
+    if args.negatives and args.method not in ("il", "negclip"):
+        raise ConfigError("--negatives goes with --method il (negclip always uses them)")
+    defaults = SHAPES_DEFAULTS if args.data.startswith("shapes") else PAPER_DEFAULTS
+    for k, v in defaults.items():
+        if k != "codebook" and getattr(args, k, None) is None:
+            setattr(args, k, v)
+    if args.codebook is None:
+        args.codebook = defaults["codebook"] if args.method in ("codebook", "il") else 0
+    if args.codebook and args.method in ("clip", "negclip"):
+        raise ConfigError(f"--codebook is for --method codebook|il, not {args.method}")
+    if args.model not in MODEL_PRESETS:
+        raise ConfigError(f"unknown --model {args.model!r} (presets: {', '.join(MODEL_PRESETS)})")
+    if args.distill_train_vision and args.distill_loss == "cos":
+        raise ConfigError("--distill_train_vision needs --distill_loss kd (the cos loss does not "
+                          "involve the other agent, so it would get no gradient)")
+    if args.code_sim == "cos" and args.codebook and args.code_temp > 1:
+        print(f"warning: --code_sim cos with --code_temp {args.code_temp}: scores lie in "
+              f"[-{1 / args.code_temp:.3g}, {1 / args.code_temp:.3g}] and the sparsemax weights are "
+              f"nearly uniform; use --code_temp 0.01-0.1", file=sys.stderr)
+    if min(args.t_warm, args.t_distill, args.t_interact, args.generations, args.t_extend) < 0:
+        raise ConfigError("IL step counts must be >= 0")
+    if args.max_steps is None:
+        args.max_steps = make_schedule(args).total
+    return args
+
 
 # -----------------------------------------------------------------------------
 # model (OpenAI CLIP layout and key names; batch-first tensors, SDPA attention)
@@ -298,11 +403,13 @@ class CLIP(TextTransformer):
             self.text_query = QueryMap(cfg.text_width, cfg.code_dim)
             # current sparsemax temperature T (a schedule: T0 * w^(step/iters), floor 0.01); saved
             self.register_buffer("code_temperature", torch.tensor(1.0))
-            # rows where the top-k sparsemax refinement had not settled (read with the logged stats)
-            self.register_buffer("sparsemax_inexact", torch.zeros((), dtype=torch.long), persistent=False)
         self.init_weights(seed)
         if cfg.spectral_norm:
             apply_spectral_norm(self)
+        # The codebook head replaces the CLS/EOT projections: these stay in the state dict (OpenAI
+        # key layout for --init and load_model) but are frozen, so DDP and AdamW never see them.
+        for n in UNUSED_WITH_CODEBOOK if cfg.codebook_size else ():
+            self.get_parameter(n).requires_grad_(False)
 
     def init_weights(self, seed):
         g = torch.Generator().manual_seed(seed)
@@ -337,9 +444,7 @@ class CLIP(TextTransformer):
         else:
             scale = 1.0 / (math.sqrt(self.cfg.code_dim) * self.code_temperature)
         s = max_code_scores(q, codes, valid, max_tokens=max_tokens) * scale   # [B, K]
-        w, inexact = sparsemax(s, dim=-1, topk=self.cfg.sparsemax_topk, return_inexact=True)
-        self.sparsemax_inexact.add_(inexact)
-        return s, w
+        return s, sparsemax(s, dim=-1)
 
     def codebook_embed(self, tokens, valid, query, max_tokens=None):
         return self.code_scores(tokens, valid, query, max_tokens)[1] @ self.codebook.float()
@@ -362,11 +467,20 @@ class CLIP(TextTransformer):
         return F.normalize(x.float(), dim=-1)
 
     def forward(self, images, text):
-        return self.encode_image(images), self.encode_text(text), self.logit_scale.exp()
+        """The one call DDP wraps: both embeddings and the logit scale used in the loss, capped
+        at 100 as OpenAI and the FDT reference do. Codebook methods clamp the parameter to
+        [3, 6] (FDT), whose exp reaches 403: there the cap binds above ln 100 = 4.61, so the
+        scale used lies in [20.1, 100] and the parameter above 4.61 gets no gradient."""
+        return self.encode_image(images), self.encode_text(text), self.logit_scale.exp().clamp(max=100)
+
+
+UNUSED_WITH_CODEBOOK = ("text_projection", "visual.proj", "visual.ln_post.weight", "visual.ln_post.bias")
 
 
 def apply_spectral_norm(model):
-    """Spectral normalisation of every linear map (Lipschitz-regularised CLIP, paper Table 3)."""
+    """Spectral normalisation (Lipschitz-regularised CLIP, paper Table 3) of every nn.Linear
+    (attention out_proj, MLP c_fc / c_proj, query maps) and every attention in_proj_weight;
+    not the patch conv, the embeddings, text_projection / visual.proj or the codebook."""
     from torch.nn.utils.parametrizations import spectral_norm
     for m in list(model.modules()):
         if isinstance(m, nn.Linear):
@@ -389,80 +503,41 @@ def agent_params(model, agent):
 # sparsemax (Martins & Astudillo 2016) and the memory-lean codebook scores
 
 
-def _sparsemax_tau(z, k):
-    """Threshold tau and support size for the last dim of z from its k largest values
-    (k >= width means an exact full sort)."""
-    zs = z.topk(k, dim=-1).values if k < z.shape[-1] else z.sort(dim=-1, descending=True).values
+def _sparsemax_tau(z):
+    """Threshold tau of the last dim of z by a full sort (Martins & Astudillo 2016, Alg. 1)."""
+    zs = z.sort(dim=-1, descending=True).values
     r = torch.arange(1, zs.shape[-1] + 1, device=z.device, dtype=z.dtype)
     cs = zs.cumsum(-1) - 1
-    ksz = (r * zs > cs).sum(-1, keepdim=True)             # support size, >= 1
-    return cs.gather(-1, ksz - 1) / ksz.to(z.dtype), ksz
-
-
-SPARSEMAX_REFINE_STEPS = 16   # measured need: <= 7 at the default k = 256, <= 11 at k = 2 (README)
-
-
-def _michelot_step(z, tau):
-    """One Newton step on sum_i max(z_i - tau, 0) = 1 (Michelot 1986): tau <- (sum of the values
-    above tau - 1) / their count. The true threshold is a fixed point; from below, the iterates
-    rise monotonically and reach it in finitely many steps (the set above tau only shrinks)."""
-    above = z > tau
-    n_above = above.sum(-1, keepdim=True)
-    return (torch.where(above, z, 0).sum(-1, keepdim=True) - 1) / n_above.to(z.dtype), n_above
-
-
-def _sparsemax_tau_topk(z, k):
-    """tau from the k largest values, with no host-device sync (no graph break, no stall).
-    If a row's support is smaller than k its top-k tau is exact: the k-th value lies outside the
-    support, so everything below it does too. Otherwise the top-k tau is a lower bound of the true
-    tau (the k values alone already sum to >= 1 above it), and Newton steps from it converge to
-    the exact value; we run a fixed number for every row and keep them where the support
-    overflowed, instead of branching on the data. Rows whose iterates still moved at the last
-    step are counted as inexact (returned as a 0-dim tensor, read with the logged stats)."""
-    tau, ksz = _sparsemax_tau(z, k)
-    overflow = ksz >= k
-    t, n_prev, n_above = tau, None, None
-    for _ in range(SPARSEMAX_REFINE_STEPS):
-        n_prev = n_above
-        t, n_above = _michelot_step(z, t)
-    inexact = (overflow & (n_above != n_prev)).sum()
-    return torch.where(overflow, t, tau), inexact
+    # support size >= 1; a NaN row (a diverged run) counts 0 and is clamped, so it gives NaN
+    # weights and the non-finite-loss stop instead of an out-of-bounds gather
+    ksz = (r * zs > cs).sum(-1, keepdim=True).clamp(min=1)
+    return cs.gather(-1, ksz - 1) / ksz.to(z.dtype)
 
 
 class _Sparsemax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, topk):
-        n = z.shape[-1]
-        if 0 < topk < n:
-            tau, inexact = _sparsemax_tau_topk(z, topk)
-        else:
-            tau, inexact = _sparsemax_tau(z, n)[0], torch.zeros((), dtype=torch.long, device=z.device)
-        out = torch.clamp(z - tau, min=0)
+    def forward(ctx, z):
+        out = torch.clamp(z - _sparsemax_tau(z), min=0)
         ctx.save_for_backward(out)
-        ctx.mark_non_differentiable(inexact)
-        return out, inexact
+        return out
 
     @staticmethod
-    def backward(ctx, g, _):
+    def backward(ctx, g):
         # closed form: on the support S, grad - mean_S(grad); zero elsewhere
         (out,) = ctx.saved_tensors
         supp = out > 0
         g = g * supp
-        v = g.sum(-1, keepdim=True) / supp.sum(-1, keepdim=True).to(g.dtype)
-        return torch.where(supp, g - v, torch.zeros_like(g)), None
+        v = g.sum(-1, keepdim=True) / supp.sum(-1, keepdim=True).clamp(min=1).to(g.dtype)
+        return torch.where(supp, g - v, torch.zeros_like(g))
 
 
-def sparsemax(x, dim=-1, topk=0, return_inexact=False):
+def sparsemax(x, dim=-1):
     """Exact sparsemax along `dim` (Euclidean projection onto the simplex), computed in at
-    least float32; `topk` > 0 enables the sync-free top-k fast path (same result). With
-    `return_inexact`, also the number of rows where the fast path's refinement had not settled
-    (0 in every case we have measured; see _sparsemax_tau_topk)."""
+    least float32."""
     dtype = x.dtype
     z = x.float() if dtype in (torch.float16, torch.bfloat16) else x
-    z = z.transpose(dim, -1)
-    out, inexact = _Sparsemax.apply(z.contiguous(), int(topk or 0))
-    out = out.transpose(dim, -1).to(dtype)
-    return (out, inexact) if return_inexact else out
+    out = _Sparsemax.apply(z.transpose(dim, -1).contiguous())
+    return out.transpose(dim, -1).to(dtype)
 
 
 class _MaxCodeScores(torch.autograd.Function):
@@ -560,97 +635,6 @@ def _rank():
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-class GradReducer:
-    """Averages gradients over ranks while backward is still running, as DDP does, for a model
-    whose trainable set changes with the IL phase and whose loss is not one forward() call.
-
-    Parameters go into buckets of `bucket_bytes` (--bucket_mb; the first bucket 1 MiB at most,
-    so the first all-reduce starts early). A post-accumulate-grad hook marks a parameter ready.
-    Buckets are launched as async all-reduces strictly in bucket order, so every rank issues the
-    same collectives in the same order. Each bucket waits for the parameters that had a gradient
-    at the previous step. finish() then launches whatever is still pending, in order, and reduces
-    any gradient nobody waited for. A phase change or an unused parameter therefore costs overlap
-    for one step, never correctness. Only the last micro-batch of a step is `armed`.
-
-    The first buckets follow reverse registration order. That is not the order backward produces
-    gradients here: CLIP registers the text tower first and encodes it last, so its gradients
-    arrive first, and the codebook's arrive after both towers. So armed steps record the arrival
-    order, and a step in which a parameter produced its first gradient rebuilds the buckets in
-    that order (rank 0's, broadcast). Whether that happened depends only on which parameters are
-    trainable, the same on every rank, so all ranks rebuild together, and only a few times a run
-    (once if the first step trains everything, as DDP). Then bucket i goes out as soon as its
-    own gradients exist."""
-
-    def __init__(self, params, world, bucket_bytes=25 << 20, first_bucket_bytes=1 << 20):
-        self.params, self.world, self.armed = list(params), world, False
-        self.bucket_bytes, self.first_bucket_bytes = bucket_bytes, first_bucket_bytes
-        self.arrived, self.seen, self.rebuilds = [], set(), 0
-        self._make_buckets(range(len(self.params) - 1, -1, -1))
-        self.expected = [set() for _ in self.buckets]       # learnt at every finish()
-        self.ready, self.next, self.pending = [set() for _ in self.buckets], 0, []
-        for j, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, j))
-
-    def _make_buckets(self, order):
-        self.buckets, cur, size, cap = [], [], 0, min(self.bucket_bytes, self.first_bucket_bytes)
-        for j in order:
-            cur.append(j)
-            size += self.params[j].numel() * self.params[j].element_size()
-            if size >= cap:
-                self.buckets.append(cur)
-                cur, size, cap = [], 0, self.bucket_bytes
-        if cur:
-            self.buckets.append(cur)
-        self.bucket_of = {j: i for i, b in enumerate(self.buckets) for j in b}
-
-    def _on_grad(self, j, _param):
-        if not self.armed:
-            return
-        self.arrived.append(j)
-        self.ready[self.bucket_of[j]].add(j)
-        while self.next < len(self.buckets) and self.ready[self.next] >= self.expected[self.next]:
-            if self.expected[self.next]:
-                self._launch(self.expected[self.next])
-            self.next += 1
-
-    def _launch(self, idx):
-        grads = [self.params[j].grad for j in sorted(idx)]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.pending.append((dist.all_reduce(flat, async_op=True), flat, grads))
-
-    def _rebuild_in_arrival_order(self):
-        """This step's arrivals first, then the others in their current bucket order (earlier
-        arrivals, then reverse registration order). Rank 0's order is used everywhere."""
-        now = dict.fromkeys(self.arrived)
-        order = list(now) + [j for b in self.buckets for j in b if j not in now]
-        order = torch.tensor(order, device=self.params[0].device)
-        dist.broadcast(order, 0)            # a few times a run: the only sync this class adds
-        self._make_buckets(order.tolist())
-        self.seen |= set(now)
-        self.rebuilds += 1
-
-    def _with_grad(self):
-        return [{j for j in b if self.params[j].grad is not None} for b in self.buckets]
-
-    def finish(self):
-        """Wait for every reduction and write the averages into .grad."""
-        have = self._with_grad()
-        for i in range(len(self.buckets)):
-            rest = have[i] - self.expected[i] if i < self.next else have[i]
-            if rest:
-                self._launch(rest)
-        for work, flat, grads in self.pending:
-            work.wait()
-            flat /= self.world
-            for g, avg in zip(grads, torch.split(flat, [g.numel() for g in grads])):
-                g.copy_(avg.view_as(g))
-        if not self.seen.issuperset(self.arrived):
-            self._rebuild_in_arrival_order()
-            have = self._with_grad()
-        self.expected, self.arrived = have, []
-        self.ready, self.next, self.pending = [set() for _ in self.buckets], 0, []
-
-
 def contrastive_loss(img, txt, scale, neg_txt=None, neg_txt_valid=None, neg_img=None):
     """Symmetric InfoNCE with local rows against all-gathered columns; labels offset by rank.
     The mean over ranks equals the single-process loss on the combined batch. NegCLIP adds
@@ -687,55 +671,103 @@ def kd_loss(anchor, student, teacher, scale, temp=1.0):
     return (a2x + x2a) / 2
 
 
-# --- NegCLIP hard negatives (rule-based caption edits, no parser)
+# --- NegCLIP hard negatives (Yuksekgonul et al. 2023, §5): swap two words of one part of
+# speech, or flip a spatial relation. Choice: no tagger is allowed, so parts of speech come from a
+# closed-class lexicon, adjective suffixes and the position in a left-to-right noun-phrase chunk;
+# a word of unknown class (an -ing or -ed pre-modifier) is never swapped.
+DETERMINERS = set("a an the this that these those some several many his her their its my your our each every "
+                  "another no one two three four five six seven eight nine ten".split())
+CLOSED_CLASS = DETERMINERS | set(
+    "of in on at with by near under over above below behind beside between into onto through across along around "
+    "during for against inside outside toward towards past down up off out from about among like after before "
+    "without beneath underneath next to and or but while as who which where when whose he she it they we you him "
+    "them is are was were be been being am has have had do does did can could will would there very high".split())
+COLOURS = set("red orange yellow green blue purple pink brown black white gray grey cyan magenta silver gold".split())
+ADJECTIVES = COLOURS | set(
+    "small large big little tiny huge tall short long young old new wooden empty busy calm soft smiling happy "
+    "snowy sunny dark bright open full clean dirty wet dry hot cold fresh round square striped crowded concrete "
+    "pretty beautiful cute sandy grassy rocky cloudy furry colorful".split())
+ADJ_SUFFIX = re.compile(r".{3,}(ful|ous|ive|able|ible|ish|less)$")
+IRREGULAR_PLURALS = set("men women children people feet teeth mice geese sheep".split())
+RELATION_OPPOSITES = {"in front of": "behind", "behind": "in front of", "to the left of": "to the right of",
+                      "to the right of": "to the left of", "on top of": "under", "underneath": "on top of",
+                      "above": "below", "below": "above", "over": "under", "under": "over", "inside": "outside",
+                      "outside": "inside", "next to": "far from", "near": "far from", "far from": "next to",
+                      "left": "right", "right": "left"}
 
-COLOURS = {"red", "green", "blue", "yellow", "purple", "orange", "white", "black", "gray", "grey",
-           "pink", "brown", "cyan", "magenta", "gold", "silver"}
-SIZES = {"small", "large", "big", "tiny", "huge", "medium", "little", "tall", "short"}
-RELATION_FLIPS = {"left": "right", "right": "left", "above": "below", "below": "above",
-                  "over": "under", "under": "over", "behind": "in front of", "front": "behind",
-                  "top": "bottom", "bottom": "top", "inside": "outside", "outside": "inside"}
-STOPWORDS = {"a", "an", "the", "of", "to", "on", "in", "at", "is", "are", "and", "with", "by",
-             "its", "it", "there", "some", "two", "three", "one", "from", "near", "next", "front",
-             "behind", "left", "right", "above", "below", "top", "bottom", "over", "under", "that",
-             "this", "for", "as", "while", "who", "which", "inside", "outside"}
+
+def tag_caption(words):
+    """Coarse tags: DET, CLOSED, ADJ, NOUN (chunk head, .plural), MOD (pre-head nominal), VBG, VBZ, VBN."""
+    low = [w.lower() for w in words] + [""]
+    # "a man rides a horse": an -s word after an open-class word and before a closed-class one
+    vbz = {i for i in range(1, len(low) - 1) if low[i].endswith("s") and not low[i].endswith("ss")
+           and low[i - 1].isalpha() and low[i - 1] not in CLOSED_CLASS | ADJECTIVES and low[i + 1] in CLOSED_CLASS}
+    tags, in_np = [], False
+    for i, w in enumerate(low[:-1]):
+        nxt = low[i + 1]
+        nominal_next = nxt and i + 1 not in vbz and nxt not in CLOSED_CLASS and not nxt.endswith(("ing", "ed"))
+        if w in DETERMINERS:
+            tag, in_np = "DET", True
+        elif w in CLOSED_CLASS or not w.isalpha():
+            tag, in_np = "CLOSED", False
+        elif w in ADJECTIVES or ADJ_SUFFIX.match(w):
+            tag = "ADJ"
+        elif w.endswith("ing") and not in_np:
+            tag = "VBG"
+        elif w.endswith("ed") and len(w) > 4 and not in_np:
+            tag = "VBN"
+        elif i in vbz:
+            tag, in_np = "VBZ", False
+        elif nominal_next and (in_np or w.endswith(("ing", "ed"))):
+            tag = "MOD"                          # "dirt road", "parking lot", "striped shirt"
+        else:
+            plural = w in IRREGULAR_PLURALS or (w.endswith("s") and not w.endswith(("ss", "us", "is")))
+            tag, in_np = "NOUN.pl" if plural else "NOUN", False
+        if tag == "MOD" or tag == "ADJ":
+            in_np = True
+        tags.append(tag)
+    return tags
 
 
 def negative_caption(caption, rng):
-    """A hard negative by swapping linguistic elements: two attributes, two nouns (content
-    words not next to each other), or a flipped spatial relation. Returns None when the caption
-    offers nothing to swap."""
+    """A NegCLIP hard negative: two nouns (same number), two adjectives or two verbs of one form
+    exchanged (never adjacent), or one spatial relation replaced by its opposite as a whole phrase
+    ("in front of" -> "behind"). None when the caption offers nothing."""
     words = caption.split()
-    low = [w.lower().strip(".,") for w in words]
-    attrs = [i for i, w in enumerate(low) if w in COLOURS or w in SIZES]
-    nouns = [i for i, w in enumerate(low) if w not in STOPWORDS and i not in attrs and w.isalpha()]
-    rels = [i for i, w in enumerate(low) if w in RELATION_FLIPS]
+    core = [w.strip(".,;:!?\"'") for w in words]
+    tags = tag_caption(core)
+    low = [w.lower() for w in core]
+    text = caption.lower()
+    spans = []                                    # relation phrases, longest first, not overlapping
+    for phrase in sorted(RELATION_OPPOSITES, key=len, reverse=True):
+        for m in re.finditer(rf"\b{phrase}\b", text):
+            if not any(m.start() < e and s < m.end() for s, e, _ in spans):
+                spans.append((m.start(), m.end(), phrase))
+    in_relation = {len(text[:s].split()) + k for s, e, _ in spans for k in range(len(text[s:e].split()))}
     options = []
-    same_kind = [(i, j) for i in attrs for j in attrs if i < j and low[i] != low[j]
-                 and (low[i] in COLOURS) == (low[j] in COLOURS)]
-    if same_kind:
-        options.append(("swap", same_kind))
-    noun_pairs = [(i, j) for i in nouns for j in nouns if i < j and low[i] != low[j]]
-    if noun_pairs:
-        options.append(("swap", noun_pairs))
-    if rels:
-        options.append(("flip", rels))
+    tags = [t + ".colour" if t == "ADJ" and low[i] in COLOURS else t for i, t in enumerate(tags)]
+    for kind in ("NOUN", "NOUN.pl", "ADJ", "ADJ.colour", "VBG", "VBZ"):   # a colour swaps with a colour
+        idx = [i for i, t in enumerate(tags) if t == kind and i not in in_relation]
+        pairs = [(i, j) for i in idx for j in idx if j > i + 1 and low[i] != low[j]]
+        if pairs:
+            options.append(("swap", pairs))
+    if spans:
+        options.append(("flip", spans))
     if not options:
         return None
     kind, cands = rng.choice(options)
-    out = list(words)
     if kind == "swap":
         i, j = rng.choice(cands)
-        out[i], out[j] = words[j], words[i]
-    else:
-        i = rng.choice(cands)
-        out[i] = RELATION_FLIPS[low[i]]
-    neg = " ".join(out).split()
-    for i in range(len(neg) - 1):       # keep "a"/"an" right, or the article gives the negative away
-        if neg[i].lower() in ("a", "an"):
-            an = neg[i + 1][0].lower() in "aeiou"
-            neg[i] = ("An" if an else "A") if neg[i][0].isupper() else ("an" if an else "a")
-    neg = " ".join(neg)
+        out = list(words)
+        out[i], out[j] = words[i].replace(core[i], core[j]), words[j].replace(core[j], core[i])
+    else:                                         # `text` is the caption lower-cased: same offsets
+        s, e, phrase = rng.choice(cands)
+        out = (caption[:s] + RELATION_OPPOSITES[phrase] + caption[e:]).split()
+    for i in range(len(out) - 1):               # keep "a"/"an" right, or the article gives it away
+        if out[i].lower() in ("a", "an"):
+            an = out[i + 1][0].lower() in "aeiou"
+            out[i] = ("An" if an else "A") if out[i][0].isupper() else ("an" if an else "a")
+    neg = " ".join(out)
     return neg if neg.lower() != caption.lower() else None
 
 
@@ -811,6 +843,11 @@ class ILSchedule:
         return phase, g + 1, start
 
 
+def make_schedule(args):
+    return ILSchedule(args.t_warm, args.t_distill, args.t_interact, args.generations,
+                      args.t_extend, enabled=args.method == "il")
+
+
 def spawn_agent(args, generation):
     if args.spawn == "alternate":
         return "language" if generation % 2 == 1 else "vision"
@@ -828,7 +865,7 @@ def get_lr(step, args, sched):
         lr = args.lr * (step + 1) / args.warmup
     else:
         progress = min(1.0, (step - args.warmup) / max(1, args.max_steps - args.warmup))
-        lr = args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
+        lr = 0.5 * args.lr * (1 + math.cos(math.pi * progress))
     phase, gen, start = sched.at(step)
     if gen > 0 and args.rewarm > 0:      # linear re-warm-up at the start of every generation
         lr *= min(1.0, (step - start + 1) / args.rewarm)
@@ -836,7 +873,7 @@ def get_lr(step, args, sched):
 
 
 def code_temperature(step, args):
-    return max(0.01, args.code_temp * args.code_temp_decay ** (step / max(1, args.code_temp_iters)))
+    return max(0.01, args.code_temp * args.code_temp_decay ** (step / CODE_TEMP_ITERS))
 
 
 # -----------------------------------------------------------------------------
@@ -913,34 +950,73 @@ def load_state_checked(model, sd, source, allow_missing=()):
     model.load_state_dict({k: v for k, v in sd.items()}, strict=False)
 
 
+def checkpoint_dir(path):
+    """The folder holding model.safetensors for an out_dir (its checkpoint/, else the old layout
+    with the weights in out_dir itself) or a checkpoint/ folder given directly."""
+    sub = os.path.join(path, "checkpoint")
+    return sub if os.path.isfile(os.path.join(sub, "model.safetensors")) else path
+
+
 def load_model(path, device="cpu", quick_gelu=None):
-    """-> (model, tokenizer or None, config dict) from an il_clip.py out_dir (also
-    mm_learngene.py's) or an OpenAI-format weight file (.safetensors / .pt). quick_gelu:
-    None = what the out_dir's config says (OpenAI's QuickGELU for a bare weight file),
-    else QuickGELU (True) or exact GELU (False)."""
+    """-> (model, tokenizer or None, config dict) from an il_clip.py out_dir or checkpoint/
+    folder (also mm_learngene.py's) or an OpenAI-format weight file (.safetensors / .pt).
+    `quick_gelu`: None = what the checkpoint's config says, else OpenAI's QuickGELU (printed);
+    False for open_clip's GELU models (e.g. its LAION/DataComp ViT-B-32)."""
     if os.path.isdir(path):
-        cfg_path = os.path.join(path, "config.json")
+        d = checkpoint_dir(path)
+        cfg_path = os.path.join(d, "config.json")
         if not os.path.isfile(cfg_path):
-            raise ConfigError(f"{cfg_path} not found (not a checkpoint directory)")
-        with open(cfg_path) as f:
-            config = json.load(f)
+            raise ConfigError(f"{cfg_path}: not found (not a checkpoint directory)")
+        config = read_json(cfg_path)
         names = {f.name for f in fields(ModelConfig)}
         cfg = ModelConfig(**{k: v for k, v in config["model"].items() if k in names})
-        wpath = os.path.join(path, "model.safetensors")
-        sd = read_state_dict(wpath)
-        tdir = path
+        sd = read_state_dict(os.path.join(d, "model.safetensors"))
+        tdir = d if os.path.isfile(os.path.join(d, "tokenizer.json")) else path
     else:
         sd = read_state_dict(path)
         cfg = config_from_state_dict(sd)
-    if quick_gelu is not None:
-        cfg = replace(cfg, quick_gelu=quick_gelu)
-    if not os.path.isdir(path):
+        if quick_gelu is None:
+            print(f"note: {path} does not say its activation: using OpenAI's QuickGELU "
+                  f"(pass quick_gelu=False / --no-quick_gelu for open_clip's GELU models)", file=sys.stderr)
         config = {"model": asdict(cfg)}
         tdir = os.path.dirname(os.path.abspath(path))
+    if quick_gelu is not None:
+        cfg.quick_gelu = config["model"]["quick_gelu"] = bool(quick_gelu)
     model = CLIP(cfg)
     load_state_checked(model, sd, path)
     tok = data.Tokenizer.load(tdir) if os.path.isfile(os.path.join(tdir, "tokenizer.json")) else None
     return model.to(device).eval(), tok, config
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: {type(e).__name__}: {str(e)[:200]}")
+
+
+def _fsync_write(path, write):
+    """write(path), then flush it to disk (a checkpoint must survive a power cut or SIGKILL)."""
+    write(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_tensors(path, tensors, step):
+    from safetensors.torch import save_file
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    _fsync_write(path, lambda p: save_file(tensors, p, metadata={"step": str(step)}))
+
+
+def save_json(path, obj):
+    def write(p):
+        with open(p, "w") as f:
+            json.dump(obj, f, indent=1)
+    _fsync_write(path, write)
 
 
 def _atomic(path, write):
@@ -949,136 +1025,237 @@ def _atomic(path, write):
     os.replace(tmp, path)
 
 
-def save_tensors(path, tensors, step):
-    from safetensors.torch import save_file
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    _atomic(path, lambda p: save_file(tensors, p, metadata={"step": str(step)}))
+# -----------------------------------------------------------------------------
+# checkpoints: out_dir/checkpoint/ = model.safetensors, config.json, tokenizer.json,
+# train_state.safetensors, train_state.json; written into checkpoint.tmp/ and switched in with
+# renames, so checkpoint/ (or, mid-switch, checkpoint.prev/) is always one complete step
 
 
-def save_json(path, obj):
-    def write(p):
-        with open(p, "w") as f:
-            json.dump(obj, f, indent=1)
-    _atomic(path, write)
+CKPT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "train_state.safetensors",
+              "train_state.json")
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(out_dir, model, config, tok, tensors, state):
+    """Rank 0: the whole set into checkpoint.tmp/, fsync, then checkpoint/ -> checkpoint.prev/,
+    checkpoint.tmp/ -> checkpoint/, and checkpoint.prev/ removed."""
+    import shutil
+    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    step = state["step"]
+    save_tensors(os.path.join(tmp, "model.safetensors"), model.state_dict(), step)
+    save_json(os.path.join(tmp, "config.json"), config)
+    _fsync_write(tmp, tok.save)
+    save_tensors(os.path.join(tmp, "train_state.safetensors"), tensors, step)
+    save_json(os.path.join(tmp, "train_state.json"), state)
+    _fsync_dir(tmp)
+    if os.path.isdir(final):
+        shutil.rmtree(prev, ignore_errors=True)
+        os.replace(final, prev)
+    os.replace(tmp, final)
+    _fsync_dir(out_dir)
+    shutil.rmtree(prev, ignore_errors=True)
+
+
+def read_checkpoint(d, device):
+    """(model tensors, train-state tensors, train_state.json) of one checkpoint folder, or a
+    ConfigError naming the file that is missing, damaged or from another step."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    for name in CKPT_FILES:
+        if not os.path.isfile(os.path.join(d, name)):
+            raise ConfigError(f"{os.path.join(d, name)}: missing (incomplete checkpoint)")
+    state = read_json(os.path.join(d, "train_state.json"))
+    out = []
+    for name in ("model.safetensors", "train_state.safetensors"):
+        p = os.path.join(d, name)
+        try:
+            with safe_open(p, "pt") as f:
+                step = (f.metadata() or {}).get("step")
+            out.append(load_file(p, device=str(device)))
+        except Exception as e:
+            raise ConfigError(f"{p}: damaged ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+        if step != str(state.get("step")):
+            raise ConfigError(f"{p}: from step {step}, train_state.json from step {state.get('step')}")
+    return out[0], out[1], state
+
+
+def find_checkpoint(out_dir, device):
+    """checkpoint/, or checkpoint.prev/ (a save cut short while switching) when checkpoint/ is
+    missing or damaged and the previous one is complete."""
+    try:
+        return read_checkpoint(os.path.join(out_dir, "checkpoint"), device)
+    except ConfigError as e:
+        prev = os.path.join(out_dir, "checkpoint.prev")
+        if not os.path.isdir(prev):
+            raise
+        found = read_checkpoint(prev, device)
+        print(f"note: {e}; resuming from the previous complete checkpoint {prev} "
+              f"(step {found[2]['step']})", file=sys.stderr)
+        return found
+
+
+def rng_state(device):
+    npst = np.random.get_state()
+    return {"torch": torch.get_rng_state().tolist(),
+            "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if device.type == "cuda" else None,
+            "numpy": [npst[0], npst[1].tolist()] + list(npst[2:]),
+            "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]]}
+
+
+def set_rng_state(rng, device):
+    torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
+    if rng.get("cuda") and device.type == "cuda":
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in rng["cuda"]])
+    n, p = rng["numpy"], rng["python"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+    random.setstate((p[0], tuple(p[1]), p[2]))
+
+
+def all_finite(model, opt):
+    """Weights and optimizer state finite? (checked before every save: never a NaN checkpoint)"""
+    ts = list(model.state_dict().values()) + [v for st in opt.state.values() for v in st.values()
+                                              if torch.is_tensor(v) and v.is_floating_point()]
+    return bool(torch.stack([torch.isfinite(t).all() for t in ts]).all())
+
+
+def save_checkpoint(r):
+    """Everything --resume needs to continue bit-exactly from r.step (rank 0 writes)."""
+    if r.rank != 0:
+        return
+    osd = r.opt.state_dict()
+    tensors, scalars = {}, {}
+    for i, st in osd["state"].items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"opt.{i}.{k}"] = v
+            else:
+                scalars[f"{i}.{k}"] = v
+    if r.teacher is not None:
+        tensors.update({f"teacher.{k}": v for k, v in r.teacher.state_dict().items()})
+    if r.pool is not None:
+        tensors["pool.emb"], tensors["pool.ptr"] = r.pool.emb, r.pool.ptr
+    tensors["log.sums"] = r.sums          # the partial loss averages of the current log interval
+    state = {"step": r.step, "spawned": r.spawned, "param_groups": osd["param_groups"],
+             "opt_scalars": scalars, "loader": r.loader.state_dict(),
+             "pool_count": r.pool.count if r.pool is not None else 0,
+             "log": {"n": r.n_loss, "text_tokens": r.text_tokens}, "rng": rng_state(r.device)}
+    config = {**vars(r.args), "model": asdict(r.cfg), "world_size": r.world}
+    os.makedirs(r.args.out_dir, exist_ok=True)
+    save_json(os.path.join(r.args.out_dir, "config.json"), config)
+    write_checkpoint(r.args.out_dir, r.model, config, r.tok, tensors, state)
+
+
+def load_checkpoint(r):
+    sd, ts, state = find_checkpoint(r.args.out_dir, r.device)
+    load_state_checked(r.model, sd, os.path.join(r.args.out_dir, "checkpoint"))
+    opt_state = {}
+    for k, v in ts.items():
+        if k.startswith("opt."):
+            _, i, name = k.split(".", 2)
+            opt_state.setdefault(int(i), {})[name] = v
+    for k, v in state["opt_scalars"].items():
+        i, name = k.split(".", 1)
+        opt_state.setdefault(int(i), {})[name] = v
+    r.opt.load_state_dict({"state": opt_state, "param_groups": state["param_groups"]})
+    r.step, r.spawned = state["step"], state["spawned"]
+    teacher = {k[8:]: v for k, v in ts.items() if k.startswith("teacher.")}
+    if teacher:
+        r.teacher = frozen_copy(r.model, r.args.compile)
+        r.teacher.load_state_dict(teacher)
+    if r.pool is not None and "pool.emb" in ts:
+        r.pool.emb.copy_(ts["pool.emb"])
+        r.pool.ptr.copy_(ts["pool.ptr"])
+        r.pool.count = state["pool_count"]
+    r.sums.copy_(ts["log.sums"])
+    r.n_loss, r.text_tokens = state["log"]["n"], state["log"]["text_tokens"]
+    r.loader.load_state_dict(state["loader"])
+    set_rng_state(state["rng"], r.device)
+    if r.rank == 0:     # cut the log back to the checkpoint: no step appears twice
+        with open(r.metrics_path) if os.path.isfile(r.metrics_path) else nullcontext([]) as f:
+            keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= r.step]
+        _atomic(r.metrics_path, lambda p: open(p, "w").writelines(keep))
+
+
+def save_generation_snapshot(r, gen):
+    """Weights at the end of generation `gen` (0 = warm-up) as out_dir/gen{gen}/model.safetensors,
+    for the per-generation analyses of eval_compositional.py (Lipschitz bound, paper Fig. 4;
+    easy-to-learn probe, Fig. 5)."""
+    if r.rank == 0:
+        d = os.path.join(r.args.out_dir, f"gen{gen}")
+        os.makedirs(d, exist_ok=True)
+        save_tensors(os.path.join(d, "model.safetensors"), r.model.state_dict(), r.step)
 
 
 # -----------------------------------------------------------------------------
-# training
+# the loss of one micro-batch: every term a forker may change sits here
 
 
-def build_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    a = p.add_argument
-    a("--data", default="shapes", help="shapes | cc3m | cc12m | datacomp | shards | csv | ...")
-    a("--model", default=None, help=f"preset: {', '.join(MODEL_PRESETS)} (default tiny on shapes)")
-    a("--method", default="il", choices=["clip", "codebook", "negclip", "il"])
-    a("--negatives", action="store_true", help="add NegCLIP hard negatives to --method il")
-    a("--out_dir", default="out/il_clip")
-    a("--max_steps", type=int, default=None, help="default: the IL schedule's total")
-    a("--stop_at", type=int, default=None, help="save and exit after this step (job chaining)")
-    a("--batch_size", type=int, default=None, help="global batch (all ranks, all micro-steps)")
-    a("--accum", type=int, default=1, help="gradient accumulation micro-steps")
-    a("--bucket_mb", type=float, default=25.0, help="DDP: gradient all-reduce bucket size (MB)")
-    a("--lr", type=float, default=None)
-    a("--min_lr", type=float, default=0.0)
-    a("--warmup", type=int, default=None)
-    a("--rewarm", type=int, default=None, help="linear LR re-warm-up at each generation start")
-    a("--wd", type=float, default=0.1)
-    a("--beta1", type=float, default=0.9)
-    a("--beta2", type=float, default=0.98)
-    a("--eps", type=float, default=1e-6)
-    a("--grad_clip", type=float, default=1.0, help="0 = off")
-    a("--seed", type=int, default=0)
-    a("--device", default=None)
-    a("--dtype", default=None, choices=["fp32", "bf16"], help="autocast dtype (default bf16 on CUDA)")
-    a("--compile", action="store_true")
-    a("--init", default=None, help="OpenAI/open_clip-layout weights (.safetensors or .pt)")
-    a("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz for the CLIP BPE")
-    a("--vocab_size", type=int, default=None)
-    a("--context_length", type=int, default=None)
-    a("--quick_gelu", action=argparse.BooleanOptionalAction, default=None)
-    a("--width", type=int, default=None, help="override both towers' width (preset otherwise)")
-    a("--layers", type=int, default=None, help="override both towers' depth")
-    a("--heads", type=int, default=None, help="override both towers' heads")
-    a("--embed_dim", type=int, default=None)
-    a("--image_size", type=int, default=None)
-    a("--patch_size", type=int, default=None)
-    a("--num_workers", type=int, default=0)
-    a("--resampled", action="store_true")
-    a("--image_root", default=None, help="image folder for a CSV / Karpathy JSON --data")
-    # codebook (FDT)
-    a("--codebook", type=int, default=None, help="K codes (0 = none; default by method/data)")
-    a("--code_dim", type=int, default=None)
-    a("--code_temp", type=float, default=None, help="T0 of T = T0 * w^(step/iters), floor 0.01")
-    a("--code_temp_decay", type=float, default=1.0, help="w")
-    a("--code_temp_iters", type=int, default=1000)
-    a("--code_sim", default="dot", choices=["dot", "cos"])
-    a("--sparsemax_topk", type=int, default=None, help="0 = exact sort (default: 256 if K>2048)")
-    # iterated learning
-    a("--t_warm", type=int, default=None)
-    a("--t_distill", type=int, default=None)
-    a("--t_interact", type=int, default=None)
-    a("--generations", type=int, default=None)
-    a("--t_extend", type=int, default=None)
-    a("--spawn", default="language", choices=["language", "vision", "alternate"])
-    a("--no_freeze_codebook", action="store_true")
-    a("--distill_loss", default="kd", choices=["kd", "cos"])
-    a("--kd_temp", type=float, default=1.0)
-    a("--distill_train_vision", action="store_true",
-          help="train the non-spawned agent during distill (frozen by default)")
-    a("--spectral_norm", action="store_true")
-    a("--neg_pool", type=int, default=None)
-    # logging / checkpoints / eval
-    a("--log_interval", type=int, default=None)
-    a("--save_interval", type=int, default=None)
-    a("--resume", action="store_true", help="continue exactly from out_dir")
-    a("--eval_n", type=int, default=200, help="shapes benchmark items per category (0 = no eval)")
-    args = p.parse_args(argv)
-    if args.negatives and args.method not in ("il", "negclip"):
-        raise ConfigError("--negatives goes with --method il (negclip always uses them)")
-    defaults = SHAPES_DEFAULTS if args.data.startswith("shapes") else PAPER_DEFAULTS
-    for k, v in defaults.items():
-        if k == "codebook":
-            continue
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    if args.codebook is None:
-        args.codebook = defaults["codebook"] if args.method in ("codebook", "il") else 0
-    if args.codebook and args.method in ("clip", "negclip"):
-        raise ConfigError(f"--codebook is for --method codebook|il, not {args.method}")
-    if args.model not in MODEL_PRESETS:
-        raise ConfigError(f"unknown --model {args.model!r} (presets: {', '.join(MODEL_PRESETS)})")
-    if args.sparsemax_topk is None:
-        args.sparsemax_topk = 256 if args.codebook > 2048 else 0
-    sched = make_schedule(args)
-    if args.max_steps is None:
-        args.max_steps = sched.total
-    if min(args.t_warm, args.t_distill, args.t_interact, args.generations, args.t_extend) < 0:
-        raise ConfigError("IL step counts must be >= 0")
-    return args
+def compute_loss(fwd, teacher, batch, phase, agent, r):
+    """-> (loss to backpropagate, contrastive loss for the log). `fwd` is the DDP-wrapped model
+    (or the model on one process): one forward call per micro-batch, so DDP sees every parameter
+    it uses. Hard-negative captions ride in the same text batch (NegCLIP)."""
+    images = batch["image"].to(r.device, non_blocking=True)
+    text, n = batch["text"], batch["text"].shape[0]
+    negclip = r.pool is not None and phase != "distill"
+    if negclip:
+        text = torch.cat([text, batch["neg_text"]])            # made by the loader's workers
+    text = trim_text_padding(text, r.cfg.eot_token_id)        # on the CPU: no device sync
+    r.text_tokens += text.shape[1]
+    text = text.to(r.device, non_blocking=True)
+    with r.autocast:
+        img, txt, scale = fwd(images, text)
+        txt, neg_txt = txt[:n], (txt[n:] if negclip else None)
+        if phase == "distill":
+            # distill (paper Sec. 3.2): the spawned agent learns the old generation's
+            # image<->text logits (Hinton KD, both directions) against the other agent's
+            # embeddings; the scale is the student's, detached (logit_scale is frozen here)
+            with torch.no_grad():
+                t_emb = teacher.encode_text(text) if agent == "language" else teacher.encode_image(images)
+            s_emb, o_emb = (txt, img) if agent == "language" else (img, txt)
+            logged = contrastive_loss(img.detach(), txt.detach(), scale.detach())  # Fig. 3's curve
+            if r.args.distill_loss == "cos":
+                return (1 - (s_emb * t_emb).sum(-1)).mean(), logged
+            return kd_loss(o_emb, s_emb, t_emb, scale.detach(), KD_TEMP), logged
+        neg_valid = neg_img = None
+        if negclip:
+            # NegCLIP: hard-negative captions as extra image->text columns (masked where a caption
+            # offers nothing to swap); each image's nearest neighbour in a pool of earlier global
+            # image embeddings as an extra text->image column
+            neg_valid = batch["neg_valid"].to(r.device, non_blocking=True)
+            all_img = gather(img.detach())
+            neg_img = r.pool.nearest(all_img)
+            r.pool.push(all_img)
+        loss = contrastive_loss(img, txt, scale, neg_txt, neg_valid, neg_img)
+        return loss, loss.detach()
 
 
-def make_schedule(args):
-    return ILSchedule(args.t_warm, args.t_distill, args.t_interact, args.generations,
-                      args.t_extend, enabled=args.method == "il")
+# -----------------------------------------------------------------------------
+# model + optimizer, the IL phases (trainable sets, spawn)
 
 
 def setup_distributed(args):
     ddp = int(os.environ.get("RANK", -1)) != -1
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.device = "cuda" if torch.cuda.is_available() else "cpu"
     owns_pg = False
     if ddp:
         rank, local_rank, world = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"])
-        if args.device.startswith("cuda"):
+        if args.device == "cuda":
             args.device = f"cuda:{local_rank}"
             torch.cuda.set_device(args.device)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
             owns_pg = True
     else:
-        rank, local_rank, world = 0, 0, 1
+        rank, world = 0, 1
     return rank, world, owns_pg
 
 
@@ -1103,14 +1280,12 @@ def model_config(args, tok):
     for flag, names in (("quick_gelu", ["quick_gelu"]), ("width", ["vision_width", "text_width"]),
                         ("layers", ["vision_layers", "text_layers"]), ("heads", ["vision_heads", "text_heads"]),
                         ("embed_dim", ["embed_dim"]), ("image_size", ["image_size"]),
-                        ("patch_size", ["patch_size"])):
-        if getattr(args, flag) is not None:
-            for n in names:
-                setattr(cfg, n, getattr(args, flag))
-    cfg.codebook_size = args.codebook
-    if args.code_dim:
-        cfg.code_dim = args.code_dim
-    cfg.code_sim, cfg.sparsemax_topk, cfg.spectral_norm = args.code_sim, args.sparsemax_topk, args.spectral_norm
+                        ("patch_size", ["patch_size"]), ("code_dim", ["code_dim"])):
+        for n in names if getattr(args, flag) is not None else ():
+            setattr(cfg, n, getattr(args, flag))
+    if args.init and args.quick_gelu is None:
+        cfg.quick_gelu = True       # OpenAI's; stated once the weights have loaded
+    cfg.codebook_size, cfg.code_sim, cfg.spectral_norm = args.codebook, args.code_sim, args.spectral_norm
     return cfg
 
 
@@ -1123,6 +1298,75 @@ def param_groups(model):
         else:
             decay.append(p)
     return decay, no_decay
+
+
+def build_model_and_optimizer(args, cfg, device):
+    model = CLIP(cfg, seed=args.seed).to(device)
+    if args.init:
+        load_state_checked(model, read_state_dict(args.init), args.init,
+                           allow_missing=("codebook", "image_query.", "text_query.", "code_temperature"))
+        if args.quick_gelu is None:
+            print(f"note: --init {args.init}: using OpenAI's QuickGELU (--no-quick_gelu for "
+                  f"open_clip's GELU models)", file=sys.stderr)
+    decay, no_decay = param_groups(model)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr,
+                            betas=tuple(args.betas), eps=args.eps, fused=device.type == "cuda")
+    if args.compile:
+        compile_encoders(model)
+    return model, opt
+
+
+def compile_encoders(model):
+    """torch.compile the two encoders (instance attributes shadow the methods; forward() calls
+    them), so the IL phase logic stays outside the graphs."""
+    model.encode_image, model.encode_text = torch.compile(model.encode_image), torch.compile(model.encode_text)
+
+
+def frozen_copy(model, compile=False):
+    """A frozen deep copy (the distillation teacher), without the compiled encoders of `model`."""
+    compiled = {k: model.__dict__.pop(k) for k in ("encode_image", "encode_text") if k in model.__dict__}
+    copied = copy.deepcopy(model).eval().requires_grad_(False)
+    model.__dict__.update(compiled)
+    if compile:
+        compile_encoders(copied)
+    return copied
+
+
+def set_trainable(model, args, phase, agent):
+    """requires_grad per parameter for an IL phase. A frozen parameter gets no .grad, so AdamW
+    skips it entirely: no update, no weight decay, no state change (bitwise frozen).
+    DDP meets this changing set through find_unused_parameters=True: a parameter outside this
+    step's graph is marked ready with no gradient, and its .grad stays None on every rank."""
+    frozen = set(UNUSED_WITH_CODEBOOK) if model.cfg.codebook_size else set()
+    if phase == "distill":
+        frozen.add("logit_scale")                          # the KD logits use a detached scale
+        if not args.no_freeze_codebook:
+            frozen.add("codebook")                         # paper: the codebook evolves smoothly
+        other = {"language": "vision", "vision": "language"}[agent]
+        if not args.distill_train_vision:
+            frozen |= {n for n, _ in agent_params(model, other)}
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in frozen)
+
+
+def spawn(r, gen):
+    """The IL spawn (paper Sec. 3.2), in one place: the current model becomes the frozen
+    distillation teacher; the spawned agent is re-initialised exactly as at step 0 from a
+    generation-derived seed (on the CPU: the same numbers everywhere) and its AdamW state is
+    cleared. It copies into the same Parameters, so the optimizer and the one DDP wrapper
+    survive every generation."""
+    agent = spawn_agent(r.args, gen)
+    save_generation_snapshot(r, gen - 1)
+    r.teacher = frozen_copy(r.model, r.args.compile)
+    fresh = frozen_copy(r.model).cpu()
+    fresh.init_agent(agent, torch.Generator().manual_seed(spawn_seed(r.args.seed, gen)))
+    src = dict(fresh.named_parameters())
+    with torch.no_grad():
+        for n, p in agent_params(r.model, agent):
+            p.copy_(src[n].to(p.device))
+            r.opt.state.pop(p, None)
+    r.spawned = gen
 
 
 def estimate_flops_per_pair(cfg, text_len=None):
@@ -1174,6 +1418,10 @@ def trim_text_padding(text, eot_token_id, multiple=8):
     return text[:, :min(text.shape[1], -(-n // multiple) * multiple)]
 
 
+# -----------------------------------------------------------------------------
+# training
+
+
 class Batches:
     """Endless iteration over a data.make_loader loader, epoch by epoch."""
 
@@ -1193,362 +1441,151 @@ class Batches:
             return next(self.it)
 
 
-class Trainer:
-    def __init__(self, args, rank, world, tokenizer=None):
-        self.args, self.rank, self.world = args, rank, world
-        self.master = rank == 0
-        self.device = torch.device(args.device)
-        dt = args.dtype or ("bf16" if self.device.type == "cuda" else "fp32")
-        self.autocast = nullcontext() if dt == "fp32" else torch.autocast(self.device.type, dtype=torch.bfloat16)
-        if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-        if args.batch_size % (world * args.accum):
-            raise ConfigError(f"--batch_size {args.batch_size} is not divisible by world_size x accum = {world * args.accum}")
-        self.micro = args.batch_size // (world * args.accum)
-        self.sched = make_schedule(args)
-        if args.init and not os.path.isfile(args.init):
-            raise ConfigError(f"--init file not found: {args.init}")
-        data.resolve_data(args.data, args.image_root)   # e.g. cc3m without shards: DataError saying where it looked
-        self.tok = tokenizer or build_tokenizer(args, rank, world)     # bench.py passes its own
-        self.cfg = model_config(args, self.tok)
-        self.raw = CLIP(self.cfg, seed=args.seed).to(self.device)
-        if args.init:
-            sd = read_state_dict(args.init)
-            load_state_checked(self.raw, sd, args.init,
-                               allow_missing=("codebook", "image_query.", "text_query.", "code_temperature"))
-        decay, no_decay = param_groups(self.raw)
-        extra = {"fused": True} if self.device.type == "cuda" else {}
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd},
-                                      {"params": no_decay, "weight_decay": 0.0}],
-                                     lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps, **extra)
-        # compile the two encoders (the IL phase logic stays outside the graphs); the raw module
-        # is what gets saved
-        self.encode_image, self.encode_text = self.compiled(self.raw.encode_image, self.raw.encode_text)
-        self.set_teacher(None)
-        self.spawned = 0          # last generation whose spawn has been performed
-        self.step = 0
-        self.pool = self.negatives = None
-        if args.method == "negclip" or args.negatives:
-            self.pool = ImagePool(args.neg_pool, self.cfg.embed_dim if not self.cfg.codebook_size
-                                  else self.cfg.code_dim, self.device)
-            self.negatives = NegativeCaptions(self.tok, args.seed)
-        self.loader = data.make_loader(args.data, split="train", batch_size=self.micro, tokenizer=self.tok,
-                                       image_size=self.cfg.image_size, train=True, rank=rank,
-                                       world_size=world, num_workers=args.num_workers, seed=args.seed,
-                                       resampled=args.resampled, drop_last=True, image_root=args.image_root,
-                                       pin_memory=self.device.type == "cuda", batch_extra=self.negatives)
-        self.batches = Batches(self.loader)
-        self.stop_requested = False
-        self.text_tokens = 0      # sum of trimmed text lengths since the last log (for the MFU)
-        self.metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
-        if args.resume:
-            self.load_checkpoint()
-        elif self.master:
-            os.makedirs(args.out_dir, exist_ok=True)
-            open(self.metrics_path, "w").close()
-        if world > 1:       # identical start on every rank (init is seeded, this makes sure)
-            for t in self.raw.state_dict().values():
-                dist.broadcast(t, 0)
-        self.reducer = (GradReducer(self.raw.parameters(), world, int(args.bucket_mb * 2**20))
-                        if world > 1 else None)
+def setup(args, rank, world, tok=None):
+    """The run's state: model, optimizer, loader, IL schedule, teacher, log sums (restored on
+    --resume). bench.py passes its own tokenizer."""
+    r = types.SimpleNamespace(args=args, rank=rank, world=world, device=torch.device(args.device))
+    dt = args.dtype or ("bf16" if r.device.type == "cuda" else "fp32")
+    r.autocast = nullcontext() if dt == "fp32" else torch.autocast(r.device.type, dtype=torch.bfloat16)
+    if r.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if args.batch_size % (world * args.accum):
+        raise ConfigError(f"--batch_size {args.batch_size} is not divisible by world_size x accum = {world * args.accum}")
+    if args.init and not os.path.isfile(args.init):
+        raise ConfigError(f"--init file not found: {args.init}")
+    data.resolve_data(args.data, args.image_root)   # e.g. cc3m without shards: DataError saying where it looked
+    r.tok = tok or build_tokenizer(args, rank, world)
+    r.cfg = model_config(args, r.tok)
+    r.model, r.opt = build_model_and_optimizer(args, r.cfg, r.device)
+    r.sched = make_schedule(args)
+    r.pool = negatives = None
+    if args.method == "negclip" or args.negatives:
+        r.pool = ImagePool(args.neg_pool, r.cfg.code_dim if r.cfg.codebook_size else r.cfg.embed_dim, r.device)
+        negatives = NegativeCaptions(r.tok, args.seed)
+    r.loader = data.make_loader(
+        args.data, split="train", batch_size=args.batch_size // (world * args.accum), tokenizer=r.tok,
+        image_size=r.cfg.image_size, train=True, rank=rank, world_size=world, num_workers=args.num_workers,
+        seed=args.seed, resampled=args.resampled, drop_last=True, image_root=args.image_root,
+        csv_img_key=args.csv_img_key, csv_caption_key=args.csv_caption_key,
+        csv_separator=args.csv_separator, pin_memory=r.device.type == "cuda", batch_extra=negatives)
+    r.batches = Batches(r.loader)
+    r.step = r.spawned = r.n_loss = r.text_tokens = 0
+    r.teacher, r.stop_requested = None, False
+    r.sums = torch.zeros(3, device=r.device)      # loss, contrastive loss, non-finite count
+    r.metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
+    if args.resume:
+        load_checkpoint(r)
+    elif rank == 0:
+        os.makedirs(args.out_dir, exist_ok=True)
+        open(r.metrics_path, "w").close()
+    # DDP broadcasts rank 0's weights at construction (an identical start on every rank). Its
+    # parameter set is fixed there: the frozen-for-good codebook-mode projections stay out; the
+    # per-phase freezing is met by find_unused_parameters (see set_trainable).
+    r.ddp = (torch.nn.parallel.DistributedDataParallel(r.model, find_unused_parameters=True)
+             if world > 1 else None)
+    return r
 
-    def compiled(self, *fns):
-        return tuple(torch.compile(f) for f in fns) if self.args.compile else fns
 
-    def set_teacher(self, model):
-        """The frozen previous generation (None outside distillation). Under --compile its
-        encoders are compiled too: a no-grad forward of one encoder, a third of a distill step."""
-        self.teacher = model      # the encoders below hold it too: None releases all three
-        self.teacher_encode_image, self.teacher_encode_text = (
-            self.compiled(model.encode_image, model.encode_text) if model is not None else (None, None))
-
-    # --- IL phases
-    def trainable(self, phase, gen):
-        """requires_grad per parameter for this phase. A frozen parameter gets no .grad, so
-        AdamW skips it entirely: no update, no weight decay, no state change (bitwise frozen)."""
-        args, want = self.args, {}
-        spawned = spawn_agent(args, gen) if phase == "distill" else None
-        other = {"language": "vision", "vision": "language"}.get(spawned)
-        other_names = {n for n, _ in agent_params(self.raw, other)} if other else set()
-        for n, p in self.raw.named_parameters():
-            on = True
-            if phase == "distill":
-                if n == "codebook" and not args.no_freeze_codebook:
-                    on = False
-                elif n == "logit_scale":
-                    on = False           # the KD logits use a detached scale
-                elif n in other_names and not args.distill_train_vision:
-                    on = False
-            want[n] = on
-        return want
-
-    def spawn(self, gen):
-        """New generation: keep the old agent as the distillation teacher, re-initialise the
-        agent exactly as at step 0 from a generation-derived seed, clear its AdamW state."""
-        agent = spawn_agent(self.args, gen)
-        self.save_generation_snapshot(gen - 1)
-        self.set_teacher(copy.deepcopy(self.raw).eval().requires_grad_(False))
-        g = torch.Generator().manual_seed(spawn_seed(self.args.seed, gen))
-        cpu = copy.deepcopy(self.raw).cpu()                  # init on CPU: same numbers everywhere
-        cpu.init_agent(agent, g)
-        with torch.no_grad():
-            src = dict(cpu.named_parameters())
-            for n, p in agent_params(self.raw, agent):
-                p.copy_(src[n].to(p.device))
-                self.opt.state.pop(p, None)
-        self.spawned = gen
-
-    # --- one micro-batch loss
-    def loss(self, batch, phase, gen):
-        args, m = self.args, self
-        images = batch["image"].to(self.device, non_blocking=True)
-        text = trim_text_padding(batch["text"], self.cfg.eot_token_id)
-        self.text_tokens += text.shape[1]
-        text = text.to(self.device, non_blocking=True)
-        with self.autocast:
-            if phase == "distill":
-                agent = spawn_agent(args, gen)
-                enc_s, enc_o = ((m.encode_text, m.encode_image) if agent == "language"
-                                else (m.encode_image, m.encode_text))
-                x_s, x_o = (text, images) if agent == "language" else (images, text)
-                teach = self.teacher_encode_text if agent == "language" else self.teacher_encode_image
-                with torch.no_grad():
-                    t_emb = teach(x_s)
-                o_emb = enc_o(x_o)
-                s_emb = enc_s(x_s)
-                if args.distill_loss == "cos":
-                    return (1 - (s_emb * t_emb).sum(-1)).mean()
-                return kd_loss(o_emb, s_emb, t_emb, self.raw.logit_scale.exp().detach(), args.kd_temp)
-            img = m.encode_image(images)
-            txt = m.encode_text(text)
-            neg_txt = neg_valid = neg_img = None
-            if self.pool is not None:
-                negs = batch if "neg_text" in batch else self.negatives(batch)   # made by the loader
-                # non_blocking: a blocking host-to-device copy would wait for the device (a sync)
-                neg_tok = trim_text_padding(negs["neg_text"], self.cfg.eot_token_id)
-                neg_txt = m.encode_text(neg_tok.to(self.device, non_blocking=True))
-                neg_valid = negs["neg_valid"].to(self.device, non_blocking=True)
-                all_img = gather(img.detach())
-                neg_img = self.pool.nearest(all_img)
-                self.pool.push(all_img)
-            return contrastive_loss(img, txt, self.raw.logit_scale.exp(), neg_txt, neg_valid, neg_img)
-
-    # --- checkpoints
-    def save_generation_snapshot(self, gen):
-        """Weights at the end of generation `gen` (0 = warm-up) as out_dir/gen{gen}/model.safetensors,
-        for the per-generation analyses of eval_compositional.py (Lipschitz bound, paper Fig. 4;
-        easy-to-learn probe, Fig. 5)."""
-        if self.master:
-            d = os.path.join(self.args.out_dir, f"gen{gen}")
-            os.makedirs(d, exist_ok=True)
-            save_tensors(os.path.join(d, "model.safetensors"), self.raw.state_dict(), self.step)
-
-    def save_checkpoint(self):
-        if not self.master:
-            return
-        a, d = self.args, self.args.out_dir
-        os.makedirs(d, exist_ok=True)
-        save_tensors(os.path.join(d, "model.safetensors"), self.raw.state_dict(), self.step)
-        config = {k: v for k, v in vars(a).items()}
-        config["model"] = asdict(self.cfg)
-        config["world_size"] = self.world
-        save_json(os.path.join(d, "config.json"), config)
-        if not os.path.isfile(os.path.join(d, "tokenizer.json")):
-            self.tok.save(d)
-        osd = self.opt.state_dict()
-        tensors, scalars = {}, {}
-        for i, st in osd["state"].items():
-            for k, v in st.items():
-                if torch.is_tensor(v):
-                    tensors[f"opt.{i}.{k}"] = v
-                else:
-                    scalars[f"{i}.{k}"] = v
-        if self.teacher is not None and self.sched.at(self.step)[0] == "distill":
-            tensors.update({f"teacher.{k}": v for k, v in self.teacher.state_dict().items()})
-        if self.pool is not None:
-            tensors["pool.emb"], tensors["pool.ptr"] = self.pool.emb, self.pool.ptr
-        save_tensors(os.path.join(d, "train_state.safetensors"), tensors, self.step)
-        state = {
-            "step": self.step, "spawned": self.spawned, "param_groups": osd["param_groups"],
-            "opt_scalars": scalars, "loader": self.loader.state_dict(),
-            "pool_count": self.pool.count if self.pool is not None else 0,
-            "rng": {"torch": torch.get_rng_state().tolist(),
-                    "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if self.device.type == "cuda" else None,
-                    "numpy": [np.random.get_state()[0], np.random.get_state()[1].tolist()] + list(np.random.get_state()[2:]),
-                    "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]]},
-        }
-        save_json(os.path.join(d, "train_state.json"), state)
-
-    def load_checkpoint(self):
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-        d = self.args.out_dir
-        paths = [os.path.join(d, f) for f in ("model.safetensors", "train_state.safetensors", "train_state.json")]
-        for p in paths:
-            if not os.path.isfile(p):
-                raise ConfigError(f"--resume: {p} not found")
-        with open(paths[2]) as f:
-            state = json.load(f)
-        for p in paths[:2]:
-            with safe_open(p, "pt") as f:
-                if f.metadata().get("step") != str(state["step"]):
-                    raise ConfigError(f"--resume: {p} is from step {f.metadata().get('step')}, "
-                                      f"train_state.json from step {state['step']} (interrupted save)")
-        load_state_checked(self.raw, load_file(paths[0], device=str(self.device)), paths[0])
-        ts = load_file(paths[1], device=str(self.device))
-        opt_state = {}
-        for k, v in ts.items():
-            if k.startswith("opt."):
-                _, i, name = k.split(".", 2)
-                opt_state.setdefault(int(i), {})[name] = v
-        for k, v in state["opt_scalars"].items():
-            i, name = k.split(".", 1)
-            opt_state.setdefault(int(i), {})[name] = v
-        self.opt.load_state_dict({"state": opt_state, "param_groups": state["param_groups"]})
-        self.step, self.spawned = state["step"], state["spawned"]
-        teacher = {k[8:]: v for k, v in ts.items() if k.startswith("teacher.")}
-        if teacher:
-            self.set_teacher(copy.deepcopy(self.raw).eval().requires_grad_(False))
-            self.teacher.load_state_dict(teacher)
-        if self.pool is not None and "pool.emb" in ts:
-            self.pool.emb.copy_(ts["pool.emb"])
-            self.pool.ptr.copy_(ts["pool.ptr"])
-            self.pool.count = state["pool_count"]
-        self.loader.load_state_dict(state["loader"])
-        rng = state["rng"]
-        torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
-        if rng.get("cuda") and self.device.type == "cuda":
-            torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in rng["cuda"]])
-        n = rng["numpy"]
-        np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
-        p = rng["python"]
-        random.setstate((p[0], tuple(p[1]), p[2]))
-
-    # --- the loop
-    def log(self, rec):
-        if self.master:
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-
-    def train(self):
-        from tqdm import tqdm
-        args, raw = self.args, self.raw
-        end = args.max_steps if args.stop_at is None else min(args.max_steps, args.stop_at)
-        pbar = tqdm(total=end, initial=self.step, disable=not self.master, dynamic_ncols=True,
-                    mininterval=1.0, desc=f"{args.method}")
-        loss_sum = torch.zeros((), device=self.device)
-        bad = torch.zeros((), dtype=torch.bool, device=self.device)
-        n_loss, t_last, step_last = 0, time.time(), self.step
-        prev_trainable = None
-        status = "done"
-        while self.step < end:
-            phase, gen, _ = self.sched.at(self.step)
-            if gen > self.spawned and self.step in self.sched.spawn_steps:
-                self.spawn(gen)
-            if phase != "distill":
-                self.set_teacher(None)
-            want = self.trainable(phase, gen)
-            if want != prev_trainable:
-                for n, p in raw.named_parameters():
-                    p.requires_grad_(want[n])
-                prev_trainable = want
-            lr = get_lr(self.step, args, self.sched)
-            for grp in self.opt.param_groups:
-                grp["lr"] = lr
-            if raw.cfg.codebook_size:
-                raw.code_temperature.fill_(code_temperature(self.step, args))
-            for micro in range(args.accum):
-                if self.reducer is not None:    # reduce while the last micro-batch's backward runs
-                    self.reducer.armed = micro == args.accum - 1
-                loss = self.loss(self.batches.next(), phase, gen)
+def train(r):
+    """The step loop. -> "done" | "sigterm" | "nan"."""
+    args, model = r.args, r.model
+    fwd = r.ddp or model
+    end = args.max_steps if args.stop_at is None else min(args.max_steps, args.stop_at)
+    t_last, step_last, trainable_for = time.time(), r.step, None
+    if r.step >= end:          # nothing to train (e.g. --max_steps 0 to export --init weights)
+        save_checkpoint(r)
+    while r.step < end:
+        # the IL phase: one lookup (warm-up, then per generation spawn -> distill -> interact)
+        phase, gen, _ = r.sched.at(r.step)
+        agent = spawn_agent(args, gen) if phase == "distill" else None
+        if gen > r.spawned and r.step in r.sched.spawn_steps:
+            spawn(r, gen)
+        if phase != "distill":
+            r.teacher = None
+        if (phase, agent) != trainable_for:
+            set_trainable(model, args, phase, agent)
+            trainable_for = (phase, agent)
+        lr = get_lr(r.step, args, r.sched)
+        for group in r.opt.param_groups:
+            group["lr"] = lr
+        if r.cfg.codebook_size:
+            model.code_temperature.fill_(code_temperature(r.step, args))
+        # forward/backward, gradients averaged over ranks by DDP on the last micro-batch only
+        for micro in range(args.accum):
+            batch = r.batches.next()
+            last_micro = micro == args.accum - 1
+            with r.ddp.no_sync() if r.ddp is not None and not last_micro else nullcontext():
+                loss, logged = compute_loss(fwd, r.teacher, batch, phase, agent, r)
                 (loss / args.accum).backward()
-                loss_sum += loss.detach()
-                bad |= ~torch.isfinite(loss.detach())
-                n_loss += 1
-            if self.reducer is not None:
-                self.reducer.finish()
-            if args.grad_clip > 0:
-                params = [p for p in raw.parameters() if p.grad is not None]
-                if params:
-                    torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            with torch.no_grad():   # OpenAI: ln(100); FDT reference with a codebook: [3, 6]
-                lo, hi = (3.0, 6.0) if raw.cfg.codebook_size else (0.0, math.log(100))
-                raw.logit_scale.clamp_(lo, hi)
-            self.step += 1
-            pbar.update(1)
-            last = self.step == end
-            # log at intervals and at every phase change, so no record mixes two phases' losses
-            if self.step % args.log_interval == 0 or last or self.sched.at(self.step)[0] != phase:
-                # the only host-device syncs of the loop: loss, non-finite check, stop flag, and
-                # the count of inexact top-k sparsemax rows (0 unless the refinement fell short)
-                inexact = sum(m.sparsemax_inexact for m in (raw, self.teacher)
-                              if m is not None and hasattr(m, "sparsemax_inexact"))
-                stats = torch.stack([loss_sum / max(1, n_loss), bad.float(),
-                                     torch.tensor(float(self.stop_requested), device=self.device),
-                                     torch.as_tensor(inexact, device=self.device).float()])
-                if self.world > 1:
-                    dist.all_reduce(stats)
-                    stats[0] /= self.world
-                loss_v, is_bad, stop, n_inexact = stats.tolist()
-                if is_bad:
-                    if self.master:
-                        print(f"error: non-finite loss at step <= {self.step} (phase {phase}, generation "
-                              f"{gen}); stopping, the last good checkpoint in {args.out_dir} is kept",
-                              file=sys.stderr)
-                    status = "nan"
-                    break
-                dt = time.time() - t_last
-                sps = (self.step - step_last) * args.batch_size / max(dt, 1e-9)
-                text_len = self.text_tokens / max(1, n_loss)
-                mfu = estimate_mfu(self.cfg, sps, self.device, text_len)
-                rec = {"step": self.step, "loss": loss_v, "lr": lr, "phase": phase, "generation": gen,
-                       "logit_scale": raw.logit_scale.item(), "samples_per_s": round(sps, 2),
-                       "text_len": round(text_len, 2), "mfu": mfu, "time": time.time()}
-                if n_inexact:
-                    rec["sparsemax_inexact_rows"] = int(n_inexact)
-                    if self.master:
-                        print(f"warning: {int(n_inexact)} top-k sparsemax rows did not settle in "
-                              f"{SPARSEMAX_REFINE_STEPS} refinement steps before step {self.step}; "
-                              f"raise --sparsemax_topk (0 = exact sort)", file=sys.stderr)
-                    for m in (raw, self.teacher):
-                        if m is not None and hasattr(m, "sparsemax_inexact"):
-                            m.sparsemax_inexact.zero_()
-                self.log(rec)
-                pbar.set_postfix(loss=f"{loss_v:.3f}", phase=phase, gen=gen)
-                loss_sum.zero_()
-                self.text_tokens = 0
-                n_loss, t_last, step_last = 0, time.time(), self.step
-                if stop:
-                    self.save_checkpoint()
-                    status = "sigterm"
-                    break
-                if self.step % args.save_interval == 0 or last:
-                    self.save_checkpoint()
-                    draw_loss_curve(self.metrics_path, os.path.join(args.out_dir, "loss_curve.png"),
-                                    self.sched.spawn_steps) if self.master else None
-            elif self.world == 1 and self.stop_requested:
-                self.save_checkpoint()
-                status = "sigterm"
-                break
-        pbar.close()
-        if status == "done" and self.step == end:
-            self.save_checkpoint()
-            if self.spawned and end == args.max_steps:
-                self.save_generation_snapshot(self.spawned)
-            if self.master:
-                draw_loss_curve(self.metrics_path, os.path.join(args.out_dir, "loss_curve.png"),
-                                self.sched.spawn_steps)
-        return status
+            r.sums += torch.stack([loss.detach(), logged, (~torch.isfinite(loss.detach())).float()])
+            r.n_loss += 1
+        if args.grad_clip > 0:
+            params = [p for p in model.parameters() if p.grad is not None]
+            if params:
+                torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        r.opt.step()
+        r.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():   # OpenAI: ln(100); FDT reference with a codebook: [3, 6]
+            lo, hi = (3.0, 6.0) if r.cfg.codebook_size else (0.0, math.log(100))
+            model.logit_scale.clamp_(lo, hi)
+        r.step += 1
+        # sync points (the loop's only host-device syncs): log steps, save steps, phase changes
+        # (a --stop_at step saves without a log line: the resumed run logs as an uninterrupted one)
+        log_now = r.step % args.log_interval == 0 or r.step == args.max_steps or r.sched.at(r.step)[0] != phase
+        save_now = r.step % args.save_interval == 0 or r.step == end
+        if not (log_now or save_now or (r.world == 1 and r.stop_requested)):
+            continue
+        stats = torch.cat([r.sums / max(1, r.n_loss),
+                           torch.tensor([float(r.stop_requested)], device=r.device)])
+        if r.world > 1:           # mean loss over ranks; nonzero if any rank is bad / signalled
+            dist.all_reduce(stats)
+            stats[:2] /= r.world
+        loss_v, clip_v, bad, stop = stats.tolist()
+        if bad or (save_now or stop) and not all_finite(model, r.opt):
+            if r.rank == 0:
+                print(f"error: non-finite loss or weights at step <= {r.step} (phase {phase}, generation "
+                      f"{gen}); stopping, the last good checkpoint in {args.out_dir} is kept", file=sys.stderr)
+            return "nan"
+        if log_now:
+            now = time.time()
+            sps = (r.step - step_last) * args.batch_size / max(now - t_last, 1e-9)
+            text_len = r.text_tokens / max(1, r.n_loss)
+            log(r, {"step": r.step, "loss": loss_v, "clip_loss": clip_v, "lr": lr, "phase": phase,
+                    "generation": gen, "logit_scale": model.logit_scale.item(),
+                    "samples_per_s": round(sps, 2), "text_len": round(text_len, 2),
+                    "mfu": estimate_mfu(r.cfg, sps, r.device, text_len), "time": now})
+            r.sums.zero_()
+            r.n_loss = r.text_tokens = 0
+            t_last, step_last = now, r.step
+        if save_now or stop:
+            save_checkpoint(r)
+            if r.rank == 0:
+                draw_loss_curve(r.metrics_path, os.path.join(args.out_dir, "loss_curve.png"), r.sched.spawn_steps)
+        if stop:
+            return "sigterm"
+    if r.spawned and end == args.max_steps:
+        save_generation_snapshot(r, r.spawned)
+    return "done"
+
+
+def log(r, rec):
+    if r.rank == 0:
+        with open(r.metrics_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(f"step {rec['step']}: loss {rec['loss']:.4f} (contrastive {rec['clip_loss']:.4f}), "
+              f"{rec['phase']} gen {rec['generation']}, {rec['samples_per_s']:.1f} samples/s", flush=True)
 
 
 # -----------------------------------------------------------------------------
 # loss curve (paper Fig. 3) with PIL
 
 
+CLIP_LOSS_COLOUR = (150, 150, 150)
+
+
 def draw_loss_curve(metrics_path, png_path, boundaries=(), size=(900, 420)):
+    """The training loss coloured by phase and, in grey, the contrastive loss in every phase
+    (during distill the loss is KD): Fig. 3's spike at each spawn shows in the grey curve."""
     from PIL import Image, ImageDraw
     recs = []
     if os.path.isfile(metrics_path):
@@ -1562,6 +1599,7 @@ def draw_loss_curve(metrics_path, png_path, boundaries=(), size=(900, 420)):
     d.rectangle([L, T, W - R, H - B], outline="black")
     if recs:
         xs, ys = [r["step"] for r in recs], [r["loss"] for r in recs]
+        ys += [r["clip_loss"] for r in recs if math.isfinite(r.get("clip_loss", math.nan))]
         x0, x1 = 0, max(max(xs), 1)
         y0, y1 = min(ys), max(ys)
         y1 = y1 if y1 > y0 else y0 + 1
@@ -1574,13 +1612,16 @@ def draw_loss_curve(metrics_path, png_path, boundaries=(), size=(900, 420)):
         colours = {"warmup": (40, 90, 200), "distill": (220, 120, 0), "interact": (30, 150, 60),
                    "train": (40, 90, 200)}
         for a, b in zip(recs, recs[1:]):
+            if math.isfinite(a.get("clip_loss", math.nan)) and math.isfinite(b.get("clip_loss", math.nan)):
+                d.line([px(a["step"]), py(a["clip_loss"]), px(b["step"]), py(b["clip_loss"])],
+                       fill=CLIP_LOSS_COLOUR, width=1)
             d.line([px(a["step"]), py(a["loss"]), px(b["step"]), py(b["loss"])],
                    fill=colours.get(b.get("phase"), (0, 0, 0)), width=2)
         for v in (y0, (y0 + y1) / 2, y1):
             d.text((4, py(v) - 6), f"{v:.3f}", fill="black")
         d.text((L, H - B + 6), "0", fill="black")
         d.text((W - R - 40, H - B + 6), str(x1), fill="black")
-    d.text((W // 2 - 100, H - 18), "step   (blue warm-up, orange distill, green interact)", fill="black")
+    d.text((W // 2 - 100, H - 18), "step   (blue warm-up, orange distill, green interact; grey contrastive)", fill="black")
     _atomic(png_path, lambda p: img.save(p, format="PNG"))
 
 
@@ -1675,22 +1716,22 @@ def run(argv=None):
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)
-    trainer = Trainer(args, rank, world)
+    r = setup(args, rank, world)
 
-    def on_sigterm(signum, frame):
-        trainer.stop_requested = True
+    def on_sigterm(signum, frame):   # agreed on by all ranks at the next sync point, then saved
+        r.stop_requested = True
     old = signal.signal(signal.SIGTERM, on_sigterm)
     t0 = time.time()
     try:
-        status = trainer.train()
+        status = train(r)
     finally:
         signal.signal(signal.SIGTERM, old)
-    if rank == 0:
-        print(f"{status}: step {trainer.step}/{args.max_steps} in {time.time() - t0:.0f}s, "
-              f"checkpoint in {args.out_dir}", file=sys.stderr)
-    if status == "done" and trainer.step >= args.max_steps and rank == 0 and args.eval_n > 0 \
+    if rank == 0 and status != "nan":       # (the non-finite stop has printed its error line)
+        print(f"{status}: step {r.step}/{args.max_steps} in {time.time() - t0:.0f}s, "
+              f"checkpoint in {os.path.join(args.out_dir, 'checkpoint')}", file=sys.stderr)
+    if status == "done" and r.step >= args.max_steps and rank == 0 and args.eval_n > 0 \
             and args.data.startswith("shapes"):
-        res = evaluate_shapes(trainer.raw, trainer.tok, trainer.device, n=args.eval_n)
+        res = evaluate_shapes(r.model, r.tok, r.device, n=args.eval_n)
         save_json(os.path.join(args.out_dir, "shapes_eval.json"), res)
         print(format_table(res))
     if world > 1:

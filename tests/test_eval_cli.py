@@ -37,7 +37,7 @@ def ckpts(tmp_path_factory):
 
 def test_cli_end_to_end(ckpts, tmp_path):
     ck = ckpts["codebook"]
-    sd = load_file(os.path.join(ck, "model.safetensors"))
+    sd = load_file(os.path.join(ck, "checkpoint", "model.safetensors"))
     for g in (1, 2):  # generation snapshots (Fig. 4): weights only, in the model's layout
         os.makedirs(os.path.join(ck, f"gen{g}"), exist_ok=True)
         save_file({k: v * (1.0 + 0.1 * g) if v.dim() >= 2 else v for k, v in sd.items()},
@@ -97,14 +97,14 @@ def test_refuses_other_methods_and_tokenizer_mismatch(ckpts, tmp_path, capsys):
     other = tmp_path / "composer"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"args": {}, "model": {"dim": 32, "concept_layers": 2}}))
-    shutil.copy(os.path.join(ckpts["clip"], "model.safetensors"), other)
+    shutil.copy(os.path.join(ckpts["clip"], "checkpoint", "model.safetensors"), other)
     assert E.main(["--ckpt", str(other)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "another method" in err and len(err.splitlines()) == 1
 
     bad_tok = tmp_path / "badtok"
     shutil.copytree(ckpts["clip"], bad_tok)
-    data.build_tokenizer(captions=data.shapes_captions(200), vocab_size=280, context_length=32).save(str(bad_tok))
+    data.build_tokenizer(captions=data.shapes_captions(200), vocab_size=280, context_length=32).save(str(bad_tok / "checkpoint"))
     assert E.main(["--ckpt", str(bad_tok)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "tokenizer mismatch" in err and len(err.splitlines()) == 1

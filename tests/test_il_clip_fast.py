@@ -1,5 +1,4 @@
-"""The fast paths of il_clip.py give the plain paths' numbers: the sync-free top-k sparsemax,
-no host-device sync anywhere in a training step (run on the meta device, where any .item() /
+"""The fast paths of il_clip.py give the plain paths' numbers: no host-device sync anywhere in a training step (run on the meta device, where any .item() /
 bool(tensor) raises), torch.compile without graph breaks and with eager's numbers (dynamo +
 AOTAutograd for the whole IL loop, inductor for the codebook text encoder)."""
 import json
@@ -12,42 +11,6 @@ import il_clip as M
 from test_il_clip import IL, TINY
 
 
-def _cos_scores(rows, width, scale, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = F.normalize(torch.randn(rows, 64, generator=g, dtype=torch.float64), dim=-1)
-    c = F.normalize(torch.randn(width, 64, generator=g, dtype=torch.float64), dim=-1)
-    return (q @ c.t()) * scale
-
-
-def test_topk_sparsemax_settles_where_the_support_overflows(monkeypatch):
-    # small scales: thousands of codes in the support, far more than k, so every row takes the
-    # Newton refinement from the top-k lower bound (up to 11 steps in this range at k = 2)
-    for scale in (1e-3, 1e-2, 0.1, 1.0):
-        z = _cos_scores(32, 16384, scale)
-        tau_sort, support = M._sparsemax_tau(z, z.shape[-1])
-        exact = torch.clamp(z - tau_sort, min=0)
-        for k in (2, 8, 256):
-            out, inexact = M.sparsemax(z, topk=k, return_inexact=True)
-            assert inexact.item() == 0
-            assert (out - exact).abs().max().item() < 1e-12, (scale, k)
-        if scale == 1e-3:
-            assert (support > 256).all()
-    # too few refinement steps: the rows that had not settled are counted, not hidden
-    monkeypatch.setattr(M, "SPARSEMAX_REFINE_STEPS", 2)
-    out, inexact = M.sparsemax(_cos_scores(32, 16384, 1e-3), topk=8, return_inexact=True)
-    assert 0 < inexact.item() <= 32
-
-
-def test_sparsemax_topk_grad_matches_sort():
-    z = _cos_scores(6, 512, 0.05).requires_grad_()
-    g = torch.randn(6, 512, dtype=torch.float64)
-    for k in (0, 4):
-        (gz,) = torch.autograd.grad((M.sparsemax(z, topk=k) * g).sum(), z)
-        if k == 0:
-            ref = gz
-    assert torch.allclose(gz, ref, atol=1e-12)
-
-
 class _MetaCLIP(M.CLIP):
     def init_weights(self, seed):
         """No init: meta tensors have shapes only."""
@@ -56,7 +19,7 @@ class _MetaCLIP(M.CLIP):
 def _method_config(method):
     cfg = M.ModelConfig(**M.MODEL_PRESETS["tiny"], eot_token_id=999)
     if method in ("codebook", "distill"):
-        cfg.codebook_size, cfg.code_dim, cfg.sparsemax_topk = 64, cfg.embed_dim, 8
+        cfg.codebook_size, cfg.code_dim = 64, cfg.embed_dim
     return cfg
 
 
@@ -194,7 +157,7 @@ def test_compiled_il_training_matches_eager_with_no_graph_break(tmp_path, monkey
     re-specialises them and nothing breaks a graph. AOTAutograd traces forward and backward exactly as inductor would
     receive them; the inductor code generation itself is the next test."""
     def losses(out, extra):
-        argv = TINY + IL + ["--max_steps", "9", "--sparsemax_topk", "8", "--negatives", "--out_dir", str(tmp_path / out)]
+        argv = TINY + IL + ["--max_steps", "9", "--negatives", "--out_dir", str(tmp_path / out)]
         assert M.main(argv + extra) == 0
         return [json.loads(x)["loss"] for x in open(tmp_path / out / "metrics.jsonl")]
 
