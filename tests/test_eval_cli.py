@@ -133,7 +133,7 @@ def test_quick_gelu_flag_builds_the_named_activation(ckpts):
     from dataclasses import replace
     ck = ckpts["clip"]
     x = torch.stack([data.eval_transform(32)(data.shapes_scene("test", i).image) for i in range(2)])
-    sd = load_file(os.path.join(ck, "model.safetensors"))
+    sd = load_file(os.path.join(ck, "checkpoint", "model.safetensors"))
     outs = {}
     for flag, quick in (([], False), (["--quick_gelu"], True), (["--no-quick_gelu"], False)):
         model, _, config = E.load_checkpoint(ck, E.get_args(["--ckpt", ck] + flag))
@@ -151,7 +151,7 @@ def test_new_checkpoint_layout_and_errors_at_the_end(ckpts, tmp_path, capsys):
     out_dir or as its checkpoint/ folder. A wrong image path and a Winoground without images
     are error lines and exit 2 at the end; the other benchmarks still run and report."""
     out_dir = tmp_path / "run"
-    shutil.copytree(ckpts["codebook"], out_dir / "checkpoint", ignore=shutil.ignore_patterns("gen*", "*.png", "*.jsonl"))
+    shutil.copytree(os.path.join(ckpts["codebook"], "checkpoint"), out_dir / "checkpoint")
     os.makedirs(out_dir / "gen1")
     shutil.copy(out_dir / "checkpoint" / "model.safetensors", out_dir / "gen1")
     wino = tmp_path / "wino"
