@@ -82,6 +82,14 @@ class Tree:
         return [w for c in self.children for w in c.leaves()]
 
 
+def _strip_function_tags(label: str) -> str:
+    """NP-SBJ -> NP, PP-LOC-2 -> PP, NP=1 -> NP (PTB function tags and indices); -NONE-, -LRB-
+    are labels of their own."""
+    if label.startswith("-"):
+        return label
+    return re.split(r"[-=]", label)[0] or label
+
+
 def parse_ptb(s: str) -> Tree:
     """PTB bracketed string -> Tree. Raises CRGError('malformed_tree') on anything else.
     `(ROOT (S ...))` and `( (S ...))` wrappers and unary chains at the top are unwrapped."""
@@ -98,7 +106,7 @@ def parse_ptb(s: str) -> Tree:
         pos += 1
         label = ""
         if pos < len(toks) and toks[pos] not in "()":
-            label = toks[pos]
+            label = _strip_function_tags(toks[pos])
             pos += 1
         t = Tree(label)
         while True:
@@ -236,125 +244,339 @@ def crg_from_tree(tree: str, caption: str | None = None) -> Concept:
 
 
 # --- rule-based bracketer for captions without trees (closed-class word lists, no model) ---
-# Choice: a deterministic chunker, not a parser: base NPs = [det] [numbers] [adjectives] nouns;
-# NP <- NP (prep NP)* right-branching, NP and NP coordination, S <- NP VP when a verb follows
-# the first NP. Open-class words default to nouns (NNS when they end in -s), -ing -> VBG,
-# -ed -> VBN, -ly -> RB. Good enough to give the CRG the shape the paper describes on
-# caption-like text; gold trees should be used when available.
+# Choice: a deterministic tagger + recursive-descent chunker in the Kitaev-Klein (benepar) / PTB
+# style, not a statistical parser. It knows closed-class words, ~200 caption verbs with their
+# inflections, colour/size/material adjectives and suffix rules; context decides the ambiguous
+# ones (a verb form right after a noun phrase is the verb, "rides" after "a man"; a base form
+# after a plural subject is VBP; an -ing word after a determiner with no noun after it is a noun,
+# "the building"). Structure: NP -> base NP [PP (right-branching inside the PP) | VBG-phrase
+# (reduced relative) | SBAR (who/that/which)] and NP CC NP; S -> NP VP; inside the VP, PPs attach
+# to the VP and only "of" PPs to the object NP; "to VB" and "while VBG" make S / SBAR. Measured
+# against gold parses of 67 real-style captions (tests/fixtures/composer_captions_gold.txt):
+# see tests/test_composer_bracketer.py. A real parser (`composer.py parse`) is better still.
 _CLOSED = {}
 for _tag, _words in {
-    "DT": "a an the this that these those some any every each no another all both either neither",
+    "DT": "a an the this these those some any every each no another all both either neither",
     "PRP$": "his her its their our my your",
-    "PRP": "he she it they we i you him them us me someone something somebody everyone",
-    "CD": "one two three four five six seven eight nine ten eleven twelve several many few dozen",
+    "NNS": "people men women children feet teeth geese mice police cattle clothes jeans "
+           "pants shorts glasses sunglasses",
+    "PRP": "he she it they we i you him them us me someone something somebody everyone himself herself themselves",
+    "CD": "one two three four five six seven eight nine ten eleven twelve dozen",
     "IN": "of in on at by with from into onto over under above below behind beside besides near "
           "through across along around between among against toward towards inside outside beneath "
-          "underneath upon during while for like than via past beyond atop after before without within",
+          "underneath upon during while for like than via past beyond atop after before without within "
+          "as because if since until although though whilst amongst throughout",
     "TO": "to",
     "CC": "and or but nor",
     "EX": "there",
+    "WP": "who whom what",
+    "WDT": "which whose",
     "VBZ": "is has does",
-    "VBP": "are have do",
+    "VBP": "are have do am",
     "VBD": "was were had did",
     "VB": "be",
     "VBN": "been",
+    "VBG": "being",
     "MD": "can could will would may might should must",
-    "RB": "very not also just together too almost really quite n't away out up down off back here",
-    "JJ": "red green blue yellow orange purple pink brown black white gray grey cyan magenta "
-          "small large big tiny huge little tall short long old young new wooden metal dark light "
-          "bright open empty full other same different round square-shaped wet dry hot cold "
-          "happy sad busy crowded clear cloudy sunny snowy grassy sandy dirty clean colorful "
-          "left right top bottom middle front first second third last next single several",
+    "RB": "very not also just together too almost really quite n't away out up down off back here "
+          "outside inside around nearby alone only still",
+    "JJ": "red green blue yellow orange purple pink brown black white gray grey cyan magenta beige tan "
+          "golden silver blond blonde dark light bright colorful colourful striped spotted plaid "
+          "small large big tiny huge little tall short long old young new wooden metal plastic glass "
+          "open empty full other same different round square wet dry hot cold warm snowy sandy grassy "
+          "rocky muddy dirty clean happy sad busy crowded clear cloudy sunny shirtless bald elderly "
+          "high low wide narrow deep thick thin fat heavy fresh asian african american indian "
+          "left right top bottom middle front first second third last next several many few "
+          "various multiple numerous professional outdoor indoor electric giant adult female male "
+          "pretty beautiful nice cute fancy older younger smaller larger bigger "
+          "single double public private",
 }.items():
     for _w in _words.split():
         _CLOSED.setdefault(_w, _tag)
-# "left", "right", "top", "front" ... are nouns inside "to the left of" / "in front of".
+# words that are nouns in "to the left of", "in front of", "on top of" (after a determiner, or
+# after a preposition when "of" follows)
 _NOUN_AFTER_DET = {"left", "right", "top", "bottom", "middle", "front", "side", "back", "center", "centre"}
+# -ing words that are nouns (PTB NN) even without a determiner
+_ING_NOUNS = set("building clothing ceiling painting wedding evening morning railing ring string thing "
+                 "something nothing anything everything spring sibling pudding awning earring icing "
+                 "lighting king wing swing".split())
+# -ing words that head a noun compound ("a swimming pool", "the parking lot") and are NN there
+_ING_COMPOUND = set("swimming dining parking fishing climbing living waiting shopping sleeping cutting "
+                    "driving washing baking bowling boxing skiing surfing racing training".split())
+_VERB_LEMMAS = (
+    "ride sit stand walk run jump play hold eat drink look watch wear carry climb throw catch kick hit "
+    "swim surf ski skate dance sing read write talk smile laugh cook cut paint push pull fly drive wait "
+    "sleep lie lay lean rest fish work sell buy perform prepare grab lift pose point chase bite lick "
+    "sniff fall cross pass graze feed race dive splash speed bike hike pick clean wash build fix use "
+    "wave celebrate arrive leave enter exit open close show hang serve shop stare kiss hug shake touch "
+    "take make give put get go come stroll jog march roll slide swing bounce kneel crouch squat fill pour "
+    "blow check type drag ring lead see find stick spin sweep dig hide beat chat grab help hug nap tap "
+    "set let beg wrap clap trim rub reach step stop skip cheer compete fight tackle score block "
+    "swim paddle row sail float wade splash stretch bend lay tie teach learn study listen stir "
+    "sip taste chew bake grill fry mow rake plant water ski sled skateboard snowboard wrestle box "
+    "juggle balance practice attempt try prepare decorate display gather crowd line sort load unload "
+    "examine inspect repair adjust hold fold cover smoke drink feed rest relax enjoy admire "
+    "observe talk yell shout scream cry gesture wave hand pet pat groom herd tow haul deliver "
+    "board ride rest approach follow lead guide walk leap hop dribble shoot pitch swing bat serve "
+    "hurry rush cycle pedal steer park dress cook play").split()
+_IRREGULAR = {"ride": "rode ridden", "sit": "sat", "stand": "stood", "run": "ran", "eat": "ate eaten",
+              "drink": "drank drunk", "hold": "held", "wear": "wore worn", "throw": "threw thrown",
+              "catch": "caught", "swim": "swam swum", "sing": "sang sung", "write": "wrote written",
+              "fly": "flew flown", "drive": "drove driven", "sleep": "slept", "lie": "lay lain",
+              "lay": "laid", "fall": "fell fallen", "feed": "fed", "dive": "dove", "speed": "sped",
+              "build": "built", "take": "took taken", "make": "made", "give": "gave given",
+              "get": "got gotten", "go": "went gone", "come": "came", "leave": "left",
+              "swing": "swung", "blow": "blew blown", "buy": "bought", "sell": "sold",
+              "shake": "shook shaken", "hang": "hung", "bite": "bit bitten", "kneel": "knelt",
+              "lead": "led", "see": "saw seen", "find": "found", "stick": "stuck", "spin": "spun",
+              "sweep": "swept", "dig": "dug", "hide": "hid hidden", "beat": "beaten",
+              "teach": "taught", "shoot": "shot", "leap": "leapt"}
+_DOUBLE = set("run sit swim cut hit shop jog get put dig spin drag skip stop chat grab hug nap tap set "
+              "let beg wrap clap trim rub step sled box".split()) - {"box"}
 
 
-def _tag_word(w, prev_tag):
+def _inflections(lemma):
+    """{form: kind} for kind in base, s, ing, ed (regular rules + _IRREGULAR)."""
+    stem = lemma + lemma[-1] if lemma in _DOUBLE else lemma
+    if lemma.endswith("ie"):
+        ing = lemma[:-2] + "ying"
+    elif lemma.endswith("e") and not lemma.endswith("ee"):
+        ing = lemma[:-1] + "ing"
+    else:
+        ing = stem + "ing"
+    if re.search(r"(s|sh|ch|x|z|o)$", lemma):
+        s = lemma + "es"
+    elif re.search(r"[^aeiou]y$", lemma):
+        s = lemma[:-1] + "ies"
+    else:
+        s = lemma + "s"
+    if lemma.endswith("e"):
+        ed = lemma + "d"
+    elif re.search(r"[^aeiou]y$", lemma):
+        ed = lemma[:-1] + "ied"
+    else:
+        ed = stem + "ed"
+    forms = {lemma: "base", s: "s", ing: "ing"}
+    for f in ([ed] if lemma not in _IRREGULAR else []) + _IRREGULAR.get(lemma, "").split():
+        forms.setdefault(f, "ed")
+    return forms
+
+
+_VERB_FORMS = {}
+for _lemma in _VERB_LEMMAS:
+    for _f, _kind in _inflections(_lemma).items():
+        _VERB_FORMS.setdefault(_f, _kind)
+_NOUN_TAGS = ("NN", "NNS")
+_VERB_TAGS = ("VB", "VBZ", "VBP", "VBD", "VBN", "VBG", "MD")
+
+
+def _lexical_tag(w):
+    """The context-free tag of a word: closed class, then suffix rules; open words are nouns."""
     if re.fullmatch(r"[.,!?;:]", w):
         return "." if w in ".!?" else ","
     if re.fullmatch(r"\d+", w):
         return "CD"
-    if w in _NOUN_AFTER_DET and prev_tag == "DT":
-        return "NN"
     if w in _CLOSED:
         return _CLOSED[w]
-    if len(w) > 4 and w.endswith("ing"):
+    if w in _ING_NOUNS:
+        return "NN"
+    kind = _VERB_FORMS.get(w)
+    if kind == "ing" or (kind is None and len(w) > 4 and w.endswith("ing")):
         return "VBG"
-    if len(w) > 4 and w.endswith("ed"):
+    if kind == "ed" or (kind is None and len(w) > 4 and w.endswith("ed")):
         return "VBN"
-    if len(w) > 4 and w.endswith("ly"):
+    if len(w) > 4 and re.search(r"(ly)$", w):
         return "RB"
+    if len(w) > 4 and re.search(r"(ful|ous|ive|ish|less|ic|al|ian|ese)$", w) and w not in ("animal", "arrival"):
+        return "JJ"
     if len(w) > 3 and w.endswith("s") and not w.endswith("ss"):
         return "NNS"
     return "NN"
 
 
-def bracket(caption: str) -> str:
-    """Caption -> PTB string with the rule-based chunker above (no model download)."""
-    words = re.findall(r"[a-z0-9]+(?:'[a-z]+)?|n't|[.,!?;:]", caption.lower())
+def _tag_words(words):
+    """Tags in context, left to right (see the Choice above)."""
     tags = []
-    for w in words:
-        tags.append(_tag_word(w, tags[-1] if tags else None))
-    n = len(words)
-    leaf = lambda i: f"({tags[i]} {words[i]})"
+    for i, w in enumerate(words):
+        prev = tags[-1] if tags else None
+        nxt = _lexical_tag(words[i + 1]) if i + 1 < len(words) else None
+        t = _lexical_tag(w)
+        kind = _VERB_FORMS.get(w)
+        after_np = prev in _NOUN_TAGS or prev == "PRP"
+        if w in _NOUN_AFTER_DET and (prev == "DT" or (prev == "IN" and nxt == "IN" and words[i + 1] == "of")):
+            t = "NN"
+        elif w in _ING_NOUNS and _VERB_FORMS.get(w) == "ing" and prev in _VERB_TAGS + _NOUN_TAGS + ("RB", "CC"):
+            t = "VBG"  # "is painting a wall", "a man painting a wall" (but "a painting")
+        elif w == "that" and prev in _NOUN_TAGS:
+            t = "WDT"
+        elif w == "that":
+            t = "DT"
+        elif t == "VBG" and prev in ("DT", "PRP$", "JJ", "CD"):
+            # "the building" (no noun after: a noun); "a swimming pool" (a compound: NN);
+            # "a running dog" (a modifier: VBG, not a primitive)
+            t = "NN" if nxt not in _NOUN_TAGS or w in _ING_COMPOUND else "VBG"
+        elif kind == "s" and after_np:
+            t = "VBZ"
+        elif kind == "base" and (prev in ("NNS", "PRP", "TO", "MD") or (prev == "CC" and "VBP" in tags)):
+            t = "VBP" if prev in ("NNS", "PRP") else "VB"
+        elif kind == "ed" and after_np:
+            t = "VBD"
+        elif kind == "ed" and prev in ("VBZ", "VBP", "VBD", "VBN", "RB"):
+            t = "VBN"
+        elif t == "NNS" and prev == "NN" and nxt in ("DT", "PRP$", "IN", "CD", "TO") and kind is None \
+                and not any(x in _VERB_TAGS for x in tags):
+            t = "VBZ"  # an unknown -s word between a singular subject and its object: the verb
+        tags.append(t)
+    return tags
 
-    def base_np(i):
-        j = i
-        if j < n and tags[j] in ("DT", "PRP$"):
+
+class _Chunker:
+    """Recursive descent over tagged words; every method returns (tree string, next index) or None."""
+
+    def __init__(self, words, tags):
+        self.w, self.t, self.n = words, tags, len(words)
+
+    def tag(self, i):
+        return self.t[i] if i < self.n else None
+
+    def leaf(self, i):
+        return f"({self.t[i]} {self.w[i]})"
+
+    def base_np(self, i):
+        """[DT|PRP$] CD* modifiers* nouns+ (a modifier pair "brown and white" is an ADJP)."""
+        j, out = i, []
+        if self.tag(j) in ("DT", "PRP$"):
+            out.append(self.leaf(j))
             j += 1
-        while j < n and tags[j] == "CD":
+        while self.tag(j) == "CD":
+            out.append(self.leaf(j))
             j += 1
-        while j < n and tags[j] in ("JJ", "VBN", "RB") and j + 1 < n and tags[j + 1] in ("JJ", "VBN", "RB", "NN", "NNS"):
-            j += 1
+        mods = ("JJ", "VBN", "RB", "VBG")
+        while self.tag(j) in mods:
+            if self.tag(j + 1) == "CC" and self.tag(j + 2) in mods and self.tag(j + 3) in mods + _NOUN_TAGS:
+                out.append(f"(ADJP {self.leaf(j)} {self.leaf(j + 1)} {self.leaf(j + 2)})")
+                j += 3
+            elif self.tag(j + 1) in mods + _NOUN_TAGS:
+                out.append(self.leaf(j))
+                j += 1
+            else:
+                break
         k = j
-        while k < n and tags[k] in ("NN", "NNS"):
+        while self.tag(k) in _NOUN_TAGS:
+            out.append(self.leaf(k))
             k += 1
+        if self.tag(i) == "EX":
+            return f"(NP {self.leaf(i)})", i + 1
+        if self.tag(i) == "PRP":
+            return f"(NP {self.leaf(i)})", i + 1
         if k == j:
             return None
-        return "(NP " + " ".join(leaf(x) for x in range(i, k)) + ")", k
+        return "(NP " + " ".join(out) + ")", k
 
-    def np_phrase(i):
-        r = base_np(i)
+    def np(self, i, mode):
+        """A base NP and its post-modifiers. mode: 'top' (PPs, reduced relatives, relative
+        clauses, coordination), 'pp' (the NP inside a PP: PPs, right-branching), 'object'
+        (only "of" PPs, "full of", relative clauses)."""
+        r = self.base_np(i)
         if r is None:
             return None
-        tree, j = r
-        while j < n and tags[j] in ("IN", "TO"):
-            inner = np_phrase(j + 1)
-            if inner is None:
+        head, j = r
+        mods = []
+        while j < self.n:
+            t, w = self.tag(j), self.w[j]
+            if t in ("IN", "TO") and (w == "of" or mode in ("top", "pp")) and w not in ("while", "as", "because", "if", "since", "until", "although", "though", "whilst"):
+                inner = self.np(j + 1, "object" if mode == "object" else "pp")
+                if inner is None:
+                    break
+                mods.append(f"(PP {self.leaf(j)} {inner[0]})")
+                j = inner[1]
+                if mode == "pp":
+                    break
+            elif t == "JJ" and self.tag(j + 1) == "IN" and self.w[j + 1] == "of" and (inner := self.np(j + 2, "pp")):
+                mods.append(f"(ADJP {self.leaf(j)} (PP {self.leaf(j + 1)} {inner[0]}))")
+                j = inner[1]
+            elif t == "VBG" and mode == "top":
+                v, j = self.vp(j, stop_finite=True)
+                mods.append(v)
+            elif t in ("WDT", "WP") and mode in ("top", "object"):
+                v, k = self.vp(j + 1, stop_finite=True)
+                mods.append(f"(SBAR (WHNP {self.leaf(j)}) (S {v}))")
+                j = k
+            else:
                 break
-            tree, j = f"(NP {tree} (PP {leaf(j)} {inner[0]}))", inner[1]
-        if j < n and tags[j] == "CC":
-            other = np_phrase(j + 1)
-            if other is not None:
-                tree, j = f"(NP {tree} {leaf(j)} {other[0]})", other[1]
+        tree = f"(NP {head} {' '.join(mods)})" if mods else head
+        if mode == "top" and self.tag(j) == "CC" and (other := self.np(j + 1, "top")):
+            return f"(NP {tree} {self.leaf(j)} {other[0]})", other[1]
         return tree, j
 
-    def sequence(i):
-        items = []
-        while i < n:
-            r = np_phrase(i)
-            if r is None and tags[i] in ("IN", "TO"):
-                inner = np_phrase(i + 1)
-                if inner is not None:
-                    r = (f"(PP {leaf(i)} {inner[0]})", inner[1])
-            if r is None:
-                r = (leaf(i), i + 1)
-            items.append(r[0])
-            i = r[1]
-        return items
+    def vp(self, i, stop_finite):
+        """Verb group, then complements: object NP, PPs (attached here), "to VB" (S), "while
+        VBG" (SBAR), a later VBG-phrase (S), coordinated verbs. A finite verb after a complement
+        ends a relative clause / reduced relative (stop_finite) or starts a coordinated VP."""
+        out, j = [], i
+        while self.tag(j) in _VERB_TAGS + ("RB",):
+            out.append(self.leaf(j))
+            j += 1
+        while j < self.n:
+            t, w = self.tag(j), self.w[j]
+            if t in (".",):
+                break
+            if t in _VERB_TAGS and t != "VBG" and stop_finite and t not in ("VB", "VBN"):
+                break
+            if t == "TO" and self.tag(j + 1) == "VB":
+                v, k = self.vp(j + 1, stop_finite)
+                out.append(f"(S (VP {self.leaf(j)} {v}))")
+                j = k
+            elif t == "IN" and self.tag(j + 1) == "VBG":
+                v, k = self.vp(j + 1, stop_finite)
+                out.append(f"(SBAR {self.leaf(j)} (S {v}))")
+                j = k
+            elif t in ("IN", "TO") and (inner := self.np(j + 1, "pp")):
+                out.append(f"(PP {self.leaf(j)} {inner[0]})")
+                j = inner[1]
+            elif t == "VBG":
+                v, k = self.vp(j, stop_finite)
+                out.append(v if self.tag(j - 1) == "CC" else f"(S {v})")
+                j = k
+            elif t in _VERB_TAGS:
+                v, j = self.vp(j, stop_finite)
+                out.append(v)
+            elif (obj := self.np(j, "object")):
+                out.append(obj[0])
+                j = obj[1]
+            else:
+                out.append(self.leaf(j))
+                j += 1
+        return "(VP " + " ".join(out) + ")", j
 
-    if n == 0:
+    def sentence(self):
+        """S -> NP VP; a caption that is one NP (with its modifiers) stays an NP fragment."""
+        first = self.np(0, "top")
+        if first is None:
+            return None
+        tree, j = first
+        if self.tag(j) in _VERB_TAGS and self.tag(j) != "VBG":
+            vp, j = self.vp(j, stop_finite=False)
+            tree, label = f"{tree} {vp}", "S"
+        else:
+            label = "NP"
+        rest = " ".join(self.leaf(k) for k in range(j, self.n))
+        if rest.replace("(. .)", "").replace("(, ,)", "").strip():
+            label = "S"  # words the chunker could not place stay flat under the root
+        return f"(ROOT ({label} {tree} {rest}))"
+
+
+def bracket(caption: str) -> str:
+    """Caption -> PTB string with the rule-based tagger and chunker above (no model download)."""
+    words = re.findall(r"[a-z0-9]+(?:'[a-z]+)?|n't|[.,!?;:]", caption.lower())
+    if not words:
         return "(S )"
-    first = np_phrase(0)
-    if first is not None and first[1] < n and (tags[first[1]].startswith("VB") or tags[first[1]] == "MD"):
-        rest = sequence(first[1])
-        return f"(ROOT (S {first[0]} (VP {' '.join(rest)})))"
-    if first is not None and first[1] == n:
-        return f"(ROOT {first[0]})"
-    return f"(ROOT (S {' '.join(sequence(0))}))"
+    ch = _Chunker(words, _tag_words(words))
+    tree = ch.sentence()
+    if tree is None:  # no NP at the start: one flat sequence of NPs, PPs and words
+        vp, _ = ch.vp(0, stop_finite=False)
+        tree = f"(ROOT (S {vp[4:-1]}))"
+    return tree
 
 
 def caption_crg(caption: str, tree: str | None = None) -> Concept:
