@@ -581,6 +581,8 @@ def bracket(caption: str) -> str:
 
 def caption_crg(caption: str, tree: str | None = None) -> Concept:
     """CRG from the gold tree when given, else from the rule-based bracketer."""
+    if not tree and not (caption or "").strip():
+        raise CRGError("no_caption", "empty caption")
     return crg_from_tree(tree if tree else bracket(caption), caption)
 
 
@@ -721,6 +723,12 @@ def mcd_split(train_crgs: list, pool: list, size: int, stride: int | None = None
             "mcd": [kept[i][0] for i in order[:size]], "mcd_compound_divergence": cd_m, "mcd_atom_divergence": ad_m,
             "random": [kept[i][0] for i in rnd], "random_compound_divergence": cd_r, "random_atom_divergence": ad_r,
             "windows": windows}
+
+
+def pick_windows(windows: list, targets: list) -> list:
+    """For each target compound divergence, the graded-split window closest to it (the paper's
+    Fig. 4 uses 16 splits from 0.15 to 0.31); ties go to the earlier window."""
+    return [min(windows, key=lambda w: (abs(w["compound_divergence"] - t), w["start"])) for t in targets]
 
 
 # =============================================================================
@@ -1183,28 +1191,120 @@ class FeatureStore:
         return self.feats[idx].to(device), self.boxes[idx].to(device), self.mask[idx].to(device)
 
 
-def read_region_file(path, feat_dim=None):
-    """A precomputed region file: safetensors with feats [N, D] and boxes [N, 5].
-    Raises CRGError('bad_regions') when missing or of the wrong shape."""
-    try:
-        with safe_open(path, "pt") as f:
-            keys = set(f.keys())
-            if not {"feats", "boxes"} <= keys:
-                raise CRGError("bad_regions", f"{path}: needs tensors 'feats' and 'boxes', has {sorted(keys)}")
-            feats, boxes = f.get_tensor("feats").float(), f.get_tensor("boxes").float()
-    except FileNotFoundError:
-        raise CRGError("bad_regions", f"{path}: region file not found") from None
-    except CRGError:
-        raise
-    except Exception as e:
-        raise CRGError("bad_regions", f"{path}: not a safetensors file ({type(e).__name__})") from None
-    if feats.dim() != 2 or boxes.dim() != 2 or boxes.shape[1] != 5 or feats.shape[0] != boxes.shape[0] \
-            or feats.shape[0] == 0 or (feat_dim is not None and feats.shape[1] != feat_dim):
-        raise CRGError("bad_regions", f"{path}: expected feats [N, {feat_dim or 'D'}] and boxes [N, 5], "
-                                      f"got {list(feats.shape)} and {list(boxes.shape)}")
-    if not (torch.isfinite(feats).all() and torch.isfinite(boxes).all()):
-        raise CRGError("bad_regions", f"{path}: non-finite values")
-    return feats.numpy(), boxes.numpy()
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32}
+
+
+class TensorFile:
+    """Row ranges of the tensors of one safetensors file, read with pread from the byte offsets
+    in its header (the format: 8-byte header length, JSON header, raw data). Nothing is mapped
+    or loaded whole: a rank's memory holds only the rows it reads (SPEC.md section 4, issue 18)."""
+
+    def __init__(self, path):
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                if not 2 <= n <= 1 << 30:
+                    raise ValueError("bad header length")
+                self.head = json.loads(f.read(n))
+            size = os.path.getsize(path)
+        except FileNotFoundError:
+            raise CRGError("bad_regions", f"{path}: region file not found") from None
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            raise CRGError("bad_regions", f"{path}: not a safetensors file ({e})") from None
+        self.meta = self.head.pop("__metadata__", None) or {}
+        self.base = 8 + n
+        for name, h in self.head.items():
+            if h.get("dtype") not in _ST_DTYPES or self.base + h["data_offsets"][1] > size:
+                raise CRGError("bad_regions", f"{path}: tensor {name!r} has dtype {h.get('dtype')} or is cut short")
+
+    def shape(self, name):
+        return self.head[name]["shape"] if name in self.head else None
+
+    def rows(self, name, lo=None, hi=None):
+        """Rows lo..hi of the first axis (the whole tensor when lo is None), as a new tensor."""
+        h = self.head[name]
+        dt, shape = _ST_DTYPES[h["dtype"]], h["shape"]
+        lo, hi = (0, shape[0]) if lo is None else (lo, hi)
+        row = math.prod(shape[1:]) * torch.empty((), dtype=dt).element_size()
+        with open(self.path, "rb") as f:
+            buf = os.pread(f.fileno(), (hi - lo) * row, self.base + h["data_offsets"][0] + lo * row)
+        return torch.frombuffer(bytearray(buf), dtype=dt).reshape(hi - lo, *shape[1:])
+
+
+class RegionStore:
+    """Precomputed region features, read per item (memory does not grow with the data set).
+    Two layouts (SPEC.md section 4):
+      DIR/{key}.safetensors   one file per image: feats [N, D], boxes [N, 5]
+      FILE.safetensors        all images: feats [M, N, D], boxes [M, N, 5], optional n_regions [M]
+                              (valid rows per image; else all N), metadata {"keys": JSON list of M}
+    check(key) reads the item once (shape, finite values) so bad items are skipped and counted
+    before training; select(keys) gives the store of a split."""
+
+    def __init__(self, path):
+        self.path, self.dim = path, None
+        self.one = None if os.path.isdir(path) else TensorFile(path)
+        if self.one is not None:
+            f, b = self.one.shape("feats"), self.one.shape("boxes")
+            if f is None or b is None or len(f) != 3 or b != [f[0], f[1], 5]:
+                raise ComposerError(f"{path}: needs feats [M, N, D] and boxes [M, N, 5], has {f} and {b}")
+            try:
+                keys = json.loads(self.one.meta.get("keys", "null"))
+                assert isinstance(keys, list) and len(keys) == f[0]
+            except (ValueError, AssertionError):
+                raise ComposerError(f"{path}: metadata 'keys' must be a JSON list of {f[0]} image keys") from None
+            self.row = {k: i for i, k in enumerate(keys)}
+            self.n_valid = self.one.rows("n_regions").tolist() if self.one.shape("n_regions") else [f[1]] * f[0]
+            self.dim = f[2]
+
+    def read(self, key):
+        """(feats [n, D] float32, boxes [n, 5] float32) of one image."""
+        if self.one is not None:
+            if key not in self.row:
+                raise CRGError("bad_regions", f"{self.path}: no regions for image {key!r}")
+            i = self.row[key]
+            n = self.n_valid[i]
+            return self.one.rows("feats", i, i + 1)[0, :n].float(), self.one.rows("boxes", i, i + 1)[0, :n].float()
+        tf = TensorFile(os.path.join(self.path, f"{key}.safetensors"))
+        if tf.shape("feats") is None or tf.shape("boxes") is None:
+            raise CRGError("bad_regions", f"{tf.path}: needs tensors 'feats' and 'boxes', has {sorted(tf.head)}")
+        return tf.rows("feats").float(), tf.rows("boxes").float()
+
+    def check(self, key):
+        feats, boxes = self.read(key)
+        where = os.path.join(self.path, f"{key}.safetensors") if self.one is None else f"{self.path}[{key}]"
+        if feats.dim() != 2 or boxes.dim() != 2 or boxes.shape[1] != 5 or feats.shape[0] != boxes.shape[0] \
+                or feats.shape[0] == 0 or (self.dim is not None and feats.shape[1] != self.dim):
+            raise CRGError("bad_regions", f"{where}: expected feats [N, {self.dim or 'D'}] and boxes [N, 5], "
+                                          f"got {list(feats.shape)} and {list(boxes.shape)}")
+        if not (torch.isfinite(feats).all() and torch.isfinite(boxes).all()):
+            raise CRGError("bad_regions", f"{where}: non-finite values")
+        self.dim = feats.shape[1]
+
+    def select(self, keys):
+        return LazyFeatures(self, list(keys))
+
+
+class LazyFeatures:
+    """The FeatureStore interface over a RegionStore: get() reads the batch's items only."""
+
+    def __init__(self, regions, keys):
+        self.regions, self.keys, self.feat_dim = regions, keys, regions.dim
+
+    def __len__(self):
+        return len(self.keys)
+
+    def get(self, idx, device="cpu"):
+        idx = idx.tolist() if torch.is_tensor(idx) else list(idx)
+        items = [self.regions.read(self.keys[i]) for i in idx]
+        N = max(f.shape[0] for f, _ in items)
+        feats = torch.zeros(len(items), N, self.feat_dim)
+        boxes = torch.zeros(len(items), N, 5)
+        mask = torch.zeros(len(items), N, dtype=torch.bool)
+        for j, (f, b) in enumerate(items):
+            feats[j, :len(f)], boxes[j, :len(b)], mask[j, :len(f)] = f, b, True
+        return feats.to(device), boxes.to(device), mask.to(device)
 
 
 @torch.no_grad()
@@ -1252,28 +1352,84 @@ class Split:
     skipped: Counter
     comps: list = None    # compiled CRGs (set by attach_compiler)
     items: list = None    # JSON-able description of each caption (for split files)
+    n_bracketed: int = 0  # captions whose CRG came from the built-in bracketer (no tree)
+
+
+def _n(spec, n, shapes_default):
+    """An image count flag: the given value, else (None) the whole split, except on shapes,
+    whose scenes are generated on demand and so has no whole split: there `shapes_default`."""
+    return n if n is not None else (shapes_default if _is_shapes(spec) else None)
 
 
 def _spec_items(args, spec, split, n, with_images=False) -> list:
-    """Caption items (JSON-able dicts, the lines of a split file) of a data spec's split:
-    shapes items name (split, index, seed) and are regenerated on use; other specs carry their
-    caption and tree (and, for --features clip, the loader's image tensor, not saved)."""
+    """Caption items (JSON-able dicts, the lines of a split file) of the first `n` images of a
+    data spec's split (n = 0 or None: the whole split; shapes, which has no fixed size, takes its
+    default). Shapes items name (split, index, seed) and are regenerated on use. Other specs are
+    read without decoding any image (the JSON, the CSV, the shards' .txt/.tree members), so text-
+    only work and --features regions need no JPEGs; only --features clip (with_images) runs the
+    image loader."""
     if spec.endswith(".jsonl"):
-        return read_split_file(spec)
+        return _first_images(read_split_file(spec), n)
     if _is_shapes(spec):
         seed = _shapes_opts(spec).get("seed", 0)
         return [{"source": "shapes", "split": split, "index": i, "seed": seed, "key": f"{split}{i:08d}"}
                 for i in range(n)]
-    items = []
+    if with_images:
+        return _image_items(args, spec, split, n)
+    return _first_images(_text_items(args, spec, split), n)
+
+
+def _first_images(items, n):
+    """The items of the first n distinct image keys (all when n is 0 / None)."""
+    if not n:
+        return list(items)
+    out, keys = [], set()
+    for it in items:
+        if it.get("key") not in keys:
+            if len(keys) == n:
+                break
+            keys.add(it.get("key"))
+        out.append(it)
+    return out
+
+
+def csv_options(args):
+    return dict(img_key=getattr(args, "csv_img_key", "filepath"), caption_key=getattr(args, "csv_caption_key", "title"),
+                separator=getattr(args, "csv_separator", None))
+
+
+def _text_items(args, spec, split):
+    """Caption items of a Karpathy JSON, CSV/TSV or tar shards, without opening an image."""
+    src = data.resolve_data(spec, getattr(args, "image_root", None))
+    if src["kind"] == "imagefolder":
+        raise ComposerError(f"{spec}: an ImageFolder has class labels, not captions")
+    if src["kind"] != "tar":
+        for it in data._file_items(src, split, csv_options(args)):
+            yield {"source": spec, "split": split, "key": it.key, "caption": it.caption or "", "tree": it.tree}
+        return
+    for shard in src["shards"]:  # a shard set is one split (SPEC.md section 1)
+        for r in data._tar_records(shard, keep_exts={"txt", "tree"}):
+            if "__error__" in r:
+                yield {"source": spec, "split": split, "key": f"{shard}:{r['__key__']}", "caption": "",
+                       "tree": None, "_error": "bad_shard"}
+                continue
+            text = lambda ext: r[ext].decode("utf-8", "replace").strip() if r.get(ext) else None
+            yield {"source": spec, "split": split, "key": r["__key__"], "caption": text("txt") or "", "tree": text("tree")}
+
+
+def _image_items(args, spec, split, n):
+    """Items with the loader's decoded image tensors (for --features clip only)."""
+    items, keys = [], set()
     loader = data.make_loader(spec, split=split, batch_size=64, tokenizer=None, image_size=getattr(args, "image_size", 64),
-                              train=False, drop_last=False, image_root=getattr(args, "image_root", None))
+                              train=False, drop_last=False, image_root=getattr(args, "image_root", None),
+                              **{f"csv_{k}": v for k, v in csv_options(args).items()})
     for b in loader:
         for j, (k, c, t) in enumerate(zip(b["key"], b["caption"], b["tree"])):
-            items.append({"source": spec, "split": split, "key": k, "caption": c, "tree": t,
-                          **({"_image": b["image"][j]} if with_images else {})})
-        if n and len(items) >= n:
+            keys.add(k)
+            items.append({"source": spec, "split": split, "key": k, "caption": c, "tree": t, "_image": b["image"][j]})
+        if n and len(keys) > n:
             break
-    return items[:n] if n else items
+    return _first_images(items, n)
 
 
 def _resolve_item(it):
@@ -1301,47 +1457,67 @@ def _check_skips(skipped: Counter, total: int, max_frac: float, what: str):
                             f"--max_skip_frac {max_frac}")
 
 
-def load_split(args, split: str, n: int | None, items: list | None = None) -> Split:
-    """Captions, trees and region features of `n` captions of a split (or of the given split-
-    file items). Features: --features gold (shapes gold boxes) | regions (--regions DIR with
-    {key}.safetensors) | clip (--clip CKPT, frozen il_clip patch tokens)."""
-    if items is None:
-        items = _spec_items(args, args.data, split, n, with_images=args.features == "clip")
-    raw = [(*_resolve_item(it), it) for it in items]  # (key, caption, tree, scene-or-image, item)
-    skipped = Counter()
-    keys, kidx, captions, crgs, cap_img, feats, boxes, its = [], {}, [], [], [], [], [], []
-    for key, cap, tree, obj, it in raw:
+def caption_crgs(items: list, max_skip_frac: float, what: str):
+    """CRGs of caption items: [(crg, item, resolved)], skips by kind, and how many captions had
+    no tree and went through the built-in bracketer (printed by every run: its parses are
+    rougher than a real parser's, see `composer.py parse`)."""
+    out, skipped, n_bracketed = [], Counter(), 0
+    for it in items:
+        key, cap, tree, obj = _resolve_item(it)
         try:
+            if it.get("_error"):
+                raise CRGError(it["_error"], f"{key}: unreadable")
             crg = caption_crg(cap, tree)
-            if key not in kidx:
-                if args.features == "gold":
-                    if obj is None or not hasattr(obj, "objects"):
-                        raise ComposerError("--features gold needs --data shapes (use regions or clip)")
-                    f, bx = shapes_region_features(obj.image, obj.objects)
-                elif args.features == "regions":
-                    f, bx = read_region_file(os.path.join(args.regions, f"{key}.safetensors"),
-                                             feats[0].shape[1] if feats else None)
-                else:
-                    if obj is None:
-                        raise ComposerError("--features clip with a split file needs shapes items (no images "
-                                            "for other sources; evaluate with --split instead)")
-                    f, bx = obj, None  # images; clip features below
-                kidx[key] = len(keys)
-                keys.append(key)
-                feats.append(f)
-                boxes.append(bx)
         except CRGError as e:
             skipped[e.kind] += 1
             continue
+        n_bracketed += not tree
+        out.append((crg, it, (key, cap, obj)))
+    _check_skips(skipped, len(items), max_skip_frac, what)
+    return out, skipped, n_bracketed
+
+
+def load_split(args, split: str, n: int | None, items: list | None = None) -> Split:
+    """Captions, trees and region features of the first `n` images of a split (or of the given
+    split-file items). Features: --features gold (shapes gold boxes) | regions (--regions: read
+    per item, see RegionStore) | clip (--clip CKPT, frozen il_clip patch tokens)."""
+    if items is None:
+        items = _spec_items(args, args.data, split, n, with_images=args.features == "clip")
+    what = f"{args.data} ({split})"
+    crgs, skipped, n_bracketed = caption_crgs(items, args.max_skip_frac, what)
+    regions = RegionStore(args.regions) if args.features == "regions" else None
+    keys, kidx, captions, kept, cap_img, feats, boxes, its = [], {}, [], [], [], [], [], []
+    for crg, it, (key, cap, obj) in crgs:
+        if key not in kidx:
+            try:
+                if args.features == "gold":
+                    if obj is None or not hasattr(obj, "objects"):
+                        raise ComposerError("--features gold needs --data shapes (use regions or clip)")
+                    feats.append(shapes_region_features(obj.image, obj.objects))
+                elif args.features == "regions":
+                    regions.check(key)
+                elif obj is None:
+                    raise ComposerError("--features clip with a split file needs shapes items (no images "
+                                        "for other sources; evaluate with --split instead)")
+                else:
+                    feats.append(obj.image if hasattr(obj, "image") else obj)  # images; clip features below
+            except CRGError as e:
+                skipped[e.kind] += 1
+                continue
+            kidx[key] = len(keys)
+            keys.append(key)
         captions.append(cap)
-        crgs.append(crg)
+        kept.append(crg)
         cap_img.append(kidx[key])
         its.append(it)
-    _check_skips(skipped, len(raw), args.max_skip_frac, f"{args.data} ({split})")
-    if args.features == "clip":
-        imgs = [f.image if hasattr(f, "image") else f for f in feats]
-        feats, boxes = clip_patch_features(imgs, args.clip)
-    return Split(keys, captions, crgs, cap_img, FeatureStore(feats, boxes), skipped, items=its)
+    _check_skips(skipped, len(items), args.max_skip_frac, what)
+    if args.features == "regions":
+        store = regions.select(keys)
+    elif args.features == "clip":
+        store = FeatureStore(*clip_patch_features(feats, args.clip))
+    else:
+        store = FeatureStore([f for f, _ in feats], [b for _, b in feats])
+    return Split(keys, captions, kept, cap_img, store, skipped, items=its, n_bracketed=n_bracketed)
 
 
 def attach_compiler(sp: Split, compiler: TextCompiler, max_skip_frac: float):
@@ -1468,7 +1644,7 @@ def score_matrix(model, compiler, comps, captions, store, img_idx, device, cap_c
     return out
 
 
-def recall_at(scores, gold_sets, ks=(1, 5)):
+def recall_at(scores, gold_sets, ks=(1, 5, 10)):
     """R@k: fraction of queries with a correct image among the k best (gold_sets: per query the
     set of correct image columns). Ties count against the query: a hit needs fewer than k wrong
     images scoring >= the best correct one."""
@@ -1505,7 +1681,8 @@ def phrase_queries(sp: Split, per_caption=5, seed=0):
 
 @torch.no_grad()
 def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True, seed=0):
-    """Text->image R@1/R@5 (each caption ranks all images of the split) and phrase->image."""
+    """Text->image R@1/R@5/R@10 (each caption ranks all images of the split) and phrase->image.
+    The result says what was scored: images, captions, and how many parsed by the bracketer."""
     model.eval()
     crgs = sp.crgs
     if parse_dropout > 0:
@@ -1514,7 +1691,8 @@ def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True
     comps = [compiler.compile(c) for c in crgs] if model.cfg.arch == "composer" else [None] * len(crgs)
     imgs = list(range(len(sp.keys)))
     S = score_matrix(model, compiler, comps, sp.captions, sp.store, imgs, device)
-    res = {"images": len(imgs), "captions": len(sp.captions), **recall_at(S, [{g} for g in sp.cap_img])}
+    res = {"images": len(imgs), "captions": len(sp.captions), "bracketer": sp.n_bracketed,
+           **recall_at(S, [{g} for g in sp.cap_img])}
     if phrases:
         pc, pcap, gold = phrase_queries(sp, seed=seed)
         if pc:
@@ -1803,10 +1981,11 @@ def train(args):
     tok = build_tokenizer(args, args.out_dir if resume else None)
     compiler = TextCompiler(tok, args.max_len)
     t0 = time.time()
-    sp = attach_compiler(load_split(args, "train", args.n_train), compiler, args.max_skip_frac)
+    sp = attach_compiler(load_split(args, "train", _n(args.data, args.n_train, 12800)), compiler, args.max_skip_frac)
     evals = {}
-    if args.n_eval:
-        evals["in_domain"] = attach_compiler(load_split(args, args.eval_split, args.n_eval), compiler, args.max_skip_frac)
+    if args.n_eval != 0:
+        evals["in_domain"] = attach_compiler(load_split(args, args.eval_split, _n(args.data, args.n_eval, 200)),
+                                             compiler, args.max_skip_frac)
     for path in args.split_file or []:
         evals[os.path.splitext(os.path.basename(path))[0]] = attach_compiler(
             load_split(args, None, None, items=read_split_file(path)), compiler, args.max_skip_frac)
@@ -1816,13 +1995,14 @@ def train(args):
                                         if os.path.isdir(args.init) else args.init))
     model.to(device)
     if master:
-        print(f"data: {len(sp.captions)} train captions / {len(sp.keys)} images, skipped {dict(sp.skipped)}, "
+        print(f"data: {len(sp.captions)} train captions / {len(sp.keys)} images, {sp.n_bracketed} parsed by the "
+              f"built-in bracketer (no tree), skipped {dict(sp.skipped)}, "
               f"{time.time() - t0:.1f}s; model {cfg.arch}: {sum(p.numel() for p in model.parameters()) / 1e6:.3f}M params; "
               f"world {world}, device {device}", flush=True)
     params = list(model.parameters())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.98), foreach=True)
     sampler = Sampler(len(sp.captions), args.batch_size, args.seed)
     step = 0
@@ -1843,7 +2023,7 @@ def train(args):
     metrics = os.path.join(args.out_dir, "metrics.jsonl")
     if master:
         os.makedirs(args.out_dir, exist_ok=True)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") and args.dtype == "bfloat16" \
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") and args.dtype == "bf16" \
         else torch.autocast("cpu", enabled=False)
     last_log = time.time()
     extra = {"skipped": dict(sp.skipped)}
@@ -1882,8 +2062,8 @@ def train(args):
         torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         opt.step()
         step += 1
-        at_ckpt = step % args.ckpt_every == 0 or step == args.max_steps    # the same step on every rank
-        if step % args.log_every == 0 or at_ckpt or (world == 1 and stop["flag"]):
+        at_ckpt = step % args.save_interval == 0 or step == args.max_steps    # the same step on every rank
+        if step % args.log_interval == 0 or at_ckpt or (world == 1 and stop["flag"]):
             # The losses and the non-finite flag stay on the device until here (no sync per step).
             # SIGTERM reaches the ranks at different steps, so its flag is summed with them: every
             # rank then stops at this same step, and none waits in a collective the others left.
@@ -1897,12 +2077,12 @@ def train(args):
             if vals[-2]:
                 raise nonfinite(step)
             stopping = vals[-1] > 0 and step < args.max_steps
-        if step % args.log_every == 0 or step == args.max_steps:
+        if step % args.log_interval == 0 or step == args.max_steps:
             parts = dict(zip(parts, vals[1:-2]))
             dt = time.time() - last_log
             last_log = time.time()
             rec = {"step": step, "loss": round(vals[0], 6), **{k: round(v, 6) for k, v in parts.items()},
-                   "lr": opt.param_groups[0]["lr"], "samples_per_s": round(args.batch_size * args.log_every / max(dt, 1e-9), 1)}
+                   "lr": opt.param_groups[0]["lr"], "samples_per_s": round(args.batch_size * args.log_interval / max(dt, 1e-9), 1)}
             log(rec)
             if master:
                 print(json.dumps(rec), flush=True)
@@ -1956,8 +2136,8 @@ def cmd_eval(args):
     args.data = args.data or targs.data
     compiler = TextCompiler(tok, model.cfg.max_len)
     sets = {}
-    if args.n:
-        sets[args.split] = load_split(args, args.split, args.n)
+    if args.n != 0:  # the paper's protocol: every image of the test split, each ranked by all captions
+        sets[args.split] = load_split(args, args.split, _n(args.data, args.n, 1000))
     for path in args.split_file or []:
         sets[os.path.splitext(os.path.basename(path))[0]] = load_split(args, None, None, items=read_split_file(path))
     out = {}
@@ -1976,47 +2156,140 @@ def cmd_eval(args):
 
 
 def _collect(args, spec, split, n):
-    """CRGs of a spec's captions (for graph / mcd; no visual features)."""
-    raw = [(*_resolve_item(it)[:3], it) for it in _spec_items(args, spec, split, n)]
-    crgs, items, skipped = [], [], Counter()
-    for key, cap, tree, it in raw:
-        try:
-            crgs.append(caption_crg(cap, tree))
-            items.append(it)
-        except CRGError as e:
-            skipped[e.kind] += 1
-    _check_skips(skipped, len(raw), args.max_skip_frac, spec)
-    return crgs, items, skipped
+    """CRGs of a spec's captions (for graph / mcd; no visual features, no image decoding)."""
+    t0 = time.time()
+    crgs, skipped, n_bracketed = caption_crgs(_spec_items(args, spec, split, n), args.max_skip_frac, spec)
+    print(f"{spec} ({split}): {len(crgs)} captions of {len({it.get('key') for _, it, _ in crgs})} images read "
+          f"in {time.time() - t0:.1f}s; {n_bracketed} parsed by the built-in bracketer (no tree); "
+          f"skipped {dict(skipped)}", file=sys.stderr, flush=True)
+    return [c for c, _, _ in crgs], [it for _, it, _ in crgs], skipped, n_bracketed
 
 
 def cmd_graph(args):
-    crgs, items, skipped = _collect(args, args.data, args.split, args.n)
+    crgs, items, skipped, n_bracketed = _collect(args, args.data, args.split, _n(args.data, args.n, 10000))
     st = graph_stats(crgs, [it.get("key") for it in items])
     st["skipped"] = dict(skipped)
+    st["bracketer"] = n_bracketed
     print(json.dumps(st, indent=1))
     return st
 
 
+def _pool(args):
+    """Pool items grouped by image: [(key, [crg, ...])] over every split in --pool_split
+    (comma-separated); --n_pool counts images over all of them."""
+    by_img, sk, nb = defaultdict(list), Counter(), 0
+    n_pool = _n(args.pool, args.n_pool, 1000)
+    for split in args.pool_split.split(","):
+        crgs, items, sk_s, nb_s = _collect(args, args.pool, split, _n(args.pool, args.n_pool, 1000))
+        sk += sk_s
+        nb += nb_s
+        for crg, it in zip(crgs, items):
+            key = it.get("key")  # image keys name files: distinct across splits
+            if key not in by_img and n_pool and len(by_img) >= n_pool:
+                break
+            by_img[key].append((crg, it))
+    return by_img, sk, nb
+
+
 def cmd_mcd(args):
-    train_crgs, _, sk_t = _collect(args, args.train, args.train_split, args.n_train)
-    pool_crgs, pool_items, sk_p = _collect(args, args.pool, args.pool_split, args.n_pool)
-    by_img = defaultdict(list)  # pool items are images with all their captions (appendix B)
-    for crg, it in zip(pool_crgs, pool_items):
-        by_img[it.get("key")].append((crg, it))
+    train_crgs, _, sk_t, nb_t = _collect(args, args.train, args.train_split, _n(args.train, args.n_train, 20000))
+    by_img, sk_p, nb_p = _pool(args)  # pool items are images with all their captions (appendix B)
     pool = [(k, [c for c, _ in v]) for k, v in by_img.items()]
-    res = mcd_split(train_crgs, pool, args.size, args.stride)
+    targets = [float(t) for t in args.targets.split(",")] if args.targets else []
+    stride = args.stride or (max(1, args.size // 10) if targets else None)
+    res = mcd_split(train_crgs, pool, args.size, stride)
     summary = {k: v for k, v in res.items() if k not in ("mcd", "random", "windows")}
+    summary["pool_images"] = len(pool)
     summary["windows"] = [{k: v for k, v in w.items() if k != "items"} for w in res["windows"]]
+    picked = {f"target_{t:g}": w for t, w in zip(targets, pick_windows(res["windows"], targets))}
+    summary["targets"] = {name: {k: v for k, v in w.items() if k != "items"} for name, w in picked.items()}
     summary["skipped"] = {"train": dict(sk_t), "pool": dict(sk_p)}
+    summary["bracketer"] = {"train": nb_t, "pool": nb_p}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        for name, keys in (("mcd", res["mcd"]), ("random", res["random"])):
+        sets = {"mcd": res["mcd"], "random": res["random"], **{n: w["items"] for n, w in picked.items()}}
+        for name, keys in sets.items():
             lines = [json.dumps(it) for k in keys for _, it in by_img[k]]
             _atomic(os.path.join(args.out, f"{name}.jsonl"), lambda t: open(t, "w").write("\n".join(lines) + "\n"))
-        _write_json(os.path.join(args.out, "windows.json"), res["windows"])
-        summary["written"] = [os.path.join(args.out, f) for f in ("mcd.jsonl", "random.jsonl", "windows.json")]
+        _write_json(os.path.join(args.out, "windows.json"), summary["windows"])
+        summary["written"] = [os.path.join(args.out, f"{n}.jsonl") for n in sets] + [os.path.join(args.out, "windows.json")]
     print(json.dumps(summary, indent=1))
     return res
+
+
+PARSER_HELP = ("no constituency parser is installed. Either: pip install benepar spacy && python -m spacy download "
+               "en_core_web_md && python -c \"import benepar; benepar.download('benepar_en3')\" (the paper's parser, "
+               "Kitaev & Klein 2018), or: pip install stanza && python -c \"import stanza; stanza.download('en')\"")
+
+
+def load_parser(name):
+    """caption -> PTB string with a real constituency parser (optional; not in requirements), or
+    the built-in bracketer ('builtin'). 'auto' takes benepar, then stanza."""
+    if name == "builtin":
+        return bracket
+    for which in (["benepar", "stanza"] if name == "auto" else [name]):
+        try:
+            if which == "benepar":
+                import benepar  # noqa: F401  (registers the spaCy pipe)
+                import spacy
+                nlp = spacy.load("en_core_web_md")
+                nlp.add_pipe("benepar", config={"model": "benepar_en3"})
+                return lambda c: "(ROOT " + " ".join(s._.parse_string for s in nlp(c).sents) + ")"
+            import stanza
+            nlp = stanza.Pipeline("en", processors="tokenize,pos,constituency", verbose=False)
+            return lambda c: "(ROOT " + " ".join(str(s.constituency) for s in nlp(c).sentences) + ")"
+        except (ImportError, OSError, LookupError, ValueError):
+            continue
+    raise ComposerError(PARSER_HELP)
+
+
+def cmd_parse(args):
+    """A copy of a caption file with a `tree` field per caption: a Karpathy JSON (sentences[].tree),
+    a CSV/TSV (a `tree` column) or a JSON-lines split file. Captions that already have a tree keep
+    it unless --overwrite."""
+    parse = load_parser(args.parser)
+    src, n, t0 = args.input, 0, time.time()
+
+    def tree_of(caption, old):
+        nonlocal n
+        if old and not args.overwrite or not (caption or "").strip():
+            return old
+        n += 1
+        return parse(caption)
+
+    ext = src.rsplit(".", 1)[-1].lower()
+    if ext == "json":
+        blob = data._read_json(src)
+        for im in blob.get("images", []) if isinstance(blob, dict) else []:
+            for sent in im.get("sentences", []):
+                sent["tree"] = tree_of(sent.get("raw"), sent.get("tree"))
+        text = json.dumps(blob)
+    elif ext == "jsonl":
+        rows = read_split_file(src)
+        for r in rows:
+            r["tree"] = tree_of(r.get("caption"), r.get("tree"))
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+    elif ext in ("csv", "tsv"):
+        import csv, io
+        with open(src, newline="", encoding="utf-8-sig") as f:
+            sep = args.csv_separator or ("\t" if "\t" in f.readline() else ",")
+            f.seek(0)
+            reader = csv.DictReader(f, delimiter=sep)
+            rows, cols = list(reader), list(reader.fieldnames or [])
+        if args.csv_caption_key not in cols:
+            raise ComposerError(f"{src}: no column {args.csv_caption_key!r} (columns: {cols})")
+        out = io.StringIO()
+        w = csv.DictWriter(out, cols + ([] if "tree" in cols else ["tree"]), delimiter=sep, lineterminator="\n")
+        w.writeheader()
+        for r in rows:
+            r["tree"] = tree_of(r[args.csv_caption_key], r.get("tree")) or ""
+            w.writerow(r)
+        text = out.getvalue()
+    else:
+        raise ComposerError(f"{src}: parse reads a Karpathy .json, a .csv/.tsv or a .jsonl split file")
+    _atomic(args.out, lambda t: open(t, "w", encoding="utf-8").write(text))
+    print(f"parsed {n} captions with {args.parser} in {time.time() - t0:.1f}s -> {args.out}", flush=True)
+    return n
 
 
 def add_common(p):
@@ -2025,6 +2298,9 @@ def add_common(p):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max_skip_frac", type=float, default=0.1, help="stop if more captions than this are skipped")
     p.add_argument("--image_root", default=None)
+    p.add_argument("--csv_img_key", default="filepath", help="CSV image column (open_clip's name)")
+    p.add_argument("--csv_caption_key", default="title", help="CSV caption column")
+    p.add_argument("--csv_separator", default=None, help="CSV separator (default: tab if the header has one, else comma)")
 
 
 def add_features(p, default="gold"):
@@ -2035,9 +2311,18 @@ def add_features(p, default="gold"):
     p.add_argument("--image_size", type=int, default=64)
 
 
+SUBCOMMANDS = """subcommands (python composer.py SUBCOMMAND --help for each one's flags):
+  train   train COMPOSER or a baseline (the default when the first argument is a flag)
+  eval    text->image and phrase->image retrieval of a checkpoint (R@1/5/10)
+  graph   CRG statistics of a caption set (paper Table 1); reads no image
+  mcd     maximum compound divergence splits (paper appendix B), --targets for graded splits
+  parse   write constituency trees into a copy of a caption file (benepar / stanza)"""
+
+
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description="COMPOSER: CRG, model, training, retrieval, MCD splits")
-    sub = ap.add_subparsers(dest="cmd")
+    ap = argparse.ArgumentParser(description="COMPOSER: CRG, model, training, retrieval, MCD splits",
+                                 epilog=SUBCOMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", metavar="{train,eval,graph,mcd,parse}")
     t = sub.add_parser("train", help="train COMPOSER or a baseline (default subcommand)")
     add_common(t)
     add_features(t)
@@ -2046,10 +2331,10 @@ def parse_args(argv):
     t.add_argument("--max_steps", type=int, default=400)
     t.add_argument("--batch_size", type=int, default=32, help="global batch (split over ranks)")
     t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--weight_decay", type=float, default=0.01)
+    t.add_argument("--wd", type=float, default=0.01, help="AdamW weight decay (matrices only)")
     t.add_argument("--warmup", type=int, default=50)
     t.add_argument("--grad_clip", type=float, default=1.0)
-    t.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    t.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="bf16 autocast on CUDA (CPU runs fp32)")
     t.add_argument("--resume", action="store_true")
     t.add_argument("--compile", action="store_true")
     t.add_argument("--init", default=None, help="initial weights: a composer out_dir or model.safetensors")
@@ -2072,21 +2357,21 @@ def parse_args(argv):
                    help="VSE: symmetric in-batch softmax, or l_match with the sampled negatives")
     t.add_argument("--n_neg_img", type=int, default=3, help="negative images per true pair (l_match, MVSA)")
     t.add_argument("--n_neg_txt", type=int, default=3, help="negative captions per true pair (l_match, MVSA)")
-    t.add_argument("--n_train", type=int, default=12800, help="training captions (shapes: scenes 0..n-1)")
-    t.add_argument("--n_eval", type=int, default=200, help="in-domain eval captions (0: none)")
+    t.add_argument("--n_train", type=int, default=None, help="training images (default: the whole split; shapes: 12800)")
+    t.add_argument("--n_eval", type=int, default=None, help="in-domain eval images of --eval_split (0: none; default: all; shapes: 200)")
     t.add_argument("--eval_split", default="test")
     t.add_argument("--split_file", action="append", help="extra eval set(s) written by `composer.py mcd`")
     t.add_argument("--parse_dropout", type=float, default=0.0, help="remove parse branches with prob p at eval")
     t.add_argument("--eval_every", type=int, default=0)
-    t.add_argument("--log_every", type=int, default=25)
-    t.add_argument("--ckpt_every", type=int, default=200)
+    t.add_argument("--log_interval", type=int, default=25)
+    t.add_argument("--save_interval", type=int, default=200, help="checkpoint at multiples of this step")
     e = sub.add_parser("eval", help="text->image / phrase->image retrieval of a checkpoint")
     add_common(e)
     add_features(e, default=None)
     e.set_defaults(data=None)
     e.add_argument("--ckpt", required=True)
     e.add_argument("--split", default="test")
-    e.add_argument("--n", type=int, default=1000, help="captions of --split to evaluate (0: none)")
+    e.add_argument("--n", type=int, default=None, help="images of --split, each with all its captions (default: the whole split, the paper's protocol: Flickr30k test 1000 images x 5 captions, COCO 5k / --n 1000 for 1k; shapes: 1000; 0: none)")
     e.add_argument("--split_file", action="append")
     e.add_argument("--parse_dropout", type=float, default=0.0)
     e.add_argument("--no_phrases", action="store_true")
@@ -2094,19 +2379,29 @@ def parse_args(argv):
     g = sub.add_parser("graph", help="CRG statistics (paper Table 1)")
     add_common(g)
     g.add_argument("--split", default="train")
-    g.add_argument("--n", type=int, default=10000, help="captions to read (shapes: scenes 0..n-1)")
+    g.add_argument("--n", type=int, default=None, help="images to read (default: all; shapes: 10000)")
     m = sub.add_parser("mcd", help="maximum compound divergence split (paper appendix B)")
     add_common(m)
     m.add_argument("--train", default="shapes", help="training data spec (or a .jsonl of caption items)")
     m.add_argument("--train_split", default="train")
-    m.add_argument("--n_train", type=int, default=20000)
+    m.add_argument("--n_train", type=int, default=None, help="training images (default: all; shapes: 20000)")
     m.add_argument("--pool", default="shapes", help="candidate data spec (or a .jsonl of caption items)")
-    m.add_argument("--pool_split", default="test")
-    m.add_argument("--n_pool", type=int, default=1000)
+    m.add_argument("--pool_split", default="test", help="split(s) of the pool, comma-separated (e.g. val,test)")
+    m.add_argument("--n_pool", type=int, default=None, help="pool images over all its splits (default: all; shapes: 1000)")
     m.add_argument("--size", type=int, default=300, help="items (images) in the MCD split")
     m.add_argument("--stride", type=int, default=None, help="sliding-window stride for graded splits")
-    m.add_argument("--out", default=None, help="write mcd.jsonl, random.jsonl, windows.json here")
-    if not argv or argv[0].startswith("-"):
+    m.add_argument("--targets", default=None, help="comma-separated compound divergences, e.g. 0.15,0.2,0.25,0.31: "
+                   "write target_<t>.jsonl, the window closest to each (stride default: size/10)")
+    m.add_argument("--out", default=None, help="write mcd.jsonl, random.jsonl, windows.json (+ target_*.jsonl) here")
+    ps = sub.add_parser("parse", help="write PTB trees into a copy of a caption file with a real parser")
+    ps.add_argument("input", help="Karpathy .json, .csv/.tsv, or a .jsonl split file")
+    ps.add_argument("--out", required=True, help="the copy with `tree` fields")
+    ps.add_argument("--parser", choices=["auto", "benepar", "stanza", "builtin"], default="auto",
+                    help="auto: benepar, else stanza (neither is in requirements.txt); builtin: the rule-based bracketer")
+    ps.add_argument("--overwrite", action="store_true", help="re-parse captions that already have a tree")
+    ps.add_argument("--csv_caption_key", default="title")
+    ps.add_argument("--csv_separator", default=None)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["train"] + list(argv)
     return ap.parse_args(argv)
 
@@ -2115,9 +2410,9 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     errors = (ComposerError, CRGError) + ((data.DataError,) if data is not None else ())
     try:
-        if data is None and args.cmd != "mcd":
+        if data is None and args.cmd not in ("mcd", "parse"):
             raise ComposerError("data.py is missing (composer.py imports it for data, tokenizer and shapes)")
-        return {"train": train, "eval": cmd_eval, "graph": cmd_graph, "mcd": cmd_mcd}[args.cmd](args)
+        return {"train": train, "eval": cmd_eval, "graph": cmd_graph, "mcd": cmd_mcd, "parse": cmd_parse}[args.cmd](args)
     except errors as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -80,6 +80,7 @@ def test_graph_cli_skips_and_errors(tmp_path, capsys):
     st = C.main(["graph", "--data", str(f)])
     assert st["skipped"] == {"malformed_tree": 1, "tree_mismatch": 1, "no_primitive": 1}
     assert (st["concepts"], st["predicates"], st["primitives"], st["avg_height"]) == (3, 3, 2, 2.0)
+    assert st["bracketer"] == 0 and "0 parsed by the built-in bracketer" in capsys.readouterr().err
     f.write_text("\n".join(json.dumps(x) for x in bad))
     with pytest.raises(SystemExit) as e:
         C.main(["graph", "--data", str(f)])
@@ -100,7 +101,10 @@ def test_region_files_wrong_shape_skipped(tmp_path):
     args = argparse.Namespace(data="x", features="regions", regions=str(tmp_path), max_skip_frac=0.5)
     sp = C.load_split(args, None, None, items=items)
     assert len(sp.keys) == 10 and sp.skipped == Counter(bad_regions=3)
-    assert tuple(sp.store.feats.shape) == (10, 3, 7)
+    f, b, m = sp.store.get(list(range(10)))
+    assert tuple(f.shape) == (10, 3, 7) and bool(m.all())
+    k3 = load_file(str(tmp_path / "k3.safetensors"))
+    assert torch.equal(f[sp.keys.index("k3")], k3["feats"]) and torch.equal(b[sp.keys.index("k3")], k3["boxes"])
     with pytest.raises(C.ComposerError):
         C.load_split(argparse.Namespace(**{**vars(args), "max_skip_frac": 0.1}), None, None, items=items)
 
@@ -214,7 +218,7 @@ def test_hinge_losses_by_hand():
 # ----------------------------------------------------------------------------- training
 
 TRAIN = ["--n_train", "48", "--n_eval", "0", "--batch_size", "8", "--width", "32", "--heads", "2",
-         "--ct_layers", "3", "--warmup", "10", "--log_every", "1", "--ckpt_every", "100", "--dtype", "float32",
+         "--ct_layers", "3", "--warmup", "10", "--log_interval", "1", "--save_interval", "100", "--dtype", "fp32",
          "--n_neg_img", "2", "--n_neg_txt", "1", "--vocab_size", "300"]
 
 
@@ -298,7 +302,7 @@ def test_nonfinite_loss_stops_at_the_next_check_and_keeps_the_last_good_checkpoi
         return (loss * float("nan"), parts) if a[6] == 4 else (loss, parts)   # a[6]: 0-based step
     monkeypatch.setattr(C, "train_step", nan_at_5)
     with pytest.raises(SystemExit) as e:
-        C.main(["train", "--out_dir", str(tmp_path), "--max_steps", "9"] + TRAIN + ["--log_every", "3", "--ckpt_every", "3"])
+        C.main(["train", "--out_dir", str(tmp_path), "--max_steps", "9"] + TRAIN + ["--log_interval", "3", "--save_interval", "3"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "non-finite loss at a step <= 6" in err[0], err
     assert json.load(open(tmp_path / "train_state.json"))["step"] == 3
