@@ -2176,18 +2176,17 @@ def cmd_graph(args):
 
 def _pool(args):
     """Pool items grouped by image: [(key, [crg, ...])] over every split in --pool_split
-    (comma-separated); --n_pool counts images over all of them."""
+    (comma-separated, read in order); --n_pool counts images over all of them."""
     by_img, sk, nb = defaultdict(list), Counter(), 0
     n_pool = _n(args.pool, args.n_pool, 1000)
     for split in args.pool_split.split(","):
-        crgs, items, sk_s, nb_s = _collect(args, args.pool, split, _n(args.pool, args.n_pool, 1000))
+        if n_pool and len(by_img) >= n_pool:
+            break
+        crgs, items, sk_s, nb_s = _collect(args, args.pool, split, n_pool and n_pool - len(by_img))
         sk += sk_s
         nb += nb_s
         for crg, it in zip(crgs, items):
-            key = it.get("key")  # image keys name files: distinct across splits
-            if key not in by_img and n_pool and len(by_img) >= n_pool:
-                break
-            by_img[key].append((crg, it))
+            by_img[it.get("key")].append((crg, it))  # image keys name files: distinct across splits
     return by_img, sk, nb
 
 
