@@ -23,6 +23,7 @@ No public code of COMPOSER or the CRG exists; every choice the paper leaves open
 next to the code that makes it, marked "Choice:".
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -75,17 +76,21 @@ class Tree:
     label: str
     children: list = field(default_factory=list)
     word: str | None = None  # set for preterminals (POS tag + one word)
+    _leaves: list = field(default=None, repr=False, compare=False)  # cache: the CRG asks every node
 
     def leaves(self):
-        if self.word is not None:
-            return [] if self.label in PUNCT_TAGS else [self.word]
-        return [w for c in self.children for w in c.leaves()]
+        if self._leaves is None:
+            if self.word is not None:
+                self._leaves = [] if self.label in PUNCT_TAGS else [self.word]
+            else:
+                self._leaves = [w for c in self.children for w in c.leaves()]
+        return self._leaves
 
 
 def _strip_function_tags(label: str) -> str:
     """NP-SBJ -> NP, PP-LOC-2 -> PP, NP=1 -> NP (PTB function tags and indices); -NONE-, -LRB-
     are labels of their own."""
-    if label.startswith("-"):
+    if label.startswith("-") or ("-" not in label and "=" not in label):
         return label
     return re.split(r"[-=]", label)[0] or label
 
@@ -370,6 +375,7 @@ _NOUN_TAGS = ("NN", "NNS")
 _VERB_TAGS = ("VB", "VBZ", "VBP", "VBD", "VBN", "VBG", "MD")
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _lexical_tag(w):
     """The context-free tag of a word: closed class, then suffix rules; open words are nouns."""
     if re.fullmatch(r"[.,!?;:]", w):
@@ -827,7 +833,7 @@ def collate_text(comps: list) -> dict:
 
 @dataclass
 class ModelConfig:
-    arch: str = "composer"        # composer | vse | single
+    arch: str = "composer"        # composer | vse | single | vilbert
     vocab_size: int = 1000        # text vocabulary; composer appends len(PLACEHOLDER_TAGS) placeholder ids
     eot_token_id: int = 2
     max_len: int = 77             # positions (template tokens for composer, caption tokens for baselines)
@@ -836,8 +842,8 @@ class ModelConfig:
     heads: int = 4
     mlp_ratio: int = 4
     vis_layers: int = 1           # visual self-attention over regions, once per image
-    pt_layers: int = 1            # Predicate Transformer depth (paper: 6, BERT-initialised)
-    ct_layers: int = 3            # Composition Transformer: self, cross, self, cross, ... (paper: 3)
+    pt_layers: int = 1            # Predicate Transformer depth (paper: 6, BERT-initialised; --preset paper)
+    ct_layers: int = 3            # Composition Transformer: self, cross, self, ... ending in self (paper: 5)
     modulator: str = "film"       # film | mlp | replace
     crossatt_primitives: bool = True
 
@@ -884,7 +890,8 @@ class Block(nn.Module):
 
 
 def _ct_kinds(n):
-    """Appendix C / Fig. 6: SelfAtt first, then interleaved CrossAtt and SelfAtt (3 -> S X S)."""
+    """Appendix C / Fig. 6: SelfAtt first, then interleaved CrossAtt and SelfAtt (3 -> S X S; the
+    paper's 5 -> S X S X S ends in text self-attention, as any odd depth does)."""
     return ["self" if i % 2 == 0 else "cross" for i in range(n)]
 
 
@@ -1093,6 +1100,61 @@ class SingleStream(nn.Module):
         return self.theta(self.ln_out(x[:, 0])).squeeze(-1), {}
 
 
+class CoAttention(nn.Module):
+    """ViLBERT's Co-TRM (Lu et al. 2019, Fig. 2b): each stream's queries attend to the other
+    stream's keys/values, in parallel from the same inputs, then each stream's own FFN."""
+
+    def __init__(self, w, h, r):
+        super().__init__()
+        self.t2v, self.v2t = Block(w, h, r, "cross"), Block(w, h, r, "cross")
+
+    def forward(self, x, m, V, vm):
+        return self.t2v(x, m, V, vm), self.v2t(V, vm, x, m)
+
+
+class ViLBERT(nn.Module):
+    """Baseline: two-stream co-attention transformer (text <-> image both ways), NO pretraining
+    (the paper's ViLBERT is pretrained on Conceptual Captions; no BERT / ViLBERT weights are
+    available here, so this is the architecture only, trained from scratch like the others).
+    Text: pt_layers self-attention blocks (ViLBERT's text-only layers), then ct_layers rounds of
+    Co-TRM + a self-attention block in each stream (the visual stream is updated by the text,
+    unlike COMPOSER's). Score: theta(h_CLS * mean of the visual stream), ViLBERT's alignment
+    head (it uses the IMG token; the regions here have none, so their masked mean stands in).
+    With --concept_mvsa every concept of the caption is also scored and trained with l_MVSA:
+    "ViLBERT + MVSA" (paper Table 5)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        w, h, r = cfg.width, cfg.heads, cfg.mlp_ratio
+        self.tok_emb, self.pos_emb = nn.Embedding(cfg.vocab_size, w), nn.Embedding(cfg.max_len, w)
+        self.visual = VisualEncoder(cfg)
+        self.text_blocks = nn.ModuleList(Block(w, h, r) for _ in range(cfg.pt_layers))
+        self.co = nn.ModuleList(CoAttention(w, h, r) for _ in range(cfg.ct_layers))
+        self.t_self = nn.ModuleList(Block(w, h, r) for _ in range(cfg.ct_layers))
+        self.v_self = nn.ModuleList(Block(w, h, r) for _ in range(cfg.ct_layers))
+        self.ln_t, self.ln_v, self.theta = nn.LayerNorm(w), nn.LayerNorm(w), nn.Linear(w, 1)
+
+    def encode_text(self, tb):
+        t, mask = caption_tokens(tb, self.cfg)
+        x = self.tok_emb(t) + self.pos_emb(torch.arange(t.shape[1], device=t.device))
+        for b in self.text_blocks:  # text-only layers: the same for every image, run once
+            x = b(x, mask)
+        return {"x": x, "mask": mask}
+
+    def encode_image(self, feats, boxes, mask):
+        return self.visual(feats, boxes, mask)
+
+    def score_pairs(self, tb, te, V, vmask, pair_cap, pair_img):
+        x, m, V, vm = te["x"][pair_cap], te["mask"][pair_cap], V[pair_img], vmask[pair_img]
+        for co, ts, vs in zip(self.co, self.t_self, self.v_self):
+            x, V = co(x, m, V, vm)
+            x, V = ts(x, m), vs(V, vm)
+        vmf = vm.unsqueeze(-1).to(V.dtype)
+        v = (self.ln_v(V) * vmf).sum(1) / vmf.sum(1).clamp(min=1)
+        return self.theta(self.ln_t(x[:, 0]) * v).squeeze(-1), {}
+
+
 class VSE(nn.Module):
     """Baseline (Kiros et al. 2014 as in paper appendix C): text = mean of contextualised tokens,
     image = mean of residual-MLP-transformed regions, score = scale * cosine.
@@ -1128,7 +1190,7 @@ class VSE(nn.Module):
         return self.logit_scale.exp() * (te[pair_cap] * V[pair_img]).sum(-1), {}
 
 
-MODELS = {"composer": Composer, "vse": VSE, "single": SingleStream}
+MODELS = {"composer": Composer, "vse": VSE, "single": SingleStream, "vilbert": ViLBERT}
 
 
 def text_inputs(cfg: ModelConfig, compiler: TextCompiler, comps: list, captions: list):
@@ -1615,6 +1677,39 @@ def composer_losses(aux, comps, cap_idx, neg_img_pairs, neg_txt_caps, pair_base,
     return mvsa, order_loss(ns[t(par_i)], ns[t(chi_i)], args.beta, n_edges)
 
 
+def concept_mvsa(model, compiler, sp, caps, local, ni, nt, V, vm, args, world, device):
+    """l_MVSA for a caption-level baseline ("ViLBERT + MVSA", paper Table 5): every concept of a
+    true caption, as its own text, is scored against the pair's image (s) and the negative images
+    (s_x-); the same-height concept of each negative caption (_neg_concept) against the true
+    image gives s_c-. caps: the global batch's captions; local: this rank's pairs; ni / nt: the
+    batch positions of each pair's negative images / captions. Normalised as for COMPOSER."""
+    texts, tid, pc, pi = [], {}, [], []
+
+    def pair(text, img):
+        if text not in tid:
+            tid[text] = len(texts)
+            texts.append(text)
+        pc.append(tid[text])
+        pi.append(img)
+        return len(pc) - 1
+
+    pos_i, negx_i, negc_i = [], [], []
+    for i in local.tolist():
+        cs = sp.crgs[caps[i]].concepts()
+        negs = [sp.crgs[caps[j]].concepts() for j in nt[i].tolist()]
+        maps = [_neg_concept([c.height for c in cs], [c.height for c in n]) for n in negs]
+        for u, c in enumerate(cs):
+            pos_i.append(pair(c.text, i))
+            negx_i.append([pair(c.text, j) for j in ni[i].tolist()])
+            negc_i.append([pair(n[mp[u]].text, i) for n, mp in zip(negs, maps)])
+    tb = _to(text_inputs(model.cfg, compiler, None, texts), device)
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
+    s, _ = model.score_pairs(tb, model.encode_text(tb), V, vm, t(pc), t(pi))
+    sx, sc = s[t(negx_i)].reshape(len(pos_i), -1), s[t(negc_i)].reshape(len(pos_i), -1)
+    n_nodes = sum(len(sp.crgs[c].concepts()) for c in caps) / world
+    return mvsa_hinge(s[t(pos_i)], sc, sx, args.alpha, n_nodes) if args.mvsa == "hinge" else mvsa_nll(s[t(pos_i)], sc, sx, n_nodes)
+
+
 # =============================================================================
 # 7. Evaluation (paper section 5): text->image and phrase->image R@1/R@5, interpretation view
 # =============================================================================
@@ -1843,6 +1938,10 @@ def train_step(model, compiler, sp: Split, gidx, rank, world, step, args, device
         l_mvsa, l_order = composer_losses(aux, nodes_caps, local.tolist(), ki, nt[local].tolist(), (b, b + b * ki), args, world)
         loss = loss + args.lambda1 * l_mvsa + args.lambda2 * l_order
         parts.update(mvsa=l_mvsa.detach(), order=l_order.detach())
+    elif args.concept_mvsa:
+        l_mvsa = concept_mvsa(model, compiler, sp, caps, local, ni, nt, V, vm, args, world, device)
+        loss = loss + args.lambda1 * l_mvsa
+        parts.update(mvsa=l_mvsa.detach())
     return loss, parts
 
 
@@ -2325,7 +2424,11 @@ def parse_args(argv):
     t = sub.add_parser("train", help="train COMPOSER or a baseline (default subcommand)")
     add_common(t)
     add_features(t)
-    t.add_argument("--model", choices=list(MODELS), default="composer")
+    t.add_argument("--model", choices=list(MODELS), default="composer",
+                   help="composer | baselines: vse, single (one stream, text->image attention), vilbert (two-stream "
+                        "co-attention, NOT pretrained: the architecture only, trained from scratch)")
+    t.add_argument("--concept_mvsa", action="store_true",
+                   help="single / vilbert: add l_MVSA over every concept of the caption (\"ViLBERT + MVSA\", Table 5)")
     t.add_argument("--out_dir", default="out/composer")
     t.add_argument("--max_steps", type=int, default=400)
     t.add_argument("--batch_size", type=int, default=32, help="global batch (split over ranks)")
@@ -2340,6 +2443,9 @@ def parse_args(argv):
     t.add_argument("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz (else a BPE trained on the captions)")
     t.add_argument("--vocab_size", type=int, default=1000)
     t.add_argument("--max_len", type=int, default=40)
+    t.add_argument("--preset", choices=["shapes", "paper"], default="shapes",
+                   help="shapes: the CPU sizes below; paper: width 768, 12 heads, PT 6, CT 5 (S X S X S, ending in "
+                        "text self-attention), overriding --width --heads --pt_layers --ct_layers")
     t.add_argument("--width", type=int, default=64)
     t.add_argument("--heads", type=int, default=4)
     t.add_argument("--vis_layers", type=int, default=1)
@@ -2402,7 +2508,10 @@ def parse_args(argv):
     ps.add_argument("--csv_separator", default=None)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["train"] + list(argv)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if getattr(args, "preset", None) == "paper":  # paper section 4 / appendix C: BERT-base sizes
+        args.width, args.heads, args.pt_layers, args.ct_layers = 768, 12, 6, 5
+    return args
 
 
 def main(argv=None):

@@ -145,7 +145,7 @@ def test_level_batched_equals_recursion(modulator, crossatt):
 def test_baselines_score_shapes():
     tok, comp, comps, st = _tiny_setup(4)
     caps = [data.shapes_scene("train", i).caption for i in range(4)]
-    for arch in ("vse", "single"):
+    for arch in ("vse", "single", "vilbert"):
         cfg = C.ModelConfig(arch=arch, vocab_size=tok.vocab_size, eot_token_id=tok.eot_id, feat_dim=st.feat_dim, width=32)
         m = C.MODELS[arch](cfg).eval()
         S = C.score_matrix(m, comp, [None] * 4, caps, st, list(range(4)), "cpu", cap_chunk=3, img_chunk=3)
@@ -258,7 +258,7 @@ def test_resume_exact_and_ddp_equals_single(tmp_path):
     assert set(out["test"]) >= {"R@1", "R@5", "phrase_R@1", "phrase_R@5"}
 
 
-@pytest.mark.parametrize("model", [["vse"], ["vse", "--vse_loss", "sampled"], ["single"]])
+@pytest.mark.parametrize("model", [["vse"], ["vse", "--vse_loss", "sampled"], ["single"], ["vilbert", "--concept_mvsa"]])
 def test_baseline_training_runs(tmp_path, model):
     out = C.main(["train", "--model", *model, "--out_dir", str(tmp_path), "--max_steps", "2"]
                  + TRAIN + ["--n_eval", "8"])
