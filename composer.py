@@ -1071,27 +1071,39 @@ def caption_tokens(tb, cfg):
     return t, torch.arange(t.shape[1], device=t.device) <= eot[:, None]
 
 
-class SingleStream(nn.Module):
+class CaptionCrossEncoder(nn.Module):
+    """What the caption-level cross-encoders share: token + position embeddings of the caption
+    and the visual encoder (created first, in this order, so initialisation is unchanged)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb, self.pos_emb = nn.Embedding(cfg.vocab_size, cfg.width), nn.Embedding(cfg.max_len, cfg.width)
+        self.visual = VisualEncoder(cfg)
+
+    def embed(self, tb):
+        t, mask = caption_tokens(tb, self.cfg)
+        return self.tok_emb(t) + self.pos_emb(torch.arange(t.shape[1], device=t.device)), mask
+
+    def encode_image(self, feats, boxes, mask):
+        return self.visual(feats, boxes, mask)
+
+
+class SingleStream(CaptionCrossEncoder):
     """Baseline: one transformer over the whole caption's tokens (no tree), interleaving self-
     and cross-attention to the regions like the CT; output at the SOT position -> theta.
     Equal budget: pt_layers self blocks + the CT pattern, same width and visual encoder."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         w, h, r = cfg.width, cfg.heads, cfg.mlp_ratio
-        self.tok_emb, self.pos_emb = nn.Embedding(cfg.vocab_size, w), nn.Embedding(cfg.max_len, w)
-        self.visual = VisualEncoder(cfg)
         self.blocks = nn.ModuleList([Block(w, h, r) for _ in range(cfg.pt_layers)] +
                                     [Block(w, h, r, k) for k in _ct_kinds(cfg.ct_layers)])
         self.ln_out, self.theta = nn.LayerNorm(w), nn.Linear(w, 1)
 
     def encode_text(self, tb):
-        t, mask = caption_tokens(tb, self.cfg)
-        return {"x": self.tok_emb(t) + self.pos_emb(torch.arange(t.shape[1], device=t.device)), "mask": mask}
-
-    def encode_image(self, feats, boxes, mask):
-        return self.visual(feats, boxes, mask)
+        x, mask = self.embed(tb)
+        return {"x": x, "mask": mask}
 
     def score_pairs(self, tb, te, V, vmask, pair_cap, pair_img):
         x, m, V, vm = te["x"][pair_cap], te["mask"][pair_cap], V[pair_img], vmask[pair_img]
@@ -1112,7 +1124,7 @@ class CoAttention(nn.Module):
         return self.t2v(x, m, V, vm), self.v2t(V, vm, x, m)
 
 
-class ViLBERT(nn.Module):
+class ViLBERT(CaptionCrossEncoder):
     """Baseline: two-stream co-attention transformer (text <-> image both ways), NO pretraining
     (the paper's ViLBERT is pretrained on Conceptual Captions; no BERT / ViLBERT weights are
     available here, so this is the architecture only, trained from scratch like the others).
@@ -1124,11 +1136,8 @@ class ViLBERT(nn.Module):
     "ViLBERT + MVSA" (paper Table 5)."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         w, h, r = cfg.width, cfg.heads, cfg.mlp_ratio
-        self.tok_emb, self.pos_emb = nn.Embedding(cfg.vocab_size, w), nn.Embedding(cfg.max_len, w)
-        self.visual = VisualEncoder(cfg)
         self.text_blocks = nn.ModuleList(Block(w, h, r) for _ in range(cfg.pt_layers))
         self.co = nn.ModuleList(CoAttention(w, h, r) for _ in range(cfg.ct_layers))
         self.t_self = nn.ModuleList(Block(w, h, r) for _ in range(cfg.ct_layers))
@@ -1136,14 +1145,10 @@ class ViLBERT(nn.Module):
         self.ln_t, self.ln_v, self.theta = nn.LayerNorm(w), nn.LayerNorm(w), nn.Linear(w, 1)
 
     def encode_text(self, tb):
-        t, mask = caption_tokens(tb, self.cfg)
-        x = self.tok_emb(t) + self.pos_emb(torch.arange(t.shape[1], device=t.device))
+        x, mask = self.embed(tb)
         for b in self.text_blocks:  # text-only layers: the same for every image, run once
             x = b(x, mask)
         return {"x": x, "mask": mask}
-
-    def encode_image(self, feats, boxes, mask):
-        return self.visual(feats, boxes, mask)
 
     def score_pairs(self, tb, te, V, vmask, pair_cap, pair_img):
         x, m, V, vm = te["x"][pair_cap], te["mask"][pair_cap], V[pair_img], vmask[pair_img]
