@@ -436,8 +436,9 @@ def _tag_words(words):
     return tags
 
 
-class _Chunker:
-    """Recursive descent over tagged words; every method returns (tree string, next index) or None."""
+class _NPChunker:
+    """Recursive descent over tagged words, noun phrases; every method returns (tree string,
+    next index) or None."""
 
     def __init__(self, words, tags):
         self.w, self.t, self.n = words, tags, len(words)
@@ -514,6 +515,11 @@ class _Chunker:
         if mode == "top" and self.tag(j) == "CC" and (other := self.np(j + 1, "top")):
             return f"(NP {tree} {self.leaf(j)} {other[0]})", other[1]
         return tree, j
+
+
+
+class _Chunker(_NPChunker):
+    """... and verb phrases and the sentence."""
 
     def vp(self, i, stop_finite):
         """Verb group, then complements: object NP, PPs (attached here), "to VB" (S), "while
@@ -1037,29 +1043,33 @@ class Composer(nn.Module):
         return score[root], {"node_score": score, "node_start": nstart, "node_src": nsrc}
 
     def score_recursive(self, comp, feats, boxes, mask):
-        """Reference: node-by-node recursion for ONE caption and ONE image (batch size 1 per
-        node). Used by the tests to check the level-batched path; returns node scores."""
-        tb = collate_text([comp])
-        te = self.encode_text(tb)
-        V, vmask = self.encode_image(feats[None], boxes[None], mask[None])
-        prim_emb = [self.encode_primitives(te["prim"][i:i + 1, :tb["prim_len"][i]],
-                                           te["pmask"][i:i + 1, :tb["prim_len"][i]], V, vmask)
-                    for i in range(len(comp["prims"]))]
-        memo = {}
+        return score_recursive(self, comp, feats, boxes, mask)
 
-        def node(j):
-            if j not in memo:
-                n = comp["nodes"][j]
-                L = len(n["tok"])
-                kids = [prim_emb[loc] if isp else node(loc)[0] for _, isp, loc in n["slots"]]
-                rows = torch.zeros(len(kids), dtype=torch.long)
-                pos = torch.tensor([p for p, _, _ in n["slots"]], dtype=torch.long)
-                memo[j] = self.compose(te["pt"][j:j + 1, :L], te["tmask"][j:j + 1, :L], rows, pos,
-                                       torch.cat(kids) if kids else None, V, vmask)
-            return memo[j]
 
-        node(len(comp["nodes"]) - 1)
-        return torch.cat([memo[j][1] for j in range(len(comp["nodes"]))])
+def score_recursive(model: "Composer", comp, feats, boxes, mask):
+    """Reference (Composer.score_recursive, bench.py): node-by-node recursion for ONE caption
+    and ONE image (batch size 1 per node). Used by the tests to check the level-batched path; returns node scores."""
+    tb = collate_text([comp])
+    te = model.encode_text(tb)
+    V, vmask = model.encode_image(feats[None], boxes[None], mask[None])
+    prim_emb = [model.encode_primitives(te["prim"][i:i + 1, :tb["prim_len"][i]],
+                                       te["pmask"][i:i + 1, :tb["prim_len"][i]], V, vmask)
+                for i in range(len(comp["prims"]))]
+    memo = {}
+
+    def node(j):
+        if j not in memo:
+            n = comp["nodes"][j]
+            L = len(n["tok"])
+            kids = [prim_emb[loc] if isp else node(loc)[0] for _, isp, loc in n["slots"]]
+            rows = torch.zeros(len(kids), dtype=torch.long)
+            pos = torch.tensor([p for p, _, _ in n["slots"]], dtype=torch.long)
+            memo[j] = model.compose(te["pt"][j:j + 1, :L], te["tmask"][j:j + 1, :L], rows, pos,
+                                   torch.cat(kids) if kids else None, V, vmask)
+        return memo[j]
+
+    node(len(comp["nodes"]) - 1)
+    return torch.cat([memo[j][1] for j in range(len(comp["nodes"]))])
 
 
 def caption_tokens(tb, cfg):
@@ -2069,22 +2079,17 @@ def make_model(args, tok, feat_dim):
     return MODELS[cfg.arch](cfg), cfg
 
 
-def train(args):
-    rank, world, device = ddp_setup(args.device)
-    master = rank == 0
+def check_args(args, world):
     if args.batch_size % world:
         raise ComposerError(f"--batch_size {args.batch_size} is not divisible by {world} ranks")
     if args.width % args.heads:
         raise ComposerError(f"--width {args.width} is not divisible by --heads {args.heads}")
     if args.features == "regions" and not args.regions:
-        raise ComposerError("--features regions needs --regions DIR")
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    resume = args.resume and os.path.exists(os.path.join(args.out_dir, "train_state.json"))
-    tok = build_tokenizer(args, args.out_dir if resume else None)
-    compiler = TextCompiler(tok, args.max_len)
-    t0 = time.time()
+        raise ComposerError("--features regions needs --regions DIR or FILE.safetensors")
+
+
+def load_data(args, compiler):
+    """The training split and the eval sets (in-domain --eval_split, and each --split_file)."""
     sp = attach_compiler(load_split(args, "train", _n(args.data, args.n_train, 12800)), compiler, args.max_skip_frac)
     evals = {}
     if args.n_eval != 0:
@@ -2093,6 +2098,73 @@ def train(args):
     for path in args.split_file or []:
         evals[os.path.splitext(os.path.basename(path))[0]] = attach_compiler(
             load_split(args, None, None, items=read_split_file(path)), compiler, args.max_skip_frac)
+    return sp, evals
+
+
+def build_optimizer(model, args):
+    """AdamW; weight decay on matrices only."""
+    params = list(model.parameters())
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.wd}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=args.lr, betas=(0.9, 0.98), foreach=True)
+
+
+def restore(args, model, opt, sampler):
+    """--resume: weights, optimizer, sampler position and RNG states; returns the step."""
+    model.load_state_dict(load_file(os.path.join(args.out_dir, "model.safetensors")))
+    st = load_train_state(args.out_dir, opt)
+    sampler.load_state_dict(st["sampler"])
+    _set_rng_state(st["rng"])
+    return st["step"]
+
+
+def run_evals(model, compiler, evals, device, args):
+    out = {name: evaluate(model, compiler, es, device, args.parse_dropout, phrases=name == "in_domain", seed=args.seed)[0]
+           for name, es in evals.items()}
+    model.train()
+    return out
+
+
+def sync_values(loss, parts, bad, stop_flag, world):
+    """[loss, *parts, any non-finite, SIGTERM seen] summed over ranks (losses: the mean, the loss
+    of the global batch). The losses and the non-finite flag stay on the device until a log or
+    save step (no sync per step). SIGTERM reaches the ranks at different steps, so its flag is
+    summed with them: every rank then stops at this same step, and none waits in a collective
+    the others left."""
+    vals = torch.stack([loss.detach(), *parts.values(), bad.float(), loss.new_tensor(float(stop_flag))]).double()
+    if world > 1:
+        import torch.distributed as dist
+        dist.all_reduce(vals)
+        vals[:-2] /= world
+    return vals.tolist()
+
+
+def _opt_tensors(opt):
+    return [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.is_floating_point()]
+
+
+class NonFinite(ComposerError):
+    """Divergence: printed as `error: ...` like a user error, but exit code 1 (COMMON.md)."""
+
+
+def nonfinite(step, args):
+    return NonFinite(f"non-finite loss at a step <= {step}: stopping; the last good checkpoint "
+                         f"is in {args.out_dir}")
+
+
+def train(args):
+    rank, world, device = ddp_setup(args.device)
+    master = rank == 0
+    check_args(args, world)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    resume = args.resume and os.path.exists(os.path.join(args.out_dir, "train_state.json"))
+    tok = build_tokenizer(args, args.out_dir if resume else None)
+    compiler = TextCompiler(tok, args.max_len)
+    t0 = time.time()
+    sp, evals = load_data(args, compiler)
     model, cfg = make_model(args, tok, sp.store.feat_dim)
     if args.init:
         model.load_state_dict(load_file(os.path.join(args.init, "model.safetensors")
@@ -2104,24 +2176,13 @@ def train(args):
               f"{time.time() - t0:.1f}s; model {cfg.arch}: {sum(p.numel() for p in model.parameters()) / 1e6:.3f}M params; "
               f"world {world}, device {device}", flush=True)
     params = list(model.parameters())
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.98), foreach=True)
+    opt = build_optimizer(model, args)
     sampler = Sampler(len(sp.captions), args.batch_size, args.seed)
-    step = 0
-    if resume:
-        model.load_state_dict(load_file(os.path.join(args.out_dir, "model.safetensors")))
-        st = load_train_state(args.out_dir, opt)
-        step = st["step"]
-        sampler.load_state_dict(st["sampler"])
-        _set_rng_state(st["rng"])
-        if master:
-            print(f"resumed from {args.out_dir} at step {step}", flush=True)
+    step = restore(args, model, opt, sampler) if resume else 0
+    if resume and master:
+        print(f"resumed from {args.out_dir} at step {step}", flush=True)
     if args.compile:  # compile each transformer block (shapes vary by level: dynamic=True)
-        for mod in model.modules():
-            if isinstance(mod, Block):
-                mod.compile(dynamic=True)
+        [mod.compile(dynamic=True) for mod in model.modules() if isinstance(mod, Block)]
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     metrics = os.path.join(args.out_dir, "metrics.jsonl")
@@ -2132,25 +2193,14 @@ def train(args):
     last_log = time.time()
     extra = {"skipped": dict(sp.skipped)}
 
-    def log(rec):
+    def log(rec, echo=True):
         if master:
             with open(metrics, "a") as f:
                 f.write(json.dumps(rec) + "\n")
-
-    def run_evals(tag_step):
-        out = {}
-        for name, es in evals.items():
-            r, S = evaluate(model, compiler, es, device, args.parse_dropout, phrases=name == "in_domain", seed=args.seed)
-            out[name] = r
-        model.train()
-        return out
+            print(json.dumps(rec), flush=True) if echo else None
 
     model.train()
     bad = torch.zeros((), dtype=torch.bool, device=device)     # any non-finite loss since the start
-
-    def nonfinite(step):
-        return ComposerError(f"non-finite loss at a step <= {step}: stopping; the last good checkpoint "
-                             f"is in {args.out_dir}")
 
     stopping = False
     while step < args.max_steps:
@@ -2168,33 +2218,20 @@ def train(args):
         step += 1
         at_ckpt = step % args.save_interval == 0 or step == args.max_steps    # the same step on every rank
         if step % args.log_interval == 0 or at_ckpt or (world == 1 and stop["flag"]):
-            # The losses and the non-finite flag stay on the device until here (no sync per step).
-            # SIGTERM reaches the ranks at different steps, so its flag is summed with them: every
-            # rank then stops at this same step, and none waits in a collective the others left.
-            vals = torch.stack([loss.detach(), *parts.values(), bad.float(), loss.new_tensor(float(stop["flag"]))])
-            vals = vals.double()
-            if world > 1:  # log the global batch's loss: the mean of the ranks' losses
-                import torch.distributed as dist
-                dist.all_reduce(vals)
-                vals[:-2] /= world
-            vals = vals.tolist()
+            vals = sync_values(loss, parts, bad, stop["flag"], world)
             if vals[-2]:
-                raise nonfinite(step)
+                raise nonfinite(step, args)
             stopping = vals[-1] > 0 and step < args.max_steps
         if step % args.log_interval == 0 or step == args.max_steps:
             parts = dict(zip(parts, vals[1:-2]))
-            dt = time.time() - last_log
-            last_log = time.time()
-            rec = {"step": step, "loss": round(vals[0], 6), **{k: round(v, 6) for k, v in parts.items()},
-                   "lr": opt.param_groups[0]["lr"], "samples_per_s": round(args.batch_size * args.log_interval / max(dt, 1e-9), 1)}
-            log(rec)
-            if master:
-                print(json.dumps(rec), flush=True)
+            dt, last_log = time.time() - last_log, time.time()
+            log({"step": step, "loss": round(vals[0], 6), **{k: round(v, 6) for k, v in parts.items()},
+                 "lr": opt.param_groups[0]["lr"], "samples_per_s": round(args.batch_size * args.log_interval / max(dt, 1e-9), 1)})
         if args.eval_every and step % args.eval_every == 0 and step < args.max_steps and master:
-            ev = run_evals(step)
-            log({"step": step, "eval": ev})
-            print(json.dumps({"step": step, "eval": ev}), flush=True)
+            log({"step": step, "eval": run_evals(model, compiler, evals, device, args)})
         if master and (at_ckpt or stopping):
+            if not all(torch.isfinite(t).all() for t in [*model.state_dict().values(), *_opt_tensors(opt)]):
+                raise nonfinite(step, args)  # never save non-finite weights: the last good checkpoint stays
             save_checkpoint(args.out_dir, model, opt, cfg, args, step, sampler, tok, extra)
         if stopping:
             if master:
@@ -2202,8 +2239,8 @@ def train(args):
             break
     result = None
     if master and not stopping:
-        ev = run_evals(step)
-        log({"step": step, "eval": ev, "final": True})
+        ev = run_evals(model, compiler, evals, device, args)
+        log({"step": step, "eval": ev, "final": True}, echo=False)
         result = {"step": step, "eval": ev}
         print(json.dumps({"final": result}), flush=True)
         draw_loss_curve(metrics, os.path.join(args.out_dir, "loss_curve.png"))
@@ -2528,7 +2565,7 @@ def main(argv=None):
         return {"train": train, "eval": cmd_eval, "graph": cmd_graph, "mcd": cmd_mcd, "parse": cmd_parse}[args.cmd](args)
     except errors as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(1 if isinstance(e, NonFinite) else 2)
 
 
 if __name__ == "__main__":

@@ -304,10 +304,30 @@ def test_nonfinite_loss_stops_at_the_next_check_and_keeps_the_last_good_checkpoi
     with pytest.raises(SystemExit) as e:
         C.main(["train", "--out_dir", str(tmp_path), "--max_steps", "9"] + TRAIN + ["--log_interval", "3", "--save_interval", "3"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and "non-finite loss at a step <= 6" in err[0], err
+    assert e.value.code == 1 and len(err) == 1 and "non-finite loss at a step <= 6" in err[0], err
     assert json.load(open(tmp_path / "train_state.json"))["step"] == 3
     logged = [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl") if "loss" in x]
     assert logged == [3]
+
+
+def test_nonfinite_weights_are_never_saved(tmp_path, monkeypatch, capsys):
+    """A finite loss but a NaN weight after the update (an optimizer blow-up): the save at step 2
+    refuses, exit 1, and the step-1 checkpoint stays."""
+    real_step = C.train_step
+
+    def poison_after_1(model, *a, **k):
+        if a[5] == 1:  # 0-based step 1: the update of step 2 starts from a NaN weight
+            with torch.no_grad():
+                next(model.parameters())[0].fill_(float("nan"))
+        return real_step(model, *a, **k)
+    monkeypatch.setattr(C, "train_step", poison_after_1)
+    monkeypatch.setattr(C, "sync_values", lambda loss, parts, bad, flag, world: [0.0] * (len(parts) + 1) + [0.0, 0.0])
+    with pytest.raises(SystemExit) as e:
+        C.main(["train", "--out_dir", str(tmp_path), "--max_steps", "4"] + TRAIN + ["--save_interval", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1 and "non-finite" in err[0], err
+    assert json.load(open(tmp_path / "train_state.json"))["step"] == 1
+    assert all(torch.isfinite(t).all() for t in load_file(str(tmp_path / "model.safetensors")).values())
 
 
 def test_sigterm_to_one_rank_stops_every_rank_and_resumes(tmp_path):
