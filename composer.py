@@ -1996,28 +1996,91 @@ def _set_rng_state(st):
     random.setstate((p[0], tuple(p[1]), p[2]))
 
 
+CKPT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "train_state.safetensors", "train_state.json")
+
+
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra):
-    """Contract layout: model.safetensors, config.json, tokenizer.json, train_state.safetensors
-    + train_state.json; every file written atomically (temp + os.replace)."""
-    os.makedirs(out_dir, exist_ok=True)
+    """COMMON.md layout: every file of the step goes into out_dir/checkpoint.tmp/ (fsynced), then
+    checkpoint/ -> checkpoint.prev/, checkpoint.tmp/ -> checkpoint/, and checkpoint.prev/ is
+    removed: a kill at any point leaves one complete checkpoint. out_dir keeps config.json and
+    tokenizer.json for readers."""
+    import shutil
+    tmp, cur, prev = (os.path.join(out_dir, d) for d in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    meta = {"step": str(step)}
     sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    _atomic(os.path.join(out_dir, "model.safetensors"), lambda t: save_file(sd, t))
-    _write_json(os.path.join(out_dir, "config.json"), {"args": vars(args), "model": asdict(cfg)})
-    tok.save(out_dir)
+    save_file(sd, os.path.join(tmp, "model.safetensors"), metadata=meta)
+    conf = {"args": vars(args), "model": asdict(cfg)}
+    for d in (tmp, out_dir):
+        _write_json(os.path.join(d, "config.json"), conf)
+        tok.save(d)
     osd = opt.state_dict()
     tens = {f"state.{pid}.{k}": v.detach().contiguous().cpu().reshape(v.shape) for pid, st in osd["state"].items()
             for k, v in st.items() if torch.is_tensor(v)}
     scal = {str(pid): {k: v for k, v in st.items() if not torch.is_tensor(v)} for pid, st in osd["state"].items()}
-    _atomic(os.path.join(out_dir, "train_state.safetensors"), lambda t: save_file(tens or {"_": torch.zeros(1)}, t))
-    _write_json(os.path.join(out_dir, "train_state.json"),
+    save_file(tens or {"_": torch.zeros(1)}, os.path.join(tmp, "train_state.safetensors"), metadata=meta)
+    _write_json(os.path.join(tmp, "train_state.json"),
                 {"step": step, "sampler": sampler.state_dict(), "rng": _rng_state(), "param_groups": osd["param_groups"],
                  "opt_scalars": scal, **extra})
+    for f in CKPT_FILES:
+        _fsync(os.path.join(tmp, f))
+    _fsync(tmp)
+    if os.path.isdir(cur):
+        shutil.rmtree(prev, ignore_errors=True)
+        os.replace(cur, prev)
+    os.replace(tmp, cur)
+    _fsync(out_dir)
+    shutil.rmtree(prev, ignore_errors=True)
 
 
-def load_train_state(out_dir, opt):
-    with open(os.path.join(out_dir, "train_state.json")) as f:
+def _check_checkpoint(d):
+    """None if folder d holds a complete checkpoint, else '<file>: <problem>'."""
+    for f in CKPT_FILES:
+        if not os.path.isfile(os.path.join(d, f)):
+            return f"{os.path.join(d, f)}: missing"
+    try:
+        with open(os.path.join(d, "train_state.json")) as fh:
+            step = json.load(fh)["step"]
+    except (ValueError, KeyError, UnicodeDecodeError) as e:
+        return f"{os.path.join(d, 'train_state.json')}: damaged ({type(e).__name__})"
+    for f in ("model.safetensors", "train_state.safetensors"):
+        try:
+            tf = TensorFile(os.path.join(d, f))
+        except CRGError as e:
+            return f"{os.path.join(d, f)}: damaged or truncated ({e})"
+        if tf.meta.get("step") != str(step):
+            return f"{os.path.join(d, f)}: step {tf.meta.get('step')} disagrees with train_state.json's {step}"
+    return None
+
+
+def find_checkpoint(out_dir):
+    """The folder to resume from: checkpoint/, else a complete checkpoint.prev/ (said in one
+    line), else None when out_dir has neither; a damaged one with no fallback is an error."""
+    cur, prev = os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "checkpoint.prev")
+    if not os.path.exists(cur) and not os.path.exists(prev):
+        return None
+    problem = _check_checkpoint(cur) if os.path.exists(cur) else f"{cur}: missing"
+    if problem is None:
+        return cur
+    if os.path.exists(prev) and _check_checkpoint(prev) is None:
+        print(f"{problem}; resuming from the previous complete checkpoint {prev}", flush=True)
+        return prev
+    raise ComposerError(problem)
+
+
+def load_train_state(ckpt_dir, opt):
+    with open(os.path.join(ckpt_dir, "train_state.json")) as f:
         st = json.load(f)
-    tens = load_file(os.path.join(out_dir, "train_state.safetensors"))
+    tens = load_file(os.path.join(ckpt_dir, "train_state.safetensors"))
     state = defaultdict(dict)
     for k, v in tens.items():
         if k.startswith("state."):
@@ -2027,6 +2090,14 @@ def load_train_state(out_dir, opt):
         state[int(pid)].update(d)
     opt.load_state_dict({"state": dict(state), "param_groups": st["param_groups"]})
     return st
+
+
+def rewind_metrics(path, step):
+    """Cut metrics.jsonl back to the checkpoint's step: no step appears twice after --resume."""
+    if os.path.exists(path):
+        with open(path) as f:
+            keep = [l for l in f if l.strip() and json.loads(l).get("step", 0) <= step]
+        _atomic(path, lambda t: open(t, "w").write("".join(keep)))
 
 
 def draw_loss_curve(metrics_path, png_path):
@@ -2110,12 +2181,14 @@ def build_optimizer(model, args):
                              lr=args.lr, betas=(0.9, 0.98), foreach=True)
 
 
-def restore(args, model, opt, sampler):
-    """--resume: weights, optimizer, sampler position and RNG states; returns the step."""
-    model.load_state_dict(load_file(os.path.join(args.out_dir, "model.safetensors")))
-    st = load_train_state(args.out_dir, opt)
+def restore(ckpt_dir, model, opt, sampler, metrics):
+    """--resume: weights, optimizer, sampler position and RNG states; metrics.jsonl rewound.
+    Returns the step."""
+    model.load_state_dict(load_file(os.path.join(ckpt_dir, "model.safetensors")))
+    st = load_train_state(ckpt_dir, opt)
     sampler.load_state_dict(st["sampler"])
     _set_rng_state(st["rng"])
+    rewind_metrics(metrics, st["step"])
     return st["step"]
 
 
@@ -2160,15 +2233,14 @@ def train(args):
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)
-    resume = args.resume and os.path.exists(os.path.join(args.out_dir, "train_state.json"))
-    tok = build_tokenizer(args, args.out_dir if resume else None)
+    resume = find_checkpoint(args.out_dir) if args.resume else None
+    tok = build_tokenizer(args, resume)
     compiler = TextCompiler(tok, args.max_len)
     t0 = time.time()
     sp, evals = load_data(args, compiler)
     model, cfg = make_model(args, tok, sp.store.feat_dim)
     if args.init:
-        model.load_state_dict(load_file(os.path.join(args.init, "model.safetensors")
-                                        if os.path.isdir(args.init) else args.init))
+        model.load_state_dict(load_file(resolve_weights(args.init)[0]))
     model.to(device)
     if master:
         print(f"data: {len(sp.captions)} train captions / {len(sp.keys)} images, {sp.n_bracketed} parsed by the "
@@ -2178,14 +2250,14 @@ def train(args):
     params = list(model.parameters())
     opt = build_optimizer(model, args)
     sampler = Sampler(len(sp.captions), args.batch_size, args.seed)
-    step = restore(args, model, opt, sampler) if resume else 0
+    metrics = os.path.join(args.out_dir, "metrics.jsonl")
+    step = restore(resume, model, opt, sampler, metrics if master else "") if resume else 0
     if resume and master:
-        print(f"resumed from {args.out_dir} at step {step}", flush=True)
+        print(f"resumed from {resume} at step {step}", flush=True)
     if args.compile:  # compile each transformer block (shapes vary by level: dynamic=True)
         [mod.compile(dynamic=True) for mod in model.modules() if isinstance(mod, Block)]
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
-    metrics = os.path.join(args.out_dir, "metrics.jsonl")
     if master:
         os.makedirs(args.out_dir, exist_ok=True)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") and args.dtype == "bf16" \
@@ -2216,12 +2288,12 @@ def train(args):
         torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         opt.step()
         step += 1
-        at_ckpt = step % args.save_interval == 0 or step == args.max_steps    # the same step on every rank
+        at_ckpt = step % args.save_interval == 0 or step in (args.max_steps, args.stop_at)  # the same on every rank
         if step % args.log_interval == 0 or at_ckpt or (world == 1 and stop["flag"]):
             vals = sync_values(loss, parts, bad, stop["flag"], world)
             if vals[-2]:
                 raise nonfinite(step, args)
-            stopping = vals[-1] > 0 and step < args.max_steps
+            stopping = (vals[-1] > 0 or step == args.stop_at) and step < args.max_steps
         if step % args.log_interval == 0 or step == args.max_steps:
             parts = dict(zip(parts, vals[1:-2]))
             dt, last_log = time.time() - last_log, time.time()
@@ -2235,7 +2307,7 @@ def train(args):
             save_checkpoint(args.out_dir, model, opt, cfg, args, step, sampler, tok, extra)
         if stopping:
             if master:
-                print(f"SIGTERM: checkpoint saved at step {step}; continue with --resume", flush=True)
+                print(f"stopped (SIGTERM or --stop_at): checkpoint saved at step {step}; continue with --resume", flush=True)
             break
     result = None
     if master and not stopping:
@@ -2255,17 +2327,39 @@ def train(args):
 # 9. main: subcommands
 # =============================================================================
 
+def resolve_weights(path):
+    """(weights file, folder with config.json + tokenizer.json) of what a reader is given: an
+    out_dir (its checkpoint/, else a model.safetensors directly in it: the old layout), a
+    checkpoint/ folder, or a weights file (config next to it, or in the out_dir above)."""
+    if os.path.isdir(path):
+        d = os.path.join(path, "checkpoint") if os.path.isdir(os.path.join(path, "checkpoint")) else path
+        w = os.path.join(d, "model.safetensors")
+        if not os.path.isfile(w):
+            raise ComposerError(f"{path}: no checkpoint/model.safetensors or model.safetensors")
+        return w, d
+    if not os.path.isfile(path):
+        raise ComposerError(f"{path}: no such file or directory")
+    d = os.path.dirname(os.path.abspath(path))
+    return path, d if os.path.isfile(os.path.join(d, "config.json")) else os.path.dirname(d)
+
+
 def load_checkpoint(ckpt, device="cpu"):
-    """(model, tokenizer, saved args as a Namespace) from a composer.py out_dir."""
+    """(model, tokenizer, saved args as a Namespace) from a composer.py checkpoint (resolve_weights)."""
+    weights, folder = resolve_weights(ckpt)
     try:
-        with open(os.path.join(ckpt, "config.json")) as f:
+        with open(os.path.join(folder, "config.json")) as f:
             conf = json.load(f)
     except FileNotFoundError:
         raise ComposerError(f"{ckpt}: no config.json (not a composer.py out_dir)") from None
+    except ValueError as e:
+        raise ComposerError(f"{os.path.join(folder, 'config.json')}: bad JSON ({e})") from None
     cfg = ModelConfig(**conf["model"])
     model = MODELS[cfg.arch](cfg)
-    model.load_state_dict(load_file(os.path.join(ckpt, "model.safetensors")))
-    return model.to(device).eval(), data.Tokenizer.load(ckpt), argparse.Namespace(**conf["args"])
+    try:
+        model.load_state_dict(load_file(weights))
+    except Exception as e:  # a truncated file or other weights: one line, not a traceback
+        raise ComposerError(f"{weights}: cannot load ({type(e).__name__}: {str(e)[:120]})") from None
+    return model.to(device).eval(), data.Tokenizer.load(folder), argparse.Namespace(**conf["args"])
 
 
 def cmd_eval(args):
@@ -2479,7 +2573,8 @@ def parse_args(argv):
     t.add_argument("--warmup", type=int, default=50)
     t.add_argument("--grad_clip", type=float, default=1.0)
     t.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="bf16 autocast on CUDA (CPU runs fp32)")
-    t.add_argument("--resume", action="store_true")
+    t.add_argument("--resume", action="store_true", help="continue from out_dir/checkpoint/ (or checkpoint.prev/)")
+    t.add_argument("--stop_at", type=int, default=None, help="stop at this step with a checkpoint, as if preempted")
     t.add_argument("--compile", action="store_true")
     t.add_argument("--init", default=None, help="initial weights: a composer out_dir or model.safetensors")
     t.add_argument("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz (else a BPE trained on the captions)")

@@ -234,15 +234,19 @@ def _run(args, nproc=1, timeout=120):
 def test_resume_exact_and_ddp_equals_single(tmp_path):
     full, part, ddp = str(tmp_path / "full"), str(tmp_path / "part"), str(tmp_path / "ddp")
     C.main(["train", "--out_dir", full, "--max_steps", "6"] + TRAIN)
-    C.main(["train", "--out_dir", part, "--max_steps", "3"] + TRAIN)
+    C.main(["train", "--out_dir", part, "--max_steps", "6", "--stop_at", "3"] + TRAIN)
+    with open(os.path.join(part, "metrics.jsonl"), "a") as f:  # a log line past the checkpoint (a kill)
+        f.write(json.dumps({"step": 4, "loss": 99.0}) + "\n")
     C.main(["train", "--out_dir", part, "--max_steps", "6", "--resume"] + TRAIN)
-    a, b = load_file(os.path.join(full, "model.safetensors")), load_file(os.path.join(part, "model.safetensors"))
+    steps = [r["step"] for r in map(json.loads, open(os.path.join(part, "metrics.jsonl"))) if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]  # rewound to the checkpoint: no step twice
+    a, b = load_file(os.path.join(full, "checkpoint", "model.safetensors")), load_file(os.path.join(part, "checkpoint", "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed run differs from the uninterrupted one"
-    sa = json.load(open(os.path.join(full, "train_state.json")))
-    sb = json.load(open(os.path.join(part, "train_state.json")))
+    sa = json.load(open(os.path.join(full, "checkpoint", "train_state.json")))
+    sb = json.load(open(os.path.join(part, "checkpoint", "train_state.json")))
     assert sa["sampler"] == sb["sampler"] and sa["step"] == sb["step"] == 6
     _run(["--out_dir", ddp, "--max_steps", "6"] + TRAIN, nproc=2)
-    d = load_file(os.path.join(ddp, "model.safetensors"))
+    d = load_file(os.path.join(ddp, "checkpoint", "model.safetensors"))
     # the logged (global-batch) losses agree step by step; the weights agree up to float
     # reordering amplified by Adam on near-zero gradients (update ~ lr * g / |g|)
     la, ld = [[r["loss"] for r in map(json.loads, open(os.path.join(x, "metrics.jsonl"))) if "loss" in r]
@@ -250,9 +254,10 @@ def test_resume_exact_and_ddp_equals_single(tmp_path):
     assert len(la) == len(ld) == 6 and np.allclose(la, ld, atol=1e-5, rtol=0), (la, ld)
     for k in a:
         torch.testing.assert_close(d[k], a[k], atol=1e-3, rtol=1e-3)
-    for f in ("config.json", "tokenizer.json", "train_state.safetensors", "metrics.jsonl", "loss_curve.png"):
+    for f in ("config.json", "tokenizer.json", "metrics.jsonl", "loss_curve.png"):
         assert os.path.exists(os.path.join(full, f))
-    assert not [f for f in os.listdir(full) if ".tmp" in f]
+    assert sorted(os.listdir(os.path.join(full, "checkpoint"))) == sorted(C.CKPT_FILES)
+    assert not [f for f in os.listdir(full) if ".tmp" in f or ".prev" in f]
     # evaluation + interpretation view on the checkpoint
     out = C.main(["eval", "--ckpt", full, "--n", "12", "--interpret", "1", "--parse_dropout", "0.5"])
     assert set(out["test"]) >= {"R@1", "R@5", "phrase_R@1", "phrase_R@5"}
@@ -305,7 +310,7 @@ def test_nonfinite_loss_stops_at_the_next_check_and_keeps_the_last_good_checkpoi
         C.main(["train", "--out_dir", str(tmp_path), "--max_steps", "9"] + TRAIN + ["--log_interval", "3", "--save_interval", "3"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 1 and len(err) == 1 and "non-finite loss at a step <= 6" in err[0], err
-    assert json.load(open(tmp_path / "train_state.json"))["step"] == 3
+    assert json.load(open(tmp_path / "checkpoint" / "train_state.json"))["step"] == 3
     logged = [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl") if "loss" in x]
     assert logged == [3]
 
@@ -326,8 +331,8 @@ def test_nonfinite_weights_are_never_saved(tmp_path, monkeypatch, capsys):
         C.main(["train", "--out_dir", str(tmp_path), "--max_steps", "4"] + TRAIN + ["--save_interval", "1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 1 and len(err) == 1 and "non-finite" in err[0], err
-    assert json.load(open(tmp_path / "train_state.json"))["step"] == 1
-    assert all(torch.isfinite(t).all() for t in load_file(str(tmp_path / "model.safetensors")).values())
+    assert json.load(open(tmp_path / "checkpoint" / "train_state.json"))["step"] == 1
+    assert all(torch.isfinite(t).all() for t in load_file(str(tmp_path / "checkpoint" / "model.safetensors")).values())
 
 
 def test_sigterm_to_one_rank_stops_every_rank_and_resumes(tmp_path):
@@ -341,7 +346,27 @@ def test_sigterm_to_one_rank_stops_every_rank_and_resumes(tmp_path):
     rc, stdout, stderr = sigterm_one_rank(torchrun + ["--out_dir", out, "--max_steps", "100000"] + TRAIN,
                                           os.path.join(out, "metrics.jsonl"), env=env)
     assert rc == 0, stderr[-3000:]
-    step = json.load(open(os.path.join(out, "train_state.json")))["step"]
-    assert 0 < step < 100000 and f"SIGTERM: checkpoint saved at step {step}" in stdout
+    step = json.load(open(os.path.join(out, "checkpoint", "train_state.json")))["step"]
+    assert 0 < step < 100000 and f"stopped (SIGTERM or --stop_at): checkpoint saved at step {step}" in stdout
     _run(["--out_dir", out, "--max_steps", str(step + 1), "--resume"] + TRAIN, nproc=2)
-    assert json.load(open(os.path.join(out, "train_state.json")))["step"] == step + 1
+    assert json.load(open(os.path.join(out, "checkpoint", "train_state.json")))["step"] == step + 1
+
+
+def test_damaged_checkpoint_falls_back_or_fails_in_one_line(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    C.main(["train", "--out_dir", out, "--max_steps", "4", "--stop_at", "2"] + TRAIN)
+    ck, prev = os.path.join(out, "checkpoint"), os.path.join(out, "checkpoint.prev")
+    import shutil
+    shutil.copytree(ck, prev)
+    blob = open(os.path.join(ck, "model.safetensors"), "rb").read()
+    open(os.path.join(ck, "model.safetensors"), "wb").write(blob[:len(blob) // 2])  # truncated
+    capsys.readouterr()
+    C.main(["train", "--out_dir", out, "--max_steps", "4", "--resume"] + TRAIN)
+    assert "resuming from the previous complete checkpoint" in capsys.readouterr().out
+    assert json.load(open(os.path.join(ck, "train_state.json")))["step"] == 4 and not os.path.exists(prev)
+    with open(os.path.join(ck, "train_state.json"), "w") as f:
+        f.write('{"step": ')  # damaged, and no checkpoint.prev
+    with pytest.raises(SystemExit) as e:
+        C.main(["train", "--out_dir", out, "--max_steps", "6", "--resume"] + TRAIN)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and "train_state.json" in err[0]
