@@ -1864,21 +1864,31 @@ def ddp_setup(device_arg):
     return rank, world, device
 
 
-def allreduce_grads(params, world):
-    """Average gradients over ranks (one flat all-reduce). Choice: manual instead of the DDP
-    wrapper, so levels / modulator branches that a rank's batch does not use need no
-    find_unused_parameters; every rank computes the same global batch's forward parts."""
+class StepLoss(nn.Module):
+    """The training step as one forward(), so that DistributedDataParallel (which syncs the
+    gradients of what forward() used, averaged over ranks) can wrap it: the model's own methods
+    (encode_text, score_pairs, ...) are called inside. The data and compiler ride along as plain
+    attributes (DDP moves nothing but the forward's arguments)."""
+
+    def __init__(self, model, compiler, sp, args, rank, world, device):
+        super().__init__()
+        self.model = model
+        self.ctx = (compiler, sp, args, rank, world, device)
+
+    def forward(self, gidx, step):
+        compiler, sp, args, rank, world, device = self.ctx
+        return train_step(self.model, compiler, sp, gidx, rank, world, step, args, device)
+
+
+def wrap_ddp(step_loss, world, device):
+    """DDP over the step. find_unused_parameters: a rank's captions may not reach every tree
+    level or modulator branch (and VSE's in-batch loss skips parameters); such parameters get
+    no gradient on that rank, which DDP's default would wait for forever."""
     if world == 1:
-        return
-    import torch.distributed as dist
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= world
-    o = 0
-    for p, g in zip(params, grads):
-        p.grad = flat[o:o + g.numel()].view_as(g).clone()
-        o += g.numel()
+        return step_loss
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    return DDP(step_loss, device_ids=[device] if device.startswith("cuda") else None,
+               find_unused_parameters=True, broadcast_buffers=False)
 
 
 class Sampler:
@@ -2256,6 +2266,7 @@ def train(args):
         print(f"resumed from {resume} at step {step}", flush=True)
     if args.compile:  # compile each transformer block (shapes vary by level: dynamic=True)
         [mod.compile(dynamic=True) for mod in model.modules() if isinstance(mod, Block)]
+    step_loss = wrap_ddp(StepLoss(model, compiler, sp, args, rank, world, device), world, device)
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     if master:
@@ -2280,11 +2291,10 @@ def train(args):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
         with autocast:
-            loss, parts = train_step(model, compiler, sp, gidx, rank, world, step, args, device)
+            loss, parts = step_loss(gidx, step)
         bad |= ~torch.isfinite(loss.detach())
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        allreduce_grads(params, world)
+        loss.backward()  # DDP averages the gradients over ranks here
         torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         opt.step()
         step += 1
