@@ -6,18 +6,19 @@ COMPOSER: visually grounded concept composition (Zhang, Hu, Qiu, Shaw, Sha; Find
   2. MCD    compound divergence, the delta-ranking split procedure, graded splits
   3. text   CRG -> token ids (templates with placeholder tokens)
   4. model  COMPOSER (primitive cross-attention, Predicate Transformer, modulator, Composition
-            Transformer, linear regressor), level-batched; baselines VSE and single-stream
+            Transformer, linear regressor), level-batched; baselines VSE, single-stream, ViLBERT
   5. feats  visual region features: shapes gold boxes, region safetensors, frozen il_clip patches
   6. loss   l_match + l_MVSA (hinge / nll) + l_order
-  7. eval   text->image and phrase->image R@1/R@5, interpretation view
+  7. eval   text->image and phrase->image R@1/R@5/R@10, interpretation view
   8. train  torchrun DDP (gloo on CPU), atomic safetensors checkpoints, exact --resume
-  9. main   subcommands train (default) | eval | graph | mcd
+  9. main   subcommands train (default) | eval | graph | mcd | parse
 
   python composer.py                                   # train COMPOSER on shapes
-  python composer.py --model vse | single              # baselines at the same budget
+  python composer.py --model vse | single | vilbert    # baselines at the same budget
   python composer.py eval --ckpt out/composer --split_file out/mcd/mcd.jsonl --interpret 2
   python composer.py graph --data shapes               # paper Table 1 statistics
   python composer.py mcd --train shapes --pool shapes --pool_split test --size 300 --out out/mcd
+  python composer.py parse dataset_flickr30k.json --out f30k_trees.json   # benepar / stanza trees
 
 No public code of COMPOSER or the CRG exists; every choice the paper leaves open is written
 next to the code that makes it, marked "Choice:".
@@ -1384,17 +1385,57 @@ class LazyFeatures:
         return feats.to(device), boxes.to(device), mask.to(device)
 
 
+def load_clip_vision(path):
+    """The vision tower of an il_clip.py checkpoint (COMMON.md layout: out_dir, checkpoint/ or a
+    weights file) or OpenAI-format CLIP weights: (state dict of visual.*, heads, quick_gelu, image
+    size). Copied here (not imported) so that composer.py imports only data.py. Heads / GELU come
+    from the run's config.json when there is one, else OpenAI's convention (width / 64, QuickGELU)."""
+    weights, folder = resolve_weights(path)
+    try:
+        sd = load_file(weights) if weights.endswith(".safetensors") else torch.load(weights, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ComposerError(f"{weights}: cannot read CLIP weights ({type(e).__name__})") from None
+    sd = {k: v.float() for k, v in sd.items() if k.startswith("visual.")}
+    if "visual.conv1.weight" not in sd:
+        raise ComposerError(f"{weights}: no visual.conv1.weight (not a CLIP ViT checkpoint)")
+    w, patch = sd["visual.conv1.weight"].shape[0], sd["visual.conv1.weight"].shape[-1]
+    model_cfg = {}
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        with open(os.path.join(folder, "config.json")) as f:
+            model_cfg = json.load(f).get("model", {})
+    if "vision_heads" not in model_cfg and w % 64:
+        raise ComposerError(f"{weights}: no config.json with vision_heads beside it, and width {w} is not "
+                            f"OpenAI's (64 per head): pass the il_clip.py out_dir")
+    grid = int(round(math.sqrt(sd["visual.positional_embedding"].shape[0] - 1)))
+    return sd, model_cfg.get("vision_heads", w // 64), model_cfg.get("quick_gelu", True), grid * patch
+
+
+def vit_patch_tokens(sd, heads, quick_gelu, images):
+    """Patch tokens of the last block, without CLS, before ln_post (il_clip's forward_tokens):
+    OpenAI CLIP's ViT written out over the state dict."""
+    ln = lambda x, p: F.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"])
+    lin = lambda x, p: F.linear(x, sd[p + ".weight"], sd[p + ".bias"])
+    conv = sd["visual.conv1.weight"]
+    x = F.conv2d(images, conv, stride=conv.shape[-1]).flatten(2).transpose(1, 2)
+    B, w = x.shape[0], x.shape[2]
+    x = torch.cat([sd["visual.class_embedding"].expand(B, 1, -1), x], 1) + sd["visual.positional_embedding"]
+    x = ln(x, "visual.ln_pre")
+    T, L = x.shape[1], 1 + max(int(k.split(".")[3]) for k in sd if k.startswith("visual.transformer.resblocks."))
+    for i in range(L):
+        p = f"visual.transformer.resblocks.{i}."
+        q, k, v = F.linear(ln(x, p + "ln_1"), sd[p + "attn.in_proj_weight"], sd[p + "attn.in_proj_bias"]).split(w, -1)
+        q, k, v = (t.view(B, T, heads, w // heads).transpose(1, 2) for t in (q, k, v))
+        x = x + lin(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, w), p + "attn.out_proj")
+        h = lin(ln(x, p + "ln_2"), p + "mlp.c_fc")
+        x = x + lin(h * torch.sigmoid(1.702 * h) if quick_gelu else F.gelu(h), p + "mlp.c_proj")
+    return x[:, 1:]
+
+
 @torch.no_grad()
 def clip_patch_features(images, clip_path, batch=64):
-    """Frozen il_clip.py checkpoint: last-block patch tokens (before ln_post) as regions, the
-    patch grid as boxes (il_clip contract: model.visual.forward_tokens)."""
-    try:
-        import il_clip
-    except ImportError:
-        raise ComposerError("--features clip needs il_clip.py next to composer.py") from None
-    model, _, cfg = il_clip.load_model(clip_path)
-    model.eval()
-    size = cfg.get("model", cfg).get("image_size", 64)
+    """Frozen CLIP ViT (il_clip.py checkpoint or OpenAI weights): last-block patch tokens
+    (before ln_post) as regions, the patch grid as boxes."""
+    sd, heads, quick_gelu, size = load_clip_vision(clip_path)
     tf = data.eval_transform(size)
     feats = []
     for i in range(0, len(images), batch):
@@ -1402,12 +1443,10 @@ def clip_patch_features(images, clip_path, batch=64):
         if x.shape[-1] != size:
             raise ComposerError(f"{clip_path} takes {size}px images, the loader gives {x.shape[-1]}px: "
                                 f"pass --image_size {size}")
-        feats.append(model.visual.forward_tokens(x).float())
+        feats.append(vit_patch_tokens(sd, heads, quick_gelu, x.float()))
     feats = torch.cat(feats)
     P = feats.shape[1]
     g = int(round(math.sqrt(P)))
-    if g * g != P:
-        raise ComposerError(f"{clip_path}: {P} patch tokens do not form a square grid")
     ys, xs = torch.meshgrid(torch.arange(g), torch.arange(g), indexing="ij")
     box = torch.stack([xs / g, ys / g, (xs + 1) / g, (ys + 1) / g, torch.full_like(xs, 1, dtype=torch.float) / P], -1)
     box = box.reshape(P, 5).float().numpy()
@@ -2549,8 +2588,9 @@ def add_common(p):
 
 def add_features(p, default="gold"):
     p.add_argument("--features", choices=["gold", "regions", "clip"], default=default,
-                   help="gold: shapes gold boxes; regions: --regions DIR/{key}.safetensors; clip: frozen il_clip patches")
-    p.add_argument("--regions", default=None, help="directory of {key}.safetensors with feats [N,D], boxes [N,5]")
+                   help="gold: shapes gold boxes; regions: --regions (read per item); clip: frozen il_clip/CLIP ViT patches")
+    p.add_argument("--regions", default=None, help="DIR of {key}.safetensors (feats [N,D], boxes [N,5]) or one FILE.safetensors "
+                   "(feats [M,N,D], boxes [M,N,5], optional n_regions [M], metadata keys = JSON list of M image keys)")
     p.add_argument("--clip", default=None, help="il_clip.py out_dir or OpenAI-format weights (--features clip)")
     p.add_argument("--image_size", type=int, default=64)
 

@@ -286,9 +286,17 @@ def test_frozen_il_clip_patch_features(tmp_path):
                                  "text_heads": 2})
     path = str(tmp_path / "clip.safetensors")
     save_file({k: v.contiguous() for k, v in il_clip.CLIP(cfg).state_dict().items()}, path)
+    json.dump({"model": {"vision_heads": 2, "quick_gelu": cfg.quick_gelu}}, open(tmp_path / "config.json", "w"))
     out = C.main(["train", "--features", "clip", "--clip", path, "--out_dir", str(tmp_path / "o"), "--max_steps", "1"]
                  + TRAIN[:2] + ["--n_train", "16"] + TRAIN[4:] + ["--n_eval", "8"])
     assert out["eval"]["in_domain"]["images"] == 8  # 64 patch tokens per image as regions
+    # composer.py's own copy of the ViT equals il_clip's forward_tokens (heads from config.json)
+    model = il_clip.CLIP(cfg).eval()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "w.safetensors"))
+    sd, heads, qg, size = C.load_clip_vision(str(tmp_path / "w.safetensors"))
+    x = torch.randn(3, 3, size, size)
+    with torch.no_grad():
+        torch.testing.assert_close(C.vit_patch_tokens(sd, heads, qg, x), model.visual.forward_tokens(x), atol=1e-5, rtol=1e-5)
 
 
 def test_recall_ties_count_against_the_query():
