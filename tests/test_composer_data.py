@@ -142,3 +142,16 @@ def test_help_lists_subcommands():
     r = subprocess.run([sys.executable, os.path.join(ROOT, "composer.py"), "--help"], capture_output=True, text=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=60)
     assert r.returncode == 0 and all(f"\n  {c} " in r.stdout for c in ("train", "eval", "graph", "mcd", "parse"))
+
+
+def test_csv_captions_and_trees_without_images(tmp_path):
+    """open_clip's CSV layout with renamed columns (--csv_img_key / --csv_caption_key) and a tree
+    column: graph reads it with no image present; the tree rows skip the bracketer."""
+    rows = ["img\tcap\ttree", "a.jpg\tA man rides a horse.\t", "b.jpg\ta dog\t(NP (DT a) (NN dog))",
+            "c.jpg\tTwo dogs play in the snow.\t"]
+    (tmp_path / "train.tsv").write_text("\n".join(rows) + "\n")
+    st = C.main(["graph", "--data", str(tmp_path / "train.tsv"), "--csv_img_key", "img", "--csv_caption_key", "cap"])
+    assert (st["captions"], st["images"], st["bracketer"]) == (3, 3, 2)
+    with pytest.raises(SystemExit) as e:
+        C.main(["graph", "--data", str(tmp_path / "train.tsv")])  # default column names: one error line
+    assert e.value.code == 2
