@@ -6,23 +6,25 @@ COMPOSER: visually grounded concept composition (Zhang, Hu, Qiu, Shaw, Sha; Find
   2. MCD    compound divergence, the delta-ranking split procedure, graded splits
   3. text   CRG -> token ids (templates with placeholder tokens)
   4. model  COMPOSER (primitive cross-attention, Predicate Transformer, modulator, Composition
-            Transformer, linear regressor), level-batched; baselines VSE and single-stream
+            Transformer, linear regressor), level-batched; baselines VSE, single-stream, ViLBERT
   5. feats  visual region features: shapes gold boxes, region safetensors, frozen il_clip patches
   6. loss   l_match + l_MVSA (hinge / nll) + l_order
-  7. eval   text->image and phrase->image R@1/R@5, interpretation view
+  7. eval   text->image and phrase->image R@1/R@5/R@10, interpretation view
   8. train  torchrun DDP (gloo on CPU), atomic safetensors checkpoints, exact --resume
-  9. main   subcommands train (default) | eval | graph | mcd
+  9. main   subcommands train (default) | eval | graph | mcd | parse
 
   python composer.py                                   # train COMPOSER on shapes
-  python composer.py --model vse | single              # baselines at the same budget
+  python composer.py --model vse | single | vilbert    # baselines at the same budget
   python composer.py eval --ckpt out/composer --split_file out/mcd/mcd.jsonl --interpret 2
   python composer.py graph --data shapes               # paper Table 1 statistics
   python composer.py mcd --train shapes --pool shapes --pool_split test --size 300 --out out/mcd
+  python composer.py parse dataset_flickr30k.json --out f30k_trees.json   # benepar / stanza trees
 
 No public code of COMPOSER or the CRG exists; every choice the paper leaves open is written
 next to the code that makes it, marked "Choice:".
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -75,11 +77,23 @@ class Tree:
     label: str
     children: list = field(default_factory=list)
     word: str | None = None  # set for preterminals (POS tag + one word)
+    _leaves: list = field(default=None, repr=False, compare=False)  # cache: the CRG asks every node
 
     def leaves(self):
-        if self.word is not None:
-            return [] if self.label in PUNCT_TAGS else [self.word]
-        return [w for c in self.children for w in c.leaves()]
+        if self._leaves is None:
+            if self.word is not None:
+                self._leaves = [] if self.label in PUNCT_TAGS else [self.word]
+            else:
+                self._leaves = [w for c in self.children for w in c.leaves()]
+        return self._leaves
+
+
+def _strip_function_tags(label: str) -> str:
+    """NP-SBJ -> NP, PP-LOC-2 -> PP, NP=1 -> NP (PTB function tags and indices); -NONE-, -LRB-
+    are labels of their own."""
+    if label.startswith("-") or ("-" not in label and "=" not in label):
+        return label
+    return re.split(r"[-=]", label)[0] or label
 
 
 def parse_ptb(s: str) -> Tree:
@@ -98,7 +112,7 @@ def parse_ptb(s: str) -> Tree:
         pos += 1
         label = ""
         if pos < len(toks) and toks[pos] not in "()":
-            label = toks[pos]
+            label = _strip_function_tags(toks[pos])
             pos += 1
         t = Tree(label)
         while True:
@@ -236,129 +250,352 @@ def crg_from_tree(tree: str, caption: str | None = None) -> Concept:
 
 
 # --- rule-based bracketer for captions without trees (closed-class word lists, no model) ---
-# Choice: a deterministic chunker, not a parser: base NPs = [det] [numbers] [adjectives] nouns;
-# NP <- NP (prep NP)* right-branching, NP and NP coordination, S <- NP VP when a verb follows
-# the first NP. Open-class words default to nouns (NNS when they end in -s), -ing -> VBG,
-# -ed -> VBN, -ly -> RB. Good enough to give the CRG the shape the paper describes on
-# caption-like text; gold trees should be used when available.
+# Choice: a deterministic tagger + recursive-descent chunker in the Kitaev-Klein (benepar) / PTB
+# style, not a statistical parser. It knows closed-class words, ~200 caption verbs with their
+# inflections, colour/size/material adjectives and suffix rules; context decides the ambiguous
+# ones (a verb form right after a noun phrase is the verb, "rides" after "a man"; a base form
+# after a plural subject is VBP; an -ing word after a determiner with no noun after it is a noun,
+# "the building"). Structure: NP -> base NP [PP (right-branching inside the PP) | VBG-phrase
+# (reduced relative) | SBAR (who/that/which)] and NP CC NP; S -> NP VP; inside the VP, PPs attach
+# to the VP and only "of" PPs to the object NP; "to VB" and "while VBG" make S / SBAR. Measured
+# against gold parses of 67 real-style captions (tests/fixtures/composer_captions_gold.txt):
+# see tests/test_composer_bracketer.py. A real parser (`composer.py parse`) is better still.
 _CLOSED = {}
 for _tag, _words in {
-    "DT": "a an the this that these those some any every each no another all both either neither",
+    "DT": "a an the this these those some any every each no another all both either neither",
     "PRP$": "his her its their our my your",
-    "PRP": "he she it they we i you him them us me someone something somebody everyone",
-    "CD": "one two three four five six seven eight nine ten eleven twelve several many few dozen",
+    "NNS": "people men women children feet teeth geese mice police cattle clothes jeans "
+           "pants shorts glasses sunglasses",
+    "PRP": "he she it they we i you him them us me someone something somebody everyone himself herself themselves",
+    "CD": "one two three four five six seven eight nine ten eleven twelve dozen",
     "IN": "of in on at by with from into onto over under above below behind beside besides near "
           "through across along around between among against toward towards inside outside beneath "
-          "underneath upon during while for like than via past beyond atop after before without within",
+          "underneath upon during while for like than via past beyond atop after before without within "
+          "as because if since until although though whilst amongst throughout",
     "TO": "to",
     "CC": "and or but nor",
     "EX": "there",
+    "WP": "who whom what",
+    "WDT": "which whose",
     "VBZ": "is has does",
-    "VBP": "are have do",
+    "VBP": "are have do am",
     "VBD": "was were had did",
     "VB": "be",
     "VBN": "been",
+    "VBG": "being",
     "MD": "can could will would may might should must",
-    "RB": "very not also just together too almost really quite n't away out up down off back here",
-    "JJ": "red green blue yellow orange purple pink brown black white gray grey cyan magenta "
-          "small large big tiny huge little tall short long old young new wooden metal dark light "
-          "bright open empty full other same different round square-shaped wet dry hot cold "
-          "happy sad busy crowded clear cloudy sunny snowy grassy sandy dirty clean colorful "
-          "left right top bottom middle front first second third last next single several",
+    "RB": "very not also just together too almost really quite n't away out up down off back here "
+          "outside inside around nearby alone only still",
+    "JJ": "red green blue yellow orange purple pink brown black white gray grey cyan magenta beige tan "
+          "golden silver blond blonde dark light bright colorful colourful striped spotted plaid "
+          "small large big tiny huge little tall short long old young new wooden metal plastic glass "
+          "open empty full other same different round square wet dry hot cold warm snowy sandy grassy "
+          "rocky muddy dirty clean happy sad busy crowded clear cloudy sunny shirtless bald elderly "
+          "high low wide narrow deep thick thin fat heavy fresh asian african american indian "
+          "left right top bottom middle front first second third last next several many few "
+          "various multiple numerous professional outdoor indoor electric giant adult female male "
+          "pretty beautiful nice cute fancy older younger smaller larger bigger "
+          "single double public private",
 }.items():
     for _w in _words.split():
         _CLOSED.setdefault(_w, _tag)
-# "left", "right", "top", "front" ... are nouns inside "to the left of" / "in front of".
+# words that are nouns in "to the left of", "in front of", "on top of" (after a determiner, or
+# after a preposition when "of" follows)
 _NOUN_AFTER_DET = {"left", "right", "top", "bottom", "middle", "front", "side", "back", "center", "centre"}
+# -ing words that are nouns (PTB NN) even without a determiner
+_ING_NOUNS = set("building clothing ceiling painting wedding evening morning railing ring string thing "
+                 "something nothing anything everything spring sibling pudding awning earring icing "
+                 "lighting king wing swing".split())
+# -ing words that head a noun compound ("a swimming pool", "the parking lot") and are NN there
+_ING_COMPOUND = set("swimming dining parking fishing climbing living waiting shopping sleeping cutting "
+                    "driving washing baking bowling boxing skiing surfing racing training".split())
+_VERB_LEMMAS = (
+    "ride sit stand walk run jump play hold eat drink look watch wear carry climb throw catch kick hit "
+    "swim surf ski skate dance sing read write talk smile laugh cook cut paint push pull fly drive wait "
+    "sleep lie lay lean rest fish work sell buy perform prepare grab lift pose point chase bite lick "
+    "sniff fall cross pass graze feed race dive splash speed bike hike pick clean wash build fix use "
+    "wave celebrate arrive leave enter exit open close show hang serve shop stare kiss hug shake touch "
+    "take make give put get go come stroll jog march roll slide swing bounce kneel crouch squat fill pour "
+    "blow check type drag ring lead see find stick spin sweep dig hide beat chat grab help hug nap tap "
+    "set let beg wrap clap trim rub reach step stop skip cheer compete fight tackle score block "
+    "swim paddle row sail float wade splash stretch bend lay tie teach learn study listen stir "
+    "sip taste chew bake grill fry mow rake plant water ski sled skateboard snowboard wrestle box "
+    "juggle balance practice attempt try prepare decorate display gather crowd line sort load unload "
+    "examine inspect repair adjust hold fold cover smoke drink feed rest relax enjoy admire "
+    "observe talk yell shout scream cry gesture wave hand pet pat groom herd tow haul deliver "
+    "board ride rest approach follow lead guide walk leap hop dribble shoot pitch swing bat serve "
+    "hurry rush cycle pedal steer park dress cook play").split()
+_IRREGULAR = {"ride": "rode ridden", "sit": "sat", "stand": "stood", "run": "ran", "eat": "ate eaten",
+              "drink": "drank drunk", "hold": "held", "wear": "wore worn", "throw": "threw thrown",
+              "catch": "caught", "swim": "swam swum", "sing": "sang sung", "write": "wrote written",
+              "fly": "flew flown", "drive": "drove driven", "sleep": "slept", "lie": "lay lain",
+              "lay": "laid", "fall": "fell fallen", "feed": "fed", "dive": "dove", "speed": "sped",
+              "build": "built", "take": "took taken", "make": "made", "give": "gave given",
+              "get": "got gotten", "go": "went gone", "come": "came", "leave": "left",
+              "swing": "swung", "blow": "blew blown", "buy": "bought", "sell": "sold",
+              "shake": "shook shaken", "hang": "hung", "bite": "bit bitten", "kneel": "knelt",
+              "lead": "led", "see": "saw seen", "find": "found", "stick": "stuck", "spin": "spun",
+              "sweep": "swept", "dig": "dug", "hide": "hid hidden", "beat": "beaten",
+              "teach": "taught", "shoot": "shot", "leap": "leapt"}
+_DOUBLE = set("run sit swim cut hit shop jog get put dig spin drag skip stop chat grab hug nap tap set "
+              "let beg wrap clap trim rub step sled box".split()) - {"box"}
 
 
-def _tag_word(w, prev_tag):
+def _inflections(lemma):
+    """{form: kind} for kind in base, s, ing, ed (regular rules + _IRREGULAR)."""
+    stem = lemma + lemma[-1] if lemma in _DOUBLE else lemma
+    if lemma.endswith("ie"):
+        ing = lemma[:-2] + "ying"
+    elif lemma.endswith("e") and not lemma.endswith("ee"):
+        ing = lemma[:-1] + "ing"
+    else:
+        ing = stem + "ing"
+    if re.search(r"(s|sh|ch|x|z|o)$", lemma):
+        s = lemma + "es"
+    elif re.search(r"[^aeiou]y$", lemma):
+        s = lemma[:-1] + "ies"
+    else:
+        s = lemma + "s"
+    if lemma.endswith("e"):
+        ed = lemma + "d"
+    elif re.search(r"[^aeiou]y$", lemma):
+        ed = lemma[:-1] + "ied"
+    else:
+        ed = stem + "ed"
+    forms = {lemma: "base", s: "s", ing: "ing"}
+    for f in ([ed] if lemma not in _IRREGULAR else []) + _IRREGULAR.get(lemma, "").split():
+        forms.setdefault(f, "ed")
+    return forms
+
+
+_VERB_FORMS = {}
+for _lemma in _VERB_LEMMAS:
+    for _f, _kind in _inflections(_lemma).items():
+        _VERB_FORMS.setdefault(_f, _kind)
+_NOUN_TAGS = ("NN", "NNS")
+_VERB_TAGS = ("VB", "VBZ", "VBP", "VBD", "VBN", "VBG", "MD")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _lexical_tag(w):
+    """The context-free tag of a word: closed class, then suffix rules; open words are nouns."""
     if re.fullmatch(r"[.,!?;:]", w):
         return "." if w in ".!?" else ","
     if re.fullmatch(r"\d+", w):
         return "CD"
-    if w in _NOUN_AFTER_DET and prev_tag == "DT":
-        return "NN"
     if w in _CLOSED:
         return _CLOSED[w]
-    if len(w) > 4 and w.endswith("ing"):
+    if w in _ING_NOUNS:
+        return "NN"
+    kind = _VERB_FORMS.get(w)
+    if kind == "ing" or (kind is None and len(w) > 4 and w.endswith("ing")):
         return "VBG"
-    if len(w) > 4 and w.endswith("ed"):
+    if kind == "ed" or (kind is None and len(w) > 4 and w.endswith("ed")):
         return "VBN"
-    if len(w) > 4 and w.endswith("ly"):
+    if len(w) > 4 and re.search(r"(ly)$", w):
         return "RB"
+    if len(w) > 4 and re.search(r"(ful|ous|ive|ish|less|ic|al|ian|ese)$", w) and w not in ("animal", "arrival"):
+        return "JJ"
     if len(w) > 3 and w.endswith("s") and not w.endswith("ss"):
         return "NNS"
     return "NN"
 
 
-def bracket(caption: str) -> str:
-    """Caption -> PTB string with the rule-based chunker above (no model download)."""
-    words = re.findall(r"[a-z0-9]+(?:'[a-z]+)?|n't|[.,!?;:]", caption.lower())
+def _tag_words(words):
+    """Tags in context, left to right (see the Choice above)."""
     tags = []
-    for w in words:
-        tags.append(_tag_word(w, tags[-1] if tags else None))
-    n = len(words)
-    leaf = lambda i: f"({tags[i]} {words[i]})"
+    for i, w in enumerate(words):
+        prev = tags[-1] if tags else None
+        nxt = _lexical_tag(words[i + 1]) if i + 1 < len(words) else None
+        t = _lexical_tag(w)
+        kind = _VERB_FORMS.get(w)
+        after_np = prev in _NOUN_TAGS or prev == "PRP"
+        if w in _NOUN_AFTER_DET and (prev == "DT" or (prev == "IN" and nxt == "IN" and words[i + 1] == "of")):
+            t = "NN"
+        elif w in _ING_NOUNS and _VERB_FORMS.get(w) == "ing" and prev in _VERB_TAGS + _NOUN_TAGS + ("RB", "CC"):
+            t = "VBG"  # "is painting a wall", "a man painting a wall" (but "a painting")
+        elif w == "that" and prev in _NOUN_TAGS:
+            t = "WDT"
+        elif w == "that":
+            t = "DT"
+        elif t == "VBG" and prev in ("DT", "PRP$", "JJ", "CD"):
+            # "the building" (no noun after: a noun); "a swimming pool" (a compound: NN);
+            # "a running dog" (a modifier: VBG, not a primitive)
+            t = "NN" if nxt not in _NOUN_TAGS or w in _ING_COMPOUND else "VBG"
+        elif kind == "s" and after_np:
+            t = "VBZ"
+        elif kind == "base" and (prev in ("NNS", "PRP", "TO", "MD") or (prev == "CC" and "VBP" in tags)):
+            t = "VBP" if prev in ("NNS", "PRP") else "VB"
+        elif kind == "ed" and after_np:
+            t = "VBD"
+        elif kind == "ed" and prev in ("VBZ", "VBP", "VBD", "VBN", "RB"):
+            t = "VBN"
+        elif t == "NNS" and prev == "NN" and nxt in ("DT", "PRP$", "IN", "CD", "TO") and kind is None \
+                and not any(x in _VERB_TAGS for x in tags):
+            t = "VBZ"  # an unknown -s word between a singular subject and its object: the verb
+        tags.append(t)
+    return tags
 
-    def base_np(i):
-        j = i
-        if j < n and tags[j] in ("DT", "PRP$"):
+
+class _NPChunker:
+    """Recursive descent over tagged words, noun phrases; every method returns (tree string,
+    next index) or None."""
+
+    def __init__(self, words, tags):
+        self.w, self.t, self.n = words, tags, len(words)
+
+    def tag(self, i):
+        return self.t[i] if i < self.n else None
+
+    def leaf(self, i):
+        return f"({self.t[i]} {self.w[i]})"
+
+    def base_np(self, i):
+        """[DT|PRP$] CD* modifiers* nouns+ (a modifier pair "brown and white" is an ADJP)."""
+        j, out = i, []
+        if self.tag(j) in ("DT", "PRP$"):
+            out.append(self.leaf(j))
             j += 1
-        while j < n and tags[j] == "CD":
+        while self.tag(j) == "CD":
+            out.append(self.leaf(j))
             j += 1
-        while j < n and tags[j] in ("JJ", "VBN", "RB") and j + 1 < n and tags[j + 1] in ("JJ", "VBN", "RB", "NN", "NNS"):
-            j += 1
+        mods = ("JJ", "VBN", "RB", "VBG")
+        while self.tag(j) in mods:
+            if self.tag(j + 1) == "CC" and self.tag(j + 2) in mods and self.tag(j + 3) in mods + _NOUN_TAGS:
+                out.append(f"(ADJP {self.leaf(j)} {self.leaf(j + 1)} {self.leaf(j + 2)})")
+                j += 3
+            elif self.tag(j + 1) in mods + _NOUN_TAGS:
+                out.append(self.leaf(j))
+                j += 1
+            else:
+                break
         k = j
-        while k < n and tags[k] in ("NN", "NNS"):
+        while self.tag(k) in _NOUN_TAGS:
+            out.append(self.leaf(k))
             k += 1
+        if self.tag(i) == "EX":
+            return f"(NP {self.leaf(i)})", i + 1
+        if self.tag(i) == "PRP":
+            return f"(NP {self.leaf(i)})", i + 1
         if k == j:
             return None
-        return "(NP " + " ".join(leaf(x) for x in range(i, k)) + ")", k
+        return "(NP " + " ".join(out) + ")", k
 
-    def np_phrase(i):
-        r = base_np(i)
+    def np(self, i, mode):
+        """A base NP and its post-modifiers. mode: 'top' (PPs, reduced relatives, relative
+        clauses, coordination), 'pp' (the NP inside a PP: PPs, right-branching), 'object'
+        (only "of" PPs, "full of", relative clauses)."""
+        r = self.base_np(i)
         if r is None:
             return None
-        tree, j = r
-        while j < n and tags[j] in ("IN", "TO"):
-            inner = np_phrase(j + 1)
-            if inner is None:
+        head, j = r
+        mods = []
+        while j < self.n:
+            t, w = self.tag(j), self.w[j]
+            if t in ("IN", "TO") and (w == "of" or mode in ("top", "pp")) and w not in ("while", "as", "because", "if", "since", "until", "although", "though", "whilst"):
+                inner = self.np(j + 1, "object" if mode == "object" else "pp")
+                if inner is None:
+                    break
+                mods.append(f"(PP {self.leaf(j)} {inner[0]})")
+                j = inner[1]
+                if mode == "pp":
+                    break
+            elif t == "JJ" and self.tag(j + 1) == "IN" and self.w[j + 1] == "of" and (inner := self.np(j + 2, "pp")):
+                mods.append(f"(ADJP {self.leaf(j)} (PP {self.leaf(j + 1)} {inner[0]}))")
+                j = inner[1]
+            elif t == "VBG" and mode == "top":
+                v, j = self.vp(j, stop_finite=True)
+                mods.append(v)
+            elif t in ("WDT", "WP") and mode in ("top", "object"):
+                v, k = self.vp(j + 1, stop_finite=True)
+                mods.append(f"(SBAR (WHNP {self.leaf(j)}) (S {v}))")
+                j = k
+            else:
                 break
-            tree, j = f"(NP {tree} (PP {leaf(j)} {inner[0]}))", inner[1]
-        if j < n and tags[j] == "CC":
-            other = np_phrase(j + 1)
-            if other is not None:
-                tree, j = f"(NP {tree} {leaf(j)} {other[0]})", other[1]
+        tree = f"(NP {head} {' '.join(mods)})" if mods else head
+        if mode == "top" and self.tag(j) == "CC" and (other := self.np(j + 1, "top")):
+            return f"(NP {tree} {self.leaf(j)} {other[0]})", other[1]
         return tree, j
 
-    def sequence(i):
-        items = []
-        while i < n:
-            r = np_phrase(i)
-            if r is None and tags[i] in ("IN", "TO"):
-                inner = np_phrase(i + 1)
-                if inner is not None:
-                    r = (f"(PP {leaf(i)} {inner[0]})", inner[1])
-            if r is None:
-                r = (leaf(i), i + 1)
-            items.append(r[0])
-            i = r[1]
-        return items
 
-    if n == 0:
+
+class _Chunker(_NPChunker):
+    """... and verb phrases and the sentence."""
+
+    def vp(self, i, stop_finite):
+        """Verb group, then complements: object NP, PPs (attached here), "to VB" (S), "while
+        VBG" (SBAR), a later VBG-phrase (S), coordinated verbs. A finite verb after a complement
+        ends a relative clause / reduced relative (stop_finite) or starts a coordinated VP."""
+        out, j = [], i
+        while self.tag(j) in _VERB_TAGS + ("RB",):
+            out.append(self.leaf(j))
+            j += 1
+        while j < self.n:
+            t, w = self.tag(j), self.w[j]
+            if t in (".",):
+                break
+            if t in _VERB_TAGS and t != "VBG" and stop_finite and t not in ("VB", "VBN"):
+                break
+            if t == "TO" and self.tag(j + 1) == "VB":
+                v, k = self.vp(j + 1, stop_finite)
+                out.append(f"(S (VP {self.leaf(j)} {v}))")
+                j = k
+            elif t == "IN" and self.tag(j + 1) == "VBG":
+                v, k = self.vp(j + 1, stop_finite)
+                out.append(f"(SBAR {self.leaf(j)} (S {v}))")
+                j = k
+            elif t in ("IN", "TO") and (inner := self.np(j + 1, "pp")):
+                out.append(f"(PP {self.leaf(j)} {inner[0]})")
+                j = inner[1]
+            elif t == "VBG":
+                v, k = self.vp(j, stop_finite)
+                out.append(v if self.tag(j - 1) == "CC" else f"(S {v})")
+                j = k
+            elif t in _VERB_TAGS:
+                v, j = self.vp(j, stop_finite)
+                out.append(v)
+            elif (obj := self.np(j, "object")):
+                out.append(obj[0])
+                j = obj[1]
+            else:
+                out.append(self.leaf(j))
+                j += 1
+        return "(VP " + " ".join(out) + ")", j
+
+    def sentence(self):
+        """S -> NP VP; a caption that is one NP (with its modifiers) stays an NP fragment."""
+        first = self.np(0, "top")
+        if first is None:
+            return None
+        tree, j = first
+        if self.tag(j) in _VERB_TAGS and self.tag(j) != "VBG":
+            vp, j = self.vp(j, stop_finite=False)
+            tree, label = f"{tree} {vp}", "S"
+        else:
+            label = "NP"
+        rest = " ".join(self.leaf(k) for k in range(j, self.n))
+        if rest.replace("(. .)", "").replace("(, ,)", "").strip():
+            label = "S"  # words the chunker could not place stay flat under the root
+        return f"(ROOT ({label} {tree} {rest}))"
+
+
+def bracket(caption: str) -> str:
+    """Caption -> PTB string with the rule-based tagger and chunker above (no model download)."""
+    words = re.findall(r"[a-z0-9]+(?:'[a-z]+)?|n't|[.,!?;:]", caption.lower())
+    if not words:
         return "(S )"
-    first = np_phrase(0)
-    if first is not None and first[1] < n and (tags[first[1]].startswith("VB") or tags[first[1]] == "MD"):
-        rest = sequence(first[1])
-        return f"(ROOT (S {first[0]} (VP {' '.join(rest)})))"
-    if first is not None and first[1] == n:
-        return f"(ROOT {first[0]})"
-    return f"(ROOT (S {' '.join(sequence(0))}))"
+    ch = _Chunker(words, _tag_words(words))
+    tree = ch.sentence()
+    if tree is None:  # no NP at the start: one flat sequence of NPs, PPs and words
+        vp, _ = ch.vp(0, stop_finite=False)
+        tree = f"(ROOT (S {vp[4:-1]}))"
+    return tree
 
 
 def caption_crg(caption: str, tree: str | None = None) -> Concept:
     """CRG from the gold tree when given, else from the rule-based bracketer."""
+    if not tree and not (caption or "").strip():
+        raise CRGError("no_caption", "empty caption")
     return crg_from_tree(tree if tree else bracket(caption), caption)
 
 
@@ -501,6 +738,12 @@ def mcd_split(train_crgs: list, pool: list, size: int, stride: int | None = None
             "windows": windows}
 
 
+def pick_windows(windows: list, targets: list) -> list:
+    """For each target compound divergence, the graded-split window closest to it (the paper's
+    Fig. 4 uses 16 splits from 0.15 to 0.31); ties go to the earlier window."""
+    return [min(windows, key=lambda w: (abs(w["compound_divergence"] - t), w["start"])) for t in targets]
+
+
 # =============================================================================
 # 3. Text: CRG -> token ids. Templates are word-piece ids of their words with one placeholder
 #    token per slot (ids vocab_size + tag index). Choice: a word is tokenized on its own
@@ -597,7 +840,7 @@ def collate_text(comps: list) -> dict:
 
 @dataclass
 class ModelConfig:
-    arch: str = "composer"        # composer | vse | single
+    arch: str = "composer"        # composer | vse | single | vilbert
     vocab_size: int = 1000        # text vocabulary; composer appends len(PLACEHOLDER_TAGS) placeholder ids
     eot_token_id: int = 2
     max_len: int = 77             # positions (template tokens for composer, caption tokens for baselines)
@@ -606,8 +849,8 @@ class ModelConfig:
     heads: int = 4
     mlp_ratio: int = 4
     vis_layers: int = 1           # visual self-attention over regions, once per image
-    pt_layers: int = 1            # Predicate Transformer depth (paper: 6, BERT-initialised)
-    ct_layers: int = 3            # Composition Transformer: self, cross, self, cross, ... (paper: 3)
+    pt_layers: int = 1            # Predicate Transformer depth (paper: 6, BERT-initialised; --preset paper)
+    ct_layers: int = 3            # Composition Transformer: self, cross, self, ... ending in self (paper: 5)
     modulator: str = "film"       # film | mlp | replace
     crossatt_primitives: bool = True
 
@@ -654,7 +897,8 @@ class Block(nn.Module):
 
 
 def _ct_kinds(n):
-    """Appendix C / Fig. 6: SelfAtt first, then interleaved CrossAtt and SelfAtt (3 -> S X S)."""
+    """Appendix C / Fig. 6: SelfAtt first, then interleaved CrossAtt and SelfAtt (3 -> S X S; the
+    paper's 5 -> S X S X S ends in text self-attention, as any odd depth does)."""
     return ["self" if i % 2 == 0 else "cross" for i in range(n)]
 
 
@@ -800,29 +1044,33 @@ class Composer(nn.Module):
         return score[root], {"node_score": score, "node_start": nstart, "node_src": nsrc}
 
     def score_recursive(self, comp, feats, boxes, mask):
-        """Reference: node-by-node recursion for ONE caption and ONE image (batch size 1 per
-        node). Used by the tests to check the level-batched path; returns node scores."""
-        tb = collate_text([comp])
-        te = self.encode_text(tb)
-        V, vmask = self.encode_image(feats[None], boxes[None], mask[None])
-        prim_emb = [self.encode_primitives(te["prim"][i:i + 1, :tb["prim_len"][i]],
-                                           te["pmask"][i:i + 1, :tb["prim_len"][i]], V, vmask)
-                    for i in range(len(comp["prims"]))]
-        memo = {}
+        return score_recursive(self, comp, feats, boxes, mask)
 
-        def node(j):
-            if j not in memo:
-                n = comp["nodes"][j]
-                L = len(n["tok"])
-                kids = [prim_emb[loc] if isp else node(loc)[0] for _, isp, loc in n["slots"]]
-                rows = torch.zeros(len(kids), dtype=torch.long)
-                pos = torch.tensor([p for p, _, _ in n["slots"]], dtype=torch.long)
-                memo[j] = self.compose(te["pt"][j:j + 1, :L], te["tmask"][j:j + 1, :L], rows, pos,
-                                       torch.cat(kids) if kids else None, V, vmask)
-            return memo[j]
 
-        node(len(comp["nodes"]) - 1)
-        return torch.cat([memo[j][1] for j in range(len(comp["nodes"]))])
+def score_recursive(model: "Composer", comp, feats, boxes, mask):
+    """Reference (Composer.score_recursive, bench.py): node-by-node recursion for ONE caption
+    and ONE image (batch size 1 per node). Used by the tests to check the level-batched path; returns node scores."""
+    tb = collate_text([comp])
+    te = model.encode_text(tb)
+    V, vmask = model.encode_image(feats[None], boxes[None], mask[None])
+    prim_emb = [model.encode_primitives(te["prim"][i:i + 1, :tb["prim_len"][i]],
+                                       te["pmask"][i:i + 1, :tb["prim_len"][i]], V, vmask)
+                for i in range(len(comp["prims"]))]
+    memo = {}
+
+    def node(j):
+        if j not in memo:
+            n = comp["nodes"][j]
+            L = len(n["tok"])
+            kids = [prim_emb[loc] if isp else node(loc)[0] for _, isp, loc in n["slots"]]
+            rows = torch.zeros(len(kids), dtype=torch.long)
+            pos = torch.tensor([p for p, _, _ in n["slots"]], dtype=torch.long)
+            memo[j] = model.compose(te["pt"][j:j + 1, :L], te["tmask"][j:j + 1, :L], rows, pos,
+                                   torch.cat(kids) if kids else None, V, vmask)
+        return memo[j]
+
+    node(len(comp["nodes"]) - 1)
+    return torch.cat([memo[j][1] for j in range(len(comp["nodes"]))])
 
 
 def caption_tokens(tb, cfg):
@@ -834,33 +1082,93 @@ def caption_tokens(tb, cfg):
     return t, torch.arange(t.shape[1], device=t.device) <= eot[:, None]
 
 
-class SingleStream(nn.Module):
+class CaptionCrossEncoder(nn.Module):
+    """What the caption-level cross-encoders share: token + position embeddings of the caption
+    and the visual encoder (created first, in this order, so initialisation is unchanged)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb, self.pos_emb = nn.Embedding(cfg.vocab_size, cfg.width), nn.Embedding(cfg.max_len, cfg.width)
+        self.visual = VisualEncoder(cfg)
+
+    def embed(self, tb):
+        t, mask = caption_tokens(tb, self.cfg)
+        return self.tok_emb(t) + self.pos_emb(torch.arange(t.shape[1], device=t.device)), mask
+
+    def encode_image(self, feats, boxes, mask):
+        return self.visual(feats, boxes, mask)
+
+
+class SingleStream(CaptionCrossEncoder):
     """Baseline: one transformer over the whole caption's tokens (no tree), interleaving self-
     and cross-attention to the regions like the CT; output at the SOT position -> theta.
     Equal budget: pt_layers self blocks + the CT pattern, same width and visual encoder."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         w, h, r = cfg.width, cfg.heads, cfg.mlp_ratio
-        self.tok_emb, self.pos_emb = nn.Embedding(cfg.vocab_size, w), nn.Embedding(cfg.max_len, w)
-        self.visual = VisualEncoder(cfg)
         self.blocks = nn.ModuleList([Block(w, h, r) for _ in range(cfg.pt_layers)] +
                                     [Block(w, h, r, k) for k in _ct_kinds(cfg.ct_layers)])
         self.ln_out, self.theta = nn.LayerNorm(w), nn.Linear(w, 1)
 
     def encode_text(self, tb):
-        t, mask = caption_tokens(tb, self.cfg)
-        return {"x": self.tok_emb(t) + self.pos_emb(torch.arange(t.shape[1], device=t.device)), "mask": mask}
-
-    def encode_image(self, feats, boxes, mask):
-        return self.visual(feats, boxes, mask)
+        x, mask = self.embed(tb)
+        return {"x": x, "mask": mask}
 
     def score_pairs(self, tb, te, V, vmask, pair_cap, pair_img):
         x, m, V, vm = te["x"][pair_cap], te["mask"][pair_cap], V[pair_img], vmask[pair_img]
         for b in self.blocks:
             x = b(x, m, V, vm)
         return self.theta(self.ln_out(x[:, 0])).squeeze(-1), {}
+
+
+class CoAttention(nn.Module):
+    """ViLBERT's Co-TRM (Lu et al. 2019, Fig. 2b): each stream's queries attend to the other
+    stream's keys/values, in parallel from the same inputs, then each stream's own FFN."""
+
+    def __init__(self, w, h, r):
+        super().__init__()
+        self.t2v, self.v2t = Block(w, h, r, "cross"), Block(w, h, r, "cross")
+
+    def forward(self, x, m, V, vm):
+        return self.t2v(x, m, V, vm), self.v2t(V, vm, x, m)
+
+
+class ViLBERT(CaptionCrossEncoder):
+    """Baseline: two-stream co-attention transformer (text <-> image both ways), NO pretraining
+    (the paper's ViLBERT is pretrained on Conceptual Captions; no BERT / ViLBERT weights are
+    available here, so this is the architecture only, trained from scratch like the others).
+    Text: pt_layers self-attention blocks (ViLBERT's text-only layers), then ct_layers rounds of
+    Co-TRM + a self-attention block in each stream (the visual stream is updated by the text,
+    unlike COMPOSER's). Score: theta(h_CLS * mean of the visual stream), ViLBERT's alignment
+    head (it uses the IMG token; the regions here have none, so their masked mean stands in).
+    With --concept_mvsa every concept of the caption is also scored and trained with l_MVSA:
+    "ViLBERT + MVSA" (paper Table 5)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        w, h, r = cfg.width, cfg.heads, cfg.mlp_ratio
+        self.text_blocks = nn.ModuleList(Block(w, h, r) for _ in range(cfg.pt_layers))
+        self.co = nn.ModuleList(CoAttention(w, h, r) for _ in range(cfg.ct_layers))
+        self.t_self = nn.ModuleList(Block(w, h, r) for _ in range(cfg.ct_layers))
+        self.v_self = nn.ModuleList(Block(w, h, r) for _ in range(cfg.ct_layers))
+        self.ln_t, self.ln_v, self.theta = nn.LayerNorm(w), nn.LayerNorm(w), nn.Linear(w, 1)
+
+    def encode_text(self, tb):
+        x, mask = self.embed(tb)
+        for b in self.text_blocks:  # text-only layers: the same for every image, run once
+            x = b(x, mask)
+        return {"x": x, "mask": mask}
+
+    def score_pairs(self, tb, te, V, vmask, pair_cap, pair_img):
+        x, m, V, vm = te["x"][pair_cap], te["mask"][pair_cap], V[pair_img], vmask[pair_img]
+        for co, ts, vs in zip(self.co, self.t_self, self.v_self):
+            x, V = co(x, m, V, vm)
+            x, V = ts(x, m), vs(V, vm)
+        vmf = vm.unsqueeze(-1).to(V.dtype)
+        v = (self.ln_v(V) * vmf).sum(1) / vmf.sum(1).clamp(min=1)
+        return self.theta(self.ln_t(x[:, 0]) * v).squeeze(-1), {}
 
 
 class VSE(nn.Module):
@@ -898,7 +1206,7 @@ class VSE(nn.Module):
         return self.logit_scale.exp() * (te[pair_cap] * V[pair_img]).sum(-1), {}
 
 
-MODELS = {"composer": Composer, "vse": VSE, "single": SingleStream}
+MODELS = {"composer": Composer, "vse": VSE, "single": SingleStream, "vilbert": ViLBERT}
 
 
 def text_inputs(cfg: ModelConfig, compiler: TextCompiler, comps: list, captions: list):
@@ -961,41 +1269,173 @@ class FeatureStore:
         return self.feats[idx].to(device), self.boxes[idx].to(device), self.mask[idx].to(device)
 
 
-def read_region_file(path, feat_dim=None):
-    """A precomputed region file: safetensors with feats [N, D] and boxes [N, 5].
-    Raises CRGError('bad_regions') when missing or of the wrong shape."""
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32}
+
+
+class TensorFile:
+    """Row ranges of the tensors of one safetensors file, read with pread from the byte offsets
+    in its header (the format: 8-byte header length, JSON header, raw data). Nothing is mapped
+    or loaded whole: a rank's memory holds only the rows it reads (SPEC.md section 4, issue 18)."""
+
+    def __init__(self, path):
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                if not 2 <= n <= 1 << 30:
+                    raise ValueError("bad header length")
+                self.head = json.loads(f.read(n))
+            size = os.path.getsize(path)
+        except FileNotFoundError:
+            raise CRGError("bad_regions", f"{path}: region file not found") from None
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            raise CRGError("bad_regions", f"{path}: not a safetensors file ({e})") from None
+        self.meta = self.head.pop("__metadata__", None) or {}
+        self.base = 8 + n
+        for name, h in self.head.items():
+            if h.get("dtype") not in _ST_DTYPES or self.base + h["data_offsets"][1] > size:
+                raise CRGError("bad_regions", f"{path}: tensor {name!r} has dtype {h.get('dtype')} or is cut short")
+
+    def shape(self, name):
+        return self.head[name]["shape"] if name in self.head else None
+
+    def rows(self, name, lo=None, hi=None):
+        """Rows lo..hi of the first axis (the whole tensor when lo is None), as a new tensor."""
+        h = self.head[name]
+        dt, shape = _ST_DTYPES[h["dtype"]], h["shape"]
+        lo, hi = (0, shape[0]) if lo is None else (lo, hi)
+        row = math.prod(shape[1:]) * torch.empty((), dtype=dt).element_size()
+        with open(self.path, "rb") as f:
+            buf = os.pread(f.fileno(), (hi - lo) * row, self.base + h["data_offsets"][0] + lo * row)
+        return torch.frombuffer(bytearray(buf), dtype=dt).reshape(hi - lo, *shape[1:])
+
+
+class RegionStore:
+    """Precomputed region features, read per item (memory does not grow with the data set).
+    Two layouts (SPEC.md section 4):
+      DIR/{key}.safetensors   one file per image: feats [N, D], boxes [N, 5]
+      FILE.safetensors        all images: feats [M, N, D], boxes [M, N, 5], optional n_regions [M]
+                              (valid rows per image; else all N), metadata {"keys": JSON list of M}
+    check(key) reads the item once (shape, finite values) so bad items are skipped and counted
+    before training; select(keys) gives the store of a split."""
+
+    def __init__(self, path):
+        self.path, self.dim = path, None
+        self.one = None if os.path.isdir(path) else TensorFile(path)
+        if self.one is not None:
+            f, b = self.one.shape("feats"), self.one.shape("boxes")
+            if f is None or b is None or len(f) != 3 or b != [f[0], f[1], 5]:
+                raise ComposerError(f"{path}: needs feats [M, N, D] and boxes [M, N, 5], has {f} and {b}")
+            try:
+                keys = json.loads(self.one.meta.get("keys", "null"))
+                assert isinstance(keys, list) and len(keys) == f[0]
+            except (ValueError, AssertionError):
+                raise ComposerError(f"{path}: metadata 'keys' must be a JSON list of {f[0]} image keys") from None
+            self.row = {k: i for i, k in enumerate(keys)}
+            self.n_valid = self.one.rows("n_regions").tolist() if self.one.shape("n_regions") else [f[1]] * f[0]
+            self.dim = f[2]
+
+    def read(self, key):
+        """(feats [n, D] float32, boxes [n, 5] float32) of one image."""
+        if self.one is not None:
+            if key not in self.row:
+                raise CRGError("bad_regions", f"{self.path}: no regions for image {key!r}")
+            i = self.row[key]
+            n = self.n_valid[i]
+            return self.one.rows("feats", i, i + 1)[0, :n].float(), self.one.rows("boxes", i, i + 1)[0, :n].float()
+        tf = TensorFile(os.path.join(self.path, f"{key}.safetensors"))
+        if tf.shape("feats") is None or tf.shape("boxes") is None:
+            raise CRGError("bad_regions", f"{tf.path}: needs tensors 'feats' and 'boxes', has {sorted(tf.head)}")
+        return tf.rows("feats").float(), tf.rows("boxes").float()
+
+    def check(self, key):
+        feats, boxes = self.read(key)
+        where = os.path.join(self.path, f"{key}.safetensors") if self.one is None else f"{self.path}[{key}]"
+        if feats.dim() != 2 or boxes.dim() != 2 or boxes.shape[1] != 5 or feats.shape[0] != boxes.shape[0] \
+                or feats.shape[0] == 0 or (self.dim is not None and feats.shape[1] != self.dim):
+            raise CRGError("bad_regions", f"{where}: expected feats [N, {self.dim or 'D'}] and boxes [N, 5], "
+                                          f"got {list(feats.shape)} and {list(boxes.shape)}")
+        if not (torch.isfinite(feats).all() and torch.isfinite(boxes).all()):
+            raise CRGError("bad_regions", f"{where}: non-finite values")
+        self.dim = feats.shape[1]
+
+    def select(self, keys):
+        return LazyFeatures(self, list(keys))
+
+
+class LazyFeatures:
+    """The FeatureStore interface over a RegionStore: get() reads the batch's items only."""
+
+    def __init__(self, regions, keys):
+        self.regions, self.keys, self.feat_dim = regions, keys, regions.dim
+
+    def __len__(self):
+        return len(self.keys)
+
+    def get(self, idx, device="cpu"):
+        idx = idx.tolist() if torch.is_tensor(idx) else list(idx)
+        items = [self.regions.read(self.keys[i]) for i in idx]
+        N = max(f.shape[0] for f, _ in items)
+        feats = torch.zeros(len(items), N, self.feat_dim)
+        boxes = torch.zeros(len(items), N, 5)
+        mask = torch.zeros(len(items), N, dtype=torch.bool)
+        for j, (f, b) in enumerate(items):
+            feats[j, :len(f)], boxes[j, :len(b)], mask[j, :len(f)] = f, b, True
+        return feats.to(device), boxes.to(device), mask.to(device)
+
+
+def load_clip_vision(path):
+    """The vision tower of an il_clip.py checkpoint (COMMON.md layout: out_dir, checkpoint/ or a
+    weights file) or OpenAI-format CLIP weights: (state dict of visual.*, heads, quick_gelu, image
+    size). Copied here (not imported) so that composer.py imports only data.py. Heads / GELU come
+    from the run's config.json when there is one, else OpenAI's convention (width / 64, QuickGELU)."""
+    weights, folder = resolve_weights(path)
     try:
-        with safe_open(path, "pt") as f:
-            keys = set(f.keys())
-            if not {"feats", "boxes"} <= keys:
-                raise CRGError("bad_regions", f"{path}: needs tensors 'feats' and 'boxes', has {sorted(keys)}")
-            feats, boxes = f.get_tensor("feats").float(), f.get_tensor("boxes").float()
-    except FileNotFoundError:
-        raise CRGError("bad_regions", f"{path}: region file not found") from None
-    except CRGError:
-        raise
+        sd = load_file(weights) if weights.endswith(".safetensors") else torch.load(weights, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CRGError("bad_regions", f"{path}: not a safetensors file ({type(e).__name__})") from None
-    if feats.dim() != 2 or boxes.dim() != 2 or boxes.shape[1] != 5 or feats.shape[0] != boxes.shape[0] \
-            or feats.shape[0] == 0 or (feat_dim is not None and feats.shape[1] != feat_dim):
-        raise CRGError("bad_regions", f"{path}: expected feats [N, {feat_dim or 'D'}] and boxes [N, 5], "
-                                      f"got {list(feats.shape)} and {list(boxes.shape)}")
-    if not (torch.isfinite(feats).all() and torch.isfinite(boxes).all()):
-        raise CRGError("bad_regions", f"{path}: non-finite values")
-    return feats.numpy(), boxes.numpy()
+        raise ComposerError(f"{weights}: cannot read CLIP weights ({type(e).__name__})") from None
+    sd = {k: v.float() for k, v in sd.items() if k.startswith("visual.")}
+    if "visual.conv1.weight" not in sd:
+        raise ComposerError(f"{weights}: no visual.conv1.weight (not a CLIP ViT checkpoint)")
+    w, patch = sd["visual.conv1.weight"].shape[0], sd["visual.conv1.weight"].shape[-1]
+    model_cfg = {}
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        with open(os.path.join(folder, "config.json")) as f:
+            model_cfg = json.load(f).get("model", {})
+    if "vision_heads" not in model_cfg and w % 64:
+        raise ComposerError(f"{weights}: no config.json with vision_heads beside it, and width {w} is not "
+                            f"OpenAI's (64 per head): pass the il_clip.py out_dir")
+    grid = int(round(math.sqrt(sd["visual.positional_embedding"].shape[0] - 1)))
+    return sd, model_cfg.get("vision_heads", w // 64), model_cfg.get("quick_gelu", True), grid * patch
+
+
+def vit_patch_tokens(sd, heads, quick_gelu, images):
+    """Patch tokens of the last block, without CLS, before ln_post (il_clip's forward_tokens):
+    OpenAI CLIP's ViT written out over the state dict."""
+    ln = lambda x, p: F.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"])
+    lin = lambda x, p: F.linear(x, sd[p + ".weight"], sd[p + ".bias"])
+    conv = sd["visual.conv1.weight"]
+    x = F.conv2d(images, conv, stride=conv.shape[-1]).flatten(2).transpose(1, 2)
+    B, w = x.shape[0], x.shape[2]
+    x = torch.cat([sd["visual.class_embedding"].expand(B, 1, -1), x], 1) + sd["visual.positional_embedding"]
+    x = ln(x, "visual.ln_pre")
+    T, L = x.shape[1], 1 + max(int(k.split(".")[3]) for k in sd if k.startswith("visual.transformer.resblocks."))
+    for i in range(L):
+        p = f"visual.transformer.resblocks.{i}."
+        q, k, v = F.linear(ln(x, p + "ln_1"), sd[p + "attn.in_proj_weight"], sd[p + "attn.in_proj_bias"]).split(w, -1)
+        q, k, v = (t.view(B, T, heads, w // heads).transpose(1, 2) for t in (q, k, v))
+        x = x + lin(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, w), p + "attn.out_proj")
+        h = lin(ln(x, p + "ln_2"), p + "mlp.c_fc")
+        x = x + lin(h * torch.sigmoid(1.702 * h) if quick_gelu else F.gelu(h), p + "mlp.c_proj")
+    return x[:, 1:]
 
 
 @torch.no_grad()
 def clip_patch_features(images, clip_path, batch=64):
-    """Frozen il_clip.py checkpoint: last-block patch tokens (before ln_post) as regions, the
-    patch grid as boxes (il_clip contract: model.visual.forward_tokens)."""
-    try:
-        import il_clip
-    except ImportError:
-        raise ComposerError("--features clip needs il_clip.py next to composer.py") from None
-    model, _, cfg = il_clip.load_model(clip_path)
-    model.eval()
-    size = cfg.get("model", cfg).get("image_size", 64)
+    """Frozen CLIP ViT (il_clip.py checkpoint or OpenAI weights): last-block patch tokens
+    (before ln_post) as regions, the patch grid as boxes."""
+    sd, heads, quick_gelu, size = load_clip_vision(clip_path)
     tf = data.eval_transform(size)
     feats = []
     for i in range(0, len(images), batch):
@@ -1003,12 +1443,10 @@ def clip_patch_features(images, clip_path, batch=64):
         if x.shape[-1] != size:
             raise ComposerError(f"{clip_path} takes {size}px images, the loader gives {x.shape[-1]}px: "
                                 f"pass --image_size {size}")
-        feats.append(model.visual.forward_tokens(x).float())
+        feats.append(vit_patch_tokens(sd, heads, quick_gelu, x.float()))
     feats = torch.cat(feats)
     P = feats.shape[1]
     g = int(round(math.sqrt(P)))
-    if g * g != P:
-        raise ComposerError(f"{clip_path}: {P} patch tokens do not form a square grid")
     ys, xs = torch.meshgrid(torch.arange(g), torch.arange(g), indexing="ij")
     box = torch.stack([xs / g, ys / g, (xs + 1) / g, (ys + 1) / g, torch.full_like(xs, 1, dtype=torch.float) / P], -1)
     box = box.reshape(P, 5).float().numpy()
@@ -1030,28 +1468,84 @@ class Split:
     skipped: Counter
     comps: list = None    # compiled CRGs (set by attach_compiler)
     items: list = None    # JSON-able description of each caption (for split files)
+    n_bracketed: int = 0  # captions whose CRG came from the built-in bracketer (no tree)
+
+
+def _n(spec, n, shapes_default):
+    """An image count flag: the given value, else (None) the whole split, except on shapes,
+    whose scenes are generated on demand and so has no whole split: there `shapes_default`."""
+    return n if n is not None else (shapes_default if _is_shapes(spec) else None)
 
 
 def _spec_items(args, spec, split, n, with_images=False) -> list:
-    """Caption items (JSON-able dicts, the lines of a split file) of a data spec's split:
-    shapes items name (split, index, seed) and are regenerated on use; other specs carry their
-    caption and tree (and, for --features clip, the loader's image tensor, not saved)."""
+    """Caption items (JSON-able dicts, the lines of a split file) of the first `n` images of a
+    data spec's split (n = 0 or None: the whole split; shapes, which has no fixed size, takes its
+    default). Shapes items name (split, index, seed) and are regenerated on use. Other specs are
+    read without decoding any image (the JSON, the CSV, the shards' .txt/.tree members), so text-
+    only work and --features regions need no JPEGs; only --features clip (with_images) runs the
+    image loader."""
     if spec.endswith(".jsonl"):
-        return read_split_file(spec)
+        return _first_images(read_split_file(spec), n)
     if _is_shapes(spec):
         seed = _shapes_opts(spec).get("seed", 0)
         return [{"source": "shapes", "split": split, "index": i, "seed": seed, "key": f"{split}{i:08d}"}
                 for i in range(n)]
-    items = []
+    if with_images:
+        return _image_items(args, spec, split, n)
+    return _first_images(_text_items(args, spec, split), n)
+
+
+def _first_images(items, n):
+    """The items of the first n distinct image keys (all when n is 0 / None)."""
+    if not n:
+        return list(items)
+    out, keys = [], set()
+    for it in items:
+        if it.get("key") not in keys:
+            if len(keys) == n:
+                break
+            keys.add(it.get("key"))
+        out.append(it)
+    return out
+
+
+def csv_options(args):
+    return dict(img_key=getattr(args, "csv_img_key", "filepath"), caption_key=getattr(args, "csv_caption_key", "title"),
+                separator=getattr(args, "csv_separator", None))
+
+
+def _text_items(args, spec, split):
+    """Caption items of a Karpathy JSON, CSV/TSV or tar shards, without opening an image."""
+    src = data.resolve_data(spec, getattr(args, "image_root", None))
+    if src["kind"] == "imagefolder":
+        raise ComposerError(f"{spec}: an ImageFolder has class labels, not captions")
+    if src["kind"] != "tar":
+        for it in data._file_items(src, split, csv_options(args)):
+            yield {"source": spec, "split": split, "key": it.key, "caption": it.caption or "", "tree": it.tree}
+        return
+    for shard in src["shards"]:  # a shard set is one split (SPEC.md section 1)
+        for r in data._tar_records(shard, keep_exts={"txt", "tree"}):
+            if "__error__" in r:
+                yield {"source": spec, "split": split, "key": f"{shard}:{r['__key__']}", "caption": "",
+                       "tree": None, "_error": "bad_shard"}
+                continue
+            text = lambda ext: r[ext].decode("utf-8", "replace").strip() if r.get(ext) else None
+            yield {"source": spec, "split": split, "key": r["__key__"], "caption": text("txt") or "", "tree": text("tree")}
+
+
+def _image_items(args, spec, split, n):
+    """Items with the loader's decoded image tensors (for --features clip only)."""
+    items, keys = [], set()
     loader = data.make_loader(spec, split=split, batch_size=64, tokenizer=None, image_size=getattr(args, "image_size", 64),
-                              train=False, drop_last=False, image_root=getattr(args, "image_root", None))
+                              train=False, drop_last=False, image_root=getattr(args, "image_root", None),
+                              **{f"csv_{k}": v for k, v in csv_options(args).items()})
     for b in loader:
         for j, (k, c, t) in enumerate(zip(b["key"], b["caption"], b["tree"])):
-            items.append({"source": spec, "split": split, "key": k, "caption": c, "tree": t,
-                          **({"_image": b["image"][j]} if with_images else {})})
-        if n and len(items) >= n:
+            keys.add(k)
+            items.append({"source": spec, "split": split, "key": k, "caption": c, "tree": t, "_image": b["image"][j]})
+        if n and len(keys) > n:
             break
-    return items[:n] if n else items
+    return _first_images(items, n)
 
 
 def _resolve_item(it):
@@ -1079,47 +1573,67 @@ def _check_skips(skipped: Counter, total: int, max_frac: float, what: str):
                             f"--max_skip_frac {max_frac}")
 
 
-def load_split(args, split: str, n: int | None, items: list | None = None) -> Split:
-    """Captions, trees and region features of `n` captions of a split (or of the given split-
-    file items). Features: --features gold (shapes gold boxes) | regions (--regions DIR with
-    {key}.safetensors) | clip (--clip CKPT, frozen il_clip patch tokens)."""
-    if items is None:
-        items = _spec_items(args, args.data, split, n, with_images=args.features == "clip")
-    raw = [(*_resolve_item(it), it) for it in items]  # (key, caption, tree, scene-or-image, item)
-    skipped = Counter()
-    keys, kidx, captions, crgs, cap_img, feats, boxes, its = [], {}, [], [], [], [], [], []
-    for key, cap, tree, obj, it in raw:
+def caption_crgs(items: list, max_skip_frac: float, what: str):
+    """CRGs of caption items: [(crg, item, resolved)], skips by kind, and how many captions had
+    no tree and went through the built-in bracketer (printed by every run: its parses are
+    rougher than a real parser's, see `composer.py parse`)."""
+    out, skipped, n_bracketed = [], Counter(), 0
+    for it in items:
+        key, cap, tree, obj = _resolve_item(it)
         try:
+            if it.get("_error"):
+                raise CRGError(it["_error"], f"{key}: unreadable")
             crg = caption_crg(cap, tree)
-            if key not in kidx:
-                if args.features == "gold":
-                    if obj is None or not hasattr(obj, "objects"):
-                        raise ComposerError("--features gold needs --data shapes (use regions or clip)")
-                    f, bx = shapes_region_features(obj.image, obj.objects)
-                elif args.features == "regions":
-                    f, bx = read_region_file(os.path.join(args.regions, f"{key}.safetensors"),
-                                             feats[0].shape[1] if feats else None)
-                else:
-                    if obj is None:
-                        raise ComposerError("--features clip with a split file needs shapes items (no images "
-                                            "for other sources; evaluate with --split instead)")
-                    f, bx = obj, None  # images; clip features below
-                kidx[key] = len(keys)
-                keys.append(key)
-                feats.append(f)
-                boxes.append(bx)
         except CRGError as e:
             skipped[e.kind] += 1
             continue
+        n_bracketed += not tree
+        out.append((crg, it, (key, cap, obj)))
+    _check_skips(skipped, len(items), max_skip_frac, what)
+    return out, skipped, n_bracketed
+
+
+def load_split(args, split: str, n: int | None, items: list | None = None) -> Split:
+    """Captions, trees and region features of the first `n` images of a split (or of the given
+    split-file items). Features: --features gold (shapes gold boxes) | regions (--regions: read
+    per item, see RegionStore) | clip (--clip CKPT, frozen il_clip patch tokens)."""
+    if items is None:
+        items = _spec_items(args, args.data, split, n, with_images=args.features == "clip")
+    what = f"{args.data} ({split})"
+    crgs, skipped, n_bracketed = caption_crgs(items, args.max_skip_frac, what)
+    regions = RegionStore(args.regions) if args.features == "regions" else None
+    keys, kidx, captions, kept, cap_img, feats, boxes, its = [], {}, [], [], [], [], [], []
+    for crg, it, (key, cap, obj) in crgs:
+        if key not in kidx:
+            try:
+                if args.features == "gold":
+                    if obj is None or not hasattr(obj, "objects"):
+                        raise ComposerError("--features gold needs --data shapes (use regions or clip)")
+                    feats.append(shapes_region_features(obj.image, obj.objects))
+                elif args.features == "regions":
+                    regions.check(key)
+                elif obj is None:
+                    raise ComposerError("--features clip with a split file needs shapes items (no images "
+                                        "for other sources; evaluate with --split instead)")
+                else:
+                    feats.append(obj.image if hasattr(obj, "image") else obj)  # images; clip features below
+            except CRGError as e:
+                skipped[e.kind] += 1
+                continue
+            kidx[key] = len(keys)
+            keys.append(key)
         captions.append(cap)
-        crgs.append(crg)
+        kept.append(crg)
         cap_img.append(kidx[key])
         its.append(it)
-    _check_skips(skipped, len(raw), args.max_skip_frac, f"{args.data} ({split})")
-    if args.features == "clip":
-        imgs = [f.image if hasattr(f, "image") else f for f in feats]
-        feats, boxes = clip_patch_features(imgs, args.clip)
-    return Split(keys, captions, crgs, cap_img, FeatureStore(feats, boxes), skipped, items=its)
+    _check_skips(skipped, len(items), args.max_skip_frac, what)
+    if args.features == "regions":
+        store = regions.select(keys)
+    elif args.features == "clip":
+        store = FeatureStore(*clip_patch_features(feats, args.clip))
+    else:
+        store = FeatureStore([f for f, _ in feats], [b for _, b in feats])
+    return Split(keys, captions, kept, cap_img, store, skipped, items=its, n_bracketed=n_bracketed)
 
 
 def attach_compiler(sp: Split, compiler: TextCompiler, max_skip_frac: float):
@@ -1217,6 +1731,39 @@ def composer_losses(aux, comps, cap_idx, neg_img_pairs, neg_txt_caps, pair_base,
     return mvsa, order_loss(ns[t(par_i)], ns[t(chi_i)], args.beta, n_edges)
 
 
+def concept_mvsa(model, compiler, sp, caps, local, ni, nt, V, vm, args, world, device):
+    """l_MVSA for a caption-level baseline ("ViLBERT + MVSA", paper Table 5): every concept of a
+    true caption, as its own text, is scored against the pair's image (s) and the negative images
+    (s_x-); the same-height concept of each negative caption (_neg_concept) against the true
+    image gives s_c-. caps: the global batch's captions; local: this rank's pairs; ni / nt: the
+    batch positions of each pair's negative images / captions. Normalised as for COMPOSER."""
+    texts, tid, pc, pi = [], {}, [], []
+
+    def pair(text, img):
+        if text not in tid:
+            tid[text] = len(texts)
+            texts.append(text)
+        pc.append(tid[text])
+        pi.append(img)
+        return len(pc) - 1
+
+    pos_i, negx_i, negc_i = [], [], []
+    for i in local.tolist():
+        cs = sp.crgs[caps[i]].concepts()
+        negs = [sp.crgs[caps[j]].concepts() for j in nt[i].tolist()]
+        maps = [_neg_concept([c.height for c in cs], [c.height for c in n]) for n in negs]
+        for u, c in enumerate(cs):
+            pos_i.append(pair(c.text, i))
+            negx_i.append([pair(c.text, j) for j in ni[i].tolist()])
+            negc_i.append([pair(n[mp[u]].text, i) for n, mp in zip(negs, maps)])
+    tb = _to(text_inputs(model.cfg, compiler, None, texts), device)
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
+    s, _ = model.score_pairs(tb, model.encode_text(tb), V, vm, t(pc), t(pi))
+    sx, sc = s[t(negx_i)].reshape(len(pos_i), -1), s[t(negc_i)].reshape(len(pos_i), -1)
+    n_nodes = sum(len(sp.crgs[c].concepts()) for c in caps) / world
+    return mvsa_hinge(s[t(pos_i)], sc, sx, args.alpha, n_nodes) if args.mvsa == "hinge" else mvsa_nll(s[t(pos_i)], sc, sx, n_nodes)
+
+
 # =============================================================================
 # 7. Evaluation (paper section 5): text->image and phrase->image R@1/R@5, interpretation view
 # =============================================================================
@@ -1246,7 +1793,7 @@ def score_matrix(model, compiler, comps, captions, store, img_idx, device, cap_c
     return out
 
 
-def recall_at(scores, gold_sets, ks=(1, 5)):
+def recall_at(scores, gold_sets, ks=(1, 5, 10)):
     """R@k: fraction of queries with a correct image among the k best (gold_sets: per query the
     set of correct image columns). Ties count against the query: a hit needs fewer than k wrong
     images scoring >= the best correct one."""
@@ -1283,7 +1830,8 @@ def phrase_queries(sp: Split, per_caption=5, seed=0):
 
 @torch.no_grad()
 def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True, seed=0):
-    """Text->image R@1/R@5 (each caption ranks all images of the split) and phrase->image."""
+    """Text->image R@1/R@5/R@10 (each caption ranks all images of the split) and phrase->image.
+    The result says what was scored: images, captions, and how many parsed by the bracketer."""
     model.eval()
     crgs = sp.crgs
     if parse_dropout > 0:
@@ -1292,7 +1840,8 @@ def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True
     comps = [compiler.compile(c) for c in crgs] if model.cfg.arch == "composer" else [None] * len(crgs)
     imgs = list(range(len(sp.keys)))
     S = score_matrix(model, compiler, comps, sp.captions, sp.store, imgs, device)
-    res = {"images": len(imgs), "captions": len(sp.captions), **recall_at(S, [{g} for g in sp.cap_img])}
+    res = {"images": len(imgs), "captions": len(sp.captions), "bracketer": sp.n_bracketed,
+           **recall_at(S, [{g} for g in sp.cap_img])}
     if phrases:
         pc, pcap, gold = phrase_queries(sp, seed=seed)
         if pc:
@@ -1354,21 +1903,31 @@ def ddp_setup(device_arg):
     return rank, world, device
 
 
-def allreduce_grads(params, world):
-    """Average gradients over ranks (one flat all-reduce). Choice: manual instead of the DDP
-    wrapper, so levels / modulator branches that a rank's batch does not use need no
-    find_unused_parameters; every rank computes the same global batch's forward parts."""
+class StepLoss(nn.Module):
+    """The training step as one forward(), so that DistributedDataParallel (which syncs the
+    gradients of what forward() used, averaged over ranks) can wrap it: the model's own methods
+    (encode_text, score_pairs, ...) are called inside. The data and compiler ride along as plain
+    attributes (DDP moves nothing but the forward's arguments)."""
+
+    def __init__(self, model, compiler, sp, args, rank, world, device):
+        super().__init__()
+        self.model = model
+        self.ctx = (compiler, sp, args, rank, world, device)
+
+    def forward(self, gidx, step):
+        compiler, sp, args, rank, world, device = self.ctx
+        return train_step(self.model, compiler, sp, gidx, rank, world, step, args, device)
+
+
+def wrap_ddp(step_loss, world, device):
+    """DDP over the step. find_unused_parameters: a rank's captions may not reach every tree
+    level or modulator branch (and VSE's in-batch loss skips parameters); such parameters get
+    no gradient on that rank, which DDP's default would wait for forever."""
     if world == 1:
-        return
-    import torch.distributed as dist
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= world
-    o = 0
-    for p, g in zip(params, grads):
-        p.grad = flat[o:o + g.numel()].view_as(g).clone()
-        o += g.numel()
+        return step_loss
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    return DDP(step_loss, device_ids=[device] if device.startswith("cuda") else None,
+               find_unused_parameters=True, broadcast_buffers=False)
 
 
 class Sampler:
@@ -1443,6 +2002,10 @@ def train_step(model, compiler, sp: Split, gidx, rank, world, step, args, device
         l_mvsa, l_order = composer_losses(aux, nodes_caps, local.tolist(), ki, nt[local].tolist(), (b, b + b * ki), args, world)
         loss = loss + args.lambda1 * l_mvsa + args.lambda2 * l_order
         parts.update(mvsa=l_mvsa.detach(), order=l_order.detach())
+    elif args.concept_mvsa:
+        l_mvsa = concept_mvsa(model, compiler, sp, caps, local, ni, nt, V, vm, args, world, device)
+        loss = loss + args.lambda1 * l_mvsa
+        parts.update(mvsa=l_mvsa.detach())
     return loss, parts
 
 
@@ -1482,28 +2045,91 @@ def _set_rng_state(st):
     random.setstate((p[0], tuple(p[1]), p[2]))
 
 
+CKPT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "train_state.safetensors", "train_state.json")
+
+
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra):
-    """Contract layout: model.safetensors, config.json, tokenizer.json, train_state.safetensors
-    + train_state.json; every file written atomically (temp + os.replace)."""
-    os.makedirs(out_dir, exist_ok=True)
+    """COMMON.md layout: every file of the step goes into out_dir/checkpoint.tmp/ (fsynced), then
+    checkpoint/ -> checkpoint.prev/, checkpoint.tmp/ -> checkpoint/, and checkpoint.prev/ is
+    removed: a kill at any point leaves one complete checkpoint. out_dir keeps config.json and
+    tokenizer.json for readers."""
+    import shutil
+    tmp, cur, prev = (os.path.join(out_dir, d) for d in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    meta = {"step": str(step)}
     sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    _atomic(os.path.join(out_dir, "model.safetensors"), lambda t: save_file(sd, t))
-    _write_json(os.path.join(out_dir, "config.json"), {"args": vars(args), "model": asdict(cfg)})
-    tok.save(out_dir)
+    save_file(sd, os.path.join(tmp, "model.safetensors"), metadata=meta)
+    conf = {"args": vars(args), "model": asdict(cfg)}
+    for d in (tmp, out_dir):
+        _write_json(os.path.join(d, "config.json"), conf)
+        tok.save(d)
     osd = opt.state_dict()
     tens = {f"state.{pid}.{k}": v.detach().contiguous().cpu().reshape(v.shape) for pid, st in osd["state"].items()
             for k, v in st.items() if torch.is_tensor(v)}
     scal = {str(pid): {k: v for k, v in st.items() if not torch.is_tensor(v)} for pid, st in osd["state"].items()}
-    _atomic(os.path.join(out_dir, "train_state.safetensors"), lambda t: save_file(tens or {"_": torch.zeros(1)}, t))
-    _write_json(os.path.join(out_dir, "train_state.json"),
+    save_file(tens or {"_": torch.zeros(1)}, os.path.join(tmp, "train_state.safetensors"), metadata=meta)
+    _write_json(os.path.join(tmp, "train_state.json"),
                 {"step": step, "sampler": sampler.state_dict(), "rng": _rng_state(), "param_groups": osd["param_groups"],
                  "opt_scalars": scal, **extra})
+    for f in CKPT_FILES:
+        _fsync(os.path.join(tmp, f))
+    _fsync(tmp)
+    if os.path.isdir(cur):
+        shutil.rmtree(prev, ignore_errors=True)
+        os.replace(cur, prev)
+    os.replace(tmp, cur)
+    _fsync(out_dir)
+    shutil.rmtree(prev, ignore_errors=True)
 
 
-def load_train_state(out_dir, opt):
-    with open(os.path.join(out_dir, "train_state.json")) as f:
+def _check_checkpoint(d):
+    """None if folder d holds a complete checkpoint, else '<file>: <problem>'."""
+    for f in CKPT_FILES:
+        if not os.path.isfile(os.path.join(d, f)):
+            return f"{os.path.join(d, f)}: missing"
+    try:
+        with open(os.path.join(d, "train_state.json")) as fh:
+            step = json.load(fh)["step"]
+    except (ValueError, KeyError, UnicodeDecodeError) as e:
+        return f"{os.path.join(d, 'train_state.json')}: damaged ({type(e).__name__})"
+    for f in ("model.safetensors", "train_state.safetensors"):
+        try:
+            tf = TensorFile(os.path.join(d, f))
+        except CRGError as e:
+            return f"{os.path.join(d, f)}: damaged or truncated ({e})"
+        if tf.meta.get("step") != str(step):
+            return f"{os.path.join(d, f)}: step {tf.meta.get('step')} disagrees with train_state.json's {step}"
+    return None
+
+
+def find_checkpoint(out_dir):
+    """The folder to resume from: checkpoint/, else a complete checkpoint.prev/ (said in one
+    line), else None when out_dir has neither; a damaged one with no fallback is an error."""
+    cur, prev = os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "checkpoint.prev")
+    if not os.path.exists(cur) and not os.path.exists(prev):
+        return None
+    problem = _check_checkpoint(cur) if os.path.exists(cur) else f"{cur}: missing"
+    if problem is None:
+        return cur
+    if os.path.exists(prev) and _check_checkpoint(prev) is None:
+        print(f"{problem}; resuming from the previous complete checkpoint {prev}", flush=True)
+        return prev
+    raise ComposerError(problem)
+
+
+def load_train_state(ckpt_dir, opt):
+    with open(os.path.join(ckpt_dir, "train_state.json")) as f:
         st = json.load(f)
-    tens = load_file(os.path.join(out_dir, "train_state.safetensors"))
+    tens = load_file(os.path.join(ckpt_dir, "train_state.safetensors"))
     state = defaultdict(dict)
     for k, v in tens.items():
         if k.startswith("state."):
@@ -1513,6 +2139,14 @@ def load_train_state(out_dir, opt):
         state[int(pid)].update(d)
     opt.load_state_dict({"state": dict(state), "param_groups": st["param_groups"]})
     return st
+
+
+def rewind_metrics(path, step):
+    """Cut metrics.jsonl back to the checkpoint's step: no step appears twice after --resume."""
+    if os.path.exists(path):
+        with open(path) as f:
+            keep = [l for l in f if l.strip() and json.loads(l).get("step", 0) <= step]
+        _atomic(path, lambda t: open(t, "w").write("".join(keep)))
 
 
 def draw_loss_curve(metrics_path, png_path):
@@ -1565,86 +2199,130 @@ def make_model(args, tok, feat_dim):
     return MODELS[cfg.arch](cfg), cfg
 
 
-def train(args):
-    rank, world, device = ddp_setup(args.device)
-    master = rank == 0
+def check_args(args, world):
     if args.batch_size % world:
         raise ComposerError(f"--batch_size {args.batch_size} is not divisible by {world} ranks")
     if args.width % args.heads:
         raise ComposerError(f"--width {args.width} is not divisible by --heads {args.heads}")
     if args.features == "regions" and not args.regions:
-        raise ComposerError("--features regions needs --regions DIR")
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    resume = args.resume and os.path.exists(os.path.join(args.out_dir, "train_state.json"))
-    tok = build_tokenizer(args, args.out_dir if resume else None)
-    compiler = TextCompiler(tok, args.max_len)
-    t0 = time.time()
-    sp = attach_compiler(load_split(args, "train", args.n_train), compiler, args.max_skip_frac)
+        raise ComposerError("--features regions needs --regions DIR or FILE.safetensors")
+
+
+def load_data(args, compiler):
+    """The training split and the eval sets (in-domain --eval_split, and each --split_file)."""
+    sp = attach_compiler(load_split(args, "train", _n(args.data, args.n_train, 12800)), compiler, args.max_skip_frac)
     evals = {}
-    if args.n_eval:
-        evals["in_domain"] = attach_compiler(load_split(args, args.eval_split, args.n_eval), compiler, args.max_skip_frac)
+    if args.n_eval != 0:
+        evals["in_domain"] = attach_compiler(load_split(args, args.eval_split, _n(args.data, args.n_eval, 200)),
+                                             compiler, args.max_skip_frac)
     for path in args.split_file or []:
         evals[os.path.splitext(os.path.basename(path))[0]] = attach_compiler(
             load_split(args, None, None, items=read_split_file(path)), compiler, args.max_skip_frac)
-    model, cfg = make_model(args, tok, sp.store.feat_dim)
-    if args.init:
-        model.load_state_dict(load_file(os.path.join(args.init, "model.safetensors")
-                                        if os.path.isdir(args.init) else args.init))
-    model.to(device)
-    if master:
-        print(f"data: {len(sp.captions)} train captions / {len(sp.keys)} images, skipped {dict(sp.skipped)}, "
-              f"{time.time() - t0:.1f}s; model {cfg.arch}: {sum(p.numel() for p in model.parameters()) / 1e6:.3f}M params; "
-              f"world {world}, device {device}", flush=True)
+    return sp, evals
+
+
+def build_optimizer(model, args):
+    """AdamW; weight decay on matrices only."""
     params = list(model.parameters())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.98), foreach=True)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.wd}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=args.lr, betas=(0.9, 0.98), foreach=True)
+
+
+def restore(ckpt_dir, model, opt, sampler, metrics):
+    """--resume: weights, optimizer, sampler position and RNG states; metrics.jsonl rewound.
+    Returns the step."""
+    model.load_state_dict(load_file(os.path.join(ckpt_dir, "model.safetensors")))
+    st = load_train_state(ckpt_dir, opt)
+    sampler.load_state_dict(st["sampler"])
+    _set_rng_state(st["rng"])
+    rewind_metrics(metrics, st["step"])
+    return st["step"]
+
+
+def run_evals(model, compiler, evals, device, args):
+    out = {name: evaluate(model, compiler, es, device, args.parse_dropout, phrases=name == "in_domain", seed=args.seed)[0]
+           for name, es in evals.items()}
+    model.train()
+    return out
+
+
+def sync_values(loss, parts, bad, stop_flag, world):
+    """[loss, *parts, any non-finite, SIGTERM seen] summed over ranks (losses: the mean, the loss
+    of the global batch). The losses and the non-finite flag stay on the device until a log or
+    save step (no sync per step). SIGTERM reaches the ranks at different steps, so its flag is
+    summed with them: every rank then stops at this same step, and none waits in a collective
+    the others left."""
+    vals = torch.stack([loss.detach(), *parts.values(), bad.float(), loss.new_tensor(float(stop_flag))]).double()
+    if world > 1:
+        import torch.distributed as dist
+        dist.all_reduce(vals)
+        vals[:-2] /= world
+    return vals.tolist()
+
+
+def _opt_tensors(opt):
+    return [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.is_floating_point()]
+
+
+class NonFinite(ComposerError):
+    """Divergence: printed as `error: ...` like a user error, but exit code 1 (COMMON.md)."""
+
+
+def nonfinite(step, args):
+    return NonFinite(f"non-finite loss at a step <= {step}: stopping; the last good checkpoint "
+                         f"is in {args.out_dir}")
+
+
+def train(args):
+    rank, world, device = ddp_setup(args.device)
+    master = rank == 0
+    check_args(args, world)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    resume = find_checkpoint(args.out_dir) if args.resume else None
+    tok = build_tokenizer(args, resume)
+    compiler = TextCompiler(tok, args.max_len)
+    t0 = time.time()
+    sp, evals = load_data(args, compiler)
+    model, cfg = make_model(args, tok, sp.store.feat_dim)
+    if args.init:
+        model.load_state_dict(load_file(resolve_weights(args.init)[0]))
+    model.to(device)
+    if master:
+        print(f"data: {len(sp.captions)} train captions / {len(sp.keys)} images, {sp.n_bracketed} parsed by the "
+              f"built-in bracketer (no tree), skipped {dict(sp.skipped)}, "
+              f"{time.time() - t0:.1f}s; model {cfg.arch}: {sum(p.numel() for p in model.parameters()) / 1e6:.3f}M params; "
+              f"world {world}, device {device}", flush=True)
+    params = list(model.parameters())
+    opt = build_optimizer(model, args)
     sampler = Sampler(len(sp.captions), args.batch_size, args.seed)
-    step = 0
-    if resume:
-        model.load_state_dict(load_file(os.path.join(args.out_dir, "model.safetensors")))
-        st = load_train_state(args.out_dir, opt)
-        step = st["step"]
-        sampler.load_state_dict(st["sampler"])
-        _set_rng_state(st["rng"])
-        if master:
-            print(f"resumed from {args.out_dir} at step {step}", flush=True)
+    metrics = os.path.join(args.out_dir, "metrics.jsonl")
+    step = restore(resume, model, opt, sampler, metrics if master else "") if resume else 0
+    if resume and master:
+        print(f"resumed from {resume} at step {step}", flush=True)
     if args.compile:  # compile each transformer block (shapes vary by level: dynamic=True)
-        for mod in model.modules():
-            if isinstance(mod, Block):
-                mod.compile(dynamic=True)
+        [mod.compile(dynamic=True) for mod in model.modules() if isinstance(mod, Block)]
+    step_loss = wrap_ddp(StepLoss(model, compiler, sp, args, rank, world, device), world, device)
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
-    metrics = os.path.join(args.out_dir, "metrics.jsonl")
     if master:
         os.makedirs(args.out_dir, exist_ok=True)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") and args.dtype == "bfloat16" \
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") and args.dtype == "bf16" \
         else torch.autocast("cpu", enabled=False)
     last_log = time.time()
     extra = {"skipped": dict(sp.skipped)}
 
-    def log(rec):
+    def log(rec, echo=True):
         if master:
             with open(metrics, "a") as f:
                 f.write(json.dumps(rec) + "\n")
-
-    def run_evals(tag_step):
-        out = {}
-        for name, es in evals.items():
-            r, S = evaluate(model, compiler, es, device, args.parse_dropout, phrases=name == "in_domain", seed=args.seed)
-            out[name] = r
-        model.train()
-        return out
+            print(json.dumps(rec), flush=True) if echo else None
 
     model.train()
     bad = torch.zeros((), dtype=torch.bool, device=device)     # any non-finite loss since the start
-
-    def nonfinite(step):
-        return ComposerError(f"non-finite loss at a step <= {step}: stopping; the last good checkpoint "
-                             f"is in {args.out_dir}")
 
     stopping = False
     while step < args.max_steps:
@@ -1652,52 +2330,38 @@ def train(args):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
         with autocast:
-            loss, parts = train_step(model, compiler, sp, gidx, rank, world, step, args, device)
+            loss, parts = step_loss(gidx, step)
         bad |= ~torch.isfinite(loss.detach())
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        allreduce_grads(params, world)
+        loss.backward()  # DDP averages the gradients over ranks here
         torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         opt.step()
         step += 1
-        at_ckpt = step % args.ckpt_every == 0 or step == args.max_steps    # the same step on every rank
-        if step % args.log_every == 0 or at_ckpt or (world == 1 and stop["flag"]):
-            # The losses and the non-finite flag stay on the device until here (no sync per step).
-            # SIGTERM reaches the ranks at different steps, so its flag is summed with them: every
-            # rank then stops at this same step, and none waits in a collective the others left.
-            vals = torch.stack([loss.detach(), *parts.values(), bad.float(), loss.new_tensor(float(stop["flag"]))])
-            vals = vals.double()
-            if world > 1:  # log the global batch's loss: the mean of the ranks' losses
-                import torch.distributed as dist
-                dist.all_reduce(vals)
-                vals[:-2] /= world
-            vals = vals.tolist()
+        at_ckpt = step % args.save_interval == 0 or step in (args.max_steps, args.stop_at)  # the same on every rank
+        if step % args.log_interval == 0 or at_ckpt or (world == 1 and stop["flag"]):
+            vals = sync_values(loss, parts, bad, stop["flag"], world)
             if vals[-2]:
-                raise nonfinite(step)
-            stopping = vals[-1] > 0 and step < args.max_steps
-        if step % args.log_every == 0 or step == args.max_steps:
+                raise nonfinite(step, args)
+            stopping = (vals[-1] > 0 or step == args.stop_at) and step < args.max_steps
+        if step % args.log_interval == 0 or step == args.max_steps:
             parts = dict(zip(parts, vals[1:-2]))
-            dt = time.time() - last_log
-            last_log = time.time()
-            rec = {"step": step, "loss": round(vals[0], 6), **{k: round(v, 6) for k, v in parts.items()},
-                   "lr": opt.param_groups[0]["lr"], "samples_per_s": round(args.batch_size * args.log_every / max(dt, 1e-9), 1)}
-            log(rec)
-            if master:
-                print(json.dumps(rec), flush=True)
+            dt, last_log = time.time() - last_log, time.time()
+            log({"step": step, "loss": round(vals[0], 6), **{k: round(v, 6) for k, v in parts.items()},
+                 "lr": opt.param_groups[0]["lr"], "samples_per_s": round(args.batch_size * args.log_interval / max(dt, 1e-9), 1)})
         if args.eval_every and step % args.eval_every == 0 and step < args.max_steps and master:
-            ev = run_evals(step)
-            log({"step": step, "eval": ev})
-            print(json.dumps({"step": step, "eval": ev}), flush=True)
+            log({"step": step, "eval": run_evals(model, compiler, evals, device, args)})
         if master and (at_ckpt or stopping):
+            if not all(torch.isfinite(t).all() for t in [*model.state_dict().values(), *_opt_tensors(opt)]):
+                raise nonfinite(step, args)  # never save non-finite weights: the last good checkpoint stays
             save_checkpoint(args.out_dir, model, opt, cfg, args, step, sampler, tok, extra)
         if stopping:
             if master:
-                print(f"SIGTERM: checkpoint saved at step {step}; continue with --resume", flush=True)
+                print(f"stopped (SIGTERM or --stop_at): checkpoint saved at step {step}; continue with --resume", flush=True)
             break
     result = None
     if master and not stopping:
-        ev = run_evals(step)
-        log({"step": step, "eval": ev, "final": True})
+        ev = run_evals(model, compiler, evals, device, args)
+        log({"step": step, "eval": ev, "final": True}, echo=False)
         result = {"step": step, "eval": ev}
         print(json.dumps({"final": result}), flush=True)
         draw_loss_curve(metrics, os.path.join(args.out_dir, "loss_curve.png"))
@@ -1712,17 +2376,39 @@ def train(args):
 # 9. main: subcommands
 # =============================================================================
 
+def resolve_weights(path):
+    """(weights file, folder with config.json + tokenizer.json) of what a reader is given: an
+    out_dir (its checkpoint/, else a model.safetensors directly in it: the old layout), a
+    checkpoint/ folder, or a weights file (config next to it, or in the out_dir above)."""
+    if os.path.isdir(path):
+        d = os.path.join(path, "checkpoint") if os.path.isdir(os.path.join(path, "checkpoint")) else path
+        w = os.path.join(d, "model.safetensors")
+        if not os.path.isfile(w):
+            raise ComposerError(f"{path}: no checkpoint/model.safetensors or model.safetensors")
+        return w, d
+    if not os.path.isfile(path):
+        raise ComposerError(f"{path}: no such file or directory")
+    d = os.path.dirname(os.path.abspath(path))
+    return path, d if os.path.isfile(os.path.join(d, "config.json")) else os.path.dirname(d)
+
+
 def load_checkpoint(ckpt, device="cpu"):
-    """(model, tokenizer, saved args as a Namespace) from a composer.py out_dir."""
+    """(model, tokenizer, saved args as a Namespace) from a composer.py checkpoint (resolve_weights)."""
+    weights, folder = resolve_weights(ckpt)
     try:
-        with open(os.path.join(ckpt, "config.json")) as f:
+        with open(os.path.join(folder, "config.json")) as f:
             conf = json.load(f)
     except FileNotFoundError:
         raise ComposerError(f"{ckpt}: no config.json (not a composer.py out_dir)") from None
+    except ValueError as e:
+        raise ComposerError(f"{os.path.join(folder, 'config.json')}: bad JSON ({e})") from None
     cfg = ModelConfig(**conf["model"])
     model = MODELS[cfg.arch](cfg)
-    model.load_state_dict(load_file(os.path.join(ckpt, "model.safetensors")))
-    return model.to(device).eval(), data.Tokenizer.load(ckpt), argparse.Namespace(**conf["args"])
+    try:
+        model.load_state_dict(load_file(weights))
+    except Exception as e:  # a truncated file or other weights: one line, not a traceback
+        raise ComposerError(f"{weights}: cannot load ({type(e).__name__}: {str(e)[:120]})") from None
+    return model.to(device).eval(), data.Tokenizer.load(folder), argparse.Namespace(**conf["args"])
 
 
 def cmd_eval(args):
@@ -1734,8 +2420,8 @@ def cmd_eval(args):
     args.data = args.data or targs.data
     compiler = TextCompiler(tok, model.cfg.max_len)
     sets = {}
-    if args.n:
-        sets[args.split] = load_split(args, args.split, args.n)
+    if args.n != 0:  # the paper's protocol: every image of the test split, each ranked by all captions
+        sets[args.split] = load_split(args, args.split, _n(args.data, args.n, 1000))
     for path in args.split_file or []:
         sets[os.path.splitext(os.path.basename(path))[0]] = load_split(args, None, None, items=read_split_file(path))
     out = {}
@@ -1754,47 +2440,139 @@ def cmd_eval(args):
 
 
 def _collect(args, spec, split, n):
-    """CRGs of a spec's captions (for graph / mcd; no visual features)."""
-    raw = [(*_resolve_item(it)[:3], it) for it in _spec_items(args, spec, split, n)]
-    crgs, items, skipped = [], [], Counter()
-    for key, cap, tree, it in raw:
-        try:
-            crgs.append(caption_crg(cap, tree))
-            items.append(it)
-        except CRGError as e:
-            skipped[e.kind] += 1
-    _check_skips(skipped, len(raw), args.max_skip_frac, spec)
-    return crgs, items, skipped
+    """CRGs of a spec's captions (for graph / mcd; no visual features, no image decoding)."""
+    t0 = time.time()
+    crgs, skipped, n_bracketed = caption_crgs(_spec_items(args, spec, split, n), args.max_skip_frac, spec)
+    print(f"{spec} ({split}): {len(crgs)} captions of {len({it.get('key') for _, it, _ in crgs})} images read "
+          f"in {time.time() - t0:.1f}s; {n_bracketed} parsed by the built-in bracketer (no tree); "
+          f"skipped {dict(skipped)}", file=sys.stderr, flush=True)
+    return [c for c, _, _ in crgs], [it for _, it, _ in crgs], skipped, n_bracketed
 
 
 def cmd_graph(args):
-    crgs, items, skipped = _collect(args, args.data, args.split, args.n)
+    crgs, items, skipped, n_bracketed = _collect(args, args.data, args.split, _n(args.data, args.n, 10000))
     st = graph_stats(crgs, [it.get("key") for it in items])
     st["skipped"] = dict(skipped)
+    st["bracketer"] = n_bracketed
     print(json.dumps(st, indent=1))
     return st
 
 
+def _pool(args):
+    """Pool items grouped by image: [(key, [crg, ...])] over every split in --pool_split
+    (comma-separated, read in order); --n_pool counts images over all of them."""
+    by_img, sk, nb = defaultdict(list), Counter(), 0
+    n_pool = _n(args.pool, args.n_pool, 1000)
+    for split in args.pool_split.split(","):
+        if n_pool and len(by_img) >= n_pool:
+            break
+        crgs, items, sk_s, nb_s = _collect(args, args.pool, split, n_pool and n_pool - len(by_img))
+        sk += sk_s
+        nb += nb_s
+        for crg, it in zip(crgs, items):
+            by_img[it.get("key")].append((crg, it))  # image keys name files: distinct across splits
+    return by_img, sk, nb
+
+
 def cmd_mcd(args):
-    train_crgs, _, sk_t = _collect(args, args.train, args.train_split, args.n_train)
-    pool_crgs, pool_items, sk_p = _collect(args, args.pool, args.pool_split, args.n_pool)
-    by_img = defaultdict(list)  # pool items are images with all their captions (appendix B)
-    for crg, it in zip(pool_crgs, pool_items):
-        by_img[it.get("key")].append((crg, it))
+    train_crgs, _, sk_t, nb_t = _collect(args, args.train, args.train_split, _n(args.train, args.n_train, 20000))
+    by_img, sk_p, nb_p = _pool(args)  # pool items are images with all their captions (appendix B)
     pool = [(k, [c for c, _ in v]) for k, v in by_img.items()]
-    res = mcd_split(train_crgs, pool, args.size, args.stride)
+    targets = [float(t) for t in args.targets.split(",")] if args.targets else []
+    stride = args.stride or (max(1, args.size // 10) if targets else None)
+    res = mcd_split(train_crgs, pool, args.size, stride)
     summary = {k: v for k, v in res.items() if k not in ("mcd", "random", "windows")}
+    summary["pool_images"] = len(pool)
     summary["windows"] = [{k: v for k, v in w.items() if k != "items"} for w in res["windows"]]
+    picked = {f"target_{t:g}": w for t, w in zip(targets, pick_windows(res["windows"], targets))}
+    summary["targets"] = {name: {k: v for k, v in w.items() if k != "items"} for name, w in picked.items()}
     summary["skipped"] = {"train": dict(sk_t), "pool": dict(sk_p)}
+    summary["bracketer"] = {"train": nb_t, "pool": nb_p}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        for name, keys in (("mcd", res["mcd"]), ("random", res["random"])):
+        sets = {"mcd": res["mcd"], "random": res["random"], **{n: w["items"] for n, w in picked.items()}}
+        for name, keys in sets.items():
             lines = [json.dumps(it) for k in keys for _, it in by_img[k]]
             _atomic(os.path.join(args.out, f"{name}.jsonl"), lambda t: open(t, "w").write("\n".join(lines) + "\n"))
-        _write_json(os.path.join(args.out, "windows.json"), res["windows"])
-        summary["written"] = [os.path.join(args.out, f) for f in ("mcd.jsonl", "random.jsonl", "windows.json")]
+        _write_json(os.path.join(args.out, "windows.json"), summary["windows"])
+        summary["written"] = [os.path.join(args.out, f"{n}.jsonl") for n in sets] + [os.path.join(args.out, "windows.json")]
     print(json.dumps(summary, indent=1))
     return res
+
+
+PARSER_HELP = ("no constituency parser is installed. Either: pip install benepar spacy && python -m spacy download "
+               "en_core_web_md && python -c \"import benepar; benepar.download('benepar_en3')\" (the paper's parser, "
+               "Kitaev & Klein 2018), or: pip install stanza && python -c \"import stanza; stanza.download('en')\"")
+
+
+def load_parser(name):
+    """caption -> PTB string with a real constituency parser (optional; not in requirements), or
+    the built-in bracketer ('builtin'). 'auto' takes benepar, then stanza."""
+    if name == "builtin":
+        return bracket
+    for which in (["benepar", "stanza"] if name == "auto" else [name]):
+        try:
+            if which == "benepar":
+                import benepar  # noqa: F401  (registers the spaCy pipe)
+                import spacy
+                nlp = spacy.load("en_core_web_md")
+                nlp.add_pipe("benepar", config={"model": "benepar_en3"})
+                return lambda c: "(ROOT " + " ".join(s._.parse_string for s in nlp(c).sents) + ")"
+            import stanza
+            nlp = stanza.Pipeline("en", processors="tokenize,pos,constituency", verbose=False)
+            return lambda c: "(ROOT " + " ".join(str(s.constituency) for s in nlp(c).sentences) + ")"
+        except (ImportError, OSError, LookupError, ValueError):
+            continue
+    raise ComposerError(PARSER_HELP)
+
+
+def cmd_parse(args):
+    """A copy of a caption file with a `tree` field per caption: a Karpathy JSON (sentences[].tree),
+    a CSV/TSV (a `tree` column) or a JSON-lines split file. Captions that already have a tree keep
+    it unless --overwrite."""
+    parse = load_parser(args.parser)
+    src, n, t0 = args.input, 0, time.time()
+
+    def tree_of(caption, old):
+        nonlocal n
+        if old and not args.overwrite or not (caption or "").strip():
+            return old
+        n += 1
+        return parse(caption)
+
+    ext = src.rsplit(".", 1)[-1].lower()
+    if ext == "json":
+        blob = data._read_json(src)
+        for im in blob.get("images", []) if isinstance(blob, dict) else []:
+            for sent in im.get("sentences", []):
+                sent["tree"] = tree_of(sent.get("raw"), sent.get("tree"))
+        text = json.dumps(blob)
+    elif ext == "jsonl":
+        rows = read_split_file(src)
+        for r in rows:
+            r["tree"] = tree_of(r.get("caption"), r.get("tree"))
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+    elif ext in ("csv", "tsv"):
+        import csv, io
+        with open(src, newline="", encoding="utf-8-sig") as f:
+            sep = args.csv_separator or ("\t" if "\t" in f.readline() else ",")
+            f.seek(0)
+            reader = csv.DictReader(f, delimiter=sep)
+            rows, cols = list(reader), list(reader.fieldnames or [])
+        if args.csv_caption_key not in cols:
+            raise ComposerError(f"{src}: no column {args.csv_caption_key!r} (columns: {cols})")
+        out = io.StringIO()
+        w = csv.DictWriter(out, cols + ([] if "tree" in cols else ["tree"]), delimiter=sep, lineterminator="\n")
+        w.writeheader()
+        for r in rows:
+            r["tree"] = tree_of(r[args.csv_caption_key], r.get("tree")) or ""
+            w.writerow(r)
+        text = out.getvalue()
+    else:
+        raise ComposerError(f"{src}: parse reads a Karpathy .json, a .csv/.tsv or a .jsonl split file")
+    _atomic(args.out, lambda t: open(t, "w", encoding="utf-8").write(text))
+    print(f"parsed {n} captions with {args.parser} in {time.time() - t0:.1f}s -> {args.out}", flush=True)
+    return n
 
 
 def add_common(p):
@@ -1803,37 +2581,58 @@ def add_common(p):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max_skip_frac", type=float, default=0.1, help="stop if more captions than this are skipped")
     p.add_argument("--image_root", default=None)
+    p.add_argument("--csv_img_key", default="filepath", help="CSV image column (open_clip's name)")
+    p.add_argument("--csv_caption_key", default="title", help="CSV caption column")
+    p.add_argument("--csv_separator", default=None, help="CSV separator (default: tab if the header has one, else comma)")
 
 
 def add_features(p, default="gold"):
     p.add_argument("--features", choices=["gold", "regions", "clip"], default=default,
-                   help="gold: shapes gold boxes; regions: --regions DIR/{key}.safetensors; clip: frozen il_clip patches")
-    p.add_argument("--regions", default=None, help="directory of {key}.safetensors with feats [N,D], boxes [N,5]")
+                   help="gold: shapes gold boxes; regions: --regions (read per item); clip: frozen il_clip/CLIP ViT patches")
+    p.add_argument("--regions", default=None, help="DIR of {key}.safetensors (feats [N,D], boxes [N,5]) or one FILE.safetensors "
+                   "(feats [M,N,D], boxes [M,N,5], optional n_regions [M], metadata keys = JSON list of M image keys)")
     p.add_argument("--clip", default=None, help="il_clip.py out_dir or OpenAI-format weights (--features clip)")
     p.add_argument("--image_size", type=int, default=64)
 
 
+SUBCOMMANDS = """subcommands (python composer.py SUBCOMMAND --help for each one's flags):
+  train   train COMPOSER or a baseline (the default when the first argument is a flag)
+  eval    text->image and phrase->image retrieval of a checkpoint (R@1/5/10)
+  graph   CRG statistics of a caption set (paper Table 1); reads no image
+  mcd     maximum compound divergence splits (paper appendix B), --targets for graded splits
+  parse   write constituency trees into a copy of a caption file (benepar / stanza)"""
+
+
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description="COMPOSER: CRG, model, training, retrieval, MCD splits")
-    sub = ap.add_subparsers(dest="cmd")
+    ap = argparse.ArgumentParser(description="COMPOSER: CRG, model, training, retrieval, MCD splits",
+                                 epilog=SUBCOMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", metavar="{train,eval,graph,mcd,parse}")
     t = sub.add_parser("train", help="train COMPOSER or a baseline (default subcommand)")
     add_common(t)
     add_features(t)
-    t.add_argument("--model", choices=list(MODELS), default="composer")
+    t.add_argument("--model", choices=list(MODELS), default="composer",
+                   help="composer | baselines: vse, single (one stream, text->image attention), vilbert (two-stream "
+                        "co-attention, NOT pretrained: the architecture only, trained from scratch)")
+    t.add_argument("--concept_mvsa", action="store_true",
+                   help="single / vilbert: add l_MVSA over every concept of the caption (\"ViLBERT + MVSA\", Table 5)")
     t.add_argument("--out_dir", default="out/composer")
     t.add_argument("--max_steps", type=int, default=400)
     t.add_argument("--batch_size", type=int, default=32, help="global batch (split over ranks)")
     t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--weight_decay", type=float, default=0.01)
+    t.add_argument("--wd", type=float, default=0.01, help="AdamW weight decay (matrices only)")
     t.add_argument("--warmup", type=int, default=50)
     t.add_argument("--grad_clip", type=float, default=1.0)
-    t.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    t.add_argument("--resume", action="store_true")
+    t.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="bf16 autocast on CUDA (CPU runs fp32)")
+    t.add_argument("--resume", action="store_true", help="continue from out_dir/checkpoint/ (or checkpoint.prev/)")
+    t.add_argument("--stop_at", type=int, default=None, help="stop at this step with a checkpoint, as if preempted")
     t.add_argument("--compile", action="store_true")
     t.add_argument("--init", default=None, help="initial weights: a composer out_dir or model.safetensors")
     t.add_argument("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz (else a BPE trained on the captions)")
     t.add_argument("--vocab_size", type=int, default=1000)
     t.add_argument("--max_len", type=int, default=40)
+    t.add_argument("--preset", choices=["shapes", "paper"], default="shapes",
+                   help="shapes: the CPU sizes below; paper: width 768, 12 heads, PT 6, CT 5 (S X S X S, ending in "
+                        "text self-attention), overriding --width --heads --pt_layers --ct_layers")
     t.add_argument("--width", type=int, default=64)
     t.add_argument("--heads", type=int, default=4)
     t.add_argument("--vis_layers", type=int, default=1)
@@ -1850,21 +2649,21 @@ def parse_args(argv):
                    help="VSE: symmetric in-batch softmax, or l_match with the sampled negatives")
     t.add_argument("--n_neg_img", type=int, default=3, help="negative images per true pair (l_match, MVSA)")
     t.add_argument("--n_neg_txt", type=int, default=3, help="negative captions per true pair (l_match, MVSA)")
-    t.add_argument("--n_train", type=int, default=12800, help="training captions (shapes: scenes 0..n-1)")
-    t.add_argument("--n_eval", type=int, default=200, help="in-domain eval captions (0: none)")
+    t.add_argument("--n_train", type=int, default=None, help="training images (default: the whole split; shapes: 12800)")
+    t.add_argument("--n_eval", type=int, default=None, help="in-domain eval images of --eval_split (0: none; default: all; shapes: 200)")
     t.add_argument("--eval_split", default="test")
     t.add_argument("--split_file", action="append", help="extra eval set(s) written by `composer.py mcd`")
     t.add_argument("--parse_dropout", type=float, default=0.0, help="remove parse branches with prob p at eval")
     t.add_argument("--eval_every", type=int, default=0)
-    t.add_argument("--log_every", type=int, default=25)
-    t.add_argument("--ckpt_every", type=int, default=200)
+    t.add_argument("--log_interval", type=int, default=25)
+    t.add_argument("--save_interval", type=int, default=200, help="checkpoint at multiples of this step")
     e = sub.add_parser("eval", help="text->image / phrase->image retrieval of a checkpoint")
     add_common(e)
     add_features(e, default=None)
     e.set_defaults(data=None)
     e.add_argument("--ckpt", required=True)
     e.add_argument("--split", default="test")
-    e.add_argument("--n", type=int, default=1000, help="captions of --split to evaluate (0: none)")
+    e.add_argument("--n", type=int, default=None, help="images of --split, each with all its captions (default: the whole split, the paper's protocol: Flickr30k test 1000 images x 5 captions, COCO 5k / --n 1000 for 1k; shapes: 1000; 0: none)")
     e.add_argument("--split_file", action="append")
     e.add_argument("--parse_dropout", type=float, default=0.0)
     e.add_argument("--no_phrases", action="store_true")
@@ -1872,33 +2671,46 @@ def parse_args(argv):
     g = sub.add_parser("graph", help="CRG statistics (paper Table 1)")
     add_common(g)
     g.add_argument("--split", default="train")
-    g.add_argument("--n", type=int, default=10000, help="captions to read (shapes: scenes 0..n-1)")
+    g.add_argument("--n", type=int, default=None, help="images to read (default: all; shapes: 10000)")
     m = sub.add_parser("mcd", help="maximum compound divergence split (paper appendix B)")
     add_common(m)
     m.add_argument("--train", default="shapes", help="training data spec (or a .jsonl of caption items)")
     m.add_argument("--train_split", default="train")
-    m.add_argument("--n_train", type=int, default=20000)
+    m.add_argument("--n_train", type=int, default=None, help="training images (default: all; shapes: 20000)")
     m.add_argument("--pool", default="shapes", help="candidate data spec (or a .jsonl of caption items)")
-    m.add_argument("--pool_split", default="test")
-    m.add_argument("--n_pool", type=int, default=1000)
+    m.add_argument("--pool_split", default="test", help="split(s) of the pool, comma-separated (e.g. val,test)")
+    m.add_argument("--n_pool", type=int, default=None, help="pool images over all its splits (default: all; shapes: 1000)")
     m.add_argument("--size", type=int, default=300, help="items (images) in the MCD split")
     m.add_argument("--stride", type=int, default=None, help="sliding-window stride for graded splits")
-    m.add_argument("--out", default=None, help="write mcd.jsonl, random.jsonl, windows.json here")
-    if not argv or argv[0].startswith("-"):
+    m.add_argument("--targets", default=None, help="comma-separated compound divergences, e.g. 0.15,0.2,0.25,0.31: "
+                   "write target_<t>.jsonl, the window closest to each (stride default: size/10)")
+    m.add_argument("--out", default=None, help="write mcd.jsonl, random.jsonl, windows.json (+ target_*.jsonl) here")
+    ps = sub.add_parser("parse", help="write PTB trees into a copy of a caption file with a real parser")
+    ps.add_argument("input", help="Karpathy .json, .csv/.tsv, or a .jsonl split file")
+    ps.add_argument("--out", required=True, help="the copy with `tree` fields")
+    ps.add_argument("--parser", choices=["auto", "benepar", "stanza", "builtin"], default="auto",
+                    help="auto: benepar, else stanza (neither is in requirements.txt); builtin: the rule-based bracketer")
+    ps.add_argument("--overwrite", action="store_true", help="re-parse captions that already have a tree")
+    ps.add_argument("--csv_caption_key", default="title")
+    ps.add_argument("--csv_separator", default=None)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["train"] + list(argv)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if getattr(args, "preset", None) == "paper":  # paper section 4 / appendix C: BERT-base sizes
+        args.width, args.heads, args.pt_layers, args.ct_layers = 768, 12, 6, 5
+    return args
 
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     errors = (ComposerError, CRGError) + ((data.DataError,) if data is not None else ())
     try:
-        if data is None and args.cmd != "mcd":
+        if data is None and args.cmd not in ("mcd", "parse"):
             raise ComposerError("data.py is missing (composer.py imports it for data, tokenizer and shapes)")
-        return {"train": train, "eval": cmd_eval, "graph": cmd_graph, "mcd": cmd_mcd}[args.cmd](args)
+        return {"train": train, "eval": cmd_eval, "graph": cmd_graph, "mcd": cmd_mcd, "parse": cmd_parse}[args.cmd](args)
     except errors as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(1 if isinstance(e, NonFinite) else 2)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,7 @@ def test_graph_cli_skips_and_errors(tmp_path, capsys):
     st = C.main(["graph", "--data", str(f)])
     assert st["skipped"] == {"malformed_tree": 1, "tree_mismatch": 1, "no_primitive": 1}
     assert (st["concepts"], st["predicates"], st["primitives"], st["avg_height"]) == (3, 3, 2, 2.0)
+    assert st["bracketer"] == 0 and "0 parsed by the built-in bracketer" in capsys.readouterr().err
     f.write_text("\n".join(json.dumps(x) for x in bad))
     with pytest.raises(SystemExit) as e:
         C.main(["graph", "--data", str(f)])
@@ -100,7 +101,10 @@ def test_region_files_wrong_shape_skipped(tmp_path):
     args = argparse.Namespace(data="x", features="regions", regions=str(tmp_path), max_skip_frac=0.5)
     sp = C.load_split(args, None, None, items=items)
     assert len(sp.keys) == 10 and sp.skipped == Counter(bad_regions=3)
-    assert tuple(sp.store.feats.shape) == (10, 3, 7)
+    f, b, m = sp.store.get(list(range(10)))
+    assert tuple(f.shape) == (10, 3, 7) and bool(m.all())
+    k3 = load_file(str(tmp_path / "k3.safetensors"))
+    assert torch.equal(f[sp.keys.index("k3")], k3["feats"]) and torch.equal(b[sp.keys.index("k3")], k3["boxes"])
     with pytest.raises(C.ComposerError):
         C.load_split(argparse.Namespace(**{**vars(args), "max_skip_frac": 0.1}), None, None, items=items)
 
@@ -141,7 +145,7 @@ def test_level_batched_equals_recursion(modulator, crossatt):
 def test_baselines_score_shapes():
     tok, comp, comps, st = _tiny_setup(4)
     caps = [data.shapes_scene("train", i).caption for i in range(4)]
-    for arch in ("vse", "single"):
+    for arch in ("vse", "single", "vilbert"):
         cfg = C.ModelConfig(arch=arch, vocab_size=tok.vocab_size, eot_token_id=tok.eot_id, feat_dim=st.feat_dim, width=32)
         m = C.MODELS[arch](cfg).eval()
         S = C.score_matrix(m, comp, [None] * 4, caps, st, list(range(4)), "cpu", cap_chunk=3, img_chunk=3)
@@ -214,7 +218,7 @@ def test_hinge_losses_by_hand():
 # ----------------------------------------------------------------------------- training
 
 TRAIN = ["--n_train", "48", "--n_eval", "0", "--batch_size", "8", "--width", "32", "--heads", "2",
-         "--ct_layers", "3", "--warmup", "10", "--log_every", "1", "--ckpt_every", "100", "--dtype", "float32",
+         "--ct_layers", "3", "--warmup", "10", "--log_interval", "1", "--save_interval", "100", "--dtype", "fp32",
          "--n_neg_img", "2", "--n_neg_txt", "1", "--vocab_size", "300"]
 
 
@@ -230,15 +234,19 @@ def _run(args, nproc=1, timeout=120):
 def test_resume_exact_and_ddp_equals_single(tmp_path):
     full, part, ddp = str(tmp_path / "full"), str(tmp_path / "part"), str(tmp_path / "ddp")
     C.main(["train", "--out_dir", full, "--max_steps", "6"] + TRAIN)
-    C.main(["train", "--out_dir", part, "--max_steps", "3"] + TRAIN)
+    C.main(["train", "--out_dir", part, "--max_steps", "6", "--stop_at", "3"] + TRAIN)
+    with open(os.path.join(part, "metrics.jsonl"), "a") as f:  # a log line past the checkpoint (a kill)
+        f.write(json.dumps({"step": 4, "loss": 99.0}) + "\n")
     C.main(["train", "--out_dir", part, "--max_steps", "6", "--resume"] + TRAIN)
-    a, b = load_file(os.path.join(full, "model.safetensors")), load_file(os.path.join(part, "model.safetensors"))
+    steps = [r["step"] for r in map(json.loads, open(os.path.join(part, "metrics.jsonl"))) if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]  # rewound to the checkpoint: no step twice
+    a, b = load_file(os.path.join(full, "checkpoint", "model.safetensors")), load_file(os.path.join(part, "checkpoint", "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed run differs from the uninterrupted one"
-    sa = json.load(open(os.path.join(full, "train_state.json")))
-    sb = json.load(open(os.path.join(part, "train_state.json")))
+    sa = json.load(open(os.path.join(full, "checkpoint", "train_state.json")))
+    sb = json.load(open(os.path.join(part, "checkpoint", "train_state.json")))
     assert sa["sampler"] == sb["sampler"] and sa["step"] == sb["step"] == 6
     _run(["--out_dir", ddp, "--max_steps", "6"] + TRAIN, nproc=2)
-    d = load_file(os.path.join(ddp, "model.safetensors"))
+    d = load_file(os.path.join(ddp, "checkpoint", "model.safetensors"))
     # the logged (global-batch) losses agree step by step; the weights agree up to float
     # reordering amplified by Adam on near-zero gradients (update ~ lr * g / |g|)
     la, ld = [[r["loss"] for r in map(json.loads, open(os.path.join(x, "metrics.jsonl"))) if "loss" in r]
@@ -246,15 +254,16 @@ def test_resume_exact_and_ddp_equals_single(tmp_path):
     assert len(la) == len(ld) == 6 and np.allclose(la, ld, atol=1e-5, rtol=0), (la, ld)
     for k in a:
         torch.testing.assert_close(d[k], a[k], atol=1e-3, rtol=1e-3)
-    for f in ("config.json", "tokenizer.json", "train_state.safetensors", "metrics.jsonl", "loss_curve.png"):
+    for f in ("config.json", "tokenizer.json", "metrics.jsonl", "loss_curve.png"):
         assert os.path.exists(os.path.join(full, f))
-    assert not [f for f in os.listdir(full) if ".tmp" in f]
+    assert sorted(os.listdir(os.path.join(full, "checkpoint"))) == sorted(C.CKPT_FILES)
+    assert not [f for f in os.listdir(full) if ".tmp" in f or ".prev" in f]
     # evaluation + interpretation view on the checkpoint
     out = C.main(["eval", "--ckpt", full, "--n", "12", "--interpret", "1", "--parse_dropout", "0.5"])
     assert set(out["test"]) >= {"R@1", "R@5", "phrase_R@1", "phrase_R@5"}
 
 
-@pytest.mark.parametrize("model", [["vse"], ["vse", "--vse_loss", "sampled"], ["single"]])
+@pytest.mark.parametrize("model", [["vse"], ["vse", "--vse_loss", "sampled"], ["single"], ["vilbert", "--concept_mvsa"]])
 def test_baseline_training_runs(tmp_path, model):
     out = C.main(["train", "--model", *model, "--out_dir", str(tmp_path), "--max_steps", "2"]
                  + TRAIN + ["--n_eval", "8"])
@@ -277,9 +286,17 @@ def test_frozen_il_clip_patch_features(tmp_path):
                                  "text_heads": 2})
     path = str(tmp_path / "clip.safetensors")
     save_file({k: v.contiguous() for k, v in il_clip.CLIP(cfg).state_dict().items()}, path)
+    json.dump({"model": {"vision_heads": 2, "quick_gelu": cfg.quick_gelu}}, open(tmp_path / "config.json", "w"))
     out = C.main(["train", "--features", "clip", "--clip", path, "--out_dir", str(tmp_path / "o"), "--max_steps", "1"]
                  + TRAIN[:2] + ["--n_train", "16"] + TRAIN[4:] + ["--n_eval", "8"])
     assert out["eval"]["in_domain"]["images"] == 8  # 64 patch tokens per image as regions
+    # composer.py's own copy of the ViT equals il_clip's forward_tokens (heads from config.json)
+    model = il_clip.CLIP(cfg).eval()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "w.safetensors"))
+    sd, heads, qg, size = C.load_clip_vision(str(tmp_path / "w.safetensors"))
+    x = torch.randn(3, 3, size, size)
+    with torch.no_grad():
+        torch.testing.assert_close(C.vit_patch_tokens(sd, heads, qg, x), model.visual.forward_tokens(x), atol=1e-5, rtol=1e-5)
 
 
 def test_recall_ties_count_against_the_query():
@@ -298,12 +315,32 @@ def test_nonfinite_loss_stops_at_the_next_check_and_keeps_the_last_good_checkpoi
         return (loss * float("nan"), parts) if a[6] == 4 else (loss, parts)   # a[6]: 0-based step
     monkeypatch.setattr(C, "train_step", nan_at_5)
     with pytest.raises(SystemExit) as e:
-        C.main(["train", "--out_dir", str(tmp_path), "--max_steps", "9"] + TRAIN + ["--log_every", "3", "--ckpt_every", "3"])
+        C.main(["train", "--out_dir", str(tmp_path), "--max_steps", "9"] + TRAIN + ["--log_interval", "3", "--save_interval", "3"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and "non-finite loss at a step <= 6" in err[0], err
-    assert json.load(open(tmp_path / "train_state.json"))["step"] == 3
+    assert e.value.code == 1 and len(err) == 1 and "non-finite loss at a step <= 6" in err[0], err
+    assert json.load(open(tmp_path / "checkpoint" / "train_state.json"))["step"] == 3
     logged = [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl") if "loss" in x]
     assert logged == [3]
+
+
+def test_nonfinite_weights_are_never_saved(tmp_path, monkeypatch, capsys):
+    """A finite loss but a NaN weight after the update (an optimizer blow-up): the save at step 2
+    refuses, exit 1, and the step-1 checkpoint stays."""
+    real_step = C.train_step
+
+    def poison_after_1(model, *a, **k):
+        if a[5] == 1:  # 0-based step 1: the update of step 2 starts from a NaN weight
+            with torch.no_grad():
+                next(model.parameters())[0].fill_(float("nan"))
+        return real_step(model, *a, **k)
+    monkeypatch.setattr(C, "train_step", poison_after_1)
+    monkeypatch.setattr(C, "sync_values", lambda loss, parts, bad, flag, world: [0.0] * (len(parts) + 1) + [0.0, 0.0])
+    with pytest.raises(SystemExit) as e:
+        C.main(["train", "--out_dir", str(tmp_path), "--max_steps", "4"] + TRAIN + ["--save_interval", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1 and "non-finite" in err[0], err
+    assert json.load(open(tmp_path / "checkpoint" / "train_state.json"))["step"] == 1
+    assert all(torch.isfinite(t).all() for t in load_file(str(tmp_path / "checkpoint" / "model.safetensors")).values())
 
 
 def test_sigterm_to_one_rank_stops_every_rank_and_resumes(tmp_path):
@@ -317,7 +354,27 @@ def test_sigterm_to_one_rank_stops_every_rank_and_resumes(tmp_path):
     rc, stdout, stderr = sigterm_one_rank(torchrun + ["--out_dir", out, "--max_steps", "100000"] + TRAIN,
                                           os.path.join(out, "metrics.jsonl"), env=env)
     assert rc == 0, stderr[-3000:]
-    step = json.load(open(os.path.join(out, "train_state.json")))["step"]
-    assert 0 < step < 100000 and f"SIGTERM: checkpoint saved at step {step}" in stdout
+    step = json.load(open(os.path.join(out, "checkpoint", "train_state.json")))["step"]
+    assert 0 < step < 100000 and f"stopped (SIGTERM or --stop_at): checkpoint saved at step {step}" in stdout
     _run(["--out_dir", out, "--max_steps", str(step + 1), "--resume"] + TRAIN, nproc=2)
-    assert json.load(open(os.path.join(out, "train_state.json")))["step"] == step + 1
+    assert json.load(open(os.path.join(out, "checkpoint", "train_state.json")))["step"] == step + 1
+
+
+def test_damaged_checkpoint_falls_back_or_fails_in_one_line(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    C.main(["train", "--out_dir", out, "--max_steps", "4", "--stop_at", "2"] + TRAIN)
+    ck, prev = os.path.join(out, "checkpoint"), os.path.join(out, "checkpoint.prev")
+    import shutil
+    shutil.copytree(ck, prev)
+    blob = open(os.path.join(ck, "model.safetensors"), "rb").read()
+    open(os.path.join(ck, "model.safetensors"), "wb").write(blob[:len(blob) // 2])  # truncated
+    capsys.readouterr()
+    C.main(["train", "--out_dir", out, "--max_steps", "4", "--resume"] + TRAIN)
+    assert "resuming from the previous complete checkpoint" in capsys.readouterr().out
+    assert json.load(open(os.path.join(ck, "train_state.json")))["step"] == 4 and not os.path.exists(prev)
+    with open(os.path.join(ck, "train_state.json"), "w") as f:
+        f.write('{"step": ')  # damaged, and no checkpoint.prev
+    with pytest.raises(SystemExit) as e:
+        C.main(["train", "--out_dir", out, "--max_steps", "6", "--resume"] + TRAIN)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and "train_state.json" in err[0]

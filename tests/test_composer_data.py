@@ -1,0 +1,157 @@
+"""composer.py on real caption files (issue 18): captions read without decoding images (Karpathy
+JSON, shards), region features read per item (one file or one file per image), the paper's
+protocol (--n counts images, R@10), mcd --targets and multi-split pools, the parse subcommand,
+--help."""
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import composer as C  # noqa: E402
+
+data = pytest.importorskip("data")
+
+CAPTIONS = ["A man rides a horse.", "A dog is running on the grass.", "Two women sit on a bench.",
+            "A boy in a red shirt kicks a ball.", "A cat sleeping on a chair.", "A woman holds an umbrella.",
+            "Children play soccer in a park.", "A man with a hat reads a newspaper."]
+
+
+def karpathy(tmp_path, n_images=6, per_image=5, splits=("train", "test")):
+    """A dataset_flickr30k.json in the released layout; no image file exists."""
+    images, k = [], 0
+    for split in splits:
+        for i in range(n_images):
+            sents = [{"raw": CAPTIONS[(k + j) % len(CAPTIONS)], "tokens": [], "sentid": k * 10 + j} for j in range(per_image)]
+            images.append({"filename": f"{split}{i}.jpg", "imgid": k, "split": split, "sentences": sents, "sentids": []})
+            k += 1
+    path = tmp_path / "dataset_flickr30k.json"
+    path.write_text(json.dumps({"images": images, "dataset": "flickr30k"}))
+    return str(path), [im["filename"][:-4] for im in images]
+
+
+def region_file(path, keys, n=4, d=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    feats, boxes = torch.randn(len(keys), n, d, generator=g), torch.rand(len(keys), n, 5, generator=g)
+    n_regions = torch.tensor([n - (i % 2) for i in range(len(keys))])
+    save_file({"feats": feats, "boxes": boxes, "n_regions": n_regions}, str(path), metadata={"keys": json.dumps(keys)})
+    return feats, boxes, n_regions
+
+
+def test_region_store_one_file_and_per_image_files_agree(tmp_path):
+    keys = [f"img{i}" for i in range(5)]
+    feats, boxes, nr = region_file(tmp_path / "regions.safetensors", keys)
+    os.makedirs(tmp_path / "dir")
+    for i, k in enumerate(keys):
+        save_file({"feats": feats[i, :nr[i]].clone(), "boxes": boxes[i, :nr[i]].clone()}, str(tmp_path / "dir" / f"{k}.safetensors"))
+    for src in (str(tmp_path / "regions.safetensors"), str(tmp_path / "dir")):
+        rs = C.RegionStore(src)
+        for k in keys:
+            rs.check(k)
+        st = rs.select([keys[3], keys[0]])
+        f, b, m = st.get(torch.tensor([0, 1]))
+        assert f.shape == (2, 4, 6) and m.tolist() == [[True] * 3 + [False], [True] * 4]
+        assert torch.equal(f[0, :3], feats[3, :3]) and torch.equal(b[1], boxes[0]) and not f[0, 3].any()
+    with pytest.raises(C.CRGError, match="no regions"):
+        C.RegionStore(str(tmp_path / "regions.safetensors")).check("other")
+    blob = (tmp_path / "regions.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(blob[:len(blob) // 2])
+    with pytest.raises(C.CRGError, match="cut short"):
+        C.RegionStore(str(tmp_path / "cut.safetensors"))
+
+
+def test_text_only_training_and_eval_without_images(tmp_path, capsys):
+    """Karpathy JSON + one region file, no JPEG anywhere: train, then the paper's protocol."""
+    js, keys = karpathy(tmp_path)
+    region_file(tmp_path / "regions.safetensors", keys)
+    out = str(tmp_path / "run")
+    C.main(["train", "--data", js, "--features", "regions", "--regions", str(tmp_path / "regions.safetensors"),
+            "--out_dir", out, "--max_steps", "2", "--batch_size", "4", "--width", "16", "--heads", "2",
+            "--ct_layers", "1", "--vocab_size", "200", "--n_neg_img", "1", "--n_neg_txt", "1", "--dtype", "fp32",
+            "--log_interval", "1"])
+    assert "30 train captions / 6 images, 30 parsed by the built-in bracketer" in capsys.readouterr().out
+    res = C.main(["eval", "--ckpt", out, "--no_phrases"])["test"]      # default: the whole test split
+    assert (res["images"], res["captions"], res["bracketer"]) == (6, 30, 30) and "R@10" in res
+    res = C.main(["eval", "--ckpt", out, "--no_phrases", "--n", "2"])["test"]  # --n counts images
+    assert (res["images"], res["captions"]) == (2, 10)
+
+
+def test_shards_read_without_decoding(tmp_path):
+    """graph over tar shards reads only .txt/.tree: the .jpg members are not images at all."""
+    with tarfile.open(tmp_path / "00000.tar", "w") as tf:
+        for i, cap in enumerate(CAPTIONS):
+            for ext, blob in (("jpg", b"not a jpeg"), ("txt", cap.encode()),
+                              *([("tree", b"(NP (DT a) (NN dog))")] if i == 0 else [])):
+                ti = tarfile.TarInfo(f"{i:05d}.{ext}")
+                ti.size = len(blob)
+                tf.addfile(ti, io.BytesIO(blob))
+    args = C.parse_args(["graph", "--data", str(tmp_path / "00000.tar")])
+    items = C._spec_items(args, args.data, "train", None)
+    assert [it["caption"] for it in items] == CAPTIONS and items[0]["tree"] == "(NP (DT a) (NN dog))"
+    crgs, _, skipped, n_bracketed = C._collect(argparse_ns(max_skip_frac=0.5), str(tmp_path / "00000.tar"), "train", None)
+    assert dict(skipped) == {"tree_mismatch": 1} and n_bracketed == len(CAPTIONS) - 1
+
+
+def argparse_ns(**kw):
+    import argparse
+    return argparse.Namespace(image_root=None, csv_img_key="filepath", csv_caption_key="title", csv_separator=None, **kw)
+
+
+def test_mcd_targets_and_pool_over_splits(tmp_path):
+    windows = [{"start": s, "compound_divergence": cd} for s, cd in [(0, 0.4), (5, 0.3), (10, 0.22), (15, 0.1)]]
+    assert [w["start"] for w in C.pick_windows(windows, [0.15, 0.2, 0.31, 0.9])] == [15, 10, 5, 0]
+    js, _ = karpathy(tmp_path, splits=("train", "val", "test"))
+    args = C.parse_args(["mcd", "--train", js, "--pool", js, "--pool_split", "val,test", "--n_pool", "10", "--size", "4",
+                         "--targets", "0.0,1.0", "--out", str(tmp_path / "mcd")])
+    by_img, _, nb = C._pool(args)
+    assert sorted(by_img) == [f"test{i}" for i in range(4)] + [f"val{i}" for i in range(6)] and nb == 50
+    res = C.cmd_mcd(args)
+    assert res["pool"] == 10
+    for t in ("0", "1"):
+        lines = [json.loads(l) for l in open(tmp_path / "mcd" / f"target_{t}.jsonl")]
+        assert len({it["key"] for it in lines}) == 4 and len(lines) == 20  # 4 images with all 5 captions
+
+
+def test_parse_subcommand(tmp_path, capsys):
+    js, _ = karpathy(tmp_path, n_images=2, per_image=2, splits=("test",))
+    out = str(tmp_path / "parsed.json")
+    assert C.main(["parse", js, "--out", out, "--parser", "builtin"]) == 4
+    sents = [s for im in json.load(open(out))["images"] for s in im["sentences"]]
+    assert all(s["tree"] == C.bracket(s["raw"]) for s in sents)
+    capsys.readouterr()
+    if not any(importable(m) for m in ("benepar", "stanza")):  # without a parser: how to get one
+        with pytest.raises(SystemExit) as e:
+            C.main(["parse", js, "--out", out])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and "pip install benepar" in err[0]
+
+
+def importable(name):
+    import importlib.util
+    return importlib.util.find_spec(name) is not None
+
+
+def test_help_lists_subcommands():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "composer.py"), "--help"], capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=60)
+    assert r.returncode == 0 and all(f"\n  {c} " in r.stdout for c in ("train", "eval", "graph", "mcd", "parse"))
+
+
+def test_csv_captions_and_trees_without_images(tmp_path):
+    """open_clip's CSV layout with renamed columns (--csv_img_key / --csv_caption_key) and a tree
+    column: graph reads it with no image present; the tree rows skip the bracketer."""
+    rows = ["img\tcap\ttree", "a.jpg\tA man rides a horse.\t", "b.jpg\ta dog\t(NP (DT a) (NN dog))",
+            "c.jpg\tTwo dogs play in the snow.\t"]
+    (tmp_path / "train.tsv").write_text("\n".join(rows) + "\n")
+    st = C.main(["graph", "--data", str(tmp_path / "train.tsv"), "--csv_img_key", "img", "--csv_caption_key", "cap"])
+    assert (st["captions"], st["images"], st["bracketer"]) == (3, 3, 2)
+    with pytest.raises(SystemExit) as e:
+        C.main(["graph", "--data", str(tmp_path / "train.tsv")])  # default column names: one error line
+    assert e.value.code == 2
