@@ -1459,7 +1459,8 @@ def train(r):
     t_last, step_last, trainable_for = time.time(), r.step, None
     if r.step >= end:          # nothing to train (e.g. --max_steps 0 to export --init weights)
         save_checkpoint(r)
-    bar = r.bar = tqdm(total=end, initial=r.step, unit="step", disable=r.rank != 0, dynamic_ncols=True)
+    # on stdout, as the per-step lines were: stderr keeps only error lines and the summary
+    bar = r.bar = tqdm(total=end, initial=r.step, unit="step", disable=r.rank != 0, dynamic_ncols=True, file=sys.stdout)
     while r.step < end:
         # the IL phase: one lookup (warm-up, then per generation spawn -> distill -> interact)
         phase, gen, _ = r.sched.at(r.step)
