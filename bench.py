@@ -21,6 +21,9 @@ peak RSS (VmHWM, reset through /proc/self/clear_refs at the start of the timed w
 the RSS before the model was built: model + optimizer + activations + allocator slack.
 The CPU is shared here: --reference / --targets alternate the runs --rounds times and keep the
 best; CPU runs also report process CPU time. Compare ratios from one run, never across runs.
+Data: `--data` writes 256 shapes scenes as img2dataset does (shorter side 256, JPEG q95) into 2
+webdataset shards and alternates a plain PIL decode + resize-to-224 loop with one make_loader
+epoch (224 px, 2 workers, first batch untimed), then times each stage per image.
 """
 import argparse
 import contextlib
