@@ -71,12 +71,9 @@ MODEL_PRESETS = {
     "tiny": dict(embed_dim=128, image_size=64, patch_size=8, vision_width=128, vision_layers=4,
                  vision_heads=4, context_length=32, vocab_size=1000, text_width=128, text_layers=4,
                  text_heads=4, quick_gelu=False, code_dim=128),
-    "ViT-B-32": dict(embed_dim=512, image_size=224, patch_size=32, vision_width=768, vision_layers=12,
-                     vision_heads=12, context_length=77, vocab_size=49408, text_width=512,
-                     text_layers=12, text_heads=8, quick_gelu=True, code_dim=512),
-    "ViT-B-16": dict(embed_dim=512, image_size=224, patch_size=16, vision_width=768, vision_layers=12,
-                     vision_heads=12, context_length=77, vocab_size=49408, text_width=512,
-                     text_layers=12, text_heads=8, quick_gelu=True, code_dim=512),
+    **{f"ViT-B-{p}": dict(embed_dim=512, image_size=224, patch_size=p, vision_width=768, vision_layers=12,
+                          vision_heads=12, context_length=77, vocab_size=49408, text_width=512,
+                          text_layers=12, text_heads=8, quick_gelu=True, code_dim=512) for p in (32, 16)},
     "ViT-S-16": dict(embed_dim=384, image_size=224, patch_size=16, vision_width=384, vision_layers=12,
                      vision_heads=6, context_length=77, vocab_size=49408, text_width=384,
                      text_layers=12, text_heads=6, quick_gelu=False, code_dim=512),
@@ -1216,19 +1213,16 @@ def compute_loss(fwd, teacher, batch, phase, agent, r):
 
 
 def setup_distributed(args):
-    ddp = int(os.environ.get("RANK", -1)) != -1
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    owns_pg = False
-    if ddp:
-        rank, local_rank, world = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"])
-        if args.device == "cuda":
-            args.device = f"cuda:{local_rank}"
-            torch.cuda.set_device(args.device)
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
-            owns_pg = True
-    else:
-        rank, world = 0, 1
+    if int(os.environ.get("RANK", -1)) == -1:
+        return 0, 1, False
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.device == "cuda":
+        args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(args.device)
+    owns_pg = not dist.is_initialized()
+    if owns_pg:
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
     return rank, world, owns_pg
 
 
