@@ -4,7 +4,8 @@ Throughput, MFU and memory benchmarks (nanoGPT's bench.py is the model).
     python bench.py --model tiny --method il --batch_size 64                   # training step, CPU
     python bench.py --model ViT-B-32 --method clip --batch_size 256 --compile --dtype bf16   # GPU
     python bench.py --model tiny --method clip --reference open_clip           # ratio vs open_clip
-    python bench.py --data shapes                                              # data pipeline alone
+    python bench.py --data                                    # loader vs plain PIL at 224 px, per-stage ms
+    python bench.py --data shapes --num_workers 0                              # one dataset's pipeline
     python bench.py --codebook_memory                                          # codebook head memory
     python bench.py --composer                                                 # COMPOSER recursion
     python bench.py --targets --model ViT-B-32 --compile --json targets.json   # every target, checked
@@ -20,11 +21,15 @@ peak RSS (VmHWM, reset through /proc/self/clear_refs at the start of the timed w
 the RSS before the model was built: model + optimizer + activations + allocator slack.
 The CPU is shared here: --reference / --targets alternate the runs --rounds times and keep the
 best; CPU runs also report process CPU time. Compare ratios from one run, never across runs.
+Data: `--data` writes 256 shapes scenes as img2dataset does (shorter side 256, JPEG q95) into 2
+webdataset shards and alternates a plain PIL decode + resize-to-224 loop with one make_loader
+epoch (224 px, 2 workers, first batch untimed), then times each stage per image.
 """
 import argparse
 import contextlib
 import gc
 import math
+import os
 import statistics
 import sys
 import time
@@ -42,29 +47,24 @@ import il_clip
 
 
 def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return torch.cuda.synchronize(device) if device.type == "cuda" else None
 
 
-def rss_bytes(field="VmRSS"):
-    """Resident set size (VmRSS) or its peak since the last reset (VmHWM) of this process, Linux."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+def proc_bytes(field="VmRSS", path="/proc/self/status"):
+    """A kB field of /proc (VmRSS, VmHWM = peak RSS since the last reset, MemAvailable), Linux."""
+    with open(path) as f:
+        return next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith(field + ":")), 0)
 
 
 class PeakMemory:
-    """CUDA: max_memory_allocated since start(). CPU: VmHWM since start() (the kernel's peak RSS,
-    reset by writing 5 to /proc/self/clear_refs) minus the RSS at `base` (taken before the model
-    was built)."""
+    """CUDA: max_memory_allocated since start(). CPU: VmHWM since start() (reset by writing 5 to
+    /proc/self/clear_refs) minus the RSS before the model was built."""
 
     built = 0      # PeakMemory objects made in this process so far
 
     def __init__(self, device):
         self.device = device
-        self.base = rss_bytes() if device.type != "cuda" else 0
+        self.base = proc_bytes() if device.type != "cuda" else 0
         # a later run in the same process reuses memory the allocator kept from an earlier one,
         # which never shows up as RSS growth: its CPU figure is a lower bound
         self.reused = device.type != "cuda" and PeakMemory.built > 0
@@ -79,14 +79,11 @@ class PeakMemory:
                     f.write("5")
 
     def peak(self):
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device)
-        return rss_bytes("VmHWM") - self.base
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else proc_bytes("VmHWM") - self.base
 
     def kind(self):
-        if self.device.type == "cuda":
-            return "max_memory_allocated"
-        return "peak RSS delta (VmHWM)" + ("; a lower bound: not the process's first run" if self.reused else "")
+        return ("max_memory_allocated" if self.device.type == "cuda" else "peak RSS delta (VmHWM)"
+                + ("; a lower bound: not the process's first run" if self.reused else ""))
 
 
 def fmt_bytes(n):
@@ -96,8 +93,7 @@ def fmt_bytes(n):
 def setup_device(args):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     return device
 
 
@@ -106,8 +102,7 @@ def setup_device(args):
 
 
 class SyntheticTokenizer:
-    """Stands in for data's tokenizer (only its sizes and ids are used): the preset's vocab and
-    context length, EOT the largest id (so open_clip's argmax pooling finds it too)."""
+    """Sizes and ids of a tokenizer; EOT the largest id (open_clip's argmax pooling finds it)."""
 
     def __init__(self, vocab_size, context_length):
         self.vocab_size, self.context_length = vocab_size, context_length
@@ -135,8 +130,7 @@ def default_codebook(model):
 
 
 def timed(step, n, device, mem=None):
-    """(wall seconds, process CPU seconds) per call of step() over n calls, between two device
-    synchronisations (so the loop keeps whatever host-device overlap the step has)."""
+    """(wall s, process CPU s) per call of step() over n calls, between two device syncs."""
     sync(device)
     if mem is not None:
         mem.start()
@@ -148,11 +142,8 @@ def timed(step, n, device, mem=None):
 
 
 def run_trainer(args, method, device):
-    """Times il_clip.py's training step: its CLIP model, AdamW groups, il_clip.compute_loss
-    (contrastive, or KD to a frozen teacher in distill), grad clip, logit-scale clamp, optional
-    compiled encoders. For `il` the distill step (language agent spawned; vision and codebook
-    frozen) and the interact step are timed apart, after an untimed warm-up of each, and one
-    spawn (teacher copy, re-initialisation, AdamW state cleared) is timed on its own."""
+    """Times il_clip.py's training step. `il`: distill (language spawned) and interact steps timed
+    apart after an untimed warm-up of each, and one spawn timed on its own."""
     K = args.codebook if args.codebook is not None else default_codebook(args.model)
     cfg = model_config(args.model, method, K)
     il_args = types.SimpleNamespace(distill_loss="kd", no_freeze_codebook=False, distill_train_vision=False)
@@ -240,9 +231,7 @@ def report_train(args, res, device, label="il_clip"):
 
 
 def device_name(device):
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU ({torch.get_num_threads()} threads)"
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
 
 
 # -----------------------------------------------------------------------------
@@ -250,11 +239,9 @@ def device_name(device):
 
 
 def import_open_clip():
-    """open_clip for comparisons only (SPEC.md 6; the project scripts never import it; the tests
-    use this function too). It imports torchvision, which has no CPU build here: while it is
-    imported, every `torchvision.*` import gets a dummy module whose attributes are all one
-    do-nothing class; afterwards the dummy is taken away again, because torch itself probes for
-    torchvision (e.g. torch.testing) and a dummy left in sys.modules breaks it."""
+    """open_clip for comparisons only (SPEC.md 6; the tests use this too). Its torchvision import
+    (no CPU build here) gets a do-nothing dummy module, removed afterwards: torch itself probes
+    for torchvision and a dummy left in sys.modules breaks it."""
     import importlib.abc
     import importlib.machinery
     import types
@@ -327,29 +314,25 @@ def run_open_clip(args, device):
     tok = SyntheticTokenizer(cfg.vocab_size, cfg.context_length)
     images = torch.randn(args.batch_size, 3, cfg.image_size, cfg.image_size, generator=g).to(device)
     text = tok.batch(args.batch_size, device, g)
-    for s in range(args.warmup + args.steps):
-        if s == args.warmup:
-            sync(device)
-            mem.start()
-            t0, c0 = time.perf_counter(), time.process_time()
+
+    def step():
         with ac:
-            img, txt, scale = model(images, text)
-            loss = loss_fn(img, txt, scale)
+            loss = loss_fn(*model(images, text))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():
             raw.logit_scale.clamp_(0, math.log(100))
-    sync(device)
-    return {"method": "clip", "cfg": cfg, "step_s": (time.perf_counter() - t0) / args.steps,
-            "cpu_s": (time.process_time() - c0) / args.steps,
-            "peak_bytes": mem.peak(), "mem_kind": mem.kind()}
+
+    for _ in range(args.warmup):
+        step()
+    step_s, cpu_s = timed(step, args.steps, device, mem)
+    return {"method": "clip", "cfg": cfg, "step_s": step_s, "cpu_s": cpu_s, "peak_bytes": mem.peak(), "mem_kind": mem.kind()}
 
 
 def alternating_rounds(args, device, methods):
-    """Runs each of `methods` ("open_clip" or an il_clip method) in turn, --rounds times, so that a
-    shared machine's drift falls on all of them alike. Returns every run per method."""
+    """Every run per method ("open_clip" or il_clip's), in turn --rounds times: drift hits all alike."""
     runs = {m: [] for m in methods}
     for _ in range(args.rounds):
         for m in methods:
@@ -361,30 +344,123 @@ def alternating_rounds(args, device, methods):
 # --data: the input pipeline alone
 
 
-def bench_data(args):
-    """decode (shapes: render) + augment + tokenize through data.make_loader, no model."""
-    t = time.perf_counter()
-    tok = data.build_tokenizer(captions=data.captions_for_tokenizer(args.data), vocab_size=1000, context_length=32)
-    print(f"tokenizer trained in {time.perf_counter() - t:.1f}s (not timed below)")
-    size = il_clip.MODEL_PRESETS[args.model]["image_size"]
-    B = args.batch_size
-    loader = data.make_loader(args.data, split="train", batch_size=B, tokenizer=tok, image_size=size, train=True,
-                              num_workers=args.num_workers, seed=0)
+def make_jpeg_shards(folder, n, n_shards=2):
+    """n shapes scenes as img2dataset writes them (shorter side 256, JPEG quality 95; noise makes
+    them photo-sized) in webdataset shards with *_stats.json. -> (brace pattern, JPEG bytes)."""
+    import io, json, os, tarfile
+    import numpy as np
+    from PIL import Image
+    rng, jpegs = np.random.default_rng(0), []
+    for i in range(n):
+        x = np.asarray(data.shapes_scene("train", i).image.resize((341, 256), Image.BICUBIC), np.float32)
+        buf = io.BytesIO()
+        Image.fromarray(np.clip(x + rng.normal(0, 12, x.shape), 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=95)
+        jpegs.append(buf.getvalue())
+    for s in range(n_shards):
+        with tarfile.open(os.path.join(folder, f"{s:05d}.tar"), "w") as tf:
+            for i in range(s, n, n_shards):
+                for ext, blob in (("jpg", jpegs[i]), ("txt", f"caption {i}".encode())):
+                    info = tarfile.TarInfo(f"{i:09d}.{ext}")
+                    info.size = len(blob)
+                    tf.addfile(info, io.BytesIO(blob))
+        with open(os.path.join(folder, f"{s:05d}_stats.json"), "w") as f:
+            json.dump({"successes": len(range(s, n, n_shards))}, f)
+    return os.path.join(folder, "{%05d..%05d}.tar" % (0, n_shards - 1)), jpegs
+
+
+def cpu_seconds():
+    """CPU time of this process and its joined children (the loader's workers)."""
+    import resource
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def plain_pil(jpegs, size):
+    """(images/s, CPU ms/image) of open + decode + RGB + bicubic resize of the shorter side."""
+    import io
+    from PIL import Image
+    t, c = time.perf_counter(), cpu_seconds()
+    for b in jpegs:
+        img = Image.open(io.BytesIO(b)).convert("RGB")
+        s = size / min(img.size)
+        img.resize((round(img.size[0] * s), round(img.size[1] * s)), Image.BICUBIC)
+    return len(jpegs) / (time.perf_counter() - t), (cpu_seconds() - c) / len(jpegs) * 1e3
+
+
+def loader_epoch(pattern, size, workers, batch, tok=None, max_batches=None):
+    """(images/s after the first batch, CPU ms/image of main + workers incl. start-up, images)
+    over one epoch or max_batches."""
+    import itertools
+    c = cpu_seconds()
+    loader = data.make_loader(pattern, batch_size=batch, tokenizer=tok, image_size=size, train=True,
+                              num_workers=workers, drop_last=False, shuffle_buffer=64)
     it = iter(loader)
-    n, t0 = 0, None
-    for b in range(args.warmup + args.steps):
-        if b == args.warmup:
-            t0 = time.perf_counter()
-        try:
-            batch = next(it)
-        except StopIteration:
-            break
-        n += len(batch["caption"]) if b >= args.warmup else 0
-    dt = time.perf_counter() - t0
-    workers = max(1, args.num_workers)
-    print(f"data {args.data}: image {size}, batch {B}, num_workers {args.num_workers}: {n / dt:,.1f} samples/s "
-          f"({n / dt / workers:,.1f} per worker{'; main process' if args.num_workers == 0 else ''}), "
-          f"{n} samples in {dt:.2f}s, skipped {loader.skipped}")
+    n = len(next(it)["caption"])          # workers started, first batch out: not timed
+    t = time.perf_counter()
+    m = sum(len(b["caption"]) for b in itertools.islice(it, max_batches))
+    return m / (time.perf_counter() - t), (cpu_seconds() - c) / (n + m) * 1e3, n + m
+
+
+def ms_per(fn, items, rounds=3):
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for x in items:
+            fn(x)
+        best = min(best, (time.perf_counter() - t) / len(items))
+    return best * 1e3
+
+
+def data_stages(jpegs, size, batch):
+    """ms per image of each stage, and of the per-pixel float normalise ToNormalizedTensor replaced
+    (checked equal), and collate's stack of `batch` images: torch.stack vs data's numpy stack."""
+    import random
+    import numpy as np
+    rng, crop, to_tensor = random.Random(0), data.RandomResizedCrop(size), data.ToNormalizedTensor()
+    mean, std = np.asarray(data.CLIP_MEAN, np.float32), np.asarray(data.CLIP_STD, np.float32)
+    per_pixel = lambda im: torch.from_numpy(np.ascontiguousarray(
+        ((np.asarray(im.convert("RGB"), np.float32) / np.float32(255.0) - mean) / std).transpose(2, 0, 1)))
+    decoded = [data.load_image(b) for b in jpegs[:64]]
+    resized = [crop(img, rng) for img in decoded]
+    tensors = [to_tensor(img) for img in resized]
+    assert torch.equal(torch.stack(tensors), torch.stack([per_pixel(img) for img in resized]))
+    xs = [tensors[i % len(tensors)].clone() for i in range(batch)]     # distinct storages, as in a batch
+    return {"decode_ms": ms_per(data.load_image, jpegs[:64]), "resize_crop_ms": ms_per(lambda i: crop(i, rng), decoded),
+            "normalise_ms": ms_per(to_tensor, resized), "normalise_per_pixel_ms": ms_per(per_pixel, resized),
+            f"stack{batch}_torch_ms": ms_per(lambda _: torch.stack(xs), range(5)),
+            f"stack{batch}_numpy_ms": ms_per(lambda _: data._stack_images(xs), range(5)),
+            "torch_threads": torch.get_num_threads()}
+
+
+N_JPEG = 256
+
+
+def bench_data(args):
+    """`--data jpeg`: N_JPEG img2dataset-layout JPEGs at 224 px, a plain PIL loop vs data.make_loader
+    (--num_workers, default 2) alternated --rounds times, best kept, plus per-stage ms.
+    `--data SPEC`: that data through make_loader (decode or render + augment + tokenize)."""
+    import json, tempfile
+    B, workers = args.batch_size, args.num_workers if args.num_workers is not None else 2
+    if args.data != "jpeg":
+        tok = data.build_tokenizer(captions=data.captions_for_tokenizer(args.data), vocab_size=1000, context_length=32)
+        size = il_clip.MODEL_PRESETS[args.model]["image_size"]
+        rate, cpu_ms, n = loader_epoch(args.data, size, workers, B, tok, args.steps)
+        print(f"data {args.data}: image {size}, batch {B}, num_workers {workers}: {rate:,.1f} samples/s, "
+              f"{cpu_ms:.2f} CPU ms/sample, {n} samples (--steps batches; tokenizer and first batch not timed)")
+        return 0
+    with tempfile.TemporaryDirectory() as d:
+        pattern, jpegs = make_jpeg_shards(d, N_JPEG)
+        plain, loader = [], []
+        for _ in range(args.rounds):            # alternate, keep each one's best
+            plain.append(plain_pil(jpegs, 224))
+            loader.append(loader_epoch(pattern, 224, workers, B)[:2])
+    (plain_rate, _), (rate, _) = max(plain), max(loader)
+    res = {"plain_pil_img_s": round(plain_rate, 1), f"loader_{workers}w_img_s": round(rate, 1),
+           "ratio": round(rate / plain_rate, 2), "plain_cpu_ms_per_img": round(min(c for _, c in plain), 3),
+           "loader_cpu_ms_per_img": round(min(c for _, c in loader), 3),
+           **{k: round(v, 3) if isinstance(v, float) else v for k, v in data_stages(jpegs, 224, B).items()},
+           "jpeg_kb": round(sum(map(len, jpegs)) / len(jpegs) / 1024, 1), "cpus": os.cpu_count()}
+    print(json.dumps(res, indent=1))
     return 0
 
 
@@ -393,11 +469,9 @@ def bench_data(args):
 
 
 class LiveTensorBytes(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the bytes of tensor storages created by ops under this mode (forward and backward)
-    and keeps the peak of the live total; a storage leaves the count when it is freed (weakref
-    finalizer). Storages that existed before (inputs, parameters, views of them) are not counted.
-    Exact on the CPU, where no caching allocator hides frees; it does not see allocator overhead
-    or scratch buffers inside one kernel."""
+    """Peak live bytes of the tensor storages that ops under this mode create (freed ones leave
+    through a weakref finalizer; pre-existing storages not counted). Exact on the CPU, blind to
+    allocator overhead and scratch inside one kernel."""
 
     def __init__(self):
         super().__init__()
@@ -457,7 +531,7 @@ def head_peak(B, P, K, D, naive, device, **chunking):
 def bench_codebook_memory(args, device):
     B, K, D = args.batch_size, args.codebook or 16384, args.code_dim
     print(f"codebook head forward + backward, B={B}, K={K}, D={D}, exact sparsemax, fp32, {device_name(device)}")
-    avail = _mem_available()
+    avail = proc_bytes("MemAvailable", "/proc/meminfo")
     for P in (49, 196):
         ours, kind = head_peak(B, P, K, D, False, device)
         naive_need = B * P * K * 4
@@ -468,14 +542,6 @@ def bench_codebook_memory(args, device):
             naive_s = f"skipped (B*P*K*4 = {fmt_bytes(naive_need)}, too close to free memory)"
         print(f"  P={P:3d}: chunked {fmt_bytes(ours):>10}   naive {naive_s:>10}   "
               f"(B*P*K fp32 = {fmt_bytes(naive_need)}, B*K fp32 = {fmt_bytes(B * K * 4)})  [{kind}]")
-    return 0
-
-
-def _mem_available():
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
     return 0
 
 
@@ -508,19 +574,10 @@ def bench_composer(args, device):
     def recursive():
         return torch.cat([model.score_recursive(c, feats[i], boxes[i], mask[i]) for i, c in enumerate(comps)])
 
-    times = {}
     with torch.no_grad():
-        for name, fn in (("level-batched", batched), ("node-by-node", recursive)):
-            out = fn()                                           # warm-up
-            reps = []
-            for _ in range(max(1, args.steps // 4)):
-                sync(device)
-                t = time.perf_counter()
-                fn()
-                sync(device)
-                reps.append(time.perf_counter() - t)
-            times[name] = (statistics.median(reps), out)
-    (tb_, a), (tr_, b) = times["level-batched"], times["node-by-node"]
+        a, b = batched(), recursive()                            # warm-up, and the outputs compared
+        tb_, tr_ = (statistics.median(timed(fn, 1, device)[0] for _ in range(max(1, args.steps // 4)))
+                    for fn in (batched, recursive))
     print(f"composer forward, {n} caption-image pairs ({nodes} concept nodes, max depth "
           f"{max(max(x['level'] for x in c['nodes']) for c in comps)}), width {cfg.width}, {device_name(device)}:")
     print(f"  level-batched {tb_ * 1e3:.1f} ms ({n / tb_:,.1f} pairs/s), node-by-node {tr_ * 1e3:.1f} ms "
@@ -543,9 +600,8 @@ TARGETS = [
 
 
 def target_rows(values, gpu):
-    """One row per target: the measured value (None when not measured), the threshold that
-    applies on this kind of machine (None: the target is set for the other kind; shown for
-    information) and the verdict: True / False, or None when there is nothing to judge."""
+    """Per target: value (None: not measured), this machine kind's threshold (None: set for the
+    other kind) and verdict True / False / None (nothing to judge)."""
     ops = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, "<": lambda a, b: a < b}
     rows = []
     for key, what, op, on_gpu, on_cpu in TARGETS:
@@ -556,19 +612,13 @@ def target_rows(values, gpu):
 
 
 def _fmt_target(key, v):
-    if v is None:
-        return "-"
-    if key == "codebook_head_bytes":
-        return f"{v / 1e9:.2f} GB"
-    return f"{v:.1%}" if key == "clip_mfu" else f"{v:.3f}x"
+    return ("-" if v is None else f"{v / 1e9:.2f} GB" if key == "codebook_head_bytes"
+            else f"{v:.1%}" if key == "clip_mfu" else f"{v:.3f}x")
 
 
 def run_targets(args, device):
-    """Measures what TARGETS needs with the given model / batch / dtype / compile flags: CLIP,
-    Codebook-CLIP and IL training steps through il_clip.py's step (run_trainer), the same CLIP step through
-    open_clip (when installed), each run --rounds times in turn and the fastest kept, and the
-    codebook head's peak memory at the issue's fixed size. Returns (rows, the kept result per
-    method, (head peak bytes, how they were counted))."""
+    """CLIP, Codebook-CLIP, IL (and open_clip when installed) steps, alternated --rounds times with
+    the fastest kept, and the codebook head's peak memory. -> (rows, result per method, head)."""
     import importlib.util
     methods = ["clip", "codebook", "il"] + (["open_clip"] if importlib.util.find_spec("open_clip") else [])
     res = {m: min(rs, key=avg_step) for m, rs in alternating_rounds(args, device, methods).items()}
@@ -587,7 +637,6 @@ def bench_targets(args, device):
     import dataclasses
     import datetime
     import json
-    import os
     import platform
     rows, res, (head_bytes, head_kind) = run_targets(args, device)
     for m, r in res.items():
@@ -617,10 +666,9 @@ def bench_targets(args, device):
                              "compile": args.compile, "steps": args.steps, "warmup": args.warmup},
                   "issue_config": issue_config, "targets": rows, "runs": runs,
                   "codebook_head": {"bytes": head_bytes, "counted_by": head_kind}}
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
+        with open(args.json + ".tmp", "w") as f:
             json.dump(report, f, indent=1)
-        os.replace(tmp, args.json)
+        os.replace(args.json + ".tmp", args.json)
         print(f"report written to {args.json}")
     return 0
 
@@ -643,8 +691,10 @@ def main(argv=None):
     p.add_argument("--reference", default=None, choices=["open_clip"], help="also time open_clip, print the ratio")
     p.add_argument("--rounds", type=int, default=2, help="with --reference / --targets: alternate the runs "
                    "this many times and keep each one's best (the CPU here is shared)")
-    p.add_argument("--data", default=None, help="time the data pipeline of this --data spec alone")
-    p.add_argument("--num_workers", type=int, default=0)
+    p.add_argument("--data", nargs="?", const="jpeg", default=None, help="time the input pipeline alone: jpeg "
+                   "(img2dataset-layout JPEG shards at 224 px: plain PIL loop vs data.make_loader, per-stage ms) "
+                   "or a --data spec of il_clip.py")
+    p.add_argument("--num_workers", type=int, default=None, help="--data: loader workers (default 2)")
     p.add_argument("--codebook_memory", action="store_true", help="peak memory of the codebook head alone")
     p.add_argument("--code_dim", type=int, default=512, help="--codebook_memory: D of codes and queries")
     p.add_argument("--composer", action="store_true", help="level-batched vs node-by-node composition")

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import data
 
@@ -70,12 +71,9 @@ MODEL_PRESETS = {
     "tiny": dict(embed_dim=128, image_size=64, patch_size=8, vision_width=128, vision_layers=4,
                  vision_heads=4, context_length=32, vocab_size=1000, text_width=128, text_layers=4,
                  text_heads=4, quick_gelu=False, code_dim=128),
-    "ViT-B-32": dict(embed_dim=512, image_size=224, patch_size=32, vision_width=768, vision_layers=12,
-                     vision_heads=12, context_length=77, vocab_size=49408, text_width=512,
-                     text_layers=12, text_heads=8, quick_gelu=True, code_dim=512),
-    "ViT-B-16": dict(embed_dim=512, image_size=224, patch_size=16, vision_width=768, vision_layers=12,
-                     vision_heads=12, context_length=77, vocab_size=49408, text_width=512,
-                     text_layers=12, text_heads=8, quick_gelu=True, code_dim=512),
+    **{f"ViT-B-{p}": dict(embed_dim=512, image_size=224, patch_size=p, vision_width=768, vision_layers=12,
+                          vision_heads=12, context_length=77, vocab_size=49408, text_width=512,
+                          text_layers=12, text_heads=8, quick_gelu=True, code_dim=512) for p in (32, 16)},
     "ViT-S-16": dict(embed_dim=384, image_size=224, patch_size=16, vision_width=384, vision_layers=12,
                      vision_heads=6, context_length=77, vocab_size=49408, text_width=384,
                      text_layers=12, text_heads=6, quick_gelu=False, code_dim=512),
@@ -357,9 +355,7 @@ class VisionTransformer(nn.Module):
 
 
 class TextTransformer(nn.Module):
-    """The language tower. Attributes sit at the top level so that CLIP (a subclass) has
-    OpenAI's text key names: token_embedding, positional_embedding, transformer, ln_final,
-    text_projection."""
+    """The language tower, attributes at the top level: CLIP (a subclass) gets OpenAI's key names."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -433,9 +429,8 @@ class CLIP(TextTransformer):
 
     # --- heads
     def code_scores(self, tokens, valid, query, max_tokens=None):
-        """Per-code scores r_k = max over valid tokens of q(f_p) . c_k / (sqrt(D) T) (FDT; the
-        paper's Eq. 2, with `--code_sim cos`: cos / T) and their sparsemax weights (Eq. 3).
-        `max_tokens`: the largest token count this call can see (see max_code_scores)."""
+        """r_k = max over valid tokens of q(f_p) . c_k / (sqrt(D) T) (paper Eq. 2; `--code_sim cos`:
+        cos / T) and their sparsemax weights (Eq. 3)."""
         q = query(tokens)
         codes = self.codebook
         if self.cfg.code_sim == "cos":
@@ -467,10 +462,8 @@ class CLIP(TextTransformer):
         return F.normalize(x.float(), dim=-1)
 
     def forward(self, images, text):
-        """The one call DDP wraps: both embeddings and the logit scale used in the loss, capped
-        at 100 as OpenAI and the FDT reference do. Codebook methods clamp the parameter to
-        [3, 6] (FDT), whose exp reaches 403: there the cap binds above ln 100 = 4.61, so the
-        scale used lies in [20.1, 100] and the parameter above 4.61 gets no gradient."""
+        """The one call DDP wraps: both embeddings and the logit scale capped at 100 (OpenAI, FDT;
+        with the codebook clamp [3, 6] the scale used lies in [20.1, 100])."""
         return self.encode_image(images), self.encode_text(text), self.logit_scale.exp().clamp(max=100)
 
 
@@ -478,9 +471,8 @@ UNUSED_WITH_CODEBOOK = ("text_projection", "visual.proj", "visual.ln_post.weight
 
 
 def apply_spectral_norm(model):
-    """Spectral normalisation (Lipschitz-regularised CLIP, paper Table 3) of every nn.Linear
-    (attention out_proj, MLP c_fc / c_proj, query maps) and every attention in_proj_weight;
-    not the patch conv, the embeddings, text_projection / visual.proj or the codebook."""
+    """Spectral norm (paper Table 3) on every nn.Linear and attention in_proj_weight; not the
+    patch conv, embeddings, projections or codebook."""
     from torch.nn.utils.parametrizations import spectral_norm
     for m in list(model.modules()):
         if isinstance(m, nn.Linear):
@@ -541,9 +533,8 @@ def sparsemax(x, dim=-1):
 
 
 class _MaxCodeScores(torch.autograd.Function):
-    """s[b, k] = max_p q[b, p] . C[k] over valid tokens p, computed in chunks of samples.
-    The B x P x K score tensor (1024 x 49 x 16384 fp32 = 3.3 GB) is never kept: backward
-    needs only the argmax token per (sample, code), [B, K], and routes the gradient there."""
+    """s[b, k] = max_p q[b, p] . C[k] in sample chunks; the B x P x K scores (3.3 GB at ViT-B/32,
+    K=16384) are never kept: backward routes the gradient to the argmax token per (b, k)."""
 
     @staticmethod
     def forward(ctx, q, codes, valid, budget, max_tokens):
@@ -587,13 +578,9 @@ class _MaxCodeScores(torch.autograd.Function):
 
 
 def max_code_scores(q, codes, valid=None, budget=1 << 25, max_tokens=None):
-    """max over tokens of q @ codes.T -> [B, K] float32. `valid` [B, P] bool marks real tokens.
-    Samples go in chunks of budget // (max_tokens x K) score values. `max_tokens` (default P)
-    should be a fixed bound when P varies between calls (trimmed text): a chunk size computed
-    from P would make torch.compile specialise, and recompile, on every text length.
-    Pads are excluded with -inf before the max (the FDT reference multiplies pad features by
-    0 instead, which puts a 0 score into every max and so clamps all scores at >= 0: a code
-    anti-aligned with every real token would still score 0 instead of its true negative max)."""
+    """max over valid tokens ([B, P] bool) of q @ codes.T -> [B, K] float32, in sample chunks of
+    budget // (max_tokens x K) scores; a fixed `max_tokens` keeps torch.compile from recompiling
+    per text length. Pads get -inf (FDT's reference zeroes pad features, clamping scores at >= 0)."""
     return _MaxCodeScores.apply(q, codes, valid, budget, max_tokens)
 
 
@@ -636,10 +623,9 @@ def _rank():
 
 
 def contrastive_loss(img, txt, scale, neg_txt=None, neg_txt_valid=None, neg_img=None):
-    """Symmetric InfoNCE with local rows against all-gathered columns; labels offset by rank.
-    The mean over ranks equals the single-process loss on the combined batch. NegCLIP adds
-    hard-negative captions as extra image->text columns and hard-negative image embeddings
-    (already global) as extra text->image columns."""
+    """Symmetric InfoNCE, local rows against all-gathered columns (mean over ranks = the
+    single-process loss). NegCLIP: negative captions as extra image->text columns, negative
+    images (already global) as extra text->image columns."""
     B = img.shape[0]
     labels = torch.arange(B, device=img.device) + _rank() * B
     all_img, all_txt = gather(img), gather(txt)
@@ -787,8 +773,8 @@ class NegativeCaptions:
 
 
 class ImagePool:
-    """Running FIFO pool of (detached, global) image embeddings; hard image negatives are each
-    image's nearest neighbour in the pool. Identical on every rank (fed gathered features)."""
+    """FIFO pool of detached global image embeddings (same on every rank); an image's hard
+    negative is its nearest neighbour here."""
 
     def __init__(self, size, dim, device):
         self.emb = torch.zeros(size, dim, device=device)
@@ -814,9 +800,8 @@ class ImagePool:
 
 
 class ILSchedule:
-    """warm-up [0, t_warm), then `generations` x [spawn -> distill t_distill -> interact
-    t_interact], the last generation's interaction extended by t_extend. Generation 0 is the
-    warm-up; generation g >= 1 starts (spawns) at t_warm + (g-1)(t_distill + t_interact)."""
+    """warm-up [0, t_warm) = generation 0, then `generations` x [spawn -> distill -> interact],
+    the last interaction extended by t_extend."""
 
     def __init__(self, t_warm, t_distill, t_interact, generations, t_extend, enabled=True):
         self.t_warm, self.t_distill, self.t_interact = t_warm, t_distill, t_interact
@@ -855,8 +840,7 @@ def spawn_agent(args, generation):
 
 
 def spawn_seed(seed, generation):
-    """The re-initialisation seed of a generation: a function of (seed, generation) only, so it
-    is identical on every rank and reproducible on resume."""
+    """Same on every rank and on resume."""
     return (seed * 1_000_003 + 7919 * generation) % (2 ** 62)
 
 
@@ -938,13 +922,9 @@ def load_state_checked(model, sd, source, allow_missing=()):
     unexpected = [k for k in sd if k not in own]
     shapes = [f"{k} {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
               for k in own if k in sd and sd[k].shape != own[k].shape]
-    problems = []
-    if missing:
-        problems.append(f"missing keys {missing[:3]}{' ...' if len(missing) > 3 else ''}")
-    if unexpected:
-        problems.append(f"unexpected keys {unexpected[:3]}{' ...' if len(unexpected) > 3 else ''}")
-    if shapes:
-        problems.append(f"shape mismatch {shapes[0]}{' ...' if len(shapes) > 1 else ''}")
+    more = lambda ks, n: f"{ks[:n] if n > 1 else ks[0]}{' ...' if len(ks) > n else ''}"
+    problems = [f"{what} {more(ks, n)}" for what, ks, n in (("missing keys", missing, 3),
+                ("unexpected keys", unexpected, 3), ("shape mismatch", shapes, 1)) if ks]
     if problems:
         raise ConfigError(f"config/weights mismatch for {source}: " + "; ".join(problems))
     model.load_state_dict({k: v for k, v in sd.items()}, strict=False)
@@ -958,10 +938,9 @@ def checkpoint_dir(path):
 
 
 def load_model(path, device="cpu", quick_gelu=None):
-    """-> (model, tokenizer or None, config dict) from an il_clip.py out_dir or checkpoint/
-    folder (also mm_learngene.py's) or an OpenAI-format weight file (.safetensors / .pt).
-    `quick_gelu`: None = what the checkpoint's config says, else OpenAI's QuickGELU (printed);
-    False for open_clip's GELU models (e.g. its LAION/DataComp ViT-B-32)."""
+    """-> (model, tokenizer or None, config dict) from an out_dir, a checkpoint/ folder or an
+    OpenAI-format weight file. `quick_gelu` None: the checkpoint's config, else OpenAI's QuickGELU
+    (printed); False for open_clip's GELU models (its LAION/DataComp ViT-B-32)."""
     if os.path.isdir(path):
         d = checkpoint_dir(path)
         cfg_path = os.path.join(d, "config.json")
@@ -996,9 +975,11 @@ def read_json(path):
         raise ConfigError(f"{path}: {type(e).__name__}: {str(e)[:200]}")
 
 
-def _fsync_write(path, write):
-    """write(path), then flush it to disk (a checkpoint must survive a power cut or SIGKILL)."""
-    write(path)
+def _fsync(path, write=None):
+    """write(path) if given, then flush the file or folder to disk (a checkpoint must survive a
+    power cut or SIGKILL)."""
+    if write is not None:
+        write(path)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -1009,14 +990,14 @@ def _fsync_write(path, write):
 def save_tensors(path, tensors, step):
     from safetensors.torch import save_file
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    _fsync_write(path, lambda p: save_file(tensors, p, metadata={"step": str(step)}))
+    _fsync(path, lambda p: save_file(tensors, p, metadata={"step": str(step)}))
 
 
 def save_json(path, obj):
     def write(p):
         with open(p, "w") as f:
             json.dump(obj, f, indent=1)
-    _fsync_write(path, write)
+    _fsync(path, write)
 
 
 def _atomic(path, write):
@@ -1035,14 +1016,6 @@ CKPT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "train_state
               "train_state.json")
 
 
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_checkpoint(out_dir, model, config, tok, tensors, state):
     """Rank 0: the whole set into checkpoint.tmp/, fsync, then checkpoint/ -> checkpoint.prev/,
     checkpoint.tmp/ -> checkpoint/, and checkpoint.prev/ removed."""
@@ -1053,21 +1026,21 @@ def write_checkpoint(out_dir, model, config, tok, tensors, state):
     step = state["step"]
     save_tensors(os.path.join(tmp, "model.safetensors"), model.state_dict(), step)
     save_json(os.path.join(tmp, "config.json"), config)
-    _fsync_write(tmp, tok.save)
+    _fsync(tmp, tok.save)
     save_tensors(os.path.join(tmp, "train_state.safetensors"), tensors, step)
     save_json(os.path.join(tmp, "train_state.json"), state)
-    _fsync_dir(tmp)
+    _fsync(tmp)
     if os.path.isdir(final):
         shutil.rmtree(prev, ignore_errors=True)
         os.replace(final, prev)
     os.replace(tmp, final)
-    _fsync_dir(out_dir)
+    _fsync(out_dir)
     shutil.rmtree(prev, ignore_errors=True)
 
 
 def read_checkpoint(d, device):
-    """(model tensors, train-state tensors, train_state.json) of one checkpoint folder, or a
-    ConfigError naming the file that is missing, damaged or from another step."""
+    """(model tensors, train-state tensors, train_state.json), or a ConfigError naming the file
+    that is missing, damaged or from another step."""
     from safetensors import safe_open
     from safetensors.torch import load_file
     for name in CKPT_FILES:
@@ -1089,8 +1062,7 @@ def read_checkpoint(d, device):
 
 
 def find_checkpoint(out_dir, device):
-    """checkpoint/, or checkpoint.prev/ (a save cut short while switching) when checkpoint/ is
-    missing or damaged and the previous one is complete."""
+    """checkpoint/, else a complete checkpoint.prev/ (a save cut short while switching)."""
     try:
         return read_checkpoint(os.path.join(out_dir, "checkpoint"), device)
     except ConfigError as e:
@@ -1186,9 +1158,8 @@ def load_checkpoint(r):
 
 
 def save_generation_snapshot(r, gen):
-    """Weights at the end of generation `gen` (0 = warm-up) as out_dir/gen{gen}/model.safetensors,
-    for the per-generation analyses of eval_compositional.py (Lipschitz bound, paper Fig. 4;
-    easy-to-learn probe, Fig. 5)."""
+    """out_dir/gen{gen}/model.safetensors at the end of generation `gen` (0 = warm-up), for
+    eval_compositional.py's per-generation analyses (paper Figs. 4, 5)."""
     if r.rank == 0:
         d = os.path.join(r.args.out_dir, f"gen{gen}")
         os.makedirs(d, exist_ok=True)
@@ -1200,9 +1171,8 @@ def save_generation_snapshot(r, gen):
 
 
 def compute_loss(fwd, teacher, batch, phase, agent, r):
-    """-> (loss to backpropagate, contrastive loss for the log). `fwd` is the DDP-wrapped model
-    (or the model on one process): one forward call per micro-batch, so DDP sees every parameter
-    it uses. Hard-negative captions ride in the same text batch (NegCLIP)."""
+    """-> (loss to backpropagate, contrastive loss for the log). One forward call of `fwd` (the
+    DDP wrapper) per micro-batch; NegCLIP's negative captions ride in the same text batch."""
     images = batch["image"].to(r.device, non_blocking=True)
     text, n = batch["text"], batch["text"].shape[0]
     negclip = r.pool is not None and phase != "distill"
@@ -1243,19 +1213,16 @@ def compute_loss(fwd, teacher, batch, phase, agent, r):
 
 
 def setup_distributed(args):
-    ddp = int(os.environ.get("RANK", -1)) != -1
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    owns_pg = False
-    if ddp:
-        rank, local_rank, world = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"])
-        if args.device == "cuda":
-            args.device = f"cuda:{local_rank}"
-            torch.cuda.set_device(args.device)
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
-            owns_pg = True
-    else:
-        rank, world = 0, 1
+    if int(os.environ.get("RANK", -1)) == -1:
+        return 0, 1, False
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.device == "cuda":
+        args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(args.device)
+    owns_pg = not dist.is_initialized()
+    if owns_pg:
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
     return rank, world, owns_pg
 
 
@@ -1318,8 +1285,7 @@ def build_model_and_optimizer(args, cfg, device):
 
 
 def compile_encoders(model):
-    """torch.compile the two encoders (instance attributes shadow the methods; forward() calls
-    them), so the IL phase logic stays outside the graphs."""
+    """Compile the encoders only (instance attributes shadow the methods): IL logic stays eager."""
     model.encode_image, model.encode_text = torch.compile(model.encode_image), torch.compile(model.encode_text)
 
 
@@ -1334,10 +1300,8 @@ def frozen_copy(model, compile=False):
 
 
 def set_trainable(model, args, phase, agent):
-    """requires_grad per parameter for an IL phase. A frozen parameter gets no .grad, so AdamW
-    skips it entirely: no update, no weight decay, no state change (bitwise frozen).
-    DDP meets this changing set through find_unused_parameters=True: a parameter outside this
-    step's graph is marked ready with no gradient, and its .grad stays None on every rank."""
+    """requires_grad per IL phase: a frozen parameter gets no .grad, so AdamW leaves it bitwise
+    unchanged. DDP meets the changing set by find_unused_parameters=True (.grad stays None)."""
     frozen = set(UNUSED_WITH_CODEBOOK) if model.cfg.codebook_size else set()
     if phase == "distill":
         frozen.add("logit_scale")                          # the KD logits use a detached scale
@@ -1351,11 +1315,9 @@ def set_trainable(model, args, phase, agent):
 
 
 def spawn(r, gen):
-    """The IL spawn (paper Sec. 3.2), in one place: the current model becomes the frozen
-    distillation teacher; the spawned agent is re-initialised exactly as at step 0 from a
-    generation-derived seed (on the CPU: the same numbers everywhere) and its AdamW state is
-    cleared. It copies into the same Parameters, so the optimizer and the one DDP wrapper
-    survive every generation."""
+    """The IL spawn (paper Sec. 3.2): the model becomes the frozen teacher; the spawned agent is
+    re-initialised as at step 0 from a generation seed (on the CPU: same numbers on every rank),
+    its AdamW state cleared. Same Parameters, so the optimizer and DDP wrapper survive."""
     agent = spawn_agent(r.args, gen)
     save_generation_snapshot(r, gen - 1)
     r.teacher = frozen_copy(r.model, r.args.compile)
@@ -1370,8 +1332,7 @@ def spawn(r, gen):
 
 
 def estimate_flops_per_pair(cfg, text_len=None):
-    """Training FLOPs per image-text pair (3 x forward; 2 FLOPs per MAC). `text_len`: the text
-    length actually computed (after trim_text_padding; default the full context)."""
+    """Training FLOPs per pair (3 x forward, 2 per MAC) at text length `text_len` (default full)."""
     def tower(T, w, L):
         return L * (12 * T * w * w + 2 * T * T * w)
     P = (cfg.image_size // cfg.patch_size) ** 2
@@ -1407,11 +1368,9 @@ def estimate_mfu(cfg, pairs_per_s, device, text_len=None):
 
 
 def trim_text_padding(text, eot_token_id, multiple=8):
-    """Drop the columns after the batch's last EOT from a token batch still on the CPU (so the
-    length is known without a device sync). The result is exact: under the causal mask no position
-    up to a caption's EOT sees anything after it, and the codebook head ignores pads. Captions are
-    short next to the 77-token context, so the text tower and the text codebook scores shrink with
-    them. Rounded up to a multiple of 8 for tensor cores and so that compile sees few lengths."""
+    """Drop the columns after the batch's last EOT (on the CPU: no device sync). Exact: causal
+    attention never looks past a caption's EOT and the codebook head ignores pads. Rounded up
+    to a multiple of 8 for tensor cores and few compiled lengths."""
     if text.device.type != "cpu":
         return text
     n = int((text == eot_token_id).int().argmax(-1).max()) + 1
@@ -1494,6 +1453,8 @@ def train(r):
     t_last, step_last, trainable_for = time.time(), r.step, None
     if r.step >= end:          # nothing to train (e.g. --max_steps 0 to export --init weights)
         save_checkpoint(r)
+    # on stdout, as the per-step lines were: stderr keeps only error lines and the summary
+    bar = r.bar = tqdm(total=end, initial=r.step, unit="step", disable=r.rank != 0, dynamic_ncols=True, file=sys.stdout)
     while r.step < end:
         # the IL phase: one lookup (warm-up, then per generation spawn -> distill -> interact)
         phase, gen, _ = r.sched.at(r.step)
@@ -1529,6 +1490,7 @@ def train(r):
             lo, hi = (3.0, 6.0) if r.cfg.codebook_size else (0.0, math.log(100))
             model.logit_scale.clamp_(lo, hi)
         r.step += 1
+        bar.update()
         # sync points (the loop's only host-device syncs): log steps, save steps, phase changes
         # (a --stop_at step saves without a log line: the resumed run logs as an uninterrupted one)
         log_now = r.step % args.log_interval == 0 or r.step == args.max_steps or r.sched.at(r.step)[0] != phase
@@ -1542,6 +1504,7 @@ def train(r):
             stats[:2] /= r.world
         loss_v, clip_v, bad, stop = stats.tolist()
         if bad or (save_now or stop) and not all_finite(model, r.opt):
+            bar.close()
             if r.rank == 0:
                 print(f"error: non-finite loss or weights at step <= {r.step} (phase {phase}, generation "
                       f"{gen}); stopping, the last good checkpoint in {args.out_dir} is kept", file=sys.stderr)
@@ -1562,7 +1525,9 @@ def train(r):
             if r.rank == 0:
                 draw_loss_curve(r.metrics_path, os.path.join(args.out_dir, "loss_curve.png"), r.sched.spawn_steps)
         if stop:
+            bar.close()
             return "sigterm"
+    bar.close()
     if r.spawned and end == args.max_steps:
         save_generation_snapshot(r, r.spawned)
     return "done"
@@ -1572,8 +1537,7 @@ def log(r, rec):
     if r.rank == 0:
         with open(r.metrics_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        print(f"step {rec['step']}: loss {rec['loss']:.4f} (contrastive {rec['clip_loss']:.4f}), "
-              f"{rec['phase']} gen {rec['generation']}, {rec['samples_per_s']:.1f} samples/s", flush=True)
+        r.bar.set_postfix(loss=f"{rec['loss']:.4f}", phase=rec["phase"], gen=rec["generation"])
 
 
 # -----------------------------------------------------------------------------
@@ -1581,42 +1545,34 @@ def log(r, rec):
 
 
 CLIP_LOSS_COLOUR = (150, 150, 150)
+PHASE_COLOURS = {"warmup": (40, 90, 200), "train": (40, 90, 200), "distill": (220, 120, 0), "interact": (30, 150, 60)}
 
 
 def draw_loss_curve(metrics_path, png_path, boundaries=(), size=(900, 420)):
-    """The training loss coloured by phase and, in grey, the contrastive loss in every phase
-    (during distill the loss is KD): Fig. 3's spike at each spawn shows in the grey curve."""
+    """The loss coloured by phase and, in grey, the contrastive loss of every phase (the distill
+    loss is KD): Fig. 3's spike at each spawn shows in the grey curve."""
     from PIL import Image, ImageDraw
-    recs = []
-    if os.path.isfile(metrics_path):
-        with open(metrics_path) as f:
-            recs = [json.loads(line) for line in f if line.strip()]
-    recs = [r for r in recs if "loss" in r and math.isfinite(r["loss"])]
-    W, H = size
-    L, R, T, B = 60, 20, 20, 40
+    with open(metrics_path) if os.path.isfile(metrics_path) else nullcontext([]) as f:
+        recs = [r for r in map(json.loads, filter(str.strip, f)) if math.isfinite(r.get("loss", math.nan))]
+    (W, H), (L, R, T, B) = size, (60, 20, 20, 40)
     img = Image.new("RGB", size, "white")
     d = ImageDraw.Draw(img)
     d.rectangle([L, T, W - R, H - B], outline="black")
     if recs:
-        xs, ys = [r["step"] for r in recs], [r["loss"] for r in recs]
-        ys += [r["clip_loss"] for r in recs if math.isfinite(r.get("clip_loss", math.nan))]
-        x0, x1 = 0, max(max(xs), 1)
-        y0, y1 = min(ys), max(ys)
+        clip = lambda r: r.get("clip_loss", math.nan)
+        ys = [r["loss"] for r in recs] + [clip(r) for r in recs if math.isfinite(clip(r))]
+        x1, y0, y1 = max(max(r["step"] for r in recs), 1), min(ys), max(ys)
         y1 = y1 if y1 > y0 else y0 + 1
-        px = lambda x: L + (W - L - R) * (x - x0) / (x1 - x0)
+        px = lambda x: L + (W - L - R) * x / x1
         py = lambda y: H - B - (H - T - B) * (y - y0) / (y1 - y0)
-        for gi, b in enumerate(boundaries):
-            if b <= x1:
-                d.line([px(b), T, px(b), H - B], fill=(200, 120, 120))
-                d.text((px(b) + 3, T + 2), f"gen {gi + 1}", fill=(160, 60, 60))
-        colours = {"warmup": (40, 90, 200), "distill": (220, 120, 0), "interact": (30, 150, 60),
-                   "train": (40, 90, 200)}
+        for gi, b in enumerate(b for b in boundaries if b <= x1):
+            d.line([px(b), T, px(b), H - B], fill=(200, 120, 120))
+            d.text((px(b) + 3, T + 2), f"gen {gi + 1}", fill=(160, 60, 60))
         for a, b in zip(recs, recs[1:]):
-            if math.isfinite(a.get("clip_loss", math.nan)) and math.isfinite(b.get("clip_loss", math.nan)):
-                d.line([px(a["step"]), py(a["clip_loss"]), px(b["step"]), py(b["clip_loss"])],
-                       fill=CLIP_LOSS_COLOUR, width=1)
+            if math.isfinite(clip(a)) and math.isfinite(clip(b)):
+                d.line([px(a["step"]), py(clip(a)), px(b["step"]), py(clip(b))], fill=CLIP_LOSS_COLOUR, width=1)
             d.line([px(a["step"]), py(a["loss"]), px(b["step"]), py(b["loss"])],
-                   fill=colours.get(b.get("phase"), (0, 0, 0)), width=2)
+                   fill=PHASE_COLOURS.get(b.get("phase"), (0, 0, 0)), width=2)
         for v in (y0, (y0 + y1) / 2, y1):
             d.text((4, py(v) - 6), f"{v:.3f}", fill="black")
         d.text((L, H - B + 6), "0", fill="black")
@@ -1643,9 +1599,8 @@ def _embed(model, tok, images, captions, image_size, device, bs=256):
 
 @torch.no_grad()
 def evaluate_shapes(model, tok, device="cpu", n=200, n_val=500, seed=0):
-    """Image->text / text->image R@1 on shapes val (a hit = the retrieved item has the same
-    caption string) and hard-negative accuracy (strict >) per SugarCrepe category, plus
-    systematicity / productivity (the positive must beat every negative)."""
+    """i2t / t2i R@1 on shapes val (hit = same caption string) and hard-negative accuracy
+    (strict >, the positive beats every negative) per category."""
     was_training = model.training
     model.eval()
     size = model.cfg.image_size
@@ -1673,8 +1628,7 @@ def evaluate_shapes(model, tok, device="cpu", n=200, n_val=500, seed=0):
 
 
 def format_table(rows, label="method"):
-    """Markdown table in %: one result dict, or one row per {name: {metric: value or [values
-    over seeds]}} (lists shown as mean ± std)."""
+    """Markdown table in %: one result dict, or {name: {metric: value or [per-seed values]}}."""
     single = not isinstance(next(iter(rows.values())), dict)
     rows = {"": rows} if single else rows
     cols = list(next(iter(rows.values())))
@@ -1687,8 +1641,7 @@ def format_table(rows, label="method"):
 
 
 def summarize(root):
-    """Mean ± std (over seeds) of the shapes_eval.json of every run under `root`, grouped by
-    method: `python -c "import il_clip; il_clip.summarize('out/compare')"`."""
+    """Mean ± std over seeds of every run's shapes_eval.json under `root`, by method."""
     groups = {}
     for d in sorted(os.listdir(root)):
         res_path, cfg_path = os.path.join(root, d, "shapes_eval.json"), os.path.join(root, d, "config.json")
