@@ -2603,6 +2603,11 @@ SUBCOMMANDS = """subcommands (python composer.py SUBCOMMAND --help for each one'
   parse   write constituency trees into a copy of a caption file (benepar / stanza)"""
 
 
+# paper section 4 / appendix C: BERT-base sizes, PT 6 and CT 5 (S X S X S, ending in text self-attention)
+SIZE_PRESETS = {"shapes": dict(width=64, heads=4, pt_layers=1, ct_layers=3),
+                "paper": dict(width=768, heads=12, pt_layers=6, ct_layers=5)}
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description="COMPOSER: CRG, model, training, retrieval, MCD splits",
                                  epilog=SUBCOMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -2630,14 +2635,15 @@ def parse_args(argv):
     t.add_argument("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz (else a BPE trained on the captions)")
     t.add_argument("--vocab_size", type=int, default=1000)
     t.add_argument("--max_len", type=int, default=40)
-    t.add_argument("--preset", choices=["shapes", "paper"], default="shapes",
-                   help="shapes: the CPU sizes below; paper: width 768, 12 heads, PT 6, CT 5 (S X S X S, ending in "
-                        "text self-attention), overriding --width --heads --pt_layers --ct_layers")
-    t.add_argument("--width", type=int, default=64)
-    t.add_argument("--heads", type=int, default=4)
+    t.add_argument("--preset", choices=list(SIZE_PRESETS), default=None,
+                   help="default: shapes for --data shapes, paper otherwise. shapes: width 64, 4 heads, PT 1, CT 3 "
+                        "(CPU); paper: width 768, 12 heads, PT 6, CT 5 (S X S X S, ending in text self-attention). "
+                        "--width --heads --pt_layers --ct_layers override the preset")
+    t.add_argument("--width", type=int, default=None)
+    t.add_argument("--heads", type=int, default=None)
     t.add_argument("--vis_layers", type=int, default=1)
-    t.add_argument("--pt_layers", type=int, default=1)
-    t.add_argument("--ct_layers", type=int, default=3)
+    t.add_argument("--pt_layers", type=int, default=None)
+    t.add_argument("--ct_layers", type=int, default=None)
     t.add_argument("--modulator", choices=["film", "mlp", "replace"], default="film")
     t.add_argument("--no_crossatt_primitives", action="store_true")
     t.add_argument("--mvsa", choices=["hinge", "nll"], default="hinge")
@@ -2696,8 +2702,11 @@ def parse_args(argv):
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["train"] + list(argv)
     args = ap.parse_args(argv)
-    if getattr(args, "preset", None) == "paper":  # paper section 4 / appendix C: BERT-base sizes
-        args.width, args.heads, args.pt_layers, args.ct_layers = 768, 12, 6, 5
+    if args.cmd == "train":   # the paper's sizes on real data, CPU sizes on shapes; explicit flags win
+        args.preset = args.preset or ("shapes" if args.data.startswith("shapes") else "paper")
+        for k, v in SIZE_PRESETS[args.preset].items():
+            if getattr(args, k) is None:
+                setattr(args, k, v)
     return args
 
 

@@ -378,3 +378,14 @@ def test_damaged_checkpoint_falls_back_or_fails_in_one_line(tmp_path, capsys):
         C.main(["train", "--out_dir", out, "--max_steps", "6", "--resume"] + TRAIN)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and "train_state.json" in err[0]
+
+
+def test_paper_sizes_are_the_default_on_real_data():
+    """PT 6 / CT 5 at BERT-base width (paper section 4) unless the data is shapes; flags win."""
+    shapes = C.parse_args([])
+    assert (shapes.preset, shapes.width, shapes.pt_layers, shapes.ct_layers) == ("shapes", 64, 1, 3)
+    real = C.parse_args(["--data", "dataset_flickr30k.json"])
+    assert (real.preset, real.width, real.heads, real.pt_layers, real.ct_layers) == ("paper", 768, 12, 6, 5)
+    assert C._ct_kinds(5)[-1] == C._ct_kinds(5)[0]          # the CT ends in self-attention, as it starts
+    mixed = C.parse_args(["--data", "dataset_flickr30k.json", "--width", "256", "--ct_layers", "3"])
+    assert (mixed.width, mixed.heads, mixed.pt_layers, mixed.ct_layers) == (256, 12, 6, 3)
