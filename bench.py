@@ -388,8 +388,8 @@ def plain_pil(jpegs, size):
 
 
 def loader_epoch(pattern, size, workers, batch, tok=None, max_batches=None):
-    """(images/s after the first batch, CPU ms/image of main + workers incl. start-up, images)
-    over one epoch or max_batches."""
+    """(images/s after the first batch, CPU ms/image of main + workers incl. start-up, images read,
+    samples skipped) over one epoch or max_batches."""
     import itertools
     c = cpu_seconds()
     loader = data.make_loader(pattern, batch_size=batch, tokenizer=tok, image_size=size, train=True,
@@ -398,7 +398,7 @@ def loader_epoch(pattern, size, workers, batch, tok=None, max_batches=None):
     n = len(next(it)["caption"])          # workers started, first batch out: not timed
     t = time.perf_counter()
     m = sum(len(b["caption"]) for b in itertools.islice(it, max_batches))
-    return m / (time.perf_counter() - t), (cpu_seconds() - c) / (n + m) * 1e3, n + m
+    return m / (time.perf_counter() - t), (cpu_seconds() - c) / (n + m) * 1e3, n + m, loader.skipped
 
 
 def ms_per(fn, items, rounds=3):
@@ -444,9 +444,9 @@ def bench_data(args):
     if args.data != "jpeg":
         tok = data.build_tokenizer(captions=data.captions_for_tokenizer(args.data), vocab_size=1000, context_length=32)
         size = il_clip.MODEL_PRESETS[args.model]["image_size"]
-        rate, cpu_ms, n = loader_epoch(args.data, size, workers, B, tok, args.steps)
+        rate, cpu_ms, n, skipped = loader_epoch(args.data, size, workers, B, tok, args.steps)
         print(f"data {args.data}: image {size}, batch {B}, num_workers {workers}: {rate:,.1f} samples/s, "
-              f"{cpu_ms:.2f} CPU ms/sample, {n} samples (--steps batches; tokenizer and first batch not timed)")
+              f"{cpu_ms:.2f} CPU ms/sample, {n} samples (first batch and tokenizer not timed), skipped {skipped}")
         return 0
     with tempfile.TemporaryDirectory() as d:
         pattern, jpegs = make_jpeg_shards(d, N_JPEG)
