@@ -1469,8 +1469,24 @@ def _file_items(src: dict, split: str, csv_options: dict) -> list:
 def _ignore_sigterm(worker_id):
     """DataLoader worker_init_fn. torchrun's agent and SLURM send SIGTERM to the whole process
     group: a worker that died of it would crash the rank before it could checkpoint. Workers
-    ignore SIGTERM; the rank saves, then shuts them down (and they exit with a dead parent)."""
+    ignore SIGTERM; the rank saves, then shuts them down (and they exit with a dead parent).
+    The worker was forked with SIGTERM blocked (_start_workers); ignoring it first discards
+    one that arrived meanwhile."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def _start_workers(dl):
+    """iter(dl) with SIGTERM blocked while the workers are forked: between fork and
+    _ignore_sigterm, torch's worker handler would let a SIGTERM sent to the process group kill
+    the worker (and the rank with it). A SIGTERM to this process waits until the unblock."""
+    if dl.num_workers == 0:
+        return iter(dl)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return iter(dl)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class _Loader:
@@ -1586,7 +1602,7 @@ class MapLoader(_Loader):
         dl = torch.utils.data.DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers,
                                          collate_fn=_Collate(self.tokenizer, self.batch_extra), persistent_workers=False,
                                          pin_memory=self.pin_memory, worker_init_fn=_ignore_sigterm)
-        for batch in dl:
+        for batch in _start_workers(dl):
             self.batches_done += 1
             self._account(batch)
             if batch["caption"]:
@@ -1712,7 +1728,7 @@ class ShardLoader(_Loader):
         fresh, n_batches = self.batches_done == 0, 0
         dl = torch.utils.data.DataLoader(s, batch_size=None, num_workers=self.num_workers, persistent_workers=False,
                                          pin_memory=self.pin_memory, worker_init_fn=_ignore_sigterm)
-        for batch in dl:
+        for batch in _start_workers(dl):
             meta = batch.pop("_meta")
             self.records_done[meta["worker"]], self.last_worker = meta["records"], meta["worker"]
             self._account(batch)

@@ -840,13 +840,16 @@ def set_rng_state(st):
     np.random.set_state(("MT19937", np.array(st["numpy_rng"], dtype=np.uint32), 624, 0, 0.0))
 
 
-def rewind_metrics(out_dir, step) -> list:
-    """metrics.jsonl cut back to the checkpoint's step (no step appears twice after resume)."""
+def rewind_metrics(out_dir, step, rank=0) -> list:
+    """metrics.jsonl cut back to the checkpoint's step (no step appears twice after resume).
+    Rank 0 rewrites the file; the others only read it (two ranks replacing it would race)."""
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as f:
         kept = [m for m in (json.loads(l) for l in f if l.strip()) if m["step"] <= step]
+    if rank != 0:
+        return kept
     with open(path + ".tmp", "w") as f:
         f.writelines(json.dumps(m) + "\n" for m in kept)
     os.replace(path + ".tmp", path)
@@ -899,7 +902,7 @@ class Run:
         self.step, self.elapsed = st["step"], st.get("elapsed", 0.0)
         self.loader.load_state_dict(st["loader"])
         set_rng_state(st)
-        self.metrics = rewind_metrics(self.out_dir, self.step)
+        self.metrics = rewind_metrics(self.out_dir, self.step, self.rank)
 
     def log(self, m):
         self.metrics.append(m)
