@@ -1520,11 +1520,11 @@ def _text_items(args, spec, split):
     if src["kind"] == "imagefolder":
         raise ComposerError(f"{spec}: an ImageFolder has class labels, not captions")
     if src["kind"] != "tar":
-        for it in data._file_items(src, split, csv_options(args)):
+        for it in data.file_items(src, split, csv_options(args)):
             yield {"source": spec, "split": split, "key": it.key, "caption": it.caption or "", "tree": it.tree}
         return
     for shard in src["shards"]:  # a shard set is one split (SPEC.md section 1)
-        for r in data._tar_records(shard, keep_exts={"txt", "tree"}):
+        for r in data.tar_records(shard, keep_exts={"txt", "tree"}):
             if "__error__" in r:
                 yield {"source": spec, "split": split, "key": f"{shard}:{r['__key__']}", "caption": "",
                        "tree": None, "_error": "bad_shard"}
@@ -2542,7 +2542,7 @@ def cmd_parse(args):
 
     ext = src.rsplit(".", 1)[-1].lower()
     if ext == "json":
-        blob = data._read_json(src)
+        blob = data.read_json(src)
         for im in blob.get("images", []) if isinstance(blob, dict) else []:
             for sent in im.get("sentences", []):
                 sent["tree"] = tree_of(sent.get("raw"), sent.get("tree"))

@@ -946,6 +946,125 @@ def eval_transform(image_size: int) -> Compose:
 
 
 # -----------------------------------------------------------------------------
+# Text hard negatives (NegCLIP), made in the loader's workers: make_loader(batch_extra=
+# NegativeCaptions(tokenizer, seed)) adds "neg_text" and "neg_valid" to every batch.
+#
+# NegCLIP hard negatives (Yuksekgonul et al. 2023, §5): swap two words of one part of
+# speech, or flip a spatial relation. Choice: no tagger is allowed, so parts of speech come from a
+# closed-class lexicon, adjective suffixes and the position in a left-to-right noun-phrase chunk;
+# a word of unknown class (an -ing or -ed pre-modifier) is never swapped.
+DETERMINERS = set("a an the this that these those some several many his her their its my your our each every "
+                  "another no one two three four five six seven eight nine ten".split())
+CLOSED_CLASS = DETERMINERS | set(
+    "of in on at with by near under over above below behind beside between into onto through across along around "
+    "during for against inside outside toward towards past down up off out from about among like after before "
+    "without beneath underneath next to and or but while as who which where when whose he she it they we you him "
+    "them is are was were be been being am has have had do does did can could will would there very high".split())
+COLOUR_WORDS = set("red orange yellow green blue purple pink brown black white gray grey cyan magenta silver gold".split())
+ADJECTIVES = COLOUR_WORDS | set(
+    "small large big little tiny huge tall short long young old new wooden empty busy calm soft smiling happy "
+    "snowy sunny dark bright open full clean dirty wet dry hot cold fresh round square striped crowded concrete "
+    "pretty beautiful cute sandy grassy rocky cloudy furry colorful".split())
+ADJ_SUFFIX = re.compile(r".{3,}(ful|ous|ive|able|ible|ish|less)$")
+IRREGULAR_PLURALS = set("men women children people feet teeth mice geese sheep".split())
+RELATION_OPPOSITES = {"in front of": "behind", "behind": "in front of", "to the left of": "to the right of",
+                      "to the right of": "to the left of", "on top of": "under", "underneath": "on top of",
+                      "above": "below", "below": "above", "over": "under", "under": "over", "inside": "outside",
+                      "outside": "inside", "next to": "far from", "near": "far from", "far from": "next to",
+                      "left": "right", "right": "left"}
+
+
+def tag_caption(words):
+    """Coarse tags: DET, CLOSED, ADJ, NOUN (chunk head, .plural), MOD (pre-head nominal), VBG, VBZ, VBN."""
+    low = [w.lower() for w in words] + [""]
+    # "a man rides a horse": an -s word after an open-class word and before a closed-class one
+    vbz = {i for i in range(1, len(low) - 1) if low[i].endswith("s") and not low[i].endswith("ss")
+           and low[i - 1].isalpha() and low[i - 1] not in CLOSED_CLASS | ADJECTIVES and low[i + 1] in CLOSED_CLASS}
+    tags, in_np = [], False
+    for i, w in enumerate(low[:-1]):
+        nxt = low[i + 1]
+        nominal_next = nxt and i + 1 not in vbz and nxt not in CLOSED_CLASS and not nxt.endswith(("ing", "ed"))
+        if w in DETERMINERS:
+            tag, in_np = "DET", True
+        elif w in CLOSED_CLASS or not w.isalpha():
+            tag, in_np = "CLOSED", False
+        elif w in ADJECTIVES or ADJ_SUFFIX.match(w):
+            tag = "ADJ"
+        elif w.endswith("ing") and not in_np:
+            tag = "VBG"
+        elif w.endswith("ed") and len(w) > 4 and not in_np:
+            tag = "VBN"
+        elif i in vbz:
+            tag, in_np = "VBZ", False
+        elif nominal_next and (in_np or w.endswith(("ing", "ed"))):
+            tag = "MOD"                          # "dirt road", "parking lot", "striped shirt"
+        else:
+            plural = w in IRREGULAR_PLURALS or (w.endswith("s") and not w.endswith(("ss", "us", "is")))
+            tag, in_np = "NOUN.pl" if plural else "NOUN", False
+        if tag == "MOD" or tag == "ADJ":
+            in_np = True
+        tags.append(tag)
+    return tags
+
+
+def negative_caption(caption, rng):
+    """A NegCLIP hard negative: two nouns (same number), two adjectives or two verbs of one form
+    exchanged (never adjacent), or one spatial relation replaced by its opposite as a whole phrase
+    ("in front of" -> "behind"). None when the caption offers nothing."""
+    words = caption.split()
+    core = [w.strip(".,;:!?\"'") for w in words]
+    tags = tag_caption(core)
+    low = [w.lower() for w in core]
+    text = caption.lower()
+    spans = []                                    # relation phrases, longest first, not overlapping
+    for phrase in sorted(RELATION_OPPOSITES, key=len, reverse=True):
+        for m in re.finditer(rf"\b{phrase}\b", text):
+            if not any(m.start() < e and s < m.end() for s, e, _ in spans):
+                spans.append((m.start(), m.end(), phrase))
+    in_relation = {len(text[:s].split()) + k for s, e, _ in spans for k in range(len(text[s:e].split()))}
+    options = []
+    tags = [t + ".colour" if t == "ADJ" and low[i] in COLOUR_WORDS else t for i, t in enumerate(tags)]
+    for kind in ("NOUN", "NOUN.pl", "ADJ", "ADJ.colour", "VBG", "VBZ"):   # a colour swaps with a colour
+        idx = [i for i, t in enumerate(tags) if t == kind and i not in in_relation]
+        pairs = [(i, j) for i in idx for j in idx if j > i + 1 and low[i] != low[j]]
+        if pairs:
+            options.append(("swap", pairs))
+    if spans:
+        options.append(("flip", spans))
+    if not options:
+        return None
+    kind, cands = rng.choice(options)
+    if kind == "swap":
+        i, j = rng.choice(cands)
+        out = list(words)
+        out[i], out[j] = words[i].replace(core[i], core[j]), words[j].replace(core[j], core[i])
+    else:                                         # `text` is the caption lower-cased: same offsets
+        s, e, phrase = rng.choice(cands)
+        out = (caption[:s] + RELATION_OPPOSITES[phrase] + caption[e:]).split()
+    for i in range(len(out) - 1):               # keep "a"/"an" right, or the article gives it away
+        if out[i].lower() in ("a", "an"):
+            an = out[i + 1][0].lower() in "aeiou"
+            out[i] = ("An" if an else "A") if out[i][0].isupper() else ("an" if an else "a")
+    neg = " ".join(out)
+    return neg if neg.lower() != caption.lower() else None
+
+
+class NegativeCaptions:
+    """The loader's `batch_extra` for NegCLIP: hard-negative captions made and tokenized in the
+    data workers, off the training loop (about 10 ms per 256 captions on one core). A caption's
+    negative is a fixed function of (seed, caption), as NegCLIP precomputes one per caption.
+    neg_valid is False where a caption offers nothing to swap (its column is masked)."""
+
+    def __init__(self, tokenizer, seed):
+        self.tokenizer, self.seed = tokenizer, seed
+
+    def __call__(self, batch):
+        negs = [negative_caption(c, random.Random(f"{self.seed}:{c}")) for c in batch["caption"]]
+        return {"neg_text": self.tokenizer([n if n is not None else c for n, c in zip(negs, batch["caption"])]),
+                "neg_valid": torch.tensor([n is not None for n in negs])}
+
+
+# -----------------------------------------------------------------------------
 # Samples, batches and bad input
 #
 # Every reader turns one record of the user's data into a sample dict {"image": float
@@ -1138,21 +1257,11 @@ def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath
     return items
 
 
-def _read_json(path: str):
-    try:
-        with open(path, encoding="utf-8-sig") as f:  # -sig: tolerate a byte-order mark
-            return json.load(f)
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: malformed JSON ({e})") from None
-
-
 def _karpathy_images(json_path: str, image_root: str | None, split: str) -> list:
     """[(image path, key, [(raw caption, tree or None), ...])] of one split of a Karpathy JSON
     (key = filepath/filename without extension).
     split "train" also takes "restval" (the usual 113k COCO training set)."""
-    blob = _read_json(json_path)
+    blob = read_json(json_path)
     images = blob.get("images") if isinstance(blob, dict) else None
     if not isinstance(images, list):
         raise DataError(f"{json_path}: malformed Karpathy JSON: no 'images' list")
@@ -1302,7 +1411,7 @@ def expand_braces(pattern: str) -> list:
     return [re.sub(r"\\(.)", r"\1", name) for name in _expand_unescaped(pattern)]
 
 
-def _tar_records(path: str, keep_exts=None):
+def tar_records(path: str, keep_exts=None):
     """Records of one tar, streaming. keep_exts: read only these members' bytes (others are
     marked present with b"")."""
     cur = None
@@ -1357,13 +1466,13 @@ def _shard_count(path: str) -> int | None:
     folder, name = os.path.split(path)
     stats = os.path.join(folder, name.rsplit(".", 1)[0] + "_stats.json")
     if os.path.exists(stats):
-        blob = _read_json(stats)
+        blob = read_json(stats)
         if isinstance(blob, dict) and isinstance(blob.get("successes", blob.get("count")), int):
             return blob.get("successes", blob.get("count"))
         raise DataError(f"{stats}: malformed img2dataset stats (no 'successes' count)")
     sizes = os.path.join(folder, "sizes.json")
     if os.path.exists(sizes):
-        blob = _read_json(sizes)
+        blob = read_json(sizes)
         return blob.get(name) if isinstance(blob, dict) else None
     return None
 
@@ -1454,7 +1563,7 @@ def resolve_data(spec: str, image_root: str | None = None) -> dict:
     return _tar_source([spec]) if kind == "tar" else {"kind": kind, "path": spec, "image_root": image_root}
 
 
-def _file_items(src: dict, split: str, csv_options: dict) -> list:
+def file_items(src: dict, split: str, csv_options: dict) -> list:
     if src["kind"] == "csv":
         return csv_items(src["path"], src["image_root"], **csv_options)
     if src["kind"] == "karpathy":
@@ -1651,7 +1760,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                 random.Random(f"shards/{self.seed}/{self.epoch}").shuffle(shards)
             stride = len(shards) < n_slots
             shards = shards if stride else shards[slot::n_slots]
-        records = (r for shard in shards for r in _tar_records(shard))
+        records = (r for shard in shards for r in tar_records(shard))
         if stride:
             records = (r for i, r in enumerate(records) if i % n_slots == slot)
         if self.train and self.shuffle_buffer > 1:
@@ -1798,7 +1907,7 @@ def make_loader(spec: str, split: str = "train", batch_size: int = 64, tokenizer
                                  shuffle_buffer=shuffle_buffer, num_samples=src["num_samples"], name=spec,
                                  max_skip_fraction=max_skip_fraction, **loader_args)
         else:
-            items = _file_items(src, split, dict(img_key=csv_img_key, caption_key=csv_caption_key,
+            items = file_items(src, split, dict(img_key=csv_img_key, caption_key=csv_caption_key,
                                                  separator=csv_separator))
             loader = MapLoader(FileDataset(items, transform, seed), batch_size, name=spec,
                                max_skip_fraction=max_skip_fraction, **loader_args)
@@ -1814,11 +1923,216 @@ def captions_for_tokenizer(spec: str, max_captions: int = 100_000, split: str = 
     if src["kind"] == "shapes":
         return shapes_captions(min(max_captions, 5000), src.get("seed", 0))
     if src["kind"] == "tar":
-        records = (r for s in src["shards"] for r in _tar_records(s, keep_exts={"txt"}))
+        records = (r for s in src["shards"] for r in tar_records(s, keep_exts={"txt"}))
         caps = (r["txt"].decode("utf-8", "replace") for r in records if r.get("txt"))
     else:
-        caps = (it.caption for it in _file_items(src, split, csv_options))
+        caps = (it.caption for it in file_items(src, split, csv_options))
     return [c for c in itertools.islice((c for c in caps if c and c.strip()), max_captions)]
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints and run logs, one layout for the three training scripts. out_dir/checkpoint/ holds
+# model.safetensors, config.json, tokenizer.json (when the run has one), train_state.safetensors
+# (optimizer moments and the run's other tensors) and train_state.json (step, RNG, data position).
+# The set is written into checkpoint.tmp/, fsynced and switched in by renames, so checkpoint/
+# (or, after a save cut short mid-switch, checkpoint.prev/) always holds one complete step.
+# safetensors + JSON: loading never runs pickled code.
+
+CHECKPOINT_FILES = ("model.safetensors", "config.json", "train_state.safetensors", "train_state.json")
+
+
+def read_json(path: str):
+    try:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: tolerate a byte-order mark
+            return json.load(f)
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: malformed JSON ({e})") from None
+
+
+def fsync(path: str, write=None):
+    """write(path) if given, then flush the file or folder to disk: a checkpoint must survive a
+    power cut or SIGKILL, not only a crash of this process."""
+    if write is not None:
+        write(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, write):
+    """write(tmp), then rename over `path`: a reader never sees half a file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_tensors(path: str, tensors: dict, step: int):
+    from safetensors.torch import save_file
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    fsync(path, lambda p: save_file(tensors, p, metadata={"step": str(step)}))
+
+
+def save_json(path: str, obj):
+    def write(p):
+        with open(p, "w") as f:
+            json.dump(obj, f, indent=1)
+    fsync(path, write)
+
+
+def write_checkpoint(out_dir: str, model_state: dict, config: dict, tensors: dict, state: dict, tokenizer=None):
+    """Rank 0: the whole set into checkpoint.tmp/, fsync, then checkpoint/ -> checkpoint.prev/,
+    checkpoint.tmp/ -> checkpoint/, and checkpoint.prev/ removed. `state` must hold "step";
+    config.json is also copied to out_dir (the run's own record)."""
+    import shutil
+    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    step = state["step"]
+    save_tensors(os.path.join(tmp, "model.safetensors"), model_state, step)
+    save_json(os.path.join(tmp, "config.json"), config)
+    if tokenizer is not None:
+        fsync(tmp, tokenizer.save)
+    save_tensors(os.path.join(tmp, "train_state.safetensors"), tensors, step)
+    save_json(os.path.join(tmp, "train_state.json"), state)
+    fsync(tmp)
+    atomic_write(os.path.join(out_dir, "config.json"), lambda p: save_json(p, config))
+    if os.path.isdir(final):
+        shutil.rmtree(prev, ignore_errors=True)
+        os.replace(final, prev)
+    os.replace(tmp, final)
+    fsync(out_dir)
+    shutil.rmtree(prev, ignore_errors=True)
+
+
+def read_checkpoint(folder: str, device="cpu") -> tuple:
+    """(model tensors, train-state tensors, train_state.json) of one checkpoint folder, or a
+    DataError naming the file that is missing, damaged or from another step."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    for name in CHECKPOINT_FILES:
+        if not os.path.isfile(os.path.join(folder, name)):
+            raise DataError(f"{os.path.join(folder, name)}: missing (incomplete checkpoint)")
+    state = read_json(os.path.join(folder, "train_state.json"))
+    read_json(os.path.join(folder, "config.json"))
+    out = []
+    for name in ("model.safetensors", "train_state.safetensors"):
+        path = os.path.join(folder, name)
+        try:
+            with safe_open(path, "pt") as f:
+                step = (f.metadata() or {}).get("step")
+            out.append(load_file(path, device=str(device)))
+        except Exception as e:
+            raise DataError(f"{path}: damaged ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+        if not isinstance(state, dict) or step != str(state.get("step")):
+            raise DataError(f"{path}: from step {step}, train_state.json from step "
+                            f"{state.get('step') if isinstance(state, dict) else None}")
+    return out[0], out[1], state
+
+
+def load_checkpoint(out_dir: str, device="cpu") -> tuple:
+    """read_checkpoint of out_dir/checkpoint/, else of a complete checkpoint.prev/ (said on stderr)."""
+    try:
+        return read_checkpoint(os.path.join(out_dir, "checkpoint"), device)
+    except DataError as e:
+        prev = os.path.join(out_dir, "checkpoint.prev")
+        if not os.path.isdir(prev):
+            raise
+        found = read_checkpoint(prev, device)
+        print(f"note: {e}; resuming from the previous complete checkpoint {prev} "
+              f"(step {found[2]['step']})", file=sys.stderr)
+        return found
+
+
+def optimizer_state(opt) -> tuple:
+    """opt.state_dict() as (tensors "opt.{i}.{name}", JSON-able rest) for a checkpoint."""
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for i, st in sd["state"].items():
+        for name, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"opt.{i}.{name}"] = v
+            else:
+                scalars[f"{i}.{name}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def load_optimizer_state(opt, tensors: dict, info: dict):
+    state = {}
+    for key, v in [(k[4:], v) for k, v in tensors.items() if k.startswith("opt.")] + list(info["scalars"].items()):
+        i, name = key.split(".", 1)
+        state.setdefault(int(i), {})[name] = v
+    opt.load_state_dict({"state": state, "param_groups": info["param_groups"]})
+
+
+def rng_state(device=None) -> dict:
+    """torch (and CUDA), numpy and python RNG states as JSON."""
+    npst, pyst = np.random.get_state(), random.getstate()
+    cuda = device is not None and torch.device(device).type == "cuda"
+    return {"torch": torch.get_rng_state().tolist(),
+            "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if cuda else None,
+            "numpy": [npst[0], npst[1].tolist()] + list(npst[2:]),
+            "python": [pyst[0], list(pyst[1]), pyst[2]]}
+
+
+def set_rng_state(st: dict, device=None):
+    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
+    if st.get("cuda") and device is not None and torch.device(device).type == "cuda":
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
+    n, p = st["numpy"], st["python"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+    random.setstate((p[0], tuple(p[1]), p[2]))
+
+
+def all_finite(tensors) -> bool:
+    """Every floating-point tensor finite? (checked before a save: never a NaN checkpoint)"""
+    flags = [torch.isfinite(t).all() for t in tensors if torch.is_tensor(t) and t.is_floating_point()]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
+def rewind_metrics(path: str, step: int, rank: int = 0) -> list:
+    """metrics.jsonl cut back to a resumed checkpoint's step, so no step appears twice. Only
+    rank 0 rewrites the file (two ranks replacing it would race); every rank gets the records."""
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        kept = [m for m in map(json.loads, filter(str.strip, f)) if m["step"] <= step]
+    if rank == 0:
+        atomic_write(path, lambda p: open(p, "w").writelines(json.dumps(m) + "\n" for m in kept))
+    return kept
+
+
+def plot_curves(path: str, series: dict, boundaries=(), caption: str = "", size=(900, 420)):
+    """A PNG of curves {name: ([steps], [values], colour or [colour per point])} on shared axes,
+    drawn with PIL (no matplotlib in this project); `boundaries`: steps marked by a red line
+    (e.g. IL spawns). Non-finite points are dropped."""
+    curves = [[(x, y, c[i] if isinstance(c, list) else c) for i, (x, y) in enumerate(zip(xs, ys))
+               if math.isfinite(y)] for xs, ys, c in series.values()]
+    pts = [p for curve in curves for p in curve]
+    (W, H), (L, R, T, B) = size, (60, 20, 20, 40)
+    img = Image.new("RGB", size, "white")
+    d = ImageDraw.Draw(img)
+    d.rectangle([L, T, W - R, H - B], outline="black")
+    if pts:
+        x1, y0, y1 = max(max(p[0] for p in pts), 1), min(p[1] for p in pts), max(p[1] for p in pts)
+        y1 = y1 if y1 > y0 else y0 + 1
+        px = lambda x: L + (W - L - R) * x / x1
+        py = lambda y: H - B - (H - T - B) * (y - y0) / (y1 - y0)
+        for i, b in enumerate(b for b in boundaries if b <= x1):
+            d.line([px(b), T, px(b), H - B], fill=(200, 120, 120))
+            d.text((px(b) + 3, T + 2), f"gen {i + 1}", fill=(160, 60, 60))
+        for curve in curves:        # a segment takes the colour of its end point
+            for (xa, ya, _), (xb, yb, c) in zip(curve, curve[1:]):
+                d.line([px(xa), py(ya), px(xb), py(yb)], fill=c, width=2)
+        for v in (y0, (y0 + y1) / 2, y1):
+            d.text((4, py(v) - 6), f"{v:.3f}", fill="black")
+        d.text((L, H - B + 6), "0", fill="black")
+        d.text((W - R - 40, H - B + 6), str(x1), fill="black")
+    d.text((L, H - 18), f"step   {caption}", fill="black")
+    atomic_write(path, lambda p: img.save(p, format="PNG"))
 
 
 # -----------------------------------------------------------------------------

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import random
-import re
 import signal
 import sys
 import time
@@ -657,121 +656,6 @@ def kd_loss(anchor, student, teacher, scale, temp=1.0):
     return (a2x + x2a) / 2
 
 
-# --- NegCLIP hard negatives (Yuksekgonul et al. 2023, §5): swap two words of one part of
-# speech, or flip a spatial relation. Choice: no tagger is allowed, so parts of speech come from a
-# closed-class lexicon, adjective suffixes and the position in a left-to-right noun-phrase chunk;
-# a word of unknown class (an -ing or -ed pre-modifier) is never swapped.
-DETERMINERS = set("a an the this that these those some several many his her their its my your our each every "
-                  "another no one two three four five six seven eight nine ten".split())
-CLOSED_CLASS = DETERMINERS | set(
-    "of in on at with by near under over above below behind beside between into onto through across along around "
-    "during for against inside outside toward towards past down up off out from about among like after before "
-    "without beneath underneath next to and or but while as who which where when whose he she it they we you him "
-    "them is are was were be been being am has have had do does did can could will would there very high".split())
-COLOURS = set("red orange yellow green blue purple pink brown black white gray grey cyan magenta silver gold".split())
-ADJECTIVES = COLOURS | set(
-    "small large big little tiny huge tall short long young old new wooden empty busy calm soft smiling happy "
-    "snowy sunny dark bright open full clean dirty wet dry hot cold fresh round square striped crowded concrete "
-    "pretty beautiful cute sandy grassy rocky cloudy furry colorful".split())
-ADJ_SUFFIX = re.compile(r".{3,}(ful|ous|ive|able|ible|ish|less)$")
-IRREGULAR_PLURALS = set("men women children people feet teeth mice geese sheep".split())
-RELATION_OPPOSITES = {"in front of": "behind", "behind": "in front of", "to the left of": "to the right of",
-                      "to the right of": "to the left of", "on top of": "under", "underneath": "on top of",
-                      "above": "below", "below": "above", "over": "under", "under": "over", "inside": "outside",
-                      "outside": "inside", "next to": "far from", "near": "far from", "far from": "next to",
-                      "left": "right", "right": "left"}
-
-
-def tag_caption(words):
-    """Coarse tags: DET, CLOSED, ADJ, NOUN (chunk head, .plural), MOD (pre-head nominal), VBG, VBZ, VBN."""
-    low = [w.lower() for w in words] + [""]
-    # "a man rides a horse": an -s word after an open-class word and before a closed-class one
-    vbz = {i for i in range(1, len(low) - 1) if low[i].endswith("s") and not low[i].endswith("ss")
-           and low[i - 1].isalpha() and low[i - 1] not in CLOSED_CLASS | ADJECTIVES and low[i + 1] in CLOSED_CLASS}
-    tags, in_np = [], False
-    for i, w in enumerate(low[:-1]):
-        nxt = low[i + 1]
-        nominal_next = nxt and i + 1 not in vbz and nxt not in CLOSED_CLASS and not nxt.endswith(("ing", "ed"))
-        if w in DETERMINERS:
-            tag, in_np = "DET", True
-        elif w in CLOSED_CLASS or not w.isalpha():
-            tag, in_np = "CLOSED", False
-        elif w in ADJECTIVES or ADJ_SUFFIX.match(w):
-            tag = "ADJ"
-        elif w.endswith("ing") and not in_np:
-            tag = "VBG"
-        elif w.endswith("ed") and len(w) > 4 and not in_np:
-            tag = "VBN"
-        elif i in vbz:
-            tag, in_np = "VBZ", False
-        elif nominal_next and (in_np or w.endswith(("ing", "ed"))):
-            tag = "MOD"                          # "dirt road", "parking lot", "striped shirt"
-        else:
-            plural = w in IRREGULAR_PLURALS or (w.endswith("s") and not w.endswith(("ss", "us", "is")))
-            tag, in_np = "NOUN.pl" if plural else "NOUN", False
-        if tag == "MOD" or tag == "ADJ":
-            in_np = True
-        tags.append(tag)
-    return tags
-
-
-def negative_caption(caption, rng):
-    """A NegCLIP hard negative: two nouns (same number), two adjectives or two verbs of one form
-    exchanged (never adjacent), or one spatial relation replaced by its opposite as a whole phrase
-    ("in front of" -> "behind"). None when the caption offers nothing."""
-    words = caption.split()
-    core = [w.strip(".,;:!?\"'") for w in words]
-    tags = tag_caption(core)
-    low = [w.lower() for w in core]
-    text = caption.lower()
-    spans = []                                    # relation phrases, longest first, not overlapping
-    for phrase in sorted(RELATION_OPPOSITES, key=len, reverse=True):
-        for m in re.finditer(rf"\b{phrase}\b", text):
-            if not any(m.start() < e and s < m.end() for s, e, _ in spans):
-                spans.append((m.start(), m.end(), phrase))
-    in_relation = {len(text[:s].split()) + k for s, e, _ in spans for k in range(len(text[s:e].split()))}
-    options = []
-    tags = [t + ".colour" if t == "ADJ" and low[i] in COLOURS else t for i, t in enumerate(tags)]
-    for kind in ("NOUN", "NOUN.pl", "ADJ", "ADJ.colour", "VBG", "VBZ"):   # a colour swaps with a colour
-        idx = [i for i, t in enumerate(tags) if t == kind and i not in in_relation]
-        pairs = [(i, j) for i in idx for j in idx if j > i + 1 and low[i] != low[j]]
-        if pairs:
-            options.append(("swap", pairs))
-    if spans:
-        options.append(("flip", spans))
-    if not options:
-        return None
-    kind, cands = rng.choice(options)
-    if kind == "swap":
-        i, j = rng.choice(cands)
-        out = list(words)
-        out[i], out[j] = words[i].replace(core[i], core[j]), words[j].replace(core[j], core[i])
-    else:                                         # `text` is the caption lower-cased: same offsets
-        s, e, phrase = rng.choice(cands)
-        out = (caption[:s] + RELATION_OPPOSITES[phrase] + caption[e:]).split()
-    for i in range(len(out) - 1):               # keep "a"/"an" right, or the article gives it away
-        if out[i].lower() in ("a", "an"):
-            an = out[i + 1][0].lower() in "aeiou"
-            out[i] = ("An" if an else "A") if out[i][0].isupper() else ("an" if an else "a")
-    neg = " ".join(out)
-    return neg if neg.lower() != caption.lower() else None
-
-
-class NegativeCaptions:
-    """The loader's `batch_extra` for NegCLIP: hard-negative captions made and tokenized in the
-    data workers, off the training loop (about 10 ms per 256 captions on one core). A caption's
-    negative is a fixed function of (seed, caption), as NegCLIP precomputes one per caption.
-    neg_valid is False where a caption offers nothing to swap (its column is masked)."""
-
-    def __init__(self, tokenizer, seed):
-        self.tokenizer, self.seed = tokenizer, seed
-
-    def __call__(self, batch):
-        negs = [negative_caption(c, random.Random(f"{self.seed}:{c}")) for c in batch["caption"]]
-        return {"neg_text": self.tokenizer([n if n is not None else c for n, c in zip(negs, batch["caption"])]),
-                "neg_valid": torch.tensor([n is not None for n in negs])}
-
-
 class ImagePool:
     """FIFO pool of detached global image embeddings (same on every rank); an image's hard
     negative is its nearest neighbour here."""
@@ -946,7 +830,7 @@ def load_model(path, device="cpu", quick_gelu=None):
         cfg_path = os.path.join(d, "config.json")
         if not os.path.isfile(cfg_path):
             raise ConfigError(f"{cfg_path}: not found (not a checkpoint directory)")
-        config = read_json(cfg_path)
+        config = data.read_json(cfg_path)
         names = {f.name for f in fields(ModelConfig)}
         cfg = ModelConfig(**{k: v for k, v in config["model"].items() if k in names})
         sd = read_state_dict(os.path.join(d, "model.safetensors"))
@@ -967,177 +851,28 @@ def load_model(path, device="cpu", quick_gelu=None):
     return model.to(device).eval(), tok, config
 
 
-def read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: {type(e).__name__}: {str(e)[:200]}")
-
-
-def _fsync(path, write=None):
-    """write(path) if given, then flush the file or folder to disk (a checkpoint must survive a
-    power cut or SIGKILL)."""
-    if write is not None:
-        write(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def save_tensors(path, tensors, step):
-    from safetensors.torch import save_file
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    _fsync(path, lambda p: save_file(tensors, p, metadata={"step": str(step)}))
-
-
-def save_json(path, obj):
-    def write(p):
-        with open(p, "w") as f:
-            json.dump(obj, f, indent=1)
-    _fsync(path, write)
-
-
-def _atomic(path, write):
-    tmp = f"{path}.tmp{os.getpid()}"
-    write(tmp)
-    os.replace(tmp, path)
-
-
-# -----------------------------------------------------------------------------
-# checkpoints: out_dir/checkpoint/ = model.safetensors, config.json, tokenizer.json,
-# train_state.safetensors, train_state.json; written into checkpoint.tmp/ and switched in with
-# renames, so checkpoint/ (or, mid-switch, checkpoint.prev/) is always one complete step
-
-
-CKPT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "train_state.safetensors",
-              "train_state.json")
-
-
-def write_checkpoint(out_dir, model, config, tok, tensors, state):
-    """Rank 0: the whole set into checkpoint.tmp/, fsync, then checkpoint/ -> checkpoint.prev/,
-    checkpoint.tmp/ -> checkpoint/, and checkpoint.prev/ removed."""
-    import shutil
-    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    step = state["step"]
-    save_tensors(os.path.join(tmp, "model.safetensors"), model.state_dict(), step)
-    save_json(os.path.join(tmp, "config.json"), config)
-    _fsync(tmp, tok.save)
-    save_tensors(os.path.join(tmp, "train_state.safetensors"), tensors, step)
-    save_json(os.path.join(tmp, "train_state.json"), state)
-    _fsync(tmp)
-    if os.path.isdir(final):
-        shutil.rmtree(prev, ignore_errors=True)
-        os.replace(final, prev)
-    os.replace(tmp, final)
-    _fsync(out_dir)
-    shutil.rmtree(prev, ignore_errors=True)
-
-
-def read_checkpoint(d, device):
-    """(model tensors, train-state tensors, train_state.json), or a ConfigError naming the file
-    that is missing, damaged or from another step."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-    for name in CKPT_FILES:
-        if not os.path.isfile(os.path.join(d, name)):
-            raise ConfigError(f"{os.path.join(d, name)}: missing (incomplete checkpoint)")
-    state = read_json(os.path.join(d, "train_state.json"))
-    out = []
-    for name in ("model.safetensors", "train_state.safetensors"):
-        p = os.path.join(d, name)
-        try:
-            with safe_open(p, "pt") as f:
-                step = (f.metadata() or {}).get("step")
-            out.append(load_file(p, device=str(device)))
-        except Exception as e:
-            raise ConfigError(f"{p}: damaged ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
-        if step != str(state.get("step")):
-            raise ConfigError(f"{p}: from step {step}, train_state.json from step {state.get('step')}")
-    return out[0], out[1], state
-
-
-def find_checkpoint(out_dir, device):
-    """checkpoint/, else a complete checkpoint.prev/ (a save cut short while switching)."""
-    try:
-        return read_checkpoint(os.path.join(out_dir, "checkpoint"), device)
-    except ConfigError as e:
-        prev = os.path.join(out_dir, "checkpoint.prev")
-        if not os.path.isdir(prev):
-            raise
-        found = read_checkpoint(prev, device)
-        print(f"note: {e}; resuming from the previous complete checkpoint {prev} "
-              f"(step {found[2]['step']})", file=sys.stderr)
-        return found
-
-
-def rng_state(device):
-    npst = np.random.get_state()
-    return {"torch": torch.get_rng_state().tolist(),
-            "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if device.type == "cuda" else None,
-            "numpy": [npst[0], npst[1].tolist()] + list(npst[2:]),
-            "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]]}
-
-
-def set_rng_state(rng, device):
-    torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
-    if rng.get("cuda") and device.type == "cuda":
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in rng["cuda"]])
-    n, p = rng["numpy"], rng["python"]
-    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
-    random.setstate((p[0], tuple(p[1]), p[2]))
-
-
-def all_finite(model, opt):
-    """Weights and optimizer state finite? (checked before every save: never a NaN checkpoint)"""
-    ts = list(model.state_dict().values()) + [v for st in opt.state.values() for v in st.values()
-                                              if torch.is_tensor(v) and v.is_floating_point()]
-    return bool(torch.stack([torch.isfinite(t).all() for t in ts]).all())
-
-
 def save_checkpoint(r):
-    """Everything --resume needs to continue bit-exactly from r.step (rank 0 writes)."""
+    """Everything --resume needs to continue bit-exactly from r.step, in data.py's checkpoint
+    layout (rank 0 writes)."""
     if r.rank != 0:
         return
-    osd = r.opt.state_dict()
-    tensors, scalars = {}, {}
-    for i, st in osd["state"].items():
-        for k, v in st.items():
-            if torch.is_tensor(v):
-                tensors[f"opt.{i}.{k}"] = v
-            else:
-                scalars[f"{i}.{k}"] = v
+    tensors, optimizer = data.optimizer_state(r.opt)
     if r.teacher is not None:
         tensors.update({f"teacher.{k}": v for k, v in r.teacher.state_dict().items()})
     if r.pool is not None:
         tensors["pool.emb"], tensors["pool.ptr"] = r.pool.emb, r.pool.ptr
     tensors["log.sums"] = r.sums          # the partial loss averages of the current log interval
-    state = {"step": r.step, "spawned": r.spawned, "param_groups": osd["param_groups"],
-             "opt_scalars": scalars, "loader": r.loader.state_dict(),
+    state = {"step": r.step, "spawned": r.spawned, "optimizer": optimizer, "loader": r.loader.state_dict(),
              "pool_count": r.pool.count if r.pool is not None else 0,
-             "log": {"n": r.n_loss, "text_tokens": r.text_tokens}, "rng": rng_state(r.device)}
+             "log": {"n": r.n_loss, "text_tokens": r.text_tokens}, "rng": data.rng_state(r.device)}
     config = {**vars(r.args), "model": asdict(r.cfg), "world_size": r.world}
-    os.makedirs(r.args.out_dir, exist_ok=True)
-    save_json(os.path.join(r.args.out_dir, "config.json"), config)
-    write_checkpoint(r.args.out_dir, r.model, config, r.tok, tensors, state)
+    data.write_checkpoint(r.args.out_dir, r.model.state_dict(), config, tensors, state, r.tok)
 
 
 def load_checkpoint(r):
-    sd, ts, state = find_checkpoint(r.args.out_dir, r.device)
+    sd, ts, state = data.load_checkpoint(r.args.out_dir, r.device)
     load_state_checked(r.model, sd, os.path.join(r.args.out_dir, "checkpoint"))
-    opt_state = {}
-    for k, v in ts.items():
-        if k.startswith("opt."):
-            _, i, name = k.split(".", 2)
-            opt_state.setdefault(int(i), {})[name] = v
-    for k, v in state["opt_scalars"].items():
-        i, name = k.split(".", 1)
-        opt_state.setdefault(int(i), {})[name] = v
-    r.opt.load_state_dict({"state": opt_state, "param_groups": state["param_groups"]})
+    data.load_optimizer_state(r.opt, ts, state["optimizer"])
     r.step, r.spawned = state["step"], state["spawned"]
     teacher = {k[8:]: v for k, v in ts.items() if k.startswith("teacher.")}
     if teacher:
@@ -1150,11 +885,8 @@ def load_checkpoint(r):
     r.sums.copy_(ts["log.sums"])
     r.n_loss, r.text_tokens = state["log"]["n"], state["log"]["text_tokens"]
     r.loader.load_state_dict(state["loader"])
-    set_rng_state(state["rng"], r.device)
-    if r.rank == 0:     # cut the log back to the checkpoint: no step appears twice
-        with open(r.metrics_path) if os.path.isfile(r.metrics_path) else nullcontext([]) as f:
-            keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= r.step]
-        _atomic(r.metrics_path, lambda p: open(p, "w").writelines(keep))
+    data.set_rng_state(state["rng"], r.device)
+    data.rewind_metrics(r.metrics_path, r.step, r.rank)
 
 
 def save_generation_snapshot(r, gen):
@@ -1163,7 +895,7 @@ def save_generation_snapshot(r, gen):
     if r.rank == 0:
         d = os.path.join(r.args.out_dir, f"gen{gen}")
         os.makedirs(d, exist_ok=True)
-        save_tensors(os.path.join(d, "model.safetensors"), r.model.state_dict(), r.step)
+        data.save_tensors(os.path.join(d, "model.safetensors"), r.model.state_dict(), r.step)
 
 
 # -----------------------------------------------------------------------------
@@ -1420,7 +1152,7 @@ def setup(args, rank, world, tok=None):
     r.pool = negatives = None
     if args.method == "negclip" or args.negatives:
         r.pool = ImagePool(args.neg_pool, r.cfg.code_dim if r.cfg.codebook_size else r.cfg.embed_dim, r.device)
-        negatives = NegativeCaptions(r.tok, args.seed)
+        negatives = data.NegativeCaptions(r.tok, args.seed)   # hard-negative captions, made in the workers
     r.loader = data.make_loader(
         args.data, split="train", batch_size=args.batch_size // (world * args.accum), tokenizer=r.tok,
         image_size=r.cfg.image_size, train=True, rank=rank, world_size=world, num_workers=args.num_workers,
@@ -1503,7 +1235,8 @@ def train(r):
             dist.all_reduce(stats)
             stats[:2] /= r.world
         loss_v, clip_v, bad, stop = stats.tolist()
-        if bad or (save_now or stop) and not all_finite(model, r.opt):
+        if bad or (save_now or stop) and not data.all_finite(
+                [*model.state_dict().values(), *(v for st in r.opt.state.values() for v in st.values())]):
             bar.close()
             if r.rank == 0:
                 print(f"error: non-finite loss or weights at step <= {r.step} (phase {phase}, generation "
@@ -1548,37 +1281,16 @@ CLIP_LOSS_COLOUR = (150, 150, 150)
 PHASE_COLOURS = {"warmup": (40, 90, 200), "train": (40, 90, 200), "distill": (220, 120, 0), "interact": (30, 150, 60)}
 
 
-def draw_loss_curve(metrics_path, png_path, boundaries=(), size=(900, 420)):
+def draw_loss_curve(metrics_path, png_path, boundaries=()):
     """The loss coloured by phase and, in grey, the contrastive loss of every phase (the distill
     loss is KD): Fig. 3's spike at each spawn shows in the grey curve."""
-    from PIL import Image, ImageDraw
     with open(metrics_path) if os.path.isfile(metrics_path) else nullcontext([]) as f:
-        recs = [r for r in map(json.loads, filter(str.strip, f)) if math.isfinite(r.get("loss", math.nan))]
-    (W, H), (L, R, T, B) = size, (60, 20, 20, 40)
-    img = Image.new("RGB", size, "white")
-    d = ImageDraw.Draw(img)
-    d.rectangle([L, T, W - R, H - B], outline="black")
-    if recs:
-        clip = lambda r: r.get("clip_loss", math.nan)
-        ys = [r["loss"] for r in recs] + [clip(r) for r in recs if math.isfinite(clip(r))]
-        x1, y0, y1 = max(max(r["step"] for r in recs), 1), min(ys), max(ys)
-        y1 = y1 if y1 > y0 else y0 + 1
-        px = lambda x: L + (W - L - R) * x / x1
-        py = lambda y: H - B - (H - T - B) * (y - y0) / (y1 - y0)
-        for gi, b in enumerate(b for b in boundaries if b <= x1):
-            d.line([px(b), T, px(b), H - B], fill=(200, 120, 120))
-            d.text((px(b) + 3, T + 2), f"gen {gi + 1}", fill=(160, 60, 60))
-        for a, b in zip(recs, recs[1:]):
-            if math.isfinite(clip(a)) and math.isfinite(clip(b)):
-                d.line([px(a["step"]), py(clip(a)), px(b["step"]), py(clip(b))], fill=CLIP_LOSS_COLOUR, width=1)
-            d.line([px(a["step"]), py(a["loss"]), px(b["step"]), py(b["loss"])],
-                   fill=PHASE_COLOURS.get(b.get("phase"), (0, 0, 0)), width=2)
-        for v in (y0, (y0 + y1) / 2, y1):
-            d.text((4, py(v) - 6), f"{v:.3f}", fill="black")
-        d.text((L, H - B + 6), "0", fill="black")
-        d.text((W - R - 40, H - B + 6), str(x1), fill="black")
-    d.text((W // 2 - 100, H - 18), "step   (blue warm-up, orange distill, green interact; grey contrastive)", fill="black")
-    _atomic(png_path, lambda p: img.save(p, format="PNG"))
+        recs = [json.loads(ln) for ln in f if ln.strip()]
+    steps = [m["step"] for m in recs]
+    data.plot_curves(png_path, {
+        "contrastive": (steps, [m.get("clip_loss", math.nan) for m in recs], CLIP_LOSS_COLOUR),
+        "loss": (steps, [m["loss"] for m in recs], [PHASE_COLOURS.get(m.get("phase"), (0, 0, 0)) for m in recs])},
+        boundaries, "(blue warm-up, orange distill, green interact; grey contrastive)")
 
 
 # -----------------------------------------------------------------------------
@@ -1685,7 +1397,7 @@ def run(argv=None):
     if status == "done" and r.step >= args.max_steps and rank == 0 and args.eval_n > 0 \
             and args.data.startswith("shapes"):
         res = evaluate_shapes(r.model, r.tok, r.device, n=args.eval_n)
-        save_json(os.path.join(args.out_dir, "shapes_eval.json"), res)
+        data.save_json(os.path.join(args.out_dir, "shapes_eval.json"), res)
         print(format_table(res))
     if world > 1:
         dist.barrier()

@@ -1321,7 +1321,7 @@ def retrieval_loader(a, tok, image_size, batch_size=100):
         ds = data.ShapesDataset(split, None, src.get("seed", 0), image_size)
         keys = [f"{split}{i:08d}" for i in range(len(ds))]
     else:
-        items = data._file_items(src, split, dict(img_key=a.csv_img_key, caption_key=a.csv_caption_key,
+        items = data.file_items(src, split, dict(img_key=a.csv_img_key, caption_key=a.csv_caption_key,
                                                   separator=a.csv_separator))
         ds = data.FileDataset(items, data.eval_transform(image_size), a.seed)
         keys = [it.key for it in items]

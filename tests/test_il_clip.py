@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import data
 import il_clip as M
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -353,7 +354,7 @@ def test_saves_at_multiples_of_save_interval_whatever_the_log_interval(tmp_path,
     assert [json.loads(x)["step"] for x in open(os.path.join(out, "metrics.jsonl"))] == [3, 6, 7]
     assert sorted(os.listdir(out)) == ["checkpoint", "config.json", "loss_curve.png", "metrics.jsonl",
                                        "tokenizer.json"]                 # no tmp / prev left behind
-    assert sorted(os.listdir(os.path.join(out, "checkpoint"))) == sorted(M.CKPT_FILES)
+    assert sorted(os.listdir(os.path.join(out, "checkpoint"))) == sorted(data.CHECKPOINT_FILES + ("tokenizer.json",))
 
 
 def _truncate(path):
@@ -468,11 +469,11 @@ def test_contradictory_distill_flags_are_one_error_line(tmp_path, capsys):
 def test_negclip_caption_swaps():
     import random
     rng = random.Random(0)
-    assert M.negative_caption("a white star", rng) is None          # nothing to swap
+    assert data.negative_caption("a white star", rng) is None          # nothing to swap
     for cap in ["a small purple star above a blue cross", "a white triangle to the right of an orange cross",
                 "a green diamond is above a purple star", "a man riding a brown horse next to a white tent"]:
         for seed in range(5):
-            neg = M.negative_caption(cap, random.Random(seed))
+            neg = data.negative_caption(cap, random.Random(seed))
             assert neg is not None and neg != cap
             assert sorted(neg.replace(" an ", " a ").split()) == sorted(cap.replace(" an ", " a ").split()) \
                 or any(w in neg.split() for w in ("below", "above", "left", "right"))
@@ -494,12 +495,12 @@ def test_negatives_are_made_in_the_loader(num_workers):
 
     import data
     tok = data.build_tokenizer(captions=data.shapes_captions(200, 0), vocab_size=300, context_length=32)
-    negatives = M.NegativeCaptions(tok, seed=3)
+    negatives = data.NegativeCaptions(tok, seed=3)
     loader = data.make_loader("shapes:train_size=64", batch_size=16, tokenizer=tok, num_workers=num_workers,
                               batch_extra=negatives)
     batch = next(iter(loader))
     assert batch["neg_text"].shape == batch["text"].shape and batch["neg_valid"].dtype == torch.bool
-    expect = [M.negative_caption(c, random.Random(f"3:{c}")) for c in batch["caption"]]
+    expect = [data.negative_caption(c, random.Random(f"3:{c}")) for c in batch["caption"]]
     assert batch["neg_valid"].tolist() == [n is not None for n in expect]
     assert torch.equal(batch["neg_text"], tok([n or c for n, c in zip(expect, batch["caption"])]))
     assert batch["neg_valid"].any()

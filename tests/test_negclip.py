@@ -1,13 +1,13 @@
 """NegCLIP hard-negative captions (issue: swap within one part of speech). The fixture is 80
 real-style captions hand-tagged with Penn Treebank tags (spatial relations with an opposite are
 tagged REL); the last 20 were written after the tagger was frozen. A negative is judged from the
-gold tags alone, independently of il_clip's tagger."""
+gold tags alone, independently of the tagger (data.tag_caption)."""
 import os
 import random
 
 import pytest
 
-import il_clip
+import data
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "negclip_captions.txt")
 
@@ -46,19 +46,19 @@ def edit_is_grammatical(words, gold, negative):
 
 
 def test_negatives_swap_within_one_part_of_speech():
-    data = load_tagged()
-    assert len(data) >= 80
+    tagged = load_tagged()
+    assert len(tagged) >= 80
     made = good = 0
-    for words, gold in data:
+    for words, gold in tagged:
         caption = " ".join(words)
         for seed in range(5):
-            neg = il_clip.negative_caption(caption, random.Random(seed))
+            neg = data.negative_caption(caption, random.Random(seed))
             if neg is None:
                 continue
             made += 1
             assert neg.lower() != caption.lower()
             good += edit_is_grammatical(words, gold, neg)
-    assert made >= 0.9 * 5 * len(data)          # nearly every caption offers a swap
+    assert made >= 0.9 * 5 * len(tagged)          # nearly every caption offers a swap
     assert good / made >= 0.95, f"{good}/{made} grammatical"
 
 
@@ -69,15 +69,15 @@ def test_negatives_swap_within_one_part_of_speech():
     ("a cat to the left of a small box", {"a cat to the right of a small box", "a box to the left of a small cat"}),
 ])
 def test_negative_examples(caption, allowed):
-    seen = {il_clip.negative_caption(caption, random.Random(s)) for s in range(20)}
+    seen = {data.negative_caption(caption, random.Random(s)) for s in range(20)}
     assert seen <= allowed and seen, seen
 
 
 def test_article_follows_the_swapped_word():
-    neg = il_clip.negative_caption("a red apple and an old umbrella", random.Random(0))
+    neg = data.negative_caption("a red apple and an old umbrella", random.Random(0))
     assert neg in ("an old apple and a red umbrella", "a red umbrella and an old apple"), neg
 
 
 def test_nothing_to_swap():
-    assert il_clip.negative_caption("a dog", random.Random(0)) is None
-    assert il_clip.negative_caption("", random.Random(0)) is None
+    assert data.negative_caption("a dog", random.Random(0)) is None
+    assert data.negative_caption("", random.Random(0)) is None
