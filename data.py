@@ -502,6 +502,59 @@ def shapes_benchmark(seed: int = 0, n: int = 200, image_size: int = SHAPES_IMAGE
     return out
 
 
+@torch.no_grad()
+def evaluate_shapes(model, tokenizer, image_size: int, device="cpu", n: int = 200, n_val: int = 500, seed: int = 0,
+                    batch_size: int = 256) -> dict:
+    """A CLIP-like model (encode_image, encode_text: normalised embeddings) on the built-in
+    benchmark: i2t / t2i R@1 on `n_val` val scenes (a hit = the same caption string) and, for
+    each category, the fraction of its `n` items whose positive caption scores strictly above
+    every negative. Every item is scored."""
+    was_training = model.training
+    model.eval()
+    tf = eval_transform(image_size)
+
+    def embed(images, captions):
+        ie = [model.encode_image(torch.stack([tf(im) for im in images[i:i + batch_size]]).to(device)).float().cpu()
+              for i in range(0, len(images), batch_size)]
+        te = [model.encode_text(tokenizer(captions[i:i + batch_size]).to(device)).float().cpu()
+              for i in range(0, len(captions), batch_size)]
+        return torch.cat(ie), torch.cat(te)
+
+    scenes = [shapes_scene("val", i, seed=seed) for i in range(n_val)]
+    caps = [s.caption for s in scenes]
+    ie, te = embed([s.image for s in scenes], caps)
+    sim = ie @ te.t()
+    same = torch.tensor([[a == b for b in caps] for a in caps])
+    res = {"i2t_r1": same[torch.arange(n_val), sim.argmax(1)].float().mean().item(),
+           "t2i_r1": same[sim.argmax(0), torch.arange(n_val)].float().mean().item()}
+    bench = shapes_benchmark(seed=seed, n=n)
+    for cat in list(SHAPES_CATEGORIES) + ["systematicity", "productivity"]:
+        items = bench[cat]
+        negs = [it["negatives"] if "negatives" in it else [it["negative_caption"]] for it in items]
+        ie, te = embed([it["image"] for it in items], [c for it, ng in zip(items, negs) for c in [it["caption"], *ng]])
+        correct, o = 0, 0
+        for j, ng in enumerate(negs):
+            s = te[o:o + 1 + len(ng)] @ ie[j]
+            correct += int(bool((s[0] > s[1:]).all()))
+            o += 1 + len(ng)
+        res[cat] = correct / len(items)
+    model.train(was_training)
+    return res
+
+
+def results_table(rows: dict, label: str = "method") -> str:
+    """Markdown table in %: one result dict, or {name: {metric: value or [per-seed values]}}."""
+    single = not isinstance(next(iter(rows.values())), dict)
+    rows = {"": rows} if single else rows
+    cols = list(next(iter(rows.values())))
+    fmt = lambda v: (f"{100 * np.mean(v):.1f} ± {100 * (np.std(v, ddof=1) if len(v) > 1 else 0):.1f}"
+                     if isinstance(v, list) else f"{100 * v:.1f}")      # sample std over seeds
+    lines = [[label] + cols] + [[name] + [fmt(r[c]) for c in cols] for name, r in rows.items()]
+    lines = [ln[1:] if single else ln for ln in lines]
+    lines.insert(1, ["---"] * len(lines[0]))
+    return "\n".join("| " + " | ".join(ln) + " |" for ln in lines)
+
+
 def shapes_classification(split: str = "train", index: int = 0, seed: int = 0, image_size: int = SHAPES_IMAGE_SIZE):
     """(image, class index into SHAPE_NAMES) of a single-object image (any colour or size)."""
     rng = random.Random(f"shapes-cls/{seed}/{split}/{index}")
@@ -1981,6 +2034,36 @@ def save_json(path: str, obj):
         with open(p, "w") as f:
             json.dump(obj, f, indent=1)
     fsync(path, write)
+
+
+OPENAI_EXTRA_KEYS = {"input_resolution", "context_length", "vocab_size"}   # ints in OpenAI's .pt
+
+
+def read_weights(path: str) -> dict:
+    """A state dict of tensors from .safetensors, a torch .pt (weights_only: no pickled code
+    runs) or OpenAI's TorchScript archive; open_clip's {"state_dict": ...} and DDP's "module."
+    prefix are unwrapped."""
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: weights file not found")
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+            sd = load_file(path)
+        else:
+            try:
+                sd = torch.load(path, map_location="cpu", weights_only=True)
+            except RuntimeError as e:
+                if "TorchScript" not in str(e) and "constants.pkl" not in str(e):
+                    raise
+                sd = torch.jit.load(path, map_location="cpu").state_dict()   # OpenAI's JIT archives
+    except Exception as e:
+        raise DataError(f"cannot read weights {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+    if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
+        sd = sd["state_dict"]
+    if not isinstance(sd, dict):
+        raise DataError(f"{path} does not hold a state dict")
+    return {k[7:] if k.startswith("module.") else k: v for k, v in sd.items()
+            if torch.is_tensor(v) and k not in OPENAI_EXTRA_KEYS}
 
 
 def write_checkpoint(out_dir: str, model_state: dict, config: dict, tensors: dict, state: dict, tokenizer=None):

@@ -123,12 +123,9 @@ def build_args(argv=None):
            "QuickGELU unless --no-quick_gelu (open_clip's LAION/DataComp ViT-B-32 use GELU)")
     a("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz for the CLIP BPE")
     a("--vocab_size", type=int, default=None)
-    a("--width", type=int, default=None, help="override both towers' width (preset otherwise)")
-    a("--layers", type=int, default=None, help="override both towers' depth")
-    a("--heads", type=int, default=None, help="override both towers' heads")
-    a("--embed_dim", type=int, default=None)
-    a("--image_size", type=int, default=None)
-    a("--patch_size", type=int, default=None)
+    a("--model_args", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+      help="override the preset: width, layers, heads (both towers), embed_dim, image_size, patch_size, "
+           "context_length, code_dim, mlp_ratio, or vision_/text_ width, layers, heads")
     a("--num_workers", type=int, default=0)
     a("--resampled", action="store_true")
     a("--image_root", default=None, help="image folder for a CSV / Karpathy JSON --data")
@@ -137,7 +134,6 @@ def build_args(argv=None):
     a("--csv_separator", default=None, help="default: data.py picks by file extension")
     # codebook (FDT)
     a("--codebook", type=int, default=None, help="K codes (0 = none; default by method/data)")
-    a("--code_dim", type=int, default=None)
     a("--code_temp", type=float, default=None, help="T0 of T = T0 * decay^(step/1000), floor 0.01")
     a("--code_temp_decay", type=float, default=1.0)
     a("--code_sim", default="dot", choices=["dot", "cos"],
@@ -189,7 +185,29 @@ def check_args(args):
         raise ConfigError("IL step counts must be >= 0")
     if args.max_steps is None:
         args.max_steps = make_schedule(args).total
+    args.model_overrides = parse_model_args(args.model_args)
+    args.context_length = args.model_overrides.pop("context_length", args.context_length)  # the tokenizer's
     return args
+
+
+def parse_model_args(pairs):
+    """["width=64", "layers=6"] -> {"vision_width": 64, "text_width": 64, ...}, typed as ModelConfig
+    (fields that have a flag of their own, or come from the tokenizer, are not accepted here)."""
+    own_flag = {"vocab_size", "eot_token_id", "quick_gelu", "codebook_size", "code_sim", "spectral_norm"}
+    field_type = {f.name: f.type for f in fields(ModelConfig) if f.name not in own_flag}
+    cast = {int: int, float: float, str: str, bool: lambda v: v.lower() in ("1", "true", "yes")}
+    out = {}
+    for kv in pairs:
+        key, _, value = kv.partition("=")
+        names = [f"vision_{key}", f"text_{key}"] if key in ("width", "layers", "heads") else [key]
+        if not value or any(n not in field_type for n in names):
+            raise ConfigError(f"--model_args {kv!r}: expected KEY=VALUE, KEY one of width, layers, heads, "
+                              f"{', '.join(field_type)}")
+        try:
+            out.update({n: cast[field_type[n]](value) for n in names})
+        except ValueError:
+            raise ConfigError(f"--model_args {kv!r}: {value!r} is not a valid {field_type[names[0]].__name__}") from None
+    return out
 
 
 # -----------------------------------------------------------------------------
@@ -748,35 +766,6 @@ def code_temperature(step, args):
 # weights: --init, load_model, checkpoints (safetensors + JSON, atomic, no pickle)
 
 
-OPENAI_EXTRA_KEYS = {"input_resolution", "context_length", "vocab_size"}   # ints in OpenAI's .pt
-
-
-def read_state_dict(path):
-    if not os.path.isfile(path):
-        raise ConfigError(f"--init file not found: {path}")
-    try:
-        if path.endswith(".safetensors"):
-            from safetensors.torch import load_file
-            sd = load_file(path)
-        else:
-            try:
-                sd = torch.load(path, map_location="cpu", weights_only=True)
-            except RuntimeError as e:
-                if "TorchScript" not in str(e) and "constants.pkl" not in str(e):
-                    raise
-                sd = torch.jit.load(path, map_location="cpu").state_dict()   # OpenAI's JIT archives
-    except ConfigError:
-        raise
-    except Exception as e:
-        raise ConfigError(f"cannot read weights {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
-        sd = sd["state_dict"]
-    if not isinstance(sd, dict):
-        raise ConfigError(f"{path} does not hold a state dict")
-    return {k[7:] if k.startswith("module.") else k: v for k, v in sd.items()
-            if torch.is_tensor(v) and k not in OPENAI_EXTRA_KEYS}
-
-
 def config_from_state_dict(sd):
     """Infer a ModelConfig from OpenAI-layout weights (as open_clip's build_model_from_openai)."""
     try:
@@ -833,10 +822,10 @@ def load_model(path, device="cpu", quick_gelu=None):
         config = data.read_json(cfg_path)
         names = {f.name for f in fields(ModelConfig)}
         cfg = ModelConfig(**{k: v for k, v in config["model"].items() if k in names})
-        sd = read_state_dict(os.path.join(d, "model.safetensors"))
+        sd = data.read_weights(os.path.join(d, "model.safetensors"))
         tdir = d if os.path.isfile(os.path.join(d, "tokenizer.json")) else path
     else:
-        sd = read_state_dict(path)
+        sd = data.read_weights(path)
         cfg = config_from_state_dict(sd)
         if quick_gelu is None:
             print(f"note: {path} does not say its activation: using OpenAI's QuickGELU "
@@ -974,16 +963,11 @@ def build_tokenizer(args, rank, world):
 
 
 def model_config(args, tok):
-    cfg = ModelConfig(**MODEL_PRESETS[args.model])
+    """The preset, then --model_args and --quick_gelu; the tokenizer fixes vocabulary and length."""
+    cfg = ModelConfig(**{**MODEL_PRESETS[args.model], **args.model_overrides})
     cfg.vocab_size, cfg.context_length, cfg.eot_token_id = tok.vocab_size, tok.context_length, tok.eot_id
-    for flag, names in (("quick_gelu", ["quick_gelu"]), ("width", ["vision_width", "text_width"]),
-                        ("layers", ["vision_layers", "text_layers"]), ("heads", ["vision_heads", "text_heads"]),
-                        ("embed_dim", ["embed_dim"]), ("image_size", ["image_size"]),
-                        ("patch_size", ["patch_size"]), ("code_dim", ["code_dim"])):
-        for n in names if getattr(args, flag) is not None else ():
-            setattr(cfg, n, getattr(args, flag))
-    if args.init and args.quick_gelu is None:
-        cfg.quick_gelu = True       # OpenAI's; stated once the weights have loaded
+    if args.quick_gelu is not None or args.init:
+        cfg.quick_gelu = args.quick_gelu is not False    # --init: OpenAI's, stated once the weights load
     cfg.codebook_size, cfg.code_sim, cfg.spectral_norm = args.codebook, args.code_sim, args.spectral_norm
     return cfg
 
@@ -1002,7 +986,7 @@ def param_groups(model):
 def build_model_and_optimizer(args, cfg, device):
     model = CLIP(cfg, seed=args.seed).to(device)
     if args.init:
-        load_state_checked(model, read_state_dict(args.init), args.init,
+        load_state_checked(model, data.read_weights(args.init), args.init,
                            allow_missing=("codebook", "image_query.", "text_query.", "code_temperature"))
         if args.quick_gelu is None:
             print(f"note: --init {args.init}: using OpenAI's QuickGELU (--no-quick_gelu for "
@@ -1113,25 +1097,6 @@ def trim_text_padding(text, eot_token_id, multiple=8):
 # training
 
 
-class Batches:
-    """Endless iteration over a data.make_loader loader, epoch by epoch."""
-
-    def __init__(self, loader):
-        self.loader, self.it = loader, None
-
-    def next(self):
-        if self.it is None:
-            self.it = iter(self.loader)
-        epoch = self.loader.state_dict().get("epoch", 0)
-        try:
-            return next(self.it)
-        except StopIteration:
-            if self.loader.state_dict().get("epoch", 0) == epoch:   # loader did not advance itself
-                self.loader.set_epoch(epoch + 1)
-            self.it = iter(self.loader)
-            return next(self.it)
-
-
 def setup(args, rank, world, tok=None):
     """The run's state: model, optimizer, loader, IL schedule, teacher, log sums (restored on
     --resume). bench.py passes its own tokenizer."""
@@ -1159,7 +1124,7 @@ def setup(args, rank, world, tok=None):
         seed=args.seed, resampled=args.resampled, drop_last=True, image_root=args.image_root,
         csv_img_key=args.csv_img_key, csv_caption_key=args.csv_caption_key,
         csv_separator=args.csv_separator, pin_memory=r.device.type == "cuda", batch_extra=negatives)
-    r.batches = Batches(r.loader)
+    r.batches = r.loader.forever()        # epoch after epoch; the loader keeps its position
     r.step = r.spawned = r.n_loss = r.text_tokens = 0
     r.teacher, r.stop_requested = None, False
     r.sums = torch.zeros(3, device=r.device)      # loss, contrastive loss, non-finite count
@@ -1205,7 +1170,7 @@ def train(r):
             model.code_temperature.fill_(code_temperature(r.step, args))
         # forward/backward, gradients averaged over ranks by DDP on the last micro-batch only
         for micro in range(args.accum):
-            batch = r.batches.next()
+            batch = next(r.batches)
             last_micro = micro == args.accum - 1
             with r.ddp.no_sync() if r.ddp is not None and not last_micro else nullcontext():
                 loss, logged = compute_loss(fwd, r.teacher, batch, phase, agent, r)
@@ -1274,7 +1239,7 @@ def log(r, rec):
 
 
 # -----------------------------------------------------------------------------
-# loss curve (paper Fig. 3) with PIL
+# results: the loss curve (paper Fig. 3) and the table over seeds
 
 
 CLIP_LOSS_COLOUR = (150, 150, 150)
@@ -1293,65 +1258,6 @@ def draw_loss_curve(metrics_path, png_path, boundaries=()):
         boundaries, "(blue warm-up, orange distill, green interact; grey contrastive)")
 
 
-# -----------------------------------------------------------------------------
-# evaluation on the built-in shapes benchmark
-
-
-@torch.no_grad()
-def _embed(model, tok, images, captions, image_size, device, bs=256):
-    tf = data.eval_transform(image_size)
-    ie, te = [], []
-    for i in range(0, len(images), bs):
-        x = torch.stack([tf(im) for im in images[i:i + bs]]).to(device)
-        ie.append(model.encode_image(x).float().cpu())
-    for i in range(0, len(captions), bs):
-        te.append(model.encode_text(tok(captions[i:i + bs]).to(device)).float().cpu())
-    return (torch.cat(ie) if ie else torch.zeros(0)), (torch.cat(te) if te else torch.zeros(0))
-
-
-@torch.no_grad()
-def evaluate_shapes(model, tok, device="cpu", n=200, n_val=500, seed=0):
-    """i2t / t2i R@1 on shapes val (hit = same caption string) and hard-negative accuracy
-    (strict >, the positive beats every negative) per category."""
-    was_training = model.training
-    model.eval()
-    size = model.cfg.image_size
-    scenes = [data.shapes_scene("val", i, seed=seed) for i in range(n_val)]
-    caps = [s.caption for s in scenes]
-    ie, te = _embed(model, tok, [s.image for s in scenes], caps, size, device)
-    sim = ie @ te.t()
-    same = torch.tensor([[a == b for b in caps] for a in caps])
-    res = {"i2t_r1": same[torch.arange(n_val), sim.argmax(1)].float().mean().item(),
-           "t2i_r1": same[sim.argmax(0), torch.arange(n_val)].float().mean().item()}
-    bench = data.shapes_benchmark(seed=seed, n=n)
-    for cat in list(data.SHAPES_CATEGORIES) + ["systematicity", "productivity"]:
-        items = bench[cat]
-        negs = [it["negatives"] if "negatives" in it else [it["negative_caption"]] for it in items]
-        flat = [c for it, ng in zip(items, negs) for c in [it["caption"]] + list(ng)]
-        ie, te = _embed(model, tok, [it["image"] for it in items], flat, size, device)
-        correct, o = 0, 0
-        for j, ng in enumerate(negs):
-            s = te[o:o + 1 + len(ng)] @ ie[j]
-            correct += int(bool((s[0] > s[1:]).all()))
-            o += 1 + len(ng)
-        res[cat] = correct / max(1, len(items))
-    model.train(was_training)
-    return res
-
-
-def format_table(rows, label="method"):
-    """Markdown table in %: one result dict, or {name: {metric: value or [per-seed values]}}."""
-    single = not isinstance(next(iter(rows.values())), dict)
-    rows = {"": rows} if single else rows
-    cols = list(next(iter(rows.values())))
-    fmt = lambda v: (f"{100 * np.mean(v):.1f} ± {100 * (np.std(v, ddof=1) if len(v) > 1 else 0):.1f}"
-                     if isinstance(v, list) else f"{100 * v:.1f}")      # sample std over seeds
-    lines = [[label] + cols] + [[name] + [fmt(r[c]) for c in cols] for name, r in rows.items()]
-    lines = [ln[1:] if single else ln for ln in lines]
-    lines.insert(1, ["---"] * len(lines[0]))
-    return "\n".join("| " + " | ".join(ln) + " |" for ln in lines)
-
-
 def summarize(root):
     """Mean ± std over seeds of every run's shapes_eval.json under `root`, by method."""
     groups = {}
@@ -1364,7 +1270,7 @@ def summarize(root):
         name = cfg["method"] + ("+neg" if cfg.get("negatives") else "")
         for k, v in res.items():
             groups.setdefault(name, {}).setdefault(k, []).append(v)
-    table = format_table(groups, label="method (n seeds)")
+    table = data.results_table(groups, label="method (n seeds)")
     for name, r in groups.items():
         table = table.replace(f"| {name} |", f"| {name} ({len(r['i2t_r1'])}) |", 1)
     print(table)
@@ -1396,9 +1302,9 @@ def run(argv=None):
               f"checkpoint in {os.path.join(args.out_dir, 'checkpoint')}", file=sys.stderr)
     if status == "done" and r.step >= args.max_steps and rank == 0 and args.eval_n > 0 \
             and args.data.startswith("shapes"):
-        res = evaluate_shapes(r.model, r.tok, r.device, n=args.eval_n)
+        res = data.evaluate_shapes(r.model, r.tok, r.cfg.image_size, r.device, n=args.eval_n)
         data.save_json(os.path.join(args.out_dir, "shapes_eval.json"), res)
-        print(format_table(res))
+        print(data.results_table(res))
     if world > 1:
         dist.barrier()
     if owns_pg:

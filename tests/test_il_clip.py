@@ -18,8 +18,8 @@ import il_clip as M
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a 1-layer, width-32 model on 32x32 shapes images: a training step takes a few ms
-TINY = ["--width", "32", "--layers", "1", "--heads", "2", "--embed_dim", "32", "--image_size", "32",
-        "--patch_size", "8", "--batch_size", "8", "--code_dim", "32", "--log_interval", "1",
+TINY = ["--model_args", "width=32", "layers=1", "heads=2", "embed_dim=32", "image_size=32", "patch_size=8",
+        "code_dim=32", "--batch_size", "8", "--log_interval", "1",
         "--eval_n", "0", "--warmup", "2", "--rewarm", "1"]
 IL = ["--method", "il", "--codebook", "64", "--t_warm", "3", "--t_distill", "2", "--t_interact", "2",
       "--generations", "2", "--t_extend", "1"]
@@ -199,7 +199,7 @@ def test_bad_input_lines(tmp_path, capsys):
     w = str(tmp_path / "w")
     assert run_main(TINY + ["--method", "clip", "--max_steps", "0", "--out_dir", w]) == 0
     capsys.readouterr()
-    assert run_main(TINY + ["--method", "clip", "--width", "48", "--init", os.path.join(w, "checkpoint", "model.safetensors"),
+    assert run_main(TINY + ["--method", "clip", "--model_args", "width=48", "--init", os.path.join(w, "checkpoint", "model.safetensors"),
                             "--out_dir", out]) == 2
     line = _one_error_line(capsys)
     assert "config/weights mismatch" in line and "shape mismatch" in line
@@ -214,6 +214,25 @@ def test_bad_input_lines(tmp_path, capsys):
     assert "cc3m" in _one_error_line(capsys)
     assert run_main(TINY + ["--method", "clip", "--codebook", "8", "--out_dir", out]) == 2
     _one_error_line(capsys)
+
+
+def test_model_args_override_the_preset(tmp_path, capsys):
+    args = M.build_args(["--model_args", "width=48", "layers=2", "--model_args", "layers=3", "text_heads=4",
+                         "mlp_ratio=2", "context_length=24"])
+    assert args.model_overrides == {"vision_width": 48, "text_width": 48, "vision_layers": 3, "text_layers": 3,
+                                    "text_heads": 4, "mlp_ratio": 2.0}          # repeated flags extend, last wins
+    assert args.context_length == 24                                       # the tokenizer's length
+    out = str(tmp_path / "m")
+    assert run_main(TINY + ["--method", "clip", "--max_steps", "0", "--model_args", "context_length=24",
+                            "text_layers=2", "--out_dir", out]) == 0
+    model = M.load_model(out)[0]
+    assert model.positional_embedding.shape[0] == 24 and len(model.transformer.resblocks) == 2
+    assert len(model.visual.transformer.resblocks) == 1 and model.cfg.vision_width == 32
+    capsys.readouterr()
+    for bad, says in ((["depth=2"], "'depth=2': expected KEY=VALUE"), (["width=wide"], "'wide' is not a valid int"),
+                      (["vocab_size=10"], "expected KEY=VALUE"), (["width"], "expected KEY=VALUE")):
+        assert run_main(TINY + ["--model_args", *bad, "--out_dir", out]) == 2
+        assert says in _one_error_line(capsys)
 
 
 # ----------------------------------------------------------------------------- IL schedule
