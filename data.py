@@ -12,7 +12,11 @@ data.py -- the one module shared by every script of this repo.
     open_clip CSV/TSV, Karpathy split JSON, ImageFolder, and the presets cc3m / cc12m /
     datacomp under $DATA_ROOT -- behind one `make_loader(spec, ...)`; the loaders split the
     data across DDP ranks and dataloader workers, skip and count bad samples, and save a
-    position that a resumed run continues from with exactly the next batch.
+    position that a resumed run continues from with exactly the next batch;
+  * NegCLIP hard-negative captions, made in the loader's workers;
+  * what the training scripts share around the method: the checkpoint layout (safetensors +
+    JSON, written atomically as a set), RNG and optimizer state, metrics rewind, loss-curve
+    PNGs, the weights reader (OpenAI / open_clip files) and the shapes benchmark scorer.
 
 Commands:
   python data.py make-shapes --out DIR [--train N --test N --seed S --shard_size N]

@@ -952,7 +952,9 @@ def build_tokenizer(args, rank, world):
     if args.resume and os.path.isfile(tok_file):
         return data.Tokenizer.load(args.out_dir)
     if rank == 0:
-        captions = None if args.vocab else data.captions_for_tokenizer(args.data)
+        captions = None if args.vocab else data.captions_for_tokenizer(
+            args.data, image_root=args.image_root, img_key=args.csv_img_key,
+            caption_key=args.csv_caption_key, separator=args.csv_separator)
         tok = data.build_tokenizer(vocab_path=args.vocab, captions=captions,
                                    vocab_size=args.vocab_size, context_length=args.context_length)
         os.makedirs(args.out_dir, exist_ok=True)

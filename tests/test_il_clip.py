@@ -235,6 +235,24 @@ def test_model_args_override_the_preset(tmp_path, capsys):
         assert says in _one_error_line(capsys)
 
 
+def test_csv_with_renamed_columns_trains_and_builds_its_tokenizer_from_them(tmp_path):
+    """open_clip's CSV layout with other column names: the tokenizer's captions are read with the
+    same --csv_* flags as the training data."""
+    (tmp_path / "imgs").mkdir()
+    rows = []
+    for i in range(16):
+        scene = data.shapes_scene("train", i)
+        scene.image.save(tmp_path / "imgs" / f"{i}.png")
+        rows.append(f"imgs/{i}.png;{scene.caption}")
+    (tmp_path / "d.csv").write_text("img;cap\n" + "\n".join(rows) + "\n")
+    out = str(tmp_path / "o")
+    assert run_main(TINY + ["--data", str(tmp_path / "d.csv"), "--image_root", str(tmp_path), "--csv_img_key", "img",
+                            "--csv_caption_key", "cap", "--csv_separator", ";", "--method", "clip",
+                            "--max_steps", "2", "--out_dir", out]) == 0
+    tok = data.Tokenizer.load(out)
+    assert tok.decode(tok(scene.caption)[0]) == scene.caption
+
+
 # ----------------------------------------------------------------------------- IL schedule
 
 def test_il_schedule_phases_and_lr():
