@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
@@ -605,31 +606,13 @@ def max_code_scores(q, codes, valid=None, budget=1 << 25, max_tokens=None):
 # distributed helpers and losses
 
 
-class _GatherWithGrad(torch.autograd.Function):
-    """all_gather along dim 0 whose backward sums every rank's gradient for the local slice
-    (open_clip's gather_with_grad; all_reduce works on gloo as well as NCCL)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ws = dist.get_world_size()
-        out = [torch.empty_like(x) for _ in range(ws)]
-        dist.all_gather(out, x.contiguous())
-        ctx.n = x.shape[0]
-        return torch.cat(out, 0)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous().clone()
-        dist.all_reduce(g)
-        r = dist.get_rank()
-        return g[r * ctx.n:(r + 1) * ctx.n]
-
-
 def gather(x):
+    """Every rank's rows, in rank order. With a gradient, torch.distributed.nn's all_gather sends
+    each rank's gradient for these rows back to their owner, summed (open_clip's gather_with_grad)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return x
     if x.requires_grad:
-        return _GatherWithGrad.apply(x)
+        return torch.cat(dist_nn.all_gather(x), 0)
     out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(out, x.contiguous())
     return torch.cat(out, 0)
