@@ -11,7 +11,8 @@ SPEC.md section 2 and are stated next to the code that makes them.
 Reads top to bottom: config (presets, defaults, flags) -> model -> sparsemax / codebook head ->
 losses -> IL schedule -> weights and checkpoints -> compute_loss (every loss term of a step) ->
 model, optimizer and IL phases (set_trainable, spawn) -> setup + train (the step loop) ->
-evaluation -> main().
+results -> main(). data.py holds what the three scripts share around the method: loaders,
+tokenizer, NegCLIP's text negatives, the checkpoint files, the shapes benchmark.
 """
 import argparse
 import copy
@@ -746,7 +747,7 @@ def code_temperature(step, args):
 
 
 # -----------------------------------------------------------------------------
-# weights: --init, load_model, checkpoints (safetensors + JSON, atomic, no pickle)
+# weights: --init, load_model, checkpoints (data.py writes the files: safetensors + JSON, atomic)
 
 
 def config_from_state_dict(sd):
