@@ -2176,8 +2176,9 @@ def draw_loss_curve(metrics_path, png_path):
 def build_tokenizer(args, out_dir_for_resume=None):
     if out_dir_for_resume and os.path.exists(os.path.join(out_dir_for_resume, "tokenizer.json")):
         return data.Tokenizer.load(out_dir_for_resume)
-    return data.build_tokenizer(vocab_path=args.vocab, captions=data.captions_for_tokenizer(args.data),
-                                vocab_size=args.vocab_size, context_length=args.max_len)
+    captions = data.captions_for_tokenizer(args.data, image_root=getattr(args, "image_root", None), **csv_options(args))
+    return data.build_tokenizer(vocab_path=args.vocab, captions=captions, vocab_size=args.vocab_size,
+                                context_length=args.max_len)
 
 
 def read_split_file(path):

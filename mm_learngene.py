@@ -1145,8 +1145,10 @@ def load_init(a):
             modality = a.modality
             cfg = None
         if tok is None:
-            tok = data.build_tokenizer(captions=data.captions_for_tokenizer("shapes" if a.task == "classification"
-                                                                            else a.data), context_length=77)
+            captions = (data.captions_for_tokenizer("shapes") if a.task == "classification" else data.captions_for_tokenizer(
+                a.data, image_root=a.image_root, img_key=a.csv_img_key, caption_key=a.csv_caption_key,
+                separator=a.csv_separator))
+            tok = data.build_tokenizer(captions=captions, context_length=77)
         if cfg is None:
             n = a.layers or 6
             cfg = ModelConfig(embed_dim=p["embed_dim"], image_size=a.image_size, patch_size=p["patch_size"],

@@ -2,6 +2,7 @@
 JSON, shards), region features read per item (one file or one file per image), the paper's
 protocol (--n counts images, R@10), mcd --targets and multi-split pools, the parse subcommand,
 --help."""
+import argparse
 import io
 import json
 import os
@@ -155,3 +156,12 @@ def test_csv_captions_and_trees_without_images(tmp_path):
     with pytest.raises(SystemExit) as e:
         C.main(["graph", "--data", str(tmp_path / "train.tsv")])  # default column names: one error line
     assert e.value.code == 2
+
+
+def test_tokenizer_reads_a_csv_with_renamed_columns(tmp_path):
+    """train's tokenizer takes its captions with the same --csv_* flags as the data."""
+    (tmp_path / "train.tsv").write_text("img\tcap\na.jpg\tA zebra grazes near a fence.\n")
+    args = argparse.Namespace(data=str(tmp_path / "train.tsv"), image_root=None, csv_img_key="img",
+                              csv_caption_key="cap", csv_separator=None, vocab=None, vocab_size=200, max_len=77)
+    tok = C.build_tokenizer(args)
+    assert tok.decode(tok("a zebra grazes near a fence.")[0]) == "a zebra grazes near a fence."

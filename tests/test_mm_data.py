@@ -220,3 +220,13 @@ def test_finetune_classification_two_ranks_equal_one_process(tmp_path, extracted
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
     ra, rb = (json.loads((tmp_path / r / "results.json").read_text()) for r in ("one", "two"))
     assert ra["n_images"] == rb["n_images"] == 30 and ra["top1"] == rb["top1"]
+
+
+def test_scratch_tokenizer_reads_a_csv_with_renamed_columns(tmp_path):
+    """finetune --init scratch trains its BPE on --data's captions, read with the --csv_* flags."""
+    (tmp_path / "train.csv").write_text("img,cap\na.jpg,A zebra grazes near a fence.\n")
+    a = argparse.Namespace(init="scratch", like=None, model="shapes", modality="clip", task="retrieval",
+                           data=str(tmp_path / "train.csv"), image_root=None, csv_img_key="img", csv_caption_key="cap",
+                           csv_separator=None, layers=1, image_size=32, seed=0)
+    model, tok, cfg, modality, kind, _ = M.load_init(a)
+    assert kind == "scratch" and tok.decode(tok("a zebra grazes near a fence.")[0]) == "a zebra grazes near a fence."
