@@ -1,49 +1,53 @@
 """
-Throughput, MFU and memory benchmarks (nanoGPT's bench.py is the model).
+Throughput, MFU and memory of il_clip.py's training step (nanoGPT's bench.py is the model).
 
-    python bench.py --model tiny --method il --batch_size 64                   # training step, CPU
+    python bench.py --model tiny --method il --batch_size 64                 # training step, CPU
     python bench.py --model ViT-B-32 --method clip --batch_size 256 --compile --dtype bf16   # GPU
-    python bench.py --model tiny --method clip --reference open_clip           # ratio vs open_clip
-    python bench.py --data                                    # loader vs plain PIL at 224 px, per-stage ms
-    python bench.py --data shapes --num_workers 0                              # one dataset's pipeline
-    python bench.py --codebook_memory                                          # codebook head memory
-    python bench.py --composer                                                 # COMPOSER recursion
-    python bench.py --targets --model ViT-B-32 --compile --json targets.json   # every target, checked
-
-How it measures. The training step is il_clip.py's, written out in run_trainer: il_clip's CLIP,
-AdamW groups and il_clip.compute_loss (contrastive; KD to a frozen teacher in distill), grad
-clipping and the logit-scale clamp, on one synthetic batch kept on the device (text on the CPU,
-trimmed as in training). Timed windows start and end with one device synchronisation each, so
-the loop keeps the step's host-device overlap. IL: distill and interact steps are timed apart
-and combined at the paper's schedule (5 x 1000 distill steps and 5 spawns in 48k steps).
-Memory: CUDA reports torch.cuda.max_memory_allocated over the timed steps; the CPU reports the
-peak RSS (VmHWM, reset through /proc/self/clear_refs at the start of the timed window) minus
-the RSS before the model was built: model + optimizer + activations + allocator slack.
-The CPU is shared here: --reference / --targets alternate the runs --rounds times and keep the
-best; CPU runs also report process CPU time. Compare ratios from one run, never across runs.
-Data: `--data` writes 256 shapes scenes as img2dataset does (shorter side 256, JPEG q95) into 2
-webdataset shards and alternates a plain PIL decode + resize-to-224 loop with one make_loader
-epoch (224 px, 2 workers, first batch untimed), then times each stage per image.
+    python bench.py --model tiny --method clip --reference open_clip         # ratio vs open_clip
+    python bench.py --data                    # loader vs plain PIL at 224 px
+    python bench.py --data shapes --num_workers 0                            # one --data spec
+    python bench.py --codebook_memory                                        # codebook head memory
+    python bench.py --composer                                               # COMPOSER recursion
+    python bench.py --targets --model ViT-B-32 --compile --json targets.json # every target, checked
+"""
+METHOD = """
+How it measures. The step is il_clip's, written out in run_trainer: CLIP, AdamW groups,
+il_clip.compute_loss (KD to a frozen teacher in distill), grad clip and logit-scale clamp, on one
+synthetic batch kept on the device. A timed window starts and ends with one device sync, so the
+step keeps its host-device overlap. IL: distill and interact steps are timed apart and combined
+at the paper's schedule (5 x 1000 distill steps and 5 spawns in 48k steps). Memory: CUDA's
+max_memory_allocated; on the CPU the peak RSS (VmHWM, reset through /proc/self/clear_refs) minus
+the RSS before the model was built. The CPU here is shared: --reference / --targets alternate the
+runs --rounds times and keep the best, and CPU runs also report process CPU time. Compare ratios
+from one run, never across runs. --data writes 256 shapes scenes as img2dataset does (shorter
+side 256, JPEG q95) into 2 shards and alternates a plain PIL decode + resize loop with one
+make_loader epoch (224 px, 2 workers, first batch untimed).
 """
 import argparse
 import contextlib
 import gc
+import io
+import json
 import math
 import os
 import statistics
 import sys
+import tarfile
+import tempfile
 import time
 import types
 import weakref
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 import data
 import il_clip
 
 # -----------------------------------------------------------------------------
-# device helpers
+# timing and memory
 
 
 def sync(device):
@@ -57,16 +61,13 @@ def proc_bytes(field="VmRSS", path="/proc/self/status"):
 
 
 class PeakMemory:
-    """CUDA: max_memory_allocated since start(). CPU: VmHWM since start() (reset by writing 5 to
-    /proc/self/clear_refs) minus the RSS before the model was built."""
-
-    built = 0      # PeakMemory objects made in this process so far
+    """CUDA: max_memory_allocated since start(). CPU: VmHWM since start() minus the RSS at
+    construction. A later run in one process reuses memory the allocator kept, which shows no
+    RSS growth: its CPU figure is a lower bound (said in kind())."""
+    built = 0
 
     def __init__(self, device):
-        self.device = device
-        self.base = proc_bytes() if device.type != "cuda" else 0
-        # a later run in the same process reuses memory the allocator kept from an earlier one,
-        # which never shows up as RSS growth: its CPU figure is a lower bound
+        self.device, self.base = device, proc_bytes() if device.type != "cuda" else 0
         self.reused = device.type != "cuda" and PeakMemory.built > 0
         PeakMemory.built += 1
 
@@ -74,9 +75,8 @@ class PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            with contextlib.suppress(OSError):
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
+            with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
 
     def peak(self):
         return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else proc_bytes("VmHWM") - self.base
@@ -90,11 +90,20 @@ def fmt_bytes(n):
     return f"{n / 2**20:,.0f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
 
-def setup_device(args):
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    return device
+def device_name(device):
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+
+
+def timed(step, n, device, mem=None):
+    """(wall s, process CPU s) per call of step() over n calls, between two device syncs."""
+    sync(device)
+    if mem is not None:
+        mem.start()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        step()
+    sync(device)
+    return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
 
 
 # -----------------------------------------------------------------------------
@@ -125,37 +134,25 @@ def model_config(model, method, codebook):
     return cfg
 
 
-def default_codebook(model):
-    return 1024 if model == "tiny" else 16384      # shapes default / the paper's K
-
-
-def timed(step, n, device, mem=None):
-    """(wall s, process CPU s) per call of step() over n calls, between two device syncs."""
-    sync(device)
-    if mem is not None:
-        mem.start()
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(n):
-        step()
-    sync(device)
-    return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+def adamw(model, device):
+    decay, no_decay = il_clip.param_groups(model)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=5e-4, betas=(0.9, 0.98), eps=1e-6, fused=device.type == "cuda")
 
 
 def run_trainer(args, method, device):
     """Times il_clip.py's training step. `il`: distill (language spawned) and interact steps timed
     apart after an untimed warm-up of each, and one spawn timed on its own."""
-    K = args.codebook if args.codebook is not None else default_codebook(args.model)
+    K = args.codebook if args.codebook is not None else (1024 if args.model == "tiny" else 16384)
     cfg = model_config(args.model, method, K)
     il_args = types.SimpleNamespace(distill_loss="kd", no_freeze_codebook=False, distill_train_vision=False)
     mem = PeakMemory(device)
     torch.manual_seed(0)
     model = il_clip.CLIP(cfg, seed=0).to(device)
-    decay, no_decay = il_clip.param_groups(model)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=5e-4, betas=(0.9, 0.98), eps=1e-6, fused=device.type == "cuda")
+    opt = adamw(model, device)
     if args.compile:
         il_clip.compile_encoders(model)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext())
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext()
     r = types.SimpleNamespace(device=device, cfg=cfg, pool=None, text_tokens=0, args=il_args, autocast=autocast)
     g = torch.Generator().manual_seed(0)
     batch = {"image": torch.randn(args.batch_size, 3, cfg.image_size, cfg.image_size, generator=g).to(device),
@@ -176,28 +173,28 @@ def run_trainer(args, method, device):
     res = {"method": method, "cfg": cfg, "mem_kind": mem.kind()}
     if method != "il":
         res["step_s"], res["cpu_s"] = timed(step, args.steps, device, mem)
-    else:
-        d = max(1, round(args.steps / 6))           # the paper's 1000 distill : 5000 interact
-        i = max(1, args.steps - d)
-        sync(device)
-        t = time.perf_counter()
-        teacher = il_clip.frozen_copy(model, args.compile)
-        model.init_agent("language", torch.Generator().manual_seed(1))
-        for _, p in il_clip.agent_params(model, "language"):
-            opt.state.pop(p, None)
-        sync(device)
-        res["spawn_s"] = time.perf_counter() - t
-        il_clip.set_trainable(model, il_args, "distill", "language")
-        for _ in range(args.warmup):
-            step("distill", teacher)
-        res["distill_s"], cpu_d = timed(lambda: step("distill", teacher), d, device, mem)
-        il_clip.set_trainable(model, il_args, "interact", None)
-        res["interact_s"], cpu_i = timed(lambda: step("interact"), i, device)
-        res.update(d=d, i=i, cpu_s=(d * cpu_d + i * cpu_i) / (d + i))
-        res["window_avg_s"] = res["step_s"] = (d * res["distill_s"] + i * res["interact_s"] + res["spawn_s"]) / (d + i)
-        # the paper's schedule: 48000 steps, 5 x 1000 distill, 5 spawns, the rest contrastive
-        res["paper_avg_s"] = (5000 * res["distill_s"] + 43000 * res["interact_s"] + 5 * res["spawn_s"]) / 48000
-    res["peak_bytes"] = mem.peak()
+        res["peak_bytes"] = mem.peak()
+        return res
+    d = max(1, round(args.steps / 6))           # the paper's 1000 distill : 5000 interact
+    i = max(1, args.steps - d)
+    sync(device)
+    t = time.perf_counter()
+    teacher = il_clip.frozen_copy(model, args.compile)
+    model.init_agent("language", torch.Generator().manual_seed(1))
+    for _, p in il_clip.agent_params(model, "language"):
+        opt.state.pop(p, None)
+    sync(device)
+    res["spawn_s"] = time.perf_counter() - t
+    il_clip.set_trainable(model, il_args, "distill", "language")
+    for _ in range(args.warmup):
+        step("distill", teacher)
+    res["distill_s"], cpu_d = timed(lambda: step("distill", teacher), d, device, mem)
+    il_clip.set_trainable(model, il_args, "interact", None)
+    res["interact_s"], cpu_i = timed(lambda: step("interact"), i, device)
+    res.update(d=d, i=i, cpu_s=(d * cpu_d + i * cpu_i) / (d + i), peak_bytes=mem.peak())
+    res["window_avg_s"] = res["step_s"] = (d * res["distill_s"] + i * res["interact_s"] + res["spawn_s"]) / (d + i)
+    # the paper's schedule: 48000 steps, 5 x 1000 distill, 5 spawns, the rest contrastive
+    res["paper_avg_s"] = (5000 * res["distill_s"] + 43000 * res["interact_s"] + 5 * res["spawn_s"]) / 48000
     return res
 
 
@@ -207,14 +204,11 @@ def avg_step(res):
 
 
 def report_train(args, res, device, label="il_clip"):
-    cfg, B = res["cfg"], args.batch_size
-    flops = il_clip.estimate_flops_per_pair(cfg)
-    step = avg_step(res)
-    sps = B / step
+    cfg, step = res["cfg"], avg_step(res)
+    flops, sps = il_clip.estimate_flops_per_pair(cfg), args.batch_size / step
     mfu = il_clip.estimate_mfu(cfg, sps, device)
-    extra = f"K={cfg.codebook_size} " if cfg.codebook_size else ""
-    print(f"{label} {args.model} {res['method']} {extra}batch {B} {args.dtype}{' compiled' if args.compile else ''} "
-          f"on {device_name(device)}")
+    print(f"{label} {args.model} {res['method']} {f'K={cfg.codebook_size} ' if cfg.codebook_size else ''}batch "
+          f"{args.batch_size} {args.dtype}{' compiled' if args.compile else ''} on {device_name(device)}")
     if res["method"] == "il":
         print(f"  distill step {res['distill_s'] * 1e3:.1f} ms, interact step {res['interact_s'] * 1e3:.1f} ms, "
               f"spawn {res['spawn_s'] * 1e3:.0f} ms; window average ({res['d']} distill + {res['i']} interact "
@@ -222,7 +216,7 @@ def report_train(args, res, device, label="il_clip"):
         print(f"  IL average at the paper's schedule (10.4% distill, 5 spawns in 48k steps): {step * 1e3:.1f} ms/step")
     else:
         print(f"  step {step * 1e3:.1f} ms")
-    if device.type == "cpu":   # process CPU time (all threads): less sensitive to other jobs on a shared CPU
+    if device.type == "cpu":   # all threads' CPU time: less sensitive to other jobs on a shared CPU
         print(f"  process CPU time {res['cpu_s'] * 1e3:.1f} ms/step (wall-clock above)")
     print(f"  {sps:,.1f} samples/s, {flops / 1e9:.2f} GFLOPs/pair/step -> {flops * sps / 1e12:.3f} TFLOP/s, "
           f"MFU {'n/a (no GPU peak for this device)' if mfu is None else f'{mfu:.1%}'}")
@@ -230,58 +224,46 @@ def report_train(args, res, device, label="il_clip"):
     return sps
 
 
-def device_name(device):
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
-
-
 # -----------------------------------------------------------------------------
 # --reference open_clip: the same configuration with open_clip's model and ClipLoss
 
 
 def import_open_clip():
-    """open_clip for comparisons only (SPEC.md 6; the tests use this too). Its torchvision import
-    (no CPU build here) gets a do-nothing dummy module, removed afterwards: torch itself probes
-    for torchvision and a dummy left in sys.modules breaks it."""
+    """open_clip, for comparisons only (SPEC.md 6; the tests use this too). It imports torchvision,
+    which has no CPU build here: during the import every torchvision module is a dummy whose
+    attributes accept anything; the dummies are removed afterwards (torch probes for torchvision)."""
     import importlib.abc
     import importlib.machinery
-    import types
-
     if "open_clip" in sys.modules:
         return sys.modules["open_clip"]
 
-    class _AnyMeta(type):
-        def __getattr__(cls, name):
-            return cls
+    class AnyMeta(type):
+        __getattr__ = lambda cls, name: cls
 
-    class _Any(metaclass=_AnyMeta):
-        def __init__(self, *a, **k):
+    class Any(metaclass=AnyMeta):
+        def __init__(self, *args, **kwargs):
             """Accepts any arguments and stores nothing."""
+        __call__ = lambda self, *args, **kwargs: self
 
-        def __call__(self, *a, **k):
-            return self
-
-    class _DummyTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    class DummyTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         def find_spec(self, name, path, target=None):
-            if name == "torchvision" or name.startswith("torchvision."):
-                return importlib.machinery.ModuleSpec(name, self, is_package=True)
-            return None
+            return importlib.machinery.ModuleSpec(name, self, is_package=True) if name.split(".")[0] == "torchvision" else None
 
         def create_module(self, spec):
             module = types.ModuleType(spec.name)
-            module.__path__ = []
-            module.__getattr__ = lambda name: _Any
+            module.__path__, module.__getattr__ = [], lambda name: Any
             return module
 
         def exec_module(self, module):
             """The dummy module has no code to run."""
 
-    finder = _DummyTorchvision()
+    finder = DummyTorchvision()
     sys.meta_path.insert(0, finder)
     try:
         import open_clip
     finally:
         sys.meta_path.remove(finder)
-        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+        for name in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
             del sys.modules[name]
     return open_clip
 
@@ -296,24 +278,19 @@ def open_clip_model(open_clip, cfg):
 
 
 def run_open_clip(args, device):
-    """open_clip CLIP + ClipLoss, the same step as il_clip's: autocast, AdamW (same groups, fused on
-    CUDA), grad clip 1.0, logit_scale clamp, optional torch.compile."""
-    open_clip = import_open_clip()
+    """open_clip CLIP + ClipLoss in the same step as il_clip's (autocast, AdamW groups, grad clip,
+    logit_scale clamp, optional torch.compile)."""
     from open_clip.loss import ClipLoss
     cfg = model_config(args.model, "clip", 0)
     mem = PeakMemory(device)
     torch.manual_seed(0)
-    raw = open_clip_model(open_clip, cfg).to(device).train()
-    decay, no_decay = il_clip.param_groups(raw)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=5e-4, betas=(0.9, 0.98), eps=1e-6, **({"fused": True} if device.type == "cuda" else {}))
+    raw = open_clip_model(import_open_clip(), cfg).to(device).train()
+    opt, loss_fn = adamw(raw, device), ClipLoss()
     model = torch.compile(raw) if args.compile else raw
-    loss_fn = ClipLoss()
-    ac = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext())
+    ac = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext()
     g = torch.Generator().manual_seed(0)
-    tok = SyntheticTokenizer(cfg.vocab_size, cfg.context_length)
     images = torch.randn(args.batch_size, 3, cfg.image_size, cfg.image_size, generator=g).to(device)
-    text = tok.batch(args.batch_size, device, g)
+    text = SyntheticTokenizer(cfg.vocab_size, cfg.context_length).batch(args.batch_size, device, g)
 
     def step():
         with ac:
@@ -340,6 +317,19 @@ def alternating_rounds(args, device, methods):
     return runs
 
 
+def bench_reference(args, device):
+    runs = alternating_rounds(args, device, [args.method, "open_clip"])
+    ours, theirs = runs[args.method], runs["open_clip"]
+    a = report_train(args, min(ours, key=avg_step), device)
+    b = report_train(args, min(theirs, key=avg_step), device, label="open_clip")
+    print(f"il_clip / open_clip samples/s: {a / b:.3f} (best of {args.rounds} alternating rounds each; per round: "
+          + ", ".join(f"{t['step_s'] / avg_step(o):.3f}" for o, t in zip(ours, theirs)) + ")")
+    if device.type == "cpu":
+        cpu = lambda rs: min(r["cpu_s"] for r in rs)
+        print(f"il_clip / open_clip by process CPU time per step: {cpu(theirs) / cpu(ours):.3f}")
+    return 0
+
+
 # -----------------------------------------------------------------------------
 # --data: the input pipeline alone
 
@@ -347,9 +337,6 @@ def alternating_rounds(args, device, methods):
 def make_jpeg_shards(folder, n, n_shards=2):
     """n shapes scenes as img2dataset writes them (shorter side 256, JPEG quality 95; noise makes
     them photo-sized) in webdataset shards with *_stats.json. -> (brace pattern, JPEG bytes)."""
-    import io, json, os, tarfile
-    import numpy as np
-    from PIL import Image
     rng, jpegs = np.random.default_rng(0), []
     for i in range(n):
         x = np.asarray(data.shapes_scene("train", i).image.resize((341, 256), Image.BICUBIC), np.float32)
@@ -377,8 +364,6 @@ def cpu_seconds():
 
 def plain_pil(jpegs, size):
     """(images/s, CPU ms/image) of open + decode + RGB + bicubic resize of the shorter side."""
-    import io
-    from PIL import Image
     t, c = time.perf_counter(), cpu_seconds()
     for b in jpegs:
         img = Image.open(io.BytesIO(b)).convert("RGB")
@@ -401,45 +386,10 @@ def loader_epoch(pattern, size, workers, batch, tok=None, max_batches=None):
     return m / (time.perf_counter() - t), (cpu_seconds() - c) / (n + m) * 1e3, n + m, loader.skipped
 
 
-def ms_per(fn, items, rounds=3):
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for x in items:
-            fn(x)
-        best = min(best, (time.perf_counter() - t) / len(items))
-    return best * 1e3
-
-
-def data_stages(jpegs, size, batch):
-    """ms per image of each stage, and of the per-pixel float normalise ToNormalizedTensor replaced
-    (checked equal), and collate's stack of `batch` images: torch.stack vs data's numpy stack."""
-    import random
-    import numpy as np
-    rng, crop, to_tensor = random.Random(0), data.RandomResizedCrop(size), data.ToNormalizedTensor()
-    mean, std = np.asarray(data.CLIP_MEAN, np.float32), np.asarray(data.CLIP_STD, np.float32)
-    per_pixel = lambda im: torch.from_numpy(np.ascontiguousarray(
-        ((np.asarray(im.convert("RGB"), np.float32) / np.float32(255.0) - mean) / std).transpose(2, 0, 1)))
-    decoded = [data.load_image(b) for b in jpegs[:64]]
-    resized = [crop(img, rng) for img in decoded]
-    tensors = [to_tensor(img) for img in resized]
-    assert torch.equal(torch.stack(tensors), torch.stack([per_pixel(img) for img in resized]))
-    xs = [tensors[i % len(tensors)].clone() for i in range(batch)]     # distinct storages, as in a batch
-    return {"decode_ms": ms_per(data.load_image, jpegs[:64]), "resize_crop_ms": ms_per(lambda i: crop(i, rng), decoded),
-            "normalise_ms": ms_per(to_tensor, resized), "normalise_per_pixel_ms": ms_per(per_pixel, resized),
-            f"stack{batch}_torch_ms": ms_per(lambda _: torch.stack(xs), range(5)),
-            f"stack{batch}_numpy_ms": ms_per(lambda _: data._stack_images(xs), range(5)),
-            "torch_threads": torch.get_num_threads()}
-
-
-N_JPEG = 256
-
-
 def bench_data(args):
-    """`--data jpeg`: N_JPEG img2dataset-layout JPEGs at 224 px, a plain PIL loop vs data.make_loader
-    (--num_workers, default 2) alternated --rounds times, best kept, plus per-stage ms.
+    """`--data` alone: 256 img2dataset-layout JPEGs at 224 px, a plain PIL loop vs data.make_loader
+    (--num_workers, default 2) alternated --rounds times, best kept.
     `--data SPEC`: that data through make_loader (decode or render + augment + tokenize)."""
-    import json, tempfile
     B, workers = args.batch_size, args.num_workers if args.num_workers is not None else 2
     if args.data != "jpeg":
         tok = data.build_tokenizer(captions=data.captions_for_tokenizer(args.data), vocab_size=1000, context_length=32)
@@ -449,7 +399,7 @@ def bench_data(args):
               f"{cpu_ms:.2f} CPU ms/sample, {n} samples (first batch and tokenizer not timed), skipped {skipped}")
         return 0
     with tempfile.TemporaryDirectory() as d:
-        pattern, jpegs = make_jpeg_shards(d, N_JPEG)
+        pattern, jpegs = make_jpeg_shards(d, 256)
         plain, loader = [], []
         for _ in range(args.rounds):            # alternate, keep each one's best
             plain.append(plain_pil(jpegs, 224))
@@ -458,7 +408,6 @@ def bench_data(args):
     res = {"plain_pil_img_s": round(plain_rate, 1), f"loader_{workers}w_img_s": round(rate, 1),
            "ratio": round(rate / plain_rate, 2), "plain_cpu_ms_per_img": round(min(c for _, c in plain), 3),
            "loader_cpu_ms_per_img": round(min(c for _, c in loader), 3),
-           **{k: round(v, 3) if isinstance(v, float) else v for k, v in data_stages(jpegs, 224, B).items()},
            "jpeg_kb": round(sum(map(len, jpegs)) / len(jpegs) / 1024, 1), "cpus": os.cpu_count()}
     print(json.dumps(res, indent=1))
     return 0
@@ -536,8 +485,7 @@ def bench_codebook_memory(args, device):
         ours, kind = head_peak(B, P, K, D, False, device)
         naive_need = B * P * K * 4
         if device.type == "cuda" or 3 * naive_need < avail:
-            naive, _ = head_peak(B, P, K, D, True, device)
-            naive_s = fmt_bytes(naive)
+            naive_s = fmt_bytes(head_peak(B, P, K, D, True, device)[0])
         else:
             naive_s = f"skipped (B*P*K*4 = {fmt_bytes(naive_need)}, too close to free memory)"
         print(f"  P={P:3d}: chunked {fmt_bytes(ours):>10}   naive {naive_s:>10}   "
@@ -586,8 +534,7 @@ def bench_composer(args, device):
 
 
 # -----------------------------------------------------------------------------
-# --targets: every target of the speed issue measured in one run and checked against its threshold
-
+# --targets: every speed target measured in one run and checked against its threshold
 
 # (key, what is measured, comparison, threshold on a GPU, threshold on the CPU; None = not a target there)
 TARGETS = [
@@ -597,29 +544,31 @@ TARGETS = [
     ("vs_open_clip", "samples/s, il_clip CLIP / open_clip CLIP + ClipLoss", ">=", 1.2, 1.0),
     ("codebook_head_bytes", "codebook head peak memory, B=256 P=49 K=16384 D=512", "<", 1e9, 1e9),
 ]
+OPS = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, "<": lambda a, b: a < b}
 
 
 def target_rows(values, gpu):
     """Per target: value (None: not measured), this machine kind's threshold (None: set for the
     other kind) and verdict True / False / None (nothing to judge)."""
-    ops = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, "<": lambda a, b: a < b}
     rows = []
     for key, what, op, on_gpu, on_cpu in TARGETS:
         threshold, value = (on_gpu if gpu else on_cpu), values.get(key)
-        ok = None if threshold is None or value is None else bool(ops[op](value, threshold))
+        ok = None if threshold is None or value is None else bool(OPS[op](value, threshold))
         rows.append({"key": key, "what": what, "op": op, "threshold": threshold, "value": value, "ok": ok})
     return rows
 
 
-def _fmt_target(key, v):
+def fmt_target(key, v):
     return ("-" if v is None else f"{v / 1e9:.2f} GB" if key == "codebook_head_bytes"
             else f"{v:.1%}" if key == "clip_mfu" else f"{v:.3f}x")
 
 
-def run_targets(args, device):
-    """CLIP, Codebook-CLIP, IL (and open_clip when installed) steps, alternated --rounds times with
-    the fastest kept, and the codebook head's peak memory. -> (rows, result per method, head)."""
+def bench_targets(args, device):
+    """CLIP, Codebook-CLIP, IL (and open_clip when installed) alternated --rounds times, fastest
+    kept, and the codebook head's peak memory; a table and, with --json, a report."""
+    import dataclasses
     import importlib.util
+    import platform
     methods = ["clip", "codebook", "il"] + (["open_clip"] if importlib.util.find_spec("open_clip") else [])
     res = {m: min(rs, key=avg_step) for m, rs in alternating_rounds(args, device, methods).items()}
     clip_step = res["clip"]["step_s"]
@@ -628,27 +577,18 @@ def run_targets(args, device):
               "il_over_codebook": res["il"]["paper_avg_s"] / res["codebook"]["step_s"]}
     if "open_clip" in res:          # samples/s ratio = inverse step-time ratio (same batch)
         values["vs_open_clip"] = res["open_clip"]["step_s"] / clip_step
-    head = head_peak(256, 49, 16384, 512, False, device)
-    values["codebook_head_bytes"] = head[0]
-    return target_rows(values, device.type == "cuda"), res, head
-
-
-def bench_targets(args, device):
-    import dataclasses
-    import datetime
-    import json
-    import platform
-    rows, res, (head_bytes, head_kind) = run_targets(args, device)
+    head_bytes, head_kind = head_peak(256, 49, 16384, 512, False, device)
+    values["codebook_head_bytes"] = head_bytes
+    rows = target_rows(values, device.type == "cuda")
     for m, r in res.items():
         report_train(args, r, device, label="open_clip" if m == "open_clip" else "il_clip")
     print(f"codebook head (B=256, P=49, K=16384, D=512, fp32) peak {fmt_bytes(head_bytes)} [{head_kind}]")
     print(f"\ntargets on {device_name(device)}: {args.model}, batch {args.batch_size}, {args.dtype}"
-          f"{', compiled' if args.compile else ''}")
-    print("| target | measured | threshold | met |\n|---|---|---|---|")
+          f"{', compiled' if args.compile else ''}\n| target | measured | threshold | met |\n|---|---|---|---|")
     for r in rows:
-        thr = "-" if r["threshold"] is None else f"{r['op']} {_fmt_target(r['key'], r['threshold'])}"
+        thr = "-" if r["threshold"] is None else f"{r['op']} {fmt_target(r['key'], r['threshold'])}"
         verdict = {True: "yes", False: "**no**", None: "n/a" if r["threshold"] is None else "not measured"}[r["ok"]]
-        print(f"| {r['what']} | {_fmt_target(r['key'], r['value'])} | {thr} | {verdict} |")
+        print(f"| {r['what']} | {fmt_target(r['key'], r['value'])} | {thr} | {verdict} |")
     judged = [r for r in rows if r["ok"] is not None]
     print(f"{sum(r['ok'] for r in judged)} of {len(judged)} targets met on this machine"
           + ("" if "open_clip" in res else " (open_clip_torch not installed: no reference)"))
@@ -659,16 +599,12 @@ def bench_targets(args, device):
               f"{args.model}, batch {args.batch_size}, {args.dtype}, K={K}")
     if args.json:
         runs = {m: {k: (dataclasses.asdict(v) if k == "cfg" else v) for k, v in r.items()} for m, r in res.items()}
-        report = {"date": datetime.date.today().isoformat(), "device": device_name(device),
-                  "torch": torch.__version__, "python": platform.python_version(),
+        report = {"device": device_name(device), "torch": torch.__version__, "python": platform.python_version(),
                   "command": "python bench.py " + " ".join(args.argv),
-                  "config": {"model": args.model, "batch_size": args.batch_size, "dtype": args.dtype,
-                             "compile": args.compile, "steps": args.steps, "warmup": args.warmup},
+                  "config": {k: getattr(args, k) for k in ("model", "batch_size", "dtype", "compile", "steps", "warmup")},
                   "issue_config": issue_config, "targets": rows, "runs": runs,
                   "codebook_head": {"bytes": head_bytes, "counted_by": head_kind}}
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(args.json + ".tmp", args.json)
+        data.atomic_write(args.json, lambda p: open(p, "w").write(json.dumps(report, indent=1)))
         print(f"report written to {args.json}")
     return 0
 
@@ -677,36 +613,36 @@ def bench_targets(args, device):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", choices=list(il_clip.MODEL_PRESETS))
-    p.add_argument("--method", default="clip", choices=["clip", "codebook", "il"])
-    p.add_argument("--batch_size", type=int, default=None, help="default: 64 for tiny, 256 otherwise")
-    p.add_argument("--codebook", type=int, default=None, help="K (default: 1024 for tiny, 16384 otherwise; "
-                   "--codebook_memory: 16384)")
-    p.add_argument("--compile", action="store_true")
-    p.add_argument("--dtype", default=None, choices=["fp32", "bf16"], help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--reference", default=None, choices=["open_clip"], help="also time open_clip, print the ratio")
-    p.add_argument("--rounds", type=int, default=2, help="with --reference / --targets: alternate the runs "
-                   "this many times and keep each one's best (the CPU here is shared)")
-    p.add_argument("--data", nargs="?", const="jpeg", default=None, help="time the input pipeline alone: jpeg "
-                   "(img2dataset-layout JPEG shards at 224 px: plain PIL loop vs data.make_loader, per-stage ms) "
-                   "or a --data spec of il_clip.py")
-    p.add_argument("--num_workers", type=int, default=None, help="--data: loader workers (default 2)")
-    p.add_argument("--codebook_memory", action="store_true", help="peak memory of the codebook head alone")
-    p.add_argument("--code_dim", type=int, default=512, help="--codebook_memory: D of codes and queries")
-    p.add_argument("--composer", action="store_true", help="level-batched vs node-by-node composition")
-    p.add_argument("--targets", action="store_true", help="measure every target of the speed issue (CLIP MFU, "
-                   "codebook and IL overhead, open_clip ratio, codebook head memory) and check each")
-    p.add_argument("--json", default=None, help="--targets: also write the report to this JSON file")
+    p = argparse.ArgumentParser(description=__doc__, epilog=METHOD, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--model", default="tiny", choices=list(il_clip.MODEL_PRESETS))
+    a("--method", default="clip", choices=["clip", "codebook", "il"])
+    a("--batch_size", type=int, default=None, help="default: 64 for tiny, 256 otherwise")
+    a("--codebook", type=int, default=None, help="K (default: 1024 for tiny, 16384 otherwise and for --codebook_memory)")
+    a("--compile", action="store_true")
+    a("--dtype", default=None, choices=["fp32", "bf16"], help="default: bf16 on CUDA, fp32 on CPU")
+    a("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    a("--steps", type=int, default=10, help="timed steps")
+    a("--warmup", type=int, default=3, help="untimed steps first")
+    a("--reference", default=None, choices=["open_clip"], help="also time open_clip, print the ratio")
+    a("--rounds", type=int, default=2, help="--reference / --targets / --data: alternate the runs this many times, "
+      "keep each one's best (the CPU here is shared)")
+    a("--data", nargs="?", const="jpeg", default=None, help="the input pipeline alone: JPEG shards at 224 px "
+      "(plain PIL loop vs data.make_loader), or a --data spec of il_clip.py")
+    a("--num_workers", type=int, default=None, help="--data: loader workers (default 2)")
+    a("--codebook_memory", action="store_true", help="peak memory of the codebook head alone")
+    a("--code_dim", type=int, default=512, help="--codebook_memory: D of codes and queries")
+    a("--composer", action="store_true", help="level-batched vs node-by-node composition")
+    a("--targets", action="store_true", help="measure every speed target (CLIP MFU, codebook and IL overhead, "
+      "open_clip ratio, codebook head memory) and check each")
+    a("--json", default=None, help="--targets: also write the report to this JSON file")
     args = p.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)
-    device = setup_device(args)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    if args.batch_size is None:
-        args.batch_size = 256 if args.codebook_memory else 64 if args.model == "tiny" else 256
+    args.batch_size = args.batch_size or (64 if args.model == "tiny" and not args.codebook_memory else 256)
     if args.data:
         return bench_data(args)
     if args.codebook_memory:
@@ -715,18 +651,9 @@ def main(argv=None):
         return bench_composer(args, device)
     if args.targets:
         return bench_targets(args, device)
-    if args.reference != "open_clip":
-        report_train(args, run_trainer(args, args.method, device), device)
-        return 0
-    runs = alternating_rounds(args, device, [args.method, "open_clip"])
-    ours, theirs = runs[args.method], runs["open_clip"]
-    a = report_train(args, min(ours, key=avg_step), device)
-    b = report_train(args, min(theirs, key=avg_step), device, label="open_clip")
-    print(f"il_clip / open_clip samples/s: {a / b:.3f} (best of {args.rounds} alternating rounds each; per round: "
-          + ", ".join(f"{t['step_s'] / avg_step(o):.3f}" for o, t in zip(ours, theirs)) + ")")
-    if device.type == "cpu":
-        cpu = lambda rs: min(r["cpu_s"] for r in rs)
-        print(f"il_clip / open_clip by process CPU time per step: {cpu(theirs) / cpu(ours):.3f}")
+    if args.reference == "open_clip":
+        return bench_reference(args, device)
+    report_train(args, run_trainer(args, args.method, device), device)
     return 0
 
 
