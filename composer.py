@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 try:
     import data  # the repo's shared module (shapes, tokenizer, loaders)
@@ -2018,164 +2018,38 @@ def lr_at(step, args):
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-def _atomic(path, writer):
-    tmp = f"{path}.tmp{os.getpid()}"
-    writer(tmp)
-    os.replace(tmp, path)
-
-
 def _write_json(path, obj):
-    def w(tmp):
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1)
-    _atomic(path, w)
-
-
-def _rng_state():
-    npst = np.random.get_state()
-    return {"torch": torch.get_rng_state().tolist(), "numpy": [npst[0], npst[1].tolist(), *npst[2:]],
-            "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]]}
-
-
-def _set_rng_state(st):
-    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
-    n = st["numpy"]
-    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
-    p = st["python"]
-    random.setstate((p[0], tuple(p[1]), p[2]))
-
-
-CKPT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "train_state.safetensors", "train_state.json")
-
-
-def _fsync(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    data.atomic_write(path, lambda tmp: data.save_json(tmp, obj))
 
 
 def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra):
-    """COMMON.md layout: every file of the step goes into out_dir/checkpoint.tmp/ (fsynced), then
-    checkpoint/ -> checkpoint.prev/, checkpoint.tmp/ -> checkpoint/, and checkpoint.prev/ is
-    removed: a kill at any point leaves one complete checkpoint. out_dir keeps config.json and
-    tokenizer.json for readers."""
-    import shutil
-    tmp, cur, prev = (os.path.join(out_dir, d) for d in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    meta = {"step": str(step)}
-    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(sd, os.path.join(tmp, "model.safetensors"), metadata=meta)
-    conf = {"args": vars(args), "model": asdict(cfg)}
-    for d in (tmp, out_dir):
-        _write_json(os.path.join(d, "config.json"), conf)
-        tok.save(d)
-    osd = opt.state_dict()
-    tens = {f"state.{pid}.{k}": v.detach().contiguous().cpu().reshape(v.shape) for pid, st in osd["state"].items()
-            for k, v in st.items() if torch.is_tensor(v)}
-    scal = {str(pid): {k: v for k, v in st.items() if not torch.is_tensor(v)} for pid, st in osd["state"].items()}
-    save_file(tens or {"_": torch.zeros(1)}, os.path.join(tmp, "train_state.safetensors"), metadata=meta)
-    _write_json(os.path.join(tmp, "train_state.json"),
-                {"step": step, "sampler": sampler.state_dict(), "rng": _rng_state(), "param_groups": osd["param_groups"],
-                 "opt_scalars": scal, **extra})
-    for f in CKPT_FILES:
-        _fsync(os.path.join(tmp, f))
-    _fsync(tmp)
-    if os.path.isdir(cur):
-        shutil.rmtree(prev, ignore_errors=True)
-        os.replace(cur, prev)
-    os.replace(tmp, cur)
-    _fsync(out_dir)
-    shutil.rmtree(prev, ignore_errors=True)
-
-
-def _check_checkpoint(d):
-    """None if folder d holds a complete checkpoint, else '<file>: <problem>'."""
-    for f in CKPT_FILES:
-        if not os.path.isfile(os.path.join(d, f)):
-            return f"{os.path.join(d, f)}: missing"
-    try:
-        with open(os.path.join(d, "train_state.json")) as fh:
-            step = json.load(fh)["step"]
-    except (ValueError, KeyError, UnicodeDecodeError) as e:
-        return f"{os.path.join(d, 'train_state.json')}: damaged ({type(e).__name__})"
-    for f in ("model.safetensors", "train_state.safetensors"):
-        try:
-            tf = TensorFile(os.path.join(d, f))
-        except CRGError as e:
-            return f"{os.path.join(d, f)}: damaged or truncated ({e})"
-        if tf.meta.get("step") != str(step):
-            return f"{os.path.join(d, f)}: step {tf.meta.get('step')} disagrees with train_state.json's {step}"
-    return None
+    """data.py's checkpoint layout, written atomically as a set (a kill at any point leaves one
+    complete checkpoint). out_dir also keeps config.json and tokenizer.json for readers."""
+    tensors, optimizer = data.optimizer_state(opt)
+    state = {"step": step, "sampler": sampler.state_dict(), "rng": data.rng_state(), "optimizer": optimizer, **extra}
+    data.write_checkpoint(out_dir, model.state_dict(), {"args": vars(args), "model": asdict(cfg)}, tensors, state, tok)
+    tok.save(out_dir)
 
 
 def find_checkpoint(out_dir):
-    """The folder to resume from: checkpoint/, else a complete checkpoint.prev/ (said in one
-    line), else None when out_dir has neither; a damaged one with no fallback is an error."""
-    cur, prev = os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "checkpoint.prev")
-    if not os.path.exists(cur) and not os.path.exists(prev):
+    """--resume: (model tensors, train-state tensors, train_state.json) of checkpoint/, else of a
+    complete checkpoint.prev/ (said on stderr); None when out_dir has neither. A damaged one with
+    no fallback is a one-line error naming the file."""
+    if not any(os.path.exists(os.path.join(out_dir, d)) for d in ("checkpoint", "checkpoint.prev")):
         return None
-    problem = _check_checkpoint(cur) if os.path.exists(cur) else f"{cur}: missing"
-    if problem is None:
-        return cur
-    if os.path.exists(prev) and _check_checkpoint(prev) is None:
-        print(f"{problem}; resuming from the previous complete checkpoint {prev}", flush=True)
-        return prev
-    raise ComposerError(problem)
-
-
-def load_train_state(ckpt_dir, opt):
-    with open(os.path.join(ckpt_dir, "train_state.json")) as f:
-        st = json.load(f)
-    tens = load_file(os.path.join(ckpt_dir, "train_state.safetensors"))
-    state = defaultdict(dict)
-    for k, v in tens.items():
-        if k.startswith("state."):
-            _, pid, name = k.split(".", 2)
-            state[int(pid)][name] = v
-    for pid, d in st["opt_scalars"].items():
-        state[int(pid)].update(d)
-    opt.load_state_dict({"state": dict(state), "param_groups": st["param_groups"]})
-    return st
-
-
-def rewind_metrics(path, step):
-    """Cut metrics.jsonl back to the checkpoint's step: no step appears twice after --resume."""
-    if os.path.exists(path):
-        with open(path) as f:
-            keep = [l for l in f if l.strip() and json.loads(l).get("step", 0) <= step]
-        _atomic(path, lambda t: open(t, "w").write("".join(keep)))
+    return data.load_checkpoint(out_dir)
 
 
 def draw_loss_curve(metrics_path, png_path):
-    """loss_curve.png from metrics.jsonl, drawn with PIL (no matplotlib in the project)."""
-    from PIL import Image, ImageDraw
-    pts = []
+    """loss_curve.png from metrics.jsonl."""
     with open(metrics_path) as f:
-        for line in f:
-            r = json.loads(line)
-            if "loss" in r:
-                pts.append((r["step"], r["loss"]))
-    if len(pts) < 2:
-        return
-    W, H, m = 640, 360, 40
-    img = Image.new("RGB", (W, H), "white")
-    d = ImageDraw.Draw(img)
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
-    sx = lambda x: m + (W - 2 * m) * (x - x0) / max(1e-9, x1 - x0)
-    sy = lambda y: H - m - (H - 2 * m) * (y - y0) / max(1e-9, y1 - y0)
-    d.rectangle((m, m, W - m, H - m), outline="black")
-    d.line([(sx(x), sy(y)) for x, y in pts], fill=(31, 119, 180), width=2)
-    d.text((m, 10), f"loss  {y1:.3f} (top) .. {y0:.3f} (bottom), steps {x0}..{x1}", fill="black")
-    _atomic(png_path, lambda t: img.save(t, format="PNG"))
+        recs = [r for r in map(json.loads, filter(str.strip, f)) if "loss" in r]
+    data.plot_curves(png_path, {"loss": ([r["step"] for r in recs], [r["loss"] for r in recs], (31, 119, 180))})
 
 
-def build_tokenizer(args, out_dir_for_resume=None):
-    if out_dir_for_resume and os.path.exists(os.path.join(out_dir_for_resume, "tokenizer.json")):
-        return data.Tokenizer.load(out_dir_for_resume)
+def build_tokenizer(args, resume=False):
+    if resume:         # every save also writes out_dir/tokenizer.json
+        return data.Tokenizer.load(args.out_dir)
     captions = data.captions_for_tokenizer(args.data, image_root=getattr(args, "image_root", None), **csv_options(args))
     return data.build_tokenizer(vocab_path=args.vocab, captions=captions, vocab_size=args.vocab_size,
                                 context_length=args.max_len)
@@ -2231,14 +2105,15 @@ def build_optimizer(model, args):
                              lr=args.lr, betas=(0.9, 0.98), foreach=True)
 
 
-def restore(ckpt_dir, model, opt, sampler, metrics):
+def restore(ckpt, model, opt, sampler, metrics, rank):
     """--resume: weights, optimizer, sampler position and RNG states; metrics.jsonl rewound.
     Returns the step."""
-    model.load_state_dict(load_file(os.path.join(ckpt_dir, "model.safetensors")))
-    st = load_train_state(ckpt_dir, opt)
+    sd, tensors, st = ckpt
+    model.load_state_dict(sd)
+    data.load_optimizer_state(opt, tensors, st["optimizer"])
     sampler.load_state_dict(st["sampler"])
-    _set_rng_state(st["rng"])
-    rewind_metrics(metrics, st["step"])
+    data.set_rng_state(st["rng"])
+    data.rewind_metrics(metrics, st["step"], rank)
     return st["step"]
 
 
@@ -2263,10 +2138,6 @@ def sync_values(loss, parts, bad, stop_flag, world):
     return vals.tolist()
 
 
-def _opt_tensors(opt):
-    return [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.is_floating_point()]
-
-
 class NonFinite(ComposerError):
     """Divergence: printed as `error: ...` like a user error, but exit code 1 (COMMON.md)."""
 
@@ -2284,7 +2155,7 @@ def train(args):
     random.seed(args.seed)
     np.random.seed(args.seed)
     resume = find_checkpoint(args.out_dir) if args.resume else None
-    tok = build_tokenizer(args, resume)
+    tok = build_tokenizer(args, resume is not None)
     compiler = TextCompiler(tok, args.max_len)
     t0 = time.time()
     sp, evals = load_data(args, compiler)
@@ -2301,9 +2172,9 @@ def train(args):
     opt = build_optimizer(model, args)
     sampler = Sampler(len(sp.captions), args.batch_size, args.seed)
     metrics = os.path.join(args.out_dir, "metrics.jsonl")
-    step = restore(resume, model, opt, sampler, metrics if master else "") if resume else 0
+    step = restore(resume, model, opt, sampler, metrics, rank) if resume else 0
     if resume and master:
-        print(f"resumed from {resume} at step {step}", flush=True)
+        print(f"resumed from {args.out_dir} at step {step}", flush=True)
     if args.compile:  # compile each transformer block (shapes vary by level: dynamic=True)
         [mod.compile(dynamic=True) for mod in model.modules() if isinstance(mod, Block)]
     step_loss = wrap_ddp(StepLoss(model, compiler, sp, args, rank, world, device), world, device)
@@ -2352,7 +2223,7 @@ def train(args):
         if args.eval_every and step % args.eval_every == 0 and step < args.max_steps and master:
             log({"step": step, "eval": run_evals(model, compiler, evals, device, args)})
         if master and (at_ckpt or stopping):
-            if not all(torch.isfinite(t).all() for t in [*model.state_dict().values(), *_opt_tensors(opt)]):
+            if not data.all_finite([*model.state_dict().values(), *(v for st in opt.state.values() for v in st.values())]):
                 raise nonfinite(step, args)  # never save non-finite weights: the last good checkpoint stays
             save_checkpoint(args.out_dir, model, opt, cfg, args, step, sampler, tok, extra)
         if stopping:
@@ -2494,7 +2365,7 @@ def cmd_mcd(args):
         sets = {"mcd": res["mcd"], "random": res["random"], **{n: w["items"] for n, w in picked.items()}}
         for name, keys in sets.items():
             lines = [json.dumps(it) for k in keys for _, it in by_img[k]]
-            _atomic(os.path.join(args.out, f"{name}.jsonl"), lambda t: open(t, "w").write("\n".join(lines) + "\n"))
+            data.atomic_write(os.path.join(args.out, f"{name}.jsonl"), lambda t: open(t, "w").write("\n".join(lines) + "\n"))
         _write_json(os.path.join(args.out, "windows.json"), summary["windows"])
         summary["written"] = [os.path.join(args.out, f"{n}.jsonl") for n in sets] + [os.path.join(args.out, "windows.json")]
     print(json.dumps(summary, indent=1))
@@ -2571,7 +2442,7 @@ def cmd_parse(args):
         text = out.getvalue()
     else:
         raise ComposerError(f"{src}: parse reads a Karpathy .json, a .csv/.tsv or a .jsonl split file")
-    _atomic(args.out, lambda t: open(t, "w", encoding="utf-8").write(text))
+    data.atomic_write(args.out, lambda t: open(t, "w", encoding="utf-8").write(text))
     print(f"parsed {n} captions with {args.parser} in {time.time() - t0:.1f}s -> {args.out}", flush=True)
     return n
 

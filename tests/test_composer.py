@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import composer as C  # noqa: E402
+import data  # noqa: E402
 
 data = pytest.importorskip("data")
 
@@ -256,7 +257,7 @@ def test_resume_exact_and_ddp_equals_single(tmp_path):
         torch.testing.assert_close(d[k], a[k], atol=1e-3, rtol=1e-3)
     for f in ("config.json", "tokenizer.json", "metrics.jsonl", "loss_curve.png"):
         assert os.path.exists(os.path.join(full, f))
-    assert sorted(os.listdir(os.path.join(full, "checkpoint"))) == sorted(C.CKPT_FILES)
+    assert sorted(os.listdir(os.path.join(full, "checkpoint"))) == sorted(data.CHECKPOINT_FILES + ("tokenizer.json",))
     assert not [f for f in os.listdir(full) if ".tmp" in f or ".prev" in f]
     # evaluation + interpretation view on the checkpoint
     out = C.main(["eval", "--ckpt", full, "--n", "12", "--interpret", "1", "--parse_dropout", "0.5"])
@@ -370,7 +371,7 @@ def test_damaged_checkpoint_falls_back_or_fails_in_one_line(tmp_path, capsys):
     open(os.path.join(ck, "model.safetensors"), "wb").write(blob[:len(blob) // 2])  # truncated
     capsys.readouterr()
     C.main(["train", "--out_dir", out, "--max_steps", "4", "--resume"] + TRAIN)
-    assert "resuming from the previous complete checkpoint" in capsys.readouterr().out
+    assert "resuming from the previous complete checkpoint" in capsys.readouterr().err
     assert json.load(open(os.path.join(ck, "train_state.json")))["step"] == 4 and not os.path.exists(prev)
     with open(os.path.join(ck, "train_state.json"), "w") as f:
         f.write('{"step": ')  # damaged, and no checkpoint.prev
