@@ -40,7 +40,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 try:

@@ -684,176 +684,8 @@ def atomic_write_json(obj, path):
     os.replace(tmp, path)
 
 
-def optimizer_to_tensors(opt) -> tuple:
-    sd = opt.state_dict()
-    tensors, scalars = {}, {}
-    for pid, st in sd["state"].items():
-        for name, v in st.items():
-            if torch.is_tensor(v):
-                tensors[f"{pid}.{name}"] = v
-            else:
-                scalars[f"{pid}.{name}"] = v
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
-
-
-def optimizer_from_tensors(opt, tensors, info):
-    state = {}
-    for key, v in tensors.items():
-        pid, name = key.split(".", 1)
-        state.setdefault(int(pid), {})[name] = v
-    for key, v in info["scalars"].items():
-        pid, name = key.split(".", 1)
-        state.setdefault(int(pid), {})[name] = v
-    opt.load_state_dict({"state": state, "param_groups": info["param_groups"]})
-
-
-def plot_curve(metrics: list, path: str, key="loss"):
-    """Loss curve PNG with PIL (no matplotlib in this project)."""
-    from PIL import Image, ImageDraw
-    pts = [(m["step"], m[key]) for m in metrics if key in m and math.isfinite(m[key])]
-    if len(pts) < 2:
-        return
-    W, H, pad = 480, 300, 40
-    img = Image.new("RGB", (W, H), "white")
-    d = ImageDraw.Draw(img)
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
-    sx = lambda x: pad + (x - x0) / max(1e-9, x1 - x0) * (W - 2 * pad)
-    sy = lambda y: H - pad - (y - y0) / max(1e-9, y1 - y0) * (H - 2 * pad)
-    d.rectangle([pad, pad, W - pad, H - pad], outline="black")
-    d.line([(sx(x), sy(y)) for x, y in pts], fill="blue", width=2)
-    d.text((pad, 8), f"{key}: {ys[0]:.3f} -> {ys[-1]:.3f}", fill="black")
-    d.text((pad, H - pad + 8), f"step {x0}", fill="black")
-    d.text((W - pad - 60, H - pad + 8), f"step {x1}", fill="black")
-    img.save(path)
-
-
 class NonFiniteError(Exception):
     """Divergence: printed as one line, exit code 1; the last good checkpoint stays."""
-
-
-CKPT_FILES = ("model.safetensors", "config.json", "train_state.safetensors", "train_state.json")
-
-
-def _fsync_write(path, write):
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def all_finite(model, opt) -> bool:
-    tensors = list(model.state_dict().values()) + [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
-    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
-
-
-def write_checkpoint(out_dir, model, opt, state: dict, config: dict, tokenizer_json: str | None):
-    """COMMON checkpoint layout, atomic as a set: every file into checkpoint.tmp/ (fsync'd),
-    checkpoint/ -> checkpoint.prev/, checkpoint.tmp/ -> checkpoint/, then checkpoint.prev/ goes.
-    A kill at any point leaves one complete checkpoint (checkpoint/ or checkpoint.prev/)."""
-    import shutil
-    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    meta = {"step": str(state["step"])}
-    from safetensors.torch import save as save_bytes
-    tensors, info = optimizer_to_tensors(opt)
-    blobs = {"model.safetensors": save_bytes({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()},
-                                             metadata=meta),
-             "train_state.safetensors": save_bytes({k: v.contiguous().cpu() for k, v in tensors.items()}, metadata=meta),
-             "train_state.json": json.dumps({**state, "optimizer": info}).encode(),
-             "config.json": json.dumps(config, indent=1).encode()}
-    if tokenizer_json is not None:
-        blobs["tokenizer.json"] = tokenizer_json.encode()
-    for name, blob in blobs.items():
-        _fsync_write(os.path.join(tmp, name), lambda f, b=blob: f.write(b))
-        if name in ("config.json", "tokenizer.json"):  # the run's own copies at the top of out_dir
-            _fsync_write(os.path.join(out_dir, name + ".tmp"), lambda f, b=blob: f.write(b))
-            os.replace(os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name))
-    _fsync_dir(tmp)
-    if os.path.isdir(final):
-        shutil.rmtree(prev, ignore_errors=True)
-        os.replace(final, prev)
-    os.replace(tmp, final)
-    _fsync_dir(out_dir)
-    shutil.rmtree(prev, ignore_errors=True)
-
-
-def read_checkpoint(folder) -> tuple:
-    """(model tensors, optimizer tensors, train_state dict) of a complete checkpoint folder;
-    raises ConfigError("<file>: <problem>") for a missing, truncated or inconsistent one."""
-    for name in CKPT_FILES:
-        if not os.path.isfile(os.path.join(folder, name)):
-            raise ConfigError(f"{os.path.join(folder, name)}: missing (incomplete checkpoint)")
-    steps, loaded = {}, {}
-    for name in ("model.safetensors", "train_state.safetensors"):
-        path = os.path.join(folder, name)
-        try:
-            with safe_open(path, "pt") as f:
-                steps[name] = (f.metadata() or {}).get("step")
-            loaded[name] = load_file(path)
-        except Exception as e:
-            raise ConfigError(f"{path}: damaged ({type(e).__name__})")
-    path = os.path.join(folder, "train_state.json")
-    try:
-        with open(path) as f:
-            st = json.load(f)
-        steps["train_state.json"] = str(st["step"])
-        with open(os.path.join(folder, "config.json")) as f:
-            json.load(f)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{path}: damaged ({type(e).__name__})")
-    if len(set(steps.values())) != 1:
-        raise ConfigError(f"{folder}: files from different steps ({steps})")
-    return loaded["model.safetensors"], loaded["train_state.safetensors"], st
-
-
-def load_checkpoint(out_dir, tag) -> tuple:
-    """checkpoint/, or checkpoint.prev/ when checkpoint/ is missing or damaged (said in one line)."""
-    try:
-        return read_checkpoint(os.path.join(out_dir, "checkpoint"))
-    except ConfigError as e:
-        prev = os.path.join(out_dir, "checkpoint.prev")
-        if not os.path.isdir(prev):
-            raise ConfigError(f"--resume: {e}") from None
-        out = read_checkpoint(prev)
-        print(f"{tag}: {e}; resuming from the previous complete checkpoint {prev} (step {out[2]['step']})", flush=True)
-        return out
-
-
-def rng_state() -> dict:
-    return {"torch_rng": torch.get_rng_state().tolist(), "python_rng": list(random.getstate()[1]),
-            "numpy_rng": np.random.get_state()[1].tolist()}
-
-
-def set_rng_state(st):
-    torch.set_rng_state(torch.tensor(st["torch_rng"], dtype=torch.uint8))
-    random.setstate((3, tuple(st["python_rng"]), None))
-    np.random.set_state(("MT19937", np.array(st["numpy_rng"], dtype=np.uint32), 624, 0, 0.0))
-
-
-def rewind_metrics(out_dir, step, rank=0) -> list:
-    """metrics.jsonl cut back to the checkpoint's step (no step appears twice after resume).
-    Rank 0 rewrites the file; the others only read it (two ranks replacing it would race)."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        kept = [m for m in (json.loads(l) for l in f if l.strip()) if m["step"] <= step]
-    if rank != 0:
-        return kept
-    with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(m) + "\n" for m in kept)
-    os.replace(path + ".tmp", path)
-    return kept
 
 
 def agree_flags(bad, stop, world, device, tag, done):
@@ -878,31 +710,31 @@ class Run:
         self.step, self.elapsed, self.metrics, self.stop = 0, 0.0, [], False
 
     def save(self):
-        """Rank 0 writes; never a checkpoint with non-finite weights or optimizer state."""
+        """Rank 0 writes, in data.py's checkpoint layout; never a checkpoint with non-finite
+        weights or optimizer state."""
         if self.out_dir is None or self.rank != 0:
             return
-        if not all_finite(self.raw, self.opt):
+        if not data.all_finite([*self.raw.state_dict().values(), *(v for st in self.opt.state.values() for v in st.values())]):
             raise NonFiniteError(f"{self.tag}: non-finite weights at step {self.step}; stopped, the last good "
                                  f"checkpoint is kept")
         os.makedirs(self.out_dir, exist_ok=True)
-        tok_json = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None:      # the run's own copy at the top of out_dir
             self.tokenizer.save(self.out_dir)
-            with open(os.path.join(self.out_dir, "tokenizer.json")) as f:
-                tok_json = f.read()
-        state = {"step": self.step, "elapsed": self.elapsed, "loader": self.loader.state_dict(), **rng_state()}
-        write_checkpoint(self.out_dir, self.raw, self.opt, state, self.config, tok_json)
+        tensors, optimizer = data.optimizer_state(self.opt)
+        state = {"step": self.step, "elapsed": self.elapsed, "loader": self.loader.state_dict(),
+                 "optimizer": optimizer, "rng": data.rng_state()}
+        data.write_checkpoint(self.out_dir, self.raw.state_dict(), self.config, tensors, state, self.tokenizer)
         if self.on_save:
             self.on_save(self)
 
     def load(self):
-        model_sd, opt_tensors, st = load_checkpoint(self.out_dir, self.tag)
+        model_sd, tensors, st = data.load_checkpoint(self.out_dir)
         self.raw.load_state_dict(model_sd)
-        optimizer_from_tensors(self.opt, opt_tensors, st["optimizer"])
+        data.load_optimizer_state(self.opt, tensors, st["optimizer"])
         self.step, self.elapsed = st["step"], st.get("elapsed", 0.0)
         self.loader.load_state_dict(st["loader"])
-        set_rng_state(st)
-        self.metrics = rewind_metrics(self.out_dir, self.step, self.rank)
+        data.set_rng_state(st["rng"])
+        self.metrics = data.rewind_metrics(os.path.join(self.out_dir, "metrics.jsonl"), self.step, self.rank)
 
     def log(self, m):
         self.metrics.append(m)
@@ -984,7 +816,9 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
         if out_dir:
             run.save()
             if rank == 0:
-                plot_curve(run.metrics, os.path.join(out_dir, "loss_curve.png"))
+                logged = [m for m in run.metrics if "loss" in m]
+                data.plot_curves(os.path.join(out_dir, "loss_curve.png"), {"loss": (
+                    [m["step"] for m in logged], [m["loss"] for m in logged], (40, 90, 200))}, caption=tag)
     finally:
         if prev is not None:
             signal.signal(signal.SIGTERM, prev)

@@ -35,8 +35,8 @@ def sq_loss(m, x):
 
 def test_saves_at_save_interval_whatever_log_interval(tmp_path, monkeypatch):
     saved = []
-    real = M.write_checkpoint
-    monkeypatch.setattr(M, "write_checkpoint", lambda d, m, o, st, *r: (saved.append(st["step"]), real(d, m, o, st, *r)))
+    real = M.data.write_checkpoint
+    monkeypatch.setattr(M.data, "write_checkpoint", lambda *a, **k: (saved.append(a[4]["step"]), real(*a, **k)))
     torch.manual_seed(0)
     M.train_phase(torch.nn.Linear(4, 1), sq_loss, _ListLoader(toy_batches()), toy_args(), 0, 1, "cpu", 7,
                   out_dir=str(tmp_path), tag="t")
@@ -45,7 +45,7 @@ def test_saves_at_save_interval_whatever_log_interval(tmp_path, monkeypatch):
     M.train_phase(torch.nn.Linear(4, 1), sq_loss, _ListLoader(toy_batches()), toy_args(), 0, 1, "cpu", 7,
                   out_dir=str(tmp_path), tag="t")   # a fresh run into the same out_dir starts a fresh log
     assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [3, 6, 7]
-    assert sorted(os.listdir(tmp_path / "checkpoint")) == sorted(M.CKPT_FILES)
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == sorted(M.data.CHECKPOINT_FILES)
     assert not os.path.exists(tmp_path / "checkpoint.prev") and not os.path.exists(tmp_path / "checkpoint.tmp")
 
 
@@ -94,7 +94,7 @@ def test_resume_rewinds_metrics_and_falls_back_to_prev(teacher, tmp_path, capsys
     (ck / "model.safetensors").write_bytes(data[: len(data) // 2])  # killed mid-write of the newer one
     capsys.readouterr()
     M.main(args + ["--resume"])
-    assert "resuming from the previous complete checkpoint" in capsys.readouterr().out
+    assert "resuming from the previous complete checkpoint" in capsys.readouterr().err
     two = load_file(str(tmp_path / "s" / "learngene.safetensors"))
     assert all(torch.equal(one[k], two[k]) for k in one)
     steps = [json.loads(x)["step"] for x in open(tmp_path / "s" / "metrics.jsonl")]
@@ -117,7 +117,7 @@ def test_damaged_checkpoint_without_prev_is_one_error_line(teacher, tmp_path, ca
     else:
         os.remove(ck / "config.json")
     expect_error(args + ["--resume"], capsys, {"truncate": "train_state.safetensors: damaged",
-                                               "json": "train_state.json: damaged", "steps": "different steps",
+                                               "json": "train_state.json: malformed JSON", "steps": "from step 7",
                                                "missing": "config.json: missing"}[damage])
 
 
