@@ -280,12 +280,12 @@ def open_clip_model(open_clip, cfg):
 def run_open_clip(args, device):
     """open_clip CLIP + ClipLoss in the same step as il_clip's (autocast, AdamW groups, grad clip,
     logit_scale clamp, optional torch.compile)."""
-    from open_clip.loss import ClipLoss
+    open_clip = import_open_clip()          # first: it installs the torchvision stand-in
     cfg = model_config(args.model, "clip", 0)
     mem = PeakMemory(device)
     torch.manual_seed(0)
-    raw = open_clip_model(import_open_clip(), cfg).to(device).train()
-    opt, loss_fn = adamw(raw, device), ClipLoss()
+    raw = open_clip_model(open_clip, cfg).to(device).train()
+    opt, loss_fn = adamw(raw, device), open_clip.loss.ClipLoss()
     model = torch.compile(raw) if args.compile else raw
     ac = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext()
     g = torch.Generator().manual_seed(0)

@@ -169,3 +169,20 @@ def test_peak_flops_by_device_name():
     assert il_clip.peak_flops("NVIDIA H100 80GB HBM3") == il_clip.peak_flops("NVIDIA H200") == 989e12
     assert il_clip.peak_flops("NVIDIA H100 PCIe") == 756e12 and il_clip.peak_flops("NVIDIA H100 NVL") == 835e12
     assert il_clip.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12 and il_clip.peak_flops("Tesla T4") is None
+
+
+def test_reference_open_clip_runs_in_a_fresh_process():
+    """`--reference open_clip` imports open_clip through the torchvision stand-in on its own (in
+    this test session another test may have imported it first)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    if importlib.util.find_spec("open_clip") is None:
+        pytest.skip("open_clip_torch not installed")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "bench.py"), "--reference", "open_clip", "--batch_size", "4",
+                        "--steps", "1", "--warmup", "1", "--rounds", "1"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "il_clip / open_clip samples/s:" in r.stdout
