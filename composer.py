@@ -40,7 +40,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 try:
     import data  # the repo's shared module (shapes, tokenizer, loaders)
@@ -1390,18 +1389,12 @@ def load_clip_vision(path):
     size). Copied here (not imported) so that composer.py imports only data.py. Heads / GELU come
     from the run's config.json when there is one, else OpenAI's convention (width / 64, QuickGELU)."""
     weights, folder = resolve_weights(path)
-    try:
-        sd = load_file(weights) if weights.endswith(".safetensors") else torch.load(weights, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ComposerError(f"{weights}: cannot read CLIP weights ({type(e).__name__})") from None
-    sd = {k: v.float() for k, v in sd.items() if k.startswith("visual.")}
+    sd = {k: v.float() for k, v in data.read_weights(weights).items() if k.startswith("visual.")}  # also OpenAI's JIT .pt
     if "visual.conv1.weight" not in sd:
         raise ComposerError(f"{weights}: no visual.conv1.weight (not a CLIP ViT checkpoint)")
     w, patch = sd["visual.conv1.weight"].shape[0], sd["visual.conv1.weight"].shape[-1]
-    model_cfg = {}
-    if os.path.isfile(os.path.join(folder, "config.json")):
-        with open(os.path.join(folder, "config.json")) as f:
-            model_cfg = json.load(f).get("model", {})
+    conf = os.path.join(folder, "config.json")
+    model_cfg = data.read_json(conf).get("model", {}) if os.path.isfile(conf) else {}
     if "vision_heads" not in model_cfg and w % 64:
         raise ComposerError(f"{weights}: no config.json with vision_heads beside it, and width {w} is not "
                             f"OpenAI's (64 per head): pass the il_clip.py out_dir")
@@ -2017,15 +2010,11 @@ def lr_at(step, args):
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-def _write_json(path, obj):
-    data.atomic_write(path, lambda tmp: data.save_json(tmp, obj))
-
-
-def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra):
+def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra, device):
     """data.py's checkpoint layout, written atomically as a set (a kill at any point leaves one
     complete checkpoint). out_dir also keeps config.json and tokenizer.json for readers."""
     tensors, optimizer = data.optimizer_state(opt)
-    state = {"step": step, "sampler": sampler.state_dict(), "rng": data.rng_state(), "optimizer": optimizer, **extra}
+    state = {"step": step, "sampler": sampler.state_dict(), "rng": data.rng_state(device), "optimizer": optimizer, **extra}
     data.write_checkpoint(out_dir, model.state_dict(), {"args": vars(args), "model": asdict(cfg)}, tensors, state, tok)
     tok.save(out_dir)
 
@@ -2104,14 +2093,14 @@ def build_optimizer(model, args):
                              lr=args.lr, betas=(0.9, 0.98), foreach=True)
 
 
-def restore(ckpt, model, opt, sampler, metrics, rank):
+def restore(ckpt, model, opt, sampler, metrics, rank, device):
     """--resume: weights, optimizer, sampler position and RNG states; metrics.jsonl rewound.
     Returns the step."""
     sd, tensors, st = ckpt
     model.load_state_dict(sd)
     data.load_optimizer_state(opt, tensors, st["optimizer"])
     sampler.load_state_dict(st["sampler"])
-    data.set_rng_state(st["rng"])
+    data.set_rng_state(st["rng"], device)
     data.rewind_metrics(metrics, st["step"], rank)
     return st["step"]
 
@@ -2160,7 +2149,7 @@ def train(args):
     sp, evals = load_data(args, compiler)
     model, cfg = make_model(args, tok, sp.store.feat_dim)
     if args.init:
-        model.load_state_dict(load_file(resolve_weights(args.init)[0]))
+        load_weights(model, resolve_weights(args.init)[0])
     model.to(device)
     if master:
         print(f"data: {len(sp.captions)} train captions / {len(sp.keys)} images, {sp.n_bracketed} parsed by the "
@@ -2171,7 +2160,7 @@ def train(args):
     opt = build_optimizer(model, args)
     sampler = Sampler(len(sp.captions), args.batch_size, args.seed)
     metrics = os.path.join(args.out_dir, "metrics.jsonl")
-    step = restore(resume, model, opt, sampler, metrics, rank) if resume else 0
+    step = restore(resume, model, opt, sampler, metrics, rank, device) if resume else 0
     if resume and master:
         print(f"resumed from {args.out_dir} at step {step}", flush=True)
     if args.compile:  # compile each transformer block (shapes vary by level: dynamic=True)
@@ -2224,7 +2213,7 @@ def train(args):
         if master and (at_ckpt or stopping):
             if not data.all_finite([*model.state_dict().values(), *(v for st in opt.state.values() for v in st.values())]):
                 raise nonfinite(step, args)  # never save non-finite weights: the last good checkpoint stays
-            save_checkpoint(args.out_dir, model, opt, cfg, args, step, sampler, tok, extra)
+            save_checkpoint(args.out_dir, model, opt, cfg, args, step, sampler, tok, extra, device)
         if stopping:
             if master:
                 print(f"stopped (SIGTERM or --stop_at): checkpoint saved at step {step}; continue with --resume", flush=True)
@@ -2266,20 +2255,23 @@ def resolve_weights(path):
 def load_checkpoint(ckpt, device="cpu"):
     """(model, tokenizer, saved args as a Namespace) from a composer.py checkpoint (resolve_weights)."""
     weights, folder = resolve_weights(ckpt)
-    try:
-        with open(os.path.join(folder, "config.json")) as f:
-            conf = json.load(f)
-    except FileNotFoundError:
-        raise ComposerError(f"{ckpt}: no config.json (not a composer.py out_dir)") from None
-    except ValueError as e:
-        raise ComposerError(f"{os.path.join(folder, 'config.json')}: bad JSON ({e})") from None
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ComposerError(f"{ckpt}: no config.json (not a composer.py out_dir)")
+    conf = data.read_json(os.path.join(folder, "config.json"))
     cfg = ModelConfig(**conf["model"])
-    model = MODELS[cfg.arch](cfg)
-    try:
-        model.load_state_dict(load_file(weights))
-    except Exception as e:  # a truncated file or other weights: one line, not a traceback
-        raise ComposerError(f"{weights}: cannot load ({type(e).__name__}: {str(e)[:120]})") from None
+    model = load_weights(MODELS[cfg.arch](cfg), weights)
     return model.to(device).eval(), data.Tokenizer.load(folder), argparse.Namespace(**conf["args"])
+
+
+def load_weights(model, weights):
+    """data.read_weights into the model: a truncated file or another model's weights is one
+    error line, not a traceback."""
+    sd = data.read_weights(weights)
+    try:
+        model.load_state_dict(sd)
+    except RuntimeError as e:
+        raise ComposerError(f"{weights}: not this model's weights ({' '.join(str(e).split())[:160]})") from None
+    return model
 
 
 def cmd_eval(args):
@@ -2365,7 +2357,7 @@ def cmd_mcd(args):
         for name, keys in sets.items():
             lines = [json.dumps(it) for k in keys for _, it in by_img[k]]
             data.atomic_write(os.path.join(args.out, f"{name}.jsonl"), lambda t: open(t, "w").write("\n".join(lines) + "\n"))
-        _write_json(os.path.join(args.out, "windows.json"), summary["windows"])
+        data.atomic_write(os.path.join(args.out, "windows.json"), lambda t: data.save_json(t, summary["windows"]))
         summary["written"] = [os.path.join(args.out, f"{n}.jsonl") for n in sets] + [os.path.join(args.out, "windows.json")]
     print(json.dumps(summary, indent=1))
     return res

@@ -280,6 +280,25 @@ def test_cli_bad_flags_one_line(tmp_path, capsys):
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
 
 
+def test_damaged_or_foreign_weights_one_line(tmp_path, capsys):
+    """eval --ckpt and --init read weights through data.read_weights: a truncated file or another
+    model's weights is one `error:` line naming the file, exit 2."""
+    out = str(tmp_path / "vse")
+    C.main(["train", "--model", "vse", "--out_dir", out, "--max_steps", "1"] + TRAIN + ["--n_eval", "0"])
+    weights = os.path.join(out, "checkpoint", "model.safetensors")
+    good = open(weights, "rb").read()
+    open(weights, "wb").write(good[:len(good) // 2])
+    for argv in (["eval", "--ckpt", out, "--n", "4"],
+                 ["train", "--model", "vse", "--init", weights, "--out_dir", str(tmp_path / "i"), "--max_steps", "1"] + TRAIN,
+                 ["train", "--model", "single", "--init", str(tmp_path / "ok.safetensors"), "--out_dir", str(tmp_path / "j"),
+                  "--max_steps", "1"] + TRAIN):
+        open(tmp_path / "ok.safetensors", "wb").write(good)   # complete, but VSE's weights
+        with pytest.raises(SystemExit) as e:
+            C.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and ".safetensors" in err[0], err
+
+
 def test_frozen_il_clip_patch_features(tmp_path):
     il_clip = pytest.importorskip("il_clip")
     cfg = il_clip.ModelConfig(**{**il_clip.MODEL_PRESETS["tiny"], "vision_layers": 1, "text_layers": 1,
