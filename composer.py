@@ -894,6 +894,12 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def masked_mean(x, mask):
+    """Mean of x [B, L, w] over the positions where mask [B, L] is True (an empty row gives 0)."""
+    m = mask.unsqueeze(-1).to(x.dtype)
+    return (x * m).sum(1) / m.sum(1).clamp(min=1)
+
+
 def _ct_kinds(n):
     """Appendix C / Fig. 6: SelfAtt first, then interleaved CrossAtt and SelfAtt (3 -> S X S; the
     paper's 5 -> S X S X S ends in text self-attention, as any odd depth does)."""
@@ -987,9 +993,7 @@ class Composer(nn.Module):
 
     # --- the composition step for a set of nodes (any mix of captions, images and depths)
     def encode_primitives(self, q, qmask, V, vmask):
-        x = self.prim(q, qmask, V, vmask)
-        m = qmask.unsqueeze(-1).to(x.dtype)
-        return (x * m).sum(1) / m.sum(1).clamp(min=1)  # mean over the word's pieces
+        return masked_mean(self.prim(q, qmask, V, vmask), qmask)  # mean over the word's pieces
 
     def compose(self, seq, tmask, slot_rows, slot_pos, child_emb, V, vmask):
         """seq [n, T, w] encoded predicates; the slots (slot_rows, slot_pos) get the modulated
@@ -1080,6 +1084,12 @@ def caption_tokens(tb, cfg):
     return t, torch.arange(t.shape[1], device=t.device) <= eot[:, None]
 
 
+def embed_caption(model, tb):
+    """Token + position embeddings of the caption-level models (cross-encoders, VSE), and the mask."""
+    t, mask = caption_tokens(tb, model.cfg)
+    return model.tok_emb(t) + model.pos_emb(torch.arange(t.shape[1], device=t.device)), mask
+
+
 class CaptionCrossEncoder(nn.Module):
     """What the caption-level cross-encoders share: token + position embeddings of the caption
     and the visual encoder (created first, in this order, so initialisation is unchanged)."""
@@ -1091,8 +1101,7 @@ class CaptionCrossEncoder(nn.Module):
         self.visual = VisualEncoder(cfg)
 
     def embed(self, tb):
-        t, mask = caption_tokens(tb, self.cfg)
-        return self.tok_emb(t) + self.pos_emb(torch.arange(t.shape[1], device=t.device)), mask
+        return embed_caption(self, tb)
 
     def encode_image(self, feats, boxes, mask):
         return self.visual(feats, boxes, mask)
@@ -1164,9 +1173,7 @@ class ViLBERT(CaptionCrossEncoder):
         for co, ts, vs in zip(self.co, self.t_self, self.v_self):
             x, V = co(x, m, V, vm)
             x, V = ts(x, m), vs(V, vm)
-        vmf = vm.unsqueeze(-1).to(V.dtype)
-        v = (self.ln_v(V) * vmf).sum(1) / vmf.sum(1).clamp(min=1)
-        return self.theta(self.ln_t(x[:, 0]) * v).squeeze(-1), {}
+        return self.theta(self.ln_t(x[:, 0]) * masked_mean(self.ln_v(V), vm)).squeeze(-1), {}
 
 
 class VSE(nn.Module):
@@ -1187,18 +1194,15 @@ class VSE(nn.Module):
         self.logit_scale = nn.Parameter(torch.tensor(math.log(10.0)))
 
     def encode_text(self, tb):
-        t, mask = caption_tokens(tb, self.cfg)
-        x = self.tok_emb(t) + self.pos_emb(torch.arange(t.shape[1], device=t.device))
+        x, mask = embed_caption(self, tb)
         for b in self.blocks:
             x = b(x, mask)
-        m = mask.unsqueeze(-1).to(x.dtype)
-        return F.normalize(self.proj_t((self.ln_t(x) * m).sum(1) / m.sum(1)), dim=-1)
+        return F.normalize(self.proj_t(masked_mean(self.ln_t(x), mask)), dim=-1)
 
     def encode_image(self, feats, boxes, mask):
         x = self.feat(feats) + self.box(boxes)
         x = x + self.mlp_v(x)
-        m = mask.unsqueeze(-1).to(x.dtype)
-        return F.normalize(self.proj_v((x * m).sum(1) / m.sum(1).clamp(min=1)), dim=-1), mask
+        return F.normalize(self.proj_v(masked_mean(x, mask)), dim=-1), mask
 
     def score_pairs(self, tb, te, V, vmask, pair_cap, pair_img):
         return self.logit_scale.exp() * (te[pair_cap] * V[pair_img]).sum(-1), {}
@@ -1207,11 +1211,16 @@ class VSE(nn.Module):
 MODELS = {"composer": Composer, "vse": VSE, "single": SingleStream, "vilbert": ViLBERT}
 
 
-def text_inputs(cfg: ModelConfig, compiler: TextCompiler, comps: list, captions: list):
-    """The text batch a model takes: compiled CRGs (composer) or caption token ids (baselines)."""
-    if cfg.arch == "composer":
-        return collate_text(comps)
-    return {"tokens": compiler.tok(captions)}
+def text_inputs(cfg: ModelConfig, compiler: TextCompiler, comps: list, captions: list, device="cpu"):
+    """The text batch a model takes, on `device`: compiled CRGs (composer) or caption token ids
+    (baselines)."""
+    tb = collate_text(comps) if cfg.arch == "composer" else {"tokens": compiler.tok(captions)}
+    return {k: v.to(device) for k, v in tb.items()}
+
+
+def compile_for(cfg: ModelConfig, compiler: TextCompiler, crgs: list) -> list:
+    """Compiled CRGs for COMPOSER; the baselines read the caption text instead (None each)."""
+    return [compiler.compile(c) for c in crgs] if cfg.arch == "composer" else [None] * len(crgs)
 
 
 # =============================================================================
@@ -1245,20 +1254,22 @@ def shapes_region_features(image, objects, max_regions=8):
     return np.stack(feats).astype(np.float32), np.asarray(boxes, np.float32)
 
 
+def pad_regions(feats: list, boxes: list):
+    """Per-image feats [n_i, D] and boxes [n_i, 5] (arrays or tensors) -> [I, N, D], [I, N, 5]
+    zero-padded to the largest n_i, and the mask [I, N] of real regions."""
+    I, N, D = len(feats), max(f.shape[0] for f in feats), feats[0].shape[1]
+    fs, bs, mask = torch.zeros(I, N, D), torch.zeros(I, N, 5), torch.zeros(I, N, dtype=torch.bool)
+    for i, (f, b) in enumerate(zip(feats, boxes)):
+        fs[i, :len(f)], bs[i, :len(b)], mask[i, :len(f)] = torch.as_tensor(f), torch.as_tensor(b), True
+    return fs, bs, mask
+
+
 class FeatureStore:
     """In-memory region features of a set of images, padded to the largest region count."""
 
     def __init__(self, feats: list, boxes: list):
-        N = max(f.shape[0] for f in feats)
-        D = feats[0].shape[1]
-        self.feats = torch.zeros(len(feats), N, D)
-        self.boxes = torch.zeros(len(feats), N, 5)
-        self.mask = torch.zeros(len(feats), N, dtype=torch.bool)
-        for i, (f, b) in enumerate(zip(feats, boxes)):
-            self.feats[i, :len(f)] = torch.as_tensor(f)
-            self.boxes[i, :len(b)] = torch.as_tensor(b)
-            self.mask[i, :len(f)] = True
-        self.feat_dim = D
+        self.feats, self.boxes, self.mask = pad_regions(feats, boxes)
+        self.feat_dim = self.feats.shape[2]
 
     def __len__(self):
         return self.feats.shape[0]
@@ -1373,14 +1384,8 @@ class LazyFeatures:
 
     def get(self, idx, device="cpu"):
         idx = idx.tolist() if torch.is_tensor(idx) else list(idx)
-        items = [self.regions.read(self.keys[i]) for i in idx]
-        N = max(f.shape[0] for f, _ in items)
-        feats = torch.zeros(len(items), N, self.feat_dim)
-        boxes = torch.zeros(len(items), N, 5)
-        mask = torch.zeros(len(items), N, dtype=torch.bool)
-        for j, (f, b) in enumerate(items):
-            feats[j, :len(f)], boxes[j, :len(b)], mask[j, :len(f)] = f, b, True
-        return feats.to(device), boxes.to(device), mask.to(device)
+        feats, boxes = zip(*[self.regions.read(self.keys[i]) for i in idx])
+        return tuple(t.to(device) for t in pad_regions(feats, boxes))
 
 
 def load_clip_vision(path):
@@ -1675,6 +1680,11 @@ def mvsa_nll(s, s_negc, s_negx, denom=None):
     return t / (denom or len(s))
 
 
+def mvsa_loss(s, s_negc, s_negx, denom, args):
+    """l_MVSA of --mvsa hinge (margin --alpha) or nll."""
+    return mvsa_hinge(s, s_negc, s_negx, args.alpha, denom) if args.mvsa == "hinge" else mvsa_nll(s, s_negc, s_negx, denom)
+
+
 def order_loss(s_parent, s_child, beta=0.2, denom=None):
     """l_order (Zhang et al. 2020): [b - s(x, c_parent) + s(x, c_child)]_+ per concept edge, mean
     (`denom` as in mvsa_hinge). A batch without edges (one-concept captions) gives 0."""
@@ -1719,8 +1729,7 @@ def composer_losses(aux, comps, cap_idx, neg_img_pairs, neg_txt_caps, pair_base,
     s, sx, sc = ns[t(pos_i)], ns[t(negx_i)].reshape(len(pos_i), ki), ns[t(negc_i)].reshape(len(pos_i), kt)
     n_nodes = sum(len(c["nodes"]) for c in comps) / world
     n_edges = sum(len(c["nodes"]) - 1 for c in comps) / world
-    mvsa = mvsa_hinge(s, sc, sx, args.alpha, n_nodes) if args.mvsa == "hinge" else mvsa_nll(s, sc, sx, n_nodes)
-    return mvsa, order_loss(ns[t(par_i)], ns[t(chi_i)], args.beta, n_edges)
+    return mvsa_loss(s, sc, sx, n_nodes, args), order_loss(ns[t(par_i)], ns[t(chi_i)], args.beta, n_edges)
 
 
 def concept_mvsa(model, compiler, sp, caps, local, ni, nt, V, vm, args, world, device):
@@ -1748,12 +1757,12 @@ def concept_mvsa(model, compiler, sp, caps, local, ni, nt, V, vm, args, world, d
             pos_i.append(pair(c.text, i))
             negx_i.append([pair(c.text, j) for j in ni[i].tolist()])
             negc_i.append([pair(n[mp[u]].text, i) for n, mp in zip(negs, maps)])
-    tb = _to(text_inputs(model.cfg, compiler, None, texts), device)
+    tb = text_inputs(model.cfg, compiler, None, texts, device)
     t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
     s, _ = model.score_pairs(tb, model.encode_text(tb), V, vm, t(pc), t(pi))
     sx, sc = s[t(negx_i)].reshape(len(pos_i), -1), s[t(negc_i)].reshape(len(pos_i), -1)
     n_nodes = sum(len(sp.crgs[c].concepts()) for c in caps) / world
-    return mvsa_hinge(s[t(pos_i)], sc, sx, args.alpha, n_nodes) if args.mvsa == "hinge" else mvsa_nll(s[t(pos_i)], sc, sx, n_nodes)
+    return mvsa_loss(s[t(pos_i)], sc, sx, n_nodes, args)
 
 
 # =============================================================================
@@ -1773,7 +1782,7 @@ def score_matrix(model, compiler, comps, captions, store, img_idx, device, cap_c
         vis.append(model.encode_image(f, b, m))
     out = torch.zeros(len(captions), len(img_idx))
     for i in range(0, len(captions), cap_chunk):
-        tb = _to(text_inputs(cfg, compiler, comps[i:i + cap_chunk], captions[i:i + cap_chunk]), device)
+        tb = text_inputs(cfg, compiler, comps[i:i + cap_chunk], captions[i:i + cap_chunk], device)
         te = model.encode_text(tb)
         nc = min(cap_chunk, len(captions) - i)
         for j, (V, vm) in enumerate(vis):
@@ -1795,10 +1804,6 @@ def recall_at(scores, gold_sets, ks=(1, 5, 10)):
     best = scores.masked_fill(~G, -float("inf")).max(1).values
     wrong_above = ((scores >= best[:, None]) & ~G).sum(1)
     return {f"R@{k}": round(100.0 * (wrong_above < k).float().mean().item(), 2) for k in ks}
-
-
-def _to(tb, device):
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in tb.items()}
 
 
 def phrase_queries(sp: Split, per_caption=5, seed=0):
@@ -1829,7 +1834,7 @@ def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True
     if parse_dropout > 0:
         rng = random.Random(seed)
         crgs = [drop_branches(c, parse_dropout, rng) for c in crgs]
-    comps = [compiler.compile(c) for c in crgs] if model.cfg.arch == "composer" else [None] * len(crgs)
+    comps = compile_for(model.cfg, compiler, crgs)
     imgs = list(range(len(sp.keys)))
     S = score_matrix(model, compiler, comps, sp.captions, sp.store, imgs, device)
     res = {"images": len(imgs), "captions": len(sp.captions), "bracketer": sp.n_bracketed,
@@ -1837,8 +1842,7 @@ def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True
     if phrases:
         pc, pcap, gold = phrase_queries(sp, seed=seed)
         if pc:
-            pcomps = [compiler.compile(c) for c in pc] if model.cfg.arch == "composer" else [None] * len(pc)
-            Sp = score_matrix(model, compiler, pcomps, pcap, sp.store, imgs, device)
+            Sp = score_matrix(model, compiler, compile_for(model.cfg, compiler, pc), pcap, sp.store, imgs, device)
             res.update({f"phrase_{k}": v for k, v in recall_at(Sp, gold).items()})
             res["phrases"] = len(pc)
     return res, S
@@ -1853,7 +1857,7 @@ def interpret(model, compiler, sp: Split, S, i, device) -> str:
     row[g] = -float("inf")
     w = int(row.argmax())
     comp = compiler.compile(sp.crgs[i])
-    tb = _to(collate_text([comp]), device)
+    tb = text_inputs(model.cfg, compiler, [comp], None, device)
     te = model.encode_text(tb)
     f, b, m = sp.store.get(torch.tensor([g, w]), device)
     V, vm = model.encode_image(f, b, m)
@@ -1881,11 +1885,15 @@ def interpret(model, compiler, sp: Split, S, i, device) -> str:
 # 8. Training: torchrun DDP, checkpoints, resume
 # =============================================================================
 
+def default_device(device_arg):
+    return device_arg or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def ddp_setup(device_arg):
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     local = int(os.environ.get("LOCAL_RANK", 0))
-    device = device_arg or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(device_arg)
     if device == "cuda" and world > 1:
         device = f"cuda:{local}"
         torch.cuda.set_device(device)
@@ -1967,7 +1975,7 @@ def train_step(model, compiler, sp: Split, gidx, rank, world, step, args, device
     nt = sample_negatives(img_of, args.n_neg_txt, gen)
     local = torch.arange(B)[rank::world]
     caps = gidx.tolist()
-    tb = _to(text_inputs(cfg, compiler, [sp.comps[c] for c in caps] if sp.comps else None, [sp.captions[c] for c in caps]), device)
+    tb = text_inputs(cfg, compiler, [sp.comps[c] for c in caps] if sp.comps else None, [sp.captions[c] for c in caps], device)
     te = model.encode_text(tb)
     V, vm = model.encode_image(*sp.store.get(img_of, device))
     b, ki, kt = len(local), args.n_neg_img, args.n_neg_txt
@@ -2010,9 +2018,21 @@ def lr_at(step, args):
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
+class NonFinite(ComposerError):
+    """Divergence: printed as `error: ...` like a user error, but exit code 1 (COMMON.md)."""
+
+
+def nonfinite(step, args):
+    return NonFinite(f"non-finite loss at a step <= {step}: stopping; the last good checkpoint "
+                         f"is in {args.out_dir}")
+
+
 def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra, device):
     """data.py's checkpoint layout, written atomically as a set (a kill at any point leaves one
-    complete checkpoint). out_dir also keeps config.json and tokenizer.json for readers."""
+    complete checkpoint). out_dir also keeps config.json and tokenizer.json for readers.
+    Non-finite weights or optimizer state are never saved: NonFinite, the last good one stays."""
+    if not data.all_finite([*model.state_dict().values(), *(v for st in opt.state.values() for v in st.values())]):
+        raise nonfinite(step, args)
     tensors, optimizer = data.optimizer_state(opt)
     state = {"step": step, "sampler": sampler.state_dict(), "rng": data.rng_state(device), "optimizer": optimizer, **extra}
     data.write_checkpoint(out_dir, model.state_dict(), {"args": vars(args), "model": asdict(cfg)}, tensors, state, tok)
@@ -2074,14 +2094,16 @@ def check_args(args, world):
 def load_data(args, compiler):
     """The training split and the eval sets (in-domain --eval_split, and each --split_file)."""
     sp = attach_compiler(load_split(args, "train", _n(args.data, args.n_train, 12800)), compiler, args.max_skip_frac)
-    evals = {}
-    if args.n_eval != 0:
-        evals["in_domain"] = attach_compiler(load_split(args, args.eval_split, _n(args.data, args.n_eval, 200)),
-                                             compiler, args.max_skip_frac)
+    return sp, eval_sets(args, "in_domain", args.eval_split, _n(args.data, args.n_eval, 200), compiler)
+
+
+def eval_sets(args, name, split, n, compiler):
+    """{name: the first n images of `split`} (none when n is 0), then each --split_file by its
+    file stem; captions compiled."""
+    sets = {name: load_split(args, split, n)} if n != 0 else {}
     for path in args.split_file or []:
-        evals[os.path.splitext(os.path.basename(path))[0]] = attach_compiler(
-            load_split(args, None, None, items=read_split_file(path)), compiler, args.max_skip_frac)
-    return sp, evals
+        sets[os.path.splitext(os.path.basename(path))[0]] = load_split(args, None, None, items=read_split_file(path))
+    return {k: attach_compiler(sp, compiler, args.max_skip_frac) for k, sp in sets.items()}
 
 
 def build_optimizer(model, args):
@@ -2126,24 +2148,10 @@ def sync_values(loss, parts, bad, stop_flag, world):
     return vals.tolist()
 
 
-class NonFinite(ComposerError):
-    """Divergence: printed as `error: ...` like a user error, but exit code 1 (COMMON.md)."""
-
-
-def nonfinite(step, args):
-    return NonFinite(f"non-finite loss at a step <= {step}: stopping; the last good checkpoint "
-                         f"is in {args.out_dir}")
-
-
-def train(args):
-    rank, world, device = ddp_setup(args.device)
-    master = rank == 0
-    check_args(args, world)
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    resume = find_checkpoint(args.out_dir) if args.resume else None
-    tok = build_tokenizer(args, resume is not None)
+def build_run(args, resumed, master, world, device):
+    """Tokenizer (out_dir's when resuming), compiler, training and eval data, and the model
+    (--init weights) on `device`; rank 0 says what was read."""
+    tok = build_tokenizer(args, resumed)
     compiler = TextCompiler(tok, args.max_len)
     t0 = time.time()
     sp, evals = load_data(args, compiler)
@@ -2156,6 +2164,25 @@ def train(args):
               f"built-in bracketer (no tree), skipped {dict(sp.skipped)}, "
               f"{time.time() - t0:.1f}s; model {cfg.arch}: {sum(p.numel() for p in model.parameters()) / 1e6:.3f}M params; "
               f"world {world}, device {device}", flush=True)
+    return tok, compiler, sp, evals, model, cfg
+
+
+def autocast_for(device, dtype):
+    """--dtype bf16: autocast on CUDA; CPU runs stay fp32."""
+    if device.startswith("cuda") and dtype == "bf16":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def train(args):
+    rank, world, device = ddp_setup(args.device)
+    master = rank == 0
+    check_args(args, world)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    resume = find_checkpoint(args.out_dir) if args.resume else None
+    tok, compiler, sp, evals, model, cfg = build_run(args, resume is not None, master, world, device)
     params = list(model.parameters())
     opt = build_optimizer(model, args)
     sampler = Sampler(len(sp.captions), args.batch_size, args.seed)
@@ -2170,8 +2197,7 @@ def train(args):
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     if master:
         os.makedirs(args.out_dir, exist_ok=True)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") and args.dtype == "bf16" \
-        else torch.autocast("cpu", enabled=False)
+    autocast = autocast_for(device, args.dtype)
     last_log = time.time()
     extra = {"skipped": dict(sp.skipped)}
 
@@ -2211,8 +2237,6 @@ def train(args):
         if args.eval_every and step % args.eval_every == 0 and step < args.max_steps and master:
             log({"step": step, "eval": run_evals(model, compiler, evals, device, args)})
         if master and (at_ckpt or stopping):
-            if not data.all_finite([*model.state_dict().values(), *(v for st in opt.state.values() for v in st.values())]):
-                raise nonfinite(step, args)  # never save non-finite weights: the last good checkpoint stays
             save_checkpoint(args.out_dir, model, opt, cfg, args, step, sampler, tok, extra, device)
         if stopping:
             if master:
@@ -2275,21 +2299,16 @@ def load_weights(model, weights):
 
 
 def cmd_eval(args):
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(args.device)
     model, tok, targs = load_checkpoint(args.ckpt, device)
     for k in ("features", "regions", "clip", "image_size", "image_root"):
         if getattr(args, k, None) is None:
             setattr(args, k, getattr(targs, k, None))
     args.data = args.data or targs.data
     compiler = TextCompiler(tok, model.cfg.max_len)
-    sets = {}
-    if args.n != 0:  # the paper's protocol: every image of the test split, each ranked by all captions
-        sets[args.split] = load_split(args, args.split, _n(args.data, args.n, 1000))
-    for path in args.split_file or []:
-        sets[os.path.splitext(os.path.basename(path))[0]] = load_split(args, None, None, items=read_split_file(path))
+    # the paper's protocol: every image of the test split, each ranked by all captions
     out = {}
-    for name, sp in sets.items():
-        attach_compiler(sp, compiler, args.max_skip_frac)
+    for name, sp in eval_sets(args, args.split, args.split, _n(args.data, args.n, 1000), compiler).items():
         t0 = time.time()
         res, S = evaluate(model, compiler, sp, device, args.parse_dropout, phrases=not args.no_phrases, seed=args.seed)
         res["skipped"] = dict(sp.skipped)
