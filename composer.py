@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -471,9 +472,7 @@ class _NPChunker:
         while self.tag(k) in _NOUN_TAGS:
             out.append(self.leaf(k))
             k += 1
-        if self.tag(i) == "EX":
-            return f"(NP {self.leaf(i)})", i + 1
-        if self.tag(i) == "PRP":
+        if self.tag(i) in ("EX", "PRP"):
             return f"(NP {self.leaf(i)})", i + 1
         if k == j:
             return None
@@ -767,21 +766,16 @@ class TextCompiler:
         "texts": node texts, "words": primitive words}; nodes post-order, root last."""
         concepts = crg.concepts()
         cidx = {id(c): i for i, c in enumerate(concepts)}
-        prims, words, pidx = [], [], {}
+        prims, pidx, parent = [], {}, {}
         for c in concepts:
             for ch in c.children:
                 if isinstance(ch, Prim):
                     pidx[id(ch)] = len(prims)
                     prims.append(ch.word)
-                    words.append(ch.word)
-        all_words = words + [t for c in concepts for t in c.template if not isinstance(t, int)]
-        self.word_ids(all_words)
-        nodes = []
-        parent = {}
-        for c in concepts:
-            for ch in c.children:
-                if isinstance(ch, Concept):
+                else:
                     parent[id(ch)] = cidx[id(c)]
+        self.word_ids(prims + [t for c in concepts for t in c.template if not isinstance(t, int)])
+        nodes = []
         for c in concepts:
             ids, slots = [], []
             for t in c.template:
@@ -1484,7 +1478,7 @@ def _spec_items(args, spec, split, n, with_images=False) -> list:
     if spec.endswith(".jsonl"):
         return _first_images(read_split_file(spec), n)
     if _is_shapes(spec):
-        seed = _shapes_opts(spec).get("seed", 0)
+        seed = data.parse_shapes_spec(spec).get("seed", 0) if spec != "shapes" else 0
         return [{"source": "shapes", "split": split, "index": i, "seed": seed, "key": f"{split}{i:08d}"}
                 for i in range(n)]
     if with_images:
@@ -1551,10 +1545,6 @@ def _resolve_item(it):
         sc = data.shapes_scene(it["split"], it["index"], it.get("seed", 0))
         return it["key"], sc.caption, sc.tree, sc
     return it.get("key"), it.get("caption", ""), it.get("tree"), it.get("_image")
-
-
-def _shapes_opts(spec):
-    return data.parse_shapes_spec(spec) if spec != "shapes" else {}
 
 
 def _is_shapes(spec):
@@ -1644,10 +1634,8 @@ def attach_compiler(sp: Split, compiler: TextCompiler, max_skip_frac: float):
         except CRGError as e:
             sp.skipped[e.kind] += 1
     if len(keep) < len(sp.crgs):
-        sp.captions = [sp.captions[i] for i in keep]
-        sp.crgs = [sp.crgs[i] for i in keep]
-        sp.cap_img = [sp.cap_img[i] for i in keep]
-        sp.items = [sp.items[i] for i in keep]
+        for name in ("captions", "crgs", "cap_img", "items"):  # the per-caption lists
+            setattr(sp, name, [getattr(sp, name)[i] for i in keep])
     _check_skips(Counter(), len(sp.crgs), max_skip_frac, "compiled captions")
     sp.comps = comps
     return sp
@@ -1885,20 +1873,15 @@ def interpret(model, compiler, sp: Split, S, i, device) -> str:
 # 8. Training: torchrun DDP, checkpoints, resume
 # =============================================================================
 
-def default_device(device_arg):
-    return device_arg or ("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def ddp_setup(device_arg):
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     local = int(os.environ.get("LOCAL_RANK", 0))
-    device = default_device(device_arg)
+    device = device_arg or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and world > 1:
         device = f"cuda:{local}"
         torch.cuda.set_device(device)
     if world > 1:
-        import torch.distributed as dist
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     return rank, world, device
 
@@ -2142,7 +2125,6 @@ def sync_values(loss, parts, bad, stop_flag, world):
     the others left."""
     vals = torch.stack([loss.detach(), *parts.values(), bad.float(), loss.new_tensor(float(stop_flag))]).double()
     if world > 1:
-        import torch.distributed as dist
         dist.all_reduce(vals)
         vals[:-2] /= world
     return vals.tolist()
@@ -2165,13 +2147,6 @@ def build_run(args, resumed, master, world, device):
               f"{time.time() - t0:.1f}s; model {cfg.arch}: {sum(p.numel() for p in model.parameters()) / 1e6:.3f}M params; "
               f"world {world}, device {device}", flush=True)
     return tok, compiler, sp, evals, model, cfg
-
-
-def autocast_for(device, dtype):
-    """--dtype bf16: autocast on CUDA; CPU runs stay fp32."""
-    if device.startswith("cuda") and dtype == "bf16":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
 
 
 def train(args):
@@ -2197,7 +2172,8 @@ def train(args):
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     if master:
         os.makedirs(args.out_dir, exist_ok=True)
-    autocast = autocast_for(device, args.dtype)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") and args.dtype == "bf16" \
+        else torch.autocast("cpu", enabled=False)
     last_log = time.time()
     extra = {"skipped": dict(sp.skipped)}
 
@@ -2250,7 +2226,6 @@ def train(args):
         print(json.dumps({"final": result}), flush=True)
         draw_loss_curve(metrics, os.path.join(args.out_dir, "loss_curve.png"))
     if world > 1:
-        import torch.distributed as dist
         dist.barrier()
         dist.destroy_process_group()
     return result
@@ -2299,7 +2274,7 @@ def load_weights(model, weights):
 
 
 def cmd_eval(args):
-    device = default_device(args.device)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tok, targs = load_checkpoint(args.ckpt, device)
     for k in ("features", "regions", "clip", "image_size", "image_root"):
         if getattr(args, k, None) is None:
@@ -2356,6 +2331,14 @@ def _pool(args):
     return by_img, sk, nb
 
 
+def write_text(path, text):
+    """data.atomic_write of a text file (closed before the rename)."""
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+    data.atomic_write(path, write)
+
+
 def cmd_mcd(args):
     train_crgs, _, sk_t, nb_t = _collect(args, args.train, args.train_split, _n(args.train, args.n_train, 20000))
     by_img, sk_p, nb_p = _pool(args)  # pool items are images with all their captions (appendix B)
@@ -2374,8 +2357,7 @@ def cmd_mcd(args):
         os.makedirs(args.out, exist_ok=True)
         sets = {"mcd": res["mcd"], "random": res["random"], **{n: w["items"] for n, w in picked.items()}}
         for name, keys in sets.items():
-            lines = [json.dumps(it) for k in keys for _, it in by_img[k]]
-            data.atomic_write(os.path.join(args.out, f"{name}.jsonl"), lambda t: open(t, "w").write("\n".join(lines) + "\n"))
+            write_text(os.path.join(args.out, f"{name}.jsonl"), "\n".join(json.dumps(it) for k in keys for _, it in by_img[k]) + "\n")
         data.atomic_write(os.path.join(args.out, "windows.json"), lambda t: data.save_json(t, summary["windows"]))
         summary["written"] = [os.path.join(args.out, f"{n}.jsonl") for n in sets] + [os.path.join(args.out, "windows.json")]
     print(json.dumps(summary, indent=1))
@@ -2452,7 +2434,7 @@ def cmd_parse(args):
         text = out.getvalue()
     else:
         raise ComposerError(f"{src}: parse reads a Karpathy .json, a .csv/.tsv or a .jsonl split file")
-    data.atomic_write(args.out, lambda t: open(t, "w", encoding="utf-8").write(text))
+    write_text(args.out, text)
     print(f"parsed {n} captions with {args.parser} in {time.time() - t0:.1f}s -> {args.out}", flush=True)
     return n
 
@@ -2464,8 +2446,17 @@ def add_common(p):
     p.add_argument("--max_skip_frac", type=float, default=0.1, help="stop if more captions than this are skipped")
     p.add_argument("--image_root", default=None)
     p.add_argument("--csv_img_key", default="filepath", help="CSV image column (open_clip's name)")
+    add_csv_text(p)
+
+
+def add_csv_text(p):
     p.add_argument("--csv_caption_key", default="title", help="CSV caption column")
     p.add_argument("--csv_separator", default=None, help="CSV separator (default: tab if the header has one, else comma)")
+
+
+def add_eval_sets(p):
+    p.add_argument("--split_file", action="append", help="extra eval set(s) written by `composer.py mcd`")
+    p.add_argument("--parse_dropout", type=float, default=0.0, help="remove parse branches with prob p at eval")
 
 
 def add_features(p, default="gold"):
@@ -2490,10 +2481,7 @@ SIZE_PRESETS = {"shapes": dict(width=64, heads=4, pt_layers=1, ct_layers=3),
                 "paper": dict(width=768, heads=12, pt_layers=6, ct_layers=5)}
 
 
-def parse_args(argv):
-    ap = argparse.ArgumentParser(description="COMPOSER: CRG, model, training, retrieval, MCD splits",
-                                 epilog=SUBCOMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", metavar="{train,eval,graph,mcd,parse}")
+def add_train_parser(sub):
     t = sub.add_parser("train", help="train COMPOSER or a baseline (default subcommand)")
     add_common(t)
     add_features(t)
@@ -2521,11 +2509,9 @@ def parse_args(argv):
                    help="default: shapes for --data shapes, paper otherwise. shapes: width 64, 4 heads, PT 1, CT 3 "
                         "(CPU); paper: width 768, 12 heads, PT 6, CT 5 (S X S X S, ending in text self-attention). "
                         "--width --heads --pt_layers --ct_layers override the preset")
-    t.add_argument("--width", type=int, default=None)
-    t.add_argument("--heads", type=int, default=None)
+    for k in SIZE_PRESETS["paper"]:  # width, heads, pt_layers, ct_layers
+        t.add_argument(f"--{k}", type=int, default=None)
     t.add_argument("--vis_layers", type=int, default=1)
-    t.add_argument("--pt_layers", type=int, default=None)
-    t.add_argument("--ct_layers", type=int, default=None)
     t.add_argument("--modulator", choices=["film", "mlp", "replace"], default="film")
     t.add_argument("--no_crossatt_primitives", action="store_true")
     t.add_argument("--mvsa", choices=["hinge", "nll"], default="hinge")
@@ -2540,11 +2526,17 @@ def parse_args(argv):
     t.add_argument("--n_train", type=int, default=None, help="training images (default: the whole split; shapes: 12800)")
     t.add_argument("--n_eval", type=int, default=None, help="in-domain eval images of --eval_split (0: none; default: all; shapes: 200)")
     t.add_argument("--eval_split", default="test")
-    t.add_argument("--split_file", action="append", help="extra eval set(s) written by `composer.py mcd`")
-    t.add_argument("--parse_dropout", type=float, default=0.0, help="remove parse branches with prob p at eval")
+    add_eval_sets(t)
     t.add_argument("--eval_every", type=int, default=0)
     t.add_argument("--log_interval", type=int, default=25)
     t.add_argument("--save_interval", type=int, default=200, help="checkpoint at multiples of this step")
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description="COMPOSER: CRG, model, training, retrieval, MCD splits",
+                                 epilog=SUBCOMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", metavar="{train,eval,graph,mcd,parse}")
+    add_train_parser(sub)
     e = sub.add_parser("eval", help="text->image / phrase->image retrieval of a checkpoint")
     add_common(e)
     add_features(e, default=None)
@@ -2552,8 +2544,7 @@ def parse_args(argv):
     e.add_argument("--ckpt", required=True)
     e.add_argument("--split", default="test")
     e.add_argument("--n", type=int, default=None, help="images of --split, each with all its captions (default: the whole split, the paper's protocol: Flickr30k test 1000 images x 5 captions, COCO 5k / --n 1000 for 1k; shapes: 1000; 0: none)")
-    e.add_argument("--split_file", action="append")
-    e.add_argument("--parse_dropout", type=float, default=0.0)
+    add_eval_sets(e)
     e.add_argument("--no_phrases", action="store_true")
     e.add_argument("--interpret", type=int, default=0, help="print the per-node score tree of the first K captions")
     g = sub.add_parser("graph", help="CRG statistics (paper Table 1)")
@@ -2579,8 +2570,7 @@ def parse_args(argv):
     ps.add_argument("--parser", choices=["auto", "benepar", "stanza", "builtin"], default="auto",
                     help="auto: benepar, else stanza (neither is in requirements.txt); builtin: the rule-based bracketer")
     ps.add_argument("--overwrite", action="store_true", help="re-parse captions that already have a tree")
-    ps.add_argument("--csv_caption_key", default="title")
-    ps.add_argument("--csv_separator", default=None)
+    add_csv_text(ps)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["train"] + list(argv)
     args = ap.parse_args(argv)
