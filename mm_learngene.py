@@ -458,33 +458,21 @@ def checkpoint_dir(path: str) -> str:
     return ckpt if os.path.isfile(os.path.join(ckpt, "model.safetensors")) else path
 
 
+def weights_folder(path: str) -> str:
+    """The folder whose config.json and tokenizer.json go with the weights at `path`."""
+    return checkpoint_dir(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+
+
 def read_state(path: str) -> tuple:
     """(state dict, config dict or {}) of an out_dir, a checkpoint/ folder (model.safetensors +
     config.json) or a .safetensors / .pt (weights_only) OpenAI-layout file, with the config.json
     beside it if there is one (a bare file: OpenAI's conventions, see infer_config)."""
-    cfg = {}
-    folder = checkpoint_dir(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    folder = weights_folder(path)
     if os.path.isdir(path):
         path = os.path.join(folder, "model.safetensors")
-    if os.path.exists(os.path.join(folder, "config.json")):
-        try:
-            with open(os.path.join(folder, "config.json")) as f:
-                cfg = json.load(f)
-        except ValueError as e:
-            raise ConfigError(f"{os.path.join(folder, 'config.json')}: malformed JSON ({e})")
-    if not os.path.exists(path):
-        raise ConfigError(f"{path}: no such file")
-    try:
-        if path.endswith(".safetensors"):
-            sd = load_file(path)
-        else:
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-            sd = sd.get("state_dict", sd) if isinstance(sd, dict) else sd
-            if not isinstance(sd, dict):
-                raise ValueError("not a state dict")
-    except Exception as e:  # a user's file: one line, no traceback
-        raise ConfigError(f"{path}: cannot read weights ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-    return {k.removeprefix("module."): v for k, v in sd.items()}, cfg
+    cfg_path = os.path.join(folder, "config.json")
+    cfg = data.read_json(cfg_path) if os.path.exists(cfg_path) else {}
+    return data.read_weights(path), cfg    # OpenAI's JIT .pt too; "module." and extra keys dropped
 
 
 def _cfg_value(cfg: dict, key: str, default):
@@ -543,14 +531,13 @@ def load_teacher(path: str, vocab=None, quick_gelu=None):
     if quick_gelu is not None:
         mcfg = dataclasses.replace(mcfg, quick_gelu=quick_gelu)
     model = CLIP(mcfg)
-    extra = {"input_resolution", "context_length", "vocab_size"}  # OpenAI's JIT archives carry these
-    missing, unexpected = model.load_state_dict({k: v for k, v in sd.items() if k not in extra}, strict=False)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing:
         raise ConfigError(f"{path}: cannot read the teacher towers (missing {missing[0]})")
     if unexpected:
         raise ConfigError(f"{path}: not a plain CLIP (unexpected {unexpected[0]}; a codebook-head teacher "
                           f"is not supported)")
-    tdir = checkpoint_dir(path) if os.path.isdir(path) else os.path.dirname(path)
+    tdir = weights_folder(path)
     if vocab:
         tok = data.build_tokenizer(vocab_path=vocab, context_length=mcfg.context_length)
     elif os.path.exists(os.path.join(tdir, "tokenizer.json")):
@@ -672,16 +659,14 @@ def lr_at(step, max_steps, lr, warmup):
 
 
 def atomic_save_file(tensors, path, metadata=None):
-    tmp = path + ".tmp"
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
-    os.replace(tmp, path)
+    """A .safetensors outside the checkpoint set (learngene, descendant, final model) with its
+    own metadata, written whole or not at all (data.atomic_write) and fsynced (data.fsync)."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    data.atomic_write(path, lambda tmp: data.fsync(tmp, lambda f: save_file(tensors, f, metadata=metadata)))
 
 
 def atomic_write_json(obj, path):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+    data.atomic_write(path, lambda tmp: data.save_json(tmp, obj))
 
 
 class NonFiniteError(Exception):
@@ -864,8 +849,7 @@ def cmd_extract(a):
         raise ConfigError(f"image size {cfg.image_size} is not a multiple of patch size {cfg.patch_size}")
     part = "no_mm" if a.no_mm else ("only_mm" if a.only_mm else "both")
     if a.out_dir and os.path.exists(os.path.join(a.out_dir, "config.json")) and a.resume:
-        with open(os.path.join(a.out_dir, "config.json")) as f:
-            old = json.load(f)
+        old = data.read_json(os.path.join(a.out_dir, "config.json"))
         if old["model"]["vision_width"] != cfg.vision_width:
             raise ConfigError(f"--resume: {a.out_dir} holds a learngene of width {old['model']['vision_width']}, "
                               f"not {cfg.vision_width}")
@@ -916,10 +900,12 @@ def write_descendant(out_dir, sd, cfg, modality, tok_json, extra):
     c = dataclasses.asdict(cfg)
     # "model": the ModelConfig fields, the layout il_clip.load_model reads
     atomic_write_json({"model": c, "modality": modality, **extra}, os.path.join(out_dir, "config.json"))
-    if tok_json is not None:
-        with open(os.path.join(out_dir, "tokenizer.json") + ".tmp", "w") as f:
-            f.write(tok_json)
-        os.replace(os.path.join(out_dir, "tokenizer.json") + ".tmp", os.path.join(out_dir, "tokenizer.json"))
+    if tok_json is not None:    # the learngene's copy of the teacher's tokenizer.json, as written
+
+        def write(path):
+            with open(path, "w") as f:
+                f.write(tok_json)
+        data.atomic_write(os.path.join(out_dir, "tokenizer.json"), lambda tmp: data.fsync(tmp, write))
 
 
 def cmd_expand(a):
@@ -1011,7 +997,7 @@ def load_init(a):
     missing, _ = model.load_state_dict(sd, strict=False)
     if missing:
         raise ConfigError(f"{a.init}: cannot read the checkpoint (missing {missing[0]})")
-    tdir = checkpoint_dir(a.init) if os.path.isdir(a.init) else os.path.dirname(a.init)
+    tdir = weights_folder(a.init)
     tok = data.Tokenizer.load(tdir) if os.path.exists(os.path.join(tdir, "tokenizer.json")) else None
     if tok is None and modality == "clip":
         raise ConfigError(f"{a.init}: no tokenizer.json")
@@ -1429,19 +1415,13 @@ def load_gpt2(folder: str) -> tuple:
     path = os.path.join(folder, "model.safetensors")
     if not os.path.exists(path):
         raise ConfigError(f"{path}: no such file (--lm wants a folder with GPT-2's model.safetensors)")
-    try:
-        sd = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
-    except Exception as e:
-        raise ConfigError(f"{path}: cannot read weights ({type(e).__name__})")
+    sd = {k.removeprefix("transformer."): v for k, v in data.read_weights(path).items()}
     # the causal-mask buffers h.{i}.attn.bias / .masked_bias and the tied lm_head are not weights here
     sd = {k: v for k, v in sd.items() if k.split(".")[-2:] not in (["attn", "bias"], ["attn", "masked_bias"])
           and k != "lm_head.weight"}
     if "wte.weight" not in sd or "wpe.weight" not in sd:
         raise ConfigError(f"{path}: not a GPT-2 checkpoint (no wte.weight / wpe.weight)")
-    cfg = {}
-    if os.path.exists(os.path.join(folder, "config.json")):
-        with open(os.path.join(folder, "config.json")) as f:
-            cfg = json.load(f)
+    cfg = data.read_json(os.path.join(folder, "config.json")) if os.path.exists(os.path.join(folder, "config.json")) else {}
     vocab, d = sd["wte.weight"].shape
     layers = len({k.split(".")[1] for k in sd if k.startswith("h.")})
     lm = GPT2(vocab, sd["wpe.weight"].shape[0], d, layers, cfg.get("n_head", max(1, d // 64)))
@@ -1746,13 +1726,11 @@ def _run_cost(path):
     steps = secs = batch = None
     st = os.path.join(checkpoint_dir(path), "train_state.json")
     if os.path.exists(st):
-        with open(st) as f:
-            j = json.load(f)
+        j = data.read_json(st)
         steps, secs = j.get("step"), j.get("elapsed")
     cj = os.path.join(path, "config.json")
     if os.path.exists(cj):
-        with open(cj) as f:
-            batch = json.load(f).get("batch_size")
+        batch = data.read_json(cj).get("batch_size")
     mj = os.path.join(path, "metrics.jsonl")
     if secs is None and os.path.exists(mj):
         with open(mj) as f:
@@ -1779,8 +1757,7 @@ def results_table(dirs: list) -> str:
         path = os.path.join(d, "results.json")
         if not os.path.exists(path):
             raise ConfigError(f"{path}: no such file (not a finished finetune out_dir)")
-        with open(path) as f:
-            r = json.load(f)
+        r = data.read_json(path)
         scores = ", ".join(f"{k} {r[k]}" for k in RESULT_COLUMNS.get(r.get("task"), []) if k in r)
         what = f"{r.get('n_images')} images" + (f", {r['n_classes']} classes" if "n_classes" in r else "") + \
             (f", {r['n_refs']} refs" if "n_refs" in r else "") + f", {r.get('eval_subset', 'whole split')}" + \
