@@ -84,6 +84,7 @@ LINEAR_NAMES = ["attn.in_proj_weight", "attn.in_proj_bias", "attn.out_proj.weigh
                 "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"]
 LN_NAMES = ["ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias"]
 TOWERS = ("visual", "text")
+MODALITY_TOWERS = {"clip": TOWERS, "vision": ("visual",), "text": ("text",)}   # expand --modality
 # tower -> (unimodal block name, unimodal coefficient, multimodal coefficient), Eq. 1 and Eq. 2
 TOWER_PARTS = {"visual": ("vision", "v", "mv"), "text": ("language", "l", "ml")}
 LEARNGENE_PREFIXES = ("learngene.", "shared_ln.", "tleg.")
@@ -94,14 +95,19 @@ LEARNGENE_PREFIXES = ("learngene.", "shared_ln.", "tleg.")
 # learngene expansion and the normal descendants run exactly the same arithmetic.
 
 
+def attention(q, k, v, heads: int, causal: bool):
+    """Multi-head SDPA on [B, T, W] queries, keys and values (also GPT-2's, below)."""
+    B, T, W = q.shape
+    q, k, v = (t.view(B, T, heads, W // heads).transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2).reshape(B, T, W)
+
+
 def block_fn(x, p: dict, heads: int, causal: bool, quick_gelu: bool):
     """Pre-LN transformer layer on [B, T, W] with parameters `p` in OpenAI key names."""
-    B, T, W = x.shape
+    W = x.shape[-1]
     h = F.layer_norm(x, (W,), p["ln_1.weight"], p["ln_1.bias"], 1e-5)
     q, k, v = F.linear(h, p["attn.in_proj_weight"], p["attn.in_proj_bias"]).split(W, dim=-1)
-    q, k, v = (t.view(B, T, heads, W // heads).transpose(1, 2) for t in (q, k, v))
-    a = F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2).reshape(B, T, W)
-    x = x + F.linear(a, p["attn.out_proj.weight"], p["attn.out_proj.bias"])
+    x = x + F.linear(attention(q, k, v, heads, causal), p["attn.out_proj.weight"], p["attn.out_proj.bias"])
     h = F.linear(F.layer_norm(x, (W,), p["ln_2.weight"], p["ln_2.bias"], 1e-5), p["mlp.c_fc.weight"], p["mlp.c_fc.bias"])
     h = h * torch.sigmoid(1.702 * h) if quick_gelu else F.gelu(h)
     return x + F.linear(h, p["mlp.c_proj.weight"], p["mlp.c_proj.bias"])
@@ -426,9 +432,9 @@ def descendant_state(aux: AuxCLIP, n: int, modality: str, seed: int = 0, part=No
     """Normal descendant state dict (OpenAI layout) + its ModelConfig. Paper Sec. 3.3:
     layers from the learngene; "components other than the learngene could be loaded directly
     like Embedding or Layer Normalization"; per-layer LNs = the shared ones (MM-LG)."""
-    if modality not in ("clip", "vision", "text"):
+    if modality not in MODALITY_TOWERS:
         raise ConfigError(f"--modality must be clip, vision or text, got {modality}")
-    towers = {"clip": TOWERS, "vision": ("visual",), "text": ("text",)}[modality]
+    towers = MODALITY_TOWERS[modality]
     sd = {}
     with torch.no_grad():
         for k, v in aux.state_dict().items():
@@ -473,6 +479,12 @@ def read_state(path: str) -> tuple:
     cfg_path = os.path.join(folder, "config.json")
     cfg = data.read_json(cfg_path) if os.path.exists(cfg_path) else {}
     return data.read_weights(path), cfg    # OpenAI's JIT .pt too; "module." and extra keys dropped
+
+
+def folder_tokenizer(path: str):
+    """The data.Tokenizer saved beside the weights at `path`, or None."""
+    folder = weights_folder(path)
+    return data.Tokenizer.load(folder) if os.path.exists(os.path.join(folder, "tokenizer.json")) else None
 
 
 def _cfg_value(cfg: dict, key: str, default):
@@ -537,12 +549,8 @@ def load_teacher(path: str, vocab=None, quick_gelu=None):
     if unexpected:
         raise ConfigError(f"{path}: not a plain CLIP (unexpected {unexpected[0]}; a codebook-head teacher "
                           f"is not supported)")
-    tdir = weights_folder(path)
-    if vocab:
-        tok = data.build_tokenizer(vocab_path=vocab, context_length=mcfg.context_length)
-    elif os.path.exists(os.path.join(tdir, "tokenizer.json")):
-        tok = data.Tokenizer.load(tdir)
-    else:
+    tok = data.build_tokenizer(vocab_path=vocab, context_length=mcfg.context_length) if vocab else folder_tokenizer(path)
+    if tok is None:
         raise ConfigError(f"{path}: no tokenizer.json beside the teacher; pass --vocab bpe_simple_vocab_16e6.txt.gz")
     model.eval().requires_grad_(False)
     return model, tok, mcfg
@@ -818,6 +826,31 @@ def contrastive_loss_fn(model, batch, device):
 
 
 # -----------------------------------------------------------------------------
+# Data flags: --data, --image_root and the CSV flags travel together (recorded by extract and
+# expand, read back by finetune's activation)
+
+CSV_FLAGS = ("csv_img_key", "csv_caption_key", "csv_separator")
+SOURCE_KEYS = ("data", "image_root") + CSV_FLAGS
+
+
+def data_source(a) -> dict:
+    return {k: getattr(a, k) for k in SOURCE_KEYS}
+
+
+def csv_options(a) -> dict:
+    """The CSV flags in data.file_items / data.captions_for_tokenizer's names (img_key, ...)."""
+    return {k.removeprefix("csv_"): getattr(a, k) for k in CSV_FLAGS}
+
+
+def train_loader(a, src: dict, tok, image_size, rank, world, seed):
+    """The training loader of data source `src` (data_source's keys), --batch_size split over
+    the ranks; a CSV flag that is None (not recorded) takes data.make_loader's default."""
+    csv = {k: src[k] for k in CSV_FLAGS if src.get(k) is not None}
+    return data.make_loader(src["data"], "train", a.batch_size // world, tok, image_size, True, rank, world,
+                            a.num_workers, seed, image_root=src["image_root"], **csv)
+
+
+# -----------------------------------------------------------------------------
 # Subcommand: extract (paper Sec. 3.1-3.2)
 
 
@@ -854,9 +887,7 @@ def cmd_extract(a):
             raise ConfigError(f"--resume: {a.out_dir} holds a learngene of width {old['model']['vision_width']}, "
                               f"not {cfg.vision_width}")
     aux = AuxCLIP(cfg, a.method, part, a.helg_layers).to(device)
-    csv = dict(csv_img_key=a.csv_img_key, csv_caption_key=a.csv_caption_key, csv_separator=a.csv_separator)
-    loader = data.make_loader(a.data, "train", a.batch_size // world, tok, cfg.image_size, True, rank, world,
-                              a.num_workers, a.seed, image_root=a.image_root, **csv)
+    loader = train_loader(a, data_source(a), tok, cfg.image_size, rank, world, a.seed)
 
     def loss_fn(model, batch):
         images, text = batch["image"].to(device), batch["text"].to(device)
@@ -878,7 +909,7 @@ def cmd_extract(a):
             tok_json = f.read()
         meta = {"learngene": json.dumps(aux.meta()), "tokenizer": tok_json,
                 "extract": json.dumps({"step": tr.step, "elapsed": tr.elapsed, "batch_size": a.batch_size,
-                                       "data": a.data, "image_root": a.image_root, **csv})}
+                                       **data_source(a)})}
         atomic_save_file(aux.state_dict(), os.path.join(a.out_dir, "learngene.safetensors"), meta)
 
     train_phase(aux, loss_fn, loader, a, rank, world, device, a.max_steps, a.out_dir, config, tok, "extract",
@@ -923,8 +954,7 @@ def cmd_expand(a):
     extract = json.loads(meta.get("extract", "{}"))
     write_descendant(out, sd, cfg, a.modality, meta.get("tokenizer"),
                      {"learngene": os.path.abspath(a.learngene), "method": aux.method, "part": part,
-                      "extract_data": {k: extract.get(k) for k in ("data", "image_root", "csv_img_key",
-                                                                   "csv_caption_key", "csv_separator")},
+                      "extract_data": {k: extract.get(k) for k in SOURCE_KEYS},
                       "layers": a.layers, "layer_order": expand_order(a.layers, aux.aux_layers // 2)
                       if aux.method == "mmlg" else None})
     print(f"descendant: {out}  ({a.modality}, {a.layers} layers, {sum(v.numel() for v in sd.values()):,} parameters)")
@@ -957,17 +987,16 @@ def load_init(a):
         if a.like:
             sd, cfgj = read_state(a.like)
             modality = cfgj.get("modality", "clip")
-            cfg = infer_config(sd, cfgj, a.like, {"clip": TOWERS, "vision": ("visual",), "text": ("text",)}[modality])
-            tok = data.Tokenizer.load(a.like) if os.path.exists(os.path.join(a.like, "tokenizer.json")) else None
+            cfg = infer_config(sd, cfgj, a.like, MODALITY_TOWERS[modality])
+            tok = folder_tokenizer(a.like)
         else:
             p = AUX_PRESETS[a.model]
             tok = None
             modality = a.modality
             cfg = None
         if tok is None:
-            captions = (data.captions_for_tokenizer("shapes") if a.task == "classification" else data.captions_for_tokenizer(
-                a.data, image_root=a.image_root, img_key=a.csv_img_key, caption_key=a.csv_caption_key,
-                separator=a.csv_separator))
+            captions = (data.captions_for_tokenizer("shapes") if a.task == "classification" else
+                        data.captions_for_tokenizer(a.data, image_root=a.image_root, **csv_options(a)))
             tok = data.build_tokenizer(captions=captions, context_length=77)
         if cfg is None:
             n = a.layers or 6
@@ -985,7 +1014,7 @@ def load_init(a):
     if any(k.startswith(LEARNGENE_PREFIXES) for k in sd):
         raise ConfigError(f"{a.init}: a learngene file; run `expand` first and pass the descendant out_dir")
     modality = cfgj.get("modality", "clip")
-    need = {"clip": TOWERS, "vision": ("visual",), "text": ("text",)}.get(modality)
+    need = MODALITY_TOWERS.get(modality)
     if need is None or modality == "text":
         raise ConfigError(f"{a.init}: finetune supports clip and vision descendants, not {modality}")
     cfg = infer_config(sd, cfgj, a.init, need)
@@ -997,8 +1026,7 @@ def load_init(a):
     missing, _ = model.load_state_dict(sd, strict=False)
     if missing:
         raise ConfigError(f"{a.init}: cannot read the checkpoint (missing {missing[0]})")
-    tdir = weights_folder(a.init)
-    tok = data.Tokenizer.load(tdir) if os.path.exists(os.path.join(tdir, "tokenizer.json")) else None
+    tok = folder_tokenizer(a.init)
     if tok is None and modality == "clip":
         raise ConfigError(f"{a.init}: no tokenizer.json")
     kind = cfgj.get("method", "pretrained") if "learngene" in cfgj else "pretrained"
@@ -1143,8 +1171,7 @@ def retrieval_loader(a, tok, image_size, batch_size=100):
         ds = data.ShapesDataset(split, None, src.get("seed", 0), image_size)
         keys = [f"{split}{i:08d}" for i in range(len(ds))]
     else:
-        items = data.file_items(src, split, dict(img_key=a.csv_img_key, caption_key=a.csv_caption_key,
-                                                  separator=a.csv_separator))
+        items = data.file_items(src, split, csv_options(a))
         ds = data.FileDataset(items, data.eval_transform(image_size), a.seed)
         keys = [it.key for it in items]
     if a.eval_size:
@@ -1228,17 +1255,15 @@ def activation_source(a, init_cfg: dict) -> dict:
     if spec is None:
         raise ConfigError(f"{a.init}: the descendant does not record its learngene's extraction data; "
                           f"pass --activate_data (the paper: its pre-training data, CC3M + CC12M)")
-    same = a.activate_data is None
-    return {"data": spec, "image_root": rec.get("image_root") if same else a.image_root,
-            "csv": {k: rec.get(k) if same else getattr(a, k) for k in ("csv_img_key", "csv_caption_key", "csv_separator")}}
+    if a.activate_data is None:
+        return {k: rec.get(k) for k in SOURCE_KEYS}
+    return {**data_source(a), "data": a.activate_data}
 
 
 def activate(a, model, tok, cfg, init_cfg, phase, results, rank, world, device):
     """Contrastive training on --activate_frac of the activation data for --activate_epochs."""
     src = activation_source(a, init_cfg)
-    csv = {k: v for k, v in src["csv"].items() if v is not None}
-    loader = data.make_loader(src["data"], "train", a.batch_size // world, tok, cfg.image_size, True, rank, world,
-                              a.num_workers, a.seed, image_root=src["image_root"], **csv)
+    loader = train_loader(a, src, tok, cfg.image_size, rank, world, a.seed)
     n = loader.num_samples
     if n is None:
         n = count_shard_samples(src["data"], src["image_root"])
@@ -1257,29 +1282,37 @@ TABLE6 = {"retrieval": (5e-5, 0.01, 10_000, 256), "classification": (1e-4, 0.01,
           "caption": (2e-5, 0.01, 5_000, 256)}
 
 
-def finetune_classification(a, model, cfg, modality, phase, results, rank, world, device):
+# A fine-tuning task: (a, model, tok, cfg, modality, results, rank, world, device) -> (the module
+# trained and saved, loss_fn, training loader, evaluate() -> the scores, called on rank 0).
+
+def image_subset(a) -> str:
+    """What retrieval and captioning scored (--eval_size counts images)."""
+    return f"seeded sample of {a.eval_size} images (seed {a.seed})" if a.eval_size else "whole split"
+
+
+def classification_task(a, model, tok, cfg, modality, results, rank, world, device):
     visual = model.visual if modality == "clip" else model
     train, test, classes, info = classification_data(a, cfg.image_size, rank, world)
     clf = Classifier(visual, len(classes)).to(device)
 
     def cls_loss(m, batch):
         return F.cross_entropy(m(batch["image"].to(device)), batch["label"].to(device)), {}
-    phase("finetune", clf, cls_loss, train, a, a.max_steps)
-    if rank == 0:
-        results.update({**info, **eval_classification(clf, test, device, len(classes)),
-                        "train_images": train.num_samples, "train_skipped": train.skipped})
-    return clf
+
+    def evaluate():
+        return {**info, **eval_classification(clf, test, device, len(classes)),
+                "train_images": train.num_samples, "train_skipped": train.skipped}
+    return clf, cls_loss, train, evaluate
 
 
-def finetune_retrieval(a, model, tok, cfg, phase, results, rank, world, device):
-    csv = dict(csv_img_key=a.csv_img_key, csv_caption_key=a.csv_caption_key, csv_separator=a.csv_separator)
-    loader = data.make_loader(a.data, "train", a.batch_size // world, tok, cfg.image_size, True, rank, world,
-                              a.num_workers, a.seed + 1, image_root=a.image_root, **csv)
-    phase("finetune", model, lambda m, b: contrastive_loss_fn(m, b, device), loader, a, a.max_steps)
-    if rank == 0:
-        results.update(eval_retrieval(model, retrieval_loader(a, tok, cfg.image_size), device))
-        results["eval_subset"] = f"seeded sample of {a.eval_size} images (seed {a.seed})" if a.eval_size else "whole split"
-    return model
+def retrieval_task(a, model, tok, cfg, modality, results, rank, world, device):
+    if modality == "vision":
+        raise ConfigError("retrieval needs a CLIP descendant (--modality clip at expand time)")
+    loader = train_loader(a, data_source(a), tok, cfg.image_size, rank, world, a.seed + 1)
+
+    def evaluate():
+        return {**eval_retrieval(model, retrieval_loader(a, tok, cfg.image_size), device),
+                "eval_subset": image_subset(a)}
+    return model, lambda m, b: contrastive_loss_fn(m, b, device), loader, evaluate
 
 
 def cmd_finetune(a):
@@ -1295,8 +1328,6 @@ def cmd_finetune(a):
     results = {"init": a.init, "kind": kind, "part": init_cfg.get("part", "both"), "task": a.task,
                "modality": modality, "layers": cfg.vision_layers or cfg.text_layers, "lr": a.lr, "wd": a.wd,
                "params": sum(p.numel() for p in model.parameters())}
-    if modality == "vision" and a.task == "retrieval":
-        raise ConfigError("retrieval needs a CLIP descendant (--modality clip at expand time)")
 
     def phase(tag, model_, loss_fn, loader, args, steps):
         """Run one phase with checkpoints in out/{tag}/; with --resume it continues from them
@@ -1310,12 +1341,11 @@ def cmd_finetune(a):
     # not activated); learning rate --activate_lr.
     if a.activate_frac > 0 and kind in ("mmlg", "tleg", "helg") and modality == "clip":
         activate(a, model, tok, cfg, init_cfg, phase, results, rank, world, device)
-    if a.task == "retrieval":
-        final = finetune_retrieval(a, model, tok, cfg, phase, results, rank, world, device)
-    elif a.task == "classification":
-        final = finetune_classification(a, model, cfg, modality, phase, results, rank, world, device)
-    else:
-        final = finetune_caption(a, model, cfg, modality, phase, results, rank, world, device)
+    task = {"retrieval": retrieval_task, "classification": classification_task, "caption": caption_task}[a.task]
+    final, loss_fn, train, evaluate = task(a, model, tok, cfg, modality, results, rank, world, device)
+    phase("finetune", final, loss_fn, train, a, a.max_steps)
+    if rank == 0:
+        results.update(evaluate())
     results["finetune_steps"] = a.max_steps
     if rank == 0:
         os.makedirs(out, exist_ok=True)
@@ -1358,11 +1388,8 @@ class GPT2Block(nn.Module):
         self.mlp.c_fc, self.mlp.c_proj = Conv1D(d, 4 * d), Conv1D(4 * d, d)
 
     def forward(self, x):
-        B, T, D = x.shape
-        q, k, v = self.attn.c_attn(self.ln_1(x)).split(D, dim=-1)
-        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, D)
-        x = x + self.attn.c_proj(y)
+        q, k, v = self.attn.c_attn(self.ln_1(x)).split(x.shape[-1], dim=-1)
+        x = x + self.attn.c_proj(attention(q, k, v, self.heads, True))
         return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh"))  # GPT-2's gelu_new
 
 
@@ -1652,15 +1679,6 @@ def train_shapes_lm(folder: str, seed: int, steps: int = 400):
                        "final_lm_loss": round(loss.item(), 4), "steps": steps}, os.path.join(folder, "config.json"))
 
 
-def caption_data(a, image_size, rank, world):
-    """(train loader, eval loader) of captioned images (shapes, Karpathy JSON, CSV, shards)."""
-    csv = dict(csv_img_key=a.csv_img_key, csv_caption_key=a.csv_caption_key, csv_separator=a.csv_separator)
-    train = data.make_loader(a.data, "train", a.batch_size // world, None, image_size, True, rank, world,
-                             a.num_workers, a.seed, image_root=a.image_root, **csv)
-    test = retrieval_loader(a, None, image_size)
-    return train, test
-
-
 @torch.no_grad()
 def eval_captioning(model, loader, device, beam):
     """Captions every eval image once (its key), scored against all its reference captions."""
@@ -1684,7 +1702,7 @@ def eval_captioning(model, loader, device, beam):
             "eval_skipped": getattr(loader, "skipped", 0) - skipped0, "examples": examples}
 
 
-def finetune_caption(a, model, cfg, modality, phase, results, rank, world, device):
+def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
     """Table 2's protocol: vision encoder and LM frozen, the ClipCap mapper trained."""
     lm_dir = a.lm
     if lm_dir is None:
@@ -1704,17 +1722,15 @@ def finetune_caption(a, model, cfg, modality, phase, results, rank, world, devic
     lm.to(device)
     visual = model.visual if modality == "clip" else model
     cap = ClipCap(visual, lm, ltok, cfg.embed_dim).to(device)
-    train, test = caption_data(a, cfg.image_size, rank, world)
+    # captioned images: shapes, Karpathy JSON, CSV, shards; evaluated as retrieval's split
+    train = train_loader(a, data_source(a), None, cfg.image_size, rank, world, a.seed)
+    test = retrieval_loader(a, None, cfg.image_size)
 
     def loss_fn(m, batch):
         tokens, mask = caption_batch(ltok, batch["caption"])
         logits = m(batch["image"].to(device), tokens.to(device))
         return F.cross_entropy(logits[mask.to(device)].float(), tokens.to(device)[mask.to(device)]), {}
-    phase("finetune", cap, loss_fn, train, a, a.max_steps)
-    if rank == 0:
-        results.update(eval_captioning(cap, test, device, a.beam))
-        results["eval_subset"] = f"seeded sample of {a.eval_size} images (seed {a.seed})" if a.eval_size else "whole split"
-    return cap
+    return cap, loss_fn, train, lambda: {**eval_captioning(cap, test, device, a.beam), "eval_subset": image_subset(a)}
 
 
 # -----------------------------------------------------------------------------
@@ -1780,17 +1796,11 @@ def storage_report(a):
     aux, meta = load_learngene(a.learngene)
     lg = aux.learngene_numel()
     lg_all = sum(p.numel() for p in aux.parameters())
-    rows = []
-    total = 0
-    for n in a.layers:
-        sd, _ = descendant_state(aux, n, "clip", 0)
-        cnt = sum(v.numel() for v in sd.values())
-        total += cnt
-        rows.append((n, cnt))
+    rows = [(n, sum(v.numel() for v in descendant_state(aux, n, "clip", 0)[0].values())) for n in a.layers]
+    total = sum(cnt for _, cnt in rows)
     ext = json.loads(meta.get("extract", "{}"))
     lines = ["| | parameters stored | ratio |", "|---|---:|---:|"]
-    for n, cnt in rows:
-        lines.append(f"| PT-FT {n}-layer CLIP | {cnt:,} | |")
+    lines += [f"| PT-FT {n}-layer CLIP | {cnt:,} | |" for n, cnt in rows]
     lines.append(f"| PT-FT total ({', '.join(str(n) for n in a.layers)} layers) | {total:,} | 100% |")
     lines.append(f"| {aux.method.upper()} learngene (blocks + coefficients) | {lg:,} | {100 * lg / total:.1f}% |")
     lines.append(f"| {aux.method.upper()} learngene file (+ embeddings, LNs, projections) | {lg_all:,} | "
