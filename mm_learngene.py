@@ -161,6 +161,15 @@ def init_block(b: Block, width: int, layers: int, gen=None):
             t.zero_()
 
 
+def transformer_stack(width: int, layers: int) -> nn.Module:
+    """OpenAI's `transformer.resblocks`: `layers` blocks, OpenAI-initialised."""
+    stack = nn.Module()
+    stack.resblocks = nn.ModuleList(Block(width) for _ in range(layers))
+    for b in stack.resblocks:
+        init_block(b, width, layers)
+    return stack
+
+
 class VisionTransformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -171,10 +180,7 @@ class VisionTransformer(nn.Module):
         self.class_embedding = nn.Parameter(scale * torch.randn(w))
         self.positional_embedding = nn.Parameter(scale * torch.randn(grid * grid + 1, w))
         self.ln_pre = nn.LayerNorm(w)
-        self.transformer = nn.Module()
-        self.transformer.resblocks = nn.ModuleList(Block(w) for _ in range(cfg.vision_layers))
-        for b in self.transformer.resblocks:
-            init_block(b, w, cfg.vision_layers)
+        self.transformer = transformer_stack(w, cfg.vision_layers)
         self.ln_post = nn.LayerNorm(w)
         self.proj = nn.Parameter(scale * torch.randn(w, cfg.embed_dim))
 
@@ -198,10 +204,7 @@ class TextTransformer(nn.Module):
         w, self.cfg = cfg.text_width, cfg
         self.token_embedding = nn.Embedding(cfg.vocab_size, w)
         self.positional_embedding = nn.Parameter(torch.empty(cfg.context_length, w))
-        self.transformer = nn.Module()
-        self.transformer.resblocks = nn.ModuleList(Block(w) for _ in range(cfg.text_layers))
-        for b in self.transformer.resblocks:
-            init_block(b, w, cfg.text_layers)
+        self.transformer = transformer_stack(w, cfg.text_layers)
         self.ln_final = nn.LayerNorm(w)
         self.text_projection = nn.Parameter(torch.randn(w, cfg.embed_dim) * w ** -0.5)
         nn.init.normal_(self.token_embedding.weight, std=0.02)
@@ -1727,9 +1730,8 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
     test = retrieval_loader(a, None, cfg.image_size)
 
     def loss_fn(m, batch):
-        tokens, mask = caption_batch(ltok, batch["caption"])
-        logits = m(batch["image"].to(device), tokens.to(device))
-        return F.cross_entropy(logits[mask.to(device)].float(), tokens.to(device)[mask.to(device)]), {}
+        tokens, mask = (t.to(device) for t in caption_batch(ltok, batch["caption"]))
+        return F.cross_entropy(m(batch["image"].to(device), tokens)[mask].float(), tokens[mask]), {}
     return cap, loss_fn, train, lambda: {**eval_captioning(cap, test, device, a.beam), "eval_subset": image_subset(a)}
 
 
