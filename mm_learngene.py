@@ -84,6 +84,7 @@ LINEAR_NAMES = ["attn.in_proj_weight", "attn.in_proj_bias", "attn.out_proj.weigh
                 "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"]
 LN_NAMES = ["ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias"]
 TOWERS = ("visual", "text")
+MODALITY_TOWERS = {"clip": TOWERS, "vision": ("visual",), "text": ("text",)}   # expand --modality
 # tower -> (unimodal block name, unimodal coefficient, multimodal coefficient), Eq. 1 and Eq. 2
 TOWER_PARTS = {"visual": ("vision", "v", "mv"), "text": ("language", "l", "ml")}
 LEARNGENE_PREFIXES = ("learngene.", "shared_ln.", "tleg.")
@@ -94,14 +95,19 @@ LEARNGENE_PREFIXES = ("learngene.", "shared_ln.", "tleg.")
 # learngene expansion and the normal descendants run exactly the same arithmetic.
 
 
+def attention(q, k, v, heads: int, causal: bool):
+    """Multi-head SDPA on [B, T, W] queries, keys and values (also GPT-2's, below)."""
+    B, T, W = q.shape
+    q, k, v = (t.view(B, T, heads, W // heads).transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2).reshape(B, T, W)
+
+
 def block_fn(x, p: dict, heads: int, causal: bool, quick_gelu: bool):
     """Pre-LN transformer layer on [B, T, W] with parameters `p` in OpenAI key names."""
-    B, T, W = x.shape
+    W = x.shape[-1]
     h = F.layer_norm(x, (W,), p["ln_1.weight"], p["ln_1.bias"], 1e-5)
     q, k, v = F.linear(h, p["attn.in_proj_weight"], p["attn.in_proj_bias"]).split(W, dim=-1)
-    q, k, v = (t.view(B, T, heads, W // heads).transpose(1, 2) for t in (q, k, v))
-    a = F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2).reshape(B, T, W)
-    x = x + F.linear(a, p["attn.out_proj.weight"], p["attn.out_proj.bias"])
+    x = x + F.linear(attention(q, k, v, heads, causal), p["attn.out_proj.weight"], p["attn.out_proj.bias"])
     h = F.linear(F.layer_norm(x, (W,), p["ln_2.weight"], p["ln_2.bias"], 1e-5), p["mlp.c_fc.weight"], p["mlp.c_fc.bias"])
     h = h * torch.sigmoid(1.702 * h) if quick_gelu else F.gelu(h)
     return x + F.linear(h, p["mlp.c_proj.weight"], p["mlp.c_proj.bias"])
@@ -155,6 +161,15 @@ def init_block(b: Block, width: int, layers: int, gen=None):
             t.zero_()
 
 
+def transformer_stack(width: int, layers: int) -> nn.Module:
+    """OpenAI's `transformer.resblocks`: `layers` blocks, OpenAI-initialised."""
+    stack = nn.Module()
+    stack.resblocks = nn.ModuleList(Block(width) for _ in range(layers))
+    for b in stack.resblocks:
+        init_block(b, width, layers)
+    return stack
+
+
 class VisionTransformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -165,10 +180,7 @@ class VisionTransformer(nn.Module):
         self.class_embedding = nn.Parameter(scale * torch.randn(w))
         self.positional_embedding = nn.Parameter(scale * torch.randn(grid * grid + 1, w))
         self.ln_pre = nn.LayerNorm(w)
-        self.transformer = nn.Module()
-        self.transformer.resblocks = nn.ModuleList(Block(w) for _ in range(cfg.vision_layers))
-        for b in self.transformer.resblocks:
-            init_block(b, w, cfg.vision_layers)
+        self.transformer = transformer_stack(w, cfg.vision_layers)
         self.ln_post = nn.LayerNorm(w)
         self.proj = nn.Parameter(scale * torch.randn(w, cfg.embed_dim))
 
@@ -192,10 +204,7 @@ class TextTransformer(nn.Module):
         w, self.cfg = cfg.text_width, cfg
         self.token_embedding = nn.Embedding(cfg.vocab_size, w)
         self.positional_embedding = nn.Parameter(torch.empty(cfg.context_length, w))
-        self.transformer = nn.Module()
-        self.transformer.resblocks = nn.ModuleList(Block(w) for _ in range(cfg.text_layers))
-        for b in self.transformer.resblocks:
-            init_block(b, w, cfg.text_layers)
+        self.transformer = transformer_stack(w, cfg.text_layers)
         self.ln_final = nn.LayerNorm(w)
         self.text_projection = nn.Parameter(torch.randn(w, cfg.embed_dim) * w ** -0.5)
         nn.init.normal_(self.token_embedding.weight, std=0.02)
@@ -426,9 +435,9 @@ def descendant_state(aux: AuxCLIP, n: int, modality: str, seed: int = 0, part=No
     """Normal descendant state dict (OpenAI layout) + its ModelConfig. Paper Sec. 3.3:
     layers from the learngene; "components other than the learngene could be loaded directly
     like Embedding or Layer Normalization"; per-layer LNs = the shared ones (MM-LG)."""
-    if modality not in ("clip", "vision", "text"):
+    if modality not in MODALITY_TOWERS:
         raise ConfigError(f"--modality must be clip, vision or text, got {modality}")
-    towers = {"clip": TOWERS, "vision": ("visual",), "text": ("text",)}[modality]
+    towers = MODALITY_TOWERS[modality]
     sd = {}
     with torch.no_grad():
         for k, v in aux.state_dict().items():
@@ -458,33 +467,27 @@ def checkpoint_dir(path: str) -> str:
     return ckpt if os.path.isfile(os.path.join(ckpt, "model.safetensors")) else path
 
 
+def weights_folder(path: str) -> str:
+    """The folder whose config.json and tokenizer.json go with the weights at `path`."""
+    return checkpoint_dir(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+
+
 def read_state(path: str) -> tuple:
     """(state dict, config dict or {}) of an out_dir, a checkpoint/ folder (model.safetensors +
     config.json) or a .safetensors / .pt (weights_only) OpenAI-layout file, with the config.json
     beside it if there is one (a bare file: OpenAI's conventions, see infer_config)."""
-    cfg = {}
-    folder = checkpoint_dir(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    folder = weights_folder(path)
     if os.path.isdir(path):
         path = os.path.join(folder, "model.safetensors")
-    if os.path.exists(os.path.join(folder, "config.json")):
-        try:
-            with open(os.path.join(folder, "config.json")) as f:
-                cfg = json.load(f)
-        except ValueError as e:
-            raise ConfigError(f"{os.path.join(folder, 'config.json')}: malformed JSON ({e})")
-    if not os.path.exists(path):
-        raise ConfigError(f"{path}: no such file")
-    try:
-        if path.endswith(".safetensors"):
-            sd = load_file(path)
-        else:
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-            sd = sd.get("state_dict", sd) if isinstance(sd, dict) else sd
-            if not isinstance(sd, dict):
-                raise ValueError("not a state dict")
-    except Exception as e:  # a user's file: one line, no traceback
-        raise ConfigError(f"{path}: cannot read weights ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-    return {k.removeprefix("module."): v for k, v in sd.items()}, cfg
+    cfg_path = os.path.join(folder, "config.json")
+    cfg = data.read_json(cfg_path) if os.path.exists(cfg_path) else {}
+    return data.read_weights(path), cfg    # OpenAI's JIT .pt too; "module." and extra keys dropped
+
+
+def folder_tokenizer(path: str):
+    """The data.Tokenizer saved beside the weights at `path`, or None."""
+    folder = weights_folder(path)
+    return data.Tokenizer.load(folder) if os.path.exists(os.path.join(folder, "tokenizer.json")) else None
 
 
 def _cfg_value(cfg: dict, key: str, default):
@@ -543,19 +546,14 @@ def load_teacher(path: str, vocab=None, quick_gelu=None):
     if quick_gelu is not None:
         mcfg = dataclasses.replace(mcfg, quick_gelu=quick_gelu)
     model = CLIP(mcfg)
-    extra = {"input_resolution", "context_length", "vocab_size"}  # OpenAI's JIT archives carry these
-    missing, unexpected = model.load_state_dict({k: v for k, v in sd.items() if k not in extra}, strict=False)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing:
         raise ConfigError(f"{path}: cannot read the teacher towers (missing {missing[0]})")
     if unexpected:
         raise ConfigError(f"{path}: not a plain CLIP (unexpected {unexpected[0]}; a codebook-head teacher "
                           f"is not supported)")
-    tdir = checkpoint_dir(path) if os.path.isdir(path) else os.path.dirname(path)
-    if vocab:
-        tok = data.build_tokenizer(vocab_path=vocab, context_length=mcfg.context_length)
-    elif os.path.exists(os.path.join(tdir, "tokenizer.json")):
-        tok = data.Tokenizer.load(tdir)
-    else:
+    tok = data.build_tokenizer(vocab_path=vocab, context_length=mcfg.context_length) if vocab else folder_tokenizer(path)
+    if tok is None:
         raise ConfigError(f"{path}: no tokenizer.json beside the teacher; pass --vocab bpe_simple_vocab_16e6.txt.gz")
     model.eval().requires_grad_(False)
     return model, tok, mcfg
@@ -672,16 +670,14 @@ def lr_at(step, max_steps, lr, warmup):
 
 
 def atomic_save_file(tensors, path, metadata=None):
-    tmp = path + ".tmp"
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
-    os.replace(tmp, path)
+    """A .safetensors outside the checkpoint set (learngene, descendant, final model) with its
+    own metadata, written whole or not at all (data.atomic_write) and fsynced (data.fsync)."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    data.atomic_write(path, lambda tmp: data.fsync(tmp, lambda f: save_file(tensors, f, metadata=metadata)))
 
 
 def atomic_write_json(obj, path):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+    data.atomic_write(path, lambda tmp: data.save_json(tmp, obj))
 
 
 class NonFiniteError(Exception):
@@ -833,6 +829,31 @@ def contrastive_loss_fn(model, batch, device):
 
 
 # -----------------------------------------------------------------------------
+# Data flags: --data, --image_root and the CSV flags travel together (recorded by extract and
+# expand, read back by finetune's activation)
+
+CSV_FLAGS = ("csv_img_key", "csv_caption_key", "csv_separator")
+SOURCE_KEYS = ("data", "image_root") + CSV_FLAGS
+
+
+def data_source(a) -> dict:
+    return {k: getattr(a, k) for k in SOURCE_KEYS}
+
+
+def csv_options(a) -> dict:
+    """The CSV flags in data.file_items / data.captions_for_tokenizer's names (img_key, ...)."""
+    return {k.removeprefix("csv_"): getattr(a, k) for k in CSV_FLAGS}
+
+
+def train_loader(a, src: dict, tok, image_size, rank, world, seed):
+    """The training loader of data source `src` (data_source's keys), --batch_size split over
+    the ranks; a CSV flag that is None (not recorded) takes data.make_loader's default."""
+    csv = {k: src[k] for k in CSV_FLAGS if src.get(k) is not None}
+    return data.make_loader(src["data"], "train", a.batch_size // world, tok, image_size, True, rank, world,
+                            a.num_workers, seed, image_root=src["image_root"], **csv)
+
+
+# -----------------------------------------------------------------------------
 # Subcommand: extract (paper Sec. 3.1-3.2)
 
 
@@ -864,15 +885,12 @@ def cmd_extract(a):
         raise ConfigError(f"image size {cfg.image_size} is not a multiple of patch size {cfg.patch_size}")
     part = "no_mm" if a.no_mm else ("only_mm" if a.only_mm else "both")
     if a.out_dir and os.path.exists(os.path.join(a.out_dir, "config.json")) and a.resume:
-        with open(os.path.join(a.out_dir, "config.json")) as f:
-            old = json.load(f)
+        old = data.read_json(os.path.join(a.out_dir, "config.json"))
         if old["model"]["vision_width"] != cfg.vision_width:
             raise ConfigError(f"--resume: {a.out_dir} holds a learngene of width {old['model']['vision_width']}, "
                               f"not {cfg.vision_width}")
     aux = AuxCLIP(cfg, a.method, part, a.helg_layers).to(device)
-    csv = dict(csv_img_key=a.csv_img_key, csv_caption_key=a.csv_caption_key, csv_separator=a.csv_separator)
-    loader = data.make_loader(a.data, "train", a.batch_size // world, tok, cfg.image_size, True, rank, world,
-                              a.num_workers, a.seed, image_root=a.image_root, **csv)
+    loader = train_loader(a, data_source(a), tok, cfg.image_size, rank, world, a.seed)
 
     def loss_fn(model, batch):
         images, text = batch["image"].to(device), batch["text"].to(device)
@@ -894,7 +912,7 @@ def cmd_extract(a):
             tok_json = f.read()
         meta = {"learngene": json.dumps(aux.meta()), "tokenizer": tok_json,
                 "extract": json.dumps({"step": tr.step, "elapsed": tr.elapsed, "batch_size": a.batch_size,
-                                       "data": a.data, "image_root": a.image_root, **csv})}
+                                       **data_source(a)})}
         atomic_save_file(aux.state_dict(), os.path.join(a.out_dir, "learngene.safetensors"), meta)
 
     train_phase(aux, loss_fn, loader, a, rank, world, device, a.max_steps, a.out_dir, config, tok, "extract",
@@ -916,10 +934,12 @@ def write_descendant(out_dir, sd, cfg, modality, tok_json, extra):
     c = dataclasses.asdict(cfg)
     # "model": the ModelConfig fields, the layout il_clip.load_model reads
     atomic_write_json({"model": c, "modality": modality, **extra}, os.path.join(out_dir, "config.json"))
-    if tok_json is not None:
-        with open(os.path.join(out_dir, "tokenizer.json") + ".tmp", "w") as f:
-            f.write(tok_json)
-        os.replace(os.path.join(out_dir, "tokenizer.json") + ".tmp", os.path.join(out_dir, "tokenizer.json"))
+    if tok_json is not None:    # the learngene's copy of the teacher's tokenizer.json, as written
+
+        def write(path):
+            with open(path, "w") as f:
+                f.write(tok_json)
+        data.atomic_write(os.path.join(out_dir, "tokenizer.json"), lambda tmp: data.fsync(tmp, write))
 
 
 def cmd_expand(a):
@@ -937,8 +957,7 @@ def cmd_expand(a):
     extract = json.loads(meta.get("extract", "{}"))
     write_descendant(out, sd, cfg, a.modality, meta.get("tokenizer"),
                      {"learngene": os.path.abspath(a.learngene), "method": aux.method, "part": part,
-                      "extract_data": {k: extract.get(k) for k in ("data", "image_root", "csv_img_key",
-                                                                   "csv_caption_key", "csv_separator")},
+                      "extract_data": {k: extract.get(k) for k in SOURCE_KEYS},
                       "layers": a.layers, "layer_order": expand_order(a.layers, aux.aux_layers // 2)
                       if aux.method == "mmlg" else None})
     print(f"descendant: {out}  ({a.modality}, {a.layers} layers, {sum(v.numel() for v in sd.values()):,} parameters)")
@@ -971,17 +990,16 @@ def load_init(a):
         if a.like:
             sd, cfgj = read_state(a.like)
             modality = cfgj.get("modality", "clip")
-            cfg = infer_config(sd, cfgj, a.like, {"clip": TOWERS, "vision": ("visual",), "text": ("text",)}[modality])
-            tok = data.Tokenizer.load(a.like) if os.path.exists(os.path.join(a.like, "tokenizer.json")) else None
+            cfg = infer_config(sd, cfgj, a.like, MODALITY_TOWERS[modality])
+            tok = folder_tokenizer(a.like)
         else:
             p = AUX_PRESETS[a.model]
             tok = None
             modality = a.modality
             cfg = None
         if tok is None:
-            captions = (data.captions_for_tokenizer("shapes") if a.task == "classification" else data.captions_for_tokenizer(
-                a.data, image_root=a.image_root, img_key=a.csv_img_key, caption_key=a.csv_caption_key,
-                separator=a.csv_separator))
+            captions = (data.captions_for_tokenizer("shapes") if a.task == "classification" else
+                        data.captions_for_tokenizer(a.data, image_root=a.image_root, **csv_options(a)))
             tok = data.build_tokenizer(captions=captions, context_length=77)
         if cfg is None:
             n = a.layers or 6
@@ -999,7 +1017,7 @@ def load_init(a):
     if any(k.startswith(LEARNGENE_PREFIXES) for k in sd):
         raise ConfigError(f"{a.init}: a learngene file; run `expand` first and pass the descendant out_dir")
     modality = cfgj.get("modality", "clip")
-    need = {"clip": TOWERS, "vision": ("visual",), "text": ("text",)}.get(modality)
+    need = MODALITY_TOWERS.get(modality)
     if need is None or modality == "text":
         raise ConfigError(f"{a.init}: finetune supports clip and vision descendants, not {modality}")
     cfg = infer_config(sd, cfgj, a.init, need)
@@ -1011,8 +1029,7 @@ def load_init(a):
     missing, _ = model.load_state_dict(sd, strict=False)
     if missing:
         raise ConfigError(f"{a.init}: cannot read the checkpoint (missing {missing[0]})")
-    tdir = checkpoint_dir(a.init) if os.path.isdir(a.init) else os.path.dirname(a.init)
-    tok = data.Tokenizer.load(tdir) if os.path.exists(os.path.join(tdir, "tokenizer.json")) else None
+    tok = folder_tokenizer(a.init)
     if tok is None and modality == "clip":
         raise ConfigError(f"{a.init}: no tokenizer.json")
     kind = cfgj.get("method", "pretrained") if "learngene" in cfgj else "pretrained"
@@ -1157,8 +1174,7 @@ def retrieval_loader(a, tok, image_size, batch_size=100):
         ds = data.ShapesDataset(split, None, src.get("seed", 0), image_size)
         keys = [f"{split}{i:08d}" for i in range(len(ds))]
     else:
-        items = data.file_items(src, split, dict(img_key=a.csv_img_key, caption_key=a.csv_caption_key,
-                                                  separator=a.csv_separator))
+        items = data.file_items(src, split, csv_options(a))
         ds = data.FileDataset(items, data.eval_transform(image_size), a.seed)
         keys = [it.key for it in items]
     if a.eval_size:
@@ -1242,17 +1258,15 @@ def activation_source(a, init_cfg: dict) -> dict:
     if spec is None:
         raise ConfigError(f"{a.init}: the descendant does not record its learngene's extraction data; "
                           f"pass --activate_data (the paper: its pre-training data, CC3M + CC12M)")
-    same = a.activate_data is None
-    return {"data": spec, "image_root": rec.get("image_root") if same else a.image_root,
-            "csv": {k: rec.get(k) if same else getattr(a, k) for k in ("csv_img_key", "csv_caption_key", "csv_separator")}}
+    if a.activate_data is None:
+        return {k: rec.get(k) for k in SOURCE_KEYS}
+    return {**data_source(a), "data": a.activate_data}
 
 
 def activate(a, model, tok, cfg, init_cfg, phase, results, rank, world, device):
     """Contrastive training on --activate_frac of the activation data for --activate_epochs."""
     src = activation_source(a, init_cfg)
-    csv = {k: v for k, v in src["csv"].items() if v is not None}
-    loader = data.make_loader(src["data"], "train", a.batch_size // world, tok, cfg.image_size, True, rank, world,
-                              a.num_workers, a.seed, image_root=src["image_root"], **csv)
+    loader = train_loader(a, src, tok, cfg.image_size, rank, world, a.seed)
     n = loader.num_samples
     if n is None:
         n = count_shard_samples(src["data"], src["image_root"])
@@ -1271,29 +1285,37 @@ TABLE6 = {"retrieval": (5e-5, 0.01, 10_000, 256), "classification": (1e-4, 0.01,
           "caption": (2e-5, 0.01, 5_000, 256)}
 
 
-def finetune_classification(a, model, cfg, modality, phase, results, rank, world, device):
+# A fine-tuning task: (a, model, tok, cfg, modality, results, rank, world, device) -> (the module
+# trained and saved, loss_fn, training loader, evaluate() -> the scores, called on rank 0).
+
+def image_subset(a) -> str:
+    """What retrieval and captioning scored (--eval_size counts images)."""
+    return f"seeded sample of {a.eval_size} images (seed {a.seed})" if a.eval_size else "whole split"
+
+
+def classification_task(a, model, tok, cfg, modality, results, rank, world, device):
     visual = model.visual if modality == "clip" else model
     train, test, classes, info = classification_data(a, cfg.image_size, rank, world)
     clf = Classifier(visual, len(classes)).to(device)
 
     def cls_loss(m, batch):
         return F.cross_entropy(m(batch["image"].to(device)), batch["label"].to(device)), {}
-    phase("finetune", clf, cls_loss, train, a, a.max_steps)
-    if rank == 0:
-        results.update({**info, **eval_classification(clf, test, device, len(classes)),
-                        "train_images": train.num_samples, "train_skipped": train.skipped})
-    return clf
+
+    def evaluate():
+        return {**info, **eval_classification(clf, test, device, len(classes)),
+                "train_images": train.num_samples, "train_skipped": train.skipped}
+    return clf, cls_loss, train, evaluate
 
 
-def finetune_retrieval(a, model, tok, cfg, phase, results, rank, world, device):
-    csv = dict(csv_img_key=a.csv_img_key, csv_caption_key=a.csv_caption_key, csv_separator=a.csv_separator)
-    loader = data.make_loader(a.data, "train", a.batch_size // world, tok, cfg.image_size, True, rank, world,
-                              a.num_workers, a.seed + 1, image_root=a.image_root, **csv)
-    phase("finetune", model, lambda m, b: contrastive_loss_fn(m, b, device), loader, a, a.max_steps)
-    if rank == 0:
-        results.update(eval_retrieval(model, retrieval_loader(a, tok, cfg.image_size), device))
-        results["eval_subset"] = f"seeded sample of {a.eval_size} images (seed {a.seed})" if a.eval_size else "whole split"
-    return model
+def retrieval_task(a, model, tok, cfg, modality, results, rank, world, device):
+    if modality == "vision":
+        raise ConfigError("retrieval needs a CLIP descendant (--modality clip at expand time)")
+    loader = train_loader(a, data_source(a), tok, cfg.image_size, rank, world, a.seed + 1)
+
+    def evaluate():
+        return {**eval_retrieval(model, retrieval_loader(a, tok, cfg.image_size), device),
+                "eval_subset": image_subset(a)}
+    return model, lambda m, b: contrastive_loss_fn(m, b, device), loader, evaluate
 
 
 def cmd_finetune(a):
@@ -1309,8 +1331,6 @@ def cmd_finetune(a):
     results = {"init": a.init, "kind": kind, "part": init_cfg.get("part", "both"), "task": a.task,
                "modality": modality, "layers": cfg.vision_layers or cfg.text_layers, "lr": a.lr, "wd": a.wd,
                "params": sum(p.numel() for p in model.parameters())}
-    if modality == "vision" and a.task == "retrieval":
-        raise ConfigError("retrieval needs a CLIP descendant (--modality clip at expand time)")
 
     def phase(tag, model_, loss_fn, loader, args, steps):
         """Run one phase with checkpoints in out/{tag}/; with --resume it continues from them
@@ -1324,12 +1344,11 @@ def cmd_finetune(a):
     # not activated); learning rate --activate_lr.
     if a.activate_frac > 0 and kind in ("mmlg", "tleg", "helg") and modality == "clip":
         activate(a, model, tok, cfg, init_cfg, phase, results, rank, world, device)
-    if a.task == "retrieval":
-        final = finetune_retrieval(a, model, tok, cfg, phase, results, rank, world, device)
-    elif a.task == "classification":
-        final = finetune_classification(a, model, cfg, modality, phase, results, rank, world, device)
-    else:
-        final = finetune_caption(a, model, cfg, modality, phase, results, rank, world, device)
+    task = {"retrieval": retrieval_task, "classification": classification_task, "caption": caption_task}[a.task]
+    final, loss_fn, train, evaluate = task(a, model, tok, cfg, modality, results, rank, world, device)
+    phase("finetune", final, loss_fn, train, a, a.max_steps)
+    if rank == 0:
+        results.update(evaluate())
     results["finetune_steps"] = a.max_steps
     if rank == 0:
         os.makedirs(out, exist_ok=True)
@@ -1372,11 +1391,8 @@ class GPT2Block(nn.Module):
         self.mlp.c_fc, self.mlp.c_proj = Conv1D(d, 4 * d), Conv1D(4 * d, d)
 
     def forward(self, x):
-        B, T, D = x.shape
-        q, k, v = self.attn.c_attn(self.ln_1(x)).split(D, dim=-1)
-        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, D)
-        x = x + self.attn.c_proj(y)
+        q, k, v = self.attn.c_attn(self.ln_1(x)).split(x.shape[-1], dim=-1)
+        x = x + self.attn.c_proj(attention(q, k, v, self.heads, True))
         return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh"))  # GPT-2's gelu_new
 
 
@@ -1429,19 +1445,13 @@ def load_gpt2(folder: str) -> tuple:
     path = os.path.join(folder, "model.safetensors")
     if not os.path.exists(path):
         raise ConfigError(f"{path}: no such file (--lm wants a folder with GPT-2's model.safetensors)")
-    try:
-        sd = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
-    except Exception as e:
-        raise ConfigError(f"{path}: cannot read weights ({type(e).__name__})")
+    sd = {k.removeprefix("transformer."): v for k, v in data.read_weights(path).items()}
     # the causal-mask buffers h.{i}.attn.bias / .masked_bias and the tied lm_head are not weights here
     sd = {k: v for k, v in sd.items() if k.split(".")[-2:] not in (["attn", "bias"], ["attn", "masked_bias"])
           and k != "lm_head.weight"}
     if "wte.weight" not in sd or "wpe.weight" not in sd:
         raise ConfigError(f"{path}: not a GPT-2 checkpoint (no wte.weight / wpe.weight)")
-    cfg = {}
-    if os.path.exists(os.path.join(folder, "config.json")):
-        with open(os.path.join(folder, "config.json")) as f:
-            cfg = json.load(f)
+    cfg = data.read_json(os.path.join(folder, "config.json")) if os.path.exists(os.path.join(folder, "config.json")) else {}
     vocab, d = sd["wte.weight"].shape
     layers = len({k.split(".")[1] for k in sd if k.startswith("h.")})
     lm = GPT2(vocab, sd["wpe.weight"].shape[0], d, layers, cfg.get("n_head", max(1, d // 64)))
@@ -1672,15 +1682,6 @@ def train_shapes_lm(folder: str, seed: int, steps: int = 400):
                        "final_lm_loss": round(loss.item(), 4), "steps": steps}, os.path.join(folder, "config.json"))
 
 
-def caption_data(a, image_size, rank, world):
-    """(train loader, eval loader) of captioned images (shapes, Karpathy JSON, CSV, shards)."""
-    csv = dict(csv_img_key=a.csv_img_key, csv_caption_key=a.csv_caption_key, csv_separator=a.csv_separator)
-    train = data.make_loader(a.data, "train", a.batch_size // world, None, image_size, True, rank, world,
-                             a.num_workers, a.seed, image_root=a.image_root, **csv)
-    test = retrieval_loader(a, None, image_size)
-    return train, test
-
-
 @torch.no_grad()
 def eval_captioning(model, loader, device, beam):
     """Captions every eval image once (its key), scored against all its reference captions."""
@@ -1704,7 +1705,7 @@ def eval_captioning(model, loader, device, beam):
             "eval_skipped": getattr(loader, "skipped", 0) - skipped0, "examples": examples}
 
 
-def finetune_caption(a, model, cfg, modality, phase, results, rank, world, device):
+def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
     """Table 2's protocol: vision encoder and LM frozen, the ClipCap mapper trained."""
     lm_dir = a.lm
     if lm_dir is None:
@@ -1724,17 +1725,14 @@ def finetune_caption(a, model, cfg, modality, phase, results, rank, world, devic
     lm.to(device)
     visual = model.visual if modality == "clip" else model
     cap = ClipCap(visual, lm, ltok, cfg.embed_dim).to(device)
-    train, test = caption_data(a, cfg.image_size, rank, world)
+    # captioned images: shapes, Karpathy JSON, CSV, shards; evaluated as retrieval's split
+    train = train_loader(a, data_source(a), None, cfg.image_size, rank, world, a.seed)
+    test = retrieval_loader(a, None, cfg.image_size)
 
     def loss_fn(m, batch):
-        tokens, mask = caption_batch(ltok, batch["caption"])
-        logits = m(batch["image"].to(device), tokens.to(device))
-        return F.cross_entropy(logits[mask.to(device)].float(), tokens.to(device)[mask.to(device)]), {}
-    phase("finetune", cap, loss_fn, train, a, a.max_steps)
-    if rank == 0:
-        results.update(eval_captioning(cap, test, device, a.beam))
-        results["eval_subset"] = f"seeded sample of {a.eval_size} images (seed {a.seed})" if a.eval_size else "whole split"
-    return cap
+        tokens, mask = (t.to(device) for t in caption_batch(ltok, batch["caption"]))
+        return F.cross_entropy(m(batch["image"].to(device), tokens)[mask].float(), tokens[mask]), {}
+    return cap, loss_fn, train, lambda: {**eval_captioning(cap, test, device, a.beam), "eval_subset": image_subset(a)}
 
 
 # -----------------------------------------------------------------------------
@@ -1746,13 +1744,11 @@ def _run_cost(path):
     steps = secs = batch = None
     st = os.path.join(checkpoint_dir(path), "train_state.json")
     if os.path.exists(st):
-        with open(st) as f:
-            j = json.load(f)
+        j = data.read_json(st)
         steps, secs = j.get("step"), j.get("elapsed")
     cj = os.path.join(path, "config.json")
     if os.path.exists(cj):
-        with open(cj) as f:
-            batch = json.load(f).get("batch_size")
+        batch = data.read_json(cj).get("batch_size")
     mj = os.path.join(path, "metrics.jsonl")
     if secs is None and os.path.exists(mj):
         with open(mj) as f:
@@ -1779,8 +1775,7 @@ def results_table(dirs: list) -> str:
         path = os.path.join(d, "results.json")
         if not os.path.exists(path):
             raise ConfigError(f"{path}: no such file (not a finished finetune out_dir)")
-        with open(path) as f:
-            r = json.load(f)
+        r = data.read_json(path)
         scores = ", ".join(f"{k} {r[k]}" for k in RESULT_COLUMNS.get(r.get("task"), []) if k in r)
         what = f"{r.get('n_images')} images" + (f", {r['n_classes']} classes" if "n_classes" in r else "") + \
             (f", {r['n_refs']} refs" if "n_refs" in r else "") + f", {r.get('eval_subset', 'whole split')}" + \
@@ -1803,17 +1798,11 @@ def storage_report(a):
     aux, meta = load_learngene(a.learngene)
     lg = aux.learngene_numel()
     lg_all = sum(p.numel() for p in aux.parameters())
-    rows = []
-    total = 0
-    for n in a.layers:
-        sd, _ = descendant_state(aux, n, "clip", 0)
-        cnt = sum(v.numel() for v in sd.values())
-        total += cnt
-        rows.append((n, cnt))
+    rows = [(n, sum(v.numel() for v in descendant_state(aux, n, "clip", 0)[0].values())) for n in a.layers]
+    total = sum(cnt for _, cnt in rows)
     ext = json.loads(meta.get("extract", "{}"))
     lines = ["| | parameters stored | ratio |", "|---|---:|---:|"]
-    for n, cnt in rows:
-        lines.append(f"| PT-FT {n}-layer CLIP | {cnt:,} | |")
+    lines += [f"| PT-FT {n}-layer CLIP | {cnt:,} | |" for n, cnt in rows]
     lines.append(f"| PT-FT total ({', '.join(str(n) for n in a.layers)} layers) | {total:,} | 100% |")
     lines.append(f"| {aux.method.upper()} learngene (blocks + coefficients) | {lg:,} | {100 * lg / total:.1f}% |")
     lines.append(f"| {aux.method.upper()} learngene file (+ embeddings, LNs, projections) | {lg_all:,} | "

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import data
 import mm_learngene as M
 
 
@@ -133,6 +134,21 @@ def test_gpt2_loads_released_layout_and_matches_naive(tmp_path):
         M.load_gpt2(str(tmp_path / "gpt2"))
 
 
+def test_damaged_gpt2_folder_is_one_error_naming_the_file(tmp_path):
+    """--lm's weights and config.json are read through data.py: a damaged file is a DataError
+    naming it (main prints it as one `error:` line), not a traceback."""
+    write_released_gpt2(tmp_path / "gpt2")
+    cfg = tmp_path / "gpt2" / "config.json"
+    good = cfg.read_text()
+    cfg.write_text("{not json")
+    with pytest.raises(data.DataError, match="config.json: malformed JSON"):
+        M.load_gpt2(str(tmp_path / "gpt2"))
+    cfg.write_text(good)
+    (tmp_path / "gpt2" / "model.safetensors").write_bytes(b"truncated")
+    with pytest.raises(data.DataError, match="cannot read weights .*model.safetensors"):
+        M.load_gpt2(str(tmp_path / "gpt2"))
+
+
 def test_beam_search_scores_at_least_greedy(tmp_path):
     """Beam search keeps the best length-normalised sequence it found; greedy is one of its
     candidates' prefixes, so with the same stopping rule beam >= greedy in normalised score."""
@@ -156,7 +172,6 @@ def test_beam_search_scores_at_least_greedy(tmp_path):
 def test_finetune_caption_trains_only_the_mapper(tmp_path):
     """shapes: the stand-in GPT is trained once and labelled; the checkpoint holds only the
     mapper (the encoder and LM are frozen); every metric is reported with what was scored."""
-    import data
     tok = data.build_tokenizer(captions=data.shapes_captions(200), vocab_size=300, context_length=24)
     cfg = M.ModelConfig(embed_dim=16, image_size=32, patch_size=8, vision_width=16, vision_layers=2, vision_heads=2,
                         context_length=24, vocab_size=tok.vocab_size, text_width=16, text_layers=2, text_heads=2,
