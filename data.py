@@ -1146,10 +1146,10 @@ class Skip:
 
 
 def _atomic_write_bytes(path: str, blob: bytes):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(blob)
-    os.replace(tmp, path)
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            f.write(blob)
+    atomic_write(path, write)
 
 
 def _atomic_write_text(path: str, text: str):
@@ -2188,7 +2188,7 @@ def rewind_metrics(path: str, step: int, rank: int = 0) -> list:
     with open(path) as f:
         kept = [m for m in map(json.loads, filter(str.strip, f)) if m["step"] <= step]
     if rank == 0:
-        atomic_write(path, lambda p: open(p, "w").writelines(json.dumps(m) + "\n" for m in kept))
+        _atomic_write_text(path, "".join(json.dumps(m) + "\n" for m in kept))
     return kept
 
 
