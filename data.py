@@ -559,6 +559,25 @@ def results_table(rows: dict, label: str = "method") -> str:
     return "\n".join("| " + " | ".join(ln) + " |" for ln in lines)
 
 
+def summarize_runs(root: str) -> dict:
+    """Mean ± std over seeds of the shapes_eval.json of every run folder under `root`, grouped by
+    its config.json's method (+neg with --negatives); prints the table, returns the groups."""
+    groups = {}
+    for d in sorted(os.listdir(root)):
+        res_path, cfg_path = os.path.join(root, d, "shapes_eval.json"), os.path.join(root, d, "config.json")
+        if os.path.isfile(res_path) and os.path.isfile(cfg_path):
+            cfg, res = read_json(cfg_path), read_json(res_path)
+            res["sugarcrepe_mean"] = float(np.mean([res[c] for c in SHAPES_CATEGORIES]))
+            name = cfg.get("method", d) + ("+neg" if cfg.get("negatives") else "")
+            for k, v in res.items():
+                groups.setdefault(name, {}).setdefault(k, []).append(v)
+    table = results_table(groups, label="method (n seeds)")
+    for name, r in groups.items():
+        table = table.replace(f"| {name} |", f"| {name} ({len(r['i2t_r1'])}) |", 1)
+    print(table)
+    return groups
+
+
 def shapes_classification(split: str = "train", index: int = 0, seed: int = 0, image_size: int = SHAPES_IMAGE_SIZE):
     """(image, class index into SHAPE_NAMES) of a single-object image (any colour or size)."""
     rng = random.Random(f"shapes-cls/{seed}/{split}/{index}")
@@ -1199,6 +1218,16 @@ def _stack_images(images: list) -> torch.Tensor:
     out = first.new(storage).resize_(len(images), *first.shape)
     np.stack(arrays, out=out.numpy())
     return out
+
+
+def trim_padding(text, eot_id: int, multiple: int = 8):
+    """Drop the token columns after a CPU batch's last EOT, rounded up to a multiple of 8 (tensor
+    cores, few compiled lengths). Exact for a causal text tower, which never looks past a
+    caption's EOT. A device tensor is returned as is (finding the EOT would sync)."""
+    if text.device.type != "cpu":
+        return text
+    n = int((text == eot_id).int().argmax(-1).max()) + 1
+    return text[:, :min(text.shape[1], -(-n // multiple) * multiple)]
 
 
 def collate(samples: list, tokenizer=None, batch_extra=None) -> dict:
@@ -2070,6 +2099,41 @@ def read_weights(path: str) -> dict:
             if torch.is_tensor(v) and k not in OPENAI_EXTRA_KEYS}
 
 
+def load_state(model, sd: dict, source: str, allow_missing=()):
+    """model.load_state_dict(sd) with one error line for missing (other than the `allow_missing`
+    prefixes) or unexpected keys and shape mismatches, instead of torch's multi-line report."""
+    own = model.state_dict()
+    problems = {"missing keys": [k for k in own if k not in sd and not k.startswith(allow_missing)],
+                "unexpected keys": [k for k in sd if k not in own],
+                "shape mismatch": [f"{k} {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
+                                   for k in own if k in sd and sd[k].shape != own[k].shape]}
+    problems = [f"{what} {', '.join(ks[:3])}{' ...' if len(ks) > 3 else ''}" for what, ks in problems.items() if ks]
+    if problems:
+        raise DataError(f"config/weights mismatch for {source}: " + "; ".join(problems))
+    model.load_state_dict(sd, strict=False)
+
+
+def openai_config(sd: dict) -> dict:
+    """The hyperparameters of OpenAI-layout CLIP weights, read from tensor shapes as open_clip's
+    build_model_from_openai does (heads by OpenAI's width // 64; QuickGELU; EOT the last id);
+    with an il_clip.py codebook head, its size and code dimension."""
+    try:
+        vw, _, patch, _ = sd["visual.conv1.weight"].shape
+        tw, vocab = sd["ln_final.weight"].shape[0], sd["token_embedding.weight"].shape[0]
+        count = lambda pre: len({k[len(pre):].split(".")[0] for k in sd if k.startswith(pre)})
+        cfg = dict(embed_dim=sd["text_projection"].shape[1], patch_size=patch,
+                   image_size=round((sd["visual.positional_embedding"].shape[0] - 1) ** 0.5) * patch,
+                   vision_width=vw, vision_layers=count("visual.transformer.resblocks."), vision_heads=max(1, vw // 64),
+                   context_length=sd["positional_embedding"].shape[0], vocab_size=vocab, text_width=tw,
+                   text_layers=count("transformer.resblocks."), text_heads=max(1, tw // 64),
+                   eot_token_id=vocab - 1, quick_gelu=True)
+    except KeyError as e:
+        raise DataError(f"weights are not in OpenAI CLIP layout: missing key {e}") from None
+    if "codebook" in sd:
+        cfg["codebook_size"], cfg["code_dim"] = sd["codebook"].shape
+    return cfg
+
+
 def write_checkpoint(out_dir: str, model_state: dict, config: dict, tensors: dict, state: dict, tokenizer=None):
     """Rank 0: the whole set into checkpoint.tmp/, fsync, then checkpoint/ -> checkpoint.prev/,
     checkpoint.tmp/ -> checkpoint/, and checkpoint.prev/ removed. `state` must hold "step";
@@ -2093,6 +2157,13 @@ def write_checkpoint(out_dir: str, model_state: dict, config: dict, tensors: dic
     os.replace(tmp, final)
     fsync(out_dir)
     shutil.rmtree(prev, ignore_errors=True)
+
+
+def checkpoint_dir(path: str) -> str:
+    """An out_dir -> its checkpoint/ folder when that holds a model.safetensors (the layout of all
+    three training scripts), else `path` as given (a checkpoint/ or descendant folder, a file)."""
+    inner = os.path.join(path, "checkpoint")
+    return inner if os.path.isfile(os.path.join(inner, "model.safetensors")) else path
 
 
 def read_checkpoint(folder: str, device="cpu") -> tuple:

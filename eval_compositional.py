@@ -179,14 +179,6 @@ def get_args(argv=None):
 KNOWN_SCRIPTS = ("il_clip.py", "mm_learngene.py")
 
 
-def checkpoint_dir(path):
-    """Where an out_dir's weights live: out_dir/checkpoint/ (the current layout, when it holds
-    a model.safetensors), else the out_dir itself (the old layout), else the path as given
-    (a checkpoint/ folder, or a weights file)."""
-    inner = os.path.join(path, "checkpoint")
-    return inner if os.path.isfile(os.path.join(inner, "model.safetensors")) else path
-
-
 def load_checkpoint(path, args):
     """(model, tokenizer, config) from an out_dir, a checkpoint/ folder or a weights file,
     via il_clip.load_model with args.quick_gelu (None: the config's; QuickGELU for bare
@@ -198,7 +190,7 @@ def load_checkpoint(path, args):
         raise ConfigError(f"cannot import il_clip.py ({e}); run from the repository root") from None
     if not os.path.exists(path):
         raise ConfigError(f"{path}: checkpoint not found")
-    path = checkpoint_dir(path)
+    path = data.checkpoint_dir(path)
     cfg_path = os.path.join(path, "config.json")
     if os.path.isdir(path) and os.path.exists(cfg_path):
         with open(cfg_path) as f:

@@ -5,14 +5,11 @@ CLIP, Codebook-CLIP (FDT), NegCLIP and IL-CLIP (iterated learning) in one file.
     python il_clip.py --method clip --max_steps 300     # plain CLIP baseline
     torchrun --standalone --nproc_per_node=8 il_clip.py --data cc3m --model ViT-B-32
 
-Paper: "Iterated Learning Improves Compositionality in Large Vision-Language Models"
-(Zheng et al., CVPR 2024), ../shared/papers/il_clip.md; choices the paper leaves open follow
-SPEC.md section 2 and are stated next to the code that makes them.
-Reads top to bottom: config (presets, defaults, flags) -> model -> sparsemax / codebook head ->
-losses -> IL schedule -> weights and checkpoints -> compute_loss (every loss term of a step) ->
-model, optimizer and IL phases (set_trainable, spawn) -> setup + train (the step loop) ->
-results -> main(). data.py holds what the three scripts share around the method: loaders,
-tokenizer, NegCLIP's text negatives, the checkpoint files, the shapes benchmark.
+Paper: "Iterated Learning Improves Compositionality in Large Vision-Language Models" (Zheng et
+al., CVPR 2024), ../shared/papers/il_clip.md; what it leaves open follows SPEC.md section 2.
+Reads top to bottom: config -> model -> sparsemax / codebook head -> losses -> IL schedule ->
+checkpoints -> compute_loss (every loss term) -> IL phases (set_trainable, spawn) -> train -> main.
+data.py holds the loaders, tokenizer, NegCLIP's text negatives, checkpoint files, shapes benchmark.
 """
 import argparse
 import copy
@@ -120,14 +117,13 @@ def build_args(argv=None):
     a("--dtype", default=None, choices=["fp32", "bf16"], help="autocast dtype (default bf16 on CUDA)")
     a("--compile", action="store_true")
     a("--init", default=None, help="OpenAI/open_clip-layout weights (.safetensors or .pt)")
-    a("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
-      help="activation: default the preset's (tiny GELU, ViT-B QuickGELU); with --init, OpenAI's "
-           "QuickGELU unless --no-quick_gelu (open_clip's LAION/DataComp ViT-B-32 use GELU)")
+    a("--quick_gelu", action=argparse.BooleanOptionalAction, default=None, help="default: the preset's; "
+      "with --init OpenAI's QuickGELU (--no-quick_gelu for open_clip's LAION/DataComp ViT-B-32, GELU)")
     a("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz for the CLIP BPE")
     a("--vocab_size", type=int, default=None)
     a("--model_args", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-      help="override the preset: width, layers, heads (both towers), embed_dim, image_size, patch_size, "
-           "context_length, code_dim, mlp_ratio, or vision_/text_ width, layers, heads")
+      help="override the preset: width, layers, heads (both towers, or vision_/text_ KEY), embed_dim, "
+           "image_size, patch_size, context_length, code_dim, mlp_ratio")
     a("--num_workers", type=int, default=0)
     a("--resampled", action="store_true")
     a("--image_root", default=None, help="image folder for a CSV / Karpathy JSON --data")
@@ -179,9 +175,8 @@ def check_args(args):
     if args.distill_train_vision and args.distill_loss == "cos":
         raise ConfigError("--distill_train_vision needs --distill_loss kd (the cos loss does not "
                           "involve the other agent, so it would get no gradient)")
-    if args.code_sim == "cos" and args.codebook and args.code_temp > 1:
-        print(f"warning: --code_sim cos with --code_temp {args.code_temp}: scores lie in "
-              f"[-{1 / args.code_temp:.3g}, {1 / args.code_temp:.3g}] and the sparsemax weights are "
+    if args.code_sim == "cos" and args.codebook and args.code_temp > 1:    # cos scores lie in [-1/T, 1/T]
+        print(f"warning: --code_sim cos with --code_temp {args.code_temp}: the sparsemax weights are "
               f"nearly uniform; use --code_temp 0.01-0.1", file=sys.stderr)
     if min(args.t_warm, args.t_distill, args.t_interact, args.generations, args.t_extend) < 0:
         raise ConfigError("IL step counts must be >= 0")
@@ -196,8 +191,7 @@ def parse_model_args(pairs):
     """["width=64", "layers=6"] -> {"vision_width": 64, "text_width": 64, ...}, typed as ModelConfig
     (fields that have a flag of their own, or come from the tokenizer, are not accepted here)."""
     own_flag = {"vocab_size", "eot_token_id", "quick_gelu", "codebook_size", "code_sim", "spectral_norm"}
-    field_type = {f.name: f.type for f in fields(ModelConfig) if f.name not in own_flag}
-    cast = {int: int, float: float, str: str, bool: lambda v: v.lower() in ("1", "true", "yes")}
+    field_type = {f.name: f.type for f in fields(ModelConfig) if f.name not in own_flag}  # int, float, str
     out = {}
     for kv in pairs:
         key, _, value = kv.partition("=")
@@ -206,7 +200,7 @@ def parse_model_args(pairs):
             raise ConfigError(f"--model_args {kv!r}: expected KEY=VALUE, KEY one of width, layers, heads, "
                               f"{', '.join(field_type)}")
         try:
-            out.update({n: cast[field_type[n]](value) for n in names})
+            out.update({n: field_type[n](value) for n in names})
         except ValueError:
             raise ConfigError(f"--model_args {kv!r}: {value!r} is not a valid {field_type[names[0]].__name__}") from None
     return out
@@ -391,8 +385,7 @@ class TextTransformer(nn.Module):
         _normal(self.token_embedding, "weight", 0.02, g)
         _normal(self, "positional_embedding", 0.01, g)
         _normal(self, "text_projection", self.cfg.text_width ** -0.5, g)
-        self.ln_final.weight.data.fill_(1.0)
-        self.ln_final.bias.data.zero_()
+        _reset_norms_and_biases(self.ln_final)
         _init_transformer(self.transformer, g)
 
     def forward_tokens(self, text):
@@ -619,16 +612,13 @@ def gather(x):
     return torch.cat(out, 0)
 
 
-def _rank():
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def contrastive_loss(img, txt, scale, neg_txt=None, neg_txt_valid=None, neg_img=None):
     """Symmetric InfoNCE, local rows against all-gathered columns (mean over ranks = the
     single-process loss). NegCLIP: negative captions as extra image->text columns, negative
     images (already global) as extra text->image columns."""
     B = img.shape[0]
-    labels = torch.arange(B, device=img.device) + _rank() * B
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    labels = torch.arange(B, device=img.device) + rank * B
     all_img, all_txt = gather(img), gather(txt)
     txt_cols, img_cols = all_txt, all_img
     if neg_txt is not None:
@@ -690,17 +680,10 @@ class ILSchedule:
     the last interaction extended by t_extend."""
 
     def __init__(self, t_warm, t_distill, t_interact, generations, t_extend, enabled=True):
-        self.t_warm, self.t_distill, self.t_interact = t_warm, t_distill, t_interact
-        self.generations, self.t_extend, self.enabled = generations, t_extend, enabled
+        self.t_warm, self.t_distill, self.generations, self.enabled = t_warm, t_distill, generations, enabled
         self.gen_len = t_distill + t_interact
-
-    @property
-    def total(self):
-        return self.t_warm + self.generations * self.gen_len + self.t_extend
-
-    @property
-    def spawn_steps(self):
-        return [self.t_warm + g * self.gen_len for g in range(self.generations)] if self.enabled else []
+        self.total = t_warm + generations * self.gen_len + t_extend
+        self.spawn_steps = [t_warm + g * self.gen_len for g in range(generations)] if enabled else []
 
     def at(self, step):
         """(phase, generation, start step of that generation)."""
@@ -742,85 +725,32 @@ def get_lr(step, args, sched):
     return lr
 
 
-def code_temperature(step, args):
-    return max(0.01, args.code_temp * args.code_temp_decay ** (step / CODE_TEMP_ITERS))
-
-
 # -----------------------------------------------------------------------------
 # weights: --init, load_model, checkpoints (data.py writes the files: safetensors + JSON, atomic)
-
-
-def config_from_state_dict(sd):
-    """Infer a ModelConfig from OpenAI-layout weights (as open_clip's build_model_from_openai)."""
-    try:
-        vw = sd["visual.conv1.weight"].shape[0]
-        patch = sd["visual.conv1.weight"].shape[-1]
-        grid = round((sd["visual.positional_embedding"].shape[0] - 1) ** 0.5)
-        tw = sd["ln_final.weight"].shape[0]
-        count = lambda pre: len({k.split(".")[pre.count(".")] for k in sd if k.startswith(pre)})
-        vocab = sd["token_embedding.weight"].shape[0]
-        cfg = ModelConfig(
-            embed_dim=sd["text_projection"].shape[1], image_size=grid * patch, patch_size=patch,
-            vision_width=vw, vision_layers=count("visual.transformer.resblocks."),
-            vision_heads=max(1, vw // 64), context_length=sd["positional_embedding"].shape[0],
-            vocab_size=vocab, text_width=tw, text_layers=count("transformer.resblocks."),
-            text_heads=max(1, tw // 64), eot_token_id=vocab - 1, quick_gelu=True)
-    except KeyError as e:
-        raise ConfigError(f"weights are not in OpenAI CLIP layout: missing key {e}")
-    if "codebook" in sd:
-        cfg.codebook_size, cfg.code_dim = sd["codebook"].shape
-    return cfg
-
-
-def load_state_checked(model, sd, source, allow_missing=()):
-    """Load with one clear error line for a missing/unexpected key or a shape mismatch."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in sd and not k.startswith(allow_missing)]
-    unexpected = [k for k in sd if k not in own]
-    shapes = [f"{k} {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
-              for k in own if k in sd and sd[k].shape != own[k].shape]
-    more = lambda ks, n: f"{ks[:n] if n > 1 else ks[0]}{' ...' if len(ks) > n else ''}"
-    problems = [f"{what} {more(ks, n)}" for what, ks, n in (("missing keys", missing, 3),
-                ("unexpected keys", unexpected, 3), ("shape mismatch", shapes, 1)) if ks]
-    if problems:
-        raise ConfigError(f"config/weights mismatch for {source}: " + "; ".join(problems))
-    model.load_state_dict({k: v for k, v in sd.items()}, strict=False)
-
-
-def checkpoint_dir(path):
-    """The folder holding model.safetensors for an out_dir (its checkpoint/, else the old layout
-    with the weights in out_dir itself) or a checkpoint/ folder given directly."""
-    sub = os.path.join(path, "checkpoint")
-    return sub if os.path.isfile(os.path.join(sub, "model.safetensors")) else path
 
 
 def load_model(path, device="cpu", quick_gelu=None):
     """-> (model, tokenizer or None, config dict) from an out_dir, a checkpoint/ folder or an
     OpenAI-format weight file. `quick_gelu` None: the checkpoint's config, else OpenAI's QuickGELU
     (printed); False for open_clip's GELU models (its LAION/DataComp ViT-B-32)."""
+    folder = data.checkpoint_dir(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        d = checkpoint_dir(path)
-        cfg_path = os.path.join(d, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise ConfigError(f"{cfg_path}: not found (not a checkpoint directory)")
-        config = data.read_json(cfg_path)
+        config = data.read_json(os.path.join(folder, "config.json"))
         names = {f.name for f in fields(ModelConfig)}
         cfg = ModelConfig(**{k: v for k, v in config["model"].items() if k in names})
-        sd = data.read_weights(os.path.join(d, "model.safetensors"))
-        tdir = d if os.path.isfile(os.path.join(d, "tokenizer.json")) else path
+        sd = data.read_weights(os.path.join(folder, "model.safetensors"))
     else:
         sd = data.read_weights(path)
-        cfg = config_from_state_dict(sd)
+        cfg = ModelConfig(**data.openai_config(sd))
         if quick_gelu is None:
             print(f"note: {path} does not say its activation: using OpenAI's QuickGELU "
                   f"(pass quick_gelu=False / --no-quick_gelu for open_clip's GELU models)", file=sys.stderr)
         config = {"model": asdict(cfg)}
-        tdir = os.path.dirname(os.path.abspath(path))
     if quick_gelu is not None:
         cfg.quick_gelu = config["model"]["quick_gelu"] = bool(quick_gelu)
     model = CLIP(cfg)
-    load_state_checked(model, sd, path)
-    tok = data.Tokenizer.load(tdir) if os.path.isfile(os.path.join(tdir, "tokenizer.json")) else None
+    data.load_state(model, sd, path)
+    tok = next((data.Tokenizer.load(d) for d in (folder, path) if os.path.isfile(os.path.join(d, "tokenizer.json"))), None)
     return model.to(device).eval(), tok, config
 
 
@@ -844,7 +774,7 @@ def save_checkpoint(r):
 
 def load_checkpoint(r):
     sd, ts, state = data.load_checkpoint(r.args.out_dir, r.device)
-    load_state_checked(r.model, sd, os.path.join(r.args.out_dir, "checkpoint"))
+    data.load_state(r.model, sd, os.path.join(r.args.out_dir, "checkpoint"))
     data.load_optimizer_state(r.opt, ts, state["optimizer"])
     r.step, r.spawned = state["step"], state["spawned"]
     teacher = {k[8:]: v for k, v in ts.items() if k.startswith("teacher.")}
@@ -883,7 +813,7 @@ def compute_loss(fwd, teacher, batch, phase, agent, r):
     negclip = r.pool is not None and phase != "distill"
     if negclip:
         text = torch.cat([text, batch["neg_text"]])            # made by the loader's workers
-    text = trim_text_padding(text, r.cfg.eot_token_id)        # on the CPU: no device sync
+    text = data.trim_padding(text, r.cfg.eot_token_id)        # on the CPU: no device sync
     r.text_tokens += text.shape[1]
     text = text.to(r.device, non_blocking=True)
     with r.autocast:
@@ -932,20 +862,17 @@ def setup_distributed(args):
 
 
 def build_tokenizer(args, rank, world):
-    tok_file = os.path.join(args.out_dir, "tokenizer.json")
-    if args.resume and os.path.isfile(tok_file):
-        return data.Tokenizer.load(args.out_dir)
-    if rank == 0:
+    """Rank 0 reads --vocab or trains a BPE on the captions into out_dir; every rank loads that."""
+    if rank == 0 and not (args.resume and os.path.isfile(os.path.join(args.out_dir, "tokenizer.json"))):
         captions = None if args.vocab else data.captions_for_tokenizer(
             args.data, image_root=args.image_root, img_key=args.csv_img_key,
             caption_key=args.csv_caption_key, separator=args.csv_separator)
-        tok = data.build_tokenizer(vocab_path=args.vocab, captions=captions,
-                                   vocab_size=args.vocab_size, context_length=args.context_length)
         os.makedirs(args.out_dir, exist_ok=True)
-        tok.save(args.out_dir)
+        data.build_tokenizer(vocab_path=args.vocab, captions=captions, vocab_size=args.vocab_size,
+                             context_length=args.context_length).save(args.out_dir)
     if world > 1:
         dist.barrier()
-    return tok if rank == 0 else data.Tokenizer.load(args.out_dir)
+    return data.Tokenizer.load(args.out_dir)
 
 
 def model_config(args, tok):
@@ -972,7 +899,7 @@ def param_groups(model):
 def build_model_and_optimizer(args, cfg, device):
     model = CLIP(cfg, seed=args.seed).to(device)
     if args.init:
-        load_state_checked(model, data.read_weights(args.init), args.init,
+        data.load_state(model, data.read_weights(args.init), args.init,
                            allow_missing=("codebook", "image_query.", "text_query.", "code_temperature"))
         if args.quick_gelu is None:
             print(f"note: --init {args.init}: using OpenAI's QuickGELU (--no-quick_gelu for "
@@ -1035,16 +962,13 @@ def spawn(r, gen):
 
 def estimate_flops_per_pair(cfg, text_len=None):
     """Training FLOPs per pair (3 x forward, 2 per MAC) at text length `text_len` (default full)."""
-    def tower(T, w, L):
-        return L * (12 * T * w * w + 2 * T * T * w)
-    P = (cfg.image_size // cfg.patch_size) ** 2
-    L_text = text_len or cfg.context_length
+    P, T = (cfg.image_size // cfg.patch_size) ** 2, text_len or cfg.context_length
+    tower = lambda n, w, L: L * (12 * n * w * w + 2 * n * n * w)       # QKV, out, MLP + attention
     macs = tower(P + 1, cfg.vision_width, cfg.vision_layers) + P * 3 * cfg.patch_size ** 2 * cfg.vision_width
-    macs += tower(L_text, cfg.text_width, cfg.text_layers)
-    if cfg.codebook_size:
+    macs += tower(T, cfg.text_width, cfg.text_layers)
+    if cfg.codebook_size:   # query maps, token x code scores, the weighted sum of the codes
         K, D = cfg.codebook_size, cfg.code_dim
-        for T, w in ((P, cfg.vision_width), (L_text, cfg.text_width)):
-            macs += T * (w * D + D * D) + T * K * D + K * D
+        macs += sum(n * (w * D + D * D) + n * K * D + K * D for n, w in ((P, cfg.vision_width), (T, cfg.text_width)))
     else:
         macs += (cfg.vision_width + cfg.text_width) * cfg.embed_dim
     return 3 * 2 * macs
@@ -1057,26 +981,13 @@ PEAK_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 9
 
 
 def peak_flops(device_name):
-    """Dense bf16 peak of a GPU from its name (None when unknown)."""
     return next((v for k, v in PEAK_FLOPS.items() if k in device_name), None)
 
 
 def estimate_mfu(cfg, pairs_per_s, device, text_len=None):
     """Model FLOPs utilisation against the dense bf16 peak of the GPU (None on CPU/unknown)."""
-    if not str(device).startswith("cuda"):
-        return None
-    peak = peak_flops(torch.cuda.get_device_name(device))
+    peak = peak_flops(torch.cuda.get_device_name(device)) if str(device).startswith("cuda") else None
     return None if peak is None else estimate_flops_per_pair(cfg, text_len) * pairs_per_s / peak
-
-
-def trim_text_padding(text, eot_token_id, multiple=8):
-    """Drop the columns after the batch's last EOT (on the CPU: no device sync). Exact: causal
-    attention never looks past a caption's EOT and the codebook head ignores pads. Rounded up
-    to a multiple of 8 for tensor cores and few compiled lengths."""
-    if text.device.type != "cpu":
-        return text
-    n = int((text == eot_token_id).int().argmax(-1).max()) + 1
-    return text[:, :min(text.shape[1], -(-n // multiple) * multiple)]
 
 
 # -----------------------------------------------------------------------------
@@ -1137,7 +1048,7 @@ def train(r):
     if r.step >= end:          # nothing to train (e.g. --max_steps 0 to export --init weights)
         save_checkpoint(r)
     # on stdout, as the per-step lines were: stderr keeps only error lines and the summary
-    bar = r.bar = tqdm(total=end, initial=r.step, unit="step", disable=r.rank != 0, dynamic_ncols=True, file=sys.stdout)
+    bar = tqdm(total=end, initial=r.step, unit="step", disable=r.rank != 0, dynamic_ncols=True, file=sys.stdout)
     while r.step < end:
         # the IL phase: one lookup (warm-up, then per generation spawn -> distill -> interact)
         phase, gen, _ = r.sched.at(r.step)
@@ -1153,7 +1064,7 @@ def train(r):
         for group in r.opt.param_groups:
             group["lr"] = lr
         if r.cfg.codebook_size:
-            model.code_temperature.fill_(code_temperature(r.step, args))
+            model.code_temperature.fill_(max(0.01, args.code_temp * args.code_temp_decay ** (r.step / CODE_TEMP_ITERS)))
         # forward/backward, gradients averaged over ranks by DDP on the last micro-batch only
         for micro in range(args.accum):
             batch = next(r.batches)
@@ -1197,10 +1108,13 @@ def train(r):
             now = time.time()
             sps = (r.step - step_last) * args.batch_size / max(now - t_last, 1e-9)
             text_len = r.text_tokens / max(1, r.n_loss)
-            log(r, {"step": r.step, "loss": loss_v, "clip_loss": clip_v, "lr": lr, "phase": phase,
-                    "generation": gen, "logit_scale": model.logit_scale.item(),
-                    "samples_per_s": round(sps, 2), "text_len": round(text_len, 2),
-                    "mfu": estimate_mfu(r.cfg, sps, r.device, text_len), "time": now})
+            rec = {"step": r.step, "loss": loss_v, "clip_loss": clip_v, "lr": lr, "phase": phase, "generation": gen,
+                   "logit_scale": model.logit_scale.item(), "samples_per_s": round(sps, 2),
+                   "text_len": round(text_len, 2), "mfu": estimate_mfu(r.cfg, sps, r.device, text_len), "time": now}
+            if r.rank == 0:
+                with open(r.metrics_path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                bar.set_postfix(loss=f"{loss_v:.4f}", phase=phase, gen=gen)
             r.sums.zero_()
             r.n_loss = r.text_tokens = 0
             t_last, step_last = now, r.step
@@ -1217,15 +1131,8 @@ def train(r):
     return "done"
 
 
-def log(r, rec):
-    if r.rank == 0:
-        with open(r.metrics_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        r.bar.set_postfix(loss=f"{rec['loss']:.4f}", phase=rec["phase"], gen=rec["generation"])
-
-
 # -----------------------------------------------------------------------------
-# results: the loss curve (paper Fig. 3) and the table over seeds
+# the loss curve (paper Fig. 3)
 
 
 CLIP_LOSS_COLOUR = (150, 150, 150)
@@ -1242,25 +1149,6 @@ def draw_loss_curve(metrics_path, png_path, boundaries=()):
         "contrastive": (steps, [m.get("clip_loss", math.nan) for m in recs], CLIP_LOSS_COLOUR),
         "loss": (steps, [m["loss"] for m in recs], [PHASE_COLOURS.get(m.get("phase"), (0, 0, 0)) for m in recs])},
         boundaries, "(blue warm-up, orange distill, green interact; grey contrastive)")
-
-
-def summarize(root):
-    """Mean ± std over seeds of every run's shapes_eval.json under `root`, by method."""
-    groups = {}
-    for d in sorted(os.listdir(root)):
-        res_path, cfg_path = os.path.join(root, d, "shapes_eval.json"), os.path.join(root, d, "config.json")
-        if not (os.path.isfile(res_path) and os.path.isfile(cfg_path)):
-            continue
-        cfg, res = json.load(open(cfg_path)), json.load(open(res_path))
-        res["sugarcrepe_mean"] = float(np.mean([res[c] for c in data.SHAPES_CATEGORIES]))
-        name = cfg["method"] + ("+neg" if cfg.get("negatives") else "")
-        for k, v in res.items():
-            groups.setdefault(name, {}).setdefault(k, []).append(v)
-    table = data.results_table(groups, label="method (n seeds)")
-    for name, r in groups.items():
-        table = table.replace(f"| {name} |", f"| {name} ({len(r['i2t_r1'])}) |", 1)
-    print(table)
-    return groups
 
 
 # -----------------------------------------------------------------------------

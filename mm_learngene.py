@@ -460,16 +460,9 @@ def descendant_state(aux: AuxCLIP, n: int, modality: str, seed: int = 0, part=No
 # Reading checkpoints: il_clip.py out_dirs, descendants, OpenAI-layout weight files
 
 
-def checkpoint_dir(path: str) -> str:
-    """An out_dir -> its checkpoint/ folder (the layout of all three training scripts), else
-    the folder itself (a descendant, or the old layout with model.safetensors in out_dir)."""
-    ckpt = os.path.join(path, "checkpoint")
-    return ckpt if os.path.isfile(os.path.join(ckpt, "model.safetensors")) else path
-
-
 def weights_folder(path: str) -> str:
     """The folder whose config.json and tokenizer.json go with the weights at `path`."""
-    return checkpoint_dir(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    return data.checkpoint_dir(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
 
 
 def read_state(path: str) -> tuple:
@@ -1742,7 +1735,7 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
 def _run_cost(path):
     """(steps, seconds, batch) of a training out_dir (this script's or il_clip.py's)."""
     steps = secs = batch = None
-    st = os.path.join(checkpoint_dir(path), "train_state.json")
+    st = os.path.join(data.checkpoint_dir(path), "train_state.json")
     if os.path.exists(st):
         j = data.read_json(st)
         steps, secs = j.get("step"), j.get("elapsed")

@@ -2,6 +2,7 @@
 and the map-style DDP loader."""
 import hashlib
 import io
+import os
 import random
 
 import numpy as np
@@ -221,3 +222,27 @@ def test_loader_tokenizes_and_bad_spec_is_one_line(shapes_tok):
     assert b["tree"][0].startswith("(ROOT")
     with pytest.raises(data.DataError):
         data.make_loader("shapes:foo=1")
+
+
+def test_summarize_runs_means_and_sample_std_over_seeds(tmp_path, capsys):
+    """Runs grouped by config method (+neg), mean ± sample std over seeds, folders without both
+    files skipped; checked against numpy on the values written."""
+    rng = np.random.default_rng(0)
+    runs = {"a0": ("il", False), "a1": ("il", False), "a2": ("il", False), "b0": ("il", True), "c0": ("clip", False)}
+    written = {}
+    for d, (method, neg) in runs.items():
+        res = {k: float(rng.uniform()) for k in ["i2t_r1", "t2i_r1", *data.SHAPES_CATEGORIES]}
+        os.makedirs(tmp_path / d)
+        data.save_json(str(tmp_path / d / "config.json"), {"method": method, "negatives": neg})
+        data.save_json(str(tmp_path / d / "shapes_eval.json"), res)
+        written.setdefault(method + ("+neg" if neg else ""), []).append(res)
+    os.makedirs(tmp_path / "incomplete")            # no shapes_eval.json: not counted
+    data.save_json(str(tmp_path / "incomplete" / "config.json"), {"method": "il"})
+    groups = data.summarize_runs(str(tmp_path))
+    assert {k: len(v["i2t_r1"]) for k, v in groups.items()} == {"il": 3, "il+neg": 1, "clip": 1}
+    il = np.array([r["replace_att"] for r in written["il"]])
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| il (3) |"))
+    cell = row.split(" | ")[1 + 2 + data.SHAPES_CATEGORIES.index("replace_att")]
+    assert cell == f"{100 * il.mean():.1f} ± {100 * il.std(ddof=1):.1f}"
+    means = [np.mean([r[c] for c in data.SHAPES_CATEGORIES]) for r in written["il"]]
+    assert np.allclose(groups["il"]["sugarcrepe_mean"], means)

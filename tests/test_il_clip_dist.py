@@ -46,7 +46,7 @@ class RankOneBranch(M.CLIP):
 
     def forward(self, images, text):
         img, txt, scale = super().forward(images, text)
-        if M._rank() == 1:
+        if torch.distributed.get_rank() == 1:
             img = F.normalize(img + self.branch, dim=-1)
         return img, txt, scale
 
