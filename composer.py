@@ -528,7 +528,7 @@ class _Chunker(_NPChunker):
             out.append(self.leaf(j))
             j += 1
         while j < self.n:
-            t, w = self.tag(j), self.w[j]
+            t = self.tag(j)
             if t in (".",):
                 break
             if t in _VERB_TAGS and t != "VBG" and stop_finite and t not in ("VB", "VBN"):
@@ -1589,7 +1589,7 @@ def load_split(args, split: str, n: int | None, items: list | None = None) -> Sp
     what = f"{args.data} ({split})"
     crgs, skipped, n_bracketed = caption_crgs(items, args.max_skip_frac, what)
     regions = RegionStore(args.regions) if args.features == "regions" else None
-    keys, kidx, captions, kept, cap_img, feats, boxes, its = [], {}, [], [], [], [], [], []
+    keys, kidx, captions, kept, cap_img, feats, its = [], {}, [], [], [], [], []
     for crg, it, (key, cap, obj) in crgs:
         if key not in kidx:
             try:
