@@ -1222,8 +1222,9 @@ def _stack_images(images: list) -> torch.Tensor:
 
 def trim_padding(text, eot_id: int, multiple: int = 8):
     """Drop the token columns after a CPU batch's last EOT, rounded up to a multiple of 8 (tensor
-    cores, few compiled lengths). Exact for a causal text tower, which never looks past a
-    caption's EOT. A device tensor is returned as is (finding the EOT would sync)."""
+    cores, few compiled lengths). Exact when nothing reads past a caption's EOT (a causal text
+    tower; il_clip's codebook head masks those positions). A device tensor is returned as is
+    (finding the EOT would sync)."""
     if text.device.type != "cpu":
         return text
     n = int((text == eot_id).int().argmax(-1).max()) + 1
