@@ -9,16 +9,46 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def import_open_clip():
-    """open_clip for comparisons only (SPEC.md 6), through bench.py's torchvision-dummy import
-    hook; skips the calling test when open_clip_torch is not installed."""
+    """open_clip for comparisons only (SPEC.md 6); skips the calling test when open_clip_torch is not
+    installed. This machine has no CPU build of torchvision, which open_clip imports at module level
+    (its image transforms, unused here): while open_clip imports, every torchvision module is a
+    dummy whose attributes accept anything, and the dummies are removed afterwards (torch probes
+    for torchvision). bench.py then finds open_clip already imported."""
+    import importlib.abc
+    import importlib.machinery
     import importlib.util
 
     import pytest
 
     if importlib.util.find_spec("open_clip") is None:
         pytest.skip("open_clip_torch is not installed")
-    import bench
-    return bench.import_open_clip()
+    if "open_clip" in sys.modules:
+        return sys.modules["open_clip"]
+
+    class AnyMeta(type):
+        __getattr__ = lambda cls, name: cls
+    Any = AnyMeta("Any", (), {"__init__": lambda self, *a, **k: None, "__call__": lambda self, *a, **k: self})
+
+    class DummyTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            if name.split(".")[0] == "torchvision":
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+        def exec_module(self, module):
+            module.__getattr__ = lambda name: Any
+
+    have_torchvision = importlib.util.find_spec("torchvision") is not None
+    finder = DummyTorchvision()
+    if not have_torchvision:
+        sys.meta_path.insert(0, finder)
+    try:
+        import open_clip
+    finally:
+        if not have_torchvision:
+            sys.meta_path.remove(finder)
+            for name in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
+                del sys.modules[name]
+    return open_clip
 
 
 def sigterm_one_rank(cmd, progress_file, env=None, timeout=180):
