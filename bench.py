@@ -397,7 +397,7 @@ def bench_composer(args, device):
 
     with torch.no_grad():
         a, b = batched(), recursive()                            # warm-up, and the outputs compared
-        tb_, tr_ = (statistics.median(timed(fn, 1, device)[0] for _ in range(max(1, args.steps // 4)))
+        tb_, tr_ = (statistics.median(timed(fn, 1, device) for _ in range(max(1, args.steps // 4)))
                     for fn in (batched, recursive))
     print(f"composer forward, {n} caption-image pairs ({sum(len(c['nodes']) for c in comps)} concept nodes, max depth "
           f"{max(max(x['level'] for x in c['nodes']) for c in comps)}), width {cfg.width}, {device_name(device)}:")

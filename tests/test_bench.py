@@ -193,3 +193,20 @@ def test_reference_without_open_clip_is_one_line(monkeypatch, capsys):
     assert bench.main(["--reference", "open_clip", "--batch_size", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["no open_clip reference: No module named 'open_clip' (pip install open_clip_torch)"]
+
+
+def test_composer_mode_times_two_paths_that_agree(capsys):
+    assert bench.main(["--composer", "--batch_size", "8", "--steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "composer forward, 8 caption-image pairs" in out
+    assert float(out.rsplit("max |node score diff| ", 1)[1]) < 1e-5     # level-batched == node-by-node
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--codebook_memory", "--batch_size", "4", "--codebook", "512"], "P=196: chunked"),
+    (["--data", "shapes", "--num_workers", "0", "--steps", "2"], "skipped 0"),
+    (["--data", "--num_workers", "0", "--rounds", "1"], "256 JPEGs"),
+])
+def test_each_mode_runs_and_reports(argv, expect, capsys):
+    assert bench.main(argv) == 0
+    assert expect in capsys.readouterr().out
