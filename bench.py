@@ -3,20 +3,20 @@ Throughput, MFU and memory of il_clip.py's training step (nanoGPT's bench.py is 
 
     python bench.py --model tiny --method il --batch_size 64                 # training step, CPU
     python bench.py --model ViT-B-32 --method clip --batch_size 256 --compile --dtype bf16   # GPU
-    python bench.py --model tiny --method clip --reference open_clip         # ratio vs open_clip
     python bench.py --data                    # loader vs plain PIL at 224 px
     python bench.py --data shapes --num_workers 0                            # one --data spec
     python bench.py --codebook_memory                                        # codebook head memory
     python bench.py --composer                                               # COMPOSER recursion
     python bench.py --targets --model ViT-B-32 --compile --json targets.json # every target, checked
-"""
-METHOD = """
+
 How it measures: il_clip's step on one synthetic on-device batch, timed between two device syncs
-(the step keeps its host-device overlap). IL: distill and interact timed apart, combined at the
-paper's schedule (5 x 1000 distill steps and 5 spawns in 48k). Memory: CUDA max_memory_allocated;
-CPU peak RSS (VmHWM) minus the RSS before the model was built. The CPU here is shared, so --reference
-/ --targets / --data alternate the runs --rounds times and keep the best; compare ratios from one
-run, never across runs. --data: 256 img2dataset-style JPEGs (shorter side 256, q95) in 2 shards.
+(the step keeps its host-device overlap). IL: distill and interact timed apart, and one il_clip.spawn
+(teacher copy, re-initialised agent, generation snapshot), combined at the paper's schedule (5 x 1000
+distill steps and 5 spawns in 48k). Memory: CUDA max_memory_allocated; CPU peak RSS (VmHWM) minus the
+RSS before the model was built (a lower bound after the process's first model). A shared CPU drifts,
+so --targets / --data alternate the runs --rounds times and keep the best; compare
+ratios from one run, never across runs. --data: 256 img2dataset-style JPEGs (shorter side 256, q95)
+in 2 shards. --targets times open_clip's CLIP + ClipLoss too where open_clip_torch is installed.
 """
 import argparse
 import contextlib
@@ -196,7 +196,7 @@ def report_train(args, res, device, label="il_clip"):
     print(f"  peak memory {fmt_bytes(res['peak_bytes'])} ({res['mem_kind']})")
 
 
-# --reference open_clip: the same configuration with open_clip's model and ClipLoss
+# the reference: the same configuration with open_clip's model and ClipLoss
 def import_open_clip():
     """open_clip for the reference runs only (SPEC.md 6); None, saying why, where it cannot be imported."""
     try:
@@ -216,8 +216,8 @@ def open_clip_model(open_clip, cfg):
 
 
 def alternating_rounds(args, device, methods):
-    """Every method's run in turn, --rounds times (drift on the shared CPU hits all alike); reports each
-    method's fastest run. -> ({method: runs}, {method: fastest run})"""
+    """Every method's run in turn, --rounds times (drift on the shared CPU hits all alike); reports and
+    returns each method's fastest run."""
     runs = {m: [] for m in methods}
     for _ in range(args.rounds):
         for m in methods:
@@ -225,26 +225,14 @@ def alternating_rounds(args, device, methods):
     best = {m: min(rs, key=lambda r: r["step_s"]) for m, rs in runs.items()}
     for m, r in best.items():
         report_train(args, r, device, "open_clip" if m == "open_clip" else "il_clip")
-    return runs, best
-
-
-def bench_step(args, device):
-    """The training step of --method; with --reference open_clip, open_clip's too, in alternating rounds."""
-    if args.reference and import_open_clip() is None:
-        return 2
-    runs, best = alternating_rounds(args, device, [args.method] + (["open_clip"] if args.reference else []))
-    if args.reference:
-        per_round = ", ".join(f"{t['step_s'] / o['step_s']:.3f}" for o, t in zip(runs[args.method], runs["open_clip"]))
-        print(f"il_clip / open_clip samples/s: {best['open_clip']['step_s'] / best[args.method]['step_s']:.3f} "
-              f"(best of {args.rounds} alternating rounds each; per round: {per_round})")
-    return 0
+    return best
 
 
 # --data: the input pipeline alone
 def cpu_seconds():
     """CPU time of this process and its joined children (the loader's workers)."""
-    import resource
-    return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def loader_epoch(pattern, size, workers, batch, tok=None, max_batches=None):
@@ -434,7 +422,7 @@ def bench_targets(args, device):
     import dataclasses
     import platform
     methods = ["clip", "codebook", "il"] + (["open_clip"] if import_open_clip() else [])
-    _, res = alternating_rounds(args, device, methods)
+    res = alternating_rounds(args, device, methods)
     clip_step = res["clip"]["step_s"]
     head_bytes, head_kind = head_peak(256, 49, 16384, 512, False, device)
     rows = target_rows({"clip_mfu": il_clip.estimate_mfu(res["clip"]["cfg"], args.batch_size / clip_step, device),
@@ -469,7 +457,7 @@ def bench_targets(args, device):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, epilog=METHOD, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--model", default="tiny", choices=list(il_clip.MODEL_PRESETS))
     a("--method", default="clip", choices=["clip", "codebook", "il"])
@@ -480,9 +468,7 @@ def main(argv=None):
     a("--device", default=None, help="cpu | cuda (default: cuda when available)")
     a("--steps", type=int, default=10, help="timed steps")
     a("--warmup", type=int, default=3, help="untimed steps first")
-    a("--reference", default=None, choices=["open_clip"], help="also time open_clip, print the ratio")
-    a("--rounds", type=int, default=None, help="alternations, best kept (default: 1 for one training step "
-      "alone, 2 otherwise)")
+    a("--rounds", type=int, default=2, help="--targets / --data: alternations, best kept")
     a("--data", nargs="?", const="jpeg", default=None, help="the loader alone: JPEG shards vs plain PIL, "
       "or an il_clip.py --data spec")
     a("--num_workers", type=int, default=None, help="--data: loader workers (default 2)")
@@ -498,12 +484,12 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     args.batch_size = args.batch_size or (64 if args.model == "tiny" and not args.codebook_memory else 256)
-    args.rounds = args.rounds or (2 if args.reference or args.targets or args.data else 1)
     for mode, bench in (("data", bench_data), ("codebook_memory", bench_codebook_memory), ("composer", bench_composer),
                         ("targets", bench_targets)):
         if getattr(args, mode):
             return bench(args, device)
-    return bench_step(args, device)
+    report_train(args, run_trainer(args, args.method, device), device)
+    return 0
 
 
 if __name__ == "__main__":
