@@ -3,7 +3,7 @@ Throughput, MFU and memory of il_clip.py's training step (nanoGPT's bench.py is 
 
     python bench.py --model tiny --method il --batch_size 64                 # training step, CPU
     python bench.py --model ViT-B-32 --method clip --batch_size 256 --compile --dtype bf16   # GPU
-    python bench.py --data                    # loader vs plain PIL at 224 px
+    python bench.py --data                                                   # loader vs plain PIL at 224 px
     python bench.py --data shapes --num_workers 0                            # one --data spec
     python bench.py --codebook_memory                                        # codebook head memory
     python bench.py --composer                                               # COMPOSER recursion
