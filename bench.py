@@ -14,9 +14,9 @@ How it measures: il_clip's step on one synthetic on-device batch, timed between 
 (teacher copy, re-initialised agent, generation snapshot), combined at the paper's schedule (5 x 1000
 distill steps and 5 spawns in 48k). Memory: CUDA max_memory_allocated; CPU peak RSS (VmHWM) minus the
 RSS before the model was built (a lower bound after the process's first model). A shared CPU drifts,
-so --targets / --data alternate the runs --rounds times and keep the best; compare
-ratios from one run, never across runs. --data: 256 img2dataset-style JPEGs (shorter side 256, q95)
-in 2 shards. --targets times open_clip's CLIP + ClipLoss too where open_clip_torch is installed.
+so --targets / --data alternate the runs --rounds times and keep the best; compare ratios from one
+run, never across runs. --data: 256 img2dataset-style JPEGs (shorter side 256, q95) in 2 shards.
+--targets times open_clip's CLIP + ClipLoss too where open_clip_torch is installed.
 """
 import argparse
 import contextlib
@@ -340,7 +340,7 @@ def head_peak(B, P, K, D, naive, device, **chunking):
         mem.start()
         (codebook_head(q, codes, naive, **chunking) * target).sum().backward()
         sync(device)
-        return mem.peak(), "CUDA max_memory_allocated"
+        return mem.peak(), mem.kind
     with LiveTensorBytes() as m:
         (codebook_head(q, codes, naive, **chunking) * target).sum().backward()
     return m.peak, "live tensor storage bytes (TorchDispatchMode)"

@@ -53,7 +53,8 @@ def test_synthetic_text_has_one_eot_and_pads_after():
     assert (eot == text.argmax(-1)).all()                     # open_clip's argmax pooling agrees
     pos = torch.arange(32)[None]
     assert (text[pos > eot[:, None]] == 0).all() and (text[pos < eot[:, None]] != 0).all()
-    assert bench.model_config("tiny", "clip", 0).eot_token_id == bench.model_config("tiny", "clip", 0).vocab_size - 1
+    cfg = bench.model_config("tiny", "clip", 0)
+    assert cfg.eot_token_id == cfg.vocab_size - 1                 # the model pools where synthetic_text puts EOT
 
 
 def _args(**kw):
