@@ -546,22 +546,57 @@ def evaluate_shapes(model, tokenizer, image_size: int, device="cpu", n: int = 20
     return res
 
 
+# t_{0.975, df} for df = 1..30 (standard tables); beyond 30 the Cornish-Fisher expansion around
+# the normal quantile is within 1e-4
+T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
+        2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
+        2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
+
+
+def t975(df: int) -> float:
+    if df <= len(T975):
+        return T975[df - 1]
+    z = 1.959964
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+
+
+def mean_ci(values) -> tuple:
+    """(mean, half-width of the two-sided 95% Student-t interval) over seeds; nan width for one seed."""
+    v = np.asarray(values, dtype=np.float64)
+    if len(v) < 2:
+        return float(v.mean()), math.nan
+    return float(v.mean()), t975(len(v) - 1) * float(v.std(ddof=1)) / math.sqrt(len(v))
+
+
+def paired_diff(a: dict, b: dict) -> tuple:
+    """Paired difference A - B over the seeds both have ({seed: value} each): (mean, half-width, n)."""
+    seeds = sorted(set(a) & set(b))
+    return (*mean_ci([a[s] - b[s] for s in seeds]), len(seeds)) if seeds else (math.nan, math.nan, 0)
+
+
+def _pct(m: float, h: float, signed: bool = False) -> str:
+    head = f"{100 * m:+.1f}" if signed else f"{100 * m:.1f}"
+    return head if math.isnan(h) else f"{head} ± {100 * h:.1f}"
+
+
 def results_table(rows: dict, label: str = "method") -> str:
-    """Markdown table in %: one result dict, or {name: {metric: value or [per-seed values]}}."""
+    """Markdown table in %: one result dict, or {name: {metric: value or [per-seed values]}}
+    (a list prints as mean ± the half-width of its 95% t-interval)."""
     single = not isinstance(next(iter(rows.values())), dict)
     rows = {"": rows} if single else rows
     cols = list(next(iter(rows.values())))
-    fmt = lambda v: (f"{100 * np.mean(v):.1f} ± {100 * (np.std(v, ddof=1) if len(v) > 1 else 0):.1f}"
-                     if isinstance(v, list) else f"{100 * v:.1f}")      # sample std over seeds
+    fmt = lambda v: _pct(*mean_ci(v)) if isinstance(v, list) else f"{100 * v:.1f}"
     lines = [[label] + cols] + [[name] + [fmt(r[c]) for c in cols] for name, r in rows.items()]
     lines = [ln[1:] if single else ln for ln in lines]
     lines.insert(1, ["---"] * len(lines[0]))
     return "\n".join("| " + " | ".join(ln) + " |" for ln in lines)
 
 
-def summarize_runs(root: str) -> dict:
-    """Mean ± std over seeds of the shapes_eval.json of every run folder under `root`, grouped by
-    its config.json's method (+neg with --negatives); prints the table, returns the groups."""
+def summarize_runs(root: str, baseline: str | None = None) -> dict:
+    """Every run folder under `root` with a shapes_eval.json and config.json, grouped by method
+    (+neg with --negatives): prints mean ± 95% t-interval over seeds per method, then, for each
+    method against `baseline` (default: the first method), the paired difference over the seeds
+    both ran (* where its interval excludes zero). Returns {method: {metric: {seed: value}}}."""
     groups = {}
     for d in sorted(os.listdir(root)):
         res_path, cfg_path = os.path.join(root, d, "shapes_eval.json"), os.path.join(root, d, "config.json")
@@ -570,11 +605,27 @@ def summarize_runs(root: str) -> dict:
             res["sugarcrepe_mean"] = float(np.mean([res[c] for c in SHAPES_CATEGORIES]))
             name = cfg.get("method", d) + ("+neg" if cfg.get("negatives") else "")
             for k, v in res.items():
-                groups.setdefault(name, {}).setdefault(k, []).append(v)
-    table = results_table(groups, label="method (n seeds)")
+                groups.setdefault(name, {}).setdefault(k, {})[cfg.get("seed", d)] = v
+    if not groups:
+        raise DataError(f"{root}: no run folder with shapes_eval.json and config.json")
+    n = {name: len(r["i2t_r1"]) for name, r in groups.items()}
+    print(results_table({f"{name} ({n[name]})": {k: list(v.values()) for k, v in r.items()}
+                         for name, r in groups.items()}, label="method (n seeds)"))
+    baseline = baseline or next(iter(groups))
+    if baseline not in groups:
+        raise DataError(f"{root}: no runs of --baseline {baseline!r} (methods: {', '.join(groups)})")
+    cols = list(groups[baseline])
+    lines = [["paired difference (n seeds)"] + cols, ["---"] * (len(cols) + 1)]
     for name, r in groups.items():
-        table = table.replace(f"| {name} |", f"| {name} ({len(r['i2t_r1'])}) |", 1)
-    print(table)
+        if name != baseline:
+            cells = []
+            for c in cols:
+                m, h, k = paired_diff(r[c], groups[baseline][c])
+                cells.append(_pct(m, h, signed=True) + ("*" if abs(m) > h else ""))
+            lines.append([f"{name} - {baseline} ({k})"] + cells)
+    if len(lines) > 2:
+        print("\n" + "\n".join("| " + " | ".join(ln) + " |" for ln in lines))
+        print("(* the paired 95% interval excludes zero)")
     return groups
 
 
