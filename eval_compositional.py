@@ -56,6 +56,7 @@ import random
 import re
 import struct
 import sys
+import tarfile
 import zipfile
 import zlib
 from collections import namedtuple
@@ -988,15 +989,13 @@ def wnid_tree(path, head_wnids, names):
     """ImageNet val / ImageNet-Sketch / -A / -R: one folder per WordNet ID (ILSVRC2012_img_val sorted
     into folders by the devkit's valprep.sh, as torchvision and CLIP_benchmark read it). Every class
     of the head is scored, so a missing folder removes images, never classes."""
-    root = path if WNID.fullmatch(next(iter(sorted(os.listdir(path))), "") or "") else None
-    for sub in ("val", "sketch", "imagenet-a", "imagenet-r"):
-        if root is None and os.path.isdir(os.path.join(path, sub)):
-            root = os.path.join(path, sub)
-    folders, items = read_image_folder(root or path)
+    candidates = [path] + [os.path.join(path, sub) for sub in ("val", "sketch", "imagenet-a", "imagenet-r")]
+    root = next((d for d in candidates if os.path.isdir(d) and any(WNID.fullmatch(s) for s in os.listdir(d))), path)
+    folders, items = read_image_folder(root)
     index = {w: i for i, w in enumerate(head_wnids)}
     unknown = [f for f in folders if f not in index]
     if unknown:
-        raise data.DataError(f"{root or path}: {len(unknown)} class folders are not among this dataset's "
+        raise data.DataError(f"{root}: {len(unknown)} class folders are not among this dataset's "
                              f"{len(head_wnids)} WordNet IDs (first: {unknown[0]!r})")
     head = [names[IMAGENET_WNIDS.index(w)] for w in head_wnids]
     return head, [(r, index[folders[y]]) for r, y in items], f"{len(folders)} of {len(head_wnids)} class folders"
@@ -1067,6 +1066,14 @@ def read_stl10(path):
     return STL10_CLASSNAMES, list(zip(array_refs(os.path.join(root, "test_X.bin"), images), y.tolist())), "test split"
 
 
+def read_json(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise data.DataError(f"{path}: cannot read JSON ({type(e).__name__}: {e})") from None
+
+
 def split_list(path, parse):
     """[parse(fields)] of a whitespace-separated list file, '#' comments skipped; a bad line is warned about."""
     out = []
@@ -1082,7 +1089,7 @@ def split_list(path, parse):
 def read_pets(path):
     """Oxford-IIIT Pet: annotations/test.txt lines `Abyssinian_201 1 1 1` (image, class id 1-37,
     species, breed id), images/{image}.jpg."""
-    root = find_root(path, "annotations", "images")
+    root = find_root(path, os.path.join("annotations", "test.txt"), "images")
     rows = split_list(os.path.join(root, "annotations", "test.txt"), lambda f: (f[0], int(f[1]) - 1))
     return PETS, [(file_ref(os.path.join(root, "images", f"{n}.jpg")), y) for n, y in rows], "test.txt"
 
@@ -1091,7 +1098,7 @@ def read_food101(path):
     """Food-101: meta/test.json {class: ["class/id", ...]}, images/{class}/{id}.jpg; classes sorted,
     '_' as spaces (as CLIP_benchmark)."""
     root = find_root(path, os.path.join("meta", "test.json"), "images")
-    split = json.loads(open(os.path.join(root, "meta", "test.json"), encoding="utf-8").read())
+    split = read_json(os.path.join(root, "meta", "test.json"))
     classes = sorted(split)
     items = [(file_ref(os.path.join(root, "images", f"{f}.jpg")), y) for y, c in enumerate(classes) for f in split[c]]
     return [c.replace("_", " ") for c in classes], items, "meta/test.json"
@@ -1111,7 +1118,7 @@ def read_sun397(path):
             items = [(file_ref(os.path.join(root, p)), index.get(os.path.dirname(p)[2:], -1)) for p in rel]
             return names, [it for it in items if it[1] >= 0], "Partitions/Testing_01.txt"
     items = [(file_ref(p), y) for y, c in enumerate(classes)
-             for p in sorted(glob.glob(os.path.join(root, c[0], *c.split("/"), "sun_*.jpg")))]
+             for p in sorted(glob.glob(os.path.join(glob.escape(root), c[0], *c.split("/"), "sun_*.jpg")))]
     return names, items, "all images (no partition file given; CLIP_benchmark's protocol)"
 
 
@@ -1132,7 +1139,7 @@ def read_voc2007(path):
     """VOC2007, single-label (CLIP_benchmark's voc2007): every object box of the test images
     (ImageSets/Main/aeroplane_test.txt lists them) cropped from JPEGImages/, labelled by its class;
     Annotations/{id}.xml gives <object><name> and <bndbox> xmin ymin xmax ymax."""
-    root = find_root(path, "Annotations", "JPEGImages", os.path.join("ImageSets", "Main"))
+    root = find_root(path, "Annotations", "JPEGImages", os.path.join("ImageSets", "Main", "aeroplane_test.txt"))
     ids = split_list(os.path.join(root, "ImageSets", "Main", "aeroplane_test.txt"), lambda f: f[0])
     index, items, bad = {c: i for i, c in enumerate(VOC2007_CLASSNAMES)}, [], 0
     for i in ids:
@@ -1207,14 +1214,14 @@ def read_objectnet(path):
     objectnet_to_imagenet_1k.json; the 113 classes that map to ImageNet-1k (as CLIP_benchmark), each
     named by its ObjectNet label, lower-cased."""
     root = find_root(path, "images", os.path.join("mappings", "objectnet_to_imagenet_1k.json"))
-    try:
-        folder_of = {v: k for k, v in json.load(open(os.path.join(root, "mappings", "folder_to_objectnet_label.json"))).items()}
-        overlap = sorted(folder_of[label] for label in json.load(open(os.path.join(root, "mappings", "objectnet_to_imagenet_1k.json"))))
-    except (OSError, ValueError, KeyError, AttributeError) as e:
-        raise data.DataError(f"{root}/mappings: unreadable ObjectNet mapping ({type(e).__name__}: {e})") from None
+    folder_of = {v: k for k, v in read_json(os.path.join(root, "mappings", "folder_to_objectnet_label.json")).items()}
+    shared = read_json(os.path.join(root, "mappings", "objectnet_to_imagenet_1k.json"))
+    if any(label not in folder_of for label in shared):
+        raise data.DataError(f"{root}/mappings: an ObjectNet label of objectnet_to_imagenet_1k.json has no folder")
+    overlap = sorted(folder_of[label] for label in shared)
     label_of = {v: k for k, v in folder_of.items()}
     items = [(file_ref(p), y) for y, f in enumerate(overlap)
-             for p in sorted(glob.glob(os.path.join(root, "images", f, "*"))) if p.lower().endswith(IMAGE_EXTS)]
+             for p in sorted(glob.glob(os.path.join(glob.escape(root), "images", f, "*"))) if p.lower().endswith(IMAGE_EXTS)]
     return [label_of[f].lower() for f in overlap], items, f"{len(overlap)} classes shared with ImageNet-1k"
 
 
@@ -1233,9 +1240,9 @@ def read_clevr(path):
     number of objects - 3 (3-10 objects). VTAB's test split is CLEVR's validation set."""
     root = find_root(path, os.path.join("scenes", "CLEVR_val_scenes.json"), os.path.join("images", "val"))
     try:
-        scenes = json.load(open(os.path.join(root, "scenes", "CLEVR_val_scenes.json")))["scenes"]
+        scenes = read_json(os.path.join(root, "scenes", "CLEVR_val_scenes.json"))["scenes"]
         rows = [(s["image_filename"], len(s["objects"]) - 3) for s in scenes]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (KeyError, TypeError) as e:
         raise data.DataError(f"{root}/scenes/CLEVR_val_scenes.json: {type(e).__name__}: {e}") from None
     items = [(file_ref(os.path.join(root, "images", "val", f)), y) for f, y in rows if 0 <= y < 8]
     return CLEVR_COUNT, items, "validation set (VTAB test)" + (f", {len(rows) - len(items)} scenes outside 3-10 objects"
@@ -1249,9 +1256,12 @@ def norb_matrix(path):
     if len(head) < 5 or head[0] not in (0x1E3D4C55, 0x1E3D4C54):
         raise data.DataError(f"{path}: not a smallNORB binary matrix")
     ndim = int(head[1])
-    dims = tuple(np.fromfile(path, dtype="<i4", count=ndim, offset=8))
-    return np.memmap(path, dtype="u1" if head[0] == 0x1E3D4C55 else "<i4", mode="r", offset=8 + 4 * max(3, ndim),
-                     shape=dims)
+    dims = tuple(int(d) for d in np.fromfile(path, dtype="<i4", count=ndim, offset=8))
+    try:
+        return np.memmap(path, dtype="u1" if head[0] == 0x1E3D4C55 else "<i4", mode="r", offset=8 + 4 * max(3, ndim),
+                         shape=dims)
+    except ValueError as e:
+        raise data.DataError(f"{path}: shape {dims} does not fit the file ({e})") from None
 
 
 def read_smallnorb(path):
@@ -1350,6 +1360,37 @@ def read_dmlab(path):
     return DMLAB, items, "test split (VTAB test)"
 
 
+def read_clip_benchmark_wds(path):
+    """CLIP_benchmark's webdataset export of any of these datasets (its `clip-benchmark/wds_*` releases
+    on the Hugging Face Hub): classnames.txt, test/{0..n-1}.tar holding {key}.webp|png|jpg and
+    {key}.cls (the label as text). Images are read in place from the uncompressed shards."""
+    root = find_root(path, "classnames.txt", os.path.join("test", "*.tar"))
+    shards = sorted(glob.glob(os.path.join(glob.escape(root), "test", "*.tar")),
+                    key=lambda s: (len(os.path.basename(s)), os.path.basename(s)))
+    items, bad = [], 0
+    for shard in shards:
+        groups = {}
+        try:
+            with tarfile.open(shard, "r:") as tar:  # uncompressed: images are read at their offsets
+                for m in tar:
+                    key, _, ext = os.path.basename(m.name).partition(".")
+                    g = groups.setdefault(os.path.join(os.path.dirname(m.name), key), {})
+                    if ext == "cls":
+                        g["cls"] = tar.extractfile(m).read()
+                    elif ext.lower() in ("webp", "png", "jpg", "jpeg") and m.isfile():
+                        g["image"] = (m.offset_data, m.size)
+        except (OSError, tarfile.TarError) as e:
+            raise data.DataError(f"{shard}: unreadable tar shard ({e})") from None
+        for key, g in groups.items():
+            try:
+                items.append((LazyRef(f"{shard}/{key}", path=shard, span=g["image"]), int(g["cls"].decode().strip())))
+            except (KeyError, ValueError, UnicodeDecodeError):
+                bad += 1
+    if bad:
+        warn(f"{root}: {bad} samples without an image or an integer .cls skipped")
+    return read_lines(os.path.join(root, "classnames.txt")), items, "CLIP_benchmark webdataset, test split"
+
+
 ZeroShotSet = namedtuple("ZeroShotSet", "column reader templates")
 
 
@@ -1415,9 +1456,14 @@ def bench_zeroshot_set(name):
     def score(args, emb):
         spec = zeroshot_sets()[name]
         require((args.zeroshot_sets[name], f"--zeroshot {name}=PATH"))
-        classnames, items, note = spec.reader(args.zeroshot_sets[name])
+        path = args.zeroshot_sets[name]
+        wds = os.path.isfile(os.path.join(path, "classnames.txt")) and glob.glob(os.path.join(glob.escape(path), "test", "*.tar"))
+        classnames, items, note = (read_clip_benchmark_wds if wds else spec.reader)(path)
         if not items:
-            raise data.DataError(f"{args.zeroshot_sets[name]}: no {name} test images found ({note})")
+            raise data.DataError(f"{path}: no {name} test images found ({note})")
+        outside = [y for _, y in items if not 0 <= y < len(classnames)]
+        if outside:
+            raise data.DataError(f"{path}: {len(outside)} labels outside 0-{len(classnames) - 1} (first: {outside[0]})")
         print(f"zeroshot/{name}: {len(items)} images, {len(classnames)} classes ({note})", file=sys.stderr)
         x, y, skipped = classification_features(emb, items)
         w = zeroshot_weights(emb, classnames, spec.templates)
@@ -2268,7 +2314,7 @@ def run(args):
     print(markdown_table(results, skipped, failed))
     blob = {"checkpoint": os.path.abspath(path), "quick_gelu": quick_gelu, "results": results, "skipped": skipped,
             "errors": failed, "args": {k: v for k, v in vars(args).items() if k != "benchmark_list"}}
-    if args.zeroshot_suite:
+    if getattr(args, "zeroshot_suite", None):
         blob["zeroshot_suite"] = zeroshot_suite_row(results, failed)
         print(f"\nIL-CLIP paper, Table 2 (zero-shot top-1):\n{suite_table(blob['zeroshot_suite'])}")
     if args.out:

@@ -15,7 +15,7 @@ from PIL import Image
 
 import data
 import eval_compositional as E
-from test_eval_compositional import BLUE, GREEN, RED, ColourModel, WordTokenizer, args, solid
+from test_eval_compositional import BLUE, GREEN, RED, ColourModel, WordTokenizer, args, emb, solid  # noqa: F401 (emb: fixture)
 
 
 def pixels(ref):
@@ -423,3 +423,36 @@ def test_cli_prints_the_table2_row_and_exits_2_on_a_broken_set(tmp_path, monkeyp
     blob = json.loads(out.read_text())
     assert blob["zeroshot_suite"]["CIFAR-10"]["n_scored"] == 2 and blob["zeroshot_suite"]["Mean"]["over"] == 1
     assert blob["results"]["zeroshot/cifar10"]["split"] == "test batch"
+
+
+def test_clip_benchmark_webdataset_export(tmp_path, monkeypatch):
+    import tarfile
+    root = tmp_path / "wds_vtab-dmlab"
+    os.makedirs(root / "test")
+    (root / "classnames.txt").write_text("red\nblue\n")
+    (root / "zeroshot_classification_templates.txt").write_text("{c}\n")
+    (root / "test" / "nshards.txt").write_text("1\n")
+    with tarfile.open(root / "test" / "0.tar", "w") as tar:
+        for i, (colour, label) in enumerate(((RED, 0), (BLUE, 1), (BLUE, 0))):
+            buf = io.BytesIO()
+            Image.new("RGB", (20, 20), colour).save(buf, format="WEBP", lossless=True)
+            for ext, blob in (("webp", buf.getvalue()), ("cls", str(label).encode())):
+                info = tarfile.TarInfo(f"s{i:07d}.{ext}")
+                info.size = len(blob)
+                tar.addfile(info, io.BytesIO(blob))
+    names, items, _ = E.read_clip_benchmark_wds(str(tmp_path))
+    assert names == ["red", "blue"] and [y for _, y in items] == [0, 1, 0]
+    assert np.array_equal(pixels(items[1][0]), np.full((20, 20, 3), BLUE, np.uint8))
+    # given for any named set, the export is read in place of the raw release
+    a = args(zeroshot_sets={"dmlab": str(root)})
+    emb = E.Embedder(ColourModel(), WordTokenizer(), image_size=16, batch_size=2, progress=False)
+    r = E.bench_zeroshot_set("dmlab")(a, emb)
+    assert (r["top1"], r["n_scored"], r["split"]) == (pytest.approx(200 / 3, abs=1e-3), 3, "CLIP_benchmark webdataset, test split")
+
+
+def test_a_label_outside_the_class_list_is_an_error_not_a_silent_miss(tmp_path, emb):
+    solid(tmp_path / "images" / "Abyssinian_1.jpg", RED)
+    os.makedirs(tmp_path / "annotations")
+    (tmp_path / "annotations" / "test.txt").write_text("Abyssinian_1 38 1 1\n")
+    with pytest.raises(data.DataError, match="1 labels outside 0-36"):
+        E.bench_zeroshot_set("pets")(args(zeroshot_sets={"pets": str(tmp_path)}), emb)
