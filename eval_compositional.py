@@ -1480,7 +1480,7 @@ def zeroshot_suite_row(results, failed):
     for name, spec in zeroshot_sets().items():
         r = results.get(f"zeroshot/{name}")
         if r is not None and r.get("top1") is not None:
-            row[spec.column] = {"top1": r["top1"], "n_scored": r["n_scored"]}
+            row[spec.column] = {"top1": r["top1"], "n_scored": r["n_scored"], "n_skipped": r["n_skipped"]}
             scored.append(r["top1"])
         else:
             row[spec.column] = {"top1": None, "n_scored": 0, "reason": failed.get(f"zeroshot/{name}", "not given")}

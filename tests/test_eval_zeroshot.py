@@ -399,7 +399,7 @@ def test_suite_row_scores_what_was_given_and_means_only_those(tmp_path, monkeypa
     assert results["zeroshot/cifar10"]["top1"] == pytest.approx(200 / 3, abs=1e-3)  # 3.png is red, labelled b
     assert "not found" in failed["zeroshot/pets"]
     row = E.zeroshot_suite_row(results, failed)
-    assert row["CIFAR-10"] == {"top1": pytest.approx(66.6667, abs=1e-3), "n_scored": 3}
+    assert row["CIFAR-10"] == {"top1": pytest.approx(66.6667, abs=1e-3), "n_scored": 3, "n_skipped": 0}
     assert row["Pets"]["top1"] is None and "not found" in row["Pets"]["reason"]
     assert row["Mean"]["top1"] == pytest.approx(200 / 3, abs=1e-3) and row["Mean"]["over"] == 2
     assert len(row["Mean"]["not_scored"]) == 16 and "Pets" in row["Mean"]["not_scored"]
