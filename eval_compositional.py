@@ -17,8 +17,11 @@ Benchmarks (--benchmarks a,b,...; default `shapes`; `all` = every one below):
                 per productivity type (atom, negate, swap) the mean over complexities 4-12
   cola          --cola FILE (JSON list of [img1, cap1, img2, cap2]) --cola_images DIR
   winoground    --winoground DIR (examples.jsonl + images/ or images.zip, at DIR or DIR/data)
-  zeroshot      --zeroshot DIR|shapes (ImageFolder) [--classnames F] [--templates NAME|F]:
-                top-1, top-5 (null under 5 classes), mean per-class recall (CLIP_benchmark's)
+  zeroshot      --zeroshot DIR|shapes (ImageFolder; WordNet-ID folders get ImageNet's names) [--classnames F]
+                [--templates NAME|F]: top-1, top-5 (null under 5 classes), mean per-class recall (CLIP_benchmark's).
+                --zeroshot NAME=PATH (repeatable): one of the IL paper's 18 Table 2 datasets read in its released
+                layout, with its own class names and templates (see zeroshot_sets); --zeroshot_suite il_clip
+                prints Table 2's row
   retrieval     --retrieval FILE|shapes (Karpathy JSON) --retrieval_images DIR [--retrieval_split]
   linear_probe  --linear_probe DIR|shapes (ImageFolder with train/ and test/); no weight decay
                 (the IL paper's appendix) unless --linear_probe_l2_sweep
@@ -40,6 +43,7 @@ above it).
 """
 import argparse
 import ast
+import codecs
 import copy
 import csv
 import glob
@@ -47,12 +51,19 @@ import io
 import json
 import math
 import os
+import pickle
 import random
 import re
+import struct
 import sys
+import tarfile
 import zipfile
-from dataclasses import dataclass
+import zlib
+from collections import namedtuple
+from dataclasses import dataclass, field
+from xml.etree import ElementTree
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw
@@ -130,7 +141,12 @@ def get_args(argv=None):
     p.add_argument("--crepe"), p.add_argument("--crepe_images")
     p.add_argument("--cola"), p.add_argument("--cola_images")
     p.add_argument("--winoground")
-    p.add_argument("--zeroshot", default="shapes", help="ImageFolder DIR, or `shapes`")
+    p.add_argument("--zeroshot", action="append", help="ImageFolder DIR, or `shapes` (the default); or NAME=PATH, "
+                   "repeatable: one of the IL paper's 18 Table 2 datasets in its released layout (names: "
+                   "imagenet1k cifar100 cifar10 stl10 voc2007 caltech101 sun397 pets flowers102 food101 objectnet "
+                   "clevr smallnorb resisc45 dmlab imagenet-a imagenet-r imagenet-sketch)")
+    p.add_argument("--zeroshot_suite", choices=["il_clip"], help="print the IL paper's Table 2 row (top-1 per "
+                   "dataset, n_scored, the mean over those scored) for the --zeroshot NAME=PATH given")
     p.add_argument("--classnames", help="class names, one per line in sorted-folder order (default: folder names)")
     p.add_argument("--templates", default="clip8", help=f"zero-shot prompt templates: {' | '.join(TEMPLATES)} "
                    "(OpenAI's 80 ImageNet templates) or a FILE, one per line with {} (default: clip8, 8 of the 80)")
@@ -168,6 +184,7 @@ def get_args(argv=None):
     if unknown:
         raise ConfigError(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)} or all")
     args.benchmark_list = names
+    split_zeroshot_flags(args)
     if bool(args.ckpt) == bool(args.init):
         raise ConfigError("give exactly one of --ckpt OUT_DIR or --init WEIGHTS")
     return args
@@ -885,7 +902,7 @@ def bench_zeroshot(args, emb):
     else:
         require((args.zeroshot, "--zeroshot"))
         folders, items = read_image_folder(args.zeroshot)
-        classnames = read_lines(args.classnames) if args.classnames else [c.replace("_", " ") for c in folders]
+        classnames = read_lines(args.classnames) if args.classnames else folder_classnames(folders)
         if len(classnames) != len(folders):
             raise data.DataError(f"{args.classnames}: {len(classnames)} class names for {len(folders)} class folders")
     templates = read_templates(args.templates)
@@ -924,6 +941,957 @@ def bench_linear_probe(args, emb):
     (tx, ty, train_skipped), (vx, vy, test_skipped) = classification_features(emb, train), classification_features(emb, test)
     out = linear_probe(tx, ty, vx, vy, len(classnames), args.linear_probe_l2_sweep, args.linear_probe_val_frac, args.seed)
     return out | {"n_scored": len(vy), "n_skipped": test_skipped, "n_train_skipped": train_skipped}
+
+
+# -----------------------------------------------------------------------------
+# Zero-shot suite: the IL paper's Table 2 (18 datasets, each read in its released layout)
+#
+# `--zeroshot NAME=PATH` (repeatable) reads one dataset where its release unpacks; class names and
+# prompt templates are built in (the data block at the end of this section; CLIP_benchmark's lists,
+# which is how CLIP-style papers score this suite). The test split is the official one unless the
+# note beside the dataset says otherwise; `--zeroshot_suite il_clip` prints Table 2's row.
+
+@dataclass(frozen=True)
+class LazyRef(ImageRef):
+    """An image decoded only when embedded: raw uint8 pixels (`array`, an HxW or HxWx3 view into a
+    released binary) or encoded bytes at `span` = (offset, size) inside the file `path`."""
+    array: object = field(default=None, compare=False, repr=False)
+    span: tuple = None
+
+    def open(self):
+        if self.array is not None:
+            return Image.fromarray(np.ascontiguousarray(self.array)).convert("RGB")
+        with open(self.path, "rb") as f:
+            f.seek(self.span[0])
+            blob = f.read(self.span[1])
+        return Image.open(io.BytesIO(blob)).convert("RGB")
+
+
+def find_root(path, *markers):
+    """The folder at or below `path` (up to 3 wrapper folders deep) that holds every marker (a file,
+    folder or glob): releases unpack into named folders (cifar-10-batches-py/, VOCdevkit/VOC2007/)."""
+    todo = [(path, 0)]
+    while todo:
+        d, depth = todo.pop(0)
+        if all(glob.glob(os.path.join(glob.escape(d), m)) for m in markers):
+            return d
+        if depth < 3 and os.path.isdir(d):
+            todo += [(os.path.join(d, s), depth + 1) for s in sorted(os.listdir(d)) if os.path.isdir(os.path.join(d, s))
+                     and len(todo) < 64]
+    raise data.DataError(f"{path}: not the released layout: no folder here with {', '.join(markers)}")
+
+
+def array_refs(name, arrays):
+    return [LazyRef(f"{name}#{i}", path=name, array=a) for i, a in enumerate(arrays)]
+
+
+def wnid_tree(path, head_wnids, names):
+    """ImageNet val / ImageNet-Sketch / -A / -R: one folder per WordNet ID (ILSVRC2012_img_val sorted
+    into folders by the devkit's valprep.sh, as torchvision and CLIP_benchmark read it). Every class
+    of the head is scored, so a missing folder removes images, never classes."""
+    candidates = [path] + [os.path.join(path, sub) for sub in ("val", "sketch", "imagenet-a", "imagenet-r")]
+    root = next((d for d in candidates if os.path.isdir(d) and any(WNID.fullmatch(s) for s in os.listdir(d))), path)
+    folders, items = read_image_folder(root)
+    index = {w: i for i, w in enumerate(head_wnids)}
+    unknown = [f for f in folders if f not in index]
+    if unknown:
+        raise data.DataError(f"{root}: {len(unknown)} class folders are not among this dataset's "
+                             f"{len(head_wnids)} WordNet IDs (first: {unknown[0]!r})")
+    head = [names[IMAGENET_WNIDS.index(w)] for w in head_wnids]
+    return head, [(r, index[folders[y]]) for r, y in items], f"{len(folders)} of {len(head_wnids)} class folders"
+
+
+def folder_classnames(folders):
+    """Plain --zeroshot DIR: folder names as class names ('_' as spaces), except WordNet IDs, which
+    are mapped to ImageNet's names (a prompt 'a photo of a n01440764.' measures nothing)."""
+    wnids = [f for f in folders if WNID.fullmatch(f)]
+    known = {w: n for w, n in zip(IMAGENET_WNIDS, IMAGENET_CLASSNAMES)}
+    if wnids and all(f in known for f in folders):
+        print(f"zeroshot: {len(folders)} WordNet-ID folders: ImageNet class names used", file=sys.stderr)
+        return [known[f] for f in folders]
+    if wnids:
+        warn(f"{len(wnids)} class folders look like WordNet IDs but not all are ImageNet-1k's: prompts use the "
+             "folder names; give --classnames")
+    return [c.replace("_", " ") for c in folders]
+
+
+class PlainUnpickler(pickle.Unpickler):
+    """CIFAR's python batches are pickles: only numbers, strings, lists, dicts and numpy arrays are
+    built; any other class or function (code a pickle could run) is refused."""
+    ALLOWED = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype, ("_codecs", "encode"): codecs.encode,
+               ("numpy.core.multiarray", "_reconstruct"): np.zeros(0).__reduce__()[0],
+               ("numpy._core.multiarray", "_reconstruct"): np.zeros(0).__reduce__()[0]}
+
+    def find_class(self, module, name):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not plain data")
+        return self.ALLOWED[(module, name)]
+
+
+def read_cifar(path, n_classes):
+    """CIFAR-10/100 test set: the python version (cifar-10-batches-py/test_batch, cifar-100-python/test;
+    rows of 1024 R, 1024 G, 1024 B bytes) or the binary version (test_batch.bin: 1 label byte + 3072;
+    CIFAR-100's test.bin: coarse and fine label bytes + 3072)."""
+    py, binary, key = ("test_batch", "test_batch.bin", "labels") if n_classes == 10 else ("test", "test.bin", "fine_labels")
+    if os.path.isdir(path) and not glob.glob(os.path.join(glob.escape(path), "**", py), recursive=True):
+        root = find_root(path, binary)  # the binary version
+        rec = np.fromfile(os.path.join(root, binary), dtype=np.uint8)
+        skip = 1 if n_classes == 10 else 2
+        if rec.size % (skip + 3072):
+            raise data.DataError(f"{os.path.join(root, binary)}: size is not a whole number of records")
+        rec = rec.reshape(-1, skip + 3072)
+        pixels, labels = rec[:, skip:], rec[:, skip - 1]
+    else:
+        root = find_root(path, py)
+        try:
+            with open(os.path.join(root, py), "rb") as f:
+                batch = PlainUnpickler(f, encoding="latin1").load()
+            pixels, labels = np.asarray(batch["data"], dtype=np.uint8), np.asarray(batch[key])
+        except (pickle.UnpicklingError, KeyError, ValueError, EOFError, TypeError, AttributeError) as e:
+            raise data.DataError(f"{os.path.join(root, py)}: not a CIFAR python batch ({e})") from None
+    images = pixels.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    names = CIFAR10_CLASSNAMES if n_classes == 10 else CIFAR100_CLASSNAMES
+    return names, list(zip(array_refs(os.path.join(root, "cifar-test"), images), labels.tolist())), "test batch"
+
+
+def read_stl10(path):
+    """STL-10 test set: stl10_binary/test_X.bin (uint8, N x 3 x 96 x 96, each channel column-major)
+    and test_y.bin (labels 1-10)."""
+    root = find_root(path, "test_X.bin", "test_y.bin")
+    x = np.memmap(os.path.join(root, "test_X.bin"), dtype=np.uint8, mode="r")
+    y = np.fromfile(os.path.join(root, "test_y.bin"), dtype=np.uint8).astype(np.int64) - 1
+    if x.size != len(y) * 3 * 96 * 96:
+        raise data.DataError(f"{root}: test_X.bin holds {x.size} bytes for {len(y)} labels of 3x96x96 images")
+    images = x.reshape(-1, 3, 96, 96).transpose(0, 3, 2, 1)  # column-major channels -> H x W x C
+    return STL10_CLASSNAMES, list(zip(array_refs(os.path.join(root, "test_X.bin"), images), y.tolist())), "test split"
+
+
+def read_json(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise data.DataError(f"{path}: cannot read JSON ({type(e).__name__}: {e})") from None
+
+
+def split_list(path, parse):
+    """[parse(fields)] of a whitespace-separated list file, '#' comments skipped; a bad line is warned about."""
+    out = []
+    for line_no, line in enumerate(read_lines(path), 1):
+        if not line.startswith("#"):
+            try:
+                out.append(parse(line.split()))
+            except (ValueError, IndexError):
+                bad_row(path, line_no, "malformed line")
+    return out
+
+
+def read_pets(path):
+    """Oxford-IIIT Pet: annotations/test.txt lines `Abyssinian_201 1 1 1` (image, class id 1-37,
+    species, breed id), images/{image}.jpg."""
+    root = find_root(path, os.path.join("annotations", "test.txt"), "images")
+    rows = split_list(os.path.join(root, "annotations", "test.txt"), lambda f: (f[0], int(f[1]) - 1))
+    return PETS, [(file_ref(os.path.join(root, "images", f"{n}.jpg")), y) for n, y in rows], "test.txt"
+
+
+def read_food101(path):
+    """Food-101: meta/test.json {class: ["class/id", ...]}, images/{class}/{id}.jpg; classes sorted,
+    '_' as spaces (as CLIP_benchmark)."""
+    root = find_root(path, os.path.join("meta", "test.json"), "images")
+    split = read_json(os.path.join(root, "meta", "test.json"))
+    classes = sorted(split)
+    items = [(file_ref(os.path.join(root, "images", f"{f}.jpg")), y) for y, c in enumerate(classes) for f in split[c]]
+    return [c.replace("_", " ") for c in classes], items, "meta/test.json"
+
+
+def read_sun397(path):
+    """SUN397: ClassName.txt (/a/abbey, /a/apartment_building/outdoor, ...), images {class}/sun_*.jpg.
+    With a partition file (Partitions.zip: Testing_01.txt) beside it, its test images; without,
+    every image, as CLIP_benchmark (torchvision's SUN397 has no split)."""
+    root = find_root(path, "ClassName.txt")
+    classes = [c[3:] if c[2:3] == "/" else c.lstrip("/") for c in read_lines(os.path.join(root, "ClassName.txt"))]
+    index = {c: i for i, c in enumerate(classes)}
+    names = [c.replace("_", " ").replace("/", " ") for c in classes]
+    for part in (os.path.join(root, "Testing_01.txt"), os.path.join(root, "Partitions", "Testing_01.txt")):
+        if os.path.isfile(part):
+            rel = [p.lstrip("/") for p in read_lines(part)]
+            items = [(file_ref(os.path.join(root, p)), index.get(os.path.dirname(p)[2:], -1)) for p in rel]
+            return names, [it for it in items if it[1] >= 0], "Partitions/Testing_01.txt"
+    items = [(file_ref(p), y) for y, c in enumerate(classes)
+             for p in sorted(glob.glob(os.path.join(glob.escape(root), c[0], *c.split("/"), "sun_*.jpg")))]
+    return names, items, "all images (no partition file given; CLIP_benchmark's protocol)"
+
+
+def read_caltech101(path):
+    """Caltech101: 101_ObjectCategories/{category}/image_NNNN.jpg, all 102 folders (BACKGROUND_Google
+    included) and every image, with CLIP_benchmark's names (it defines no test split)."""
+    root = find_root(path, "101_ObjectCategories")
+    index = {f: i for i, f in enumerate(CALTECH101_FOLDERS)}
+    folders, items = read_image_folder(os.path.join(root, "101_ObjectCategories"))
+    unknown = [f for f in folders if f not in index]
+    if unknown:
+        raise data.DataError(f"{root}: unknown Caltech101 category folder {unknown[0]!r}")
+    names = [CALTECH101_RENAMED.get(f, f.replace("_", " ")) for f in CALTECH101_FOLDERS]
+    return names, [(r, index[folders[y]]) for r, y in items], "all images"
+
+
+def read_voc2007(path):
+    """VOC2007, single-label (CLIP_benchmark's voc2007): every object box of the test images
+    (ImageSets/Main/aeroplane_test.txt lists them) cropped from JPEGImages/, labelled by its class;
+    Annotations/{id}.xml gives <object><name> and <bndbox> xmin ymin xmax ymax."""
+    root = find_root(path, "Annotations", "JPEGImages", os.path.join("ImageSets", "Main", "aeroplane_test.txt"))
+    ids = split_list(os.path.join(root, "ImageSets", "Main", "aeroplane_test.txt"), lambda f: f[0])
+    index, items, bad = {c: i for i, c in enumerate(VOC2007_CLASSNAMES)}, [], 0
+    for i in ids:
+        try:
+            for obj in ElementTree.parse(os.path.join(root, "Annotations", f"{i}.xml")).getroot().iter("object"):
+                x0, y0, x1, y1 = (int(float(obj.find("bndbox").find(k).text)) for k in ("xmin", "ymin", "xmax", "ymax"))
+                items.append((file_ref(os.path.join(root, "JPEGImages", f"{i}.jpg"), (x0, y0, x1 - x0, y1 - y0)),
+                              index[obj.find("name").text.strip()]))
+        except (OSError, ElementTree.ParseError, AttributeError, KeyError, ValueError, TypeError) as e:
+            bad += 1
+            warn(f"{root}/Annotations/{i}.xml: {type(e).__name__}: {e}; image skipped")
+    return VOC2007_CLASSNAMES, items, f"{len(items)} test objects" + (f", {bad} annotations unreadable" if bad else "")
+
+
+def mat_v5_arrays(path):
+    """{name: float64 array} of the numeric matrices in a MATLAB v5 .mat file (Flowers102's
+    imagelabels.mat, setid.mat): a 128-byte header, then tagged elements; miCOMPRESSED elements
+    are zlib streams of further elements. Enough for these files, not a general reader."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    if len(blob) < 128 or blob[126:128] not in (b"IM", b"MI"):
+        raise data.DataError(f"{path}: not a MATLAB v5 .mat file")
+    end = "<" if blob[126:128] == b"IM" else ">"
+    types = {1: "i1", 2: "u1", 3: "i2", 4: "u2", 5: "i4", 6: "u4", 7: "f4", 9: "f8", 12: "i8", 13: "u8"}
+
+    def elements(buf):
+        pos = 0
+        while pos + 8 <= len(buf):
+            kind, size = struct.unpack(end + "II", buf[pos:pos + 8])
+            if kind >> 16:  # small element: size and type in the first 4 bytes, data in the next 4
+                kind, size, start, pos = kind & 0xFFFF, kind >> 16, pos + 4, pos + 8
+            else:
+                start, pos = pos + 8, pos + 8 + size + (-size % 8 if kind != 15 else 0)
+            yield kind, buf[start:start + size]
+
+    def matrix(body):
+        parts = list(elements(body))
+        dims = np.frombuffer(parts[1][1], dtype=end + "i4")
+        name = parts[2][1].decode("latin1")
+        kind, raw = parts[3] if len(parts) > 3 else (9, b"")
+        if kind not in types:
+            return name, None
+        return name, np.frombuffer(raw, dtype=end + types[kind]).astype(np.float64).reshape(dims[::-1]).T
+
+    out = {}
+    try:
+        for kind, body in elements(blob[128:]):
+            kind, body = (next(elements(zlib.decompress(body)))) if kind == 15 else (kind, body)
+            if kind == 14:
+                name, value = matrix(body)
+                out[name] = value
+    except (struct.error, zlib.error, ValueError, IndexError, StopIteration) as e:
+        raise data.DataError(f"{path}: malformed MATLAB v5 file ({e})") from None
+    return out
+
+
+def read_flowers102(path):
+    """Oxford Flowers102: jpg/image_NNNNN.jpg, imagelabels.mat (labels 1-102 per image), setid.mat
+    (tstid: the 6149 test image numbers)."""
+    root = find_root(path, "jpg", "imagelabels.mat", "setid.mat")
+    labels, split = mat_v5_arrays(os.path.join(root, "imagelabels.mat")), mat_v5_arrays(os.path.join(root, "setid.mat"))
+    if labels.get("labels") is None or split.get("tstid") is None:
+        raise data.DataError(f"{root}: imagelabels.mat needs `labels`, setid.mat needs `tstid`")
+    y = labels["labels"].ravel().astype(int)
+    items = [(file_ref(os.path.join(root, "jpg", f"image_{i:05d}.jpg")), int(y[i - 1]) - 1)
+             for i in split["tstid"].ravel().astype(int)]
+    return FLOWERS, items, "setid.mat tstid"
+
+
+def read_objectnet(path):
+    """ObjectNet 1.0: images/{folder}/*.png and mappings/folder_to_objectnet_label.json,
+    objectnet_to_imagenet_1k.json; the 113 classes that map to ImageNet-1k (as CLIP_benchmark), each
+    named by its ObjectNet label, lower-cased."""
+    root = find_root(path, "images", os.path.join("mappings", "objectnet_to_imagenet_1k.json"))
+    folder_of = {v: k for k, v in read_json(os.path.join(root, "mappings", "folder_to_objectnet_label.json")).items()}
+    shared = read_json(os.path.join(root, "mappings", "objectnet_to_imagenet_1k.json"))
+    if any(label not in folder_of for label in shared):
+        raise data.DataError(f"{root}/mappings: an ObjectNet label of objectnet_to_imagenet_1k.json has no folder")
+    overlap = sorted(folder_of[label] for label in shared)
+    label_of = {v: k for k, v in folder_of.items()}
+    items = [(file_ref(p), y) for y, f in enumerate(overlap)
+             for p in sorted(glob.glob(os.path.join(glob.escape(root), "images", f, "*"))) if p.lower().endswith(IMAGE_EXTS)]
+    return [label_of[f].lower() for f in overlap], items, f"{len(overlap)} classes shared with ImageNet-1k"
+
+
+def read_resisc45(path):
+    """NWPU-RESISC45: an ImageFolder of the 45 scene folders (700 images each), every image
+    (VTAB's test split is the last 20% of TFDS's shuffled order, which the release does not carry)."""
+    root = find_root(path, "airplane", "wetland")
+    folders, items = read_image_folder(root)
+    if folders != RESISC45_FOLDERS:
+        raise data.DataError(f"{root}: expected the 45 RESISC45 class folders, found {len(folders)}")
+    return [f.replace("_", " ") for f in folders], items, "all images (VTAB's 20% test split needs TFDS)"
+
+
+def read_clevr(path):
+    """CLEVR v1.0, VTAB's count_all task: scenes/CLEVR_val_scenes.json, images/val/*.png; label =
+    number of objects - 3 (3-10 objects). VTAB's test split is CLEVR's validation set."""
+    root = find_root(path, os.path.join("scenes", "CLEVR_val_scenes.json"), os.path.join("images", "val"))
+    try:
+        scenes = read_json(os.path.join(root, "scenes", "CLEVR_val_scenes.json"))["scenes"]
+        rows = [(s["image_filename"], len(s["objects"]) - 3) for s in scenes]
+    except (KeyError, TypeError) as e:
+        raise data.DataError(f"{root}/scenes/CLEVR_val_scenes.json: {type(e).__name__}: {e}") from None
+    items = [(file_ref(os.path.join(root, "images", "val", f)), y) for f, y in rows if 0 <= y < 8]
+    return CLEVR_COUNT, items, "validation set (VTAB test)" + (f", {len(rows) - len(items)} scenes outside 3-10 objects"
+                                                                 if len(rows) > len(items) else "")
+
+
+def norb_matrix(path):
+    """A smallNORB binary matrix: int32 magic (0x1E3D4C55 uint8, 0x1E3D4C54 int32), int32 ndim,
+    max(3, ndim) int32 dims, then the data, little-endian (memory-mapped: the images are 450 MB)."""
+    head = np.fromfile(path, dtype="<i4", count=5)
+    if len(head) < 5 or head[0] not in (0x1E3D4C55, 0x1E3D4C54):
+        raise data.DataError(f"{path}: not a smallNORB binary matrix")
+    ndim = int(head[1])
+    dims = tuple(int(d) for d in np.fromfile(path, dtype="<i4", count=ndim, offset=8))
+    try:
+        return np.memmap(path, dtype="u1" if head[0] == 0x1E3D4C55 else "<i4", mode="r", offset=8 + 4 * max(3, ndim),
+                         shape=dims)
+    except ValueError as e:
+        raise data.DataError(f"{path}: shape {dims} does not fit the file ({e})") from None
+
+
+def read_smallnorb(path):
+    """smallNORB test set, VTAB's azimuth task (18 classes; info column 2 holds 0, 2, ..., 34):
+    smallnorb-5x01235x9x18x6x2x96x96-testing-{dat,info}.mat, gunzipped; the first camera's image."""
+    stem = "smallnorb-5x01235x9x18x6x2x96x96-testing-"
+    root = find_root(path, f"{stem}dat.mat", f"{stem}info.mat")
+    dat, info = norb_matrix(os.path.join(root, f"{stem}dat.mat")), norb_matrix(os.path.join(root, f"{stem}info.mat"))
+    if dat.ndim != 4 or info.ndim != 2 or len(dat) != len(info):
+        raise data.DataError(f"{root}: testing-dat.mat {dat.shape} and testing-info.mat {info.shape} do not pair up")
+    refs = array_refs(os.path.join(root, f"{stem}dat.mat"), dat[:, 0])
+    return SMALLNORB_AZIMUTH, list(zip(refs, (info[:, 2] // 2).tolist())), \
+        "all 24,300 test pairs (VTAB scores half of TFDS's shuffled order)"
+
+
+def varint(buf, pos):
+    value = shift = 0
+    while True:
+        b = buf[pos]
+        pos, value, shift = pos + 1, value | (b & 0x7F) << shift, shift + 7
+        if b < 0x80:
+            return value, pos
+
+
+def protobuf_fields(buf, start, end):
+    """{field number: [value]} of one protobuf message in buf[start:end]: an int for a varint, the
+    (offset, size) of a length-delimited value (so image bytes are located, not copied)."""
+    out, pos = {}, start
+    while pos < end:
+        key, pos = varint(buf, pos)
+        if key & 7 == 0:
+            value, pos = varint(buf, pos)
+        elif key & 7 == 2:
+            size, pos = varint(buf, pos)
+            value, pos = (pos, size), pos + size
+        elif key & 7 in (1, 5):
+            value, pos = None, pos + (8 if key & 7 == 1 else 4)
+        else:
+            raise ValueError(f"protobuf wire type {key & 7}")
+        out.setdefault(key >> 3, []).append(value)
+    return out
+
+
+def tf_example(buf):
+    """{feature: [(offset, size)] (bytes_list) or [int] (int64_list)} of a tf.train.Example:
+    Example.features (1) > Features.feature (1: map entries, key 1, value 2) > Feature.bytes_list (1)
+    or int64_list (3) > value (1; int64 packed or not)."""
+    out = {}
+    (fo, fs), = protobuf_fields(buf, 0, len(buf))[1]
+    for eo, es in protobuf_fields(buf, fo, fo + fs).get(1, []):
+        entry = protobuf_fields(buf, eo, eo + es)
+        (ko, ks), (vo, vs) = entry[1][0], entry[2][0]
+        (kind, ((lo, ls),)), = protobuf_fields(buf, vo, vo + vs).items()
+        values = protobuf_fields(buf, lo, lo + ls).get(1, [])
+        if kind == 3:  # packed: one length-delimited run of varints
+            values = [x for v in values for x in ([v] if isinstance(v, int) else packed_varints(buf, *v))]
+        out[bytes(buf[ko:ko + ks]).decode()] = values
+    return out
+
+
+def packed_varints(buf, offset, size):
+    out, pos = [], offset
+    while pos < offset + size:
+        value, pos = varint(buf, pos)
+        out.append(value)
+    return out
+
+
+def tfrecords(path):
+    """(data offset, tf.train.Example) per record of a TFRecord file: uint64 length, uint32 masked
+    CRC of the length, the data, uint32 masked CRC of the data (CRCs not checked: a damaged
+    record fails to parse instead)."""
+    with open(path, "rb") as f:
+        while header := f.read(12):
+            if len(header) < 12:
+                raise ValueError("truncated record header")
+            n = struct.unpack("<Q", header[:8])[0]
+            offset, record = f.tell(), f.read(n)
+            if len(record) < n or len(f.read(4)) < 4:
+                raise ValueError("truncated record")
+            yield offset, tf_example(record)
+
+
+def read_dmlab(path):
+    """DMLab (VTAB): dmlab.tar.gz's dmlab-test.tfrecord* (tf.train.Example: image = JPEG bytes,
+    label = int64 0-5, filename); VTAB's test split is this whole split."""
+    files = sorted(glob.glob(os.path.join(glob.escape(find_root(path, "dmlab-test.tfrecord*")), "dmlab-test.tfrecord*")))
+    items = []
+    for file in files:
+        try:
+            for offset, ex in tfrecords(file):
+                (io_, size), = ex["image"]
+                items.append((LazyRef(f"{file}@{offset + io_}", path=file, span=(offset + io_, size)), ex["label"][0]))
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise data.DataError(f"{file}: record {len(items) + 1}: not a tf.train.Example with image and label ({e})") from None
+    return DMLAB, items, "test split (VTAB test)"
+
+
+def read_clip_benchmark_wds(path):
+    """CLIP_benchmark's webdataset export of any of these datasets (its `clip-benchmark/wds_*` releases
+    on the Hugging Face Hub): classnames.txt, test/{0..n-1}.tar holding {key}.webp|png|jpg and
+    {key}.cls (the label as text). Images are read in place from the uncompressed shards."""
+    root = find_root(path, "classnames.txt", os.path.join("test", "*.tar"))
+    shards = sorted(glob.glob(os.path.join(glob.escape(root), "test", "*.tar")),
+                    key=lambda s: (len(os.path.basename(s)), os.path.basename(s)))
+    items, bad = [], 0
+    for shard in shards:
+        groups = {}
+        try:
+            with tarfile.open(shard, "r:") as tar:  # uncompressed: images are read at their offsets
+                for m in tar:
+                    key, _, ext = os.path.basename(m.name).partition(".")
+                    g = groups.setdefault(os.path.join(os.path.dirname(m.name), key), {})
+                    if ext == "cls":
+                        g["cls"] = tar.extractfile(m).read()
+                    elif ext.lower() in ("webp", "png", "jpg", "jpeg") and m.isfile():
+                        g["image"] = (m.offset_data, m.size)
+        except (OSError, tarfile.TarError) as e:
+            raise data.DataError(f"{shard}: unreadable tar shard ({e})") from None
+        for key, g in groups.items():
+            try:
+                items.append((LazyRef(f"{shard}/{key}", path=shard, span=g["image"]), int(g["cls"].decode().strip())))
+            except (KeyError, ValueError, UnicodeDecodeError):
+                bad += 1
+    if bad:
+        warn(f"{root}: {bad} samples without an image or an integer .cls skipped")
+    return read_lines(os.path.join(root, "classnames.txt")), items, "CLIP_benchmark webdataset, test split"
+
+
+ZeroShotSet = namedtuple("ZeroShotSet", "column reader templates")
+
+
+def zeroshot_sets():
+    """Table 2's columns, in the paper's order: name -> (column, reader(path), templates)."""
+    imagenet = OPENAI_IMAGENET_TEMPLATES
+    return {
+        "imagenet1k": ZeroShotSet("ImageNet1k", lambda p: wnid_tree(p, IMAGENET_WNIDS, IMAGENET_CLASSNAMES), imagenet),
+        "cifar100": ZeroShotSet("CIFAR-100", lambda p: read_cifar(p, 100), CIFAR_TEMPLATES),
+        "cifar10": ZeroShotSet("CIFAR-10", lambda p: read_cifar(p, 10), CIFAR_TEMPLATES),
+        "stl10": ZeroShotSet("STL-10", read_stl10, A_THE_TEMPLATES),
+        "voc2007": ZeroShotSet("VOC2007", read_voc2007, A_THE_TEMPLATES[:1]),
+        "caltech101": ZeroShotSet("Caltech101", read_caltech101, CALTECH101_TEMPLATES),
+        "sun397": ZeroShotSet("SUN397", read_sun397, A_THE_TEMPLATES),
+        "pets": ZeroShotSet("Pets", read_pets, ["a photo of a {}, a type of pet."]),
+        "flowers102": ZeroShotSet("Flowers102", read_flowers102, ["a photo of a {}, a type of flower."]),
+        "food101": ZeroShotSet("Food101", read_food101, ["a photo of {}, a type of food."]),
+        "objectnet": ZeroShotSet("ObjectNet", read_objectnet, imagenet),
+        "clevr": ZeroShotSet("CLEVR", read_clevr, ["a picture of {} objects"]),
+        "smallnorb": ZeroShotSet("Smallnorb", read_smallnorb, ["an object rotated at {}", "something rotated at {}",
+                                                               "{} rotation", "something at a {} angle"]),
+        "resisc45": ZeroShotSet("Resisc45", read_resisc45, ["a sattelite image of {}", "an aerial view of {}",
+                                                            "a sattelite photo of {}", "{} from above"]),
+        "dmlab": ZeroShotSet("DMLAB", read_dmlab, ["{}"]),
+        "imagenet-a": ZeroShotSet("ImageNet-A", lambda p: wnid_tree(p, IMAGENET_A_WNIDS, IMAGENET_CLASSNAMES), imagenet),
+        "imagenet-r": ZeroShotSet("ImageNet-R", lambda p: wnid_tree(p, IMAGENET_R_WNIDS, IMAGENET_CLASSNAMES), imagenet),
+        "imagenet-sketch": ZeroShotSet("IN-sketch", lambda p: wnid_tree(p, IMAGENET_WNIDS, IMAGENET_CLASSNAMES), imagenet),
+    }
+
+
+def zeroshot_set_name(name):
+    """'ImageNet-1k', 'imagenet1k', 'IN-sketch', 'Flowers102' ... -> the key in zeroshot_sets(), or None."""
+    key = re.sub(r"[^a-z0-9]", "", name.lower())
+    aliases = {"imagenet": "imagenet1k", "insketch": "imagenetsketch", "flowers": "flowers102", "oxfordpets": "pets"}
+    key = aliases.get(key, key)
+    return next((n for n in zeroshot_sets() if re.sub(r"[^a-z0-9]", "", n) == key), None)
+
+
+def split_zeroshot_flags(args):
+    """--zeroshot values: NAME=PATH (a named dataset) or a plain DIR|shapes (the last one wins).
+    Sets args.zeroshot (plain; `shapes` when nothing at all was given) and args.zeroshot_sets; the
+    `zeroshot` benchmark becomes one benchmark per named set (zeroshot/NAME) beside the plain one."""
+    values, plain, sets = args.zeroshot or [], [], {}
+    for v in values:
+        name, sep, path = v.partition("=")
+        if sep and zeroshot_set_name(name):
+            sets[zeroshot_set_name(name)] = path
+        elif sep and not os.path.exists(v):
+            raise ConfigError(f"--zeroshot {v}: unknown dataset {name!r}; choose from {', '.join(zeroshot_sets())}")
+        else:
+            plain.append(v)
+    args.zeroshot, args.zeroshot_sets = plain[-1] if plain else None if sets else "shapes", sets
+    if args.zeroshot_suite and "zeroshot" not in args.benchmark_list:
+        args.benchmark_list.append("zeroshot")
+    if "zeroshot" in args.benchmark_list:
+        i = args.benchmark_list.index("zeroshot")
+        args.benchmark_list[i:i + 1] = ["zeroshot"] * (args.zeroshot is not None) + [f"zeroshot/{n}" for n in sets]
+    return args
+
+
+def bench_zeroshot_set(name):
+    """The scorer of `zeroshot/NAME`: its reader, its class names and templates, CLIP_benchmark's metrics."""
+    def score(args, emb):
+        spec = zeroshot_sets()[name]
+        require((args.zeroshot_sets[name], f"--zeroshot {name}=PATH"))
+        path = args.zeroshot_sets[name]
+        wds = os.path.isfile(os.path.join(path, "classnames.txt")) and glob.glob(os.path.join(glob.escape(path), "test", "*.tar"))
+        classnames, items, note = (read_clip_benchmark_wds if wds else spec.reader)(path)
+        if not items:
+            raise data.DataError(f"{path}: no {name} test images found ({note})")
+        outside = [y for _, y in items if not 0 <= y < len(classnames)]
+        if outside:
+            raise data.DataError(f"{path}: {len(outside)} labels outside 0-{len(classnames) - 1} (first: {outside[0]})")
+        print(f"zeroshot/{name}: {len(items)} images, {len(classnames)} classes ({note})", file=sys.stderr)
+        x, y, skipped = classification_features(emb, items)
+        w = zeroshot_weights(emb, classnames, spec.templates)
+        return classification_scores(x @ w.T, y) | {"n_scored": len(y), "n_skipped": skipped,
+                                                    "classes": len(classnames), "templates": len(spec.templates),
+                                                    "split": note}
+    return score
+
+
+def zeroshot_suite_row(results, failed):
+    """The paper's Table 2 row: top-1 per dataset in its column order and the mean over the datasets
+    scored (naming those that were not: a mean over fewer columns is not the paper's mean)."""
+    row, scored, missing = {}, [], []
+    for name, spec in zeroshot_sets().items():
+        r = results.get(f"zeroshot/{name}")
+        if r is not None and r.get("top1") is not None:
+            row[spec.column] = {"top1": r["top1"], "n_scored": r["n_scored"], "n_skipped": r["n_skipped"]}
+            scored.append(r["top1"])
+        else:
+            row[spec.column] = {"top1": None, "n_scored": 0, "reason": failed.get(f"zeroshot/{name}", "not given")}
+            missing.append(spec.column)
+    mean = round(sum(scored) / len(scored), 4) if scored else None
+    row["Mean"] = {"top1": mean, "over": len(scored), "not_scored": missing}
+    return row
+
+
+def suite_table(row):
+    cols = list(row)
+    cell = lambda v: "—" if v is None else f"{v:.1f}"
+    lines = ["| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|",
+             "| top-1 | " + " | ".join(cell(row[c]["top1"]) for c in cols) + " |",
+             "| n_scored | " + " | ".join(str(row[c].get("n_scored", "")) for c in cols[:-1]) + " | |"]
+    missing = row["Mean"]["not_scored"]
+    if missing:
+        lines.append(f"Mean over the {row['Mean']['over']} datasets scored; not scored: {', '.join(missing)}")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# Zero-shot suite data: class names and prompt templates (facts: the datasets' own metadata and
+# CLIP_benchmark's en_classnames.json / en_zeroshot_classification_templates.json, LAION-AI)
+
+WNID = re.compile(r"n\d{8}")
+
+
+def _split(text):
+    """A block below: '|'-separated names (whitespace normalised), or whitespace-separated tokens."""
+    return [" ".join(x.split()) for x in text.split("|")] if "|" in text else text.split()
+
+
+# ImageNet-1k's 1000 WordNet IDs, sorted: the class order of torchvision's ImageNet and of a wnid-folder tree
+IMAGENET_WNIDS = _split("""
+n01440764 n01443537 n01484850 n01491361 n01494475 n01496331 n01498041 n01514668 n01514859 n01518878 n01530575
+n01531178 n01532829 n01534433 n01537544 n01558993 n01560419 n01580077 n01582220 n01592084 n01601694 n01608432
+n01614925 n01616318 n01622779 n01629819 n01630670 n01631663 n01632458 n01632777 n01641577 n01644373 n01644900
+n01664065 n01665541 n01667114 n01667778 n01669191 n01675722 n01677366 n01682714 n01685808 n01687978 n01688243
+n01689811 n01692333 n01693334 n01694178 n01695060 n01697457 n01698640 n01704323 n01728572 n01728920 n01729322
+n01729977 n01734418 n01735189 n01737021 n01739381 n01740131 n01742172 n01744401 n01748264 n01749939 n01751748
+n01753488 n01755581 n01756291 n01768244 n01770081 n01770393 n01773157 n01773549 n01773797 n01774384 n01774750
+n01775062 n01776313 n01784675 n01795545 n01796340 n01797886 n01798484 n01806143 n01806567 n01807496 n01817953
+n01818515 n01819313 n01820546 n01824575 n01828970 n01829413 n01833805 n01843065 n01843383 n01847000 n01855032
+n01855672 n01860187 n01871265 n01872401 n01873310 n01877812 n01882714 n01883070 n01910747 n01914609 n01917289
+n01924916 n01930112 n01943899 n01944390 n01945685 n01950731 n01955084 n01968897 n01978287 n01978455 n01980166
+n01981276 n01983481 n01984695 n01985128 n01986214 n01990800 n02002556 n02002724 n02006656 n02007558 n02009229
+n02009912 n02011460 n02012849 n02013706 n02017213 n02018207 n02018795 n02025239 n02027492 n02028035 n02033041
+n02037110 n02051845 n02056570 n02058221 n02066245 n02071294 n02074367 n02077923 n02085620 n02085782 n02085936
+n02086079 n02086240 n02086646 n02086910 n02087046 n02087394 n02088094 n02088238 n02088364 n02088466 n02088632
+n02089078 n02089867 n02089973 n02090379 n02090622 n02090721 n02091032 n02091134 n02091244 n02091467 n02091635
+n02091831 n02092002 n02092339 n02093256 n02093428 n02093647 n02093754 n02093859 n02093991 n02094114 n02094258
+n02094433 n02095314 n02095570 n02095889 n02096051 n02096177 n02096294 n02096437 n02096585 n02097047 n02097130
+n02097209 n02097298 n02097474 n02097658 n02098105 n02098286 n02098413 n02099267 n02099429 n02099601 n02099712
+n02099849 n02100236 n02100583 n02100735 n02100877 n02101006 n02101388 n02101556 n02102040 n02102177 n02102318
+n02102480 n02102973 n02104029 n02104365 n02105056 n02105162 n02105251 n02105412 n02105505 n02105641 n02105855
+n02106030 n02106166 n02106382 n02106550 n02106662 n02107142 n02107312 n02107574 n02107683 n02107908 n02108000
+n02108089 n02108422 n02108551 n02108915 n02109047 n02109525 n02109961 n02110063 n02110185 n02110341 n02110627
+n02110806 n02110958 n02111129 n02111277 n02111500 n02111889 n02112018 n02112137 n02112350 n02112706 n02113023
+n02113186 n02113624 n02113712 n02113799 n02113978 n02114367 n02114548 n02114712 n02114855 n02115641 n02115913
+n02116738 n02117135 n02119022 n02119789 n02120079 n02120505 n02123045 n02123159 n02123394 n02123597 n02124075
+n02125311 n02127052 n02128385 n02128757 n02128925 n02129165 n02129604 n02130308 n02132136 n02133161 n02134084
+n02134418 n02137549 n02138441 n02165105 n02165456 n02167151 n02168699 n02169497 n02172182 n02174001 n02177972
+n02190166 n02206856 n02219486 n02226429 n02229544 n02231487 n02233338 n02236044 n02256656 n02259212 n02264363
+n02268443 n02268853 n02276258 n02277742 n02279972 n02280649 n02281406 n02281787 n02317335 n02319095 n02321529
+n02325366 n02326432 n02328150 n02342885 n02346627 n02356798 n02361337 n02363005 n02364673 n02389026 n02391049
+n02395406 n02396427 n02397096 n02398521 n02403003 n02408429 n02410509 n02412080 n02415577 n02417914 n02422106
+n02422699 n02423022 n02437312 n02437616 n02441942 n02442845 n02443114 n02443484 n02444819 n02445715 n02447366
+n02454379 n02457408 n02480495 n02480855 n02481823 n02483362 n02483708 n02484975 n02486261 n02486410 n02487347
+n02488291 n02488702 n02489166 n02490219 n02492035 n02492660 n02493509 n02493793 n02494079 n02497673 n02500267
+n02504013 n02504458 n02509815 n02510455 n02514041 n02526121 n02536864 n02606052 n02607072 n02640242 n02641379
+n02643566 n02655020 n02666196 n02667093 n02669723 n02672831 n02676566 n02687172 n02690373 n02692877 n02699494
+n02701002 n02704792 n02708093 n02727426 n02730930 n02747177 n02749479 n02769748 n02776631 n02777292 n02782093
+n02783161 n02786058 n02787622 n02788148 n02790996 n02791124 n02791270 n02793495 n02794156 n02795169 n02797295
+n02799071 n02802426 n02804414 n02804610 n02807133 n02808304 n02808440 n02814533 n02814860 n02815834 n02817516
+n02823428 n02823750 n02825657 n02834397 n02835271 n02837789 n02840245 n02841315 n02843684 n02859443 n02860847
+n02865351 n02869837 n02870880 n02871525 n02877765 n02879718 n02883205 n02892201 n02892767 n02894605 n02895154
+n02906734 n02909870 n02910353 n02916936 n02917067 n02927161 n02930766 n02939185 n02948072 n02950826 n02951358
+n02951585 n02963159 n02965783 n02966193 n02966687 n02971356 n02974003 n02977058 n02978881 n02979186 n02980441
+n02981792 n02988304 n02992211 n02992529 n02999410 n03000134 n03000247 n03000684 n03014705 n03016953 n03017168
+n03018349 n03026506 n03028079 n03032252 n03041632 n03042490 n03045698 n03047690 n03062245 n03063599 n03063689
+n03065424 n03075370 n03085013 n03089624 n03095699 n03100240 n03109150 n03110669 n03124043 n03124170 n03125729
+n03126707 n03127747 n03127925 n03131574 n03133878 n03134739 n03141823 n03146219 n03160309 n03179701 n03180011
+n03187595 n03188531 n03196217 n03197337 n03201208 n03207743 n03207941 n03208938 n03216828 n03218198 n03220513
+n03223299 n03240683 n03249569 n03250847 n03255030 n03259280 n03271574 n03272010 n03272562 n03290653 n03291819
+n03297495 n03314780 n03325584 n03337140 n03344393 n03345487 n03347037 n03355925 n03372029 n03376595 n03379051
+n03384352 n03388043 n03388183 n03388549 n03393912 n03394916 n03400231 n03404251 n03417042 n03424325 n03425413
+n03443371 n03444034 n03445777 n03445924 n03447447 n03447721 n03450230 n03452741 n03457902 n03459775 n03461385
+n03467068 n03476684 n03476991 n03478589 n03481172 n03482405 n03483316 n03485407 n03485794 n03492542 n03494278
+n03495258 n03496892 n03498962 n03527444 n03529860 n03530642 n03532672 n03534580 n03535780 n03538406 n03544143
+n03584254 n03584829 n03590841 n03594734 n03594945 n03595614 n03598930 n03599486 n03602883 n03617480 n03623198
+n03627232 n03630383 n03633091 n03637318 n03642806 n03649909 n03657121 n03658185 n03661043 n03662601 n03666591
+n03670208 n03673027 n03676483 n03680355 n03690938 n03691459 n03692522 n03697007 n03706229 n03709823 n03710193
+n03710637 n03710721 n03717622 n03720891 n03721384 n03724870 n03729826 n03733131 n03733281 n03733805 n03742115
+n03743016 n03759954 n03761084 n03763968 n03764736 n03769881 n03770439 n03770679 n03773504 n03775071 n03775546
+n03776460 n03777568 n03777754 n03781244 n03782006 n03785016 n03786901 n03787032 n03788195 n03788365 n03791053
+n03792782 n03792972 n03793489 n03794056 n03796401 n03803284 n03804744 n03814639 n03814906 n03825788 n03832673
+n03837869 n03838899 n03840681 n03841143 n03843555 n03854065 n03857828 n03866082 n03868242 n03868863 n03871628
+n03873416 n03874293 n03874599 n03876231 n03877472 n03877845 n03884397 n03887697 n03888257 n03888605 n03891251
+n03891332 n03895866 n03899768 n03902125 n03903868 n03908618 n03908714 n03916031 n03920288 n03924679 n03929660
+n03929855 n03930313 n03930630 n03933933 n03935335 n03937543 n03938244 n03942813 n03944341 n03947888 n03950228
+n03954731 n03956157 n03958227 n03961711 n03967562 n03970156 n03976467 n03976657 n03977966 n03980874 n03982430
+n03983396 n03991062 n03992509 n03995372 n03998194 n04004767 n04005630 n04008634 n04009552 n04019541 n04023962
+n04026417 n04033901 n04033995 n04037443 n04039381 n04040759 n04041544 n04044716 n04049303 n04065272 n04067472
+n04069434 n04070727 n04074963 n04081281 n04086273 n04090263 n04099969 n04111531 n04116512 n04118538 n04118776
+n04120489 n04125021 n04127249 n04131690 n04133789 n04136333 n04141076 n04141327 n04141975 n04146614 n04147183
+n04149813 n04152593 n04153751 n04154565 n04162706 n04179913 n04192698 n04200800 n04201297 n04204238 n04204347
+n04208210 n04209133 n04209239 n04228054 n04229816 n04235860 n04238763 n04239074 n04243546 n04251144 n04252077
+n04252225 n04254120 n04254680 n04254777 n04258138 n04259630 n04263257 n04264628 n04265275 n04266014 n04270147
+n04273569 n04275548 n04277352 n04285008 n04286575 n04296562 n04310018 n04311004 n04311174 n04317175 n04325704
+n04326547 n04328186 n04330267 n04332243 n04335435 n04336792 n04344873 n04346328 n04347754 n04350905 n04355338
+n04355933 n04356056 n04357314 n04366367 n04367480 n04370456 n04371430 n04371774 n04372370 n04376876 n04380533
+n04389033 n04392985 n04398044 n04399382 n04404412 n04409515 n04417672 n04418357 n04423845 n04428191 n04429376
+n04435653 n04442312 n04443257 n04447861 n04456115 n04458633 n04461696 n04462240 n04465501 n04467665 n04476259
+n04479046 n04482393 n04483307 n04485082 n04486054 n04487081 n04487394 n04493381 n04501370 n04505470 n04507155
+n04509417 n04515003 n04517823 n04522168 n04523525 n04525038 n04525305 n04532106 n04532670 n04536866 n04540053
+n04542943 n04548280 n04548362 n04550184 n04552348 n04553703 n04554684 n04557648 n04560804 n04562935 n04579145
+n04579432 n04584207 n04589890 n04590129 n04591157 n04591713 n04592741 n04596742 n04597913 n04599235 n04604644
+n04606251 n04612504 n04613696 n06359193 n06596364 n06785654 n06794110 n06874185 n07248320 n07565083 n07579787
+n07583066 n07584110 n07590611 n07613480 n07614500 n07615774 n07684084 n07693725 n07695742 n07697313 n07697537
+n07711569 n07714571 n07714990 n07715103 n07716358 n07716906 n07717410 n07717556 n07718472 n07718747 n07720875
+n07730033 n07734744 n07742313 n07745940 n07747607 n07749582 n07753113 n07753275 n07753592 n07754684 n07760859
+n07768694 n07802026 n07831146 n07836838 n07860988 n07871810 n07873807 n07875152 n07880968 n07892512 n07920052
+n07930864 n07932039 n09193705 n09229709 n09246464 n09256479 n09288635 n09332890 n09399592 n09421951 n09428293
+n09468604 n09472597 n09835506 n10148035 n10565667 n11879895 n11939491 n12057211 n12144580 n12267677 n12620546
+n12768682 n12985857 n12998815 n13037406 n13040303 n13044778 n13052670 n13054560 n13133613 n15075141
+""")
+
+# OpenAI CLIP's ImageNet class names, in IMAGENET_WNIDS order
+IMAGENET_CLASSNAMES = _split("""
+tench | goldfish | great white shark | tiger shark | hammerhead shark | electric ray | stingray | rooster | hen
+| ostrich | brambling | goldfinch | house finch | junco | indigo bunting | American robin | bulbul | jay |
+magpie | chickadee | American dipper | kite (bird of prey) | bald eagle | vulture | great grey owl | fire
+salamander | smooth newt | newt | spotted salamander | axolotl | American bullfrog | tree frog | tailed frog |
+loggerhead sea turtle | leatherback sea turtle | mud turtle | terrapin | box turtle | banded gecko | green
+iguana | Carolina anole | desert grassland whiptail lizard | agama | frilled-necked lizard | alligator lizard |
+Gila monster | European green lizard | chameleon | Komodo dragon | Nile crocodile | American alligator |
+triceratops | worm snake | ring-necked snake | eastern hog-nosed snake | smooth green snake | kingsnake | garter
+snake | water snake | vine snake | night snake | boa constrictor | African rock python | Indian cobra | green
+mamba | sea snake | Saharan horned viper | eastern diamondback rattlesnake | sidewinder rattlesnake | trilobite
+| harvestman | scorpion | yellow garden spider | barn spider | European garden spider | southern black widow |
+tarantula | wolf spider | tick | centipede | black grouse | ptarmigan | ruffed grouse | prairie grouse | peafowl
+| quail | partridge | african grey parrot | macaw | sulphur-crested cockatoo | lorikeet | coucal | bee eater |
+hornbill | hummingbird | jacamar | toucan | duck | red-breasted merganser | goose | black swan | tusker |
+echidna | platypus | wallaby | koala | wombat | jellyfish | sea anemone | brain coral | flatworm | nematode |
+conch | snail | slug | sea slug | chiton | chambered nautilus | Dungeness crab | rock crab | fiddler crab | red
+king crab | American lobster | spiny lobster | crayfish | hermit crab | isopod | white stork | black stork |
+spoonbill | flamingo | little blue heron | great egret | bittern bird | crane bird | limpkin | common gallinule
+| American coot | bustard | ruddy turnstone | dunlin | common redshank | dowitcher | oystercatcher | pelican |
+king penguin | albatross | grey whale | killer whale | dugong | sea lion | Chihuahua | Japanese Chin | Maltese |
+Pekingese | Shih Tzu | King Charles Spaniel | Papillon | toy terrier | Rhodesian Ridgeback | Afghan Hound |
+Basset Hound | Beagle | Bloodhound | Bluetick Coonhound | Black and Tan Coonhound | Treeing Walker Coonhound |
+English foxhound | Redbone Coonhound | borzoi | Irish Wolfhound | Italian Greyhound | Whippet | Ibizan Hound |
+Norwegian Elkhound | Otterhound | Saluki | Scottish Deerhound | Weimaraner | Staffordshire Bull Terrier |
+American Staffordshire Terrier | Bedlington Terrier | Border Terrier | Kerry Blue Terrier | Irish Terrier |
+Norfolk Terrier | Norwich Terrier | Yorkshire Terrier | Wire Fox Terrier | Lakeland Terrier | Sealyham Terrier |
+Airedale Terrier | Cairn Terrier | Australian Terrier | Dandie Dinmont Terrier | Boston Terrier | Miniature
+Schnauzer | Giant Schnauzer | Standard Schnauzer | Scottish Terrier | Tibetan Terrier | Australian Silky Terrier
+| Soft-coated Wheaten Terrier | West Highland White Terrier | Lhasa Apso | Flat-Coated Retriever | Curly-coated
+Retriever | Golden Retriever | Labrador Retriever | Chesapeake Bay Retriever | German Shorthaired Pointer |
+Vizsla | English Setter | Irish Setter | Gordon Setter | Brittany dog | Clumber Spaniel | English Springer
+Spaniel | Welsh Springer Spaniel | Cocker Spaniel | Sussex Spaniel | Irish Water Spaniel | Kuvasz | Schipperke |
+Groenendael dog | Malinois | Briard | Australian Kelpie | Komondor | Old English Sheepdog | Shetland Sheepdog |
+collie | Border Collie | Bouvier des Flandres dog | Rottweiler | German Shepherd Dog | Dobermann | Miniature
+Pinscher | Greater Swiss Mountain Dog | Bernese Mountain Dog | Appenzeller Sennenhund | Entlebucher Sennenhund |
+Boxer | Bullmastiff | Tibetan Mastiff | French Bulldog | Great Dane | St. Bernard | husky | Alaskan Malamute |
+Siberian Husky | Dalmatian | Affenpinscher | Basenji | pug | Leonberger | Newfoundland dog | Great Pyrenees dog
+| Samoyed | Pomeranian | Chow Chow | Keeshond | brussels griffon | Pembroke Welsh Corgi | Cardigan Welsh Corgi |
+Toy Poodle | Miniature Poodle | Standard Poodle | Mexican hairless dog (xoloitzcuintli) | grey wolf | Alaskan
+tundra wolf | red wolf or maned wolf | coyote | dingo | dhole | African wild dog | hyena | red fox | kit fox |
+Arctic fox | grey fox | tabby cat | tiger cat | Persian cat | Siamese cat | Egyptian Mau | cougar | lynx |
+leopard | snow leopard | jaguar | lion | tiger | cheetah | brown bear | American black bear | polar bear | sloth
+bear | mongoose | meerkat | tiger beetle | ladybug | ground beetle | longhorn beetle | leaf beetle | dung beetle
+| rhinoceros beetle | weevil | fly | bee | ant | grasshopper | cricket insect | stick insect | cockroach |
+praying mantis | cicada | leafhopper | lacewing | dragonfly | damselfly | red admiral butterfly | ringlet
+butterfly | monarch butterfly | small white butterfly | sulphur butterfly | gossamer-winged butterfly | starfish
+| sea urchin | sea cucumber | cottontail rabbit | hare | Angora rabbit | hamster | porcupine | fox squirrel |
+marmot | beaver | guinea pig | common sorrel horse | zebra | pig | wild boar | warthog | hippopotamus | ox |
+water buffalo | bison | ram (adult male sheep) | bighorn sheep | Alpine ibex | hartebeest | impala (antelope) |
+gazelle | arabian camel | llama | weasel | mink | European polecat | black-footed ferret | otter | skunk |
+badger | armadillo | three-toed sloth | orangutan | gorilla | chimpanzee | gibbon | siamang | guenon | patas
+monkey | baboon | macaque | langur | black-and-white colobus | proboscis monkey | marmoset | white-headed
+capuchin | howler monkey | titi monkey | Geoffroy's spider monkey | common squirrel monkey | ring-tailed lemur |
+indri | Asian elephant | African bush elephant | red panda | giant panda | snoek fish | eel | silver salmon |
+rock beauty fish | clownfish | sturgeon | gar fish | lionfish | pufferfish | abacus | abaya | academic gown |
+accordion | acoustic guitar | aircraft carrier | airliner | airship | altar | ambulance | amphibious vehicle |
+analog clock | apiary | apron | trash can | assault rifle | backpack | bakery | balance beam | balloon |
+ballpoint pen | Band-Aid | banjo | baluster / handrail | barbell | barber chair | barbershop | barn | barometer
+| barrel | wheelbarrow | baseball | basketball | bassinet | bassoon | swimming cap | bath towel | bathtub |
+station wagon | lighthouse | beaker | military hat (bearskin or shako) | beer bottle | beer glass | bell tower |
+baby bib | tandem bicycle | bikini | ring binder | binoculars | birdhouse | boathouse | bobsleigh | bolo tie |
+poke bonnet | bookcase | bookstore | bottle cap | hunting bow | bow tie | brass memorial plaque | bra |
+breakwater | breastplate | broom | bucket | buckle | bulletproof vest | high-speed train | butcher shop |
+taxicab | cauldron | candle | cannon | canoe | can opener | cardigan | car mirror | carousel | tool kit |
+cardboard box / carton | car wheel | automated teller machine | cassette | cassette player | castle | catamaran
+| CD player | cello | mobile phone | chain | chain-link fence | chain mail | chainsaw | storage chest |
+chiffonier | bell or wind chime | china cabinet | Christmas stocking | church | movie theater | cleaver | cliff
+dwelling | cloak | clogs | cocktail shaker | coffee mug | coffeemaker | spiral or coil | combination lock |
+computer keyboard | candy store | container ship | convertible | corkscrew | cornet | cowboy boot | cowboy hat |
+cradle | construction crane | crash helmet | crate | infant bed | Crock Pot | croquet ball | crutch | cuirass |
+dam | desk | desktop computer | rotary dial telephone | diaper | digital clock | digital watch | dining table |
+dishcloth | dishwasher | disc brake | dock | dog sled | dome | doormat | drilling rig | drum | drumstick |
+dumbbell | Dutch oven | electric fan | electric guitar | electric locomotive | entertainment center | envelope |
+espresso machine | face powder | feather boa | filing cabinet | fireboat | fire truck | fire screen | flagpole |
+flute | folding chair | football helmet | forklift | fountain | fountain pen | four-poster bed | freight car |
+French horn | frying pan | fur coat | garbage truck | gas mask or respirator | gas pump | goblet | go-kart |
+golf ball | golf cart | gondola | gong | gown | grand piano | greenhouse | radiator grille | grocery store |
+guillotine | hair clip | hair spray | half-track | hammer | hamper | hair dryer | hand-held computer |
+handkerchief | hard disk drive | harmonica | harp | combine harvester | hatchet | holster | home theater |
+honeycomb | hook | hoop skirt | gymnastic horizontal bar | horse-drawn vehicle | hourglass | iPod | clothes iron
+| carved pumpkin | jeans | jeep | T-shirt | jigsaw puzzle | rickshaw | joystick | kimono | knee pad | knot | lab
+coat | ladle | lampshade | laptop computer | lawn mower | lens cap | letter opener | library | lifeboat |
+lighter | limousine | ocean liner | lipstick | slip-on shoe | lotion | music speaker | loupe magnifying glass |
+sawmill | magnetic compass | messenger bag | mailbox | tights | one-piece bathing suit | manhole cover | maraca
+| marimba | mask | matchstick | maypole | maze | measuring cup | medicine cabinet | megalith | microphone |
+microwave oven | military uniform | milk can | minibus | miniskirt | minivan | missile | mitten | mixing bowl |
+mobile home | ford model t | modem | monastery | monitor | moped | mortar and pestle | graduation cap | mosque |
+mosquito net | vespa | mountain bike | tent | computer mouse | mousetrap | moving van | muzzle | metal nail |
+neck brace | necklace | baby pacifier | notebook computer | obelisk | oboe | ocarina | odometer | oil filter |
+pipe organ | oscilloscope | overskirt | bullock cart | oxygen mask | product packet / packaging | paddle |
+paddle wheel | padlock | paintbrush | pajamas | palace | pan flute | paper towel | parachute | parallel bars |
+park bench | parking meter | railroad car | patio | payphone | pedestal | pencil case | pencil sharpener |
+perfume | Petri dish | photocopier | plectrum | Pickelhaube | picket fence | pickup truck | pier | piggy bank |
+pill bottle | pillow | ping-pong ball | pinwheel | pirate ship | drink pitcher | block plane | planetarium |
+plastic bag | plate rack | farm plow | plunger | Polaroid camera | pole | police van | poncho | pool table |
+soda bottle | plant pot | potter's wheel | power drill | prayer rug | printer | prison | missile | projector |
+hockey puck | punching bag | purse | quill | quilt | race car | racket | radiator | radio | radio telescope |
+rain barrel | recreational vehicle | fishing casting reel | reflex camera | refrigerator | remote control |
+restaurant | revolver | rifle | rocking chair | rotisserie | eraser | rugby ball | ruler measuring stick |
+sneaker | safe | safety pin | salt shaker | sandal | sarong | saxophone | scabbard | weighing scale | school bus
+| schooner | scoreboard | CRT monitor | screw | screwdriver | seat belt | sewing machine | shield | shoe store |
+shoji screen / room divider | shopping basket | shopping cart | shovel | shower cap | shower curtain | ski |
+balaclava ski mask | sleeping bag | slide rule | sliding door | slot machine | snorkel | snowmobile | snowplow |
+soap dispenser | soccer ball | sock | solar thermal collector | sombrero | soup bowl | keyboard space bar |
+space heater | space shuttle | spatula | motorboat | spider web | spindle | sports car | spotlight | stage |
+steam locomotive | through arch bridge | steel drum | stethoscope | scarf | stone wall | stopwatch | stove |
+strainer | tram | stretcher | couch | stupa | submarine | suit | sundial | sunglasses | sunglasses | sunscreen |
+suspension bridge | mop | sweatshirt | swim trunks / shorts | swing | electrical switch | syringe | table lamp |
+tank | tape player | teapot | teddy bear | television | tennis ball | thatched roof | front curtain | thimble |
+threshing machine | throne | tile roof | toaster | tobacco shop | toilet seat | torch | totem pole | tow truck |
+toy store | tractor | semi-trailer truck | tray | trench coat | tricycle | trimaran | tripod | triumphal arch |
+trolleybus | trombone | hot tub | turnstile | typewriter keyboard | umbrella | unicycle | upright piano | vacuum
+cleaner | vase | vaulted or arched ceiling | velvet fabric | vending machine | vestment | viaduct | violin |
+volleyball | waffle iron | wall clock | wallet | wardrobe | military aircraft | sink | washing machine | water
+bottle | water jug | water tower | whiskey jug | whistle | hair wig | window screen | window shade | Windsor tie
+| wine bottle | airplane wing | wok | wooden spoon | wool | split-rail fence | shipwreck | sailboat | yurt |
+website | comic book | crossword | traffic or street sign | traffic light | dust jacket | menu | plate |
+guacamole | consomme | hot pot | trifle | ice cream | popsicle | baguette | bagel | pretzel | cheeseburger | hot
+dog | mashed potatoes | cabbage | broccoli | cauliflower | zucchini | spaghetti squash | acorn squash |
+butternut squash | cucumber | artichoke | bell pepper | cardoon | mushroom | Granny Smith apple | strawberry |
+orange | lemon | fig | pineapple | banana | jackfruit | cherimoya (custard apple) | pomegranate | hay |
+carbonara | chocolate syrup | dough | meatloaf | pizza | pot pie | burrito | red wine | espresso | tea cup |
+eggnog | mountain | bubble | cliff | coral reef | geyser | lakeshore | promontory | sandbar | beach | valley |
+volcano | baseball player | bridegroom | scuba diver | rapeseed | daisy | yellow lady's slipper | corn | acorn |
+rose hip | horse chestnut seed | coral fungus | agaric | gyromitra | stinkhorn mushroom | earth star fungus |
+hen of the woods mushroom | bolete | corn cob | toilet paper
+""")
+
+# the 200 classes of ImageNet-A and of ImageNet-R (Hendrycks et al.; the folders of their releases)
+IMAGENET_A_WNIDS = _split("""
+n01498041 n01531178 n01534433 n01558993 n01580077 n01614925 n01616318 n01631663 n01641577 n01669191 n01677366
+n01687978 n01694178 n01698640 n01735189 n01770081 n01770393 n01774750 n01784675 n01819313 n01820546 n01833805
+n01843383 n01847000 n01855672 n01882714 n01910747 n01914609 n01924916 n01944390 n01985128 n01986214 n02007558
+n02009912 n02037110 n02051845 n02077923 n02085620 n02099601 n02106550 n02106662 n02110958 n02119022 n02123394
+n02127052 n02129165 n02133161 n02137549 n02165456 n02174001 n02177972 n02190166 n02206856 n02219486 n02226429
+n02231487 n02233338 n02236044 n02259212 n02268443 n02279972 n02280649 n02281787 n02317335 n02325366 n02346627
+n02356798 n02361337 n02410509 n02445715 n02454379 n02486410 n02492035 n02504458 n02655020 n02669723 n02672831
+n02676566 n02690373 n02701002 n02730930 n02777292 n02782093 n02787622 n02793495 n02797295 n02802426 n02814860
+n02815834 n02837789 n02879718 n02883205 n02895154 n02906734 n02948072 n02951358 n02980441 n02992211 n02999410
+n03014705 n03026506 n03124043 n03125729 n03187595 n03196217 n03223299 n03250847 n03255030 n03291819 n03325584
+n03355925 n03384352 n03388043 n03417042 n03443371 n03444034 n03445924 n03452741 n03483316 n03584829 n03590841
+n03594945 n03617480 n03666591 n03670208 n03717622 n03720891 n03721384 n03724870 n03775071 n03788195 n03804744
+n03837869 n03840681 n03854065 n03888257 n03891332 n03935335 n03982430 n04019541 n04033901 n04039381 n04067472
+n04086273 n04099969 n04118538 n04131690 n04133789 n04141076 n04146614 n04147183 n04179913 n04208210 n04235860
+n04252077 n04252225 n04254120 n04270147 n04275548 n04310018 n04317175 n04344873 n04347754 n04355338 n04366367
+n04376876 n04389033 n04399382 n04442312 n04456115 n04482393 n04507155 n04509417 n04532670 n04540053 n04554684
+n04562935 n04591713 n04606251 n07583066 n07695742 n07697313 n07697537 n07714990 n07718472 n07720875 n07734744
+n07749582 n07753592 n07760859 n07768694 n07831146 n09229709 n09246464 n09472597 n09835506 n11879895 n12057211
+n12144580 n12267677
+""")
+
+IMAGENET_R_WNIDS = _split("""
+n01443537 n01484850 n01494475 n01498041 n01514859 n01518878 n01531178 n01534433 n01614925 n01616318 n01630670
+n01632777 n01644373 n01677366 n01694178 n01748264 n01770393 n01774750 n01784675 n01806143 n01820546 n01833805
+n01843383 n01847000 n01855672 n01860187 n01882714 n01910747 n01944390 n01983481 n01986214 n02007558 n02009912
+n02051845 n02056570 n02066245 n02071294 n02077923 n02085620 n02086240 n02088094 n02088238 n02088364 n02088466
+n02091032 n02091134 n02092339 n02094433 n02096585 n02097298 n02098286 n02099601 n02099712 n02102318 n02106030
+n02106166 n02106550 n02106662 n02108089 n02108915 n02109525 n02110185 n02110341 n02110958 n02112018 n02112137
+n02113023 n02113624 n02113799 n02114367 n02117135 n02119022 n02123045 n02128385 n02128757 n02129165 n02129604
+n02130308 n02134084 n02138441 n02165456 n02190166 n02206856 n02219486 n02226429 n02233338 n02236044 n02268443
+n02279972 n02317335 n02325366 n02346627 n02356798 n02363005 n02364673 n02391049 n02395406 n02398521 n02410509
+n02423022 n02437616 n02445715 n02447366 n02480495 n02480855 n02481823 n02483362 n02486410 n02510455 n02526121
+n02607072 n02655020 n02672831 n02701002 n02749479 n02769748 n02793495 n02797295 n02802426 n02808440 n02814860
+n02823750 n02841315 n02843684 n02883205 n02906734 n02909870 n02939185 n02948072 n02950826 n02951358 n02966193
+n02980441 n02992529 n03124170 n03272010 n03345487 n03372029 n03424325 n03452741 n03467068 n03481172 n03494278
+n03495258 n03498962 n03594945 n03602883 n03630383 n03649909 n03676483 n03710193 n03773504 n03775071 n03888257
+n03930630 n03947888 n04086273 n04118538 n04133789 n04141076 n04146614 n04147183 n04192698 n04254680 n04266014
+n04275548 n04310018 n04325704 n04347754 n04389033 n04409515 n04465501 n04487394 n04522168 n04536866 n04552348
+n04591713 n07614500 n07693725 n07695742 n07697313 n07697537 n07714571 n07714990 n07718472 n07720875 n07734744
+n07742313 n07745940 n07749582 n07753275 n07753592 n07768694 n07873807 n07880968 n07920052 n09472597 n09835506
+n10565667 n12267677
+""")
+
+# CIFAR's batches.meta / meta label names ("_" read as a space, as OpenAI's CLIP prompts)
+CIFAR10_CLASSNAMES = _split("airplane automobile bird cat deer dog frog horse ship truck")
+
+CIFAR100_CLASSNAMES = [c.replace("_", " ") for c in _split("""
+apple aquarium_fish baby bear beaver bed bee beetle bicycle bottle bowl boy bridge bus butterfly camel can
+castle caterpillar cattle chair chimpanzee clock cloud cockroach couch crab crocodile cup dinosaur dolphin
+elephant flatfish forest fox girl hamster house kangaroo keyboard lamp lawn_mower leopard lion lizard lobster
+man maple_tree motorcycle mountain mouse mushroom oak_tree orange orchid otter palm_tree pear pickup_truck
+pine_tree plain plate poppy porcupine possum rabbit raccoon ray road rocket rose sea seal shark shrew skunk
+skyscraper snail snake spider squirrel streetcar sunflower sweet_pepper table tank telephone television tiger
+tractor train trout tulip turtle wardrobe whale willow_tree wolf woman worm
+""")]
+
+STL10_CLASSNAMES = _split("airplane bird car cat deer dog horse monkey ship truck")  # class_names.txt
+VOC2007_CLASSNAMES = _split("aeroplane bicycle bird boat bottle bus car cat chair cow diningtable dog horse motorbike "
+                            "person pottedplant sheep sofa train tvmonitor")  # VOC's class names, as written
+
+# Caltech101's 102 category folders, sorted; CLIP_benchmark renames some
+CALTECH101_FOLDERS = _split("""
+BACKGROUND_Google Faces Faces_easy Leopards Motorbikes accordion airplanes anchor ant barrel bass beaver
+binocular bonsai brain brontosaurus buddha butterfly camera cannon car_side ceiling_fan cellphone chair
+chandelier cougar_body cougar_face crab crayfish crocodile crocodile_head cup dalmatian dollar_bill dolphin
+dragonfly electric_guitar elephant emu euphonium ewer ferry flamingo flamingo_head garfield gerenuk gramophone
+grand_piano hawksbill headphone hedgehog helicopter ibis inline_skate joshua_tree kangaroo ketch lamp laptop
+llama lobster lotus mandolin mayfly menorah metronome minaret nautilus octopus okapi pagoda panda pigeon pizza
+platypus pyramid revolver rhino rooster saxophone schooner scissors scorpion sea_horse snoopy soccer_ball
+stapler starfish stegosaurus stop_sign strawberry sunflower tick trilobite umbrella watch water_lilly wheelchair
+wild_cat windsor_chair wrench yin_yang
+""")
+
+CALTECH101_RENAMED = {"BACKGROUND_Google": "background",
+                      "Faces": "off-center face",
+                      "Faces_easy": "centered face",
+                      "Leopards": "leopard",
+                      "Motorbikes": "motorbike",
+                      "airplanes": "airplane",
+                      "car_side": "side of a car",
+                      "cougar_body": "body of a cougar cat",
+                      "cougar_face": "face of a cougar cat",
+                      "crocodile_head": "head of a crocodile",
+                      "flamingo_head": "head of a flamingo",
+                      "snoopy": "snoopy (cartoon beagle)",
+                      "yin_yang": "yin and yang symbol"}
+
+# Oxford-IIIT Pet's 37 breeds, class ids 1-37 in order
+PETS = _split("""
+Abyssinian | American Bulldog | American Pit Bull Terrier | Basset Hound | Beagle | Bengal | Birman | Bombay |
+Boxer | British Shorthair | Chihuahua | Egyptian Mau | English Cocker Spaniel | English Setter | German
+Shorthaired | Great Pyrenees | Havanese | Japanese Chin | Keeshond | Leonberger | Maine Coon | Miniature
+Pinscher | Newfoundland | Persian | Pomeranian | Pug | Ragdoll | Russian Blue | Saint Bernard | Samoyed |
+Scottish Terrier | Shiba Inu | Siamese | Sphynx | Staffordshire Bull Terrier | Wheaten Terrier | Yorkshire
+Terrier
+""")
+
+# Oxford Flowers102's names, labels 1-102 in order
+FLOWERS = _split("""
+pink primrose | hard-leaved pocket orchid | canterbury bells | sweet pea | english marigold | tiger lily | moon
+orchid | bird of paradise | monkshood | globe thistle | snapdragon | colt's foot | king protea | spear thistle |
+yellow iris | globe flower | purple coneflower | peruvian lily | balloon flower | giant white arum lily | fire
+lily | pincushion flower | fritillary | red ginger | grape hyacinth | corn poppy | prince of wales feathers |
+stemless gentian | artichoke | sweet william | carnation | garden phlox | love in the mist | mexican aster |
+alpine sea holly | ruby-lipped cattleya | cape flower | great masterwort | siam tulip | lenten rose | barbeton
+daisy | daffodil | sword lily | poinsettia | bolero deep blue | wallflower | marigold | buttercup | oxeye daisy
+| common dandelion | petunia | wild pansy | primula | sunflower | pelargonium | bishop of llandaff | gaura |
+geranium | orange dahlia | pink and yellow dahlia | cautleya spicata | japanese anemone | black-eyed susan |
+silverbush | californian poppy | osteospermum | spring crocus | bearded iris | windflower | tree poppy | gazania
+| azalea | water lily | rose | thorn apple | morning glory | passion flower | lotus | toad lily | anthurium |
+frangipani | clematis | hibiscus | columbine | desert-rose | tree mallow | magnolia | cyclamen | watercress |
+canna lily | hippeastrum | bee balm | air plant | foxglove | bougainvillea | camellia | mallow | mexican petunia
+| bromelia | blanket flower | trumpet creeper | blackberry lily
+""")
+
+# NWPU-RESISC45's 45 class folders
+RESISC45_FOLDERS = _split("""
+airplane airport baseball_diamond basketball_court beach bridge chaparral church circular_farmland cloud
+commercial_area dense_residential desert forest freeway golf_course ground_track_field harbor industrial_area
+intersection island lake meadow medium_residential mobile_home_park mountain overpass palace parking_lot railway
+railway_station rectangular_farmland river roundabout runway sea_ice ship snowberg sparse_residential stadium
+storage_tank tennis_court terrace thermal_power_station wetland
+""")
+
+CLEVR_COUNT = _split("three four five six seven eight nine ten")  # objects in the scene, 3-10
+SMALLNORB_AZIMUTH = [str(i) for i in range(18)]  # TFDS names its 18 azimuth classes by number
+# DMLab: {nearby, far, very far} x {apple/melon (reward), lemon (penalty)}
+DMLAB = _split("""
+nearby apple/melon | far apple/melon | very far apple/melon | nearby lemon | far lemon | very far lemon
+""")
+
+# CLIP_benchmark's templates for CIFAR-10 and CIFAR-100
+CIFAR_TEMPLATES = _split("""
+a photo of a {}. | a blurry photo of a {}. | a black and white photo of a {}. | a low contrast photo of a {}. |
+a high contrast photo of a {}. | a bad photo of a {}. | a good photo of a {}. | a photo of a small {}. | a photo
+of a big {}. | a photo of the {}. | a blurry photo of the {}. | a black and white photo of the {}. | a low
+contrast photo of the {}. | a high contrast photo of the {}. | a bad photo of the {}. | a good photo of the {}.
+| a photo of the small {}. | a photo of the big {}.
+""")
+
+A_THE_TEMPLATES = ["a photo of a {}.", "a photo of the {}."]  # STL-10, SUN397; VOC2007 the first
+
+CALTECH101_TEMPLATES = _split("""
+a photo of a {}. | a painting of a {}. | a plastic {}. | a sculpture of a {}. | a sketch of a {}. | a tattoo of
+a {}. | a toy {}. | a rendition of a {}. | a embroidered {}. | a cartoon {}. | a {} in a video game. | a plushie
+{}. | a origami {}. | art of a {}. | graffiti of a {}. | a drawing of a {}. | a doodle of a {}. | a photo of the
+{}. | a painting of the {}. | the plastic {}. | a sculpture of the {}. | a sketch of the {}. | a tattoo of the
+{}. | the toy {}. | a rendition of the {}. | the embroidered {}. | the cartoon {}. | the {} in a video game. |
+the plushie {}. | the origami {}. | art of the {}. | graffiti of the {}. | a drawing of the {}. | a doodle of
+the {}.
+""")
 
 
 # -----------------------------------------------------------------------------
@@ -1312,7 +2280,8 @@ def run_benchmarks(args, emb, model, tok, config):
     run, and the exit status says so at the end."""
     scorers = {"shapes": bench_shapes, "sugarcrepe": bench_sugarcrepe, "crepe": bench_crepe, "cola": bench_cola,
                "winoground": bench_winoground, "zeroshot": bench_zeroshot, "retrieval": bench_retrieval,
-               "linear_probe": bench_linear_probe}
+               "linear_probe": bench_linear_probe} | {f"zeroshot/{n}": bench_zeroshot_set(n) for n in
+                                                      getattr(args, "zeroshot_sets", {})}
     analyses = {"easy_to_learn": bench_easy_to_learn, "spectral": bench_spectral, "codebook": bench_codebook}
     results, skipped, failed = {}, {}, {}
     for name in args.benchmark_list:
@@ -1345,6 +2314,9 @@ def run(args):
     print(markdown_table(results, skipped, failed))
     blob = {"checkpoint": os.path.abspath(path), "quick_gelu": quick_gelu, "results": results, "skipped": skipped,
             "errors": failed, "args": {k: v for k, v in vars(args).items() if k != "benchmark_list"}}
+    if getattr(args, "zeroshot_suite", None):
+        blob["zeroshot_suite"] = zeroshot_suite_row(results, failed)
+        print(f"\nIL-CLIP paper, Table 2 (zero-shot top-1):\n{suite_table(blob['zeroshot_suite'])}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         tmp = f"{args.out}.tmp{os.getpid()}"
