@@ -31,13 +31,22 @@ def micro_f1(gold_lists, pred_lists):
     return 2 * prec * rec / (prec + rec)
 
 
+def bracketed(caption):
+    """The built-in bracketer's CRG, or None when it finds no primitive (scored as empty)."""
+    try:
+        return C.caption_crg(caption)
+    except C.CRGError:
+        return None
+
+
 def scores(pairs):
     gold = [C.crg_from_tree(t, c) for c, t in pairs]
-    pred = [C.caption_crg(c) for c, _ in pairs]  # no tree: the built-in bracketer
-    prim = micro_f1([[p.word for p in g.primitives()] for g in gold], [[p.word for p in b.primitives()] for b in pred])
-    conc = micro_f1([[x.text for x in g.concepts()] for g in gold], [[x.text for x in b.concepts()] for b in pred])
-    same = sum([(x.text, x.predicate) for x in g.concepts()] == [(x.text, x.predicate) for x in b.concepts()]
-               for g, b in zip(gold, pred))
+    pred = [bracketed(c) for c, _ in pairs]  # no tree: the built-in bracketer
+    prims = lambda g: [p.word for p in g.primitives()] if g else []
+    nodes = lambda g: [(x.text, x.predicate) for x in g.concepts()] if g else []
+    prim = micro_f1([prims(g) for g in gold], [prims(b) for b in pred])
+    conc = micro_f1([[t for t, _ in nodes(g)] for g in gold], [[t for t, _ in nodes(b)] for b in pred])
+    same = sum(nodes(g) == nodes(b) for g, b in zip(gold, pred))
     return prim, conc, same
 
 
