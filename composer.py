@@ -251,21 +251,26 @@ def crg_from_tree(tree: str, caption: str | None = None) -> Concept:
 # --- rule-based bracketer for captions without trees (closed-class word lists, no model) ---
 # Choice: a deterministic tagger + recursive-descent chunker in the Kitaev-Klein (benepar) / PTB
 # style, not a statistical parser. It knows closed-class words, ~200 caption verbs with their
-# inflections, colour/size/material adjectives and suffix rules; context decides the ambiguous
-# ones (a verb form right after a noun phrase is the verb, "rides" after "a man"; a base form
-# after a plural subject is VBP; an -ing word after a determiner with no noun after it is a noun,
-# "the building"). Structure: NP -> base NP [PP (right-branching inside the PP) | VBG-phrase
-# (reduced relative) | SBAR (who/that/which)] and NP CC NP; S -> NP VP; inside the VP, PPs attach
-# to the VP and only "of" PPs to the object NP; "to VB" and "while VBG" make S / SBAR. Measured
-# against gold parses of 67 real-style captions (tests/fixtures/composer_captions_gold.txt):
-# see tests/test_composer_bracketer.py. A real parser (`composer.py parse`) is better still.
+# inflections, colour/size/material adjectives and adjective-only suffixes; context decides the
+# ambiguous ones (a verb form right after a noun phrase is the verb, "rides" after "a man"; a base
+# form after a plural subject is VBP; after a form of be/have a participle, "was hit"; an -ing word
+# after a determiner with no noun after it is a noun, "the building"; an adjective ending a
+# determiner phrase is its head noun, "a large blue square"), and open words are tagged by their
+# position. Tokens as PTB's: "girl 's" (POS inside the possessor NP), "t-shirt" one token.
+# Structure: NP -> base NP [PP (right-branching inside the PP; after "X of Y" the next PP modifies
+# "X of Y") | VBG-phrase (reduced relative) | SBAR (who/that/which)] and NP CC NP; S -> NP VP;
+# inside the VP, PPs attach to the VP and only "of" PPs to the object NP; "to VB" makes S, "while
+# VBG" and "while/as NP VP" make SBAR. Measured against gold parses of 168 real-style captions, 60
+# of them held out (tests/fixtures/composer_captions_*.txt, tests/test_composer_bracketer.py).
+# A real parser (`composer.py parse`) is better still.
 _CLOSED = {}
 for _tag, _words in {
     "DT": "a an the this these those some any every each no another all both either neither",
     "PRP$": "his her its their our my your",
     "NNS": "people men women children feet teeth geese mice police cattle clothes jeans "
            "pants shorts glasses sunglasses",
-    "PRP": "he she it they we i you him them us me someone something somebody everyone himself herself themselves",
+    "NN": "someone somebody something everyone everybody everything anyone anything nobody nothing",  # PTB: NN
+    "PRP": "he she it they we i you him them us me himself herself themselves",
     "CD": "one two three four five six seven eight nine ten eleven twelve dozen",
     "IN": "of in on at by with from into onto over under above below behind beside besides near "
           "through across along around between among against toward towards inside outside beneath "
@@ -284,7 +289,7 @@ for _tag, _words in {
     "VBG": "being",
     "MD": "can could will would may might should must",
     "RB": "very not also just together too almost really quite n't away out up down off back here "
-          "outside inside around nearby alone only still",
+          "outside inside around nearby alone only still so even",
     "JJ": "red green blue yellow orange purple pink brown black white gray grey cyan magenta beige tan "
           "golden silver blond blonde dark light bright colorful colourful striped spotted plaid "
           "small large big tiny huge little tall short long old young new wooden metal plastic glass "
@@ -294,7 +299,8 @@ for _tag, _words in {
           "left right top bottom middle front first second third last next several many few "
           "various multiple numerous professional outdoor indoor electric giant adult female male "
           "pretty beautiful nice cute fancy older younger smaller larger bigger "
-          "single double public private",
+          "single double public private great good cool fun funny nice huge cute lovely "
+          "broken shiny fluffy furry messy leafy rusty dusty",
 }.items():
     for _w in _words.split():
         _CLOSED.setdefault(_w, _tag)
@@ -335,7 +341,8 @@ _IRREGULAR = {"ride": "rode ridden", "sit": "sat", "stand": "stood", "run": "ran
               "shake": "shook shaken", "hang": "hung", "bite": "bit bitten", "kneel": "knelt",
               "lead": "led", "see": "saw seen", "find": "found", "stick": "stuck", "spin": "spun",
               "sweep": "swept", "dig": "dug", "hide": "hid hidden", "beat": "beaten",
-              "teach": "taught", "shoot": "shot", "leap": "leapt"}
+              "teach": "taught", "shoot": "shot", "leap": "leapt", "hit": "hit", "cut": "cut",
+              "put": "put", "set": "set", "let": "let"}
 _DOUBLE = set("run sit swim cut hit shop jog get put dig spin drag skip stop chat grab hug nap tap set "
               "let beg wrap clap trim rub step sled box".split()) - {"box"}
 
@@ -375,41 +382,81 @@ _NOUN_TAGS = ("NN", "NNS")
 _VERB_TAGS = ("VB", "VBZ", "VBP", "VBD", "VBN", "VBG", "MD")
 
 
+# Choice: only derivational endings that make adjectives and (almost) never nouns are read as
+# JJ. -ic, -al, -ian and -ese also end many caption nouns (traffic, music, picnic, hospital,
+# festival, signal, musician, cheese), so words with those endings are nouns like any open word.
+_JJ_SUFFIX = re.compile(r"\w{3,}(ous|ful|less|ical|ional|ular|etic|atic|istic)$|\w{5,}(ive|ish)$")
+# words that open a clause ("while a dog runs"); they never head a PP inside an NP
+_SUBORD = {"while", "as", "because", "if", "since", "until", "although", "though", "whilst", "when", "whereas"}
+_BE = {"is", "are", "was", "were", "be", "been", "being", "am", "has", "have", "had", "'s", "'re", "'m"}
+_PAST_IS_BASE = {w for w, forms in _IRREGULAR.items() if w in forms.split()}  # hit, cut, put, ...
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _lexical_tag(w):
-    """The context-free tag of a word: closed class, then suffix rules; open words are nouns."""
+    """The context-free tag of a word: closed class, verb forms, suffix rules; else None (an
+    open word: _tag_words decides from its position)."""
     if re.fullmatch(r"[.,!?;:]", w):
         return "." if w in ".!?" else ","
     if re.fullmatch(r"\d+", w):
         return "CD"
+    if w in ("'s", "'re", "'m"):
+        return "POS" if w == "'s" else "VBP"
     if w in _CLOSED:
         return _CLOSED[w]
     if w in _ING_NOUNS:
         return "NN"
-    kind = _VERB_FORMS.get(w)
+    kind = _VERB_FORMS.get(w) or ("ing" if _VERB_FORMS.get(w + "g") == "ing" else None)  # "sittin'"
     if kind == "ing" or (kind is None and len(w) > 4 and w.endswith("ing")):
         return "VBG"
     if kind == "ed" or (kind is None and len(w) > 4 and w.endswith("ed")):
-        return "VBN"
-    if len(w) > 4 and re.search(r"(ly)$", w):
+        return "JJ" if "-" in w else "VBN"  # "long-haired" is an adjective
+    if kind in ("base", "s"):
+        return "VB" if kind == "base" else "VBZ"
+    if len(w) > 4 and w.endswith("ly"):
         return "RB"
-    if len(w) > 4 and re.search(r"(ful|ous|ive|ish|less|ic|al|ian|ese)$", w) and w not in ("animal", "arrival"):
+    if _JJ_SUFFIX.match(w):
         return "JJ"
-    if len(w) > 3 and w.endswith("s") and not w.endswith("ss"):
-        return "NNS"
-    return "NN"
+    return None
+
+
+def _noun(w):
+    return "NNS" if len(w) > 3 and w.endswith("s") and not re.search(r"(ss|us|is)$", w) else "NN"
+
+
+def _open_tag(w, prev, nxt, pw):
+    """Tag of an open word (no closed class, verb form or suffix) from its position:
+    an intensifier before an adjective ("super cute"), a predicate adjective after a copula
+    ("is cool."), a verb between a noun and a determiner ("a woman slices the bread"), a
+    prenominal modifier when hyphenated ("a red-and-white sweater"), else a noun."""
+    if nxt in ("JJ", "RB") and prev not in ("DT", "PRP$", "CD", "JJ", "IN", "TO"):
+        return "RB"
+    if pw in _BE and prev in _VERB_TAGS and nxt in (None, ".", ",", "CC"):
+        return "JJ"
+    if prev in _NOUN_TAGS and nxt in ("DT", "PRP$", "CD"):
+        return "VBZ" if _noun(w) == "NNS" else ("VBP" if prev == "NNS" else "VBD")
+    if "-" in w and nxt in ("JJ", "NN", "NNS", None) and nxt is not None:
+        return "JJ"
+    return _noun(w)
 
 
 def _tag_words(words):
     """Tags in context, left to right (see the Choice above)."""
+    lex = [_lexical_tag(w) for w in words]
     tags = []
     for i, w in enumerate(words):
         prev = tags[-1] if tags else None
-        nxt = _lexical_tag(words[i + 1]) if i + 1 < len(words) else None
-        t = _lexical_tag(w)
+        pw = words[i - 1] if i else None
+        nxt = lex[i + 1] if i + 1 < len(words) else None
+        if i + 1 < len(words) and nxt is None:
+            nxt = _noun(words[i + 1])
+        t = lex[i] or _open_tag(w, prev, nxt, pw)
         kind = _VERB_FORMS.get(w)
         after_np = prev in _NOUN_TAGS or prev == "PRP"
-        if w in _NOUN_AFTER_DET and (prev == "DT" or (prev == "IN" and nxt == "IN" and words[i + 1] == "of")):
+        np_inside = prev in ("DT", "PRP$", "CD", "JJ", "POS")
+        if w == "'s":
+            t = "VBZ" if prev in ("PRP", "EX", "WDT", "WP") or pw == "that" else "POS"  # "it's" / "girl's"
+        elif w in _NOUN_AFTER_DET and (prev == "DT" or (prev == "IN" and nxt == "IN" and words[i + 1] == "of")):
             t = "NN"
         elif w in _ING_NOUNS and _VERB_FORMS.get(w) == "ing" and prev in _VERB_TAGS + _NOUN_TAGS + ("RB", "CC"):
             t = "VBG"  # "is painting a wall", "a man painting a wall" (but "a painting")
@@ -417,18 +464,26 @@ def _tag_words(words):
             t = "WDT"
         elif w == "that":
             t = "DT"
-        elif t == "VBG" and prev in ("DT", "PRP$", "JJ", "CD"):
+        elif t == "RB" and np_inside and w.endswith("ly"):
+            t = "JJ" if nxt in _NOUN_TAGS + ("JJ",) else "NN"  # "a lovely day", "a family"
+        elif t == "VBG" and prev in ("DT", "PRP$", "JJ", "CD", "POS"):
             # "the building" (no noun after: a noun); "a swimming pool" (a compound: NN);
             # "a running dog" (a modifier: VBG, not a primitive)
             t = "NN" if nxt not in _NOUN_TAGS or w in _ING_COMPOUND else "VBG"
+        elif kind in ("base", "ed") and pw in _BE and prev in _VERB_TAGS:
+            t = "VBN"  # passive / perfect: "was hit", "is being cut", "has eaten"
         elif kind == "s" and after_np:
             t = "VBZ"
         elif kind == "base" and (prev in ("NNS", "PRP", "TO", "MD") or (prev == "CC" and "VBP" in tags)):
             t = "VBP" if prev in ("NNS", "PRP") else "VB"
+        elif kind == "base" and prev == "NN" and w in _PAST_IS_BASE and nxt in ("DT", "PRP$", "CD", "IN"):
+            t = "VBD"  # "the player hit the ball": after a singular subject the bare form is the past
         elif kind == "ed" and after_np:
             t = "VBD"
         elif kind == "ed" and prev in ("VBZ", "VBP", "VBD", "VBN", "RB"):
             t = "VBN"
+        elif kind in ("base", "s") and t in ("VB", "VBZ"):
+            t = _noun(w)  # a verb form where no verb can stand: a noun ("a bus stop", "the waves")
         elif t == "NNS" and prev == "NN" and nxt in ("DT", "PRP$", "IN", "CD", "TO") and kind is None \
                 and not any(x in _VERB_TAGS for x in tags):
             t = "VBZ"  # an unknown -s word between a singular subject and its object: the verb
@@ -468,6 +523,8 @@ class _NPChunker:
                 j += 1
             else:
                 break
+        if self.tag(j) == "JJ" and self.tag(i) in ("DT", "PRP$", "CD"):
+            self.t[j] = "NN"  # a determiner phrase needs a head: "a small white square ."
         k = j
         while self.tag(k) in _NOUN_TAGS:
             out.append(self.leaf(k))
@@ -476,6 +533,12 @@ class _NPChunker:
             return f"(NP {self.leaf(i)})", i + 1
         if k == j:
             return None
+        if self.tag(k) == "POS":  # PTB possessive: (NP (NP a little girl 's) (NN dog))
+            owner = "(NP " + " ".join(out) + f" {self.leaf(k)})"
+            rest = self.base_np(k + 1) if self.tag(k + 1) not in ("DT", "PRP$", "POS") else None
+            if rest is None:
+                return owner, k + 1
+            return f"(NP {owner} {rest[0][4:-1]})", rest[1]
         return "(NP " + " ".join(out) + ")", k
 
     def np(self, i, mode):
@@ -489,12 +552,15 @@ class _NPChunker:
         mods = []
         while j < self.n:
             t, w = self.tag(j), self.w[j]
-            if t in ("IN", "TO") and (w == "of" or mode in ("top", "pp")) and w not in ("while", "as", "because", "if", "since", "until", "although", "though", "whilst"):
-                inner = self.np(j + 1, "object" if mode == "object" else "pp")
+            if t in ("IN", "TO") and (w == "of" or mode in ("top", "pp")) and w not in _SUBORD:
+                inner = self.np(j + 1, "object" if mode == "object" or w == "of" else "pp")
                 if inner is None:
                     break
-                mods.append(f"(PP {self.leaf(j)} {inner[0]})")
-                j = inner[1]
+                pp, j = f"(PP {self.leaf(j)} {inner[0]})", inner[1]
+                if w == "of":  # "a plate of food on a table": the next PP modifies "a plate of food"
+                    head, mods = f"(NP {' '.join([head, *mods, pp])})", []
+                    continue
+                mods.append(pp)
                 if mode == "pp":
                     break
             elif t == "JJ" and self.tag(j + 1) == "IN" and self.w[j + 1] == "of" and (inner := self.np(j + 2, "pp")):
@@ -510,8 +576,26 @@ class _NPChunker:
             else:
                 break
         tree = f"(NP {head} {' '.join(mods)})" if mods else head
-        if mode == "top" and self.tag(j) == "CC" and (other := self.np(j + 1, "top")):
+        if mode != "top":
+            return self.coordination(tree, j, mode)
+        if self.tag(j) == "CC" and (other := self.np(j + 1, "top")):
             return f"(NP {tree} {self.leaf(j)} {other[0]})", other[1]
+        return tree, j
+
+    def coordination(self, tree, j, mode):
+        """NP [, NP]* CC NP inside a PP or an object ("with a stove and a sink", "has cabinets and a
+        fridge"). Inside a PP a conjunct with its own modifiers ("and a woman in a coat") is left
+        to the coordination of the whole NP."""
+        parts, k = [tree], j
+        while self.tag(k) in (",", "CC"):
+            c = k + 2 if self.tag(k) == "," and self.tag(k + 1) == "CC" else k + 1
+            r = self.base_np(c) if mode == "pp" else self.np(c, "object")
+            if r is None or self.tag(r[1]) in ("VBG", "VBN") or (mode == "pp" and self.tag(r[1]) in ("IN", "TO")):
+                break
+            parts += [self.leaf(x) for x in range(k, c)] + [r[0]]
+            k = r[1]
+            if self.tag(c - 1) == "CC":
+                return "(NP " + " ".join(parts) + ")", k
         return tree, j
 
 
@@ -524,6 +608,7 @@ class _Chunker(_NPChunker):
         VBG" (SBAR), a later VBG-phrase (S), coordinated verbs. A finite verb after a complement
         ends a relative clause / reduced relative (stop_finite) or starts a coordinated VP."""
         out, j = [], i
+        existential = i > 0 and self.tag(i - 1) == "EX"  # "there is a clock on the wall": one NP
         while self.tag(j) in _VERB_TAGS + ("RB",):
             out.append(self.leaf(j))
             j += 1
@@ -531,6 +616,10 @@ class _Chunker(_NPChunker):
             t = self.tag(j)
             if t in (".",):
                 break
+            if t == "IN" and self.w[j] in _SUBORD and (cl := self.clause(j + 1)):
+                out.append(f"(SBAR {self.leaf(j)} {cl[0]})")  # "while a dog runs", "as the sun sets"
+                j = cl[1]
+                continue
             if t in _VERB_TAGS and t != "VBG" and stop_finite and t not in ("VB", "VBN"):
                 break
             if t == "TO" and self.tag(j + 1) == "VB":
@@ -551,13 +640,21 @@ class _Chunker(_NPChunker):
             elif t in _VERB_TAGS:
                 v, j = self.vp(j, stop_finite)
                 out.append(v)
-            elif (obj := self.np(j, "object")):
+            elif (obj := self.np(j, "top" if existential else "object")):
                 out.append(obj[0])
                 j = obj[1]
             else:
                 out.append(self.leaf(j))
                 j += 1
         return "(VP " + " ".join(out) + ")", j
+
+    def clause(self, i):
+        """S -> NP VP (a finite verb after the subject), or None."""
+        r = self.np(i, "top")
+        if r is None or self.tag(r[1]) not in _VERB_TAGS or self.tag(r[1]) == "VBG":
+            return None
+        vp, j = self.vp(r[1], stop_finite=False)
+        return f"(S {r[0]} {vp})", j
 
     def sentence(self):
         """S -> NP VP; a caption that is one NP (with its modifiers) stays an NP fragment."""
@@ -578,7 +675,8 @@ class _Chunker(_NPChunker):
 
 def bracket(caption: str) -> str:
     """Caption -> PTB string with the rule-based tagger and chunker above (no model download)."""
-    words = re.findall(r"[a-z0-9]+(?:'[a-z]+)?|n't|[.,!?;:]", caption.lower())
+    # PTB tokens: hyphenated words stay one token ("t-shirt"); clitics split off ("girl 's", "is n't")
+    words = re.findall(r"[a-z0-9]+(?:-[a-z0-9]+)*(?=n't)|n't|[a-z0-9]+(?:-[a-z0-9]+)*|'[a-z]+|[.,!?;:]", caption.lower())
     if not words:
         return "(S )"
     ch = _Chunker(words, _tag_words(words))
