@@ -1414,12 +1414,14 @@ class TensorFile:
 
 class RegionStore:
     """Precomputed region features, read per item (memory does not grow with the data set).
-    Two layouts (SPEC.md section 4):
+    Two layouts:
       DIR/{key}.safetensors   one file per image: feats [N, D], boxes [N, 5]
       FILE.safetensors        all images: feats [M, N, D], boxes [M, N, 5], optional n_regions [M]
                               (valid rows per image; else all N), metadata {"keys": JSON list of M}
-    check(key) reads the item once (shape, finite values) so bad items are skipped and counted
-    before training; select(keys) gives the store of a split."""
+    check(key) validates an item from the safetensors header alone (shapes, dtypes; no data is
+    read at start: Flickr30k's 2048-d regions are ~24 GB); read(key) reads it and checks its
+    values, so an item with non-finite values is found, skipped and counted when first read
+    (LazyFeatures). select(keys) gives the store of a split."""
 
     def __init__(self, path):
         self.path, self.dim = path, None
@@ -1437,46 +1439,71 @@ class RegionStore:
             self.n_valid = self.one.rows("n_regions").tolist() if self.one.shape("n_regions") else [f[1]] * f[0]
             self.dim = f[2]
 
-    def read(self, key):
-        """(feats [n, D] float32, boxes [n, 5] float32) of one image."""
+    def check(self, key):
+        """Header-only validation of one item (reads no feature data); returns where it lives
+        (a TensorFile, or the row of the one file)."""
         if self.one is not None:
             if key not in self.row:
                 raise CRGError("bad_regions", f"{self.path}: no regions for image {key!r}")
-            i = self.row[key]
-            n = self.n_valid[i]
-            return self.one.rows("feats", i, i + 1)[0, :n].float(), self.one.rows("boxes", i, i + 1)[0, :n].float()
+            if not 0 < self.n_valid[self.row[key]] <= self.one.shape("feats")[1]:
+                raise CRGError("bad_regions", f"{self.path}[{key}]: n_regions {self.n_valid[self.row[key]]} out of range")
+            return self.row[key]
         tf = TensorFile(os.path.join(self.path, f"{key}.safetensors"))
-        if tf.shape("feats") is None or tf.shape("boxes") is None:
-            raise CRGError("bad_regions", f"{tf.path}: needs tensors 'feats' and 'boxes', has {sorted(tf.head)}")
-        return tf.rows("feats").float(), tf.rows("boxes").float()
+        f, b = tf.shape("feats"), tf.shape("boxes")
+        if f is None or b is None or len(f) != 2 or b != [f[0], 5] or f[0] == 0 or (self.dim is not None and f[1] != self.dim):
+            raise CRGError("bad_regions", f"{tf.path}: expected feats [N, {self.dim or 'D'}] and boxes [N, 5], "
+                                          f"got {f} and {b}")
+        self.dim = f[1]
+        return tf
 
-    def check(self, key):
-        feats, boxes = self.read(key)
-        where = os.path.join(self.path, f"{key}.safetensors") if self.one is None else f"{self.path}[{key}]"
-        if feats.dim() != 2 or boxes.dim() != 2 or boxes.shape[1] != 5 or feats.shape[0] != boxes.shape[0] \
-                or feats.shape[0] == 0 or (self.dim is not None and feats.shape[1] != self.dim):
-            raise CRGError("bad_regions", f"{where}: expected feats [N, {self.dim or 'D'}] and boxes [N, 5], "
-                                          f"got {list(feats.shape)} and {list(boxes.shape)}")
+    def read(self, key):
+        """(feats [n, D] float32, boxes [n, 5] float32) of one image; CRGError('bad_regions')
+        for a bad item (header problems, non-finite values)."""
+        at = self.check(key)
+        if self.one is not None:
+            n = self.n_valid[at]
+            feats, boxes = self.one.rows("feats", at, at + 1)[0, :n].float(), self.one.rows("boxes", at, at + 1)[0, :n].float()
+        else:
+            feats, boxes = at.rows("feats").float(), at.rows("boxes").float()
         if not (torch.isfinite(feats).all() and torch.isfinite(boxes).all()):
+            where = at.path if self.one is None else f"{self.path}[{key}]"
             raise CRGError("bad_regions", f"{where}: non-finite values")
-        self.dim = feats.shape[1]
+        return feats, boxes
 
-    def select(self, keys):
-        return LazyFeatures(self, list(keys))
+    def select(self, keys, skipped=None, max_frac=1.0):
+        return LazyFeatures(self, list(keys), Counter() if skipped is None else skipped, max_frac)
 
 
 class LazyFeatures:
-    """The FeatureStore interface over a RegionStore: get() reads the batch's items only."""
+    """The FeatureStore interface over a RegionStore: get() reads the batch's items only. An
+    item found bad when first read is counted in `skipped` (the split's counter), said once on
+    stderr, and skipped from then on: it stands as one all-zero region, so the batch keeps its
+    shape on every rank and the image, still a candidate, carries no evidence. More bad items
+    than max_frac of the split stop the run (as --max_skip_frac does for captions)."""
 
-    def __init__(self, regions, keys):
+    def __init__(self, regions, keys, skipped, max_frac):
         self.regions, self.keys, self.feat_dim = regions, keys, regions.dim
+        self.skipped, self.max_frac, self.bad = skipped, max_frac, set()
 
     def __len__(self):
         return len(self.keys)
 
+    def item(self, i):
+        if i not in self.bad:
+            try:
+                return self.regions.read(self.keys[i])
+            except CRGError as e:
+                self.bad.add(i)
+                self.skipped[e.kind] += 1
+                print(f"warning: {e}; skipped ({len(self.bad)} bad region items so far)", file=sys.stderr, flush=True)
+                if len(self.bad) > self.max_frac * len(self.keys):
+                    raise ComposerError(f"{self.regions.path}: {len(self.bad)} of {len(self.keys)} region items "
+                                        f"are bad, more than --max_skip_frac {self.max_frac}") from None
+        return torch.zeros(1, self.feat_dim), torch.zeros(1, 5)
+
     def get(self, idx, device="cpu"):
         idx = idx.tolist() if torch.is_tensor(idx) else list(idx)
-        feats, boxes = zip(*[self.regions.read(self.keys[i]) for i in idx])
+        feats, boxes = zip(*[self.item(i) for i in idx])
         return tuple(t.to(device) for t in pad_regions(feats, boxes))
 
 
@@ -1687,9 +1714,12 @@ def load_split(args, split: str, n: int | None, items: list | None = None) -> Sp
     what = f"{args.data} ({split})"
     crgs, skipped, n_bracketed = caption_crgs(items, args.max_skip_frac, what)
     regions = RegionStore(args.regions) if args.features == "regions" else None
-    keys, kidx, captions, kept, cap_img, feats, its = [], {}, [], [], [], [], []
-    for crg, it, (key, cap, obj) in crgs:
-        if key not in kidx:
+    keys, kidx, bad, captions, kept, cap_img, feats, its = [], {}, {}, [], [], [], [], []
+
+    def add_image(key, obj):
+        """The image's index, after its features are made (gold, clip) or its regions' header
+        checked; None when they are bad (its captions are skipped and counted)."""
+        if key not in kidx and key not in bad:
             try:
                 if args.features == "gold":
                     if obj is None or not hasattr(obj, "objects"):
@@ -1703,17 +1733,29 @@ def load_split(args, split: str, n: int | None, items: list | None = None) -> Sp
                 else:
                     feats.append(obj.image if hasattr(obj, "image") else obj)  # images; clip features below
             except CRGError as e:
-                skipped[e.kind] += 1
-                continue
+                bad[key] = e.kind
+                return None
             kidx[key] = len(keys)
             keys.append(key)
+        return kidx.get(key)
+
+    for crg, it, (key, cap, obj) in crgs:
+        if (im := add_image(key, obj)) is None:
+            skipped[bad[key]] += 1
+            continue
         captions.append(cap)
         kept.append(crg)
-        cap_img.append(kidx[key])
+        cap_img.append(im)
         its.append(it)
+    # Every image stays a retrieval candidate (paper section 5: each caption ranks all test
+    # images), also one none of whose captions built a graph.
+    for it in items:
+        if it.get("key") not in kidx and it.get("key") not in bad and not it.get("_error"):
+            key, _, _, obj = _resolve_item(it)
+            add_image(key, obj)
     _check_skips(skipped, len(items), args.max_skip_frac, what)
     if args.features == "regions":
-        store = regions.select(keys)
+        store = regions.select(keys, skipped, args.max_skip_frac)
     elif args.features == "clip":
         store = FeatureStore(*clip_patch_features(feats, args.clip))
     else:

@@ -165,3 +165,48 @@ def test_tokenizer_reads_a_csv_with_renamed_columns(tmp_path):
                               csv_caption_key="cap", csv_separator=None, vocab=None, vocab_size=200, max_len=77)
     tok = C.build_tokenizer(args)
     assert tok.decode(tok("a zebra grazes near a fence.")[0]) == "a zebra grazes near a fence."
+
+
+def test_regions_checked_from_headers_and_bad_items_skipped_when_first_read(tmp_path, monkeypatch, capsys):
+    """Start-up reads only safetensors headers; an item with NaNs is found on its first read,
+    counted once, stands as one zero region, and too many such items stop the run."""
+    keys = [f"k{i}" for i in range(4)]
+    for i, k in enumerate(keys):
+        feats = torch.randn(3, 6)
+        if i == 2:
+            feats[1, 4] = float("nan")
+        save_file({"feats": feats, "boxes": torch.rand(3, 5)}, str(tmp_path / f"{k}.safetensors"))
+    save_file({"feats": torch.randn(3, 6, dtype=torch.float64)[:, :5].contiguous(), "boxes": torch.rand(3, 5)},
+              str(tmp_path / "wrongdim.safetensors"))
+    items = [{"source": "x", "key": k, "caption": "a dog", "tree": "(NP (DT a) (NN dog))"} for k in keys + ["wrongdim"]]
+    reads = []
+    real_rows = C.TensorFile.rows
+    monkeypatch.setattr(C.TensorFile, "rows", lambda self, *a: reads.append(self.path) or real_rows(self, *a))
+    args = argparse.Namespace(data="x", features="regions", regions=str(tmp_path), max_skip_frac=0.5)
+    sp = C.load_split(args, None, None, items=items)
+    assert reads == [] and sp.keys == keys and dict(sp.skipped) == {"bad_regions": 1}  # wrong D: from the header
+    for _ in range(2):
+        f, b, m = sp.store.get([2, 0])
+    assert dict(sp.skipped) == {"bad_regions": 2} and capsys.readouterr().err.count("non-finite") == 1
+    assert m.tolist() == [[True, False, False], [True, True, True]] and not f[0].any() and torch.isfinite(f).all()
+    strict = C.load_split(argparse.Namespace(**{**vars(args), "max_skip_frac": 0.2}), None, None, items=items[:4])
+    with pytest.raises(C.ComposerError, match="1 of 4 region items are bad"):
+        strict.store.get([2])
+
+
+def test_images_without_a_graph_stay_candidates(tmp_path):
+    """Each caption ranks all test images, also one whose captions all fail to build a graph."""
+    keys = ["a", "b", "c"]
+    region_file(tmp_path / "r.safetensors", keys)
+    items = [{"source": "x", "key": "a", "caption": "a dog", "tree": "(NP (DT a) (NN dog))"},
+             {"source": "x", "key": "b", "caption": "a cat", "tree": "(NP (DT a) (NN cat))"},
+             {"source": "x", "key": "c", "caption": "", "tree": None}]  # no graph: no_caption
+    args = argparse.Namespace(data="x", features="regions", regions=str(tmp_path / "r.safetensors"), max_skip_frac=0.5)
+    sp = C.load_split(args, None, None, items=items)
+    assert sp.keys == keys and sp.cap_img == [0, 1] and dict(sp.skipped) == {"no_caption": 1}
+    tok = data.build_tokenizer(captions=["a dog", "a cat"], vocab_size=100)
+    compiler = C.TextCompiler(tok)
+    C.attach_compiler(sp, compiler, 0.5)
+    model = C.Composer(C.ModelConfig(vocab_size=tok.vocab_size, feat_dim=6, width=16, heads=2, ct_layers=1))
+    res, S = C.evaluate(model, compiler, sp, "cpu", phrases=False)
+    assert res["images"] == 3 and tuple(S.shape) == (2, 3)
