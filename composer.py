@@ -839,6 +839,23 @@ def pick_windows(windows: list, targets: list) -> list:
     return [min(windows, key=lambda w: (abs(w["compound_divergence"] - t), w["start"])) for t in targets]
 
 
+def target_problems(targets: list, windows: list, tolerance: float) -> list:
+    """What is wrong with the windows picked for --targets: a target further than `tolerance`
+    from every window (out of reach of this pool: the nearest reachable divergence is named), and
+    a target whose window another target already took (the two would be one split twice)."""
+    out, first = [], {}
+    cds = [w["compound_divergence"] for w in windows]
+    for t, w in zip(targets, pick_windows(windows, targets)):
+        cd = w["compound_divergence"]
+        if abs(cd - t) > tolerance:
+            out.append(f"target {t:g} is out of reach of this pool (nearest reachable compound divergence {cd:g}; "
+                       f"its windows span {min(cds):g}..{max(cds):g})")
+        if w["start"] in first:
+            out.append(f"targets {first[w['start']]:g} and {t:g} pick the same window (divergence {cd:g})")
+        first.setdefault(w["start"], t)
+    return out
+
+
 # =============================================================================
 # 3. Text: CRG -> token ids. Templates are word-piece ids of their words with one placeholder
 #    token per slot (ids vocab_size + tag index). Choice: a word is tokenized on its own
@@ -2490,7 +2507,18 @@ def cmd_mcd(args):
     summary["pool_images"] = len(pool)
     summary["windows"] = [{k: v for k, v in w.items() if k != "items"} for w in res["windows"]]
     picked = {f"target_{t:g}": w for t, w in zip(targets, pick_windows(res["windows"], targets))}
+    problems = target_problems(targets, res["windows"], args.tolerance)
+    if problems and not args.nearest:
+        raise ComposerError("; ".join(problems) + " (--nearest writes the nearest reachable splits anyway, each once; "
+                            "a larger --pool or a smaller --size widens the range)")
+    for msg in problems:
+        print(f"warning: {msg}", file=sys.stderr, flush=True)
+    # a window picked by several targets is written once, under the first target's name
+    seen = {}
+    picked = {n: w for n, w in picked.items() if seen.setdefault(w["start"], n) == n}
     summary["targets"] = {name: {k: v for k, v in w.items() if k != "items"} for name, w in picked.items()}
+    if problems:
+        summary["target_problems"] = problems
     summary["skipped"] = {"train": dict(sk_t), "pool": dict(sk_p)}
     summary["bracketer"] = {"train": nb_t, "pool": nb_p}
     if args.out:
@@ -2507,27 +2535,63 @@ def cmd_mcd(args):
 PARSER_HELP = ("no constituency parser is installed. Either: pip install benepar spacy && python -m spacy download "
                "en_core_web_md && python -c \"import benepar; benepar.download('benepar_en3')\" (the paper's parser, "
                "Kitaev & Klein 2018), or: pip install stanza && python -c \"import stanza; stanza.download('en')\"")
+# benepar needs a spaCy English pipeline only for sentence splitting and tokens: any installed one
+SPACY_MODELS = ("en_core_web_md", "en_core_web_lg", "en_core_web_sm", "en_core_web_trf")
+
+
+def _installed(name):
+    import importlib.util
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _benepar_parser():
+    """benepar (Kitaev & Klein 2018, the paper's parser) in the first installed spaCy English
+    pipeline; a missing piece is one error naming it and the command that installs it."""
+    if not _installed("spacy"):
+        raise ComposerError("benepar is installed but spaCy is not: pip install spacy && python -m spacy download en_core_web_md")
+    model = next((m for m in SPACY_MODELS if _installed(m)), None)
+    if model is None:
+        raise ComposerError(f"benepar is installed but no spaCy English model ({', '.join(SPACY_MODELS)}) is: "
+                            f"python -m spacy download en_core_web_md")
+    import benepar  # noqa: F401  (registers the spaCy pipe)
+    import spacy
+    nlp = spacy.load(model)
+    try:
+        nlp.add_pipe("benepar", config={"model": "benepar_en3"})
+    except LookupError:  # benepar finds its models through nltk's data path
+        raise ComposerError("benepar is installed but its model benepar_en3 is not: "
+                            "python -c \"import benepar; benepar.download('benepar_en3')\"") from None
+    return lambda c: "(ROOT " + " ".join(s._.parse_string for s in nlp(c).sents) + ")"
+
+
+def _stanza_parser():
+    import stanza
+    try:  # download_method=None: never fetch models behind the user's back
+        nlp = stanza.Pipeline("en", processors="tokenize,pos,constituency", verbose=False, download_method=None)
+    except (OSError, ValueError, LookupError, KeyError) as e:  # stanza's missing-resource errors are OSErrors
+        raise ComposerError(f"stanza is installed but its English models are not ({type(e).__name__}): "
+                            f"python -c \"import stanza; stanza.download('en', processors='tokenize,pos,constituency')\"") from None
+    return lambda c: "(ROOT " + " ".join(str(s.constituency) for s in nlp(c).sentences) + ")"
 
 
 def load_parser(name):
     """caption -> PTB string with a real constituency parser (optional; not in requirements), or
-    the built-in bracketer ('builtin'). 'auto' takes benepar, then stanza."""
+    the built-in bracketer ('builtin'). 'auto' takes benepar, then stanza. A parser that is
+    installed without its model says so (that, not "no parser", is what the user must fix)."""
     if name == "builtin":
         return bracket
+    problems = []
     for which in (["benepar", "stanza"] if name == "auto" else [name]):
-        try:
-            if which == "benepar":
-                import benepar  # noqa: F401  (registers the spaCy pipe)
-                import spacy
-                nlp = spacy.load("en_core_web_md")
-                nlp.add_pipe("benepar", config={"model": "benepar_en3"})
-                return lambda c: "(ROOT " + " ".join(s._.parse_string for s in nlp(c).sents) + ")"
-            import stanza
-            nlp = stanza.Pipeline("en", processors="tokenize,pos,constituency", verbose=False)
-            return lambda c: "(ROOT " + " ".join(str(s.constituency) for s in nlp(c).sentences) + ")"
-        except (ImportError, OSError, LookupError, ValueError):
+        if not _installed(which):
             continue
-    raise ComposerError(PARSER_HELP)
+        try:
+            return _benepar_parser() if which == "benepar" else _stanza_parser()
+        except ComposerError as e:
+            problems.append(str(e))
+    raise ComposerError("; ".join(problems) if problems else PARSER_HELP)
 
 
 def cmd_parse(args):
@@ -2702,7 +2766,13 @@ def parse_args(argv):
     m.add_argument("--size", type=int, default=300, help="items (images) in the MCD split")
     m.add_argument("--stride", type=int, default=None, help="sliding-window stride for graded splits")
     m.add_argument("--targets", default=None, help="comma-separated compound divergences, e.g. 0.15,0.2,0.25,0.31: "
-                   "write target_<t>.jsonl, the window closest to each (stride default: size/10)")
+                   "write target_<t>.jsonl, the window closest to each (stride default: size/10); a target out of "
+                   "reach of the pool, or two targets on one window, is an error unless --nearest")
+    m.add_argument("--tolerance", type=float, default=0.01,
+                   help="--targets: how far a window's divergence may be from its target")
+    m.add_argument("--nearest", action="store_true",
+                   help="--targets: write the nearest reachable split for an out-of-reach target (with a warning); "
+                        "targets that share a window write it once")
     m.add_argument("--out", default=None, help="write mcd.jsonl, random.jsonl, windows.json (+ target_*.jsonl) here")
     ps = sub.add_parser("parse", help="write PTB trees into a copy of a caption file with a real parser")
     ps.add_argument("input", help="Karpathy .json, .csv/.tsv, or a .jsonl split file")
