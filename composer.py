@@ -907,6 +907,73 @@ class TextCompiler:
                 "texts": [c.text for c in concepts], "words": prims}
 
 
+class BertTokenizer:
+    """BERT's WordPiece (vocab.txt of a released BERT, via `tokenizers`) behind the interface of
+    data.Tokenizer: captions -> [B, context_length] ids = [CLS] pieces [SEP], then [PAD]. Lower-
+    cases when the release says so (tokenizer_config.json do_lower_case) or, without that file,
+    when its vocabulary has no upper-case word (bert-base-uncased). Saved as tokenizer.json."""
+    kind = "bert_wordpiece"
+
+    def __init__(self, backend, context_length=77):
+        self.backend, self.context_length = backend, context_length
+        ids = [backend.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]")]
+        if None in ids:
+            raise ComposerError("BERT vocabulary without [CLS], [SEP] or [PAD]")
+        self.sot_id, self.eot_id, self.pad_id = ids
+        self.vocab_size = backend.get_vocab_size()
+
+    @classmethod
+    def from_release(cls, bert_dir, context_length=77):
+        from tokenizers import Tokenizer as Backend, decoders, models, normalizers, pre_tokenizers
+        path = os.path.join(bert_dir, "vocab.txt")
+        try:
+            with open(path, encoding="utf-8") as f:
+                vocab = {line.rstrip("\n"): i for i, line in enumerate(f)}
+        except OSError as e:
+            raise ComposerError(f"{path}: cannot read BERT's vocabulary ({e.strerror}; --bert needs a released "
+                                f"BERT: config.json, model.safetensors, vocab.txt)") from None
+        conf = os.path.join(bert_dir, "tokenizer_config.json")
+        lower = json.load(open(conf)).get("do_lower_case") if os.path.isfile(conf) else None
+        if lower is None:
+            lower = not any(t[:1].isupper() for t in vocab if not t.startswith("["))
+        backend = Backend(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+        backend.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, lowercase=lower)
+        backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        backend.decoder = decoders.WordPiece()
+        return cls(backend, context_length)
+
+    def __call__(self, texts):
+        texts = [texts] if isinstance(texts, str) else texts
+        out = torch.full((len(texts), self.context_length), self.pad_id, dtype=torch.long)
+        for row, enc in enumerate(self.backend.encode_batch(list(texts), add_special_tokens=False)):
+            ids = [self.sot_id] + enc.ids[:self.context_length - 2] + [self.eot_id]
+            out[row, :len(ids)] = torch.tensor(ids)
+        return out
+
+    def decode(self, ids):
+        ids = [int(i) for i in ids]
+        ids = ids[:ids.index(self.eot_id)] if self.eot_id in ids else ids
+        return self.backend.decode([i for i in ids if i != self.sot_id]).strip()
+
+    def save(self, directory):
+        blob = {"kind": self.kind, "context_length": self.context_length, "tokenizer": json.loads(self.backend.to_str())}
+        write_text(os.path.join(directory, "tokenizer.json"), json.dumps(blob))
+
+
+def load_tokenizer(folder):
+    """The tokenizer saved beside a checkpoint: BERT's WordPiece (--bert) or data.py's."""
+    path = os.path.join(folder, "tokenizer.json")
+    try:
+        with open(path) as f:
+            blob = json.load(f)
+    except (OSError, ValueError):
+        blob = {}
+    if isinstance(blob, dict) and blob.get("kind") == BertTokenizer.kind:
+        from tokenizers import Tokenizer as Backend
+        return BertTokenizer(Backend.from_str(json.dumps(blob["tokenizer"])), blob["context_length"])
+    return data.Tokenizer.load(folder)
+
+
 def _pad(rows, fill=0, width=None):
     width = width or max(1, max((len(r) for r in rows), default=1))
     out = torch.full((len(rows), width), fill, dtype=torch.long)
@@ -960,6 +1027,10 @@ class ModelConfig:
     ct_layers: int = 3            # Composition Transformer: self, cross, self, ... ending in self (paper: 5)
     modulator: str = "film"       # film | mlp | replace
     crossatt_primitives: bool = True
+    bert: bool = False            # text stream = BERT's post-LN layers and embedding LN (--bert, paper section 5.1)
+
+
+BERT_LN_EPS = 1e-12  # BERT's LayerNorm epsilon (every released BERT config has layer_norm_eps 1e-12)
 
 
 class Attention(nn.Module):
@@ -981,17 +1052,23 @@ class Attention(nn.Module):
 
 class Block(nn.Module):
     """Pre-LN transformer block. kind: "self" (SelfAtt), "cross" (CrossAtt: queries x, keys/values
-    ctx) or "self+cross" (keys/values = x U ctx: the paper's primitive encoder)."""
+    ctx) or "self+cross" (keys/values = x U ctx: the paper's primitive encoder).
+    post_ln: BERT's layer instead (Devlin et al. 2019; LayerNorm after each residual), the text
+    stream's blocks when they start from BERT (--bert); its parameters have the same names."""
 
-    def __init__(self, w, h, r, kind="self"):
+    def __init__(self, w, h, r, kind="self", post_ln=False):
         super().__init__()
-        self.kind = kind
-        self.ln1, self.attn, self.ln2 = nn.LayerNorm(w), Attention(w, h), nn.LayerNorm(w)
-        self.mlp = nn.Sequential(nn.Linear(w, r * w), nn.GELU(), nn.Linear(r * w, w))
+        self.kind, self.post_ln = kind, post_ln
+        eps = BERT_LN_EPS if post_ln else 1e-5
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(w, eps=eps), Attention(w, h), nn.LayerNorm(w, eps=eps)
+        self.mlp = nn.Sequential(nn.Linear(w, r * w), nn.GELU(), nn.Linear(r * w, w))  # GELU: erf, as BERT's
         if kind != "self":
             self.ln_ctx = nn.LayerNorm(w)
 
     def forward(self, x, mask=None, ctx=None, ctx_mask=None):
+        if self.post_ln:
+            x = self.ln1(x + self.attn(x, x, mask))
+            return self.ln2(x + self.mlp(x))
         hx = self.ln1(x)
         if self.kind == "self":
             kv, kv_mask = hx, mask
@@ -1001,6 +1078,16 @@ class Block(nn.Module):
             kv, kv_mask = torch.cat([hx, self.ln_ctx(ctx)], 1), torch.cat([mask, ctx_mask], 1)
         x = x + self.attn(hx, kv, kv_mask)
         return x + self.mlp(self.ln2(x))
+
+
+def text_block(cfg, w, h, r):
+    """A block of the text stream: BERT's layer with --bert, else the pre-LN block."""
+    return Block(w, h, r, post_ln=cfg.bert)
+
+
+def embedding_ln(cfg, w):
+    """BERT's LayerNorm over word + position embeddings with --bert (nothing otherwise)."""
+    return nn.LayerNorm(w, eps=BERT_LN_EPS) if cfg.bert else nn.Identity()
 
 
 def masked_mean(x, mask):
@@ -1069,12 +1156,15 @@ class Composer(nn.Module):
         w, h, r = cfg.width, cfg.heads, cfg.mlp_ratio
         self.tok_emb = nn.Embedding(cfg.vocab_size + len(PLACEHOLDER_TAGS), w)
         self.pos_emb = nn.Embedding(cfg.max_len, w)
+        self.emb_ln = embedding_ln(cfg, w)
         self.visual = VisualEncoder(cfg)
         # primitive encoder: one layer, queries = the word's pieces, keys/values = pieces U regions
         # (--no_crossatt_primitives: keys/values = pieces only, no visual context; paper Table 3)
         self.prim = Block(w, h, r, "self+cross" if cfg.crossatt_primitives else "self")
-        self.pt = nn.ModuleList(Block(w, h, r) for _ in range(cfg.pt_layers))
-        self.pt_ln = nn.LayerNorm(w)
+        # Predicate Transformer: BERT-initialised in the paper (section 5.1; --bert), whose
+        # post-LN output needs no final LayerNorm
+        self.pt = nn.ModuleList(text_block(cfg, w, h, r) for _ in range(cfg.pt_layers))
+        self.pt_ln = nn.Identity() if cfg.bert else nn.LayerNorm(w)
         self.mod = Modulator(cfg.modulator, w)
         # Choice: the CT sequence starts with a learned output token; its final state is the
         # concept embedding (fed to the parent's modulator) and, through LN + theta, the score.
@@ -1086,7 +1176,10 @@ class Composer(nn.Module):
     # --- text-only parts: computed once per caption, shared by all images it is scored with
     def embed(self, ids):
         pos = torch.arange(ids.shape[1], device=ids.device)
-        return self.tok_emb(ids) + self.pos_emb(pos)
+        return self.emb_ln(self.tok_emb(ids) + self.pos_emb(pos))
+
+    def bert_blocks(self):
+        return list(self.pt)
 
     def encode_text(self, tb):
         """Predicate Transformer over every template; embeddings of primitive word pieces."""
@@ -1196,7 +1289,7 @@ def caption_tokens(tb, cfg):
 def embed_caption(model, tb):
     """Token + position embeddings of the caption-level models (cross-encoders, VSE), and the mask."""
     t, mask = caption_tokens(tb, model.cfg)
-    return model.tok_emb(t) + model.pos_emb(torch.arange(t.shape[1], device=t.device)), mask
+    return model.emb_ln(model.tok_emb(t) + model.pos_emb(torch.arange(t.shape[1], device=t.device))), mask
 
 
 class CaptionCrossEncoder(nn.Module):
@@ -1207,6 +1300,7 @@ class CaptionCrossEncoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_emb, self.pos_emb = nn.Embedding(cfg.vocab_size, cfg.width), nn.Embedding(cfg.max_len, cfg.width)
+        self.emb_ln = embedding_ln(cfg, cfg.width)
         self.visual = VisualEncoder(cfg)
 
     def embed(self, tb):
@@ -1252,9 +1346,11 @@ class CoAttention(nn.Module):
 
 
 class ViLBERT(CaptionCrossEncoder):
-    """Baseline: two-stream co-attention transformer (text <-> image both ways), NO pretraining
-    (the paper's ViLBERT is pretrained on Conceptual Captions; no BERT / ViLBERT weights are
-    available here, so this is the architecture only, trained from scratch like the others).
+    """Baseline: two-stream co-attention transformer (text <-> image both ways), without
+    image-text pretraining, as in the paper (section 5.1: its ViLBERT, like COMPOSER and VSE,
+    starts from BERT and sees no Conceptual Captions pretraining). --bert DIR initialises the
+    text stream (embeddings, text-only layers, then the stream's layers between co-attentions)
+    from BERT's layers in order; without it everything is trained from scratch.
     Text: pt_layers self-attention blocks (ViLBERT's text-only layers), then ct_layers rounds of
     Co-TRM + a self-attention block in each stream (the visual stream is updated by the text,
     unlike COMPOSER's). Score: theta(h_CLS * mean of the visual stream), ViLBERT's alignment
@@ -1265,11 +1361,14 @@ class ViLBERT(CaptionCrossEncoder):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         w, h, r = cfg.width, cfg.heads, cfg.mlp_ratio
-        self.text_blocks = nn.ModuleList(Block(w, h, r) for _ in range(cfg.pt_layers))
+        self.text_blocks = nn.ModuleList(text_block(cfg, w, h, r) for _ in range(cfg.pt_layers))
         self.co = nn.ModuleList(CoAttention(w, h, r) for _ in range(cfg.ct_layers))
-        self.t_self = nn.ModuleList(Block(w, h, r) for _ in range(cfg.ct_layers))
+        self.t_self = nn.ModuleList(text_block(cfg, w, h, r) for _ in range(cfg.ct_layers))
         self.v_self = nn.ModuleList(Block(w, h, r) for _ in range(cfg.ct_layers))
         self.ln_t, self.ln_v, self.theta = nn.LayerNorm(w), nn.LayerNorm(w), nn.Linear(w, 1)
+
+    def bert_blocks(self):
+        return list(self.text_blocks) + list(self.t_self)
 
     def encode_text(self, tb):
         x, mask = self.embed(tb)
@@ -1295,12 +1394,16 @@ class VSE(nn.Module):
         self.cfg = cfg
         w, h, r = cfg.width, cfg.heads, cfg.mlp_ratio
         self.tok_emb, self.pos_emb = nn.Embedding(cfg.vocab_size, w), nn.Embedding(cfg.max_len, w)
-        self.blocks = nn.ModuleList(Block(w, h, r) for _ in range(cfg.pt_layers + cfg.ct_layers))
+        self.emb_ln = embedding_ln(cfg, w)
+        self.blocks = nn.ModuleList(text_block(cfg, w, h, r) for _ in range(cfg.pt_layers + cfg.ct_layers))
         self.ln_t, self.proj_t = nn.LayerNorm(w), nn.Linear(w, w)
         self.feat, self.box = nn.Linear(cfg.feat_dim, w), nn.Linear(5, w)
         self.mlp_v = nn.Sequential(nn.LayerNorm(w), nn.Linear(w, r * w), nn.GELU(), nn.Linear(r * w, w))
         self.proj_v = nn.Linear(w, w)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(10.0)))
+
+    def bert_blocks(self):
+        return list(self.blocks)
 
     def encode_text(self, tb):
         x, mask = embed_caption(self, tb)
@@ -1318,6 +1421,97 @@ class VSE(nn.Module):
 
 
 MODELS = {"composer": Composer, "vse": VSE, "single": SingleStream, "vilbert": ViLBERT}
+
+
+# --- BERT initialisation (paper section 5.1: ViLBERT, the Predicate Transformer and VSE's text
+# encoder start from BERT-base; "no pretraining" there means none on image-text pairs) ---
+
+def read_bert_config(bert_dir):
+    path = os.path.join(bert_dir, "config.json")
+    try:
+        with open(path) as f:
+            conf = json.load(f)
+    except FileNotFoundError:
+        raise ComposerError(f"{path}: not found (--bert needs a released BERT: config.json, model.safetensors, "
+                            f"vocab.txt)") from None
+    except (OSError, ValueError) as e:
+        raise ComposerError(f"{path}: unreadable ({type(e).__name__})") from None
+    if not isinstance(conf, dict):
+        raise ComposerError(f"{path}: not a BERT config")
+    return conf
+
+
+def read_bert(bert_dir):
+    """(config, weights) of a released BERT in Hugging Face layout: config.json and
+    model.safetensors. Keys are normalised: the "bert." prefix of BertForPreTraining files
+    (bert-base-uncased's) dropped, LayerNorm gamma / beta read as weight / bias."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    conf = read_bert_config(bert_dir)
+    try:
+        sd = load_file(os.path.join(bert_dir, "model.safetensors"))
+    except FileNotFoundError as e:
+        raise ComposerError(f"{e.filename}: not found (--bert needs a released BERT: config.json, "
+                            f"model.safetensors, vocab.txt)") from None
+    except (ValueError, OSError, SafetensorError) as e:
+        raise ComposerError(f"{bert_dir}: unreadable BERT release ({type(e).__name__}: {str(e)[:80]})") from None
+    norm = lambda k: re.sub(r"\.gamma$", ".weight", re.sub(r"\.beta$", ".bias", k[5:] if k.startswith("bert.") else k))
+    return conf, {norm(k): v for k, v in sd.items()}
+
+
+def bert_sizes(conf):
+    """ModelConfig sizes a BERT config fixes: width, heads, mlp_ratio (bert-base: 768, 12, 4)."""
+    w, ff = conf.get("hidden_size"), conf.get("intermediate_size")
+    if not w or not ff or ff % w or conf.get("hidden_act", "gelu") != "gelu":
+        raise ComposerError(f"--bert: config.json with hidden_size {w}, intermediate_size {ff}, hidden_act "
+                            f"{conf.get('hidden_act')}: not a BERT this model can take")
+    return {"width": w, "heads": conf["num_attention_heads"], "mlp_ratio": ff // w}
+
+
+def bert_targets(model):
+    """{parameter name: (BERT key(s), how to make the tensor)} for the model's text stream:
+    embeddings, then its bert_blocks() from BERT layer 0 on. Query -> q, key+value -> kv (one
+    matrix), attention output -> o and ln1, intermediate / output -> mlp and ln2."""
+    n_tok, L = model.cfg.vocab_size, model.cfg.max_len
+    out = {"tok_emb.weight": (["embeddings.word_embeddings.weight"], lambda w, p: torch.cat([w, p[n_tok:]])),
+           # token type 0 everywhere: its embedding folds into the position embedding
+           "pos_emb.weight": (["embeddings.position_embeddings.weight", "embeddings.token_type_embeddings.weight"],
+                              lambda pe, tt, p: pe[:L] + tt[0]),
+           "emb_ln.weight": (["embeddings.LayerNorm.weight"], None), "emb_ln.bias": (["embeddings.LayerNorm.bias"], None)}
+    names = {id(m): n for n, m in model.named_modules()}
+    for i, b in enumerate(model.bert_blocks()):
+        ours, src = names[id(b)], f"encoder.layer.{i}."
+        for wb in ("weight", "bias"):
+            for mine, theirs in (("attn.q", "attention.self.query"), ("attn.o", "attention.output.dense"),
+                                 ("ln1", "attention.output.LayerNorm"), ("mlp.0", "intermediate.dense"),
+                                 ("mlp.2", "output.dense"), ("ln2", "output.LayerNorm")):
+                out[f"{ours}.{mine}.{wb}"] = ([f"{src}{theirs}.{wb}"], None)
+            out[f"{ours}.attn.kv.{wb}"] = ([f"{src}attention.self.key.{wb}", f"{src}attention.self.value.{wb}"],
+                                           lambda k, v, p: torch.cat([k, v]))
+    return out
+
+
+@torch.no_grad()
+def init_from_bert(model, bert_dir):
+    """Copy a released BERT into the model's text stream (bert_targets); every shape is checked."""
+    if not hasattr(model, "bert_blocks") or not model.cfg.bert:
+        raise ComposerError("--bert initialises --model composer, vilbert or vse (paper section 5.1)")
+    conf, sd = read_bert(bert_dir)
+    if len(model.bert_blocks()) > conf.get("num_hidden_layers", 0) or model.cfg.max_len > conf.get("max_position_embeddings", 0):
+        raise ComposerError(f"--bert {bert_dir}: {conf.get('num_hidden_layers')} layers and "
+                            f"{conf.get('max_position_embeddings')} positions, the model needs "
+                            f"{len(model.bert_blocks())} text layers and --max_len {model.cfg.max_len}")
+    params = dict(model.named_parameters())
+    for name, (keys, make) in bert_targets(model).items():
+        if any(k not in sd for k in keys):
+            raise ComposerError(f"--bert {bert_dir}: model.safetensors has no {[k for k in keys if k not in sd][0]}")
+        p = params[name]
+        t = make(*[sd[k] for k in keys], p) if make else sd[keys[0]]
+        if t.shape != p.shape:
+            raise ComposerError(f"--bert {bert_dir}: {keys[0]} has shape {list(sd[keys[0]].shape)}, {name} needs "
+                                f"{list(p.shape)}")
+        p.copy_(t.to(p.dtype))
+    return model
 
 
 def text_inputs(cfg: ModelConfig, compiler: TextCompiler, comps: list, captions: list, device="cpu"):
@@ -2197,7 +2391,9 @@ def draw_loss_curve(metrics_path, png_path):
 
 def build_tokenizer(args, resume=False):
     if resume:         # every save also writes out_dir/tokenizer.json
-        return data.Tokenizer.load(args.out_dir)
+        return load_tokenizer(args.out_dir)
+    if getattr(args, "bert", None):  # BERT's own WordPiece vocabulary
+        return BertTokenizer.from_release(args.bert, args.max_len)
     captions = data.captions_for_tokenizer(args.data, image_root=getattr(args, "image_root", None), **csv_options(args))
     return data.build_tokenizer(vocab_path=args.vocab, captions=captions, vocab_size=args.vocab_size,
                                 context_length=args.max_len)
@@ -2215,10 +2411,13 @@ def read_split_file(path):
 
 
 def make_model(args, tok, feat_dim):
+    # --bert: BERT's width, heads and MLP size (the paper preset's are bert-base's: 768, 12, 4)
+    sizes = bert_sizes(read_bert_config(args.bert)) if getattr(args, "bert", None) else \
+        {"width": args.width, "heads": args.heads}
     cfg = ModelConfig(arch=args.model, vocab_size=tok.vocab_size, eot_token_id=tok.eot_id, max_len=args.max_len,
-                      feat_dim=feat_dim, width=args.width, heads=args.heads, vis_layers=args.vis_layers,
-                      pt_layers=args.pt_layers, ct_layers=args.ct_layers, modulator=args.modulator,
-                      crossatt_primitives=not args.no_crossatt_primitives)
+                      feat_dim=feat_dim, vis_layers=args.vis_layers, pt_layers=args.pt_layers, ct_layers=args.ct_layers,
+                      modulator=args.modulator, crossatt_primitives=not args.no_crossatt_primitives,
+                      bert=bool(getattr(args, "bert", None)), **sizes)
     return MODELS[cfg.arch](cfg), cfg
 
 
@@ -2295,6 +2494,8 @@ def build_run(args, resumed, master, world, device):
     t0 = time.time()
     sp, evals = load_data(args, compiler)
     model, cfg = make_model(args, tok, sp.store.feat_dim)
+    if args.bert and not resumed:
+        init_from_bert(model, args.bert)
     if args.init:
         load_weights(model, resolve_weights(args.init)[0])
     model.to(device)
@@ -2416,7 +2617,7 @@ def load_checkpoint(ckpt, device="cpu"):
     conf = data.read_json(os.path.join(folder, "config.json"))
     cfg = ModelConfig(**conf["model"])
     model = load_weights(MODELS[cfg.arch](cfg), weights)
-    return model.to(device).eval(), data.Tokenizer.load(folder), argparse.Namespace(**conf["args"])
+    return model.to(device).eval(), load_tokenizer(folder), argparse.Namespace(**conf["args"])
 
 
 def load_weights(model, weights):
@@ -2691,7 +2892,7 @@ def add_train_parser(sub):
     add_features(t)
     t.add_argument("--model", choices=list(MODELS), default="composer",
                    help="composer | baselines: vse, single (one stream, text->image attention), vilbert (two-stream "
-                        "co-attention, NOT pretrained: the architecture only, trained from scratch)")
+                        "co-attention, no image-text pretraining; text stream from BERT with --bert, else from scratch)")
     t.add_argument("--concept_mvsa", action="store_true",
                    help="single / vilbert: add l_MVSA over every concept of the caption (\"ViLBERT + MVSA\", Table 5)")
     t.add_argument("--out_dir", default="out/composer")
@@ -2706,6 +2907,10 @@ def add_train_parser(sub):
     t.add_argument("--stop_at", type=int, default=None, help="stop at this step with a checkpoint, as if preempted")
     t.add_argument("--compile", action="store_true")
     t.add_argument("--init", default=None, help="initial weights: a composer out_dir or model.safetensors")
+    t.add_argument("--bert", default=None, help="a released BERT in Hugging Face layout (config.json, model.safetensors, "
+                   "vocab.txt; e.g. bert-base-uncased): its WordPiece vocabulary and weights initialise the text stream "
+                   "of composer (Predicate Transformer), vilbert and vse, as in the paper (section 5.1); width and "
+                   "heads become BERT's")
     t.add_argument("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz (else a BPE trained on the captions)")
     t.add_argument("--vocab_size", type=int, default=1000)
     t.add_argument("--max_len", type=int, default=40)
