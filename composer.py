@@ -424,18 +424,20 @@ def _noun(w):
     return "NNS" if len(w) > 3 and w.endswith("s") and not re.search(r"(ss|us|is)$", w) else "NN"
 
 
-def _open_tag(w, prev, nxt, pw):
+def _open_tag(w, prev, nxt, nxt2, pw, existential):
     """Tag of an open word (no closed class, verb form or suffix) from its position:
-    an intensifier before an adjective ("super cute"), a predicate adjective after a copula
-    ("is cool."), a verb between a noun and a determiner ("a woman slices the bread"), a
-    prenominal modifier when hyphenated ("a red-and-white sweater"), else a noun."""
-    if nxt in ("JJ", "RB") and prev not in ("DT", "PRP$", "CD", "JJ", "IN", "TO"):
+    an intensifier between a verb and a predicate adjective ("looks super happy."), a predicate
+    adjective after a copula ("is cool.", but "there is snow."), a verb between a noun and a
+    determiner ("a woman slices the bread"), a prenominal modifier when hyphenated ("a
+    red-and-white sweater"), else a noun."""
+    end = (None, ".", ",", "CC")
+    if prev in _VERB_TAGS + ("RB",) and nxt == "JJ" and nxt2 in end:
         return "RB"
-    if pw in _BE and prev in _VERB_TAGS and nxt in (None, ".", ",", "CC"):
+    if pw in _BE and prev in _VERB_TAGS and nxt in end and not existential:
         return "JJ"
     if prev in _NOUN_TAGS and nxt in ("DT", "PRP$", "CD"):
         return "VBZ" if _noun(w) == "NNS" else ("VBP" if prev == "NNS" else "VBD")
-    if "-" in w and nxt in ("JJ", "NN", "NNS", None) and nxt is not None:
+    if "-" in w and nxt in ("JJ", "NN", "NNS"):
         return "JJ"
     return _noun(w)
 
@@ -447,10 +449,8 @@ def _tag_words(words):
     for i, w in enumerate(words):
         prev = tags[-1] if tags else None
         pw = words[i - 1] if i else None
-        nxt = lex[i + 1] if i + 1 < len(words) else None
-        if i + 1 < len(words) and nxt is None:
-            nxt = _noun(words[i + 1])
-        t = lex[i] or _open_tag(w, prev, nxt, pw)
+        nxt, nxt2 = ((lex[k] or _noun(words[k])) if k < len(words) else None for k in (i + 1, i + 2))
+        t = lex[i] or _open_tag(w, prev, nxt, nxt2, pw, "EX" in tags)
         kind = _VERB_FORMS.get(w)
         after_np = prev in _NOUN_TAGS or prev == "PRP"
         np_inside = prev in ("DT", "PRP$", "CD", "JJ", "POS")
@@ -563,6 +563,9 @@ class _NPChunker:
                 mods.append(pp)
                 if mode == "pp":
                     break
+            elif w == "next" and self.tag(j + 1) == "TO" and mode == "top" and (inner := self.np(j + 2, "pp")):
+                mods.append(f"(ADVP {self.leaf(j)} (PP {self.leaf(j + 1)} {inner[0]}))")  # "a dog next to a cat"
+                j = inner[1]
             elif t == "JJ" and self.tag(j + 1) == "IN" and self.w[j + 1] == "of" and (inner := self.np(j + 2, "pp")):
                 mods.append(f"(ADJP {self.leaf(j)} (PP {self.leaf(j + 1)} {inner[0]}))")
                 j = inner[1]
