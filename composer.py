@@ -679,7 +679,8 @@ class _Chunker(_NPChunker):
 def bracket(caption: str) -> str:
     """Caption -> PTB string with the rule-based tagger and chunker above (no model download)."""
     # PTB tokens: hyphenated words stay one token ("t-shirt"); clitics split off ("girl 's", "is n't")
-    words = re.findall(r"[a-z0-9]+(?:-[a-z0-9]+)*(?=n't)|n't|[a-z0-9]+(?:-[a-z0-9]+)*|'[a-z]+|[.,!?;:]", caption.lower())
+    words = re.findall(r"[a-z0-9]+(?:-[a-z0-9]+)*(?=n't)|n't|[a-z0-9]+(?:-[a-z0-9]+)*|'[a-z]+|[.,!?;:]",
+                       caption.lower().replace("\u2019", "'"))  # a typographic apostrophe is an apostrophe
     if not words:
         return "(S )"
     ch = _Chunker(words, _tag_words(words))
