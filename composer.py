@@ -251,21 +251,26 @@ def crg_from_tree(tree: str, caption: str | None = None) -> Concept:
 # --- rule-based bracketer for captions without trees (closed-class word lists, no model) ---
 # Choice: a deterministic tagger + recursive-descent chunker in the Kitaev-Klein (benepar) / PTB
 # style, not a statistical parser. It knows closed-class words, ~200 caption verbs with their
-# inflections, colour/size/material adjectives and suffix rules; context decides the ambiguous
-# ones (a verb form right after a noun phrase is the verb, "rides" after "a man"; a base form
-# after a plural subject is VBP; an -ing word after a determiner with no noun after it is a noun,
-# "the building"). Structure: NP -> base NP [PP (right-branching inside the PP) | VBG-phrase
-# (reduced relative) | SBAR (who/that/which)] and NP CC NP; S -> NP VP; inside the VP, PPs attach
-# to the VP and only "of" PPs to the object NP; "to VB" and "while VBG" make S / SBAR. Measured
-# against gold parses of 67 real-style captions (tests/fixtures/composer_captions_gold.txt):
-# see tests/test_composer_bracketer.py. A real parser (`composer.py parse`) is better still.
+# inflections, colour/size/material adjectives and adjective-only suffixes; context decides the
+# ambiguous ones (a verb form right after a noun phrase is the verb, "rides" after "a man"; a base
+# form after a plural subject is VBP; after a form of be/have a participle, "was hit"; an -ing word
+# after a determiner with no noun after it is a noun, "the building"; an adjective ending a
+# determiner phrase is its head noun, "a large blue square"), and open words are tagged by their
+# position. Tokens as PTB's: "girl 's" (POS inside the possessor NP), "t-shirt" one token.
+# Structure: NP -> base NP [PP (right-branching inside the PP; after "X of Y" the next PP modifies
+# "X of Y") | VBG-phrase (reduced relative) | SBAR (who/that/which)] and NP CC NP; S -> NP VP;
+# inside the VP, PPs attach to the VP and only "of" PPs to the object NP; "to VB" makes S, "while
+# VBG" and "while/as NP VP" make SBAR. Measured against gold parses of 168 real-style captions, 60
+# of them held out (tests/fixtures/composer_captions_*.txt, tests/test_composer_bracketer.py).
+# A real parser (`composer.py parse`) is better still.
 _CLOSED = {}
 for _tag, _words in {
     "DT": "a an the this these those some any every each no another all both either neither",
     "PRP$": "his her its their our my your",
     "NNS": "people men women children feet teeth geese mice police cattle clothes jeans "
            "pants shorts glasses sunglasses",
-    "PRP": "he she it they we i you him them us me someone something somebody everyone himself herself themselves",
+    "NN": "someone somebody something everyone everybody everything anyone anything nobody nothing",  # PTB: NN
+    "PRP": "he she it they we i you him them us me himself herself themselves",
     "CD": "one two three four five six seven eight nine ten eleven twelve dozen",
     "IN": "of in on at by with from into onto over under above below behind beside besides near "
           "through across along around between among against toward towards inside outside beneath "
@@ -284,7 +289,7 @@ for _tag, _words in {
     "VBG": "being",
     "MD": "can could will would may might should must",
     "RB": "very not also just together too almost really quite n't away out up down off back here "
-          "outside inside around nearby alone only still",
+          "outside inside around nearby alone only still so even",
     "JJ": "red green blue yellow orange purple pink brown black white gray grey cyan magenta beige tan "
           "golden silver blond blonde dark light bright colorful colourful striped spotted plaid "
           "small large big tiny huge little tall short long old young new wooden metal plastic glass "
@@ -294,7 +299,8 @@ for _tag, _words in {
           "left right top bottom middle front first second third last next several many few "
           "various multiple numerous professional outdoor indoor electric giant adult female male "
           "pretty beautiful nice cute fancy older younger smaller larger bigger "
-          "single double public private",
+          "single double public private great good cool fun funny nice huge cute lovely "
+          "broken shiny fluffy furry messy leafy rusty dusty",
 }.items():
     for _w in _words.split():
         _CLOSED.setdefault(_w, _tag)
@@ -335,7 +341,8 @@ _IRREGULAR = {"ride": "rode ridden", "sit": "sat", "stand": "stood", "run": "ran
               "shake": "shook shaken", "hang": "hung", "bite": "bit bitten", "kneel": "knelt",
               "lead": "led", "see": "saw seen", "find": "found", "stick": "stuck", "spin": "spun",
               "sweep": "swept", "dig": "dug", "hide": "hid hidden", "beat": "beaten",
-              "teach": "taught", "shoot": "shot", "leap": "leapt"}
+              "teach": "taught", "shoot": "shot", "leap": "leapt", "hit": "hit", "cut": "cut",
+              "put": "put", "set": "set", "let": "let"}
 _DOUBLE = set("run sit swim cut hit shop jog get put dig spin drag skip stop chat grab hug nap tap set "
               "let beg wrap clap trim rub step sled box".split()) - {"box"}
 
@@ -375,41 +382,81 @@ _NOUN_TAGS = ("NN", "NNS")
 _VERB_TAGS = ("VB", "VBZ", "VBP", "VBD", "VBN", "VBG", "MD")
 
 
+# Choice: only derivational endings that make adjectives and (almost) never nouns are read as
+# JJ. -ic, -al, -ian and -ese also end many caption nouns (traffic, music, picnic, hospital,
+# festival, signal, musician, cheese), so words with those endings are nouns like any open word.
+_JJ_SUFFIX = re.compile(r"\w{3,}(ous|ful|less|ical|ional|ular|etic|atic|istic)$|\w{5,}(ive|ish)$")
+# words that open a clause ("while a dog runs"); they never head a PP inside an NP
+_SUBORD = {"while", "as", "because", "if", "since", "until", "although", "though", "whilst", "when", "whereas"}
+_BE = {"is", "are", "was", "were", "be", "been", "being", "am", "has", "have", "had", "'s", "'re", "'m"}
+_PAST_IS_BASE = {w for w, forms in _IRREGULAR.items() if w in forms.split()}  # hit, cut, put, ...
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _lexical_tag(w):
-    """The context-free tag of a word: closed class, then suffix rules; open words are nouns."""
+    """The context-free tag of a word: closed class, verb forms, suffix rules; else None (an
+    open word: _tag_words decides from its position)."""
     if re.fullmatch(r"[.,!?;:]", w):
         return "." if w in ".!?" else ","
     if re.fullmatch(r"\d+", w):
         return "CD"
+    if w in ("'s", "'re", "'m"):
+        return "POS" if w == "'s" else "VBP"
     if w in _CLOSED:
         return _CLOSED[w]
     if w in _ING_NOUNS:
         return "NN"
-    kind = _VERB_FORMS.get(w)
+    kind = _VERB_FORMS.get(w) or ("ing" if _VERB_FORMS.get(w + "g") == "ing" else None)  # "sittin'"
     if kind == "ing" or (kind is None and len(w) > 4 and w.endswith("ing")):
         return "VBG"
     if kind == "ed" or (kind is None and len(w) > 4 and w.endswith("ed")):
-        return "VBN"
-    if len(w) > 4 and re.search(r"(ly)$", w):
+        return "JJ" if "-" in w else "VBN"  # "long-haired" is an adjective
+    if kind in ("base", "s"):
+        return "VB" if kind == "base" else "VBZ"
+    if len(w) > 4 and w.endswith("ly"):
         return "RB"
-    if len(w) > 4 and re.search(r"(ful|ous|ive|ish|less|ic|al|ian|ese)$", w) and w not in ("animal", "arrival"):
+    if _JJ_SUFFIX.match(w):
         return "JJ"
-    if len(w) > 3 and w.endswith("s") and not w.endswith("ss"):
-        return "NNS"
-    return "NN"
+    return None
+
+
+def _noun(w):
+    return "NNS" if len(w) > 3 and w.endswith("s") and not re.search(r"(ss|us|is)$", w) else "NN"
+
+
+def _open_tag(w, prev, nxt, nxt2, pw, existential):
+    """Tag of an open word (no closed class, verb form or suffix) from its position:
+    an intensifier between a verb and a predicate adjective ("looks super happy."), a predicate
+    adjective after a copula ("is cool.", but "there is snow."), a verb between a noun and a
+    determiner ("a woman slices the bread"), a prenominal modifier when hyphenated ("a
+    red-and-white sweater"), else a noun."""
+    end = (None, ".", ",", "CC")
+    if prev in _VERB_TAGS + ("RB",) and nxt == "JJ" and nxt2 in end:
+        return "RB"
+    if pw in _BE and prev in _VERB_TAGS and nxt in end and not existential:
+        return "JJ"
+    if prev in _NOUN_TAGS and nxt in ("DT", "PRP$", "CD"):
+        return "VBZ" if _noun(w) == "NNS" else ("VBP" if prev == "NNS" else "VBD")
+    if "-" in w and nxt in ("JJ", "NN", "NNS"):
+        return "JJ"
+    return _noun(w)
 
 
 def _tag_words(words):
     """Tags in context, left to right (see the Choice above)."""
+    lex = [_lexical_tag(w) for w in words]
     tags = []
     for i, w in enumerate(words):
         prev = tags[-1] if tags else None
-        nxt = _lexical_tag(words[i + 1]) if i + 1 < len(words) else None
-        t = _lexical_tag(w)
+        pw = words[i - 1] if i else None
+        nxt, nxt2 = ((lex[k] or _noun(words[k])) if k < len(words) else None for k in (i + 1, i + 2))
+        t = lex[i] or _open_tag(w, prev, nxt, nxt2, pw, "EX" in tags)
         kind = _VERB_FORMS.get(w)
         after_np = prev in _NOUN_TAGS or prev == "PRP"
-        if w in _NOUN_AFTER_DET and (prev == "DT" or (prev == "IN" and nxt == "IN" and words[i + 1] == "of")):
+        np_inside = prev in ("DT", "PRP$", "CD", "JJ", "POS")
+        if w == "'s":
+            t = "VBZ" if prev in ("PRP", "EX", "WDT", "WP") or pw == "that" else "POS"  # "it's" / "girl's"
+        elif w in _NOUN_AFTER_DET and (prev == "DT" or (prev == "IN" and nxt == "IN" and words[i + 1] == "of")):
             t = "NN"
         elif w in _ING_NOUNS and _VERB_FORMS.get(w) == "ing" and prev in _VERB_TAGS + _NOUN_TAGS + ("RB", "CC"):
             t = "VBG"  # "is painting a wall", "a man painting a wall" (but "a painting")
@@ -417,18 +464,26 @@ def _tag_words(words):
             t = "WDT"
         elif w == "that":
             t = "DT"
-        elif t == "VBG" and prev in ("DT", "PRP$", "JJ", "CD"):
+        elif t == "RB" and np_inside and w.endswith("ly"):
+            t = "JJ" if nxt in _NOUN_TAGS + ("JJ",) else "NN"  # "a lovely day", "a family"
+        elif t == "VBG" and prev in ("DT", "PRP$", "JJ", "CD", "POS"):
             # "the building" (no noun after: a noun); "a swimming pool" (a compound: NN);
             # "a running dog" (a modifier: VBG, not a primitive)
             t = "NN" if nxt not in _NOUN_TAGS or w in _ING_COMPOUND else "VBG"
+        elif kind in ("base", "ed") and pw in _BE and prev in _VERB_TAGS:
+            t = "VBN"  # passive / perfect: "was hit", "is being cut", "has eaten"
         elif kind == "s" and after_np:
             t = "VBZ"
         elif kind == "base" and (prev in ("NNS", "PRP", "TO", "MD") or (prev == "CC" and "VBP" in tags)):
             t = "VBP" if prev in ("NNS", "PRP") else "VB"
+        elif kind == "base" and prev == "NN" and w in _PAST_IS_BASE and nxt in ("DT", "PRP$", "CD", "IN"):
+            t = "VBD"  # "the player hit the ball": after a singular subject the bare form is the past
         elif kind == "ed" and after_np:
             t = "VBD"
         elif kind == "ed" and prev in ("VBZ", "VBP", "VBD", "VBN", "RB"):
             t = "VBN"
+        elif kind in ("base", "s") and t in ("VB", "VBZ"):
+            t = _noun(w)  # a verb form where no verb can stand: a noun ("a bus stop", "the waves")
         elif t == "NNS" and prev == "NN" and nxt in ("DT", "PRP$", "IN", "CD", "TO") and kind is None \
                 and not any(x in _VERB_TAGS for x in tags):
             t = "VBZ"  # an unknown -s word between a singular subject and its object: the verb
@@ -468,6 +523,8 @@ class _NPChunker:
                 j += 1
             else:
                 break
+        if self.tag(j) == "JJ" and self.tag(i) in ("DT", "PRP$", "CD"):
+            self.t[j] = "NN"  # a determiner phrase needs a head: "a small white square ."
         k = j
         while self.tag(k) in _NOUN_TAGS:
             out.append(self.leaf(k))
@@ -476,6 +533,12 @@ class _NPChunker:
             return f"(NP {self.leaf(i)})", i + 1
         if k == j:
             return None
+        if self.tag(k) == "POS":  # PTB possessive: (NP (NP a little girl 's) (NN dog))
+            owner = "(NP " + " ".join(out) + f" {self.leaf(k)})"
+            rest = self.base_np(k + 1) if self.tag(k + 1) not in ("DT", "PRP$", "POS") else None
+            if rest is None:
+                return owner, k + 1
+            return f"(NP {owner} {rest[0][4:-1]})", rest[1]
         return "(NP " + " ".join(out) + ")", k
 
     def np(self, i, mode):
@@ -489,14 +552,20 @@ class _NPChunker:
         mods = []
         while j < self.n:
             t, w = self.tag(j), self.w[j]
-            if t in ("IN", "TO") and (w == "of" or mode in ("top", "pp")) and w not in ("while", "as", "because", "if", "since", "until", "although", "though", "whilst"):
-                inner = self.np(j + 1, "object" if mode == "object" else "pp")
+            if t in ("IN", "TO") and (w == "of" or mode in ("top", "pp")) and w not in _SUBORD:
+                inner = self.np(j + 1, "object" if mode == "object" or w == "of" else "pp")
                 if inner is None:
                     break
-                mods.append(f"(PP {self.leaf(j)} {inner[0]})")
-                j = inner[1]
+                pp, j = f"(PP {self.leaf(j)} {inner[0]})", inner[1]
+                if w == "of":  # "a plate of food on a table": the next PP modifies "a plate of food"
+                    head, mods = f"(NP {' '.join([head, *mods, pp])})", []
+                    continue
+                mods.append(pp)
                 if mode == "pp":
                     break
+            elif w == "next" and self.tag(j + 1) == "TO" and mode == "top" and (inner := self.np(j + 2, "pp")):
+                mods.append(f"(ADVP {self.leaf(j)} (PP {self.leaf(j + 1)} {inner[0]}))")  # "a dog next to a cat"
+                j = inner[1]
             elif t == "JJ" and self.tag(j + 1) == "IN" and self.w[j + 1] == "of" and (inner := self.np(j + 2, "pp")):
                 mods.append(f"(ADJP {self.leaf(j)} (PP {self.leaf(j + 1)} {inner[0]}))")
                 j = inner[1]
@@ -510,8 +579,26 @@ class _NPChunker:
             else:
                 break
         tree = f"(NP {head} {' '.join(mods)})" if mods else head
-        if mode == "top" and self.tag(j) == "CC" and (other := self.np(j + 1, "top")):
+        if mode != "top":
+            return self.coordination(tree, j, mode)
+        if self.tag(j) == "CC" and (other := self.np(j + 1, "top")):
             return f"(NP {tree} {self.leaf(j)} {other[0]})", other[1]
+        return tree, j
+
+    def coordination(self, tree, j, mode):
+        """NP [, NP]* CC NP inside a PP or an object ("with a stove and a sink", "has cabinets and a
+        fridge"). Inside a PP a conjunct with its own modifiers ("and a woman in a coat") is left
+        to the coordination of the whole NP."""
+        parts, k = [tree], j
+        while self.tag(k) in (",", "CC"):
+            c = k + 2 if self.tag(k) == "," and self.tag(k + 1) == "CC" else k + 1
+            r = self.base_np(c) if mode == "pp" else self.np(c, "object")
+            if r is None or self.tag(r[1]) in ("VBG", "VBN") or (mode == "pp" and self.tag(r[1]) in ("IN", "TO")):
+                break
+            parts += [self.leaf(x) for x in range(k, c)] + [r[0]]
+            k = r[1]
+            if self.tag(c - 1) == "CC":
+                return "(NP " + " ".join(parts) + ")", k
         return tree, j
 
 
@@ -524,6 +611,7 @@ class _Chunker(_NPChunker):
         VBG" (SBAR), a later VBG-phrase (S), coordinated verbs. A finite verb after a complement
         ends a relative clause / reduced relative (stop_finite) or starts a coordinated VP."""
         out, j = [], i
+        existential = i > 0 and self.tag(i - 1) == "EX"  # "there is a clock on the wall": one NP
         while self.tag(j) in _VERB_TAGS + ("RB",):
             out.append(self.leaf(j))
             j += 1
@@ -531,6 +619,10 @@ class _Chunker(_NPChunker):
             t = self.tag(j)
             if t in (".",):
                 break
+            if t == "IN" and self.w[j] in _SUBORD and (cl := self.clause(j + 1)):
+                out.append(f"(SBAR {self.leaf(j)} {cl[0]})")  # "while a dog runs", "as the sun sets"
+                j = cl[1]
+                continue
             if t in _VERB_TAGS and t != "VBG" and stop_finite and t not in ("VB", "VBN"):
                 break
             if t == "TO" and self.tag(j + 1) == "VB":
@@ -551,13 +643,21 @@ class _Chunker(_NPChunker):
             elif t in _VERB_TAGS:
                 v, j = self.vp(j, stop_finite)
                 out.append(v)
-            elif (obj := self.np(j, "object")):
+            elif (obj := self.np(j, "top" if existential else "object")):
                 out.append(obj[0])
                 j = obj[1]
             else:
                 out.append(self.leaf(j))
                 j += 1
         return "(VP " + " ".join(out) + ")", j
+
+    def clause(self, i):
+        """S -> NP VP (a finite verb after the subject), or None."""
+        r = self.np(i, "top")
+        if r is None or self.tag(r[1]) not in _VERB_TAGS or self.tag(r[1]) == "VBG":
+            return None
+        vp, j = self.vp(r[1], stop_finite=False)
+        return f"(S {r[0]} {vp})", j
 
     def sentence(self):
         """S -> NP VP; a caption that is one NP (with its modifiers) stays an NP fragment."""
@@ -578,7 +678,9 @@ class _Chunker(_NPChunker):
 
 def bracket(caption: str) -> str:
     """Caption -> PTB string with the rule-based tagger and chunker above (no model download)."""
-    words = re.findall(r"[a-z0-9]+(?:'[a-z]+)?|n't|[.,!?;:]", caption.lower())
+    # PTB tokens: hyphenated words stay one token ("t-shirt"); clitics split off ("girl 's", "is n't")
+    words = re.findall(r"[a-z0-9]+(?:-[a-z0-9]+)*(?=n't)|n't|[a-z0-9]+(?:-[a-z0-9]+)*|'[a-z]+|[.,!?;:]",
+                       caption.lower().replace("\u2019", "'"))  # a typographic apostrophe is an apostrophe
     if not words:
         return "(S )"
     ch = _Chunker(words, _tag_words(words))
@@ -741,6 +843,23 @@ def pick_windows(windows: list, targets: list) -> list:
     return [min(windows, key=lambda w: (abs(w["compound_divergence"] - t), w["start"])) for t in targets]
 
 
+def target_problems(targets: list, windows: list, tolerance: float) -> list:
+    """What is wrong with the windows picked for --targets: a target further than `tolerance`
+    from every window (out of reach of this pool: the nearest reachable divergence is named), and
+    a target whose window another target already took (the two would be one split twice)."""
+    out, first = [], {}
+    cds = [w["compound_divergence"] for w in windows]
+    for t, w in zip(targets, pick_windows(windows, targets)):
+        cd = w["compound_divergence"]
+        if abs(cd - t) > tolerance:
+            out.append(f"target {t:g} is out of reach of this pool (nearest reachable compound divergence {cd:g}; "
+                       f"its windows span {min(cds):g}..{max(cds):g})")
+        if w["start"] in first:
+            out.append(f"targets {first[w['start']]:g} and {t:g} pick the same window (divergence {cd:g})")
+        first.setdefault(w["start"], t)
+    return out
+
+
 # =============================================================================
 # 3. Text: CRG -> token ids. Templates are word-piece ids of their words with one placeholder
 #    token per slot (ids vocab_size + tag index). Choice: a word is tokenized on its own
@@ -790,6 +909,73 @@ class TextCompiler:
             nodes.append({"tok": ids, "slots": slots, "level": c.height, "parent": parent.get(id(c), -1)})
         return {"prims": [self.cache[w] for w in prims], "nodes": nodes,
                 "texts": [c.text for c in concepts], "words": prims}
+
+
+class BertTokenizer:
+    """BERT's WordPiece (vocab.txt of a released BERT, via `tokenizers`) behind the interface of
+    data.Tokenizer: captions -> [B, context_length] ids = [CLS] pieces [SEP], then [PAD]. Lower-
+    cases when the release says so (tokenizer_config.json do_lower_case) or, without that file,
+    when its vocabulary has no upper-case word (bert-base-uncased). Saved as tokenizer.json."""
+    kind = "bert_wordpiece"
+
+    def __init__(self, backend, context_length=77):
+        self.backend, self.context_length = backend, context_length
+        ids = [backend.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]")]
+        if None in ids:
+            raise ComposerError("BERT vocabulary without [CLS], [SEP] or [PAD]")
+        self.sot_id, self.eot_id, self.pad_id = ids
+        self.vocab_size = backend.get_vocab_size()
+
+    @classmethod
+    def from_release(cls, bert_dir, context_length=77):
+        from tokenizers import Tokenizer as Backend, decoders, models, normalizers, pre_tokenizers
+        path = os.path.join(bert_dir, "vocab.txt")
+        try:
+            with open(path, encoding="utf-8") as f:
+                vocab = {line.rstrip("\n"): i for i, line in enumerate(f)}
+        except OSError as e:
+            raise ComposerError(f"{path}: cannot read BERT's vocabulary ({e.strerror}; --bert needs a released "
+                                f"BERT: config.json, model.safetensors, vocab.txt)") from None
+        conf = os.path.join(bert_dir, "tokenizer_config.json")
+        lower = json.load(open(conf)).get("do_lower_case") if os.path.isfile(conf) else None
+        if lower is None:
+            lower = not any(t[:1].isupper() for t in vocab if not t.startswith("["))
+        backend = Backend(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+        backend.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, lowercase=lower)
+        backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        backend.decoder = decoders.WordPiece()
+        return cls(backend, context_length)
+
+    def __call__(self, texts):
+        texts = [texts] if isinstance(texts, str) else texts
+        out = torch.full((len(texts), self.context_length), self.pad_id, dtype=torch.long)
+        for row, enc in enumerate(self.backend.encode_batch(list(texts), add_special_tokens=False)):
+            ids = [self.sot_id] + enc.ids[:self.context_length - 2] + [self.eot_id]
+            out[row, :len(ids)] = torch.tensor(ids)
+        return out
+
+    def decode(self, ids):
+        ids = [int(i) for i in ids]
+        ids = ids[:ids.index(self.eot_id)] if self.eot_id in ids else ids
+        return self.backend.decode([i for i in ids if i != self.sot_id]).strip()
+
+    def save(self, directory):
+        blob = {"kind": self.kind, "context_length": self.context_length, "tokenizer": json.loads(self.backend.to_str())}
+        write_text(os.path.join(directory, "tokenizer.json"), json.dumps(blob))
+
+
+def load_tokenizer(folder):
+    """The tokenizer saved beside a checkpoint: BERT's WordPiece (--bert) or data.py's."""
+    path = os.path.join(folder, "tokenizer.json")
+    try:
+        with open(path) as f:
+            blob = json.load(f)
+    except (OSError, ValueError):
+        blob = {}
+    if isinstance(blob, dict) and blob.get("kind") == BertTokenizer.kind:
+        from tokenizers import Tokenizer as Backend
+        return BertTokenizer(Backend.from_str(json.dumps(blob["tokenizer"])), blob["context_length"])
+    return data.Tokenizer.load(folder)
 
 
 def _pad(rows, fill=0, width=None):
@@ -845,6 +1031,10 @@ class ModelConfig:
     ct_layers: int = 3            # Composition Transformer: self, cross, self, ... ending in self (paper: 5)
     modulator: str = "film"       # film | mlp | replace
     crossatt_primitives: bool = True
+    bert: bool = False            # text stream = BERT's post-LN layers and embedding LN (--bert, paper section 5.1)
+
+
+BERT_LN_EPS = 1e-12  # BERT's LayerNorm epsilon (every released BERT config has layer_norm_eps 1e-12)
 
 
 class Attention(nn.Module):
@@ -866,17 +1056,23 @@ class Attention(nn.Module):
 
 class Block(nn.Module):
     """Pre-LN transformer block. kind: "self" (SelfAtt), "cross" (CrossAtt: queries x, keys/values
-    ctx) or "self+cross" (keys/values = x U ctx: the paper's primitive encoder)."""
+    ctx) or "self+cross" (keys/values = x U ctx: the paper's primitive encoder).
+    post_ln: BERT's layer instead (Devlin et al. 2019; LayerNorm after each residual), the text
+    stream's blocks when they start from BERT (--bert); its parameters have the same names."""
 
-    def __init__(self, w, h, r, kind="self"):
+    def __init__(self, w, h, r, kind="self", post_ln=False):
         super().__init__()
-        self.kind = kind
-        self.ln1, self.attn, self.ln2 = nn.LayerNorm(w), Attention(w, h), nn.LayerNorm(w)
-        self.mlp = nn.Sequential(nn.Linear(w, r * w), nn.GELU(), nn.Linear(r * w, w))
+        self.kind, self.post_ln = kind, post_ln
+        eps = BERT_LN_EPS if post_ln else 1e-5
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(w, eps=eps), Attention(w, h), nn.LayerNorm(w, eps=eps)
+        self.mlp = nn.Sequential(nn.Linear(w, r * w), nn.GELU(), nn.Linear(r * w, w))  # GELU: erf, as BERT's
         if kind != "self":
             self.ln_ctx = nn.LayerNorm(w)
 
     def forward(self, x, mask=None, ctx=None, ctx_mask=None):
+        if self.post_ln:
+            x = self.ln1(x + self.attn(x, x, mask))
+            return self.ln2(x + self.mlp(x))
         hx = self.ln1(x)
         if self.kind == "self":
             kv, kv_mask = hx, mask
@@ -886,6 +1082,16 @@ class Block(nn.Module):
             kv, kv_mask = torch.cat([hx, self.ln_ctx(ctx)], 1), torch.cat([mask, ctx_mask], 1)
         x = x + self.attn(hx, kv, kv_mask)
         return x + self.mlp(self.ln2(x))
+
+
+def text_block(cfg, w, h, r):
+    """A block of the text stream: BERT's layer with --bert, else the pre-LN block."""
+    return Block(w, h, r, post_ln=cfg.bert)
+
+
+def embedding_ln(cfg, w):
+    """BERT's LayerNorm over word + position embeddings with --bert (nothing otherwise)."""
+    return nn.LayerNorm(w, eps=BERT_LN_EPS) if cfg.bert else nn.Identity()
 
 
 def masked_mean(x, mask):
@@ -954,12 +1160,15 @@ class Composer(nn.Module):
         w, h, r = cfg.width, cfg.heads, cfg.mlp_ratio
         self.tok_emb = nn.Embedding(cfg.vocab_size + len(PLACEHOLDER_TAGS), w)
         self.pos_emb = nn.Embedding(cfg.max_len, w)
+        self.emb_ln = embedding_ln(cfg, w)
         self.visual = VisualEncoder(cfg)
         # primitive encoder: one layer, queries = the word's pieces, keys/values = pieces U regions
         # (--no_crossatt_primitives: keys/values = pieces only, no visual context; paper Table 3)
         self.prim = Block(w, h, r, "self+cross" if cfg.crossatt_primitives else "self")
-        self.pt = nn.ModuleList(Block(w, h, r) for _ in range(cfg.pt_layers))
-        self.pt_ln = nn.LayerNorm(w)
+        # Predicate Transformer: BERT-initialised in the paper (section 5.1; --bert), whose
+        # post-LN output needs no final LayerNorm
+        self.pt = nn.ModuleList(text_block(cfg, w, h, r) for _ in range(cfg.pt_layers))
+        self.pt_ln = nn.Identity() if cfg.bert else nn.LayerNorm(w)
         self.mod = Modulator(cfg.modulator, w)
         # Choice: the CT sequence starts with a learned output token; its final state is the
         # concept embedding (fed to the parent's modulator) and, through LN + theta, the score.
@@ -971,7 +1180,10 @@ class Composer(nn.Module):
     # --- text-only parts: computed once per caption, shared by all images it is scored with
     def embed(self, ids):
         pos = torch.arange(ids.shape[1], device=ids.device)
-        return self.tok_emb(ids) + self.pos_emb(pos)
+        return self.emb_ln(self.tok_emb(ids) + self.pos_emb(pos))
+
+    def bert_blocks(self):
+        return list(self.pt)
 
     def encode_text(self, tb):
         """Predicate Transformer over every template; embeddings of primitive word pieces."""
@@ -1081,7 +1293,7 @@ def caption_tokens(tb, cfg):
 def embed_caption(model, tb):
     """Token + position embeddings of the caption-level models (cross-encoders, VSE), and the mask."""
     t, mask = caption_tokens(tb, model.cfg)
-    return model.tok_emb(t) + model.pos_emb(torch.arange(t.shape[1], device=t.device)), mask
+    return model.emb_ln(model.tok_emb(t) + model.pos_emb(torch.arange(t.shape[1], device=t.device))), mask
 
 
 class CaptionCrossEncoder(nn.Module):
@@ -1092,6 +1304,7 @@ class CaptionCrossEncoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_emb, self.pos_emb = nn.Embedding(cfg.vocab_size, cfg.width), nn.Embedding(cfg.max_len, cfg.width)
+        self.emb_ln = embedding_ln(cfg, cfg.width)
         self.visual = VisualEncoder(cfg)
 
     def embed(self, tb):
@@ -1137,9 +1350,11 @@ class CoAttention(nn.Module):
 
 
 class ViLBERT(CaptionCrossEncoder):
-    """Baseline: two-stream co-attention transformer (text <-> image both ways), NO pretraining
-    (the paper's ViLBERT is pretrained on Conceptual Captions; no BERT / ViLBERT weights are
-    available here, so this is the architecture only, trained from scratch like the others).
+    """Baseline: two-stream co-attention transformer (text <-> image both ways), without
+    image-text pretraining, as in the paper (section 5.1: its ViLBERT, like COMPOSER and VSE,
+    starts from BERT and sees no Conceptual Captions pretraining). --bert DIR initialises the
+    text stream (embeddings, text-only layers, then the stream's layers between co-attentions)
+    from BERT's layers in order; without it everything is trained from scratch.
     Text: pt_layers self-attention blocks (ViLBERT's text-only layers), then ct_layers rounds of
     Co-TRM + a self-attention block in each stream (the visual stream is updated by the text,
     unlike COMPOSER's). Score: theta(h_CLS * mean of the visual stream), ViLBERT's alignment
@@ -1150,11 +1365,14 @@ class ViLBERT(CaptionCrossEncoder):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         w, h, r = cfg.width, cfg.heads, cfg.mlp_ratio
-        self.text_blocks = nn.ModuleList(Block(w, h, r) for _ in range(cfg.pt_layers))
+        self.text_blocks = nn.ModuleList(text_block(cfg, w, h, r) for _ in range(cfg.pt_layers))
         self.co = nn.ModuleList(CoAttention(w, h, r) for _ in range(cfg.ct_layers))
-        self.t_self = nn.ModuleList(Block(w, h, r) for _ in range(cfg.ct_layers))
+        self.t_self = nn.ModuleList(text_block(cfg, w, h, r) for _ in range(cfg.ct_layers))
         self.v_self = nn.ModuleList(Block(w, h, r) for _ in range(cfg.ct_layers))
         self.ln_t, self.ln_v, self.theta = nn.LayerNorm(w), nn.LayerNorm(w), nn.Linear(w, 1)
+
+    def bert_blocks(self):
+        return list(self.text_blocks) + list(self.t_self)
 
     def encode_text(self, tb):
         x, mask = self.embed(tb)
@@ -1180,12 +1398,16 @@ class VSE(nn.Module):
         self.cfg = cfg
         w, h, r = cfg.width, cfg.heads, cfg.mlp_ratio
         self.tok_emb, self.pos_emb = nn.Embedding(cfg.vocab_size, w), nn.Embedding(cfg.max_len, w)
-        self.blocks = nn.ModuleList(Block(w, h, r) for _ in range(cfg.pt_layers + cfg.ct_layers))
+        self.emb_ln = embedding_ln(cfg, w)
+        self.blocks = nn.ModuleList(text_block(cfg, w, h, r) for _ in range(cfg.pt_layers + cfg.ct_layers))
         self.ln_t, self.proj_t = nn.LayerNorm(w), nn.Linear(w, w)
         self.feat, self.box = nn.Linear(cfg.feat_dim, w), nn.Linear(5, w)
         self.mlp_v = nn.Sequential(nn.LayerNorm(w), nn.Linear(w, r * w), nn.GELU(), nn.Linear(r * w, w))
         self.proj_v = nn.Linear(w, w)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(10.0)))
+
+    def bert_blocks(self):
+        return list(self.blocks)
 
     def encode_text(self, tb):
         x, mask = embed_caption(self, tb)
@@ -1203,6 +1425,97 @@ class VSE(nn.Module):
 
 
 MODELS = {"composer": Composer, "vse": VSE, "single": SingleStream, "vilbert": ViLBERT}
+
+
+# --- BERT initialisation (paper section 5.1: ViLBERT, the Predicate Transformer and VSE's text
+# encoder start from BERT-base; "no pretraining" there means none on image-text pairs) ---
+
+def read_bert_config(bert_dir):
+    path = os.path.join(bert_dir, "config.json")
+    try:
+        with open(path) as f:
+            conf = json.load(f)
+    except FileNotFoundError:
+        raise ComposerError(f"{path}: not found (--bert needs a released BERT: config.json, model.safetensors, "
+                            f"vocab.txt)") from None
+    except (OSError, ValueError) as e:
+        raise ComposerError(f"{path}: unreadable ({type(e).__name__})") from None
+    if not isinstance(conf, dict):
+        raise ComposerError(f"{path}: not a BERT config")
+    return conf
+
+
+def read_bert(bert_dir):
+    """(config, weights) of a released BERT in Hugging Face layout: config.json and
+    model.safetensors. Keys are normalised: the "bert." prefix of BertForPreTraining files
+    (bert-base-uncased's) dropped, LayerNorm gamma / beta read as weight / bias."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    conf = read_bert_config(bert_dir)
+    try:
+        sd = load_file(os.path.join(bert_dir, "model.safetensors"))
+    except FileNotFoundError as e:
+        raise ComposerError(f"{e.filename}: not found (--bert needs a released BERT: config.json, "
+                            f"model.safetensors, vocab.txt)") from None
+    except (ValueError, OSError, SafetensorError) as e:
+        raise ComposerError(f"{bert_dir}: unreadable BERT release ({type(e).__name__}: {str(e)[:80]})") from None
+    norm = lambda k: re.sub(r"\.gamma$", ".weight", re.sub(r"\.beta$", ".bias", k[5:] if k.startswith("bert.") else k))
+    return conf, {norm(k): v for k, v in sd.items()}
+
+
+def bert_sizes(conf):
+    """ModelConfig sizes a BERT config fixes: width, heads, mlp_ratio (bert-base: 768, 12, 4)."""
+    w, ff = conf.get("hidden_size"), conf.get("intermediate_size")
+    if not w or not ff or ff % w or conf.get("hidden_act", "gelu") != "gelu":
+        raise ComposerError(f"--bert: config.json with hidden_size {w}, intermediate_size {ff}, hidden_act "
+                            f"{conf.get('hidden_act')}: not a BERT this model can take")
+    return {"width": w, "heads": conf["num_attention_heads"], "mlp_ratio": ff // w}
+
+
+def bert_targets(model):
+    """{parameter name: (BERT key(s), how to make the tensor)} for the model's text stream:
+    embeddings, then its bert_blocks() from BERT layer 0 on. Query -> q, key+value -> kv (one
+    matrix), attention output -> o and ln1, intermediate / output -> mlp and ln2."""
+    n_tok, L = model.cfg.vocab_size, model.cfg.max_len
+    out = {"tok_emb.weight": (["embeddings.word_embeddings.weight"], lambda w, p: torch.cat([w, p[n_tok:]])),
+           # token type 0 everywhere: its embedding folds into the position embedding
+           "pos_emb.weight": (["embeddings.position_embeddings.weight", "embeddings.token_type_embeddings.weight"],
+                              lambda pe, tt, p: pe[:L] + tt[0]),
+           "emb_ln.weight": (["embeddings.LayerNorm.weight"], None), "emb_ln.bias": (["embeddings.LayerNorm.bias"], None)}
+    names = {id(m): n for n, m in model.named_modules()}
+    for i, b in enumerate(model.bert_blocks()):
+        ours, src = names[id(b)], f"encoder.layer.{i}."
+        for wb in ("weight", "bias"):
+            for mine, theirs in (("attn.q", "attention.self.query"), ("attn.o", "attention.output.dense"),
+                                 ("ln1", "attention.output.LayerNorm"), ("mlp.0", "intermediate.dense"),
+                                 ("mlp.2", "output.dense"), ("ln2", "output.LayerNorm")):
+                out[f"{ours}.{mine}.{wb}"] = ([f"{src}{theirs}.{wb}"], None)
+            out[f"{ours}.attn.kv.{wb}"] = ([f"{src}attention.self.key.{wb}", f"{src}attention.self.value.{wb}"],
+                                           lambda k, v, p: torch.cat([k, v]))
+    return out
+
+
+@torch.no_grad()
+def init_from_bert(model, bert_dir):
+    """Copy a released BERT into the model's text stream (bert_targets); every shape is checked."""
+    if not hasattr(model, "bert_blocks") or not model.cfg.bert:
+        raise ComposerError("--bert initialises --model composer, vilbert or vse (paper section 5.1)")
+    conf, sd = read_bert(bert_dir)
+    if len(model.bert_blocks()) > conf.get("num_hidden_layers", 0) or model.cfg.max_len > conf.get("max_position_embeddings", 0):
+        raise ComposerError(f"--bert {bert_dir}: {conf.get('num_hidden_layers')} layers and "
+                            f"{conf.get('max_position_embeddings')} positions, the model needs "
+                            f"{len(model.bert_blocks())} text layers and --max_len {model.cfg.max_len}")
+    params = dict(model.named_parameters())
+    for name, (keys, make) in bert_targets(model).items():
+        if any(k not in sd for k in keys):
+            raise ComposerError(f"--bert {bert_dir}: model.safetensors has no {[k for k in keys if k not in sd][0]}")
+        p = params[name]
+        t = make(*[sd[k] for k in keys], p) if make else sd[keys[0]]
+        if t.shape != p.shape:
+            raise ComposerError(f"--bert {bert_dir}: {keys[0]} has shape {list(sd[keys[0]].shape)}, {name} needs "
+                                f"{list(p.shape)}")
+        p.copy_(t.to(p.dtype))
+    return model
 
 
 def text_inputs(cfg: ModelConfig, compiler: TextCompiler, comps: list, captions: list, device="cpu"):
@@ -1316,12 +1629,14 @@ class TensorFile:
 
 class RegionStore:
     """Precomputed region features, read per item (memory does not grow with the data set).
-    Two layouts (SPEC.md section 4):
+    Two layouts:
       DIR/{key}.safetensors   one file per image: feats [N, D], boxes [N, 5]
       FILE.safetensors        all images: feats [M, N, D], boxes [M, N, 5], optional n_regions [M]
                               (valid rows per image; else all N), metadata {"keys": JSON list of M}
-    check(key) reads the item once (shape, finite values) so bad items are skipped and counted
-    before training; select(keys) gives the store of a split."""
+    check(key) validates an item from the safetensors header alone (shapes, dtypes; no data is
+    read at start: Flickr30k's 2048-d regions are ~24 GB); read(key) reads it and checks its
+    values, so an item with non-finite values is found, skipped and counted when first read
+    (LazyFeatures). select(keys) gives the store of a split."""
 
     def __init__(self, path):
         self.path, self.dim = path, None
@@ -1339,46 +1654,71 @@ class RegionStore:
             self.n_valid = self.one.rows("n_regions").tolist() if self.one.shape("n_regions") else [f[1]] * f[0]
             self.dim = f[2]
 
-    def read(self, key):
-        """(feats [n, D] float32, boxes [n, 5] float32) of one image."""
+    def check(self, key):
+        """Header-only validation of one item (reads no feature data); returns where it lives
+        (a TensorFile, or the row of the one file)."""
         if self.one is not None:
             if key not in self.row:
                 raise CRGError("bad_regions", f"{self.path}: no regions for image {key!r}")
-            i = self.row[key]
-            n = self.n_valid[i]
-            return self.one.rows("feats", i, i + 1)[0, :n].float(), self.one.rows("boxes", i, i + 1)[0, :n].float()
+            if not 0 < self.n_valid[self.row[key]] <= self.one.shape("feats")[1]:
+                raise CRGError("bad_regions", f"{self.path}[{key}]: n_regions {self.n_valid[self.row[key]]} out of range")
+            return self.row[key]
         tf = TensorFile(os.path.join(self.path, f"{key}.safetensors"))
-        if tf.shape("feats") is None or tf.shape("boxes") is None:
-            raise CRGError("bad_regions", f"{tf.path}: needs tensors 'feats' and 'boxes', has {sorted(tf.head)}")
-        return tf.rows("feats").float(), tf.rows("boxes").float()
+        f, b = tf.shape("feats"), tf.shape("boxes")
+        if f is None or b is None or len(f) != 2 or b != [f[0], 5] or f[0] == 0 or (self.dim is not None and f[1] != self.dim):
+            raise CRGError("bad_regions", f"{tf.path}: expected feats [N, {self.dim or 'D'}] and boxes [N, 5], "
+                                          f"got {f} and {b}")
+        self.dim = f[1]
+        return tf
 
-    def check(self, key):
-        feats, boxes = self.read(key)
-        where = os.path.join(self.path, f"{key}.safetensors") if self.one is None else f"{self.path}[{key}]"
-        if feats.dim() != 2 or boxes.dim() != 2 or boxes.shape[1] != 5 or feats.shape[0] != boxes.shape[0] \
-                or feats.shape[0] == 0 or (self.dim is not None and feats.shape[1] != self.dim):
-            raise CRGError("bad_regions", f"{where}: expected feats [N, {self.dim or 'D'}] and boxes [N, 5], "
-                                          f"got {list(feats.shape)} and {list(boxes.shape)}")
+    def read(self, key):
+        """(feats [n, D] float32, boxes [n, 5] float32) of one image; CRGError('bad_regions')
+        for a bad item (header problems, non-finite values)."""
+        at = self.check(key)
+        if self.one is not None:
+            n = self.n_valid[at]
+            feats, boxes = self.one.rows("feats", at, at + 1)[0, :n].float(), self.one.rows("boxes", at, at + 1)[0, :n].float()
+        else:
+            feats, boxes = at.rows("feats").float(), at.rows("boxes").float()
         if not (torch.isfinite(feats).all() and torch.isfinite(boxes).all()):
+            where = at.path if self.one is None else f"{self.path}[{key}]"
             raise CRGError("bad_regions", f"{where}: non-finite values")
-        self.dim = feats.shape[1]
+        return feats, boxes
 
-    def select(self, keys):
-        return LazyFeatures(self, list(keys))
+    def select(self, keys, skipped=None, max_frac=1.0):
+        return LazyFeatures(self, list(keys), Counter() if skipped is None else skipped, max_frac)
 
 
 class LazyFeatures:
-    """The FeatureStore interface over a RegionStore: get() reads the batch's items only."""
+    """The FeatureStore interface over a RegionStore: get() reads the batch's items only. An
+    item found bad when first read is counted in `skipped` (the split's counter), said once on
+    stderr, and skipped from then on: it stands as one all-zero region, so the batch keeps its
+    shape on every rank and the image, still a candidate, carries no evidence. More bad items
+    than max_frac of the split stop the run (as --max_skip_frac does for captions)."""
 
-    def __init__(self, regions, keys):
+    def __init__(self, regions, keys, skipped, max_frac):
         self.regions, self.keys, self.feat_dim = regions, keys, regions.dim
+        self.skipped, self.max_frac, self.bad = skipped, max_frac, set()
 
     def __len__(self):
         return len(self.keys)
 
+    def item(self, i):
+        if i not in self.bad:
+            try:
+                return self.regions.read(self.keys[i])
+            except CRGError as e:
+                self.bad.add(i)
+                self.skipped[e.kind] += 1
+                print(f"warning: {e}; skipped ({len(self.bad)} bad region items so far)", file=sys.stderr, flush=True)
+                if len(self.bad) > self.max_frac * len(self.keys):
+                    raise ComposerError(f"{self.regions.path}: {len(self.bad)} of {len(self.keys)} region items "
+                                        f"are bad, more than --max_skip_frac {self.max_frac}") from None
+        return torch.zeros(1, self.feat_dim), torch.zeros(1, 5)
+
     def get(self, idx, device="cpu"):
         idx = idx.tolist() if torch.is_tensor(idx) else list(idx)
-        feats, boxes = zip(*[self.regions.read(self.keys[i]) for i in idx])
+        feats, boxes = zip(*[self.item(i) for i in idx])
         return tuple(t.to(device) for t in pad_regions(feats, boxes))
 
 
@@ -1589,9 +1929,12 @@ def load_split(args, split: str, n: int | None, items: list | None = None) -> Sp
     what = f"{args.data} ({split})"
     crgs, skipped, n_bracketed = caption_crgs(items, args.max_skip_frac, what)
     regions = RegionStore(args.regions) if args.features == "regions" else None
-    keys, kidx, captions, kept, cap_img, feats, its = [], {}, [], [], [], [], []
-    for crg, it, (key, cap, obj) in crgs:
-        if key not in kidx:
+    keys, kidx, bad, captions, kept, cap_img, feats, its = [], {}, {}, [], [], [], [], []
+
+    def add_image(key, obj):
+        """The image's index, after its features are made (gold, clip) or its regions' header
+        checked; None when they are bad (its captions are skipped and counted)."""
+        if key not in kidx and key not in bad:
             try:
                 if args.features == "gold":
                     if obj is None or not hasattr(obj, "objects"):
@@ -1605,17 +1948,29 @@ def load_split(args, split: str, n: int | None, items: list | None = None) -> Sp
                 else:
                     feats.append(obj.image if hasattr(obj, "image") else obj)  # images; clip features below
             except CRGError as e:
-                skipped[e.kind] += 1
-                continue
+                bad[key] = e.kind
+                return None
             kidx[key] = len(keys)
             keys.append(key)
+        return kidx.get(key)
+
+    for crg, it, (key, cap, obj) in crgs:
+        if (im := add_image(key, obj)) is None:
+            skipped[bad[key]] += 1
+            continue
         captions.append(cap)
         kept.append(crg)
-        cap_img.append(kidx[key])
+        cap_img.append(im)
         its.append(it)
+    # Every image stays a retrieval candidate (paper section 5: each caption ranks all test
+    # images), also one none of whose captions built a graph.
+    for it in items:
+        if it.get("key") not in kidx and it.get("key") not in bad and not it.get("_error"):
+            key, _, _, obj = _resolve_item(it)
+            add_image(key, obj)
     _check_skips(skipped, len(items), args.max_skip_frac, what)
     if args.features == "regions":
-        store = regions.select(keys)
+        store = regions.select(keys, skipped, args.max_skip_frac)
     elif args.features == "clip":
         store = FeatureStore(*clip_patch_features(feats, args.clip))
     else:
@@ -2040,7 +2395,9 @@ def draw_loss_curve(metrics_path, png_path):
 
 def build_tokenizer(args, resume=False):
     if resume:         # every save also writes out_dir/tokenizer.json
-        return data.Tokenizer.load(args.out_dir)
+        return load_tokenizer(args.out_dir)
+    if getattr(args, "bert", None):  # BERT's own WordPiece vocabulary
+        return BertTokenizer.from_release(args.bert, args.max_len)
     captions = data.captions_for_tokenizer(args.data, image_root=getattr(args, "image_root", None), **csv_options(args))
     return data.build_tokenizer(vocab_path=args.vocab, captions=captions, vocab_size=args.vocab_size,
                                 context_length=args.max_len)
@@ -2058,10 +2415,13 @@ def read_split_file(path):
 
 
 def make_model(args, tok, feat_dim):
+    # --bert: BERT's width, heads and MLP size (the paper preset's are bert-base's: 768, 12, 4)
+    sizes = bert_sizes(read_bert_config(args.bert)) if getattr(args, "bert", None) else \
+        {"width": args.width, "heads": args.heads}
     cfg = ModelConfig(arch=args.model, vocab_size=tok.vocab_size, eot_token_id=tok.eot_id, max_len=args.max_len,
-                      feat_dim=feat_dim, width=args.width, heads=args.heads, vis_layers=args.vis_layers,
-                      pt_layers=args.pt_layers, ct_layers=args.ct_layers, modulator=args.modulator,
-                      crossatt_primitives=not args.no_crossatt_primitives)
+                      feat_dim=feat_dim, vis_layers=args.vis_layers, pt_layers=args.pt_layers, ct_layers=args.ct_layers,
+                      modulator=args.modulator, crossatt_primitives=not args.no_crossatt_primitives,
+                      bert=bool(getattr(args, "bert", None)), **sizes)
     return MODELS[cfg.arch](cfg), cfg
 
 
@@ -2138,6 +2498,8 @@ def build_run(args, resumed, master, world, device):
     t0 = time.time()
     sp, evals = load_data(args, compiler)
     model, cfg = make_model(args, tok, sp.store.feat_dim)
+    if args.bert and not resumed:
+        init_from_bert(model, args.bert)
     if args.init:
         load_weights(model, resolve_weights(args.init)[0])
     model.to(device)
@@ -2259,7 +2621,7 @@ def load_checkpoint(ckpt, device="cpu"):
     conf = data.read_json(os.path.join(folder, "config.json"))
     cfg = ModelConfig(**conf["model"])
     model = load_weights(MODELS[cfg.arch](cfg), weights)
-    return model.to(device).eval(), data.Tokenizer.load(folder), argparse.Namespace(**conf["args"])
+    return model.to(device).eval(), load_tokenizer(folder), argparse.Namespace(**conf["args"])
 
 
 def load_weights(model, weights):
@@ -2350,7 +2712,18 @@ def cmd_mcd(args):
     summary["pool_images"] = len(pool)
     summary["windows"] = [{k: v for k, v in w.items() if k != "items"} for w in res["windows"]]
     picked = {f"target_{t:g}": w for t, w in zip(targets, pick_windows(res["windows"], targets))}
+    problems = target_problems(targets, res["windows"], args.tolerance)
+    if problems and not args.nearest:
+        raise ComposerError("; ".join(problems) + " (--nearest writes the nearest reachable splits anyway, each once; "
+                            "a larger --pool or a smaller --size widens the range)")
+    for msg in problems:
+        print(f"warning: {msg}", file=sys.stderr, flush=True)
+    # a window picked by several targets is written once, under the first target's name
+    seen = {}
+    picked = {n: w for n, w in picked.items() if seen.setdefault(w["start"], n) == n}
     summary["targets"] = {name: {k: v for k, v in w.items() if k != "items"} for name, w in picked.items()}
+    if problems:
+        summary["target_problems"] = problems
     summary["skipped"] = {"train": dict(sk_t), "pool": dict(sk_p)}
     summary["bracketer"] = {"train": nb_t, "pool": nb_p}
     if args.out:
@@ -2367,27 +2740,63 @@ def cmd_mcd(args):
 PARSER_HELP = ("no constituency parser is installed. Either: pip install benepar spacy && python -m spacy download "
                "en_core_web_md && python -c \"import benepar; benepar.download('benepar_en3')\" (the paper's parser, "
                "Kitaev & Klein 2018), or: pip install stanza && python -c \"import stanza; stanza.download('en')\"")
+# benepar needs a spaCy English pipeline only for sentence splitting and tokens: any installed one
+SPACY_MODELS = ("en_core_web_md", "en_core_web_lg", "en_core_web_sm", "en_core_web_trf")
+
+
+def _installed(name):
+    import importlib.util
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _benepar_parser():
+    """benepar (Kitaev & Klein 2018, the paper's parser) in the first installed spaCy English
+    pipeline; a missing piece is one error naming it and the command that installs it."""
+    if not _installed("spacy"):
+        raise ComposerError("benepar is installed but spaCy is not: pip install spacy && python -m spacy download en_core_web_md")
+    model = next((m for m in SPACY_MODELS if _installed(m)), None)
+    if model is None:
+        raise ComposerError(f"benepar is installed but no spaCy English model ({', '.join(SPACY_MODELS)}) is: "
+                            f"python -m spacy download en_core_web_md")
+    import benepar  # noqa: F401  (registers the spaCy pipe)
+    import spacy
+    nlp = spacy.load(model)
+    try:
+        nlp.add_pipe("benepar", config={"model": "benepar_en3"})
+    except LookupError:  # benepar finds its models through nltk's data path
+        raise ComposerError("benepar is installed but its model benepar_en3 is not: "
+                            "python -c \"import benepar; benepar.download('benepar_en3')\"") from None
+    return lambda c: "(ROOT " + " ".join(s._.parse_string for s in nlp(c).sents) + ")"
+
+
+def _stanza_parser():
+    import stanza
+    try:  # download_method=None: never fetch models behind the user's back
+        nlp = stanza.Pipeline("en", processors="tokenize,pos,constituency", verbose=False, download_method=None)
+    except (OSError, ValueError, LookupError, KeyError) as e:  # stanza's missing-resource errors are OSErrors
+        raise ComposerError(f"stanza is installed but its English models are not ({type(e).__name__}): "
+                            f"python -c \"import stanza; stanza.download('en', processors='tokenize,pos,constituency')\"") from None
+    return lambda c: "(ROOT " + " ".join(str(s.constituency) for s in nlp(c).sentences) + ")"
 
 
 def load_parser(name):
     """caption -> PTB string with a real constituency parser (optional; not in requirements), or
-    the built-in bracketer ('builtin'). 'auto' takes benepar, then stanza."""
+    the built-in bracketer ('builtin'). 'auto' takes benepar, then stanza. A parser that is
+    installed without its model says so (that, not "no parser", is what the user must fix)."""
     if name == "builtin":
         return bracket
+    problems = []
     for which in (["benepar", "stanza"] if name == "auto" else [name]):
-        try:
-            if which == "benepar":
-                import benepar  # noqa: F401  (registers the spaCy pipe)
-                import spacy
-                nlp = spacy.load("en_core_web_md")
-                nlp.add_pipe("benepar", config={"model": "benepar_en3"})
-                return lambda c: "(ROOT " + " ".join(s._.parse_string for s in nlp(c).sents) + ")"
-            import stanza
-            nlp = stanza.Pipeline("en", processors="tokenize,pos,constituency", verbose=False)
-            return lambda c: "(ROOT " + " ".join(str(s.constituency) for s in nlp(c).sentences) + ")"
-        except (ImportError, OSError, LookupError, ValueError):
+        if not _installed(which):
             continue
-    raise ComposerError(PARSER_HELP)
+        try:
+            return _benepar_parser() if which == "benepar" else _stanza_parser()
+        except ComposerError as e:
+            problems.append(str(e))
+    raise ComposerError("; ".join(problems) if problems else PARSER_HELP)
 
 
 def cmd_parse(args):
@@ -2487,7 +2896,7 @@ def add_train_parser(sub):
     add_features(t)
     t.add_argument("--model", choices=list(MODELS), default="composer",
                    help="composer | baselines: vse, single (one stream, text->image attention), vilbert (two-stream "
-                        "co-attention, NOT pretrained: the architecture only, trained from scratch)")
+                        "co-attention, no image-text pretraining; text stream from BERT with --bert, else from scratch)")
     t.add_argument("--concept_mvsa", action="store_true",
                    help="single / vilbert: add l_MVSA over every concept of the caption (\"ViLBERT + MVSA\", Table 5)")
     t.add_argument("--out_dir", default="out/composer")
@@ -2502,6 +2911,10 @@ def add_train_parser(sub):
     t.add_argument("--stop_at", type=int, default=None, help="stop at this step with a checkpoint, as if preempted")
     t.add_argument("--compile", action="store_true")
     t.add_argument("--init", default=None, help="initial weights: a composer out_dir or model.safetensors")
+    t.add_argument("--bert", default=None, help="a released BERT in Hugging Face layout (config.json, model.safetensors, "
+                   "vocab.txt; e.g. bert-base-uncased): its WordPiece vocabulary and weights initialise the text stream "
+                   "of composer (Predicate Transformer), vilbert and vse, as in the paper (section 5.1); width and "
+                   "heads become BERT's")
     t.add_argument("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz (else a BPE trained on the captions)")
     t.add_argument("--vocab_size", type=int, default=1000)
     t.add_argument("--max_len", type=int, default=40)
@@ -2562,7 +2975,13 @@ def parse_args(argv):
     m.add_argument("--size", type=int, default=300, help="items (images) in the MCD split")
     m.add_argument("--stride", type=int, default=None, help="sliding-window stride for graded splits")
     m.add_argument("--targets", default=None, help="comma-separated compound divergences, e.g. 0.15,0.2,0.25,0.31: "
-                   "write target_<t>.jsonl, the window closest to each (stride default: size/10)")
+                   "write target_<t>.jsonl, the window closest to each (stride default: size/10); a target out of "
+                   "reach of the pool, or two targets on one window, is an error unless --nearest")
+    m.add_argument("--tolerance", type=float, default=0.01,
+                   help="--targets: how far a window's divergence may be from its target")
+    m.add_argument("--nearest", action="store_true",
+                   help="--targets: write the nearest reachable split for an out-of-reach target (with a warning); "
+                        "targets that share a window write it once")
     m.add_argument("--out", default=None, help="write mcd.jsonl, random.jsonl, windows.json (+ target_*.jsonl) here")
     ps = sub.add_parser("parse", help="write PTB trees into a copy of a caption file with a real parser")
     ps.add_argument("input", help="Karpathy .json, .csv/.tsv, or a .jsonl split file")

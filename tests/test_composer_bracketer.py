@@ -31,13 +31,22 @@ def micro_f1(gold_lists, pred_lists):
     return 2 * prec * rec / (prec + rec)
 
 
+def bracketed(caption):
+    """The built-in bracketer's CRG, or None when it finds no primitive (scored as empty)."""
+    try:
+        return C.caption_crg(caption)
+    except C.CRGError:
+        return None
+
+
 def scores(pairs):
     gold = [C.crg_from_tree(t, c) for c, t in pairs]
-    pred = [C.caption_crg(c) for c, _ in pairs]  # no tree: the built-in bracketer
-    prim = micro_f1([[p.word for p in g.primitives()] for g in gold], [[p.word for p in b.primitives()] for b in pred])
-    conc = micro_f1([[x.text for x in g.concepts()] for g in gold], [[x.text for x in b.concepts()] for b in pred])
-    same = sum([(x.text, x.predicate) for x in g.concepts()] == [(x.text, x.predicate) for x in b.concepts()]
-               for g, b in zip(gold, pred))
+    pred = [bracketed(c) for c, _ in pairs]  # no tree: the built-in bracketer
+    prims = lambda g: [p.word for p in g.primitives()] if g else []
+    nodes = lambda g: [(x.text, x.predicate) for x in g.concepts()] if g else []
+    prim = micro_f1([prims(g) for g in gold], [prims(b) for b in pred])
+    conc = micro_f1([[t for t, _ in nodes(g)] for g in gold], [[t for t, _ in nodes(b)] for b in pred])
+    same = sum(nodes(g) == nodes(b) for g, b in zip(gold, pred))
     return prim, conc, same
 
 
@@ -49,20 +58,22 @@ def test_micro_f1_by_hand():
 
 def test_bracketer_f1_on_real_style_captions():
     pairs = read_pairs("composer_captions_gold.txt")
-    assert len(pairs) >= 60
+    assert len(pairs) >= 100
     prim, conc, same = scores(pairs)
     print(f"gold set ({len(pairs)} captions): primitive F1 {prim:.3f}, concept F1 {conc:.3f}, "
           f"{same} identical graphs")
-    assert prim >= 0.95 and conc >= 0.85
+    assert prim >= 0.97 and conc >= 0.95
 
 
 def test_bracketer_f1_on_heldout_captions():
-    """Captions written after the rules were frozen: the figure a user can expect."""
+    """Captions written before the rules were revised and never used to tune them: the figure a
+    user can expect. Together with the tuning set they are >= 150 captions, a third held out."""
     pairs = read_pairs("composer_captions_heldout.txt")
+    assert len(pairs) >= 50 and len(pairs) + len(read_pairs("composer_captions_gold.txt")) >= 150
     prim, conc, same = scores(pairs)
     print(f"held-out ({len(pairs)} captions): primitive F1 {prim:.3f}, concept F1 {conc:.3f}, "
           f"{same} identical graphs")
-    assert prim >= 0.95 and conc >= 0.85
+    assert prim >= 0.97 and conc >= 0.92
 
 
 @pytest.mark.parametrize("caption,predicate", [
@@ -92,3 +103,48 @@ def test_ptb_function_tags_are_stripped():
     assert [(x.tag, x.predicate) for x in c.concepts()] == [
         ("NP", "a [NN]"), ("NP", "a [NN]"), ("NP", "the [NN]"), ("S", "[NP] rides [NP] on [NP]")]
     assert C._strip_function_tags("-LRB-") == "-LRB-" and C._strip_function_tags("PRP$") == "PRP$"
+
+
+def prims(caption):
+    return sorted(p.word for p in C.caption_crg(caption).primitives())
+
+
+def test_suffix_words_are_nouns_unless_adjectival():
+    # -ic / -al / -ian / -ese end many nouns: they are primitives; -ous / -ful / -ical stay adjectives
+    assert prims("A musician playing music at a festival.") == ["festival", "music", "musician"]
+    assert prims("Heavy traffic near the hospital.") == ["hospital", "traffic"]
+    assert prims("A colorful painting on a tropical beach.") == ["beach", "painting"]
+
+
+def test_possessive_is_pos_inside_the_np():
+    tree = C.bracket("A little girl's dog.")
+    assert "(NP (NP (DT a) (JJ little) (NN girl) (POS 's)) (NN dog))" in tree
+    assert [x.text for x in C.caption_crg("A little girl's dog.").concepts()] == ["a little girl 's", "a little girl 's dog"]
+    assert "(VBZ 's)" in C.bracket("It's a dog.")  # a clitic verb after a pronoun
+
+
+def test_hyphenated_words_are_one_token():
+    assert prims("A man in a black t-shirt.") == ["man", "t-shirt"]
+    assert "(JJ long-haired)" in C.bracket("A long-haired woman.") and "(JJ red-and-white) " in C.bracket("A red-and-white sign.")
+
+
+def test_adjective_heading_a_determiner_phrase_is_a_noun():
+    # shapes' captions: "square" is a noun after "a large blue", an adjective before a noun
+    assert prims("A small red circle to the left of a large blue square.") == ["circle", "left", "square"]
+    assert prims("A square table.") == ["table"]
+
+
+@pytest.mark.parametrize("caption,fragment", [
+    ("The cake is being cut by the bride.", "(VBG being) (VBN cut) (PP (IN by)"),      # passive
+    ("A boy was hit by a ball.", "(VBD was) (VBN hit)"),
+    ("The player hit the ball.", "(VBD hit) (NP (DT the) (NN ball))"),                # past = base form
+    ("A man sits while a dog runs.", "(SBAR (IN while) (S (NP (DT a) (NN dog)) (VP (VBZ runs))))"),
+    ("A surfer rides a wave as the sun sets.", "(SBAR (IN as) (S (NP (DT the) (NN sun)) (VP (VBZ sets))))"),
+    ("Someone is cooking.", "(NP (NN someone))"),                                      # PTB: NN
+    ("The dog is so cute.", "(RB so) (JJ cute)"),
+    ("The view is spectacular.", "(JJ spectacular)"),        # open word after a copula: an adjective
+    ("A woman slices the bread.", "(VBZ slices) (NP (DT the) (NN bread))"),  # open word before an NP: the verb
+    ("A man sittin on a bench.", "(VBG sittin)"),                                      # dropped g
+])
+def test_bracketer_tags_by_position(caption, fragment):
+    assert fragment in C.bracket(caption)

@@ -113,11 +113,37 @@ def test_mcd_targets_and_pool_over_splits(tmp_path):
                          "--targets", "0.0,1.0", "--out", str(tmp_path / "mcd")])
     by_img, _, nb = C._pool(args)
     assert sorted(by_img) == [f"test{i}" for i in range(4)] + [f"val{i}" for i in range(6)] and nb == 50
+    with pytest.raises(C.ComposerError, match="target 1 is out of reach of this pool"):
+        C.cmd_mcd(args)  # no window of this pool is near divergence 1.0: nothing written
+    assert not (tmp_path / "mcd").exists()
+    args.nearest = True
     res = C.cmd_mcd(args)
     assert res["pool"] == 10
-    for t in ("0", "1"):
+    written = sorted(os.listdir(tmp_path / "mcd"))
+    for t in [n[len("target_"):-len(".jsonl")] for n in written if n.startswith("target_")]:
         lines = [json.loads(l) for l in open(tmp_path / "mcd" / f"target_{t}.jsonl")]
         assert len({it["key"] for it in lines}) == 4 and len(lines) == 20  # 4 images with all 5 captions
+
+
+def test_mcd_target_problems():
+    windows = [{"start": s, "compound_divergence": cd} for s, cd in [(0, 0.031), (5, 0.02), (10, 0.012)]]
+    assert C.target_problems([0.02, 0.03], windows, 0.01) == []
+    p = C.target_problems([0.15, 0.2, 0.012], windows, 0.01)
+    assert p[0].startswith("target 0.15 is out of reach") and "nearest reachable compound divergence 0.031" in p[0]
+    assert "targets 0.15 and 0.2 pick the same window" in p[2] and len(p) == 3
+
+
+def test_mcd_cli_out_of_reach_exits_nonzero(tmp_path, capsys):
+    js, _ = karpathy(tmp_path, splits=("train", "test"))
+    argv = ["mcd", "--train", js, "--pool", js, "--size", "3", "--targets", "0.9,0.95", "--out", str(tmp_path / "m")]
+    with pytest.raises(SystemExit) as e:
+        C.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].startswith("error: target 0.9 is out of reach") and "--nearest" in err[-1]
+    C.main(argv + ["--nearest"])
+    out = capsys.readouterr()
+    assert "pick the same window" in out.err and sorted(os.listdir(tmp_path / "m")) == [
+        "mcd.jsonl", "random.jsonl", "target_0.9.jsonl", "windows.json"]
 
 
 def test_parse_subcommand(tmp_path, capsys):
@@ -165,3 +191,87 @@ def test_tokenizer_reads_a_csv_with_renamed_columns(tmp_path):
                               csv_caption_key="cap", csv_separator=None, vocab=None, vocab_size=200, max_len=77)
     tok = C.build_tokenizer(args)
     assert tok.decode(tok("a zebra grazes near a fence.")[0]) == "a zebra grazes near a fence."
+
+
+def test_regions_checked_from_headers_and_bad_items_skipped_when_first_read(tmp_path, monkeypatch, capsys):
+    """Start-up reads only safetensors headers; an item with NaNs is found on its first read,
+    counted once, stands as one zero region, and too many such items stop the run."""
+    keys = [f"k{i}" for i in range(4)]
+    for i, k in enumerate(keys):
+        feats = torch.randn(3, 6)
+        if i == 2:
+            feats[1, 4] = float("nan")
+        save_file({"feats": feats, "boxes": torch.rand(3, 5)}, str(tmp_path / f"{k}.safetensors"))
+    save_file({"feats": torch.randn(3, 6, dtype=torch.float64)[:, :5].contiguous(), "boxes": torch.rand(3, 5)},
+              str(tmp_path / "wrongdim.safetensors"))
+    items = [{"source": "x", "key": k, "caption": "a dog", "tree": "(NP (DT a) (NN dog))"} for k in keys + ["wrongdim"]]
+    reads = []
+    real_rows = C.TensorFile.rows
+    monkeypatch.setattr(C.TensorFile, "rows", lambda self, *a: reads.append(self.path) or real_rows(self, *a))
+    args = argparse.Namespace(data="x", features="regions", regions=str(tmp_path), max_skip_frac=0.5)
+    sp = C.load_split(args, None, None, items=items)
+    assert reads == [] and sp.keys == keys and dict(sp.skipped) == {"bad_regions": 1}  # wrong D: from the header
+    for _ in range(2):
+        f, b, m = sp.store.get([2, 0])
+    assert dict(sp.skipped) == {"bad_regions": 2} and capsys.readouterr().err.count("non-finite") == 1
+    assert m.tolist() == [[True, False, False], [True, True, True]] and not f[0].any() and torch.isfinite(f).all()
+    strict = C.load_split(argparse.Namespace(**{**vars(args), "max_skip_frac": 0.2}), None, None, items=items[:4])
+    with pytest.raises(C.ComposerError, match="1 of 4 region items are bad"):
+        strict.store.get([2])
+
+
+def test_images_without_a_graph_stay_candidates(tmp_path):
+    """Each caption ranks all test images, also one whose captions all fail to build a graph."""
+    keys = ["a", "b", "c"]
+    region_file(tmp_path / "r.safetensors", keys)
+    items = [{"source": "x", "key": "a", "caption": "a dog", "tree": "(NP (DT a) (NN dog))"},
+             {"source": "x", "key": "b", "caption": "a cat", "tree": "(NP (DT a) (NN cat))"},
+             {"source": "x", "key": "c", "caption": "", "tree": None}]  # no graph: no_caption
+    args = argparse.Namespace(data="x", features="regions", regions=str(tmp_path / "r.safetensors"), max_skip_frac=0.5)
+    sp = C.load_split(args, None, None, items=items)
+    assert sp.keys == keys and sp.cap_img == [0, 1] and dict(sp.skipped) == {"no_caption": 1}
+    tok = data.build_tokenizer(captions=["a dog", "a cat"], vocab_size=100)
+    compiler = C.TextCompiler(tok)
+    C.attach_compiler(sp, compiler, 0.5)
+    model = C.Composer(C.ModelConfig(vocab_size=tok.vocab_size, feat_dim=6, width=16, heads=2, ct_layers=1))
+    res, S = C.evaluate(model, compiler, sp, "cpu", phrases=False)
+    assert res["images"] == 3 and tuple(S.shape) == (2, 3)
+
+
+def fake_package(root, name, body=""):
+    d = root / name
+    d.mkdir()
+    (d / "__init__.py").write_text(body)
+
+
+def test_parse_says_which_model_is_missing(tmp_path, monkeypatch, capsys):
+    """benepar / stanza installed without their models: the error names the model and the command."""
+    js, _ = karpathy(tmp_path, n_images=1, per_image=1, splits=("test",))
+    pk = tmp_path / "pk"
+    pk.mkdir()
+    monkeypatch.syspath_prepend(str(pk))
+    for m in ("benepar", "stanza", "spacy", "en_core_web_sm", "en_core_web_md"):
+        monkeypatch.delitem(sys.modules, m, raising=False)
+    fake_package(pk, "benepar")
+    fake_package(pk, "stanza", "class Pipeline:\n    def __init__(self, *a, **k):\n"
+                               "        raise FileNotFoundError('Resources file not found')\n")
+
+    def error(*argv):
+        with pytest.raises(SystemExit) as e:
+            C.main(["parse", js, "--out", str(tmp_path / "o.json"), *argv])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1
+        return err[0]
+
+    assert "benepar is installed but spaCy is not" in error("--parser", "benepar")
+    assert "stanza is installed but its English models are not" in error("--parser", "stanza")
+    assert "stanza.download('en'" in error("--parser", "stanza")
+    fake_package(pk, "spacy", "loaded = []\nclass _NLP:\n    def add_pipe(self, name, config):\n"
+                              "        raise LookupError('benepar_en3 not found')\n"
+                              "def load(name):\n    loaded.append(name)\n    return _NLP()\n")
+    assert "no spaCy English model" in error("--parser", "benepar")
+    fake_package(pk, "en_core_web_sm")  # only the small pipeline: benepar takes it
+    err = error()  # auto: both are installed, neither has its model
+    assert "its model benepar_en3 is not" in err and "benepar.download('benepar_en3')" in err and "stanza" in err
+    import spacy
+    assert spacy.loaded == ["en_core_web_sm"]
