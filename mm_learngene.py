@@ -225,6 +225,14 @@ class TextTransformer(nn.Module):
         return F.normalize(self.text_features(text, self.layer_list("text")) @ self.text_projection, dim=-1)
 
 
+def capped_scale(model):
+    """exp(logit_scale) capped at 100 (CLIP, Radford et al. 2021, Sec. 2.5: "clipped to prevent
+    scaling the logits by more than 100"). The training loop clamps the parameter after each
+    step; this cap also holds for loaded weights (a teacher, a descendant, an ancestry whose
+    scale was stored above ln 100) from their first forward on."""
+    return model.logit_scale.exp().clamp(max=100.0)
+
+
 class CLIP(TextTransformer):
     """OpenAI-layout CLIP: text keys at top level, `visual.*`, `logit_scale`."""
 
@@ -237,7 +245,7 @@ class CLIP(TextTransformer):
         return F.normalize(self.visual(images, self.layer_list("visual")) @ self.visual.proj, dim=-1)
 
     def forward(self, images, text):
-        return self.encode_image(images), self.encode_text(text), self.logit_scale.exp()
+        return self.encode_image(images), self.encode_text(text), capped_scale(self)
 
 
 # -----------------------------------------------------------------------------
@@ -614,6 +622,15 @@ def soft_ce(student_logits, teacher_logits):
     return -(teacher_logits.softmax(-1) * student_logits.log_softmax(-1)).sum(-1).mean()
 
 
+@torch.no_grad()
+def teacher_logits(teacher, images, text):
+    """The frozen ancestry's (i2t, t2i) logits of Eq. 5-6, with its own logit scale, capped at
+    100 as the student's."""
+    t_i2t, t_t2i, _ = clip_logits(teacher.encode_image(images).float(), teacher.encode_text(text).float(),
+                                  capped_scale(teacher).float(), grad=False)
+    return t_i2t, t_t2i
+
+
 def distill_loss(s_i2t, s_t2i, t_i2t, t_t2i):
     """Eq. 7: L_dist = (L_dist^i2t + L_dist^t2i) / 2."""
     return 0.5 * (soft_ce(s_i2t, t_i2t) + soft_ce(s_t2i, t_t2i))
@@ -889,9 +906,7 @@ def cmd_extract(a):
         images, text = batch["image"].to(device), batch["text"].to(device)
         img, txt, scale = model(images, text)
         s_i2t, s_t2i, labels = clip_logits(img, txt, scale)
-        with torch.no_grad():  # frozen teacher in eval mode, its own (frozen) logit scale
-            t_i2t, t_t2i, _ = clip_logits(teacher.encode_image(images).float(), teacher.encode_text(text).float(),
-                                          teacher.logit_scale.exp().float(), grad=False)
+        t_i2t, t_t2i = teacher_logits(teacher, images, text)
         l_clip = clip_loss(s_i2t, s_t2i, labels)
         l_dist = distill_loss(s_i2t, s_t2i, t_i2t, t_t2i)
         return l_clip + a.lambda_dist * l_dist, {"clip": l_clip.detach(), "dist": l_dist.detach()}  # Eq. 8
@@ -1632,7 +1647,7 @@ def caption_tokens(text: str) -> str:
 def caption_scores(refs: dict, hyps: dict) -> dict:
     """BLEU-1..4, CIDEr-D, ROUGE-L, all x100 as the paper's Table 2 reports them."""
     refs = {k: [caption_tokens(r) for r in v] for k, v in refs.items()}
-    hyps = {k: [caption_tokens(v[0]) or "."] for k, v in hyps.items()}
+    hyps = {k: [caption_tokens(v[0])] for k, v in hyps.items()}   # an empty caption is scored empty
     b = bleu(refs, hyps)
     return {**{f"bleu{j + 1}": round(100 * x, 2) for j, x in enumerate(b)},
             "cider": round(100 * cider_d(refs, hyps), 2), "rouge_l": round(100 * rouge_l(refs, hyps), 2)}

@@ -67,6 +67,30 @@ def test_metrics_match_pycocoevalcap():
     assert M.rouge_l(refs, hyps) == pytest.approx(Rouge().compute_score(refs, hyps)[0], rel=1e-9)
 
 
+def test_empty_hypotheses_are_scored_empty():
+    """A model that emits nothing (or only punctuation) is scored on an empty caption, as
+    pycocoevalcap does: no stand-in word that could earn n-gram matches."""
+    refs = {"1": ["a red circle", "a big red circle"], "2": ["a blue square above a star"], "3": ["x y z ."]}
+    hyps = {"1": [""], "2": ["a blue square"], "3": ["..."]}
+    s = M.caption_scores(refs, hyps)
+    # image 2 alone earns matches: 3 of 3 unigrams, 2 of 2 bigrams, 1 trigram; no 4-gram
+    tok = {k: [M.caption_tokens(r) for r in v] for k, v in refs.items()}
+    emp = {k: [M.caption_tokens(v[0])] for k, v in hyps.items()}
+    assert emp["3"] == [""] and s["bleu1"] == round(100 * M.bleu(tok, emp)[0], 2)
+    assert M.rouge_l(tok, emp) == pytest.approx(M.rouge_l({"2": tok["2"]}, {"2": emp["2"]}) / 3, rel=1e-12)
+    all_empty = M.caption_scores(refs, {k: [""] for k in refs})
+    assert all_empty["cider"] == 0 and all_empty["rouge_l"] == 0 and all_empty["bleu1"] == 0
+    pytest.importorskip("pycocoevalcap")
+    from pycocoevalcap.bleu.bleu import Bleu
+    from pycocoevalcap.cider.cider import Cider
+    from pycocoevalcap.rouge.rouge import Rouge
+    for h in (emp, {k: [""] for k in refs}):
+        for mine, ref in zip(M.bleu(tok, h), Bleu(4).compute_score(tok, h, verbose=0)[0]):
+            assert mine == pytest.approx(ref, rel=1e-9, abs=1e-12)
+        assert M.cider_d(tok, h) == pytest.approx(Cider().compute_score(tok, h)[0], rel=1e-9, abs=1e-12)
+        assert M.rouge_l(tok, h) == pytest.approx(Rouge().compute_score(tok, h)[0], rel=1e-9, abs=1e-12)
+
+
 def write_released_gpt2(folder, d=16, layers=2, heads=2, vocab_text=None):
     """A tiny randomly initialised GPT-2 in the released HF layout: `transformer.` prefix,
     Conv1D weights [in, out], the causal-mask buffer attn.bias, a tied lm_head; its byte-level
