@@ -846,8 +846,23 @@ CSV_FLAGS = ("csv_img_key", "csv_caption_key", "csv_separator")
 SOURCE_KEYS = ("data", "image_root") + CSV_FLAGS
 
 
+def is_shapes(spec: str) -> bool:
+    return spec == "shapes" or spec.startswith("shapes:")
+
+
 def data_source(a) -> dict:
     return {k: getattr(a, k) for k in SOURCE_KEYS}
+
+
+def recorded_source(a) -> dict:
+    """data_source with --data and --image_root made absolute (shapes and the named presets
+    stay names): the record in a learngene must name the same files from any working folder."""
+    src = data_source(a)
+    if not (is_shapes(src["data"]) or src["data"] in data.DATA_PRESETS):
+        src["data"] = os.path.abspath(src["data"])
+    if src["image_root"]:
+        src["image_root"] = os.path.abspath(src["image_root"])
+    return src
 
 
 def csv_options(a) -> dict:
@@ -920,7 +935,7 @@ def cmd_extract(a):
             tok_json = f.read()
         meta = {"learngene": json.dumps(aux.meta()), "tokenizer": tok_json,
                 "extract": json.dumps({"step": tr.step, "elapsed": tr.elapsed, "batch_size": a.batch_size,
-                                       **data_source(a)})}
+                                       **recorded_source(a)})}
         atomic_save_file(aux.state_dict(), os.path.join(a.out_dir, "learngene.safetensors"), meta)
 
     train_phase(aux, loss_fn, loader, a, rank, world, device, a.max_steps, a.out_dir, config, tok, "extract",
@@ -1116,7 +1131,7 @@ def classification_data(a, image_size, rank, world):
     """(train loader, eval loader, class names, what was evaluated) for shapes or an
     ImageFolder tree. Images go through data.py's reader: a bad image is skipped and counted.
     Whole splits unless --train_size / --eval_size ask for a seeded stratified subsample."""
-    if a.data == "shapes" or a.data.startswith("shapes:"):
+    if is_shapes(a.data):
         opts = data.parse_shapes_spec(a.data)
         s, classes = opts.get("seed", 0), list(data.SHAPE_NAMES)
         sizes = {"train": opts.get("train_size", 5000), "test": 1000}
@@ -1267,7 +1282,15 @@ def activation_source(a, init_cfg: dict) -> dict:
         raise ConfigError(f"{a.init}: the descendant does not record its learngene's extraction data; "
                           f"pass --activate_data (the paper: its pre-training data, CC3M + CC12M)")
     if a.activate_data is None:
-        return {k: rec.get(k) for k in SOURCE_KEYS}
+        src = {k: rec.get(k) for k in SOURCE_KEYS}
+        try:
+            data.resolve_data(src["data"], src["image_root"])
+            if src["image_root"] and not os.path.isdir(src["image_root"]):
+                raise data.DataError(f"--image_root {src['image_root']}: no such directory")
+        except data.DataError as e:
+            raise ConfigError(f"{a.init}: the learngene's activation data are missing ({e}); they were recorded at "
+                              f"extraction in {init_cfg.get('learngene', a.init)}; pass --activate_data to override")
+        return src
     return {**data_source(a), "data": a.activate_data}
 
 
@@ -1717,7 +1740,7 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
     """Table 2's protocol: vision encoder and LM frozen, the ClipCap mapper trained."""
     lm_dir = a.lm
     if lm_dir is None:
-        if not (a.data == "shapes" or a.data.startswith("shapes:")):
+        if not is_shapes(a.data):
             raise ConfigError("--task caption needs --lm <folder with GPT-2's model.safetensors and tokenizer.json or "
                               "vocab.json + merges.txt>; only shapes has a stand-in")
         # beside out_dir, so runs under one parent folder share the stand-in

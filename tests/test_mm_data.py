@@ -13,7 +13,7 @@ from PIL import Image
 
 import data
 import mm_learngene as M
-from test_mm_learngene import expect_error, extracted, hand_layer, randomise, small_cfg, teacher  # noqa: F401
+from test_mm_learngene import EXTRACT, expect_error, extracted, hand_layer, randomise, small_cfg, teacher  # noqa: F401
 
 
 def jpeg(colour, size=20):
@@ -165,6 +165,37 @@ def test_activation_data_comes_from_the_learngene_or_is_required(tmp_path, extra
     (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
     expect_error(["finetune", "--init", str(tmp_path / "d"), "--data", make_karpathy(tmp_path), "--max_steps", "1"],
                  capsys, "pass --activate_data")
+
+
+def test_activation_record_travels_and_its_absence_is_one_error(tmp_path, teacher, capsys, monkeypatch):  # noqa: F811
+    """Extract with relative --data / --image_root in one folder, fine-tune from another: the
+    record holds absolute paths, so the activation finds the data. Without the data, one error
+    line says they are the learngene's activation data, where they were, and --activate_data."""
+    make_karpathy(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    M.main(EXTRACT + ["--teacher", str(teacher), "--data", "ann/dataset_flickr30k.json", "--image_root",
+                      "flickr_images", "--out_dir", "lg"])
+    M.main(["expand", "--learngene", "lg/learngene.safetensors", "--layers", "2", "--out_dir", "d"])
+    rec = json.loads((tmp_path / "d" / "config.json").read_text())["extract_data"]
+    assert rec["data"] == str(tmp_path / "ann" / "dataset_flickr30k.json")
+    assert rec["image_root"] == str(tmp_path / "flickr_images")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    ft = ["finetune", "--init", str(tmp_path / "d"), "--activate_steps", "1", "--max_steps", "1", "--batch_size", "4",
+          "--eval_size", "8", "--log_interval", "1", "--out_dir", "ft"]
+    M.main(ft)
+    res = json.loads((tmp_path / "elsewhere" / "ft" / "results.json").read_text())
+    assert res["activation_data"] == rec["data"] and res["activation_steps"] == 1
+    os.rename(tmp_path / "flickr_images", tmp_path / "moved_images")
+    expect_error(ft, capsys, "the learngene's activation data are missing")
+    os.rename(tmp_path / "ann", tmp_path / "moved_ann")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        M.main(ft)
+    err = capsys.readouterr().err
+    assert "activation data are missing" in err and rec["data"] in err and "pass --activate_data" in err
+    assert str(tmp_path / "lg" / "learngene.safetensors") in err
+    M.main(ft[:3] + ["--activate_data", "shapes"] + ft[3:])       # the override needs no record
 
 
 @pytest.mark.parametrize("part", ["no_mm", "only_mm"])
