@@ -25,6 +25,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -870,12 +871,14 @@ def csv_options(a) -> dict:
     return {k.removeprefix("csv_"): getattr(a, k) for k in CSV_FLAGS}
 
 
-def train_loader(a, src: dict, tok, image_size, rank, world, seed):
+def train_loader(a, src: dict, tok, image_size, rank, world, seed, ordered=False):
     """The training loader of data source `src` (data_source's keys), --batch_size split over
-    the ranks; a CSV flag that is None (not recorded) takes data.make_loader's default."""
+    the ranks; a CSV flag that is None (not recorded) takes data.make_loader's default.
+    `ordered`: the training split in data order, every sample, eval transforms."""
     csv = {k: src[k] for k in CSV_FLAGS if src.get(k) is not None}
-    return data.make_loader(src["data"], "train", a.batch_size // world, tok, image_size, True, rank, world,
-                            a.num_workers, seed, image_root=src["image_root"], **csv)
+    return data.make_loader(src["data"], "train", 100 if ordered else a.batch_size // world, tok, image_size,
+                            not ordered, rank, world, a.num_workers, seed, drop_last=not ordered,
+                            image_root=src["image_root"], **csv)
 
 
 # -----------------------------------------------------------------------------
@@ -1552,12 +1555,15 @@ class ClipCap(nn.Module):
         d = lm.wte.weight.shape[1]
         self.mapper = TransformerMapper(dim_clip, d, heads=heads if d % heads == 0 else 1)
 
-    def prefix(self, images):
-        """ClipCap feeds CLIP's image embedding: the pooled feature through `proj`."""
+    @torch.no_grad()
+    def embed(self, images):
+        """CLIP's image embedding: the frozen encoder's pooled feature through `proj`."""
         visual = self.frozen[0]
-        with torch.no_grad():
-            feats = visual(images) @ visual.proj
-        return self.mapper(feats.float())
+        return (visual(images) @ visual.proj).float()
+
+    def prefix(self, images):
+        """ClipCap feeds CLIP's image embedding to the mapper."""
+        return self.mapper(self.embed(images))
 
     def forward(self, images, tokens):
         """Teacher-forced logits of `tokens` [B, T] after the prefix: [B, T, vocab]."""
@@ -1637,35 +1643,76 @@ def bleu(refs: dict, hyps: dict, n=4) -> list:
     return out
 
 
-def cider_d(refs: dict, hyps: dict, n=4, sigma=6.0) -> float:
-    """CIDEr-D (Vedantam et al. 2015) as pycocoevalcap's Cider: tf-idf n-gram vectors with
-    document frequencies from the references, clipped hypothesis weights, a Gaussian length
-    penalty (sigma 6; "length" = the bigram count, as there), the mean over n = 1..4 and
-    over references, x10."""
+def cider_vectors(refs: dict, n=4):
+    """CIDEr's tf-idf n-gram vectors with document frequencies from the references: vec(text)
+    -> (per-n {n-gram: weight}, per-n norms, bigram count), and every reference's vector."""
     df = collections.Counter(g for k in refs for g in {g for r in refs[k] for g in ngram_counts(r.split(), n)})
     log_n = math.log(len(refs))
 
-    def vec(words):
+    @functools.lru_cache(maxsize=None)
+    def vec(text):
         v, norm = [{} for _ in range(n)], [0.0] * n
-        counts = ngram_counts(words, n)
+        counts = ngram_counts(text.split(), n)
         for g, tf in counts.items():
             v[len(g) - 1][g] = tf * (log_n - math.log(max(1.0, df[g])))
             norm[len(g) - 1] += v[len(g) - 1][g] ** 2
         return v, [math.sqrt(x) for x in norm], sum(c for g, c in counts.items() if len(g) == 2)
+    return vec, {k: [vec(r) for r in refs[k]] for k in refs}
 
-    total = 0.0
-    for k in refs:
-        vh, nh, lh = vec(hyps[k][0].split())
-        score = [0.0] * n
-        for r in refs[k]:
-            vr, nr, lr = vec(r.split())
+
+def cider_scorer(refs: dict, n=4, sigma=6.0):
+    """CIDEr-D (Vedantam et al. 2015) as pycocoevalcap's Cider: tf-idf n-gram vectors with
+    document frequencies from the references, clipped hypothesis weights, a Gaussian length
+    penalty (sigma 6; "length" = the bigram count, as there), the mean over n = 1..4 and
+    over references, x10. Returns score(image key, hypothesis) -> that image's CIDEr-D."""
+    vec, ref_vecs = cider_vectors(refs, n)
+
+    def score(k, hyp):
+        vh, nh, lh = vec(hyp)
+        total = [0.0] * n
+        for vr, nr, lr in ref_vecs[k]:
+            penalty = math.exp(-((lh - lr) ** 2) / (2 * sigma ** 2))
             for j in range(n):
-                val = sum(min(w, vr[j].get(g, 0.0)) * vr[j].get(g, 0.0) for g, w in vh[j].items())
+                rj = vr[j]      # n-grams absent from the reference add exactly 0: skipped
+                val = sum(min(w, rj[g]) * rj[g] for g, w in vh[j].items() if g in rj)
                 if nh[j] and nr[j]:
                     val /= nh[j] * nr[j]
-                score[j] += val * math.exp(-((lh - lr) ** 2) / (2 * sigma ** 2))
-        total += 10.0 * sum(score) / n / len(refs[k])
-    return total / len(refs)
+                total[j] += val * penalty
+        return 10.0 * sum(total) / n / len(refs[k])
+    return score
+
+
+def constant_ciders(refs: dict, candidates: list, n=4, sigma=6.0) -> list:
+    """cider_d(refs, {every image: [c]}) for each candidate c, through an inverted index of
+    the references' n-grams: the same sum, term by term, regrouped by n-gram (the constant
+    baseline scores ~1000 candidates against ~5000 references)."""
+    vec, ref_vecs = cider_vectors(refs, n)
+    post = collections.defaultdict(list)        # n-gram -> (weight, norm, length, 1 / refs of its image)
+    for k, vs in ref_vecs.items():
+        for vr, nr, lr in vs:
+            for j in range(n):
+                for g, w in vr[j].items():
+                    if w > 0:       # a zero weight adds exactly 0
+                        post[g].append((w, nr[j], lr, 1 / len(vs)))
+    post = {g: np.array(v).T for g, v in post.items()}
+    out = []
+    for c in candidates:
+        vh, nh, lh = vec(c)
+        total = 0.0
+        for j in range(n):
+            for g, w in vh[j].items():
+                if w > 0 and g in post:
+                    rg, nr, lr, per = post[g]
+                    total += float(np.sum(np.minimum(w, rg) * rg / (nh[j] * nr) * per *
+                                          np.exp(-((lh - lr) ** 2) / (2 * sigma ** 2))))
+        out.append(10.0 * total / n / len(refs))
+    return out
+
+
+def cider_d(refs: dict, hyps: dict, n=4, sigma=6.0) -> float:
+    """Corpus CIDEr-D: the mean over images of cider_scorer's per-image score."""
+    score = cider_scorer(refs, n, sigma)
+    return sum(score(k, hyps[k][0]) for k in refs) / len(refs)
 
 
 def lcs_len(a, b):
@@ -1744,27 +1791,105 @@ def train_shapes_lm(folder: str, seed: int, steps: int = 400):
                        "final_lm_loss": round(loss.item(), 4), "steps": steps}, os.path.join(folder, "config.json"))
 
 
+# Several references per shapes image (data.shapes_references), as COCO has five: with one
+# reference and shapes' small grammar, one fixed caption out-scored every model on CIDEr-D.
+SHAPES_REFERENCES = 5
+
+
+def reference_captions(spec: str, image_size: int):
+    """(image key, the data's captions of it) -> its reference captions: on shapes
+    data.shapes_references of the scene (key "{split}{index:08d}", ShapesDataset's), else the
+    captions the data list for the image."""
+    if not is_shapes(spec):
+        return lambda key, captions: captions
+    seed = data.parse_shapes_spec(spec).get("seed", 0)
+
+    def refs(key, captions):
+        split, index = key[:-8], int(key[-8:])
+        return data.shapes_references(data.shapes_scene(split, index, seed, image_size), SHAPES_REFERENCES,
+                                      random.Random(f"shapes-refs/{seed}/{split}/{index}"))
+    return refs
+
+
+class CaptionPool:
+    """Training images for the captioning baselines: their embeddings (cosine similarity of
+    ClipCap's input, the frozen descendant encoder's image embedding), their first training
+    caption, and the best constant caption chosen on them."""
+
+    def __init__(self, feats, captions, refs):
+        self.feats, self.captions = F.normalize(feats, dim=-1), captions
+        self.constant, self.constant_cider = best_constant(refs, sorted(set(captions)))
+
+    def nearest(self, feats) -> list:
+        """The caption of the most similar pool image, per row of `feats`."""
+        return [self.captions[i] for i in (F.normalize(feats, dim=-1) @ self.feats.t()).argmax(1).tolist()]
+
+
+def best_constant(refs: dict, candidates: list) -> tuple:
+    """(caption, CIDEr-D x100) of the candidate that, given to every image of `refs`, scores the
+    highest corpus CIDEr-D against their references (the first of equals)."""
+    refs = {k: [caption_tokens(r) for r in v] for k, v in refs.items()}
+    totals = constant_ciders(refs, [caption_tokens(c) for c in candidates])
+    best = candidates[max(range(len(candidates)), key=totals.__getitem__)]
+    return best, round(100 * cider_d(refs, {k: [caption_tokens(best)] for k in refs}), 2)
+
+
 @torch.no_grad()
-def eval_captioning(model, loader, device, beam):
-    """Captions every eval image once (its key), scored against all its reference captions."""
+def caption_pool(a, cap, image_size, device) -> CaptionPool:
+    """The first --baseline_pool images of the training split, in data order."""
+    src = data_source(a)
+    refs_of = reference_captions(src["data"], image_size)
+    captions, feats = {}, []        # image key -> its training captions (a Karpathy JSON lists 5)
+    for batch in train_loader(a, src, None, image_size, 0, 1, a.seed, ordered=True):
+        new = []
+        for j, (k, c) in enumerate(zip(batch["key"], batch["caption"])):
+            if k not in captions:
+                if len(captions) == a.baseline_pool:
+                    break
+                captions[k] = []
+                new.append(j)
+            captions[k].append(c)
+        if new:
+            feats.append(cap.embed(batch["image"][new].to(device)))
+        if len(captions) == a.baseline_pool:
+            break
+    return CaptionPool(torch.cat(feats), [c[0] for c in captions.values()],
+                       {k: refs_of(k, c) for k, c in captions.items()})
+
+
+@torch.no_grad()
+def eval_captioning(model, loader, device, beam, refs_of, pool=None):
+    """Captions every eval image once (its key), scored against all its references
+    (`refs_of`). With a CaptionPool, the two baselines are scored on the same images and
+    references: its constant caption, and each image's nearest pool image's caption."""
     model.mapper.eval()
-    refs, hyps, lm_tok = {}, {}, model.frozen[2]
+    captions, hyps, nearest, lm_tok = {}, {}, {}, model.frozen[2]
     skipped0 = getattr(loader, "skipped", 0)
     for batch in loader:
-        new = [j for j, k in enumerate(batch["key"]) if k not in refs]
+        new = [j for j, k in enumerate(batch["key"]) if k not in captions]
         for k, c in zip(batch["key"], batch["caption"]):
-            refs.setdefault(k, []).append(c)
+            captions.setdefault(k, []).append(c)
         if new:
-            ids = generate(model, batch["image"][new].to(device), beam)
-            hyps.update({batch["key"][j]: [lm_tok.decode(s)] for j, s in zip(new, ids)})
+            images, keys = batch["image"][new].to(device), [batch["key"][j] for j in new]
+            hyps.update({k: [lm_tok.decode(s)] for k, s in zip(keys, generate(model, images, beam))})
+            if pool is not None:
+                nearest.update({k: [c] for k, c in zip(keys, pool.nearest(model.embed(images)))})
     model.mapper.train()
-    scores = caption_scores(refs, hyps)
+    refs = {k: refs_of(k, v) for k, v in captions.items()}
     examples = [{"ref": refs[k][0], "hyp": hyps[k][0]} for k in list(refs)[:3]]
     # how many different captions were generated: a mapper that ignores the image writes one
     # caption for every image, and that can still score (the most frequent caption's n-grams)
-    return {**scores, "n_images": len(refs), "n_refs": sum(map(len, refs.values())), "beam": beam,
-            "n_distinct_captions": len({h[0] for h in hyps.values()}),
-            "eval_skipped": getattr(loader, "skipped", 0) - skipped0, "examples": examples}
+    out = {**caption_scores(refs, hyps), "n_images": len(refs), "n_refs": sum(map(len, refs.values())), "beam": beam,
+           "n_distinct_captions": len({h[0] for h in hyps.values()}),
+           "eval_skipped": getattr(loader, "skipped", 0) - skipped0, "examples": examples}
+    if pool is not None:
+        out["baselines"] = {
+            "constant": {**caption_scores(refs, {k: [pool.constant] for k in refs}), "caption": pool.constant,
+                         "pool_cider": pool.constant_cider, "n_distinct_captions": 1},
+            "nearest": {**caption_scores(refs, nearest), "n_distinct_captions": len({h[0] for h in nearest.values()})},
+            "pool_images": len(pool.captions),
+            "similarity": "cosine of the frozen vision encoder's image embedding (ClipCap's input)"}
+    return out
 
 
 def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
@@ -1790,11 +1915,18 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
     # captioned images: shapes, Karpathy JSON, CSV, shards; evaluated as retrieval's split
     train = train_loader(a, data_source(a), None, cfg.image_size, rank, world, a.seed)
     test = retrieval_loader(a, None, cfg.image_size)
+    refs_of = reference_captions(getattr(a, "eval_data", None) or a.data, cfg.image_size)
 
     def loss_fn(m, batch):
         tokens, mask = (t.to(device) for t in caption_batch(ltok, batch["caption"]))
         return F.cross_entropy(m(batch["image"].to(device), tokens)[mask].float(), tokens[mask]), {}
-    return cap, loss_fn, train, lambda: {**eval_captioning(cap, test, device, a.beam), "eval_subset": image_subset(a)}
+
+    def evaluate():
+        t0 = time.time()
+        pool = caption_pool(a, cap, cfg.image_size, device) if a.baselines else None
+        return {**eval_captioning(cap, test, device, a.beam, refs_of, pool), "eval_subset": image_subset(a),
+                "eval_seconds": round(time.time() - t0, 1)}
+    return cap, loss_fn, train, evaluate
 
 
 # -----------------------------------------------------------------------------
@@ -1842,8 +1974,13 @@ def results_table(dirs: list) -> str:
         what = f"{r.get('n_images')} images" + (f", {r['n_classes']} classes" if "n_classes" in r else "") + \
             (f", {r['n_refs']} refs" if "n_refs" in r else "") + f", {r.get('eval_subset', 'whole split')}" + \
             (f"; {r['n_distinct_captions']} distinct captions" if "n_distinct_captions" in r else "")
-        lines.append(f"| {os.path.basename(os.path.normpath(d))} | {r.get('kind')} | {r.get('part', 'both')} | "
-                     f"{r.get('layers')} | {r.get('task')} | {scores} | {what} |")
+        name = os.path.basename(os.path.normpath(d))
+        lines.append(f"| {name} | {r.get('kind')} | {r.get('part', 'both')} | {r.get('layers')} | {r.get('task')} | "
+                     f"{scores} | {what} |")
+        for b, br in ((b, br) for b, br in r.get("baselines", {}).items() if isinstance(br, dict)):
+            scores = ", ".join(f"{k} {br[k]}" for k in RESULT_COLUMNS["caption"])
+            lines.append(f"| {name} | {b} caption (baseline) | | | caption | {scores} | the same images; "
+                         f"{br['n_distinct_captions']} distinct captions |")
     return "\n".join(lines)
 
 
@@ -1969,6 +2106,11 @@ def add_finetune_parser(sub):
     p.add_argument("--lm", default=None, help="caption: folder with GPT-2's model.safetensors + tokenizer.json "
                                               "(or vocab.json + merges.txt); shapes: a stand-in GPT is trained")
     p.add_argument("--beam", type=int, default=1, help="caption decoding: 1 greedy, >1 beam search")
+    p.add_argument("--baselines", action="store_true",
+                   help="caption: also score, on the same images and references, the best constant caption (the "
+                        "training caption with the highest CIDEr-D over the pool) and the nearest-neighbour caption "
+                        "(of the pool image most similar in the frozen encoder's image embedding)")
+    p.add_argument("--baseline_pool", type=int, default=1000, help="--baselines: the first N training images")
     p.set_defaults(func=cmd_finetune)
 
 
