@@ -9,9 +9,11 @@ public implementation, plus the learngene baselines it is compared with (He-LG, 
   expand    learngene -> a normal descendant (CLIP or vision tower, any depth up to 2x the
             unique layers) in OpenAI state-dict layout, as an out_dir that il_clip.py loads.
   finetune  activation (short contrastive training on 10% of the learngene's extraction data,
-            one epoch) then fine-tuning: retrieval (I2T/T2I R@1), classification (top-1) or
-            captioning (--task caption: ClipCap mapper into a frozen GPT-2; BLEU, CIDEr-D,
-            ROUGE-L). Whole eval splits by default. Baselines: --init scratch, --init
+            one epoch) then fine-tuning with Table 6's settings: retrieval (I2T/T2I R@1),
+            classification (top-1) or captioning (--task caption: ClipCap mapper into a frozen
+            GPT-2; BLEU, CIDEr-D, ROUGE-L against every reference, 5 per shapes image;
+            --baselines adds the best constant and the nearest-neighbour caption). Whole eval
+            splits by default. Baselines: --init scratch, --init
             <il_clip out_dir> (PT-FT), He-LG and TLEG descendants (extract --method helg|tleg);
             Table 4's ablations: expand --part no_mm|only_mm.
   report    parameter storage and pre-training cost (Table 3); finetune results side by side.
@@ -78,6 +80,17 @@ AUX_PRESETS = {
     "shapes": dict(width=128, heads=4, layers=12, patch_size=8, embed_dim=128),
     "ViT-S-16": dict(width=384, heads=6, layers=12, patch_size=16, embed_dim=384),
 }
+
+# Table 6 (appendix A.3), the defaults when --data is not shapes: (lr, weight decay, warm-up
+# steps, global batch, epochs) for extraction and each fine-tuning task. Captioning's weight
+# decay is blank in the table; 0.01 like the others is a CHOICE. The table leaves open the
+# optimizer, its betas and the decay after warm-up: CHOICE AdamW(0.9, 0.98, eps 1e-6), weight
+# decay on matrices only, cosine decay to lr/10 (make_optimizer, lr_at).
+TABLE6 = {"extract": (1e-3, 0.1, 10_000, 512, 32), "retrieval": (5e-5, 0.01, 10_000, 256, 50),
+          "classification": (1e-4, 0.01, 5_000, 256, 500), "caption": (2e-5, 0.01, 5_000, 256, 10)}
+# On shapes: Table 6's lr and weight decay with CPU-sized steps, batch and warm-up
+SHAPES_SIZED = {"extract": {"max_steps": 500, "batch_size": 64, "warmup": 50},
+                "finetune": {"max_steps": 300, "batch_size": 64, "warmup": 30}}
 
 # The Linear weights and biases of one transformer layer: the "theta" of the paper
 # ("the entirety of weights and biases of linear processes for MSA and MLP", Sec. 3.1).
@@ -866,6 +879,29 @@ def recorded_source(a) -> dict:
     return src
 
 
+def table6_defaults(a, column: str):
+    """Fill the flags left unset: Table 6's `column` when --data is not shapes; on shapes its
+    lr and weight decay with SHAPES_SIZED steps, batch and warm-up. Off shapes --max_steps,
+    when unset, follows from --epochs (train_steps)."""
+    lr, wd, warmup, batch, epochs = TABLE6[column]
+    if is_shapes(a.data):
+        values = {"lr": lr, "wd": wd, **SHAPES_SIZED["extract" if column == "extract" else "finetune"]}
+        if a.epochs is not None:        # --epochs asked on shapes: the steps follow from it
+            del values["max_steps"]
+    else:
+        values = {"lr": lr, "wd": wd, "warmup": warmup, "batch_size": batch, "epochs": epochs}
+    for k, v in values.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+
+
+def train_steps(a, loader, src: dict, rank: int, tag: str) -> int:
+    """--max_steps, else --epochs over the training loader: ceil(epochs * samples / batch)."""
+    if a.max_steps is not None:
+        return a.max_steps
+    return max(1, math.ceil(a.epochs * epoch_samples(loader, src, rank, tag) / a.batch_size))
+
+
 def csv_options(a) -> dict:
     """The CSV flags in data.file_items / data.captions_for_tokenizer's names (img_key, ...)."""
     return {k.removeprefix("csv_"): getattr(a, k) for k in CSV_FLAGS}
@@ -886,6 +922,7 @@ def train_loader(a, src: dict, tok, image_size, rank, world, seed, ordered=False
 
 
 def cmd_extract(a):
+    table6_defaults(a, "extract")
     rank, world, device = setup_dist(a.device)
     torch.manual_seed(a.seed)
     random.seed(a.seed)
@@ -919,6 +956,7 @@ def cmd_extract(a):
                               f"not {cfg.vision_width}")
     aux = AuxCLIP(cfg, a.method, part, a.helg_layers).to(device)
     loader = train_loader(a, data_source(a), tok, cfg.image_size, rank, world, a.seed)
+    a.max_steps = train_steps(a, loader, data_source(a), rank, "extract")
 
     def loss_fn(model, batch):
         images, text = batch["image"].to(device), batch["text"].to(device)
@@ -1319,37 +1357,6 @@ def activate(a, model, tok, cfg, init_cfg, phase, results, rank, world, device):
     results.update({"activation_data": src["data"], "activation_samples": n, "activation_steps": steps})
 
 
-# Table 6 (appendix A.3) fine-tuning hyper-parameters per task, the defaults off shapes:
-# (lr, weight decay, warm-up steps, global batch, epochs). Captioning's weight decay is blank
-# in the table; 0.01 like the others is a CHOICE. The table leaves open the optimizer, its
-# betas and the decay after warm-up: CHOICE AdamW(0.9, 0.98, eps 1e-6), weight decay on
-# matrices only, cosine decay to lr/10 (make_optimizer, lr_at).
-TABLE6 = {"retrieval": (5e-5, 0.01, 10_000, 256, 50), "classification": (1e-4, 0.01, 5_000, 256, 500),
-          "caption": (2e-5, 0.01, 5_000, 256, 10)}
-# On shapes: Table 6's lr and weight decay with CPU-sized steps, batch and warm-up
-SHAPES_FINETUNE = {"max_steps": 300, "batch_size": 64, "warmup": 30}
-
-
-def finetune_defaults(a):
-    """Fill the flags left unset: Table 6 when --data is not shapes, shapes-sized values on
-    shapes. --max_steps, when unset off shapes, follows from --epochs (finetune_steps)."""
-    lr, wd, warmup, batch, epochs = TABLE6[a.task]
-    real = {"lr": lr, "wd": wd, "warmup": warmup, "batch_size": batch, "epochs": epochs}
-    shapes = {"lr": lr, "wd": wd, **SHAPES_FINETUNE}
-    if a.epochs is not None:        # --epochs asked on shapes: the steps follow from it
-        del shapes["max_steps"]
-    for k, v in (shapes if is_shapes(a.data) else real).items():
-        if getattr(a, k) is None:
-            setattr(a, k, v)
-
-
-def finetune_steps(a, loader, src: dict, rank: int) -> int:
-    """--max_steps, else --epochs over the training loader: ceil(epochs * samples / batch)."""
-    if a.max_steps is not None:
-        return a.max_steps
-    return max(1, math.ceil(a.epochs * epoch_samples(loader, src, rank, "finetune") / a.batch_size))
-
-
 # A fine-tuning task: (a, model, tok, cfg, modality, results, rank, world, device) -> (the module
 # trained and saved, loss_fn, training loader, evaluate() -> the scores, called on rank 0).
 
@@ -1385,7 +1392,7 @@ def retrieval_task(a, model, tok, cfg, modality, results, rank, world, device):
 
 def cmd_finetune(a):
     rank, world, device = setup_dist(a.device)
-    finetune_defaults(a)
+    table6_defaults(a, a.task)
     torch.manual_seed(a.seed)
     model, tok, cfg, modality, kind, init_cfg = load_init(a)
     model.to(device)
@@ -1409,7 +1416,7 @@ def cmd_finetune(a):
         activate(a, model, tok, cfg, init_cfg, phase, results, rank, world, device)
     task = {"retrieval": retrieval_task, "classification": classification_task, "caption": caption_task}[a.task]
     final, loss_fn, train, evaluate = task(a, model, tok, cfg, modality, results, rank, world, device)
-    a.max_steps = finetune_steps(a, train, data_source(a), rank)
+    a.max_steps = train_steps(a, train, data_source(a), rank, "finetune")
     results.update({"batch_size": a.batch_size, "warmup": a.warmup, "epochs": a.epochs})
     phase("finetune", final, loss_fn, train, a, a.max_steps)
     if rank == 0:
@@ -2025,18 +2032,21 @@ def storage_report(a):
 # main
 
 
-def add_train_flags(p, steps, batch, warmup, lr=None, wd=None, lr_help="", data_help=""):
+def add_train_flags(p, lr_help="", data_help=""):
+    """The training flags; those left unset are filled from Table 6 (table6_defaults)."""
     p.add_argument("--data", default="shapes", help=data_help or "shapes, tar shards, CSV, Karpathy JSON")
     p.add_argument("--image_root", default=None, help="folder the image paths of a CSV / Karpathy JSON are under")
     p.add_argument("--csv_img_key", default="filepath")
     p.add_argument("--csv_caption_key", default="title")
     p.add_argument("--csv_separator", default=None, help="default: tab if the header has one, else comma")
     p.add_argument("--out_dir", default=None)
-    p.add_argument("--max_steps", type=int, default=steps)
-    p.add_argument("--batch_size", type=int, default=batch, help="global batch size")
-    p.add_argument("--lr", type=float, default=lr, help=lr_help)
-    p.add_argument("--wd", type=float, default=wd, help="AdamW weight decay on matrices (not on gains, biases, coefficients)")
-    p.add_argument("--warmup", type=int, default=warmup, help="warm-up steps (-1: 10%% of the steps)")
+    p.add_argument("--max_steps", type=int, default=None)
+    p.add_argument("--batch_size", type=int, default=None, help="global batch size")
+    p.add_argument("--lr", type=float, default=None, help=lr_help)
+    p.add_argument("--wd", type=float, default=None, help="AdamW weight decay on matrices (not on gains, biases, coefficients)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (-1: 10%% of the steps)")
+    p.add_argument("--epochs", type=float, default=None, help="epochs when --max_steps is not given (default: "
+                                                              "Table 6's when --data is not shapes)")
     p.add_argument("--grad_clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
@@ -2052,14 +2062,16 @@ def add_train_flags(p, steps, batch, warmup, lr=None, wd=None, lr_help="", data_
 
 def add_extract_parser(sub):
     p = sub.add_parser("extract", help="distil a teacher CLIP into the learngene (paper: batch 512, lr 1e-3, "
-                                       "10k warm-up, 32 epochs of CC3M+CC12M, --model ViT-S-16)")
+                                       "10k warm-up, 32 epochs of CC3M+CC12M, --model ViT-S-16; the defaults off "
+                                       "shapes)")
     p.add_argument("--teacher", required=True, help="il_clip.py out_dir, checkpoint/ folder or OpenAI-layout "
                                                     ".safetensors/.pt")
     p.add_argument("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz for a bare OpenAI weight file")
     p.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
                    help="the teacher's activation; default: its config.json's quick_gelu, else (a bare OpenAI "
                         "weight file) QuickGELU as OpenAI's released CLIPs. Printed at start.")
-    add_train_flags(p, 500, 64, 50, lr=1e-3, wd=0.1)
+    add_train_flags(p, lr_help="default: Table 6 (1e-3, --wd 0.1); off shapes also warm-up "
+                    "10k steps, batch 512, --epochs 32; on shapes 500 steps, batch 64, warm-up 50")
     p.add_argument("--aux_width", type=int, default=None)
     p.add_argument("--aux_heads", type=int, default=None)
     p.add_argument("--aux_layers", type=int, default=None)
@@ -2077,14 +2089,12 @@ def add_finetune_parser(sub):
     p = sub.add_parser("finetune", help="activation + fine-tuning (retrieval, classification or captioning)")
     p.add_argument("--init", required=True, help="descendant out_dir, il_clip.py out_dir (PT-FT) or scratch")
     p.add_argument("--task", default="retrieval", choices=["retrieval", "classification", "caption"])
-    add_train_flags(p, None, None, None, lr_help="default: Table 6 per task (retrieval 5e-5, classification 1e-4, "
+    add_train_flags(p, lr_help="default: Table 6 per task (retrieval 5e-5, classification 1e-4, "
                     "caption 2e-5; --wd 0.01). Off shapes every Table 6 value is the default: warm-up 10k/5k/5k "
                     "steps, batch 256, --epochs 50/500/10; on shapes 300 steps, batch 64, warm-up 30. "
                     "Classification trains with RandomResizedCrop(0.08-1) + flip on ImageFolder data",
                     data_help="retrieval/caption: shapes, Karpathy JSON, CSV, shards; classification: shapes "
                               "or an ImageFolder root with train/ and val/ (or test/)")
-    p.add_argument("--epochs", type=float, default=None, help="fine-tuning epochs when --max_steps is not given "
-                                                              "(default: Table 6's off shapes)")
     p.add_argument("--like", default=None, help="scratch: copy config + tokenizer from this out_dir")
     p.add_argument("--layers", type=int, default=None, help="scratch: depth")
     p.add_argument("--modality", default="clip", choices=["clip", "vision"], help="scratch: towers")

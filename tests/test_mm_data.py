@@ -199,8 +199,8 @@ def test_activation_record_travels_and_its_absence_is_one_error(tmp_path, teache
     M.main(ft[:3] + ["--activate_data", "shapes"] + ft[3:])       # the override needs no record
 
 
-def table6_data(tmp_path, task):
-    """300 training samples (more than Table 6's batch of 256): a Karpathy JSON of 60 images x 5
+def table6_data(tmp_path, task, n_train=60):
+    """More training samples than Table 6's batch: a Karpathy JSON of n_train images x 5
     captions, or an ImageFolder of 2 x 150 images."""
     if task == "classification":
         for split, n in (("train", 150), ("val", 1)):
@@ -211,9 +211,9 @@ def table6_data(tmp_path, task):
         return str(tmp_path / "cls"), []
     (tmp_path / "img").mkdir()
     images = []
-    for i in range(62):
-        (tmp_path / "img" / f"{i}.jpg").write_bytes(jpeg((4 * i, 0, 0), 8))
-        images.append({"filename": f"{i}.jpg", "split": "train" if i < 60 else "test",
+    for i in range(n_train + 2):
+        (tmp_path / "img" / f"{i}.jpg").write_bytes(jpeg((2 * i, 0, 0), 8))
+        images.append({"filename": f"{i}.jpg", "split": "train" if i < n_train else "test",
                        "sentences": [{"raw": f"photo {i} caption {j}"} for j in range(5)]})
     (tmp_path / "kp.json").write_text(json.dumps({"images": images}))
     return str(tmp_path / "kp.json"), ["--image_root", str(tmp_path / "img")]
@@ -223,14 +223,16 @@ class Stop(Exception):
     pass
 
 
-@pytest.mark.parametrize("task", ["retrieval", "classification", "caption"])
-def test_table6_values_reach_the_optimizer_and_schedule(tmp_path, monkeypatch, task):
-    """Off shapes every Table 6 value is finetune's default: lr and weight decay in the AdamW
-    groups, the warm-up and lr in the schedule, the global batch in the loader, and the epochs
-    in the schedule's length (ceil(epochs * 300 samples / 256)). Stopped at the first step."""
+@pytest.mark.parametrize("task", ["extract", "retrieval", "classification", "caption"])
+def test_table6_values_reach_the_optimizer_and_schedule(tmp_path, monkeypatch, task, teacher):  # noqa: F811
+    """Off shapes every Table 6 value is the default of extract and finetune: lr and weight
+    decay in the AdamW groups, the warm-up and lr in the schedule, the global batch in the
+    loader, and the epochs in the schedule's length (ceil(epochs * samples / batch)). Stopped
+    at the first step."""
     lr, wd, warmup, batch, epochs = M.TABLE6[task]
-    assert (lr, warmup, epochs) == {"retrieval": (5e-5, 10_000, 50), "classification": (1e-4, 5_000, 500),
-                                    "caption": (2e-5, 5_000, 10)}[task] and batch == 256 and wd == 0.01
+    assert (lr, wd, warmup, batch, epochs) == {
+        "extract": (1e-3, 0.1, 10_000, 512, 32), "retrieval": (5e-5, 0.01, 10_000, 256, 50),
+        "classification": (1e-4, 0.01, 5_000, 256, 500), "caption": (2e-5, 0.01, 5_000, 256, 10)}[task]
     seen = {}
     real_opt, real_phase = M.make_optimizer, M.train_phase
 
@@ -249,29 +251,36 @@ def test_table6_values_reach_the_optimizer_and_schedule(tmp_path, monkeypatch, t
     monkeypatch.setattr(M, "make_optimizer", make_optimizer)
     monkeypatch.setattr(M, "lr_at", lr_at)
     monkeypatch.setattr(M, "train_phase", train_phase)
-    spec, extra = table6_data(tmp_path, task)
+    spec, extra = table6_data(tmp_path, task, 110 if task == "extract" else 60)
+    samples = 550 if task == "extract" else 300
+    cmd = ["extract", "--teacher", str(teacher)] if task == "extract" else \
+        ["finetune", "--init", "scratch", "--layers", "1", "--task", task]
     if task == "caption":
         from test_mm_caption import write_released_gpt2
         write_released_gpt2(tmp_path / "gpt2")
         extra += ["--lm", str(tmp_path / "gpt2")]
     with pytest.raises(Stop):
-        M.main(["finetune", "--init", "scratch", "--layers", "1", "--task", task, "--data", spec,
-                "--out_dir", str(tmp_path / "ft"), *extra])
-    assert seen["batch"] == 256
-    assert seen["schedule"] == (0, math.ceil(epochs * 300 / 256), lr, warmup)
+        M.main([*cmd, "--data", spec, "--out_dir", str(tmp_path / "out"), *extra])
+    assert seen["batch"] == batch
+    assert seen["schedule"] == (0, math.ceil(epochs * samples / batch), lr, warmup)
     decayed = [g for g in seen["groups"] if g[1] > 0]
     assert [g[1] for g in decayed] == [wd] and all(g[0] == lr for g in seen["groups"])
 
 
-def test_shapes_keeps_its_finetune_defaults(tmp_path, monkeypatch):
-    """On shapes: Table 6's lr and weight decay, 300 steps, batch 64, warm-up 30 (as before)."""
-    a = M.build_parser().parse_args(["finetune", "--init", "scratch", "--task", "caption"])
-    M.finetune_defaults(a)
-    assert (a.lr, a.wd, a.max_steps, a.batch_size, a.warmup, a.epochs) == (2e-5, 0.01, 300, 64, 30, None)
-    a = M.build_parser().parse_args(["finetune", "--init", "x", "--data", "kp.json", "--batch_size", "32",
-                                     "--warmup", "7", "--lr", "1e-3"])
-    M.finetune_defaults(a)      # flags given win over the table
-    assert (a.lr, a.wd, a.max_steps, a.batch_size, a.warmup, a.epochs) == (1e-3, 0.01, None, 32, 7, 50)
+def test_shapes_keeps_its_defaults_and_extract_takes_table6():
+    """On shapes: Table 6's lr and weight decay; fine-tuning 300 steps, batch 64, warm-up 30 and
+    extraction 500 steps, batch 64, warm-up 50 (as before). Off shapes extraction takes Table 6's
+    first column; flags given win over the table."""
+    def resolved(argv, column):
+        a = M.build_parser().parse_args(argv)
+        M.table6_defaults(a, column)
+        return a.lr, a.wd, a.max_steps, a.batch_size, a.warmup, a.epochs
+    assert resolved(["finetune", "--init", "x", "--task", "caption"], "caption") == (2e-5, 0.01, 300, 64, 30, None)
+    assert resolved(["extract", "--teacher", "t"], "extract") == (1e-3, 0.1, 500, 64, 50, None)
+    assert resolved(["extract", "--teacher", "t", "--data", "cc3m"], "extract") == (1e-3, 0.1, None, 512, 10_000, 32)
+    assert resolved(["finetune", "--init", "x", "--data", "kp.json", "--batch_size", "32", "--warmup", "7", "--lr",
+                     "1e-3"], "retrieval") == (1e-3, 0.01, None, 32, 7, 50)
+    assert resolved(["finetune", "--init", "x", "--epochs", "2"], "retrieval") == (5e-5, 0.01, None, 64, 30, 2)
 
 
 @pytest.mark.parametrize("part", ["no_mm", "only_mm"])
