@@ -9,9 +9,11 @@ public implementation, plus the learngene baselines it is compared with (He-LG, 
   expand    learngene -> a normal descendant (CLIP or vision tower, any depth up to 2x the
             unique layers) in OpenAI state-dict layout, as an out_dir that il_clip.py loads.
   finetune  activation (short contrastive training on 10% of the learngene's extraction data,
-            one epoch) then fine-tuning: retrieval (I2T/T2I R@1), classification (top-1) or
-            captioning (--task caption: ClipCap mapper into a frozen GPT-2; BLEU, CIDEr-D,
-            ROUGE-L). Whole eval splits by default. Baselines: --init scratch, --init
+            one epoch) then fine-tuning with Table 6's settings: retrieval (I2T/T2I R@1),
+            classification (top-1) or captioning (--task caption: ClipCap mapper into a frozen
+            GPT-2; BLEU, CIDEr-D, ROUGE-L against every reference, 5 per shapes image;
+            --baselines adds the best constant and the nearest-neighbour caption). Whole eval
+            splits by default. Baselines: --init scratch, --init
             <il_clip out_dir> (PT-FT), He-LG and TLEG descendants (extract --method helg|tleg);
             Table 4's ablations: expand --part no_mm|only_mm.
   report    parameter storage and pre-training cost (Table 3); finetune results side by side.
@@ -25,6 +27,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -77,6 +80,17 @@ AUX_PRESETS = {
     "shapes": dict(width=128, heads=4, layers=12, patch_size=8, embed_dim=128),
     "ViT-S-16": dict(width=384, heads=6, layers=12, patch_size=16, embed_dim=384),
 }
+
+# Table 6 (appendix A.3), the defaults when --data is not shapes: (lr, weight decay, warm-up
+# steps, global batch, epochs) for extraction and each fine-tuning task. Captioning's weight
+# decay is blank in the table; 0.01 like the others is a CHOICE. The table leaves open the
+# optimizer, its betas and the decay after warm-up: CHOICE AdamW(0.9, 0.98, eps 1e-6), weight
+# decay on matrices only, cosine decay to lr/10 (make_optimizer, lr_at).
+TABLE6 = {"extract": (1e-3, 0.1, 10_000, 512, 32), "retrieval": (5e-5, 0.01, 10_000, 256, 50),
+          "classification": (1e-4, 0.01, 5_000, 256, 500), "caption": (2e-5, 0.01, 5_000, 256, 10)}
+# On shapes: Table 6's lr and weight decay with CPU-sized steps, batch and warm-up
+SHAPES_SIZED = {"extract": {"max_steps": 500, "batch_size": 64, "warmup": 50},
+                "finetune": {"max_steps": 300, "batch_size": 64, "warmup": 30}}
 
 # The Linear weights and biases of one transformer layer: the "theta" of the paper
 # ("the entirety of weights and biases of linear processes for MSA and MLP", Sec. 3.1).
@@ -225,6 +239,14 @@ class TextTransformer(nn.Module):
         return F.normalize(self.text_features(text, self.layer_list("text")) @ self.text_projection, dim=-1)
 
 
+def capped_scale(model):
+    """exp(logit_scale) capped at 100 (CLIP, Radford et al. 2021, Sec. 2.5: "clipped to prevent
+    scaling the logits by more than 100"). The training loop clamps the parameter after each
+    step; this cap also holds for loaded weights (a teacher, a descendant, an ancestry whose
+    scale was stored above ln 100) from their first forward on."""
+    return model.logit_scale.exp().clamp(max=100.0)
+
+
 class CLIP(TextTransformer):
     """OpenAI-layout CLIP: text keys at top level, `visual.*`, `logit_scale`."""
 
@@ -237,7 +259,7 @@ class CLIP(TextTransformer):
         return F.normalize(self.visual(images, self.layer_list("visual")) @ self.visual.proj, dim=-1)
 
     def forward(self, images, text):
-        return self.encode_image(images), self.encode_text(text), self.logit_scale.exp()
+        return self.encode_image(images), self.encode_text(text), capped_scale(self)
 
 
 # -----------------------------------------------------------------------------
@@ -614,6 +636,15 @@ def soft_ce(student_logits, teacher_logits):
     return -(teacher_logits.softmax(-1) * student_logits.log_softmax(-1)).sum(-1).mean()
 
 
+@torch.no_grad()
+def teacher_logits(teacher, images, text):
+    """The frozen ancestry's (i2t, t2i) logits of Eq. 5-6, with its own logit scale, capped at
+    100 as the student's."""
+    t_i2t, t_t2i, _ = clip_logits(teacher.encode_image(images).float(), teacher.encode_text(text).float(),
+                                  capped_scale(teacher).float(), grad=False)
+    return t_i2t, t_t2i
+
+
 def distill_loss(s_i2t, s_t2i, t_i2t, t_t2i):
     """Eq. 7: L_dist = (L_dist^i2t + L_dist^t2i) / 2."""
     return 0.5 * (soft_ce(s_i2t, t_i2t) + soft_ce(s_t2i, t_t2i))
@@ -829,8 +860,46 @@ CSV_FLAGS = ("csv_img_key", "csv_caption_key", "csv_separator")
 SOURCE_KEYS = ("data", "image_root") + CSV_FLAGS
 
 
+def is_shapes(spec: str) -> bool:
+    return spec == "shapes" or spec.startswith("shapes:")
+
+
 def data_source(a) -> dict:
     return {k: getattr(a, k) for k in SOURCE_KEYS}
+
+
+def recorded_source(a) -> dict:
+    """data_source with --data and --image_root made absolute (shapes and the named presets
+    stay names): the record in a learngene must name the same files from any working folder."""
+    src = data_source(a)
+    if not (is_shapes(src["data"]) or src["data"] in data.DATA_PRESETS):
+        src["data"] = os.path.abspath(src["data"])
+    if src["image_root"]:
+        src["image_root"] = os.path.abspath(src["image_root"])
+    return src
+
+
+def table6_defaults(a, column: str):
+    """Fill the flags left unset: Table 6's `column` when --data is not shapes; on shapes its
+    lr and weight decay with SHAPES_SIZED steps, batch and warm-up. Off shapes --max_steps,
+    when unset, follows from --epochs (train_steps)."""
+    lr, wd, warmup, batch, epochs = TABLE6[column]
+    if is_shapes(a.data):
+        values = {"lr": lr, "wd": wd, **SHAPES_SIZED["extract" if column == "extract" else "finetune"]}
+        if a.epochs is not None:        # --epochs asked on shapes: the steps follow from it
+            del values["max_steps"]
+    else:
+        values = {"lr": lr, "wd": wd, "warmup": warmup, "batch_size": batch, "epochs": epochs}
+    for k, v in values.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+
+
+def train_steps(a, loader, src: dict, rank: int, tag: str) -> int:
+    """--max_steps, else --epochs over the training loader: ceil(epochs * samples / batch)."""
+    if a.max_steps is not None:
+        return a.max_steps
+    return max(1, math.ceil(a.epochs * epoch_samples(loader, src, rank, tag) / a.batch_size))
 
 
 def csv_options(a) -> dict:
@@ -838,12 +907,14 @@ def csv_options(a) -> dict:
     return {k.removeprefix("csv_"): getattr(a, k) for k in CSV_FLAGS}
 
 
-def train_loader(a, src: dict, tok, image_size, rank, world, seed):
+def train_loader(a, src: dict, tok, image_size, rank, world, seed, ordered=False):
     """The training loader of data source `src` (data_source's keys), --batch_size split over
-    the ranks; a CSV flag that is None (not recorded) takes data.make_loader's default."""
+    the ranks; a CSV flag that is None (not recorded) takes data.make_loader's default.
+    `ordered`: the training split in data order, every sample, eval transforms."""
     csv = {k: src[k] for k in CSV_FLAGS if src.get(k) is not None}
-    return data.make_loader(src["data"], "train", a.batch_size // world, tok, image_size, True, rank, world,
-                            a.num_workers, seed, image_root=src["image_root"], **csv)
+    return data.make_loader(src["data"], "train", 100 if ordered else a.batch_size // world, tok, image_size,
+                            not ordered, rank, world, a.num_workers, seed, drop_last=not ordered,
+                            image_root=src["image_root"], **csv)
 
 
 # -----------------------------------------------------------------------------
@@ -851,6 +922,7 @@ def train_loader(a, src: dict, tok, image_size, rank, world, seed):
 
 
 def cmd_extract(a):
+    table6_defaults(a, "extract")
     rank, world, device = setup_dist(a.device)
     torch.manual_seed(a.seed)
     random.seed(a.seed)
@@ -884,14 +956,13 @@ def cmd_extract(a):
                               f"not {cfg.vision_width}")
     aux = AuxCLIP(cfg, a.method, part, a.helg_layers).to(device)
     loader = train_loader(a, data_source(a), tok, cfg.image_size, rank, world, a.seed)
+    a.max_steps = train_steps(a, loader, data_source(a), rank, "extract")
 
     def loss_fn(model, batch):
         images, text = batch["image"].to(device), batch["text"].to(device)
         img, txt, scale = model(images, text)
         s_i2t, s_t2i, labels = clip_logits(img, txt, scale)
-        with torch.no_grad():  # frozen teacher in eval mode, its own (frozen) logit scale
-            t_i2t, t_t2i, _ = clip_logits(teacher.encode_image(images).float(), teacher.encode_text(text).float(),
-                                          teacher.logit_scale.exp().float(), grad=False)
+        t_i2t, t_t2i = teacher_logits(teacher, images, text)
         l_clip = clip_loss(s_i2t, s_t2i, labels)
         l_dist = distill_loss(s_i2t, s_t2i, t_i2t, t_t2i)
         return l_clip + a.lambda_dist * l_dist, {"clip": l_clip.detach(), "dist": l_dist.detach()}  # Eq. 8
@@ -905,7 +976,7 @@ def cmd_extract(a):
             tok_json = f.read()
         meta = {"learngene": json.dumps(aux.meta()), "tokenizer": tok_json,
                 "extract": json.dumps({"step": tr.step, "elapsed": tr.elapsed, "batch_size": a.batch_size,
-                                       **data_source(a)})}
+                                       **recorded_source(a)})}
         atomic_save_file(aux.state_dict(), os.path.join(a.out_dir, "learngene.safetensors"), meta)
 
     train_phase(aux, loss_fn, loader, a, rank, world, device, a.max_steps, a.out_dir, config, tok, "extract",
@@ -1101,7 +1172,7 @@ def classification_data(a, image_size, rank, world):
     """(train loader, eval loader, class names, what was evaluated) for shapes or an
     ImageFolder tree. Images go through data.py's reader: a bad image is skipped and counted.
     Whole splits unless --train_size / --eval_size ask for a seeded stratified subsample."""
-    if a.data == "shapes" or a.data.startswith("shapes:"):
+    if is_shapes(a.data):
         opts = data.parse_shapes_spec(a.data)
         s, classes = opts.get("seed", 0), list(data.SHAPE_NAMES)
         sizes = {"train": opts.get("train_size", 5000), "test": 1000}
@@ -1242,6 +1313,17 @@ def count_shard_samples(spec: str, image_root=None) -> int:
     return total
 
 
+def epoch_samples(loader, src: dict, rank: int, tag: str) -> int:
+    """Samples in one epoch of `loader` over data source `src`; shards without count files
+    are counted."""
+    n = loader.num_samples
+    if n is None:
+        n = count_shard_samples(src["data"], src["image_root"])
+        if rank == 0:
+            print(f"{tag}: {src['data']} has no count files; counted {n} samples in the shards", flush=True)
+    return n
+
+
 def activation_source(a, init_cfg: dict) -> dict:
     """Activation data (appendix A.2.1: 10% of the pre-training data, one epoch): --activate_data,
     else the data the learngene was extracted on, recorded by extract and expand. Never a
@@ -1252,7 +1334,15 @@ def activation_source(a, init_cfg: dict) -> dict:
         raise ConfigError(f"{a.init}: the descendant does not record its learngene's extraction data; "
                           f"pass --activate_data (the paper: its pre-training data, CC3M + CC12M)")
     if a.activate_data is None:
-        return {k: rec.get(k) for k in SOURCE_KEYS}
+        src = {k: rec.get(k) for k in SOURCE_KEYS}
+        try:
+            data.resolve_data(src["data"], src["image_root"])
+            if src["image_root"] and not os.path.isdir(src["image_root"]):
+                raise data.DataError(f"--image_root {src['image_root']}: no such directory")
+        except data.DataError as e:
+            raise ConfigError(f"{a.init}: the learngene's activation data are missing ({e}); they were recorded at "
+                              f"extraction in {init_cfg.get('learngene', a.init)}; pass --activate_data to override")
+        return src
     return {**data_source(a), "data": a.activate_data}
 
 
@@ -1260,22 +1350,11 @@ def activate(a, model, tok, cfg, init_cfg, phase, results, rank, world, device):
     """Contrastive training on --activate_frac of the activation data for --activate_epochs."""
     src = activation_source(a, init_cfg)
     loader = train_loader(a, src, tok, cfg.image_size, rank, world, a.seed)
-    n = loader.num_samples
-    if n is None:
-        n = count_shard_samples(src["data"], src["image_root"])
-        if rank == 0:
-            print(f"activation: {src['data']} has no count files; counted {n} samples in the shards", flush=True)
+    n = epoch_samples(loader, src, rank, "activation")
     steps = a.activate_steps or max(1, int(a.activate_frac * n * a.activate_epochs) // a.batch_size)
     act_args = argparse.Namespace(**{**vars(a), "lr": a.activate_lr, "warmup": -1, "stop_at": 0})
     phase("activate", model, lambda m, b: contrastive_loss_fn(m, b, device), loader, act_args, steps)
     results.update({"activation_data": src["data"], "activation_samples": n, "activation_steps": steps})
-
-
-# Table 6 (appendix A.3) fine-tuning hyper-parameters per task: (lr, weight decay, warm-up
-# steps, batch). Epochs there: retrieval 50, classification 500, captioning 10. Captioning's
-# weight decay is blank in the table; 0.01 like the others is a CHOICE.
-TABLE6 = {"retrieval": (5e-5, 0.01, 10_000, 256), "classification": (1e-4, 0.01, 5_000, 256),
-          "caption": (2e-5, 0.01, 5_000, 256)}
 
 
 # A fine-tuning task: (a, model, tok, cfg, modality, results, rank, world, device) -> (the module
@@ -1313,9 +1392,7 @@ def retrieval_task(a, model, tok, cfg, modality, results, rank, world, device):
 
 def cmd_finetune(a):
     rank, world, device = setup_dist(a.device)
-    lr, wd, _, _ = TABLE6[a.task]
-    a.lr = lr if a.lr is None else a.lr
-    a.wd = wd if a.wd is None else a.wd
+    table6_defaults(a, a.task)
     torch.manual_seed(a.seed)
     model, tok, cfg, modality, kind, init_cfg = load_init(a)
     model.to(device)
@@ -1339,6 +1416,8 @@ def cmd_finetune(a):
         activate(a, model, tok, cfg, init_cfg, phase, results, rank, world, device)
     task = {"retrieval": retrieval_task, "classification": classification_task, "caption": caption_task}[a.task]
     final, loss_fn, train, evaluate = task(a, model, tok, cfg, modality, results, rank, world, device)
+    a.max_steps = train_steps(a, train, data_source(a), rank, "finetune")
+    results.update({"batch_size": a.batch_size, "warmup": a.warmup, "epochs": a.epochs})
     phase("finetune", final, loss_fn, train, a, a.max_steps)
     if rank == 0:
         results.update(evaluate())
@@ -1483,12 +1562,15 @@ class ClipCap(nn.Module):
         d = lm.wte.weight.shape[1]
         self.mapper = TransformerMapper(dim_clip, d, heads=heads if d % heads == 0 else 1)
 
-    def prefix(self, images):
-        """ClipCap feeds CLIP's image embedding: the pooled feature through `proj`."""
+    @torch.no_grad()
+    def embed(self, images):
+        """CLIP's image embedding: the frozen encoder's pooled feature through `proj`."""
         visual = self.frozen[0]
-        with torch.no_grad():
-            feats = visual(images) @ visual.proj
-        return self.mapper(feats.float())
+        return (visual(images) @ visual.proj).float()
+
+    def prefix(self, images):
+        """ClipCap feeds CLIP's image embedding to the mapper."""
+        return self.mapper(self.embed(images))
 
     def forward(self, images, tokens):
         """Teacher-forced logits of `tokens` [B, T] after the prefix: [B, T, vocab]."""
@@ -1568,35 +1650,76 @@ def bleu(refs: dict, hyps: dict, n=4) -> list:
     return out
 
 
-def cider_d(refs: dict, hyps: dict, n=4, sigma=6.0) -> float:
-    """CIDEr-D (Vedantam et al. 2015) as pycocoevalcap's Cider: tf-idf n-gram vectors with
-    document frequencies from the references, clipped hypothesis weights, a Gaussian length
-    penalty (sigma 6; "length" = the bigram count, as there), the mean over n = 1..4 and
-    over references, x10."""
+def cider_vectors(refs: dict, n=4):
+    """CIDEr's tf-idf n-gram vectors with document frequencies from the references: vec(text)
+    -> (per-n {n-gram: weight}, per-n norms, bigram count), and every reference's vector."""
     df = collections.Counter(g for k in refs for g in {g for r in refs[k] for g in ngram_counts(r.split(), n)})
     log_n = math.log(len(refs))
 
-    def vec(words):
+    @functools.lru_cache(maxsize=None)
+    def vec(text):
         v, norm = [{} for _ in range(n)], [0.0] * n
-        counts = ngram_counts(words, n)
+        counts = ngram_counts(text.split(), n)
         for g, tf in counts.items():
             v[len(g) - 1][g] = tf * (log_n - math.log(max(1.0, df[g])))
             norm[len(g) - 1] += v[len(g) - 1][g] ** 2
         return v, [math.sqrt(x) for x in norm], sum(c for g, c in counts.items() if len(g) == 2)
+    return vec, {k: [vec(r) for r in refs[k]] for k in refs}
 
-    total = 0.0
-    for k in refs:
-        vh, nh, lh = vec(hyps[k][0].split())
-        score = [0.0] * n
-        for r in refs[k]:
-            vr, nr, lr = vec(r.split())
+
+def cider_scorer(refs: dict, n=4, sigma=6.0):
+    """CIDEr-D (Vedantam et al. 2015) as pycocoevalcap's Cider: tf-idf n-gram vectors with
+    document frequencies from the references, clipped hypothesis weights, a Gaussian length
+    penalty (sigma 6; "length" = the bigram count, as there), the mean over n = 1..4 and
+    over references, x10. Returns score(image key, hypothesis) -> that image's CIDEr-D."""
+    vec, ref_vecs = cider_vectors(refs, n)
+
+    def score(k, hyp):
+        vh, nh, lh = vec(hyp)
+        total = [0.0] * n
+        for vr, nr, lr in ref_vecs[k]:
+            penalty = math.exp(-((lh - lr) ** 2) / (2 * sigma ** 2))
             for j in range(n):
-                val = sum(min(w, vr[j].get(g, 0.0)) * vr[j].get(g, 0.0) for g, w in vh[j].items())
+                rj = vr[j]      # n-grams absent from the reference add exactly 0: skipped
+                val = sum(min(w, rj[g]) * rj[g] for g, w in vh[j].items() if g in rj)
                 if nh[j] and nr[j]:
                     val /= nh[j] * nr[j]
-                score[j] += val * math.exp(-((lh - lr) ** 2) / (2 * sigma ** 2))
-        total += 10.0 * sum(score) / n / len(refs[k])
-    return total / len(refs)
+                total[j] += val * penalty
+        return 10.0 * sum(total) / n / len(refs[k])
+    return score
+
+
+def constant_ciders(refs: dict, candidates: list, n=4, sigma=6.0) -> list:
+    """cider_d(refs, {every image: [c]}) for each candidate c, through an inverted index of
+    the references' n-grams: the same sum, term by term, regrouped by n-gram (the constant
+    baseline scores ~1000 candidates against ~5000 references)."""
+    vec, ref_vecs = cider_vectors(refs, n)
+    post = collections.defaultdict(list)        # n-gram -> (weight, norm, length, 1 / refs of its image)
+    for k, vs in ref_vecs.items():
+        for vr, nr, lr in vs:
+            for j in range(n):
+                for g, w in vr[j].items():
+                    if w > 0:       # a zero weight adds exactly 0
+                        post[g].append((w, nr[j], lr, 1 / len(vs)))
+    post = {g: np.array(v).T for g, v in post.items()}
+    out = []
+    for c in candidates:
+        vh, nh, lh = vec(c)
+        total = 0.0
+        for j in range(n):
+            for g, w in vh[j].items():
+                if w > 0 and g in post:
+                    rg, nr, lr, per = post[g]
+                    total += float(np.sum(np.minimum(w, rg) * rg / (nh[j] * nr) * per *
+                                          np.exp(-((lh - lr) ** 2) / (2 * sigma ** 2))))
+        out.append(10.0 * total / n / len(refs))
+    return out
+
+
+def cider_d(refs: dict, hyps: dict, n=4, sigma=6.0) -> float:
+    """Corpus CIDEr-D: the mean over images of cider_scorer's per-image score."""
+    score = cider_scorer(refs, n, sigma)
+    return sum(score(k, hyps[k][0]) for k in refs) / len(refs)
 
 
 def lcs_len(a, b):
@@ -1632,7 +1755,7 @@ def caption_tokens(text: str) -> str:
 def caption_scores(refs: dict, hyps: dict) -> dict:
     """BLEU-1..4, CIDEr-D, ROUGE-L, all x100 as the paper's Table 2 reports them."""
     refs = {k: [caption_tokens(r) for r in v] for k, v in refs.items()}
-    hyps = {k: [caption_tokens(v[0]) or "."] for k, v in hyps.items()}
+    hyps = {k: [caption_tokens(v[0])] for k, v in hyps.items()}   # an empty caption is scored empty
     b = bleu(refs, hyps)
     return {**{f"bleu{j + 1}": round(100 * x, 2) for j, x in enumerate(b)},
             "cider": round(100 * cider_d(refs, hyps), 2), "rouge_l": round(100 * rouge_l(refs, hyps), 2)}
@@ -1675,34 +1798,112 @@ def train_shapes_lm(folder: str, seed: int, steps: int = 400):
                        "final_lm_loss": round(loss.item(), 4), "steps": steps}, os.path.join(folder, "config.json"))
 
 
+# Several references per shapes image (data.shapes_references), as COCO has five: with one
+# reference and shapes' small grammar, one fixed caption out-scored every model on CIDEr-D.
+SHAPES_REFERENCES = 5
+
+
+def reference_captions(spec: str, image_size: int):
+    """(image key, the data's captions of it) -> its reference captions: on shapes
+    data.shapes_references of the scene (key "{split}{index:08d}", ShapesDataset's), else the
+    captions the data list for the image."""
+    if not is_shapes(spec):
+        return lambda key, captions: captions
+    seed = data.parse_shapes_spec(spec).get("seed", 0)
+
+    def refs(key, captions):
+        split, index = key[:-8], int(key[-8:])
+        return data.shapes_references(data.shapes_scene(split, index, seed, image_size), SHAPES_REFERENCES,
+                                      random.Random(f"shapes-refs/{seed}/{split}/{index}"))
+    return refs
+
+
+class CaptionPool:
+    """Training images for the captioning baselines: their embeddings (cosine similarity of
+    ClipCap's input, the frozen descendant encoder's image embedding), their first training
+    caption, and the best constant caption chosen on them."""
+
+    def __init__(self, feats, captions, refs):
+        self.feats, self.captions = F.normalize(feats, dim=-1), captions
+        self.constant, self.constant_cider = best_constant(refs, sorted(set(captions)))
+
+    def nearest(self, feats) -> list:
+        """The caption of the most similar pool image, per row of `feats`."""
+        return [self.captions[i] for i in (F.normalize(feats, dim=-1) @ self.feats.t()).argmax(1).tolist()]
+
+
+def best_constant(refs: dict, candidates: list) -> tuple:
+    """(caption, CIDEr-D x100) of the candidate that, given to every image of `refs`, scores the
+    highest corpus CIDEr-D against their references (the first of equals)."""
+    refs = {k: [caption_tokens(r) for r in v] for k, v in refs.items()}
+    totals = constant_ciders(refs, [caption_tokens(c) for c in candidates])
+    best = candidates[max(range(len(candidates)), key=totals.__getitem__)]
+    return best, round(100 * cider_d(refs, {k: [caption_tokens(best)] for k in refs}), 2)
+
+
 @torch.no_grad()
-def eval_captioning(model, loader, device, beam):
-    """Captions every eval image once (its key), scored against all its reference captions."""
+def caption_pool(a, cap, image_size, device) -> CaptionPool:
+    """The first --baseline_pool images of the training split, in data order."""
+    src = data_source(a)
+    refs_of = reference_captions(src["data"], image_size)
+    captions, feats = {}, []        # image key -> its training captions (a Karpathy JSON lists 5)
+    for batch in train_loader(a, src, None, image_size, 0, 1, a.seed, ordered=True):
+        new = []
+        for j, (k, c) in enumerate(zip(batch["key"], batch["caption"])):
+            if k not in captions:
+                if len(captions) == a.baseline_pool:
+                    break
+                captions[k] = []
+                new.append(j)
+            captions[k].append(c)
+        if new:
+            feats.append(cap.embed(batch["image"][new].to(device)))
+        if len(captions) == a.baseline_pool:
+            break
+    return CaptionPool(torch.cat(feats), [c[0] for c in captions.values()],
+                       {k: refs_of(k, c) for k, c in captions.items()})
+
+
+@torch.no_grad()
+def eval_captioning(model, loader, device, beam, refs_of, pool=None):
+    """Captions every eval image once (its key), scored against all its references
+    (`refs_of`). With a CaptionPool, the two baselines are scored on the same images and
+    references: its constant caption, and each image's nearest pool image's caption."""
     model.mapper.eval()
-    refs, hyps, lm_tok = {}, {}, model.frozen[2]
+    captions, hyps, nearest, lm_tok = {}, {}, {}, model.frozen[2]
     skipped0 = getattr(loader, "skipped", 0)
     for batch in loader:
-        new = [j for j, k in enumerate(batch["key"]) if k not in refs]
+        new = [j for j, k in enumerate(batch["key"]) if k not in captions]
         for k, c in zip(batch["key"], batch["caption"]):
-            refs.setdefault(k, []).append(c)
+            captions.setdefault(k, []).append(c)
         if new:
-            ids = generate(model, batch["image"][new].to(device), beam)
-            hyps.update({batch["key"][j]: [lm_tok.decode(s)] for j, s in zip(new, ids)})
+            images, keys = batch["image"][new].to(device), [batch["key"][j] for j in new]
+            hyps.update({k: [lm_tok.decode(s)] for k, s in zip(keys, generate(model, images, beam))})
+            if pool is not None:
+                nearest.update({k: [c] for k, c in zip(keys, pool.nearest(model.embed(images)))})
     model.mapper.train()
-    scores = caption_scores(refs, hyps)
+    refs = {k: refs_of(k, v) for k, v in captions.items()}
     examples = [{"ref": refs[k][0], "hyp": hyps[k][0]} for k in list(refs)[:3]]
     # how many different captions were generated: a mapper that ignores the image writes one
     # caption for every image, and that can still score (the most frequent caption's n-grams)
-    return {**scores, "n_images": len(refs), "n_refs": sum(map(len, refs.values())), "beam": beam,
-            "n_distinct_captions": len({h[0] for h in hyps.values()}),
-            "eval_skipped": getattr(loader, "skipped", 0) - skipped0, "examples": examples}
+    out = {**caption_scores(refs, hyps), "n_images": len(refs), "n_refs": sum(map(len, refs.values())), "beam": beam,
+           "n_distinct_captions": len({h[0] for h in hyps.values()}),
+           "eval_skipped": getattr(loader, "skipped", 0) - skipped0, "examples": examples}
+    if pool is not None:
+        out["baselines"] = {
+            "constant": {**caption_scores(refs, {k: [pool.constant] for k in refs}), "caption": pool.constant,
+                         "pool_cider": pool.constant_cider, "n_distinct_captions": 1},
+            "nearest": {**caption_scores(refs, nearest), "n_distinct_captions": len({h[0] for h in nearest.values()})},
+            "pool_images": len(pool.captions),
+            "similarity": "cosine of the frozen vision encoder's image embedding (ClipCap's input)"}
+    return out
 
 
 def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
     """Table 2's protocol: vision encoder and LM frozen, the ClipCap mapper trained."""
     lm_dir = a.lm
     if lm_dir is None:
-        if not (a.data == "shapes" or a.data.startswith("shapes:")):
+        if not is_shapes(a.data):
             raise ConfigError("--task caption needs --lm <folder with GPT-2's model.safetensors and tokenizer.json or "
                               "vocab.json + merges.txt>; only shapes has a stand-in")
         # beside out_dir, so runs under one parent folder share the stand-in
@@ -1721,11 +1922,18 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
     # captioned images: shapes, Karpathy JSON, CSV, shards; evaluated as retrieval's split
     train = train_loader(a, data_source(a), None, cfg.image_size, rank, world, a.seed)
     test = retrieval_loader(a, None, cfg.image_size)
+    refs_of = reference_captions(getattr(a, "eval_data", None) or a.data, cfg.image_size)
 
     def loss_fn(m, batch):
         tokens, mask = (t.to(device) for t in caption_batch(ltok, batch["caption"]))
         return F.cross_entropy(m(batch["image"].to(device), tokens)[mask].float(), tokens[mask]), {}
-    return cap, loss_fn, train, lambda: {**eval_captioning(cap, test, device, a.beam), "eval_subset": image_subset(a)}
+
+    def evaluate():
+        t0 = time.time()
+        pool = caption_pool(a, cap, cfg.image_size, device) if a.baselines else None
+        return {**eval_captioning(cap, test, device, a.beam, refs_of, pool), "eval_subset": image_subset(a),
+                "eval_seconds": round(time.time() - t0, 1)}
+    return cap, loss_fn, train, evaluate
 
 
 # -----------------------------------------------------------------------------
@@ -1773,8 +1981,13 @@ def results_table(dirs: list) -> str:
         what = f"{r.get('n_images')} images" + (f", {r['n_classes']} classes" if "n_classes" in r else "") + \
             (f", {r['n_refs']} refs" if "n_refs" in r else "") + f", {r.get('eval_subset', 'whole split')}" + \
             (f"; {r['n_distinct_captions']} distinct captions" if "n_distinct_captions" in r else "")
-        lines.append(f"| {os.path.basename(os.path.normpath(d))} | {r.get('kind')} | {r.get('part', 'both')} | "
-                     f"{r.get('layers')} | {r.get('task')} | {scores} | {what} |")
+        name = os.path.basename(os.path.normpath(d))
+        lines.append(f"| {name} | {r.get('kind')} | {r.get('part', 'both')} | {r.get('layers')} | {r.get('task')} | "
+                     f"{scores} | {what} |")
+        for b, br in ((b, br) for b, br in r.get("baselines", {}).items() if isinstance(br, dict)):
+            scores = ", ".join(f"{k} {br[k]}" for k in RESULT_COLUMNS["caption"])
+            lines.append(f"| {name} | {b} caption (baseline) | | | caption | {scores} | the same images; "
+                         f"{br['n_distinct_captions']} distinct captions |")
     return "\n".join(lines)
 
 
@@ -1819,18 +2032,21 @@ def storage_report(a):
 # main
 
 
-def add_train_flags(p, steps, batch, warmup, lr=None, wd=None, lr_help="", data_help=""):
+def add_train_flags(p, lr_help="", data_help=""):
+    """The training flags; those left unset are filled from Table 6 (table6_defaults)."""
     p.add_argument("--data", default="shapes", help=data_help or "shapes, tar shards, CSV, Karpathy JSON")
     p.add_argument("--image_root", default=None, help="folder the image paths of a CSV / Karpathy JSON are under")
     p.add_argument("--csv_img_key", default="filepath")
     p.add_argument("--csv_caption_key", default="title")
     p.add_argument("--csv_separator", default=None, help="default: tab if the header has one, else comma")
     p.add_argument("--out_dir", default=None)
-    p.add_argument("--max_steps", type=int, default=steps)
-    p.add_argument("--batch_size", type=int, default=batch, help="global batch size")
-    p.add_argument("--lr", type=float, default=lr, help=lr_help)
-    p.add_argument("--wd", type=float, default=wd, help="AdamW weight decay on matrices (not on gains, biases, coefficients)")
-    p.add_argument("--warmup", type=int, default=warmup, help="warm-up steps (-1: 10%% of the steps)")
+    p.add_argument("--max_steps", type=int, default=None)
+    p.add_argument("--batch_size", type=int, default=None, help="global batch size")
+    p.add_argument("--lr", type=float, default=None, help=lr_help)
+    p.add_argument("--wd", type=float, default=None, help="AdamW weight decay on matrices (not on gains, biases, coefficients)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (-1: 10%% of the steps)")
+    p.add_argument("--epochs", type=float, default=None, help="epochs when --max_steps is not given (default: "
+                                                              "Table 6's when --data is not shapes)")
     p.add_argument("--grad_clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
@@ -1846,14 +2062,16 @@ def add_train_flags(p, steps, batch, warmup, lr=None, wd=None, lr_help="", data_
 
 def add_extract_parser(sub):
     p = sub.add_parser("extract", help="distil a teacher CLIP into the learngene (paper: batch 512, lr 1e-3, "
-                                       "10k warm-up, 32 epochs of CC3M+CC12M, --model ViT-S-16)")
+                                       "10k warm-up, 32 epochs of CC3M+CC12M, --model ViT-S-16; the defaults off "
+                                       "shapes)")
     p.add_argument("--teacher", required=True, help="il_clip.py out_dir, checkpoint/ folder or OpenAI-layout "
                                                     ".safetensors/.pt")
     p.add_argument("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz for a bare OpenAI weight file")
     p.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
                    help="the teacher's activation; default: its config.json's quick_gelu, else (a bare OpenAI "
                         "weight file) QuickGELU as OpenAI's released CLIPs. Printed at start.")
-    add_train_flags(p, 500, 64, 50, lr=1e-3, wd=0.1)
+    add_train_flags(p, lr_help="default: Table 6 (1e-3, --wd 0.1); off shapes also warm-up "
+                    "10k steps, batch 512, --epochs 32; on shapes 500 steps, batch 64, warm-up 50")
     p.add_argument("--aux_width", type=int, default=None)
     p.add_argument("--aux_heads", type=int, default=None)
     p.add_argument("--aux_layers", type=int, default=None)
@@ -1871,9 +2089,9 @@ def add_finetune_parser(sub):
     p = sub.add_parser("finetune", help="activation + fine-tuning (retrieval, classification or captioning)")
     p.add_argument("--init", required=True, help="descendant out_dir, il_clip.py out_dir (PT-FT) or scratch")
     p.add_argument("--task", default="retrieval", choices=["retrieval", "classification", "caption"])
-    add_train_flags(p, 300, 64, 30, lr_help="default: Table 6 per task (retrieval 5e-5, classification 1e-4, "
-                    "caption 2e-5; --wd 0.01). Table 6's real-scale warm-up 10k/5k/5k steps, batch 256, epochs "
-                    "50/500/10 are given with --warmup/--batch_size/--max_steps; the defaults here are shapes-sized. "
+    add_train_flags(p, lr_help="default: Table 6 per task (retrieval 5e-5, classification 1e-4, "
+                    "caption 2e-5; --wd 0.01). Off shapes every Table 6 value is the default: warm-up 10k/5k/5k "
+                    "steps, batch 256, --epochs 50/500/10; on shapes 300 steps, batch 64, warm-up 30. "
                     "Classification trains with RandomResizedCrop(0.08-1) + flip on ImageFolder data",
                     data_help="retrieval/caption: shapes, Karpathy JSON, CSV, shards; classification: shapes "
                               "or an ImageFolder root with train/ and val/ (or test/)")
@@ -1898,6 +2116,11 @@ def add_finetune_parser(sub):
     p.add_argument("--lm", default=None, help="caption: folder with GPT-2's model.safetensors + tokenizer.json "
                                               "(or vocab.json + merges.txt); shapes: a stand-in GPT is trained")
     p.add_argument("--beam", type=int, default=1, help="caption decoding: 1 greedy, >1 beam search")
+    p.add_argument("--baselines", action="store_true",
+                   help="caption: also score, on the same images and references, the best constant caption (the "
+                        "training caption with the highest CIDEr-D over the pool) and the nearest-neighbour caption "
+                        "(of the pool image most similar in the frozen encoder's image embedding)")
+    p.add_argument("--baseline_pool", type=int, default=1000, help="--baselines: the first N training images")
     p.set_defaults(func=cmd_finetune)
 
 

@@ -67,6 +67,94 @@ def test_metrics_match_pycocoevalcap():
     assert M.rouge_l(refs, hyps) == pytest.approx(Rouge().compute_score(refs, hyps)[0], rel=1e-9)
 
 
+def test_empty_hypotheses_are_scored_empty():
+    """A model that emits nothing (or only punctuation) is scored on an empty caption, as
+    pycocoevalcap does: no stand-in word that could earn n-gram matches."""
+    refs = {"1": ["a red circle", "a big red circle"], "2": ["a blue square above a star"], "3": ["x y z ."]}
+    hyps = {"1": [""], "2": ["a blue square"], "3": ["..."]}
+    s = M.caption_scores(refs, hyps)
+    # image 2 alone earns matches: 3 of 3 unigrams, 2 of 2 bigrams, 1 trigram; no 4-gram
+    tok = {k: [M.caption_tokens(r) for r in v] for k, v in refs.items()}
+    emp = {k: [M.caption_tokens(v[0])] for k, v in hyps.items()}
+    assert emp["3"] == [""] and s["bleu1"] == round(100 * M.bleu(tok, emp)[0], 2)
+    assert M.rouge_l(tok, emp) == pytest.approx(M.rouge_l({"2": tok["2"]}, {"2": emp["2"]}) / 3, rel=1e-12)
+    all_empty = M.caption_scores(refs, {k: [""] for k in refs})
+    assert all_empty["cider"] == 0 and all_empty["rouge_l"] == 0 and all_empty["bleu1"] == 0
+    pytest.importorskip("pycocoevalcap")
+    from pycocoevalcap.bleu.bleu import Bleu
+    from pycocoevalcap.cider.cider import Cider
+    from pycocoevalcap.rouge.rouge import Rouge
+    for h in (emp, {k: [""] for k in refs}):
+        for mine, ref in zip(M.bleu(tok, h), Bleu(4).compute_score(tok, h, verbose=0)[0]):
+            assert mine == pytest.approx(ref, rel=1e-9, abs=1e-12)
+        assert M.cider_d(tok, h) == pytest.approx(Cider().compute_score(tok, h)[0], rel=1e-9, abs=1e-12)
+        assert M.rouge_l(tok, h) == pytest.approx(Rouge().compute_score(tok, h)[0], rel=1e-9, abs=1e-12)
+
+
+# the paraphrases shapes_references may use, mapped back to the grammar's words by hand
+BACK_TO_GRAMMAR = [(" on the left of ", " LEFT "), (" to the left of ", " LEFT "), (" left of ", " LEFT "),
+                   (" on the right of ", " RIGHT "), (" to the right of ", " RIGHT "), (" right of ", " RIGHT "),
+                   (" LEFT ", " to the left of "), (" RIGHT ", " to the right of "), (" over ", " above "),
+                   (" under ", " below "), (" beneath ", " below "), (" little ", " small "), (" tiny ", " small "),
+                   (" big ", " large "), (" violet ", " purple "), (" disc ", " circle "), (" plus sign ", " cross "),
+                   (" rhombus ", " diamond ")]
+
+
+def to_grammar(text):
+    t = " " + text.removeprefix("there is ") + " "
+    for a, b in BACK_TO_GRAMMAR:
+        t = t.replace(a, b)
+    return t.strip()
+
+
+def test_shapes_references_are_true_distinct_and_deterministic():
+    """Five references per image, the first the image's own caption, all different, each true
+    of the image once its synonyms are mapped back (parsed by the grammar's parser, checked by
+    caption_is_true); the same seed gives the same references; across images the object order,
+    the copula, synonyms and relation paraphrases all occur."""
+    seen = set()
+    for split in ("train", "test", "productivity"):
+        for i in range(120):
+            scene = data.shapes_scene(split, i, 0, 32)
+            refs = data.shapes_references(scene, 5, random.Random(f"t/{split}/{i}"))
+            assert refs == data.shapes_references(scene, 5, random.Random(f"t/{split}/{i}"))
+            assert len(refs) == 5 == len(set(refs)) and refs[0] == scene.caption
+            for r in refs:
+                struct = data.parse_shapes_caption(to_grammar(r))
+                assert struct is not None and data.caption_is_true(struct, scene.objects), (scene.caption, r)
+                if struct.phrases[0].shape != scene.struct.phrases[0].shape:
+                    seen.add("order")
+                seen.update(w for w in ("is", "there", "disc", "rhombus", "beneath", "over", "big", "left")
+                            if w in r.split() and w not in scene.caption.split())
+    assert seen == {"order", "is", "there", "disc", "rhombus", "beneath", "over", "big", "left"}
+
+
+def test_best_constant_and_nearest_caption():
+    """The constant baseline is the candidate with the highest corpus CIDEr-D when given to
+    every image (checked against pycocoevalcap's Cider when present, else cider_d); the
+    nearest-neighbour baseline takes the caption of the highest-cosine pool image."""
+    rng = random.Random(1)
+    refs = {str(i): data.shapes_references(data.shapes_scene("train", i, 0), 5, rng) for i in range(30)}
+    cands = sorted({v[0] for v in refs.values()})
+    try:
+        from pycocoevalcap.cider.cider import Cider
+        cider = lambda c: Cider().compute_score(refs, {k: [c] for k in refs})[0]
+    except ImportError:
+        cider = lambda c: M.cider_d(refs, {k: [c] for k in refs})
+    scores = [cider(c) for c in cands]
+    assert M.constant_ciders(refs, cands) == pytest.approx(scores, rel=1e-9, abs=1e-12)
+    best, pool_cider = M.best_constant(refs, cands)
+    assert best == cands[scores.index(max(scores))] and pool_cider == round(100 * max(scores), 2)
+    g = torch.Generator().manual_seed(0)
+    pool_feats, query = torch.randn(30, 8, generator=g), torch.randn(7, 8, generator=g)
+    pool = M.CaptionPool(pool_feats, cands[:30] + ["x"] * (30 - len(cands[:30])), refs)
+    want = []
+    for q in query:
+        cos = [float(q @ p / (q.norm() * p.norm())) for p in pool_feats]
+        want.append(pool.captions[cos.index(max(cos))])
+    assert pool.nearest(query) == want and pool.constant == best
+
+
 def write_released_gpt2(folder, d=16, layers=2, heads=2, vocab_text=None):
     """A tiny randomly initialised GPT-2 in the released HF layout: `transformer.` prefix,
     Conv1D weights [in, out], the causal-mask buffer attn.bias, a tied lm_head; its byte-level
@@ -190,6 +278,35 @@ def test_finetune_caption_trains_only_the_mapper(tmp_path):
     ck = load_file(str(tmp_path / "cap" / "finetune" / "checkpoint" / "model.safetensors"))
     assert ck and all(k.startswith("mapper.") for k in ck)
     assert json.loads((tmp_path / "shapes_lm" / "config.json").read_text())["steps"] == 5
+
+
+def test_finetune_caption_baselines_on_shapes_references(tmp_path, capsys):
+    """--baselines: the model, the constant caption and the nearest-neighbour caption are scored
+    on the same images against five references each; report prints a row for each."""
+    tok = data.build_tokenizer(captions=data.shapes_captions(200), vocab_size=300, context_length=24)
+    cfg = M.ModelConfig(embed_dim=16, image_size=32, patch_size=8, vision_width=16, vision_layers=1, vision_heads=2,
+                        context_length=24, vocab_size=tok.vocab_size, text_width=16, text_layers=1, text_heads=2,
+                        eot_token_id=tok.eot_id)
+    torch.manual_seed(0)
+    M.write_descendant(str(tmp_path / "pt"), M.CLIP(cfg).state_dict(), cfg, "clip", None, {})
+    tok.save(str(tmp_path / "pt"))
+    M.train_shapes_lm(str(tmp_path / "shapes_lm"), 0, steps=2)
+    M.main(["finetune", "--init", str(tmp_path / "pt"), "--task", "caption", "--max_steps", "1", "--batch_size", "8",
+            "--eval_size", "6", "--baselines", "--baseline_pool", "40", "--out_dir", str(tmp_path / "cap")])
+    res = json.loads((tmp_path / "cap" / "results.json").read_text())
+    assert res["n_images"] == 6 and res["n_refs"] == 30
+    base = res["baselines"]
+    assert base["pool_images"] == 40 and base["constant"]["n_distinct_captions"] == 1
+    pool_caps = {data.shapes_scene("train", i, 0, 32).caption for i in range(40)}
+    assert base["constant"]["caption"] in pool_caps
+    assert 1 <= base["nearest"]["n_distinct_captions"] <= 6
+    for b in ("constant", "nearest"):
+        assert all(0 <= base[b][k] <= 100 for k in ("bleu4", "rouge_l")) and base[b]["cider"] >= 0
+    capsys.readouterr()
+    M.main(["report", "--results", str(tmp_path / "cap")])
+    out = capsys.readouterr().out
+    assert "constant caption (baseline)" in out and "nearest caption (baseline)" in out
+    assert f"cider {base['constant']['cider']}" in out
 
 
 def test_shapes_stand_in_leaves_the_global_rng_alone(tmp_path):

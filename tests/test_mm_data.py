@@ -4,6 +4,7 @@ and its opt-in subsamples; Table 4's ablations at initialisation; the activation
 import argparse
 import io
 import json
+import math
 import os
 import tarfile
 
@@ -13,7 +14,7 @@ from PIL import Image
 
 import data
 import mm_learngene as M
-from test_mm_learngene import expect_error, extracted, hand_layer, randomise, small_cfg, teacher  # noqa: F401
+from test_mm_learngene import EXTRACT, expect_error, extracted, hand_layer, randomise, small_cfg, teacher  # noqa: F401
 
 
 def jpeg(colour, size=20):
@@ -165,6 +166,121 @@ def test_activation_data_comes_from_the_learngene_or_is_required(tmp_path, extra
     (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
     expect_error(["finetune", "--init", str(tmp_path / "d"), "--data", make_karpathy(tmp_path), "--max_steps", "1"],
                  capsys, "pass --activate_data")
+
+
+def test_activation_record_travels_and_its_absence_is_one_error(tmp_path, teacher, capsys, monkeypatch):  # noqa: F811
+    """Extract with relative --data / --image_root in one folder, fine-tune from another: the
+    record holds absolute paths, so the activation finds the data. Without the data, one error
+    line says they are the learngene's activation data, where they were, and --activate_data."""
+    make_karpathy(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    M.main(EXTRACT + ["--teacher", str(teacher), "--data", "ann/dataset_flickr30k.json", "--image_root",
+                      "flickr_images", "--out_dir", "lg"])
+    M.main(["expand", "--learngene", "lg/learngene.safetensors", "--layers", "2", "--out_dir", "d"])
+    rec = json.loads((tmp_path / "d" / "config.json").read_text())["extract_data"]
+    assert rec["data"] == str(tmp_path / "ann" / "dataset_flickr30k.json")
+    assert rec["image_root"] == str(tmp_path / "flickr_images")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    ft = ["finetune", "--init", str(tmp_path / "d"), "--activate_steps", "1", "--max_steps", "1", "--batch_size", "4",
+          "--eval_size", "8", "--log_interval", "1", "--out_dir", "ft"]
+    M.main(ft)
+    res = json.loads((tmp_path / "elsewhere" / "ft" / "results.json").read_text())
+    assert res["activation_data"] == rec["data"] and res["activation_steps"] == 1
+    os.rename(tmp_path / "flickr_images", tmp_path / "moved_images")
+    expect_error(ft, capsys, "the learngene's activation data are missing")
+    os.rename(tmp_path / "ann", tmp_path / "moved_ann")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        M.main(ft)
+    err = capsys.readouterr().err
+    assert "activation data are missing" in err and rec["data"] in err and "pass --activate_data" in err
+    assert str(tmp_path / "lg" / "learngene.safetensors") in err
+    M.main(ft[:3] + ["--activate_data", "shapes"] + ft[3:])       # the override needs no record
+
+
+def table6_data(tmp_path, task, n_train=60):
+    """More training samples than Table 6's batch: a Karpathy JSON of n_train images x 5
+    captions, or an ImageFolder of 2 x 150 images."""
+    if task == "classification":
+        for split, n in (("train", 150), ("val", 1)):
+            for c in ("ant", "bee"):
+                os.makedirs(tmp_path / "cls" / split / c)
+                for i in range(n):
+                    (tmp_path / "cls" / split / c / f"{i}.jpg").write_bytes(jpeg("red", 8))
+        return str(tmp_path / "cls"), []
+    (tmp_path / "img").mkdir()
+    images = []
+    for i in range(n_train + 2):
+        (tmp_path / "img" / f"{i}.jpg").write_bytes(jpeg((2 * i, 0, 0), 8))
+        images.append({"filename": f"{i}.jpg", "split": "train" if i < n_train else "test",
+                       "sentences": [{"raw": f"photo {i} caption {j}"} for j in range(5)]})
+    (tmp_path / "kp.json").write_text(json.dumps({"images": images}))
+    return str(tmp_path / "kp.json"), ["--image_root", str(tmp_path / "img")]
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("task", ["extract", "retrieval", "classification", "caption"])
+def test_table6_values_reach_the_optimizer_and_schedule(tmp_path, monkeypatch, task, teacher):  # noqa: F811
+    """Off shapes every Table 6 value is the default of extract and finetune: lr and weight
+    decay in the AdamW groups, the warm-up and lr in the schedule, the global batch in the
+    loader, and the epochs in the schedule's length (ceil(epochs * samples / batch)). Stopped
+    at the first step."""
+    lr, wd, warmup, batch, epochs = M.TABLE6[task]
+    assert (lr, wd, warmup, batch, epochs) == {
+        "extract": (1e-3, 0.1, 10_000, 512, 32), "retrieval": (5e-5, 0.01, 10_000, 256, 50),
+        "classification": (1e-4, 0.01, 5_000, 256, 500), "caption": (2e-5, 0.01, 5_000, 256, 10)}[task]
+    seen = {}
+    real_opt, real_phase = M.make_optimizer, M.train_phase
+
+    def make_optimizer(model, lr_, wd_, device):
+        opt = real_opt(model, lr_, wd_, device)
+        seen["groups"] = [(g["lr"], g["weight_decay"], len(g["params"])) for g in opt.param_groups]
+        return opt
+
+    def lr_at(step, max_steps, lr_, warmup_):
+        seen["schedule"] = (step, max_steps, lr_, warmup_)
+        raise Stop
+
+    def train_phase(model, loss_fn, loader, *args, **kw):
+        seen["batch"] = loader.batch_size
+        return real_phase(model, loss_fn, loader, *args, **kw)
+    monkeypatch.setattr(M, "make_optimizer", make_optimizer)
+    monkeypatch.setattr(M, "lr_at", lr_at)
+    monkeypatch.setattr(M, "train_phase", train_phase)
+    spec, extra = table6_data(tmp_path, task, 110 if task == "extract" else 60)
+    samples = 550 if task == "extract" else 300
+    cmd = ["extract", "--teacher", str(teacher)] if task == "extract" else \
+        ["finetune", "--init", "scratch", "--layers", "1", "--task", task]
+    if task == "caption":
+        from test_mm_caption import write_released_gpt2
+        write_released_gpt2(tmp_path / "gpt2")
+        extra += ["--lm", str(tmp_path / "gpt2")]
+    with pytest.raises(Stop):
+        M.main([*cmd, "--data", spec, "--out_dir", str(tmp_path / "out"), *extra])
+    assert seen["batch"] == batch
+    assert seen["schedule"] == (0, math.ceil(epochs * samples / batch), lr, warmup)
+    decayed = [g for g in seen["groups"] if g[1] > 0]
+    assert [g[1] for g in decayed] == [wd] and all(g[0] == lr for g in seen["groups"])
+
+
+def test_shapes_keeps_its_defaults_and_extract_takes_table6():
+    """On shapes: Table 6's lr and weight decay; fine-tuning 300 steps, batch 64, warm-up 30 and
+    extraction 500 steps, batch 64, warm-up 50 (as before). Off shapes extraction takes Table 6's
+    first column; flags given win over the table."""
+    def resolved(argv, column):
+        a = M.build_parser().parse_args(argv)
+        M.table6_defaults(a, column)
+        return a.lr, a.wd, a.max_steps, a.batch_size, a.warmup, a.epochs
+    assert resolved(["finetune", "--init", "x", "--task", "caption"], "caption") == (2e-5, 0.01, 300, 64, 30, None)
+    assert resolved(["extract", "--teacher", "t"], "extract") == (1e-3, 0.1, 500, 64, 50, None)
+    assert resolved(["extract", "--teacher", "t", "--data", "cc3m"], "extract") == (1e-3, 0.1, None, 512, 10_000, 32)
+    assert resolved(["finetune", "--init", "x", "--data", "kp.json", "--batch_size", "32", "--warmup", "7", "--lr",
+                     "1e-3"], "retrieval") == (1e-3, 0.01, None, 32, 7, 50)
+    assert resolved(["finetune", "--init", "x", "--epochs", "2"], "retrieval") == (5e-5, 0.01, None, 64, 30, 2)
 
 
 @pytest.mark.parametrize("part", ["no_mm", "only_mm"])

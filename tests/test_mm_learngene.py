@@ -150,6 +150,24 @@ def test_distillation_loss_hand_computation():
     assert abs(M.clip_loss(s, s.t(), torch.arange(3)).item() - want_clip) < 1e-6
 
 
+def test_logit_scale_capped_at_100_in_forward_and_teacher():
+    """A loaded model whose stored logit_scale exceeds ln 100 (no training step has clamped it)
+    scales its logits by 100, as CLIP caps them; the teacher's distillation targets too."""
+    cfg = small_cfg(layers=2)
+    torch.manual_seed(0)
+    model = M.CLIP(cfg).eval()
+    images, text = inputs(cfg)
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(1000.0))
+        img, txt, scale = model(images, text)
+        assert scale.item() == pytest.approx(100.0, rel=1e-6)
+        t_i2t, t_t2i = M.teacher_logits(model, images, text)
+        torch.testing.assert_close(t_i2t, 100.0 * img @ txt.t())
+        torch.testing.assert_close(t_t2i, 100.0 * txt @ img.t())
+        model.logit_scale.fill_(math.log(20.0))       # below the cap: unchanged
+        assert model(images, text)[2].item() == pytest.approx(20.0, rel=1e-6)
+
+
 @pytest.mark.parametrize("part", ["no_mm", "only_mm"])
 def test_ablations_drop_the_part(part):
     aux = randomise(M.AuxCLIP(small_cfg(layers=4), part=part))
