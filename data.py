@@ -885,8 +885,11 @@ class Compose:
 
 
 class RandomResizedCrop:
-    """Crop a random area fraction in `scale` with aspect ratio in `ratio` (log-uniform),
-    resize to size x size with bicubic; falls back to a centre crop (as torchvision)."""
+    """torchvision's RandomResizedCrop: a random area fraction in `scale` with aspect ratio in
+    `ratio` (log-uniform), 10 tries, else its fallback (the whole image, clamped to `ratio`, centred);
+    resized to size x size with bicubic. Choice: the crop is resampled with PIL's `box` (the
+    filter may read pixels just outside the crop, as a crop of the real scene would) where
+    torchvision crops first and resizes the cut-out; sizes and offsets are torchvision's."""
 
     def __init__(self, size, scale=(0.9, 1.0), ratio=(3 / 4, 4 / 3)):
         self.size, self.scale, self.ratio = size, scale, ratio
@@ -900,19 +903,35 @@ class RandomResizedCrop:
             if 0 < cw <= w and 0 < ch <= h:
                 x, y = rng.randint(0, w - cw), rng.randint(0, h - ch)
                 return img.resize((self.size, self.size), Image.BICUBIC, box=(x, y, x + cw, y + ch))
-        return CenterCrop(self.size)(Resize(self.size)(img, rng), rng)
+        cw, ch = w, h                       # the fallback: a centred crop of the allowed aspect
+        if w / h < min(self.ratio):
+            ch = round(w / min(self.ratio))
+        elif w / h > max(self.ratio):
+            cw = round(h * max(self.ratio))
+        x, y = (w - cw) // 2, (h - ch) // 2
+        return img.resize((self.size, self.size), Image.BICUBIC, box=(x, y, x + cw, y + ch))
 
 
 class Resize:
-    """Resize the shorter side to `size` (bicubic)."""
+    """torchvision's Resize(size) with bicubic on a PIL image (OpenAI's and open_clip's eval
+    transform): the shorter side becomes `size`, the longer int(size * long / short), truncated
+    (640x480 at 224 -> 298x224, not 299)."""
 
     def __init__(self, size):
         self.size = size
 
     def __call__(self, img, rng=None):
         w, h = img.size
-        s = self.size / min(w, h)
-        return img.resize((max(self.size, round(w * s)), max(self.size, round(h * s))), Image.BICUBIC)
+        long = int(self.size * max(w, h) / min(w, h))
+        new = (self.size, long) if w <= h else (long, self.size)
+        return img if new == (w, h) else img.resize(new, Image.BICUBIC)
+
+
+def _centre_offset(have: int, want: int) -> int:
+    """torchvision's center_crop offset: round((have - want) / 2) with Python's round half to
+    even (a margin of 5 starts at 2, one of 3 at 2); a smaller image is padded with zeros, the
+    odd pixel after it (PIL's crop pads outside the image with zeros)."""
+    return int(round((have - want) / 2)) if have >= want else -((want - have) // 2)
 
 
 class CenterCrop:
@@ -921,7 +940,7 @@ class CenterCrop:
 
     def __call__(self, img, rng=None):
         w, h = img.size
-        x, y = (w - self.size) // 2, (h - self.size) // 2
+        x, y = _centre_offset(w, self.size), _centre_offset(h, self.size)
         return img.crop((x, y, x + self.size, y + self.size))
 
 
