@@ -2154,6 +2154,50 @@ def openai_config(sd: dict) -> dict:
     return cfg
 
 
+# The MLP activation of foreign weights is not in the tensors. open_clip's hub layout puts
+# open_clip_config.json ({"model_cfg": {..., "quick_gelu": true}, "preprocess_cfg": ...}; no
+# "quick_gelu" means GELU, as open_clip builds it) beside open_clip_model.safetensors; this
+# repo's runs put config.json ({"model": {"quick_gelu": ...}}) beside model.safetensors.
+ACTIVATION_FILES = ("open_clip_config.json", "config.json")
+
+
+def _stated_activation(cfg) -> bool | None:
+    """quick_gelu as a config file states it, or None when it does not say (or only repeats an
+    assumption: a run that loaded bare weights records "quick_gelu_source": "assumed")."""
+    if not isinstance(cfg, dict):
+        return None
+    model = cfg.get("model")
+    if isinstance(model, dict) and "quick_gelu" in model:
+        return None if cfg.get("quick_gelu_source") == "assumed" else bool(model["quick_gelu"])
+    model_cfg = cfg.get("model_cfg", cfg)   # open_clip reads a hub config or a bare model config
+    if isinstance(model_cfg, dict) and ("model_cfg" in cfg or "vision_cfg" in model_cfg):
+        return bool(model_cfg.get("quick_gelu", False))
+    return None
+
+
+def weights_activation(flag, weights: str, folders=()) -> tuple:
+    """(quick_gelu, source) of a weights file: the flag when given ("flag"), else what a config
+    file beside the weights (or in `folders`) says (source: that file's path), else OpenAI's
+    QuickGELU, "assumed" (the caller says so: open_clip's LAION / DataComp models are GELU)."""
+    if flag is not None:
+        return bool(flag), "flag"
+    for folder in dict.fromkeys([os.path.dirname(os.path.abspath(weights)), *folders]):
+        for name in ACTIVATION_FILES:
+            path = os.path.join(folder, name)
+            if os.path.isfile(path) and (value := _stated_activation(read_json(path))) is not None:
+                return value, path
+    return True, "assumed"
+
+
+def assumed_activation_note(path: str, trained: bool = False) -> str:
+    """The stderr line when weights_activation said "assumed" (`trained`: a checkpoint whose run
+    loaded such weights, config.json "quick_gelu_source": "assumed")."""
+    what = ("its run assumed OpenAI's QuickGELU for --init weights that did not say their activation"
+            if trained else "no open_clip_config.json or config.json beside it says its activation: "
+                            "assuming OpenAI's QuickGELU")
+    return f"note: {path}: {what} (--no-quick_gelu for GELU models such as open_clip's LAION / DataComp ViT-B-32)"
+
+
 def write_checkpoint(out_dir: str, model_state: dict, config: dict, tensors: dict, state: dict, tokenizer=None):
     """Rank 0: the whole set into checkpoint.tmp/, fsync, then checkpoint/ -> checkpoint.prev/,
     checkpoint.tmp/ -> checkpoint/, and checkpoint.prev/ removed. `state` must hold "step";
