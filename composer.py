@@ -1722,11 +1722,12 @@ class LazyFeatures:
         return tuple(t.to(device) for t in pad_regions(feats, boxes))
 
 
-def load_clip_vision(path):
+def load_clip_vision(path, quick_gelu=None):
     """The vision tower of an il_clip.py checkpoint (COMMON.md layout: out_dir, checkpoint/ or a
     weights file) or OpenAI-format CLIP weights: (state dict of visual.*, heads, quick_gelu, image
-    size). Copied here (not imported) so that composer.py imports only data.py. Heads / GELU come
-    from the run's config.json when there is one, else OpenAI's convention (width / 64, QuickGELU)."""
+    size). Copied here (not imported) so that composer.py imports only data.py. Heads come from
+    the run's config.json when there is one, else OpenAI's width / 64; the activation from
+    `quick_gelu` (--quick_gelu), else open_clip_config.json / config.json, else QuickGELU (assumed)."""
     weights, folder = resolve_weights(path)
     sd = {k: v.float() for k, v in data.read_weights(weights).items() if k.startswith("visual.")}  # also OpenAI's JIT .pt
     if "visual.conv1.weight" not in sd:
@@ -1738,7 +1739,10 @@ def load_clip_vision(path):
         raise ComposerError(f"{weights}: no config.json with vision_heads beside it, and width {w} is not "
                             f"OpenAI's (64 per head): pass the il_clip.py out_dir")
     grid = int(round(math.sqrt(sd["visual.positional_embedding"].shape[0] - 1)))
-    return sd, model_cfg.get("vision_heads", w // 64), model_cfg.get("quick_gelu", True), grid * patch
+    quick_gelu, source = data.weights_activation(quick_gelu, weights, [folder])
+    if source == "assumed":
+        print(data.assumed_activation_note(weights), file=sys.stderr)
+    return sd, model_cfg.get("vision_heads", w // 64), quick_gelu, grid * patch
 
 
 def vit_patch_tokens(sd, heads, quick_gelu, images):
@@ -1763,10 +1767,10 @@ def vit_patch_tokens(sd, heads, quick_gelu, images):
 
 
 @torch.no_grad()
-def clip_patch_features(images, clip_path, batch=64):
+def clip_patch_features(images, clip_path, batch=64, quick_gelu=None):
     """Frozen CLIP ViT (il_clip.py checkpoint or OpenAI weights): last-block patch tokens
     (before ln_post) as regions, the patch grid as boxes."""
-    sd, heads, quick_gelu, size = load_clip_vision(clip_path)
+    sd, heads, quick_gelu, size = load_clip_vision(clip_path, quick_gelu)
     tf = data.eval_transform(size)
     feats = []
     for i in range(0, len(images), batch):
@@ -1972,7 +1976,7 @@ def load_split(args, split: str, n: int | None, items: list | None = None) -> Sp
     if args.features == "regions":
         store = regions.select(keys, skipped, args.max_skip_frac)
     elif args.features == "clip":
-        store = FeatureStore(*clip_patch_features(feats, args.clip))
+        store = FeatureStore(*clip_patch_features(feats, args.clip, quick_gelu=getattr(args, "quick_gelu", None)))
     else:
         store = FeatureStore([f for f, _ in feats], [b for _, b in feats])
     return Split(keys, captions, kept, cap_img, store, skipped, items=its, n_bracketed=n_bracketed)
@@ -2638,7 +2642,7 @@ def load_weights(model, weights):
 def cmd_eval(args):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tok, targs = load_checkpoint(args.ckpt, device)
-    for k in ("features", "regions", "clip", "image_size", "image_root"):
+    for k in ("features", "regions", "clip", "quick_gelu", "image_size", "image_root"):
         if getattr(args, k, None) is None:
             setattr(args, k, getattr(targs, k, None))
     args.data = args.data or targs.data
@@ -2874,6 +2878,9 @@ def add_features(p, default="gold"):
     p.add_argument("--regions", default=None, help="DIR of {key}.safetensors (feats [N,D], boxes [N,5]) or one FILE.safetensors "
                    "(feats [M,N,D], boxes [M,N,5], optional n_regions [M], metadata keys = JSON list of M image keys)")
     p.add_argument("--clip", default=None, help="il_clip.py out_dir or OpenAI-format weights (--features clip)")
+    p.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
+                   help="the --clip weights' activation; default: what open_clip_config.json / config.json beside "
+                        "them says, else OpenAI's QuickGELU (said on stderr; --no-quick_gelu for GELU models)")
     p.add_argument("--image_size", type=int, default=64)
 
 

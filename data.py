@@ -737,7 +737,8 @@ def _bytes_to_unicode() -> dict:
 # released weights were made from cleaned text, so `&amp;`, `it’s`, `ﬁ`, full-width letters and
 # mojibake must reach the BPE as OpenAI's did. ftfy is used when installed; otherwise the fixes
 # below re-implement fix_text's steps in the standard library (ftfy 6.3: same tables, same order,
-# repeated to a fixed point). Only the mojibake repair is a simplification of ftfy's heuristic.
+# repeated to a fixed point). Only the mojibake repair differs: ftfy weighs a heuristic; this one
+# repairs only what real text cannot be, and otherwise leaves the text as given.
 
 _LIGATURES = {ord(k): v for k, v in {"Ĳ": "IJ", "ĳ": "ij", "ŉ": "ʼn", "Ǳ": "DZ", "ǲ": "Dz", "ǳ": "dz",
               "Ǆ": "DŽ", "ǅ": "Dž", "ǆ": "dž", "Ǉ": "LJ", "ǈ": "Lj", "ǉ": "lj", "Ǌ": "NJ", "ǋ": "Nj",
@@ -754,6 +755,14 @@ _CP1252_CONTINUATION = "\u0080-\u00bf" + "".join(
     bytes([b]).decode("cp1252") for b in range(0x80, 0xc0) if b not in (0x81, 0x8d, 0x8f, 0x90, 0x9d))
 _MOJIBAKE = re.compile(f"[\u00c2-\u00df][{_CP1252_CONTINUATION}]|[\u00e0-\u00ef][{_CP1252_CONTINUATION}]{{2}}"
                        f"|[\u00f0-\u00f4][{_CP1252_CONTINUATION}]{{3}}")
+_MOJIBAKE_RUN = re.compile(f"(?:{_MOJIBAKE.pattern})+")
+# what bytes 0x80-0x9f decode to (cp1252's punctuation; C1 controls where it has none)
+_CP1252_PUNCTUATION = "".join(bytes([b]).decode("cp1252", errors="ignore") or chr(b) for b in range(0x80, 0xa0))
+# continuation characters that real text puts right after an upper-case letter ("CAFÉ…",
+# "CAFÉ·BAR", "LE CAFÉ™", "ESPAÑA»", "Nº"): after a lead character they prove nothing
+_AFTER_A_LETTER = "€…’”–—™\u00a0¢£¥©ª«»®°±²³µ·¹º\u00ad"
+_SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _html_entities() -> dict:
@@ -782,18 +791,45 @@ def _sloppy_cp1252_bytes(text: str) -> bytes:
     return b"".join(bytes([ord(ch)]) if ord(ch) < 256 else ch.encode("cp1252") for ch in text)
 
 
-def _fix_mojibake_sequence(match) -> str:
+def _certain_mojibake(match) -> bool:
+    """A run of UTF-8 sequences read as Windows-1252 that real text does not hold: â/ð before
+    cp1252 punctuation ("â€™", "ðŸ˜€"); Â/Ã (rare letters, never before a symbol) before a symbol
+    that never follows a letter ("Ã‰") or before a Latin-1 symbol or small letter ("Ã©", "Â°")
+    outside an upper-case word ("IRMÃ»" may be Portuguese); two or more sequences in a row with
+    such a symbol ("Ð¿Ñ€", "æ—¥æœ¬"). "CAFÉ…", "CAFÉ·BAR", "LE CAFÉ™", "ESPAÑA»", "AMANHÃ…" are
+    real upper-case text; a lone "Î±" or "Å›" is not certain either."""
+    run, text = match.group(0), match.string
+    seqs = _MOJIBAKE.findall(run)
+    lead, cont = seqs[0][0], seqs[0][1:]
+    odd = any(c not in _AFTER_A_LETTER for s in seqs for c in s[1:])
+    caps = text[match.start() - 1:match.start()].isupper() and not text[match.end():match.end() + 1].islower()
+    return ((lead in "âð" and cont[0] in _CP1252_PUNCTUATION) or (odd and (len(seqs) > 1 or lead in "ÂÃ"))
+            or (lead in "ÂÃ" and "\u00a0" <= cont[0] <= "\u00bf" and not caps))
+
+
+def _decode_run(match) -> str:
     try:
         return _sloppy_cp1252_bytes(match.group(0)).decode("utf-8")
-    except UnicodeDecodeError:
+    except UnicodeDecodeError:      # e.g. an overlong form: not UTF-8 after all
         return match.group(0)
 
 
 def _fix_mojibake(text: str) -> str:
-    """UTF-8 that was decoded as Windows-1252 ("cafÃ©", "itâ€™s") decoded again as UTF-8, one
-    sequence at a time (as ftfy's decode_inconsistent_utf8). Once only: a second pass would glue
-    a repaired character to a real neighbour ("é" + NBSP + "’" is valid UTF-8 for "頒")."""
-    return _MOJIBAKE.sub(_fix_mojibake_sequence, text)
+    """UTF-8 that was decoded as Windows-1252 ("cafÃ©", "itâ€™s") decoded again as UTF-8, all of
+    it, in a text that holds certain mojibake (_certain_mojibake), with "Ã " as "à" whose NBSP
+    became a space ("Ã©tÃ© Ã  Paris" -> "été à Paris", as ftfy); again while the result holds
+    certain mojibake (twice-encoded text). Any other text is returned unchanged: a repair is
+    whole or not made."""
+    while any(_certain_mojibake(m) for m in _MOJIBAKE_RUN.finditer(text)):
+        text = _MOJIBAKE_RUN.sub(_decode_run, re.sub("\u00c3  ?", "\u00e0 ", text))  # a real "Ã " reads "Ãƒ "
+    return text
+
+
+def _fix_surrogates(text: str) -> str:
+    """As ftfy: a UTF-16 surrogate pair becomes its character, a lone surrogate U+FFFD (no
+    UTF-8 encoding exists for it: the tokenizer would raise)."""
+    text = _SURROGATE_PAIR.sub(lambda m: m.group(0).encode("utf-16", "surrogatepass").decode("utf-16"), text)
+    return _SURROGATE.sub("\ufffd", text)
 
 
 def _fix_c1(match) -> str:
@@ -801,7 +837,8 @@ def _fix_c1(match) -> str:
 
 
 def _fix_segment(text: str, unescape: bool) -> str:
-    """One line through fix_text's steps, repeated until nothing changes (mojibake once)."""
+    """One line through fix_text's steps, repeated until nothing changes (the mojibake repair in
+    the first pass only: later steps, such as uncurling quotes, would change what it sees)."""
     passes = 0
     while True:
         before, passes = text, passes + 1
@@ -814,7 +851,7 @@ def _fix_segment(text: str, unescape: bool) -> str:
         text = re.sub("[\u02bc\u2018-\u201b]", "'", re.sub("[\u201c-\u201f]", '"', text))
         for line_break in ("\r\n", "\r", "\u2028", "\u2029", "\u0085"):
             text = text.replace(line_break, "\n")
-        text = _ANSI_ESCAPE.sub("", text).translate(_CONTROL)
+        text = _ANSI_ESCAPE.sub("", _fix_surrogates(text)).translate(_CONTROL)
         text = unicodedata.normalize("NFC", text)
         if text == before:
             return text
@@ -822,8 +859,8 @@ def _fix_segment(text: str, unescape: bool) -> str:
 
 def fix_text_stdlib(text: str) -> str:
     """ftfy.fix_text's default steps without ftfy: per line, HTML entities (only while no '<'
-    has been seen, as ftfy's "auto"), mojibake, C1 controls, Latin ligatures, full-width forms,
-    curly quotes, line breaks, terminal escapes, control characters, NFC."""
+    has been seen, as ftfy's "auto"), certain mojibake, C1 controls, Latin ligatures, full-width
+    forms, curly quotes, line breaks, surrogates, terminal escapes, control characters, NFC."""
     out, unescape = [], True
     for segment in re.split("(?<=\n)", text):
         unescape = unescape and "<" not in segment
@@ -836,7 +873,7 @@ def clip_clean(text: str, fix_text=None) -> str:
     to ftfy.fix_text when installed, else fix_text_stdlib."""
     if not (text.isascii() and text.isprintable() and "&" not in text):  # else fix_text would change nothing
         text = (fix_text or _fix_text)(text)
-        text = html.unescape(html.unescape(text))
+        text = _SURROGATE.sub("\ufffd", html.unescape(html.unescape(text)))  # the tokenizer cannot encode one
     text = text.strip()
     return " ".join(text.split()).lower()
 
@@ -931,7 +968,8 @@ def _clip_normalizer_and_pretokenizer():
                                        normalizers.Strip(), normalizers.Lowercase()])
     # no special-token alternatives (open_clip's SimpleTokenizer): a caption that contains the
     # text "<|endoftext|>" must not put an EOT id mid-sequence, where argmax pooling would stop
-    pattern = r"""'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
+    # contractions case-insensitive, as open_clip's re.IGNORECASE: "'ſ" (long s) is "'s" there
+    pattern = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
     pre = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="removed", invert=True),
                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     return normalizer, pre
@@ -1009,8 +1047,11 @@ class Compose:
 
 
 class RandomResizedCrop:
-    """Crop a random area fraction in `scale` with aspect ratio in `ratio` (log-uniform),
-    resize to size x size with bicubic; falls back to a centre crop (as torchvision)."""
+    """torchvision's RandomResizedCrop: a random area fraction in `scale` with aspect ratio in
+    `ratio` (log-uniform), 10 tries, else its fallback (the whole image, clamped to `ratio`, centred);
+    resized to size x size with bicubic. Choice: the crop is resampled with PIL's `box` (the
+    filter may read pixels just outside the crop, as a crop of the real scene would) where
+    torchvision crops first and resizes the cut-out; sizes and offsets are torchvision's."""
 
     def __init__(self, size, scale=(0.9, 1.0), ratio=(3 / 4, 4 / 3)):
         self.size, self.scale, self.ratio = size, scale, ratio
@@ -1024,19 +1065,35 @@ class RandomResizedCrop:
             if 0 < cw <= w and 0 < ch <= h:
                 x, y = rng.randint(0, w - cw), rng.randint(0, h - ch)
                 return img.resize((self.size, self.size), Image.BICUBIC, box=(x, y, x + cw, y + ch))
-        return CenterCrop(self.size)(Resize(self.size)(img, rng), rng)
+        cw, ch = w, h                       # the fallback: a centred crop of the allowed aspect
+        if w / h < min(self.ratio):
+            ch = round(w / min(self.ratio))
+        elif w / h > max(self.ratio):
+            cw = round(h * max(self.ratio))
+        x, y = (w - cw) // 2, (h - ch) // 2
+        return img.resize((self.size, self.size), Image.BICUBIC, box=(x, y, x + cw, y + ch))
 
 
 class Resize:
-    """Resize the shorter side to `size` (bicubic)."""
+    """torchvision's Resize(size) with bicubic on a PIL image (OpenAI's and open_clip's eval
+    transform): the shorter side becomes `size`, the longer int(size * long / short), truncated
+    (640x480 at 224 -> 298x224, not 299)."""
 
     def __init__(self, size):
         self.size = size
 
     def __call__(self, img, rng=None):
         w, h = img.size
-        s = self.size / min(w, h)
-        return img.resize((max(self.size, round(w * s)), max(self.size, round(h * s))), Image.BICUBIC)
+        long = int(self.size * max(w, h) / min(w, h))
+        new = (self.size, long) if w <= h else (long, self.size)
+        return img if new == (w, h) else img.resize(new, Image.BICUBIC)
+
+
+def _centre_offset(have: int, want: int) -> int:
+    """torchvision's center_crop offset: round((have - want) / 2) with Python's round half to
+    even (a margin of 5 starts at 2, one of 3 at 2); a smaller image is padded with zeros, the
+    odd pixel after it (PIL's crop pads outside the image with zeros)."""
+    return int(round((have - want) / 2)) if have >= want else -((want - have) // 2)
 
 
 class CenterCrop:
@@ -1045,7 +1102,7 @@ class CenterCrop:
 
     def __call__(self, img, rng=None):
         w, h = img.size
-        x, y = (w - self.size) // 2, (h - self.size) // 2
+        x, y = _centre_offset(w, self.size), _centre_offset(h, self.size)
         return img.crop((x, y, x + self.size, y + self.size))
 
 
@@ -2257,6 +2314,50 @@ def openai_config(sd: dict) -> dict:
     if "codebook" in sd:
         cfg["codebook_size"], cfg["code_dim"] = sd["codebook"].shape
     return cfg
+
+
+# The MLP activation of foreign weights is not in the tensors. open_clip's hub layout puts
+# open_clip_config.json ({"model_cfg": {..., "quick_gelu": true}, "preprocess_cfg": ...}; no
+# "quick_gelu" means GELU, as open_clip builds it) beside open_clip_model.safetensors; this
+# repo's runs put config.json ({"model": {"quick_gelu": ...}}) beside model.safetensors.
+ACTIVATION_FILES = ("open_clip_config.json", "config.json")
+
+
+def _stated_activation(cfg) -> bool | None:
+    """quick_gelu as a config file states it, or None when it does not say (or only repeats an
+    assumption: a run that loaded bare weights records "quick_gelu_source": "assumed")."""
+    if not isinstance(cfg, dict):
+        return None
+    model = cfg.get("model")
+    if isinstance(model, dict) and "quick_gelu" in model:
+        return None if cfg.get("quick_gelu_source") == "assumed" else bool(model["quick_gelu"])
+    model_cfg = cfg.get("model_cfg", cfg)   # open_clip reads a hub config or a bare model config
+    if isinstance(model_cfg, dict) and ("model_cfg" in cfg or "vision_cfg" in model_cfg):
+        return bool(model_cfg.get("quick_gelu", False))
+    return None
+
+
+def weights_activation(flag, weights: str, folders=()) -> tuple:
+    """(quick_gelu, source) of a weights file: the flag when given ("flag"), else what a config
+    file beside the weights (or in `folders`) says (source: that file's path), else OpenAI's
+    QuickGELU, "assumed" (the caller says so: open_clip's LAION / DataComp models are GELU)."""
+    if flag is not None:
+        return bool(flag), "flag"
+    for folder in dict.fromkeys([os.path.dirname(os.path.abspath(weights)), *folders]):
+        for name in ACTIVATION_FILES:
+            path = os.path.join(folder, name)
+            if os.path.isfile(path) and (value := _stated_activation(read_json(path))) is not None:
+                return value, path
+    return True, "assumed"
+
+
+def assumed_activation_note(path: str, trained: bool = False) -> str:
+    """The stderr line when weights_activation said "assumed" (`trained`: a checkpoint whose run
+    loaded such weights, config.json "quick_gelu_source": "assumed")."""
+    what = ("its run assumed OpenAI's QuickGELU for --init weights that did not say their activation"
+            if trained else "no open_clip_config.json or config.json beside it says its activation: "
+                            "assuming OpenAI's QuickGELU")
+    return f"note: {path}: {what} (--no-quick_gelu for GELU models such as open_clip's LAION / DataComp ViT-B-32)"
 
 
 def write_checkpoint(out_dir: str, model_state: dict, config: dict, tensors: dict, state: dict, tokenizer=None):

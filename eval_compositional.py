@@ -125,7 +125,8 @@ def get_args(argv=None):
     p.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
                    help="the MLP activation of the loaded weights: QuickGELU (OpenAI's CLIP, open_clip's *-quickgelu) or "
                         "exact GELU (--no-quick_gelu: open_clip's LAION / DataComp ViT-B-32). Default None: what the "
-                        "checkpoint's config.json says; for --init weights, which do not say, QuickGELU. Printed.")
+                        "checkpoint's config.json says; for --init weights the open_clip_config.json / config.json "
+                        "beside them, else QuickGELU (assumed, said so). Printed.")
     p.add_argument("--benchmarks", default="shapes", help=f"comma list of {','.join(BENCHMARKS)} or all")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--plot_dir", help="where PNGs go (default: the --out folder, else the checkpoint dir)")
@@ -2304,7 +2305,7 @@ def run(args):
     path = args.ckpt or args.init
     model, tok, config = load_checkpoint(path, args)
     quick_gelu = bool(model_field(model, config, "quick_gelu"))
-    source = "--quick_gelu" if args.quick_gelu is not None else "config.json" if args.ckpt else "default for --init"
+    source = config.get("quick_gelu_source", "config")     # "assumed": il_clip.load_model said so
     print(f"model: {path}: activation {'QuickGELU' if quick_gelu else 'GELU'} ({source})", file=sys.stderr)
     if args.plot_dir is None:
         args.plot_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else (
@@ -2312,7 +2313,8 @@ def run(args):
     emb = Embedder(model, tok, image_size_of(model, config), args.batch_size, args.device, not args.no_progress)
     results, skipped, failed = run_benchmarks(args, emb, model, tok, config)
     print(markdown_table(results, skipped, failed))
-    blob = {"checkpoint": os.path.abspath(path), "quick_gelu": quick_gelu, "results": results, "skipped": skipped,
+    blob = {"checkpoint": os.path.abspath(path), "quick_gelu": quick_gelu, "quick_gelu_source": source,
+            "results": results, "skipped": skipped,
             "errors": failed, "args": {k: v for k, v in vars(args).items() if k != "benchmark_list"}}
     if getattr(args, "zeroshot_suite", None):
         blob["zeroshot_suite"] = zeroshot_suite_row(results, failed)

@@ -118,7 +118,8 @@ def build_args(argv=None):
     a("--compile", action="store_true")
     a("--init", default=None, help="OpenAI/open_clip-layout weights (.safetensors or .pt)")
     a("--quick_gelu", action=argparse.BooleanOptionalAction, default=None, help="default: the preset's; "
-      "with --init OpenAI's QuickGELU (--no-quick_gelu for open_clip's LAION/DataComp ViT-B-32, GELU)")
+      "with --init what open_clip_config.json / config.json beside the weights says, else OpenAI's QuickGELU "
+      "(assumed, and recorded so; --no-quick_gelu for open_clip's LAION/DataComp ViT-B-32, GELU)")
     a("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz for the CLIP BPE")
     a("--vocab_size", type=int, default=None)
     a("--model_args", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
@@ -731,23 +732,26 @@ def get_lr(step, args, sched):
 
 def load_model(path, device="cpu", quick_gelu=None):
     """-> (model, tokenizer or None, config dict) from an out_dir, a checkpoint/ folder or an
-    OpenAI-format weight file. `quick_gelu` None: the checkpoint's config, else OpenAI's QuickGELU
-    (printed); False for open_clip's GELU models (its LAION/DataComp ViT-B-32)."""
+    OpenAI-format weight file. `quick_gelu` None: the checkpoint's config; for a weight file the
+    open_clip_config.json / config.json beside it, else OpenAI's QuickGELU, assumed (said on
+    stderr, as for a checkpoint whose run assumed it). config["quick_gelu_source"] says which."""
     folder = data.checkpoint_dir(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         config = data.read_json(os.path.join(folder, "config.json"))
         names = {f.name for f in fields(ModelConfig)}
         cfg = ModelConfig(**{k: v for k, v in config["model"].items() if k in names})
         sd = data.read_weights(os.path.join(folder, "model.safetensors"))
+        source = config.get("quick_gelu_source", "config")
     else:
         sd = data.read_weights(path)
         cfg = ModelConfig(**data.openai_config(sd))
-        if quick_gelu is None:
-            print(f"note: {path} does not say its activation: using OpenAI's QuickGELU "
-                  f"(pass quick_gelu=False / --no-quick_gelu for open_clip's GELU models)", file=sys.stderr)
+        cfg.quick_gelu, source = data.weights_activation(None, path)
         config = {"model": asdict(cfg)}
     if quick_gelu is not None:
-        cfg.quick_gelu = config["model"]["quick_gelu"] = bool(quick_gelu)
+        cfg.quick_gelu, source = bool(quick_gelu), "flag"
+    elif source == "assumed":
+        print(data.assumed_activation_note(path, trained=os.path.isdir(path)), file=sys.stderr)
+    config["model"]["quick_gelu"], config["quick_gelu_source"] = cfg.quick_gelu, source
     model = CLIP(cfg)
     data.load_state(model, sd, path)
     tok = next((data.Tokenizer.load(d) for d in (folder, path) if os.path.isfile(os.path.join(d, "tokenizer.json"))), None)
@@ -876,11 +880,17 @@ def build_tokenizer(args, rank, world):
 
 
 def model_config(args, tok):
-    """The preset, then --model_args and --quick_gelu; the tokenizer fixes vocabulary and length."""
+    """The preset, then --model_args and --quick_gelu; the tokenizer fixes vocabulary and length.
+    With --init the activation is the flag's, else the weights' config file's, else assumed
+    (OpenAI's QuickGELU); args.quick_gelu_source records which in the run's config.json."""
     cfg = ModelConfig(**{**MODEL_PRESETS[args.model], **args.model_overrides})
     cfg.vocab_size, cfg.context_length, cfg.eot_token_id = tok.vocab_size, tok.context_length, tok.eot_id
-    if args.quick_gelu is not None or args.init:
-        cfg.quick_gelu = args.quick_gelu is not False    # --init: OpenAI's, stated once the weights load
+    source = "preset"
+    if args.init:
+        cfg.quick_gelu, source = data.weights_activation(args.quick_gelu, args.init)
+    elif args.quick_gelu is not None:
+        cfg.quick_gelu, source = args.quick_gelu, "flag"
+    args.quick_gelu_source = source
     cfg.codebook_size, cfg.code_sim, cfg.spectral_norm = args.codebook, args.code_sim, args.spectral_norm
     return cfg
 
@@ -901,9 +911,8 @@ def build_model_and_optimizer(args, cfg, device):
     if args.init:
         data.load_state(model, data.read_weights(args.init), args.init,
                            allow_missing=("codebook", "image_query.", "text_query.", "code_temperature"))
-        if args.quick_gelu is None:
-            print(f"note: --init {args.init}: using OpenAI's QuickGELU (--no-quick_gelu for "
-                  f"open_clip's GELU models)", file=sys.stderr)
+        if getattr(args, "quick_gelu_source", None) == "assumed":
+            print(data.assumed_activation_note(args.init), file=sys.stderr)
     decay, no_decay = param_groups(model)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd},
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr,

@@ -551,15 +551,19 @@ def infer_config(sd: dict, cfg: dict, path: str, need=("visual", "text")) -> Mod
 def load_teacher(path: str, vocab=None, quick_gelu=None):
     """The frozen ancestry CLIP in eval mode: (model, tokenizer, ModelConfig). Reads an
     il_clip.py out_dir (checkpoint/ layout or the old one), a checkpoint/ folder, or an
-    OpenAI-layout weight file. `quick_gelu` None: what the file's config says, else OpenAI's
-    QuickGELU for a bare weight file. A codebook-head teacher (il_clip --method codebook) is
+    OpenAI-layout weight file. `quick_gelu` None: what the config beside the weights says
+    (open_clip_config.json or config.json), else OpenAI's QuickGELU, assumed and said on stderr.
+    A codebook-head teacher (il_clip --method codebook) is
     refused: its image/text embeddings are not the plain CLIP ones this script distils."""
     sd, cfg = read_state(path)
     if any(k.startswith(LEARNGENE_PREFIXES) for k in sd):
         raise ConfigError(f"{path}: this is a learngene file, not a CLIP teacher")
     mcfg = infer_config(sd, cfg, path)
-    if quick_gelu is not None:
-        mcfg = dataclasses.replace(mcfg, quick_gelu=quick_gelu)
+    weights = os.path.join(weights_folder(path), "model.safetensors") if os.path.isdir(path) else path
+    quick_gelu, source = data.weights_activation(quick_gelu, weights)
+    if source == "assumed":
+        print(data.assumed_activation_note(path, trained=os.path.isdir(path)), file=sys.stderr)
+    mcfg = dataclasses.replace(mcfg, quick_gelu=quick_gelu)
     model = CLIP(mcfg)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing:
@@ -2068,8 +2072,8 @@ def add_extract_parser(sub):
                                                     ".safetensors/.pt")
     p.add_argument("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz for a bare OpenAI weight file")
     p.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
-                   help="the teacher's activation; default: its config.json's quick_gelu, else (a bare OpenAI "
-                        "weight file) QuickGELU as OpenAI's released CLIPs. Printed at start.")
+                   help="the teacher's activation; default: what open_clip_config.json / config.json beside it "
+                        "says, else (a bare weight file) QuickGELU as OpenAI's released CLIPs. Printed at start.")
     add_train_flags(p, lr_help="default: Table 6 (1e-3, --wd 0.1); off shapes also warm-up "
                     "10k steps, batch 512, --epochs 32; on shapes 500 steps, batch 64, warm-up 50")
     p.add_argument("--aux_width", type=int, default=None)

@@ -41,11 +41,15 @@ def import_open_clip():
     finder = DummyTorchvision()
     if not have_torchvision:
         sys.meta_path.insert(0, finder)
+        # timm (open_clip's optional towers) needs a real torchvision: hidden, open_clip goes without it
+        hide_timm = sys.modules.setdefault("timm", None) is None
     try:
         import open_clip
     finally:
         if not have_torchvision:
             sys.meta_path.remove(finder)
+            if hide_timm:
+                del sys.modules["timm"]
             for name in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
                 del sys.modules[name]
     return open_clip

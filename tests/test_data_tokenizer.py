@@ -144,3 +144,99 @@ def test_trained_bpe_reads_special_token_text_as_text():
     n = ids.index(tok.eot_id) + 1
     assert ids[0] == tok.sot_id and tok.sot_id not in ids[1:n] and n > 10 and 0 not in ids[:n]
     assert all(i == 0 for i in ids[n:])
+
+
+# -----------------------------------------------------------------------------
+# The stand-in fixer without ftfy (issue 26 item 2): valid text is never changed, mojibake is
+# repaired only where that is certain, and then whole; surrogates never reach `tokenizers`.
+
+VALID = ["CAFÉ… OUVERT", "CAFÉ·BAR", "LE CAFÉ™", "«CAFÉ»", "« café\u00a0»", "ESPAÑA… hoy", "PEÑA»", "AMANHÃ… OK",
+         "SÃO PAULO", "NÃO…", "CRÈME BRÛLÉE™", "Ü–Ö", "ÅRHUS°", "ÆBLE®", "Nº 5", "£50 © 2020 ±3 µm ½",
+         "東京タワー 🐱🐶 😀", "ΟΔΟΣ ΣΑΣ", "привет мир", "Łódź", "naïve café", "straße", "the 5Â km"]
+MOJIBAKE = {"Ã©tÃ© Ã  Paris": "été à Paris", "cafÃ©": "café", "itâ€™s": "it's", "ZÃ¼rich": "Zürich",
+            "LÃ©a et JosÃ©": "Léa et José", "SÃ£o Paulo": "São Paulo", "Ã‰TÃ‰": "ÉTÉ", "MÃœNCHEN": "MÜNCHEN",
+            "Ð¿Ñ€Ð¸Ð²ÐµÑ‚": "привет", "æ—¥æœ¬": "日本", "ðŸ˜€ smile": "😀 smile", "Â°C": "°C", "ÃƒÂ©": "é",
+            "dÃ©jÃ  vu": "déjà vu", "Ã©tÃ© â€” CAFÃ‰â€¦": "été — CAFÉ…"}
+UNCERTAIN = ["Î±-helix", "Å›wiat", "IRMÃ»", "x Ã y"]       # ftfy repairs these; the stand-in cannot be sure
+
+
+@pytest.mark.parametrize("text", VALID)
+def test_stdlib_leaves_valid_text_alone(text):
+    assert data.fix_text_stdlib(text) == text
+    assert data.clip_clean(text, data.fix_text_stdlib) == " ".join(text.split()).lower()
+
+
+@pytest.mark.parametrize("text, fixed", MOJIBAKE.items())
+def test_stdlib_repairs_certain_mojibake_whole(text, fixed):
+    assert data.fix_text_stdlib(text) == fixed
+
+
+@pytest.mark.parametrize("text", UNCERTAIN)
+def test_stdlib_leaves_uncertain_mojibake_alone(text):
+    assert data.fix_text_stdlib(text) == text
+
+
+def test_stdlib_agrees_with_ftfy_on_these_strings():
+    ftfy = pytest.importorskip("ftfy")
+    assert [ftfy.fix_text(t) for t in VALID] == VALID                    # valid as ftfy sees it too
+    assert {t: ftfy.fix_text(t) for t in MOJIBAKE} == {t: data.fix_text_stdlib(t) for t in MOJIBAKE}
+
+
+def test_stdlib_mojibake_repair_is_whole_or_nothing():
+    """Random captions of real words (upper-case accented, CJK, Greek, Cyrillic, emoji), each
+    with 0-2 symbols after it, then a space: each is left as given, and its UTF-8-read-as-cp1252
+    form is either repaired to the caption or not touched at all (never half)."""
+    import random
+    words = ("CAFÉ ESPAÑA CRÈME BRÛLÉE MÜNCHEN ÅRHUS SÃO IRMÃ AMANHÃ ÉTÉ ÇA ÑANDÚ ÎLE ÆBLE ØRE GRÖßE ÀLA ÂGE ÒU "
+             "Léa São José Zürich Émile café naïve señor crème été à où 東京 タワー 🐱 Ωμέγα привет Łódź dog 42").split()
+    seps = list(".,;:!?-'()…·™»«®©°’”–—€£")
+    rng = random.Random(0)
+    repaired = 0
+    for _ in range(3000):
+        text = " ".join(rng.choice(words) + "".join(rng.choice(seps) for _ in range(rng.randint(0, 2)))
+                        for _ in range(rng.randint(1, 4)))
+        clean = data.fix_text_stdlib(text)
+        assert clean == text.replace("’", "'").replace("”", '"'), text
+        moji = text.encode("utf-8").decode("cp1252", errors="replace")
+        if "\ufffd" in moji or moji == text:
+            continue
+        got = data.fix_text_stdlib(moji)
+        repaired += got == clean
+        assert got == clean or got == moji.replace("’", "'").replace("”", '"').replace("“", '"'), (text, moji, got)
+    assert repaired > 2000
+
+
+def test_surrogates_are_replaced_never_raised(tokenizer, monkeypatch):
+    for fix in ("default", "stdlib"):
+        if fix == "stdlib":
+            monkeypatch.setattr(data, "_fix_text", data.fix_text_stdlib)
+        got = _ids(tokenizer, ["a\ud800b", "x\ud83d\ude00y", "\udfff"])
+        assert got == _ids(tokenizer, ["a\ufffdb", "x😀y", "\ufffd"]), fix
+
+
+def test_contractions_are_case_insensitive_as_open_clip():
+    """open_clip compiles its word pattern with re.IGNORECASE, so "'ſ" (long s) is one piece, as
+    "'s". Against Python's `regex` module with IGNORECASE (open_clip's), over every character
+    after an apostrophe: the case-insensitive contractions remove exactly the long-s mismatch;
+    the few left are letters the two engines' Unicode tables differ on (U+0558, U+0C5C, ...)."""
+    pre = data._clip_normalizer_and_pretokenizer()[1]
+    assert [w for w, _ in pre.pre_tokenize_str("king'ſ")][:2] == ["king", "'Å¿"]     # byte-level 'ſ
+    regex = pytest.importorskip("regex")
+    from tokenizers import Regex, pre_tokenizers
+    words = r"""[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
+    reference = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d|""" + words, regex.IGNORECASE)
+
+    def mismatches(contractions):
+        split = pre_tokenizers.Split(Regex(contractions + "|" + words), behavior="removed", invert=True)
+        texts = {c: f"a'{chr(c).lower()}e'{chr(c).lower() * 2}" for c in range(0x20, 0x3000) if chr(c).isprintable()}
+        return {c for c, t in texts.items() if [w for w, _ in split.pre_tokenize_str(t)] != reference.findall(t)}
+    before = mismatches(r"""'s|'t|'re|'ve|'m|'ll|'d""")
+    assert 0x17F in before and mismatches(r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)""") == before - {0x17F}
+
+
+def test_own_strings_equal_live_open_clip(tokenizer):
+    from conftest import import_open_clip
+    import_open_clip()
+    from open_clip.tokenizer import SimpleTokenizer
+    texts = VALID + list(MOJIBAKE) + ["king'ſ", "IT'S", "a\ud800b", "x\ud83d\ude00y"]
+    assert tokenizer(texts).tolist() == SimpleTokenizer(VOCAB)(texts).tolist()
