@@ -257,7 +257,7 @@ def test_resume_exact_and_ddp_equals_single(tmp_path):
         torch.testing.assert_close(d[k], a[k], atol=1e-3, rtol=1e-3)
     for f in ("config.json", "tokenizer.json", "metrics.jsonl", "loss_curve.png"):
         assert os.path.exists(os.path.join(full, f))
-    assert sorted(os.listdir(os.path.join(full, "checkpoint"))) == sorted(data.CHECKPOINT_FILES + ("tokenizer.json",))
+    assert sorted(os.listdir(os.path.join(full, "checkpoint"))) == sorted(C.CHECKPOINT_FILES + ("tokenizer.json",))
     assert not [f for f in os.listdir(full) if ".tmp" in f or ".prev" in f]
     # evaluation + interpretation view on the checkpoint
     out = C.main(["eval", "--ckpt", full, "--n", "12", "--interpret", "1", "--parse_dropout", "0.5"])

@@ -35,8 +35,8 @@ def sq_loss(m, x):
 
 def test_saves_at_save_interval_whatever_log_interval(tmp_path, monkeypatch):
     saved = []
-    real = M.data.write_checkpoint
-    monkeypatch.setattr(M.data, "write_checkpoint", lambda *a, **k: (saved.append(a[4]["step"]), real(*a, **k)))
+    real = M.write_checkpoint
+    monkeypatch.setattr(M, "write_checkpoint", lambda *a, **k: (saved.append(a[4]["step"]), real(*a, **k)))
     torch.manual_seed(0)
     M.train_phase(torch.nn.Linear(4, 1), sq_loss, _ListLoader(toy_batches()), toy_args(), 0, 1, "cpu", 7,
                   out_dir=str(tmp_path), tag="t")
@@ -45,7 +45,7 @@ def test_saves_at_save_interval_whatever_log_interval(tmp_path, monkeypatch):
     M.train_phase(torch.nn.Linear(4, 1), sq_loss, _ListLoader(toy_batches()), toy_args(), 0, 1, "cpu", 7,
                   out_dir=str(tmp_path), tag="t")   # a fresh run into the same out_dir starts a fresh log
     assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [3, 6, 7]
-    assert sorted(os.listdir(tmp_path / "checkpoint")) == sorted(M.data.CHECKPOINT_FILES)
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == sorted(M.CHECKPOINT_FILES)
     assert not os.path.exists(tmp_path / "checkpoint.prev") and not os.path.exists(tmp_path / "checkpoint.tmp")
 
 
