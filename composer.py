@@ -2410,9 +2410,6 @@ def train(args):
         result = {"step": step, "eval": ev}
         print(json.dumps({"final": result}), flush=True)
         draw_loss_curve(metrics, os.path.join(args.out_dir, "loss_curve.png"))
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
     return result
 
 
@@ -2773,12 +2770,19 @@ def main(argv=None):
     try:
         if data is None and args.cmd not in ("mcd", "parse"):
             raise ComposerError("data.py is missing (composer.py imports it for data, tokenizer and shapes)")
-        return {"train": train, "eval": cmd_eval, "graph": cmd_graph, "mcd": cmd_mcd, "parse": cmd_parse}[args.cmd](args)
+        result = {"train": train, "eval": cmd_eval, "graph": cmd_graph, "mcd": cmd_mcd, "parse": cmd_parse}[args.cmd](args)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()      # no rank tears down its connections while another still uses them
+        return result
     except errors as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1 if isinstance(e, NonFinite) else 2)
     finally:
+        # torch's order: the process group goes last, once per process, after the run that used
+        # it (and its DDP wrapper) has returned; on every path, errors included
         release_out_dir()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

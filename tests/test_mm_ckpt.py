@@ -138,8 +138,8 @@ def test_sigterm_to_the_process_group_with_two_workers(teacher, tmp_path):  # no
     os.killpg(p.pid, signal.SIGTERM)
     stdout, stderr = p.communicate(timeout=120)
     step = json.loads((out / "checkpoint" / "train_state.json").read_text())["step"]
-    assert f"SIGTERM, checkpoint saved at step {step}" in stdout, stderr[-3000:]
-    assert "DataLoader worker" not in stderr and "non-finite" not in stderr, stderr[-3000:]
+    assert f"SIGTERM, checkpoint saved at step {step}" in stdout, stderr
+    assert "DataLoader worker" not in stderr and "non-finite" not in stderr, stderr
     # same --max_steps (the LR schedule depends on it), both stopped one step later
     more = ["--num_workers", "2", "--max_steps", "100000", "--stop_at", str(step + 1)]
     run_cli(extract_args(teacher, out) + more + ["--resume"], nproc=2)
