@@ -905,8 +905,6 @@ class Run:
             raise NonFiniteError(f"{self.tag}: non-finite weights at step {self.step}; stopped, the last good "
                                  f"checkpoint is kept")
         os.makedirs(self.out_dir, exist_ok=True)
-        if self.tokenizer is not None:      # the run's own copy at the top of out_dir
-            self.tokenizer.save(self.out_dir)
         tensors, optimizer = optimizer_state(self.opt)
         state = {"step": self.step, "elapsed": self.elapsed, "loader": self.loader.state_dict(),
                  "optimizer": optimizer, "rng": rng_state(self.device)}
