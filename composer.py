@@ -24,12 +24,16 @@ No public code of COMPOSER or the CRG exists; every choice the paper leaves open
 next to the code that makes it, marked "Choice:".
 """
 import argparse
+import contextlib
+import errno
+import fcntl
 import functools
 import json
 import math
 import os
 import random
 import re
+import shutil
 import signal
 import sys
 import time
@@ -41,6 +45,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from PIL import Image, ImageDraw
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 try:
     import data  # the repo's shared module (shapes, tokenizer, loaders)
@@ -2369,32 +2376,204 @@ def nonfinite(step, args):
                          f"is in {args.out_dir}")
 
 
+# -----------------------------------------------------------------------------
+# Checkpoints. out_dir/checkpoint/ holds model.safetensors, config.json, tokenizer.json and the
+# training state: train_state.safetensors (AdamW moments) and train_state.json (step, sampler
+# position, RNG states). safetensors + JSON: loading runs no pickled code. The set is written into
+# checkpoint.tmp/, fsynced and switched in by renames, so checkpoint/ (or, after a kill
+# mid-switch, checkpoint.prev/) holds one whole step.
+
+CHECKPOINT_FILES = ("model.safetensors", "config.json", "train_state.safetensors", "train_state.json")
+_lock = None    # this process's open out_dir/.lock
+
+
+def lock_out_dir(out_dir, rank, world, device):
+    """One run per out_dir (a job submitted twice would mix two runs' saves and logs): rank 0
+    holds an flock on out_dir/.lock, which the kernel drops when the process ends, killed or
+    not. If another process holds it, every rank stops and rank 0 names that process."""
+    global _lock
+    release_out_dir()
+    holder = None
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        _lock = open(os.path.join(out_dir, ".lock"), "a+")
+        try:
+            fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock.truncate(0)
+            _lock.write(f"{os.getpid()}\n")
+            _lock.flush()
+        except BlockingIOError:
+            _lock.seek(0)
+            holder = _lock.read().strip() or "?"
+            release_out_dir()
+    busy = torch.tensor(float(holder is not None), device=device)
+    if world > 1:
+        dist.broadcast(busy, 0)
+    if busy.item():
+        if rank:
+            raise SystemExit(2)      # rank 0 says why, once
+        raise ComposerError(f"{out_dir} is in use by another run: process {holder} holds {out_dir}/.lock")
+
+
+def release_out_dir():
+    global _lock
+    if _lock is not None:
+        _lock.close()
+        _lock = None
+
+
+def check_resumable(out_dir, rank):
+    """--resume with no checkpoint at all (e.g. a SIGTERM before the first save) is an error,
+    said once, by rank 0."""
+    if not any(os.path.isdir(os.path.join(out_dir, d)) for d in ("checkpoint", "checkpoint.prev")):
+        if rank:
+            raise SystemExit(2)
+        raise ComposerError(f"--resume: nothing to resume yet in {out_dir} (no checkpoint saved)")
+
+
+def write_checkpoint(out_dir, model_sd, config, tensors, state, tok):
+    """The set into checkpoint.tmp/, fsync, then checkpoint/ -> checkpoint.prev/, checkpoint.tmp/
+    -> checkpoint/, checkpoint.prev/ removed. A full disk is one error line; checkpoint.tmp/ is
+    removed and the previous checkpoint is left as it was."""
+    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
+    cpu = lambda sd: {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        save_file(cpu(model_sd), os.path.join(tmp, "model.safetensors"), {"step": str(state["step"])})
+        save_file(cpu(tensors), os.path.join(tmp, "train_state.safetensors"), {"step": str(state["step"])})
+        data.save_json(os.path.join(tmp, "config.json"), config)
+        data.save_json(os.path.join(tmp, "train_state.json"), state)
+        tok.save(tmp)
+        for name in os.listdir(tmp):
+            data.fsync(os.path.join(tmp, name))
+        data.fsync(tmp)
+        data.atomic_write(os.path.join(out_dir, "config.json"), lambda p: data.save_json(p, config))
+        tok.save(out_dir)       # readers of out_dir find the tokenizer beside config.json
+    except Exception as e:      # safetensors reports a full disk as SafetensorError, not OSError
+        shutil.rmtree(tmp, ignore_errors=True)
+        if getattr(e, "errno", None) != errno.ENOSPC and "No space left" not in str(e):
+            raise
+        need = sum(v.nbytes for v in [*model_sd.values(), *tensors.values()]) / 2 ** 20
+        raise ComposerError(f"{out_dir}: no space left on device for the step-{state['step']} checkpoint (about "
+                            f"{need:.1f} MiB needed, {shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); "
+                            f"the previous checkpoint is kept") from None
+    if os.path.isdir(final):
+        shutil.rmtree(prev, ignore_errors=True)
+        os.replace(final, prev)
+    os.replace(tmp, final)
+    data.fsync(out_dir)
+    shutil.rmtree(prev, ignore_errors=True)
+
+
+def read_checkpoint(folder, device):
+    """(model tensors, train-state tensors, train_state.json) of one checkpoint folder, or a
+    DataError naming the file that is missing, damaged or from another step."""
+    missing = [n for n in CHECKPOINT_FILES if not os.path.isfile(os.path.join(folder, n))]
+    if missing:
+        raise data.DataError(f"{os.path.join(folder, missing[0])}: missing (incomplete checkpoint)")
+    state, _ = data.read_json(os.path.join(folder, "train_state.json")), data.read_json(os.path.join(folder, "config.json"))
+    out = []
+    for path in (os.path.join(folder, "model.safetensors"), os.path.join(folder, "train_state.safetensors")):
+        try:
+            with safe_open(path, "pt") as f:
+                step = (f.metadata() or {}).get("step")
+            out.append(load_file(path, device=str(device)))
+        except Exception as e:
+            raise data.DataError(f"{path}: damaged ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+        if not isinstance(state, dict) or step != str(state.get("step")):
+            raise data.DataError(f"{path}: from step {step}, train_state.json from step "
+                                 f"{state.get('step') if isinstance(state, dict) else None}")
+    return out[0], out[1], state
+
+
+def find_checkpoint(out_dir, device):
+    """read_checkpoint of out_dir/checkpoint/, else of a complete checkpoint.prev/ (said on stderr)."""
+    try:
+        return read_checkpoint(os.path.join(out_dir, "checkpoint"), device)
+    except data.DataError as e:
+        prev = os.path.join(out_dir, "checkpoint.prev")
+        if not os.path.isdir(prev):
+            raise
+        found = read_checkpoint(prev, device)
+        print(f"note: {e}; resuming from the previous complete checkpoint {prev} (step {found[2]['step']})",
+              file=sys.stderr)
+        return found
+
+
+def optimizer_state(opt):
+    """opt.state_dict() as (tensors "opt.{param}.{name}", JSON-able rest)."""
+    sd = opt.state_dict()
+    flat = {f"{i}.{name}": v for i, st in sd["state"].items() for name, v in st.items()}
+    return ({f"opt.{k}": v for k, v in flat.items() if torch.is_tensor(v)},
+            {"param_groups": sd["param_groups"], "scalars": {k: v for k, v in flat.items() if not torch.is_tensor(v)}})
+
+
+def load_optimizer_state(opt, tensors, info):
+    state = {}
+    for key, v in [(k[4:], v) for k, v in tensors.items() if k.startswith("opt.")] + list(info["scalars"].items()):
+        i, name = key.split(".", 1)
+        state.setdefault(int(i), {})[name] = v
+    opt.load_state_dict({"state": state, "param_groups": info["param_groups"]})
+
+
+def rng_state(device):
+    """torch (and CUDA), numpy and python RNG states as JSON: a resumed run draws the same numbers."""
+    n, p = np.random.get_state(), random.getstate()
+    return {"torch": torch.get_rng_state().tolist(),
+            "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if device.startswith("cuda") else None,
+            "numpy": [n[0], n[1].tolist(), *n[2:]], "python": [p[0], list(p[1]), p[2]]}
+
+
+def set_rng_state(st, device):
+    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
+    if st.get("cuda") and device.startswith("cuda"):
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
+    n, p = st["numpy"], st["python"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+    random.setstate((p[0], tuple(p[1]), p[2]))
+
+
+def rewind_metrics(path, step):
+    """metrics.jsonl cut back to the resumed step: no step is logged twice (rank 0 rewrites it)."""
+    with open(path) if os.path.isfile(path) else contextlib.nullcontext([]) as f:
+        kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= step]
+
+    def write(p):
+        with open(p, "w") as f:
+            f.writelines(kept)
+    data.atomic_write(path, write)
+
+
 def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra, device):
-    """data.py's checkpoint layout, written atomically as a set (a kill at any point leaves one
-    complete checkpoint). out_dir also keeps config.json and tokenizer.json for readers.
-    Non-finite weights or optimizer state are never saved: NonFinite, the last good one stays."""
-    if not data.all_finite([*model.state_dict().values(), *(v for st in opt.state.values() for v in st.values())]):
+    """Everything --resume needs to continue bit-exactly from `step` (rank 0 writes). Non-finite
+    weights or optimizer state are never saved: NonFinite, the last good checkpoint stays."""
+    tensors = [*model.state_dict().values(), *(v for st in opt.state.values() for v in st.values())]
+    if not all(torch.isfinite(t).all() for t in tensors if t.is_floating_point()):
         raise nonfinite(step, args)
-    tensors, optimizer = data.optimizer_state(opt)
-    state = {"step": step, "sampler": sampler.state_dict(), "rng": data.rng_state(device), "optimizer": optimizer, **extra}
-    data.write_checkpoint(out_dir, model.state_dict(), {"args": vars(args), "model": asdict(cfg)}, tensors, state, tok)
-    tok.save(out_dir)
+    tensors, optimizer = optimizer_state(opt)
+    state = {"step": step, "sampler": sampler.state_dict(), "rng": rng_state(device), "optimizer": optimizer, **extra}
+    write_checkpoint(out_dir, model.state_dict(), {"args": vars(args), "model": asdict(cfg)}, tensors, state, tok)
 
 
-def find_checkpoint(out_dir):
-    """--resume: (model tensors, train-state tensors, train_state.json) of checkpoint/, else of a
-    complete checkpoint.prev/ (said on stderr); None when out_dir has neither. A damaged one with
-    no fallback is a one-line error naming the file."""
-    if not any(os.path.exists(os.path.join(out_dir, d)) for d in ("checkpoint", "checkpoint.prev")):
-        return None
-    return data.load_checkpoint(out_dir)
-
-
-def draw_loss_curve(metrics_path, png_path):
-    """loss_curve.png from metrics.jsonl."""
+def draw_loss_curve(metrics_path, png_path, size=(900, 420)):
+    """loss_curve.png from metrics.jsonl, drawn with PIL (no matplotlib in this project)."""
     with open(metrics_path) as f:
-        recs = [r for r in map(json.loads, filter(str.strip, f)) if "loss" in r]
-    data.plot_curves(png_path, {"loss": ([r["step"] for r in recs], [r["loss"] for r in recs], (31, 119, 180))})
+        pts = [(r["step"], r["loss"]) for r in map(json.loads, filter(str.strip, f)) if math.isfinite(r.get("loss", math.nan))]
+    (W, H), (L, R, T, B) = size, (60, 20, 20, 40)
+    img = Image.new("RGB", size, "white")
+    d = ImageDraw.Draw(img)
+    d.rectangle([L, T, W - R, H - B], outline="black")
+    if pts:
+        x1, y0, y1 = max(max(x for x, _ in pts), 1), min(y for _, y in pts), max(y for _, y in pts)
+        y1 = y1 if y1 > y0 else y0 + 1
+        d.line([(L + (W - L - R) * x / x1, H - B - (H - T - B) * (y - y0) / (y1 - y0)) for x, y in pts],
+               fill=(31, 119, 180), width=2)
+        d.text((4, T - 6), f"{y1:.3f}", fill="black")
+        d.text((4, H - B - 6), f"{y0:.3f}", fill="black")
+        d.text((W - R - 40, H - B + 6), str(x1), fill="black")
+    d.text((L, H - 18), "step", fill="black")
+    data.atomic_write(png_path, lambda p: img.save(p, format="PNG"))
 
 
 def build_tokenizer(args, resume=False):
@@ -2466,11 +2645,12 @@ def restore(ckpt, model, opt, sampler, metrics, rank, device):
     """--resume: weights, optimizer, sampler position and RNG states; metrics.jsonl rewound.
     Returns the step."""
     sd, tensors, st = ckpt
-    model.load_state_dict(sd)
-    data.load_optimizer_state(opt, tensors, st["optimizer"])
+    data.load_state(model, sd, os.path.join(os.path.dirname(metrics), "checkpoint"))
+    load_optimizer_state(opt, tensors, st["optimizer"])
     sampler.load_state_dict(st["sampler"])
-    data.set_rng_state(st["rng"], device)
-    data.rewind_metrics(metrics, st["step"], rank)
+    set_rng_state(st["rng"], device)
+    if rank == 0:
+        rewind_metrics(metrics, st["step"])
     return st["step"]
 
 
@@ -2519,16 +2699,21 @@ def train(args):
     rank, world, device = ddp_setup(args.device)
     master = rank == 0
     check_args(args, world)
+    lock_out_dir(args.out_dir, rank, world, device)   # before anything is written there
+    if args.resume:
+        check_resumable(args.out_dir, rank)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)
-    resume = find_checkpoint(args.out_dir) if args.resume else None
+    resume = find_checkpoint(args.out_dir, "cpu") if args.resume else None
     tok, compiler, sp, evals, model, cfg = build_run(args, resume is not None, master, world, device)
     params = list(model.parameters())
     opt = build_optimizer(model, args)
     sampler = Sampler(len(sp.captions), args.batch_size, args.seed)
     metrics = os.path.join(args.out_dir, "metrics.jsonl")
     step = restore(resume, model, opt, sampler, metrics, rank, device) if resume else 0
+    if master and not resume:
+        open(metrics, "w").close()      # a fresh run starts a fresh log (--resume rewinds it)
     if resume and master:
         print(f"resumed from {args.out_dir} at step {step}", flush=True)
     if args.compile:  # compile each transformer block (shapes vary by level: dynamic=True)
@@ -2591,9 +2776,6 @@ def train(args):
         result = {"step": step, "eval": ev}
         print(json.dumps({"final": result}), flush=True)
         draw_loss_curve(metrics, os.path.join(args.out_dir, "loss_curve.png"))
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
     return result
 
 
@@ -3014,10 +3196,19 @@ def main(argv=None):
     try:
         if data is None and args.cmd not in ("mcd", "parse"):
             raise ComposerError("data.py is missing (composer.py imports it for data, tokenizer and shapes)")
-        return {"train": train, "eval": cmd_eval, "graph": cmd_graph, "mcd": cmd_mcd, "parse": cmd_parse}[args.cmd](args)
+        result = {"train": train, "eval": cmd_eval, "graph": cmd_graph, "mcd": cmd_mcd, "parse": cmd_parse}[args.cmd](args)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()      # no rank tears down its connections while another still uses them
+        return result
     except errors as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1 if isinstance(e, NonFinite) else 2)
+    finally:
+        # torch's order: the process group goes last, once per process, after the run that used
+        # it (and its DDP wrapper) has returned; on every path, errors included
+        release_out_dir()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

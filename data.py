@@ -1334,7 +1334,7 @@ class NegativeCaptions:
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 MAX_SKIP_FRACTION = 0.1
-SKIP_CHECK_MIN = 100  # the fraction is checked once this many samples were read, and at every epoch's end
+SKIP_CHECK_MIN = 50  # the fraction is checked at every batch once this many samples (or an epoch's) were read
 SKIP_LOG_LINES = 20  # the first skips are logged one by one, later ones only counted
 log = logging.getLogger("data")
 
@@ -1876,6 +1876,7 @@ class _Loader:
         self.epoch, self.batches_done = 0, 0
         self.good, self.skipped, self.dropped = 0, 0, 0  # dropped: good samples cut by drop_last
         self.skip_reasons = collections.Counter()
+        self.check_min = SKIP_CHECK_MIN     # lowered to one epoch's share where that is smaller
         # page-locked batches for a CUDA consumer: the .to(device, non_blocking=True) of the
         # training loop is then a true async copy that overlaps the running step
         self.pin_memory = False
@@ -1913,8 +1914,8 @@ class _Loader:
             self.skip_reasons[reason] += 1
         self.good += len(batch["caption"])
         self.dropped += batch.pop("_dropped", 0)
-        if self.good + self.skipped >= SKIP_CHECK_MIN:
-            self._check_skips()
+        if self.good + self.skipped + self.dropped >= self.check_min:
+            self._check_skips()     # as batches are read: a run shorter than an epoch is checked too
 
     def _check_skips(self):
         seen = self.good + self.skipped + self.dropped
@@ -1947,6 +1948,7 @@ class MapLoader(_Loader):
                          max_skip_fraction)
         self.dataset = dataset
         self.num_samples = len(dataset)
+        self.check_min = max(1, min(SKIP_CHECK_MIN, len(dataset) // world_size))
         if drop_last and len(dataset) < batch_size * world_size:
             raise DataError(f"{name}: {len(dataset)} samples, fewer than one global batch "
                             f"({batch_size} x {world_size} ranks)")
@@ -2080,6 +2082,8 @@ class ShardLoader(_Loader):
         self.stream = ShardStream(shards, batch_size, tokenizer, transform or eval_transform(SHAPES_IMAGE_SIZE), seed,
                                   train, rank, world_size, num_workers, resampled, drop_last, shuffle_buffer)
         self.num_samples = num_samples
+        if num_samples:
+            self.check_min = max(1, min(SKIP_CHECK_MIN, num_samples // world_size))
         if not shards:
             raise DataError(f"{name}: no shard to read")
         if drop_last and num_samples is not None and num_samples < batch_size * world_size:
@@ -2199,15 +2203,9 @@ def captions_for_tokenizer(spec: str, max_captions: int = 100_000, split: str = 
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints and run logs, one layout for the three training scripts. out_dir/checkpoint/ holds
-# model.safetensors, config.json, tokenizer.json (when the run has one), train_state.safetensors
-# (optimizer moments and the run's other tensors) and train_state.json (step, RNG, data position).
-# The set is written into checkpoint.tmp/, fsynced and switched in by renames, so checkpoint/
-# (or, after a save cut short mid-switch, checkpoint.prev/) always holds one complete step.
-# safetensors + JSON: loading never runs pickled code.
-
-CHECKPOINT_FILES = ("model.safetensors", "config.json", "train_state.safetensors", "train_state.json")
-
+# Files: JSON, durable and atomic writes, weights. Each training script writes and reads its own
+# checkpoints (out_dir/checkpoint/: model.safetensors + config.json, train_state.*); readers of
+# any of them find the weights with checkpoint_dir.
 
 def read_json(path: str):
     try:
@@ -2236,12 +2234,6 @@ def atomic_write(path: str, write):
     tmp = f"{path}.tmp{os.getpid()}"
     write(tmp)
     os.replace(tmp, path)
-
-
-def save_tensors(path: str, tensors: dict, step: int):
-    from safetensors.torch import save_file
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    fsync(path, lambda p: save_file(tensors, p, metadata={"step": str(step)}))
 
 
 def save_json(path: str, obj):
@@ -2360,163 +2352,11 @@ def assumed_activation_note(path: str, trained: bool = False) -> str:
     return f"note: {path}: {what} (--no-quick_gelu for GELU models such as open_clip's LAION / DataComp ViT-B-32)"
 
 
-def write_checkpoint(out_dir: str, model_state: dict, config: dict, tensors: dict, state: dict, tokenizer=None):
-    """Rank 0: the whole set into checkpoint.tmp/, fsync, then checkpoint/ -> checkpoint.prev/,
-    checkpoint.tmp/ -> checkpoint/, and checkpoint.prev/ removed. `state` must hold "step";
-    config.json is also copied to out_dir (the run's own record)."""
-    import shutil
-    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    step = state["step"]
-    save_tensors(os.path.join(tmp, "model.safetensors"), model_state, step)
-    save_json(os.path.join(tmp, "config.json"), config)
-    if tokenizer is not None:
-        fsync(tmp, tokenizer.save)
-    save_tensors(os.path.join(tmp, "train_state.safetensors"), tensors, step)
-    save_json(os.path.join(tmp, "train_state.json"), state)
-    fsync(tmp)
-    atomic_write(os.path.join(out_dir, "config.json"), lambda p: save_json(p, config))
-    if os.path.isdir(final):
-        shutil.rmtree(prev, ignore_errors=True)
-        os.replace(final, prev)
-    os.replace(tmp, final)
-    fsync(out_dir)
-    shutil.rmtree(prev, ignore_errors=True)
-
-
 def checkpoint_dir(path: str) -> str:
     """An out_dir -> its checkpoint/ folder when that holds a model.safetensors (the layout of all
     three training scripts), else `path` as given (a checkpoint/ or descendant folder, a file)."""
     inner = os.path.join(path, "checkpoint")
     return inner if os.path.isfile(os.path.join(inner, "model.safetensors")) else path
-
-
-def read_checkpoint(folder: str, device="cpu") -> tuple:
-    """(model tensors, train-state tensors, train_state.json) of one checkpoint folder, or a
-    DataError naming the file that is missing, damaged or from another step."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-    for name in CHECKPOINT_FILES:
-        if not os.path.isfile(os.path.join(folder, name)):
-            raise DataError(f"{os.path.join(folder, name)}: missing (incomplete checkpoint)")
-    state = read_json(os.path.join(folder, "train_state.json"))
-    read_json(os.path.join(folder, "config.json"))
-    out = []
-    for name in ("model.safetensors", "train_state.safetensors"):
-        path = os.path.join(folder, name)
-        try:
-            with safe_open(path, "pt") as f:
-                step = (f.metadata() or {}).get("step")
-            out.append(load_file(path, device=str(device)))
-        except Exception as e:
-            raise DataError(f"{path}: damaged ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
-        if not isinstance(state, dict) or step != str(state.get("step")):
-            raise DataError(f"{path}: from step {step}, train_state.json from step "
-                            f"{state.get('step') if isinstance(state, dict) else None}")
-    return out[0], out[1], state
-
-
-def load_checkpoint(out_dir: str, device="cpu") -> tuple:
-    """read_checkpoint of out_dir/checkpoint/, else of a complete checkpoint.prev/ (said on stderr)."""
-    try:
-        return read_checkpoint(os.path.join(out_dir, "checkpoint"), device)
-    except DataError as e:
-        prev = os.path.join(out_dir, "checkpoint.prev")
-        if not os.path.isdir(prev):
-            raise
-        found = read_checkpoint(prev, device)
-        print(f"note: {e}; resuming from the previous complete checkpoint {prev} "
-              f"(step {found[2]['step']})", file=sys.stderr)
-        return found
-
-
-def optimizer_state(opt) -> tuple:
-    """opt.state_dict() as (tensors "opt.{i}.{name}", JSON-able rest) for a checkpoint."""
-    sd = opt.state_dict()
-    tensors, scalars = {}, {}
-    for i, st in sd["state"].items():
-        for name, v in st.items():
-            if torch.is_tensor(v):
-                tensors[f"opt.{i}.{name}"] = v
-            else:
-                scalars[f"{i}.{name}"] = v
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
-
-
-def load_optimizer_state(opt, tensors: dict, info: dict):
-    state = {}
-    for key, v in [(k[4:], v) for k, v in tensors.items() if k.startswith("opt.")] + list(info["scalars"].items()):
-        i, name = key.split(".", 1)
-        state.setdefault(int(i), {})[name] = v
-    opt.load_state_dict({"state": state, "param_groups": info["param_groups"]})
-
-
-def rng_state(device=None) -> dict:
-    """torch (and CUDA), numpy and python RNG states as JSON."""
-    npst, pyst = np.random.get_state(), random.getstate()
-    cuda = device is not None and torch.device(device).type == "cuda"
-    return {"torch": torch.get_rng_state().tolist(),
-            "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if cuda else None,
-            "numpy": [npst[0], npst[1].tolist()] + list(npst[2:]),
-            "python": [pyst[0], list(pyst[1]), pyst[2]]}
-
-
-def set_rng_state(st: dict, device=None):
-    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
-    if st.get("cuda") and device is not None and torch.device(device).type == "cuda":
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
-    n, p = st["numpy"], st["python"]
-    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
-    random.setstate((p[0], tuple(p[1]), p[2]))
-
-
-def all_finite(tensors) -> bool:
-    """Every floating-point tensor finite? (checked before a save: never a NaN checkpoint)"""
-    flags = [torch.isfinite(t).all() for t in tensors if torch.is_tensor(t) and t.is_floating_point()]
-    return bool(torch.stack(flags).all()) if flags else True
-
-
-def rewind_metrics(path: str, step: int, rank: int = 0) -> list:
-    """metrics.jsonl cut back to a resumed checkpoint's step, so no step appears twice. Only
-    rank 0 rewrites the file (two ranks replacing it would race); every rank gets the records."""
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        kept = [m for m in map(json.loads, filter(str.strip, f)) if m["step"] <= step]
-    if rank == 0:
-        _atomic_write_text(path, "".join(json.dumps(m) + "\n" for m in kept))
-    return kept
-
-
-def plot_curves(path: str, series: dict, boundaries=(), caption: str = "", size=(900, 420)):
-    """A PNG of curves {name: ([steps], [values], colour or [colour per point])} on shared axes,
-    drawn with PIL (no matplotlib in this project); `boundaries`: steps marked by a red line
-    (e.g. IL spawns). Non-finite points are dropped."""
-    curves = [[(x, y, c[i] if isinstance(c, list) else c) for i, (x, y) in enumerate(zip(xs, ys))
-               if math.isfinite(y)] for xs, ys, c in series.values()]
-    pts = [p for curve in curves for p in curve]
-    (W, H), (L, R, T, B) = size, (60, 20, 20, 40)
-    img = Image.new("RGB", size, "white")
-    d = ImageDraw.Draw(img)
-    d.rectangle([L, T, W - R, H - B], outline="black")
-    if pts:
-        x1, y0, y1 = max(max(p[0] for p in pts), 1), min(p[1] for p in pts), max(p[1] for p in pts)
-        y1 = y1 if y1 > y0 else y0 + 1
-        px = lambda x: L + (W - L - R) * x / x1
-        py = lambda y: H - B - (H - T - B) * (y - y0) / (y1 - y0)
-        for i, b in enumerate(b for b in boundaries if b <= x1):
-            d.line([px(b), T, px(b), H - B], fill=(200, 120, 120))
-            d.text((px(b) + 3, T + 2), f"gen {i + 1}", fill=(160, 60, 60))
-        for curve in curves:        # a segment takes the colour of its end point
-            for (xa, ya, _), (xb, yb, c) in zip(curve, curve[1:]):
-                d.line([px(xa), py(ya), px(xb), py(yb)], fill=c, width=2)
-        for v in (y0, (y0 + y1) / 2, y1):
-            d.text((4, py(v) - 6), f"{v:.3f}", fill="black")
-        d.text((L, H - B + 6), "0", fill="black")
-        d.text((W - R - 40, H - B + 6), str(x1), fill="black")
-    d.text((L, H - 18), f"step   {caption}", fill="black")
-    atomic_write(path, lambda p: img.save(p, format="PNG"))
 
 
 # -----------------------------------------------------------------------------

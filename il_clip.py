@@ -13,10 +13,13 @@ data.py holds the loaders, tokenizer, NegCLIP's text negatives, checkpoint files
 """
 import argparse
 import copy
+import errno
+import fcntl
 import json
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -30,6 +33,9 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 import torch.nn.functional as F
+from PIL import Image, ImageDraw
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 import data
@@ -727,7 +733,7 @@ def get_lr(step, args, sched):
 
 
 # -----------------------------------------------------------------------------
-# weights: --init, load_model, checkpoints (data.py writes the files: safetensors + JSON, atomic)
+# weights: --init, load_model
 
 
 def load_model(path, device="cpu", quick_gelu=None):
@@ -758,12 +764,185 @@ def load_model(path, device="cpu", quick_gelu=None):
     return model.to(device).eval(), tok, config
 
 
+# -----------------------------------------------------------------------------
+# checkpoints. out_dir/checkpoint/ holds model.safetensors, config.json, tokenizer.json and the
+# training state: train_state.safetensors (AdamW moments, the IL teacher, the NegCLIP pool, the
+# log sums) and train_state.json (step, data position, RNG states). safetensors + JSON: loading
+# runs no pickled code. The set is written into checkpoint.tmp/, fsynced and switched in by
+# renames, so checkpoint/ (or, after a kill mid-switch, checkpoint.prev/) holds one whole step.
+
+CHECKPOINT_FILES = ("model.safetensors", "config.json", "train_state.safetensors", "train_state.json")
+_lock = None    # this process's open out_dir/.lock
+
+
+def lock_out_dir(out_dir, rank, world, device):
+    """One run per out_dir (a job submitted twice would mix two runs' saves and logs): rank 0
+    holds an flock on out_dir/.lock, which the kernel drops when the process ends, killed or
+    not. If another process holds it, every rank stops and rank 0 names that process."""
+    global _lock
+    release_out_dir()
+    holder = None
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        _lock = open(os.path.join(out_dir, ".lock"), "a+")
+        try:
+            fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock.truncate(0)
+            _lock.write(f"{os.getpid()}\n")
+            _lock.flush()
+        except BlockingIOError:
+            _lock.seek(0)
+            holder = _lock.read().strip() or "?"
+            release_out_dir()
+    busy = torch.tensor(float(holder is not None), device=device)
+    if world > 1:
+        dist.broadcast(busy, 0)
+    if busy.item():
+        if rank:
+            raise SystemExit(2)      # rank 0 says why, once
+        raise ConfigError(f"{out_dir} is in use by another run: process {holder} holds {out_dir}/.lock")
+
+
+def release_out_dir():
+    global _lock
+    if _lock is not None:
+        _lock.close()
+        _lock = None
+
+
+def check_resumable(out_dir, rank):
+    """--resume with no checkpoint at all (e.g. a SIGTERM before the first save) is an error,
+    said once, by rank 0."""
+    if not any(os.path.isdir(os.path.join(out_dir, d)) for d in ("checkpoint", "checkpoint.prev")):
+        if rank:
+            raise SystemExit(2)
+        raise ConfigError(f"--resume: nothing to resume yet in {out_dir} (no checkpoint saved)")
+
+
+def write_checkpoint(out_dir, model_sd, config, tensors, state, tok):
+    """The set into checkpoint.tmp/, fsync, then checkpoint/ -> checkpoint.prev/, checkpoint.tmp/
+    -> checkpoint/, checkpoint.prev/ removed. A full disk is one error line; checkpoint.tmp/ is
+    removed and the previous checkpoint is left as it was."""
+    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
+    cpu = lambda sd: {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        save_file(cpu(model_sd), os.path.join(tmp, "model.safetensors"), {"step": str(state["step"])})
+        save_file(cpu(tensors), os.path.join(tmp, "train_state.safetensors"), {"step": str(state["step"])})
+        data.save_json(os.path.join(tmp, "config.json"), config)
+        data.save_json(os.path.join(tmp, "train_state.json"), state)
+        tok.save(tmp)
+        for name in os.listdir(tmp):
+            data.fsync(os.path.join(tmp, name))
+        data.fsync(tmp)
+        data.atomic_write(os.path.join(out_dir, "config.json"), lambda p: data.save_json(p, config))
+    except Exception as e:      # safetensors reports a full disk as SafetensorError, not OSError
+        shutil.rmtree(tmp, ignore_errors=True)
+        if getattr(e, "errno", None) != errno.ENOSPC and "No space left" not in str(e):
+            raise
+        need = sum(v.nbytes for v in [*model_sd.values(), *tensors.values()]) / 2 ** 20
+        raise ConfigError(f"{out_dir}: no space left on device for the step-{state['step']} checkpoint (about "
+                          f"{need:.1f} MiB needed, {shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); "
+                          f"the previous checkpoint is kept") from None
+    if os.path.isdir(final):
+        shutil.rmtree(prev, ignore_errors=True)
+        os.replace(final, prev)
+    os.replace(tmp, final)
+    data.fsync(out_dir)
+    shutil.rmtree(prev, ignore_errors=True)
+
+
+def read_checkpoint(folder, device):
+    """(model tensors, train-state tensors, train_state.json) of one checkpoint folder, or a
+    DataError naming the file that is missing, damaged or from another step."""
+    missing = [n for n in CHECKPOINT_FILES if not os.path.isfile(os.path.join(folder, n))]
+    if missing:
+        raise data.DataError(f"{os.path.join(folder, missing[0])}: missing (incomplete checkpoint)")
+    state, _ = data.read_json(os.path.join(folder, "train_state.json")), data.read_json(os.path.join(folder, "config.json"))
+    out = []
+    for path in (os.path.join(folder, "model.safetensors"), os.path.join(folder, "train_state.safetensors")):
+        try:
+            with safe_open(path, "pt") as f:
+                step = (f.metadata() or {}).get("step")
+            out.append(load_file(path, device=str(device)))
+        except Exception as e:
+            raise data.DataError(f"{path}: damaged ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+        if not isinstance(state, dict) or step != str(state.get("step")):
+            raise data.DataError(f"{path}: from step {step}, train_state.json from step "
+                                 f"{state.get('step') if isinstance(state, dict) else None}")
+    return out[0], out[1], state
+
+
+def find_checkpoint(out_dir, device):
+    """read_checkpoint of out_dir/checkpoint/, else of a complete checkpoint.prev/ (said on stderr)."""
+    try:
+        return read_checkpoint(os.path.join(out_dir, "checkpoint"), device)
+    except data.DataError as e:
+        prev = os.path.join(out_dir, "checkpoint.prev")
+        if not os.path.isdir(prev):
+            raise
+        found = read_checkpoint(prev, device)
+        print(f"note: {e}; resuming from the previous complete checkpoint {prev} (step {found[2]['step']})",
+              file=sys.stderr)
+        return found
+
+
+def optimizer_state(opt):
+    """opt.state_dict() as (tensors "opt.{param}.{name}", JSON-able rest)."""
+    sd = opt.state_dict()
+    flat = {f"{i}.{name}": v for i, st in sd["state"].items() for name, v in st.items()}
+    return ({f"opt.{k}": v for k, v in flat.items() if torch.is_tensor(v)},
+            {"param_groups": sd["param_groups"], "scalars": {k: v for k, v in flat.items() if not torch.is_tensor(v)}})
+
+
+def load_optimizer_state(opt, tensors, info):
+    state = {}
+    for key, v in [(k[4:], v) for k, v in tensors.items() if k.startswith("opt.")] + list(info["scalars"].items()):
+        i, name = key.split(".", 1)
+        state.setdefault(int(i), {})[name] = v
+    opt.load_state_dict({"state": state, "param_groups": info["param_groups"]})
+
+
+def rng_state(device):
+    """torch (and CUDA), numpy and python RNG states as JSON: a resumed run draws the same numbers."""
+    n, p = np.random.get_state(), random.getstate()
+    return {"torch": torch.get_rng_state().tolist(),
+            "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if device.type == "cuda" else None,
+            "numpy": [n[0], n[1].tolist(), *n[2:]], "python": [p[0], list(p[1]), p[2]]}
+
+
+def set_rng_state(st, device):
+    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
+    if st.get("cuda") and device.type == "cuda":
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
+    n, p = st["numpy"], st["python"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+    random.setstate((p[0], tuple(p[1]), p[2]))
+
+
+def all_finite(tensors):
+    """Every floating-point tensor finite? (checked before a save: never a NaN checkpoint)"""
+    flags = [torch.isfinite(t).all() for t in tensors if torch.is_tensor(t) and t.is_floating_point()]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
+def rewind_metrics(path, step):
+    """metrics.jsonl cut back to the resumed step: no step is logged twice (rank 0 rewrites it)."""
+    with open(path) if os.path.isfile(path) else nullcontext([]) as f:
+        kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= step]
+
+    def write(p):
+        with open(p, "w") as f:
+            f.writelines(kept)
+    data.atomic_write(path, write)
+
+
 def save_checkpoint(r):
-    """Everything --resume needs to continue bit-exactly from r.step, in data.py's checkpoint
-    layout (rank 0 writes)."""
+    """Everything --resume needs to continue bit-exactly from r.step (rank 0 writes)."""
     if r.rank != 0:
         return
-    tensors, optimizer = data.optimizer_state(r.opt)
+    tensors, optimizer = optimizer_state(r.opt)
     if r.teacher is not None:
         tensors.update({f"teacher.{k}": v for k, v in r.teacher.state_dict().items()})
     if r.pool is not None:
@@ -771,15 +950,15 @@ def save_checkpoint(r):
     tensors["log.sums"] = r.sums          # the partial loss averages of the current log interval
     state = {"step": r.step, "spawned": r.spawned, "optimizer": optimizer, "loader": r.loader.state_dict(),
              "pool_count": r.pool.count if r.pool is not None else 0,
-             "log": {"n": r.n_loss, "text_tokens": r.text_tokens}, "rng": data.rng_state(r.device)}
+             "log": {"n": r.n_loss, "text_tokens": r.text_tokens}, "rng": rng_state(r.device)}
     config = {**vars(r.args), "model": asdict(r.cfg), "world_size": r.world}
-    data.write_checkpoint(r.args.out_dir, r.model.state_dict(), config, tensors, state, r.tok)
+    write_checkpoint(r.args.out_dir, r.model.state_dict(), config, tensors, state, r.tok)
 
 
 def load_checkpoint(r):
-    sd, ts, state = data.load_checkpoint(r.args.out_dir, r.device)
+    sd, ts, state = find_checkpoint(r.args.out_dir, r.device)
     data.load_state(r.model, sd, os.path.join(r.args.out_dir, "checkpoint"))
-    data.load_optimizer_state(r.opt, ts, state["optimizer"])
+    load_optimizer_state(r.opt, ts, state["optimizer"])
     r.step, r.spawned = state["step"], state["spawned"]
     teacher = {k[8:]: v for k, v in ts.items() if k.startswith("teacher.")}
     if teacher:
@@ -792,8 +971,9 @@ def load_checkpoint(r):
     r.sums.copy_(ts["log.sums"])
     r.n_loss, r.text_tokens = state["log"]["n"], state["log"]["text_tokens"]
     r.loader.load_state_dict(state["loader"])
-    data.set_rng_state(state["rng"], r.device)
-    data.rewind_metrics(r.metrics_path, r.step, r.rank)
+    set_rng_state(state["rng"], r.device)
+    if r.rank == 0:
+        rewind_metrics(r.metrics_path, r.step)
 
 
 def save_generation_snapshot(r, gen):
@@ -802,7 +982,9 @@ def save_generation_snapshot(r, gen):
     if r.rank == 0:
         d = os.path.join(r.args.out_dir, f"gen{gen}")
         os.makedirs(d, exist_ok=True)
-        data.save_tensors(os.path.join(d, "model.safetensors"), r.model.state_dict(), r.step)
+        sd = {k: v.detach().to("cpu").contiguous() for k, v in r.model.state_dict().items()}
+        data.atomic_write(os.path.join(d, "model.safetensors"),
+                          lambda p: data.fsync(p, lambda q: save_file(sd, q, {"step": str(r.step)})))
 
 
 # -----------------------------------------------------------------------------
@@ -1106,7 +1288,7 @@ def train(r):
             dist.all_reduce(stats)
             stats[:2] /= r.world
         loss_v, clip_v, bad, stop = stats.tolist()
-        if bad or (save_now or stop) and not data.all_finite(
+        if bad or (save_now or stop) and not all_finite(
                 [*model.state_dict().values(), *(v for st in r.opt.state.values() for v in st.values())]):
             bar.close()
             if r.rank == 0:
@@ -1154,10 +1336,40 @@ def draw_loss_curve(metrics_path, png_path, boundaries=()):
     with open(metrics_path) if os.path.isfile(metrics_path) else nullcontext([]) as f:
         recs = [json.loads(ln) for ln in f if ln.strip()]
     steps = [m["step"] for m in recs]
-    data.plot_curves(png_path, {
+    plot_curves(png_path, {
         "contrastive": (steps, [m.get("clip_loss", math.nan) for m in recs], CLIP_LOSS_COLOUR),
         "loss": (steps, [m["loss"] for m in recs], [PHASE_COLOURS.get(m.get("phase"), (0, 0, 0)) for m in recs])},
         boundaries, "(blue warm-up, orange distill, green interact; grey contrastive)")
+
+
+def plot_curves(path, series, boundaries=(), caption="", size=(900, 420)):
+    """A PNG of curves {name: ([steps], [values], colour or [colour per point])} on shared axes,
+    drawn with PIL (no matplotlib in this project); `boundaries`: steps marked by a red line
+    (e.g. IL spawns). Non-finite points are dropped."""
+    curves = [[(x, y, c[i] if isinstance(c, list) else c) for i, (x, y) in enumerate(zip(xs, ys))
+               if math.isfinite(y)] for xs, ys, c in series.values()]
+    pts = [p for curve in curves for p in curve]
+    (W, H), (L, R, T, B) = size, (60, 20, 20, 40)
+    img = Image.new("RGB", size, "white")
+    d = ImageDraw.Draw(img)
+    d.rectangle([L, T, W - R, H - B], outline="black")
+    if pts:
+        x1, y0, y1 = max(max(p[0] for p in pts), 1), min(p[1] for p in pts), max(p[1] for p in pts)
+        y1 = y1 if y1 > y0 else y0 + 1
+        px = lambda x: L + (W - L - R) * x / x1
+        py = lambda y: H - B - (H - T - B) * (y - y0) / (y1 - y0)
+        for i, b in enumerate(b for b in boundaries if b <= x1):
+            d.line([px(b), T, px(b), H - B], fill=(200, 120, 120))
+            d.text((px(b) + 3, T + 2), f"gen {i + 1}", fill=(160, 60, 60))
+        for curve in curves:        # a segment takes the colour of its end point
+            for (xa, ya, _), (xb, yb, c) in zip(curve, curve[1:]):
+                d.line([px(xa), py(ya), px(xb), py(yb)], fill=c, width=2)
+        for v in (y0, (y0 + y1) / 2, y1):
+            d.text((4, py(v) - 6), f"{v:.3f}", fill="black")
+        d.text((L, H - B + 6), "0", fill="black")
+        d.text((W - R - 40, H - B + 6), str(x1), fill="black")
+    d.text((L, H - 18), f"step   {caption}", fill="black")
+    data.atomic_write(path, lambda p: img.save(p, format="PNG"))
 
 
 # -----------------------------------------------------------------------------
@@ -1167,6 +1379,9 @@ def draw_loss_curve(metrics_path, png_path, boundaries=()):
 def run(argv=None):
     args = build_args(argv)
     rank, world, owns_pg = setup_distributed(args)
+    lock_out_dir(args.out_dir, rank, world, args.device)   # before anything is written there
+    if args.resume:
+        check_resumable(args.out_dir, rank)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -1201,6 +1416,8 @@ def main(argv=None):
     except (data.DataError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        release_out_dir()
 
 
 if __name__ == "__main__":

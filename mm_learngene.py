@@ -27,11 +27,14 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import errno
+import fcntl
 import functools
 import json
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -42,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from PIL import Image, ImageDraw
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -725,12 +729,205 @@ def agree_flags(bad, stop, world, device, tag, done):
     return bool(stop)
 
 
+# -----------------------------------------------------------------------------
+# Checkpoints. out_dir/checkpoint/ holds model.safetensors, config.json, tokenizer.json (when the
+# phase has one) and the training state: train_state.safetensors (AdamW moments) and
+# train_state.json (step, time, data position, RNG states). safetensors + JSON: loading runs no
+# pickled code. The set is written into checkpoint.tmp/, fsynced and switched in by renames, so
+# checkpoint/ (or, after a kill mid-switch, checkpoint.prev/) holds one whole step.
+
+CHECKPOINT_FILES = ("model.safetensors", "config.json", "train_state.safetensors", "train_state.json")
+_lock = None    # this process's open out_dir/.lock
+
+
+def lock_out_dir(out_dir, rank, world, device):
+    """One run per out_dir (a job submitted twice would mix two runs' saves and logs): rank 0
+    holds an flock on out_dir/.lock, which the kernel drops when the process ends, killed or
+    not. If another process holds it, every rank stops and rank 0 names that process."""
+    global _lock
+    release_out_dir()
+    holder = None
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        _lock = open(os.path.join(out_dir, ".lock"), "a+")
+        try:
+            fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock.truncate(0)
+            _lock.write(f"{os.getpid()}\n")
+            _lock.flush()
+        except BlockingIOError:
+            _lock.seek(0)
+            holder = _lock.read().strip() or "?"
+            release_out_dir()
+    busy = torch.tensor(float(holder is not None), device=device)
+    if world > 1:
+        dist.broadcast(busy, 0)
+    if busy.item():
+        if rank:
+            raise SystemExit(2)      # rank 0 says why, once
+        raise ConfigError(f"{out_dir} is in use by another run: process {holder} holds {out_dir}/.lock")
+
+
+def release_out_dir():
+    global _lock
+    if _lock is not None:
+        _lock.close()
+        _lock = None
+
+
+def check_resumable(out_dir, rank):
+    """--resume with no checkpoint at all (e.g. a SIGTERM before the first save) is an error,
+    said once, by rank 0."""
+    if not any(os.path.isdir(os.path.join(out_dir, d)) for d in ("checkpoint", "checkpoint.prev")):
+        if rank:
+            raise SystemExit(2)
+        raise ConfigError(f"--resume: nothing to resume yet in {out_dir} (no checkpoint saved)")
+
+
+def write_checkpoint(out_dir, model_sd, config, tensors, state, tok):
+    """The set into checkpoint.tmp/, fsync, then checkpoint/ -> checkpoint.prev/, checkpoint.tmp/
+    -> checkpoint/, checkpoint.prev/ removed. A full disk is one error line; checkpoint.tmp/ is
+    removed and the previous checkpoint is left as it was."""
+    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
+    cpu = lambda sd: {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        save_file(cpu(model_sd), os.path.join(tmp, "model.safetensors"), {"step": str(state["step"])})
+        save_file(cpu(tensors), os.path.join(tmp, "train_state.safetensors"), {"step": str(state["step"])})
+        data.save_json(os.path.join(tmp, "config.json"), config)
+        data.save_json(os.path.join(tmp, "train_state.json"), state)
+        if tok is not None:
+            tok.save(tmp)
+        for name in os.listdir(tmp):
+            data.fsync(os.path.join(tmp, name))
+        data.fsync(tmp)
+        data.atomic_write(os.path.join(out_dir, "config.json"), lambda p: data.save_json(p, config))
+        if tok is not None:     # readers of out_dir find the tokenizer beside config.json
+            tok.save(out_dir)
+    except Exception as e:      # safetensors reports a full disk as SafetensorError, not OSError
+        shutil.rmtree(tmp, ignore_errors=True)
+        if getattr(e, "errno", None) != errno.ENOSPC and "No space left" not in str(e):
+            raise
+        need = sum(v.nbytes for v in [*model_sd.values(), *tensors.values()]) / 2 ** 20
+        raise ConfigError(f"{out_dir}: no space left on device for the step-{state['step']} checkpoint (about "
+                            f"{need:.1f} MiB needed, {shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); "
+                            f"the previous checkpoint is kept") from None
+    if os.path.isdir(final):
+        shutil.rmtree(prev, ignore_errors=True)
+        os.replace(final, prev)
+    os.replace(tmp, final)
+    data.fsync(out_dir)
+    shutil.rmtree(prev, ignore_errors=True)
+
+
+def read_checkpoint(folder, device):
+    """(model tensors, train-state tensors, train_state.json) of one checkpoint folder, or a
+    DataError naming the file that is missing, damaged or from another step."""
+    missing = [n for n in CHECKPOINT_FILES if not os.path.isfile(os.path.join(folder, n))]
+    if missing:
+        raise data.DataError(f"{os.path.join(folder, missing[0])}: missing (incomplete checkpoint)")
+    state, _ = data.read_json(os.path.join(folder, "train_state.json")), data.read_json(os.path.join(folder, "config.json"))
+    out = []
+    for path in (os.path.join(folder, "model.safetensors"), os.path.join(folder, "train_state.safetensors")):
+        try:
+            with safe_open(path, "pt") as f:
+                step = (f.metadata() or {}).get("step")
+            out.append(load_file(path, device=str(device)))
+        except Exception as e:
+            raise data.DataError(f"{path}: damaged ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+        if not isinstance(state, dict) or step != str(state.get("step")):
+            raise data.DataError(f"{path}: from step {step}, train_state.json from step "
+                                 f"{state.get('step') if isinstance(state, dict) else None}")
+    return out[0], out[1], state
+
+
+def find_checkpoint(out_dir, device):
+    """read_checkpoint of out_dir/checkpoint/, else of a complete checkpoint.prev/ (said on stderr)."""
+    try:
+        return read_checkpoint(os.path.join(out_dir, "checkpoint"), device)
+    except data.DataError as e:
+        prev = os.path.join(out_dir, "checkpoint.prev")
+        if not os.path.isdir(prev):
+            raise
+        found = read_checkpoint(prev, device)
+        print(f"note: {e}; resuming from the previous complete checkpoint {prev} (step {found[2]['step']})",
+              file=sys.stderr)
+        return found
+
+
+def optimizer_state(opt):
+    """opt.state_dict() as (tensors "opt.{param}.{name}", JSON-able rest)."""
+    sd = opt.state_dict()
+    flat = {f"{i}.{name}": v for i, st in sd["state"].items() for name, v in st.items()}
+    return ({f"opt.{k}": v for k, v in flat.items() if torch.is_tensor(v)},
+            {"param_groups": sd["param_groups"], "scalars": {k: v for k, v in flat.items() if not torch.is_tensor(v)}})
+
+
+def load_optimizer_state(opt, tensors, info):
+    state = {}
+    for key, v in [(k[4:], v) for k, v in tensors.items() if k.startswith("opt.")] + list(info["scalars"].items()):
+        i, name = key.split(".", 1)
+        state.setdefault(int(i), {})[name] = v
+    opt.load_state_dict({"state": state, "param_groups": info["param_groups"]})
+
+
+def rng_state(device):
+    """torch (and CUDA), numpy and python RNG states as JSON: a resumed run draws the same numbers."""
+    n, p = np.random.get_state(), random.getstate()
+    return {"torch": torch.get_rng_state().tolist(),
+            "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if device.startswith("cuda") else None,
+            "numpy": [n[0], n[1].tolist(), *n[2:]], "python": [p[0], list(p[1]), p[2]]}
+
+
+def set_rng_state(st, device):
+    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
+    if st.get("cuda") and device.startswith("cuda"):
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
+    n, p = st["numpy"], st["python"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+    random.setstate((p[0], tuple(p[1]), p[2]))
+
+
+def rewind_metrics(path, step, rank):
+    """metrics.jsonl cut back to the resumed step: no step is logged twice. Only rank 0 rewrites
+    the file; every rank gets the records."""
+    with open(path) if os.path.isfile(path) else contextlib.nullcontext([]) as f:
+        kept = [m for m in map(json.loads, filter(str.strip, f)) if m["step"] <= step]
+
+    def write(p):
+        with open(p, "w") as f:
+            f.writelines(json.dumps(m) + "\n" for m in kept)
+    if rank == 0:
+        data.atomic_write(path, write)
+    return kept
+
+
+def draw_loss_curve(metrics, png_path, caption, size=(900, 420)):
+    """loss_curve.png from the metrics records, drawn with PIL (no matplotlib in this project)."""
+    pts = [(m["step"], m["loss"]) for m in metrics if math.isfinite(m.get("loss", math.nan))]
+    (W, H), (L, R, T, B) = size, (60, 20, 20, 40)
+    img = Image.new("RGB", size, "white")
+    d = ImageDraw.Draw(img)
+    d.rectangle([L, T, W - R, H - B], outline="black")
+    if pts:
+        x1, y0, y1 = max(max(x for x, _ in pts), 1), min(y for _, y in pts), max(y for _, y in pts)
+        y1 = y1 if y1 > y0 else y0 + 1
+        d.line([(L + (W - L - R) * x / x1, H - B - (H - T - B) * (y - y0) / (y1 - y0)) for x, y in pts],
+               fill=(31, 119, 180), width=2)
+        d.text((4, T - 6), f"{y1:.3f}", fill="black")
+        d.text((4, H - B - 6), f"{y0:.3f}", fill="black")
+        d.text((W - R - 40, H - B + 6), str(x1), fill="black")
+    d.text((L, H - 18), f"step   {caption}", fill="black")
+    data.atomic_write(png_path, lambda p: img.save(p, format="PNG"))
+
+
 class Run:
     """The state of one training phase that a checkpoint holds (model, optimizer, step, time)."""
 
-    def __init__(self, raw, opt, loader, out_dir, config, tokenizer, tag, rank, on_save):
+    def __init__(self, raw, opt, loader, out_dir, config, tokenizer, tag, rank, on_save, device):
         self.raw, self.opt, self.loader, self.out_dir, self.config = raw, opt, loader, out_dir, config
-        self.tokenizer, self.tag, self.rank, self.on_save = tokenizer, tag, rank, on_save
+        self.tokenizer, self.tag, self.rank, self.on_save, self.device = tokenizer, tag, rank, on_save, device
         self.step, self.elapsed, self.metrics, self.stop = 0, 0.0, [], False
 
     def save(self):
@@ -738,27 +935,27 @@ class Run:
         weights or optimizer state."""
         if self.out_dir is None or self.rank != 0:
             return
-        if not data.all_finite([*self.raw.state_dict().values(), *(v for st in self.opt.state.values() for v in st.values())]):
+        tensors = [*self.raw.state_dict().values(), *(v for st in self.opt.state.values() for v in st.values())]
+        if not all(torch.isfinite(t).all() for t in tensors if t.is_floating_point()):
             raise NonFiniteError(f"{self.tag}: non-finite weights at step {self.step}; stopped, the last good "
                                  f"checkpoint is kept")
         os.makedirs(self.out_dir, exist_ok=True)
-        if self.tokenizer is not None:      # the run's own copy at the top of out_dir
-            self.tokenizer.save(self.out_dir)
-        tensors, optimizer = data.optimizer_state(self.opt)
+        tensors, optimizer = optimizer_state(self.opt)
         state = {"step": self.step, "elapsed": self.elapsed, "loader": self.loader.state_dict(),
-                 "optimizer": optimizer, "rng": data.rng_state()}
-        data.write_checkpoint(self.out_dir, self.raw.state_dict(), self.config, tensors, state, self.tokenizer)
+                 "optimizer": optimizer, "rng": rng_state(self.device)}
+        write_checkpoint(self.out_dir, self.raw.state_dict(), self.config, tensors, state, self.tokenizer)
         if self.on_save:
             self.on_save(self)
 
     def load(self):
-        model_sd, tensors, st = data.load_checkpoint(self.out_dir)
-        self.raw.load_state_dict(model_sd)
-        data.load_optimizer_state(self.opt, tensors, st["optimizer"])
+        check_resumable(self.out_dir, self.rank)
+        model_sd, tensors, st = find_checkpoint(self.out_dir, "cpu")
+        data.load_state(self.raw, model_sd, os.path.join(self.out_dir, "checkpoint"))
+        load_optimizer_state(self.opt, tensors, st["optimizer"])
         self.step, self.elapsed = st["step"], st.get("elapsed", 0.0)
         self.loader.load_state_dict(st["loader"])
-        data.set_rng_state(st["rng"])
-        self.metrics = data.rewind_metrics(os.path.join(self.out_dir, "metrics.jsonl"), self.step, self.rank)
+        set_rng_state(st["rng"], self.device)
+        self.metrics = rewind_metrics(os.path.join(self.out_dir, "metrics.jsonl"), self.step, self.rank)
 
     def log(self, m):
         self.metrics.append(m)
@@ -779,7 +976,7 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
         if world > 1 else model
     fwd = torch.compile(ddp) if getattr(args, "compile", False) else ddp
     run = Run(model, make_optimizer(model, args.lr, args.wd, device), loader, out_dir, config or {}, tokenizer,
-              tag, rank, on_save)
+              tag, rank, on_save, device)
     # no gradient carried over from an earlier phase (a resumed run starts without one)
     model.zero_grad(set_to_none=True)
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -840,9 +1037,7 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
         if out_dir:
             run.save()
             if rank == 0:
-                logged = [m for m in run.metrics if "loss" in m]
-                data.plot_curves(os.path.join(out_dir, "loss_curve.png"), {"loss": (
-                    [m["step"] for m in logged], [m["loss"] for m in logged], (40, 90, 200))}, caption=tag)
+                draw_loss_curve(run.metrics, os.path.join(out_dir, "loss_curve.png"), tag)
     finally:
         if prev is not None:
             signal.signal(signal.SIGTERM, prev)
@@ -928,6 +1123,7 @@ def train_loader(a, src: dict, tok, image_size, rank, world, seed, ordered=False
 def cmd_extract(a):
     table6_defaults(a, "extract")
     rank, world, device = setup_dist(a.device)
+    lock_out_dir(a.out_dir, rank, world, device)    # before anything is written there
     torch.manual_seed(a.seed)
     random.seed(a.seed)
     np.random.seed(a.seed)
@@ -1402,6 +1598,7 @@ def cmd_finetune(a):
     model.to(device)
     out = a.out_dir or f"out/finetune_{a.task}"
     a.out_dir = out
+    lock_out_dir(out, rank, world, device)
     results = {"init": a.init, "kind": kind, "part": init_cfg.get("part", "both"), "task": a.task,
                "modality": modality, "layers": cfg.vision_layers or cfg.text_layers, "lr": a.lr, "wd": a.wd,
                "params": sum(p.numel() for p in model.parameters())}
@@ -2169,6 +2366,7 @@ def main(argv=None):
         print(str(e), file=sys.stderr, flush=True)
         sys.exit(1)
     finally:
+        release_out_dir()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -88,7 +88,7 @@ def sigterm_one_rank(cmd, progress_file, env=None, timeout=180):
             with contextlib.suppress(OSError):      # already gone
                 os.kill(pid, signal.SIGKILL)
         out, err = p.communicate()
-        pytest.fail(f"{why}\n{out[-1500:]}\n{err[-3000:]}")
+        pytest.fail(f"{why}\n{out[-1500:]}\n{err}")
 
     t0 = time.time()
     while not (os.path.isfile(progress_file) and os.path.getsize(progress_file) > 0):

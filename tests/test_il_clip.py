@@ -389,9 +389,9 @@ def test_saves_at_multiples_of_save_interval_whatever_the_log_interval(tmp_path,
                             "--save_interval", "2", "--out_dir", out]) == 0
     assert saved == [2, 4, 6, 7]
     assert [json.loads(x)["step"] for x in open(os.path.join(out, "metrics.jsonl"))] == [3, 6, 7]
-    assert sorted(os.listdir(out)) == ["checkpoint", "config.json", "loss_curve.png", "metrics.jsonl",
+    assert sorted(os.listdir(out)) == [".lock", "checkpoint", "config.json", "loss_curve.png", "metrics.jsonl",
                                        "tokenizer.json"]                 # no tmp / prev left behind
-    assert sorted(os.listdir(os.path.join(out, "checkpoint"))) == sorted(data.CHECKPOINT_FILES + ("tokenizer.json",))
+    assert sorted(os.listdir(os.path.join(out, "checkpoint"))) == sorted(M.CHECKPOINT_FILES + ("tokenizer.json",))
 
 
 def _truncate(path):
