@@ -68,26 +68,28 @@ def _losses(out):
 
 
 def test_loss_terms_on_parameters_train_under_torchrun(teacher, tmp_path, monkeypatch):  # noqa: F811
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                        os.path.abspath(__file__), str(teacher), str(tmp_path / "two")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     for name, (module, patches, argv) in RUNS.items():
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                            os.path.abspath(__file__), name, str(teacher), str(tmp_path / "two" / name)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         with monkeypatch.context() as m:
             for k, v in patches().items():
                 m.setattr(module, k, v)
             module.main(argv(str(teacher), str(tmp_path / "one" / name)))
         one, two = (str(tmp_path / run / name) for run in ("one", "two"))
         la, lb = _losses(one), _losses(two)
-        assert len(la) == len(lb) > 1 and all(abs(a - b) < 1e-5 for a, b in zip(la, lb)), (name, la, lb)
+        assert len(la) == len(lb) > 1
+        if name == "composer":        # (mm_learngene logs rank 0's own loss, not the global batch's)
+            assert all(abs(a - b) < 1e-5 for a, b in zip(la, lb)), (la, lb)
         wa, wb = (load_file(os.path.join(d, "checkpoint", "model.safetensors")) for d in (one, two))
         assert wa["logit_bias"] != -1.0, name                     # trained
         for k in wa:
             torch.testing.assert_close(wb[k], wa[k], atol=1e-3, rtol=1e-3, msg=f"{name} {k}")
 
 
-if __name__ == "__main__":           # torchrun worker: each script trains with the extra terms
-    for name, (module, patches, argv) in RUNS.items():
-        for k, v in patches().items():
-            setattr(module, k, v)
-        module.main(argv(sys.argv[1], os.path.join(sys.argv[2], name)))
+if __name__ == "__main__":           # torchrun worker: NAME TEACHER OUT_DIR, trained with the extra terms
+    module, patches, argv = RUNS[sys.argv[1]]
+    for k, v in patches().items():
+        setattr(module, k, v)
+    module.main(argv(sys.argv[2], sys.argv[3]))
