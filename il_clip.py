@@ -7,8 +7,9 @@ CLIP, Codebook-CLIP (FDT), NegCLIP and IL-CLIP (iterated learning) in one file.
 
 Paper: "Iterated Learning Improves Compositionality in Large Vision-Language Models" (Zheng et
 al., CVPR 2024), ../shared/papers/il_clip.md; what it leaves open follows SPEC.md section 2.
-Reads top to bottom: config -> model -> sparsemax / codebook head -> losses -> IL schedule ->
-checkpoints -> compute_loss (every loss term) -> IL phases (set_trainable, spawn) -> train -> main.
+Reads top to bottom: config -> model -> sparsemax / codebook head -> losses -> NegCLIP's negative
+captions -> IL schedule -> checkpoints -> compute_loss (every loss term) -> IL phases
+(set_trainable, spawn) -> train -> main.
 data.py holds the loaders, tokenizer, checkpoint files, shapes benchmark.
 """
 import argparse
