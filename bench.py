@@ -11,7 +11,7 @@ Throughput, MFU and memory of il_clip.py's training step (nanoGPT's bench.py is 
 
 How it measures: il_clip's step on one synthetic on-device batch, timed between two device syncs
 (the step keeps its host-device overlap). IL: distill and interact timed apart, and one il_clip.spawn
-(teacher copy, re-initialised agent, generation snapshot), combined at the paper's schedule (5 x 1000
+(teacher copy, re-initialised agent), combined at the paper's schedule (5 x 1000
 distill steps and 5 spawns in 48k). Memory: CUDA max_memory_allocated; CPU peak RSS (VmHWM) minus the
 RSS before the model was built (a lower bound after the process's first model). A shared CPU drifts,
 so --targets / --data alternate the runs --rounds times and keep the best; compare ratios from one
@@ -30,7 +30,6 @@ import sys
 import tarfile
 import tempfile
 import time
-import types
 import weakref
 
 import numpy as np
@@ -120,8 +119,9 @@ def run_trainer(args, method, device):
     open_clip = import_open_clip() if method == "open_clip" else None
     K = args.codebook if args.codebook is not None else (1024 if args.model == "tiny" else 16384)
     cfg = model_config(args.model, method, K)
-    il_args = types.SimpleNamespace(distill_loss="kd", no_freeze_codebook=False, distill_train_vision=False,
-                                    spawn="language", seed=0, compile=args.compile)
+    il_args = il_clip.build_args(["--model", args.model, "--method", "clip" if open_clip else method]
+                                 + (["--codebook", str(K)] if cfg.codebook_size else [])
+                                 + (["--compile"] if args.compile else []))
     mem = PeakMemory(device)
     torch.manual_seed(0)
     model = open_clip_model(open_clip, cfg).to(device).train() if open_clip else il_clip.CLIP(cfg, seed=0).to(device)
@@ -133,8 +133,6 @@ def run_trainer(args, method, device):
     elif args.compile:
         il_clip.compile_encoders(model)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext()
-    r = types.SimpleNamespace(device=device, cfg=cfg, pool=None, text_tokens=0, args=il_args, autocast=autocast,
-                              model=model, opt=opt, rank=0, step=0)
     g, B = torch.Generator().manual_seed(0), args.batch_size
     images = torch.randn(B, 3, cfg.image_size, cfg.image_size, generator=g).to(device)
     # il_clip's text stays on the CPU: compute_loss trims its padding there (no device sync)
@@ -142,11 +140,12 @@ def run_trainer(args, method, device):
     batch = {"image": images, "text": text}
 
     def step(phase="train", teacher=None):
-        if open_clip:
-            with autocast:
+        with autocast:
+            if open_clip:
                 loss = loss_fn(*fwd(images, text))
-        else:
-            loss, _ = il_clip.compute_loss(model, teacher, batch, phase, "language" if teacher else None, r)
+            else:
+                loss = il_clip.compute_loss(model, batch, phase, "language" if teacher else None, teacher, None,
+                                            il_args)[0]
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
         opt.step()
@@ -164,12 +163,10 @@ def run_trainer(args, method, device):
     d = max(1, round(args.steps / 6))           # the paper's 1000 distill : 5000 interact
     i = max(1, args.steps - d)
     sync(device)
-    with tempfile.TemporaryDirectory() as il_args.out_dir:       # il_clip's spawn saves a generation snapshot
-        t = time.perf_counter()
-        il_clip.spawn(r, 1)
-        sync(device)
-        res["spawn_s"] = time.perf_counter() - t
-    teacher = r.teacher
+    t = time.perf_counter()
+    teacher = il_clip.spawn(model, opt, il_args, 1)
+    sync(device)
+    res["spawn_s"] = time.perf_counter() - t
     il_clip.set_trainable(model, il_args, "distill", "language")
     res["distill_s"] = timed(lambda: step("distill", teacher), d, device, args.warmup, mem)
     il_clip.set_trainable(model, il_args, "interact", None)

@@ -1203,125 +1203,6 @@ def eval_transform(image_size: int) -> Compose:
 
 
 # -----------------------------------------------------------------------------
-# Text hard negatives (NegCLIP), made in the loader's workers: make_loader(batch_extra=
-# NegativeCaptions(tokenizer, seed)) adds "neg_text" and "neg_valid" to every batch.
-#
-# NegCLIP hard negatives (Yuksekgonul et al. 2023, §5): swap two words of one part of
-# speech, or flip a spatial relation. Choice: no tagger is allowed, so parts of speech come from a
-# closed-class lexicon, adjective suffixes and the position in a left-to-right noun-phrase chunk;
-# a word of unknown class (an -ing or -ed pre-modifier) is never swapped.
-DETERMINERS = set("a an the this that these those some several many his her their its my your our each every "
-                  "another no one two three four five six seven eight nine ten".split())
-CLOSED_CLASS = DETERMINERS | set(
-    "of in on at with by near under over above below behind beside between into onto through across along around "
-    "during for against inside outside toward towards past down up off out from about among like after before "
-    "without beneath underneath next to and or but while as who which where when whose he she it they we you him "
-    "them is are was were be been being am has have had do does did can could will would there very high".split())
-COLOUR_WORDS = set("red orange yellow green blue purple pink brown black white gray grey cyan magenta silver gold".split())
-ADJECTIVES = COLOUR_WORDS | set(
-    "small large big little tiny huge tall short long young old new wooden empty busy calm soft smiling happy "
-    "snowy sunny dark bright open full clean dirty wet dry hot cold fresh round square striped crowded concrete "
-    "pretty beautiful cute sandy grassy rocky cloudy furry colorful".split())
-ADJ_SUFFIX = re.compile(r".{3,}(ful|ous|ive|able|ible|ish|less)$")
-IRREGULAR_PLURALS = set("men women children people feet teeth mice geese sheep".split())
-RELATION_OPPOSITES = {"in front of": "behind", "behind": "in front of", "to the left of": "to the right of",
-                      "to the right of": "to the left of", "on top of": "under", "underneath": "on top of",
-                      "above": "below", "below": "above", "over": "under", "under": "over", "inside": "outside",
-                      "outside": "inside", "next to": "far from", "near": "far from", "far from": "next to",
-                      "left": "right", "right": "left"}
-
-
-def tag_caption(words):
-    """Coarse tags: DET, CLOSED, ADJ, NOUN (chunk head, .plural), MOD (pre-head nominal), VBG, VBZ, VBN."""
-    low = [w.lower() for w in words] + [""]
-    # "a man rides a horse": an -s word after an open-class word and before a closed-class one
-    vbz = {i for i in range(1, len(low) - 1) if low[i].endswith("s") and not low[i].endswith("ss")
-           and low[i - 1].isalpha() and low[i - 1] not in CLOSED_CLASS | ADJECTIVES and low[i + 1] in CLOSED_CLASS}
-    tags, in_np = [], False
-    for i, w in enumerate(low[:-1]):
-        nxt = low[i + 1]
-        nominal_next = nxt and i + 1 not in vbz and nxt not in CLOSED_CLASS and not nxt.endswith(("ing", "ed"))
-        if w in DETERMINERS:
-            tag, in_np = "DET", True
-        elif w in CLOSED_CLASS or not w.isalpha():
-            tag, in_np = "CLOSED", False
-        elif w in ADJECTIVES or ADJ_SUFFIX.match(w):
-            tag = "ADJ"
-        elif w.endswith("ing") and not in_np:
-            tag = "VBG"
-        elif w.endswith("ed") and len(w) > 4 and not in_np:
-            tag = "VBN"
-        elif i in vbz:
-            tag, in_np = "VBZ", False
-        elif nominal_next and (in_np or w.endswith(("ing", "ed"))):
-            tag = "MOD"                          # "dirt road", "parking lot", "striped shirt"
-        else:
-            plural = w in IRREGULAR_PLURALS or (w.endswith("s") and not w.endswith(("ss", "us", "is")))
-            tag, in_np = "NOUN.pl" if plural else "NOUN", False
-        if tag == "MOD" or tag == "ADJ":
-            in_np = True
-        tags.append(tag)
-    return tags
-
-
-def negative_caption(caption, rng):
-    """A NegCLIP hard negative: two nouns (same number), two adjectives or two verbs of one form
-    exchanged (never adjacent), or one spatial relation replaced by its opposite as a whole phrase
-    ("in front of" -> "behind"). None when the caption offers nothing."""
-    words = caption.split()
-    core = [w.strip(".,;:!?\"'") for w in words]
-    tags = tag_caption(core)
-    low = [w.lower() for w in core]
-    text = caption.lower()
-    spans = []                                    # relation phrases, longest first, not overlapping
-    for phrase in sorted(RELATION_OPPOSITES, key=len, reverse=True):
-        for m in re.finditer(rf"\b{phrase}\b", text):
-            if not any(m.start() < e and s < m.end() for s, e, _ in spans):
-                spans.append((m.start(), m.end(), phrase))
-    in_relation = {len(text[:s].split()) + k for s, e, _ in spans for k in range(len(text[s:e].split()))}
-    options = []
-    tags = [t + ".colour" if t == "ADJ" and low[i] in COLOUR_WORDS else t for i, t in enumerate(tags)]
-    for kind in ("NOUN", "NOUN.pl", "ADJ", "ADJ.colour", "VBG", "VBZ"):   # a colour swaps with a colour
-        idx = [i for i, t in enumerate(tags) if t == kind and i not in in_relation]
-        pairs = [(i, j) for i in idx for j in idx if j > i + 1 and low[i] != low[j]]
-        if pairs:
-            options.append(("swap", pairs))
-    if spans:
-        options.append(("flip", spans))
-    if not options:
-        return None
-    kind, cands = rng.choice(options)
-    if kind == "swap":
-        i, j = rng.choice(cands)
-        out = list(words)
-        out[i], out[j] = words[i].replace(core[i], core[j]), words[j].replace(core[j], core[i])
-    else:                                         # `text` is the caption lower-cased: same offsets
-        s, e, phrase = rng.choice(cands)
-        out = (caption[:s] + RELATION_OPPOSITES[phrase] + caption[e:]).split()
-    for i in range(len(out) - 1):               # keep "a"/"an" right, or the article gives it away
-        if out[i].lower() in ("a", "an"):
-            an = out[i + 1][0].lower() in "aeiou"
-            out[i] = ("An" if an else "A") if out[i][0].isupper() else ("an" if an else "a")
-    neg = " ".join(out)
-    return neg if neg.lower() != caption.lower() else None
-
-
-class NegativeCaptions:
-    """The loader's `batch_extra` for NegCLIP: hard-negative captions made and tokenized in the
-    data workers, off the training loop (about 10 ms per 256 captions on one core). A caption's
-    negative is a fixed function of (seed, caption), as NegCLIP precomputes one per caption.
-    neg_valid is False where a caption offers nothing to swap (its column is masked)."""
-
-    def __init__(self, tokenizer, seed):
-        self.tokenizer, self.seed = tokenizer, seed
-
-    def __call__(self, batch):
-        negs = [negative_caption(c, random.Random(f"{self.seed}:{c}")) for c in batch["caption"]]
-        return {"neg_text": self.tokenizer([n if n is not None else c for n, c in zip(negs, batch["caption"])]),
-                "neg_valid": torch.tensor([n is not None for n in negs])}
-
-
-# -----------------------------------------------------------------------------
 # Samples, batches and bad input
 #
 # Every reader turns one record of the user's data into a sample dict {"image": float
@@ -1412,10 +1293,11 @@ def trim_padding(text, eot_id: int, multiple: int = 8):
     return text[:, :min(text.shape[1], -(-n // multiple) * multiple)]
 
 
-def collate(samples: list, tokenizer=None, batch_extra=None) -> dict:
+def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> dict:
     """List of samples -> batch dict. Skips (and None) are left out of the batch and listed
     as (reason, where) pairs in batch["_skips"]; the loader removes that entry. `batch_extra`
-    (picklable, batch -> dict) adds entries in the loader's workers, off the training loop."""
+    (picklable, (batch, epoch) -> dict) adds entries in the loader's workers, off the training
+    loop; the epoch lets it draw anew each epoch and still replay exactly on resume."""
     good = [s for s in samples if isinstance(s, dict)]
     batch = {"image": _stack_images([s["image"] for s in good]) if good else torch.zeros(0, 3, 0, 0),
              "caption": [s["caption"] for s in good],
@@ -1428,16 +1310,16 @@ def collate(samples: list, tokenizer=None, batch_extra=None) -> dict:
     if tokenizer is not None and good:
         batch["text"] = tokenizer(batch["caption"])
     if batch_extra is not None and good:
-        batch.update(batch_extra(batch))
+        batch.update(batch_extra(batch, epoch))
     return batch
 
 
 class _Collate:  # picklable for worker processes
-    def __init__(self, tokenizer, batch_extra=None):
-        self.tokenizer, self.batch_extra = tokenizer, batch_extra
+    def __init__(self, tokenizer, batch_extra=None, epoch=0):
+        self.tokenizer, self.batch_extra, self.epoch = tokenizer, batch_extra, epoch
 
     def __call__(self, samples):
-        return collate(samples, self.tokenizer, self.batch_extra)
+        return collate(samples, self.tokenizer, self.batch_extra, self.epoch)
 
 
 # -----------------------------------------------------------------------------
@@ -1979,7 +1861,7 @@ class MapLoader(_Loader):
         if hasattr(self.dataset, "epoch"):
             self.dataset.epoch = self.epoch
         dl = torch.utils.data.DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers,
-                                         collate_fn=_Collate(self.tokenizer, self.batch_extra), persistent_workers=False,
+                                         collate_fn=_Collate(self.tokenizer, self.batch_extra, self.epoch), persistent_workers=False,
                                          pin_memory=self.pin_memory, worker_init_fn=_ignore_sigterm)
         for batch in _start_workers(dl):
             self.batches_done += 1
@@ -2038,7 +1920,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         return records
 
     def _batch(self, samples: list, logical: int, records: int, dropped: int = 0) -> dict:
-        batch = collate(samples, self.tokenizer, self.batch_extra)
+        batch = collate(samples, self.tokenizer, self.batch_extra, self.epoch)
         batch["_meta"], batch["_dropped"] = {"worker": logical, "records": records}, dropped
         return batch
 

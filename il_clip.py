@@ -7,9 +7,10 @@ CLIP, Codebook-CLIP (FDT), NegCLIP and IL-CLIP (iterated learning) in one file.
 
 Paper: "Iterated Learning Improves Compositionality in Large Vision-Language Models" (Zheng et
 al., CVPR 2024), ../shared/papers/il_clip.md; what it leaves open follows SPEC.md section 2.
-Reads top to bottom: config -> model -> sparsemax / codebook head -> losses -> IL schedule ->
-checkpoints -> compute_loss (every loss term) -> IL phases (set_trainable, spawn) -> train -> main.
-data.py holds the loaders, tokenizer, NegCLIP's text negatives, checkpoint files, shapes benchmark.
+Reads top to bottom: config -> model -> sparsemax / codebook head -> losses -> NegCLIP's negative
+captions -> IL schedule -> checkpoints -> compute_loss (every loss term) -> IL phases
+(set_trainable, spawn) -> train -> main.
+data.py holds the loaders, tokenizer, checkpoint files, shapes benchmark.
 """
 import argparse
 import copy
@@ -19,18 +20,18 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import sys
 import time
-import types
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 from PIL import Image, ImageDraw
@@ -608,15 +609,12 @@ def max_code_scores(q, codes, valid=None, budget=1 << 25, max_tokens=None):
 
 
 def gather(x):
-    """Every rank's rows, in rank order. With a gradient, torch.distributed.nn's all_gather sends
-    each rank's gradient for these rows back to their owner, summed (open_clip's gather_with_grad)."""
+    """Every rank's rows, in rank order. With a gradient, the backward sends each rank's gradient
+    for these rows back to their owner, summed (open_clip's gather_with_grad). torch's functional
+    all-gather replaces torch.distributed.nn's, deprecated since torch 2.13."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return x
-    if x.requires_grad:
-        return torch.cat(dist_nn.all_gather(x), 0)
-    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, x.contiguous())
-    return torch.cat(out, 0)
+    return funcol.all_gather_single(x.contiguous(), 0, dist.group.WORLD)
 
 
 def contrastive_loss(img, txt, scale, neg_txt=None, neg_txt_valid=None, neg_img=None):
@@ -676,6 +674,146 @@ class ImagePool:
         self.emb[idx] = x.detach().float()
         self.ptr = (self.ptr + n) % size
         self.count = min(size, self.count + n)
+
+
+# -----------------------------------------------------------------------------
+# NegCLIP's hard-negative captions (Yuksekgonul et al. 2023, "When and why vision-language models
+# behave like bags-of-words", Sec. 5), made in the loader's workers: data.make_loader(batch_extra=
+# NegativeCaptions(tokenizer, seed)) adds "neg_text" and "neg_valid" to every batch. Two words of
+# one part of speech are swapped, or a spatial relation flipped. Choice: no tagger is allowed, so
+# parts of speech come from a closed-class lexicon, adjective suffixes and the position in a
+# left-to-right noun-phrase chunk; a word of unknown class (an -ing or -ed pre-modifier) is never swapped.
+DETERMINERS = set("a an the this that these those some several many his her their its my your our each every "
+                  "another no one two three four five six seven eight nine ten".split())
+CLOSED_CLASS = DETERMINERS | set(
+    "of in on at with by near under over above below behind beside between into onto through across along around "
+    "during for against inside outside toward towards past down up off out from about among like after before "
+    "without beneath underneath next to and or but while as who which where when whose he she it they we you him "
+    "them is are was were be been being am has have had do does did can could will would there very high".split())
+COLOUR_WORDS = set("red orange yellow green blue purple pink brown black white gray grey cyan magenta silver gold".split())
+ADJECTIVES = COLOUR_WORDS | set(
+    "small large big little tiny huge tall short long young old new wooden empty busy calm soft smiling happy "
+    "snowy sunny dark bright open full clean dirty wet dry hot cold fresh round square striped crowded concrete "
+    "pretty beautiful cute sandy grassy rocky cloudy furry colorful".split())
+ADJ_SUFFIX = re.compile(r".{3,}(ful|ous|ive|able|ible|ish|less)$")
+IRREGULAR_PLURALS = set("men women children people feet teeth mice geese sheep".split())
+RELATION_OPPOSITES = {"in front of": "behind", "behind": "in front of", "to the left of": "to the right of",
+                      "to the right of": "to the left of", "on top of": "under", "underneath": "on top of",
+                      "above": "below", "below": "above", "over": "under", "under": "over", "inside": "outside",
+                      "outside": "inside", "next to": "far from", "near": "far from", "far from": "next to",
+                      "left": "right", "right": "left"}
+
+
+def tag_caption(words):
+    """Coarse tags: DET, CLOSED, ADJ, NOUN (chunk head, .plural), MOD (pre-head nominal), VBG, VBZ, VBN."""
+    low = [w.lower() for w in words] + [""]
+    # "a man rides a horse": an -s word after an open-class word and before a closed-class one
+    vbz = {i for i in range(1, len(low) - 1) if low[i].endswith("s") and not low[i].endswith("ss")
+           and low[i - 1].isalpha() and low[i - 1] not in CLOSED_CLASS | ADJECTIVES and low[i + 1] in CLOSED_CLASS}
+    tags, in_np = [], False
+    for i, w in enumerate(low[:-1]):
+        nxt = low[i + 1]
+        nominal_next = nxt and i + 1 not in vbz and nxt not in CLOSED_CLASS and not nxt.endswith(("ing", "ed"))
+        if w in DETERMINERS:
+            tag, in_np = "DET", True
+        elif w in CLOSED_CLASS or not w.isalpha():
+            tag, in_np = "CLOSED", False
+        elif w in ADJECTIVES or ADJ_SUFFIX.match(w):
+            tag = "ADJ"
+        elif w.endswith("ing") and not in_np:
+            tag = "VBG"
+        elif w.endswith("ed") and len(w) > 4 and not in_np:
+            tag = "VBN"
+        elif i in vbz:
+            tag, in_np = "VBZ", False
+        elif nominal_next and (in_np or w.endswith(("ing", "ed"))):
+            tag = "MOD"                          # "dirt road", "parking lot", "striped shirt"
+        else:
+            plural = w in IRREGULAR_PLURALS or (w.endswith("s") and not w.endswith(("ss", "us", "is")))
+            tag, in_np = "NOUN.pl" if plural else "NOUN", False
+        if tag == "MOD" or tag == "ADJ":
+            in_np = True
+        tags.append(tag)
+    return tags
+
+
+COORDINATORS = {"and", "or", "&"}
+
+
+def reorders_conjuncts(low, comma, i, j):
+    """Whether exchanging words i < j only reorders two conjuncts of a coordination, which keeps the
+    meaning ("a man and a woman" -> "a woman and a man", "bananas, apples and oranges" -> "oranges,
+    apples and bananas"): a false negative. With conjuncts L X_i R and L' X_j R' (bounded by commas
+    and coordinators), the swap gives L X_j R ... L' X_i R', a reordering when L = L' and R = R'."""
+    art = lambda ws: ["a" if w == "an" else w for w in ws]
+    r_end = next((k for k in range(i, j) if comma[k] or low[k + 1] in COORDINATORS), None)
+    if r_end is None:
+        return False                       # no coordination between the two words
+    l_start = max(k for k in range(i, j) if comma[k] or low[k] in COORDINATORS) + 1
+    right, left = low[i + 1:r_end + 1], low[l_start:j]
+    return (len(left) <= i and art(low[i - len(left):i]) == art(left)
+            and art(low[j + 1:j + 1 + len(right)]) == art(right))
+
+
+def negative_caption(caption, rng):
+    """A NegCLIP hard negative: two nouns (same number), two adjectives or two verbs of one form
+    exchanged (never adjacent, never two sides of a coordination), or one spatial relation replaced
+    by its opposite as a whole phrase ("in front of" -> "behind"). None when the caption offers nothing."""
+    words = caption.split()
+    core = [w.strip(".,;:!?\"'") for w in words]
+    tags = tag_caption(core)
+    low = [w.lower() for w in core]
+    comma = [w.rstrip("\"'").endswith((",", ";")) for w in words]
+    text = caption.lower()
+    spans = []                                    # relation phrases, longest first, not overlapping
+    for phrase in sorted(RELATION_OPPOSITES, key=len, reverse=True):
+        for m in re.finditer(rf"\b{phrase}\b", text):
+            if not any(m.start() < e and s < m.end() for s, e, _ in spans):
+                spans.append((m.start(), m.end(), phrase))
+    in_relation = {len(text[:s].split()) + k for s, e, _ in spans for k in range(len(text[s:e].split()))}
+    options = []
+    tags = [t + ".colour" if t == "ADJ" and low[i] in COLOUR_WORDS else t for i, t in enumerate(tags)]
+    for kind in ("NOUN", "NOUN.pl", "ADJ", "ADJ.colour", "VBG", "VBZ"):   # a colour swaps with a colour
+        idx = [i for i, t in enumerate(tags) if t == kind and i not in in_relation]
+        pairs = [(i, j) for i in idx for j in idx
+                 if j > i + 1 and low[i] != low[j] and not reorders_conjuncts(low, comma, i, j)]
+        if pairs:
+            options.append(("swap", pairs))
+    if spans:
+        options.append(("flip", spans))
+    if not options:
+        return None
+    kind, cands = rng.choice(options)
+    if kind == "swap":
+        i, j = rng.choice(cands)
+        out = list(words)
+        out[i], out[j] = words[i].replace(core[i], core[j]), words[j].replace(core[j], core[i])
+    else:                                         # `text` is the caption lower-cased: same offsets
+        s, e, phrase = rng.choice(cands)
+        out = (caption[:s] + RELATION_OPPOSITES[phrase] + caption[e:]).split()
+    for i in range(len(out) - 1):               # keep "a"/"an" right, or the article gives it away
+        if out[i].lower() in ("a", "an"):
+            an = out[i + 1][0].lower() in "aeiou"
+            out[i] = ("An" if an else "A") if out[i][0].isupper() else ("an" if an else "a")
+    neg = " ".join(out)
+    return neg if neg.lower() != caption.lower() else None
+
+
+class NegativeCaptions:
+    """The loader's `batch_extra` for NegCLIP: hard-negative captions made and tokenized in the
+    data workers, off the training loop (about 10 ms per 256 captions on one core). A caption's
+    negative is re-drawn every epoch, as NegCLIP samples one of several per caption each time it is
+    loaded, from (seed, epoch, sample key): a resumed run draws the same ones. neg_valid is False
+    where a caption offers nothing to swap (its column is masked)."""
+
+    def __init__(self, tokenizer, seed):
+        self.tokenizer, self.seed = tokenizer, seed
+
+    def __call__(self, batch, epoch):
+        negs = [negative_caption(c, random.Random(f"negclip/{self.seed}/{epoch}/{k}/{c}"))
+                for c, k in zip(batch["caption"], batch["key"])]
+        return {"neg_text": self.tokenizer([n if n is not None else c for n, c in zip(negs, batch["caption"])]),
+                "neg_valid": torch.tensor([n is not None for n in negs])}
 
 
 # -----------------------------------------------------------------------------
@@ -991,42 +1129,57 @@ def save_generation_snapshot(r, gen):
 # the loss of one micro-batch: every term a forker may change sits here
 
 
-def compute_loss(fwd, teacher, batch, phase, agent, r):
-    """-> (loss to backpropagate, contrastive loss for the log). One forward call of `fwd` (the
-    DDP wrapper) per micro-batch; NegCLIP's negative captions ride in the same text batch."""
-    images = batch["image"].to(r.device, non_blocking=True)
+def compute_loss(model, batch, phase, agent, teacher, pool, args):
+    """One micro-batch -> (loss to backpropagate, contrastive loss for the log, the logit scale
+    used, text length after trimming, NegCLIP's global image embeddings for the pool or None).
+    Changes nothing: train() adds the embeddings to the pool after the step. NegCLIP's negative
+    captions ride in the same text batch (one forward of the model per micro-batch)."""
+    device = model.logit_scale.device
+    images = batch["image"].to(device, non_blocking=True)
     text, n = batch["text"], batch["text"].shape[0]
-    negclip = r.pool is not None and phase != "distill"
+    negclip = pool is not None and phase != "distill"
     if negclip:
         text = torch.cat([text, batch["neg_text"]])            # made by the loader's workers
-    text = data.trim_padding(text, r.cfg.eot_token_id)        # on the CPU: no device sync
-    r.text_tokens += text.shape[1]
-    text = text.to(r.device, non_blocking=True)
-    with r.autocast:
-        img, txt, scale = fwd(images, text)
-        txt, neg_txt = txt[:n], (txt[n:] if negclip else None)
-        if phase == "distill":
-            # distill (paper Sec. 3.2): the spawned agent learns the old generation's
-            # image<->text logits (Hinton KD, both directions) against the other agent's
-            # embeddings; the scale is the student's, detached (logit_scale is frozen here)
-            with torch.no_grad():
-                t_emb = teacher.encode_text(text) if agent == "language" else teacher.encode_image(images)
-            s_emb, o_emb = (txt, img) if agent == "language" else (img, txt)
-            logged = contrastive_loss(img.detach(), txt.detach(), scale.detach())  # Fig. 3's curve
-            if r.args.distill_loss == "cos":
-                return (1 - (s_emb * t_emb).sum(-1)).mean(), logged
-            return kd_loss(o_emb, s_emb, t_emb, scale.detach(), KD_TEMP), logged
-        neg_valid = neg_img = None
-        if negclip:
-            # NegCLIP: hard-negative captions as extra image->text columns (masked where a caption
-            # offers nothing to swap); each image's nearest neighbour in a pool of earlier global
-            # image embeddings as an extra text->image column
-            neg_valid = batch["neg_valid"].to(r.device, non_blocking=True)
-            all_img = gather(img.detach())
-            neg_img = r.pool.nearest(all_img)
-            r.pool.push(all_img)
-        loss = contrastive_loss(img, txt, scale, neg_txt, neg_valid, neg_img)
-        return loss, loss.detach()
+    text = data.trim_padding(text, model.cfg.eot_token_id)    # on the CPU: no device sync
+    text_len = text.shape[1]
+    text = text.to(device, non_blocking=True)
+    img, txt, scale = model(images, text)
+    txt, neg_txt = txt[:n], (txt[n:] if negclip else None)
+    if phase == "distill":
+        # distill (paper Sec. 3.2): the spawned agent learns the old generation's image<->text
+        # logits (Hinton KD, both directions) against the other agent's embeddings; the scale is
+        # the student's, detached (logit_scale is frozen here)
+        with torch.no_grad():
+            t_emb = teacher.encode_text(text) if agent == "language" else teacher.encode_image(images)
+        s_emb, o_emb = (txt, img) if agent == "language" else (img, txt)
+        logged = contrastive_loss(img.detach(), txt.detach(), scale.detach())  # Fig. 3's curve
+        if args.distill_loss == "cos":
+            return (1 - (s_emb * t_emb).sum(-1)).mean(), logged, scale.detach(), text_len, None
+        return kd_loss(o_emb, s_emb, t_emb, scale.detach(), KD_TEMP), logged, scale.detach(), text_len, None
+    neg_valid = neg_img = all_img = None
+    if negclip:
+        # NegCLIP: hard-negative captions as extra image->text columns (masked where a caption
+        # offers nothing to swap); each image's nearest neighbour in a pool of earlier global
+        # image embeddings as an extra text->image column
+        neg_valid = batch["neg_valid"].to(device, non_blocking=True)
+        all_img = gather(img.detach())
+        neg_img = pool.nearest(all_img)
+    loss = contrastive_loss(img, txt, scale, neg_txt, neg_valid, neg_img)
+    return loss, loss.detach(), scale.detach(), text_len, all_img
+
+
+class StepLoss(nn.Module):
+    """compute_loss as the forward() that DDP wraps, so every loss term runs inside it: a term that
+    uses a parameter directly (a learnable bias, a weight penalty) gets its gradient averaged over
+    ranks like the rest. (Around the model alone, DDP's find_unused_parameters marks a parameter
+    the forward did not use as ready, and its later gradient fails: "marked as ready twice".)"""
+
+    def __init__(self, model, args):
+        super().__init__()
+        self.model, self.args = model, args
+
+    def forward(self, batch, phase, agent, teacher, pool):
+        return compute_loss(self.model, batch, phase, agent, teacher, pool, self.args)
 
 
 # -----------------------------------------------------------------------------
@@ -1134,21 +1287,20 @@ def set_trainable(model, args, phase, agent):
         p.requires_grad_(n not in frozen)
 
 
-def spawn(r, gen):
-    """The IL spawn (paper Sec. 3.2): the model becomes the frozen teacher; the spawned agent is
-    re-initialised as at step 0 from a generation seed (on the CPU: same numbers on every rank),
+def spawn(model, opt, args, gen):
+    """The IL spawn (paper Sec. 3.2) -> the frozen teacher (a copy of the model); the spawned agent
+    is re-initialised as at step 0 from a generation seed (on the CPU: same numbers on every rank),
     its AdamW state cleared. Same Parameters, so the optimizer and DDP wrapper survive."""
-    agent = spawn_agent(r.args, gen)
-    save_generation_snapshot(r, gen - 1)
-    r.teacher = frozen_copy(r.model, r.args.compile)
-    fresh = frozen_copy(r.model).cpu()
-    fresh.init_agent(agent, torch.Generator().manual_seed(spawn_seed(r.args.seed, gen)))
+    agent = spawn_agent(args, gen)
+    teacher = frozen_copy(model, args.compile)
+    fresh = frozen_copy(model).cpu()
+    fresh.init_agent(agent, torch.Generator().manual_seed(spawn_seed(args.seed, gen)))
     src = dict(fresh.named_parameters())
     with torch.no_grad():
-        for n, p in agent_params(r.model, agent):
+        for n, p in agent_params(model, agent):
             p.copy_(src[n].to(p.device))
-            r.opt.state.pop(p, None)
-    r.spawned = gen
+            opt.state.pop(p, None)
+    return teacher
 
 
 def estimate_flops_per_pair(cfg, text_len=None):
@@ -1185,38 +1337,62 @@ def estimate_mfu(cfg, pairs_per_s, device, text_len=None):
 # training
 
 
+@dataclass
+class RunState:
+    """Everything the training loop carries from step to step (what a checkpoint saves)."""
+    args: argparse.Namespace        # the flags, data-dependent defaults filled by check_args
+    rank: int                       # this process; rank 0 logs and writes checkpoints
+    world: int                      # number of processes (torchrun's WORLD_SIZE)
+    device: torch.device
+    autocast: object                # bf16 autocast on CUDA (--dtype), else a no-op context
+    tok: data.Tokenizer             # saved beside every checkpoint
+    cfg: ModelConfig
+    model: CLIP                     # the bare model: checkpoints, evaluation, IL freezing
+    opt: torch.optim.Optimizer      # AdamW
+    sched: ILSchedule               # step -> (phase, generation)
+    loader: object                  # data.make_loader's; its position is checkpointed
+    batches: object                 # loader.forever(): epoch after epoch
+    pool: ImagePool | None          # NegCLIP's image embeddings (None without negatives)
+    metrics_path: str               # out_dir/metrics.jsonl
+    ddp: nn.Module | None = None    # DistributedDataParallel(StepLoss(model)) when world > 1
+    step: int = 0                   # optimizer steps done
+    spawned: int = 0                # the last generation spawned (0: none yet)
+    teacher: CLIP | None = None     # the previous generation, frozen, during distill
+    sums: torch.Tensor | None = None  # since the last log line: loss, contrastive loss, non-finite count
+    n_loss: int = 0                 # micro-batches summed in `sums`
+    text_tokens: int = 0            # their trimmed text lengths, summed (the log's text_len)
+    stop_requested: bool = False    # SIGTERM seen; the ranks agree at the next sync point
+
+
 def setup(args, rank, world, tok=None):
-    """The run's state: model, optimizer, loader, IL schedule, teacher, log sums (restored on
-    --resume). bench.py passes its own tokenizer."""
-    r = types.SimpleNamespace(args=args, rank=rank, world=world, device=torch.device(args.device))
-    dt = args.dtype or ("bf16" if r.device.type == "cuda" else "fp32")
-    r.autocast = nullcontext() if dt == "fp32" else torch.autocast(r.device.type, dtype=torch.bfloat16)
-    if r.device.type == "cuda":
+    """The run's state: model, optimizer, loader, IL schedule, NegCLIP pool, log sums (restored on
+    --resume), and the DDP wrapper over StepLoss."""
+    device = torch.device(args.device)
+    dt = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if args.batch_size % (world * args.accum):
         raise ConfigError(f"--batch_size {args.batch_size} is not divisible by world_size x accum = {world * args.accum}")
     if args.init and not os.path.isfile(args.init):
         raise ConfigError(f"--init file not found: {args.init}")
     data.resolve_data(args.data, args.image_root)   # e.g. cc3m without shards: DataError saying where it looked
-    r.tok = tok or build_tokenizer(args, rank, world)
-    r.cfg = model_config(args, r.tok)
-    r.model, r.opt = build_model_and_optimizer(args, r.cfg, r.device)
-    r.sched = make_schedule(args)
-    r.pool = negatives = None
+    tok = tok or build_tokenizer(args, rank, world)
+    cfg = model_config(args, tok)
+    model, opt = build_model_and_optimizer(args, cfg, device)
+    pool = negatives = None
     if args.method == "negclip" or args.negatives:
-        r.pool = ImagePool(args.neg_pool, r.cfg.code_dim if r.cfg.codebook_size else r.cfg.embed_dim, r.device)
-        negatives = data.NegativeCaptions(r.tok, args.seed)   # hard-negative captions, made in the workers
-    r.loader = data.make_loader(
-        args.data, split="train", batch_size=args.batch_size // (world * args.accum), tokenizer=r.tok,
-        image_size=r.cfg.image_size, train=True, rank=rank, world_size=world, num_workers=args.num_workers,
+        pool = ImagePool(args.neg_pool, cfg.code_dim if cfg.codebook_size else cfg.embed_dim, device)
+        negatives = NegativeCaptions(tok, args.seed)   # hard-negative captions, made in the workers
+    loader = data.make_loader(
+        args.data, split="train", batch_size=args.batch_size // (world * args.accum), tokenizer=tok,
+        image_size=cfg.image_size, train=True, rank=rank, world_size=world, num_workers=args.num_workers,
         seed=args.seed, resampled=args.resampled, drop_last=True, image_root=args.image_root,
         csv_img_key=args.csv_img_key, csv_caption_key=args.csv_caption_key,
-        csv_separator=args.csv_separator, pin_memory=r.device.type == "cuda", batch_extra=negatives)
-    r.batches = r.loader.forever()        # epoch after epoch; the loader keeps its position
-    r.step = r.spawned = r.n_loss = r.text_tokens = 0
-    r.teacher, r.stop_requested = None, False
-    r.sums = torch.zeros(3, device=r.device)      # loss, contrastive loss, non-finite count
-    r.metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
+        csv_separator=args.csv_separator, pin_memory=device.type == "cuda", batch_extra=negatives)
+    r = RunState(args=args, rank=rank, world=world, device=device, tok=tok, cfg=cfg, model=model, opt=opt,
+                 autocast=nullcontext() if dt == "fp32" else torch.autocast(device.type, dtype=torch.bfloat16),
+                 sched=make_schedule(args), loader=loader, batches=loader.forever(), pool=pool,
+                 metrics_path=os.path.join(args.out_dir, "metrics.jsonl"), sums=torch.zeros(3, device=device))
     if args.resume:
         load_checkpoint(r)
     elif rank == 0:
@@ -1224,16 +1400,17 @@ def setup(args, rank, world, tok=None):
         open(r.metrics_path, "w").close()
     # DDP broadcasts rank 0's weights at construction (an identical start on every rank). Its
     # parameter set is fixed there: the frozen-for-good codebook-mode projections stay out; the
-    # per-phase freezing is met by find_unused_parameters (see set_trainable).
-    r.ddp = (torch.nn.parallel.DistributedDataParallel(r.model, find_unused_parameters=True)
-             if world > 1 else None)
+    # per-phase freezing, and a parameter a rank's step leaves unused, are met by
+    # find_unused_parameters (see set_trainable).
+    if world > 1:
+        r.ddp = torch.nn.parallel.DistributedDataParallel(StepLoss(model, args), find_unused_parameters=True)
     return r
 
 
 def train(r):
     """The step loop. -> "done" | "sigterm" | "nan"."""
     args, model = r.args, r.model
-    fwd = r.ddp or model
+    fwd = r.ddp or StepLoss(model, args)      # every loss term inside DDP's forward
     end = args.max_steps if args.stop_at is None else min(args.max_steps, args.stop_at)
     t_last, step_last, trainable_for = time.time(), r.step, None
     if r.step >= end:          # nothing to train (e.g. --max_steps 0 to export --init weights)
@@ -1245,7 +1422,8 @@ def train(r):
         phase, gen, _ = r.sched.at(r.step)
         agent = spawn_agent(args, gen) if phase == "distill" else None
         if gen > r.spawned and r.step in r.sched.spawn_steps:
-            spawn(r, gen)
+            save_generation_snapshot(r, gen - 1)
+            r.teacher, r.spawned = spawn(model, r.opt, args, gen), gen
         if phase != "distill":
             r.teacher = None
         if (phase, agent) != trainable_for:
@@ -1261,10 +1439,14 @@ def train(r):
             batch = next(r.batches)
             last_micro = micro == args.accum - 1
             with r.ddp.no_sync() if r.ddp is not None and not last_micro else nullcontext():
-                loss, logged = compute_loss(fwd, r.teacher, batch, phase, agent, r)
+                with r.autocast:
+                    loss, logged, scale, text_len, new_images = fwd(batch, phase, agent, r.teacher, r.pool)
                 (loss / args.accum).backward()
+            if new_images is not None:
+                r.pool.push(new_images)
             r.sums += torch.stack([loss.detach(), logged, (~torch.isfinite(loss.detach())).float()])
             r.n_loss += 1
+            r.text_tokens += text_len
         if args.grad_clip > 0:
             params = [p for p in model.parameters() if p.grad is not None]
             if params:
@@ -1300,7 +1482,7 @@ def train(r):
             sps = (r.step - step_last) * args.batch_size / max(now - t_last, 1e-9)
             text_len = r.text_tokens / max(1, r.n_loss)
             rec = {"step": r.step, "loss": loss_v, "clip_loss": clip_v, "lr": lr, "phase": phase, "generation": gen,
-                   "logit_scale": model.logit_scale.item(), "samples_per_s": round(sps, 2),
+                   "logit_scale": scale.item(), "samples_per_s": round(sps, 2),   # the scale the loss used
                    "text_len": round(text_len, 2), "mfu": estimate_mfu(r.cfg, sps, r.device, text_len), "time": now}
             if r.rank == 0:
                 with open(r.metrics_path, "a") as f:

@@ -613,12 +613,13 @@ def load_learngene(path: str, width=None) -> tuple:
 
 
 def gather(x, grad: bool):
-    """All ranks' rows, in rank order; with grad for the local model's features."""
+    """All ranks' rows, in rank order; with grad for the local model's features (torch's functional
+    all-gather: the backward sums each rank's gradient for these rows back to their owner)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return x
     if grad:
-        import torch.distributed.nn.functional as dnf
-        return torch.cat(dnf.all_gather(x), 0)
+        import torch.distributed._functional_collectives as funcol
+        return funcol.all_gather_single(x.contiguous(), 0, dist.group.WORLD)
     out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(out, x)
     return torch.cat(out, 0)
@@ -966,14 +967,28 @@ class Run:
                 f.write(json.dumps(m) + "\n")
 
 
+class StepLoss(nn.Module):
+    """loss_fn(model, batch) as the forward() that DDP wraps, so every loss term runs inside it: a
+    term that uses a parameter directly (a learnable bias, a weight penalty) gets its gradient
+    averaged over ranks like the rest, and loss_fn sees the model itself with 1 rank or many."""
+
+    def __init__(self, model, loss_fn):
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self, batch):
+        return self.loss_fn(self.model, batch)
+
+
 def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, out_dir=None, config=None,
                 tokenizer=None, tag="train", on_save=None, resume=False) -> list:
-    """One training phase. `loss_fn(model, batch) -> (loss, {name: detached tensor})`, `model`
-    being the DDP-wrapped module when world > 1. Nothing in a step waits for the device: the
+    """One training phase. `loss_fn(model, batch) -> (loss, {name: detached tensor})`, run inside
+    DDP's forward when world > 1 (StepLoss). Nothing in a step waits for the device: the
     losses and a non-finite flag are read at log steps, save steps and --stop_at. Saves at
     multiples of --save_interval, at --stop_at, on SIGTERM and at the end."""
-    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.startswith("cuda") else None) \
-        if world > 1 else model
+    step_loss = StepLoss(model, loss_fn)
+    ddp = nn.parallel.DistributedDataParallel(step_loss, device_ids=[device] if device.startswith("cuda") else None) \
+        if world > 1 else step_loss
     fwd = torch.compile(ddp) if getattr(args, "compile", False) else ddp
     run = Run(model, make_optimizer(model, args.lr, args.wd, device), loader, out_dir, config or {}, tokenizer,
               tag, rank, on_save, device)
@@ -997,7 +1012,7 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
                 g["lr"] = lr
             batch = next(it)
             with autocast(device, args.dtype):
-                loss, parts = loss_fn(fwd, batch)
+                loss, parts = fwd(batch)
             bad |= ~torch.isfinite(loss.detach())
             run.opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -68,10 +68,10 @@ def test_trainer_bench_times_il_clips_step(method, monkeypatch):
     """run_trainer times il_clip.compute_loss in every phase it claims, with il_clip's frozen sets."""
     seen, real = [], il_clip.compute_loss
 
-    def spy(fwd, teacher, batch, phase, agent, r):
-        frozen = sorted(n for n, p in fwd.named_parameters() if not p.requires_grad)
+    def spy(model, batch, phase, agent, teacher, pool, args):
+        frozen = sorted(n for n, p in model.named_parameters() if not p.requires_grad)
         seen.append((phase, agent, teacher is not None, "codebook" in frozen))
-        return real(fwd, teacher, batch, phase, agent, r)
+        return real(model, batch, phase, agent, teacher, pool, args)
     monkeypatch.setattr(il_clip, "compute_loss", spy)
     res = bench.run_trainer(_args(), method, torch.device("cpu"))
     assert res["step_s"] > 0 and res["cfg"].codebook_size == (64 if method == "il" else 0)

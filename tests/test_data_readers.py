@@ -338,10 +338,10 @@ def test_karpathy_several_captions_restval_and_bad_sentences(tmp_path):
 
 
 class _CaptionLengths:
-    """A picklable batch_extra: one entry computed from the collated batch."""
+    """A picklable batch_extra: entries computed from the collated batch and the epoch."""
 
-    def __call__(self, batch):
-        return {"caption_len": torch.tensor([len(c) for c in batch["caption"]])}
+    def __call__(self, batch, epoch):
+        return {"caption_len": torch.tensor([len(c) for c in batch["caption"]]), "epoch": torch.tensor(epoch)}
 
 
 def test_batch_extra_runs_in_the_shard_workers(shapes_dir):
@@ -349,6 +349,9 @@ def test_batch_extra_runs_in_the_shard_workers(shapes_dir):
                               num_workers=2, batch_extra=_CaptionLengths())
     batches, _ = _read_all(loader)
     assert batches and all(b["caption_len"].tolist() == [len(c) for c in b["caption"]] for b in batches)
+    again, _ = _read_all(loader)                  # the next epoch: the workers are told which
+    assert [int(b["epoch"]) for b in batches] == [0] * len(batches) and again
+    assert [int(b["epoch"]) for b in again] == [1] * len(again)
 
 
 def test_bench_times_the_shard_pipeline_alone(shapes_dir, capsys):

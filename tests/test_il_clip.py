@@ -310,7 +310,7 @@ def test_spawn_reinitialises_language_agent_and_distill_freezes(tmp_path):
     tr2 = _trainer(tmp_path / "2")
     tr2.args.stop_at = 3
     M.train(tr2)
-    M.spawn(tr2, 1)
+    tr2.teacher = M.spawn(tr2.model, tr2.opt, tr2.args, 1)
     for n, p in tr2.model.named_parameters():
         if n in lang:
             assert torch.equal(p, dict(fresh.named_parameters())[n]), n
@@ -506,11 +506,11 @@ def test_contradictory_distill_flags_are_one_error_line(tmp_path, capsys):
 def test_negclip_caption_swaps():
     import random
     rng = random.Random(0)
-    assert data.negative_caption("a white star", rng) is None          # nothing to swap
+    assert M.negative_caption("a white star", rng) is None          # nothing to swap
     for cap in ["a small purple star above a blue cross", "a white triangle to the right of an orange cross",
                 "a green diamond is above a purple star", "a man riding a brown horse next to a white tent"]:
         for seed in range(5):
-            neg = data.negative_caption(cap, random.Random(seed))
+            neg = M.negative_caption(cap, random.Random(seed))
             assert neg is not None and neg != cap
             assert sorted(neg.replace(" an ", " a ").split()) == sorted(cap.replace(" an ", " a ").split()) \
                 or any(w in neg.split() for w in ("below", "above", "left", "right"))
@@ -522,22 +522,3 @@ def test_negclip_caption_swaps():
     assert pool.nearest(torch.ones(1, 2)) is None
     pool.push(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
     assert torch.equal(pool.nearest(torch.tensor([[0.1, 0.9]])), torch.tensor([[0.0, 1.0]]))
-
-
-@pytest.mark.parametrize("num_workers", [0, 1])
-def test_negatives_are_made_in_the_loader(num_workers):
-    """NegCLIP's hard negatives come with the batch (made and tokenized in the loader's workers),
-    as a fixed function of (seed, caption), with neg_valid False where nothing could be swapped."""
-    import random
-
-    import data
-    tok = data.build_tokenizer(captions=data.shapes_captions(200, 0), vocab_size=300, context_length=32)
-    negatives = data.NegativeCaptions(tok, seed=3)
-    loader = data.make_loader("shapes:train_size=64", batch_size=16, tokenizer=tok, num_workers=num_workers,
-                              batch_extra=negatives)
-    batch = next(iter(loader))
-    assert batch["neg_text"].shape == batch["text"].shape and batch["neg_valid"].dtype == torch.bool
-    expect = [data.negative_caption(c, random.Random(f"3:{c}")) for c in batch["caption"]]
-    assert batch["neg_valid"].tolist() == [n is not None for n in expect]
-    assert torch.equal(batch["neg_text"], tok([n or c for n, c in zip(expect, batch["caption"])]))
-    assert batch["neg_valid"].any()

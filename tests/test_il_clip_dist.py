@@ -1,7 +1,8 @@
 """torchrun (2 processes, gloo) gives the same losses and the same updated weights as one
 process on the combined batch, for every method and every IL phase, through torch's
-DistributedDataParallel. One torchrun launch trains every method (this file is its worker
-script); the single-process references run in the pytest process."""
+DistributedDataParallel, also with a fork's loss term that uses parameters directly. One torchrun
+launch trains every method (this file is its worker script); the single-process references run in
+the pytest process."""
 import json
 import os
 import signal
@@ -51,6 +52,29 @@ class RankOneBranch(M.CLIP):
         return img, txt, scale
 
 
+class BiasCLIP(M.CLIP):
+    """A fork's loss-only parameter: a learnable bias (as SigLIP's) that forward() never uses."""
+
+    def __init__(self, cfg, seed=0):
+        super().__init__(cfg, seed)
+        self.logit_bias = nn.Parameter(torch.tensor(-1.0))
+
+
+def with_extra_terms(compute_loss):
+    """compute_loss plus terms that use parameters directly, outside the model's forward: the bias
+    times the mean image value (linear in the batch: the mean over ranks is the whole batch's) and
+    a weight penalty on the positional embedding. Outside DDP's forward, the bias fails on 2 ranks
+    with "marked as ready twice"."""
+    def loss_with_extra_terms(model, batch, *rest):
+        loss, *out = compute_loss(model, batch, *rest)
+        extra = model.logit_bias * batch["image"].mean() + 1e-2 * model.positional_embedding.square().sum()
+        return loss + extra, *out
+    return loss_with_extra_terms
+
+
+LOSS_TERMS = {"clip_bias": METHODS["clip"], "il_bias": METHODS["il"]}
+
+
 def _weights(out_dir):
     from safetensors.torch import load_file
     return load_file(os.path.join(out_dir, "checkpoint", "model.safetensors"))
@@ -64,25 +88,38 @@ def test_torchrun_two_ranks_equal_one_process(tmp_path):
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert worker.returncode == 0, worker.stderr
     for name, argv in METHODS.items():
-        one = str(tmp_path / "one" / name)
-        assert M.main(COMMON + argv + ["--out_dir", one]) == 0
-        two = str(tmp_path / "ddp" / name)
-        la = [json.loads(x) for x in open(os.path.join(one, "metrics.jsonl"))]
-        lb = [json.loads(x) for x in open(os.path.join(two, "metrics.jsonl"))]
-        assert [r["phase"] for r in la] == [r["phase"] for r in lb]
-        if name == "il":
-            assert [r["phase"] for r in la] == ["warmup", "distill", "distill", "interact",
-                                                "distill", "distill", "interact"]
-        for a, b in zip(la, lb):
-            assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["clip_loss"] - b["clip_loss"]) < 1e-5, (name, a, b)
-        wa, wb = _weights(one), _weights(two)
-        assert json.load(open(os.path.join(two, "checkpoint", "config.json")))["world_size"] == 2
-        for k in wa:
-            assert torch.allclose(wa[k], wb[k], rtol=1e-4, atol=1e-6), (name, k, (wa[k] - wb[k]).abs().max())
+        _one_equals_two(tmp_path, name, argv)
+    clip, real = M.CLIP, M.compute_loss
+    M.CLIP, M.compute_loss = BiasCLIP, with_extra_terms(real)
+    try:
+        for name, argv in LOSS_TERMS.items():
+            assert _one_equals_two(tmp_path, name, argv)["logit_bias"] != -1.0        # trained
+    finally:
+        M.CLIP, M.compute_loss = clip, real
     # a parameter used on rank 1 only trained without a hang or a size mismatch: DDP averaged
     # rank 1's gradient with rank 0's nothing
     branch = _weights(str(tmp_path / "ddp" / "branch"))["branch"]
     assert branch.abs().sum() > 0
+
+
+def _one_equals_two(tmp_path, name, argv):
+    one = str(tmp_path / "one" / name)
+    assert M.main(COMMON + argv + ["--out_dir", one]) == 0
+    two = str(tmp_path / "ddp" / name)
+    la = [json.loads(x) for x in open(os.path.join(one, "metrics.jsonl"))]
+    lb = [json.loads(x) for x in open(os.path.join(two, "metrics.jsonl"))]
+    assert [r["phase"] for r in la] == [r["phase"] for r in lb]
+    if name in ("il", "il_bias"):
+        assert [r["phase"] for r in la] == ["warmup", "distill", "distill", "interact",
+                                            "distill", "distill", "interact"]
+    for a, b in zip(la, lb):
+        for k in ("loss", "clip_loss", "logit_scale"):
+            assert abs(a[k] - b[k]) < 1e-5, (name, k, a, b)
+    wa, wb = _weights(one), _weights(two)
+    assert json.load(open(os.path.join(two, "checkpoint", "config.json")))["world_size"] == 2
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], rtol=1e-4, atol=1e-6), (name, k, (wa[k] - wb[k]).abs().max())
+    return wa
 
 
 if __name__ == "__main__":        # torchrun worker: every method, one process group
@@ -95,6 +132,9 @@ if __name__ == "__main__":        # torchrun worker: every method, one process g
             sys.exit(rc)
     M.CLIP = RankOneBranch
     rc = M.main(COMMON + ["--method", "clip", "--max_steps", "2", "--out_dir", os.path.join(out, "branch")])
+    M.CLIP, M.compute_loss = BiasCLIP, with_extra_terms(M.compute_loss)
+    for name, argv in LOSS_TERMS.items():
+        rc = rc or M.main(COMMON + argv + ["--out_dir", os.path.join(out, name)])
     dist.destroy_process_group()
     sys.exit(rc)
 

@@ -186,9 +186,9 @@ def test_compiled_il_training_matches_eager_with_no_graph_break(tmp_path, monkey
     # teacher's no-grad text encoder: 6 here, never one per text length or per generation
     assert 2 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 6
     assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
-    # AOT decompositions reorder float sums: ~1e-7 at first, amplified by training to ~3e-4 by
+    # AOT decompositions reorder float sums: ~1e-7 at first, up to 1.2e-5 by step 5 and ~3e-4 by
     # step 9 (measured); a wrong graph would differ from the first steps on
-    assert compiled[:5] == pytest.approx(eager[:5], rel=1e-5)
+    assert compiled[:5] == pytest.approx(eager[:5], rel=2e-5)
     assert compiled == pytest.approx(eager, rel=1e-3)
 
 
