@@ -80,9 +80,9 @@ def device_name(device):
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
 
 
-def timed(step, n, device, warmup=0, mem=None):
-    """Wall seconds per call of step() over n calls after `warmup` untimed ones."""
-    for _ in range(warmup):
+def timed(step, n, device, untimed=0, mem=None):
+    """Wall seconds per call of step() over n calls after `untimed` ones (caches, allocator, compile)."""
+    for _ in range(untimed):
         step()
     sync(device)
     if mem is not None:
@@ -157,8 +157,8 @@ def run_trainer(args, method, device):
         il_clip.set_trainable(model, il_args, "train", None)
     res = {"method": "clip" if open_clip else method, "cfg": cfg, "mem_kind": mem.kind}
     if method != "il":
-        return {**res, "step_s": timed(step, args.steps, device, args.warmup, mem), "peak_bytes": mem.peak()}
-    for _ in range(args.warmup):
+        return {**res, "step_s": timed(step, args.steps, device, args.untimed, mem), "peak_bytes": mem.peak()}
+    for _ in range(args.untimed):
         step()
     d = max(1, round(args.steps / 6))           # the paper's 1000 distill : 5000 interact
     i = max(1, args.steps - d)
@@ -168,7 +168,7 @@ def run_trainer(args, method, device):
     sync(device)
     res["spawn_s"] = time.perf_counter() - t
     il_clip.set_trainable(model, il_args, "distill", "language")
-    res["distill_s"] = timed(lambda: step("distill", teacher), d, device, args.warmup, mem)
+    res["distill_s"] = timed(lambda: step("distill", teacher), d, device, args.untimed, mem)
     il_clip.set_trainable(model, il_args, "interact", None)
     res["interact_s"] = timed(lambda: step("interact"), i, device)
     # the paper's schedule: 48000 steps, 5 x 1000 distill, 5 spawns, the rest contrastive
@@ -445,7 +445,7 @@ def bench_targets(args, device):
         runs = {m: {k: (dataclasses.asdict(v) if k == "cfg" else v) for k, v in r.items()} for m, r in res.items()}
         report = {"device": device_name(device), "torch": torch.__version__, "python": platform.python_version(),
                   "command": "python bench.py " + " ".join(args.argv),
-                  "config": {k: getattr(args, k) for k in ("model", "batch_size", "dtype", "compile", "steps", "warmup")},
+                  "config": {k: getattr(args, k) for k in ("model", "batch_size", "dtype", "compile", "steps", "untimed")},
                   "targets": rows, "runs": runs,
                   "codebook_head": {"bytes": head_bytes, "counted_by": head_kind}}
         data.atomic_write(args.json, lambda p: data.save_json(p, report))   # a reader never sees half a file
@@ -464,7 +464,7 @@ def main(argv=None):
     a("--dtype", default=None, choices=["fp32", "bf16"], help="default: bf16 on CUDA, fp32 on CPU")
     a("--device", default=None, help="cpu | cuda (default: cuda when available)")
     a("--steps", type=int, default=10, help="timed steps")
-    a("--warmup", type=int, default=3, help="untimed steps first")
+    a("--untimed", type=int, default=3, help="steps run before timing starts (not an LR warm-up)")
     a("--rounds", type=int, default=2, help="--targets / --data: alternations, best kept")
     a("--data", nargs="?", const="jpeg", default=None, help="the loader alone: JPEG shards vs plain PIL, "
       "or an il_clip.py --data spec")

@@ -1034,7 +1034,7 @@ class ModelConfig:
     heads: int = 4
     mlp_ratio: int = 4
     vis_layers: int = 1           # visual self-attention over regions, once per image
-    pt_layers: int = 1            # Predicate Transformer depth (paper: 6, BERT-initialised; --preset paper)
+    pt_layers: int = 1            # Predicate Transformer depth (paper: 6, BERT-initialised; --model paper)
     ct_layers: int = 3            # Composition Transformer: self, cross, self, ... ending in self (paper: 5)
     modulator: str = "film"       # film | mlp | replace
     crossatt_primitives: bool = True
@@ -1880,6 +1880,7 @@ def _image_items(args, spec, split, n):
     items, keys = [], set()
     loader = data.make_loader(spec, split=split, batch_size=64, tokenizer=None, image_size=getattr(args, "image_size", 64),
                               train=False, drop_last=False, image_root=getattr(args, "image_root", None),
+                              num_workers=getattr(args, "num_workers", 0),
                               **{f"csv_{k}": v for k, v in csv_options(args).items()})
     for b in loader:
         for j, (k, c, t) in enumerate(zip(b["key"], b["caption"], b["tree"])):
@@ -2239,7 +2240,7 @@ def interpret(model, compiler, sp: Split, S, i, device) -> str:
 # 8. Training: torchrun DDP, checkpoints, resume
 # =============================================================================
 
-def ddp_setup(device_arg):
+def setup_distributed(device_arg):
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -2358,7 +2359,7 @@ def train_step(model, compiler, sp: Split, gidx, rank, world, step, args, device
     return loss, parts
 
 
-def lr_at(step, args):
+def get_lr(step, args):
     """Choice: linear warm-up then cosine decay to 10% (the paper's step schedule is for 20
     epochs of BERT fine-tuning; a from-scratch tiny model trains better with cosine)."""
     if step < args.warmup:
@@ -2601,7 +2602,7 @@ def make_model(args, tok, feat_dim):
     # --bert: BERT's width, heads and MLP size (the paper preset's are bert-base's: 768, 12, 4)
     sizes = bert_sizes(read_bert_config(args.bert)) if getattr(args, "bert", None) else \
         {"width": args.width, "heads": args.heads}
-    cfg = ModelConfig(arch=args.model, vocab_size=tok.vocab_size, eot_token_id=tok.eot_id, max_len=args.max_len,
+    cfg = ModelConfig(arch=args.method, vocab_size=tok.vocab_size, eot_token_id=tok.eot_id, max_len=args.max_len,
                       feat_dim=feat_dim, vis_layers=args.vis_layers, pt_layers=args.pt_layers, ct_layers=args.ct_layers,
                       modulator=args.modulator, crossatt_primitives=not args.no_crossatt_primitives,
                       bert=bool(getattr(args, "bert", None)), **sizes)
@@ -2619,8 +2620,8 @@ def check_args(args, world):
 
 def load_data(args, compiler):
     """The training split and the eval sets (in-domain --eval_split, and each --split_file)."""
-    sp = attach_compiler(load_split(args, "train", _n(args.data, args.n_train, 12800)), compiler, args.max_skip_frac)
-    return sp, eval_sets(args, "in_domain", args.eval_split, _n(args.data, args.n_eval, 200), compiler)
+    sp = attach_compiler(load_split(args, "train", _n(args.data, args.train_size, 12800)), compiler, args.max_skip_frac)
+    return sp, eval_sets(args, "in_domain", args.eval_split, _n(args.data, args.eval_size, 200), compiler)
 
 
 def eval_sets(args, name, split, n, compiler):
@@ -2696,7 +2697,7 @@ def build_run(args, resumed, master, world, device):
 
 
 def train(args):
-    rank, world, device = ddp_setup(args.device)
+    rank, world, device = setup_distributed(args.device)
     master = rank == 0
     check_args(args, world)
     lock_out_dir(args.out_dir, rank, world, device)   # before anything is written there
@@ -2741,7 +2742,7 @@ def train(args):
     while step < args.max_steps:
         gidx = sampler.next()
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, args)
+            g["lr"] = get_lr(step, args)
         with autocast:
             loss, parts = step_loss(gidx, step)
         bad |= ~torch.isfinite(loss.detach())
@@ -2831,7 +2832,7 @@ def cmd_eval(args):
     compiler = TextCompiler(tok, model.cfg.max_len)
     # the paper's protocol: every image of the test split, each ranked by all captions
     out = {}
-    for name, sp in eval_sets(args, args.split, args.split, _n(args.data, args.n, 1000), compiler).items():
+    for name, sp in eval_sets(args, args.split, args.split, _n(args.data, args.eval_size, 1000), compiler).items():
         t0 = time.time()
         res, S = evaluate(model, compiler, sp, device, args.parse_dropout, phrases=not args.no_phrases, seed=args.seed)
         res["skipped"] = dict(sp.skipped)
@@ -2855,7 +2856,7 @@ def _collect(args, spec, split, n):
 
 
 def cmd_graph(args):
-    crgs, items, skipped, n_bracketed = _collect(args, args.data, args.split, _n(args.data, args.n, 10000))
+    crgs, items, skipped, n_bracketed = _collect(args, args.data, args.split, _n(args.data, args.max_images, 10000))
     st = graph_stats(crgs, [it.get("key") for it in items])
     st["skipped"] = dict(skipped)
     st["bracketer"] = n_bracketed
@@ -2865,9 +2866,9 @@ def cmd_graph(args):
 
 def _pool(args):
     """Pool items grouped by image: [(key, [crg, ...])] over every split in --pool_split
-    (comma-separated, read in order); --n_pool counts images over all of them."""
+    (comma-separated, read in order); --pool_size counts images over all of them."""
     by_img, sk, nb = defaultdict(list), Counter(), 0
-    n_pool = _n(args.pool, args.n_pool, 1000)
+    n_pool = _n(args.pool, args.pool_size, 1000)
     for split in args.pool_split.split(","):
         if n_pool and len(by_img) >= n_pool:
             break
@@ -2888,7 +2889,7 @@ def write_text(path, text):
 
 
 def cmd_mcd(args):
-    train_crgs, _, sk_t, nb_t = _collect(args, args.train, args.train_split, _n(args.train, args.n_train, 20000))
+    train_crgs, _, sk_t, nb_t = _collect(args, args.train, args.train_split, _n(args.train, args.train_size, 20000))
     by_img, sk_p, nb_p = _pool(args)  # pool items are images with all their captions (appendix B)
     pool = [(k, [c for c, _ in v]) for k, v in by_img.items()]
     targets = [float(t) for t in args.targets.split(",")] if args.targets else []
@@ -2912,13 +2913,13 @@ def cmd_mcd(args):
         summary["target_problems"] = problems
     summary["skipped"] = {"train": dict(sk_t), "pool": dict(sk_p)}
     summary["bracketer"] = {"train": nb_t, "pool": nb_p}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
         sets = {"mcd": res["mcd"], "random": res["random"], **{n: w["items"] for n, w in picked.items()}}
         for name, keys in sets.items():
-            write_text(os.path.join(args.out, f"{name}.jsonl"), "\n".join(json.dumps(it) for k in keys for _, it in by_img[k]) + "\n")
-        data.atomic_write(os.path.join(args.out, "windows.json"), lambda t: data.save_json(t, summary["windows"]))
-        summary["written"] = [os.path.join(args.out, f"{n}.jsonl") for n in sets] + [os.path.join(args.out, "windows.json")]
+            write_text(os.path.join(args.out_dir, f"{name}.jsonl"), "\n".join(json.dumps(it) for k in keys for _, it in by_img[k]) + "\n")
+        data.atomic_write(os.path.join(args.out_dir, "windows.json"), lambda t: data.save_json(t, summary["windows"]))
+        summary["written"] = [os.path.join(args.out_dir, f"{n}.jsonl") for n in sets] + [os.path.join(args.out_dir, "windows.json")]
     print(json.dumps(summary, indent=1))
     return res
 
@@ -3064,6 +3065,7 @@ def add_features(p, default="gold"):
                    help="the --clip weights' activation; default: what open_clip_config.json / config.json beside "
                         "them says, else OpenAI's QuickGELU (said on stderr; --no-quick_gelu for GELU models)")
     p.add_argument("--image_size", type=int, default=64)
+    p.add_argument("--num_workers", type=int, default=0, help="loader workers decoding images (--features clip)")
 
 
 SUBCOMMANDS = """subcommands (python composer.py SUBCOMMAND --help for each one's flags):
@@ -3083,7 +3085,7 @@ def add_train_parser(sub):
     t = sub.add_parser("train", help="train COMPOSER or a baseline (default subcommand)")
     add_common(t)
     add_features(t)
-    t.add_argument("--model", choices=list(MODELS), default="composer",
+    t.add_argument("--method", choices=list(MODELS), default="composer",
                    help="composer | baselines: vse, single (one stream, text->image attention), vilbert (two-stream "
                         "co-attention, no image-text pretraining; text stream from BERT with --bert, else from scratch)")
     t.add_argument("--concept_mvsa", action="store_true",
@@ -3107,7 +3109,7 @@ def add_train_parser(sub):
     t.add_argument("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz (else a BPE trained on the captions)")
     t.add_argument("--vocab_size", type=int, default=1000)
     t.add_argument("--max_len", type=int, default=40)
-    t.add_argument("--preset", choices=list(SIZE_PRESETS), default=None,
+    t.add_argument("--model", choices=list(SIZE_PRESETS), default=None,
                    help="default: shapes for --data shapes, paper otherwise. shapes: width 64, 4 heads, PT 1, CT 3 "
                         "(CPU); paper: width 768, 12 heads, PT 6, CT 5 (S X S X S, ending in text self-attention). "
                         "--width --heads --pt_layers --ct_layers override the preset")
@@ -3125,8 +3127,8 @@ def add_train_parser(sub):
                    help="VSE: symmetric in-batch softmax, or l_match with the sampled negatives")
     t.add_argument("--n_neg_img", type=int, default=3, help="negative images per true pair (l_match, MVSA)")
     t.add_argument("--n_neg_txt", type=int, default=3, help="negative captions per true pair (l_match, MVSA)")
-    t.add_argument("--n_train", type=int, default=None, help="training images (default: the whole split; shapes: 12800)")
-    t.add_argument("--n_eval", type=int, default=None, help="in-domain eval images of --eval_split (0: none; default: all; shapes: 200)")
+    t.add_argument("--train_size", type=int, default=None, help="training images (default: the whole split; shapes: 12800)")
+    t.add_argument("--eval_size", type=int, default=None, help="in-domain eval images of --eval_split (0: none; default: all; shapes: 200)")
     t.add_argument("--eval_split", default="test")
     add_eval_sets(t)
     t.add_argument("--eval_every", type=int, default=0)
@@ -3145,22 +3147,22 @@ def parse_args(argv):
     e.set_defaults(data=None)
     e.add_argument("--ckpt", required=True)
     e.add_argument("--split", default="test")
-    e.add_argument("--n", type=int, default=None, help="images of --split, each with all its captions (default: the whole split, the paper's protocol: Flickr30k test 1000 images x 5 captions, COCO 5k / --n 1000 for 1k; shapes: 1000; 0: none)")
+    e.add_argument("--eval_size", type=int, default=None, help="images of --split, each with all its captions (default: the whole split, the paper's protocol: Flickr30k test 1000 images x 5 captions, COCO 5k / --eval_size 1000 for 1k; shapes: 1000; 0: none)")
     add_eval_sets(e)
     e.add_argument("--no_phrases", action="store_true")
     e.add_argument("--interpret", type=int, default=0, help="print the per-node score tree of the first K captions")
     g = sub.add_parser("graph", help="CRG statistics (paper Table 1)")
     add_common(g)
     g.add_argument("--split", default="train")
-    g.add_argument("--n", type=int, default=None, help="images to read (default: all; shapes: 10000)")
+    g.add_argument("--max_images", type=int, default=None, help="images to read (default: all; shapes: 10000)")
     m = sub.add_parser("mcd", help="maximum compound divergence split (paper appendix B)")
     add_common(m)
     m.add_argument("--train", default="shapes", help="training data spec (or a .jsonl of caption items)")
     m.add_argument("--train_split", default="train")
-    m.add_argument("--n_train", type=int, default=None, help="training images (default: all; shapes: 20000)")
+    m.add_argument("--train_size", type=int, default=None, help="training images (default: all; shapes: 20000)")
     m.add_argument("--pool", default="shapes", help="candidate data spec (or a .jsonl of caption items)")
     m.add_argument("--pool_split", default="test", help="split(s) of the pool, comma-separated (e.g. val,test)")
-    m.add_argument("--n_pool", type=int, default=None, help="pool images over all its splits (default: all; shapes: 1000)")
+    m.add_argument("--pool_size", type=int, default=None, help="pool images over all its splits (default: all; shapes: 1000)")
     m.add_argument("--size", type=int, default=300, help="items (images) in the MCD split")
     m.add_argument("--stride", type=int, default=None, help="sliding-window stride for graded splits")
     m.add_argument("--targets", default=None, help="comma-separated compound divergences, e.g. 0.15,0.2,0.25,0.31: "
@@ -3171,7 +3173,7 @@ def parse_args(argv):
     m.add_argument("--nearest", action="store_true",
                    help="--targets: write the nearest reachable split for an out-of-reach target (with a warning); "
                         "targets that share a window write it once")
-    m.add_argument("--out", default=None, help="write mcd.jsonl, random.jsonl, windows.json (+ target_*.jsonl) here")
+    m.add_argument("--out_dir", default=None, help="write mcd.jsonl, random.jsonl, windows.json (+ target_*.jsonl) here")
     ps = sub.add_parser("parse", help="write PTB trees into a copy of a caption file with a real parser")
     ps.add_argument("input", help="Karpathy .json, .csv/.tsv, or a .jsonl split file")
     ps.add_argument("--out", required=True, help="the copy with `tree` fields")
@@ -3183,8 +3185,8 @@ def parse_args(argv):
         argv = ["train"] + list(argv)
     args = ap.parse_args(argv)
     if args.cmd == "train":   # the paper's sizes on real data, CPU sizes on shapes; explicit flags win
-        args.preset = args.preset or ("shapes" if args.data.startswith("shapes") else "paper")
-        for k, v in SIZE_PRESETS[args.preset].items():
+        args.model = args.model or ("shapes" if args.data.startswith("shapes") else "paper")
+        for k, v in SIZE_PRESETS[args.model].items():
             if getattr(args, k) is None:
                 setattr(args, k, v)
     return args

@@ -19,7 +19,7 @@ data.py -- the one module shared by every script of this repo.
     PNGs, the weights reader (OpenAI / open_clip files) and the shapes benchmark scorer.
 
 Commands:
-  python data.py make-shapes --out DIR [--train N --test N --seed S --shard_size N]
+  python data.py make-shapes --out_dir DIR [--train N --test N --seed S --shard_size N]
   python data.py check --data SPEC [--split S] [--image_root DIR] [--batch_size N --drop_last]
                        [--csv_img_key K --csv_caption_key K --csv_separator S]
 """
@@ -2432,7 +2432,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="data.py: the shapes data in real formats, and data checks")
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make-shapes", help="write the shapes data as shards, SugarCrepe, CREPE, Karpathy, ImageFolder")
-    m.add_argument("--out", required=True)
+    m.add_argument("--out_dir", required=True)
     m.add_argument("--train", type=int, default=10_000, help="training scenes in the shards")
     m.add_argument("--test", type=int, default=500, help="items per benchmark category / split / class set")
     m.add_argument("--seed", type=int, default=0)
@@ -2451,7 +2451,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         if args.cmd == "make-shapes":
-            result = make_shapes(args.out, args.train, args.test, args.seed, args.shard_size, args.image_size)
+            result = make_shapes(args.out_dir, args.train, args.test, args.seed, args.shard_size, args.image_size)
         else:
             result = check_data(args.data, args.split, args.image_root, args.batch_size, args.num_workers,
                                 drop_last=args.drop_last, csv_img_key=args.csv_img_key,

@@ -121,6 +121,7 @@ def build_args(argv=None):
     a("--eps", type=float, default=1e-6)
     a("--grad_clip", type=float, default=1.0, help="0 = off")
     a("--seed", type=int, default=0)
+    a("--device", default=None, help="cpu | cuda (default: cuda when available; under torchrun cuda:LOCAL_RANK)")
     a("--dtype", default=None, choices=["fp32", "bf16"], help="autocast dtype (default bf16 on CUDA)")
     a("--compile", action="store_true")
     a("--init", default=None, help="OpenAI/open_clip-layout weights (.safetensors or .pt)")
@@ -162,7 +163,7 @@ def build_args(argv=None):
     a("--log_interval", type=int, default=None)
     a("--save_interval", type=int, default=None)
     a("--resume", action="store_true", help="continue exactly from out_dir/checkpoint")
-    a("--eval_n", type=int, default=200, help="shapes benchmark items per category (0 = no eval)")
+    a("--eval_size", type=int, default=200, help="shapes benchmark items per category (0 = no eval)")
     return check_args(p.parse_args(argv))
 
 
@@ -1187,7 +1188,7 @@ class StepLoss(nn.Module):
 
 
 def setup_distributed(args):
-    args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if int(os.environ.get("RANK", -1)) == -1:
         return 0, 1, False
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -1580,9 +1581,9 @@ def run(argv=None):
     if rank == 0 and status != "nan":       # (the non-finite stop has printed its error line)
         print(f"{status}: step {r.step}/{args.max_steps} in {time.time() - t0:.0f}s, "
               f"checkpoint in {os.path.join(args.out_dir, 'checkpoint')}", file=sys.stderr)
-    if status == "done" and r.step >= args.max_steps and rank == 0 and args.eval_n > 0 \
+    if status == "done" and r.step >= args.max_steps and rank == 0 and args.eval_size > 0 \
             and args.data.startswith("shapes"):
-        res = data.evaluate_shapes(r.model, r.tok, r.cfg.image_size, r.device, n=args.eval_n)
+        res = data.evaluate_shapes(r.model, r.tok, r.cfg.image_size, r.device, n=args.eval_size)
         data.save_json(os.path.join(args.out_dir, "shapes_eval.json"), res)
         print(data.results_table(res))
     if world > 1:

@@ -89,7 +89,7 @@ AUX_PRESETS = {
 # steps, global batch, epochs) for extraction and each fine-tuning task. Captioning's weight
 # decay is blank in the table; 0.01 like the others is a CHOICE. The table leaves open the
 # optimizer, its betas and the decay after warm-up: CHOICE AdamW(0.9, 0.98, eps 1e-6), weight
-# decay on matrices only, cosine decay to lr/10 (make_optimizer, lr_at).
+# decay on matrices only, cosine decay to lr/10 (make_optimizer, get_lr).
 TABLE6 = {"extract": (1e-3, 0.1, 10_000, 512, 32), "retrieval": (5e-5, 0.01, 10_000, 256, 50),
           "classification": (1e-4, 0.01, 5_000, 256, 500), "caption": (2e-5, 0.01, 5_000, 256, 10)}
 # On shapes: Table 6's lr and weight decay with CPU-sized steps, batch and warm-up
@@ -663,7 +663,7 @@ def distill_loss(s_i2t, s_t2i, t_i2t, t_t2i):
 # Training loop (nanoGPT conventions; shared by extract, activation and fine-tuning)
 
 
-def setup_dist(device_arg):
+def setup_distributed(device_arg):
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -694,7 +694,7 @@ def make_optimizer(model, lr, weight_decay, device):
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-6, **extra)
 
 
-def lr_at(step, max_steps, lr, warmup):
+def get_lr(step, max_steps, lr, warmup):
     """Linear warm-up then cosine decay to lr/10 (CHOICE: the paper gives warm-up only)."""
     if step < warmup:
         return lr * (step + 1) / warmup
@@ -1007,7 +1007,7 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
     step_log = run.step
     try:
         for step in range(run.step, max_steps):
-            lr = lr_at(step, max_steps, args.lr, warmup)
+            lr = get_lr(step, max_steps, args.lr, warmup)
             for g in run.opt.param_groups:
                 g["lr"] = lr
             batch = next(it)
@@ -1027,7 +1027,7 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
             run.step = done = step + 1
             at_log = done % args.log_interval == 0 or done == max_steps
             at_save = bool(out_dir) and args.save_interval > 0 and done % args.save_interval == 0 and done < max_steps
-            at_stop = bool(getattr(args, "stop_at", 0)) and done == args.stop_at and done < max_steps
+            at_stop = getattr(args, "stop_at", None) is not None and done == args.stop_at and done < max_steps
             # flags are read (a device sync) only where every rank reads them at the same step;
             # one process may stop at any step
             stop = (at_log or at_save or at_stop or (world == 1 and run.stop)) and \
@@ -1137,7 +1137,7 @@ def train_loader(a, src: dict, tok, image_size, rank, world, seed, ordered=False
 
 def cmd_extract(a):
     table6_defaults(a, "extract")
-    rank, world, device = setup_dist(a.device)
+    rank, world, device = setup_distributed(a.device)
     lock_out_dir(a.out_dir, rank, world, device)    # before anything is written there
     torch.manual_seed(a.seed)
     random.seed(a.seed)
@@ -1567,7 +1567,7 @@ def activate(a, model, tok, cfg, init_cfg, phase, results, rank, world, device):
     loader = train_loader(a, src, tok, cfg.image_size, rank, world, a.seed)
     n = epoch_samples(loader, src, rank, "activation")
     steps = a.activate_steps or max(1, int(a.activate_frac * n * a.activate_epochs) // a.batch_size)
-    act_args = argparse.Namespace(**{**vars(a), "lr": a.activate_lr, "warmup": -1, "stop_at": 0})
+    act_args = argparse.Namespace(**{**vars(a), "lr": a.activate_lr, "warmup": -1, "stop_at": None})
     phase("activate", model, lambda m, b: contrastive_loss_fn(m, b, device), loader, act_args, steps)
     results.update({"activation_data": src["data"], "activation_samples": n, "activation_steps": steps})
 
@@ -1606,7 +1606,7 @@ def retrieval_task(a, model, tok, cfg, modality, results, rank, world, device):
 
 
 def cmd_finetune(a):
-    rank, world, device = setup_dist(a.device)
+    rank, world, device = setup_distributed(a.device)
     table6_defaults(a, a.task)
     torch.manual_seed(a.seed)
     model, tok, cfg, modality, kind, init_cfg = load_init(a)
@@ -2270,7 +2270,7 @@ def add_train_flags(p, lr_help="", data_help=""):
     p.add_argument("--num_workers", type=int, default=0)
     p.add_argument("--log_interval", type=int, default=10)
     p.add_argument("--save_interval", type=int, default=200, help="checkpoint every N steps (0: only at the end)")
-    p.add_argument("--stop_at", type=int, default=0, help="stop at this step with a checkpoint, as if preempted")
+    p.add_argument("--stop_at", type=int, default=None, help="stop at this step with a checkpoint, as if preempted")
     p.add_argument("--resume", action="store_true", help="continue from out_dir/checkpoint/")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--model", default="shapes", choices=list(AUX_PRESETS))

@@ -18,7 +18,7 @@ import il_clip as M
 import mm_learngene as MM
 
 TINY = ["--model_args", "width=32", "layers=1", "heads=2", "embed_dim=32", "image_size=32", "patch_size=8",
-        "code_dim=32", "--batch_size", "8", "--eval_n", "0", "--method", "clip", "--max_steps", "0"]
+        "code_dim=32", "--batch_size", "8", "--eval_size", "0", "--method", "clip", "--max_steps", "0"]
 
 
 def hub_config(quick_gelu=None, **model_cfg):

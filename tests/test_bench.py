@@ -58,7 +58,7 @@ def test_synthetic_text_has_one_eot_and_pads_after():
 
 
 def _args(**kw):
-    a = dict(model="tiny", batch_size=4, codebook=64, compile=False, dtype="fp32", steps=2, warmup=1)
+    a = dict(model="tiny", batch_size=4, codebook=64, compile=False, dtype="fp32", steps=2, untimed=1)
     a.update(kw)
     return types.SimpleNamespace(**a)
 
@@ -127,7 +127,7 @@ def test_targets_run_measures_every_method_and_derives_the_ratios(monkeypatch, t
         return real_head_peak(8, P, 256, 16, naive, device)       # the real probe, smaller
     monkeypatch.setattr(bench, "head_peak", small_head)
     out = tmp_path / "targets.json"
-    argv = ["--targets", "--batch_size", "4", "--codebook", "64", "--steps", "2", "--warmup", "1",
+    argv = ["--targets", "--batch_size", "4", "--codebook", "64", "--steps", "2", "--untimed", "1",
             "--rounds", "1", "--json", str(out)]
     assert bench.main(argv) == 0
     assert heads == [(256, 49, 16384, 512, False)]     # the fixed size, chunked head

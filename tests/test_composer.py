@@ -187,8 +187,8 @@ def test_delta_ranking_matches_recomputation():
 
 
 def test_mcd_split_on_shapes(tmp_path):
-    res = C.main(["mcd", "--train", "shapes", "--n_train", "400", "--pool", "shapes", "--pool_split", "test",
-                  "--n_pool", "200", "--size", "50", "--out", str(tmp_path)])
+    res = C.main(["mcd", "--train", "shapes", "--train_size", "400", "--pool", "shapes", "--pool_split", "test",
+                  "--pool_size", "200", "--size", "50", "--out_dir", str(tmp_path)])
     assert len(res["mcd"]) == 50
     assert res["mcd_compound_divergence"] > res["random_compound_divergence"]
     cds = [w["compound_divergence"] for w in res["windows"]]
@@ -218,7 +218,7 @@ def test_hinge_losses_by_hand():
 
 # ----------------------------------------------------------------------------- training
 
-TRAIN = ["--n_train", "48", "--n_eval", "0", "--batch_size", "8", "--width", "32", "--heads", "2",
+TRAIN = ["--train_size", "48", "--eval_size", "0", "--batch_size", "8", "--width", "32", "--heads", "2",
          "--ct_layers", "3", "--warmup", "10", "--log_interval", "1", "--save_interval", "100", "--dtype", "fp32",
          "--n_neg_img", "2", "--n_neg_txt", "1", "--vocab_size", "300"]
 
@@ -260,19 +260,19 @@ def test_resume_exact_and_ddp_equals_single(tmp_path):
     assert sorted(os.listdir(os.path.join(full, "checkpoint"))) == sorted(C.CHECKPOINT_FILES + ("tokenizer.json",))
     assert not [f for f in os.listdir(full) if ".tmp" in f or ".prev" in f]
     # evaluation + interpretation view on the checkpoint
-    out = C.main(["eval", "--ckpt", full, "--n", "12", "--interpret", "1", "--parse_dropout", "0.5"])
+    out = C.main(["eval", "--ckpt", full, "--eval_size", "12", "--interpret", "1", "--parse_dropout", "0.5"])
     assert set(out["test"]) >= {"R@1", "R@5", "phrase_R@1", "phrase_R@5"}
 
 
 @pytest.mark.parametrize("model", [["vse"], ["vse", "--vse_loss", "sampled"], ["single"], ["vilbert", "--concept_mvsa"]])
 def test_baseline_training_runs(tmp_path, model):
-    out = C.main(["train", "--model", *model, "--out_dir", str(tmp_path), "--max_steps", "2"]
-                 + TRAIN + ["--n_eval", "8"])
+    out = C.main(["train", "--method", *model, "--out_dir", str(tmp_path), "--max_steps", "2"]
+                 + TRAIN + ["--eval_size", "8"])
     assert 0 <= out["eval"]["in_domain"]["R@1"] <= 100
 
 
 def test_cli_bad_flags_one_line(tmp_path, capsys):
-    for argv in (["--features", "regions", "--n_train", "8"], ["--width", "30", "--heads", "4", "--n_train", "8"],
+    for argv in (["--features", "regions", "--train_size", "8"], ["--width", "30", "--heads", "4", "--train_size", "8"],
                  ["eval", "--ckpt", str(tmp_path / "nope")]):
         with pytest.raises(SystemExit) as e:
             C.main(argv + (["--out_dir", str(tmp_path)] if argv[0] != "eval" else []))
@@ -284,13 +284,13 @@ def test_damaged_or_foreign_weights_one_line(tmp_path, capsys):
     """eval --ckpt and --init read weights through data.read_weights: a truncated file or another
     model's weights is one `error:` line naming the file, exit 2."""
     out = str(tmp_path / "vse")
-    C.main(["train", "--model", "vse", "--out_dir", out, "--max_steps", "1"] + TRAIN + ["--n_eval", "0"])
+    C.main(["train", "--method", "vse", "--out_dir", out, "--max_steps", "1"] + TRAIN + ["--eval_size", "0"])
     weights = os.path.join(out, "checkpoint", "model.safetensors")
     good = open(weights, "rb").read()
     open(weights, "wb").write(good[:len(good) // 2])
-    for argv in (["eval", "--ckpt", out, "--n", "4"],
-                 ["train", "--model", "vse", "--init", weights, "--out_dir", str(tmp_path / "i"), "--max_steps", "1"] + TRAIN,
-                 ["train", "--model", "single", "--init", str(tmp_path / "ok.safetensors"), "--out_dir", str(tmp_path / "j"),
+    for argv in (["eval", "--ckpt", out, "--eval_size", "4"],
+                 ["train", "--method", "vse", "--init", weights, "--out_dir", str(tmp_path / "i"), "--max_steps", "1"] + TRAIN,
+                 ["train", "--method", "single", "--init", str(tmp_path / "ok.safetensors"), "--out_dir", str(tmp_path / "j"),
                   "--max_steps", "1"] + TRAIN):
         open(tmp_path / "ok.safetensors", "wb").write(good)   # complete, but VSE's weights
         with pytest.raises(SystemExit) as e:
@@ -308,7 +308,7 @@ def test_frozen_il_clip_patch_features(tmp_path):
     save_file({k: v.contiguous() for k, v in il_clip.CLIP(cfg).state_dict().items()}, path)
     json.dump({"model": {"vision_heads": 2, "quick_gelu": cfg.quick_gelu}}, open(tmp_path / "config.json", "w"))
     out = C.main(["train", "--features", "clip", "--clip", path, "--out_dir", str(tmp_path / "o"), "--max_steps", "1"]
-                 + TRAIN[:2] + ["--n_train", "16"] + TRAIN[4:] + ["--n_eval", "8"])
+                 + TRAIN[:2] + ["--train_size", "16"] + TRAIN[4:] + ["--eval_size", "8"])
     assert out["eval"]["in_domain"]["images"] == 8  # 64 patch tokens per image as regions
     # composer.py's own copy of the ViT equals il_clip's forward_tokens (heads from config.json)
     model = il_clip.CLIP(cfg).eval()
@@ -403,9 +403,9 @@ def test_damaged_checkpoint_falls_back_or_fails_in_one_line(tmp_path, capsys):
 def test_paper_sizes_are_the_default_on_real_data():
     """PT 6 / CT 5 at BERT-base width (paper section 4) unless the data is shapes; flags win."""
     shapes = C.parse_args([])
-    assert (shapes.preset, shapes.width, shapes.pt_layers, shapes.ct_layers) == ("shapes", 64, 1, 3)
+    assert (shapes.model, shapes.width, shapes.pt_layers, shapes.ct_layers) == ("shapes", 64, 1, 3)
     real = C.parse_args(["--data", "dataset_flickr30k.json"])
-    assert (real.preset, real.width, real.heads, real.pt_layers, real.ct_layers) == ("paper", 768, 12, 6, 5)
+    assert (real.model, real.width, real.heads, real.pt_layers, real.ct_layers) == ("paper", 768, 12, 6, 5)
     assert C._ct_kinds(5)[-1] == C._ct_kinds(5)[0]          # the CT ends in self-attention, as it starts
     mixed = C.parse_args(["--data", "dataset_flickr30k.json", "--width", "256", "--ct_layers", "3"])
     assert (mixed.width, mixed.heads, mixed.pt_layers, mixed.ct_layers) == (256, 12, 6, 3)

@@ -141,11 +141,11 @@ def test_train_and_eval_with_bert(release, tmp_path, capsys):
     """--bert end to end: the WordPiece tokenizer is saved and read back by eval."""
     d, _ = release
     out = str(tmp_path / "run")
-    C.main(["train", "--data", "shapes", "--model", "vse", "--bert", d, "--pt_layers", "1", "--ct_layers", "1",
-            "--max_steps", "2", "--batch_size", "8", "--n_train", "16", "--n_eval", "8", "--max_len", "24",
+    C.main(["train", "--data", "shapes", "--method", "vse", "--bert", d, "--pt_layers", "1", "--ct_layers", "1",
+            "--max_steps", "2", "--batch_size", "8", "--train_size", "16", "--eval_size", "8", "--max_len", "24",
             "--dtype", "fp32", "--out_dir", out, "--log_interval", "1"])
     assert json.load(open(os.path.join(out, "tokenizer.json")))["kind"] == "bert_wordpiece"
-    res = C.main(["eval", "--ckpt", out, "--n", "8", "--no_phrases"])["test"]
+    res = C.main(["eval", "--ckpt", out, "--eval_size", "8", "--no_phrases"])["test"]
     assert res["images"] == 8
     with pytest.raises(SystemExit) as e:  # a missing release is one error line
         C.main(["train", "--data", "shapes", "--bert", str(tmp_path / "nothing"), "--out_dir", out])

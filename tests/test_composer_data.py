@@ -80,7 +80,7 @@ def test_text_only_training_and_eval_without_images(tmp_path, capsys):
     assert "30 train captions / 6 images, 30 parsed by the built-in bracketer" in capsys.readouterr().out
     res = C.main(["eval", "--ckpt", out, "--no_phrases"])["test"]      # default: the whole test split
     assert (res["images"], res["captions"], res["bracketer"]) == (6, 30, 30) and "R@10" in res
-    res = C.main(["eval", "--ckpt", out, "--no_phrases", "--n", "2"])["test"]  # --n counts images
+    res = C.main(["eval", "--ckpt", out, "--no_phrases", "--eval_size", "2"])["test"]  # counts images
     assert (res["images"], res["captions"]) == (2, 10)
 
 
@@ -109,8 +109,8 @@ def test_mcd_targets_and_pool_over_splits(tmp_path):
     windows = [{"start": s, "compound_divergence": cd} for s, cd in [(0, 0.4), (5, 0.3), (10, 0.22), (15, 0.1)]]
     assert [w["start"] for w in C.pick_windows(windows, [0.15, 0.2, 0.31, 0.9])] == [15, 10, 5, 0]
     js, _ = karpathy(tmp_path, splits=("train", "val", "test"))
-    args = C.parse_args(["mcd", "--train", js, "--pool", js, "--pool_split", "val,test", "--n_pool", "10", "--size", "4",
-                         "--targets", "0.0,1.0", "--out", str(tmp_path / "mcd")])
+    args = C.parse_args(["mcd", "--train", js, "--pool", js, "--pool_split", "val,test", "--pool_size", "10", "--size", "4",
+                         "--targets", "0.0,1.0", "--out_dir", str(tmp_path / "mcd")])
     by_img, _, nb = C._pool(args)
     assert sorted(by_img) == [f"test{i}" for i in range(4)] + [f"val{i}" for i in range(6)] and nb == 50
     with pytest.raises(C.ComposerError, match="target 1 is out of reach of this pool"):
@@ -135,7 +135,7 @@ def test_mcd_target_problems():
 
 def test_mcd_cli_out_of_reach_exits_nonzero(tmp_path, capsys):
     js, _ = karpathy(tmp_path, splits=("train", "test"))
-    argv = ["mcd", "--train", js, "--pool", js, "--size", "3", "--targets", "0.9,0.95", "--out", str(tmp_path / "m")]
+    argv = ["mcd", "--train", js, "--pool", js, "--size", "3", "--targets", "0.9,0.95", "--out_dir", str(tmp_path / "m")]
     with pytest.raises(SystemExit) as e:
         C.main(argv)
     err = capsys.readouterr().err.strip().splitlines()

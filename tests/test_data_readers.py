@@ -22,7 +22,7 @@ N_TRAIN, N_TEST, SHARD = 60, 8, 16  # 4 shards: 16, 16, 16, 12
 @pytest.fixture(scope="module")
 def shapes_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("shapes_export")
-    assert data.main(["make-shapes", "--out", str(out), "--train", str(N_TRAIN), "--test", str(N_TEST),
+    assert data.main(["make-shapes", "--out_dir", str(out), "--train", str(N_TRAIN), "--test", str(N_TEST),
                       "--shard_size", str(SHARD)]) == 0
     return str(out)
 
@@ -358,7 +358,7 @@ def test_bench_times_the_shard_pipeline_alone(shapes_dir, capsys):
     """bench.py --data on real tar shards: decode + augment + tokenize at the tiny preset's 64 px;
     the first batch (untimed) and the 3 timed ones are read, nothing skipped."""
     import bench
-    assert bench.main(["--data", _pattern(shapes_dir), "--batch_size", "8", "--steps", "3", "--warmup", "1",
+    assert bench.main(["--data", _pattern(shapes_dir), "--batch_size", "8", "--steps", "3", "--untimed", "1",
                        "--num_workers", "0"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith(f"data {_pattern(shapes_dir)}: image 64, batch 8, num_workers 0:")

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a 1-layer, width-32 model on 32x32 shapes images: a training step takes a few ms
 TINY = ["--model_args", "width=32", "layers=1", "heads=2", "embed_dim=32", "image_size=32", "patch_size=8",
         "code_dim=32", "--batch_size", "8", "--log_interval", "1",
-        "--eval_n", "0", "--warmup", "2", "--rewarm", "1"]
+        "--eval_size", "0", "--warmup", "2", "--rewarm", "1"]
 IL = ["--method", "il", "--codebook", "64", "--t_warm", "3", "--t_distill", "2", "--t_interact", "2",
       "--generations", "2", "--t_extend", "1"]
 
@@ -208,7 +208,7 @@ def test_bad_input_lines(tmp_path, capsys):
     assert "cannot read weights" in _one_error_line(capsys)
     os.environ["DATA_ROOT"] = str(tmp_path / "no_data_here")
     try:
-        assert run_main(["--data", "cc3m", "--out_dir", out, "--eval_n", "0"]) == 2
+        assert run_main(["--data", "cc3m", "--out_dir", out, "--eval_size", "0"]) == 2
     finally:
         del os.environ["DATA_ROOT"]
     assert "cc3m" in _one_error_line(capsys)

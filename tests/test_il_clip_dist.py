@@ -22,7 +22,7 @@ import il_clip as M  # noqa: E402
 # the gradient, so float-rounding differences of the all-reduce cannot flip a sign
 COMMON = ["--model_args", "width=32", "layers=1", "heads=2", "embed_dim=32", "image_size=32", "patch_size=8",
           "code_dim=32", "--batch_size", "8", "--log_interval", "1",
-          "--eval_n", "0", "--warmup", "1", "--rewarm", "1", "--eps", "1e-3", "--lr", "1e-3",
+          "--eval_size", "0", "--warmup", "1", "--rewarm", "1", "--eps", "1e-3", "--lr", "1e-3",
           "--grad_clip", "1.0"]
 IL = ["--codebook", "64", "--t_warm", "1", "--t_distill", "1", "--t_interact", "1", "--generations", "1",
       "--t_extend", "0"]

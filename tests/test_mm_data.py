@@ -241,7 +241,7 @@ def test_table6_values_reach_the_optimizer_and_schedule(tmp_path, monkeypatch, t
         seen["groups"] = [(g["lr"], g["weight_decay"], len(g["params"])) for g in opt.param_groups]
         return opt
 
-    def lr_at(step, max_steps, lr_, warmup_):
+    def get_lr(step, max_steps, lr_, warmup_):
         seen["schedule"] = (step, max_steps, lr_, warmup_)
         raise Stop
 
@@ -249,7 +249,7 @@ def test_table6_values_reach_the_optimizer_and_schedule(tmp_path, monkeypatch, t
         seen["batch"] = loader.batch_size
         return real_phase(model, loss_fn, loader, *args, **kw)
     monkeypatch.setattr(M, "make_optimizer", make_optimizer)
-    monkeypatch.setattr(M, "lr_at", lr_at)
+    monkeypatch.setattr(M, "get_lr", get_lr)
     monkeypatch.setattr(M, "train_phase", train_phase)
     spec, extra = table6_data(tmp_path, task, 110 if task == "extract" else 60)
     samples = 550 if task == "extract" else 300
