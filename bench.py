@@ -195,7 +195,7 @@ def report_train(args, res, device, label="il_clip"):
 
 # the reference: the same configuration with open_clip's model and ClipLoss
 def import_open_clip():
-    """open_clip for the reference runs only (SPEC.md 6); None, saying why, where it cannot be imported."""
+    """open_clip for the reference runs only (the project never imports it); None, saying why, where it cannot be imported."""
     try:
         import open_clip
         return open_clip

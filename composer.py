@@ -1,6 +1,6 @@
 """
 COMPOSER: visually grounded concept composition (Zhang, Hu, Qiu, Shaw, Sha; Findings of EMNLP
-2021, ../shared/papers/composer.md), in one file that reads top to bottom:
+2021), in one file that reads top to bottom:
 
   1. CRG    Concept & Relation Graph from PTB trees (+ a rule-based bracketer), denotations
   2. MCD    compound divergence, the delta-ranking split procedure, graded splits
@@ -60,7 +60,7 @@ class ComposerError(Exception):
 
 
 # =============================================================================
-# 1. Concept & Relation Graph (paper section 2, appendix A, Table 8; SPEC.md section 4)
+# 1. Concept & Relation Graph (paper section 2, appendix A, Table 8)
 # =============================================================================
 
 PRIMITIVE_TAGS = ("NN", "NNS", "NNP", "NNPS")
@@ -749,7 +749,7 @@ def graph_stats(crgs: list, image_keys: list) -> dict:
 
 
 # =============================================================================
-# 2. Maximum compound divergence splits (paper section 5.1, appendix B; SPEC.md section 4)
+# 2. Maximum compound divergence splits (paper section 5.1, appendix B)
 # =============================================================================
 
 def chernoff_divergence(p: Counter, q: Counter, alpha: float) -> float:
@@ -1222,7 +1222,7 @@ class Composer(nn.Module):
 
     def score_pairs(self, tb, te, V, vmask, pair_cap, pair_img):
         """Level-batched recursion over all pairs at once: level 1 nodes of every pair, then
-        level 2, ... (paper section 3.2; SPEC: not a Python loop per node).
+        level 2, ... (paper section 3.2): one batched call per level, not a Python loop per node.
         Returns (root scores [Q], {"node_score" [M'], "node_start" [Q], "node_src" [M']})."""
         dev = pair_cap.device
         npr, nnd = tb["cap_nprim"][pair_cap], tb["cap_nnode"][pair_cap]
@@ -1539,7 +1539,7 @@ def compile_for(cfg: ModelConfig, compiler: TextCompiler, crgs: list) -> list:
 
 # =============================================================================
 # 5. Visual features: [I, N, D] feats, [I, N, 5] boxes (x0, y0, x1, y1, area; normalised),
-#    [I, N] mask. Three sources (SPEC.md section 4).
+#    [I, N] mask. Three sources.
 # =============================================================================
 
 SHAPES_FEAT_DIM = 70
@@ -1599,7 +1599,7 @@ _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16
 class TensorFile:
     """Row ranges of the tensors of one safetensors file, read with pread from the byte offsets
     in its header (the format: 8-byte header length, JSON header, raw data). Nothing is mapped
-    or loaded whole: a rank's memory holds only the rows it reads (SPEC.md section 4, issue 18)."""
+    or loaded whole: a rank's memory holds only the rows it reads."""
 
     def __init__(self, path):
         self.path = path
@@ -1865,7 +1865,7 @@ def _text_items(args, spec, split):
         for it in data.file_items(src, split, csv_options(args)):
             yield {"source": spec, "split": split, "key": it.key, "caption": it.caption or "", "tree": it.tree}
         return
-    for shard in src["shards"]:  # a shard set is one split (SPEC.md section 1)
+    for shard in src["shards"]:  # a shard set is one split (webdataset has no split field)
         for r in data.tar_records(shard, keep_exts={"txt", "tree"}):
             if "__error__" in r:
                 yield {"source": spec, "split": split, "key": f"{shard}:{r['__key__']}", "caption": "",

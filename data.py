@@ -2041,7 +2041,7 @@ def make_loader(spec: str, split: str = "train", batch_size: int = 64, tokenizer
                 shuffle_buffer: int = 1000, max_skip_fraction: float = MAX_SKIP_FRACTION, transform=None,
                 csv_img_key: str = "filepath", csv_caption_key: str = "title", csv_separator: str | None = None,
                 pin_memory: bool = False, batch_extra=None):
-    """The loader for a `--data` spec (SPEC.md section 1): a MapLoader for shapes, CSV,
+    """The loader for a `--data` spec: a MapLoader for shapes, CSV,
     Karpathy JSON (`split`) and ImageFolder (batches also carry "label"), a ShardLoader for
     tar shards (`split` is ignored: a shard set is one split). Real images get
     train_transform(image_size) when `train`, else eval_transform(image_size); `transform`

@@ -6,7 +6,7 @@ CLIP, Codebook-CLIP (FDT), NegCLIP and IL-CLIP (iterated learning) in one file.
     torchrun --standalone --nproc_per_node=8 il_clip.py --data cc3m --model ViT-B-32
 
 Paper: "Iterated Learning Improves Compositionality in Large Vision-Language Models" (Zheng et
-al., CVPR 2024), ../shared/papers/il_clip.md; what it leaves open follows SPEC.md section 2.
+al., CVPR 2024); what it leaves open is marked `Choice:` where it is decided.
 Reads top to bottom: config -> model -> sparsemax / codebook head -> losses -> NegCLIP's negative
 captions -> IL schedule -> checkpoints -> compute_loss (every loss term) -> IL phases
 (set_trainable, spawn) -> train -> main.

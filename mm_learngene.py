@@ -79,7 +79,7 @@ class ModelConfig:
 
 # Auxiliary model presets. Paper (appendix A.1): ViT-S, width 384, 6 heads, 12 layers.
 # `shapes` is the CPU-sized default for the built-in data; both towers share width/heads so
-# the vision, language and multimodal blocks have the same shapes (SPEC.md 3).
+# the vision, language and multimodal blocks have the same shapes.
 AUX_PRESETS = {
     "shapes": dict(width=128, heads=4, layers=12, patch_size=8, embed_dim=128),
     "ViT-S-16": dict(width=384, heads=6, layers=12, patch_size=16, embed_dim=384),
@@ -269,7 +269,7 @@ class CLIP(TextTransformer):
 # -----------------------------------------------------------------------------
 # Learngene parametrisations of the auxiliary model (paper Sec. 3.1, Fig. 3)
 #
-# INDEX MAPPING (paper Eq. 1-2, Fig. 3a; SPEC.md 3). The paper says: the two groups are
+# INDEX MAPPING (paper Eq. 1-2, Fig. 3a). The paper says: the two groups are
 # "used alternately and repeatedly, one group is shared twice and then switched", and
 # "every weight scalar element [of a coefficient vector of length L/2] is shared twice
 # prior to the next one", and gives the example "layer 6: group 2, coefficient 3"
@@ -367,7 +367,7 @@ class AuxCLIP(CLIP):
           W_i^l = c^l[k] * theta_g^l + c^ml[k] * theta_g^m
       part "no_mm" drops theta^m and c^mv, c^ml; part "only_mm" drops theta^v, theta^l,
       c^v, c^l (W_i^v = c^mv[k] theta_g^m, W_i^l = c^ml[k] theta_g^m).
-    method "tleg" (Xia et al. 2024b; SPEC.md 3): per tower tleg.{visual,text}.{A,B} full
+    method "tleg" (Xia et al. 2024b): per tower tleg.{visual,text}.{A,B} full
       blocks (Linear + LayerNorm), layer l of an L-layer stack = A + (l / L) * B.
     method "helg" (Wang et al. 2022): an ordinary CLIP distilled from the teacher; the
       learngene is its last `helg_layers` layers per tower (expand fills the rest randomly).
@@ -386,7 +386,7 @@ class AuxCLIP(CLIP):
         if method == "mmlg":
             self.learngene = mmlg_learngene(w, L, part)
             # Paper: "The Layer Normalization part is shared in each Transformer layer";
-            # SPEC: one set per modality.
+            # CHOICE: one set per modality (the learngene holds the linear layers, not the norms).
             self.shared_ln = nn.ModuleDict({t: LNPair(w) for t in TOWERS})
         elif method == "tleg":
             self.tleg = tleg_learngene(w, L)
@@ -639,7 +639,7 @@ def clip_loss(i2t, t2i, labels):
 
 
 def soft_ce(student_logits, teacher_logits):
-    """CE(logit^aux, logit^anc) of Eq. 5-6. CHOICE (SPEC.md 3): soft-target cross-entropy with
+    """CE(logit^aux, logit^anc) of Eq. 5-6. CHOICE: soft-target cross-entropy with
     softmax(teacher logits) as the target distribution, row-wise, mean over rows, no extra
     distillation temperature (each model's own logit scale is its temperature)."""
     return -(teacher_logits.softmax(-1) * student_logits.log_softmax(-1)).sum(-1).mean()

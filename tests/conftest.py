@@ -9,7 +9,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def import_open_clip():
-    """open_clip for comparisons only (SPEC.md 6); skips the calling test when open_clip_torch is not
+    """open_clip for comparisons only (the project never imports it); skips the calling test when open_clip_torch is not
     installed. This machine has no CPU build of torchvision, which open_clip imports at module level
     (its image transforms, unused here): while open_clip imports, every torchvision module is a
     dummy whose attributes accept anything, and the dummies are removed afterwards (torch probes
