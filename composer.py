@@ -2986,6 +2986,28 @@ def load_parser(name):
     raise ComposerError("; ".join(problems) if problems else PARSER_HELP)
 
 
+def composer_run(folder):
+    """(model, seed, {"<eval set> R@k": fraction}) of a finished `composer.py train` out_dir (its
+    config.json and the final eval record of metrics.jsonl), else None."""
+    cfg_path, metrics = os.path.join(folder, "config.json"), os.path.join(folder, "metrics.jsonl")
+    if not (os.path.isfile(cfg_path) and os.path.isfile(metrics)):
+        return None
+    with open(metrics) as f:
+        final = next((r for r in map(json.loads, filter(str.strip, f)) if r.get("final")), None)
+    if final is None:
+        return None
+    a = data.read_json(cfg_path)["args"]
+    name = a["method"] + (f" {a['modulator']}" if a["method"] == "composer" and a["modulator"] != "film" else "") \
+        + (" +mvsa" if a.get("concept_mvsa") else "")
+    return name, a["seed"], {f"{split} {k}": v / 100 for split, r in final["eval"].items()
+                             for k, v in r.items() if k in ("R@1", "R@5")}
+
+
+def cmd_summarize(args):
+    """Mean ± 95% t-interval over seeds per model, and paired differences against --baseline."""
+    return data.summarize_runs(args.runs, args.baseline, composer_run)
+
+
 def cmd_parse(args):
     """A copy of a caption file with a `tree` field per caption: a Karpathy JSON (sentences[].tree),
     a CSV/TSV (a `tree` column) or a JSON-lines split file. Captions that already have a tree keep
@@ -3073,7 +3095,8 @@ SUBCOMMANDS = """subcommands (python composer.py SUBCOMMAND --help for each one'
   eval    text->image and phrase->image retrieval of a checkpoint (R@1/5/10)
   graph   CRG statistics of a caption set (paper Table 1); reads no image
   mcd     maximum compound divergence splits (paper appendix B), --targets for graded splits
-  parse   write constituency trees into a copy of a caption file (benepar / stanza)"""
+  parse   write constituency trees into a copy of a caption file (benepar / stanza)
+  summarize  seeds of several models: mean ± 95% interval and paired differences"""
 
 
 # paper section 4 / appendix C: BERT-base sizes, PT 6 and CT 5 (S X S X S, ending in text self-attention)
@@ -3139,7 +3162,7 @@ def add_train_parser(sub):
 def parse_args(argv):
     ap = argparse.ArgumentParser(description="COMPOSER: CRG, model, training, retrieval, MCD splits",
                                  epilog=SUBCOMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", metavar="{train,eval,graph,mcd,parse}")
+    sub = ap.add_subparsers(dest="cmd", metavar="{train,eval,graph,mcd,parse,summarize}")
     add_train_parser(sub)
     e = sub.add_parser("eval", help="text->image / phrase->image retrieval of a checkpoint")
     add_common(e)
@@ -3174,6 +3197,9 @@ def parse_args(argv):
                    help="--targets: write the nearest reachable split for an out-of-reach target (with a warning); "
                         "targets that share a window write it once")
     m.add_argument("--out_dir", default=None, help="write mcd.jsonl, random.jsonl, windows.json (+ target_*.jsonl) here")
+    sm = sub.add_parser("summarize", help="runs of several models and seeds: mean ± 95% interval, paired differences")
+    sm.add_argument("runs", help="folder whose sub-folders are `composer.py train` out_dirs")
+    sm.add_argument("--baseline", default="composer", help="the model the paired differences are taken against")
     ps = sub.add_parser("parse", help="write PTB trees into a copy of a caption file with a real parser")
     ps.add_argument("input", help="Karpathy .json, .csv/.tsv, or a .jsonl split file")
     ps.add_argument("--out", required=True, help="the copy with `tree` fields")
@@ -3198,7 +3224,8 @@ def main(argv=None):
     try:
         if data is None and args.cmd not in ("mcd", "parse"):
             raise ComposerError("data.py is missing (composer.py imports it for data, tokenizer and shapes)")
-        result = {"train": train, "eval": cmd_eval, "graph": cmd_graph, "mcd": cmd_mcd, "parse": cmd_parse}[args.cmd](args)
+        result = {"train": train, "eval": cmd_eval, "graph": cmd_graph, "mcd": cmd_mcd, "parse": cmd_parse,
+                  "summarize": cmd_summarize}[args.cmd](args)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()      # no rank tears down its connections while another still uses them
         return result

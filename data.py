@@ -599,28 +599,35 @@ def results_table(rows: dict, label: str = "method") -> str:
     return "\n".join("| " + " | ".join(ln) + " |" for ln in lines)
 
 
-def summarize_runs(root: str, baseline: str | None = None) -> dict:
-    """Every run folder under `root` with a shapes_eval.json and config.json, grouped by method
-    (+neg with --negatives): prints mean ± 95% t-interval over seeds per method, then, for each
-    method against `baseline` (default: the first method), the paired difference over the seeds
-    both ran (* where its interval excludes zero). Returns {method: {metric: {seed: value}}}."""
+def shapes_run(folder: str):
+    """(method, seed, results) of an il_clip.py out_dir with shapes_eval.json, else None."""
+    res_path, cfg_path = os.path.join(folder, "shapes_eval.json"), os.path.join(folder, "config.json")
+    if not (os.path.isfile(res_path) and os.path.isfile(cfg_path)):
+        return None
+    cfg, res = read_json(cfg_path), read_json(res_path)
+    res["sugarcrepe_mean"] = float(np.mean([res[c] for c in SHAPES_CATEGORIES]))
+    return cfg.get("method", folder) + ("+neg" if cfg.get("negatives") else ""), cfg.get("seed", folder), res
+
+
+def summarize_runs(root: str, baseline: str | None = None, read_run=shapes_run) -> dict:
+    """Every run folder under `root` that `read_run` accepts (-> (group, seed, {metric: fraction})),
+    grouped: prints mean ± 95% t-interval over seeds per group, then, for each group against
+    `baseline` (default: the first), the paired difference over the seeds both ran (* where its
+    interval excludes zero). Returns {group: {metric: {seed: value}}}."""
     groups = {}
     for d in sorted(os.listdir(root)):
-        res_path, cfg_path = os.path.join(root, d, "shapes_eval.json"), os.path.join(root, d, "config.json")
-        if os.path.isfile(res_path) and os.path.isfile(cfg_path):
-            cfg, res = read_json(cfg_path), read_json(res_path)
-            res["sugarcrepe_mean"] = float(np.mean([res[c] for c in SHAPES_CATEGORIES]))
-            name = cfg.get("method", d) + ("+neg" if cfg.get("negatives") else "")
+        run = read_run(os.path.join(root, d)) if os.path.isdir(os.path.join(root, d)) else None
+        if run is not None:
+            name, seed, res = run
             for k, v in res.items():
-                groups.setdefault(name, {}).setdefault(k, {})[cfg.get("seed", d)] = v
+                groups.setdefault(name, {}).setdefault(k, {})[seed] = v
     if not groups:
-        raise DataError(f"{root}: no run folder with shapes_eval.json and config.json")
-    n = {name: len(r["i2t_r1"]) for name, r in groups.items()}
-    print(results_table({f"{name} ({n[name]})": {k: list(v.values()) for k, v in r.items()}
+        raise DataError(f"{root}: no finished run folder in it")
+    print(results_table({f"{name} ({len(next(iter(r.values())))})": {k: list(v.values()) for k, v in r.items()}
                          for name, r in groups.items()}, label="method (n seeds)"))
     baseline = baseline or next(iter(groups))
     if baseline not in groups:
-        raise DataError(f"{root}: no runs of --baseline {baseline!r} (methods: {', '.join(groups)})")
+        raise DataError(f"{root}: no runs of baseline {baseline!r} (methods: {', '.join(groups)})")
     cols = list(groups[baseline])
     lines = [["paired difference (n seeds)"] + cols, ["---"] * (len(cols) + 1)]
     for name, r in groups.items():

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tarfile
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -275,3 +276,27 @@ def test_parse_says_which_model_is_missing(tmp_path, monkeypatch, capsys):
     assert "its model benepar_en3 is not" in err and "benepar.download('benepar_en3')" in err and "stanza" in err
     import spacy
     assert spacy.loaded == ["en_core_web_sm"]
+
+
+def test_summarize_reads_final_evals_and_pairs_seeds(tmp_path, capsys):
+    """`composer.py summarize`: one group per model (modulator / +mvsa named), R@k of the final
+    eval record as fractions, paired difference against the baseline on the shared seeds."""
+    runs = {"c0": ("composer", "film", False, 0, 30.0), "c1": ("composer", "film", False, 1, 34.0),
+            "s0": ("single", "film", False, 0, 20.0), "s1": ("single", "film", False, 1, 26.0),
+            "r0": ("composer", "replace", False, 0, 50.0), "v0": ("vilbert", "film", True, 0, 40.0)}
+    for d, (method, modulator, mvsa, seed, r1) in runs.items():
+        os.makedirs(tmp_path / d)
+        data.save_json(str(tmp_path / d / "config.json"), {"args": {"method": method, "modulator": modulator,
+                                                                    "concept_mvsa": mvsa, "seed": seed}})
+        with open(tmp_path / d / "metrics.jsonl", "w") as f:
+            f.write(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+            f.write(json.dumps({"step": 2, "eval": {"mcd": {"R@1": r1, "R@5": 90.0, "R@10": 99.0}}, "final": True}) + "\n")
+    os.makedirs(tmp_path / "unfinished")
+    groups = C.main(["summarize", str(tmp_path)])
+    assert set(groups) == {"composer", "single", "composer replace", "vilbert +mvsa"}
+    assert groups["single"]["mcd R@1"] == {0: 0.2, 1: 0.26}
+    out = capsys.readouterr().out
+    d = np.array([-0.10, -0.08])       # single - composer on seeds 0 and 1
+    half = data.T975[0] * d.std(ddof=1) / np.sqrt(2)
+    row = next(ln for ln in out.splitlines() if ln.startswith("| single - composer (2) |"))
+    assert row.split(" | ")[1] == f"{100 * d.mean():+.1f} ± {100 * half:.1f}"
