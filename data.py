@@ -610,36 +610,42 @@ def shapes_run(folder: str):
 
 
 def summarize_runs(root: str, baseline: str | None = None, read_run=shapes_run) -> dict:
-    """Every run folder under `root` that `read_run` accepts (-> (group, seed, {metric: fraction})),
-    grouped: prints mean ± 95% t-interval over seeds per group, then, for each group against
-    `baseline` (default: the first), the paired difference over the seeds both ran (* where its
-    interval excludes zero). Returns {group: {metric: {seed: value}}}."""
+    """Every run folder under `root` that `read_run` accepts (-> (group, seed, {metric: fraction}),
+    or a list of them), grouped: prints mean ± 95% t-interval over seeds per group, then each
+    group's paired difference against its baseline over the seeds both ran (* where the interval
+    excludes zero). `baseline`: one group (default: the first) or a function group -> baseline
+    group. Returns {group: {metric: {seed: value}}}."""
     groups = {}
     for d in sorted(os.listdir(root)):
-        run = read_run(os.path.join(root, d)) if os.path.isdir(os.path.join(root, d)) else None
-        if run is not None:
-            name, seed, res = run
+        runs = read_run(os.path.join(root, d)) if os.path.isdir(os.path.join(root, d)) else None
+        for name, seed, res in [runs] if isinstance(runs, tuple) else runs or []:   # one run or several
             for k, v in res.items():
                 groups.setdefault(name, {}).setdefault(k, {})[seed] = v
     if not groups:
         raise DataError(f"{root}: no finished run folder in it")
-    print(results_table({f"{name} ({len(next(iter(r.values())))})": {k: list(v.values()) for k, v in r.items()}
-                         for name, r in groups.items()}, label="method (n seeds)"))
-    baseline = baseline or next(iter(groups))
-    if baseline not in groups:
-        raise DataError(f"{root}: no runs of baseline {baseline!r} (methods: {', '.join(groups)})")
-    cols = list(groups[baseline])
-    lines = [["paired difference (n seeds)"] + cols, ["---"] * (len(cols) + 1)]
+    if not callable(baseline):      # one group every other is paired with, or a rule per group
+        fixed = baseline or next(iter(groups))
+        if fixed not in groups:
+            raise DataError(f"{root}: no runs of baseline {fixed!r} (methods: {', '.join(groups)})")
+        baseline = lambda name: fixed
+    by_metrics = {}                 # one table per set of metrics (e.g. retrieval and captioning runs)
     for name, r in groups.items():
-        if name != baseline:
-            cells = []
-            for c in cols:
-                m, h, k = paired_diff(r[c], groups[baseline][c])
-                cells.append(_pct(m, h, signed=True) + ("*" if abs(m) > h else ""))
-            lines.append([f"{name} - {baseline} ({k})"] + cells)
-    if len(lines) > 2:
-        print("\n" + "\n".join("| " + " | ".join(ln) + " |" for ln in lines))
-        print("(* the paired 95% interval excludes zero)")
+        by_metrics.setdefault(tuple(r), []).append(name)
+    for cols, names in by_metrics.items():
+        print(results_table({f"{n} ({len(groups[n][cols[0]])})": {k: list(v.values()) for k, v in groups[n].items()}
+                             for n in names}, label="method (n seeds)"))
+        lines = [["paired difference (n seeds)", *cols], ["---"] * (len(cols) + 1)]
+        for name in names:
+            base = baseline(name)
+            if base in groups and base != name and tuple(groups[base]) == cols:
+                cells = []
+                for c in cols:
+                    m, h, k = paired_diff(groups[name][c], groups[base][c])
+                    cells.append(_pct(m, h, signed=True) + ("*" if abs(m) > h else ""))
+                lines.append([f"{name} - {base} ({k})"] + cells)
+        if len(lines) > 2:
+            print("\n" + "\n".join("| " + " | ".join(ln) + " |" for ln in lines))
+            print("(* the paired 95% interval excludes zero)\n")
     return groups
 
 

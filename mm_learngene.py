@@ -1616,7 +1616,7 @@ def cmd_finetune(a):
     lock_out_dir(out, rank, world, device)
     results = {"init": a.init, "kind": kind, "part": init_cfg.get("part", "both"), "task": a.task,
                "modality": modality, "layers": cfg.vision_layers or cfg.text_layers, "lr": a.lr, "wd": a.wd,
-               "params": sum(p.numel() for p in model.parameters())}
+               "seed": a.seed, "params": sum(p.numel() for p in model.parameters())}
 
     def phase(tag, model_, loss_fn, loader, args, steps):
         """Run one phase with checkpoints in out/{tag}/; with --resume it continues from them
@@ -2207,13 +2207,34 @@ def results_table(dirs: list) -> str:
     return "\n".join(lines)
 
 
+def finetune_run(folder):
+    """(init method part layers task, seed, {score: fraction}) of a finished finetune out_dir;
+    a captioning run also yields its two baselines as groups of their own."""
+    path = os.path.join(folder, "results.json")
+    if not os.path.isfile(path):
+        return None
+    r = data.read_json(path)
+    cols = RESULT_COLUMNS.get(r.get("task"), [])
+    name = f"{r['kind']} {r.get('part', 'both')} {r['layers']} {r['task']}"
+    runs = [(name, r.get("seed", 0), {k: r[k] / 100 for k in cols if k in r})]
+    runs += [(f"{b} caption {r['layers']}", r.get("seed", 0), {k: br[k] / 100 for k in cols})
+             for b, br in r.get("baselines", {}).items() if isinstance(br, dict)]
+    return runs
+
+
 def cmd_report(a):
     if a.results:
         print(results_table(a.results))
+    if a.seeds:   # one group per (init, part, layers, task); each paired with MM-LG at its size and task
+        def mmlg_of(group):   # "tleg both 6 caption" and "nearest caption 6" -> "mmlg both 6 caption"
+            words = group.split()
+            layers, task = (words[-2], words[-1]) if words[-1] in RESULT_COLUMNS else (words[-1], "caption")
+            return a.baseline or f"mmlg both {layers} {task}"
+        data.summarize_runs(a.seeds, mmlg_of, finetune_run)
     if a.learngene:
         storage_report(a)
-    elif not a.results:
-        raise ConfigError("report needs --learngene (Table 3) and/or --results (finetune out_dirs)")
+    elif not (a.results or a.seeds):
+        raise ConfigError("report needs --learngene (Table 3), --results (finetune out_dirs) and/or --seeds DIR")
 
 
 def storage_report(a):
@@ -2364,6 +2385,10 @@ def build_parser():
     p.add_argument("--layers", type=int, nargs="+", default=[6, 8, 12])
     p.add_argument("--ptft", nargs="*", help="il_clip.py out_dirs of the directly pre-trained sizes")
     p.add_argument("--results", nargs="*", help="finetune out_dirs: one row each (Tables 1, 2, 4)")
+    p.add_argument("--seeds", default=None, help="a folder of finetune out_dirs (several seeds): mean ± 95%% "
+                   "interval per setting and paired differences against --baseline")
+    p.add_argument("--baseline", default=None, help="with --seeds: the setting every other is paired with, e.g. "
+                   "'mmlg both 6 retrieval' (default: MM-LG of the same size and task)")
     p.set_defaults(func=cmd_report)
     return ap
 
