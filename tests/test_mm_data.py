@@ -8,6 +8,7 @@ import math
 import os
 import tarfile
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -346,3 +347,33 @@ def test_scratch_tokenizer_reads_a_csv_with_renamed_columns(tmp_path):
                            csv_separator=None, layers=1, image_size=32, seed=0)
     model, tok, cfg, modality, kind, _ = M.load_init(a)
     assert kind == "scratch" and tok.decode(tok("a zebra grazes near a fence.")[0]) == "a zebra grazes near a fence."
+
+
+def test_report_seeds_pairs_each_setting_with_mmlg_of_its_size(tmp_path, capsys):
+    """report --seeds: one group per (init, part, layers, task), the caption baselines as groups of
+    their own, scores as fractions, and each group's paired difference against MM-LG at the same
+    size and task (computed here by hand for w/o MM and the nearest-neighbour caption)."""
+    cap = {"mmlg": (20.0, 22.0), "tleg": (19.0, 23.0)}
+    for seed in (0, 1, 2):
+        for part, r1 in (("both", 15.0 + seed), ("no_mm", 8.0 + 2 * seed)):
+            d = tmp_path / f"ret_{part}_s{seed}"
+            os.makedirs(d)
+            data.save_json(str(d / "results.json"), {"kind": "mmlg", "part": part, "layers": 6, "task": "retrieval",
+                                                     "seed": seed, "i2t_r1": r1, "t2i_r1": r1 - 1})
+        for kind, (b4, nearest) in cap.items():
+            d = tmp_path / f"cap_{kind}_s{seed}"
+            os.makedirs(d)
+            data.save_json(str(d / "results.json"), {
+                "kind": kind, "part": "both", "layers": 6, "task": "caption", "seed": seed,
+                "bleu4": b4 + seed, "cider": 50.0, "rouge_l": 40.0,
+                "baselines": {"nearest": {"bleu4": nearest, "cider": 120.0 + seed, "rouge_l": 48.0},
+                              "pool_images": 1000}})
+    M.main(["report", "--seeds", str(tmp_path)])
+    out = capsys.readouterr().out.splitlines()
+    row = next(ln for ln in out if ln.startswith("| mmlg no_mm 6 retrieval - mmlg both 6 retrieval (3) |"))
+    d = np.array([8.0 - 15.0, 10.0 - 16.0, 12.0 - 17.0]) / 100
+    assert row.split(" | ")[1] == f"{100 * d.mean():+.1f} ± {100 * data.T975[1] * d.std(ddof=1) / np.sqrt(3):.1f}*"
+    row = next(ln for ln in out if ln.startswith("| nearest caption 6 - mmlg both 6 caption (3) |"))
+    d = np.array([70.0, 71.0, 72.0]) / 100            # cider: (120 + seed) - 50
+    assert row.split(" | ")[2] == f"{100 * d.mean():+.1f} ± {100 * data.T975[1] * d.std(ddof=1) / np.sqrt(3):.1f}*"
+    assert any(ln.startswith("| tleg both 6 caption - mmlg both 6 caption (3) |") for ln in out)
