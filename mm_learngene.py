@@ -1614,6 +1614,9 @@ def cmd_finetune(a):
     out = a.out_dir or f"out/finetune_{a.task}"
     a.out_dir = out
     lock_out_dir(out, rank, world, device)
+    if a.resume and not any(os.path.isdir(os.path.join(out, tag, c)) for tag in ("activate", "finetune")
+                            for c in ("checkpoint", "checkpoint.prev")):
+        check_resumable(out, rank)      # no phase has saved yet: one error line, as in extract
     results = {"init": a.init, "kind": kind, "part": init_cfg.get("part", "both"), "task": a.task,
                "modality": modality, "layers": cfg.vision_layers or cfg.text_layers, "lr": a.lr, "wd": a.wd,
                "seed": a.seed, "params": sum(p.numel() for p in model.parameters())}

@@ -217,3 +217,15 @@ def test_a_lock_left_by_a_killed_process_does_not_block(tmp_path):
     p.wait()
     assert I.main(TINY + ["--method", "clip", "--max_steps", "100000", "--stop_at",
                           str(json.load(open(ck))["step"] + 1), "--out_dir", out, "--resume"]) == 0
+
+
+def test_finetune_resume_with_no_phase_saved_is_one_error_line(tmp_path, capsys):
+    """mm_learngene finetune --resume where neither the activation nor the fine-tuning phase has
+    saved a checkpoint: the same one line as extract, not a fresh start."""
+    out = str(tmp_path / "ft")
+    os.makedirs(os.path.join(out, "finetune", "checkpoint.tmp"))
+    argv = ["finetune", "--init", "scratch", "--task", "retrieval", "--out_dir", out, "--resume",
+            "--max_steps", "2", "--batch_size", "8", "--eval_size", "8"]
+    assert exit_code(M.main, argv) == 2
+    assert "nothing to resume yet" in one_error_line(capsys)
+    assert not os.path.exists(os.path.join(out, "results.json"))
