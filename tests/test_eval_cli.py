@@ -21,7 +21,7 @@ TINY = ["--model_args", "width=32", "layers=1", "heads=2", "embed_dim=32", "imag
         "code_dim=32", "--batch_size", "8", "--eval_size", "0", "--warmup", "1",
         "--max_steps", "2", "--vocab_size", "300"]
 FAST = ["--shapes_n", "5", "--probe_steps", "4", "--probe_eval_every", "2", "--probe_eval_n", "16",
-        "--probe_batch", "8", "--viz_images", "20", "--viz_codes", "3", "--viz_topk", "2", "--power_iters", "30",
+        "--probe_batch", "8", "--viz_images", "20", "--viz_codes", "3", "--viz_topk", "2",
         "--no_progress"]
 
 
