@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model_args", "width=32", "layers=1", "heads=2", "embed_dim=32", "image_size=32", "patch_size=8",
         "code_dim=32", "--batch_size", "8", "--eval_size", "0", "--warmup", "1",
         "--max_steps", "2", "--vocab_size", "300"]
-FAST = ["--shapes_n", "5", "--probe_steps", "4", "--probe_eval_every", "2", "--probe_eval_n", "16",
+FAST = ["--eval_size", "5", "--probe_steps", "4", "--probe_eval_every", "2", "--probe_eval_size", "16",
         "--probe_batch", "8", "--viz_images", "20", "--viz_codes", "3", "--viz_topk", "2",
         "--no_progress"]
 
@@ -49,7 +49,7 @@ def test_cli_end_to_end(ckpts, tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("| benchmark | metric | value | scored | skipped |") and "| shapes | mean_7 |" in p.stdout
-    assert "activation GELU (config.json)" in p.stderr  # the tiny preset's exact GELU, said once
+    assert "activation GELU (preset)" in p.stderr  # the tiny preset's exact GELU, said once
     assert "skipped sugarcrepe: no --sugarcrepe given" in p.stderr
     res = json.loads(out.read_text())["results"]
     assert set(res) == {"shapes", "spectral", "codebook", "easy_to_learn"}
@@ -188,7 +188,7 @@ def test_analyses_need_data_for_bare_weights(ckpts, tmp_path):
         scene.image.save(tmp_path / f"{i}.png")
         rows.append(f"{i}.png,{scene.caption}")
     (tmp_path / "pairs.csv").write_text("\n".join(rows) + "\n")
-    a.viz_data, a.probe_data, a.probe_batch, a.probe_eval_n = str(tmp_path / "pairs.csv"), str(tmp_path / "pairs.csv"), 3, 6
+    a.viz_data, a.probe_data, a.probe_batch, a.probe_eval_size = str(tmp_path / "pairs.csv"), str(tmp_path / "pairs.csv"), 3, 6
     r = E.bench_codebook(a, model, tok, bare)
     assert r["data"] == a.viz_data and r["n_images"] == 6 and r["n_skipped"] == 0
     assert all(c in [s.split(",", 1)[1] for s in rows[1:]] for code in r["codes"].values() for c in code["captions"])

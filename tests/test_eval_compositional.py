@@ -72,7 +72,7 @@ def solid(path, colour, size=(16, 16)):
 
 
 def args(**kw):
-    base = dict(shapes_n=5, shapes_seed=0, seed=0, sugarcrepe=None, sugarcrepe_images=None, crepe=None,
+    base = dict(eval_size=5, shapes_seed=0, seed=0, sugarcrepe=None, sugarcrepe_images=None, crepe=None,
                 crepe_images=None, cola=None, cola_images=None, winoground=None, zeroshot=None, classnames=None,
                 templates="clip8", retrieval=None, retrieval_images=None, retrieval_split="test",
                 linear_probe=None, linear_probe_l2_sweep=False, linear_probe_val_frac=0.2)
@@ -438,6 +438,23 @@ def test_retrieval_on_karpathy_json(tmp_path, emb):
     (tmp_path / "karpathy.json").write_text(json.dumps({"images": images}))
     r = E.bench_retrieval(args(retrieval=str(tmp_path / "karpathy.json"), retrieval_images=str(root)), emb)
     assert (r["i2t_R@1"], r["t2i_R@1"], r["n_scored"], r["n_skipped"], r["n_captions"]) == (100.0, 100.0, 3, 0, 4)
+    # one test image gone: R@K over the 2 left would be easier than the benchmark's, so none is given
+    os.remove(root / "val2014" / "blue.png")
+    fresh = E.Embedder(ColourModel(), WordTokenizer(), image_size=16, batch_size=3, progress=False)  # no cache
+    with pytest.raises(data.DataError, match="1 of 3 images could not be read.*R@K over a smaller gallery"):
+        E.bench_retrieval(args(retrieval=str(tmp_path / "karpathy.json"), retrieval_images=str(root)), fresh)
+
+
+def test_a_benchmark_without_its_data_flag_is_not_run(emb, capsys):
+    """--benchmarks zeroshot,retrieval,linear_probe with no data flags: all three skipped with the
+    flag they lack (shapes runs only when named), nothing scored."""
+    a = E.get_args(["--init", "w.pt", "--benchmarks", "zeroshot,retrieval,linear_probe"])
+    results, skipped, failed = E.run_benchmarks(a, emb, None, None, {})
+    assert results == {} and failed == {}
+    assert skipped == {"zeroshot": "no --zeroshot given", "retrieval": "no --retrieval given",
+                       "linear_probe": "no --linear_probe given"}
+    a = E.get_args(["--init", "w.pt", "--benchmarks", "retrieval", "--retrieval", "shapes", "--eval_size", "5"])
+    assert E.run_benchmarks(a, emb, None, None, {})[0]["retrieval"]["n_scored"] == 100
 
 
 # ----------------------------------------------------------------------------- linear probe

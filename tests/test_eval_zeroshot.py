@@ -374,7 +374,8 @@ def test_names_flags_and_benchmark_list():
     assert a.benchmark_list == ["shapes", "zeroshot/imagenet1k", "zeroshot/imagenet-sketch"]
     a = E.get_args(["--init", "w.pt", "--benchmarks", "zeroshot", "--zeroshot", "dir", "--zeroshot", "cifar10=/c"])
     assert (a.zeroshot, a.benchmark_list) == ("dir", ["zeroshot", "zeroshot/cifar10"])
-    assert E.get_args(["--init", "w.pt", "--benchmarks", "zeroshot"]).zeroshot == "shapes"
+    a = E.get_args(["--init", "w.pt", "--benchmarks", "zeroshot"])    # no data flag: skipped, never shapes
+    assert (a.zeroshot, a.benchmark_list) == (None, ["zeroshot"])
     with pytest.raises(E.ConfigError, match="unknown dataset 'cifar11'"):
         E.get_args(["--init", "w.pt", "--zeroshot", "cifar11=/c"])
     assert [s.column for s in E.zeroshot_sets().values()] == [
