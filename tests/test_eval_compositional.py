@@ -459,20 +459,41 @@ def test_a_benchmark_without_its_data_flag_is_not_run(emb, capsys):
 
 # ----------------------------------------------------------------------------- linear probe
 
+def blobs(n, spread, g, centres):
+    y = torch.arange(n) % 3
+    return centres[y] + spread * torch.randn(n, 8, generator=g), y
+
+
 def test_linear_probe_separable_blobs(monkeypatch):
     g = torch.Generator().manual_seed(0)
     centres = torch.randn(3, 8, generator=g) * 4
-    def blobs(n):
-        y = torch.arange(n) % 3
-        return centres[y] + 0.3 * torch.randn(n, 8, generator=g), y
-    (tx, ty), (vx, vy) = blobs(60), blobs(30)
-    r = E.linear_probe(tx, ty, vx, vy, 3)  # the IL paper's appendix: no weight decay
+    (tx, ty), (vx, vy) = blobs(60, 0.3, g, centres), blobs(30, 0.3, g, centres)
+    r = E.linear_probe(tx, ty, vx, vy, 3, sweep=False)          # no weight decay: no finite optimum
     assert r["top1"] == 100.0 and r["weight_decay"] == 0.0 and "val_top1" not in r
-    w, b = E.fit_logistic(tx, ty, 3, 0.0)
-    assert torch.equal((vx @ w + b).argmax(1), vy)
     monkeypatch.setattr(E, "L2_SWEEP", (1e-4, 1e-2, 100.0))
-    r = E.linear_probe(tx, ty, vx, vy, 3, sweep=True)
-    assert r["top1"] == 100.0 and r["weight_decay"] in (1e-4, 1e-2)  # 100 underfits: not chosen
+    r = E.linear_probe(tx, ty, vx, vy, 3)                       # the default: swept on held-out train
+    assert r["top1"] == 100.0 and r["weight_decay"] in (1e-4, 1e-2) and r["converged"]  # 100 underfits
+
+
+@pytest.mark.parametrize("spread", [0.3, 3.0])   # separable, and overlapping (non-separable) classes
+def test_logistic_fit_converges_to_the_regularised_optimum(spread):
+    """The fitted model is the optimum of mean CE + wd |W|^2: its gradient vanishes (checked in
+    float64 by autograd), and it equals scikit-learn's fit with C = 1 / (2 wd n) where installed."""
+    g = torch.Generator().manual_seed(1)
+    centres = torch.randn(3, 8, generator=g) * 2
+    x, y = blobs(90, spread, g, centres)
+    wd = 1e-3
+    w, b, fit = E.fit_logistic(x, y, 3, wd)
+    assert fit["converged"] and fit["iterations"] < 1000
+    w64, b64 = w.double().requires_grad_(), b.double().requires_grad_()
+    loss = F.cross_entropy(x.double() @ w64 + b64, y) + wd * (w64 * w64).sum()
+    loss.backward()
+    assert float(w64.grad.abs().max()) < 1e-5 and float(b64.grad.abs().max()) < 1e-5
+    sklearn = pytest.importorskip("sklearn.linear_model")
+    x64 = x.double().numpy()      # (scikit-learn fits float32 input in float32)
+    ref = sklearn.LogisticRegression(C=1 / (2 * wd * len(x)), tol=1e-10, max_iter=10_000).fit(x64, y.numpy())
+    probs = torch.softmax(x.double() @ w.double() + b.double(), 1).numpy()
+    assert np.abs(probs - ref.predict_proba(x64)).max() < 5e-5
 
 
 # ----------------------------------------------------------------------------- spectral norms
