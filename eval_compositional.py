@@ -2048,12 +2048,34 @@ def loader_for(spec, kw, split, tok, image_size, batch_size, train, seed=0):
                             seed=seed, drop_last=train, **kw)
 
 
-def eval_batches(spec, kw, tok, size, batch_size, n):
-    """Up to n held-out (image, caption) pairs: the `val` split where the format has one
-    (shapes, Karpathy JSON), else the first n pairs of the data in loader order."""
-    loader = loader_for(spec, kw, "val", tok, size, batch_size, train=False)
+HELD_OUT_PERCENT = 10   # of a split-less dataset's pairs (by key), never trained on by the probe
+
+
+def held_out_rule(spec, kw, seed):
+    """None where the data has a val split (shapes, a Karpathy JSON with val images): held-out
+    pairs come from it. Else (CSV, tar shards, ImageFolder: their readers have no split) a seeded
+    ~10% of the pairs by key: key -> True if held out, the same rule for both sides."""
+    src = data.resolve_data(spec, kw.get("image_root"))
+    if src["kind"] == "shapes" or (src["kind"] == "karpathy" and
+                                   data._karpathy_images(src["path"], src.get("image_root"), "val")):
+        return None
+    return lambda key: zlib.crc32(f"{seed}/{key}".encode()) % 100 < HELD_OUT_PERCENT
+
+
+def select(batch, keep):
+    """The rows of a loader batch whose key `keep` accepts."""
+    rows = [i for i, k in enumerate(batch["key"]) if keep(k)]
+    return {k: (v[rows] if torch.is_tensor(v) else [v[i] for i in rows]) if k in ("image", "text", "caption", "key")
+            else v for k, v in batch.items()}
+
+
+def eval_batches(spec, kw, tok, size, batch_size, n, held_out=None):
+    """Up to n (image, caption) pairs: the `val` split, or with `held_out` (held_out_rule) the
+    pairs it holds out of the data in loader order."""
+    loader = loader_for(spec, kw, "val" if held_out is None else "train", tok, size, batch_size, train=False)
     batches, seen = [], 0
     for b in loader:
+        b = b if held_out is None else select(b, held_out)
         if len(b["caption"]):
             batches.append(b)
             seen += len(b["caption"])
@@ -2135,6 +2157,16 @@ def in_batch_accuracy(img, txt):
     return 0.5 * float((s.argmax(1) == target).float().mean() + (s.argmax(0) == target).float().mean())
 
 
+def probe_batches(spec, kw, tok, size, args):
+    """(endless training batches, held-out batches) of the easy-to-learn probe: disjoint for
+    every kind of data (held_out_rule)."""
+    held_out = held_out_rule(spec, kw, args.probe_seed)
+    train = loader_for(spec, kw, "train", tok, size, args.probe_batch, train=True, seed=args.probe_seed).forever()
+    if held_out is not None:   # the held-out pairs never reach the student
+        train = (b for b in map(lambda b: select(b, lambda k: not held_out(k)), train) if len(b["caption"]) > 1)
+    return train, eval_batches(spec, kw, tok, size, args.probe_batch, args.probe_eval_size, held_out)[0]
+
+
 def easy_to_learn_curve(model, tok, config, args, spec, kw):
     """Train a fresh language agent against the frozen vision agent + codebook on `spec`;
     in-batch accuracy on held-out pairs every probe_eval_every steps."""
@@ -2144,8 +2176,7 @@ def easy_to_learn_curve(model, tok, config, args, spec, kw):
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.probe_lr, weight_decay=0.0)
     scale = float(student.logit_scale.exp().clamp(max=100)) if hasattr(student, "logit_scale") else 1 / 0.07
-    train = loader_for(spec, kw, "train", tok, size, args.probe_batch, train=True, seed=args.probe_seed).forever()
-    val, _ = eval_batches(spec, kw, tok, size, args.probe_batch, args.probe_eval_size)
+    train, val = probe_batches(spec, kw, tok, size, args)
     with torch.no_grad():
         val_img = [student.encode_image(b["image"].to(device)) for b in val]
 

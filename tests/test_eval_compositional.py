@@ -544,3 +544,25 @@ def test_spectral_product_is_no_lipschitz_bound_of_a_residual_block():
     with torch.no_grad():
         slope = [float((ln(base * s + d) - ln(base * s)).norm() / d.norm()) for s in (1.0, 1e-2)]
     assert slope[1] > 50 * slope[0]
+
+
+# ----------------------------------------------------------------------------- easy-to-learn probe
+
+def test_easy_to_learn_held_out_pairs_are_never_trained_on(tmp_path):
+    """For every --probe_data kind the probe's held-out pairs and its training pairs share no
+    key: the val split of shapes and of a Karpathy JSON, a seeded ~10% of CSV rows, tar shard
+    members and ImageFolder files (their readers have no split)."""
+    out = tmp_path / "export"
+    assert data.main(["make-shapes", "--out_dir", str(out), "--train", "120", "--test", "60", "--shard_size", "40"]) == 0
+    tok = data.build_tokenizer(captions=data.shapes_captions(200), vocab_size=300, context_length=32)
+    a = types.SimpleNamespace(probe_seed=3, probe_batch=8, probe_eval_size=64)
+    specs = {"shapes": "shapes:train_size=120", "karpathy": str(out / "karpathy" / "dataset_shapes.json"),
+             "csv": str(out / "csv" / "train.tsv"), "tar": str(out / "shards" / "{00000..00002}.tar"),
+             "imagefolder": str(out / "imagefolder" / "train")}
+    for kind, spec in specs.items():
+        kw = {"image_root": None, "csv_img_key": "filepath", "csv_caption_key": "title", "csv_separator": None}
+        assert (E.held_out_rule(spec, kw, 3) is None) == (kind in ("shapes", "karpathy")), kind
+        train, val = E.probe_batches(spec, kw, tok, 32, a)
+        held = {k for b in val for k in b["key"]}
+        seen = {k for _, b in zip(range(40), train) for k in b["key"]}   # 40 batches: every epoch's pairs
+        assert held and seen and not held & seen, kind
