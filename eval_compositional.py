@@ -2082,7 +2082,8 @@ def eval_batches(spec, kw, tok, size, batch_size, n, held_out=None):
         if seen >= n:
             break
     if not batches:
-        raise data.DataError(f"{spec}: no readable image-caption pair for the analysis")
+        raise data.DataError(f"{spec}: no readable image-caption pair for the analysis" + (
+            "" if held_out is None else f" among the {HELD_OUT_PERCENT}% of its pairs held out (too small a dataset?)"))
     return batches, loader
 
 
