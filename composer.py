@@ -3197,7 +3197,7 @@ def parse_args(argv):
                    help="--targets: write the nearest reachable split for an out-of-reach target (with a warning); "
                         "targets that share a window write it once")
     m.add_argument("--out_dir", default=None, help="write mcd.jsonl, random.jsonl, windows.json (+ target_*.jsonl) here")
-    sm = sub.add_parser("summarize", help="runs of several models and seeds: mean ± 95% interval, paired differences")
+    sm = sub.add_parser("summarize", help="runs of several models and seeds: mean ± 95%% interval, paired differences")
     sm.add_argument("runs", help="folder whose sub-folders are `composer.py train` out_dirs")
     sm.add_argument("--baseline", default="composer", help="the model the paired differences are taken against")
     ps = sub.add_parser("parse", help="write PTB trees into a copy of a caption file with a real parser")
