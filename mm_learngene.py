@@ -2212,7 +2212,8 @@ def results_table(dirs: list) -> str:
 
 def finetune_run(folder):
     """(init method part layers task, seed, {score: fraction}) of a finished finetune out_dir;
-    a captioning run also yields its two baselines as groups of their own."""
+    a captioning run also yields its two baselines as groups of their own (the nearest-neighbour
+    caption named by the encoder whose embedding found the neighbour)."""
     path = os.path.join(folder, "results.json")
     if not os.path.isfile(path):
         return None
@@ -2220,8 +2221,8 @@ def finetune_run(folder):
     cols = RESULT_COLUMNS.get(r.get("task"), [])
     name = f"{r['kind']} {r.get('part', 'both')} {r['layers']} {r['task']}"
     runs = [(name, r.get("seed", 0), {k: r[k] / 100 for k in cols if k in r})]
-    runs += [(f"{b} caption {r['layers']}", r.get("seed", 0), {k: br[k] / 100 for k in cols})
-             for b, br in r.get("baselines", {}).items() if isinstance(br, dict)]
+    runs += [(f"{b} caption" + (f" ({r['kind']})" if b == "nearest" else "") + f" {r['layers']}", r.get("seed", 0),
+              {k: br[k] / 100 for k in cols}) for b, br in r.get("baselines", {}).items() if isinstance(br, dict)]
     return runs
 
 
