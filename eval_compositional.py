@@ -2057,7 +2057,7 @@ def held_out_rule(spec, kw, seed):
     ~10% of the pairs by key: key -> True if held out, the same rule for both sides."""
     src = data.resolve_data(spec, kw.get("image_root"))
     if src["kind"] == "shapes" or (src["kind"] == "karpathy" and
-                                   data._karpathy_images(src["path"], src.get("image_root"), "val")):
+                                   data.karpathy_items(src["path"], src.get("image_root"), "val")):
         return None
     return lambda key: zlib.crc32(f"{seed}/{key}".encode()) % 100 < HELD_OUT_PERCENT
 
