@@ -135,7 +135,7 @@ def get_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no_progress", action="store_true", help="no tqdm bars")
     # built-in data
-    p.add_argument("--eval_size", type=int, default=200, help="shapes benchmark items per category")
+    p.add_argument("--eval_size", type=int, default=1000, help="shapes benchmark items per category")
     p.add_argument("--shapes_seed", type=int, default=0)
     # released benchmarks
     p.add_argument("--sugarcrepe"), p.add_argument("--sugarcrepe_images")
