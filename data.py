@@ -601,13 +601,20 @@ def results_table(rows: dict, label: str = "method") -> str:
 
 
 def shapes_run(folder: str):
-    """(method, seed, results) of an il_clip.py out_dir with shapes_eval.json, else None."""
+    """(method, seed, results) of an il_clip.py out_dir with shapes_eval.json, else None. With
+    the easy-to-learn probe's output in probe.json (eval_compositional.py --benchmarks
+    easy_to_learn --out RUN/probe.json), also its held-out accuracy at the end and at step 20."""
     res_path, cfg_path = os.path.join(folder, "shapes_eval.json"), os.path.join(folder, "config.json")
     if not (os.path.isfile(res_path) and os.path.isfile(cfg_path)):
         return None
     cfg, res = read_json(cfg_path), read_json(res_path)
     res = {k: v for k, v in res.items() if k != "scored"}       # the metrics, not what was scored
     res["sugarcrepe_mean"] = float(np.mean([res[c] for c in SHAPES_CATEGORIES]))
+    if os.path.isfile(os.path.join(folder, "probe.json")):
+        (curve,) = [r["curve"] for r in read_json(os.path.join(folder, "probe.json"))["results"]["easy_to_learn"].values()
+                    if isinstance(r, dict) and "curve" in r]
+        at = {p["step"]: p["acc"] / 100 for p in curve}
+        res |= {"probe_step20": at[20], "probe_final": curve[-1]["acc"] / 100}
     return cfg.get("method", folder) + ("+neg" if cfg.get("negatives") else ""), cfg.get("seed", folder), res
 
 

@@ -279,3 +279,17 @@ def test_summarize_runs_means_and_intervals_over_seeds(tmp_path, capsys):
     assert np.allclose(list(groups["il"]["sugarcrepe_mean"].values()), means)
     with pytest.raises(data.DataError):
         data.summarize_runs(str(tmp_path / "incomplete"))
+
+def test_shapes_run_reads_the_easy_to_learn_probe(tmp_path):
+    """A run folder with eval_compositional's easy_to_learn JSON gains the probe's accuracy at step
+    20 and at its last step (fractions); 'scored' is not a metric."""
+    data.save_json(str(tmp_path / "config.json"), {"method": "il", "seed": 3})
+    res = {k: 0.5 for k in ["i2t_r1", "t2i_r1", *data.SHAPES_CATEGORIES]}
+    data.save_json(str(tmp_path / "shapes_eval.json"), res | {"scored": {"items_per_category": 1000}})
+    assert "probe_final" not in data.shapes_run(str(tmp_path))[2]
+    curve = [{"step": 0, "acc": 1.0}, {"step": 20, "acc": 40.0}, {"step": 40, "acc": 55.5}]
+    data.save_json(str(tmp_path / "probe.json"), {"results": {"easy_to_learn": {
+        "run": {"final": 55.5, "curve": curve}, "data": "shapes", "seed": 1234, "steps": 40}}})
+    method, seed, got = data.shapes_run(str(tmp_path))
+    assert (method, seed) == ("il", 3) and "scored" not in got
+    assert got["probe_step20"] == pytest.approx(0.40) and got["probe_final"] == pytest.approx(0.555)
