@@ -2621,7 +2621,7 @@ def check_args(args, world):
 def load_data(args, compiler):
     """The training split and the eval sets (in-domain --eval_split, and each --split_file)."""
     sp = attach_compiler(load_split(args, "train", _n(args.data, args.train_size, 12800)), compiler, args.max_skip_frac)
-    return sp, eval_sets(args, "in_domain", args.eval_split, _n(args.data, args.eval_size, 1000), compiler)
+    return sp, eval_sets(args, "in_domain", args.eval_split, _n(args.data, args.eval_size, 200), compiler)
 
 
 def eval_sets(args, name, split, n, compiler):
@@ -2832,7 +2832,7 @@ def cmd_eval(args):
     compiler = TextCompiler(tok, model.cfg.max_len)
     # the paper's protocol: every image of the test split, each ranked by all captions
     out = {}
-    for name, sp in eval_sets(args, args.split, args.split, _n(args.data, args.eval_size, 1000), compiler).items():
+    for name, sp in eval_sets(args, args.split, args.split, _n(args.data, args.eval_size, 200), compiler).items():
         t0 = time.time()
         res, S = evaluate(model, compiler, sp, device, args.parse_dropout, phrases=not args.no_phrases, seed=args.seed)
         res["skipped"] = dict(sp.skipped)
@@ -3151,7 +3151,7 @@ def add_train_parser(sub):
     t.add_argument("--n_neg_img", type=int, default=3, help="negative images per true pair (l_match, MVSA)")
     t.add_argument("--n_neg_txt", type=int, default=3, help="negative captions per true pair (l_match, MVSA)")
     t.add_argument("--train_size", type=int, default=None, help="training images (default: the whole split; shapes: 12800)")
-    t.add_argument("--eval_size", type=int, default=None, help="in-domain eval images of --eval_split (0: none; default: all; shapes: 1000)")
+    t.add_argument("--eval_size", type=int, default=None, help="in-domain eval images of --eval_split (0: none; default: all; shapes: 200)")
     t.add_argument("--eval_split", default="test")
     add_eval_sets(t)
     t.add_argument("--eval_every", type=int, default=0)
