@@ -2832,7 +2832,7 @@ def cmd_eval(args):
     compiler = TextCompiler(tok, model.cfg.max_len)
     # the paper's protocol: every image of the test split, each ranked by all captions
     out = {}
-    for name, sp in eval_sets(args, args.split, args.split, _n(args.data, args.eval_size, 200), compiler).items():
+    for name, sp in eval_sets(args, args.split, args.split, _n(args.data, args.eval_size, 1000), compiler).items():
         t0 = time.time()
         res, S = evaluate(model, compiler, sp, device, args.parse_dropout, phrases=not args.no_phrases, seed=args.seed)
         res["skipped"] = dict(sp.skipped)
