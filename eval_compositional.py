@@ -6,6 +6,7 @@ benchmarks, and run the analysis probes of the IL-CLIP paper (section 4.4).
     python eval_compositional.py --ckpt out/il --benchmarks all \
         --sugarcrepe sugarcrepe/ --sugarcrepe_images coco/val2017 --out results.json
     python eval_compositional.py --init ViT-B-32.safetensors --vocab bpe_simple_vocab_16e6.txt.gz
+    python -c "import eval_compositional as ev; ev.summarize_runs('out/compare', baseline='il')"  # seeds: mean ± CI
 
 Benchmarks (--benchmarks a,b,...; default `shapes`; `all` = every one below):
   shapes        the built-in benchmark of data.py: 7 SugarCrepe categories (pair accuracy) +
