@@ -1592,15 +1592,13 @@ def plot_curves(path, series, boundaries=(), caption="", size=(900, 420)):
 
 
 @torch.no_grad()
-def evaluate_shapes(model, tokenizer, image_size: int, device="cpu", n: int = 1000, n_val: int = data.SHAPES_VAL_PAIRS,
-                    seed: int = 0, batch_size: int = 256) -> dict:
-    """A CLIP-like model (encode_image, encode_text: normalised embeddings) on the built-in
-    benchmark: i2t / t2i R@1 on `n_val` val scenes (a hit = the same caption string) and, for
-    each category, the fraction of its `n` items whose positive caption scores strictly above
-    every negative. Every item is scored."""
-    was_training = model.training
+def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=0, batch_size=256):
+    """The model on the built-in benchmark: i2t / t2i R@1 on `n_val` val scenes (a hit = the same
+    caption string) and, for each category, the fraction of its `n` items whose positive caption
+    scores strictly above every negative. Every item is scored."""
+    was_training, device = model.training, model.logit_scale.device
     model.eval()
-    tf = data.eval_transform(image_size)
+    tf = data.eval_transform(model.cfg.image_size)
 
     def embed(images, captions):
         ie = [model.encode_image(torch.stack([tf(im) for im in images[i:i + batch_size]]).to(device)).float().cpu()
@@ -1665,7 +1663,7 @@ def run(argv=None):
               f"checkpoint in {os.path.join(args.out_dir, 'checkpoint')}", file=sys.stderr)
     if status == "done" and r.step >= args.max_steps and rank == 0 and args.eval_size > 0 \
             and args.data.startswith("shapes"):
-        res = evaluate_shapes(r.model, r.tok, r.cfg.image_size, r.device, n=args.eval_size)
+        res = evaluate_shapes(r.model, r.tok, n=args.eval_size)
         scored = {"items_per_category": args.eval_size, "val_pairs": data.SHAPES_VAL_PAIRS}
         data.save_json(os.path.join(args.out_dir, "shapes_eval.json"), res | {"scored": scored})
         print(shapes_table(res))
