@@ -3005,7 +3005,8 @@ def composer_run(folder):
 
 def cmd_summarize(args):
     """Mean ± 95% t-interval over seeds per model, and paired differences against --baseline."""
-    return data.summarize_runs(args.runs, args.baseline, composer_run)
+    import eval_compositional     # the repo's results-over-seeds report, shared by the training scripts
+    return eval_compositional.summarize_runs(args.runs, args.baseline, composer_run)
 
 
 def cmd_parse(args):

@@ -13,10 +13,8 @@ data.py -- the one module shared by every script of this repo.
     datacomp under $DATA_ROOT -- behind one `make_loader(spec, ...)`; the loaders split the
     data across DDP ranks and dataloader workers, skip and count bad samples, and save a
     position that a resumed run continues from with exactly the next batch;
-  * NegCLIP hard-negative captions, made in the loader's workers;
-  * what the training scripts share around the method: the checkpoint layout (safetensors +
-    JSON, written atomically as a set), RNG and optimizer state, metrics rewind, loss-curve
-    PNGs, the weights reader (OpenAI / open_clip files) and the shapes benchmark scorer.
+  * what the training scripts share around the method: durable and atomic file writes, and the
+    weights reader (OpenAI / open_clip files, the activation they imply, a one-line key check).
 
 Commands:
   python data.py make-shapes --out_dir DIR [--train N --test N --seed S --shard_size N]
@@ -207,65 +205,6 @@ def caption_tree(s: CaptionStruct) -> str:
         inner = f"(NP {n[1]} {_pp_tree(s.relations[1], n[2])})"
         return f"(ROOT (NP {n[0]} {_pp_tree(s.relations[0], inner)}))"
     raise ValueError(f"unknown caption form {s.form!r}")
-
-
-def parse_shapes_caption(text: str):
-    """Parse a caption of the shapes grammar back into a CaptionStruct; None if it is not
-    grammatical. Used to check that hard negatives stay grammatical."""
-    words = text.split()
-    pos = 0
-
-    def phrase():
-        nonlocal pos
-        if pos >= len(words) or words[pos] not in ("a", "an"):
-            return None
-        article = words[pos]
-        pos += 1
-        size = None
-        if pos < len(words) and words[pos] in SIZE_NAMES:
-            size = words[pos]
-            pos += 1
-        if pos < len(words) and words[pos] in COLOURS and pos + 1 < len(words) and words[pos + 1] in SHAPE_NAMES:
-            p = Phrase(words[pos], words[pos + 1], size)
-            pos += 2
-            return p if article == _article(p) else None
-        return None
-
-    def relation():
-        nonlocal pos
-        for rel in RELATION_NAMES:
-            rw = rel.split()
-            if words[pos:pos + len(rw)] == rw:
-                pos += len(rw)
-                return rel
-        return None
-
-    first = phrase()
-    if first is None:
-        return None
-    if pos == len(words):
-        return CaptionStruct("single", [first])
-    if words[pos] == "and":
-        pos += 1
-        second = phrase()
-        return CaptionStruct("and", [first, second]) if second and pos == len(words) else None
-    copula = words[pos] == "is"
-    pos += copula
-    rel = relation()
-    second = phrase() if rel else None
-    if second is None:
-        return None
-    if pos == len(words):
-        return CaptionStruct("copula" if copula else "rel", [first, second], [rel])
-    if copula:
-        return None
-    if words[pos] == "and":
-        pos += 1
-        third = phrase()
-        return CaptionStruct("rel_and", [first, second, third], [rel]) if third and pos == len(words) else None
-    rel2 = relation()
-    third = phrase() if rel2 else None
-    return CaptionStruct("chain", [first, second, third], [rel, rel2]) if third and pos == len(words) else None
 
 
 def _stated_relations(s: CaptionStruct) -> list:
@@ -512,150 +451,6 @@ def shapes_benchmark(seed: int = 0, n: int = 1000, image_size: int = SHAPES_IMAG
                               "negative_categories": list(found.values())})
         out[split] = items
     return out
-
-
-@torch.no_grad()
-def evaluate_shapes(model, tokenizer, image_size: int, device="cpu", n: int = 1000, n_val: int = SHAPES_VAL_PAIRS, seed: int = 0,
-                    batch_size: int = 256) -> dict:
-    """A CLIP-like model (encode_image, encode_text: normalised embeddings) on the built-in
-    benchmark: i2t / t2i R@1 on `n_val` val scenes (a hit = the same caption string) and, for
-    each category, the fraction of its `n` items whose positive caption scores strictly above
-    every negative. Every item is scored."""
-    was_training = model.training
-    model.eval()
-    tf = eval_transform(image_size)
-
-    def embed(images, captions):
-        ie = [model.encode_image(torch.stack([tf(im) for im in images[i:i + batch_size]]).to(device)).float().cpu()
-              for i in range(0, len(images), batch_size)]
-        te = [model.encode_text(tokenizer(captions[i:i + batch_size]).to(device)).float().cpu()
-              for i in range(0, len(captions), batch_size)]
-        return torch.cat(ie), torch.cat(te)
-
-    scenes = [shapes_scene("val", i, seed=seed) for i in range(n_val)]
-    caps = [s.caption for s in scenes]
-    ie, te = embed([s.image for s in scenes], caps)
-    sim = ie @ te.t()
-    same = torch.tensor([[a == b for b in caps] for a in caps])
-    res = {"i2t_r1": same[torch.arange(n_val), sim.argmax(1)].float().mean().item(),
-           "t2i_r1": same[sim.argmax(0), torch.arange(n_val)].float().mean().item()}
-    bench = shapes_benchmark(seed=seed, n=n)
-    for cat in list(SHAPES_CATEGORIES) + ["systematicity", "productivity"]:
-        items = bench[cat]
-        negs = [it["negatives"] if "negatives" in it else [it["negative_caption"]] for it in items]
-        ie, te = embed([it["image"] for it in items], [c for it, ng in zip(items, negs) for c in [it["caption"], *ng]])
-        correct, o = 0, 0
-        for j, ng in enumerate(negs):
-            s = te[o:o + 1 + len(ng)] @ ie[j]
-            correct += int(bool((s[0] > s[1:]).all()))
-            o += 1 + len(ng)
-        res[cat] = correct / len(items)
-    model.train(was_training)
-    return res
-
-
-# t_{0.975, df} for df = 1..30 (standard tables); beyond 30 the Cornish-Fisher expansion around
-# the normal quantile is within 1e-4
-T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
-        2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
-        2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
-
-
-def t975(df: int) -> float:
-    if df <= len(T975):
-        return T975[df - 1]
-    z = 1.959964
-    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
-
-
-def mean_ci(values) -> tuple:
-    """(mean, half-width of the two-sided 95% Student-t interval) over seeds; nan width for one seed."""
-    v = np.asarray(values, dtype=np.float64)
-    if len(v) < 2:
-        return float(v.mean()), math.nan
-    return float(v.mean()), t975(len(v) - 1) * float(v.std(ddof=1)) / math.sqrt(len(v))
-
-
-def paired_diff(a: dict, b: dict) -> tuple:
-    """Paired difference A - B over the seeds both have ({seed: value} each): (mean, half-width, n)."""
-    seeds = sorted(set(a) & set(b))
-    return (*mean_ci([a[s] - b[s] for s in seeds]), len(seeds)) if seeds else (math.nan, math.nan, 0)
-
-
-def _pct(m: float, h: float, signed: bool = False) -> str:
-    head = f"{100 * m:+.1f}" if signed else f"{100 * m:.1f}"
-    return head if math.isnan(h) else f"{head} ± {100 * h:.1f}"
-
-
-def results_table(rows: dict, label: str = "method") -> str:
-    """Markdown table in %: one result dict, or {name: {metric: value or [per-seed values]}}
-    (a list prints as mean ± the half-width of its 95% t-interval)."""
-    single = not isinstance(next(iter(rows.values())), dict)
-    rows = {"": rows} if single else rows
-    cols = list(next(iter(rows.values())))
-    fmt = lambda v: _pct(*mean_ci(v)) if isinstance(v, list) else f"{100 * v:.1f}"
-    lines = [[label] + cols] + [[name] + [fmt(r[c]) for c in cols] for name, r in rows.items()]
-    lines = [ln[1:] if single else ln for ln in lines]
-    lines.insert(1, ["---"] * len(lines[0]))
-    return "\n".join("| " + " | ".join(ln) + " |" for ln in lines)
-
-
-def shapes_run(folder: str):
-    """(method, seed, results) of an il_clip.py out_dir with shapes_eval.json, else None. With
-    the easy-to-learn probe's output in probe.json (eval_compositional.py --benchmarks
-    easy_to_learn --out RUN/probe.json), also its held-out accuracy at the end and at step 20."""
-    res_path, cfg_path = os.path.join(folder, "shapes_eval.json"), os.path.join(folder, "config.json")
-    if not (os.path.isfile(res_path) and os.path.isfile(cfg_path)):
-        return None
-    cfg, res = read_json(cfg_path), read_json(res_path)
-    res = {k: v for k, v in res.items() if k != "scored"}       # the metrics, not what was scored
-    res["sugarcrepe_mean"] = float(np.mean([res[c] for c in SHAPES_CATEGORIES]))
-    if os.path.isfile(os.path.join(folder, "probe.json")):
-        (curve,) = [r["curve"] for r in read_json(os.path.join(folder, "probe.json"))["results"]["easy_to_learn"].values()
-                    if isinstance(r, dict) and "curve" in r]
-        at = {p["step"]: p["acc"] / 100 for p in curve}
-        res |= {"probe_step20": at[20], "probe_final": curve[-1]["acc"] / 100}
-    return cfg.get("method", folder) + ("+neg" if cfg.get("negatives") else ""), cfg.get("seed", folder), res
-
-
-def summarize_runs(root: str, baseline: str | None = None, read_run=shapes_run) -> dict:
-    """Every run folder under `root` that `read_run` accepts (-> (group, seed, {metric: fraction}),
-    or a list of them), grouped: prints mean ± 95% t-interval over seeds per group, then each
-    group's paired difference against its baseline over the seeds both ran (* where the interval
-    excludes zero). `baseline`: one group (default: the first) or a function group -> baseline
-    group. Returns {group: {metric: {seed: value}}}."""
-    groups = {}
-    for d in sorted(os.listdir(root)):
-        runs = read_run(os.path.join(root, d)) if os.path.isdir(os.path.join(root, d)) else None
-        for name, seed, res in [runs] if isinstance(runs, tuple) else runs or []:   # one run or several
-            for k, v in res.items():
-                groups.setdefault(name, {}).setdefault(k, {})[seed] = v
-    if not groups:
-        raise DataError(f"{root}: no finished run folder in it")
-    if not callable(baseline):      # one group every other is paired with, or a rule per group
-        fixed = baseline or next(iter(groups))
-        if fixed not in groups:
-            raise DataError(f"{root}: no runs of baseline {fixed!r} (methods: {', '.join(groups)})")
-        baseline = lambda name: fixed
-    by_metrics = {}                 # one table per set of metrics (e.g. retrieval and captioning runs)
-    for name, r in groups.items():
-        by_metrics.setdefault(tuple(r), []).append(name)
-    for cols, names in by_metrics.items():
-        print(results_table({f"{n} ({len(groups[n][cols[0]])})": {k: list(v.values()) for k, v in groups[n].items()}
-                             for n in names}, label="method (n seeds)"))
-        lines = [["paired difference (n seeds)", *cols], ["---"] * (len(cols) + 1)]
-        for name in names:
-            base = baseline(name)
-            if base in groups and base != name and tuple(groups[base]) == cols:
-                cells = []
-                for c in cols:
-                    m, h, k = paired_diff(groups[name][c], groups[base][c])
-                    cells.append(_pct(m, h, signed=True) + ("*" if abs(m) > h else ""))
-                lines.append([f"{name} - {base} ({k})"] + cells)
-        if len(lines) > 2:
-            print("\n" + "\n".join("| " + " | ".join(ln) + " |" for ln in lines))
-            print("(* the paired 95% interval excludes zero)\n")
-    return groups
 
 
 def shapes_classification(split: str = "train", index: int = 0, seed: int = 0, image_size: int = SHAPES_IMAGE_SIZE):
@@ -1302,17 +1097,6 @@ def _stack_images(images: list) -> torch.Tensor:
     out = first.new(storage).resize_(len(images), *first.shape)
     np.stack(arrays, out=out.numpy())
     return out
-
-
-def trim_padding(text, eot_id: int, multiple: int = 8):
-    """Drop the token columns after a CPU batch's last EOT, rounded up to a multiple of 8 (tensor
-    cores, few compiled lengths). Exact when nothing reads past a caption's EOT (a causal text
-    tower; il_clip's codebook head masks those positions). A device tensor is returned as is
-    (finding the EOT would sync)."""
-    if text.device.type != "cpu":
-        return text
-    n = int((text == eot_id).int().argmax(-1).max()) + 1
-    return text[:, :min(text.shape[1], -(-n // multiple) * multiple)]
 
 
 def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> dict:
@@ -2189,27 +1973,6 @@ def load_state(model, sd: dict, source: str, allow_missing=()):
     if problems:
         raise DataError(f"config/weights mismatch for {source}: " + "; ".join(problems))
     model.load_state_dict(sd, strict=False)
-
-
-def openai_config(sd: dict) -> dict:
-    """The hyperparameters of OpenAI-layout CLIP weights, read from tensor shapes as open_clip's
-    build_model_from_openai does (heads by OpenAI's width // 64; QuickGELU; EOT the last id);
-    with an il_clip.py codebook head, its size and code dimension."""
-    try:
-        vw, _, patch, _ = sd["visual.conv1.weight"].shape
-        tw, vocab = sd["ln_final.weight"].shape[0], sd["token_embedding.weight"].shape[0]
-        count = lambda pre: len({k[len(pre):].split(".")[0] for k in sd if k.startswith(pre)})
-        cfg = dict(embed_dim=sd["text_projection"].shape[1], patch_size=patch,
-                   image_size=round((sd["visual.positional_embedding"].shape[0] - 1) ** 0.5) * patch,
-                   vision_width=vw, vision_layers=count("visual.transformer.resblocks."), vision_heads=max(1, vw // 64),
-                   context_length=sd["positional_embedding"].shape[0], vocab_size=vocab, text_width=tw,
-                   text_layers=count("transformer.resblocks."), text_heads=max(1, tw // 64),
-                   eot_token_id=vocab - 1, quick_gelu=True)
-    except KeyError as e:
-        raise DataError(f"weights are not in OpenAI CLIP layout: missing key {e}") from None
-    if "codebook" in sd:
-        cfg["codebook_size"], cfg["code_dim"] = sd["codebook"].shape
-    return cfg
 
 
 # The MLP activation of foreign weights is not in the tensors. open_clip's hub layout puts

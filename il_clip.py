@@ -9,8 +9,8 @@ Paper: "Iterated Learning Improves Compositionality in Large Vision-Language Mod
 al., CVPR 2024); what it leaves open is marked `Choice:` where it is decided.
 Reads top to bottom: config -> model -> sparsemax / codebook head -> losses -> NegCLIP's negative
 captions -> IL schedule -> checkpoints -> compute_loss (every loss term) -> IL phases
-(set_trainable, spawn) -> train -> main.
-data.py holds the loaders, tokenizer, checkpoint files, shapes benchmark.
+(set_trainable, spawn) -> train -> loss curve -> shapes benchmark score -> main.
+data.py holds the loaders, the tokenizer and the shapes data.
 """
 import argparse
 import copy
@@ -875,6 +875,27 @@ def get_lr(step, args, sched):
 # weights: --init, load_model
 
 
+def openai_config(sd: dict) -> dict:
+    """The hyperparameters of OpenAI-layout CLIP weights, read from tensor shapes as open_clip's
+    build_model_from_openai does (heads by OpenAI's width // 64; QuickGELU; EOT the last id);
+    with a codebook head (this script's), its size and code dimension."""
+    try:
+        vw, _, patch, _ = sd["visual.conv1.weight"].shape
+        tw, vocab = sd["ln_final.weight"].shape[0], sd["token_embedding.weight"].shape[0]
+        count = lambda pre: len({k[len(pre):].split(".")[0] for k in sd if k.startswith(pre)})
+        cfg = dict(embed_dim=sd["text_projection"].shape[1], patch_size=patch,
+                   image_size=round((sd["visual.positional_embedding"].shape[0] - 1) ** 0.5) * patch,
+                   vision_width=vw, vision_layers=count("visual.transformer.resblocks."), vision_heads=max(1, vw // 64),
+                   context_length=sd["positional_embedding"].shape[0], vocab_size=vocab, text_width=tw,
+                   text_layers=count("transformer.resblocks."), text_heads=max(1, tw // 64),
+                   eot_token_id=vocab - 1, quick_gelu=True)
+    except KeyError as e:
+        raise data.DataError(f"weights are not in OpenAI CLIP layout: missing key {e}") from None
+    if "codebook" in sd:
+        cfg["codebook_size"], cfg["code_dim"] = sd["codebook"].shape
+    return cfg
+
+
 def load_model(path, device="cpu", quick_gelu=None):
     """-> (model, tokenizer or None, config dict) from an out_dir, a checkpoint/ folder or an
     OpenAI-format weight file. `quick_gelu` None: the checkpoint's config; for a weight file the
@@ -889,7 +910,7 @@ def load_model(path, device="cpu", quick_gelu=None):
         source = config.get("quick_gelu_source", "config")
     else:
         sd = data.read_weights(path)
-        cfg = ModelConfig(**data.openai_config(sd))
+        cfg = ModelConfig(**openai_config(sd))
         cfg.quick_gelu, source = data.weights_activation(None, path)
         config = {"model": asdict(cfg)}
     if quick_gelu is not None:
@@ -1130,6 +1151,17 @@ def save_generation_snapshot(r, gen):
 # the loss of one micro-batch: every term a forker may change sits here
 
 
+def trim_padding(text, eot_id: int, multiple: int = 8):
+    """Drop the token columns after a CPU batch's last EOT, rounded up to a multiple of 8 (tensor
+    cores, few compiled lengths). Exact when nothing reads past a caption's EOT (a causal text
+    tower; this script's codebook head masks those positions). A device tensor is returned as is
+    (finding the EOT would sync)."""
+    if text.device.type != "cpu":
+        return text
+    n = int((text == eot_id).int().argmax(-1).max()) + 1
+    return text[:, :min(text.shape[1], -(-n // multiple) * multiple)]
+
+
 def compute_loss(model, batch, phase, agent, teacher, pool, args):
     """One micro-batch -> (loss to backpropagate, contrastive loss for the log, the logit scale
     used, text length after trimming, NegCLIP's global image embeddings for the pool or None).
@@ -1141,7 +1173,7 @@ def compute_loss(model, batch, phase, agent, teacher, pool, args):
     negclip = pool is not None and phase != "distill"
     if negclip:
         text = torch.cat([text, batch["neg_text"]])            # made by the loader's workers
-    text = data.trim_padding(text, model.cfg.eot_token_id)    # on the CPU: no device sync
+    text = trim_padding(text, model.cfg.eot_token_id)         # on the CPU: no device sync
     text_len = text.shape[1]
     text = text.to(device, non_blocking=True)
     img, txt, scale = model(images, text)
@@ -1556,6 +1588,54 @@ def plot_curves(path, series, boundaries=(), caption="", size=(900, 420)):
 
 
 # -----------------------------------------------------------------------------
+# the built-in shapes benchmark, scored at the end of a run on `shapes`
+
+
+@torch.no_grad()
+def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=0, batch_size=256):
+    """The model on the built-in benchmark: i2t / t2i R@1 on `n_val` val scenes (a hit = the same
+    caption string) and, for each category, the fraction of its `n` items whose positive caption
+    scores strictly above every negative. Every item is scored."""
+    was_training, device = model.training, model.logit_scale.device
+    model.eval()
+    tf = data.eval_transform(model.cfg.image_size)
+
+    def embed(images, captions):
+        ie = [model.encode_image(torch.stack([tf(im) for im in images[i:i + batch_size]]).to(device)).float().cpu()
+              for i in range(0, len(images), batch_size)]
+        te = [model.encode_text(tokenizer(captions[i:i + batch_size]).to(device)).float().cpu()
+              for i in range(0, len(captions), batch_size)]
+        return torch.cat(ie), torch.cat(te)
+
+    scenes = [data.shapes_scene("val", i, seed=seed) for i in range(n_val)]
+    caps = [s.caption for s in scenes]
+    ie, te = embed([s.image for s in scenes], caps)
+    sim = ie @ te.t()
+    same = torch.tensor([[a == b for b in caps] for a in caps])
+    res = {"i2t_r1": same[torch.arange(n_val), sim.argmax(1)].float().mean().item(),
+           "t2i_r1": same[sim.argmax(0), torch.arange(n_val)].float().mean().item()}
+    bench = data.shapes_benchmark(seed=seed, n=n)
+    for cat in list(data.SHAPES_CATEGORIES) + ["systematicity", "productivity"]:
+        items = bench[cat]
+        negs = [it["negatives"] if "negatives" in it else [it["negative_caption"]] for it in items]
+        ie, te = embed([it["image"] for it in items], [c for it, ng in zip(items, negs) for c in [it["caption"], *ng]])
+        correct, o = 0, 0
+        for j, ng in enumerate(negs):
+            s = te[o:o + 1 + len(ng)] @ ie[j]
+            correct += int(bool((s[0] > s[1:]).all()))
+            o += 1 + len(ng)
+        res[cat] = correct / len(items)
+    model.train(was_training)
+    return res
+
+
+def shapes_table(res):
+    """One result dict as a markdown table, in %."""
+    rows = [list(res), ["---"] * len(res), [f"{100 * v:.1f}" for v in res.values()]]
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+
+
+# -----------------------------------------------------------------------------
 # main
 
 
@@ -1583,10 +1663,10 @@ def run(argv=None):
               f"checkpoint in {os.path.join(args.out_dir, 'checkpoint')}", file=sys.stderr)
     if status == "done" and r.step >= args.max_steps and rank == 0 and args.eval_size > 0 \
             and args.data.startswith("shapes"):
-        res = data.evaluate_shapes(r.model, r.tok, r.cfg.image_size, r.device, n=args.eval_size)
+        res = evaluate_shapes(r.model, r.tok, n=args.eval_size)
         scored = {"items_per_category": args.eval_size, "val_pairs": data.SHAPES_VAL_PAIRS}
         data.save_json(os.path.join(args.out_dir, "shapes_eval.json"), res | {"scored": scored})
-        print(data.results_table(res))
+        print(shapes_table(res))
         print(f"scored: {args.eval_size} items per category (every item), retrieval on {data.SHAPES_VAL_PAIRS} val pairs")
     if world > 1:
         dist.barrier()

@@ -2,8 +2,6 @@
 and the map-style DDP loader."""
 import hashlib
 import io
-import math
-import os
 import random
 
 import numpy as np
@@ -20,6 +18,65 @@ def _png_bytes(img):
     return buf.getvalue()
 
 
+def parse_shapes_caption(text: str):
+    """Parse a caption of the shapes grammar back into a data.CaptionStruct; None if it is not
+    grammatical: the check that captions, hard negatives and references stay grammatical."""
+    words = text.split()
+    pos = 0
+
+    def phrase():
+        nonlocal pos
+        if pos >= len(words) or words[pos] not in ("a", "an"):
+            return None
+        article = words[pos]
+        pos += 1
+        size = None
+        if pos < len(words) and words[pos] in data.SIZE_NAMES:
+            size = words[pos]
+            pos += 1
+        if pos + 1 < len(words) and words[pos] in data.COLOURS and words[pos + 1] in data.SHAPE_NAMES:
+            p = data.Phrase(words[pos], words[pos + 1], size)
+            pos += 2
+            return p if article == data._article(p) else None
+        return None
+
+    def relation():
+        nonlocal pos
+        for rel in data.RELATION_NAMES:
+            rw = rel.split()
+            if words[pos:pos + len(rw)] == rw:
+                pos += len(rw)
+                return rel
+        return None
+
+    first = phrase()
+    if first is None:
+        return None
+    if pos == len(words):
+        return data.CaptionStruct("single", [first])
+    if words[pos] == "and":
+        pos += 1
+        second = phrase()
+        return data.CaptionStruct("and", [first, second]) if second and pos == len(words) else None
+    copula = words[pos] == "is"
+    pos += copula
+    rel = relation()
+    second = phrase() if rel else None
+    if second is None:
+        return None
+    if pos == len(words):
+        return data.CaptionStruct("copula" if copula else "rel", [first, second], [rel])
+    if copula:
+        return None
+    if words[pos] == "and":
+        pos += 1
+        third = phrase()
+        return data.CaptionStruct("rel_and", [first, second, third], [rel]) if third and pos == len(words) else None
+    rel2 = relation()
+    third = phrase() if rel2 else None
+    return data.CaptionStruct("chain", [first, second, third], [rel, rel2]) if third and pos == len(words) else None
+
+
 def test_shapes_is_deterministic_and_seed_dependent():
     a = [data.shapes_scene("train", i, seed=0) for i in range(20)]
     b = [data.shapes_scene("train", i, seed=0) for i in range(20)]
@@ -34,7 +91,7 @@ def test_shapes_caption_is_true_of_its_image_and_matches_its_tree():
         for i in range(40):
             s = data.shapes_scene(split, i)
             assert data.caption_is_true(s.struct, s.objects)
-            assert data.parse_shapes_caption(s.caption) == s.struct
+            assert parse_shapes_caption(s.caption) == s.struct
             leaves = [tok.rstrip(")") for tok in s.tree.split() if not tok.startswith("(")]
             assert " ".join(leaves) == s.caption
             assert s.tree.count("(") == s.tree.count(")")
@@ -81,7 +138,7 @@ def test_hard_negatives_differ_stay_grammatical_and_are_false():
     for cat in data.SHAPES_CATEGORIES:
         assert len(bench[cat]) == 30
         for item in bench[cat]:
-            pos, neg = data.parse_shapes_caption(item["caption"]), data.parse_shapes_caption(item["negative_caption"])
+            pos, neg = parse_shapes_caption(item["caption"]), parse_shapes_caption(item["negative_caption"])
             assert neg is not None, item["negative_caption"]
             assert item["negative_caption"] != item["caption"]
             if cat.startswith("swap"):  # a swap keeps the bag of words (articles may turn a <-> an)
@@ -94,7 +151,7 @@ def test_hard_negatives_differ_stay_grammatical_and_are_false():
     for split in ("systematicity", "productivity"):
         for item in bench[split]:
             assert len(item["negatives"]) >= 2 and item["caption"] not in item["negatives"]
-            assert all(data.parse_shapes_caption(n) is not None for n in item["negatives"])
+            assert all(parse_shapes_caption(n) is not None for n in item["negatives"])
 
 
 def test_negatives_are_false_of_the_scene():
@@ -104,13 +161,13 @@ def test_negatives_are_false_of_the_scene():
         for cat in data.SHAPES_CATEGORIES:
             neg = data.make_negative(cat, s, rng)
             if neg is not None:
-                assert not data.caption_is_true(data.parse_shapes_caption(neg), s.objects)
+                assert not data.caption_is_true(parse_shapes_caption(neg), s.objects)
 
 
 def test_grammar_rejects_non_captions():
     for bad in ["", "a red", "red circle", "a red circle above", "a orange star", "a red circle and",
                 "a red circle is above a blue square and a green star", "a huge red circle"]:
-        assert data.parse_shapes_caption(bad) is None, bad
+        assert parse_shapes_caption(bad) is None, bad
 
 
 def test_classification_labels_match_the_drawn_shape():
@@ -223,73 +280,3 @@ def test_loader_tokenizes_and_bad_spec_is_one_line(shapes_tok):
     assert b["tree"][0].startswith("(ROOT")
     with pytest.raises(data.DataError):
         data.make_loader("shapes:foo=1")
-
-
-def test_t_interval_against_hand_computation_and_scipy():
-    """The 95% t-interval of 5 values, computed by hand: mean 0.6, s = sqrt(0.025) = 0.158114,
-    t(0.975, 4) = 2.7764 -> half-width 2.7764 * 0.158114 / sqrt(5) = 0.196324."""
-    m, h = data.mean_ci([0.4, 0.5, 0.6, 0.7, 0.8])
-    assert m == pytest.approx(0.6) and h == pytest.approx(0.196324, abs=1e-5)
-    assert math.isnan(data.mean_ci([0.3])[1])
-    scipy_stats = pytest.importorskip("scipy.stats")
-    for df in (1, 2, 7, 30, 31, 45, 200):
-        assert data.t975(df) == pytest.approx(scipy_stats.t.ppf(0.975, df), abs=2e-4)
-
-
-def test_paired_difference_uses_shared_seeds_only():
-    """A - B over the seeds both ran; its interval is the t-interval of the per-seed differences,
-    narrower than the unpaired spread when the seeds move both methods together."""
-    a = {0: 0.70, 1: 0.80, 2: 0.60, 3: 0.75, 9: 0.1}
-    b = {0: 0.68, 1: 0.77, 2: 0.57, 3: 0.73, 5: 0.9}
-    m, h, n = data.paired_diff(a, b)
-    d = np.array([0.02, 0.03, 0.03, 0.02])
-    assert n == 4 and m == pytest.approx(d.mean())
-    assert h == pytest.approx(data.T975[2] * d.std(ddof=1) / 2)   # df = 3
-    assert m - h > 0                                   # excludes zero although the groups overlap
-    assert data.paired_diff({0: 1.0}, {1: 1.0})[2] == 0
-
-
-def test_summarize_runs_means_and_intervals_over_seeds(tmp_path, capsys):
-    """Runs grouped by config method (+neg), mean ± 95% t-interval over seeds, paired differences
-    against the baseline on shared seeds, folders without both files skipped; against numpy."""
-    rng = np.random.default_rng(0)
-    runs = {"a0": ("il", False, 0), "a1": ("il", False, 1), "a2": ("il", False, 2), "b0": ("il", True, 0),
-            "c0": ("clip", False, 0), "c1": ("clip", False, 1), "c2": ("clip", False, 2)}
-    written = {}
-    for d, (method, neg, seed) in runs.items():
-        res = {k: float(rng.uniform()) for k in ["i2t_r1", "t2i_r1", *data.SHAPES_CATEGORIES]}
-        os.makedirs(tmp_path / d)
-        data.save_json(str(tmp_path / d / "config.json"), {"method": method, "negatives": neg, "seed": seed})
-        data.save_json(str(tmp_path / d / "shapes_eval.json"), res)
-        written.setdefault(method + ("+neg" if neg else ""), []).append(res)
-    os.makedirs(tmp_path / "incomplete")            # no shapes_eval.json: not counted
-    data.save_json(str(tmp_path / "incomplete" / "config.json"), {"method": "il"})
-    groups = data.summarize_runs(str(tmp_path), baseline="clip")
-    assert {k: len(v["i2t_r1"]) for k, v in groups.items()} == {"il": 3, "il+neg": 1, "clip": 3}
-    out = capsys.readouterr().out.splitlines()
-    col = 1 + 2 + data.SHAPES_CATEGORIES.index("replace_att")
-    il = np.array([r["replace_att"] for r in written["il"]])
-    cell = next(ln for ln in out if ln.startswith("| il (3) |")).split(" | ")[col]
-    assert cell == f"{100 * il.mean():.1f} ± {100 * data.T975[1] * il.std(ddof=1) / np.sqrt(3):.1f}"
-    d = il - np.array([r["replace_att"] for r in written["clip"]])
-    cell = next(ln for ln in out if ln.startswith("| il - clip (3) |")).split(" | ")[col]
-    assert cell.rstrip("*") == f"{100 * d.mean():+.1f} ± {100 * data.T975[1] * d.std(ddof=1) / np.sqrt(3):.1f}"
-    assert next(ln for ln in out if ln.startswith("| il+neg - clip (1) |"))
-    means = [np.mean([r[c] for c in data.SHAPES_CATEGORIES]) for r in written["il"]]
-    assert np.allclose(list(groups["il"]["sugarcrepe_mean"].values()), means)
-    with pytest.raises(data.DataError):
-        data.summarize_runs(str(tmp_path / "incomplete"))
-
-def test_shapes_run_reads_the_easy_to_learn_probe(tmp_path):
-    """A run folder with eval_compositional's easy_to_learn JSON gains the probe's accuracy at step
-    20 and at its last step (fractions); 'scored' is not a metric."""
-    data.save_json(str(tmp_path / "config.json"), {"method": "il", "seed": 3})
-    res = {k: 0.5 for k in ["i2t_r1", "t2i_r1", *data.SHAPES_CATEGORIES]}
-    data.save_json(str(tmp_path / "shapes_eval.json"), res | {"scored": {"items_per_category": 1000}})
-    assert "probe_final" not in data.shapes_run(str(tmp_path))[2]
-    curve = [{"step": 0, "acc": 1.0}, {"step": 20, "acc": 40.0}, {"step": 40, "acc": 55.5}]
-    data.save_json(str(tmp_path / "probe.json"), {"results": {"easy_to_learn": {
-        "run": {"final": 55.5, "curve": curve}, "data": "shapes", "seed": 1234, "steps": 40}}})
-    method, seed, got = data.shapes_run(str(tmp_path))
-    assert (method, seed) == ("il", 3) and "scored" not in got
-    assert got["probe_step20"] == pytest.approx(0.40) and got["probe_final"] == pytest.approx(0.555)

@@ -2,7 +2,8 @@
 deterministic stand-in model with hand-computed expected scores (ties included: strict `>`
 counts a tie as wrong); R@k against brute force; zero-shot template averaging against an
 independent computation; the spectral-norm product against exact spectral norms (and why it
-is no Lipschitz bound); then the CLI end to end on a tiny il_clip.py checkpoint."""
+is no Lipschitz bound); then the CLI end to end on a tiny il_clip.py checkpoint; last, the
+results over seeds (95% t-intervals against a hand computation and scipy, paired differences)."""
 import csv
 import importlib.util
 import json
@@ -566,3 +567,74 @@ def test_easy_to_learn_held_out_pairs_are_never_trained_on(tmp_path):
         held = {k for b in val for k in b["key"]}
         seen = {k for _, b in zip(range(40), train) for k in b["key"]}   # 40 batches: every epoch's pairs
         assert held and seen and not held & seen, kind
+
+
+# ----------------------------------------------------------------------------- results over seeds
+def test_t_interval_against_hand_computation_and_scipy():
+    """The 95% t-interval of 5 values, computed by hand: mean 0.6, s = sqrt(0.025) = 0.158114,
+    t(0.975, 4) = 2.7764 -> half-width 2.7764 * 0.158114 / sqrt(5) = 0.196324."""
+    m, h = E.mean_ci([0.4, 0.5, 0.6, 0.7, 0.8])
+    assert m == pytest.approx(0.6) and h == pytest.approx(0.196324, abs=1e-5)
+    assert math.isnan(E.mean_ci([0.3])[1])
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for df in (1, 2, 7, 30, 31, 45, 200):
+        assert E.t975(df) == pytest.approx(scipy_stats.t.ppf(0.975, df), abs=2e-4)
+
+
+def test_paired_difference_uses_shared_seeds_only():
+    """A - B over the seeds both ran; its interval is the t-interval of the per-seed differences,
+    narrower than the unpaired spread when the seeds move both methods together."""
+    a = {0: 0.70, 1: 0.80, 2: 0.60, 3: 0.75, 9: 0.1}
+    b = {0: 0.68, 1: 0.77, 2: 0.57, 3: 0.73, 5: 0.9}
+    m, h, n = E.paired_diff(a, b)
+    d = np.array([0.02, 0.03, 0.03, 0.02])
+    assert n == 4 and m == pytest.approx(d.mean())
+    assert h == pytest.approx(E.T975[2] * d.std(ddof=1) / 2)   # df = 3
+    assert m - h > 0                                   # excludes zero although the groups overlap
+    assert E.paired_diff({0: 1.0}, {1: 1.0})[2] == 0
+
+
+def test_summarize_runs_means_and_intervals_over_seeds(tmp_path, capsys):
+    """Runs grouped by config method (+neg), mean ± 95% t-interval over seeds, paired differences
+    against the baseline on shared seeds, folders without both files skipped; against numpy."""
+    rng = np.random.default_rng(0)
+    runs = {"a0": ("il", False, 0), "a1": ("il", False, 1), "a2": ("il", False, 2), "b0": ("il", True, 0),
+            "c0": ("clip", False, 0), "c1": ("clip", False, 1), "c2": ("clip", False, 2)}
+    written = {}
+    for d, (method, neg, seed) in runs.items():
+        res = {k: float(rng.uniform()) for k in ["i2t_r1", "t2i_r1", *data.SHAPES_CATEGORIES]}
+        os.makedirs(tmp_path / d)
+        data.save_json(str(tmp_path / d / "config.json"), {"method": method, "negatives": neg, "seed": seed})
+        data.save_json(str(tmp_path / d / "shapes_eval.json"), res)
+        written.setdefault(method + ("+neg" if neg else ""), []).append(res)
+    os.makedirs(tmp_path / "incomplete")            # no shapes_eval.json: not counted
+    data.save_json(str(tmp_path / "incomplete" / "config.json"), {"method": "il"})
+    groups = E.summarize_runs(str(tmp_path), baseline="clip")
+    assert {k: len(v["i2t_r1"]) for k, v in groups.items()} == {"il": 3, "il+neg": 1, "clip": 3}
+    out = capsys.readouterr().out.splitlines()
+    col = 1 + 2 + data.SHAPES_CATEGORIES.index("replace_att")
+    il = np.array([r["replace_att"] for r in written["il"]])
+    cell = next(ln for ln in out if ln.startswith("| il (3) |")).split(" | ")[col]
+    assert cell == f"{100 * il.mean():.1f} ± {100 * E.T975[1] * il.std(ddof=1) / np.sqrt(3):.1f}"
+    d = il - np.array([r["replace_att"] for r in written["clip"]])
+    cell = next(ln for ln in out if ln.startswith("| il - clip (3) |")).split(" | ")[col]
+    assert cell.rstrip("*") == f"{100 * d.mean():+.1f} ± {100 * E.T975[1] * d.std(ddof=1) / np.sqrt(3):.1f}"
+    assert next(ln for ln in out if ln.startswith("| il+neg - clip (1) |"))
+    means = [np.mean([r[c] for c in data.SHAPES_CATEGORIES]) for r in written["il"]]
+    assert np.allclose(list(groups["il"]["sugarcrepe_mean"].values()), means)
+    with pytest.raises(data.DataError):
+        E.summarize_runs(str(tmp_path / "incomplete"))
+
+def test_shapes_run_reads_the_easy_to_learn_probe(tmp_path):
+    """A run folder with the easy_to_learn JSON gains the probe's accuracy at step 20 and at its
+    last step (fractions); 'scored' is not a metric."""
+    data.save_json(str(tmp_path / "config.json"), {"method": "il", "seed": 3})
+    res = {k: 0.5 for k in ["i2t_r1", "t2i_r1", *data.SHAPES_CATEGORIES]}
+    data.save_json(str(tmp_path / "shapes_eval.json"), res | {"scored": {"items_per_category": 1000}})
+    assert "probe_final" not in E.shapes_run(str(tmp_path))[2]
+    curve = [{"step": 0, "acc": 1.0}, {"step": 20, "acc": 40.0}, {"step": 40, "acc": 55.5}]
+    data.save_json(str(tmp_path / "probe.json"), {"results": {"easy_to_learn": {
+        "run": {"final": 55.5, "curve": curve}, "data": "shapes", "seed": 1234, "steps": 40}}})
+    method, seed, got = E.shapes_run(str(tmp_path))
+    assert (method, seed) == ("il", 3) and "scored" not in got
+    assert got["probe_step20"] == pytest.approx(0.40) and got["probe_final"] == pytest.approx(0.555)

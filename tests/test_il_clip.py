@@ -148,7 +148,7 @@ def test_openai_key_layout_and_shapes():
     assert sd["transformer.resblocks.11.attn.in_proj_weight"] == (1536, 512)
     assert sd["positional_embedding"] == (77, 512) and sd["token_embedding.weight"] == (49408, 512)
     assert not any(k.startswith(("codebook", "image_query", "text_query")) for k in sd)
-    inferred = M.ModelConfig(**data.openai_config({k: torch.empty(v, device="meta") for k, v in sd.items()}))
+    inferred = M.ModelConfig(**M.openai_config({k: torch.empty(v, device="meta") for k, v in sd.items()}))
     assert (inferred.vision_layers, inferred.text_layers, inferred.image_size, inferred.patch_size) == (12, 12, 224, 32)
 
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import data
 import il_clip as M
 from test_il_clip import IL, TINY
 
@@ -211,10 +210,10 @@ def test_trimmed_text_padding_gives_the_same_embeddings(codebook):
     ends = torch.tensor([3, 9, 1, 6, 4])               # EOT positions: the longest caption has 10 tokens
     pos = torch.arange(L)[None]
     text = torch.where(pos == ends[:, None], eot, torch.where(pos > ends[:, None], 0, text))
-    trimmed = data.trim_padding(text, eot)
+    trimmed = M.trim_padding(text, eot)
     assert trimmed.shape == (5, 16) and torch.equal(trimmed, text[:, :16])
-    assert data.trim_padding(text, eot, multiple=1).shape == (5, 10)
-    assert data.trim_padding(text.to("meta"), eot).shape == (5, L)   # on a device: untouched, no sync
+    assert M.trim_padding(text, eot, multiple=1).shape == (5, 10)
+    assert M.trim_padding(text.to("meta"), eot).shape == (5, L)   # on a device: untouched, no sync
     with torch.no_grad():
         assert torch.allclose(model.encode_text(trimmed), model.encode_text(text), atol=1e-6)
     flops = M.estimate_flops_per_pair(model.cfg, text_len=16)

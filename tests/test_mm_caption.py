@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import data
 import mm_learngene as M
+from test_data import parse_shapes_caption
 
 
 def test_bleu_hand_computed():
@@ -120,7 +121,7 @@ def test_shapes_references_are_true_distinct_and_deterministic():
             assert refs == data.shapes_references(scene, 5, random.Random(f"t/{split}/{i}"))
             assert len(refs) == 5 == len(set(refs)) and refs[0] == scene.caption
             for r in refs:
-                struct = data.parse_shapes_caption(to_grammar(r))
+                struct = parse_shapes_caption(to_grammar(r))
                 assert struct is not None and data.caption_is_true(struct, scene.objects), (scene.caption, r)
                 if struct.phrases[0].shape != scene.struct.phrases[0].shape:
                     seen.add("order")
