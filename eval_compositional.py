@@ -2346,6 +2346,8 @@ def summarize_runs(root: str, baseline: str | None = None, read_run=shapes_run) 
     group's paired difference against its baseline over the seeds both ran (* where the interval
     excludes zero). `baseline`: one group (default: the first) or a function group -> baseline
     group. Returns {group: {metric: {seed: value}}}."""
+    if not os.path.isdir(root):
+        raise data.DataError(f"{root}: no such folder of runs")
     groups = {}
     for d in sorted(os.listdir(root)):
         runs = read_run(os.path.join(root, d)) if os.path.isdir(os.path.join(root, d)) else None

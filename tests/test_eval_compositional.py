@@ -624,6 +624,8 @@ def test_summarize_runs_means_and_intervals_over_seeds(tmp_path, capsys):
     assert np.allclose(list(groups["il"]["sugarcrepe_mean"].values()), means)
     with pytest.raises(data.DataError):
         E.summarize_runs(str(tmp_path / "incomplete"))
+    with pytest.raises(data.DataError, match="no such folder"):
+        E.summarize_runs(str(tmp_path / "missing"))
 
 def test_shapes_run_reads_the_easy_to_learn_probe(tmp_path):
     """A run folder with the easy_to_learn JSON gains the probe's accuracy at step 20 and at its
