@@ -627,6 +627,7 @@ def test_summarize_runs_means_and_intervals_over_seeds(tmp_path, capsys):
     with pytest.raises(data.DataError, match="no such folder"):
         E.summarize_runs(str(tmp_path / "missing"))
 
+
 def test_shapes_run_reads_the_easy_to_learn_probe(tmp_path):
     """A run folder with the easy_to_learn JSON gains the probe's accuracy at step 20 and at its
     last step (fractions); 'scored' is not a metric."""
