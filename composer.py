@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import errno
 import fcntl
+import gc
 import functools
 import json
 import math
@@ -53,6 +54,14 @@ try:
     import data  # the repo's shared module (shapes, tokenizer, loaders)
 except ImportError:  # the CRG / MCD / model parts below do not need it
     data = None
+
+if dist.is_available():
+    # Imported before any process group exists: these functions take `group=group.WORLD` as a
+    # default, evaluated on import. Imported later (DDP does, through torch._dynamo), the defaults
+    # hold the group past destroy_process_group, so its gloo worker threads run on into
+    # interpreter exit, where one freeing a Python tensor aborts the process ("terminate called
+    # without an active exception").
+    import torch.distributed.nn.functional  # noqa: F401
 
 
 class ComposerError(Exception):
@@ -3238,6 +3247,7 @@ def main(argv=None):
         # it (and its DDP wrapper) has returned; on every path, errors included
         release_out_dir()
         if dist.is_available() and dist.is_initialized():
+            gc.collect()    # the DDP wrapper (in a reference cycle) holds the group: it goes first
             dist.destroy_process_group()
 
 

@@ -16,6 +16,7 @@ import argparse
 import copy
 import errno
 import fcntl
+import gc
 import json
 import math
 import os
@@ -40,6 +41,14 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 import data
+
+if dist.is_available():
+    # Imported before any process group exists: these functions take `group=group.WORLD` as a
+    # default, evaluated on import. Imported later (DDP does, through torch._dynamo), the defaults
+    # hold the group past destroy_process_group, so its gloo worker threads run on into
+    # interpreter exit, where one freeing a Python tensor aborts the process ("terminate called
+    # without an active exception").
+    import torch.distributed.nn.functional  # noqa: F401
 
 # -----------------------------------------------------------------------------
 # config
@@ -1222,15 +1231,14 @@ class StepLoss(nn.Module):
 def setup_distributed(args):
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if int(os.environ.get("RANK", -1)) == -1:
-        return 0, 1, False
+        return 0, 1
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.device == "cuda":
         args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         torch.cuda.set_device(args.device)
-    owns_pg = not dist.is_initialized()
-    if owns_pg:
+    if not dist.is_initialized():
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
-    return rank, world, owns_pg
+    return rank, world
 
 
 def build_tokenizer(args, rank, world):
@@ -1641,7 +1649,7 @@ def shapes_table(res):
 
 def run(argv=None):
     args = build_args(argv)
-    rank, world, owns_pg = setup_distributed(args)
+    rank, world = setup_distributed(args)
     lock_out_dir(args.out_dir, rank, world, args.device)   # before anything is written there
     if args.resume:
         check_resumable(args.out_dir, rank)
@@ -1670,12 +1678,11 @@ def run(argv=None):
         print(f"scored: {args.eval_size} items per category (every item), retrieval on {data.SHAPES_VAL_PAIRS} val pairs")
     if world > 1:
         dist.barrier()
-    if owns_pg:
-        dist.destroy_process_group()
     return {"done": 0, "sigterm": 0, "nan": 1}[status]
 
 
 def main(argv=None):
+    owns_pg = dist.is_available() and not dist.is_initialized()   # a caller's group is the caller's to end
     try:
         return run(argv)
     except (data.DataError, ConfigError) as e:
@@ -1683,6 +1690,10 @@ def main(argv=None):
         return 2
     finally:
         release_out_dir()
+        if owns_pg and dist.is_initialized():
+            # torch's order: the group goes last, once, on every path, after run() has returned
+            gc.collect()    # the DDP wrapper (in a reference cycle) holds the group: it goes first
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import gc
 import functools
 import json
 import math
@@ -50,6 +51,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import data
+
+if dist.is_available():
+    # Imported before any process group exists: these functions take `group=group.WORLD` as a
+    # default, evaluated on import. Imported later (DDP does, through torch._dynamo), the defaults
+    # hold the group past destroy_process_group, so its gloo worker threads run on into
+    # interpreter exit, where one freeing a Python tensor aborts the process ("terminate called
+    # without an active exception").
+    import torch.distributed.nn.functional  # noqa: F401
 
 
 class ConfigError(Exception):
@@ -2413,6 +2422,7 @@ def main(argv=None):
     finally:
         release_out_dir()
         if dist.is_available() and dist.is_initialized():
+            gc.collect()    # the DDP wrapper (in a reference cycle) holds the group: it goes first
             dist.destroy_process_group()
 
 

@@ -104,3 +104,14 @@ def sigterm_one_rank(cmd, progress_file, env=None, timeout=180):
     except subprocess.TimeoutExpired:
         give_up("the run hung after SIGTERM to one rank")
     return p.returncode, out, err
+
+
+def gloo_threads_left():
+    """Names of this process's gloo threads (from /proc; [] where there is none). A process group
+    that outlives destroy_process_group keeps them running into interpreter exit, where one that
+    frees a Python tensor aborts the process ("terminate called without an active exception")."""
+    names = []
+    for t in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{t}/comm") as f:
+            names.append(f.read().strip())
+    return [n for n in names if "gloo" in n]

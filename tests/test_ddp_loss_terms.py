@@ -72,7 +72,7 @@ def test_loss_terms_on_parameters_train_under_torchrun(teacher, tmp_path, monkey
         r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
                             os.path.abspath(__file__), name, str(teacher), str(tmp_path / "two" / name)], cwd=ROOT,
                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr   # the failing rank's whole message
         with monkeypatch.context() as m:
             for k, v in patches().items():
                 m.setattr(module, k, v)
@@ -93,3 +93,6 @@ if __name__ == "__main__":           # torchrun worker: NAME TEACHER OUT_DIR, tr
     for k, v in patches().items():
         setattr(module, k, v)
     module.main(argv(sys.argv[2], sys.argv[3]))
+    from conftest import gloo_threads_left
+    if gloo_threads_left():     # main() ended the process group, its threads with it
+        sys.exit(f"gloo threads still running after main(): {gloo_threads_left()}")

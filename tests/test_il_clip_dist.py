@@ -3,6 +3,7 @@ process on the combined batch, for every method and every IL phase, through torc
 DistributedDataParallel, also with a fork's loss term that uses parameters directly. One torchrun
 launch trains every method (this file is its worker script); the single-process references run in
 the pytest process."""
+import gc
 import json
 import os
 import signal
@@ -135,7 +136,11 @@ if __name__ == "__main__":        # torchrun worker: every method, one process g
     M.CLIP, M.compute_loss = BiasCLIP, with_extra_terms(M.compute_loss)
     for name, argv in LOSS_TERMS.items():
         rc = rc or M.main(COMMON + argv + ["--out_dir", os.path.join(out, name)])
+    gc.collect()    # the DDP wrappers (in reference cycles) hold the group: they go first
     dist.destroy_process_group()
+    from conftest import gloo_threads_left
+    if gloo_threads_left():     # nothing else held the group: its threads ended with it
+        sys.exit(f"gloo threads still running after destroy_process_group: {gloo_threads_left()}")
     sys.exit(rc)
 
 
