@@ -6,7 +6,7 @@ benchmarks, and run the analysis probes of the IL-CLIP paper (section 4.4).
     python eval_compositional.py --ckpt out/il --benchmarks all \
         --sugarcrepe sugarcrepe/ --sugarcrepe_images coco/val2017 --out results.json
     python eval_compositional.py --init ViT-B-32.safetensors --vocab bpe_simple_vocab_16e6.txt.gz
-    python -c "import eval_compositional as ev; ev.summarize_runs('out/compare', baseline='il')"  # seeds: mean ± CI
+    python -c "import eval_compositional as ev; ev.summarize_runs('out/study/confirm', baseline='il')"  # seeds: mean ± CI
 
 Benchmarks (--benchmarks a,b,...; default `shapes`; `all` = every one below):
   shapes        the built-in benchmark of data.py: 7 SugarCrepe categories (pair accuracy) +
@@ -2332,11 +2332,15 @@ def shapes_run(folder: str):
     cfg, res = data.read_json(cfg_path), data.read_json(res_path)
     res = {k: v for k, v in res.items() if k != "scored"}       # the metrics, not what was scored
     res["sugarcrepe_mean"] = float(np.mean([res[c] for c in data.SHAPES_CATEGORIES]))
-    if os.path.isfile(os.path.join(folder, "probe.json")):
-        probe = data.read_json(os.path.join(folder, "probe.json"))["results"]["easy_to_learn"]
-        (curve,) = [r["curve"] for r in probe.values() if isinstance(r, dict) and "curve" in r]
-        at = {p["step"]: p["acc"] / 100 for p in curve}
-        res |= {"probe_step20": at[20], "probe_final": curve[-1]["acc"] / 100}
+    probe_path = os.path.join(folder, "probe.json")
+    if os.path.isfile(probe_path):
+        probe = data.read_json(probe_path).get("results", {}).get("easy_to_learn", {})
+        curves = [r["curve"] for r in probe.values() if isinstance(r, dict) and "curve" in r]
+        at = {p["step"]: p["acc"] / 100 for p in curves[0]} if len(curves) == 1 else {}
+        if 20 not in at:    # another run's curves (--compare_ckpts), or no evaluation at step 20
+            raise data.DataError(f"{probe_path}: not one easy_to_learn curve with step 20 "
+                                 "(probe this run alone, --probe_eval_every dividing 20)")
+        res |= {"probe_step20": at[20], "probe_final": curves[0][-1]["acc"] / 100}
     return cfg.get("method", folder) + ("+neg" if cfg.get("negatives") else ""), cfg.get("seed", folder), res
 
 

@@ -641,3 +641,7 @@ def test_shapes_run_reads_the_easy_to_learn_probe(tmp_path):
     method, seed, got = E.shapes_run(str(tmp_path))
     assert (method, seed) == ("il", 3) and "scored" not in got
     assert got["probe_step20"] == pytest.approx(0.40) and got["probe_final"] == pytest.approx(0.555)
+    data.save_json(str(tmp_path / "probe.json"), {"results": {"easy_to_learn": {
+        "run": {"final": 55.5, "curve": curve[::2]}, "data": "shapes"}}})    # no step 20: one clear error
+    with pytest.raises(data.DataError, match="step 20"):
+        E.shapes_run(str(tmp_path))
