@@ -2173,40 +2173,63 @@ def recall_at(scores, gold_sets, ks=(1, 5, 10)):
 def phrase_queries(sp: Split, per_caption=5, seed=0):
     """Phrase->image (paper section 5): up to 5 non-sentence concepts per caption; a hit is any
     image whose caption contains the phrase (its denotation within the evaluated images).
-    Choice: when a caption has more, 5 are drawn with a fixed seed."""
+    Choice: when a caption has more, 5 are drawn with a fixed seed. Returns the query CRGs,
+    texts, correct-image sets and each query's source image."""
     rng = random.Random(seed)
     denot = defaultdict(set)
     for crg, im in zip(sp.crgs, sp.cap_img):
         for c in crg.concepts():
             denot[c.text].add(im)
-    crgs, caps, gold = [], [], []
-    for crg in sp.crgs:
+    crgs, caps, gold, src = [], [], [], []
+    for crg, im in zip(sp.crgs, sp.cap_img):
         sub = crg.concepts()[:-1]
         for c in (rng.sample(sub, per_caption) if len(sub) > per_caption else sub):
             crgs.append(c)
             caps.append(c.text)
             gold.append(denot[c.text])
-    return crgs, caps, gold
+            src.append(im)
+    return crgs, caps, gold, src
+
+
+def gallery_scores(model, compiler, comps, captions, src, store, n_img, folds, device):
+    """Scores [C, n_img]. folds = 1: every caption against every image (the paper's protocol).
+    folds = K: image j sits in gallery j % K and a caption (source image src[i]) is scored only
+    against its own gallery, -inf elsewhere: COCO's "5 x 1K test" averaging, which gives a
+    large split many queries at the cost of K galleries of n_img/K (the cross-modal model scores
+    each caption-image pair, so a whole 1000-image split costs 25x a 200-image one; 5 folds, 5x)."""
+    if folds == 1:
+        return score_matrix(model, compiler, comps, captions, store, list(range(n_img)), device)
+    S = torch.full((len(captions), n_img), -float("inf"))
+    for f in range(folds):
+        q = [i for i, im in enumerate(src) if im % folds == f]
+        imgs = list(range(f, n_img, folds))
+        if q:
+            S[torch.tensor(q)[:, None], torch.tensor(imgs)] = score_matrix(
+                model, compiler, [comps[i] for i in q], [captions[i] for i in q], store, imgs, device)
+    return S
 
 
 @torch.no_grad()
-def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True, seed=0):
-    """Text->image R@1/R@5/R@10 (each caption ranks all images of the split) and phrase->image.
-    The result says what was scored: images, captions, and how many parsed by the bracketer."""
+def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True, seed=0, folds=1):
+    """Text->image R@1/R@5/R@10 (each caption ranks all images of the split, or of its gallery
+    with folds > 1: see gallery_scores) and phrase->image. The result says what was scored:
+    images, captions, folds, and how many parsed by the bracketer."""
     model.eval()
     crgs = sp.crgs
     if parse_dropout > 0:
         rng = random.Random(seed)
         crgs = [drop_branches(c, parse_dropout, rng) for c in crgs]
     comps = compile_for(model.cfg, compiler, crgs)
-    imgs = list(range(len(sp.keys)))
-    S = score_matrix(model, compiler, comps, sp.captions, sp.store, imgs, device)
-    res = {"images": len(imgs), "captions": len(sp.captions), "bracketer": sp.n_bracketed,
-           **recall_at(S, [{g} for g in sp.cap_img])}
+    n_img = len(sp.keys)
+    if not 1 <= folds <= max(n_img, 1):
+        raise ComposerError(f"--folds {folds}: needs 1 <= folds <= the {n_img} images of the split")
+    S = gallery_scores(model, compiler, comps, sp.captions, sp.cap_img, sp.store, n_img, folds, device)
+    res = {"images": n_img, "captions": len(sp.captions), "folds": folds, "gallery": -(-n_img // folds),
+           "bracketer": sp.n_bracketed, **recall_at(S, [{g} for g in sp.cap_img])}
     if phrases:
-        pc, pcap, gold = phrase_queries(sp, seed=seed)
+        pc, pcap, gold, src = phrase_queries(sp, seed=seed)
         if pc:
-            Sp = score_matrix(model, compiler, compile_for(model.cfg, compiler, pc), pcap, sp.store, imgs, device)
+            Sp = gallery_scores(model, compiler, compile_for(model.cfg, compiler, pc), pcap, src, sp.store, n_img, folds, device)
             res.update({f"phrase_{k}": v for k, v in recall_at(Sp, gold).items()})
             res["phrases"] = len(pc)
     return res, S
@@ -2623,6 +2646,8 @@ def check_args(args, world):
         raise ComposerError(f"--batch_size {args.batch_size} is not divisible by {world} ranks")
     if args.width % args.heads:
         raise ComposerError(f"--width {args.width} is not divisible by --heads {args.heads}")
+    if args.folds < 1:
+        raise ComposerError(f"--folds {args.folds}: must be at least 1")
     if args.features == "regions" and not args.regions:
         raise ComposerError("--features regions needs --regions DIR or FILE.safetensors")
 
@@ -2665,7 +2690,8 @@ def restore(ckpt, model, opt, sampler, metrics, rank, device):
 
 
 def run_evals(model, compiler, evals, device, args):
-    out = {name: evaluate(model, compiler, es, device, args.parse_dropout, phrases=name == "in_domain", seed=args.seed)[0]
+    out = {name: evaluate(model, compiler, es, device, args.parse_dropout, phrases=name == "in_domain", seed=args.seed,
+                          folds=args.folds)[0]
            for name, es in evals.items()}
     model.train()
     return out
@@ -2843,7 +2869,8 @@ def cmd_eval(args):
     out = {}
     for name, sp in eval_sets(args, args.split, args.split, _n(args.data, args.eval_size, 1000), compiler).items():
         t0 = time.time()
-        res, S = evaluate(model, compiler, sp, device, args.parse_dropout, phrases=not args.no_phrases, seed=args.seed)
+        res, S = evaluate(model, compiler, sp, device, args.parse_dropout, phrases=not args.no_phrases, seed=args.seed,
+                          folds=args.folds)
         res["skipped"] = dict(sp.skipped)
         res["seconds"] = round(time.time() - t0, 1)
         out[name] = res
@@ -2851,6 +2878,8 @@ def cmd_eval(args):
             for i in range(min(args.interpret, len(sp.captions))):
                 print(interpret(model, compiler, sp, S, i, device) + "\n")
     print(json.dumps(out, indent=1))
+    if args.out:
+        write_text(args.out, json.dumps(out, indent=1) + "\n")
     return out
 
 
@@ -2996,8 +3025,9 @@ def load_parser(name):
 
 
 def composer_run(folder):
-    """(model, seed, {"<eval set> R@k": fraction}) of a finished `composer.py train` out_dir (its
-    config.json and the final eval record of metrics.jsonl), else None."""
+    """(model, seed, {"<eval set> R@k": fraction}) of a finished `composer.py train` out_dir: its
+    config.json and out_dir/eval.json (`composer.py eval --out`) if there is one, else the final
+    eval record of metrics.jsonl; None if unfinished."""
     cfg_path, metrics = os.path.join(folder, "config.json"), os.path.join(folder, "metrics.jsonl")
     if not (os.path.isfile(cfg_path) and os.path.isfile(metrics)):
         return None
@@ -3005,6 +3035,8 @@ def composer_run(folder):
         final = next((r for r in map(json.loads, filter(str.strip, f)) if r.get("final")), None)
     if final is None:
         return None
+    if os.path.isfile(os.path.join(folder, "eval.json")):
+        final = {"eval": data.read_json(os.path.join(folder, "eval.json"))}
     a = data.read_json(cfg_path)["args"]
     name = a["method"] + (f" {a['modulator']}" if a["method"] == "composer" and a["modulator"] != "film" else "") \
         + (" +mvsa" if a.get("concept_mvsa") else "")
@@ -3085,6 +3117,8 @@ def add_csv_text(p):
 def add_eval_sets(p):
     p.add_argument("--split_file", action="append", help="extra eval set(s) written by `composer.py mcd`")
     p.add_argument("--parse_dropout", type=float, default=0.0, help="remove parse branches with prob p at eval")
+    p.add_argument("--folds", type=int, default=1, help="rank each caption within 1 of K galleries of the split "
+                   "(image j in gallery j %% K; COCO's 5 x 1K protocol); 1: all images, the paper's protocol")
 
 
 def add_features(p, default="gold"):
@@ -3184,6 +3218,7 @@ def parse_args(argv):
     add_eval_sets(e)
     e.add_argument("--no_phrases", action="store_true")
     e.add_argument("--interpret", type=int, default=0, help="print the per-node score tree of the first K captions")
+    e.add_argument("--out", help="also write the results to this JSON file (`summarize` reads RUN/eval.json)")
     g = sub.add_parser("graph", help="CRG statistics (paper Table 1)")
     add_common(g)
     g.add_argument("--split", default="train")

@@ -260,8 +260,10 @@ def test_resume_exact_and_ddp_equals_single(tmp_path):
     assert sorted(os.listdir(os.path.join(full, "checkpoint"))) == sorted(C.CHECKPOINT_FILES + ("tokenizer.json",))
     assert not [f for f in os.listdir(full) if ".tmp" in f or ".prev" in f]
     # evaluation + interpretation view on the checkpoint
-    out = C.main(["eval", "--ckpt", full, "--eval_size", "12", "--interpret", "1", "--parse_dropout", "0.5"])
-    assert set(out["test"]) >= {"R@1", "R@5", "phrase_R@1", "phrase_R@5"}
+    out = C.main(["eval", "--ckpt", full, "--eval_size", "12", "--interpret", "1", "--parse_dropout", "0.5",
+                  "--folds", "3", "--out", os.path.join(full, "eval.json")])
+    assert set(out["test"]) >= {"R@1", "R@5", "phrase_R@1", "phrase_R@5"} and out["test"]["gallery"] == 4
+    assert data.read_json(os.path.join(full, "eval.json")) == json.loads(json.dumps(out))
 
 
 @pytest.mark.parametrize("model", [["vse"], ["vse", "--vse_loss", "sampled"], ["single"], ["vilbert", "--concept_mvsa"]])

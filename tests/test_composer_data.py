@@ -239,6 +239,35 @@ def test_images_without_a_graph_stay_candidates(tmp_path):
     assert res["images"] == 3 and tuple(S.shape) == (2, 3)
 
 
+def test_folds_rank_each_caption_within_its_gallery(tmp_path):
+    """--folds K (COCO's 5 x 1K protocol): image j sits in gallery j % K, a caption is scored only
+    against its image's gallery, and R@k equals a naive per-caption count on the all-pairs scores."""
+    words = ["dog", "cat", "cow", "pig", "hen", "owl", "fox"]
+    keys = [f"k{i}" for i in range(len(words))]
+    region_file(tmp_path / "r.safetensors", keys)
+    items = [{"source": "x", "key": k, "caption": f"a big {w}", "tree": f"(NP (DT a) (JJ big) (NN {w}))"}
+             for k, w in zip(keys, words)]
+    args = argparse.Namespace(data="x", features="regions", regions=str(tmp_path / "r.safetensors"), max_skip_frac=0.5)
+    sp = C.load_split(args, None, None, items=items)
+    tok = data.build_tokenizer(captions=[it["caption"] for it in items], vocab_size=100)
+    compiler = C.TextCompiler(tok)
+    C.attach_compiler(sp, compiler, 0.5)
+    torch.manual_seed(0)
+    model = C.Composer(C.ModelConfig(vocab_size=tok.vocab_size, feat_dim=6, width=16, heads=2, ct_layers=1))
+    full, S1 = C.evaluate(model, compiler, sp, "cpu", phrases=False)
+    res, S3 = C.evaluate(model, compiler, sp, "cpu", phrases=True, folds=3)
+    assert (res["folds"], res["gallery"], res["images"], res["captions"]) == (3, 3, 7, 7)
+    same = torch.tensor([[j % 3 == g % 3 for j in range(7)] for g in sp.cap_img])
+    assert torch.allclose(S3[same], S1[same], atol=1e-5) and torch.isneginf(S3[~same]).all()
+    for k in (1, 5):
+        hits = sum(sum(bool(S1[i, j] >= S1[i, g]) for j in range(7) if j != g and j % 3 == g % 3) < k
+                   for i, g in enumerate(sp.cap_img))
+        assert res[f"R@{k}"] == round(100.0 * hits / 7, 2)
+    assert full["folds"] == 1 and torch.isfinite(S1).all()
+    with pytest.raises(C.ComposerError, match="--folds 8"):
+        C.evaluate(model, compiler, sp, "cpu", phrases=False, folds=8)
+
+
 def fake_package(root, name, body=""):
     d = root / name
     d.mkdir()
@@ -301,3 +330,6 @@ def test_summarize_reads_final_evals_and_pairs_seeds(tmp_path, capsys):
     half = T975[0] * d.std(ddof=1) / np.sqrt(2)
     row = next(ln for ln in out.splitlines() if ln.startswith("| single - composer (2) |"))
     assert row.split(" | ")[1] == f"{100 * d.mean():+.1f} ± {100 * half:.1f}"
+    # a later `composer.py eval --out RUN/eval.json` (e.g. on larger splits) replaces the final record
+    data.save_json(str(tmp_path / "s1" / "eval.json"), {"mcd": {"R@1": 36.0, "R@5": 95.0}})
+    assert C.main(["summarize", str(tmp_path)])["single"]["mcd R@1"] == {0: 0.2, 1: 0.36}
