@@ -18,8 +18,6 @@ sys.path.insert(0, ROOT)
 import composer as C  # noqa: E402
 import data  # noqa: E402
 
-data = pytest.importorskip("data")
-
 PAPER_TREE = ("(ROOT (S (NP (CD two) (NNS dogs)) (VP (VBP are) (VP (VBG running) "
               "(PP (IN on) (NP (DT the) (NN grass)))))))")
 

@@ -645,3 +645,20 @@ def test_shapes_run_reads_the_easy_to_learn_probe(tmp_path):
         "run": {"final": 55.5, "curve": curve[::2]}, "data": "shapes"}}})    # no step 20: one clear error
     with pytest.raises(data.DataError, match="step 20"):
         E.shapes_run(str(tmp_path))
+
+
+def test_il_clip_end_of_run_table_equals_eval_compositional():
+    """il_clip.py scores the shapes benchmark at the end of a run with its own short loop; it must
+    give what eval_compositional.py gives for the same model. (A plain CLIP: an untrained codebook
+    model gives exactly tied captions, which batching breaks one way or the other.)"""
+    import il_clip
+    tok = data.build_tokenizer(captions=data.captions_for_tokenizer("shapes", 2000), vocab_size=300)
+    cfg = il_clip.ModelConfig(**{**il_clip.MODEL_PRESETS["tiny"], "vocab_size": tok.vocab_size,
+                                 "context_length": tok.context_length, "eot_token_id": tok.eot_id})
+    model = il_clip.CLIP(cfg, seed=3).eval()
+    ours = il_clip.evaluate_shapes(model, tok, n=12, n_val=8, batch_size=5)
+    ref = E.bench_shapes(args(eval_size=12), E.Embedder(model, tok, image_size=cfg.image_size, batch_size=7,
+                                                        progress=False))
+    for cat in [*data.SHAPES_CATEGORIES, "systematicity", "productivity"]:
+        assert ref[cat] == pytest.approx(100 * ours[cat], abs=1e-3), cat   # eval rounds to 4 places
+    assert len({round(ref[c]) for c in data.SHAPES_CATEGORIES}) > 1   # not all the same trivial score
