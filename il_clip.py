@@ -996,10 +996,10 @@ def save_checkpoint(r):
         tensors["pool.emb"], tensors["pool.ptr"] = r.pool.emb, r.pool.ptr
     tensors["log.sums"] = r.sums          # the partial loss averages of the current log interval
     n, p = np.random.get_state(), random.getstate()
-    state = {"step": r.step, "spawned": r.spawned, "loader": r.loader.state_dict(),
+    state = {"step": r.step, "spawned": r.spawned,
              "optimizer": {"param_groups": opt["param_groups"],
                            "scalars": {k: v for k, v in flat.items() if not torch.is_tensor(v)}},
-             "pool_count": r.pool.count if r.pool is not None else 0,
+             "loader": r.loader.state_dict(), "pool_count": r.pool.count if r.pool is not None else 0,
              "log": {"n": r.n_loss, "text_tokens": r.text_tokens},
              "rng": {"torch": torch.get_rng_state().tolist(),
                      "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if r.device.type == "cuda" else None,
