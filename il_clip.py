@@ -729,7 +729,7 @@ def tag_caption(words):
         elif w in CLOSED_CLASS or not w.isalpha():
             tag, in_np = "CLOSED", False
         elif w in ADJECTIVES or ADJ_SUFFIX.match(w):
-            tag = "ADJ"
+            tag, in_np = "ADJ", True
         elif w.endswith("ing") and not in_np:
             tag = "VBG"
         elif w.endswith("ed") and len(w) > 4 and not in_np:
@@ -737,12 +737,10 @@ def tag_caption(words):
         elif i in vbz:
             tag, in_np = "VBZ", False
         elif nominal_next and (in_np or w.endswith(("ing", "ed"))):
-            tag = "MOD"                          # "dirt road", "parking lot", "striped shirt"
+            tag, in_np = "MOD", True             # "dirt road", "parking lot", "striped shirt"
         else:
             plural = w in IRREGULAR_PLURALS or (w.endswith("s") and not w.endswith(("ss", "us", "is")))
             tag, in_np = "NOUN.pl" if plural else "NOUN", False
-        if tag == "MOD" or tag == "ADJ":
-            in_np = True
         tags.append(tag)
     return tags
 
@@ -771,8 +769,9 @@ def negative_caption(caption, rng):
     by its opposite as a whole phrase ("in front of" -> "behind"). None when the caption offers nothing."""
     words = caption.split()
     core = [w.strip(".,;:!?\"'") for w in words]
-    tags = tag_caption(core)
     low = [w.lower() for w in core]
+    # a colour swaps with a colour only
+    tags = [t + ".colour" if t == "ADJ" and low[i] in COLOUR_WORDS else t for i, t in enumerate(tag_caption(core))]
     comma = [w.rstrip("\"'").endswith((",", ";")) for w in words]
     text = caption.lower()
     spans = []                                    # relation phrases, longest first, not overlapping
@@ -782,8 +781,7 @@ def negative_caption(caption, rng):
                 spans.append((m.start(), m.end(), phrase))
     in_relation = {len(text[:s].split()) + k for s, e, _ in spans for k in range(len(text[s:e].split()))}
     options = []
-    tags = [t + ".colour" if t == "ADJ" and low[i] in COLOUR_WORDS else t for i, t in enumerate(tags)]
-    for kind in ("NOUN", "NOUN.pl", "ADJ", "ADJ.colour", "VBG", "VBZ"):   # a colour swaps with a colour
+    for kind in ("NOUN", "NOUN.pl", "ADJ", "ADJ.colour", "VBG", "VBZ"):
         idx = [i for i, t in enumerate(tags) if t == kind and i not in in_relation]
         pairs = [(i, j) for i in idx for j in idx
                  if j > i + 1 and low[i] != low[j] and not reorders_conjuncts(low, comma, i, j)]
@@ -995,7 +993,7 @@ def save_checkpoint(r):
     if r.pool is not None:
         tensors["pool.emb"], tensors["pool.ptr"] = r.pool.emb, r.pool.ptr
     tensors["log.sums"] = r.sums          # the partial loss averages of the current log interval
-    n, p = np.random.get_state(), random.getstate()
+    nps, pys = np.random.get_state(), random.getstate()
     state = {"step": r.step, "spawned": r.spawned,
              "optimizer": {"param_groups": opt["param_groups"],
                            "scalars": {k: v for k, v in flat.items() if not torch.is_tensor(v)}},
@@ -1003,7 +1001,7 @@ def save_checkpoint(r):
              "log": {"n": r.n_loss, "text_tokens": r.text_tokens},
              "rng": {"torch": torch.get_rng_state().tolist(),
                      "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if r.device.type == "cuda" else None,
-                     "numpy": [n[0], n[1].tolist(), *n[2:]], "python": [p[0], list(p[1]), p[2]]}}
+                     "numpy": [nps[0], nps[1].tolist(), *nps[2:]], "python": [pys[0], list(pys[1]), pys[2]]}}
     config = {**vars(r.args), "model": asdict(r.cfg), "world_size": r.world}
     model_sd, out = r.model.state_dict(), r.args.out_dir
     tmp, final, prev = (os.path.join(out, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
@@ -1043,7 +1041,7 @@ def read_checkpoint(folder, device):
     if missing:
         raise data.DataError(f"{os.path.join(folder, missing[0])}: missing (incomplete checkpoint)")
     state = data.read_json(os.path.join(folder, "train_state.json"))
-    data.read_json(os.path.join(folder, "config.json"))       # whole JSON too
+    data.read_json(os.path.join(folder, "config.json"))       # a DataError if it does not parse
     out = []
     for path in (os.path.join(folder, "model.safetensors"), os.path.join(folder, "train_state.safetensors")):
         try:
@@ -1092,9 +1090,9 @@ def load_checkpoint(r):
     torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
     if rng.get("cuda") and r.device.type == "cuda":
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in rng["cuda"]])
-    n, p = rng["numpy"], rng["python"]
-    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
-    random.setstate((p[0], tuple(p[1]), p[2]))
+    nps, pys = rng["numpy"], rng["python"]
+    np.random.set_state((nps[0], np.array(nps[1], dtype=np.uint32), *nps[2:]))
+    random.setstate((pys[0], tuple(pys[1]), pys[2]))
     if r.rank == 0:
         with open(r.metrics_path) if os.path.isfile(r.metrics_path) else nullcontext([]) as f:
             kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= r.step]
