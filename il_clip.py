@@ -26,6 +26,7 @@ import shutil
 import signal
 import sys
 import time
+from collections import OrderedDict
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 
@@ -252,24 +253,16 @@ class Attention(nn.Module):
         return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
-class MLP(nn.Module):
-    def __init__(self, width, hidden, quick_gelu):
-        super().__init__()
-        self.c_fc = nn.Linear(width, hidden)
-        self.gelu = QuickGELU() if quick_gelu else nn.GELU()
-        self.c_proj = nn.Linear(hidden, width)
-
-    def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
-
-
 class ResidualAttentionBlock(nn.Module):
     def __init__(self, width, heads, mlp_ratio, quick_gelu):
         super().__init__()
         self.ln_1 = nn.LayerNorm(width)
         self.attn = Attention(width, heads)
         self.ln_2 = nn.LayerNorm(width)
-        self.mlp = MLP(width, int(width * mlp_ratio), quick_gelu)
+        hidden = int(width * mlp_ratio)
+        self.mlp = nn.Sequential(OrderedDict([("c_fc", nn.Linear(width, hidden)),
+                                              ("gelu", QuickGELU() if quick_gelu else nn.GELU()),
+                                              ("c_proj", nn.Linear(hidden, width))]))
 
     def forward(self, x, causal=False):
         x = x + self.attn(self.ln_1(x), causal=causal)
