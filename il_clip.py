@@ -974,8 +974,7 @@ def release_out_dir():
 
 
 def save_checkpoint(r):
-    """Everything --resume needs to continue bit-exactly from r.step (rank 0 writes). A full disk
-    is one error line; checkpoint.tmp/ is removed and the previous checkpoint kept."""
+    """Everything --resume needs to continue bit-exactly from r.step (rank 0 writes)."""
     if r.rank != 0:
         return
     opt = r.opt.state_dict()
@@ -996,34 +995,40 @@ def save_checkpoint(r):
                      "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if r.device.type == "cuda" else None,
                      "numpy": [nps[0], nps[1].tolist(), *nps[2:]], "python": [pys[0], list(pys[1]), pys[2]]}}
     config = {**vars(r.args), "model": asdict(r.cfg), "world_size": r.world}
-    model_sd, out = r.model.state_dict(), r.args.out_dir
-    tmp, final, prev = (os.path.join(out, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
+    write_checkpoint(r.args.out_dir, r.model.state_dict(), config, tensors, state, r.tok)
+
+
+def write_checkpoint(out_dir, model_sd, config, tensors, state, tok):
+    """The set into checkpoint.tmp/, fsynced, then checkpoint/ -> checkpoint.prev/, checkpoint.tmp/
+    -> checkpoint/, checkpoint.prev/ removed. A full disk is one error line; checkpoint.tmp/ is
+    removed and the previous checkpoint kept."""
+    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
         for name, sd in (("model.safetensors", model_sd), ("train_state.safetensors", tensors)):
             save_file({k: v.detach().to("cpu").contiguous() for k, v in sd.items()}, os.path.join(tmp, name),
-                      {"step": str(r.step)})
+                      {"step": str(state["step"])})
         data.save_json(os.path.join(tmp, "config.json"), config)
         data.save_json(os.path.join(tmp, "train_state.json"), state)
-        r.tok.save(tmp)
+        tok.save(tmp)
         for name in os.listdir(tmp):
             data.fsync(os.path.join(tmp, name))
         data.fsync(tmp)
-        data.atomic_write(os.path.join(out, "config.json"), lambda p: data.save_json(p, config))
+        data.atomic_write(os.path.join(out_dir, "config.json"), lambda p: data.save_json(p, config))
     except Exception as e:      # safetensors reports a full disk as SafetensorError, not OSError
         shutil.rmtree(tmp, ignore_errors=True)
         if getattr(e, "errno", None) != errno.ENOSPC and "No space left" not in str(e):
             raise
         need = sum(v.nbytes for v in [*model_sd.values(), *tensors.values()]) / 2 ** 20
-        raise ConfigError(f"{out}: no space left on device for the step-{r.step} checkpoint (about "
-                          f"{need:.1f} MiB needed, {shutil.disk_usage(out).free / 2 ** 20:.1f} MiB free); "
+        raise ConfigError(f"{out_dir}: no space left on device for the step-{state['step']} checkpoint (about "
+                          f"{need:.1f} MiB needed, {shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); "
                           f"the previous checkpoint is kept") from None
     if os.path.isdir(final):
         shutil.rmtree(prev, ignore_errors=True)
         os.replace(final, prev)
     os.replace(tmp, final)
-    data.fsync(out)
+    data.fsync(out_dir)
     shutil.rmtree(prev, ignore_errors=True)
 
 
