@@ -936,10 +936,10 @@ _lock = None    # this process's open out_dir/.lock
 
 
 def claim_out_dir(args, rank, world):
-    """Before anything is written there: one run per out_dir (a job submitted twice would mix two
-    runs' saves and logs), and --resume needs a checkpoint (a SIGTERM may come before the first
-    save). Rank 0 holds an flock on out_dir/.lock, which the kernel drops when the process ends,
-    killed or not, and says what is wrong, once; the other ranks exit 2."""
+    """Checked before anything is written to out_dir: one run per out_dir (a job submitted twice
+    would mix two runs' saves and logs), and --resume needs a checkpoint (a SIGTERM may come before
+    the first save). Rank 0 holds an flock on out_dir/.lock, which the kernel drops when the process
+    ends, killed or not, and says what is wrong, once; the other ranks exit 2."""
     global _lock
     release_out_dir()
     out, error = args.out_dir, None
