@@ -26,6 +26,7 @@ import shutil
 import signal
 import sys
 import time
+from collections import OrderedDict
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 
@@ -252,24 +253,16 @@ class Attention(nn.Module):
         return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
-class MLP(nn.Module):
-    def __init__(self, width, hidden, quick_gelu):
-        super().__init__()
-        self.c_fc = nn.Linear(width, hidden)
-        self.gelu = QuickGELU() if quick_gelu else nn.GELU()
-        self.c_proj = nn.Linear(hidden, width)
-
-    def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
-
-
 class ResidualAttentionBlock(nn.Module):
     def __init__(self, width, heads, mlp_ratio, quick_gelu):
         super().__init__()
         self.ln_1 = nn.LayerNorm(width)
         self.attn = Attention(width, heads)
         self.ln_2 = nn.LayerNorm(width)
-        self.mlp = MLP(width, int(width * mlp_ratio), quick_gelu)
+        hidden = int(width * mlp_ratio)
+        self.mlp = nn.Sequential(OrderedDict([("c_fc", nn.Linear(width, hidden)),
+                                              ("gelu", QuickGELU() if quick_gelu else nn.GELU()),
+                                              ("c_proj", nn.Linear(hidden, width))]))
 
     def forward(self, x, causal=False):
         x = x + self.attn(self.ln_1(x), causal=causal)
@@ -729,7 +722,7 @@ def tag_caption(words):
         elif w in CLOSED_CLASS or not w.isalpha():
             tag, in_np = "CLOSED", False
         elif w in ADJECTIVES or ADJ_SUFFIX.match(w):
-            tag = "ADJ"
+            tag, in_np = "ADJ", True
         elif w.endswith("ing") and not in_np:
             tag = "VBG"
         elif w.endswith("ed") and len(w) > 4 and not in_np:
@@ -737,12 +730,10 @@ def tag_caption(words):
         elif i in vbz:
             tag, in_np = "VBZ", False
         elif nominal_next and (in_np or w.endswith(("ing", "ed"))):
-            tag = "MOD"                          # "dirt road", "parking lot", "striped shirt"
+            tag, in_np = "MOD", True             # "dirt road", "parking lot", "striped shirt"
         else:
             plural = w in IRREGULAR_PLURALS or (w.endswith("s") and not w.endswith(("ss", "us", "is")))
             tag, in_np = "NOUN.pl" if plural else "NOUN", False
-        if tag == "MOD" or tag == "ADJ":
-            in_np = True
         tags.append(tag)
     return tags
 
@@ -771,8 +762,9 @@ def negative_caption(caption, rng):
     by its opposite as a whole phrase ("in front of" -> "behind"). None when the caption offers nothing."""
     words = caption.split()
     core = [w.strip(".,;:!?\"'") for w in words]
-    tags = tag_caption(core)
     low = [w.lower() for w in core]
+    # a colour swaps with a colour only
+    tags = [t + ".colour" if t == "ADJ" and low[i] in COLOUR_WORDS else t for i, t in enumerate(tag_caption(core))]
     comma = [w.rstrip("\"'").endswith((",", ";")) for w in words]
     text = caption.lower()
     spans = []                                    # relation phrases, longest first, not overlapping
@@ -782,8 +774,7 @@ def negative_caption(caption, rng):
                 spans.append((m.start(), m.end(), phrase))
     in_relation = {len(text[:s].split()) + k for s, e, _ in spans for k in range(len(text[s:e].split()))}
     options = []
-    tags = [t + ".colour" if t == "ADJ" and low[i] in COLOUR_WORDS else t for i, t in enumerate(tags)]
-    for kind in ("NOUN", "NOUN.pl", "ADJ", "ADJ.colour", "VBG", "VBZ"):   # a colour swaps with a colour
+    for kind in ("NOUN", "NOUN.pl", "ADJ", "ADJ.colour", "VBG", "VBZ"):
         idx = [i for i, t in enumerate(tags) if t == kind and i not in in_relation]
         pairs = [(i, j) for i in idx for j in idx
                  if j > i + 1 and low[i] != low[j] and not reorders_conjuncts(low, comma, i, j)]
@@ -944,32 +935,35 @@ CHECKPOINT_FILES = ("model.safetensors", "config.json", "train_state.safetensors
 _lock = None    # this process's open out_dir/.lock
 
 
-def lock_out_dir(out_dir, rank, world, device):
-    """One run per out_dir (a job submitted twice would mix two runs' saves and logs): rank 0
-    holds an flock on out_dir/.lock, which the kernel drops when the process ends, killed or
-    not. If another process holds it, every rank stops and rank 0 names that process."""
+def claim_out_dir(args, rank, world):
+    """Checked before anything is written to out_dir: one run per out_dir (a job submitted twice
+    would mix two runs' saves and logs), and --resume needs a checkpoint (a SIGTERM may come before
+    the first save). Rank 0 holds an flock on out_dir/.lock, which the kernel drops when the process
+    ends, killed or not, and says what is wrong, once; the other ranks exit 2."""
     global _lock
     release_out_dir()
-    holder = None
+    out, error = args.out_dir, None
     if rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        _lock = open(os.path.join(out_dir, ".lock"), "a+")
+        os.makedirs(out, exist_ok=True)
+        _lock = open(os.path.join(out, ".lock"), "a+")
         try:
             fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             _lock.truncate(0)
             _lock.write(f"{os.getpid()}\n")
             _lock.flush()
+            if args.resume and not any(os.path.isdir(os.path.join(out, d)) for d in ("checkpoint", "checkpoint.prev")):
+                error = f"--resume: nothing to resume yet in {out} (no checkpoint saved)"
         except BlockingIOError:
             _lock.seek(0)
-            holder = _lock.read().strip() or "?"
+            error = f"{out} is in use by another run: process {_lock.read().strip() or '?'} holds {out}/.lock"
             release_out_dir()
-    busy = torch.tensor(float(holder is not None), device=device)
+    failed = torch.tensor(float(error is not None), device=args.device)
     if world > 1:
-        dist.broadcast(busy, 0)
-    if busy.item():
+        dist.broadcast(failed, 0)
+    if failed.item():
         if rank:
-            raise SystemExit(2)      # rank 0 says why, once
-        raise ConfigError(f"{out_dir} is in use by another run: process {holder} holds {out_dir}/.lock")
+            raise SystemExit(2)
+        raise ConfigError(error)
 
 
 def release_out_dir():
@@ -979,26 +973,42 @@ def release_out_dir():
         _lock = None
 
 
-def check_resumable(out_dir, rank):
-    """--resume with no checkpoint at all (e.g. a SIGTERM before the first save) is an error,
-    said once, by rank 0."""
-    if not any(os.path.isdir(os.path.join(out_dir, d)) for d in ("checkpoint", "checkpoint.prev")):
-        if rank:
-            raise SystemExit(2)
-        raise ConfigError(f"--resume: nothing to resume yet in {out_dir} (no checkpoint saved)")
+def save_checkpoint(r):
+    """Everything --resume needs to continue bit-exactly from r.step (rank 0 writes)."""
+    if r.rank != 0:
+        return
+    opt = r.opt.state_dict()
+    flat = {f"{i}.{name}": v for i, st in opt["state"].items() for name, v in st.items()}
+    tensors = {f"opt.{k}": v for k, v in flat.items() if torch.is_tensor(v)}
+    if r.teacher is not None:
+        tensors.update({f"teacher.{k}": v for k, v in r.teacher.state_dict().items()})
+    if r.pool is not None:
+        tensors["pool.emb"], tensors["pool.ptr"] = r.pool.emb, r.pool.ptr
+    tensors["log.sums"] = r.sums          # the partial loss averages of the current log interval
+    nps, pys = np.random.get_state(), random.getstate()
+    state = {"step": r.step, "spawned": r.spawned,
+             "optimizer": {"param_groups": opt["param_groups"],
+                           "scalars": {k: v for k, v in flat.items() if not torch.is_tensor(v)}},
+             "loader": r.loader.state_dict(), "pool_count": r.pool.count if r.pool is not None else 0,
+             "log": {"n": r.n_loss, "text_tokens": r.text_tokens},
+             "rng": {"torch": torch.get_rng_state().tolist(),
+                     "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if r.device.type == "cuda" else None,
+                     "numpy": [nps[0], nps[1].tolist(), *nps[2:]], "python": [pys[0], list(pys[1]), pys[2]]}}
+    config = {**vars(r.args), "model": asdict(r.cfg), "world_size": r.world}
+    write_checkpoint(r.args.out_dir, r.model.state_dict(), config, tensors, state, r.tok)
 
 
 def write_checkpoint(out_dir, model_sd, config, tensors, state, tok):
-    """The set into checkpoint.tmp/, fsync, then checkpoint/ -> checkpoint.prev/, checkpoint.tmp/
+    """The set into checkpoint.tmp/, fsynced, then checkpoint/ -> checkpoint.prev/, checkpoint.tmp/
     -> checkpoint/, checkpoint.prev/ removed. A full disk is one error line; checkpoint.tmp/ is
-    removed and the previous checkpoint is left as it was."""
+    removed and the previous checkpoint kept."""
     tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
-    cpu = lambda sd: {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        save_file(cpu(model_sd), os.path.join(tmp, "model.safetensors"), {"step": str(state["step"])})
-        save_file(cpu(tensors), os.path.join(tmp, "train_state.safetensors"), {"step": str(state["step"])})
+        for name, sd in (("model.safetensors", model_sd), ("train_state.safetensors", tensors)):
+            save_file({k: v.detach().to("cpu").contiguous() for k, v in sd.items()}, os.path.join(tmp, name),
+                      {"step": str(state["step"])})
         data.save_json(os.path.join(tmp, "config.json"), config)
         data.save_json(os.path.join(tmp, "train_state.json"), state)
         tok.save(tmp)
@@ -1028,7 +1038,8 @@ def read_checkpoint(folder, device):
     missing = [n for n in CHECKPOINT_FILES if not os.path.isfile(os.path.join(folder, n))]
     if missing:
         raise data.DataError(f"{os.path.join(folder, missing[0])}: missing (incomplete checkpoint)")
-    state, _ = data.read_json(os.path.join(folder, "train_state.json")), data.read_json(os.path.join(folder, "config.json"))
+    state = data.read_json(os.path.join(folder, "train_state.json"))
+    data.read_json(os.path.join(folder, "config.json"))       # a DataError if it does not parse
     out = []
     for path in (os.path.join(folder, "model.safetensors"), os.path.join(folder, "train_state.safetensors")):
         try:
@@ -1043,91 +1054,24 @@ def read_checkpoint(folder, device):
     return out[0], out[1], state
 
 
-def find_checkpoint(out_dir, device):
-    """read_checkpoint of out_dir/checkpoint/, else of a complete checkpoint.prev/ (said on stderr)."""
+def load_checkpoint(r):
+    """save_checkpoint undone, from out_dir/checkpoint/ or else a complete checkpoint.prev/ (said
+    on stderr); metrics.jsonl is cut back to the resumed step, so no step is logged twice."""
     try:
-        return read_checkpoint(os.path.join(out_dir, "checkpoint"), device)
+        sd, ts, state = read_checkpoint(os.path.join(r.args.out_dir, "checkpoint"), r.device)
     except data.DataError as e:
-        prev = os.path.join(out_dir, "checkpoint.prev")
+        prev = os.path.join(r.args.out_dir, "checkpoint.prev")
         if not os.path.isdir(prev):
             raise
-        found = read_checkpoint(prev, device)
-        print(f"note: {e}; resuming from the previous complete checkpoint {prev} (step {found[2]['step']})",
+        sd, ts, state = read_checkpoint(prev, r.device)
+        print(f"note: {e}; resuming from the previous complete checkpoint {prev} (step {state['step']})",
               file=sys.stderr)
-        return found
-
-
-def optimizer_state(opt):
-    """opt.state_dict() as (tensors "opt.{param}.{name}", JSON-able rest)."""
-    sd = opt.state_dict()
-    flat = {f"{i}.{name}": v for i, st in sd["state"].items() for name, v in st.items()}
-    return ({f"opt.{k}": v for k, v in flat.items() if torch.is_tensor(v)},
-            {"param_groups": sd["param_groups"], "scalars": {k: v for k, v in flat.items() if not torch.is_tensor(v)}})
-
-
-def load_optimizer_state(opt, tensors, info):
-    state = {}
-    for key, v in [(k[4:], v) for k, v in tensors.items() if k.startswith("opt.")] + list(info["scalars"].items()):
-        i, name = key.split(".", 1)
-        state.setdefault(int(i), {})[name] = v
-    opt.load_state_dict({"state": state, "param_groups": info["param_groups"]})
-
-
-def rng_state(device):
-    """torch (and CUDA), numpy and python RNG states as JSON: a resumed run draws the same numbers."""
-    n, p = np.random.get_state(), random.getstate()
-    return {"torch": torch.get_rng_state().tolist(),
-            "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if device.type == "cuda" else None,
-            "numpy": [n[0], n[1].tolist(), *n[2:]], "python": [p[0], list(p[1]), p[2]]}
-
-
-def set_rng_state(st, device):
-    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
-    if st.get("cuda") and device.type == "cuda":
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
-    n, p = st["numpy"], st["python"]
-    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
-    random.setstate((p[0], tuple(p[1]), p[2]))
-
-
-def all_finite(tensors):
-    """Every floating-point tensor finite? (checked before a save: never a NaN checkpoint)"""
-    flags = [torch.isfinite(t).all() for t in tensors if torch.is_tensor(t) and t.is_floating_point()]
-    return bool(torch.stack(flags).all()) if flags else True
-
-
-def rewind_metrics(path, step):
-    """metrics.jsonl cut back to the resumed step: no step is logged twice (rank 0 rewrites it)."""
-    with open(path) if os.path.isfile(path) else nullcontext([]) as f:
-        kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= step]
-
-    def write(p):
-        with open(p, "w") as f:
-            f.writelines(kept)
-    data.atomic_write(path, write)
-
-
-def save_checkpoint(r):
-    """Everything --resume needs to continue bit-exactly from r.step (rank 0 writes)."""
-    if r.rank != 0:
-        return
-    tensors, optimizer = optimizer_state(r.opt)
-    if r.teacher is not None:
-        tensors.update({f"teacher.{k}": v for k, v in r.teacher.state_dict().items()})
-    if r.pool is not None:
-        tensors["pool.emb"], tensors["pool.ptr"] = r.pool.emb, r.pool.ptr
-    tensors["log.sums"] = r.sums          # the partial loss averages of the current log interval
-    state = {"step": r.step, "spawned": r.spawned, "optimizer": optimizer, "loader": r.loader.state_dict(),
-             "pool_count": r.pool.count if r.pool is not None else 0,
-             "log": {"n": r.n_loss, "text_tokens": r.text_tokens}, "rng": rng_state(r.device)}
-    config = {**vars(r.args), "model": asdict(r.cfg), "world_size": r.world}
-    write_checkpoint(r.args.out_dir, r.model.state_dict(), config, tensors, state, r.tok)
-
-
-def load_checkpoint(r):
-    sd, ts, state = find_checkpoint(r.args.out_dir, r.device)
     data.load_state(r.model, sd, os.path.join(r.args.out_dir, "checkpoint"))
-    load_optimizer_state(r.opt, ts, state["optimizer"])
+    opt = {}
+    for key, v in [(k[4:], v) for k, v in ts.items() if k.startswith("opt.")] + list(state["optimizer"]["scalars"].items()):
+        i, name = key.split(".", 1)
+        opt.setdefault(int(i), {})[name] = v
+    r.opt.load_state_dict({"state": opt, "param_groups": state["optimizer"]["param_groups"]})
     r.step, r.spawned = state["step"], state["spawned"]
     teacher = {k[8:]: v for k, v in ts.items() if k.startswith("teacher.")}
     if teacher:
@@ -1140,9 +1084,27 @@ def load_checkpoint(r):
     r.sums.copy_(ts["log.sums"])
     r.n_loss, r.text_tokens = state["log"]["n"], state["log"]["text_tokens"]
     r.loader.load_state_dict(state["loader"])
-    set_rng_state(state["rng"], r.device)
+    rng = state["rng"]
+    torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
+    if rng.get("cuda") and r.device.type == "cuda":
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in rng["cuda"]])
+    nps, pys = rng["numpy"], rng["python"]
+    np.random.set_state((nps[0], np.array(nps[1], dtype=np.uint32), *nps[2:]))
+    random.setstate((pys[0], tuple(pys[1]), pys[2]))
     if r.rank == 0:
-        rewind_metrics(r.metrics_path, r.step)
+        with open(r.metrics_path) if os.path.isfile(r.metrics_path) else nullcontext([]) as f:
+            kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= r.step]
+
+        def write(path):
+            with open(path, "w") as f:
+                f.writelines(kept)
+        data.atomic_write(r.metrics_path, write)
+
+
+def all_finite(tensors):
+    """Every floating-point tensor finite? (checked before a save: never a NaN checkpoint)"""
+    flags = [torch.isfinite(t).all() for t in tensors if torch.is_tensor(t) and t.is_floating_point()]
+    return bool(torch.stack(flags).all()) if flags else True
 
 
 def save_generation_snapshot(r, gen):
@@ -1273,13 +1235,9 @@ def model_config(args, tok):
 
 def param_groups(model):
     """AdamW groups: no weight decay on gains, biases, 1-d embeddings and logit_scale."""
-    decay, no_decay = [], []
-    for n, p in model.named_parameters():
-        if p.ndim < 2 or "ln_" in n or "bias" in n or "logit_scale" in n:
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    return decay, no_decay
+    params = list(model.named_parameters())
+    no_decay = {n for n, p in params if p.ndim < 2 or "ln_" in n or "bias" in n or "logit_scale" in n}
+    return [p for n, p in params if n not in no_decay], [p for n, p in params if n in no_decay]
 
 
 def build_model_and_optimizer(args, cfg, device):
@@ -1553,24 +1511,15 @@ CLIP_LOSS_COLOUR = (150, 150, 150)
 PHASE_COLOURS = {"warmup": (40, 90, 200), "train": (40, 90, 200), "distill": (220, 120, 0), "interact": (30, 150, 60)}
 
 
-def draw_loss_curve(metrics_path, png_path, boundaries=()):
+def draw_loss_curve(metrics_path, png_path, boundaries=(), size=(900, 420)):
     """The loss coloured by phase and, in grey, the contrastive loss of every phase (the distill
-    loss is KD): Fig. 3's spike at each spawn shows in the grey curve."""
+    loss is KD): Fig. 3's spike at each spawn (`boundaries`, red lines) shows in the grey curve.
+    Drawn with PIL (no matplotlib in this project); non-finite points are dropped."""
     with open(metrics_path) if os.path.isfile(metrics_path) else nullcontext([]) as f:
         recs = [json.loads(ln) for ln in f if ln.strip()]
-    steps = [m["step"] for m in recs]
-    plot_curves(png_path, {
-        "contrastive": (steps, [m.get("clip_loss", math.nan) for m in recs], CLIP_LOSS_COLOUR),
-        "loss": (steps, [m["loss"] for m in recs], [PHASE_COLOURS.get(m.get("phase"), (0, 0, 0)) for m in recs])},
-        boundaries, "(blue warm-up, orange distill, green interact; grey contrastive)")
-
-
-def plot_curves(path, series, boundaries=(), caption="", size=(900, 420)):
-    """A PNG of curves {name: ([steps], [values], colour or [colour per point])} on shared axes,
-    drawn with PIL (no matplotlib in this project); `boundaries`: steps marked by a red line
-    (e.g. IL spawns). Non-finite points are dropped."""
-    curves = [[(x, y, c[i] if isinstance(c, list) else c) for i, (x, y) in enumerate(zip(xs, ys))
-               if math.isfinite(y)] for xs, ys, c in series.values()]
+    curves = [[(m["step"], m.get("clip_loss", math.nan), CLIP_LOSS_COLOUR) for m in recs],
+              [(m["step"], m["loss"], PHASE_COLOURS.get(m.get("phase"), (0, 0, 0))) for m in recs]]
+    curves = [[p for p in curve if math.isfinite(p[1])] for curve in curves]
     pts = [p for curve in curves for p in curve]
     (W, H), (L, R, T, B) = size, (60, 20, 20, 40)
     img = Image.new("RGB", size, "white")
@@ -1591,8 +1540,8 @@ def plot_curves(path, series, boundaries=(), caption="", size=(900, 420)):
             d.text((4, py(v) - 6), f"{v:.3f}", fill="black")
         d.text((L, H - B + 6), "0", fill="black")
         d.text((W - R - 40, H - B + 6), str(x1), fill="black")
-    d.text((L, H - 18), f"step   {caption}", fill="black")
-    data.atomic_write(path, lambda p: img.save(p, format="PNG"))
+    d.text((L, H - 18), "step   (blue warm-up, orange distill, green interact; grey contrastive)", fill="black")
+    data.atomic_write(png_path, lambda p: img.save(p, format="PNG"))
 
 
 # -----------------------------------------------------------------------------
@@ -1650,9 +1599,7 @@ def shapes_table(res):
 def run(argv=None):
     args = build_args(argv)
     rank, world = setup_distributed(args)
-    lock_out_dir(args.out_dir, rank, world, args.device)   # before anything is written there
-    if args.resume:
-        check_resumable(args.out_dir, rank)
+    claim_out_dir(args, rank, world)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)
