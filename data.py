@@ -27,7 +27,6 @@ import csv
 import glob
 import gzip
 import html
-import html.entities
 import io
 import itertools
 import json
@@ -40,10 +39,10 @@ import signal
 import sys
 import tarfile
 import time
-import unicodedata
 import zlib
 from dataclasses import dataclass, field
 
+import ftfy
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFilter
@@ -549,162 +548,15 @@ def _bytes_to_unicode() -> dict:
     return dict(zip(bs, [chr(c) for c in cs]))
 
 
-# OpenAI CLIP cleans every caption before BPE (simple_tokenizer.py: basic_clean, whitespace_clean):
-# ftfy.fix_text, html.unescape twice, strip, whitespace runs -> " ", lower-case. The ids of
-# released weights were made from cleaned text, so `&amp;`, `it’s`, `ﬁ`, full-width letters and
-# mojibake must reach the BPE as OpenAI's did. ftfy is used when installed; otherwise the fixes
-# below re-implement fix_text's steps in the standard library (ftfy 6.3: same tables, same order,
-# repeated to a fixed point). Only the mojibake repair differs: ftfy weighs a heuristic; this one
-# repairs only what real text cannot be, and otherwise leaves the text as given.
-
-_LIGATURES = {ord(k): v for k, v in {"Ĳ": "IJ", "ĳ": "ij", "ŉ": "ʼn", "Ǳ": "DZ", "ǲ": "Dz", "ǳ": "dz",
-              "Ǆ": "DŽ", "ǅ": "Dž", "ǆ": "dž", "Ǉ": "LJ", "ǈ": "Lj", "ǉ": "lj", "Ǌ": "NJ", "ǋ": "Nj",
-              "ǌ": "nj", "ﬀ": "ff", "ﬁ": "fi", "ﬂ": "fl", "ﬃ": "ffi", "ﬄ": "ffl", "ﬅ": "ſt", "ﬆ": "st"}.items()}
-_WIDTH = {0x3000: " ", **{i: unicodedata.normalize("NFKC", chr(i)) for i in range(0xFF01, 0xFFF0)
-                         if unicodedata.normalize("NFKC", chr(i)) != chr(i)}}
-_CONTROL = dict.fromkeys([*range(0x00, 0x09), 0x0B, *range(0x0E, 0x20), 0x7F, *range(0x206A, 0x2070),
-                          0xFEFF, *range(0xFFF9, 0xFFFD)])
-_HTML_ENTITY = re.compile(r"&#?[0-9A-Za-z]{1,24};")
-_ANSI_ESCAPE = re.compile("\033\\[((?:\\d|;)*)([a-zA-Z])")
-# one UTF-8 sequence whose bytes were each decoded as Windows-1252 (Latin-1 for the bytes it
-# leaves undefined): a lead byte, then 1-3 continuation bytes 0x80-0xbf
-_CP1252_CONTINUATION = "\u0080-\u00bf" + "".join(
-    bytes([b]).decode("cp1252") for b in range(0x80, 0xc0) if b not in (0x81, 0x8d, 0x8f, 0x90, 0x9d))
-_MOJIBAKE = re.compile(f"[\u00c2-\u00df][{_CP1252_CONTINUATION}]|[\u00e0-\u00ef][{_CP1252_CONTINUATION}]{{2}}"
-                       f"|[\u00f0-\u00f4][{_CP1252_CONTINUATION}]{{3}}")
-_MOJIBAKE_RUN = re.compile(f"(?:{_MOJIBAKE.pattern})+")
-# what bytes 0x80-0x9f decode to (cp1252's punctuation; C1 controls where it has none)
-_CP1252_PUNCTUATION = "".join(bytes([b]).decode("cp1252", errors="ignore") or chr(b) for b in range(0x80, 0xa0))
-# continuation characters that real text puts right after an upper-case letter ("CAFÉ…",
-# "CAFÉ·BAR", "LE CAFÉ™", "ESPAÑA»", "Nº"): after a lead character they prove nothing
-_AFTER_A_LETTER = "€…’”–—™\u00a0¢£¥©ª«»®°±²³µ·¹º\u00ad"
-_SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _html_entities() -> dict:
-    """ftfy's table: html5 names ending in ';', plus upper-cased names of lower-case ones."""
-    table = {}
-    for name, char in html.entities.html5.items():
-        if name.endswith(";"):
-            table["&" + name] = char
-            if name == name.lower() and html.unescape("&" + name.upper()) == "&" + name.upper():
-                table["&" + name.upper()] = char.upper()
-    return table
-
-
-def _unescape_entity(match) -> str:
-    entity = match.group(0)
-    if entity in _ENTITIES:
-        return _ENTITIES[entity]
-    if entity.startswith("&#"):
-        char = html.unescape(entity)
-        return entity if ";" in char else char
-    return entity
-
-
-def _sloppy_cp1252_bytes(text: str) -> bytes:
-    """Each character back to the byte Windows-1252 (Latin-1 where it is undefined) decodes to it."""
-    return b"".join(bytes([ord(ch)]) if ord(ch) < 256 else ch.encode("cp1252") for ch in text)
-
-
-def _certain_mojibake(match) -> bool:
-    """A run of UTF-8 sequences read as Windows-1252 that real text does not hold: â/ð before
-    cp1252 punctuation ("â€™", "ðŸ˜€"); Â/Ã (rare letters, never before a symbol) before a symbol
-    that never follows a letter ("Ã‰") or before a Latin-1 symbol or small letter ("Ã©", "Â°")
-    outside an upper-case word ("IRMÃ»" may be Portuguese); two or more sequences in a row with
-    such a symbol ("Ð¿Ñ€", "æ—¥æœ¬"). "CAFÉ…", "CAFÉ·BAR", "LE CAFÉ™", "ESPAÑA»", "AMANHÃ…" are
-    real upper-case text; a lone "Î±" or "Å›" is not certain either."""
-    run, text = match.group(0), match.string
-    seqs = _MOJIBAKE.findall(run)
-    lead, cont = seqs[0][0], seqs[0][1:]
-    odd = any(c not in _AFTER_A_LETTER for s in seqs for c in s[1:])
-    caps = text[match.start() - 1:match.start()].isupper() and not text[match.end():match.end() + 1].islower()
-    return ((lead in "âð" and cont[0] in _CP1252_PUNCTUATION) or (odd and (len(seqs) > 1 or lead in "ÂÃ"))
-            or (lead in "ÂÃ" and "\u00a0" <= cont[0] <= "\u00bf" and not caps))
-
-
-def _decode_run(match) -> str:
-    try:
-        return _sloppy_cp1252_bytes(match.group(0)).decode("utf-8")
-    except UnicodeDecodeError:      # e.g. an overlong form: not UTF-8 after all
-        return match.group(0)
-
-
-def _fix_mojibake(text: str) -> str:
-    """UTF-8 that was decoded as Windows-1252 ("cafÃ©", "itâ€™s") decoded again as UTF-8, all of
-    it, in a text that holds certain mojibake (_certain_mojibake), with "Ã " as "à" whose NBSP
-    became a space ("Ã©tÃ© Ã  Paris" -> "été à Paris", as ftfy); again while the result holds
-    certain mojibake (twice-encoded text). Any other text is returned unchanged: a repair is
-    whole or not made."""
-    while any(_certain_mojibake(m) for m in _MOJIBAKE_RUN.finditer(text)):
-        text = _MOJIBAKE_RUN.sub(_decode_run, re.sub("\u00c3  ?", "\u00e0 ", text))  # a real "Ã " reads "Ãƒ "
-    return text
-
-
-def _fix_surrogates(text: str) -> str:
-    """As ftfy: a UTF-16 surrogate pair becomes its character, a lone surrogate U+FFFD (no
-    UTF-8 encoding exists for it: the tokenizer would raise)."""
-    text = _SURROGATE_PAIR.sub(lambda m: m.group(0).encode("utf-16", "surrogatepass").decode("utf-16"), text)
-    return _SURROGATE.sub("\ufffd", text)
-
-
-def _fix_c1(match) -> str:
-    return bytes([ord(match.group(0))]).decode("cp1252", errors="ignore") or match.group(0)
-
-
-def _fix_segment(text: str, unescape: bool) -> str:
-    """One line through fix_text's steps, repeated until nothing changes (the mojibake repair in
-    the first pass only: later steps, such as uncurling quotes, would change what it sees)."""
-    passes = 0
-    while True:
-        before, passes = text, passes + 1
-        if unescape:
-            text = _HTML_ENTITY.sub(_unescape_entity, text)
-        if passes == 1:
-            text = _fix_mojibake(text)
-        text = re.sub(r"[\x80-\x9f]", _fix_c1, text)
-        text = text.translate(_LIGATURES).translate(_WIDTH)
-        text = re.sub("[\u02bc\u2018-\u201b]", "'", re.sub("[\u201c-\u201f]", '"', text))
-        for line_break in ("\r\n", "\r", "\u2028", "\u2029", "\u0085"):
-            text = text.replace(line_break, "\n")
-        text = _ANSI_ESCAPE.sub("", _fix_surrogates(text)).translate(_CONTROL)
-        text = unicodedata.normalize("NFC", text)
-        if text == before:
-            return text
-
-
-def fix_text_stdlib(text: str) -> str:
-    """ftfy.fix_text's default steps without ftfy: per line, HTML entities (only while no '<'
-    has been seen, as ftfy's "auto"), certain mojibake, C1 controls, Latin ligatures, full-width
-    forms, curly quotes, line breaks, surrogates, terminal escapes, control characters, NFC."""
-    out, unescape = [], True
-    for segment in re.split("(?<=\n)", text):
-        unescape = unescape and "<" not in segment
-        out.append(_fix_segment(segment, unescape))
-    return "".join(out)
-
-
-def clip_clean(text: str, fix_text=None) -> str:
-    """OpenAI CLIP's caption cleaning (basic_clean + whitespace_clean + lower); fix_text defaults
-    to ftfy.fix_text when installed, else fix_text_stdlib."""
+def clip_clean(text: str) -> str:
+    """OpenAI CLIP's caption cleaning before the BPE (simple_tokenizer.py's basic_clean and
+    whitespace_clean): ftfy.fix_text (which also replaces lone surrogates, which the tokenizer
+    cannot encode), html.unescape twice, whitespace runs -> " ", strip, lower-case. The ids of
+    released weights were made from cleaned text, so `&amp;`, `it’s`, `ﬁ`, full-width letters and
+    mojibake must reach the BPE as OpenAI's did."""
     if not (text.isascii() and text.isprintable() and "&" not in text):  # else fix_text would change nothing
-        text = (fix_text or _fix_text)(text)
-        text = _SURROGATE.sub("\ufffd", html.unescape(html.unescape(text)))  # the tokenizer cannot encode one
-    text = text.strip()
+        text = html.unescape(html.unescape(ftfy.fix_text(text)))
     return " ".join(text.split()).lower()
-
-
-def _ftfy_or_stdlib():
-    try:
-        import ftfy
-        return ftfy.fix_text
-    except ImportError:
-        return fix_text_stdlib
-
-
-_ENTITIES = _html_entities()
-_fix_text = _ftfy_or_stdlib()
 
 
 SOT_TOKEN, EOT_TOKEN, PAD_TOKEN, UNK_TOKEN = "<|startoftext|>", "<|endoftext|>", "<pad>", "<unk>"
