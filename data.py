@@ -155,7 +155,7 @@ def _phrase_words(p: Phrase, word=_same_word) -> list:
 
 def render_caption(s: CaptionStruct, word=_same_word) -> str:
     """The caption's words; `word(kind, value)` may put a synonym for a size, colour, shape or
-    relation (shapes_references), by default the grammar's own word."""
+    relation (mm_learngene.shapes_references), by default the grammar's own word."""
     w = [_phrase_words(p, word) for p in s.phrases]
     r = [word("relation", rel).split() for rel in s.relations]
     if s.form == "single":
@@ -459,72 +459,6 @@ def shapes_classification(split: str = "train", index: int = 0, seed: int = 0, i
     obj = Obj(shape=SHAPE_NAMES[label], colour=rng.choice(COLOUR_NAMES), size=rng.choice(SIZE_NAMES))
     _place(rng, [obj], [], image_size)
     return render_scene([obj], rng, image_size), label
-
-
-# --- several reference captions per image (captioning is scored against all, as on COCO) ---
-# Synonyms and paraphrases that keep the meaning; the grammar's own word comes first.
-REFERENCE_WORDS = {
-    "size": {"small": ["small", "little", "tiny"], "large": ["large", "big"]},
-    "colour": {"purple": ["purple", "violet"]},
-    "shape": {"circle": ["circle", "disc"], "square": ["square"], "triangle": ["triangle"], "star": ["star"],
-              "cross": ["cross", "plus sign"], "diamond": ["diamond", "rhombus"]},
-    "relation": {"to the left of": ["to the left of", "left of", "on the left of"],
-                 "to the right of": ["to the right of", "right of", "on the right of"],
-                 "above": ["above", "over"], "below": ["below", "under", "beneath"]},
-}
-CONVERSE = {"to the left of": "to the right of", "to the right of": "to the left of", "above": "below",
-            "below": "above"}
-
-
-def _clear_relation(a: Obj, b: Obj, image_size: int):
-    """relation_between(a, b) when it is as unambiguous as the relations captions state (the
-    placement margin), else None."""
-    dx, dy = b.centre[0] - a.centre[0], b.centre[1] - a.centre[1]
-    margin = RELATION_MARGIN * image_size / SHAPES_IMAGE_SIZE
-    return relation_between(a, b) if abs(abs(dx) - abs(dy)) >= margin else None
-
-
-def _reference_struct(scene: Scene, rng: random.Random) -> CaptionStruct:
-    """A caption structure about the scene's objects, in the grammar: sizes mentioned or not,
-    "X rel Y" or "X is rel Y", object order reversed with the converse relation, the two
-    objects of an "and" caption in either order or related when the relation is clear."""
-    objs, s = scene.objects, scene.struct
-    phrases = [Phrase(o.colour, o.shape, o.size if rng.random() < 0.5 else None) for o in objs]
-    form, rels = s.form, list(s.relations)
-    if form == "and":
-        clear = _clear_relation(objs[0], objs[1], scene.image.size[0])
-        if clear and rng.random() < 0.5:
-            form, rels = "rel", [clear]
-    if form in ("rel", "copula"):
-        form = rng.choice(["rel", "copula"])
-    order = list(range(len(phrases)))
-    if form == "and":
-        rng.shuffle(order)
-    elif form != "single" and rng.random() < 0.5:
-        if form == "chain":         # "A r1 B r2 C" = "C r2' B r1' A"
-            order, rels = order[::-1], [CONVERSE[r] for r in rels[::-1]]
-        else:                       # "A r B ..." = "B r' A ..."
-            order[:2], rels[0] = [1, 0], CONVERSE[rels[0]]
-    return CaptionStruct(form, [phrases[i] for i in order], rels)
-
-
-def shapes_references(scene: Scene, n: int, rng: random.Random) -> list:
-    """`n` distinct captions of the scene, each true of it: its own caption first, then
-    paraphrases (_reference_struct, checked by caption_is_true) in words drawn from
-    REFERENCE_WORDS, some opened by "there is". Deterministic in `rng`'s seed."""
-    refs = [scene.caption]
-    for _ in range(100 * n):
-        if len(refs) == n:
-            break
-        t = _reference_struct(scene, rng)
-        if not caption_is_true(t, scene.objects):
-            continue
-        text = render_caption(t, lambda kind, v: rng.choice(REFERENCE_WORDS[kind].get(v, [v])))
-        if t.form in ("single", "rel") and rng.random() < 0.3:
-            text = "there is " + text
-        if text not in refs:
-            refs.append(text)
-    return refs
 
 
 def shapes_captions(n: int = 5000, seed: int = 0) -> list:
