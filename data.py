@@ -83,12 +83,16 @@ SIZE_NAMES = ["small", "large"]
 SIZE_RADIUS = {"small": (5, 7), "large": (10, 13)}  # radius range in pixels at 64x64
 RELATION_NAMES = ["to the left of", "to the right of", "above", "below"]
 HELD_OUT_COMPOUNDS = frozenset((c, SHAPE_NAMES[i % len(SHAPE_NAMES)]) for i, c in enumerate(COLOUR_NAMES))
+SEEN_COMPOUNDS = [(c, s) for c in COLOUR_NAMES for s in SHAPE_NAMES if (c, s) not in HELD_OUT_COMPOUNDS]
 SHAPES_CATEGORIES = ["replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att", "add_obj", "add_att"]
 SHAPES_SPLITS = ["train", "val", "test", "systematicity", "productivity"]
 SHAPES_SIZES = {"train": 100_000, "val": 1000, "test": 1000, "systematicity": 1000, "productivity": 1000}
 SHAPES_IMAGE_SIZE = 64
 SHAPES_VAL_PAIRS = 1000   # retrieval R@1 of the benchmark: a standard error of at most 1.6 points
 RELATION_MARGIN = 4
+# caption form -> its words: w<i> phrase i, r<i> the relation of phrase i to phrase i + 1
+CAPTION_FORMS = {"single": "w0", "rel": "w0 r0 w1", "copula": "w0 is r0 w1", "and": "w0 and w1",
+                 "rel_and": "w0 r0 w1 and w2", "chain": "w0 r0 w1 r1 w2"}
 
 
 @dataclass
@@ -113,9 +117,8 @@ class Phrase:
 
 @dataclass
 class CaptionStruct:
-    """A caption before it is rendered to words: phrases + how they are joined.
-    form: "single" | "rel" | "copula" | "and" | "rel_and" | "chain"; relations[i] relates
-    phrase i to phrase i+1 ("rel", "copula", "rel_and" use relations[0]; "chain" both)."""
+    """A caption before it is rendered to words: phrases + how they are joined (form, one of
+    CAPTION_FORMS); relations[i] relates phrase i to phrase i+1."""
     form: str
     phrases: list
     relations: list = field(default_factory=list)
@@ -144,35 +147,23 @@ def _article(p: Phrase) -> str:
     return "an" if (p.size or p.colour)[0] in "aeiou" else "a"
 
 
-def _same_word(kind: str, value: str) -> str:
-    return value
+def _related_pairs(form: str) -> list:
+    """(i, i + 1) for each relation the caption form states."""
+    return [(i, i + 1) for i in range(2) if f"r{i}" in CAPTION_FORMS.get(form, "").split()]
 
 
-def _phrase_words(p: Phrase, word=_same_word) -> list:
-    words = ([word("size", p.size)] if p.size else []) + [word("colour", p.colour)] + word("shape", p.shape).split()
-    return ["an" if words[0][0] in "aeiou" else "a"] + words     # = _article(p) for the grammar's own words
-
-
-def render_caption(s: CaptionStruct, word=_same_word) -> str:
+def render_caption(s: CaptionStruct, word=None) -> str:
     """The caption's words; `word(kind, value)` may put a synonym for a size, colour, shape or
     relation (mm_learngene.shapes_references), by default the grammar's own word."""
-    w = [_phrase_words(p, word) for p in s.phrases]
-    r = [word("relation", rel).split() for rel in s.relations]
-    if s.form == "single":
-        words = w[0]
-    elif s.form == "rel":
-        words = w[0] + r[0] + w[1]
-    elif s.form == "copula":
-        words = w[0] + ["is"] + r[0] + w[1]
-    elif s.form == "and":
-        words = w[0] + ["and"] + w[1]
-    elif s.form == "rel_and":
-        words = w[0] + r[0] + w[1] + ["and"] + w[2]
-    elif s.form == "chain":
-        words = w[0] + r[0] + w[1] + r[1] + w[2]
-    else:
+    if s.form not in CAPTION_FORMS:
         raise ValueError(f"unknown caption form {s.form!r}")
-    return " ".join(words)
+    word, parts = word or (lambda kind, value: value), {}
+    for i, p in enumerate(s.phrases):
+        words = ([word("size", p.size)] if p.size else []) + [word("colour", p.colour)] + word("shape", p.shape).split()
+        parts[f"w{i}"] = ["an" if words[0][0] in "aeiou" else "a"] + words  # = _article(p) for the grammar's words
+    parts.update((f"r{i}", word("relation", rel).split()) for i, rel in enumerate(s.relations))
+    words = [parts[t] if t[1:].isdigit() else [t] for t in CAPTION_FORMS[s.form].split()]
+    return " ".join(w for ws in words for w in ws)
 
 
 def _np_tree(p: Phrase) -> str:
@@ -206,19 +197,10 @@ def caption_tree(s: CaptionStruct) -> str:
     raise ValueError(f"unknown caption form {s.form!r}")
 
 
-def _stated_relations(s: CaptionStruct) -> list:
-    if s.form in ("rel", "copula", "rel_and"):
-        return [(0, s.relations[0], 1)]
-    if s.form == "chain":
-        return [(0, s.relations[0], 1), (1, s.relations[1], 2)]
-    return []
-
-
 def caption_is_true(s: CaptionStruct, objects: list) -> bool:
     """Does the caption describe the scene? True iff the phrases can be assigned to distinct
     objects with matching attributes such that every stated relation holds."""
-    import itertools
-    rels = _stated_relations(s)
+    rels = [(i, s.relations[i], j) for i, j in _related_pairs(s.form)]
     for assign in itertools.permutations(range(len(objects)), len(s.phrases)):
         ok = all(objects[o].colour == p.colour and objects[o].shape == p.shape and p.size in (None, objects[o].size)
                  for p, o in zip(s.phrases, assign))
@@ -293,14 +275,6 @@ def render_scene(objects: list, rng: random.Random, image_size: int = SHAPES_IMA
     return img
 
 
-def _split_seed(split: str, index: int, seed: int) -> str:
-    return f"shapes/{seed}/{split}/{index}"  # str seeds are hashed with sha512: stable across runs
-
-
-def _seen_compounds():
-    return [(c, s) for c in COLOUR_NAMES for s in SHAPE_NAMES if (c, s) not in HELD_OUT_COMPOUNDS]
-
-
 def _scene_layout(split: str, rng: random.Random):
     """(number of objects, caption form) for a split: train/val/test have 1-3 objects and at
     most one relation; productivity has 3 objects and two relations (a chain)."""
@@ -318,8 +292,8 @@ def shapes_scene(split: str = "train", index: int = 0, seed: int = 0, image_size
     """Scene `index` of a split: deterministic in (split, index, seed); same seed, same bytes."""
     if split not in SHAPES_SPLITS:
         raise DataError(f"shapes: unknown split {split!r} (choose from {', '.join(SHAPES_SPLITS)})")
-    rng = random.Random(_split_seed(split, index, seed))
-    seen = _seen_compounds()
+    rng = random.Random(f"shapes/{seed}/{split}/{index}")  # str seeds are hashed with sha512: stable across runs
+    seen = SEEN_COMPOUNDS
     while True:
         n, form = _scene_layout(split, rng)
         if split == "systematicity":
@@ -330,7 +304,7 @@ def shapes_scene(split: str = "train", index: int = 0, seed: int = 0, image_size
             rng.shuffle(objects)
         else:
             objects = _sample_objects(rng, n, seen)
-        struct_rel = {"rel": [(0, 1)], "copula": [(0, 1)], "rel_and": [(0, 1)], "chain": [(0, 1), (1, 2)]}.get(form, [])
+        struct_rel = _related_pairs(form)
         if not _place(rng, objects, struct_rel, image_size):
             continue
         phrases = [Phrase(o.colour, o.shape, o.size if rng.random() < 0.5 else None) for o in objects]
@@ -343,31 +317,28 @@ def shapes_scene(split: str = "train", index: int = 0, seed: int = 0, image_size
 
 # --- hard negatives (SugarCrepe's 7 categories, on the caption structure) ---
 
-def _copy_struct(s: CaptionStruct) -> CaptionStruct:
-    return CaptionStruct(s.form, [Phrase(p.colour, p.shape, p.size) for p in s.phrases], list(s.relations))
+def _copy_struct(s: CaptionStruct, i: int = 0, **values) -> CaptionStruct:
+    """A copy of `s` whose phrase i has the fields `values`."""
+    t = CaptionStruct(s.form, [Phrase(p.colour, p.shape, p.size) for p in s.phrases], list(s.relations))
+    vars(t.phrases[i]).update(values)
+    return t
 
 
 def _negative_candidates(category: str, s: CaptionStruct, objects: list, rng: random.Random) -> list:
     """Candidate negatives of one category (possibly empty); validity is checked by the caller."""
-    out = []
-    k = len(s.phrases)
+    out, k = [], len(s.phrases)
     if category == "replace_obj":
-        for i in range(k):
-            for shape in SHAPE_NAMES:
-                if shape != s.phrases[i].shape:
-                    t = _copy_struct(s); t.phrases[i].shape = shape; out.append(t)
+        out = [_copy_struct(s, i, shape=x) for i in range(k) for x in SHAPE_NAMES if x != s.phrases[i].shape]
     elif category == "replace_att":
-        for i in range(k):
-            for colour in COLOUR_NAMES:
-                if colour != s.phrases[i].colour:
-                    t = _copy_struct(s); t.phrases[i].colour = colour; out.append(t)
-            if s.phrases[i].size:
-                t = _copy_struct(s); t.phrases[i].size = "small" if s.phrases[i].size == "large" else "large"; out.append(t)
+        for i, p in enumerate(s.phrases):
+            out += [_copy_struct(s, i, colour=x) for x in COLOUR_NAMES if x != p.colour]
+            if p.size:
+                out.append(_copy_struct(s, i, size="small" if p.size == "large" else "large"))
     elif category == "replace_rel":
-        for r_idx, rel in enumerate(s.relations):
+        for r, rel in enumerate(s.relations):
             for other in RELATION_NAMES:
                 if other != rel:
-                    t = _copy_struct(s); t.relations[r_idx] = other; out.append(t)
+                    t = _copy_struct(s); t.relations[r] = other; out.append(t)
     elif category in ("swap_obj", "swap_att"):
         fields = ("shape",) if category == "swap_obj" else ("colour", "size")
         for i in range(k):
@@ -375,31 +346,21 @@ def _negative_candidates(category: str, s: CaptionStruct, objects: list, rng: ra
                 for f in fields:    # swap two phrases' values where both have one and they differ
                     a, b = getattr(s.phrases[i], f), getattr(s.phrases[j], f)
                     if a and b and a != b:
-                        t = _copy_struct(s)
-                        setattr(t.phrases[i], f, b)
-                        setattr(t.phrases[j], f, a)
-                        out.append(t)
+                        t = _copy_struct(s, i, **{f: b}); setattr(t.phrases[j], f, a); out.append(t)
     elif category == "add_obj":
         if s.form in ("single", "rel", "and"):  # append "and a <absent object>"
-            for c, sh in _seen_compounds():
+            for c, sh in SEEN_COMPOUNDS:
                 extra = Phrase(c, sh, rng.choice([None, *SIZE_NAMES]))
                 if s.form == "single":
                     out.append(CaptionStruct("and", [s.phrases[0], extra]))
                 elif s.form == "rel":
                     out.append(CaptionStruct("rel_and", [*s.phrases, extra], list(s.relations)))
-    elif category == "add_att":
-        for i in range(k):
-            if s.phrases[i].size is None:
-                # phrases are made in object order, so phrase i describes objects[i]
-                wrong = "small" if objects[i].size == "large" else "large"
-                t = _copy_struct(s); t.phrases[i].size = wrong; out.append(t)
+    elif category == "add_att":     # phrases are made in object order, so phrase i describes objects[i]
+        out = [_copy_struct(s, i, size="small" if objects[i].size == "large" else "large")
+               for i, p in enumerate(s.phrases) if p.size is None]
     else:
         raise ValueError(category)
     return out
-
-
-def _compounds_seen(s: CaptionStruct) -> bool:
-    return all((p.colour, p.shape) not in HELD_OUT_COMPOUNDS for p in s.phrases)
 
 
 def make_negative(category: str, scene: Scene, rng: random.Random, allow_held_out: bool = False):
@@ -408,7 +369,8 @@ def make_negative(category: str, scene: Scene, rng: random.Random, allow_held_ou
     cands = _negative_candidates(category, scene.struct, scene.objects, rng)
     rng.shuffle(cands)
     for t in cands:
-        if (allow_held_out or _compounds_seen(t)) and not caption_is_true(t, scene.objects):
+        seen = all((p.colour, p.shape) not in HELD_OUT_COMPOUNDS for p in t.phrases)
+        if (allow_held_out or seen) and not caption_is_true(t, scene.objects):
             text = render_caption(t)
             if text != scene.caption:
                 return text
@@ -1097,50 +1059,38 @@ def _brace_range(expr: str) -> list | None:
 
 
 def _brace_tokens(text: str):
-    """(position, character) of every unescaped '{', '}' and ','."""
-    pos = 0
+    """(position, character, depth outside it) of every unescaped '{', '}' and ',', then
+    (len(text), "", the depth at the end)."""
+    pos = depth = 0
     while pos < len(text):
         if text[pos] == "\\":
-            pos += 2
-            continue
-        if text[pos] in "{},":
-            yield pos, text[pos]
+            pos += 1
+        elif text[pos] in "{},":
+            depth -= text[pos] == "}"
+            yield pos, text[pos], depth
+            depth += text[pos] == "{"
         pos += 1
-
-
-def _brace_alternatives(expr: str) -> list | None:
-    """The choices of one {...} body: a range, or its top-level comma list; None if neither
-    (the body is then kept literally, braces included)."""
-    choices = _brace_range(expr)
-    if choices is not None:
-        return choices
-    depth, bounds = 0, [-1]
-    for pos, ch in _brace_tokens(expr):
-        depth += {"{": 1, "}": -1}.get(ch, 0)
-        if ch == "," and depth == 0:
-            bounds.append(pos)
-    if depth != 0 or len(bounds) == 1:
-        return None
-    bounds.append(len(expr))
-    return [x for a, b in zip(bounds, bounds[1:]) for x in _expand_unescaped(expr[a + 1:b])]
+    yield len(text), "", depth
 
 
 def _expand_unescaped(pattern: str) -> list:
-    """Expansions with the escapes still in (braceexpand's parse_pattern)."""
-    parts, start, depth = [], 0, 0
-    for pos, ch in _brace_tokens(pattern):
-        if ch == "{":
-            if depth == 0 and pos > start:
-                parts.append([pattern[start:pos]])
-                start = pos
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                body = pattern[start + 1:pos]
-                choices = _brace_alternatives(body)
-                parts.append(choices if choices is not None else ["{" + x + "}" for x in _expand_unescaped(body)])
-                start = pos + 1
+    """Expansions with the escapes still in (braceexpand's parse_pattern): the product of the
+    literal runs and each top-level {body}'s choices: a range, else its top-level comma list,
+    else the body itself, braces kept."""
+    parts, start = [], 0
+    for pos, ch, depth in _brace_tokens(pattern):
+        if ch == "{" and depth == 0:
+            parts.append([pattern[start:pos]])
+            start = pos
+        elif ch == "}" and depth == 0:
+            body = pattern[start + 1:pos]
+            tokens = list(_brace_tokens(body))
+            cuts = [-1] + [p for p, c, d in tokens if c == "," and d == 0] + [len(body)]
+            choices = _brace_range(body)
+            if choices is None and len(cuts) > 2 and tokens[-1][2] == 0:
+                choices = [x for a, b in zip(cuts, cuts[1:]) for x in _expand_unescaped(body[a + 1:b])]
+            parts.append(choices if choices is not None else ["{" + x + "}" for x in _expand_unescaped(body)])
+            start = pos + 1
     if depth != 0:
         raise DataError(f"{pattern}: unbalanced braces")
     parts.append([pattern[start:]])
@@ -1342,7 +1292,7 @@ def _start_workers(dl):
 
 class _Loader:
     def __init__(self, name, batch_size, tokenizer, train, rank, world_size, num_workers, seed, drop_last,
-                 max_skip_fraction):
+                 max_skip_fraction, num_samples, counted_by=""):
         self.name, self.batch_size, self.tokenizer = name, batch_size, tokenizer
         self.train, self.rank, self.world_size = train, rank, world_size
         self.num_workers, self.seed, self.drop_last = num_workers, seed, drop_last
@@ -1351,6 +1301,12 @@ class _Loader:
         self.good, self.skipped, self.dropped = 0, 0, 0  # dropped: good samples cut by drop_last
         self.skip_reasons = collections.Counter()
         self.check_min = SKIP_CHECK_MIN     # lowered to one epoch's share where that is smaller
+        self.num_samples = num_samples
+        if num_samples:
+            self.check_min = max(1, min(SKIP_CHECK_MIN, num_samples // world_size))
+        if drop_last and num_samples is not None and num_samples < batch_size * world_size:
+            raise DataError(f"{name}: {num_samples} samples{counted_by}, fewer than one global batch "
+                            f"({batch_size} x {world_size} ranks)")
         # page-locked batches for a CUDA consumer: the .to(device, non_blocking=True) of the
         # training loop is then a true async copy that overlaps the running step
         self.pin_memory = False
@@ -1363,6 +1319,24 @@ class _Loader:
 
     def _new_epoch(self):
         """Hook for loaders that keep per-epoch state (ShardLoader resets its worker positions)."""
+
+    def __iter__(self):
+        """The rest of the current epoch; afterwards the loader points at the next epoch."""
+        fresh, n_batches = self.batches_done == 0, 0
+        dataset, how = self._epoch(fresh)
+        dl = torch.utils.data.DataLoader(dataset, num_workers=self.num_workers, persistent_workers=False,
+                                         pin_memory=self.pin_memory, worker_init_fn=_ignore_sigterm, **how)
+        for batch in _start_workers(dl):
+            self._advance(batch)
+            self._account(batch)
+            if batch["caption"]:
+                n_batches += 1
+                yield batch
+        self._check_skips()
+        if fresh and n_batches == 0:
+            raise self._no_batch_error()
+        self.epoch, self.batches_done = self.epoch + 1, 0
+        self._new_epoch()
 
     def forever(self):
         """Batches across epochs without end (for step-based training loops). An epoch that
@@ -1419,13 +1393,8 @@ class MapLoader(_Loader):
     def __init__(self, dataset, batch_size, tokenizer=None, train=True, rank=0, world_size=1, num_workers=0,
                  seed=0, drop_last=True, name="data", max_skip_fraction=MAX_SKIP_FRACTION):
         super().__init__(name, batch_size, tokenizer, train, rank, world_size, num_workers, seed, drop_last,
-                         max_skip_fraction)
+                         max_skip_fraction, len(dataset))
         self.dataset = dataset
-        self.num_samples = len(dataset)
-        self.check_min = max(1, min(SKIP_CHECK_MIN, len(dataset) // world_size))
-        if drop_last and len(dataset) < batch_size * world_size:
-            raise DataError(f"{name}: {len(dataset)} samples, fewer than one global batch "
-                            f"({batch_size} x {world_size} ranks)")
 
     def _rank_batches(self) -> list:
         n = len(self.dataset)
@@ -1443,28 +1412,18 @@ class MapLoader(_Loader):
     def __len__(self):
         return len(self._rank_batches())
 
-    def __iter__(self):
-        """The rest of the current epoch; afterwards the loader points at the next epoch."""
-        fresh, n_batches = self.batches_done == 0, 0
-        batches = self._rank_batches()[self.batches_done:]
+    def _epoch(self, fresh: bool):
+        """The DataLoader's dataset and batching for the rest of the epoch."""
         if fresh and self.drop_last:    # the tail cut to whole global batches, this rank's share
             kept = len(self.dataset) // (self.batch_size * self.world_size) * self.batch_size * self.world_size
             self.dropped += len(range(kept, len(self.dataset))[self.rank::self.world_size])
         if hasattr(self.dataset, "epoch"):
             self.dataset.epoch = self.epoch
-        dl = torch.utils.data.DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers,
-                                         collate_fn=_Collate(self.tokenizer, self.batch_extra, self.epoch), persistent_workers=False,
-                                         pin_memory=self.pin_memory, worker_init_fn=_ignore_sigterm)
-        for batch in _start_workers(dl):
-            self.batches_done += 1
-            self._account(batch)
-            if batch["caption"]:
-                n_batches += 1
-                yield batch
-        self._check_skips()
-        if fresh and n_batches == 0:
-            raise self._no_batch_error()
-        self.epoch, self.batches_done = self.epoch + 1, 0
+        return self.dataset, dict(batch_sampler=self._rank_batches()[self.batches_done:],
+                                  collate_fn=_Collate(self.tokenizer, self.batch_extra, self.epoch))
+
+    def _advance(self, batch: dict):
+        self.batches_done += 1
 
 
 class ShardStream(torch.utils.data.IterableDataset):
@@ -1551,18 +1510,12 @@ class ShardLoader(_Loader):
     def __init__(self, shards, batch_size, tokenizer=None, transform=None, train=True, rank=0, world_size=1,
                  num_workers=0, seed=0, resampled=False, drop_last=True, shuffle_buffer=1000, num_samples=None,
                  name="data", max_skip_fraction=MAX_SKIP_FRACTION):
-        super().__init__(name, batch_size, tokenizer, train, rank, world_size, num_workers, seed, drop_last,
-                         max_skip_fraction)
-        self.stream = ShardStream(shards, batch_size, tokenizer, transform or eval_transform(SHAPES_IMAGE_SIZE), seed,
-                                  train, rank, world_size, num_workers, resampled, drop_last, shuffle_buffer)
-        self.num_samples = num_samples
-        if num_samples:
-            self.check_min = max(1, min(SKIP_CHECK_MIN, num_samples // world_size))
         if not shards:
             raise DataError(f"{name}: no shard to read")
-        if drop_last and num_samples is not None and num_samples < batch_size * world_size:
-            raise DataError(f"{name}: {num_samples} samples (from the shards' counts), fewer than one global batch "
-                            f"({batch_size} x {world_size} ranks)")
+        super().__init__(name, batch_size, tokenizer, train, rank, world_size, num_workers, seed, drop_last,
+                         max_skip_fraction, num_samples, " (from the shards' counts)")
+        self.stream = ShardStream(shards, batch_size, tokenizer, transform or eval_transform(SHAPES_IMAGE_SIZE), seed,
+                                  train, rank, world_size, num_workers, resampled, drop_last, shuffle_buffer)
         self._new_epoch()
 
     def _new_epoch(self):
@@ -1575,27 +1528,16 @@ class ShardLoader(_Loader):
             raise TypeError("number of batches unknown: the shards have no _stats.json / sizes.json")
         return self.num_samples // (self.batch_size * self.world_size)
 
-    def __iter__(self):
-        """The rest of the current epoch; afterwards the loader points at the next epoch."""
+    def _epoch(self, fresh: bool):
         s = self.stream
         s.epoch, s.records_done, s.batch_extra = self.epoch, list(self.records_done), self.batch_extra
         s.worker_offset = (self.last_worker + 1) % s.workers
-        fresh, n_batches = self.batches_done == 0, 0
-        dl = torch.utils.data.DataLoader(s, batch_size=None, num_workers=self.num_workers, persistent_workers=False,
-                                         pin_memory=self.pin_memory, worker_init_fn=_ignore_sigterm)
-        for batch in _start_workers(dl):
-            meta = batch.pop("_meta")
-            self.records_done[meta["worker"]], self.last_worker = meta["records"], meta["worker"]
-            self._account(batch)
-            if batch["caption"]:
-                self.batches_done += 1
-                n_batches += 1
-                yield batch
-        self._check_skips()
-        if fresh and n_batches == 0:
-            raise self._no_batch_error()
-        self.epoch, self.batches_done = self.epoch + 1, 0
-        self._new_epoch()
+        return s, dict(batch_size=None)
+
+    def _advance(self, batch: dict):
+        meta = batch.pop("_meta")
+        self.records_done[meta["worker"]], self.last_worker = meta["records"], meta["worker"]
+        self.batches_done += bool(batch["caption"])
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "records_done": list(self.records_done), "last_worker": self.last_worker,
