@@ -293,17 +293,16 @@ def shapes_scene(split: str = "train", index: int = 0, seed: int = 0, image_size
     if split not in SHAPES_SPLITS:
         raise DataError(f"shapes: unknown split {split!r} (choose from {', '.join(SHAPES_SPLITS)})")
     rng = random.Random(f"shapes/{seed}/{split}/{index}")  # str seeds are hashed with sha512: stable across runs
-    seen = SEEN_COMPOUNDS
     while True:
         n, form = _scene_layout(split, rng)
         if split == "systematicity":
             # at least one held-out compound, the rest seen ones
             held = rng.choice(sorted(HELD_OUT_COMPOUNDS))
             objects = [Obj(shape=held[1], colour=held[0], size=rng.choice(SIZE_NAMES))]
-            objects += _sample_objects(rng, n - 1, [c for c in seen if c != held])
+            objects += _sample_objects(rng, n - 1, [c for c in SEEN_COMPOUNDS if c != held])
             rng.shuffle(objects)
         else:
-            objects = _sample_objects(rng, n, seen)
+            objects = _sample_objects(rng, n, SEEN_COMPOUNDS)
         struct_rel = _related_pairs(form)
         if not _place(rng, objects, struct_rel, image_size):
             continue
@@ -431,19 +430,6 @@ def shapes_captions(n: int = 5000, seed: int = 0) -> list:
 # -----------------------------------------------------------------------------
 # Tokenizer
 
-def _bytes_to_unicode() -> dict:
-    """GPT-2/CLIP's reversible byte -> printable unicode character table."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, [chr(c) for c in cs]))
-
-
 def clip_clean(text: str) -> str:
     """OpenAI CLIP's caption cleaning before the BPE (simple_tokenizer.py's basic_clean and
     whitespace_clean): ftfy.fix_text (which also replaces lone surrogates, which the tokenizer
@@ -494,7 +480,7 @@ class Tokenizer:
         os.makedirs(directory, exist_ok=True)
         blob = {"kind": self.kind, "context_length": self.context_length,
                 "tokenizer": json.loads(self.backend.to_str())}
-        _atomic_write_text(os.path.join(directory, "tokenizer.json"), json.dumps(blob))
+        _atomic_write_file(os.path.join(directory, "tokenizer.json"), json.dumps(blob))
 
     @classmethod
     def load(cls, directory: str) -> "Tokenizer":
@@ -553,7 +539,9 @@ def clip_bpe_tokenizer(vocab_path: str, context_length: int = 77) -> Tokenizer:
     merges = [tuple(m.split()) for m in lines[1:49152 - 256 - 2 + 1]]
     if len(merges) != 48894 or any(len(m) != 2 for m in merges):
         raise DataError(f"{vocab_path}: expected 48894 BPE merges, found a different file")
-    chars = list(_bytes_to_unicode().values())
+    # GPT-2/CLIP's reversible byte -> character table: printable bytes as themselves, then the others
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = [chr(b) for b in printable] + [chr(256 + n) for n in range(256 - len(printable))]
     vocab = chars + [c + "</w>" for c in chars] + ["".join(m) for m in merges] + [SOT_TOKEN, EOT_TOKEN]
     backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(vocab)}, merges=merges,
                                  end_of_word_suffix="</w>", continuing_subword_prefix="", unk_token=EOT_TOKEN))
@@ -701,30 +689,21 @@ class ColorJitter:
         return Image.fromarray((x * 255 + 0.5).astype(np.uint8))
 
 
-class RandomGrayscale:
-    def __init__(self, p=0.2):
-        self.p = p
+class RandomApply:
+    """With probability p: "grayscale", "blur" (Gaussian, sigma uniform in `sigma`) or "flip"
+    (horizontal; off by default: a flip turns "left of" into "right of", wrong for captions)."""
+
+    def __init__(self, op: str, p: float, sigma=(0.1, 2.0)):
+        self.op, self.p, self.sigma = op, p, sigma
 
     def __call__(self, img, rng):
-        return img.convert("L").convert("RGB") if rng.random() < self.p else img
-
-
-class RandomGaussianBlur:
-    def __init__(self, p=0.5, sigma=(0.1, 2.0)):
-        self.p, self.sigma = p, sigma
-
-    def __call__(self, img, rng):
-        return img.filter(ImageFilter.GaussianBlur(rng.uniform(*self.sigma))) if rng.random() < self.p else img
-
-
-class RandomHorizontalFlip:
-    """Off by default: a flip turns "left of" into "right of", which is wrong for captions."""
-
-    def __init__(self, p=0.5):
-        self.p = p
-
-    def __call__(self, img, rng):
-        return img.transpose(Image.FLIP_LEFT_RIGHT) if rng.random() < self.p else img
+        if rng.random() >= self.p:
+            return img
+        if self.op == "grayscale":
+            return img.convert("L").convert("RGB")
+        if self.op == "blur":
+            return img.filter(ImageFilter.GaussianBlur(rng.uniform(*self.sigma)))
+        return img.transpose(Image.FLIP_LEFT_RIGHT)
 
 
 class ToNormalizedTensor:
@@ -754,12 +733,7 @@ def train_transform(image_size: int, scale=(0.9, 1.0), color_jitter: float = 0.0
     ts = [RandomResizedCrop(image_size, scale)]
     if color_jitter:
         ts.append(ColorJitter(color_jitter, color_jitter, color_jitter, color_jitter / 4))
-    if grayscale:
-        ts.append(RandomGrayscale(grayscale))
-    if blur:
-        ts.append(RandomGaussianBlur(blur))
-    if flip:
-        ts.append(RandomHorizontalFlip())
+    ts += [RandomApply(op, p) for op, p in (("grayscale", grayscale), ("blur", blur), ("flip", flip and 0.5)) if p]
     return Compose(ts + [ToNormalizedTensor()])
 
 
@@ -791,15 +765,12 @@ class Skip:
     where: str  # the file / key it came from
 
 
-def _atomic_write_bytes(path: str, blob: bytes):
+def _atomic_write_file(path: str, blob):
+    """`blob` (bytes, or a str written as UTF-8) as the file `path`, atomically."""
     def write(tmp):
         with open(tmp, "wb") as f:
-            f.write(blob)
+            f.write(blob.encode("utf-8") if isinstance(blob, str) else blob)
     atomic_write(path, write)
-
-
-def _atomic_write_text(path: str, text: str):
-    _atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def _sample_rng(seed: int, epoch: int, index) -> random.Random:
@@ -1778,9 +1749,10 @@ def _png(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-def _save_png(img: Image.Image, path: str):
+def _save(path: str, blob):
+    """_atomic_write_file into a folder made if missing; a PIL image is written as PNG."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    _atomic_write_bytes(path, _png(img))
+    _atomic_write_file(path, _png(blob) if isinstance(blob, Image.Image) else blob)
 
 
 def _progress(it, desc: str, total=None):
@@ -1788,56 +1760,46 @@ def _progress(it, desc: str, total=None):
     return tqdm(it, desc=desc, total=total, leave=False, dynamic_ncols=True)
 
 
-def _tar_add(tf: tarfile.TarFile, name: str, blob: bytes):
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode = len(blob), 0, 0o644  # fixed metadata: same seed, same bytes
-    tf.addfile(info, io.BytesIO(blob))
-
-
-def write_shapes_shards(out: str, n: int, seed: int, shard_size: int, image_size: int) -> list:
-    folder = os.path.join(out, "shards")
-    os.makedirs(folder, exist_ok=True)
-    sizes, shards = {}, []
+def write_shapes_shards(out: str, n: int, seed: int, shard_size: int, image_size: int) -> dict:
+    """Train scenes 0..n-1 in shards of `shard_size`; returns {shard file name: samples}."""
+    folder, sizes = os.path.join(out, "shards"), {}
     bar = _progress(range(n), "shards", n)
     for first in range(0, n, shard_size):
-        name = f"{first // shard_size:05d}.tar"
-        buf = io.BytesIO()
+        name, buf = f"{first // shard_size:05d}.tar", io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
             for i in range(first, min(n, first + shard_size)):
-                scene = shapes_scene("train", i, seed, image_size)
-                key = f"{i:09d}"
+                scene, key = shapes_scene("train", i, seed, image_size), f"{i:09d}"
                 meta = {"key": key, "caption": scene.caption, "status": "success", "width": image_size,
                         "height": image_size, "objects": [vars(o) for o in scene.objects]}
                 for ext, blob in (("png", _png(scene.image)), ("txt", scene.caption.encode()),
                                   ("json", json.dumps(meta).encode()), ("tree", scene.tree.encode())):
-                    _tar_add(tf, f"{key}.{ext}", blob)
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size, info.mtime, info.mode = len(blob), 0, 0o644  # fixed metadata: same seed, same bytes
+                    tf.addfile(info, io.BytesIO(blob))
                 bar.update()
-        _atomic_write_bytes(os.path.join(folder, name), buf.getvalue())
-        count = min(n, first + shard_size) - first
-        _atomic_write_text(os.path.join(folder, name[:-4] + "_stats.json"), json.dumps(
+        sizes[name] = count = min(n, first + shard_size) - first
+        _save(os.path.join(folder, name), buf.getvalue())
+        _save(os.path.join(folder, name[:-4] + "_stats.json"), json.dumps(
             {"count": count, "successes": count, "failed_to_download": 0, "failed_to_resize": 0}))
-        sizes[name] = count
-        shards.append(os.path.join(folder, name))
     bar.close()
-    _atomic_write_text(os.path.join(folder, "sizes.json"), json.dumps(sizes, indent=1))
-    return shards
+    _save(os.path.join(folder, "sizes.json"), json.dumps(sizes, indent=1))
+    return sizes
 
 
 def write_shapes_benchmarks(out: str, n: int, seed: int, image_size: int) -> dict:
     bench = shapes_benchmark(seed, n, image_size)
-    sc = os.path.join(out, "sugarcrepe")
     for cat in _progress(SHAPES_CATEGORIES, "sugarcrepe"):
         rows = {}
         for i, item in enumerate(bench[cat]):
-            filename = f"{cat}_{i:05d}.png"
-            _save_png(item["image"], os.path.join(sc, "images", filename))
-            rows[str(i)] = {"filename": filename, "caption": item["caption"], "negative_caption": item["negative_caption"]}
-        _atomic_write_text(os.path.join(sc, f"{cat}.json"), json.dumps(rows, indent=1))
+            rows[str(i)] = {"filename": f"{cat}_{i:05d}.png", "caption": item["caption"],
+                            "negative_caption": item["negative_caption"]}
+            _save(os.path.join(out, "sugarcrepe", "images", rows[str(i)]["filename"]), item["image"])
+        _save(os.path.join(out, "sugarcrepe", f"{cat}.json"), json.dumps(rows, indent=1))
     for split in _progress(("systematicity", "productivity"), "crepe"):
         for i, item in enumerate(bench[split]):
-            _save_png(item["image"], os.path.join(out, "crepe", "images", f"{split}_{i:05d}.png"))
-        for name, column, kinds in CREPE_FILES[split]:
-            _write_crepe_csv(os.path.join(out, "crepe", f"{name}.csv"), split, bench[split], column, kinds)
+            _save(os.path.join(out, "crepe", "images", f"{split}_{i:05d}.png"), item["image"])
+        for name, columns, kinds in CREPE_FILES[split]:
+            _write_crepe_csv(os.path.join(out, "crepe", f"{name}.csv"), split, bench[split], columns, kinds)
     return {k: len(v) for k, v in bench.items()}
 
 
@@ -1862,27 +1824,23 @@ def _write_crepe_csv(path: str, split: str, items: list, columns: list, kinds: l
         if any(negs):
             writer.writerow([f"{split}_{i:05d}", 0, 0, item["image"].width, item["image"].height, item["caption"]]
                             + [json.dumps(n) for n in negs])
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    _atomic_write_text(path, buf.getvalue())
+    _save(path, buf.getvalue())
 
 
 def write_shapes_karpathy(out: str, n: int, seed: int, image_size: int) -> dict:
-    folder, images, rows = os.path.join(out, "karpathy"), [], {}
+    images, rows = [], {}
     for split in ("train", "val", "test"):
         rows[split] = [("filepath", "title", "tree")]
         for i in _progress(range(n), f"karpathy {split}"):
-            scene = shapes_scene(split, i, seed, image_size)
-            filename = f"{i:09d}.png"
-            _save_png(scene.image, os.path.join(folder, split, filename))
-            k = len(images)
+            scene, filename, k = shapes_scene(split, i, seed, image_size), f"{i:09d}.png", len(images)
+            _save(os.path.join(out, "karpathy", split, filename), scene.image)
             images.append({"filepath": split, "filename": filename, "split": split, "imgid": k, "sentids": [k],
                            "sentences": [{"raw": scene.caption, "tokens": scene.caption.split(), "imgid": k,
                                           "sentid": k, "tree": scene.tree}]})
             rows[split].append((f"../karpathy/{split}/{filename}", scene.caption, scene.tree))
-    _atomic_write_text(os.path.join(folder, "dataset_shapes.json"), json.dumps({"dataset": "shapes", "images": images}))
-    os.makedirs(os.path.join(out, "csv"), exist_ok=True)
+    _save(os.path.join(out, "karpathy", "dataset_shapes.json"), json.dumps({"dataset": "shapes", "images": images}))
     for split, lines in rows.items():
-        _atomic_write_text(os.path.join(out, "csv", f"{split}.tsv"), "".join("\t".join(r) + "\n" for r in lines))
+        _save(os.path.join(out, "csv", f"{split}.tsv"), "".join("\t".join(r) + "\n" for r in lines))
     return {split: n for split in rows}
 
 
@@ -1892,7 +1850,7 @@ def write_shapes_imagefolder(out: str, n: int, seed: int, image_size: int) -> di
             os.makedirs(os.path.join(out, "imagefolder", split, name), exist_ok=True)
         for i in _progress(range(n), f"imagefolder {split}"):
             img, label = shapes_classification(split, i, seed, image_size)
-            _save_png(img, os.path.join(out, "imagefolder", split, SHAPE_NAMES[label], f"{i:06d}.png"))
+            _save(os.path.join(out, "imagefolder", split, SHAPE_NAMES[label], f"{i:06d}.png"), img)
     return {"train": n, "test": n, "classes": SHAPE_NAMES}
 
 
@@ -1910,7 +1868,7 @@ def make_shapes(out: str, train: int = 10_000, test: int = 500, seed: int = 0, s
                 "karpathy": write_shapes_karpathy(out, test, seed, image_size),
                 "imagefolder": write_shapes_imagefolder(out, test, seed, image_size)}
     manifest["seconds"] = round(time.time() - t0, 2)
-    _atomic_write_text(os.path.join(out, "manifest.json"), json.dumps(manifest, indent=1))
+    _save(os.path.join(out, "manifest.json"), json.dumps(manifest, indent=1))
     return manifest
 
 
