@@ -24,6 +24,7 @@ Commands:
 import argparse
 import collections
 import csv
+import functools
 import glob
 import gzip
 import html
@@ -249,12 +250,8 @@ def _draw_object(draw: ImageDraw.ImageDraw, o: Obj, rgb: tuple):
     elif o.shape == "diamond":
         draw.polygon([(cx, y0), (x1, cy), (cx, y1), (x0, cy)], fill=rgb)
     elif o.shape == "star":
-        pts = []
-        for k in range(10):
-            rad = r if k % 2 == 0 else r * 0.45
-            a = -math.pi / 2 + k * math.pi / 5
-            pts.append((cx + rad * math.cos(a), cy + rad * math.sin(a)))
-        draw.polygon(pts, fill=rgb)
+        rads = [(r if k % 2 == 0 else r * 0.45, -math.pi / 2 + k * math.pi / 5) for k in range(10)]   # (radius, angle)
+        draw.polygon([(cx + rad * math.cos(a), cy + rad * math.sin(a)) for rad, a in rads], fill=rgb)
     elif o.shape == "cross":
         t = r * 0.35
         draw.rectangle((x0, cy - t, x1, cy + t), fill=rgb)
@@ -454,9 +451,7 @@ class Tokenizer:
         if kind == "clip_bpe":      # files saved before clip_clean: OpenAI's pipeline as clip_bpe_tokenizer's
             backend.normalizer, backend.pre_tokenizer = None, _clip_normalizer_and_pretokenizer()[1]
         self.backend, self.kind, self.context_length = backend, kind, context_length
-        self.sot_id = backend.token_to_id(SOT_TOKEN)
-        self.eot_id = backend.token_to_id(EOT_TOKEN)
-        self.pad_id = 0
+        self.sot_id, self.eot_id, self.pad_id = backend.token_to_id(SOT_TOKEN), backend.token_to_id(EOT_TOKEN), 0
         self.vocab_size = backend.get_vocab_size()
 
     def __call__(self, texts) -> torch.Tensor:
@@ -707,11 +702,9 @@ class RandomApply:
 
 
 class ToNormalizedTensor:
-    """PIL -> float [3, H, W], (x / 255 - mean) / std. The arithmetic runs in numpy on the
-    channel-first uint8 view: three in-place passes whose inner loops are whole planes (SIMD),
-    bit-identical to the per-pixel float32 formula. The channel-last version (innermost axis of
-    length 3) cost ~1 ms at 224 px, now ~0.3 ms; numpy is single-threaded, free of torch's
-    intra-op threads, which made this 15x slower on a busy 2-core machine without workers."""
+    """PIL -> float [3, H, W], (x / 255 - mean) / std, bit-identical to the per-pixel float32
+    formula: in numpy (single-threaded, free of torch's intra-op threads) on the channel-first
+    uint8 view, three in-place passes over whole planes (3x faster than channel-last)."""
 
     def __init__(self, mean=CLIP_MEAN, std=CLIP_STD):
         self.mean = np.asarray(mean, dtype=np.float32)[:, None, None]
@@ -803,11 +796,9 @@ def make_sample(image, caption, tree, key: str, transform, rng):
 
 
 def _stack_images(images: list) -> torch.Tensor:
-    """torch.stack's result through numpy: a single-threaded copy, 3x faster than torch.stack
-    at 224 px x 64 (7 vs 21 ms on 2 cores; torch's threads do not help a copy this size and
-    compete with the training process's own when the loader has no workers). In a loader
-    worker the batch is written straight into shared memory (as torch's default_collate does),
-    so sending it to the main process copies nothing more."""
+    """torch.stack's result through numpy: a single-threaded copy, 3x faster on 2 cores (torch's
+    threads compete with training's). In a loader worker the batch is written straight into
+    shared memory (as torch's default_collate), so sending it copies nothing more."""
     arrays = [x.numpy() for x in images]
     if torch.utils.data.get_worker_info() is None:
         return torch.from_numpy(np.stack(arrays))   # numpy's allocator: fewer page faults than torch.empty
@@ -825,8 +816,7 @@ def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> 
     loop; the epoch lets it draw anew each epoch and still replay exactly on resume."""
     good = [s for s in samples if isinstance(s, dict)]
     batch = {"image": _stack_images([s["image"] for s in good]) if good else torch.zeros(0, 3, 0, 0),
-             "caption": [s["caption"] for s in good],
-             "tree": [s.get("tree") for s in good],
+             "caption": [s["caption"] for s in good], "tree": [s.get("tree") for s in good],
              "key": [s.get("key") for s in good],
              "_skips": [(s.reason, s.where) if isinstance(s, Skip) else ("bad sample", "?")
                         for s in samples if not isinstance(s, dict)]}
@@ -837,14 +827,6 @@ def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> 
     if batch_extra is not None and good:
         batch.update(batch_extra(batch, epoch))
     return batch
-
-
-class _Collate:  # picklable for worker processes
-    def __init__(self, tokenizer, batch_extra=None, epoch=0):
-        self.tokenizer, self.batch_extra, self.epoch = tokenizer, batch_extra, epoch
-
-    def __call__(self, samples):
-        return collate(samples, self.tokenizer, self.batch_extra, self.epoch)
 
 
 # -----------------------------------------------------------------------------
@@ -992,12 +974,6 @@ def image_folder(root: str):
     if not paths:
         raise DataError(f"{root}: no images in class folders (expected root/class_name/*.jpg)")
     return paths, labels, classes
-
-
-def image_folder_items(root: str) -> list:
-    """Caption = the class name with '_' as spaces (for zero-shot style contrastive use)."""
-    paths, labels, classes = image_folder(root)
-    return [Item(p, classes[y].replace("_", " "), None, os.path.relpath(p, root), y) for p, y in zip(paths, labels)]
 
 
 # -----------------------------------------------------------------------------
@@ -1175,22 +1151,9 @@ def img2dataset_command(name: str, folder: str) -> str:
             f"--resize_mode keep_ratio --processes_count 16 --thread_count 64")
 
 
-def data_root() -> str:
-    return os.environ.get("DATA_ROOT", "./data")
-
-
 def _tar_source(shards: list) -> dict:
     counts = [_shard_count(s) for s in shards]
     return {"kind": "tar", "shards": shards, "num_samples": None if None in counts else sum(counts)}
-
-
-def _preset_source(name: str) -> dict:
-    folder = os.path.join(data_root(), name)
-    shards = sorted(glob.glob(os.path.join(folder, "*.tar")))
-    if not shards:
-        raise DataError(f"{name}: no webdataset shards (*.tar) in {folder} ($DATA_ROOT={data_root()}); make them with: "
-                        f"{img2dataset_command(name, folder)}")
-    return _tar_source(shards)
 
 
 def resolve_data(spec: str, image_root: str | None = None) -> dict:
@@ -1200,7 +1163,12 @@ def resolve_data(spec: str, image_root: str | None = None) -> dict:
     if spec == "shapes" or spec.startswith("shapes:"):
         return {"kind": "shapes", **parse_shapes_spec(spec)}
     if spec in DATA_PRESETS:
-        return _preset_source(spec)
+        root = os.environ.get("DATA_ROOT", "./data")
+        folder = os.path.join(root, spec)
+        if not (shards := sorted(glob.glob(os.path.join(folder, "*.tar")))):
+            raise DataError(f"{spec}: no webdataset shards (*.tar) in {folder} ($DATA_ROOT={root}); make them with: "
+                            f"{img2dataset_command(spec, folder)}")
+        return _tar_source(shards)
     if "{" in spec:
         shards = expand_braces(spec)
         if not shards:
@@ -1231,7 +1199,8 @@ def file_items(src: dict, split: str, csv_options: dict) -> list:
         return csv_items(src["path"], src["image_root"], **csv_options)
     if src["kind"] == "karpathy":
         return karpathy_train_items(src["path"], src["image_root"], split)
-    return image_folder_items(src["path"])
+    paths, labels, classes = image_folder(src["path"])   # caption: the class name, '_' as spaces
+    return [Item(p, classes[y].replace("_", " "), None, os.path.relpath(p, src["path"]), y) for p, y in zip(paths, labels)]
 
 
 # -----------------------------------------------------------------------------
@@ -1390,8 +1359,8 @@ class MapLoader(_Loader):
             self.dropped += len(range(kept, len(self.dataset))[self.rank::self.world_size])
         if hasattr(self.dataset, "epoch"):
             self.dataset.epoch = self.epoch
-        return self.dataset, dict(batch_sampler=self._rank_batches()[self.batches_done:],
-                                  collate_fn=_Collate(self.tokenizer, self.batch_extra, self.epoch))
+        collate_fn = functools.partial(collate, tokenizer=self.tokenizer, batch_extra=self.batch_extra, epoch=self.epoch)
+        return self.dataset, dict(batch_sampler=self._rank_batches()[self.batches_done:], collate_fn=collate_fn)
 
     def _advance(self, batch: dict):
         self.batches_done += 1
@@ -1854,21 +1823,21 @@ def write_shapes_imagefolder(out: str, n: int, seed: int, image_size: int) -> di
     return {"train": n, "test": n, "classes": SHAPE_NAMES}
 
 
-def make_shapes(out: str, train: int = 10_000, test: int = 500, seed: int = 0, shard_size: int = 1000,
+def make_shapes(out_dir: str, train: int = 10_000, test: int = 500, seed: int = 0, shard_size: int = 1000,
                 image_size: int = SHAPES_IMAGE_SIZE) -> dict:
     """Write every format (see the section comment); returns the manifest."""
     if train < 1 or test < 1 or shard_size < 1:
         raise DataError("make-shapes: --train, --test and --shard_size must be positive")
     t0 = time.time()
-    shards = write_shapes_shards(out, train, seed, shard_size, image_size)
+    shards = write_shapes_shards(out_dir, train, seed, shard_size, image_size)
     manifest = {"seed": seed, "image_size": image_size,
-                "shards": {"pattern": os.path.join(out, "shards", f"{{00000..{len(shards) - 1:05d}}}.tar"),
+                "shards": {"pattern": os.path.join(out_dir, "shards", f"{{00000..{len(shards) - 1:05d}}}.tar"),
                            "samples": train, "shards": len(shards)},
-                "benchmarks": write_shapes_benchmarks(out, test, seed, image_size),
-                "karpathy": write_shapes_karpathy(out, test, seed, image_size),
-                "imagefolder": write_shapes_imagefolder(out, test, seed, image_size)}
+                "benchmarks": write_shapes_benchmarks(out_dir, test, seed, image_size),
+                "karpathy": write_shapes_karpathy(out_dir, test, seed, image_size),
+                "imagefolder": write_shapes_imagefolder(out_dir, test, seed, image_size)}
     manifest["seconds"] = round(time.time() - t0, 2)
-    _save(os.path.join(out, "manifest.json"), json.dumps(manifest, indent=1))
+    _save(os.path.join(out_dir, "manifest.json"), json.dumps(manifest, indent=1))
     return manifest
 
 
@@ -1919,14 +1888,9 @@ def main(argv=None) -> int:
     c.add_argument("--csv_img_key", default="filepath", help="CSV/TSV column of the image paths (open_clip's name)")
     c.add_argument("--csv_caption_key", default="title", help="CSV/TSV column of the captions")
     c.add_argument("--csv_separator", default=None, help="CSV separator (default: tab if the header has one, else comma)")
-    args = p.parse_args(argv)
+    args = vars(p.parse_args(argv))
     try:
-        if args.cmd == "make-shapes":
-            result = make_shapes(args.out_dir, args.train, args.test, args.seed, args.shard_size, args.image_size)
-        else:
-            result = check_data(args.data, args.split, args.image_root, args.batch_size, args.num_workers,
-                                drop_last=args.drop_last, csv_img_key=args.csv_img_key,
-                                csv_caption_key=args.csv_caption_key, csv_separator=args.csv_separator)
+        result = make_shapes(**args) if args.pop("cmd") == "make-shapes" else check_data(args.pop("data"), **args)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
