@@ -306,8 +306,8 @@ def shapes_scene(split: str = "train", index: int = 0, seed: int = 0, image_size
         phrases = [Phrase(o.colour, o.shape, o.size if rng.random() < 0.5 else None) for o in objects]
         relations = [relation_between(objects[i], objects[j]) for i, j in struct_rel]
         struct = CaptionStruct(form, phrases, relations)
-        image = render_scene(objects, rng, image_size)
-        return Scene(image=image, caption=render_caption(struct), tree=caption_tree(struct), objects=objects,
+        return Scene(image=render_scene(objects, rng, image_size), caption=render_caption(struct),
+                     tree=caption_tree(struct), objects=objects,
                      relations=[(i, r, j) for (i, j), r in zip(struct_rel, relations)], struct=struct)
 
 
@@ -337,12 +337,11 @@ def _negative_candidates(category: str, s: CaptionStruct, objects: list, rng: ra
                     t = _copy_struct(s); t.relations[r] = other; out.append(t)
     elif category in ("swap_obj", "swap_att"):
         fields = ("shape",) if category == "swap_obj" else ("colour", "size")
-        for i in range(k):
-            for j in range(i + 1, k):
-                for f in fields:    # swap two phrases' values where both have one and they differ
-                    a, b = getattr(s.phrases[i], f), getattr(s.phrases[j], f)
-                    if a and b and a != b:
-                        t = _copy_struct(s, i, **{f: b}); setattr(t.phrases[j], f, a); out.append(t)
+        for i, j in itertools.combinations(range(k), 2):
+            for f in fields:    # swap two phrases' values where both have one and they differ
+                a, b = getattr(s.phrases[i], f), getattr(s.phrases[j], f)
+                if a and b and a != b:
+                    t = _copy_struct(s, i, **{f: b}); setattr(t.phrases[j], f, a); out.append(t)
     elif category == "add_obj":
         if s.form in ("single", "rel", "and"):  # append "and a <absent object>"
             for c, sh in SEEN_COMPOUNDS:
@@ -429,10 +428,9 @@ def shapes_captions(n: int = 5000, seed: int = 0) -> list:
 
 def clip_clean(text: str) -> str:
     """OpenAI CLIP's caption cleaning before the BPE (simple_tokenizer.py's basic_clean and
-    whitespace_clean): ftfy.fix_text (which also replaces lone surrogates, which the tokenizer
-    cannot encode), html.unescape twice, whitespace runs -> " ", strip, lower-case. The ids of
-    released weights were made from cleaned text, so `&amp;`, `it’s`, `ﬁ`, full-width letters and
-    mojibake must reach the BPE as OpenAI's did."""
+    whitespace_clean): ftfy.fix_text (it also replaces lone surrogates, which the tokenizer cannot
+    encode), html.unescape twice, whitespace runs -> " ", strip, lower-case. Released weights saw
+    cleaned text, so `&amp;`, `it’s`, `ﬁ`, full-width letters and mojibake must reach the BPE so."""
     if not (text.isascii() and text.isprintable() and "&" not in text):  # else fix_text would change nothing
         text = html.unescape(html.unescape(ftfy.fix_text(text)))
     return " ".join(text.split()).lower()
@@ -894,8 +892,7 @@ def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath
     base = image_root or os.path.dirname(os.path.abspath(path))
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of a name
-            header = f.readline()
-            sep = separator or ("\t" if "\t" in header else ",")
+            sep = separator or ("\t" if "\t" in f.readline() else ",")   # from the header line
             f.seek(0)
             reader = csv.DictReader(f, delimiter=sep)
             columns = reader.fieldnames or []
@@ -915,9 +912,8 @@ def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath
 
 
 def _karpathy_images(json_path: str, image_root: str | None, split: str) -> list:
-    """[(image path, key, [(raw caption, tree or None), ...])] of one split of a Karpathy JSON
-    (key = filepath/filename without extension).
-    split "train" also takes "restval" (the usual 113k COCO training set)."""
+    """[(image path, key, [(raw caption, tree or None), ...])] of one split of a Karpathy JSON (key =
+    filepath/filename without extension); split "train" also takes "restval" (COCO's usual 113k)."""
     blob = read_json(json_path)
     images = blob.get("images") if isinstance(blob, dict) else None
     if not isinstance(images, list):
@@ -959,21 +955,16 @@ def karpathy_train_items(json_path: str, image_root: str | None, split: str) -> 
 
 
 def image_folder(root: str):
-    """ImageFolder: root/class_name/*.{jpg,jpeg,png,webp}, classes = every sub-folder (an
-    empty one too, so class indices do not shift), sorted by name.
-    Returns (paths, labels, class_names)."""
+    """ImageFolder: root/class_name/*.{jpg,jpeg,png,webp} -> (paths, labels, class_names); classes =
+    every sub-folder (an empty one too, so class indices do not shift), sorted by name."""
     if not os.path.isdir(root):
         raise DataError(f"{root}: no such directory")
     classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
-    paths, labels = [], []
-    for label, c in enumerate(classes):
-        for name in sorted(os.listdir(os.path.join(root, c))):
-            if name.rsplit(".", 1)[-1].lower() in IMAGE_EXTS:
-                paths.append(os.path.join(root, c, name))
-                labels.append(label)
-    if not paths:
+    found = [(os.path.join(root, c, name), label) for label, c in enumerate(classes)
+             for name in sorted(os.listdir(os.path.join(root, c))) if name.rsplit(".", 1)[-1].lower() in IMAGE_EXTS]
+    if not found:
         raise DataError(f"{root}: no images in class folders (expected root/class_name/*.jpg)")
-    return paths, labels, classes
+    return [p for p, _ in found], [y for _, y in found], classes
 
 
 # -----------------------------------------------------------------------------
@@ -1076,10 +1067,7 @@ def tar_records(path: str, keep_exts=None):
         what = "empty tar" if cur is None and "empty" in str(e) else "truncated or unreadable tar"
         yield {"__key__": cur["__key__"] if cur else "", "__shard__": path, "__error__": f"{what} ({e})"}
         return
-    if cur is None:
-        yield {"__key__": "", "__shard__": path, "__error__": "empty tar (no members)"}
-    else:
-        yield cur
+    yield cur if cur is not None else {"__key__": "", "__shard__": path, "__error__": "empty tar (no members)"}
 
 
 def decode_record(rec: dict, transform, rng):
@@ -1200,7 +1188,8 @@ def file_items(src: dict, split: str, csv_options: dict) -> list:
     if src["kind"] == "karpathy":
         return karpathy_train_items(src["path"], src["image_root"], split)
     paths, labels, classes = image_folder(src["path"])   # caption: the class name, '_' as spaces
-    return [Item(p, classes[y].replace("_", " "), None, os.path.relpath(p, src["path"]), y) for p, y in zip(paths, labels)]
+    return [Item(p, classes[y].replace("_", " "), None, os.path.relpath(p, src["path"]), y)
+            for p, y in zip(paths, labels)]
 
 
 # -----------------------------------------------------------------------------
@@ -1210,9 +1199,8 @@ def file_items(src: dict, split: str, csv_options: dict) -> list:
 def _ignore_sigterm(worker_id):
     """DataLoader worker_init_fn. torchrun's agent and SLURM send SIGTERM to the whole process
     group: a worker that died of it would crash the rank before it could checkpoint. Workers
-    ignore SIGTERM; the rank saves, then shuts them down (and they exit with a dead parent).
-    The worker was forked with SIGTERM blocked (_start_workers); ignoring it first discards
-    one that arrived meanwhile."""
+    ignore it (the rank saves, then shuts them down); forked with SIGTERM blocked
+    (_start_workers), they discard one that arrived meanwhile by ignoring it first."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
@@ -1240,10 +1228,8 @@ class _Loader:
         self.epoch, self.batches_done = 0, 0
         self.good, self.skipped, self.dropped = 0, 0, 0  # dropped: good samples cut by drop_last
         self.skip_reasons = collections.Counter()
-        self.check_min = SKIP_CHECK_MIN     # lowered to one epoch's share where that is smaller
-        self.num_samples = num_samples
-        if num_samples:
-            self.check_min = max(1, min(SKIP_CHECK_MIN, num_samples // world_size))
+        self.num_samples = num_samples      # check_min: SKIP_CHECK_MIN, or one epoch's share where that is smaller
+        self.check_min = max(1, min(SKIP_CHECK_MIN, num_samples // world_size)) if num_samples else SKIP_CHECK_MIN
         if drop_last and num_samples is not None and num_samples < batch_size * world_size:
             raise DataError(f"{name}: {num_samples} samples{counted_by}, fewer than one global batch "
                             f"({batch_size} x {world_size} ranks)")
@@ -1359,8 +1345,8 @@ class MapLoader(_Loader):
             self.dropped += len(range(kept, len(self.dataset))[self.rank::self.world_size])
         if hasattr(self.dataset, "epoch"):
             self.dataset.epoch = self.epoch
-        collate_fn = functools.partial(collate, tokenizer=self.tokenizer, batch_extra=self.batch_extra, epoch=self.epoch)
-        return self.dataset, dict(batch_sampler=self._rank_batches()[self.batches_done:], collate_fn=collate_fn)
+        return self.dataset, dict(batch_sampler=self._rank_batches()[self.batches_done:], collate_fn=functools.partial(
+            collate, tokenizer=self.tokenizer, batch_extra=self.batch_extra, epoch=self.epoch))
 
     def _advance(self, batch: dict):
         self.batches_done += 1
@@ -1368,15 +1354,13 @@ class MapLoader(_Loader):
 
 class ShardStream(torch.utils.data.IterableDataset):
     """One (rank, dataloader worker) slot's share of the shards for one epoch, as batches.
-
-    Slots: S = world_size x max(1, num_workers); slot = rank x workers + worker. The shard
-    list is shuffled with (seed, epoch) -- the same on every rank -- and slot s reads shards
-    s, s + S, ... When there are fewer shards than slots, every slot reads all shards and
-    keeps records s, s + S, ... of the stream. Either way each record is read by exactly one
-    slot per epoch. With `resampled`, slot s instead draws ceil(#shards / S) shards with
-    replacement from (seed, epoch, slot): an epoch is then a nominal pass, and every slot has
-    data. Records go through a shuffle buffer (train) before they are decoded, so a resumed
-    worker can replay its stream without decoding and drop the records it already used."""
+    Slots: S = world_size x max(1, num_workers); slot = rank x workers + worker. Slot s reads
+    shards s, s + S, ... of the list shuffled with (seed, epoch), the same on every rank; with
+    fewer shards than slots, every slot reads all shards and keeps records s, s + S, ... Either
+    way each record is read by exactly one slot per epoch. With `resampled`, slot s instead
+    draws ceil(#shards / S) shards with replacement from (seed, epoch, slot): an epoch is then
+    a nominal pass, and every slot has data. Records go through a shuffle buffer (train) before
+    they are decoded, so a resumed worker replays its stream without decoding."""
 
     def __init__(self, shards, batch_size, tokenizer, transform, seed, train, rank, world_size, num_workers,
                  resampled, drop_last, shuffle_buffer):
@@ -1433,15 +1417,12 @@ class ShardStream(torch.utils.data.IterableDataset):
 
 class ShardLoader(_Loader):
     """Streaming loader over tar shards (see ShardStream for who reads what).
-
     DDP: ranks may get different numbers of samples in an epoch (shards differ in size). An
-    epoch is per rank: each rank's epoch ends when its own shards are done, and `forever()`
-    rolls it into the next epoch, so a step-based training loop (the scripts of this repo
-    run `--max_steps` over `forever()`) never waits for another rank and never hangs; an
-    epoch-based loop over `for batch in loader` with DDP can desynchronise ranks and should
-    use `resampled=True` and a step count instead. A rank whose share holds no batch at all
-    raises a DataError in `forever()` instead of spinning.
-
+    epoch is per rank, and `forever()` rolls it into the next, so a step-based training loop
+    (this repo's `--max_steps` over `forever()`) never waits for another rank; an epoch-based
+    loop over `for batch in loader` with DDP can desynchronise ranks and should use
+    `resampled=True` and a step count instead. A rank whose share holds no batch at all raises
+    a DataError in `forever()` instead of spinning.
     State: epoch, batches consumed, and per dataloader worker the records it consumed and
     which worker gave the last batch: a resumed loader replays each worker's record stream
     without decoding, drops what was used, and restarts the round-robin at the next worker,
@@ -1515,12 +1496,11 @@ def make_loader(spec: str, split: str = "train", batch_size: int = 64, tokenizer
                 shuffle_buffer: int = 1000, max_skip_fraction: float = MAX_SKIP_FRACTION, transform=None,
                 csv_img_key: str = "filepath", csv_caption_key: str = "title", csv_separator: str | None = None,
                 pin_memory: bool = False, batch_extra=None):
-    """The loader for a `--data` spec: a MapLoader for shapes, CSV,
-    Karpathy JSON (`split`) and ImageFolder (batches also carry "label"), a ShardLoader for
-    tar shards (`split` is ignored: a shard set is one split). Real images get
-    train_transform(image_size) when `train`, else eval_transform(image_size); `transform`
-    overrides both (a callable (PIL image, random.Random) -> tensor). `pin_memory`: page-locked
-    batches for a CUDA training loop. `batch_extra`: see collate()."""
+    """The loader for a `--data` spec: a MapLoader for shapes, CSV, Karpathy JSON (`split`) and
+    ImageFolder (batches also carry "label"), a ShardLoader for tar shards (`split` is ignored:
+    a shard set is one split). Real images get train_transform(image_size) when `train`, else
+    eval_transform(image_size); `transform` (PIL image, random.Random) -> tensor overrides both.
+    `pin_memory`: page-locked batches for a CUDA training loop. `batch_extra`: see collate()."""
     src = resolve_data(spec, image_root)
     loader_args = dict(tokenizer=tokenizer, train=train, rank=rank, world_size=world_size, num_workers=num_workers,
                        seed=seed, drop_last=drop_last)
