@@ -769,13 +769,6 @@ def _sample_rng(seed: int, epoch: int, index) -> random.Random:
     return random.Random(f"aug/{seed}/{epoch}/{index}")
 
 
-def load_image(source) -> Image.Image:
-    """An RGB PIL image from a path or the bytes of an image file; raises on bad data."""
-    img = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
-    img.load()
-    return img if img.mode == "RGB" else img.convert("RGB")   # convert() of RGB is a copy
-
-
 def make_sample(image, caption, tree, key: str, transform, rng):
     """The one place where a record becomes a sample or a Skip. `image`: path, bytes or None."""
     if image is None:
@@ -785,7 +778,9 @@ def make_sample(image, caption, tree, key: str, transform, rng):
     if not caption.strip():
         return Skip("empty caption", key)
     try:
-        x = transform(load_image(image), rng)
+        img = Image.open(io.BytesIO(image) if isinstance(image, bytes) else image)
+        img.load()
+        x = transform(img if img.mode == "RGB" else img.convert("RGB"), rng)   # convert() of RGB is a copy
     except FileNotFoundError:
         return Skip("missing image file", f"{key} ({image})")
     except Exception as e:  # PIL raises many types for bad bytes (OSError, SyntaxError, ValueError, ...)
@@ -943,15 +938,6 @@ def karpathy_items(json_path: str, image_root: str | None = None, split: str = "
         caps = [c for c, _ in sents]
         out.append((path, caps, [t for _, t in sents]) if with_trees else (path, caps))
     return out
-
-
-def karpathy_train_items(json_path: str, image_root: str | None, split: str) -> list:
-    """One Item per sentence (images without sentences give one Item that is skipped); the
-    key names the image, so the captions of one image share it (retrieval groups by key)."""
-    items = []
-    for path, key, sents in _karpathy_images(json_path, image_root, split):
-        items += [Item(path, raw, tree, key) for raw, tree in sents] or [Item(path, None, None, key)]
-    return items
 
 
 def image_folder(root: str):
@@ -1185,8 +1171,10 @@ def resolve_data(spec: str, image_root: str | None = None) -> dict:
 def file_items(src: dict, split: str, csv_options: dict) -> list:
     if src["kind"] == "csv":
         return csv_items(src["path"], src["image_root"], **csv_options)
-    if src["kind"] == "karpathy":
-        return karpathy_train_items(src["path"], src["image_root"], split)
+    if src["kind"] == "karpathy":   # an Item per sentence, keyed by the image (retrieval groups by key);
+        # an image without sentences gives one Item, which is skipped
+        return [item for path, key, sents in _karpathy_images(src["path"], src["image_root"], split)
+                for item in [Item(path, raw, tree, key) for raw, tree in sents] or [Item(path, None, None, key)]]
     paths, labels, classes = image_folder(src["path"])   # caption: the class name, '_' as spaces
     return [Item(p, classes[y].replace("_", " "), None, os.path.relpath(p, src["path"]), y)
             for p, y in zip(paths, labels)]
