@@ -610,13 +610,11 @@ class RandomResizedCrop:
             cw, ch = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
             if 0 < cw <= w and 0 < ch <= h:
                 x, y = rng.randint(0, w - cw), rng.randint(0, h - ch)
-                return img.resize((self.size, self.size), Image.BICUBIC, box=(x, y, x + cw, y + ch))
-        cw, ch = w, h                       # the fallback: a centred crop of the allowed aspect
-        if w / h < min(self.ratio):
-            ch = round(w / min(self.ratio))
-        elif w / h > max(self.ratio):
-            cw = round(h * max(self.ratio))
-        x, y = (w - cw) // 2, (h - ch) // 2
+                break
+        else:                               # the fallback: a centred crop of the allowed aspect
+            cw = round(h * max(self.ratio)) if w / h > max(self.ratio) else w
+            ch = round(w / min(self.ratio)) if w / h < min(self.ratio) else h
+            x, y = (w - cw) // 2, (h - ch) // 2
         return img.resize((self.size, self.size), Image.BICUBIC, box=(x, y, x + cw, y + ch))
 
 
