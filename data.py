@@ -464,16 +464,12 @@ class Tokenizer:
 
     def decode(self, ids) -> str:
         ids = [int(i) for i in ids]
-        if self.eot_id in ids:
-            ids = ids[: ids.index(self.eot_id)]
-        ids = [i for i in ids if i != self.sot_id]
-        return self.backend.decode(ids).strip()
+        ids = ids[: ids.index(self.eot_id)] if self.eot_id in ids else ids
+        return self.backend.decode([i for i in ids if i != self.sot_id]).strip()
 
     def save(self, directory: str):
-        os.makedirs(directory, exist_ok=True)
-        blob = {"kind": self.kind, "context_length": self.context_length,
-                "tokenizer": json.loads(self.backend.to_str())}
-        _atomic_write_file(os.path.join(directory, "tokenizer.json"), json.dumps(blob))
+        _save(os.path.join(directory, "tokenizer.json"), json.dumps(
+            {"kind": self.kind, "context_length": self.context_length, "tokenizer": json.loads(self.backend.to_str())}))
 
     @classmethod
     def load(cls, directory: str) -> "Tokenizer":
@@ -754,8 +750,15 @@ class Skip:
     where: str  # the file / key it came from
 
 
-def _atomic_write_file(path: str, blob):
-    """`blob` (bytes, or a str written as UTF-8) as the file `path`, atomically."""
+def _save(path: str, blob):
+    """`blob` (bytes, a str written as UTF-8, a PIL image as PNG) as the file `path`, atomically,
+    in a folder made if missing."""
+    if isinstance(blob, Image.Image):
+        buf = io.BytesIO()
+        blob.save(buf, format="PNG")
+        blob = buf.getvalue()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+
     def write(tmp):
         with open(tmp, "wb") as f:
             f.write(blob.encode("utf-8") if isinstance(blob, str) else blob)
@@ -1678,18 +1681,6 @@ def checkpoint_dir(path: str) -> str:
 # OUT/imagefolder/{train,test}/{shape}/*.png  classification (data.shapes_classification)
 # OUT/manifest.json           what was written, with counts
 
-def _png(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _save(path: str, blob):
-    """_atomic_write_file into a folder made if missing; a PIL image is written as PNG."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    _atomic_write_file(path, _png(blob) if isinstance(blob, Image.Image) else blob)
-
-
 def _progress(it, desc: str, total=None):
     from tqdm import tqdm
     return tqdm(it, desc=desc, total=total, leave=False, dynamic_ncols=True)
@@ -1706,7 +1697,9 @@ def write_shapes_shards(out: str, n: int, seed: int, shard_size: int, image_size
                 scene, key = shapes_scene("train", i, seed, image_size), f"{i:09d}"
                 meta = {"key": key, "caption": scene.caption, "status": "success", "width": image_size,
                         "height": image_size, "objects": [vars(o) for o in scene.objects]}
-                for ext, blob in (("png", _png(scene.image)), ("txt", scene.caption.encode()),
+                png = io.BytesIO()
+                scene.image.save(png, format="PNG")
+                for ext, blob in (("png", png.getvalue()), ("txt", scene.caption.encode()),
                                   ("json", json.dumps(meta).encode()), ("tree", scene.tree.encode())):
                     info = tarfile.TarInfo(f"{key}.{ext}")
                     info.size, info.mtime, info.mode = len(blob), 0, 0o644  # fixed metadata: same seed, same bytes
