@@ -24,10 +24,10 @@ Commands:
 import argparse
 import collections
 import csv
+import functools
 import glob
 import gzip
 import html
-import html.entities
 import io
 import itertools
 import json
@@ -40,10 +40,10 @@ import signal
 import sys
 import tarfile
 import time
-import unicodedata
 import zlib
 from dataclasses import dataclass, field
 
+import ftfy
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFilter
@@ -84,12 +84,16 @@ SIZE_NAMES = ["small", "large"]
 SIZE_RADIUS = {"small": (5, 7), "large": (10, 13)}  # radius range in pixels at 64x64
 RELATION_NAMES = ["to the left of", "to the right of", "above", "below"]
 HELD_OUT_COMPOUNDS = frozenset((c, SHAPE_NAMES[i % len(SHAPE_NAMES)]) for i, c in enumerate(COLOUR_NAMES))
+SEEN_COMPOUNDS = [(c, s) for c in COLOUR_NAMES for s in SHAPE_NAMES if (c, s) not in HELD_OUT_COMPOUNDS]
 SHAPES_CATEGORIES = ["replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att", "add_obj", "add_att"]
 SHAPES_SPLITS = ["train", "val", "test", "systematicity", "productivity"]
 SHAPES_SIZES = {"train": 100_000, "val": 1000, "test": 1000, "systematicity": 1000, "productivity": 1000}
 SHAPES_IMAGE_SIZE = 64
 SHAPES_VAL_PAIRS = 1000   # retrieval R@1 of the benchmark: a standard error of at most 1.6 points
 RELATION_MARGIN = 4
+# caption form -> its words: w<i> phrase i, r<i> the relation of phrase i to phrase i + 1
+CAPTION_FORMS = {"single": "w0", "rel": "w0 r0 w1", "copula": "w0 is r0 w1", "and": "w0 and w1",
+                 "rel_and": "w0 r0 w1 and w2", "chain": "w0 r0 w1 r1 w2"}
 
 
 @dataclass
@@ -114,9 +118,8 @@ class Phrase:
 
 @dataclass
 class CaptionStruct:
-    """A caption before it is rendered to words: phrases + how they are joined.
-    form: "single" | "rel" | "copula" | "and" | "rel_and" | "chain"; relations[i] relates
-    phrase i to phrase i+1 ("rel", "copula", "rel_and" use relations[0]; "chain" both)."""
+    """A caption before it is rendered to words: phrases + how they are joined (form, one of
+    CAPTION_FORMS); relations[i] relates phrase i to phrase i+1."""
     form: str
     phrases: list
     relations: list = field(default_factory=list)
@@ -145,35 +148,23 @@ def _article(p: Phrase) -> str:
     return "an" if (p.size or p.colour)[0] in "aeiou" else "a"
 
 
-def _same_word(kind: str, value: str) -> str:
-    return value
+def _related_pairs(form: str) -> list:
+    """(i, i + 1) for each relation the caption form states."""
+    return [(i, i + 1) for i in range(2) if f"r{i}" in CAPTION_FORMS.get(form, "").split()]
 
 
-def _phrase_words(p: Phrase, word=_same_word) -> list:
-    words = ([word("size", p.size)] if p.size else []) + [word("colour", p.colour)] + word("shape", p.shape).split()
-    return ["an" if words[0][0] in "aeiou" else "a"] + words     # = _article(p) for the grammar's own words
-
-
-def render_caption(s: CaptionStruct, word=_same_word) -> str:
+def render_caption(s: CaptionStruct, word=None) -> str:
     """The caption's words; `word(kind, value)` may put a synonym for a size, colour, shape or
-    relation (shapes_references), by default the grammar's own word."""
-    w = [_phrase_words(p, word) for p in s.phrases]
-    r = [word("relation", rel).split() for rel in s.relations]
-    if s.form == "single":
-        words = w[0]
-    elif s.form == "rel":
-        words = w[0] + r[0] + w[1]
-    elif s.form == "copula":
-        words = w[0] + ["is"] + r[0] + w[1]
-    elif s.form == "and":
-        words = w[0] + ["and"] + w[1]
-    elif s.form == "rel_and":
-        words = w[0] + r[0] + w[1] + ["and"] + w[2]
-    elif s.form == "chain":
-        words = w[0] + r[0] + w[1] + r[1] + w[2]
-    else:
+    relation (mm_learngene.shapes_references), by default the grammar's own word."""
+    if s.form not in CAPTION_FORMS:
         raise ValueError(f"unknown caption form {s.form!r}")
-    return " ".join(words)
+    word, parts = word or (lambda kind, value: value), {}
+    for i, p in enumerate(s.phrases):
+        words = ([word("size", p.size)] if p.size else []) + [word("colour", p.colour)] + word("shape", p.shape).split()
+        parts[f"w{i}"] = ["an" if words[0][0] in "aeiou" else "a"] + words  # = _article(p) for the grammar's words
+    parts.update((f"r{i}", word("relation", rel).split()) for i, rel in enumerate(s.relations))
+    words = [parts[t] if t[1:].isdigit() else [t] for t in CAPTION_FORMS[s.form].split()]
+    return " ".join(w for ws in words for w in ws)
 
 
 def _np_tree(p: Phrase) -> str:
@@ -207,19 +198,10 @@ def caption_tree(s: CaptionStruct) -> str:
     raise ValueError(f"unknown caption form {s.form!r}")
 
 
-def _stated_relations(s: CaptionStruct) -> list:
-    if s.form in ("rel", "copula", "rel_and"):
-        return [(0, s.relations[0], 1)]
-    if s.form == "chain":
-        return [(0, s.relations[0], 1), (1, s.relations[1], 2)]
-    return []
-
-
 def caption_is_true(s: CaptionStruct, objects: list) -> bool:
     """Does the caption describe the scene? True iff the phrases can be assigned to distinct
     objects with matching attributes such that every stated relation holds."""
-    import itertools
-    rels = _stated_relations(s)
+    rels = [(i, s.relations[i], j) for i, j in _related_pairs(s.form)]
     for assign in itertools.permutations(range(len(objects)), len(s.phrases)):
         ok = all(objects[o].colour == p.colour and objects[o].shape == p.shape and p.size in (None, objects[o].size)
                  for p, o in zip(s.phrases, assign))
@@ -268,12 +250,8 @@ def _draw_object(draw: ImageDraw.ImageDraw, o: Obj, rgb: tuple):
     elif o.shape == "diamond":
         draw.polygon([(cx, y0), (x1, cy), (cx, y1), (x0, cy)], fill=rgb)
     elif o.shape == "star":
-        pts = []
-        for k in range(10):
-            rad = r if k % 2 == 0 else r * 0.45
-            a = -math.pi / 2 + k * math.pi / 5
-            pts.append((cx + rad * math.cos(a), cy + rad * math.sin(a)))
-        draw.polygon(pts, fill=rgb)
+        rads = [(r if k % 2 == 0 else r * 0.45, -math.pi / 2 + k * math.pi / 5) for k in range(10)]   # (radius, angle)
+        draw.polygon([(cx + rad * math.cos(a), cy + rad * math.sin(a)) for rad, a in rads], fill=rgb)
     elif o.shape == "cross":
         t = r * 0.35
         draw.rectangle((x0, cy - t, x1, cy + t), fill=rgb)
@@ -294,14 +272,6 @@ def render_scene(objects: list, rng: random.Random, image_size: int = SHAPES_IMA
     return img
 
 
-def _split_seed(split: str, index: int, seed: int) -> str:
-    return f"shapes/{seed}/{split}/{index}"  # str seeds are hashed with sha512: stable across runs
-
-
-def _seen_compounds():
-    return [(c, s) for c in COLOUR_NAMES for s in SHAPE_NAMES if (c, s) not in HELD_OUT_COMPOUNDS]
-
-
 def _scene_layout(split: str, rng: random.Random):
     """(number of objects, caption form) for a split: train/val/test have 1-3 objects and at
     most one relation; productivity has 3 objects and two relations (a chain)."""
@@ -319,88 +289,73 @@ def shapes_scene(split: str = "train", index: int = 0, seed: int = 0, image_size
     """Scene `index` of a split: deterministic in (split, index, seed); same seed, same bytes."""
     if split not in SHAPES_SPLITS:
         raise DataError(f"shapes: unknown split {split!r} (choose from {', '.join(SHAPES_SPLITS)})")
-    rng = random.Random(_split_seed(split, index, seed))
-    seen = _seen_compounds()
+    rng = random.Random(f"shapes/{seed}/{split}/{index}")  # str seeds are hashed with sha512: stable across runs
     while True:
         n, form = _scene_layout(split, rng)
         if split == "systematicity":
             # at least one held-out compound, the rest seen ones
             held = rng.choice(sorted(HELD_OUT_COMPOUNDS))
             objects = [Obj(shape=held[1], colour=held[0], size=rng.choice(SIZE_NAMES))]
-            objects += _sample_objects(rng, n - 1, [c for c in seen if c != held])
+            objects += _sample_objects(rng, n - 1, [c for c in SEEN_COMPOUNDS if c != held])
             rng.shuffle(objects)
         else:
-            objects = _sample_objects(rng, n, seen)
-        struct_rel = {"rel": [(0, 1)], "copula": [(0, 1)], "rel_and": [(0, 1)], "chain": [(0, 1), (1, 2)]}.get(form, [])
+            objects = _sample_objects(rng, n, SEEN_COMPOUNDS)
+        struct_rel = _related_pairs(form)
         if not _place(rng, objects, struct_rel, image_size):
             continue
         phrases = [Phrase(o.colour, o.shape, o.size if rng.random() < 0.5 else None) for o in objects]
         relations = [relation_between(objects[i], objects[j]) for i, j in struct_rel]
         struct = CaptionStruct(form, phrases, relations)
-        image = render_scene(objects, rng, image_size)
-        return Scene(image=image, caption=render_caption(struct), tree=caption_tree(struct), objects=objects,
+        return Scene(image=render_scene(objects, rng, image_size), caption=render_caption(struct),
+                     tree=caption_tree(struct), objects=objects,
                      relations=[(i, r, j) for (i, j), r in zip(struct_rel, relations)], struct=struct)
 
 
 # --- hard negatives (SugarCrepe's 7 categories, on the caption structure) ---
 
-def _copy_struct(s: CaptionStruct) -> CaptionStruct:
-    return CaptionStruct(s.form, [Phrase(p.colour, p.shape, p.size) for p in s.phrases], list(s.relations))
+def _copy_struct(s: CaptionStruct, i: int = 0, **values) -> CaptionStruct:
+    """A copy of `s` whose phrase i has the fields `values`."""
+    t = CaptionStruct(s.form, [Phrase(p.colour, p.shape, p.size) for p in s.phrases], list(s.relations))
+    vars(t.phrases[i]).update(values)
+    return t
 
 
 def _negative_candidates(category: str, s: CaptionStruct, objects: list, rng: random.Random) -> list:
     """Candidate negatives of one category (possibly empty); validity is checked by the caller."""
-    out = []
-    k = len(s.phrases)
+    out, k = [], len(s.phrases)
     if category == "replace_obj":
-        for i in range(k):
-            for shape in SHAPE_NAMES:
-                if shape != s.phrases[i].shape:
-                    t = _copy_struct(s); t.phrases[i].shape = shape; out.append(t)
+        out = [_copy_struct(s, i, shape=x) for i in range(k) for x in SHAPE_NAMES if x != s.phrases[i].shape]
     elif category == "replace_att":
-        for i in range(k):
-            for colour in COLOUR_NAMES:
-                if colour != s.phrases[i].colour:
-                    t = _copy_struct(s); t.phrases[i].colour = colour; out.append(t)
-            if s.phrases[i].size:
-                t = _copy_struct(s); t.phrases[i].size = "small" if s.phrases[i].size == "large" else "large"; out.append(t)
+        for i, p in enumerate(s.phrases):
+            out += [_copy_struct(s, i, colour=x) for x in COLOUR_NAMES if x != p.colour]
+            if p.size:
+                out.append(_copy_struct(s, i, size="small" if p.size == "large" else "large"))
     elif category == "replace_rel":
-        for r_idx, rel in enumerate(s.relations):
+        for r, rel in enumerate(s.relations):
             for other in RELATION_NAMES:
                 if other != rel:
-                    t = _copy_struct(s); t.relations[r_idx] = other; out.append(t)
+                    t = _copy_struct(s); t.relations[r] = other; out.append(t)
     elif category in ("swap_obj", "swap_att"):
         fields = ("shape",) if category == "swap_obj" else ("colour", "size")
-        for i in range(k):
-            for j in range(i + 1, k):
-                for f in fields:    # swap two phrases' values where both have one and they differ
-                    a, b = getattr(s.phrases[i], f), getattr(s.phrases[j], f)
-                    if a and b and a != b:
-                        t = _copy_struct(s)
-                        setattr(t.phrases[i], f, b)
-                        setattr(t.phrases[j], f, a)
-                        out.append(t)
+        for i, j in itertools.combinations(range(k), 2):
+            for f in fields:    # swap two phrases' values where both have one and they differ
+                a, b = getattr(s.phrases[i], f), getattr(s.phrases[j], f)
+                if a and b and a != b:
+                    t = _copy_struct(s, i, **{f: b}); setattr(t.phrases[j], f, a); out.append(t)
     elif category == "add_obj":
         if s.form in ("single", "rel", "and"):  # append "and a <absent object>"
-            for c, sh in _seen_compounds():
+            for c, sh in SEEN_COMPOUNDS:
                 extra = Phrase(c, sh, rng.choice([None, *SIZE_NAMES]))
                 if s.form == "single":
                     out.append(CaptionStruct("and", [s.phrases[0], extra]))
                 elif s.form == "rel":
                     out.append(CaptionStruct("rel_and", [*s.phrases, extra], list(s.relations)))
-    elif category == "add_att":
-        for i in range(k):
-            if s.phrases[i].size is None:
-                # phrases are made in object order, so phrase i describes objects[i]
-                wrong = "small" if objects[i].size == "large" else "large"
-                t = _copy_struct(s); t.phrases[i].size = wrong; out.append(t)
+    elif category == "add_att":     # phrases are made in object order, so phrase i describes objects[i]
+        out = [_copy_struct(s, i, size="small" if objects[i].size == "large" else "large")
+               for i, p in enumerate(s.phrases) if p.size is None]
     else:
         raise ValueError(category)
     return out
-
-
-def _compounds_seen(s: CaptionStruct) -> bool:
-    return all((p.colour, p.shape) not in HELD_OUT_COMPOUNDS for p in s.phrases)
 
 
 def make_negative(category: str, scene: Scene, rng: random.Random, allow_held_out: bool = False):
@@ -409,7 +364,8 @@ def make_negative(category: str, scene: Scene, rng: random.Random, allow_held_ou
     cands = _negative_candidates(category, scene.struct, scene.objects, rng)
     rng.shuffle(cands)
     for t in cands:
-        if (allow_held_out or _compounds_seen(t)) and not caption_is_true(t, scene.objects):
+        seen = all((p.colour, p.shape) not in HELD_OUT_COMPOUNDS for p in t.phrases)
+        if (allow_held_out or seen) and not caption_is_true(t, scene.objects):
             text = render_caption(t)
             if text != scene.caption:
                 return text
@@ -462,72 +418,6 @@ def shapes_classification(split: str = "train", index: int = 0, seed: int = 0, i
     return render_scene([obj], rng, image_size), label
 
 
-# --- several reference captions per image (captioning is scored against all, as on COCO) ---
-# Synonyms and paraphrases that keep the meaning; the grammar's own word comes first.
-REFERENCE_WORDS = {
-    "size": {"small": ["small", "little", "tiny"], "large": ["large", "big"]},
-    "colour": {"purple": ["purple", "violet"]},
-    "shape": {"circle": ["circle", "disc"], "square": ["square"], "triangle": ["triangle"], "star": ["star"],
-              "cross": ["cross", "plus sign"], "diamond": ["diamond", "rhombus"]},
-    "relation": {"to the left of": ["to the left of", "left of", "on the left of"],
-                 "to the right of": ["to the right of", "right of", "on the right of"],
-                 "above": ["above", "over"], "below": ["below", "under", "beneath"]},
-}
-CONVERSE = {"to the left of": "to the right of", "to the right of": "to the left of", "above": "below",
-            "below": "above"}
-
-
-def _clear_relation(a: Obj, b: Obj, image_size: int):
-    """relation_between(a, b) when it is as unambiguous as the relations captions state (the
-    placement margin), else None."""
-    dx, dy = b.centre[0] - a.centre[0], b.centre[1] - a.centre[1]
-    margin = RELATION_MARGIN * image_size / SHAPES_IMAGE_SIZE
-    return relation_between(a, b) if abs(abs(dx) - abs(dy)) >= margin else None
-
-
-def _reference_struct(scene: Scene, rng: random.Random) -> CaptionStruct:
-    """A caption structure about the scene's objects, in the grammar: sizes mentioned or not,
-    "X rel Y" or "X is rel Y", object order reversed with the converse relation, the two
-    objects of an "and" caption in either order or related when the relation is clear."""
-    objs, s = scene.objects, scene.struct
-    phrases = [Phrase(o.colour, o.shape, o.size if rng.random() < 0.5 else None) for o in objs]
-    form, rels = s.form, list(s.relations)
-    if form == "and":
-        clear = _clear_relation(objs[0], objs[1], scene.image.size[0])
-        if clear and rng.random() < 0.5:
-            form, rels = "rel", [clear]
-    if form in ("rel", "copula"):
-        form = rng.choice(["rel", "copula"])
-    order = list(range(len(phrases)))
-    if form == "and":
-        rng.shuffle(order)
-    elif form != "single" and rng.random() < 0.5:
-        if form == "chain":         # "A r1 B r2 C" = "C r2' B r1' A"
-            order, rels = order[::-1], [CONVERSE[r] for r in rels[::-1]]
-        else:                       # "A r B ..." = "B r' A ..."
-            order[:2], rels[0] = [1, 0], CONVERSE[rels[0]]
-    return CaptionStruct(form, [phrases[i] for i in order], rels)
-
-
-def shapes_references(scene: Scene, n: int, rng: random.Random) -> list:
-    """`n` distinct captions of the scene, each true of it: its own caption first, then
-    paraphrases (_reference_struct, checked by caption_is_true) in words drawn from
-    REFERENCE_WORDS, some opened by "there is". Deterministic in `rng`'s seed."""
-    refs = [scene.caption]
-    for _ in range(100 * n):
-        if len(refs) == n:
-            break
-        t = _reference_struct(scene, rng)
-        if not caption_is_true(t, scene.objects):
-            continue
-        text = render_caption(t, lambda kind, v: rng.choice(REFERENCE_WORDS[kind].get(v, [v])))
-        if t.form in ("single", "rel") and rng.random() < 0.3:
-            text = "there is " + text
-        if text not in refs:
-            refs.append(text)
-    return refs
-
-
 def shapes_captions(n: int = 5000, seed: int = 0) -> list:
     """Training captions (no rendering needed beyond the scene) to train a tokenizer on."""
     return [shapes_scene("train", i, seed).caption for i in range(n)]
@@ -536,175 +426,14 @@ def shapes_captions(n: int = 5000, seed: int = 0) -> list:
 # -----------------------------------------------------------------------------
 # Tokenizer
 
-def _bytes_to_unicode() -> dict:
-    """GPT-2/CLIP's reversible byte -> printable unicode character table."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, [chr(c) for c in cs]))
-
-
-# OpenAI CLIP cleans every caption before BPE (simple_tokenizer.py: basic_clean, whitespace_clean):
-# ftfy.fix_text, html.unescape twice, strip, whitespace runs -> " ", lower-case. The ids of
-# released weights were made from cleaned text, so `&amp;`, `it’s`, `ﬁ`, full-width letters and
-# mojibake must reach the BPE as OpenAI's did. ftfy is used when installed; otherwise the fixes
-# below re-implement fix_text's steps in the standard library (ftfy 6.3: same tables, same order,
-# repeated to a fixed point). Only the mojibake repair differs: ftfy weighs a heuristic; this one
-# repairs only what real text cannot be, and otherwise leaves the text as given.
-
-_LIGATURES = {ord(k): v for k, v in {"Ĳ": "IJ", "ĳ": "ij", "ŉ": "ʼn", "Ǳ": "DZ", "ǲ": "Dz", "ǳ": "dz",
-              "Ǆ": "DŽ", "ǅ": "Dž", "ǆ": "dž", "Ǉ": "LJ", "ǈ": "Lj", "ǉ": "lj", "Ǌ": "NJ", "ǋ": "Nj",
-              "ǌ": "nj", "ﬀ": "ff", "ﬁ": "fi", "ﬂ": "fl", "ﬃ": "ffi", "ﬄ": "ffl", "ﬅ": "ſt", "ﬆ": "st"}.items()}
-_WIDTH = {0x3000: " ", **{i: unicodedata.normalize("NFKC", chr(i)) for i in range(0xFF01, 0xFFF0)
-                         if unicodedata.normalize("NFKC", chr(i)) != chr(i)}}
-_CONTROL = dict.fromkeys([*range(0x00, 0x09), 0x0B, *range(0x0E, 0x20), 0x7F, *range(0x206A, 0x2070),
-                          0xFEFF, *range(0xFFF9, 0xFFFD)])
-_HTML_ENTITY = re.compile(r"&#?[0-9A-Za-z]{1,24};")
-_ANSI_ESCAPE = re.compile("\033\\[((?:\\d|;)*)([a-zA-Z])")
-# one UTF-8 sequence whose bytes were each decoded as Windows-1252 (Latin-1 for the bytes it
-# leaves undefined): a lead byte, then 1-3 continuation bytes 0x80-0xbf
-_CP1252_CONTINUATION = "\u0080-\u00bf" + "".join(
-    bytes([b]).decode("cp1252") for b in range(0x80, 0xc0) if b not in (0x81, 0x8d, 0x8f, 0x90, 0x9d))
-_MOJIBAKE = re.compile(f"[\u00c2-\u00df][{_CP1252_CONTINUATION}]|[\u00e0-\u00ef][{_CP1252_CONTINUATION}]{{2}}"
-                       f"|[\u00f0-\u00f4][{_CP1252_CONTINUATION}]{{3}}")
-_MOJIBAKE_RUN = re.compile(f"(?:{_MOJIBAKE.pattern})+")
-# what bytes 0x80-0x9f decode to (cp1252's punctuation; C1 controls where it has none)
-_CP1252_PUNCTUATION = "".join(bytes([b]).decode("cp1252", errors="ignore") or chr(b) for b in range(0x80, 0xa0))
-# continuation characters that real text puts right after an upper-case letter ("CAFÉ…",
-# "CAFÉ·BAR", "LE CAFÉ™", "ESPAÑA»", "Nº"): after a lead character they prove nothing
-_AFTER_A_LETTER = "€…’”–—™\u00a0¢£¥©ª«»®°±²³µ·¹º\u00ad"
-_SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _html_entities() -> dict:
-    """ftfy's table: html5 names ending in ';', plus upper-cased names of lower-case ones."""
-    table = {}
-    for name, char in html.entities.html5.items():
-        if name.endswith(";"):
-            table["&" + name] = char
-            if name == name.lower() and html.unescape("&" + name.upper()) == "&" + name.upper():
-                table["&" + name.upper()] = char.upper()
-    return table
-
-
-def _unescape_entity(match) -> str:
-    entity = match.group(0)
-    if entity in _ENTITIES:
-        return _ENTITIES[entity]
-    if entity.startswith("&#"):
-        char = html.unescape(entity)
-        return entity if ";" in char else char
-    return entity
-
-
-def _sloppy_cp1252_bytes(text: str) -> bytes:
-    """Each character back to the byte Windows-1252 (Latin-1 where it is undefined) decodes to it."""
-    return b"".join(bytes([ord(ch)]) if ord(ch) < 256 else ch.encode("cp1252") for ch in text)
-
-
-def _certain_mojibake(match) -> bool:
-    """A run of UTF-8 sequences read as Windows-1252 that real text does not hold: â/ð before
-    cp1252 punctuation ("â€™", "ðŸ˜€"); Â/Ã (rare letters, never before a symbol) before a symbol
-    that never follows a letter ("Ã‰") or before a Latin-1 symbol or small letter ("Ã©", "Â°")
-    outside an upper-case word ("IRMÃ»" may be Portuguese); two or more sequences in a row with
-    such a symbol ("Ð¿Ñ€", "æ—¥æœ¬"). "CAFÉ…", "CAFÉ·BAR", "LE CAFÉ™", "ESPAÑA»", "AMANHÃ…" are
-    real upper-case text; a lone "Î±" or "Å›" is not certain either."""
-    run, text = match.group(0), match.string
-    seqs = _MOJIBAKE.findall(run)
-    lead, cont = seqs[0][0], seqs[0][1:]
-    odd = any(c not in _AFTER_A_LETTER for s in seqs for c in s[1:])
-    caps = text[match.start() - 1:match.start()].isupper() and not text[match.end():match.end() + 1].islower()
-    return ((lead in "âð" and cont[0] in _CP1252_PUNCTUATION) or (odd and (len(seqs) > 1 or lead in "ÂÃ"))
-            or (lead in "ÂÃ" and "\u00a0" <= cont[0] <= "\u00bf" and not caps))
-
-
-def _decode_run(match) -> str:
-    try:
-        return _sloppy_cp1252_bytes(match.group(0)).decode("utf-8")
-    except UnicodeDecodeError:      # e.g. an overlong form: not UTF-8 after all
-        return match.group(0)
-
-
-def _fix_mojibake(text: str) -> str:
-    """UTF-8 that was decoded as Windows-1252 ("cafÃ©", "itâ€™s") decoded again as UTF-8, all of
-    it, in a text that holds certain mojibake (_certain_mojibake), with "Ã " as "à" whose NBSP
-    became a space ("Ã©tÃ© Ã  Paris" -> "été à Paris", as ftfy); again while the result holds
-    certain mojibake (twice-encoded text). Any other text is returned unchanged: a repair is
-    whole or not made."""
-    while any(_certain_mojibake(m) for m in _MOJIBAKE_RUN.finditer(text)):
-        text = _MOJIBAKE_RUN.sub(_decode_run, re.sub("\u00c3  ?", "\u00e0 ", text))  # a real "Ã " reads "Ãƒ "
-    return text
-
-
-def _fix_surrogates(text: str) -> str:
-    """As ftfy: a UTF-16 surrogate pair becomes its character, a lone surrogate U+FFFD (no
-    UTF-8 encoding exists for it: the tokenizer would raise)."""
-    text = _SURROGATE_PAIR.sub(lambda m: m.group(0).encode("utf-16", "surrogatepass").decode("utf-16"), text)
-    return _SURROGATE.sub("\ufffd", text)
-
-
-def _fix_c1(match) -> str:
-    return bytes([ord(match.group(0))]).decode("cp1252", errors="ignore") or match.group(0)
-
-
-def _fix_segment(text: str, unescape: bool) -> str:
-    """One line through fix_text's steps, repeated until nothing changes (the mojibake repair in
-    the first pass only: later steps, such as uncurling quotes, would change what it sees)."""
-    passes = 0
-    while True:
-        before, passes = text, passes + 1
-        if unescape:
-            text = _HTML_ENTITY.sub(_unescape_entity, text)
-        if passes == 1:
-            text = _fix_mojibake(text)
-        text = re.sub(r"[\x80-\x9f]", _fix_c1, text)
-        text = text.translate(_LIGATURES).translate(_WIDTH)
-        text = re.sub("[\u02bc\u2018-\u201b]", "'", re.sub("[\u201c-\u201f]", '"', text))
-        for line_break in ("\r\n", "\r", "\u2028", "\u2029", "\u0085"):
-            text = text.replace(line_break, "\n")
-        text = _ANSI_ESCAPE.sub("", _fix_surrogates(text)).translate(_CONTROL)
-        text = unicodedata.normalize("NFC", text)
-        if text == before:
-            return text
-
-
-def fix_text_stdlib(text: str) -> str:
-    """ftfy.fix_text's default steps without ftfy: per line, HTML entities (only while no '<'
-    has been seen, as ftfy's "auto"), certain mojibake, C1 controls, Latin ligatures, full-width
-    forms, curly quotes, line breaks, surrogates, terminal escapes, control characters, NFC."""
-    out, unescape = [], True
-    for segment in re.split("(?<=\n)", text):
-        unescape = unescape and "<" not in segment
-        out.append(_fix_segment(segment, unescape))
-    return "".join(out)
-
-
-def clip_clean(text: str, fix_text=None) -> str:
-    """OpenAI CLIP's caption cleaning (basic_clean + whitespace_clean + lower); fix_text defaults
-    to ftfy.fix_text when installed, else fix_text_stdlib."""
+def clip_clean(text: str) -> str:
+    """OpenAI CLIP's caption cleaning before the BPE (simple_tokenizer.py's basic_clean and
+    whitespace_clean): ftfy.fix_text (it also replaces lone surrogates, which the tokenizer cannot
+    encode), html.unescape twice, whitespace runs -> " ", strip, lower-case. Released weights saw
+    cleaned text, so `&amp;`, `it’s`, `ﬁ`, full-width letters and mojibake must reach the BPE so."""
     if not (text.isascii() and text.isprintable() and "&" not in text):  # else fix_text would change nothing
-        text = (fix_text or _fix_text)(text)
-        text = _SURROGATE.sub("\ufffd", html.unescape(html.unescape(text)))  # the tokenizer cannot encode one
-    text = text.strip()
+        text = html.unescape(html.unescape(ftfy.fix_text(text)))
     return " ".join(text.split()).lower()
-
-
-def _ftfy_or_stdlib():
-    try:
-        import ftfy
-        return ftfy.fix_text
-    except ImportError:
-        return fix_text_stdlib
-
-
-_ENTITIES = _html_entities()
-_fix_text = _ftfy_or_stdlib()
 
 
 SOT_TOKEN, EOT_TOKEN, PAD_TOKEN, UNK_TOKEN = "<|startoftext|>", "<|endoftext|>", "<pad>", "<unk>"
@@ -720,9 +449,7 @@ class Tokenizer:
         if kind == "clip_bpe":      # files saved before clip_clean: OpenAI's pipeline as clip_bpe_tokenizer's
             backend.normalizer, backend.pre_tokenizer = None, _clip_normalizer_and_pretokenizer()[1]
         self.backend, self.kind, self.context_length = backend, kind, context_length
-        self.sot_id = backend.token_to_id(SOT_TOKEN)
-        self.eot_id = backend.token_to_id(EOT_TOKEN)
-        self.pad_id = 0
+        self.sot_id, self.eot_id, self.pad_id = backend.token_to_id(SOT_TOKEN), backend.token_to_id(EOT_TOKEN), 0
         self.vocab_size = backend.get_vocab_size()
 
     def __call__(self, texts) -> torch.Tensor:
@@ -737,16 +464,12 @@ class Tokenizer:
 
     def decode(self, ids) -> str:
         ids = [int(i) for i in ids]
-        if self.eot_id in ids:
-            ids = ids[: ids.index(self.eot_id)]
-        ids = [i for i in ids if i != self.sot_id]
-        return self.backend.decode(ids).strip()
+        ids = ids[: ids.index(self.eot_id)] if self.eot_id in ids else ids
+        return self.backend.decode([i for i in ids if i != self.sot_id]).strip()
 
     def save(self, directory: str):
-        os.makedirs(directory, exist_ok=True)
-        blob = {"kind": self.kind, "context_length": self.context_length,
-                "tokenizer": json.loads(self.backend.to_str())}
-        _atomic_write_text(os.path.join(directory, "tokenizer.json"), json.dumps(blob))
+        _save(os.path.join(directory, "tokenizer.json"), json.dumps(
+            {"kind": self.kind, "context_length": self.context_length, "tokenizer": json.loads(self.backend.to_str())}))
 
     @classmethod
     def load(cls, directory: str) -> "Tokenizer":
@@ -805,7 +528,9 @@ def clip_bpe_tokenizer(vocab_path: str, context_length: int = 77) -> Tokenizer:
     merges = [tuple(m.split()) for m in lines[1:49152 - 256 - 2 + 1]]
     if len(merges) != 48894 or any(len(m) != 2 for m in merges):
         raise DataError(f"{vocab_path}: expected 48894 BPE merges, found a different file")
-    chars = list(_bytes_to_unicode().values())
+    # GPT-2/CLIP's reversible byte -> character table: printable bytes as themselves, then the others
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = [chr(b) for b in printable] + [chr(256 + n) for n in range(256 - len(printable))]
     vocab = chars + [c + "</w>" for c in chars] + ["".join(m) for m in merges] + [SOT_TOKEN, EOT_TOKEN]
     backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(vocab)}, merges=merges,
                                  end_of_word_suffix="</w>", continuing_subword_prefix="", unk_token=EOT_TOKEN))
@@ -881,13 +606,11 @@ class RandomResizedCrop:
             cw, ch = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
             if 0 < cw <= w and 0 < ch <= h:
                 x, y = rng.randint(0, w - cw), rng.randint(0, h - ch)
-                return img.resize((self.size, self.size), Image.BICUBIC, box=(x, y, x + cw, y + ch))
-        cw, ch = w, h                       # the fallback: a centred crop of the allowed aspect
-        if w / h < min(self.ratio):
-            ch = round(w / min(self.ratio))
-        elif w / h > max(self.ratio):
-            cw = round(h * max(self.ratio))
-        x, y = (w - cw) // 2, (h - ch) // 2
+                break
+        else:                               # the fallback: a centred crop of the allowed aspect
+            cw = round(h * max(self.ratio)) if w / h > max(self.ratio) else w
+            ch = round(w / min(self.ratio)) if w / h < min(self.ratio) else h
+            x, y = (w - cw) // 2, (h - ch) // 2
         return img.resize((self.size, self.size), Image.BICUBIC, box=(x, y, x + cw, y + ch))
 
 
@@ -953,38 +676,27 @@ class ColorJitter:
         return Image.fromarray((x * 255 + 0.5).astype(np.uint8))
 
 
-class RandomGrayscale:
-    def __init__(self, p=0.2):
-        self.p = p
+class RandomApply:
+    """With probability p: "grayscale", "blur" (Gaussian, sigma uniform in `sigma`) or "flip"
+    (horizontal; off by default: a flip turns "left of" into "right of", wrong for captions)."""
+
+    def __init__(self, op: str, p: float, sigma=(0.1, 2.0)):
+        self.op, self.p, self.sigma = op, p, sigma
 
     def __call__(self, img, rng):
-        return img.convert("L").convert("RGB") if rng.random() < self.p else img
-
-
-class RandomGaussianBlur:
-    def __init__(self, p=0.5, sigma=(0.1, 2.0)):
-        self.p, self.sigma = p, sigma
-
-    def __call__(self, img, rng):
-        return img.filter(ImageFilter.GaussianBlur(rng.uniform(*self.sigma))) if rng.random() < self.p else img
-
-
-class RandomHorizontalFlip:
-    """Off by default: a flip turns "left of" into "right of", which is wrong for captions."""
-
-    def __init__(self, p=0.5):
-        self.p = p
-
-    def __call__(self, img, rng):
-        return img.transpose(Image.FLIP_LEFT_RIGHT) if rng.random() < self.p else img
+        if rng.random() >= self.p:
+            return img
+        if self.op == "grayscale":
+            return img.convert("L").convert("RGB")
+        if self.op == "blur":
+            return img.filter(ImageFilter.GaussianBlur(rng.uniform(*self.sigma)))
+        return img.transpose(Image.FLIP_LEFT_RIGHT)
 
 
 class ToNormalizedTensor:
-    """PIL -> float [3, H, W], (x / 255 - mean) / std. The arithmetic runs in numpy on the
-    channel-first uint8 view: three in-place passes whose inner loops are whole planes (SIMD),
-    bit-identical to the per-pixel float32 formula. The channel-last version (innermost axis of
-    length 3) cost ~1 ms at 224 px, now ~0.3 ms; numpy is single-threaded, free of torch's
-    intra-op threads, which made this 15x slower on a busy 2-core machine without workers."""
+    """PIL -> float [3, H, W], (x / 255 - mean) / std, bit-identical to the per-pixel float32
+    formula: in numpy (single-threaded, free of torch's intra-op threads) on the channel-first
+    uint8 view, three in-place passes over whole planes (3x faster than channel-last)."""
 
     def __init__(self, mean=CLIP_MEAN, std=CLIP_STD):
         self.mean = np.asarray(mean, dtype=np.float32)[:, None, None]
@@ -1006,12 +718,7 @@ def train_transform(image_size: int, scale=(0.9, 1.0), color_jitter: float = 0.0
     ts = [RandomResizedCrop(image_size, scale)]
     if color_jitter:
         ts.append(ColorJitter(color_jitter, color_jitter, color_jitter, color_jitter / 4))
-    if grayscale:
-        ts.append(RandomGrayscale(grayscale))
-    if blur:
-        ts.append(RandomGaussianBlur(blur))
-    if flip:
-        ts.append(RandomHorizontalFlip())
+    ts += [RandomApply(op, p) for op, p in (("grayscale", grayscale), ("blur", blur), ("flip", flip and 0.5)) if p]
     return Compose(ts + [ToNormalizedTensor()])
 
 
@@ -1043,27 +750,24 @@ class Skip:
     where: str  # the file / key it came from
 
 
-def _atomic_write_bytes(path: str, blob: bytes):
+def _save(path: str, blob):
+    """`blob` (bytes, a str written as UTF-8, a PIL image as PNG) as the file `path`, atomically,
+    in a folder made if missing."""
+    if isinstance(blob, Image.Image):
+        buf = io.BytesIO()
+        blob.save(buf, format="PNG")
+        blob = buf.getvalue()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+
     def write(tmp):
         with open(tmp, "wb") as f:
-            f.write(blob)
+            f.write(blob.encode("utf-8") if isinstance(blob, str) else blob)
     atomic_write(path, write)
-
-
-def _atomic_write_text(path: str, text: str):
-    _atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def _sample_rng(seed: int, epoch: int, index) -> random.Random:
     """Per-sample augmentation RNG from (seed, epoch, index or key): resume is exact."""
     return random.Random(f"aug/{seed}/{epoch}/{index}")
-
-
-def load_image(source) -> Image.Image:
-    """An RGB PIL image from a path or the bytes of an image file; raises on bad data."""
-    img = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
-    img.load()
-    return img if img.mode == "RGB" else img.convert("RGB")   # convert() of RGB is a copy
 
 
 def make_sample(image, caption, tree, key: str, transform, rng):
@@ -1075,7 +779,9 @@ def make_sample(image, caption, tree, key: str, transform, rng):
     if not caption.strip():
         return Skip("empty caption", key)
     try:
-        x = transform(load_image(image), rng)
+        img = Image.open(io.BytesIO(image) if isinstance(image, bytes) else image)
+        img.load()
+        x = transform(img if img.mode == "RGB" else img.convert("RGB"), rng)   # convert() of RGB is a copy
     except FileNotFoundError:
         return Skip("missing image file", f"{key} ({image})")
     except Exception as e:  # PIL raises many types for bad bytes (OSError, SyntaxError, ValueError, ...)
@@ -1084,11 +790,9 @@ def make_sample(image, caption, tree, key: str, transform, rng):
 
 
 def _stack_images(images: list) -> torch.Tensor:
-    """torch.stack's result through numpy: a single-threaded copy, 3x faster than torch.stack
-    at 224 px x 64 (7 vs 21 ms on 2 cores; torch's threads do not help a copy this size and
-    compete with the training process's own when the loader has no workers). In a loader
-    worker the batch is written straight into shared memory (as torch's default_collate does),
-    so sending it to the main process copies nothing more."""
+    """torch.stack's result through numpy: a single-threaded copy, 3x faster on 2 cores (torch's
+    threads compete with training's). In a loader worker the batch is written straight into
+    shared memory (as torch's default_collate), so sending it copies nothing more."""
     arrays = [x.numpy() for x in images]
     if torch.utils.data.get_worker_info() is None:
         return torch.from_numpy(np.stack(arrays))   # numpy's allocator: fewer page faults than torch.empty
@@ -1106,8 +810,7 @@ def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> 
     loop; the epoch lets it draw anew each epoch and still replay exactly on resume."""
     good = [s for s in samples if isinstance(s, dict)]
     batch = {"image": _stack_images([s["image"] for s in good]) if good else torch.zeros(0, 3, 0, 0),
-             "caption": [s["caption"] for s in good],
-             "tree": [s.get("tree") for s in good],
+             "caption": [s["caption"] for s in good], "tree": [s.get("tree") for s in good],
              "key": [s.get("key") for s in good],
              "_skips": [(s.reason, s.where) if isinstance(s, Skip) else ("bad sample", "?")
                         for s in samples if not isinstance(s, dict)]}
@@ -1118,14 +821,6 @@ def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> 
     if batch_extra is not None and good:
         batch.update(batch_extra(batch, epoch))
     return batch
-
-
-class _Collate:  # picklable for worker processes
-    def __init__(self, tokenizer, batch_extra=None, epoch=0):
-        self.tokenizer, self.batch_extra, self.epoch = tokenizer, batch_extra, epoch
-
-    def __call__(self, samples):
-        return collate(samples, self.tokenizer, self.batch_extra, self.epoch)
 
 
 # -----------------------------------------------------------------------------
@@ -1193,8 +888,7 @@ def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath
     base = image_root or os.path.dirname(os.path.abspath(path))
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of a name
-            header = f.readline()
-            sep = separator or ("\t" if "\t" in header else ",")
+            sep = separator or ("\t" if "\t" in f.readline() else ",")   # from the header line
             f.seek(0)
             reader = csv.DictReader(f, delimiter=sep)
             columns = reader.fieldnames or []
@@ -1214,9 +908,8 @@ def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath
 
 
 def _karpathy_images(json_path: str, image_root: str | None, split: str) -> list:
-    """[(image path, key, [(raw caption, tree or None), ...])] of one split of a Karpathy JSON
-    (key = filepath/filename without extension).
-    split "train" also takes "restval" (the usual 113k COCO training set)."""
+    """[(image path, key, [(raw caption, tree or None), ...])] of one split of a Karpathy JSON (key =
+    filepath/filename without extension); split "train" also takes "restval" (COCO's usual 113k)."""
     blob = read_json(json_path)
     images = blob.get("images") if isinstance(blob, dict) else None
     if not isinstance(images, list):
@@ -1248,37 +941,17 @@ def karpathy_items(json_path: str, image_root: str | None = None, split: str = "
     return out
 
 
-def karpathy_train_items(json_path: str, image_root: str | None, split: str) -> list:
-    """One Item per sentence (images without sentences give one Item that is skipped); the
-    key names the image, so the captions of one image share it (retrieval groups by key)."""
-    items = []
-    for path, key, sents in _karpathy_images(json_path, image_root, split):
-        items += [Item(path, raw, tree, key) for raw, tree in sents] or [Item(path, None, None, key)]
-    return items
-
-
 def image_folder(root: str):
-    """ImageFolder: root/class_name/*.{jpg,jpeg,png,webp}, classes = every sub-folder (an
-    empty one too, so class indices do not shift), sorted by name.
-    Returns (paths, labels, class_names)."""
+    """ImageFolder: root/class_name/*.{jpg,jpeg,png,webp} -> (paths, labels, class_names); classes =
+    every sub-folder (an empty one too, so class indices do not shift), sorted by name."""
     if not os.path.isdir(root):
         raise DataError(f"{root}: no such directory")
     classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
-    paths, labels = [], []
-    for label, c in enumerate(classes):
-        for name in sorted(os.listdir(os.path.join(root, c))):
-            if name.rsplit(".", 1)[-1].lower() in IMAGE_EXTS:
-                paths.append(os.path.join(root, c, name))
-                labels.append(label)
-    if not paths:
+    found = [(os.path.join(root, c, name), label) for label, c in enumerate(classes)
+             for name in sorted(os.listdir(os.path.join(root, c))) if name.rsplit(".", 1)[-1].lower() in IMAGE_EXTS]
+    if not found:
         raise DataError(f"{root}: no images in class folders (expected root/class_name/*.jpg)")
-    return paths, labels, classes
-
-
-def image_folder_items(root: str) -> list:
-    """Caption = the class name with '_' as spaces (for zero-shot style contrastive use)."""
-    paths, labels, classes = image_folder(root)
-    return [Item(p, classes[y].replace("_", " "), None, os.path.relpath(p, root), y) for p, y in zip(paths, labels)]
+    return [p for p, _ in found], [y for _, y in found], classes
 
 
 # -----------------------------------------------------------------------------
@@ -1311,50 +984,38 @@ def _brace_range(expr: str) -> list | None:
 
 
 def _brace_tokens(text: str):
-    """(position, character) of every unescaped '{', '}' and ','."""
-    pos = 0
+    """(position, character, depth outside it) of every unescaped '{', '}' and ',', then
+    (len(text), "", the depth at the end)."""
+    pos = depth = 0
     while pos < len(text):
         if text[pos] == "\\":
-            pos += 2
-            continue
-        if text[pos] in "{},":
-            yield pos, text[pos]
+            pos += 1
+        elif text[pos] in "{},":
+            depth -= text[pos] == "}"
+            yield pos, text[pos], depth
+            depth += text[pos] == "{"
         pos += 1
-
-
-def _brace_alternatives(expr: str) -> list | None:
-    """The choices of one {...} body: a range, or its top-level comma list; None if neither
-    (the body is then kept literally, braces included)."""
-    choices = _brace_range(expr)
-    if choices is not None:
-        return choices
-    depth, bounds = 0, [-1]
-    for pos, ch in _brace_tokens(expr):
-        depth += {"{": 1, "}": -1}.get(ch, 0)
-        if ch == "," and depth == 0:
-            bounds.append(pos)
-    if depth != 0 or len(bounds) == 1:
-        return None
-    bounds.append(len(expr))
-    return [x for a, b in zip(bounds, bounds[1:]) for x in _expand_unescaped(expr[a + 1:b])]
+    yield len(text), "", depth
 
 
 def _expand_unescaped(pattern: str) -> list:
-    """Expansions with the escapes still in (braceexpand's parse_pattern)."""
-    parts, start, depth = [], 0, 0
-    for pos, ch in _brace_tokens(pattern):
-        if ch == "{":
-            if depth == 0 and pos > start:
-                parts.append([pattern[start:pos]])
-                start = pos
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                body = pattern[start + 1:pos]
-                choices = _brace_alternatives(body)
-                parts.append(choices if choices is not None else ["{" + x + "}" for x in _expand_unescaped(body)])
-                start = pos + 1
+    """Expansions with the escapes still in (braceexpand's parse_pattern): the product of the
+    literal runs and each top-level {body}'s choices: a range, else its top-level comma list,
+    else the body itself, braces kept."""
+    parts, start = [], 0
+    for pos, ch, depth in _brace_tokens(pattern):
+        if ch == "{" and depth == 0:
+            parts.append([pattern[start:pos]])
+            start = pos
+        elif ch == "}" and depth == 0:
+            body = pattern[start + 1:pos]
+            tokens = list(_brace_tokens(body))
+            cuts = [-1] + [p for p, c, d in tokens if c == "," and d == 0] + [len(body)]
+            choices = _brace_range(body)
+            if choices is None and len(cuts) > 2 and tokens[-1][2] == 0:
+                choices = [x for a, b in zip(cuts, cuts[1:]) for x in _expand_unescaped(body[a + 1:b])]
+            parts.append(choices if choices is not None else ["{" + x + "}" for x in _expand_unescaped(body)])
+            start = pos + 1
     if depth != 0:
         raise DataError(f"{pattern}: unbalanced braces")
     parts.append([pattern[start:]])
@@ -1393,10 +1054,7 @@ def tar_records(path: str, keep_exts=None):
         what = "empty tar" if cur is None and "empty" in str(e) else "truncated or unreadable tar"
         yield {"__key__": cur["__key__"] if cur else "", "__shard__": path, "__error__": f"{what} ({e})"}
         return
-    if cur is None:
-        yield {"__key__": "", "__shard__": path, "__error__": "empty tar (no members)"}
-    else:
-        yield cur
+    yield cur if cur is not None else {"__key__": "", "__shard__": path, "__error__": "empty tar (no members)"}
 
 
 def decode_record(rec: dict, transform, rng):
@@ -1468,22 +1126,9 @@ def img2dataset_command(name: str, folder: str) -> str:
             f"--resize_mode keep_ratio --processes_count 16 --thread_count 64")
 
 
-def data_root() -> str:
-    return os.environ.get("DATA_ROOT", "./data")
-
-
 def _tar_source(shards: list) -> dict:
     counts = [_shard_count(s) for s in shards]
     return {"kind": "tar", "shards": shards, "num_samples": None if None in counts else sum(counts)}
-
-
-def _preset_source(name: str) -> dict:
-    folder = os.path.join(data_root(), name)
-    shards = sorted(glob.glob(os.path.join(folder, "*.tar")))
-    if not shards:
-        raise DataError(f"{name}: no webdataset shards (*.tar) in {folder} ($DATA_ROOT={data_root()}); make them with: "
-                        f"{img2dataset_command(name, folder)}")
-    return _tar_source(shards)
 
 
 def resolve_data(spec: str, image_root: str | None = None) -> dict:
@@ -1493,7 +1138,12 @@ def resolve_data(spec: str, image_root: str | None = None) -> dict:
     if spec == "shapes" or spec.startswith("shapes:"):
         return {"kind": "shapes", **parse_shapes_spec(spec)}
     if spec in DATA_PRESETS:
-        return _preset_source(spec)
+        root = os.environ.get("DATA_ROOT", "./data")
+        folder = os.path.join(root, spec)
+        if not (shards := sorted(glob.glob(os.path.join(folder, "*.tar")))):
+            raise DataError(f"{spec}: no webdataset shards (*.tar) in {folder} ($DATA_ROOT={root}); make them with: "
+                            f"{img2dataset_command(spec, folder)}")
+        return _tar_source(shards)
     if "{" in spec:
         shards = expand_braces(spec)
         if not shards:
@@ -1522,9 +1172,13 @@ def resolve_data(spec: str, image_root: str | None = None) -> dict:
 def file_items(src: dict, split: str, csv_options: dict) -> list:
     if src["kind"] == "csv":
         return csv_items(src["path"], src["image_root"], **csv_options)
-    if src["kind"] == "karpathy":
-        return karpathy_train_items(src["path"], src["image_root"], split)
-    return image_folder_items(src["path"])
+    if src["kind"] == "karpathy":   # an Item per sentence, keyed by the image (retrieval groups by key);
+        # an image without sentences gives one Item, which is skipped
+        return [item for path, key, sents in _karpathy_images(src["path"], src["image_root"], split)
+                for item in [Item(path, raw, tree, key) for raw, tree in sents] or [Item(path, None, None, key)]]
+    paths, labels, classes = image_folder(src["path"])   # caption: the class name, '_' as spaces
+    return [Item(p, classes[y].replace("_", " "), None, os.path.relpath(p, src["path"]), y)
+            for p, y in zip(paths, labels)]
 
 
 # -----------------------------------------------------------------------------
@@ -1534,9 +1188,8 @@ def file_items(src: dict, split: str, csv_options: dict) -> list:
 def _ignore_sigterm(worker_id):
     """DataLoader worker_init_fn. torchrun's agent and SLURM send SIGTERM to the whole process
     group: a worker that died of it would crash the rank before it could checkpoint. Workers
-    ignore SIGTERM; the rank saves, then shuts them down (and they exit with a dead parent).
-    The worker was forked with SIGTERM blocked (_start_workers); ignoring it first discards
-    one that arrived meanwhile."""
+    ignore it (the rank saves, then shuts them down); forked with SIGTERM blocked
+    (_start_workers), they discard one that arrived meanwhile by ignoring it first."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
@@ -1556,7 +1209,7 @@ def _start_workers(dl):
 
 class _Loader:
     def __init__(self, name, batch_size, tokenizer, train, rank, world_size, num_workers, seed, drop_last,
-                 max_skip_fraction):
+                 max_skip_fraction, num_samples, counted_by=""):
         self.name, self.batch_size, self.tokenizer = name, batch_size, tokenizer
         self.train, self.rank, self.world_size = train, rank, world_size
         self.num_workers, self.seed, self.drop_last = num_workers, seed, drop_last
@@ -1564,7 +1217,11 @@ class _Loader:
         self.epoch, self.batches_done = 0, 0
         self.good, self.skipped, self.dropped = 0, 0, 0  # dropped: good samples cut by drop_last
         self.skip_reasons = collections.Counter()
-        self.check_min = SKIP_CHECK_MIN     # lowered to one epoch's share where that is smaller
+        self.num_samples = num_samples      # check_min: SKIP_CHECK_MIN, or one epoch's share where that is smaller
+        self.check_min = max(1, min(SKIP_CHECK_MIN, num_samples // world_size)) if num_samples else SKIP_CHECK_MIN
+        if drop_last and num_samples is not None and num_samples < batch_size * world_size:
+            raise DataError(f"{name}: {num_samples} samples{counted_by}, fewer than one global batch "
+                            f"({batch_size} x {world_size} ranks)")
         # page-locked batches for a CUDA consumer: the .to(device, non_blocking=True) of the
         # training loop is then a true async copy that overlaps the running step
         self.pin_memory = False
@@ -1577,6 +1234,24 @@ class _Loader:
 
     def _new_epoch(self):
         """Hook for loaders that keep per-epoch state (ShardLoader resets its worker positions)."""
+
+    def __iter__(self):
+        """The rest of the current epoch; afterwards the loader points at the next epoch."""
+        fresh, n_batches = self.batches_done == 0, 0
+        dataset, how = self._epoch(fresh)
+        dl = torch.utils.data.DataLoader(dataset, num_workers=self.num_workers, persistent_workers=False,
+                                         pin_memory=self.pin_memory, worker_init_fn=_ignore_sigterm, **how)
+        for batch in _start_workers(dl):
+            self._advance(batch)
+            self._account(batch)
+            if batch["caption"]:
+                n_batches += 1
+                yield batch
+        self._check_skips()
+        if fresh and n_batches == 0:
+            raise self._no_batch_error()
+        self.epoch, self.batches_done = self.epoch + 1, 0
+        self._new_epoch()
 
     def forever(self):
         """Batches across epochs without end (for step-based training loops). An epoch that
@@ -1633,13 +1308,8 @@ class MapLoader(_Loader):
     def __init__(self, dataset, batch_size, tokenizer=None, train=True, rank=0, world_size=1, num_workers=0,
                  seed=0, drop_last=True, name="data", max_skip_fraction=MAX_SKIP_FRACTION):
         super().__init__(name, batch_size, tokenizer, train, rank, world_size, num_workers, seed, drop_last,
-                         max_skip_fraction)
+                         max_skip_fraction, len(dataset))
         self.dataset = dataset
-        self.num_samples = len(dataset)
-        self.check_min = max(1, min(SKIP_CHECK_MIN, len(dataset) // world_size))
-        if drop_last and len(dataset) < batch_size * world_size:
-            raise DataError(f"{name}: {len(dataset)} samples, fewer than one global batch "
-                            f"({batch_size} x {world_size} ranks)")
 
     def _rank_batches(self) -> list:
         n = len(self.dataset)
@@ -1657,41 +1327,29 @@ class MapLoader(_Loader):
     def __len__(self):
         return len(self._rank_batches())
 
-    def __iter__(self):
-        """The rest of the current epoch; afterwards the loader points at the next epoch."""
-        fresh, n_batches = self.batches_done == 0, 0
-        batches = self._rank_batches()[self.batches_done:]
+    def _epoch(self, fresh: bool):
+        """The DataLoader's dataset and batching for the rest of the epoch."""
         if fresh and self.drop_last:    # the tail cut to whole global batches, this rank's share
             kept = len(self.dataset) // (self.batch_size * self.world_size) * self.batch_size * self.world_size
             self.dropped += len(range(kept, len(self.dataset))[self.rank::self.world_size])
         if hasattr(self.dataset, "epoch"):
             self.dataset.epoch = self.epoch
-        dl = torch.utils.data.DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers,
-                                         collate_fn=_Collate(self.tokenizer, self.batch_extra, self.epoch), persistent_workers=False,
-                                         pin_memory=self.pin_memory, worker_init_fn=_ignore_sigterm)
-        for batch in _start_workers(dl):
-            self.batches_done += 1
-            self._account(batch)
-            if batch["caption"]:
-                n_batches += 1
-                yield batch
-        self._check_skips()
-        if fresh and n_batches == 0:
-            raise self._no_batch_error()
-        self.epoch, self.batches_done = self.epoch + 1, 0
+        return self.dataset, dict(batch_sampler=self._rank_batches()[self.batches_done:], collate_fn=functools.partial(
+            collate, tokenizer=self.tokenizer, batch_extra=self.batch_extra, epoch=self.epoch))
+
+    def _advance(self, batch: dict):
+        self.batches_done += 1
 
 
 class ShardStream(torch.utils.data.IterableDataset):
     """One (rank, dataloader worker) slot's share of the shards for one epoch, as batches.
-
-    Slots: S = world_size x max(1, num_workers); slot = rank x workers + worker. The shard
-    list is shuffled with (seed, epoch) -- the same on every rank -- and slot s reads shards
-    s, s + S, ... When there are fewer shards than slots, every slot reads all shards and
-    keeps records s, s + S, ... of the stream. Either way each record is read by exactly one
-    slot per epoch. With `resampled`, slot s instead draws ceil(#shards / S) shards with
-    replacement from (seed, epoch, slot): an epoch is then a nominal pass, and every slot has
-    data. Records go through a shuffle buffer (train) before they are decoded, so a resumed
-    worker can replay its stream without decoding and drop the records it already used."""
+    Slots: S = world_size x max(1, num_workers); slot = rank x workers + worker. Slot s reads
+    shards s, s + S, ... of the list shuffled with (seed, epoch), the same on every rank; with
+    fewer shards than slots, every slot reads all shards and keeps records s, s + S, ... Either
+    way each record is read by exactly one slot per epoch. With `resampled`, slot s instead
+    draws ceil(#shards / S) shards with replacement from (seed, epoch, slot): an epoch is then
+    a nominal pass, and every slot has data. Records go through a shuffle buffer (train) before
+    they are decoded, so a resumed worker replays its stream without decoding."""
 
     def __init__(self, shards, batch_size, tokenizer, transform, seed, train, rank, world_size, num_workers,
                  resampled, drop_last, shuffle_buffer):
@@ -1748,15 +1406,12 @@ class ShardStream(torch.utils.data.IterableDataset):
 
 class ShardLoader(_Loader):
     """Streaming loader over tar shards (see ShardStream for who reads what).
-
     DDP: ranks may get different numbers of samples in an epoch (shards differ in size). An
-    epoch is per rank: each rank's epoch ends when its own shards are done, and `forever()`
-    rolls it into the next epoch, so a step-based training loop (the scripts of this repo
-    run `--max_steps` over `forever()`) never waits for another rank and never hangs; an
-    epoch-based loop over `for batch in loader` with DDP can desynchronise ranks and should
-    use `resampled=True` and a step count instead. A rank whose share holds no batch at all
-    raises a DataError in `forever()` instead of spinning.
-
+    epoch is per rank, and `forever()` rolls it into the next, so a step-based training loop
+    (this repo's `--max_steps` over `forever()`) never waits for another rank; an epoch-based
+    loop over `for batch in loader` with DDP can desynchronise ranks and should use
+    `resampled=True` and a step count instead. A rank whose share holds no batch at all raises
+    a DataError in `forever()` instead of spinning.
     State: epoch, batches consumed, and per dataloader worker the records it consumed and
     which worker gave the last batch: a resumed loader replays each worker's record stream
     without decoding, drops what was used, and restarts the round-robin at the next worker,
@@ -1765,18 +1420,12 @@ class ShardLoader(_Loader):
     def __init__(self, shards, batch_size, tokenizer=None, transform=None, train=True, rank=0, world_size=1,
                  num_workers=0, seed=0, resampled=False, drop_last=True, shuffle_buffer=1000, num_samples=None,
                  name="data", max_skip_fraction=MAX_SKIP_FRACTION):
-        super().__init__(name, batch_size, tokenizer, train, rank, world_size, num_workers, seed, drop_last,
-                         max_skip_fraction)
-        self.stream = ShardStream(shards, batch_size, tokenizer, transform or eval_transform(SHAPES_IMAGE_SIZE), seed,
-                                  train, rank, world_size, num_workers, resampled, drop_last, shuffle_buffer)
-        self.num_samples = num_samples
-        if num_samples:
-            self.check_min = max(1, min(SKIP_CHECK_MIN, num_samples // world_size))
         if not shards:
             raise DataError(f"{name}: no shard to read")
-        if drop_last and num_samples is not None and num_samples < batch_size * world_size:
-            raise DataError(f"{name}: {num_samples} samples (from the shards' counts), fewer than one global batch "
-                            f"({batch_size} x {world_size} ranks)")
+        super().__init__(name, batch_size, tokenizer, train, rank, world_size, num_workers, seed, drop_last,
+                         max_skip_fraction, num_samples, " (from the shards' counts)")
+        self.stream = ShardStream(shards, batch_size, tokenizer, transform or eval_transform(SHAPES_IMAGE_SIZE), seed,
+                                  train, rank, world_size, num_workers, resampled, drop_last, shuffle_buffer)
         self._new_epoch()
 
     def _new_epoch(self):
@@ -1789,27 +1438,16 @@ class ShardLoader(_Loader):
             raise TypeError("number of batches unknown: the shards have no _stats.json / sizes.json")
         return self.num_samples // (self.batch_size * self.world_size)
 
-    def __iter__(self):
-        """The rest of the current epoch; afterwards the loader points at the next epoch."""
+    def _epoch(self, fresh: bool):
         s = self.stream
         s.epoch, s.records_done, s.batch_extra = self.epoch, list(self.records_done), self.batch_extra
         s.worker_offset = (self.last_worker + 1) % s.workers
-        fresh, n_batches = self.batches_done == 0, 0
-        dl = torch.utils.data.DataLoader(s, batch_size=None, num_workers=self.num_workers, persistent_workers=False,
-                                         pin_memory=self.pin_memory, worker_init_fn=_ignore_sigterm)
-        for batch in _start_workers(dl):
-            meta = batch.pop("_meta")
-            self.records_done[meta["worker"]], self.last_worker = meta["records"], meta["worker"]
-            self._account(batch)
-            if batch["caption"]:
-                self.batches_done += 1
-                n_batches += 1
-                yield batch
-        self._check_skips()
-        if fresh and n_batches == 0:
-            raise self._no_batch_error()
-        self.epoch, self.batches_done = self.epoch + 1, 0
-        self._new_epoch()
+        return s, dict(batch_size=None)
+
+    def _advance(self, batch: dict):
+        meta = batch.pop("_meta")
+        self.records_done[meta["worker"]], self.last_worker = meta["records"], meta["worker"]
+        self.batches_done += bool(batch["caption"])
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "records_done": list(self.records_done), "last_worker": self.last_worker,
@@ -1847,12 +1485,11 @@ def make_loader(spec: str, split: str = "train", batch_size: int = 64, tokenizer
                 shuffle_buffer: int = 1000, max_skip_fraction: float = MAX_SKIP_FRACTION, transform=None,
                 csv_img_key: str = "filepath", csv_caption_key: str = "title", csv_separator: str | None = None,
                 pin_memory: bool = False, batch_extra=None):
-    """The loader for a `--data` spec: a MapLoader for shapes, CSV,
-    Karpathy JSON (`split`) and ImageFolder (batches also carry "label"), a ShardLoader for
-    tar shards (`split` is ignored: a shard set is one split). Real images get
-    train_transform(image_size) when `train`, else eval_transform(image_size); `transform`
-    overrides both (a callable (PIL image, random.Random) -> tensor). `pin_memory`: page-locked
-    batches for a CUDA training loop. `batch_extra`: see collate()."""
+    """The loader for a `--data` spec: a MapLoader for shapes, CSV, Karpathy JSON (`split`) and
+    ImageFolder (batches also carry "label"), a ShardLoader for tar shards (`split` is ignored:
+    a shard set is one split). Real images get train_transform(image_size) when `train`, else
+    eval_transform(image_size); `transform` (PIL image, random.Random) -> tensor overrides both.
+    `pin_memory`: page-locked batches for a CUDA training loop. `batch_extra`: see collate()."""
     src = resolve_data(spec, image_root)
     loader_args = dict(tokenizer=tokenizer, train=train, rank=rank, world_size=world_size, num_workers=num_workers,
                        seed=seed, drop_last=drop_last)
@@ -2044,72 +1681,53 @@ def checkpoint_dir(path: str) -> str:
 # OUT/imagefolder/{train,test}/{shape}/*.png  classification (data.shapes_classification)
 # OUT/manifest.json           what was written, with counts
 
-def _png(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _save_png(img: Image.Image, path: str):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    _atomic_write_bytes(path, _png(img))
-
-
 def _progress(it, desc: str, total=None):
     from tqdm import tqdm
     return tqdm(it, desc=desc, total=total, leave=False, dynamic_ncols=True)
 
 
-def _tar_add(tf: tarfile.TarFile, name: str, blob: bytes):
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode = len(blob), 0, 0o644  # fixed metadata: same seed, same bytes
-    tf.addfile(info, io.BytesIO(blob))
-
-
-def write_shapes_shards(out: str, n: int, seed: int, shard_size: int, image_size: int) -> list:
-    folder = os.path.join(out, "shards")
-    os.makedirs(folder, exist_ok=True)
-    sizes, shards = {}, []
+def write_shapes_shards(out: str, n: int, seed: int, shard_size: int, image_size: int) -> dict:
+    """Train scenes 0..n-1 in shards of `shard_size`; returns {shard file name: samples}."""
+    folder, sizes = os.path.join(out, "shards"), {}
     bar = _progress(range(n), "shards", n)
     for first in range(0, n, shard_size):
-        name = f"{first // shard_size:05d}.tar"
-        buf = io.BytesIO()
+        name, buf = f"{first // shard_size:05d}.tar", io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
             for i in range(first, min(n, first + shard_size)):
-                scene = shapes_scene("train", i, seed, image_size)
-                key = f"{i:09d}"
+                scene, key = shapes_scene("train", i, seed, image_size), f"{i:09d}"
                 meta = {"key": key, "caption": scene.caption, "status": "success", "width": image_size,
                         "height": image_size, "objects": [vars(o) for o in scene.objects]}
-                for ext, blob in (("png", _png(scene.image)), ("txt", scene.caption.encode()),
+                png = io.BytesIO()
+                scene.image.save(png, format="PNG")
+                for ext, blob in (("png", png.getvalue()), ("txt", scene.caption.encode()),
                                   ("json", json.dumps(meta).encode()), ("tree", scene.tree.encode())):
-                    _tar_add(tf, f"{key}.{ext}", blob)
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size, info.mtime, info.mode = len(blob), 0, 0o644  # fixed metadata: same seed, same bytes
+                    tf.addfile(info, io.BytesIO(blob))
                 bar.update()
-        _atomic_write_bytes(os.path.join(folder, name), buf.getvalue())
-        count = min(n, first + shard_size) - first
-        _atomic_write_text(os.path.join(folder, name[:-4] + "_stats.json"), json.dumps(
+        sizes[name] = count = min(n, first + shard_size) - first
+        _save(os.path.join(folder, name), buf.getvalue())
+        _save(os.path.join(folder, name[:-4] + "_stats.json"), json.dumps(
             {"count": count, "successes": count, "failed_to_download": 0, "failed_to_resize": 0}))
-        sizes[name] = count
-        shards.append(os.path.join(folder, name))
     bar.close()
-    _atomic_write_text(os.path.join(folder, "sizes.json"), json.dumps(sizes, indent=1))
-    return shards
+    _save(os.path.join(folder, "sizes.json"), json.dumps(sizes, indent=1))
+    return sizes
 
 
 def write_shapes_benchmarks(out: str, n: int, seed: int, image_size: int) -> dict:
     bench = shapes_benchmark(seed, n, image_size)
-    sc = os.path.join(out, "sugarcrepe")
     for cat in _progress(SHAPES_CATEGORIES, "sugarcrepe"):
         rows = {}
         for i, item in enumerate(bench[cat]):
-            filename = f"{cat}_{i:05d}.png"
-            _save_png(item["image"], os.path.join(sc, "images", filename))
-            rows[str(i)] = {"filename": filename, "caption": item["caption"], "negative_caption": item["negative_caption"]}
-        _atomic_write_text(os.path.join(sc, f"{cat}.json"), json.dumps(rows, indent=1))
+            rows[str(i)] = {"filename": f"{cat}_{i:05d}.png", "caption": item["caption"],
+                            "negative_caption": item["negative_caption"]}
+            _save(os.path.join(out, "sugarcrepe", "images", rows[str(i)]["filename"]), item["image"])
+        _save(os.path.join(out, "sugarcrepe", f"{cat}.json"), json.dumps(rows, indent=1))
     for split in _progress(("systematicity", "productivity"), "crepe"):
         for i, item in enumerate(bench[split]):
-            _save_png(item["image"], os.path.join(out, "crepe", "images", f"{split}_{i:05d}.png"))
-        for name, column, kinds in CREPE_FILES[split]:
-            _write_crepe_csv(os.path.join(out, "crepe", f"{name}.csv"), split, bench[split], column, kinds)
+            _save(os.path.join(out, "crepe", "images", f"{split}_{i:05d}.png"), item["image"])
+        for name, columns, kinds in CREPE_FILES[split]:
+            _write_crepe_csv(os.path.join(out, "crepe", f"{name}.csv"), split, bench[split], columns, kinds)
     return {k: len(v) for k, v in bench.items()}
 
 
@@ -2134,27 +1752,23 @@ def _write_crepe_csv(path: str, split: str, items: list, columns: list, kinds: l
         if any(negs):
             writer.writerow([f"{split}_{i:05d}", 0, 0, item["image"].width, item["image"].height, item["caption"]]
                             + [json.dumps(n) for n in negs])
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    _atomic_write_text(path, buf.getvalue())
+    _save(path, buf.getvalue())
 
 
 def write_shapes_karpathy(out: str, n: int, seed: int, image_size: int) -> dict:
-    folder, images, rows = os.path.join(out, "karpathy"), [], {}
+    images, rows = [], {}
     for split in ("train", "val", "test"):
         rows[split] = [("filepath", "title", "tree")]
         for i in _progress(range(n), f"karpathy {split}"):
-            scene = shapes_scene(split, i, seed, image_size)
-            filename = f"{i:09d}.png"
-            _save_png(scene.image, os.path.join(folder, split, filename))
-            k = len(images)
+            scene, filename, k = shapes_scene(split, i, seed, image_size), f"{i:09d}.png", len(images)
+            _save(os.path.join(out, "karpathy", split, filename), scene.image)
             images.append({"filepath": split, "filename": filename, "split": split, "imgid": k, "sentids": [k],
                            "sentences": [{"raw": scene.caption, "tokens": scene.caption.split(), "imgid": k,
                                           "sentid": k, "tree": scene.tree}]})
             rows[split].append((f"../karpathy/{split}/{filename}", scene.caption, scene.tree))
-    _atomic_write_text(os.path.join(folder, "dataset_shapes.json"), json.dumps({"dataset": "shapes", "images": images}))
-    os.makedirs(os.path.join(out, "csv"), exist_ok=True)
+    _save(os.path.join(out, "karpathy", "dataset_shapes.json"), json.dumps({"dataset": "shapes", "images": images}))
     for split, lines in rows.items():
-        _atomic_write_text(os.path.join(out, "csv", f"{split}.tsv"), "".join("\t".join(r) + "\n" for r in lines))
+        _save(os.path.join(out, "csv", f"{split}.tsv"), "".join("\t".join(r) + "\n" for r in lines))
     return {split: n for split in rows}
 
 
@@ -2164,25 +1778,25 @@ def write_shapes_imagefolder(out: str, n: int, seed: int, image_size: int) -> di
             os.makedirs(os.path.join(out, "imagefolder", split, name), exist_ok=True)
         for i in _progress(range(n), f"imagefolder {split}"):
             img, label = shapes_classification(split, i, seed, image_size)
-            _save_png(img, os.path.join(out, "imagefolder", split, SHAPE_NAMES[label], f"{i:06d}.png"))
+            _save(os.path.join(out, "imagefolder", split, SHAPE_NAMES[label], f"{i:06d}.png"), img)
     return {"train": n, "test": n, "classes": SHAPE_NAMES}
 
 
-def make_shapes(out: str, train: int = 10_000, test: int = 500, seed: int = 0, shard_size: int = 1000,
+def make_shapes(out_dir: str, train: int = 10_000, test: int = 500, seed: int = 0, shard_size: int = 1000,
                 image_size: int = SHAPES_IMAGE_SIZE) -> dict:
     """Write every format (see the section comment); returns the manifest."""
     if train < 1 or test < 1 or shard_size < 1:
         raise DataError("make-shapes: --train, --test and --shard_size must be positive")
     t0 = time.time()
-    shards = write_shapes_shards(out, train, seed, shard_size, image_size)
+    shards = write_shapes_shards(out_dir, train, seed, shard_size, image_size)
     manifest = {"seed": seed, "image_size": image_size,
-                "shards": {"pattern": os.path.join(out, "shards", f"{{00000..{len(shards) - 1:05d}}}.tar"),
+                "shards": {"pattern": os.path.join(out_dir, "shards", f"{{00000..{len(shards) - 1:05d}}}.tar"),
                            "samples": train, "shards": len(shards)},
-                "benchmarks": write_shapes_benchmarks(out, test, seed, image_size),
-                "karpathy": write_shapes_karpathy(out, test, seed, image_size),
-                "imagefolder": write_shapes_imagefolder(out, test, seed, image_size)}
+                "benchmarks": write_shapes_benchmarks(out_dir, test, seed, image_size),
+                "karpathy": write_shapes_karpathy(out_dir, test, seed, image_size),
+                "imagefolder": write_shapes_imagefolder(out_dir, test, seed, image_size)}
     manifest["seconds"] = round(time.time() - t0, 2)
-    _atomic_write_text(os.path.join(out, "manifest.json"), json.dumps(manifest, indent=1))
+    _save(os.path.join(out_dir, "manifest.json"), json.dumps(manifest, indent=1))
     return manifest
 
 
@@ -2233,14 +1847,9 @@ def main(argv=None) -> int:
     c.add_argument("--csv_img_key", default="filepath", help="CSV/TSV column of the image paths (open_clip's name)")
     c.add_argument("--csv_caption_key", default="title", help="CSV/TSV column of the captions")
     c.add_argument("--csv_separator", default=None, help="CSV separator (default: tab if the header has one, else comma)")
-    args = p.parse_args(argv)
+    args = vars(p.parse_args(argv))
     try:
-        if args.cmd == "make-shapes":
-            result = make_shapes(args.out_dir, args.train, args.test, args.seed, args.shard_size, args.image_size)
-        else:
-            result = check_data(args.data, args.split, args.image_root, args.batch_size, args.num_workers,
-                                drop_last=args.drop_last, csv_img_key=args.csv_img_key,
-                                csv_caption_key=args.csv_caption_key, csv_separator=args.csv_separator)
+        result = make_shapes(**args) if args.pop("cmd") == "make-shapes" else check_data(args.pop("data"), **args)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -2026,14 +2026,77 @@ def train_shapes_lm(folder: str, seed: int, steps: int = 400):
                        "final_lm_loss": round(loss.item(), 4), "steps": steps}, os.path.join(folder, "config.json"))
 
 
-# Several references per shapes image (data.shapes_references), as COCO has five: with one
+# Several references per shapes image (shapes_references), as COCO has five: with one
 # reference and shapes' small grammar, one fixed caption out-scored every model on CIDEr-D.
 SHAPES_REFERENCES = 5
+# Synonyms and paraphrases that keep the meaning; the grammar's own word comes first.
+REFERENCE_WORDS = {
+    "size": {"small": ["small", "little", "tiny"], "large": ["large", "big"]},
+    "colour": {"purple": ["purple", "violet"]},
+    "shape": {"circle": ["circle", "disc"], "square": ["square"], "triangle": ["triangle"], "star": ["star"],
+              "cross": ["cross", "plus sign"], "diamond": ["diamond", "rhombus"]},
+    "relation": {"to the left of": ["to the left of", "left of", "on the left of"],
+                 "to the right of": ["to the right of", "right of", "on the right of"],
+                 "above": ["above", "over"], "below": ["below", "under", "beneath"]},
+}
+CONVERSE = {"to the left of": "to the right of", "to the right of": "to the left of", "above": "below",
+            "below": "above"}
+
+
+def _clear_relation(a: data.Obj, b: data.Obj, image_size: int):
+    """relation_between(a, b) when it is as unambiguous as the relations captions state (the
+    placement margin), else None."""
+    dx, dy = b.centre[0] - a.centre[0], b.centre[1] - a.centre[1]
+    margin = data.RELATION_MARGIN * image_size / data.SHAPES_IMAGE_SIZE
+    return data.relation_between(a, b) if abs(abs(dx) - abs(dy)) >= margin else None
+
+
+def _reference_struct(scene: data.Scene, rng: random.Random) -> data.CaptionStruct:
+    """A caption structure about the scene's objects, in the grammar: sizes mentioned or not,
+    "X rel Y" or "X is rel Y", object order reversed with the converse relation, the two
+    objects of an "and" caption in either order or related when the relation is clear."""
+    objs, s = scene.objects, scene.struct
+    phrases = [data.Phrase(o.colour, o.shape, o.size if rng.random() < 0.5 else None) for o in objs]
+    form, rels = s.form, list(s.relations)
+    if form == "and":
+        clear = _clear_relation(objs[0], objs[1], scene.image.size[0])
+        if clear and rng.random() < 0.5:
+            form, rels = "rel", [clear]
+    if form in ("rel", "copula"):
+        form = rng.choice(["rel", "copula"])
+    order = list(range(len(phrases)))
+    if form == "and":
+        rng.shuffle(order)
+    elif form != "single" and rng.random() < 0.5:
+        if form == "chain":         # "A r1 B r2 C" = "C r2' B r1' A"
+            order, rels = order[::-1], [CONVERSE[r] for r in rels[::-1]]
+        else:                       # "A r B ..." = "B r' A ..."
+            order[:2], rels[0] = [1, 0], CONVERSE[rels[0]]
+    return data.CaptionStruct(form, [phrases[i] for i in order], rels)
+
+
+def shapes_references(scene: data.Scene, n: int, rng: random.Random) -> list:
+    """`n` distinct captions of the scene, each true of it: its own caption first, then
+    paraphrases (_reference_struct, checked by caption_is_true) in words drawn from
+    REFERENCE_WORDS, some opened by "there is". Deterministic in `rng`'s seed."""
+    refs = [scene.caption]
+    for _ in range(100 * n):
+        if len(refs) == n:
+            break
+        t = _reference_struct(scene, rng)
+        if not data.caption_is_true(t, scene.objects):
+            continue
+        text = data.render_caption(t, lambda kind, v: rng.choice(REFERENCE_WORDS[kind].get(v, [v])))
+        if t.form in ("single", "rel") and rng.random() < 0.3:
+            text = "there is " + text
+        if text not in refs:
+            refs.append(text)
+    return refs
 
 
 def reference_captions(spec: str, image_size: int):
     """(image key, the data's captions of it) -> its reference captions: on shapes
-    data.shapes_references of the scene (key "{split}{index:08d}", ShapesDataset's), else the
+    shapes_references of the scene (key "{split}{index:08d}", ShapesDataset's), else the
     captions the data list for the image."""
     if not is_shapes(spec):
         return lambda key, captions: captions
@@ -2041,8 +2104,8 @@ def reference_captions(spec: str, image_size: int):
 
     def refs(key, captions):
         split, index = key[:-8], int(key[-8:])
-        return data.shapes_references(data.shapes_scene(split, index, seed, image_size), SHAPES_REFERENCES,
-                                      random.Random(f"shapes-refs/{seed}/{split}/{index}"))
+        return shapes_references(data.shapes_scene(split, index, seed, image_size), SHAPES_REFERENCES,
+                                 random.Random(f"shapes-refs/{seed}/{split}/{index}"))
     return refs
 
 

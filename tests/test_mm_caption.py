@@ -117,8 +117,8 @@ def test_shapes_references_are_true_distinct_and_deterministic():
     for split in ("train", "test", "productivity"):
         for i in range(120):
             scene = data.shapes_scene(split, i, 0, 32)
-            refs = data.shapes_references(scene, 5, random.Random(f"t/{split}/{i}"))
-            assert refs == data.shapes_references(scene, 5, random.Random(f"t/{split}/{i}"))
+            refs = M.shapes_references(scene, 5, random.Random(f"t/{split}/{i}"))
+            assert refs == M.shapes_references(scene, 5, random.Random(f"t/{split}/{i}"))
             assert len(refs) == 5 == len(set(refs)) and refs[0] == scene.caption
             for r in refs:
                 struct = parse_shapes_caption(to_grammar(r))
@@ -135,7 +135,7 @@ def test_best_constant_and_nearest_caption():
     every image (checked against pycocoevalcap's Cider when present, else cider_d); the
     nearest-neighbour baseline takes the caption of the highest-cosine pool image."""
     rng = random.Random(1)
-    refs = {str(i): data.shapes_references(data.shapes_scene("train", i, 0), 5, rng) for i in range(30)}
+    refs = {str(i): M.shapes_references(data.shapes_scene("train", i, 0), 5, rng) for i in range(30)}
     cands = sorted({v[0] for v in refs.values()})
     try:
         from pycocoevalcap.cider.cider import Cider
