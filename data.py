@@ -1239,8 +1239,13 @@ class _Loader:
         """The rest of the current epoch; afterwards the loader points at the next epoch."""
         fresh, n_batches = self.batches_done == 0, 0
         dataset, how = self._epoch(fresh)
+        # a private generator: DataLoader otherwise draws its workers' base seed from the global
+        # torch RNG at every iterator, so a resumed run (one iterator more) would shift the RNG
+        # stream of a fork's dropout; samples never depend on it (see _sample_rng)
         dl = torch.utils.data.DataLoader(dataset, num_workers=self.num_workers, persistent_workers=False,
-                                         pin_memory=self.pin_memory, worker_init_fn=_ignore_sigterm, **how)
+                                         pin_memory=self.pin_memory, worker_init_fn=_ignore_sigterm,
+                                         generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch),
+                                         **how)
         for batch in _start_workers(dl):
             self._advance(batch)
             self._account(batch)

@@ -263,7 +263,11 @@ def test_map_loader_ranks_partition_each_epoch_and_resume():
     # a different epoch has a different order; resuming mid-epoch continues with the next batch
     ld = data.make_loader("shapes:train_size=40", batch_size=4, rank=0, world_size=2, seed=3, image_size=32)
     it = ld.forever()
+    torch_rng = torch.get_rng_state()
     first = [next(it)["key"] for _ in range(7)]  # 5 batches of epoch 0 then 2 of epoch 1
+    # the loader leaves the global torch RNG alone (DataLoader draws a seed per iterator from it
+    # unless given a generator): a resume, one iterator more, would shift a fork's dropout
+    assert torch.equal(torch.get_rng_state(), torch_rng)
     assert [k for b in first[:5] for k in b] == seen[0] and first[5] != first[0]
     state = ld.state_dict()
     assert state["epoch"] == 1 and state["batches_done"] == 2

@@ -369,6 +369,7 @@ def test_resume_n_plus_m_equals_one_go(tmp_path, extra, stop):
     assert all(torch.equal(a[k], b[k]) for k in a)
     sa, sb = (load_file(os.path.join(d, "checkpoint", "train_state.safetensors")) for d in (one, two))
     assert set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert train_state(one) == train_state(two)        # data position and every RNG state too
     ra, rb = ([json.loads(x) for x in open(os.path.join(d, "metrics.jsonl"))] for d in (one, two))
     assert [r["step"] for r in ra] == [r["step"] for r in rb]
     assert [(r["loss"], r["clip_loss"]) for r in ra] == [(r["loss"], r["clip_loss"]) for r in rb]
