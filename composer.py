@@ -2513,7 +2513,7 @@ def read_checkpoint(folder, device):
                 step = (f.metadata() or {}).get("step")
             out.append(load_file(path, device=str(device)))
         except Exception as e:
-            raise data.DataError(f"{path}: damaged ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+            raise data.DataError(f"{path}: damaged ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})") from None
         if not isinstance(state, dict) or step != str(state.get("step")):
             raise data.DataError(f"{path}: from step {step}, train_state.json from step "
                                  f"{state.get('step') if isinstance(state, dict) else None}")

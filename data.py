@@ -1594,7 +1594,7 @@ def read_weights(path: str) -> dict:
                     raise
                 sd = torch.jit.load(path, map_location="cpu").state_dict()   # OpenAI's JIT archives
     except Exception as e:
-        raise DataError(f"cannot read weights {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+        raise DataError(f"cannot read weights {path}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}") from None
     if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
         sd = sd["state_dict"]
     if not isinstance(sd, dict):

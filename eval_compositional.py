@@ -2016,7 +2016,7 @@ def load_snapshot(path, model, ckpt, args):
     try:
         snap.load_state_dict(load_file(os.path.join(path, "model.safetensors") if os.path.isdir(path) else path))
     except RuntimeError as e:
-        raise ConfigError(f"{path}: generation snapshot does not match the model of {ckpt} ({str(e).splitlines()[0]})") from None
+        raise ConfigError(f"{path}: generation snapshot does not match the model of {ckpt} ({(str(e).splitlines() or [''])[0]})") from None
     return snap
 
 
