@@ -630,6 +630,7 @@ class _AllGather(torch.autograd.Function):
 
 
 def gather(x):
+    """All ranks' rows of x, differentiable (_AllGather); x itself in one process."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return x
     return _AllGather.apply(x)
