@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import ftfy
 import numpy as np
 import torch
-from PIL import Image, ImageDraw, ImageFilter
+from PIL import Image, ImageDraw
 
 
 class DataError(Exception):
@@ -646,51 +646,15 @@ class CenterCrop:
         return img.crop((x, y, x + self.size, y + self.size))
 
 
-class ColorJitter:
-    """Brightness, contrast, saturation factors uniform in [1-s, 1+s], hue shift in [-hue, hue],
-    applied in a random order (as torchvision)."""
+class RandomFlip:
+    """Horizontal flip with probability p (classification fine-tuning only: a flip turns "left of"
+    into "right of", wrong for captions)."""
 
-    def __init__(self, brightness=0.4, contrast=0.4, saturation=0.4, hue=0.1, p=0.8):
-        self.b, self.c, self.s, self.h, self.p = brightness, contrast, saturation, hue, p
-
-    def __call__(self, img, rng):
-        if rng.random() >= self.p:
-            return img
-        x = np.asarray(img, dtype=np.float32) / 255.0
-        ops = [0, 1, 2, 3]
-        rng.shuffle(ops)
-        for op in ops:
-            if op == 0 and self.b:
-                x = x * rng.uniform(1 - self.b, 1 + self.b)
-            elif op == 1 and self.c:
-                mean = (x @ np.array([0.299, 0.587, 0.114], np.float32)).mean()
-                x = (x - mean) * rng.uniform(1 - self.c, 1 + self.c) + mean
-            elif op == 2 and self.s:
-                gray = (x @ np.array([0.299, 0.587, 0.114], np.float32))[..., None]
-                x = (x - gray) * rng.uniform(1 - self.s, 1 + self.s) + gray
-            elif op == 3 and self.h:
-                hsv = np.asarray(Image.fromarray((np.clip(x, 0, 1) * 255).astype(np.uint8)).convert("HSV"), np.int16)
-                hsv[..., 0] = (hsv[..., 0] + round(rng.uniform(-self.h, self.h) * 255)) % 256
-                x = np.asarray(Image.fromarray(hsv.astype(np.uint8), "HSV").convert("RGB"), np.float32) / 255.0
-            x = np.clip(x, 0, 1)
-        return Image.fromarray((x * 255 + 0.5).astype(np.uint8))
-
-
-class RandomApply:
-    """With probability p: "grayscale", "blur" (Gaussian, sigma uniform in `sigma`) or "flip"
-    (horizontal; off by default: a flip turns "left of" into "right of", wrong for captions)."""
-
-    def __init__(self, op: str, p: float, sigma=(0.1, 2.0)):
-        self.op, self.p, self.sigma = op, p, sigma
+    def __init__(self, p=0.5):
+        self.p = p
 
     def __call__(self, img, rng):
-        if rng.random() >= self.p:
-            return img
-        if self.op == "grayscale":
-            return img.convert("L").convert("RGB")
-        if self.op == "blur":
-            return img.filter(ImageFilter.GaussianBlur(rng.uniform(*self.sigma)))
-        return img.transpose(Image.FLIP_LEFT_RIGHT)
+        return img.transpose(Image.FLIP_LEFT_RIGHT) if rng.random() < self.p else img
 
 
 class ToNormalizedTensor:
@@ -711,15 +675,10 @@ class ToNormalizedTensor:
         return torch.from_numpy(out)
 
 
-def train_transform(image_size: int, scale=(0.9, 1.0), color_jitter: float = 0.0, grayscale: float = 0.0,
-                    blur: float = 0.0, flip: bool = False) -> Compose:
-    """open_clip's training transform (RandomResizedCrop scale (0.9, 1)) plus optional
-    SimCLR-style augmentations (off by default, as in CLIP)."""
-    ts = [RandomResizedCrop(image_size, scale)]
-    if color_jitter:
-        ts.append(ColorJitter(color_jitter, color_jitter, color_jitter, color_jitter / 4))
-    ts += [RandomApply(op, p) for op, p in (("grayscale", grayscale), ("blur", blur), ("flip", flip and 0.5)) if p]
-    return Compose(ts + [ToNormalizedTensor()])
+def train_transform(image_size: int, scale=(0.9, 1.0), flip: bool = False) -> Compose:
+    """open_clip's training transform (RandomResizedCrop scale (0.9, 1), no other augmentation, as
+    in CLIP), with an optional horizontal flip."""
+    return Compose([RandomResizedCrop(image_size, scale), *([RandomFlip()] if flip else []), ToNormalizedTensor()])
 
 
 def eval_transform(image_size: int) -> Compose:

@@ -231,10 +231,14 @@ def test_clip_bpe_matches_open_clip_tokenizer():
 
 def test_transforms_shapes_and_determinism():
     img = data.shapes_scene("train", 3).image.resize((80, 60))
-    t = data.train_transform(32, scale=(0.5, 1.0), color_jitter=0.4, grayscale=0.5, blur=0.5, flip=True)
+    t = data.train_transform(32, scale=(0.5, 1.0), flip=True)
     x = t(img, random.Random(5))
     y = t(img, random.Random(5))
     assert x.shape == (3, 32, 32) and torch.equal(x, y)
+    # the flip: mirrored with probability 1/2, drawn from the sample's rng
+    flips = [data.RandomFlip()(img, random.Random(s)).tobytes() == img.transpose(Image.FLIP_LEFT_RIGHT).tobytes()
+             for s in range(200)]
+    assert 70 < sum(flips) < 130 and all(f == (random.Random(s).random() < 0.5) for s, f in enumerate(flips))
     e = data.eval_transform(32)(img)
     assert e.shape == (3, 32, 32)
     # normalisation: a constant image maps to (v - mean) / std
