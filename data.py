@@ -35,7 +35,6 @@ import logging
 import math
 import os
 import random
-import re
 import signal
 import sys
 import tarfile
@@ -46,6 +45,7 @@ from dataclasses import dataclass, field
 import ftfy
 import numpy as np
 import torch
+from braceexpand import UnbalancedBracesError, braceexpand
 from PIL import Image, ImageDraw
 
 
@@ -921,70 +921,15 @@ def image_folder(root: str):
 # A tar that ends early or cannot be read yields one record {"__error__": ...} and stops;
 # the half-read group it was in is dropped with it (counted, never returned half-made).
 
-# Brace expansion as the `braceexpand` package (what webdataset and open_clip use for shard
-# lists): {a,b} lists (nested), {1..10..3} integer and {a..e} letter ranges with a step, either
-# direction, zero padding to the wider end when either end has a leading zero, `{x}` and `{}`
-# left literal, and a backslash escaping the next character.
-_INT_RANGE = re.compile(r"(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?")
-_LETTER_RANGE = re.compile(r"([A-Za-z])\.\.([A-Za-z])(?:\.\.-?(\d+))?")
-_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-
-
-def _brace_range(expr: str) -> list | None:
-    if m := _INT_RANGE.fullmatch(expr):
-        lo, hi, step = m.groups()
-        padded = any(e.startswith(("0", "-0")) for e in (lo, hi) if e not in ("0", "-0"))
-        width, step, lo, hi = max(len(lo), len(hi)) if padded else 0, int(step or 1) or 1, int(lo), int(hi)
-        return ["%0*d" % (width, i) for i in (range(lo, hi + 1, step) if lo < hi else range(lo, hi - 1, -step))]
-    if m := _LETTER_RANGE.fullmatch(expr):
-        lo, hi, step = _LETTERS.index(m[1]), _LETTERS.index(m[2]), int(m[3] or 1) or 1
-        return list(_LETTERS[lo:hi + 1:step] if lo < hi else _LETTERS[lo:(hi or -len(_LETTERS)) - 1:-step])
-    return None
-
-
-def _brace_tokens(text: str):
-    """(position, character, depth outside it) of every unescaped '{', '}' and ',', then
-    (len(text), "", the depth at the end)."""
-    pos = depth = 0
-    while pos < len(text):
-        if text[pos] == "\\":
-            pos += 1
-        elif text[pos] in "{},":
-            depth -= text[pos] == "}"
-            yield pos, text[pos], depth
-            depth += text[pos] == "{"
-        pos += 1
-    yield len(text), "", depth
-
-
-def _expand_unescaped(pattern: str) -> list:
-    """Expansions with the escapes still in (braceexpand's parse_pattern): the product of the
-    literal runs and each top-level {body}'s choices: a range, else its top-level comma list,
-    else the body itself, braces kept."""
-    parts, start = [], 0
-    for pos, ch, depth in _brace_tokens(pattern):
-        if ch == "{" and depth == 0:
-            parts.append([pattern[start:pos]])
-            start = pos
-        elif ch == "}" and depth == 0:
-            body = pattern[start + 1:pos]
-            tokens = list(_brace_tokens(body))
-            cuts = [-1] + [p for p, c, d in tokens if c == "," and d == 0] + [len(body)]
-            choices = _brace_range(body)
-            if choices is None and len(cuts) > 2 and tokens[-1][2] == 0:
-                choices = [x for a, b in zip(cuts, cuts[1:]) for x in _expand_unescaped(body[a + 1:b])]
-            parts.append(choices if choices is not None else ["{" + x + "}" for x in _expand_unescaped(body)])
-            start = pos + 1
-    if depth != 0:
-        raise DataError(f"{pattern}: unbalanced braces")
-    parts.append([pattern[start:]])
-    return ["".join(p) for p in itertools.product(*parts)]
-
 
 def expand_braces(pattern: str) -> list:
-    """`dir/{00000..00003}.tar` -> 4 names, as braceexpand.braceexpand(pattern) would give them
-    (see the rules above); unbalanced braces are a DataError."""
-    return [re.sub(r"\\(.)", r"\1", name) for name in _expand_unescaped(pattern)]
+    """`dir/{00000..00003}.tar` -> 4 names, by the `braceexpand` package (webdataset's and
+    open_clip's shard lists: {a,b} lists, {1..10..3} / {a..e} ranges, zero padding, escapes);
+    unbalanced braces are a DataError."""
+    try:
+        return list(braceexpand(pattern))
+    except UnbalancedBracesError:
+        raise DataError(f"{pattern}: unbalanced braces") from None
 
 
 def tar_records(path: str, keep_exts=None):
