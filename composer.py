@@ -1221,7 +1221,7 @@ class Composer(nn.Module):
         """seq [n, T, w] encoded predicates; the slots (slot_rows, slot_pos) get the modulated
         child embeddings; then the CT with an output token. Returns (embedding, score)."""
         if len(slot_rows):
-            seq = seq.index_put((slot_rows, slot_pos), self.mod(seq[slot_rows, slot_pos], child_emb))
+            seq = seq.index_put((slot_rows, slot_pos), self.mod(seq[slot_rows, slot_pos], child_emb).to(seq.dtype))
         x = torch.cat([self.out_token.expand(seq.shape[0], 1, -1).to(seq.dtype), seq], 1)
         mask = torch.cat([torch.ones_like(tmask[:, :1]), tmask], 1)
         for b in self.ct:
@@ -1262,8 +1262,9 @@ class Composer(nn.Module):
             E_all = torch.cat([E_p, E_c])
             e, s = self.compose(te["pt"][nsrc[sel]], te["tmask"][nsrc[sel]], rows, sp[rows, cols],
                                 E_all[child[sel][rows, cols]], V[pair_img[npair[sel]]], vmask[pair_img[npair[sel]]])
-            E_c = E_c.index_copy(0, sel, e)
-            score = score.index_copy(0, sel, s)
+            # under bf16 autocast theta's output is bf16: the buffers keep their own dtype
+            E_c = E_c.index_copy(0, sel, e.to(E_c.dtype))
+            score = score.index_copy(0, sel, s.to(score.dtype))
         root = nstart + nnd - 1
         return score[root], {"node_score": score, "node_start": nstart, "node_src": nsrc}
 
@@ -2285,6 +2286,13 @@ def setup_distributed(device_arg):
     return rank, world, device
 
 
+
+def autocast(device, dtype):
+    """bf16 autocast on CUDA (--dtype bf16, the default); the CPU runs fp32."""
+    if device.startswith("cuda") and dtype == "bf16":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
 class StepLoss(nn.Module):
     """The training step as one forward(), so that DistributedDataParallel (which syncs the
     gradients of what forward() used, averaged over ranks) can wrap it: the model's own methods
@@ -2759,8 +2767,6 @@ def train(args):
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     if master:
         os.makedirs(args.out_dir, exist_ok=True)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") and args.dtype == "bf16" \
-        else torch.autocast("cpu", enabled=False)
     last_log = time.time()
     extra = {"skipped": dict(sp.skipped)}
 
@@ -2778,7 +2784,7 @@ def train(args):
         gidx = sampler.next()
         for g in opt.param_groups:
             g["lr"] = get_lr(step, args)
-        with autocast:
+        with autocast(device, args.dtype):
             loss, parts = step_loss(gidx, step)
         bad |= ~torch.isfinite(loss.detach())
         opt.zero_grad(set_to_none=True)

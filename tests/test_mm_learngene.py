@@ -486,3 +486,19 @@ def test_sigterm_to_one_rank_stops_every_rank_and_resumes(teacher, tmp_path):
     assert 0 < step < 100000 and f"SIGTERM, checkpoint saved at step {step}" in stdout
     run_cli(argv + ["--max_steps", str(step + 1), "--resume"], nproc=2)
     assert json.load(open(out / "checkpoint" / "train_state.json"))["step"] == step + 1
+
+
+@pytest.mark.parametrize("method", ["mmlg", "tleg", "helg"])
+def test_bf16_autocast_extract_matches_fp32(teacher, tmp_path, monkeypatch, method):
+    """A GPU extracts under bf16 autocast (--dtype bf16, the default). The same steps under bf16
+    autocast on the CPU run and log fp32's losses to bf16 precision."""
+    losses = {}
+    for bf16 in (False, True):
+        if bf16:
+            monkeypatch.setattr(M, "autocast", lambda device, dtype: torch.autocast("cpu", dtype=torch.bfloat16))
+        out = tmp_path / f"bf16_{bf16}"
+        M.main(EXTRACT + ["--teacher", str(teacher), "--method", method, "--out_dir", str(out)])
+        losses[bf16] = [json.loads(line)["loss"] for line in open(out / "metrics.jsonl")]
+    assert len(losses[True]) == 3 and all(math.isfinite(x) for x in losses[True])
+    assert losses[True] != losses[False]        # bf16 autocast was on
+    torch.testing.assert_close(losses[True], losses[False], rtol=0.01, atol=0.005)
