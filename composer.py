@@ -2286,12 +2286,12 @@ def setup_distributed(device_arg):
     return rank, world, device
 
 
-
 def autocast(device, dtype):
     """bf16 autocast on CUDA (--dtype bf16, the default); the CPU runs fp32."""
     if device.startswith("cuda") and dtype == "bf16":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
 
 class StepLoss(nn.Module):
     """The training step as one forward(), so that DistributedDataParallel (which syncs the

@@ -1,8 +1,9 @@
 """data.py on too little or oddly formatted data (issue 16 items 6 and 7): one `error:` line for
 a batch larger than the data and for brace patterns that name nothing readable; `data.py check`
 exits 2 on no data and counts samples dropped by drop_last apart from skipped ones; brace
-expansion (the `braceexpand` package) keeps the shard patterns it documents; the img2dataset command uses img2dataset's real
-flags; the CSV flags on `data.py check`; a UTF-8 byte-order mark in CSV and JSON."""
+expansion (the `braceexpand` package) keeps the shard patterns it documents; the img2dataset
+command uses img2dataset's real flags; the CSV flags on `data.py check`; a UTF-8 byte-order mark
+in CSV and JSON."""
 import io
 import json
 import os
