@@ -27,6 +27,7 @@ import csv
 import functools
 import glob
 import gzip
+import hashlib
 import html
 import io
 import itertools
@@ -673,6 +674,19 @@ class ToNormalizedTensor:
         out -= self.mean
         out /= self.std
         return torch.from_numpy(out)
+
+
+def normalize_images(images: torch.Tensor, device=None) -> torch.Tensor:
+    """A loader's images -> CLIP-normalised float32 on `device`. uint8 [B, 3, H, W] is copied as
+    bytes (non_blocking from pinned memory) and converted on the device, so workers send a quarter
+    of the bytes (timm's PrefetchLoader, FFCV); the arithmetic is ToNormalizedTensor's, op for op.
+    A float tensor is taken as already normalised."""
+    x = images.to(device, non_blocking=True) if device is not None else images
+    if x.dtype != torch.uint8:
+        return x
+    mean = torch.tensor(CLIP_MEAN, dtype=torch.float32, device=x.device).view(-1, 1, 1)
+    std = torch.tensor(CLIP_STD, dtype=torch.float32, device=x.device).view(-1, 1, 1)
+    return x.float().div_(255.0).sub_(mean).div_(std)
 
 
 def train_transform(image_size: int, scale=(0.9, 1.0), flip: bool = False) -> Compose:
@@ -1570,6 +1584,45 @@ def checkpoint_dir(path: str) -> str:
     three training scripts), else `path` as given (a checkpoint/ or descendant folder, a file)."""
     inner = os.path.join(path, "checkpoint")
     return inner if os.path.isfile(os.path.join(inner, "model.safetensors")) else path
+
+
+def script_record(file: str) -> dict:
+    """The training script as config.json records it ("script"): a reader of the checkpoint
+    imports this file, so a fork's weights are scored with the fork's own model code."""
+    path = os.path.abspath(file)
+    with open(path, "rb") as f:
+        return {"name": os.path.basename(path), "path": path, "sha256": hashlib.sha256(f.read()).hexdigest()}
+
+
+def import_script(record: dict | None, override: str | None = None, default: str | None = None):
+    """-> (module, path, note) for the script a checkpoint records (see script_record), or
+    `override` (--script PATH). Looked for at its recorded path, then by name beside this file
+    and in the working directory; `default` (a script name) serves checkpoints that record none.
+    `note` is a line to print when the script's text has changed since training, else None."""
+    import importlib.util
+    record = record if isinstance(record, dict) else {}
+    name = record.get("name") or default
+    candidates = [override] if override else [record.get("path"), *(
+        os.path.join(d, name) for d in (os.path.dirname(os.path.abspath(__file__)), os.getcwd()) if name)]
+    path = next((p for p in candidates if p and os.path.isfile(p)), None)
+    if path is None:
+        raise DataError(f"{override or name or 'the checkpoint'}: training script not found"
+                        + ("" if override else f" (looked in {', '.join(p for p in candidates if p)}); give --script PATH"))
+    with open(path, "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    note = (f"note: {path} has changed since it trained this checkpoint (sha256 {sha[:12]}, recorded "
+            f"{record['sha256'][:12]})" if record.get("sha256") and record["sha256"] != sha else None)
+    module_name = "_script_" + hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:12]
+    if module_name not in sys.modules:      # import each file once: its classes stay one identity
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[module_name]
+            raise DataError(f"{path}: cannot import the training script ({type(e).__name__}: {e})") from None
+    return sys.modules[module_name], os.path.abspath(path), note
 
 
 # -----------------------------------------------------------------------------

@@ -1010,7 +1010,7 @@ def save_checkpoint(r):
              "rng": {"torch": torch.get_rng_state().tolist(),
                      "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if r.device.type == "cuda" else None,
                      "numpy": [nps[0], nps[1].tolist(), *nps[2:]], "python": [pys[0], list(pys[1]), pys[2]]}}
-    config = {**vars(r.args), "model": asdict(r.cfg), "world_size": r.world}
+    config = {**vars(r.args), "model": asdict(r.cfg), "world_size": r.world, "script": data.script_record(__file__)}
     write_checkpoint(r.args.out_dir, r.model.state_dict(), config, tensors, state, r.tok)
 
 
