@@ -3052,8 +3052,7 @@ def composer_run(folder):
 
 def cmd_summarize(args):
     """Mean ± 95% t-interval over seeds per model, and paired differences against --baseline."""
-    import eval_compositional     # the repo's results-over-seeds report, shared by the training scripts
-    return eval_compositional.summarize_runs(args.runs, args.baseline, composer_run)
+    return data.summarize_runs(args.runs, composer_run, args.baseline)
 
 
 def cmd_parse(args):

@@ -1626,6 +1626,101 @@ def import_script(record: dict | None, override: str | None = None, default: str
 
 
 # -----------------------------------------------------------------------------
+# Results over seeds: the run folders of the training scripts, grouped, with 95% intervals
+# (every script's `summarize`/`report --seeds` reads its runs with its own read_run)
+
+# t_{0.975, df} for df = 1..30 (standard tables); beyond 30 the Cornish-Fisher expansion around
+# the normal quantile is within 1e-4
+T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
+        2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
+        2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
+
+
+def t975(df: int) -> float:
+    if df <= len(T975):
+        return T975[df - 1]
+    z = 1.959964
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+
+
+def mean_ci(values) -> tuple:
+    """(mean, half-width of the two-sided 95% Student-t interval) over seeds; nan width for one seed."""
+    v = np.asarray(values, dtype=np.float64)
+    if len(v) < 2:
+        return float(v.mean()), math.nan
+    return float(v.mean()), t975(len(v) - 1) * float(v.std(ddof=1)) / math.sqrt(len(v))
+
+
+def paired_diff(a: dict, b: dict) -> tuple:
+    """Paired difference A - B over the seeds both have ({seed: value} each): (mean, half-width, n)."""
+    seeds = sorted(set(a) & set(b))
+    return (*mean_ci([a[s] - b[s] for s in seeds]), len(seeds)) if seeds else (math.nan, math.nan, 0)
+
+
+def _pct(m: float, h: float, signed: bool = False) -> str:
+    head = f"{100 * m:+.1f}" if signed else f"{100 * m:.1f}"
+    return head if math.isnan(h) else f"{head} ± {100 * h:.1f}"
+
+
+def results_table(rows: dict, label: str = "method") -> str:
+    """Markdown table in %: {name: {metric: value or [per-seed values]}} (a list prints as mean ±
+    the half-width of its 95% t-interval)."""
+    cols = list(dict.fromkeys(c for r in rows.values() for c in r))   # a column some row lacks is blank there
+    fmt = lambda v: "" if v is None else _pct(*mean_ci(v)) if isinstance(v, list) else f"{100 * v:.1f}"
+    lines = [[label, *cols], ["---"] * (len(cols) + 1)] + [[name] + [fmt(r.get(c)) for c in cols] for name, r in rows.items()]
+    return "\n".join("| " + " | ".join(ln) + " |" for ln in lines)
+
+
+def summarize_runs(root: str, read_run, baseline=None) -> dict:
+    """Every run folder under `root` that `read_run` accepts (-> (group, seed, {metric: fraction}),
+    or a list of them), grouped: prints mean ± 95% t-interval over seeds per group, then each
+    group's paired difference against its baseline over the seeds both ran (* where the interval
+    excludes zero). `baseline`: one group (default: the first) or a function group -> baseline
+    group. Returns {group: {metric: {seed: value}}}."""
+    if not os.path.isdir(root):
+        raise DataError(f"{root}: no such folder of runs")
+    groups = {}
+    for d in sorted(os.listdir(root)):
+        runs = read_run(os.path.join(root, d)) if os.path.isdir(os.path.join(root, d)) else None
+        for name, seed, res in [runs] if isinstance(runs, tuple) else runs or []:   # one run or several
+            for k, v in res.items():
+                groups.setdefault(name, {}).setdefault(k, {})[seed] = v
+    if not groups:
+        raise DataError(f"{root}: no finished run folder in it")
+    if not callable(baseline):      # one group every other is paired with, or a rule per group
+        fixed = baseline or next(iter(groups))
+        if fixed not in groups:
+            raise DataError(f"{root}: no runs of baseline {fixed!r} (methods: {', '.join(groups)})")
+        baseline = lambda name: fixed
+    tables = {}     # one table per kind of run (retrieval, captioning ...), told by its first metric;
+    for name, r in groups.items():      # a metric only some of its runs have is a column, blank where absent
+        tables.setdefault(next(iter(r)), []).append(name)
+    for names in tables.values():
+        cols = list(dict.fromkeys(c for n in names for c in groups[n]))
+        n_seeds = {n: len({s for v in groups[n].values() for s in v}) for n in names}
+        print(results_table({f"{n} ({n_seeds[n]})": {k: list(v.values()) for k, v in groups[n].items()}
+                             for n in names}, label="method (n seeds)"))
+        lines = [["paired difference (n seeds)", *cols], ["---"] * (len(cols) + 1)]
+        for name in names:
+            base = baseline(name)
+            if base not in names or base == name:
+                continue
+            cells, n_pairs = [], 0
+            for c in cols:
+                if c not in groups[name] or c not in groups[base]:
+                    cells.append("")
+                    continue
+                m, h, k = paired_diff(groups[name][c], groups[base][c])
+                n_pairs = max(n_pairs, k)   # a star needs an interval: two seeds or more, some spread
+                cells.append(_pct(m, h, signed=True) + ("*" if h > 0 and abs(m) > h else ""))
+            lines.append([f"{name} - {base} ({n_pairs})"] + cells)
+        if len(lines) > 2:
+            print("\n" + "\n".join("| " + " | ".join(ln) + " |" for ln in lines))
+            print("(* the paired 95% interval excludes zero)\n")
+    return groups
+
+
+# -----------------------------------------------------------------------------
 # `python data.py make-shapes`: the shapes data in the real formats
 #
 # OUT/shards/{00000..}.tar    img2dataset webdataset: {key}.png .txt .json .tree, key = train index

@@ -2278,49 +2278,7 @@ def draw_image_grid(path, rows, cell=64, label_w=80):
 
 
 # -----------------------------------------------------------------------------
-# Results over seeds: the run folders of the training scripts, grouped, with 95% intervals
-
-# t_{0.975, df} for df = 1..30 (standard tables); beyond 30 the Cornish-Fisher expansion around
-# the normal quantile is within 1e-4
-T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
-        2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
-        2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
-
-
-def t975(df: int) -> float:
-    if df <= len(T975):
-        return T975[df - 1]
-    z = 1.959964
-    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
-
-
-def mean_ci(values) -> tuple:
-    """(mean, half-width of the two-sided 95% Student-t interval) over seeds; nan width for one seed."""
-    v = np.asarray(values, dtype=np.float64)
-    if len(v) < 2:
-        return float(v.mean()), math.nan
-    return float(v.mean()), t975(len(v) - 1) * float(v.std(ddof=1)) / math.sqrt(len(v))
-
-
-def paired_diff(a: dict, b: dict) -> tuple:
-    """Paired difference A - B over the seeds both have ({seed: value} each): (mean, half-width, n)."""
-    seeds = sorted(set(a) & set(b))
-    return (*mean_ci([a[s] - b[s] for s in seeds]), len(seeds)) if seeds else (math.nan, math.nan, 0)
-
-
-def _pct(m: float, h: float, signed: bool = False) -> str:
-    head = f"{100 * m:+.1f}" if signed else f"{100 * m:.1f}"
-    return head if math.isnan(h) else f"{head} ± {100 * h:.1f}"
-
-
-def results_table(rows: dict, label: str = "method") -> str:
-    """Markdown table in %: {name: {metric: value or [per-seed values]}} (a list prints as mean ±
-    the half-width of its 95% t-interval)."""
-    cols = list(next(iter(rows.values())))
-    fmt = lambda v: _pct(*mean_ci(v)) if isinstance(v, list) else f"{100 * v:.1f}"
-    lines = [[label, *cols], ["---"] * (len(cols) + 1)] + [[name] + [fmt(r[c]) for c in cols] for name, r in rows.items()]
-    return "\n".join("| " + " | ".join(ln) + " |" for ln in lines)
-
+# Results over seeds of il_clip.py runs (the statistics are data.summarize_runs')
 
 def shapes_run(folder: str):
     """(method, seed, results) of an il_clip.py out_dir with shapes_eval.json, else None. With
@@ -2345,45 +2303,8 @@ def shapes_run(folder: str):
 
 
 def summarize_runs(root: str, baseline: str | None = None, read_run=shapes_run) -> dict:
-    """Every run folder under `root` that `read_run` accepts (-> (group, seed, {metric: fraction}),
-    or a list of them), grouped: prints mean ± 95% t-interval over seeds per group, then each
-    group's paired difference against its baseline over the seeds both ran (* where the interval
-    excludes zero). `baseline`: one group (default: the first) or a function group -> baseline
-    group. Returns {group: {metric: {seed: value}}}."""
-    if not os.path.isdir(root):
-        raise data.DataError(f"{root}: no such folder of runs")
-    groups = {}
-    for d in sorted(os.listdir(root)):
-        runs = read_run(os.path.join(root, d)) if os.path.isdir(os.path.join(root, d)) else None
-        for name, seed, res in [runs] if isinstance(runs, tuple) else runs or []:   # one run or several
-            for k, v in res.items():
-                groups.setdefault(name, {}).setdefault(k, {})[seed] = v
-    if not groups:
-        raise data.DataError(f"{root}: no finished run folder in it")
-    if not callable(baseline):      # one group every other is paired with, or a rule per group
-        fixed = baseline or next(iter(groups))
-        if fixed not in groups:
-            raise data.DataError(f"{root}: no runs of baseline {fixed!r} (methods: {', '.join(groups)})")
-        baseline = lambda name: fixed
-    by_metrics = {}                 # one table per set of metrics (e.g. retrieval and captioning runs)
-    for name, r in groups.items():
-        by_metrics.setdefault(tuple(r), []).append(name)
-    for cols, names in by_metrics.items():
-        print(results_table({f"{n} ({len(groups[n][cols[0]])})": {k: list(v.values()) for k, v in groups[n].items()}
-                             for n in names}, label="method (n seeds)"))
-        lines = [["paired difference (n seeds)", *cols], ["---"] * (len(cols) + 1)]
-        for name in names:
-            base = baseline(name)
-            if base in groups and base != name and tuple(groups[base]) == cols:
-                cells = []
-                for c in cols:
-                    m, h, k = paired_diff(groups[name][c], groups[base][c])
-                    cells.append(_pct(m, h, signed=True) + ("*" if abs(m) > h else ""))
-                lines.append([f"{name} - {base} ({k})"] + cells)
-        if len(lines) > 2:
-            print("\n" + "\n".join("| " + " | ".join(ln) + " |" for ln in lines))
-            print("(* the paired 95% interval excludes zero)\n")
-    return groups
+    """data.summarize_runs over il_clip.py run folders (shapes_eval.json, probe.json)."""
+    return data.summarize_runs(root, read_run, baseline)
 
 
 # -----------------------------------------------------------------------------

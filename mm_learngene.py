@@ -2319,8 +2319,7 @@ def cmd_report(a):
             words = group.split()
             layers, task = (words[-2], words[-1]) if words[-1] in RESULT_COLUMNS else (words[-1], "caption")
             return a.baseline or f"mmlg both {layers} {task}"
-        import eval_compositional     # the repo's results-over-seeds report, shared by the training scripts
-        eval_compositional.summarize_runs(a.seeds, mmlg_of, finetune_run)
+        data.summarize_runs(a.seeds, finetune_run, mmlg_of)
     if a.learngene:
         storage_report(a)
     elif not (a.results or a.seeds):

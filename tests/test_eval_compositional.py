@@ -573,12 +573,12 @@ def test_easy_to_learn_held_out_pairs_are_never_trained_on(tmp_path):
 def test_t_interval_against_hand_computation_and_scipy():
     """The 95% t-interval of 5 values, computed by hand: mean 0.6, s = sqrt(0.025) = 0.158114,
     t(0.975, 4) = 2.7764 -> half-width 2.7764 * 0.158114 / sqrt(5) = 0.196324."""
-    m, h = E.mean_ci([0.4, 0.5, 0.6, 0.7, 0.8])
+    m, h = data.mean_ci([0.4, 0.5, 0.6, 0.7, 0.8])
     assert m == pytest.approx(0.6) and h == pytest.approx(0.196324, abs=1e-5)
-    assert math.isnan(E.mean_ci([0.3])[1])
+    assert math.isnan(data.mean_ci([0.3])[1])
     scipy_stats = pytest.importorskip("scipy.stats")
     for df in (1, 2, 7, 30, 31, 45, 200):
-        assert E.t975(df) == pytest.approx(scipy_stats.t.ppf(0.975, df), abs=2e-4)
+        assert data.t975(df) == pytest.approx(scipy_stats.t.ppf(0.975, df), abs=2e-4)
 
 
 def test_paired_difference_uses_shared_seeds_only():
@@ -586,12 +586,12 @@ def test_paired_difference_uses_shared_seeds_only():
     narrower than the unpaired spread when the seeds move both methods together."""
     a = {0: 0.70, 1: 0.80, 2: 0.60, 3: 0.75, 9: 0.1}
     b = {0: 0.68, 1: 0.77, 2: 0.57, 3: 0.73, 5: 0.9}
-    m, h, n = E.paired_diff(a, b)
+    m, h, n = data.paired_diff(a, b)
     d = np.array([0.02, 0.03, 0.03, 0.02])
     assert n == 4 and m == pytest.approx(d.mean())
-    assert h == pytest.approx(E.T975[2] * d.std(ddof=1) / 2)   # df = 3
+    assert h == pytest.approx(data.T975[2] * d.std(ddof=1) / 2)   # df = 3
     assert m - h > 0                                   # excludes zero although the groups overlap
-    assert E.paired_diff({0: 1.0}, {1: 1.0})[2] == 0
+    assert data.paired_diff({0: 1.0}, {1: 1.0})[2] == 0
 
 
 def test_summarize_runs_means_and_intervals_over_seeds(tmp_path, capsys):
@@ -615,10 +615,10 @@ def test_summarize_runs_means_and_intervals_over_seeds(tmp_path, capsys):
     col = 1 + 2 + data.SHAPES_CATEGORIES.index("replace_att")
     il = np.array([r["replace_att"] for r in written["il"]])
     cell = next(ln for ln in out if ln.startswith("| il (3) |")).split(" | ")[col]
-    assert cell == f"{100 * il.mean():.1f} ± {100 * E.T975[1] * il.std(ddof=1) / np.sqrt(3):.1f}"
+    assert cell == f"{100 * il.mean():.1f} ± {100 * data.T975[1] * il.std(ddof=1) / np.sqrt(3):.1f}"
     d = il - np.array([r["replace_att"] for r in written["clip"]])
     cell = next(ln for ln in out if ln.startswith("| il - clip (3) |")).split(" | ")[col]
-    assert cell.rstrip("*") == f"{100 * d.mean():+.1f} ± {100 * E.T975[1] * d.std(ddof=1) / np.sqrt(3):.1f}"
+    assert cell.rstrip("*") == f"{100 * d.mean():+.1f} ± {100 * data.T975[1] * d.std(ddof=1) / np.sqrt(3):.1f}"
     assert next(ln for ln in out if ln.startswith("| il+neg - clip (1) |"))
     means = [np.mean([r[c] for c in data.SHAPES_CATEGORIES]) for r in written["il"]]
     assert np.allclose(list(groups["il"]["sugarcrepe_mean"].values()), means)

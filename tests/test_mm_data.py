@@ -373,8 +373,8 @@ def test_report_seeds_pairs_each_setting_with_mmlg_of_its_size(tmp_path, capsys)
     out = capsys.readouterr().out.splitlines()
     row = next(ln for ln in out if ln.startswith("| mmlg no_mm 6 retrieval - mmlg both 6 retrieval (3) |"))
     d = np.array([8.0 - 15.0, 10.0 - 16.0, 12.0 - 17.0]) / 100
-    assert row.split(" | ")[1] == f"{100 * d.mean():+.1f} ± {100 * E.T975[1] * d.std(ddof=1) / np.sqrt(3):.1f}*"
+    assert row.split(" | ")[1] == f"{100 * d.mean():+.1f} ± {100 * data.T975[1] * d.std(ddof=1) / np.sqrt(3):.1f}*"
     row = next(ln for ln in out if ln.startswith("| nearest caption (mmlg) 6 - mmlg both 6 caption (3) |"))
     d = np.array([70.0, 71.0, 72.0]) / 100            # cider: (120 + seed) - 50
-    assert row.split(" | ")[2] == f"{100 * d.mean():+.1f} ± {100 * E.T975[1] * d.std(ddof=1) / np.sqrt(3):.1f}*"
+    assert row.split(" | ")[2] == f"{100 * d.mean():+.1f} ± {100 * data.T975[1] * d.std(ddof=1) / np.sqrt(3):.1f}*"
     assert any(ln.startswith("| tleg both 6 caption - mmlg both 6 caption (3) |") for ln in out)
