@@ -1,6 +1,7 @@
 """
-Evaluate an il_clip.py / mm_learngene.py checkpoint on compositional and recognition
-benchmarks, and run the analysis probes of the IL-CLIP paper (section 4.4).
+Evaluate an il_clip.py / mm_learngene.py checkpoint (or a fork's: the model is built by the
+script its config.json records) on compositional and recognition benchmarks, and run the
+analysis probes of the IL-CLIP paper (section 4.4).
 
     python eval_compositional.py --ckpt out/il                       # built-in shapes benchmark
     python eval_compositional.py --ckpt out/il --benchmarks all \
@@ -123,6 +124,8 @@ def get_args(argv=None):
     p.add_argument("--ckpt", help="an il_clip.py / mm_learngene.py out_dir")
     p.add_argument("--init", help="OpenAI-format weights (.safetensors / .pt) instead of --ckpt")
     p.add_argument("--vocab", help="bpe_simple_vocab_16e6.txt.gz, the tokenizer for --init weights")
+    p.add_argument("--script", help="the model code for --ckpt and its snapshots (default: the script its config.json "
+                   "records, il_clip.py for --init weights); --compare_ckpts use the scripts they record")
     p.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
                    help="the MLP activation of the loaded weights: QuickGELU (OpenAI's CLIP, open_clip's *-quickgelu) or "
                         "exact GELU (--no-quick_gelu: open_clip's LAION / DataComp ViT-B-32). Default None: what the "
@@ -192,51 +195,84 @@ def get_args(argv=None):
 
 
 # -----------------------------------------------------------------------------
-# Model and tokenizer
+# Model and tokenizer: built by the script that trained the checkpoint (config.json "script"),
+# so a fork (sparsemax -> softmax, a SigLIP logit_bias ...) is scored with its own code
 
-KNOWN_SCRIPTS = ("il_clip.py", "mm_learngene.py")
+# scripts whose checkpoints these benchmarks cannot score, and what reads them instead
+OTHER_READERS = {"composer.py": "python composer.py eval --ckpt {path}",
+                 "mm_learngene.py": "python mm_learngene.py report --results {path} (a fine-tune's own metrics), "
+                                    "or expand a descendant with --modality clip"}
 
 
-def load_checkpoint(path, args):
-    """(model, tokenizer, config) from an out_dir, a checkpoint/ folder or a weights file,
-    via il_clip.load_model with args.quick_gelu (None: the config's; QuickGELU for bare
-    weights). Refuses, with one line, checkpoints of other methods and tokenizers that do
-    not fit."""
+def refuse(path, maker, why):
+    how = OTHER_READERS.get(maker, "the script's own evaluation").format(path=out_dir_of(path))
+    return ConfigError(f"{path}: {why}: a checkpoint of {maker}, which eval_compositional.py cannot score; use {how}")
+
+
+def checkpoint_config(path):
+    """config.json of a checkpoint folder ({} for a weights file or a folder without one)."""
+    cfg_path = os.path.join(path, "config.json")
+    if not (os.path.isdir(path) and os.path.exists(cfg_path)):
+        return {}
     try:
-        import il_clip
-    except ImportError as e:
-        raise ConfigError(f"cannot import il_clip.py ({e}); run from the repository root") from None
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:
+        raise ConfigError(f"{cfg_path}: unreadable JSON ({e})") from None
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def load_checkpoint(path, args, script=None):
+    """(model, tokenizer, config) from an out_dir, a checkpoint/ folder or a weights file, built by
+    load_model(path, device, quick_gelu) of the script config.json records (`script`, else
+    --script, overrides it; bare weights: il_clip.py beside this file). config["script_used"]
+    says which file ran. Refuses, with one line, checkpoints it cannot score and tokenizers that
+    do not fit."""
     if not os.path.exists(path):
         raise ConfigError(f"{path}: checkpoint not found")
     path = data.checkpoint_dir(path)
-    cfg_path = os.path.join(path, "config.json")
-    if os.path.isdir(path) and os.path.exists(cfg_path):
-        with open(cfg_path) as f:
-            try:
-                cfg = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{cfg_path}: invalid JSON ({e.msg}, line {e.lineno})") from None
-        model_cfg = cfg.get("model") if isinstance(cfg, dict) else None
-        if not (isinstance(model_cfg, dict) and {"vision_width", "text_width", "vocab_size"} <= set(model_cfg)):
-            raise ConfigError(f"{path}: config.json holds no CLIP model config: a checkpoint of another method "
-                              f"(composer.py?); eval_compositional.py evaluates {' / '.join(KNOWN_SCRIPTS)} checkpoints")
-        if cfg.get("modality", "clip") != "clip":
-            raise ConfigError(f"{path}: a {cfg['modality']}-only mm_learngene.py descendant; these benchmarks need "
-                              f"both towers (expand with --modality clip)")
+    cfg = checkpoint_config(path)
+    record = cfg.get("script") if isinstance(cfg.get("script"), dict) else None
+    maker = (record or {}).get("name") or ("mm_learngene.py" if "phase" in cfg or "task" in cfg else "composer.py")
+    model_cfg = cfg.get("model")
+    if cfg and not record and not (isinstance(model_cfg, dict) and {"vision_width", "text_width"} <= set(model_cfg)):
+        raise refuse(path, maker, "config.json holds no CLIP model config")
+    if cfg.get("modality", "clip") != "clip":
+        raise refuse(path, maker, f"a {cfg['modality']}-only descendant (these benchmarks need both towers)")
     try:
-        model, tok, config = il_clip.load_model(path, device=args.device, quick_gelu=args.quick_gelu)
-    except (data.DataError, il_clip.ConfigError) as e:
+        module, script_path, note = data.import_script(record, override=script, default="il_clip.py")
+    except data.DataError as e:
+        raise ConfigError(str(e)) from None
+    if not callable(getattr(module, "load_model", None)):
+        raise refuse(path, maker, f"{script_path} has no load_model(path, device, quick_gelu)")
+    if note:
+        print(note, file=sys.stderr)
+    try:
+        model, tok, config = module.load_model(path, device=args.device, quick_gelu=args.quick_gelu)
+    except (data.DataError, getattr(module, "ConfigError", data.DataError)) as e:
         raise ConfigError(str(e)) from None
     except (KeyError, ValueError, RuntimeError, OSError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"{path}: not an il_clip.py / mm_learngene.py checkpoint or OpenAI-format weights ({msg})") from None
+        raise ConfigError(f"{path}: {script_path} cannot load it ({first_line(e)})") from None
+    config["script_used"] = {"path": script_path, "sha256": data.script_record(script_path)["sha256"],
+                             "changed": bool(note) if record and record.get("sha256") else None}
     if tok is None:
         if not args.vocab:
             raise ConfigError(f"{path}: weights without a tokenizer; give --vocab bpe_simple_vocab_16e6.txt.gz")
         tok = data.build_tokenizer(vocab_path=args.vocab, context_length=model_field(model, config, "context_length", 77))
     check_tokenizer(tok, model, config, path)
-    model.to(args.device).eval()
-    return model, tok, config
+    quick = bool(model_field(model, config, "quick_gelu"))
+    print(f"model: {path}: code {script_path}, activation {'QuickGELU' if quick else 'GELU'} "
+          f"({config.get('quick_gelu_source', 'config')})", file=sys.stderr)
+    return model.to(args.device).eval(), tok, config
+
+
+def script_of(model):
+    """The module whose code built `model` (the checkpoint's own script, as imported above)."""
+    return sys.modules[type(model).__module__]
+
+
+def first_line(e):
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 def model_field(model, config, name, default=None):
@@ -323,7 +359,7 @@ class Embedder:
                     self.bad_images[r.key] = str(e)
                     warn(f"{r.path or r.key}: cannot read image ({type(e).__name__}); rows that use it are skipped")
             if chunk:
-                z = self.model.encode_image(torch.stack(tensors).to(self.device)).float().cpu()
+                z = self.model.encode_image(data.normalize_images(torch.stack(tensors), self.device)).float().cpu()
                 self.image_cache.update(zip((r.key for r in chunk), z))
             bar.update(len(todo[i:i + self.batch_size]))
         bar.close()
@@ -1925,7 +1961,7 @@ def spectral_norm(w):
     return float(torch.linalg.svdvals(w.detach().double().reshape(w.shape[0], -1))[0])
 
 
-VISION_PREFIXES = ("visual.", "image_query.")  # il_clip.VISION_PREFIXES
+VISION_PREFIXES = ("visual.", "image_query.")  # a model whose script does not say (il_clip.py's)
 
 
 def spectral_layers(model):
@@ -1948,8 +1984,9 @@ def spectral_product(model):
     compares across generations."""
     per_layer = {n: spectral_norm(p) for n, p in spectral_layers(model)}
     log = lambda names: round(sum(math.log10(max(per_layer[n], 1e-30)) for n in names), 6)
-    vision = [n for n in per_layer if n.startswith(VISION_PREFIXES)]
-    text = [n for n in per_layer if not n.startswith(VISION_PREFIXES) and n != "codebook"]
+    prefixes = getattr(script_of(model), "VISION_PREFIXES", VISION_PREFIXES)
+    vision = [n for n in per_layer if n.startswith(prefixes)]
+    text = [n for n in per_layer if not n.startswith(prefixes) and n != "codebook"]
     return {"log10_product": log(per_layer), "log10_vision": log(vision), "log10_text": log(text),
             "layers": len(per_layer), "spectral_norms": {n: round(v, 6) for n, v in per_layer.items()}}
 
@@ -2007,10 +2044,10 @@ def bench_spectral(args, model, tok, config):
 
 
 def load_snapshot(path, model, ckpt, args):
-    """A generation snapshot: a folder loadable by il_clip.load_model, or a bare state dict
-    loaded into a copy of the model."""
+    """A generation snapshot, by the code that built `model` (the run's own script): a folder its
+    load_model reads, or a bare state dict loaded into a copy of the model."""
     if os.path.isfile(os.path.join(path, "config.json")):
-        return load_checkpoint(path, args)[0]
+        return script_of(model).load_model(path, device=args.device, quick_gelu=args.quick_gelu)[0]
     from safetensors.torch import load_file
     snap = copy.deepcopy(model)
     try:
@@ -2100,7 +2137,7 @@ def bench_codebook(args, model, tok, config):
     scores, weights = [], []
     with torch.no_grad():
         for i in range(0, len(images), args.batch_size):
-            s, w = image_code_scores(model, images[i:i + args.batch_size].to(args.device))
+            s, w = image_code_scores(model, data.normalize_images(images[i:i + args.batch_size], args.device))
             scores.append(s.float().cpu()), weights.append(w.float().cpu())
     scores, weights = torch.cat(scores), torch.cat(weights)  # [N, K]
     usage = weights.sum(0)
@@ -2117,15 +2154,16 @@ def bench_codebook(args, model, tok, config):
 
 
 def to_pil(x):
-    """A data.eval_transform tensor back to a PIL image (undo the CLIP normalisation)."""
+    """A loader's image (uint8, or CLIP-normalised float: undone) back to a PIL image."""
     mean, std = torch.tensor(data.CLIP_MEAN)[:, None, None], torch.tensor(data.CLIP_STD)[:, None, None]
-    arr = ((x.float().cpu() * std + mean).clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
+    x = x.cpu() if x.dtype == torch.uint8 else ((x.float().cpu() * std + mean).clamp(0, 1) * 255).round().byte()
+    arr = x.permute(1, 2, 0).numpy()
     return Image.fromarray(arr)
 
 
 def image_code_scores(model, images):
     """Per-code scores of images, r_i = max over patches of q(f_p) . c_i (paper Eq. 2, with
-    il_clip's scaling and temperature), and their sparsemax weights w_i (Eq. 3): [B, K] each."""
+    the scaling and temperature of the model's script), and their sparsemax weights w_i (Eq. 3): [B, K] each."""
     return model.code_scores(model.visual.forward_tokens(images), None, model.image_query)
 
 
@@ -2134,15 +2172,14 @@ def image_size_of(model, config):
 
 
 def fresh_language_agent(model, seed):
-    """A copy of the model whose language agent (il_clip.agent_params(.., "language"): token +
-    positional embedding, text transformer, ln_final, text projection, text query map) is
-    re-initialised as at step 0 from `seed` (il_clip's own spawn initialiser, so every
+    """A copy of the model whose language agent (agent_params(.., "language") of the model's own
+    script: token + positional embedding, text transformer, ln_final, text projection, text query
+    map) is re-initialised as at step 0 from `seed` (the script's own spawn initialiser, so every
     checkpoint of one architecture gets the same student), everything else frozen."""
-    import il_clip
     student = copy.deepcopy(model).cpu()
     fresh = copy.deepcopy(student)
     fresh.init_agent("language", torch.Generator().manual_seed(seed))
-    names = {n for n, _ in il_clip.agent_params(student, "language")}
+    names = {n for n, _ in script_of(model).agent_params(student, "language")}
     src = dict(fresh.named_parameters())
     with torch.no_grad():
         for n, p in student.named_parameters():
@@ -2180,7 +2217,7 @@ def easy_to_learn_curve(model, tok, config, args, spec, kw):
     scale = float(student.logit_scale.exp().clamp(max=100)) if hasattr(student, "logit_scale") else 1 / 0.07
     train, val = probe_batches(spec, kw, tok, size, args)
     with torch.no_grad():
-        val_img = [student.encode_image(b["image"].to(device)) for b in val]
+        val_img = [student.encode_image(data.normalize_images(b["image"], device)) for b in val]
 
     def evaluate():
         with torch.no_grad():
@@ -2190,7 +2227,7 @@ def easy_to_learn_curve(model, tok, config, args, spec, kw):
     for step in tqdm(range(1, args.probe_steps + 1), desc="easy-to-learn", disable=args.no_progress, leave=False):
         batch = next(train)
         with torch.no_grad():
-            img = student.encode_image(batch["image"].to(device))
+            img = student.encode_image(data.normalize_images(batch["image"], device))
         txt = student.encode_text(batch["text"].to(device))
         logits = scale * img @ txt.T
         target = torch.arange(len(logits), device=device)
@@ -2343,14 +2380,15 @@ def markdown_table(results, skipped, errors):
         value = f"null ({why})" if v is None and why else "null" if v is None else f"{v:.2f}" if isinstance(v, float) else v
         lines.append(f"| {bench} | {metric} | {value} | {n_ok} | {n_bad} |")
     for label, whys in (("not run", skipped), ("ERROR", errors)):
-        lines += [f"| {bench} | {label} | {why} | | |" for bench, why in whys.items()]
+        lines += [f"| {bench} | {label} | {' '.join(why.split()).replace('|', '/')} | | |" for bench, why in whys.items()]
     return "\n".join(lines)
 
 
 def run_benchmarks(args, emb, model, tok, config):
     """(results, skipped, errors). A benchmark whose files were not given is skipped; one that
-    fails, or scored no item at all, is an error: its line is printed now, the others still
-    run, and the exit status says so at the end."""
+    fails (any exception: a hostile file, a checkpoint it cannot load, a bug), or scored no
+    item at all, is an error: its line is printed now, the others still run, the table shows
+    the reason and the exit status says so at the end."""
     scorers = {"shapes": bench_shapes, "sugarcrepe": bench_sugarcrepe, "crepe": bench_crepe, "cola": bench_cola,
                "winoground": bench_winoground, "zeroshot": bench_zeroshot, "retrieval": bench_retrieval,
                "linear_probe": bench_linear_probe} | {f"zeroshot/{n}": bench_zeroshot_set(n) for n in
@@ -2365,9 +2403,9 @@ def run_benchmarks(args, emb, model, tok, config):
         except Skip as e:
             skipped[name] = str(e)
             print(f"skipped {name}: {e}", file=sys.stderr)
-        except data.DataError as e:
-            failed[name] = str(e)
-            print(f"error: {name}: {e}", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001: one benchmark never sinks the others
+            failed[name] = str(e) if isinstance(e, (data.DataError, ConfigError)) else f"{type(e).__name__}: {first_line(e)}"
+            print(f"error: {name}: {failed[name]}", file=sys.stderr)
     return results, skipped, failed
 
 
@@ -2375,18 +2413,17 @@ def run(args):
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     path = args.ckpt or args.init
-    model, tok, config = load_checkpoint(path, args)
+    model, tok, config = load_checkpoint(path, args, args.script)
     quick_gelu = bool(model_field(model, config, "quick_gelu"))
-    source = config.get("quick_gelu_source", "config")     # "assumed": il_clip.load_model said so
-    print(f"model: {path}: activation {'QuickGELU' if quick_gelu else 'GELU'} ({source})", file=sys.stderr)
+    source = config.get("quick_gelu_source", "config")     # "assumed": the script's load_model said so
     if args.plot_dir is None:
         args.plot_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else (
             out_dir_of(args.ckpt) if args.ckpt else os.path.dirname(os.path.abspath(args.init)))
     emb = Embedder(model, tok, image_size_of(model, config), args.batch_size, args.device, not args.no_progress)
     results, skipped, failed = run_benchmarks(args, emb, model, tok, config)
     print(markdown_table(results, skipped, failed))
-    blob = {"checkpoint": os.path.abspath(path), "quick_gelu": quick_gelu, "quick_gelu_source": source,
-            "results": results, "skipped": skipped,
+    blob = {"checkpoint": os.path.abspath(path), "script": config["script_used"], "quick_gelu": quick_gelu,
+            "quick_gelu_source": source, "results": results, "skipped": skipped,
             "errors": failed, "args": {k: v for k, v in vars(args).items() if k != "benchmark_list"}}
     if getattr(args, "zeroshot_suite", None):
         blob["zeroshot_suite"] = zeroshot_suite_row(results, failed)

@@ -100,7 +100,7 @@ def test_refuses_other_methods_and_tokenizer_mismatch(ckpts, tmp_path, capsys):
     shutil.copy(os.path.join(ckpts["clip"], "checkpoint", "model.safetensors"), other)
     assert E.main(["--ckpt", str(other)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error:") and "another method" in err and len(err.splitlines()) == 1
+    assert err.startswith("error:") and f"use python composer.py eval --ckpt {other}" in err and len(err.splitlines()) == 1
 
     bad_tok = tmp_path / "badtok"
     shutil.copytree(ckpts["clip"], bad_tok)
