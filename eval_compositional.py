@@ -233,12 +233,12 @@ def load_checkpoint(path, args, script=None):
     path = data.checkpoint_dir(path)
     cfg = checkpoint_config(path)
     record = cfg.get("script") if isinstance(cfg.get("script"), dict) else None
-    maker = (record or {}).get("name") or ("mm_learngene.py" if "phase" in cfg or "task" in cfg else "composer.py")
+    maker = (record or {}).get("name") or ("mm_learngene.py" if {"phase", "task", "modality"} & set(cfg) else "composer.py")
     model_cfg = cfg.get("model")
-    if cfg and not record and not (isinstance(model_cfg, dict) and {"vision_width", "text_width"} <= set(model_cfg)):
-        raise refuse(path, maker, "config.json holds no CLIP model config")
     if cfg.get("modality", "clip") != "clip":
         raise refuse(path, maker, f"a {cfg['modality']}-only descendant (these benchmarks need both towers)")
+    if cfg and not record and not (isinstance(model_cfg, dict) and {"vision_width", "text_width"} <= set(model_cfg)):
+        raise refuse(path, maker, "config.json holds no CLIP model config")
     try:
         module, script_path, note = data.import_script(record, override=script, default="il_clip.py")
     except data.DataError as e:
@@ -2422,7 +2422,7 @@ def run(args):
     emb = Embedder(model, tok, image_size_of(model, config), args.batch_size, args.device, not args.no_progress)
     results, skipped, failed = run_benchmarks(args, emb, model, tok, config)
     print(markdown_table(results, skipped, failed))
-    blob = {"checkpoint": os.path.abspath(path), "script": config["script_used"], "quick_gelu": quick_gelu,
+    blob = {"checkpoint": os.path.abspath(path), "script": config.get("script_used"), "quick_gelu": quick_gelu,
             "quick_gelu_source": source, "results": results, "skipped": skipped,
             "errors": failed, "args": {k: v for k, v in vars(args).items() if k != "benchmark_list"}}
     if getattr(args, "zeroshot_suite", None):

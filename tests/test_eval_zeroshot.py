@@ -414,7 +414,7 @@ def test_cli_prints_the_table2_row_and_exits_2_on_a_broken_set(tmp_path, monkeyp
     images = np.zeros((2, 32, 32, 3), np.uint8)
     (root / "test_batch.bin").write_bytes(b"".join(bytes([y]) + im.transpose(2, 0, 1).tobytes()
                                                    for y, im in zip((0, 9), images)))
-    monkeypatch.setattr(E, "load_checkpoint", lambda path, a: (ColourModel(), WordTokenizer(), {"image_size": 16}))
+    monkeypatch.setattr(E, "load_checkpoint", lambda path, a, script=None: (ColourModel(), WordTokenizer(), {"image_size": 16}))
     out = tmp_path / "r.json"
     code = E.main(["--init", "w.pt", "--benchmarks", "zeroshot", "--zeroshot", f"CIFAR-10={tmp_path}", "--zeroshot",
                    f"pets={tmp_path / 'missing'}", "--zeroshot_suite", "il_clip", "--no_progress", "--out", str(out)])
