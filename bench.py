@@ -6,6 +6,7 @@ Throughput, MFU and memory of il_clip.py's training step (nanoGPT's bench.py is 
     python bench.py --data                                                   # loader vs plain PIL at 224 px
     python bench.py --data shapes --num_workers 0                            # one --data spec
     python bench.py --codebook_memory                                        # codebook head memory
+    python bench.py --script il_clip_softmax.py --method codebook            # a fork's training step
     python bench.py --composer                                               # COMPOSER recursion
     python bench.py --targets --model ViT-B-32 --compile --json targets.json # every target, checked
 
@@ -454,6 +455,7 @@ def bench_targets(args, device):
 
 
 def main(argv=None):
+    global il_clip      # --script: bench imports the script it measures
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--model", default="tiny", choices=list(il_clip.MODEL_PRESETS))
@@ -474,7 +476,10 @@ def main(argv=None):
     a("--composer", action="store_true", help="level-batched vs node-by-node composition")
     a("--targets", action="store_true", help="measure every speed target and check each")
     a("--json", default=None, help="--targets: also write the report to this JSON file")
+    a("--script", default=None, help="time a fork's step: an il_clip.py-style script at PATH (default: il_clip.py)")
     args = p.parse_args(argv)
+    if args.script:
+        il_clip = data.import_script(None, override=args.script)[0]
     args.argv = sys.argv[1:] if argv is None else list(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":

@@ -209,3 +209,19 @@ def test_composer_mode_times_two_paths_that_agree(capsys):
 def test_each_mode_runs_and_reports(argv, expect, capsys):
     assert bench.main(argv) == 0
     assert expect in capsys.readouterr().out
+
+
+def test_script_flag_times_the_forks_own_step(tmp_path, monkeypatch, capsys):
+    """--script PATH: bench imports the fork and times its compute_loss (il_clip.py's is not called)."""
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = open(os.path.join(root, "il_clip.py")).read()
+    head = "def compute_loss(model, batch, phase, agent, teacher, pool, args):\n"
+    assert src.count(head) == 1
+    fork = tmp_path / "il_clip_fork.py"
+    fork.write_text(src.replace(head, "CALLS = []\n\n\n" + head + "    CALLS.append(phase)\n"))
+    monkeypatch.setattr(bench, "il_clip", bench.il_clip)        # restored after the test
+    monkeypatch.setattr(il_clip, "compute_loss", lambda *a: pytest.fail("il_clip.py's step was timed"))
+    assert bench.main(["--script", str(fork), "--batch_size", "4", "--steps", "1", "--untimed", "1"]) == 0
+    assert bench.il_clip.__file__ == str(fork) and bench.il_clip.CALLS == ["train", "train"]
+    assert "samples/s" in capsys.readouterr().out
