@@ -75,7 +75,7 @@ def test_cifar100_binary_version_uses_the_fine_label(tmp_path):
     rows = [bytes([c, f]) + img.transpose(2, 0, 1).tobytes() for c, f, img in zip(coarse, fine, images)]
     (tmp_path / "cifar-100-binary" / "test.bin").write_bytes(b"".join(rows))
     names, items, _ = E.read_cifar(str(tmp_path), 100)
-    assert len(names) == 100 and names[1] == "aquarium fish" and names[99] == "worm"
+    assert len(names) == 100 and names[1] == "aquarium_fish" and names[99] == "worm"
     assert [y for _, y in items] == fine and np.array_equal(pixels(items[2][0]), images[2])
     (tmp_path / "cifar-100-binary" / "test.bin").write_bytes(b"".join(rows)[:-1])
     with pytest.raises(data.DataError, match="whole number of records"):
@@ -134,8 +134,9 @@ def test_pets_test_list(tmp_path):
     (tmp_path / "oxford-iiit-pet" / "annotations" / "test.txt").write_text(
         "Abyssinian_201 1 1 1\nyorkshire_terrier_9 37 2 25\nbroken\n")
     names, items, _ = E.read_pets(str(tmp_path))
-    assert [(os.path.basename(r.path), names[y]) for r, y in items] == [
+    assert [(os.path.basename(r.path), names[y]) for r, y in items[:2]] == [
         ("Abyssinian_201.jpg", "Abyssinian"), ("yorkshire_terrier_9.jpg", "Yorkshire Terrier")]
+    assert items[2] == (None, f"{tmp_path / 'oxford-iiit-pet' / 'annotations' / 'test.txt'}:3: malformed line")
 
 
 def test_food101_meta_test_json(tmp_path):
@@ -188,7 +189,8 @@ def test_voc2007_one_crop_per_object(tmp_path):
     (root / "Annotations" / "000002.xml").write_text("<annotation><object>")
     (root / "ImageSets" / "Main" / "aeroplane_test.txt").write_text("000001 -1\n000002 -1\n")
     names, items, note = E.read_voc2007(str(tmp_path))
-    assert [names[y] for _, y in items] == ["cat", "tvmonitor"] and "1 annotations unreadable" in note
+    assert [names[y] for r, y in items if r] == ["cat", "tvmonitor"]
+    assert items[2][0] is None and "000002.xml: ParseError" in items[2][1]     # counted as skipped, with why
     left, right = items[0][0].open(), items[1][0].open()
     assert left.size == (14, 16) and right.size == (14, 16)
     assert np.abs(np.asarray(left, float) - RED).max() < 40 and np.abs(np.asarray(right, float) - BLUE).max() < 40
@@ -260,7 +262,7 @@ def test_resisc45_folders(tmp_path):
         os.makedirs(root / f)
     solid(root / "sea_ice" / "sea_ice_001.jpg", BLUE)
     names, items, _ = E.read_resisc45(str(tmp_path))
-    assert len(names) == 45 and names[items[0][1]] == "sea ice"
+    assert len(names) == 45 and names[items[0][1]] == "sea_ice"   # TFDS's (so CLIP_benchmark's) name
     os.rmdir(root / "wetland")
     with pytest.raises(data.DataError):
         E.read_resisc45(str(tmp_path))
