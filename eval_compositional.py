@@ -215,8 +215,7 @@ def get_args(argv=None):
 
 # scripts whose checkpoints these benchmarks cannot score, and what reads them instead
 OTHER_READERS = {"composer.py": "python composer.py eval --ckpt {path}",
-                 "mm_learngene.py": "python mm_learngene.py report --results {path} (a fine-tune's own metrics), "
-                                    "or expand a descendant with --modality clip"}
+                 "mm_learngene.py": "python mm_learngene.py report --results {path} (a fine-tune's own metrics)"}
 
 
 def refuse(path, maker, why):
@@ -239,7 +238,8 @@ def load_checkpoint(path, args, script=None):
     maker = (record or {}).get("name") or ("mm_learngene.py" if {"phase", "task", "modality"} & set(cfg) else "composer.py")
     model_cfg = cfg.get("model")
     if cfg.get("modality", "clip") != "clip":
-        raise refuse(path, maker, f"a {cfg['modality']}-only descendant (these benchmarks need both towers)")
+        raise refuse(path, maker, f"a {cfg['modality']}-only descendant (these benchmarks need both towers: "
+                                  "expand one with --modality clip)")
     if cfg and not record and not (isinstance(model_cfg, dict) and {"vision_width", "text_width"} <= set(model_cfg)):
         raise refuse(path, maker, "config.json holds no CLIP model config")
     try:

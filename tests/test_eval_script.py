@@ -126,7 +126,7 @@ def test_checkpoints_of_other_scripts_get_one_line_naming_the_script_and_its_rea
                      "a checkpoint of composer.py", "python composer.py eval --ckpt"),
         "finetune": ({"cmd": "finetune", "task": "classification", "results": {}},   # recorded no script yet
                      "a checkpoint of mm_learngene.py", "python mm_learngene.py report --results"),
-        "vision": ({"model": {"vision_width": 32}, "modality": "vision"}, "a vision-only descendant", "mm_learngene.py")}
+        "vision": ({"model": {"vision_width": 32}, "modality": "vision"}, "a vision-only descendant", "--modality clip")}
     for name, (cfg, what, how) in cases.items():
         os.makedirs(tmp_path / name)
         shutil.copy(weights, tmp_path / name)
