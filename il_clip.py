@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import pathlib
 import random
 import re
 import shutil
@@ -53,8 +54,6 @@ if dist.is_available():
 
 # -----------------------------------------------------------------------------
 # config
-
-
 class ConfigError(Exception):
     """A user mistake in flags or files: main() prints `error: <msg>` and exits 2."""
 
@@ -236,8 +235,6 @@ def parse_model_args(pairs):
 
 # -----------------------------------------------------------------------------
 # model (OpenAI CLIP layout and key names; batch-first tensors, SDPA attention)
-
-
 class QuickGELU(nn.Module):
     def forward(self, x):
         return x * torch.sigmoid(1.702 * x)
@@ -535,8 +532,6 @@ def agent_params(model, agent):
 
 # -----------------------------------------------------------------------------
 # sparsemax (Martins & Astudillo 2016) and the memory-lean codebook scores
-
-
 def _sparsemax_tau(z):
     """Threshold tau of the last dim of z by a full sort (Martins & Astudillo 2016, Alg. 1)."""
     zs = z.sort(dim=-1, descending=True).values
@@ -628,8 +623,6 @@ def max_code_scores(q, codes, valid=None, budget=1 << 25, max_tokens=None):
 
 # -----------------------------------------------------------------------------
 # distributed helpers and losses
-
-
 class _AllGather(torch.autograd.Function):
     """Every rank's rows in rank order; the backward sums each rank's gradient for these rows and
     returns it to their owner (open_clip's gather_with_grad). Both collectives are synchronous: with
@@ -856,8 +849,6 @@ class NegativeCaptions:
 
 # -----------------------------------------------------------------------------
 # iterated-learning schedule and learning rate
-
-
 class ILSchedule:
     """warm-up [0, t_warm) = generation 0, then `generations` x [spawn -> distill -> interact],
     the last interaction extended by t_extend."""
@@ -910,8 +901,6 @@ def get_lr(step, args, sched):
 
 # -----------------------------------------------------------------------------
 # weights: --init, load_model
-
-
 def openai_config(sd: dict) -> dict:
     """The hyperparameters of OpenAI-layout CLIP weights, read from tensor shapes as open_clip's
     build_model_from_openai does (heads by OpenAI's width // 64; QuickGELU; EOT the last id);
@@ -964,8 +953,6 @@ def load_model(path, device="cpu", quick_gelu=None):
 
 # -----------------------------------------------------------------------------
 # the loss of one micro-batch: every term a forker may change sits here
-
-
 def trim_padding(text, eot_id: int, multiple: int = 8):
     """Drop the token columns after a CPU batch's last EOT, rounded up to a multiple of 8 (tensor
     cores, few compiled lengths). Exact when nothing reads past a caption's EOT (a causal text
@@ -1032,8 +1019,6 @@ class StepLoss(nn.Module):
 
 # -----------------------------------------------------------------------------
 # model + optimizer, the IL phases (trainable sets, spawn)
-
-
 def setup_distributed(args):
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if int(os.environ.get("RANK", -1)) == -1:
@@ -1149,8 +1134,6 @@ def spawn(model, opt, args, gen):
 
 # -----------------------------------------------------------------------------
 # training
-
-
 @dataclass
 class RunState:
     """Everything the training loop carries from step to step (what a checkpoint saves)."""
@@ -1316,8 +1299,6 @@ def train(r):
 
 # -----------------------------------------------------------------------------
 # the built-in shapes benchmark, scored at the end of a run on `shapes`
-
-
 @torch.no_grad()
 def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=0, batch_size=256):
     """The model on the built-in benchmark: i2t / t2i R@1 on `n_val` val scenes (a hit = the same
@@ -1366,27 +1347,24 @@ def shapes_table(res):
 # =============================================================================
 # infrastructure: the out_dir (run lifecycle, lock), checkpoints, signals, write errors, MFU, the
 # loss curve. Nothing here changes what is trained.
-#
-# out_dir/checkpoint/ holds model.safetensors, config.json (flags, model config, the script),
-# tokenizer.json, state.pt (torch.save of the training state; torch.load(weights_only=True) runs no
-# pickled code) and sha256.json (written last). A save goes to checkpoint.tmp/, then checkpoint/ ->
-# checkpoint.prev/ and checkpoint.tmp/ -> checkpoint/: the save before the newest is kept, so a
-# damaged newest checkpoint has something to fall back to.
-
+# out_dir/checkpoint/ holds CHECKPOINT_FILES and sha256.json (written last); state.pt is torch.save'd
+# and read with weights_only=True (no pickled code runs). A save writes checkpoint.tmp/, then renames
+# checkpoint/ -> checkpoint.prev/ (kept: what a damaged newest falls back to), checkpoint.tmp/ -> checkpoint/.
 CHECKPOINT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "state.pt")
-# what --resume may change (the first five always come from the command line, the others when given);
-# every other flag defines the run and must equal the saved one
+STATE_TYPES = {"step": int, "spawned": int, "optimizer": dict, "loader": dict, "log": dict, "rng": dict}
+# the flags --resume takes from its command line (the first six always, the others when given); the
+# rest define the run: given with --resume, they must equal the saved values
 RUN_CONTROL = {"out_dir", "resume", "overwrite", "given", "stop_at", "device", "save_interval", "log_interval",
                "num_workers", "eval_size", "compile"}
 WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
 _lock = None    # this process's open out_dir/.lock
-_stop = None    # the name of the signal that asked the run to stop (SIGTERM, SIGINT), or None
+_stop = None    # the signal that asked the run to stop ("SIGTERM", "SIGINT"), or None
 
 
 def claim_out_dir(args, rank, world):
-    """Checked before anything is written: one run per out_dir (rank 0 holds an flock on
-    out_dir/.lock, dropped by the kernel when the process ends, killed or not); --resume needs a
-    checkpoint; a new run does not replace one unless --overwrite. Rank 0 says what is wrong, once."""
+    """Before anything is written: one run per out_dir (rank 0 holds an flock on out_dir/.lock, which
+    the kernel drops when the process ends, killed or not); --resume needs a checkpoint; a new run
+    replaces one only with --overwrite. Rank 0 says what is wrong, once; the other ranks exit 2."""
     global _lock
     release_out_dir()
     out, error = args.out_dir, None
@@ -1401,15 +1379,14 @@ def claim_out_dir(args, rank, world):
             saved = any(os.path.isdir(os.path.join(out, d)) for d in ("checkpoint", "checkpoint.prev"))
             if args.resume and not saved:
                 error = f"--resume: nothing to resume yet in {out} (no checkpoint saved)"
-            elif saved and not args.resume and not args.overwrite:
+            elif saved and not (args.resume or args.overwrite):
                 error = (f"{out} holds the checkpoint of an earlier run: continue it with --resume, or use another "
                          f"--out_dir, or --overwrite to replace it")
-            elif args.overwrite:      # the earlier run's checkpoints and results
-                for name in os.listdir(out):
-                    if re.fullmatch(r"checkpoint(\..*)?|gen\d+", name):
-                        shutil.rmtree(os.path.join(out, name))
-                    elif re.fullmatch(r"metrics\.jsonl|shapes_eval\.json|config\.json|.*\.png", name):
-                        os.remove(os.path.join(out, name))
+            for name in os.listdir(out) if args.overwrite else []:     # the earlier run's checkpoints, results
+                if re.fullmatch(r"checkpoint(\..*)?|gen\d+", name):
+                    shutil.rmtree(os.path.join(out, name))
+                elif re.fullmatch(r"metrics\.jsonl|shapes_eval\.json|config\.json|.*\.png", name):
+                    os.remove(os.path.join(out, name))
         except BlockingIOError:
             _lock.seek(0)
             error = f"{out} is in use by another run: process {_lock.read().strip() or '?'} holds {out}/.lock"
@@ -1431,8 +1408,8 @@ def release_out_dir():
 
 
 def resumed_args(args, config):
-    """--resume: the saved run's flags, with the run-control flags this command line gives. A
-    run-defining flag given here must equal the saved value."""
+    """--resume: the saved run's flags and the run-control flags given now. A run-defining flag
+    given now must equal the saved value."""
     saved = {k: config[k] for k in vars(args) if k in config} | {"model": config["preset"]}
     for name in sorted(set(args.given) - RUN_CONTROL):
         now = json.loads(json.dumps(getattr(args, name)))
@@ -1460,7 +1437,7 @@ def all_finite(obj):
 @contextlib.contextmanager
 def writing(path, what=""):
     """A failed write (full disk, quota, file too large, I/O error) -> one error line (ConfigError).
-    safetensors reports it in its message only, torch.save in the error it was raised during."""
+    safetensors says so in its message only, torch.save in the error it was raised during."""
     try:
         yield
     except Exception as e:
@@ -1475,55 +1452,48 @@ def writing(path, what=""):
 
 
 def save_checkpoint(r):
-    """Everything --resume needs to continue bit-exactly from r.step (rank 0 writes)."""
+    """Everything --resume needs to continue bit-exactly from r.step (rank 0 writes). A failed write
+    is one error line; checkpoint.tmp/ is removed, the earlier checkpoints kept."""
     if r.rank != 0:
         return
-    cuda = r.device.type == "cuda"
-    nps = np.random.get_state()
+    nps, out = np.random.get_state(), r.args.out_dir
     state = {"step": r.step, "spawned": r.spawned, "optimizer": r.opt.state_dict(), "loader": r.loader.state_dict(),
              "teacher": r.teacher.state_dict() if r.teacher is not None else None,
              "pool": {"emb": r.pool.emb, "ptr": r.pool.ptr, "count": r.pool.count} if r.pool is not None else None,
              "log": {"sums": r.sums, "n": r.n_loss, "text_tokens": r.text_tokens},
-             "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if cuda else [],
-                     "numpy": (nps[0], nps[1].tolist(), *nps[2:]), "python": random.getstate()}}
+             "rng": {"torch": torch.get_rng_state(), "numpy": (nps[0], nps[1].tolist(), *nps[2:]),
+                     "cuda": torch.cuda.get_rng_state_all() if r.device.type == "cuda" else [],
+                     "python": random.getstate()}}
     config = {**vars(r.args), "preset": r.args.model, "model": asdict(r.cfg), "world_size": r.world,
               "script": data.script_record(__file__)}
-    write_checkpoint(r.args.out_dir, r.model.state_dict(), config, state, r.tok, keep_prev=not r.newest_damaged)
-    r.newest_damaged = False
-
-
-def write_checkpoint(out_dir, model_sd, config, state, tok, keep_prev=True):
-    """The set into checkpoint.tmp/, fsynced, then switched in by two renames. A failed write is one
-    error line; checkpoint.tmp/ is removed and the earlier checkpoints are kept."""
-    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
+    tmp, final, prev = (os.path.join(out, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    model_sd = {k: v.detach().to("cpu").contiguous() for k, v in r.model.state_dict().items()}
     need = sum(t.nbytes for t in tensors_in([model_sd, state])) / 2 ** 20
     try:
-        with writing(out_dir, f" for the step-{state['step']} checkpoint (about {need:.1f} MiB needed, "
-                              f"{shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); the previous one is kept"):
-            save_file({k: v.detach().to("cpu").contiguous() for k, v in model_sd.items()},
-                      os.path.join(tmp, "model.safetensors"), {"step": str(state["step"])})
+        with writing(out, f" for the step-{r.step} checkpoint (about {need:.1f} MiB needed, "
+                          f"{shutil.disk_usage(out).free / 2 ** 20:.1f} MiB free); the previous one is kept"):
+            save_file(model_sd, os.path.join(tmp, "model.safetensors"), {"step": str(r.step)})
             with open(os.path.join(tmp, "state.pt"), "wb") as f:
                 torch.save(state, f)
             data.save_json(os.path.join(tmp, "config.json"), config)
-            tok.save(tmp)
+            r.tok.save(tmp)
             data.save_json(os.path.join(tmp, "sha256.json"), {n: sha256(os.path.join(tmp, n)) for n in CHECKPOINT_FILES})
             for name in os.listdir(tmp):
                 data.fsync(os.path.join(tmp, name))
             data.fsync(tmp)
-            data.atomic_write(os.path.join(out_dir, "config.json"), lambda p: data.save_json(p, config))
-    except BaseException:
+            data.atomic_write(os.path.join(out, "config.json"), lambda p: data.save_json(p, config))
+    except Exception:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if os.path.isdir(final):
-        if keep_prev:
-            shutil.rmtree(prev, ignore_errors=True)
-            os.replace(final, prev)
-        else:                     # a damaged newest (resumed from checkpoint.prev): prev stays
-            shutil.rmtree(final)
+    if os.path.isdir(final) and not r.newest_damaged:     # a damaged newest is dropped, checkpoint.prev kept
+        shutil.rmtree(prev, ignore_errors=True)
+        os.replace(final, prev)
+    shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    data.fsync(out_dir)
+    data.fsync(out)
+    r.newest_damaged = False
 
 
 def sha256(path):
@@ -1531,12 +1501,9 @@ def sha256(path):
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-STATE_TYPES = {"step": int, "spawned": int, "optimizer": dict, "loader": dict, "log": dict, "rng": dict}
-
-
 def read_checkpoint(folder, device):
-    """(weights, training state, config) of one checkpoint folder whose files match sha256.json,
-    or a DataError naming the file that is missing, damaged or of the wrong types."""
+    """(folder, weights, training state, config) when every file matches sha256.json and state.pt
+    has the right types, else a DataError naming the file."""
     sums = data.read_json(os.path.join(folder, "sha256.json"))
     for name in CHECKPOINT_FILES:
         path = os.path.join(folder, name)
@@ -1544,24 +1511,25 @@ def read_checkpoint(folder, device):
             raise data.DataError(f"{path}: missing (incomplete checkpoint)")
         if not isinstance(sums, dict) or sha256(path) != sums.get(name):
             raise data.DataError(f"{path}: damaged (its sha256 is not the one in sha256.json)")
-    path = os.path.join(folder, "state.pt")
-    try:
+    try:                                                  # `path` is state.pt, the last of CHECKPOINT_FILES
         state = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
         raise data.DataError(f"{path}: unreadable ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})")
-    bad = [k for k, t in STATE_TYPES.items() if not isinstance(state, dict) or not isinstance(state.get(k), t)]
+    bad = [f"{k}: {t.__name__}" for k, t in STATE_TYPES.items() if not isinstance(state, dict)
+           or not isinstance(state.get(k), t)]
     if bad:
-        raise data.DataError(f"{path}: wrong types (expected {', '.join(f'{k}: {STATE_TYPES[k].__name__}' for k in bad)})")
-    return data.read_weights(os.path.join(folder, "model.safetensors")), state, data.read_json(os.path.join(folder, "config.json"))
+        raise data.DataError(f"{path}: wrong types (expected {', '.join(bad)})")
+    config = data.read_json(os.path.join(folder, "config.json"))
+    return folder, data.read_weights(os.path.join(folder, "model.safetensors")), state, config
 
 
 def find_checkpoint(out_dir, device, rank):
-    """-> (folder, weights, state, config, newest damaged?) from out_dir/checkpoint/, or else from
+    """-> read_checkpoint's tuple + (newest damaged?) from out_dir/checkpoint/, or else from
     checkpoint.prev/ with a note on stderr."""
-    folder, prev = os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "checkpoint.prev")
     try:
-        return folder, *read_checkpoint(folder, device), False
+        return *read_checkpoint(os.path.join(out_dir, "checkpoint"), device), False
     except data.DataError as e:
+        prev = os.path.join(out_dir, "checkpoint.prev")
         if not os.path.isdir(prev):
             raise
         try:
@@ -1569,44 +1537,37 @@ def find_checkpoint(out_dir, device, rank):
         except data.DataError as e_prev:
             raise data.DataError(f"{e}; and {e_prev}") from None
         if rank == 0:
-            print(f"note: {e}; resuming from the previous checkpoint {prev} (step {found[1]['step']})", file=sys.stderr)
-        return prev, *found, True
+            print(f"note: {e}; resuming from the previous checkpoint {prev} (step {found[2]['step']})", file=sys.stderr)
+        return *found, True
 
 
 def load_checkpoint(r, ckpt):
     """save_checkpoint undone; metrics.jsonl is cut back to the resumed step, so no step is logged twice."""
     folder, sd, state, _, r.newest_damaged = ckpt
     data.load_state(r.model, sd, folder)
-    try:
-        r.opt.load_state_dict(state["optimizer"])
-        r.loader.load_state_dict(state["loader"])
-        if state["teacher"] is not None:
-            r.teacher = frozen_copy(r.model, r.args.compile)
-            r.teacher.load_state_dict(state["teacher"])
-        if r.pool is not None:
-            r.pool.emb.copy_(state["pool"]["emb"])
-            r.pool.ptr.copy_(state["pool"]["ptr"])
-            r.pool.count = state["pool"]["count"]
-        r.step, r.spawned = state["step"], state["spawned"]
-        r.sums.copy_(state["log"]["sums"])
-        r.n_loss, r.text_tokens = state["log"]["n"], state["log"]["text_tokens"]
-        rng = state["rng"]
-        torch.set_rng_state(rng["torch"].cpu())
-        if rng["cuda"] and r.device.type == "cuda":
-            torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
-        np.random.set_state((rng["numpy"][0], np.array(rng["numpy"][1], dtype=np.uint32), *rng["numpy"][2:]))
-        random.setstate(rng["python"])
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise data.DataError(f"{folder}/state.pt: does not fit this run ({type(e).__name__}: {e})") from None
+    r.opt.load_state_dict(state["optimizer"])
+    r.loader.load_state_dict(state["loader"])
+    if state["teacher"] is not None:
+        r.teacher = frozen_copy(r.model, r.args.compile)
+        r.teacher.load_state_dict(state["teacher"])
+    if r.pool is not None:
+        r.pool.emb.copy_(state["pool"]["emb"])
+        r.pool.ptr.copy_(state["pool"]["ptr"])
+        r.pool.count = state["pool"]["count"]
+    r.step, r.spawned = state["step"], state["spawned"]
+    r.sums.copy_(state["log"]["sums"])
+    r.n_loss, r.text_tokens = state["log"]["n"], state["log"]["text_tokens"]
+    rng = state["rng"]
+    torch.set_rng_state(rng["torch"].cpu())
+    if rng["cuda"] and r.device.type == "cuda":
+        torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
+    np.random.set_state((rng["numpy"][0], np.array(rng["numpy"][1], dtype=np.uint32), *rng["numpy"][2:]))
+    random.setstate(rng["python"])
     if r.rank == 0:
         with open(r.metrics_path) if os.path.isfile(r.metrics_path) else nullcontext([]) as f:
-            kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= r.step]
-
-        def write(path):
-            with open(path, "w") as f:
-                f.writelines(kept)
+            kept = "".join(ln for ln in f if ln.strip() and json.loads(ln)["step"] <= r.step)
         with writing(r.metrics_path):
-            data.atomic_write(r.metrics_path, write)
+            data.atomic_write(r.metrics_path, lambda p: pathlib.Path(p).write_text(kept))
 
 
 def save_generation_snapshot(r, gen):
@@ -1663,8 +1624,6 @@ def estimate_mfu(cfg, pairs_per_s, device, text_len=None):
 
 # -----------------------------------------------------------------------------
 # the loss curve (paper Fig. 3)
-
-
 CLIP_LOSS_COLOUR = (150, 150, 150)
 PHASE_COLOURS = {"warmup": (40, 90, 200), "train": (40, 90, 200), "distill": (220, 120, 0), "interact": (30, 150, 60)}
 
@@ -1705,8 +1664,6 @@ def draw_loss_curve(metrics_path, png_path, boundaries=(), size=(900, 420)):
 
 # -----------------------------------------------------------------------------
 # main
-
-
 def run(argv=None):
     args = build_args(argv)
     rank, world = setup_distributed(args)
