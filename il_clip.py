@@ -175,7 +175,8 @@ def build_args(argv=None):
     a("--save_interval", type=int, default=None)
     a("--resume", action="store_true", help="continue the run in out_dir with its saved flags")
     a("--overwrite", action="store_true", help="replace the checkpoint and results of an earlier run in out_dir")
-    a("--eval_size", type=int, default=1000, help="shapes benchmark items per category (0 = no eval; 1000: a standard error of at most 1.6 points)")
+    a("--eval_size", type=int, default=1000,
+      help="shapes benchmark items per category (0 = no eval; 1000: a standard error of at most 1.6 points)")
     args = p.parse_args(argv)
     opts = {s: act.dest for act in p._actions for s in act.option_strings}
     tokens = [t.split("=")[0] for t in (sys.argv[1:] if argv is None else argv)]
@@ -229,7 +230,8 @@ def parse_model_args(pairs):
         try:
             out.update({n: field_type[n](value) for n in names})
         except ValueError:
-            raise ConfigError(f"--model_args {kv!r}: {value!r} is not a valid {field_type[names[0]].__name__}") from None
+            typ = field_type[names[0]].__name__
+            raise ConfigError(f"--model_args {kv!r}: {value!r} is not a valid {typ}") from None
     return out
 
 
@@ -723,7 +725,8 @@ CLOSED_CLASS = DETERMINERS | set(
     "during for against inside outside toward towards past down up off out from about among like after before "
     "without beneath underneath next to and or but while as who which where when whose he she it they we you him "
     "them is are was were be been being am has have had do does did can could will would there very high".split())
-COLOUR_WORDS = set("red orange yellow green blue purple pink brown black white gray grey cyan magenta silver gold".split())
+COLOUR_WORDS = set("red orange yellow green blue purple pink brown black white gray grey cyan magenta silver "
+                   "gold".split())
 ADJECTIVES = COLOUR_WORDS | set(
     "small large big little tiny huge tall short long young old new wooden empty busy calm soft smiling happy "
     "snowy sunny dark bright open full clean dirty wet dry hot cold fresh round square striped crowded concrete "
@@ -946,7 +949,8 @@ def load_model(path, device="cpu", quick_gelu=None):
     config["model"]["quick_gelu"], config["quick_gelu_source"] = cfg.quick_gelu, source
     model = CLIP(cfg)
     data.load_state(model, sd, path)
-    tok = next((data.Tokenizer.load(d) for d in (folder, path) if os.path.isfile(os.path.join(d, "tokenizer.json"))), None)
+    tok = next((data.Tokenizer.load(d) for d in (folder, path)
+                if os.path.isfile(os.path.join(d, "tokenizer.json"))), None)
     return model.to(device).eval(), tok, config
 
 
@@ -1102,7 +1106,7 @@ def frozen_copy(model, compile=False):
 
 def set_trainable(model, args, phase, agent):
     """requires_grad per IL phase: a frozen parameter gets no .grad, so AdamW leaves it bitwise
-    unchanged. DDP meets the changing set by find_unused_parameters=True (.grad stays None)."""
+    unchanged (train() wraps each trainable set in a DDP of its own)."""
     frozen = set(UNUSED_WITH_CODEBOOK) if model.cfg.codebook_size else set()
     if phase == "distill":
         frozen.add("logit_scale")                          # the KD logits use a detached scale
@@ -1118,7 +1122,7 @@ def set_trainable(model, args, phase, agent):
 def spawn(model, opt, args, gen):
     """The IL spawn (paper Sec. 3.2) -> the frozen teacher (a copy of the model); the spawned agent
     is re-initialised as at step 0 from a generation seed (on the CPU: same numbers on every rank),
-    its AdamW state cleared. Same Parameters, so the optimizer and DDP wrapper survive."""
+    its AdamW state cleared. Same Parameters, so the optimizer survives."""
     agent = spawn_agent(args, gen)
     teacher = frozen_copy(model, args.compile)
     fresh = frozen_copy(model).cpu()
@@ -1151,7 +1155,6 @@ class RunState:
     batches: object                 # loader.forever(): epoch after epoch
     pool: ImagePool | None          # NegCLIP's image embeddings (None without negatives)
     metrics_path: str               # out_dir/metrics.jsonl
-    ddp: nn.Module | None = None    # DistributedDataParallel(StepLoss(model)) when world > 1, one per phase
     step: int = 0                   # optimizer steps done
     spawned: int = 0                # the last generation spawned (0: none yet)
     teacher: CLIP | None = None     # the previous generation, frozen, during distill
@@ -1169,7 +1172,8 @@ def setup(args, rank, world, tok=None, ckpt=None):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if args.batch_size % (world * args.accum):
-        raise ConfigError(f"--batch_size {args.batch_size} is not divisible by world_size x accum = {world * args.accum}")
+        raise ConfigError(f"--batch_size {args.batch_size} is not divisible by world_size x accum = "
+                          f"{world * args.accum}")
     if args.init and not os.path.isfile(args.init):
         raise ConfigError(f"--init file not found: {args.init}")
     data.resolve_data(args.data, args.image_root)   # e.g. cc3m without shards: DataError saying where it looked
@@ -1219,12 +1223,12 @@ def train(r):
         if (phase, agent) != trainable_for:
             set_trainable(model, args, phase, agent)
             trainable_for = (phase, agent)
+            fwd = StepLoss(model, args)         # every loss term inside DDP's forward
             # DDP fixes its parameter set at construction (and broadcasts rank 0's weights, equal on
             # every rank): one wrapper per trainable set, so it need not search for unused ones
             if r.world > 1:
-                r.ddp = torch.nn.parallel.DistributedDataParallel(
-                    StepLoss(model, args), find_unused_parameters=model.find_unused_parameters)
-        fwd = r.ddp or StepLoss(model, args)      # every loss term inside DDP's forward
+                fwd = torch.nn.parallel.DistributedDataParallel(
+                    fwd, find_unused_parameters=model.find_unused_parameters)
         lr = get_lr(r.step, args, r.sched)
         for group in r.opt.param_groups:
             group["lr"] = lr
@@ -1234,7 +1238,7 @@ def train(r):
         for micro in range(args.accum):
             batch = next(r.batches)
             last_micro = micro == args.accum - 1
-            with r.ddp.no_sync() if r.ddp is not None and not last_micro else nullcontext():
+            with fwd.no_sync() if r.world > 1 and not last_micro else nullcontext():
                 with r.autocast:
                     loss, logged, scale, text_len, new_images = fwd(batch, phase, agent, r.teacher, r.pool)
                 (loss / args.accum).backward()
@@ -1294,7 +1298,6 @@ def train(r):
     if r.spawned and end == args.max_steps:
         save_generation_snapshot(r, r.spawned)
     return "done"
-
 
 
 # -----------------------------------------------------------------------------
@@ -1479,7 +1482,8 @@ def save_checkpoint(r):
                 torch.save(state, f)
             data.save_json(os.path.join(tmp, "config.json"), config)
             r.tok.save(tmp)
-            data.save_json(os.path.join(tmp, "sha256.json"), {n: sha256(os.path.join(tmp, n)) for n in CHECKPOINT_FILES})
+            data.save_json(os.path.join(tmp, "sha256.json"),
+                           {n: sha256(os.path.join(tmp, n)) for n in CHECKPOINT_FILES})
             for name in os.listdir(tmp):
                 data.fsync(os.path.join(tmp, name))
             data.fsync(tmp)
@@ -1691,7 +1695,8 @@ def run(argv=None):
         with writing(path):
             data.save_json(path, res | {"scored": scored})
         print(shapes_table(res))
-        print(f"scored: {args.eval_size} items per category (every item), retrieval on {data.SHAPES_VAL_PAIRS} val pairs")
+        print(f"scored: {args.eval_size} items per category (every item), "
+              f"retrieval on {data.SHAPES_VAL_PAIRS} val pairs")
     if world > 1:
         dist.barrier()
     return {"done": 0, "stopped": 0, "nan": 1}[status]
