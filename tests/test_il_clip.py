@@ -456,15 +456,15 @@ def test_damaged_newest_checkpoint_falls_back_to_prev_or_is_one_error_line(tmp_p
     assert train_state(out, "checkpoint.prev")["step"] == 3            # the damaged one was not kept as prev
 
 
-def _signal_when_training(cmd, out, sig=signal.SIGTERM, group=True):
+def _signal_when_training(cmd, out, sig=signal.SIGTERM):
     """Start `cmd` in its own session, wait for the first log line, send `sig` to the whole process
-    group (as torchrun's agent and SLURM do: the loader workers get it too) or the process."""
+    group (as torchrun's agent, SLURM and Ctrl-C do: the loader workers get it too)."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env_1thread(),
                          start_new_session=True)
     metrics, t0 = os.path.join(out, "metrics.jsonl"), time.time()
     while not (os.path.isfile(metrics) and os.path.getsize(metrics) > 0) and time.time() - t0 < 120:
         time.sleep(0.2)
-    os.killpg(p.pid, sig) if group else p.send_signal(sig)
+    os.killpg(p.pid, sig)
     _, err = p.communicate(timeout=120)
     return p.returncode, err.decode()
 
@@ -486,9 +486,10 @@ def test_sigterm_with_loader_workers_saves_and_resumes(tmp_path):
 
 def test_ctrl_c_saves_a_checkpoint_that_resumes_bit_exactly(tmp_path):
     out, ref = str(tmp_path / "i"), str(tmp_path / "ref")
-    argv = TINY + ["--method", "codebook", "--codebook", "16", "--max_steps", "100000", "--save_interval", "100000"]
+    argv = TINY + ["--method", "codebook", "--codebook", "16", "--max_steps", "100000", "--save_interval", "100000",
+                   "--num_workers", "1"]
     rc, err = _signal_when_training([sys.executable, os.path.join(ROOT, "il_clip.py")] + argv + ["--out_dir", out],
-                                    out, signal.SIGINT, group=False)
+                                    out, signal.SIGINT)
     step = train_state(out)["step"]
     assert rc == 0 and "Traceback" not in err, err[-1500:]
     assert f"stopped by SIGINT: step {step}/100000" in err and f"il_clip.py --resume --out_dir {out}" in err, err
