@@ -8,18 +8,21 @@ CLIP, Codebook-CLIP (FDT), NegCLIP and IL-CLIP (iterated learning) in one file.
 Paper: "Iterated Learning Improves Compositionality in Large Vision-Language Models" (Zheng et
 al., CVPR 2024); what it leaves open is marked `Choice:` where it is decided.
 Reads top to bottom: config -> model -> sparsemax / codebook head -> losses -> NegCLIP's negative
-captions -> IL schedule -> checkpoints -> compute_loss (every loss term) -> IL phases
-(set_trainable, spawn) -> train -> loss curve -> shapes benchmark score -> main.
-data.py holds the loaders, the tokenizer and the shapes data.
+captions -> IL schedule -> compute_loss (every loss term) -> IL phases (set_trainable, spawn) ->
+train -> shapes benchmark score; then one infrastructure section (out_dir, checkpoints, signals,
+MFU, loss curve) and main. data.py holds the loaders, the tokenizer and the shapes data.
 """
 import argparse
+import contextlib
 import copy
 import errno
 import fcntl
 import gc
+import hashlib
 import json
 import math
 import os
+import pathlib
 import random
 import re
 import shutil
@@ -36,8 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from PIL import Image, ImageDraw
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 import data
@@ -52,8 +54,6 @@ if dist.is_available():
 
 # -----------------------------------------------------------------------------
 # config
-
-
 class ConfigError(Exception):
     """A user mistake in flags or files: main() prints `error: <msg>` and exits 2."""
 
@@ -110,7 +110,7 @@ KD_TEMP = 1.0               # Hinton KD temperature of the distill phase
 
 
 def build_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1],
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1], allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("--data", default="shapes", help="shapes | cc3m | cc12m | datacomp | shards | csv | ...")
@@ -150,7 +150,9 @@ def build_args(argv=None):
     a("--csv_separator", default=None, help="default: data.py picks by file extension")
     # codebook (FDT)
     a("--codebook", type=int, default=None, help="K codes (0 = none; default by method/data)")
-    a("--code_temp", type=float, default=None, help="T0 of T = T0 * decay^(step/1000), floor 0.01")
+    a("--code_temp", type=float, default=None, help="T0 of the code temperature T = T0 * decay^(step/1000), "
+      "floor 0.01; the scores are divided by T: a large T0 flattens them and sparsemax spreads the weight over "
+      "many codes (a softmax over codes at T0=100 would be near uniform), a small one makes it sparse")
     a("--code_temp_decay", type=float, default=1.0)
     a("--code_sim", default="dot", choices=["dot", "cos"],
       help="dot: q.c/sqrt(D)/T (FDT); cos: cos(q,c)/T, in [-1/T, 1/T]: use a T near 0.01-0.1")
@@ -171,9 +173,17 @@ def build_args(argv=None):
     # logging / checkpoints / eval
     a("--log_interval", type=int, default=None)
     a("--save_interval", type=int, default=None)
-    a("--resume", action="store_true", help="continue exactly from out_dir/checkpoint")
-    a("--eval_size", type=int, default=1000, help="shapes benchmark items per category (0 = no eval; 1000: a standard error of at most 1.6 points)")
-    return check_args(p.parse_args(argv))
+    a("--resume", action="store_true", help="continue the run in out_dir with its saved flags")
+    a("--overwrite", action="store_true", help="replace the checkpoint and results of an earlier run in out_dir")
+    a("--eval_size", type=int, default=1000,
+      help="shapes benchmark items per category (0 = no eval; 1000: a standard error of at most 1.6 points)")
+    args = p.parse_args(argv)
+    opts = {s: act.dest for act in p._actions for s in act.option_strings}
+    tokens = [t.split("=")[0] for t in (sys.argv[1:] if argv is None else argv)]
+    args.given = sorted({opts[t] for t in tokens if t in opts})    # set on the command line (--resume compares)
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume continues the run in --out_dir, --overwrite replaces it: give one")
+    return args if args.resume else check_args(args)    # --resume: the saved flags, in run()
 
 
 def check_args(args):
@@ -220,14 +230,13 @@ def parse_model_args(pairs):
         try:
             out.update({n: field_type[n](value) for n in names})
         except ValueError:
-            raise ConfigError(f"--model_args {kv!r}: {value!r} is not a valid {field_type[names[0]].__name__}") from None
+            typ = field_type[names[0]].__name__
+            raise ConfigError(f"--model_args {kv!r}: {value!r} is not a valid {typ}") from None
     return out
 
 
 # -----------------------------------------------------------------------------
 # model (OpenAI CLIP layout and key names; batch-first tensors, SDPA attention)
-
-
 class QuickGELU(nn.Module):
     def forward(self, x):
         return x * torch.sigmoid(1.702 * x)
@@ -411,6 +420,10 @@ class TextTransformer(nn.Module):
 
 
 class CLIP(TextTransformer):
+    # DDP's find_unused_parameters: a fork whose forward skips parameters on some steps or ranks sets
+    # True (open_clip does where a tower is skipped). Frozen parameters need not: see train()
+    find_unused_parameters = False
+
     def __init__(self, cfg: ModelConfig, seed=0):
         super().__init__(cfg)
         self.visual = VisionTransformer(cfg)
@@ -488,6 +501,12 @@ class CLIP(TextTransformer):
         with the codebook clamp [3, 6] the scale used lies in [20.1, 100])."""
         return self.encode_image(images), self.encode_text(text), self.logit_scale.exp().clamp(max=100)
 
+    @torch.no_grad()
+    def clamp_logit_scale_(self):
+        """After every optimizer step: OpenAI CLIP keeps ln(scale) in [0, ln 100]; with a codebook,
+        FDT's reference code keeps it in [3, 6] (a fork changing the temperature changes it here)."""
+        self.logit_scale.clamp_(*((3.0, 6.0) if self.cfg.codebook_size else (0.0, math.log(100))))
+
 
 UNUSED_WITH_CODEBOOK = ("text_projection", "visual.proj", "visual.ln_post.weight", "visual.ln_post.bias")
 
@@ -515,8 +534,6 @@ def agent_params(model, agent):
 
 # -----------------------------------------------------------------------------
 # sparsemax (Martins & Astudillo 2016) and the memory-lean codebook scores
-
-
 def _sparsemax_tau(z):
     """Threshold tau of the last dim of z by a full sort (Martins & Astudillo 2016, Alg. 1)."""
     zs = z.sort(dim=-1, descending=True).values
@@ -608,24 +625,23 @@ def max_code_scores(q, codes, valid=None, budget=1 << 25, max_tokens=None):
 
 # -----------------------------------------------------------------------------
 # distributed helpers and losses
-
-
 class _AllGather(torch.autograd.Function):
     """Every rank's rows in rank order; the backward sums each rank's gradient for these rows and
     returns it to their owner (open_clip's gather_with_grad). Both collectives are synchronous: with
     torch's asynchronous functional all-gather, 2-rank gloo runs died about 1 in 100 (heap corruption
-    found in gloo's worker thread)."""
+    found in gloo's worker thread). (all_gather_single / reduce_scatter_single: torch 2.13's names
+    for all_gather_into_tensor / reduce_scatter_tensor, now deprecated.)"""
 
     @staticmethod
     def forward(ctx, x):
         out = x.new_empty((dist.get_world_size() * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous())
+        dist.all_gather_single(out, x.contiguous())
         return out
 
     @staticmethod
     def backward(ctx, g):
         out = g.new_empty((g.shape[0] // dist.get_world_size(), *g.shape[1:]))
-        dist.reduce_scatter_tensor(out, g.contiguous())
+        dist.reduce_scatter_single(out, g.contiguous())
         return out
 
 
@@ -709,7 +725,8 @@ CLOSED_CLASS = DETERMINERS | set(
     "during for against inside outside toward towards past down up off out from about among like after before "
     "without beneath underneath next to and or but while as who which where when whose he she it they we you him "
     "them is are was were be been being am has have had do does did can could will would there very high".split())
-COLOUR_WORDS = set("red orange yellow green blue purple pink brown black white gray grey cyan magenta silver gold".split())
+COLOUR_WORDS = set("red orange yellow green blue purple pink brown black white gray grey cyan magenta silver "
+                   "gold".split())
 ADJECTIVES = COLOUR_WORDS | set(
     "small large big little tiny huge tall short long young old new wooden empty busy calm soft smiling happy "
     "snowy sunny dark bright open full clean dirty wet dry hot cold fresh round square striped crowded concrete "
@@ -835,8 +852,6 @@ class NegativeCaptions:
 
 # -----------------------------------------------------------------------------
 # iterated-learning schedule and learning rate
-
-
 class ILSchedule:
     """warm-up [0, t_warm) = generation 0, then `generations` x [spawn -> distill -> interact],
     the last interaction extended by t_extend."""
@@ -889,8 +904,6 @@ def get_lr(step, args, sched):
 
 # -----------------------------------------------------------------------------
 # weights: --init, load_model
-
-
 def openai_config(sd: dict) -> dict:
     """The hyperparameters of OpenAI-layout CLIP weights, read from tensor shapes as open_clip's
     build_model_from_openai does (heads by OpenAI's width // 64; QuickGELU; EOT the last id);
@@ -936,208 +949,14 @@ def load_model(path, device="cpu", quick_gelu=None):
     config["model"]["quick_gelu"], config["quick_gelu_source"] = cfg.quick_gelu, source
     model = CLIP(cfg)
     data.load_state(model, sd, path)
-    tok = next((data.Tokenizer.load(d) for d in (folder, path) if os.path.isfile(os.path.join(d, "tokenizer.json"))), None)
+    tok = next((data.Tokenizer.load(d) for d in (folder, path)
+                if os.path.isfile(os.path.join(d, "tokenizer.json"))), None)
     return model.to(device).eval(), tok, config
 
-
-# -----------------------------------------------------------------------------
-# checkpoints. out_dir/checkpoint/ holds model.safetensors, config.json, tokenizer.json and the
-# training state: train_state.safetensors (AdamW moments, the IL teacher, the NegCLIP pool, the
-# log sums) and train_state.json (step, data position, RNG states). safetensors + JSON: loading
-# runs no pickled code. The set is written into checkpoint.tmp/, fsynced and switched in by
-# renames, so checkpoint/ (or, after a kill mid-switch, checkpoint.prev/) holds one whole step.
-
-CHECKPOINT_FILES = ("model.safetensors", "config.json", "train_state.safetensors", "train_state.json")
-_lock = None    # this process's open out_dir/.lock
-
-
-def claim_out_dir(args, rank, world):
-    """Checked before anything is written to out_dir: one run per out_dir (a job submitted twice
-    would mix two runs' saves and logs), and --resume needs a checkpoint (a SIGTERM may come before
-    the first save). Rank 0 holds an flock on out_dir/.lock, which the kernel drops when the process
-    ends, killed or not, and says what is wrong, once; the other ranks exit 2."""
-    global _lock
-    release_out_dir()
-    out, error = args.out_dir, None
-    if rank == 0:
-        os.makedirs(out, exist_ok=True)
-        _lock = open(os.path.join(out, ".lock"), "a+")
-        try:
-            fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            _lock.truncate(0)
-            _lock.write(f"{os.getpid()}\n")
-            _lock.flush()
-            if args.resume and not any(os.path.isdir(os.path.join(out, d)) for d in ("checkpoint", "checkpoint.prev")):
-                error = f"--resume: nothing to resume yet in {out} (no checkpoint saved)"
-        except BlockingIOError:
-            _lock.seek(0)
-            error = f"{out} is in use by another run: process {_lock.read().strip() or '?'} holds {out}/.lock"
-            release_out_dir()
-    failed = torch.tensor(float(error is not None), device=args.device)
-    if world > 1:
-        dist.broadcast(failed, 0)
-    if failed.item():
-        if rank:
-            raise SystemExit(2)
-        raise ConfigError(error)
-
-
-def release_out_dir():
-    global _lock
-    if _lock is not None:
-        _lock.close()
-        _lock = None
-
-
-def save_checkpoint(r):
-    """Everything --resume needs to continue bit-exactly from r.step (rank 0 writes)."""
-    if r.rank != 0:
-        return
-    opt = r.opt.state_dict()
-    flat = {f"{i}.{name}": v for i, st in opt["state"].items() for name, v in st.items()}
-    tensors = {f"opt.{k}": v for k, v in flat.items() if torch.is_tensor(v)}
-    if r.teacher is not None:
-        tensors.update({f"teacher.{k}": v for k, v in r.teacher.state_dict().items()})
-    if r.pool is not None:
-        tensors["pool.emb"], tensors["pool.ptr"] = r.pool.emb, r.pool.ptr
-    tensors["log.sums"] = r.sums          # the partial loss averages of the current log interval
-    nps, pys = np.random.get_state(), random.getstate()
-    state = {"step": r.step, "spawned": r.spawned,
-             "optimizer": {"param_groups": opt["param_groups"],
-                           "scalars": {k: v for k, v in flat.items() if not torch.is_tensor(v)}},
-             "loader": r.loader.state_dict(), "pool_count": r.pool.count if r.pool is not None else 0,
-             "log": {"n": r.n_loss, "text_tokens": r.text_tokens},
-             "rng": {"torch": torch.get_rng_state().tolist(),
-                     "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if r.device.type == "cuda" else None,
-                     "numpy": [nps[0], nps[1].tolist(), *nps[2:]], "python": [pys[0], list(pys[1]), pys[2]]}}
-    config = {**vars(r.args), "model": asdict(r.cfg), "world_size": r.world, "script": data.script_record(__file__)}
-    write_checkpoint(r.args.out_dir, r.model.state_dict(), config, tensors, state, r.tok)
-
-
-def write_checkpoint(out_dir, model_sd, config, tensors, state, tok):
-    """The set into checkpoint.tmp/, fsynced, then checkpoint/ -> checkpoint.prev/, checkpoint.tmp/
-    -> checkpoint/, checkpoint.prev/ removed. A full disk is one error line; checkpoint.tmp/ is
-    removed and the previous checkpoint kept."""
-    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        for name, sd in (("model.safetensors", model_sd), ("train_state.safetensors", tensors)):
-            save_file({k: v.detach().to("cpu").contiguous() for k, v in sd.items()}, os.path.join(tmp, name),
-                      {"step": str(state["step"])})
-        data.save_json(os.path.join(tmp, "config.json"), config)
-        data.save_json(os.path.join(tmp, "train_state.json"), state)
-        tok.save(tmp)
-        for name in os.listdir(tmp):
-            data.fsync(os.path.join(tmp, name))
-        data.fsync(tmp)
-        data.atomic_write(os.path.join(out_dir, "config.json"), lambda p: data.save_json(p, config))
-    except Exception as e:      # safetensors reports a full disk as SafetensorError, not OSError
-        shutil.rmtree(tmp, ignore_errors=True)
-        if getattr(e, "errno", None) != errno.ENOSPC and "No space left" not in str(e):
-            raise
-        need = sum(v.nbytes for v in [*model_sd.values(), *tensors.values()]) / 2 ** 20
-        raise ConfigError(f"{out_dir}: no space left on device for the step-{state['step']} checkpoint (about "
-                          f"{need:.1f} MiB needed, {shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); "
-                          f"the previous checkpoint is kept") from None
-    if os.path.isdir(final):
-        shutil.rmtree(prev, ignore_errors=True)
-        os.replace(final, prev)
-    os.replace(tmp, final)
-    data.fsync(out_dir)
-    shutil.rmtree(prev, ignore_errors=True)
-
-
-def read_checkpoint(folder, device):
-    """(model tensors, train-state tensors, train_state.json) of one checkpoint folder, or a
-    DataError naming the file that is missing, damaged or from another step."""
-    missing = [n for n in CHECKPOINT_FILES if not os.path.isfile(os.path.join(folder, n))]
-    if missing:
-        raise data.DataError(f"{os.path.join(folder, missing[0])}: missing (incomplete checkpoint)")
-    state = data.read_json(os.path.join(folder, "train_state.json"))
-    data.read_json(os.path.join(folder, "config.json"))       # a DataError if it does not parse
-    out = []
-    for path in (os.path.join(folder, "model.safetensors"), os.path.join(folder, "train_state.safetensors")):
-        try:
-            with safe_open(path, "pt") as f:
-                step = (f.metadata() or {}).get("step")
-            out.append(load_file(path, device=str(device)))
-        except Exception as e:
-            raise data.DataError(f"{path}: damaged ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})") from None
-        if not isinstance(state, dict) or step != str(state.get("step")):
-            raise data.DataError(f"{path}: from step {step}, train_state.json from step "
-                                 f"{state.get('step') if isinstance(state, dict) else None}")
-    return out[0], out[1], state
-
-
-def load_checkpoint(r):
-    """save_checkpoint undone, from out_dir/checkpoint/ or else a complete checkpoint.prev/ (said
-    on stderr); metrics.jsonl is cut back to the resumed step, so no step is logged twice."""
-    try:
-        sd, ts, state = read_checkpoint(os.path.join(r.args.out_dir, "checkpoint"), r.device)
-    except data.DataError as e:
-        prev = os.path.join(r.args.out_dir, "checkpoint.prev")
-        if not os.path.isdir(prev):
-            raise
-        sd, ts, state = read_checkpoint(prev, r.device)
-        print(f"note: {e}; resuming from the previous complete checkpoint {prev} (step {state['step']})",
-              file=sys.stderr)
-    data.load_state(r.model, sd, os.path.join(r.args.out_dir, "checkpoint"))
-    opt = {}
-    for key, v in [(k[4:], v) for k, v in ts.items() if k.startswith("opt.")] + list(state["optimizer"]["scalars"].items()):
-        i, name = key.split(".", 1)
-        opt.setdefault(int(i), {})[name] = v
-    r.opt.load_state_dict({"state": opt, "param_groups": state["optimizer"]["param_groups"]})
-    r.step, r.spawned = state["step"], state["spawned"]
-    teacher = {k[8:]: v for k, v in ts.items() if k.startswith("teacher.")}
-    if teacher:
-        r.teacher = frozen_copy(r.model, r.args.compile)
-        r.teacher.load_state_dict(teacher)
-    if r.pool is not None and "pool.emb" in ts:
-        r.pool.emb.copy_(ts["pool.emb"])
-        r.pool.ptr.copy_(ts["pool.ptr"])
-        r.pool.count = state["pool_count"]
-    r.sums.copy_(ts["log.sums"])
-    r.n_loss, r.text_tokens = state["log"]["n"], state["log"]["text_tokens"]
-    r.loader.load_state_dict(state["loader"])
-    rng = state["rng"]
-    torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
-    if rng.get("cuda") and r.device.type == "cuda":
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in rng["cuda"]])
-    nps, pys = rng["numpy"], rng["python"]
-    np.random.set_state((nps[0], np.array(nps[1], dtype=np.uint32), *nps[2:]))
-    random.setstate((pys[0], tuple(pys[1]), pys[2]))
-    if r.rank == 0:
-        with open(r.metrics_path) if os.path.isfile(r.metrics_path) else nullcontext([]) as f:
-            kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= r.step]
-
-        def write(path):
-            with open(path, "w") as f:
-                f.writelines(kept)
-        data.atomic_write(r.metrics_path, write)
-
-
-def all_finite(tensors):
-    """Every floating-point tensor finite? (checked before a save: never a NaN checkpoint)"""
-    flags = [torch.isfinite(t).all() for t in tensors if torch.is_tensor(t) and t.is_floating_point()]
-    return bool(torch.stack(flags).all()) if flags else True
-
-
-def save_generation_snapshot(r, gen):
-    """out_dir/gen{gen}/model.safetensors at the end of generation `gen` (0 = warm-up), for
-    eval_compositional.py's per-generation analyses (paper Figs. 4, 5)."""
-    if r.rank == 0:
-        d = os.path.join(r.args.out_dir, f"gen{gen}")
-        os.makedirs(d, exist_ok=True)
-        sd = {k: v.detach().to("cpu").contiguous() for k, v in r.model.state_dict().items()}
-        data.atomic_write(os.path.join(d, "model.safetensors"),
-                          lambda p: data.fsync(p, lambda q: save_file(sd, q, {"step": str(r.step)})))
 
 
 # -----------------------------------------------------------------------------
 # the loss of one micro-batch: every term a forker may change sits here
-
-
 def trim_padding(text, eot_id: int, multiple: int = 8):
     """Drop the token columns after a CPU batch's last EOT, rounded up to a multiple of 8 (tensor
     cores, few compiled lengths). Exact when nothing reads past a caption's EOT (a causal text
@@ -1155,7 +974,7 @@ def compute_loss(model, batch, phase, agent, teacher, pool, args):
     Changes nothing: train() adds the embeddings to the pool after the step. NegCLIP's negative
     captions ride in the same text batch (one forward of the model per micro-batch)."""
     device = model.logit_scale.device
-    images = batch["image"].to(device, non_blocking=True)
+    images = data.normalize_images(batch["image"], device)      # uint8 -> normalised float on the device
     text, n = batch["text"], batch["text"].shape[0]
     negclip = pool is not None and phase != "distill"
     if negclip:
@@ -1204,8 +1023,6 @@ class StepLoss(nn.Module):
 
 # -----------------------------------------------------------------------------
 # model + optimizer, the IL phases (trainable sets, spawn)
-
-
 def setup_distributed(args):
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if int(os.environ.get("RANK", -1)) == -1:
@@ -1289,7 +1106,7 @@ def frozen_copy(model, compile=False):
 
 def set_trainable(model, args, phase, agent):
     """requires_grad per IL phase: a frozen parameter gets no .grad, so AdamW leaves it bitwise
-    unchanged. DDP meets the changing set by find_unused_parameters=True (.grad stays None)."""
+    unchanged (train() wraps each trainable set in a DDP of its own)."""
     frozen = set(UNUSED_WITH_CODEBOOK) if model.cfg.codebook_size else set()
     if phase == "distill":
         frozen.add("logit_scale")                          # the KD logits use a detached scale
@@ -1305,7 +1122,7 @@ def set_trainable(model, args, phase, agent):
 def spawn(model, opt, args, gen):
     """The IL spawn (paper Sec. 3.2) -> the frozen teacher (a copy of the model); the spawned agent
     is re-initialised as at step 0 from a generation seed (on the CPU: same numbers on every rank),
-    its AdamW state cleared. Same Parameters, so the optimizer and DDP wrapper survive."""
+    its AdamW state cleared. Same Parameters, so the optimizer survives."""
     agent = spawn_agent(args, gen)
     teacher = frozen_copy(model, args.compile)
     fresh = frozen_copy(model).cpu()
@@ -1316,6 +1133,467 @@ def spawn(model, opt, args, gen):
             p.copy_(src[n].to(p.device))
             opt.state.pop(p, None)
     return teacher
+
+
+
+# -----------------------------------------------------------------------------
+# training
+@dataclass
+class RunState:
+    """Everything the training loop carries from step to step (what a checkpoint saves)."""
+    args: argparse.Namespace        # the flags, data-dependent defaults filled by check_args
+    rank: int                       # this process; rank 0 logs and writes checkpoints
+    world: int                      # number of processes (torchrun's WORLD_SIZE)
+    device: torch.device
+    autocast: object                # bf16 autocast on CUDA (--dtype), else a no-op context
+    tok: data.Tokenizer             # saved beside every checkpoint
+    cfg: ModelConfig
+    model: CLIP                     # the bare model: checkpoints, evaluation, IL freezing
+    opt: torch.optim.Optimizer      # AdamW
+    sched: ILSchedule               # step -> (phase, generation)
+    loader: object                  # data.make_loader's; its position is checkpointed
+    batches: object                 # loader.forever(): epoch after epoch
+    pool: ImagePool | None          # NegCLIP's image embeddings (None without negatives)
+    metrics_path: str               # out_dir/metrics.jsonl
+    step: int = 0                   # optimizer steps done
+    spawned: int = 0                # the last generation spawned (0: none yet)
+    teacher: CLIP | None = None     # the previous generation, frozen, during distill
+    sums: torch.Tensor | None = None  # since the last log line: loss, contrastive loss, non-finite count
+    n_loss: int = 0                 # micro-batches summed in `sums`
+    text_tokens: int = 0            # their trimmed text lengths, summed (the log's text_len)
+    newest_damaged: bool = False    # resumed from checkpoint.prev: the next save keeps it
+
+
+def setup(args, rank, world, tok=None, ckpt=None):
+    """The run's state: model, optimizer, loader, IL schedule, NegCLIP pool, log sums (restored from
+    `ckpt`, find_checkpoint's, on --resume)."""
+    device = torch.device(args.device)
+    dt = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if args.batch_size % (world * args.accum):
+        raise ConfigError(f"--batch_size {args.batch_size} is not divisible by world_size x accum = "
+                          f"{world * args.accum}")
+    if args.init and not os.path.isfile(args.init):
+        raise ConfigError(f"--init file not found: {args.init}")
+    data.resolve_data(args.data, args.image_root)   # e.g. cc3m without shards: DataError saying where it looked
+    tok = tok or build_tokenizer(args, rank, world)
+    cfg = model_config(args, tok)
+    model, opt = build_model_and_optimizer(args, cfg, device)
+    pool = negatives = None
+    if args.method == "negclip" or args.negatives:
+        pool = ImagePool(args.neg_pool, cfg.code_dim if cfg.codebook_size else cfg.embed_dim, device)
+        negatives = NegativeCaptions(tok, args.seed)   # hard-negative captions, made in the workers
+    loader = data.make_loader(
+        args.data, split="train", batch_size=args.batch_size // (world * args.accum), tokenizer=tok,
+        image_size=cfg.image_size, train=True, rank=rank, world_size=world, num_workers=args.num_workers,
+        seed=args.seed, resampled=args.resampled, drop_last=True, image_root=args.image_root,
+        csv_img_key=args.csv_img_key, csv_caption_key=args.csv_caption_key,
+        csv_separator=args.csv_separator, pin_memory=device.type == "cuda", batch_extra=negatives)
+    r = RunState(args=args, rank=rank, world=world, device=device, tok=tok, cfg=cfg, model=model, opt=opt,
+                 autocast=nullcontext() if dt == "fp32" else torch.autocast(device.type, dtype=torch.bfloat16),
+                 sched=make_schedule(args), loader=loader, batches=loader.forever(), pool=pool,
+                 metrics_path=os.path.join(args.out_dir, "metrics.jsonl"), sums=torch.zeros(3, device=device))
+    if ckpt is not None:
+        load_checkpoint(r, ckpt)
+    elif rank == 0:
+        with writing(r.metrics_path):
+            open(r.metrics_path, "w").close()
+    return r
+
+
+def train(r):
+    """The step loop. -> "done" | "stopped" (a signal) | "nan"."""
+    args, model = r.args, r.model
+    end = args.max_steps if args.stop_at is None else min(args.max_steps, args.stop_at)
+    t_last, step_last, trainable_for = time.time(), r.step, None
+    if r.step >= end:          # nothing to train (e.g. --max_steps 0 to export --init weights)
+        save_checkpoint(r)
+    # on stdout, as the per-step lines were: stderr keeps only error lines and the summary
+    bar = tqdm(total=end, initial=r.step, unit="step", disable=r.rank != 0, dynamic_ncols=True, file=sys.stdout)
+    while r.step < end:
+        # the IL phase: one lookup (warm-up, then per generation spawn -> distill -> interact)
+        phase, gen, _ = r.sched.at(r.step)
+        agent = spawn_agent(args, gen) if phase == "distill" else None
+        if gen > r.spawned and r.step in r.sched.spawn_steps:
+            save_generation_snapshot(r, gen - 1)
+            r.teacher, r.spawned = spawn(model, r.opt, args, gen), gen
+        if phase != "distill":
+            r.teacher = None
+        if (phase, agent) != trainable_for:
+            set_trainable(model, args, phase, agent)
+            trainable_for = (phase, agent)
+            fwd = StepLoss(model, args)         # every loss term inside DDP's forward
+            # DDP fixes its parameter set at construction (and broadcasts rank 0's weights, equal on
+            # every rank): one wrapper per trainable set, so it need not search for unused ones
+            if r.world > 1:
+                fwd = torch.nn.parallel.DistributedDataParallel(
+                    fwd, find_unused_parameters=model.find_unused_parameters)
+        lr = get_lr(r.step, args, r.sched)
+        for group in r.opt.param_groups:
+            group["lr"] = lr
+        if r.cfg.codebook_size:
+            model.code_temperature.fill_(max(0.01, args.code_temp * args.code_temp_decay ** (r.step / CODE_TEMP_ITERS)))
+        # forward/backward, gradients averaged over ranks by DDP on the last micro-batch only
+        for micro in range(args.accum):
+            batch = next(r.batches)
+            last_micro = micro == args.accum - 1
+            with fwd.no_sync() if r.world > 1 and not last_micro else nullcontext():
+                with r.autocast:
+                    loss, logged, scale, text_len, new_images = fwd(batch, phase, agent, r.teacher, r.pool)
+                (loss / args.accum).backward()
+            if new_images is not None:
+                r.pool.push(new_images)
+            r.sums += torch.stack([loss.detach(), logged, (~torch.isfinite(loss.detach())).float()])
+            r.n_loss += 1
+            r.text_tokens += text_len
+        if args.grad_clip > 0:
+            params = [p for p in model.parameters() if p.grad is not None]
+            if params:
+                torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        r.opt.step()
+        r.opt.zero_grad(set_to_none=True)
+        model.clamp_logit_scale_()
+        r.step += 1
+        bar.update()
+        # sync points (the loop's only host-device syncs): log steps, save steps, phase changes
+        # (a --stop_at step saves without a log line: the resumed run logs as an uninterrupted one)
+        log_now = r.step % args.log_interval == 0 or r.step == args.max_steps or r.sched.at(r.step)[0] != phase
+        save_now = r.step % args.save_interval == 0 or r.step == end
+        if not (log_now or save_now or (r.world == 1 and _stop)):
+            continue
+        stats = torch.cat([r.sums / max(1, r.n_loss), torch.tensor([float(_stop is not None)], device=r.device)])
+        if r.world > 1:           # mean loss over ranks; nonzero if any rank is bad / signalled
+            dist.all_reduce(stats)
+            stats[:2] /= r.world
+        loss_v, clip_v, bad, stop = stats.tolist()
+        if bad or (save_now or stop) and not all_finite([model.state_dict(), list(r.opt.state.values())]):
+            bar.close()
+            if r.rank == 0:
+                print(f"error: non-finite loss or weights at step <= {r.step} (phase {phase}, generation "
+                      f"{gen}); stopping, the last good checkpoint in {args.out_dir} is kept", file=sys.stderr)
+            return "nan"
+        if log_now:
+            now = time.time()
+            sps = (r.step - step_last) * args.batch_size / max(now - t_last, 1e-9)
+            text_len = r.text_tokens / max(1, r.n_loss)
+            rec = {"step": r.step, "loss": loss_v, "clip_loss": clip_v, "lr": lr, "phase": phase, "generation": gen,
+                   "logit_scale": scale.item(), "samples_per_s": round(sps, 2),   # the scale the loss used
+                   "text_len": round(text_len, 2), "mfu": estimate_mfu(r.cfg, sps, r.device, text_len), "time": now}
+            if r.rank == 0:
+                with writing(r.metrics_path), open(r.metrics_path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                bar.set_postfix(loss=f"{loss_v:.4f}", phase=phase, gen=gen)
+            r.sums.zero_()
+            r.n_loss = r.text_tokens = 0
+            t_last, step_last = now, r.step
+        if save_now or stop:
+            save_checkpoint(r)
+            if r.rank == 0:
+                draw_loss_curve(r.metrics_path, os.path.join(args.out_dir, "loss_curve.png"), r.sched.spawn_steps)
+        if stop:
+            bar.close()
+            return "stopped"
+    bar.close()
+    if r.spawned and end == args.max_steps:
+        save_generation_snapshot(r, r.spawned)
+    return "done"
+
+
+# -----------------------------------------------------------------------------
+# the built-in shapes benchmark, scored at the end of a run on `shapes`
+@torch.no_grad()
+def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=0, batch_size=256):
+    """The model on the built-in benchmark: i2t / t2i R@1 on `n_val` val scenes (a hit = the same
+    caption string) and, for each category, the fraction of its `n` items whose positive caption
+    scores strictly above every negative. Every item is scored."""
+    was_training, device = model.training, model.logit_scale.device
+    model.eval()
+    tf = data.eval_transform(model.cfg.image_size)
+
+    def embed(images, captions):
+        ie = [model.encode_image(data.normalize_images(torch.stack([tf(im) for im in images[i:i + batch_size]]),
+                                                       device)).float().cpu()
+              for i in range(0, len(images), batch_size)]
+        te = [model.encode_text(tokenizer(captions[i:i + batch_size]).to(device)).float().cpu()
+              for i in range(0, len(captions), batch_size)]
+        return torch.cat(ie), torch.cat(te)
+
+    scenes = [data.shapes_scene("val", i, seed=seed) for i in range(n_val)]
+    caps = [s.caption for s in scenes]
+    ie, te = embed([s.image for s in scenes], caps)
+    sim = ie @ te.t()
+    same = torch.tensor([[a == b for b in caps] for a in caps])
+    res = {"i2t_r1": same[torch.arange(n_val), sim.argmax(1)].float().mean().item(),
+           "t2i_r1": same[sim.argmax(0), torch.arange(n_val)].float().mean().item()}
+    bench = data.shapes_benchmark(seed=seed, n=n)
+    for cat in list(data.SHAPES_CATEGORIES) + ["systematicity", "productivity"]:
+        items = bench[cat]
+        negs = [it["negatives"] if "negatives" in it else [it["negative_caption"]] for it in items]
+        ie, te = embed([it["image"] for it in items], [c for it, ng in zip(items, negs) for c in [it["caption"], *ng]])
+        correct, o = 0, 0
+        for j, ng in enumerate(negs):
+            s = te[o:o + 1 + len(ng)] @ ie[j]
+            correct += int(bool((s[0] > s[1:]).all()))
+            o += 1 + len(ng)
+        res[cat] = correct / len(items)
+    model.train(was_training)
+    return res
+
+
+def shapes_table(res):
+    """One result dict as a markdown table, in %."""
+    rows = [list(res), ["---"] * len(res), [f"{100 * v:.1f}" for v in res.values()]]
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+
+
+# =============================================================================
+# infrastructure: the out_dir (run lifecycle, lock), checkpoints, signals, write errors, MFU, the
+# loss curve. Nothing here changes what is trained.
+# out_dir/checkpoint/ holds CHECKPOINT_FILES and sha256.json (written last); state.pt is torch.save'd
+# and read with weights_only=True (no pickled code runs). A save writes checkpoint.tmp/, then renames
+# checkpoint/ -> checkpoint.prev/ (kept: what a damaged newest falls back to), checkpoint.tmp/ -> checkpoint/.
+CHECKPOINT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "state.pt")
+STATE_TYPES = {"step": int, "spawned": int, "optimizer": dict, "loader": dict, "log": dict, "rng": dict}
+# the flags --resume takes from its command line (the first six always, the others when given); the
+# rest define the run: given with --resume, they must equal the saved values
+RUN_CONTROL = {"out_dir", "resume", "overwrite", "given", "stop_at", "device", "save_interval", "log_interval",
+               "num_workers", "eval_size", "compile"}
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+_lock = None    # this process's open out_dir/.lock
+_stop = None    # the signal that asked the run to stop ("SIGTERM", "SIGINT"), or None
+
+
+def claim_out_dir(args, rank, world):
+    """Before anything is written: one run per out_dir (rank 0 holds an flock on out_dir/.lock, which
+    the kernel drops when the process ends, killed or not); --resume needs a checkpoint; a new run
+    replaces one only with --overwrite. Rank 0 says what is wrong, once; the other ranks exit 2."""
+    global _lock
+    release_out_dir()
+    out, error = args.out_dir, None
+    if rank == 0:
+        os.makedirs(out, exist_ok=True)
+        _lock = open(os.path.join(out, ".lock"), "a+")
+        try:
+            fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock.truncate(0)
+            _lock.write(f"{os.getpid()}\n")
+            _lock.flush()
+            saved = any(os.path.isdir(os.path.join(out, d)) for d in ("checkpoint", "checkpoint.prev"))
+            if args.resume and not saved:
+                error = f"--resume: nothing to resume yet in {out} (no checkpoint saved)"
+            elif saved and not (args.resume or args.overwrite):
+                error = (f"{out} holds the checkpoint of an earlier run: continue it with --resume, or use another "
+                         f"--out_dir, or --overwrite to replace it")
+            for name in os.listdir(out) if args.overwrite else []:     # the earlier run's checkpoints, results
+                if re.fullmatch(r"checkpoint(\..*)?|gen\d+", name):
+                    shutil.rmtree(os.path.join(out, name))
+                elif re.fullmatch(r"metrics\.jsonl|shapes_eval\.json|config\.json|.*\.png", name):
+                    os.remove(os.path.join(out, name))
+        except BlockingIOError:
+            _lock.seek(0)
+            error = f"{out} is in use by another run: process {_lock.read().strip() or '?'} holds {out}/.lock"
+            release_out_dir()
+    failed = torch.tensor(float(error is not None), device=args.device)
+    if world > 1:
+        dist.broadcast(failed, 0)
+    if failed.item():
+        if rank:
+            raise SystemExit(2)
+        raise ConfigError(error)
+
+
+def release_out_dir():
+    global _lock
+    if _lock is not None:
+        _lock.close()
+        _lock = None
+
+
+def resumed_args(args, config):
+    """--resume: the saved run's flags and the run-control flags given now. A run-defining flag
+    given now must equal the saved value."""
+    saved = {k: config[k] for k in vars(args) if k in config} | {"model": config["preset"]}
+    for name in sorted(set(args.given) - RUN_CONTROL):
+        now = json.loads(json.dumps(getattr(args, name)))
+        if name in saved and now != saved[name]:
+            raise ConfigError(f"--resume: --{name} {now} differs from the saved run's {saved[name]} ({args.out_dir}); "
+                              f"drop it to continue that run, or start a new one in another --out_dir")
+    keep = set(args.given) | {"out_dir", "resume", "overwrite", "given", "stop_at", "device"}
+    return check_args(argparse.Namespace(**(vars(args) | {k: v for k, v in saved.items() if k not in keep})))
+
+
+def tensors_in(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, (dict, list, tuple)):
+        for v in obj.values() if isinstance(obj, dict) else obj:
+            yield from tensors_in(v)
+
+
+def all_finite(obj):
+    """Every floating-point tensor in obj finite? (checked before a save: never a NaN checkpoint)"""
+    flags = [torch.isfinite(t).all() for t in tensors_in(obj) if t.is_floating_point()]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
+@contextlib.contextmanager
+def writing(path, what=""):
+    """A failed write (full disk, quota, file too large, I/O error) -> one error line (ConfigError).
+    safetensors says so in its message only, torch.save in the error it was raised during."""
+    try:
+        yield
+    except Exception as e:
+        err, why = e, None
+        while err is not None and why is None:
+            why = next((os.strerror(c).lower() for c in WRITE_ERRNOS
+                        if getattr(err, "errno", None) == c or os.strerror(c) in str(err)), None)
+            err = err.__context__
+        if why is None:
+            raise
+        raise ConfigError(f"{path}: {why}{what}") from None
+
+
+def save_checkpoint(r):
+    """Everything --resume needs to continue bit-exactly from r.step (rank 0 writes). A failed write
+    is one error line; checkpoint.tmp/ is removed, the earlier checkpoints kept."""
+    if r.rank != 0:
+        return
+    nps, out = np.random.get_state(), r.args.out_dir
+    state = {"step": r.step, "spawned": r.spawned, "optimizer": r.opt.state_dict(), "loader": r.loader.state_dict(),
+             "teacher": r.teacher.state_dict() if r.teacher is not None else None,
+             "pool": {"emb": r.pool.emb, "ptr": r.pool.ptr, "count": r.pool.count} if r.pool is not None else None,
+             "log": {"sums": r.sums, "n": r.n_loss, "text_tokens": r.text_tokens},
+             "rng": {"torch": torch.get_rng_state(), "numpy": (nps[0], nps[1].tolist(), *nps[2:]),
+                     "cuda": torch.cuda.get_rng_state_all() if r.device.type == "cuda" else [],
+                     "python": random.getstate()}}
+    config = {**vars(r.args), "preset": r.args.model, "model": asdict(r.cfg), "world_size": r.world,
+              "script": data.script_record(__file__)}
+    tmp, final, prev = (os.path.join(out, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    model_sd = {k: v.detach().to("cpu").contiguous() for k, v in r.model.state_dict().items()}
+    need = sum(t.nbytes for t in tensors_in([model_sd, state])) / 2 ** 20
+    try:
+        with writing(out, f" for the step-{r.step} checkpoint (about {need:.1f} MiB needed, "
+                          f"{shutil.disk_usage(out).free / 2 ** 20:.1f} MiB free); the previous one is kept"):
+            save_file(model_sd, os.path.join(tmp, "model.safetensors"), {"step": str(r.step)})
+            with open(os.path.join(tmp, "state.pt"), "wb") as f:
+                torch.save(state, f)
+            data.save_json(os.path.join(tmp, "config.json"), config)
+            r.tok.save(tmp)
+            data.save_json(os.path.join(tmp, "sha256.json"),
+                           {n: sha256(os.path.join(tmp, n)) for n in CHECKPOINT_FILES})
+            for name in os.listdir(tmp):
+                data.fsync(os.path.join(tmp, name))
+            data.fsync(tmp)
+            data.atomic_write(os.path.join(out, "config.json"), lambda p: data.save_json(p, config))
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.isdir(final) and not r.newest_damaged:     # a damaged newest is dropped, checkpoint.prev kept
+        shutil.rmtree(prev, ignore_errors=True)
+        os.replace(final, prev)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    data.fsync(out)
+    r.newest_damaged = False
+
+
+def sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def read_checkpoint(folder, device):
+    """(folder, weights, training state, config) when every file matches sha256.json and state.pt
+    has the right types, else a DataError naming the file."""
+    sums = data.read_json(os.path.join(folder, "sha256.json"))
+    for name in CHECKPOINT_FILES:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise data.DataError(f"{path}: missing (incomplete checkpoint)")
+        if not isinstance(sums, dict) or sha256(path) != sums.get(name):
+            raise data.DataError(f"{path}: damaged (its sha256 is not the one in sha256.json)")
+    try:                                                  # `path` is state.pt, the last of CHECKPOINT_FILES
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:
+        raise data.DataError(f"{path}: unreadable ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})")
+    bad = [f"{k}: {t.__name__}" for k, t in STATE_TYPES.items() if not isinstance(state, dict)
+           or not isinstance(state.get(k), t)]
+    if bad:
+        raise data.DataError(f"{path}: wrong types (expected {', '.join(bad)})")
+    config = data.read_json(os.path.join(folder, "config.json"))
+    return folder, data.read_weights(os.path.join(folder, "model.safetensors")), state, config
+
+
+def find_checkpoint(out_dir, device, rank):
+    """-> read_checkpoint's tuple + (newest damaged?) from out_dir/checkpoint/, or else from
+    checkpoint.prev/ with a note on stderr."""
+    try:
+        return *read_checkpoint(os.path.join(out_dir, "checkpoint"), device), False
+    except data.DataError as e:
+        prev = os.path.join(out_dir, "checkpoint.prev")
+        if not os.path.isdir(prev):
+            raise
+        try:
+            found = read_checkpoint(prev, device)
+        except data.DataError as e_prev:
+            raise data.DataError(f"{e}; and {e_prev}") from None
+        if rank == 0:
+            print(f"note: {e}; resuming from the previous checkpoint {prev} (step {found[2]['step']})", file=sys.stderr)
+        return *found, True
+
+
+def load_checkpoint(r, ckpt):
+    """save_checkpoint undone; metrics.jsonl is cut back to the resumed step, so no step is logged twice."""
+    folder, sd, state, _, r.newest_damaged = ckpt
+    data.load_state(r.model, sd, folder)
+    r.opt.load_state_dict(state["optimizer"])
+    r.loader.load_state_dict(state["loader"])
+    if state["teacher"] is not None:
+        r.teacher = frozen_copy(r.model, r.args.compile)
+        r.teacher.load_state_dict(state["teacher"])
+    if r.pool is not None:
+        r.pool.emb.copy_(state["pool"]["emb"])
+        r.pool.ptr.copy_(state["pool"]["ptr"])
+        r.pool.count = state["pool"]["count"]
+    r.step, r.spawned = state["step"], state["spawned"]
+    r.sums.copy_(state["log"]["sums"])
+    r.n_loss, r.text_tokens = state["log"]["n"], state["log"]["text_tokens"]
+    rng = state["rng"]
+    torch.set_rng_state(rng["torch"].cpu())
+    if rng["cuda"] and r.device.type == "cuda":
+        torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
+    np.random.set_state((rng["numpy"][0], np.array(rng["numpy"][1], dtype=np.uint32), *rng["numpy"][2:]))
+    random.setstate(rng["python"])
+    if r.rank == 0:
+        with open(r.metrics_path) if os.path.isfile(r.metrics_path) else nullcontext([]) as f:
+            kept = "".join(ln for ln in f if ln.strip() and json.loads(ln)["step"] <= r.step)
+        with writing(r.metrics_path):
+            data.atomic_write(r.metrics_path, lambda p: pathlib.Path(p).write_text(kept))
+
+
+def save_generation_snapshot(r, gen):
+    """out_dir/gen{gen}/model.safetensors at the end of generation `gen` (0 = warm-up), for
+    eval_compositional.py's per-generation analyses (paper Figs. 4, 5)."""
+    if r.rank == 0:
+        d = os.path.join(r.args.out_dir, f"gen{gen}")
+        os.makedirs(d, exist_ok=True)
+        sd = {k: v.detach().to("cpu").contiguous() for k, v in r.model.state_dict().items()}
+        with writing(d):
+            data.atomic_write(os.path.join(d, "model.safetensors"),
+                              lambda p: data.fsync(p, lambda q: save_file(sd, q, {"step": str(r.step)})))
+
+
+def on_signal(signum, frame):
+    """SIGTERM / SIGINT: the ranks agree at the next sync point, save and stop. A second Ctrl-C
+    exits at once, without a save (the last checkpoint stays)."""
+    global _stop
+    if _stop is not None and signum == signal.SIGINT:
+        print("error: interrupted again: exiting without saving", file=sys.stderr)
+        os._exit(130)
+    _stop = signal.Signals(signum).name
 
 
 def estimate_flops_per_pair(cfg, text_len=None):
@@ -1349,180 +1627,7 @@ def estimate_mfu(cfg, pairs_per_s, device, text_len=None):
 
 
 # -----------------------------------------------------------------------------
-# training
-
-
-@dataclass
-class RunState:
-    """Everything the training loop carries from step to step (what a checkpoint saves)."""
-    args: argparse.Namespace        # the flags, data-dependent defaults filled by check_args
-    rank: int                       # this process; rank 0 logs and writes checkpoints
-    world: int                      # number of processes (torchrun's WORLD_SIZE)
-    device: torch.device
-    autocast: object                # bf16 autocast on CUDA (--dtype), else a no-op context
-    tok: data.Tokenizer             # saved beside every checkpoint
-    cfg: ModelConfig
-    model: CLIP                     # the bare model: checkpoints, evaluation, IL freezing
-    opt: torch.optim.Optimizer      # AdamW
-    sched: ILSchedule               # step -> (phase, generation)
-    loader: object                  # data.make_loader's; its position is checkpointed
-    batches: object                 # loader.forever(): epoch after epoch
-    pool: ImagePool | None          # NegCLIP's image embeddings (None without negatives)
-    metrics_path: str               # out_dir/metrics.jsonl
-    ddp: nn.Module | None = None    # DistributedDataParallel(StepLoss(model)) when world > 1
-    step: int = 0                   # optimizer steps done
-    spawned: int = 0                # the last generation spawned (0: none yet)
-    teacher: CLIP | None = None     # the previous generation, frozen, during distill
-    sums: torch.Tensor | None = None  # since the last log line: loss, contrastive loss, non-finite count
-    n_loss: int = 0                 # micro-batches summed in `sums`
-    text_tokens: int = 0            # their trimmed text lengths, summed (the log's text_len)
-    stop_requested: bool = False    # SIGTERM seen; the ranks agree at the next sync point
-
-
-def setup(args, rank, world, tok=None):
-    """The run's state: model, optimizer, loader, IL schedule, NegCLIP pool, log sums (restored on
-    --resume), and the DDP wrapper over StepLoss."""
-    device = torch.device(args.device)
-    dt = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    if args.batch_size % (world * args.accum):
-        raise ConfigError(f"--batch_size {args.batch_size} is not divisible by world_size x accum = {world * args.accum}")
-    if args.init and not os.path.isfile(args.init):
-        raise ConfigError(f"--init file not found: {args.init}")
-    data.resolve_data(args.data, args.image_root)   # e.g. cc3m without shards: DataError saying where it looked
-    tok = tok or build_tokenizer(args, rank, world)
-    cfg = model_config(args, tok)
-    model, opt = build_model_and_optimizer(args, cfg, device)
-    pool = negatives = None
-    if args.method == "negclip" or args.negatives:
-        pool = ImagePool(args.neg_pool, cfg.code_dim if cfg.codebook_size else cfg.embed_dim, device)
-        negatives = NegativeCaptions(tok, args.seed)   # hard-negative captions, made in the workers
-    loader = data.make_loader(
-        args.data, split="train", batch_size=args.batch_size // (world * args.accum), tokenizer=tok,
-        image_size=cfg.image_size, train=True, rank=rank, world_size=world, num_workers=args.num_workers,
-        seed=args.seed, resampled=args.resampled, drop_last=True, image_root=args.image_root,
-        csv_img_key=args.csv_img_key, csv_caption_key=args.csv_caption_key,
-        csv_separator=args.csv_separator, pin_memory=device.type == "cuda", batch_extra=negatives)
-    r = RunState(args=args, rank=rank, world=world, device=device, tok=tok, cfg=cfg, model=model, opt=opt,
-                 autocast=nullcontext() if dt == "fp32" else torch.autocast(device.type, dtype=torch.bfloat16),
-                 sched=make_schedule(args), loader=loader, batches=loader.forever(), pool=pool,
-                 metrics_path=os.path.join(args.out_dir, "metrics.jsonl"), sums=torch.zeros(3, device=device))
-    if args.resume:
-        load_checkpoint(r)
-    elif rank == 0:
-        os.makedirs(args.out_dir, exist_ok=True)
-        open(r.metrics_path, "w").close()
-    # DDP broadcasts rank 0's weights at construction (an identical start on every rank). Its
-    # parameter set is fixed there: the frozen-for-good codebook-mode projections stay out; the
-    # per-phase freezing, and a parameter a rank's step leaves unused, are met by
-    # find_unused_parameters (see set_trainable).
-    if world > 1:
-        r.ddp = torch.nn.parallel.DistributedDataParallel(StepLoss(model, args), find_unused_parameters=True)
-    return r
-
-
-def train(r):
-    """The step loop. -> "done" | "sigterm" | "nan"."""
-    args, model = r.args, r.model
-    fwd = r.ddp or StepLoss(model, args)      # every loss term inside DDP's forward
-    end = args.max_steps if args.stop_at is None else min(args.max_steps, args.stop_at)
-    t_last, step_last, trainable_for = time.time(), r.step, None
-    if r.step >= end:          # nothing to train (e.g. --max_steps 0 to export --init weights)
-        save_checkpoint(r)
-    # on stdout, as the per-step lines were: stderr keeps only error lines and the summary
-    bar = tqdm(total=end, initial=r.step, unit="step", disable=r.rank != 0, dynamic_ncols=True, file=sys.stdout)
-    while r.step < end:
-        # the IL phase: one lookup (warm-up, then per generation spawn -> distill -> interact)
-        phase, gen, _ = r.sched.at(r.step)
-        agent = spawn_agent(args, gen) if phase == "distill" else None
-        if gen > r.spawned and r.step in r.sched.spawn_steps:
-            save_generation_snapshot(r, gen - 1)
-            r.teacher, r.spawned = spawn(model, r.opt, args, gen), gen
-        if phase != "distill":
-            r.teacher = None
-        if (phase, agent) != trainable_for:
-            set_trainable(model, args, phase, agent)
-            trainable_for = (phase, agent)
-        lr = get_lr(r.step, args, r.sched)
-        for group in r.opt.param_groups:
-            group["lr"] = lr
-        if r.cfg.codebook_size:
-            model.code_temperature.fill_(max(0.01, args.code_temp * args.code_temp_decay ** (r.step / CODE_TEMP_ITERS)))
-        # forward/backward, gradients averaged over ranks by DDP on the last micro-batch only
-        for micro in range(args.accum):
-            batch = next(r.batches)
-            last_micro = micro == args.accum - 1
-            with r.ddp.no_sync() if r.ddp is not None and not last_micro else nullcontext():
-                with r.autocast:
-                    loss, logged, scale, text_len, new_images = fwd(batch, phase, agent, r.teacher, r.pool)
-                (loss / args.accum).backward()
-            if new_images is not None:
-                r.pool.push(new_images)
-            r.sums += torch.stack([loss.detach(), logged, (~torch.isfinite(loss.detach())).float()])
-            r.n_loss += 1
-            r.text_tokens += text_len
-        if args.grad_clip > 0:
-            params = [p for p in model.parameters() if p.grad is not None]
-            if params:
-                torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-        r.opt.step()
-        r.opt.zero_grad(set_to_none=True)
-        with torch.no_grad():   # OpenAI: ln(100); FDT reference with a codebook: [3, 6]
-            lo, hi = (3.0, 6.0) if r.cfg.codebook_size else (0.0, math.log(100))
-            model.logit_scale.clamp_(lo, hi)
-        r.step += 1
-        bar.update()
-        # sync points (the loop's only host-device syncs): log steps, save steps, phase changes
-        # (a --stop_at step saves without a log line: the resumed run logs as an uninterrupted one)
-        log_now = r.step % args.log_interval == 0 or r.step == args.max_steps or r.sched.at(r.step)[0] != phase
-        save_now = r.step % args.save_interval == 0 or r.step == end
-        if not (log_now or save_now or (r.world == 1 and r.stop_requested)):
-            continue
-        stats = torch.cat([r.sums / max(1, r.n_loss),
-                           torch.tensor([float(r.stop_requested)], device=r.device)])
-        if r.world > 1:           # mean loss over ranks; nonzero if any rank is bad / signalled
-            dist.all_reduce(stats)
-            stats[:2] /= r.world
-        loss_v, clip_v, bad, stop = stats.tolist()
-        if bad or (save_now or stop) and not all_finite(
-                [*model.state_dict().values(), *(v for st in r.opt.state.values() for v in st.values())]):
-            bar.close()
-            if r.rank == 0:
-                print(f"error: non-finite loss or weights at step <= {r.step} (phase {phase}, generation "
-                      f"{gen}); stopping, the last good checkpoint in {args.out_dir} is kept", file=sys.stderr)
-            return "nan"
-        if log_now:
-            now = time.time()
-            sps = (r.step - step_last) * args.batch_size / max(now - t_last, 1e-9)
-            text_len = r.text_tokens / max(1, r.n_loss)
-            rec = {"step": r.step, "loss": loss_v, "clip_loss": clip_v, "lr": lr, "phase": phase, "generation": gen,
-                   "logit_scale": scale.item(), "samples_per_s": round(sps, 2),   # the scale the loss used
-                   "text_len": round(text_len, 2), "mfu": estimate_mfu(r.cfg, sps, r.device, text_len), "time": now}
-            if r.rank == 0:
-                with open(r.metrics_path, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
-                bar.set_postfix(loss=f"{loss_v:.4f}", phase=phase, gen=gen)
-            r.sums.zero_()
-            r.n_loss = r.text_tokens = 0
-            t_last, step_last = now, r.step
-        if save_now or stop:
-            save_checkpoint(r)
-            if r.rank == 0:
-                draw_loss_curve(r.metrics_path, os.path.join(args.out_dir, "loss_curve.png"), r.sched.spawn_steps)
-        if stop:
-            bar.close()
-            return "sigterm"
-    bar.close()
-    if r.spawned and end == args.max_steps:
-        save_generation_snapshot(r, r.spawned)
-    return "done"
-
-
-# -----------------------------------------------------------------------------
 # the loss curve (paper Fig. 3)
-
-
 CLIP_LOSS_COLOUR = (150, 150, 150)
 PHASE_COLOURS = {"warmup": (40, 90, 200), "train": (40, 90, 200), "distill": (220, 120, 0), "interact": (30, 150, 60)}
 
@@ -1557,95 +1662,51 @@ def draw_loss_curve(metrics_path, png_path, boundaries=(), size=(900, 420)):
         d.text((L, H - B + 6), "0", fill="black")
         d.text((W - R - 40, H - B + 6), str(x1), fill="black")
     d.text((L, H - 18), "step   (blue warm-up, orange distill, green interact; grey contrastive)", fill="black")
-    data.atomic_write(png_path, lambda p: img.save(p, format="PNG"))
-
-
-# -----------------------------------------------------------------------------
-# the built-in shapes benchmark, scored at the end of a run on `shapes`
-
-
-@torch.no_grad()
-def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=0, batch_size=256):
-    """The model on the built-in benchmark: i2t / t2i R@1 on `n_val` val scenes (a hit = the same
-    caption string) and, for each category, the fraction of its `n` items whose positive caption
-    scores strictly above every negative. Every item is scored."""
-    was_training, device = model.training, model.logit_scale.device
-    model.eval()
-    tf = data.eval_transform(model.cfg.image_size)
-
-    def embed(images, captions):
-        ie = [model.encode_image(torch.stack([tf(im) for im in images[i:i + batch_size]]).to(device)).float().cpu()
-              for i in range(0, len(images), batch_size)]
-        te = [model.encode_text(tokenizer(captions[i:i + batch_size]).to(device)).float().cpu()
-              for i in range(0, len(captions), batch_size)]
-        return torch.cat(ie), torch.cat(te)
-
-    scenes = [data.shapes_scene("val", i, seed=seed) for i in range(n_val)]
-    caps = [s.caption for s in scenes]
-    ie, te = embed([s.image for s in scenes], caps)
-    sim = ie @ te.t()
-    same = torch.tensor([[a == b for b in caps] for a in caps])
-    res = {"i2t_r1": same[torch.arange(n_val), sim.argmax(1)].float().mean().item(),
-           "t2i_r1": same[sim.argmax(0), torch.arange(n_val)].float().mean().item()}
-    bench = data.shapes_benchmark(seed=seed, n=n)
-    for cat in list(data.SHAPES_CATEGORIES) + ["systematicity", "productivity"]:
-        items = bench[cat]
-        negs = [it["negatives"] if "negatives" in it else [it["negative_caption"]] for it in items]
-        ie, te = embed([it["image"] for it in items], [c for it, ng in zip(items, negs) for c in [it["caption"], *ng]])
-        correct, o = 0, 0
-        for j, ng in enumerate(negs):
-            s = te[o:o + 1 + len(ng)] @ ie[j]
-            correct += int(bool((s[0] > s[1:]).all()))
-            o += 1 + len(ng)
-        res[cat] = correct / len(items)
-    model.train(was_training)
-    return res
-
-
-def shapes_table(res):
-    """One result dict as a markdown table, in %."""
-    rows = [list(res), ["---"] * len(res), [f"{100 * v:.1f}" for v in res.values()]]
-    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+    with writing(png_path):
+        data.atomic_write(png_path, lambda p: img.save(p, format="PNG"))
 
 
 # -----------------------------------------------------------------------------
 # main
-
-
 def run(argv=None):
     args = build_args(argv)
     rank, world = setup_distributed(args)
     claim_out_dir(args, rank, world)
+    ckpt = find_checkpoint(args.out_dir, args.device, rank) if args.resume else None
+    if ckpt is not None:
+        args = resumed_args(args, ckpt[3])
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)
-    r = setup(args, rank, world)
-
-    def on_sigterm(signum, frame):   # agreed on by all ranks at the next sync point, then saved
-        r.stop_requested = True
-    old = signal.signal(signal.SIGTERM, on_sigterm)
+    r = setup(args, rank, world, ckpt=ckpt)
     t0 = time.time()
-    try:
-        status = train(r)
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    status = train(r)
     if rank == 0 and status != "nan":       # (the non-finite stop has printed its error line)
-        print(f"{status}: step {r.step}/{args.max_steps} in {time.time() - t0:.0f}s, "
-              f"checkpoint in {os.path.join(args.out_dir, 'checkpoint')}", file=sys.stderr)
+        cmd = f"{f'torchrun --nproc_per_node={world}' if world > 1 else 'python'} {os.path.basename(__file__)}"
+        print(f"{status}{f' by {_stop}' if status == 'stopped' else ''}: step {r.step}/{args.max_steps} in "
+              f"{time.time() - t0:.0f}s, checkpoint in {os.path.join(args.out_dir, 'checkpoint')}"
+              + (f"; continue with: {cmd} --resume --out_dir {args.out_dir}" if r.step < args.max_steps else ""),
+              file=sys.stderr)
     if status == "done" and r.step >= args.max_steps and rank == 0 and args.eval_size > 0 \
             and args.data.startswith("shapes"):
         res = evaluate_shapes(r.model, r.tok, n=args.eval_size)
         scored = {"items_per_category": args.eval_size, "val_pairs": data.SHAPES_VAL_PAIRS}
-        data.save_json(os.path.join(args.out_dir, "shapes_eval.json"), res | {"scored": scored})
+        path = os.path.join(args.out_dir, "shapes_eval.json")
+        with writing(path):
+            data.save_json(path, res | {"scored": scored})
         print(shapes_table(res))
-        print(f"scored: {args.eval_size} items per category (every item), retrieval on {data.SHAPES_VAL_PAIRS} val pairs")
+        print(f"scored: {args.eval_size} items per category (every item), "
+              f"retrieval on {data.SHAPES_VAL_PAIRS} val pairs")
     if world > 1:
         dist.barrier()
-    return {"done": 0, "sigterm": 0, "nan": 1}[status]
+    return {"done": 0, "stopped": 0, "nan": 1}[status]
 
 
 def main(argv=None):
+    global _stop
     owns_pg = dist.is_available() and not dist.is_initialized()   # a caller's group is the caller's to end
+    # installed until main returns: a SIGTERM during the final save or the evaluation does not kill it
+    _stop, handlers = None, {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         return run(argv)
     except (data.DataError, ConfigError) as e:
@@ -1655,8 +1716,10 @@ def main(argv=None):
         release_out_dir()
         if owns_pg and dist.is_initialized():
             # torch's order: the group goes last, once, on every path, after run() has returned
-            gc.collect()    # the DDP wrapper (in a reference cycle) holds the group: it goes first
+            gc.collect()    # the DDP wrappers (in reference cycles) hold the group: they go first
             dist.destroy_process_group()
+        for s, h in handlers.items():
+            signal.signal(s, h)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,14 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
 CLIP = TINY + ["--method", "clip", "--max_steps", "4", "--save_interval", "2"]
 
 
+def saved_step(out):
+    """The step of out_dir/checkpoint/: state.pt (the common layout), else train_state.json."""
+    ck = os.path.join(out, "checkpoint")
+    if os.path.isfile(os.path.join(ck, "state.pt")):
+        return torch.load(os.path.join(ck, "state.pt"), weights_only=True)["step"]
+    return json.load(open(os.path.join(ck, "train_state.json")))["step"]
+
+
 def one_error_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
@@ -70,7 +78,7 @@ def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(script, tmp_pat
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("error: ") and out in line and "no space left" in line and "MiB needed" in line, line
     assert not os.path.exists(os.path.join(out, "checkpoint.tmp"))
-    assert json.load(open(os.path.join(out, "checkpoint", "train_state.json")))["step"] == 2
+    assert saved_step(out) == 2
     load_file(os.path.join(out, "checkpoint", "model.safetensors"))       # complete
 
 
@@ -117,7 +125,7 @@ def test_a_second_run_on_a_busy_out_dir_exits_2_naming_the_holder(script, tmp_pa
         holder.wait()
     # the holder was killed: its lock went with it, the next run goes ahead
     assert exit_code(main, argv(out, teacher)) == 0
-    assert json.load(open(os.path.join(out, "checkpoint", "train_state.json")))["step"] == 4
+    assert saved_step(out) == 4
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -208,15 +216,13 @@ def test_a_lock_left_by_a_killed_process_does_not_block(tmp_path):
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "il_clip.py")] + TINY +
                          ["--method", "clip", "--max_steps", "100000", "--save_interval", "1", "--out_dir", out],
                          env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    ck = os.path.join(out, "checkpoint", "train_state.json")
     t0 = time.time()
-    while not os.path.isfile(ck):
+    while not os.path.isfile(os.path.join(out, "checkpoint", "state.pt")):
         assert p.poll() is None and time.time() - t0 < 120, p.stderr.read()
         time.sleep(0.2)
     p.kill()
     p.wait()
-    assert I.main(TINY + ["--method", "clip", "--max_steps", "100000", "--stop_at",
-                          str(json.load(open(ck))["step"] + 1), "--out_dir", out, "--resume"]) == 0
+    assert I.main(["--stop_at", str(saved_step(out) + 1), "--out_dir", out, "--resume"]) == 0
 
 
 def test_finetune_resume_with_no_phase_saved_is_one_error_line(tmp_path, capsys):

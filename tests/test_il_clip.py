@@ -34,8 +34,19 @@ def weights(out_dir):
     return load_file(os.path.join(data.checkpoint_dir(out_dir), "model.safetensors"))
 
 
-def train_state(out_dir):
-    return json.load(open(os.path.join(out_dir, "checkpoint", "train_state.json")))
+def train_state(out_dir, folder="checkpoint"):
+    return torch.load(os.path.join(out_dir, folder, "state.pt"), weights_only=True)
+
+
+def same(a, b):
+    """Nested training states equal: tensors bit for bit, everything else by ==."""
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 # ----------------------------------------------------------------------------- sparsemax
@@ -355,21 +366,24 @@ def test_ablation_flags_freeze_and_spawn_targets(tmp_path):
 @pytest.mark.parametrize("extra,stop", [(IL + ["--negatives"], 4), (["--method", "negclip"], 3),
                                         (["--method", "clip", "--log_interval", "3"], 4)])
 def test_resume_n_plus_m_equals_one_go(tmp_path, extra, stop):
-    """--stop_at N then --resume equals one run: weights, optimizer state, and the log (cut back
-    to the checkpoint, no step twice; a log interval cut by the stop averages the same losses)."""
+    """--stop_at N then `--resume --out_dir` alone (the saved flags) equals one run: weights, the
+    whole training state (optimizer, RNGs, data position, IL teacher, NegCLIP pool, log sums), and
+    the log (cut back to the checkpoint, no step twice; a log interval cut by the stop averages the
+    same losses)."""
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     common = TINY + extra + ["--max_steps", "7", "--save_interval", "100"]
     assert run_main(common + ["--out_dir", one]) == 0
     assert run_main(common + ["--out_dir", two, "--stop_at", str(stop)]) == 0
     assert train_state(two)["step"] == stop
+    assert (train_state(two)["teacher"] is not None) == ("il" in extra)  # stopped in distill: the teacher saved
     with open(os.path.join(two, "metrics.jsonl"), "a") as f:   # logged after the checkpoint, then killed
         f.write(json.dumps({"step": stop + 1, "loss": 99.0}) + "\n")
-    assert run_main(common + ["--out_dir", two, "--resume"]) == 0
+    assert run_main(["--resume", "--out_dir", two]) == 0
     a, b = weights(one), weights(two)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    sa, sb = (load_file(os.path.join(d, "checkpoint", "train_state.safetensors")) for d in (one, two))
-    assert set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
-    assert train_state(one) == train_state(two)        # data position and every RNG state too
+    sa, sb = train_state(one), train_state(two)
+    assert same(sa, sb) and not same(sa, train_state(two, "checkpoint.prev"))
+    assert (sa["pool"] is not None) == ("clip" not in extra)           # NegCLIP's image pool saved
     ra, rb = ([json.loads(x) for x in open(os.path.join(d, "metrics.jsonl"))] for d in (one, two))
     assert [r["step"] for r in ra] == [r["step"] for r in rb]
     assert [(r["loss"], r["clip_loss"]) for r in ra] == [(r["loss"], r["clip_loss"]) for r in rb]
@@ -390,69 +404,164 @@ def test_saves_at_multiples_of_save_interval_whatever_the_log_interval(tmp_path,
                             "--save_interval", "2", "--out_dir", out]) == 0
     assert saved == [2, 4, 6, 7]
     assert [json.loads(x)["step"] for x in open(os.path.join(out, "metrics.jsonl"))] == [3, 6, 7]
-    assert sorted(os.listdir(out)) == [".lock", "checkpoint", "config.json", "loss_curve.png", "metrics.jsonl",
-                                       "tokenizer.json"]                 # no tmp / prev left behind
-    assert sorted(os.listdir(os.path.join(out, "checkpoint"))) == sorted(M.CHECKPOINT_FILES + ("tokenizer.json",))
+    assert sorted(os.listdir(out)) == [".lock", "checkpoint", "checkpoint.prev", "config.json", "loss_curve.png",
+                                       "metrics.jsonl", "tokenizer.json"]       # no checkpoint.tmp left behind
+    assert sorted(os.listdir(os.path.join(out, "checkpoint"))) == sorted(M.CHECKPOINT_FILES + ("sha256.json",))
+    assert train_state(out)["step"] == 7 and train_state(out, "checkpoint.prev")["step"] == 6
+    sums = json.load(open(os.path.join(out, "checkpoint", "sha256.json")))
+    assert set(sums) == set(M.CHECKPOINT_FILES) and sums["state.pt"] == M.sha256(os.path.join(out, "checkpoint", "state.pt"))
 
 
-def _truncate(path):
-    with open(path, "r+b") as f:
-        f.truncate(os.path.getsize(path) // 2)
+def _damage(ck, how):
+    if how == "missing":
+        os.remove(os.path.join(ck, "state.pt"))
+    elif how == "bit-flip":                      # one bit of model.safetensors' weights
+        with open(os.path.join(ck, "model.safetensors"), "r+b") as f:
+            f.seek(-100, os.SEEK_END)
+            byte = f.read(1)[0]
+            f.seek(-100, os.SEEK_END)
+            f.write(bytes([byte ^ 0x10]))
+    elif how == "truncated":
+        with open(os.path.join(ck, "state.pt"), "r+b") as f:
+            f.truncate(os.path.getsize(f.name) // 2)
+    else:                                        # "types": a state.pt of the wrong shape, its sha256 updated
+        torch.save({"step": "2", "optimizer": []}, os.path.join(ck, "state.pt"))
+        sums = json.load(open(os.path.join(ck, "sha256.json")))
+        json.dump(sums | {"state.pt": M.sha256(os.path.join(ck, "state.pt"))}, open(os.path.join(ck, "sha256.json"), "w"))
 
 
-@pytest.mark.parametrize("damage", ["model.safetensors", "train_state.safetensors", "train_state.json",
-                                    "missing", "step"])
-def test_damaged_checkpoint_is_one_error_line_or_falls_back_to_prev(tmp_path, capsys, damage):
+@pytest.mark.parametrize("how,says", [("bit-flip", "model.safetensors: damaged"), ("missing", "state.pt: missing"),
+                                      ("truncated", "state.pt: damaged"), ("types", "state.pt: wrong types")])
+def test_damaged_newest_checkpoint_falls_back_to_prev_or_is_one_error_line(tmp_path, capsys, how, says):
+    """A damaged newest checkpoint: with no usable checkpoint.prev/ one error line naming the file;
+    with it, a note, and the resumed run ends exactly as an uninterrupted one."""
     import shutil
-    out = str(tmp_path / "d")
-    argv = TINY + ["--method", "clip", "--max_steps", "3", "--save_interval", "1", "--out_dir", out]
-    assert run_main(argv + ["--stop_at", "2"]) == 0
-    ck = os.path.join(out, "checkpoint")
-    good = str(tmp_path / "good")
-    shutil.copytree(ck, good)
-    if damage == "missing":
-        os.remove(os.path.join(ck, "model.safetensors"))
-    elif damage == "step":                     # a model file from another step (a torn save)
-        shutil.copy(os.path.join(good, "model.safetensors"), str(tmp_path / "m"))
-        assert run_main(argv + ["--stop_at", "1", "--out_dir", str(tmp_path / "o1")]) == 0
-        shutil.copy(os.path.join(tmp_path, "o1", "checkpoint", "model.safetensors"), ck)
-    else:
-        _truncate(os.path.join(ck, damage))
+    out, ref = str(tmp_path / "d"), str(tmp_path / "ref")
+    argv = TINY + ["--method", "clip", "--max_steps", "4", "--save_interval", "1"]
+    assert run_main(argv + ["--out_dir", ref]) == 0
+    assert run_main(argv + ["--out_dir", out, "--stop_at", "3"]) == 0
+    ck, prev = os.path.join(out, "checkpoint"), os.path.join(out, "checkpoint.prev")
+    _damage(ck, how)
+    os.rename(prev, str(tmp_path / "prev"))
     capsys.readouterr()
-    assert run_main(argv + ["--resume"]) == 2
+    assert run_main(["--resume", "--out_dir", out]) == 2
     line = _one_error_line(capsys)
-    assert ck in line and ("model.safetensors" in line if damage in ("missing", "step") else damage in line)
-    # a kill between the two renames of a save: checkpoint/ damaged, checkpoint.prev/ complete
-    shutil.copytree(good, os.path.join(out, "checkpoint.prev"))
-    assert run_main(argv + ["--resume"]) == 0
+    assert os.path.join(ck, says) in line, line
+    os.rename(str(tmp_path / "prev"), prev)
+    assert run_main(["--resume", "--out_dir", out]) == 0
     err = capsys.readouterr().err
-    assert "resuming from the previous complete checkpoint" in err and "step 2" in err
-    assert train_state(out)["step"] == 3 and not os.path.exists(os.path.join(out, "checkpoint.prev"))
+    assert f"note: {os.path.join(ck, says)}" in err and "resuming from the previous checkpoint" in err and "step 2" in err
+    a, b = weights(ref), weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a) and same(train_state(ref), train_state(out))
+    assert train_state(out, "checkpoint.prev")["step"] == 3            # the damaged one was not kept as prev
 
 
-def _sigterm_group_when_training(cmd, out, env=None):
-    """Start `cmd` in its own session, wait for the first log line, SIGTERM the whole process
-    group (as torchrun's agent and SLURM do: the loader workers get it too)."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env,
+def _signal_when_training(cmd, out, sig=signal.SIGTERM):
+    """Start `cmd` in its own session, wait for the first log line, send `sig` to the whole process
+    group (as torchrun's agent, SLURM and Ctrl-C do: the loader workers get it too)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env_1thread(),
                          start_new_session=True)
     metrics, t0 = os.path.join(out, "metrics.jsonl"), time.time()
     while not (os.path.isfile(metrics) and os.path.getsize(metrics) > 0) and time.time() - t0 < 120:
         time.sleep(0.2)
-    os.killpg(p.pid, signal.SIGTERM)
+    os.killpg(p.pid, sig)
     _, err = p.communicate(timeout=120)
     return p.returncode, err.decode()
+
+
+def env_1thread():
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def test_sigterm_with_loader_workers_saves_and_resumes(tmp_path):
     out = str(tmp_path / "s")
     argv = TINY + ["--method", "clip", "--num_workers", "2", "--out_dir", out]
-    rc, err = _sigterm_group_when_training([sys.executable, os.path.join(ROOT, "il_clip.py")] + argv +
-                                           ["--max_steps", "100000"], out)
-    assert rc == 0 and "sigterm" in err and "Traceback" not in err, err[-1500:]
+    rc, err = _signal_when_training([sys.executable, os.path.join(ROOT, "il_clip.py")] + argv +
+                                    ["--max_steps", "100000"], out)
     step = train_state(out)["step"]
-    assert step > 0
-    assert run_main(argv + ["--max_steps", str(step + 1), "--resume"]) == 0
+    assert rc == 0 and f"stopped by SIGTERM: step {step}/100000" in err and "Traceback" not in err, err[-1500:]
+    assert run_main(["--resume", "--out_dir", out, "--stop_at", str(step + 1)]) == 0
     assert train_state(out)["step"] == step + 1
+
+
+def test_ctrl_c_saves_a_checkpoint_that_resumes_bit_exactly(tmp_path):
+    out, ref = str(tmp_path / "i"), str(tmp_path / "ref")
+    argv = TINY + ["--method", "codebook", "--codebook", "16", "--max_steps", "100000", "--save_interval", "100000",
+                   "--num_workers", "1"]
+    rc, err = _signal_when_training([sys.executable, os.path.join(ROOT, "il_clip.py")] + argv + ["--out_dir", out],
+                                    out, signal.SIGINT)
+    step = train_state(out)["step"]
+    assert rc == 0 and "Traceback" not in err, err[-1500:]
+    assert f"stopped by SIGINT: step {step}/100000" in err and f"il_clip.py --resume --out_dir {out}" in err, err
+    assert run_main(["--resume", "--out_dir", out, "--stop_at", str(step + 2)]) == 0
+    assert run_main(argv + ["--out_dir", ref, "--stop_at", str(step + 2)]) == 0
+    a, b = weights(ref), weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a) and same(train_state(ref), train_state(out))
+
+
+def test_a_second_ctrl_c_exits_at_once(monkeypatch, capsys):
+    exits = []
+    monkeypatch.setattr(M.os, "_exit", exits.append)
+    monkeypatch.setattr(M, "_stop", None)
+    M.on_signal(signal.SIGTERM, None)
+    M.on_signal(signal.SIGTERM, None)
+    assert M._stop == "SIGTERM" and exits == []        # the first asks for a save at the next sync point
+    M.on_signal(signal.SIGINT, None)
+    assert exits == [130] and "exiting without saving" in _one_error_line(capsys)
+
+
+def _files(out):
+    """Every file under out (but the lock, rewritten by every run) -> (mtime, bytes)."""
+    return {p: (os.stat(p).st_mtime_ns, open(p, "rb").read()) for d, _, fs in os.walk(out)
+            for p in (os.path.join(d, f) for f in fs) if not p.endswith(".lock")}
+
+
+def test_a_new_run_on_a_finished_out_dir_is_refused_and_overwrite_replaces_it(tmp_path, capsys):
+    out = str(tmp_path / "o")
+    argv = TINY + IL + ["--max_steps", "6", "--eval_size", "4", "--out_dir", out]
+    assert run_main(argv) == 0
+    files = _files(out)
+    assert os.path.join(out, "shapes_eval.json") in files and os.path.isdir(os.path.join(out, "gen0"))
+    capsys.readouterr()
+    assert run_main(argv) == 2
+    line = _one_error_line(capsys)
+    assert out in line and "--resume" in line and "--overwrite" in line and "--out_dir" in line
+    assert _files(out) == files
+    assert run_main(TINY + ["--method", "clip", "--max_steps", "2", "--save_interval", "1", "--out_dir", out,
+                            "--overwrite"]) == 0
+    assert sorted(os.listdir(out)) == [".lock", "checkpoint", "checkpoint.prev", "config.json", "loss_curve.png",
+                                       "metrics.jsonl", "tokenizer.json"]       # no gen*/, no shapes_eval.json
+    assert [json.loads(x)["step"] for x in open(os.path.join(out, "metrics.jsonl"))] == [1, 2]
+
+
+def test_resume_refuses_a_changed_run_defining_flag_and_takes_run_control_flags(tmp_path, capsys):
+    out = str(tmp_path / "o")
+    assert run_main(TINY + ["--method", "clip", "--max_steps", "6", "--stop_at", "2", "--out_dir", out]) == 0
+    capsys.readouterr()
+    for flag in (["--lr", "0.5"], ["--method", "negclip"], ["--max_steps", "7"], ["--model_args", "width=64"]):
+        assert run_main(["--resume", "--out_dir", out] + flag) == 2
+        assert f"--resume: {flag[0]} " in _one_error_line(capsys)
+    # the same values, and run-control flags, are accepted
+    assert run_main(TINY + ["--method", "clip", "--max_steps", "6", "--resume", "--out_dir", out, "--stop_at", "4",
+                            "--log_interval", "2", "--save_interval", "3"]) == 0
+    assert train_state(out)["step"] == 4 and train_state(out, "checkpoint.prev")["step"] == 3
+    assert [json.loads(x)["step"] for x in open(os.path.join(out, "metrics.jsonl"))] == [1, 2, 4]
+    config = json.load(open(os.path.join(out, "checkpoint", "config.json")))
+    assert config["lr"] == 1e-3 and config["max_steps"] == 6 and config["preset"] == "tiny"
+
+
+@pytest.mark.parametrize("target", ["metrics.jsonl", "loss_curve.png"])
+def test_a_write_error_is_one_line_and_keeps_the_checkpoint(tmp_path, capsys, target):
+    """A full disk (/dev/full) under metrics.jsonl or the loss curve PNG: one error line, exit 2."""
+    out = str(tmp_path / "w")
+    os.makedirs(out)
+    name = target if target == "metrics.jsonl" else f"{target}.tmp{os.getpid()}"   # data.atomic_write's temp
+    os.symlink("/dev/full", os.path.join(out, name))
+    rc = run_main(TINY + ["--method", "clip", "--max_steps", "4", "--save_interval", "2", "--out_dir", out])
+    line = _one_error_line(capsys)
+    assert rc == 2 and os.path.join(out, target) in line and "no space left on device" in line, line
+    if target == "loss_curve.png":                     # drawn after the step-2 save: that checkpoint stands
+        assert train_state(out)["step"] == 2
 
 
 @pytest.mark.parametrize("method", ["clip", "codebook"])
@@ -465,8 +574,7 @@ def test_nonfinite_stops_and_never_saves_a_nonfinite_checkpoint(tmp_path, capsys
     step = train_state(out)["step"]
     assert step < 50
     assert all(torch.isfinite(v).all() for v in weights(out).values())
-    state = load_file(os.path.join(out, "checkpoint", "train_state.safetensors"))
-    assert all(torch.isfinite(v).all() for v in state.values())
+    assert M.all_finite(train_state(out)) and train_state(out)["optimizer"]["state"]
 
 
 def test_logit_scale_used_in_the_loss_is_at_most_100():
