@@ -25,10 +25,13 @@ next to the code that makes it, marked "Choice:".
 """
 import argparse
 import contextlib
+import copy
 import errno
 import fcntl
-import gc
 import functools
+import gc
+import hashlib
+import io
 import json
 import math
 import os
@@ -47,8 +50,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from PIL import Image, ImageDraw
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+import safetensors.torch
+from safetensors.torch import load_file
 
 try:
     import data  # the repo's shared module (shapes, tokenizer, loaders)
@@ -1229,11 +1232,13 @@ def clip_patch_features(images, clip_path, batch=64, quick_gelu=None):
     tf = data.eval_transform(size)
     feats = []
     for i in range(0, len(images), batch):
-        x = torch.stack([im if torch.is_tensor(im) else tf(im) for im in images[i:i + batch]])
+        # loader batches (uint8 or normalised) and PIL images (shapes) alike: CLIP-normalised float32
+        x = data.normalize_images(torch.stack([im if torch.is_tensor(im) else tf(im) for im in images[i:i + batch]]),
+                                  "cpu")
         if x.shape[-1] != size:
             raise ComposerError(f"{clip_path} takes {size}px images, the loader gives {x.shape[-1]}px: "
                                 f"pass --image_size {size}")
-        feats.append(vit_patch_tokens(sd, heads, quick_gelu, x.float()))
+        feats.append(vit_patch_tokens(sd, heads, quick_gelu, x))
     feats = torch.cat(feats)
     P = feats.shape[1]
     g = int(round(math.sqrt(P)))
@@ -1716,10 +1721,12 @@ def nonfinite(step, args):
                          f"is in {args.out_dir}")
 
 
-def build_tokenizer(args, resume=False):
-    if resume:         # every save also writes out_dir/tokenizer.json
-        return load_tokenizer(args.out_dir)
-    if getattr(args, "bert", None):  # BERT's own WordPiece vocabulary
+def build_tokenizer(args, folder=None):
+    """The tokenizer of the checkpoint folder being resumed, or a new one: BERT's WordPiece (--bert),
+    the CLIP BPE (--vocab) or a BPE trained on the captions."""
+    if folder:
+        return load_tokenizer(folder)
+    if getattr(args, "bert", None):
         return BertTokenizer.from_release(args.bert, args.max_len)
     captions = data.captions_for_tokenizer(args.data, image_root=getattr(args, "image_root", None), **csv_options(args))
     return data.build_tokenizer(vocab_path=args.vocab, captions=captions, vocab_size=args.vocab_size,
@@ -1783,19 +1790,6 @@ def build_optimizer(model, args):
                              lr=args.lr, betas=(0.9, 0.98), foreach=True)
 
 
-def restore(ckpt, model, opt, sampler, metrics, rank, device):
-    """--resume: weights, optimizer, sampler position and RNG states; metrics.jsonl rewound.
-    Returns the step."""
-    sd, tensors, st = ckpt
-    data.load_state(model, sd, os.path.join(os.path.dirname(metrics), "checkpoint"))
-    load_optimizer_state(opt, tensors, st["optimizer"])
-    sampler.load_state_dict(st["sampler"])
-    set_rng_state(st["rng"], device)
-    if rank == 0:
-        rewind_metrics(metrics, st["step"])
-    return st["step"]
-
-
 def run_evals(model, compiler, evals, device, args):
     out = {name: evaluate(model, compiler, es, device, args.parse_dropout, phrases=name == "in_domain", seed=args.seed,
                           folds=args.folds)[0]
@@ -1817,39 +1811,37 @@ def sync_values(loss, parts, bad, stop_flag, world):
     return vals.tolist()
 
 
-def build_run(args, resumed, master, world, device):
-    """Tokenizer (out_dir's when resuming), compiler, training and eval data, and the model
-    (--init weights) on `device`; rank 0 says what was read."""
-    tok = build_tokenizer(args, resumed)
+def build_run(args, resume, master, world, device):
+    """Tokenizer (the resumed checkpoint's), compiler, training and eval data, and the model
+    (--bert, --init weights) on `device`; rank 0 says what was read."""
+    tok = build_tokenizer(args, resume and resume[0])
     compiler = TextCompiler(tok, args.max_len)
     t0 = time.time()
     sp, evals = load_data(args, compiler)
     model, cfg = make_model(args, tok, sp.store.feat_dim)
-    if args.bert and not resumed:
+    if args.bert and not resume:
         init_from_bert(model, args.bert)
     if args.init:
         load_weights(model, resolve_weights(args.init)[0])
     model.to(device)
     if master:
         print(f"data: {len(sp.captions)} train captions / {len(sp.keys)} images, {sp.n_bracketed} parsed by the "
-              f"built-in bracketer (no tree), skipped {dict(sp.skipped)}, "
-              f"{time.time() - t0:.1f}s; model {cfg.arch}: {sum(p.numel() for p in model.parameters()) / 1e6:.3f}M params; "
-              f"world {world}, device {device}", flush=True)
+              f"built-in bracketer (no tree), skipped {dict(sp.skipped)}, {time.time() - t0:.1f}s; model {cfg.arch}: "
+              f"{sum(p.numel() for p in model.parameters()) / 1e6:.3f}M params; world {world}, device {device}",
+              flush=True)
     return tok, compiler, sp, evals, model, cfg
 
 
 def train(args):
     rank, world, device = setup_distributed(args.device)
     master = rank == 0
-    check_args(args, world)
     lock_out_dir(args.out_dir, rank, world, device)   # before anything is written there
-    if args.resume:
-        check_resumable(args.out_dir, rank)
+    resume = prepare_out_dir(args, rank)              # --resume: args become the saved run's
+    check_args(args, world)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)
-    resume = find_checkpoint(args.out_dir, "cpu") if args.resume else None
-    tok, compiler, sp, evals, model, cfg = build_run(args, resume is not None, master, world, device)
+    tok, compiler, sp, evals, model, cfg = build_run(args, resume, master, world, device)
     params = list(model.parameters())
     opt = build_optimizer(model, args)
     sampler = Sampler(len(sp.captions), args.batch_size, args.seed)
@@ -1858,14 +1850,10 @@ def train(args):
     if master and not resume:
         open(metrics, "w").close()      # a fresh run starts a fresh log (--resume rewinds it)
     if resume and master:
-        print(f"resumed from {args.out_dir} at step {step}", flush=True)
+        print(f"resumed from {resume[0]} at step {step}", flush=True)
     if args.compile:  # compile each transformer block (shapes vary by level: dynamic=True)
         [mod.compile(dynamic=True) for mod in model.modules() if isinstance(mod, Block)]
     step_loss = wrap_ddp(StepLoss(model, compiler, sp, args, rank, world, device), world, device)
-    stop = {"flag": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
-    if master:
-        os.makedirs(args.out_dir, exist_ok=True)
     last_log = time.time()
     extra = {"skipped": dict(sp.skipped)}
 
@@ -1877,7 +1865,6 @@ def train(args):
 
     model.train()
     bad = torch.zeros((), dtype=torch.bool, device=device)     # any non-finite loss since the start
-
     stopping = False
     while step < args.max_steps:
         gidx = sampler.next()
@@ -1892,8 +1879,8 @@ def train(args):
         opt.step()
         step += 1
         at_ckpt = step % args.save_interval == 0 or step in (args.max_steps, args.stop_at)  # the same on every rank
-        if step % args.log_interval == 0 or at_ckpt or (world == 1 and stop["flag"]):
-            vals = sync_values(loss, parts, bad, stop["flag"], world)
+        if step % args.log_interval == 0 or at_ckpt or (world == 1 and STOP["flag"]):
+            vals = sync_values(loss, parts, bad, STOP["flag"], world)
             if vals[-2]:
                 raise nonfinite(step, args)
             stopping = (vals[-1] > 0 or step == args.stop_at) and step < args.max_steps
@@ -1901,14 +1888,16 @@ def train(args):
             parts = dict(zip(parts, vals[1:-2]))
             dt, last_log = time.time() - last_log, time.time()
             log({"step": step, "loss": round(vals[0], 6), **{k: round(v, 6) for k, v in parts.items()},
-                 "lr": opt.param_groups[0]["lr"], "samples_per_s": round(args.batch_size * args.log_interval / max(dt, 1e-9), 1)})
+                 "lr": opt.param_groups[0]["lr"],
+                 "samples_per_s": round(args.batch_size * args.log_interval / max(dt, 1e-9), 1)})
         if args.eval_every and step % args.eval_every == 0 and step < args.max_steps and master:
             log({"step": step, "eval": run_evals(model, compiler, evals, device, args)})
         if master and (at_ckpt or stopping):
             save_checkpoint(args.out_dir, model, opt, cfg, args, step, sampler, tok, extra, device)
         if stopping:
             if master:
-                print(f"stopped (SIGTERM or --stop_at): checkpoint saved at step {step}; continue with --resume", flush=True)
+                print(f"stopped (signal or --stop_at): checkpoint saved at step {step}; continue with: "
+                      f"python composer.py train --resume --out_dir {args.out_dir}", flush=True)
             break
     result = None
     if master and not stopping:
@@ -2199,14 +2188,22 @@ def resolve_weights(path):
 
 
 def load_checkpoint(ckpt, device="cpu"):
-    """(model, tokenizer, saved args as a Namespace) from a composer.py checkpoint (resolve_weights)."""
+    """(model, tokenizer, saved args as a Namespace) from a composer.py checkpoint (resolve_weights).
+    Another script's checkpoint (il_clip.py, mm_learngene.py) is one line naming its reader."""
     weights, folder = resolve_weights(ckpt)
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise ComposerError(f"{ckpt}: no config.json (not a composer.py out_dir)")
     conf = data.read_json(os.path.join(folder, "config.json"))
-    cfg = ModelConfig(**conf["model"])
-    model = load_weights(MODELS[cfg.arch](cfg), weights)
-    return model.to(device).eval(), load_tokenizer(folder), argparse.Namespace(**conf["args"])
+    try:
+        cfg = ModelConfig(**conf["model"])
+        model = MODELS[cfg.arch](cfg)
+        args = argparse.Namespace(**conf["args"])
+    except (TypeError, KeyError):
+        script = conf.get("script") if isinstance(conf, dict) else None
+        name = script.get("name") if isinstance(script, dict) else None
+        raise ComposerError(f"{ckpt}: a checkpoint of {name or 'another script'}, not of composer.py: evaluate it "
+                            f"with python eval_compositional.py --ckpt {ckpt}") from None
+    return load_weights(model, weights).to(device).eval(), load_tokenizer(folder), args
 
 
 def load_weights(model, weights):
@@ -2527,7 +2524,10 @@ def add_train_parser(sub):
     t.add_argument("--warmup", type=int, default=50)
     t.add_argument("--grad_clip", type=float, default=1.0)
     t.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="bf16 autocast on CUDA (CPU runs fp32)")
-    t.add_argument("--resume", action="store_true", help="continue from out_dir/checkpoint/ (or checkpoint.prev/)")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out_dir with its own flags, from "
+                   "checkpoint/ (or checkpoint.prev/)")
+    t.add_argument("--overwrite", action="store_true", help="a new run in an --out_dir that holds one: remove the "
+                   "previous run's checkpoints and results first")
     t.add_argument("--stop_at", type=int, default=None, help="stop at this step with a checkpoint, as if preempted")
     t.add_argument("--compile", action="store_true")
     t.add_argument("--init", default=None, help="initial weights: a composer out_dir or model.safetensors")
@@ -2563,13 +2563,22 @@ def add_train_parser(sub):
     t.add_argument("--eval_every", type=int, default=0)
     t.add_argument("--log_interval", type=int, default=25)
     t.add_argument("--save_interval", type=int, default=200, help="checkpoint at multiples of this step")
+    return t
+
+
+def given_flags(parser, argv, dests):
+    """The flags given on the command line (what --resume compares with the saved run's): argv
+    parsed again with every default unset."""
+    quiet, unset = copy.deepcopy(parser), object()
+    quiet.set_defaults(**dict.fromkeys(dests, unset))
+    return {k for k, v in vars(quiet.parse_args(argv)).items() if v is not unset}
 
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description="COMPOSER: CRG, model, training, retrieval, MCD splits",
                                  epilog=SUBCOMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", metavar="{train,eval,graph,mcd,parse,summarize}")
-    add_train_parser(sub)
+    train_parser = add_train_parser(sub)
     e = sub.add_parser("eval", help="text->image / phrase->image retrieval of a checkpoint")
     add_common(e)
     add_features(e, default=None)
@@ -2618,6 +2627,7 @@ def parse_args(argv):
         argv = ["train"] + list(argv)
     args = ap.parse_args(argv)
     if args.cmd == "train":   # the paper's sizes on real data, CPU sizes on shapes; explicit flags win
+        args.given = given_flags(train_parser, argv[1:], vars(args))
         args.model = args.model or ("shapes" if args.data.startswith("shapes") else "paper")
         for k, v in SIZE_PRESETS[args.model].items():
             if getattr(args, k) is None:
@@ -2628,6 +2638,7 @@ def parse_args(argv):
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     errors = (ComposerError, CRGError) + ((data.DataError,) if data is not None else ())
+    handlers = stop_on_signals() if args.cmd == "train" else {}
     try:
         if data is None and args.cmd not in ("mcd", "parse"):
             raise ComposerError("data.py is missing (composer.py imports it for data, tokenizer and shapes)")
@@ -2639,6 +2650,12 @@ def main(argv=None):
     except errors as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1 if isinstance(e, NonFinite) else 2)
+    except OSError as e:    # a full disk, a quota, a failing device: one line, the last checkpoint intact
+        if e.errno not in WRITE_ERRNOS:
+            raise
+        print(f"error: {e.filename or getattr(args, 'out_dir', None) or getattr(args, 'out', '')}: {e.strerror}",
+              file=sys.stderr)
+        sys.exit(2)
     finally:
         # torch's order: the process group goes last, once per process, after the run that used
         # it (and its DDP wrapper) has returned; on every path, errors included
@@ -2646,10 +2663,13 @@ def main(argv=None):
         if dist.is_available() and dist.is_initialized():
             gc.collect()    # the DDP wrapper (in a reference cycle) holds the group: it goes first
             dist.destroy_process_group()
+        for s, h in handlers.items():
+            signal.signal(s, h)
 
 
-# APPENDIX
-# --- rule-based bracketer for captions without trees (closed-class word lists, no model) ---
+# =============================================================================
+# Appendix: the rule-based bracketer, for captions without trees (closed-class word lists, no model)
+# =============================================================================
 # Choice: a deterministic tagger + recursive-descent chunker in the Kitaev-Klein (benepar) / PTB
 # style, not a statistical parser. It knows closed-class words, ~200 caption verbs with their
 # inflections, colour/size/material adjectives and adjective-only suffixes; context decides the
@@ -3092,16 +3112,31 @@ def bracket(caption: str) -> str:
     return tree
 
 
-# INFRA
-# -----------------------------------------------------------------------------
-# Checkpoints. out_dir/checkpoint/ holds model.safetensors, config.json, tokenizer.json and the
-# training state: train_state.safetensors (AdamW moments) and train_state.json (step, sampler
-# position, RNG states). safetensors + JSON: loading runs no pickled code. The set is written into
-# checkpoint.tmp/, fsynced and switched in by renames, so checkpoint/ (or, after a kill
-# mid-switch, checkpoint.prev/) holds one whole step.
+# =============================================================================
+# Infrastructure: checkpoints, run lifecycle, the out_dir lock, stop signals, the loss plot
+# =============================================================================
+# The layout of all three training scripts: out_dir/checkpoint/ holds model.safetensors, config.json
+# (flags, model config, "script"), tokenizer.json, state.pt (step, optimizer, RNG states, sampler
+# position; torch.save, read back with weights_only=True) and sha256.json of those four, written
+# last. A save fills checkpoint.tmp/, fsyncs it and switches it in by renames; the save before it
+# stays as checkpoint.prev/, the fallback when the newest is damaged.
 
-CHECKPOINT_FILES = ("model.safetensors", "config.json", "train_state.safetensors", "train_state.json")
+STATE_FILES = ("model.safetensors", "config.json", "tokenizer.json", "state.pt")
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)   # one error line, exit 2 (main)
+# --resume takes every flag from the run's config.json but these; a flag given on the command line
+# must equal the saved value, except the run-control ones
+NOT_SAVED = {"cmd", "resume", "overwrite", "out_dir", "stop_at"}
+RUN_CONTROL = NOT_SAVED | {"save_interval", "log_interval", "num_workers", "device", "compile", "eval_every"}
+RUN_FILES = ("checkpoint", "checkpoint.prev", "checkpoint.tmp", "config.json", "tokenizer.json", "metrics.jsonl",
+             "loss_curve.png", "eval.json")   # what --overwrite removes
 _lock = None    # this process's open out_dir/.lock
+
+
+def refuse(rank, msg):
+    """A problem every rank finds alike: rank 0 says it once, every rank exits 2."""
+    if rank:
+        raise SystemExit(2)
+    raise ComposerError(msg)
 
 
 def lock_out_dir(out_dir, rank, world, device):
@@ -3127,9 +3162,7 @@ def lock_out_dir(out_dir, rank, world, device):
     if world > 1:
         dist.broadcast(busy, 0)
     if busy.item():
-        if rank:
-            raise SystemExit(2)      # rank 0 says why, once
-        raise ComposerError(f"{out_dir} is in use by another run: process {holder} holds {out_dir}/.lock")
+        refuse(rank, f"{out_dir} is in use by another run: process {holder} holds {out_dir}/.lock")
 
 
 def release_out_dir():
@@ -3139,138 +3172,158 @@ def release_out_dir():
         _lock = None
 
 
-def check_resumable(out_dir, rank):
-    """--resume with no checkpoint at all (e.g. a SIGTERM before the first save) is an error,
-    said once, by rank 0."""
-    if not any(os.path.isdir(os.path.join(out_dir, d)) for d in ("checkpoint", "checkpoint.prev")):
-        if rank:
-            raise SystemExit(2)
-        raise ComposerError(f"--resume: nothing to resume yet in {out_dir} (no checkpoint saved)")
+def prepare_out_dir(args, rank):
+    """The run lifecycle. --resume: the newest usable checkpoint, and args become the saved run's
+    (a run-defining flag given with another value is refused). A new run on an out_dir holding a
+    checkpoint is refused unless --overwrite, which first removes the previous run's files."""
+    out = args.out_dir
+    found = any(os.path.isdir(os.path.join(out, d)) for d in ("checkpoint", "checkpoint.prev"))
+    if not args.resume:
+        if found and not args.overwrite:
+            refuse(rank, f"{out} holds a checkpoint: --resume continues that run; a new run needs another "
+                         f"--out_dir, or --overwrite to replace it")
+        for name in RUN_FILES if args.overwrite and rank == 0 else ():
+            path = os.path.join(out, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
+        return None
+    if not found:
+        refuse(rank, f"--resume: nothing to resume yet in {out} (no checkpoint saved)")
+    ckpt = find_checkpoint(out, rank)
+    for k, v in ckpt[3]["args"].items():
+        if k in args.given and k not in RUN_CONTROL and getattr(args, k) != v:
+            refuse(rank, f"--{k} {getattr(args, k)} differs from the resumed run's {v} ({ckpt[0]}/config.json): "
+                         f"--resume continues a run with its own flags")
+        if k not in args.given and k not in NOT_SAVED:
+            setattr(args, k, v)
+    return ckpt
 
 
-def write_checkpoint(out_dir, model_sd, config, tensors, state, tok):
-    """The set into checkpoint.tmp/, fsync, then checkpoint/ -> checkpoint.prev/, checkpoint.tmp/
-    -> checkpoint/, checkpoint.prev/ removed. A full disk is one error line; checkpoint.tmp/ is
-    removed and the previous checkpoint is left as it was."""
-    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
-    cpu = lambda sd: {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        save_file(cpu(model_sd), os.path.join(tmp, "model.safetensors"), {"step": str(state["step"])})
-        save_file(cpu(tensors), os.path.join(tmp, "train_state.safetensors"), {"step": str(state["step"])})
-        data.save_json(os.path.join(tmp, "config.json"), config)
-        data.save_json(os.path.join(tmp, "train_state.json"), state)
-        tok.save(tmp)
-        for name in os.listdir(tmp):
-            data.fsync(os.path.join(tmp, name))
-        data.fsync(tmp)
-        data.atomic_write(os.path.join(out_dir, "config.json"), lambda p: data.save_json(p, config))
-        tok.save(out_dir)       # readers of out_dir find the tokenizer beside config.json
-    except Exception as e:      # safetensors reports a full disk as SafetensorError, not OSError
-        shutil.rmtree(tmp, ignore_errors=True)
-        if getattr(e, "errno", None) != errno.ENOSPC and "No space left" not in str(e):
-            raise
-        need = sum(v.nbytes for v in [*model_sd.values(), *tensors.values()]) / 2 ** 20
-        raise ComposerError(f"{out_dir}: no space left on device for the step-{state['step']} checkpoint (about "
-                            f"{need:.1f} MiB needed, {shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); "
-                            f"the previous checkpoint is kept") from None
-    if os.path.isdir(final):
-        shutil.rmtree(prev, ignore_errors=True)
-        os.replace(final, prev)
-    os.replace(tmp, final)
-    data.fsync(out_dir)
-    shutil.rmtree(prev, ignore_errors=True)
+def write_file(path, blob):
+    with open(path, "wb") as f:
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
 
 
-def read_checkpoint(folder, device):
-    """(model tensors, train-state tensors, train_state.json) of one checkpoint folder, or a
-    DataError naming the file that is missing, damaged or from another step."""
-    missing = [n for n in CHECKPOINT_FILES if not os.path.isfile(os.path.join(folder, n))]
-    if missing:
-        raise data.DataError(f"{os.path.join(folder, missing[0])}: missing (incomplete checkpoint)")
-    state, _ = data.read_json(os.path.join(folder, "train_state.json")), data.read_json(os.path.join(folder, "config.json"))
-    out = []
-    for path in (os.path.join(folder, "model.safetensors"), os.path.join(folder, "train_state.safetensors")):
-        try:
-            with safe_open(path, "pt") as f:
-                step = (f.metadata() or {}).get("step")
-            out.append(load_file(path, device=str(device)))
-        except Exception as e:
-            raise data.DataError(f"{path}: damaged ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})") from None
-        if not isinstance(state, dict) or step != str(state.get("step")):
-            raise data.DataError(f"{path}: from step {step}, train_state.json from step "
-                                 f"{state.get('step') if isinstance(state, dict) else None}")
-    return out[0], out[1], state
-
-
-def find_checkpoint(out_dir, device):
-    """read_checkpoint of out_dir/checkpoint/, else of a complete checkpoint.prev/ (said on stderr)."""
-    try:
-        return read_checkpoint(os.path.join(out_dir, "checkpoint"), device)
-    except data.DataError as e:
-        prev = os.path.join(out_dir, "checkpoint.prev")
-        if not os.path.isdir(prev):
-            raise
-        found = read_checkpoint(prev, device)
-        print(f"note: {e}; resuming from the previous complete checkpoint {prev} (step {found[2]['step']})",
-              file=sys.stderr)
-        return found
-
-
-def optimizer_state(opt):
-    """opt.state_dict() as (tensors "opt.{param}.{name}", JSON-able rest)."""
-    sd = opt.state_dict()
-    flat = {f"{i}.{name}": v for i, st in sd["state"].items() for name, v in st.items()}
-    return ({f"opt.{k}": v for k, v in flat.items() if torch.is_tensor(v)},
-            {"param_groups": sd["param_groups"], "scalars": {k: v for k, v in flat.items() if not torch.is_tensor(v)}})
-
-
-def load_optimizer_state(opt, tensors, info):
-    state = {}
-    for key, v in [(k[4:], v) for k, v in tensors.items() if k.startswith("opt.")] + list(info["scalars"].items()):
-        i, name = key.split(".", 1)
-        state.setdefault(int(i), {})[name] = v
-    opt.load_state_dict({"state": state, "param_groups": info["param_groups"]})
-
-
-def rng_state(device):
-    """torch (and CUDA), numpy and python RNG states as JSON: a resumed run draws the same numbers."""
-    n, p = np.random.get_state(), random.getstate()
-    return {"torch": torch.get_rng_state().tolist(),
-            "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if device.startswith("cuda") else None,
-            "numpy": [n[0], n[1].tolist(), *n[2:]], "python": [p[0], list(p[1]), p[2]]}
-
-
-def set_rng_state(st, device):
-    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
-    if st.get("cuda") and device.startswith("cuda"):
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
-    n, p = st["numpy"], st["python"]
-    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
-    random.setstate((p[0], tuple(p[1]), p[2]))
-
-
-def rewind_metrics(path, step):
-    """metrics.jsonl cut back to the resumed step: no step is logged twice (rank 0 rewrites it)."""
-    with open(path) if os.path.isfile(path) else contextlib.nullcontext([]) as f:
-        kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= step]
-
-    def write(p):
-        with open(p, "w") as f:
-            f.writelines(kept)
-    data.atomic_write(path, write)
+def sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra, device):
     """Everything --resume needs to continue bit-exactly from `step` (rank 0 writes). Non-finite
-    weights or optimizer state are never saved: NonFinite, the last good checkpoint stays."""
-    tensors = [*model.state_dict().values(), *(v for st in opt.state.values() for v in st.values())]
-    if not all(torch.isfinite(t).all() for t in tensors if t.is_floating_point()):
+    weights or optimizer state are never saved (NonFinite); a write error (full disk, ...) is one
+    error line. Either way checkpoint.tmp/ goes and the last good checkpoint stays as it was."""
+    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    moments = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    if not all(torch.isfinite(t).all() for t in [*weights.values(), *moments] if t.is_floating_point()):
         raise nonfinite(step, args)
-    tensors, optimizer = optimizer_state(opt)
-    state = {"step": step, "sampler": sampler.state_dict(), "rng": rng_state(device), "optimizer": optimizer, **extra}
-    write_checkpoint(out_dir, model.state_dict(), {"args": vars(args), "model": asdict(cfg)}, tensors, state, tok)
+    n, state = np.random.get_state(), io.BytesIO()
+    rng = {"torch": torch.get_rng_state(), "numpy": [n[0], n[1].tolist(), *n[2:]], "python": random.getstate(),
+           "cuda": torch.cuda.get_rng_state_all() if device.startswith("cuda") else []}
+    torch.save({"step": step, "sampler": sampler.state_dict(), "optimizer": opt.state_dict(), "rng": rng, **extra}, state)
+    config = {"args": {k: v for k, v in vars(args).items() if k != "given"}, "model": asdict(cfg),
+              "script": data.script_record(__file__)}
+    blobs = {"model.safetensors": safetensors.torch.save(weights, {"step": str(step)}),
+             "config.json": json.dumps(config, indent=1).encode(), "state.pt": state.getvalue()}
+    tmp, final, prev = (os.path.join(out_dir, d) for d in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        for name, blob in blobs.items():
+            write_file(os.path.join(tmp, name), blob)
+        tok.save(tmp)
+        data.fsync(os.path.join(tmp, "tokenizer.json"))
+        write_file(os.path.join(tmp, "sha256.json"), json.dumps({f: sha256(os.path.join(tmp, f)) for f in STATE_FILES},
+                                                                indent=1).encode())
+        data.fsync(tmp)
+        # readers of out_dir (summarize, eval --ckpt OUT_DIR) find the run's config and tokenizer there
+        data.atomic_write(os.path.join(out_dir, "config.json"), lambda p: write_file(p, blobs["config.json"]))
+        tok.save(out_dir)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno not in WRITE_ERRNOS:
+            raise
+        raise ComposerError(f"{out_dir}: {e.strerror.lower()} while writing the step-{step} checkpoint (about "
+                            f"{sum(map(len, blobs.values())) / 2 ** 20:.1f} MiB needed, "
+                            f"{shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); the previous checkpoint "
+                            f"is kept") from None
+    shutil.rmtree(prev, ignore_errors=True)
+    if os.path.isdir(final):
+        os.replace(final, prev)
+    os.replace(tmp, final)
+    data.fsync(out_dir)
+
+
+def read_checkpoint(folder):
+    """(weights, state, config) of one checkpoint folder whose files match its sha256.json, or a
+    DataError naming the file that is missing or damaged."""
+    sums = data.read_json(os.path.join(folder, "sha256.json"))
+    for name in STATE_FILES:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise data.DataError(f"{path}: missing (incomplete checkpoint)")
+        if not isinstance(sums, dict) or sums.get(name) != sha256(path):
+            raise data.DataError(f"{path}: damaged (its sha256 differs from sha256.json's)")
+    path = os.path.join(folder, "state.pt")
+    try:
+        st = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise data.DataError(f"{path}: not a training state ({type(e).__name__})") from None
+    if not (isinstance(st, dict) and isinstance(st.get("step"), int) and isinstance(st.get("sampler"), dict)
+            and isinstance(st.get("optimizer"), dict) and torch.is_tensor(st.get("rng", {}).get("torch"))):
+        raise data.DataError(f"{path}: not a training state (wrong types)")
+    return load_file(os.path.join(folder, "model.safetensors")), st, data.read_json(os.path.join(folder, "config.json"))
+
+
+def find_checkpoint(out_dir, rank):
+    """(folder, weights, state, config) of checkpoint/, or else of checkpoint.prev/ with a note."""
+    newest, prev = os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "checkpoint.prev")
+    try:
+        return (newest, *read_checkpoint(newest))
+    except data.DataError as e:
+        if not os.path.isdir(prev):
+            raise
+        found = (prev, *read_checkpoint(prev))
+        if rank == 0:
+            print(f"note: {e}; resuming from the previous checkpoint {prev} (step {found[2]['step']})", file=sys.stderr)
+        return found
+
+
+def restore(ckpt, model, opt, sampler, metrics, rank, device):
+    """--resume: weights, optimizer, sampler position and RNG states; metrics.jsonl cut back to the
+    resumed step (no step is logged twice). Returns the step."""
+    folder, weights, st, _ = ckpt
+    data.load_state(model, weights, folder)
+    opt.load_state_dict(st["optimizer"])
+    sampler.load_state_dict(st["sampler"])
+    torch.set_rng_state(st["rng"]["torch"])
+    if st["rng"]["cuda"] and device.startswith("cuda"):
+        torch.cuda.set_rng_state_all(st["rng"]["cuda"])
+    n = st["rng"]["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+    random.setstate(st["rng"]["python"])
+    if rank == 0:
+        with open(metrics) if os.path.isfile(metrics) else contextlib.nullcontext([]) as f:
+            kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= st["step"]]
+        data.atomic_write(metrics, lambda p: write_file(p, "".join(kept).encode()))
+    return st["step"]
+
+
+STOP = {"flag": False}   # set by SIGTERM / SIGINT, read by the training loop
+
+
+def stop_on_signals():
+    """SIGTERM and SIGINT (Ctrl-C) ask the loop to stop with a checkpoint at the next step all ranks
+    agree on; a second Ctrl-C exits at once. Installed until main() ends (a SIGTERM during the last
+    save must not kill it); returns the handlers main() puts back."""
+    STOP["flag"] = False
+
+    def handler(signum, frame):
+        if signum == signal.SIGINT and STOP["flag"]:
+            raise KeyboardInterrupt
+        STOP["flag"] = True
+    return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
 
 
 def draw_loss_curve(metrics_path, png_path, size=(900, 420)):
