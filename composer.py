@@ -51,6 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from PIL import Image, ImageDraw
 import safetensors.torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 try:
@@ -59,11 +60,10 @@ except ImportError:  # the CRG / MCD / model parts below do not need it
     data = None
 
 if dist.is_available():
-    # Imported before any process group exists: these functions take `group=group.WORLD` as a
-    # default, evaluated on import. Imported later (DDP does, through torch._dynamo), the defaults
-    # hold the group past destroy_process_group, so its gloo worker threads run on into
-    # interpreter exit, where one freeing a Python tensor aborts the process ("terminate called
-    # without an active exception").
+    # Imported before any process group exists: these functions take `group=group.WORLD` as a default, evaluated on
+    # import. Imported later (DDP does, through torch._dynamo), the defaults hold the group past
+    # destroy_process_group, so its gloo worker threads run on into interpreter exit, where one freeing a Python
+    # tensor aborts the process ("terminate called without an active exception").
     import torch.distributed.nn.functional  # noqa: F401
 
 
@@ -808,17 +808,15 @@ class CoAttention(nn.Module):
 
 
 class ViLBERT(CaptionCrossEncoder):
-    """Baseline: two-stream co-attention transformer (text <-> image both ways), without
-    image-text pretraining, as in the paper (section 5.1: its ViLBERT, like COMPOSER and VSE,
-    starts from BERT and sees no Conceptual Captions pretraining). --bert DIR initialises the
-    text stream (embeddings, text-only layers, then the stream's layers between co-attentions)
-    from BERT's layers in order; without it everything is trained from scratch.
-    Text: pt_layers self-attention blocks (ViLBERT's text-only layers), then ct_layers rounds of
-    Co-TRM + a self-attention block in each stream (the visual stream is updated by the text,
-    unlike COMPOSER's). Score: theta(h_CLS * mean of the visual stream), ViLBERT's alignment
-    head (it uses the IMG token; the regions here have none, so their masked mean stands in).
-    With --concept_mvsa every concept of the caption is also scored and trained with l_MVSA:
-    "ViLBERT + MVSA" (paper Table 5)."""
+    """Baseline: two-stream co-attention transformer (text <-> image both ways), without image-text pretraining, as in
+    the paper (section 5.1: its ViLBERT, like COMPOSER and VSE, starts from BERT and sees no Conceptual Captions
+    pretraining). --bert DIR initialises the text stream (embeddings, text-only layers, then the stream's layers
+    between co-attentions) from BERT's layers in order; without it everything is trained from scratch. Text: pt_layers
+    self-attention blocks (ViLBERT's text-only layers), then ct_layers rounds of Co-TRM + a self-attention block in
+    each stream (the visual stream is updated by the text, unlike COMPOSER's). Score: theta(h_CLS * mean of the visual
+    stream), ViLBERT's alignment head (it uses the IMG token; the regions here have none, so their masked mean stands
+    in). With --concept_mvsa every concept of the caption is also scored and trained with l_MVSA: "ViLBERT + MVSA"
+    (paper Table 5)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -977,8 +975,7 @@ def init_from_bert(model, bert_dir):
 
 
 def text_inputs(cfg: ModelConfig, compiler: TextCompiler, comps: list, captions: list, device="cpu"):
-    """The text batch a model takes, on `device`: compiled CRGs (composer) or caption token ids
-    (baselines)."""
+    """The text batch a model takes, on `device`: compiled CRGs (composer) or caption token ids (baselines)."""
     tb = collate_text(comps) if cfg.arch == "composer" else {"tokens": compiler.tok(captions)}
     return {k: v.to(device) for k, v in tb.items()}
 
@@ -997,11 +994,10 @@ SHAPES_FEAT_DIM = 70
 
 
 def shapes_region_features(image, objects, max_regions=8):
-    """Default for `shapes`: the gold object boxes as regions (the paper uses detector boxes).
-    Choice: a fixed, non-learned descriptor per box (a stand-in for the frozen detector
-    features): mean and std RGB of the box's foreground pixels (pixels that differ from the
-    background colour = median of the image border) + the box's 8x8 foreground-occupancy mask
-    (shape), 70-d; boxes normalised. Regions are sorted by x0 (not in caption order)."""
+    """Default for `shapes`: the gold object boxes as regions (the paper uses detector boxes). Choice: a fixed,
+    non-learned descriptor per box (a stand-in for the frozen detector features): mean and std RGB of the box's
+    foreground pixels (pixels that differ from the background colour = median of the image border) + the box's 8x8
+    foreground-occupancy mask (shape), 70-d; boxes normalised. Regions are sorted by x0 (not in caption order)."""
     from PIL import Image
     a = np.asarray(image, dtype=np.float32) / 255.0
     H, W = a.shape[:2]
@@ -1043,46 +1039,27 @@ class FeatureStore:
         return self.feats[idx].to(device), self.boxes[idx].to(device), self.mask[idx].to(device)
 
 
-_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-              "I64": torch.int64, "I32": torch.int32}
-
-
 class TensorFile:
-    """Row ranges of the tensors of one safetensors file, read with pread from the byte offsets
-    in its header (the format: 8-byte header length, JSON header, raw data). Nothing is mapped
-    or loaded whole: a rank's memory holds only the rows it reads."""
+    """Row ranges of the tensors of one safetensors file, read through safe_open's slices: only the
+    rows read are touched, so a rank's memory holds only the items it reads."""
 
     def __init__(self, path):
         self.path = path
         try:
-            with open(path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                if not 2 <= n <= 1 << 30:
-                    raise ValueError("bad header length")
-                self.head = json.loads(f.read(n))
-            size = os.path.getsize(path)
+            with safe_open(path, "pt") as f:
+                self.meta, self.shapes = f.metadata() or {}, {k: f.get_slice(k).get_shape() for k in f.keys()}
         except FileNotFoundError:
             raise CRGError("bad_regions", f"{path}: region file not found") from None
-        except (OSError, ValueError, UnicodeDecodeError) as e:
-            raise CRGError("bad_regions", f"{path}: not a safetensors file ({e})") from None
-        self.meta = self.head.pop("__metadata__", None) or {}
-        self.base = 8 + n
-        for name, h in self.head.items():
-            if h.get("dtype") not in _ST_DTYPES or self.base + h["data_offsets"][1] > size:
-                raise CRGError("bad_regions", f"{path}: tensor {name!r} has dtype {h.get('dtype')} or is cut short")
+        except Exception as e:  # SafetensorError: a bad header, a file cut short
+            raise CRGError("bad_regions", f"{path}: not a safetensors file or cut short ({e})") from None
 
     def shape(self, name):
-        return self.head[name]["shape"] if name in self.head else None
+        return self.shapes.get(name)
 
     def rows(self, name, lo=None, hi=None):
         """Rows lo..hi of the first axis (the whole tensor when lo is None), as a new tensor."""
-        h = self.head[name]
-        dt, shape = _ST_DTYPES[h["dtype"]], h["shape"]
-        lo, hi = (0, shape[0]) if lo is None else (lo, hi)
-        row = math.prod(shape[1:]) * torch.empty((), dtype=dt).element_size()
-        with open(self.path, "rb") as f:
-            buf = os.pread(f.fileno(), (hi - lo) * row, self.base + h["data_offsets"][0] + lo * row)
-        return torch.frombuffer(bytearray(buf), dtype=dt).reshape(hi - lo, *shape[1:])
+        with safe_open(self.path, "pt") as f:
+            return f.get_slice(name)[slice(lo, hi)]
 
 
 class RegionStore:
@@ -1148,11 +1125,10 @@ class RegionStore:
 
 
 class LazyFeatures:
-    """The FeatureStore interface over a RegionStore: get() reads the batch's items only. An
-    item found bad when first read is counted in `skipped` (the split's counter), said once on
-    stderr, and skipped from then on: it stands as one all-zero region, so the batch keeps its
-    shape on every rank and the image, still a candidate, carries no evidence. More bad items
-    than max_frac of the split stop the run (as --max_skip_frac does for captions)."""
+    """The FeatureStore interface over a RegionStore: get() reads the batch's items only. An item found bad when first
+    read is counted in `skipped` (the split's counter), said once on stderr, and skipped from then on: it stands as
+    one all-zero region, so the batch keeps its shape on every rank and the image, still a candidate, carries no
+    evidence. More bad items than max_frac of the split stop the run (as --max_skip_frac does for captions)."""
 
     def __init__(self, regions, keys, skipped, max_frac):
         self.regions, self.keys, self.feat_dim = regions, keys, regions.dim
@@ -1273,12 +1249,11 @@ def _n(spec, n, shapes_default):
 
 
 def _spec_items(args, spec, split, n, with_images=False) -> list:
-    """Caption items (JSON-able dicts, the lines of a split file) of the first `n` images of a
-    data spec's split (n = 0 or None: the whole split; shapes, which has no fixed size, takes its
-    default). Shapes items name (split, index, seed) and are regenerated on use. Other specs are
-    read without decoding any image (the JSON, the CSV, the shards' .txt/.tree members), so text-
-    only work and --features regions need no JPEGs; only --features clip (with_images) runs the
-    image loader."""
+    """Caption items (JSON-able dicts, the lines of a split file) of the first `n` images of a data spec's split (n =
+    0 or None: the whole split; shapes, which has no fixed size, takes its default). Shapes items name (split, index,
+    seed) and are regenerated on use. Other specs are read without decoding any image (the JSON, the CSV, the shards'
+    .txt/.tree members), so text- only work and --features regions need no JPEGs; only --features clip (with_images)
+    runs the image loader."""
     if spec.endswith(".jsonl"):
         return _first_images(read_split_file(spec), n)
     if _is_shapes(spec):
@@ -1799,11 +1774,10 @@ def run_evals(model, compiler, evals, device, args):
 
 
 def sync_values(loss, parts, bad, stop_flag, world):
-    """[loss, *parts, any non-finite, SIGTERM seen] summed over ranks (losses: the mean, the loss
-    of the global batch). The losses and the non-finite flag stay on the device until a log or
-    save step (no sync per step). SIGTERM reaches the ranks at different steps, so its flag is
-    summed with them: every rank then stops at this same step, and none waits in a collective
-    the others left."""
+    """[loss, *parts, any non-finite, SIGTERM seen] summed over ranks (losses: the mean, the loss of the global
+    batch). The losses and the non-finite flag stay on the device until a log or save step (no sync per step). SIGTERM
+    reaches the ranks at different steps, so its flag is summed with them: every rank then stops at this same step,
+    and none waits in a collective the others left."""
     vals = torch.stack([loss.detach(), *parts.values(), bad.float(), loss.new_tensor(float(stop_flag))]).double()
     if world > 1:
         dist.all_reduce(vals)
@@ -1939,9 +1913,8 @@ def score_matrix(model, compiler, comps, captions, store, img_idx, device, cap_c
 
 
 def recall_at(scores, gold_sets, ks=(1, 5, 10)):
-    """R@k: fraction of queries with a correct image among the k best (gold_sets: per query the
-    set of correct image columns). Ties count against the query: a hit needs fewer than k wrong
-    images scoring >= the best correct one."""
+    """R@k: fraction of queries with a correct image among the k best (gold_sets: per query the set of correct image
+    columns). Ties count against the query: a hit needs fewer than k wrong images scoring >= the best correct one."""
     G = torch.zeros_like(scores, dtype=torch.bool)
     for q, g in enumerate(gold_sets):
         G[q, list(g)] = True
@@ -1951,10 +1924,9 @@ def recall_at(scores, gold_sets, ks=(1, 5, 10)):
 
 
 def phrase_queries(sp: Split, per_caption=5, seed=0):
-    """Phrase->image (paper section 5): up to 5 non-sentence concepts per caption; a hit is any
-    image whose caption contains the phrase (its denotation within the evaluated images).
-    Choice: when a caption has more, 5 are drawn with a fixed seed. Returns the query CRGs,
-    texts, correct-image sets and each query's source image."""
+    """Phrase->image (paper section 5): up to 5 non-sentence concepts per caption; a hit is any image whose caption
+    contains the phrase (its denotation within the evaluated images). Choice: when a caption has more, 5 are drawn
+    with a fixed seed. Returns the query CRGs, texts, correct-image sets and each query's source image."""
     rng = random.Random(seed)
     denot = defaultdict(set)
     for crg, im in zip(sp.crgs, sp.cap_img):
@@ -2080,10 +2052,9 @@ def crg_atoms(crg: Concept) -> Counter:
 
 
 def delta_ranking(train: Counter, items: list, alpha: float = 0.1):
-    """Delta_i = CD(pool without item i) - CD(pool), for every item (a Counter of compounds),
-    in O(total compounds) via the closed form of the Chernoff coefficient. Returns (cd_all,
-    deltas). An item whose compounds are rare in training has Delta_i < 0 (removing it makes
-    the pool *less* divergent)."""
+    """Delta_i = CD(pool without item i) - CD(pool), for every item (a Counter of compounds), in O(total compounds)
+    via the closed form of the Chernoff coefficient. Returns (cd_all, deltas). An item whose compounds are rare in
+    training has Delta_i < 0 (removing it makes the pool *less* divergent)."""
     P = sum(train.values())
     Qk = Counter()
     for it in items:
@@ -2104,12 +2075,11 @@ def delta_ranking(train: Counter, items: list, alpha: float = 0.1):
 
 
 def mcd_split(train_crgs: list, pool: list, size: int, stride: int | None = None):
-    """Paper appendix B. `pool` = list of (item, [crg, ...]) (an image with its captions).
-    1) drop pool items with a primitive unseen in training; 2) Delta-rank; 3) the top `size`
-    items form the MCD split; 4) sliding windows of `size` over the ranking give graded splits.
-    Choice: the paper's "top ranking" is read as *most negative* Delta first (the items whose
-    removal lowers the divergence most, i.e. that carry the divergence); the printed CD of
-    the split confirms the direction. Returns a dict with the order, the split and windows."""
+    """Paper appendix B. `pool` = list of (item, [crg, ...]) (an image with its captions). 1) drop pool items with a
+    primitive unseen in training; 2) Delta-rank; 3) the top `size` items form the MCD split; 4) sliding windows of
+    `size` over the ranking give graded splits. Choice: the paper's "top ranking" is read as *most negative* Delta
+    first (the items whose removal lowers the divergence most, i.e. that carry the divergence); the printed CD of the
+    split confirms the direction. Returns a dict with the order, the split and windows."""
     train_c, train_a = Counter(), Counter()
     for c in train_crgs:
         train_c.update(crg_compounds(c))
@@ -2410,9 +2380,8 @@ def cmd_summarize(args):
 
 
 def cmd_parse(args):
-    """A copy of a caption file with a `tree` field per caption: a Karpathy JSON (sentences[].tree),
-    a CSV/TSV (a `tree` column) or a JSON-lines split file. Captions that already have a tree keep
-    it unless --overwrite."""
+    """A copy of a caption file with a `tree` field per caption: a Karpathy JSON (sentences[].tree), a CSV/TSV (a
+    `tree` column) or a JSON-lines split file. Captions that already have a tree keep it unless --overwrite."""
     parse = load_parser(args.parser)
     src, n, t0 = args.input, 0, time.time()
 
@@ -2670,20 +2639,18 @@ def main(argv=None):
 # =============================================================================
 # Appendix: the rule-based bracketer, for captions without trees (closed-class word lists, no model)
 # =============================================================================
-# Choice: a deterministic tagger + recursive-descent chunker in the Kitaev-Klein (benepar) / PTB
-# style, not a statistical parser. It knows closed-class words, ~200 caption verbs with their
-# inflections, colour/size/material adjectives and adjective-only suffixes; context decides the
-# ambiguous ones (a verb form right after a noun phrase is the verb, "rides" after "a man"; a base
-# form after a plural subject is VBP; after a form of be/have a participle, "was hit"; an -ing word
-# after a determiner with no noun after it is a noun, "the building"; an adjective ending a
-# determiner phrase is its head noun, "a large blue square"), and open words are tagged by their
-# position. Tokens as PTB's: "girl 's" (POS inside the possessor NP), "t-shirt" one token.
-# Structure: NP -> base NP [PP (right-branching inside the PP; after "X of Y" the next PP modifies
-# "X of Y") | VBG-phrase (reduced relative) | SBAR (who/that/which)] and NP CC NP; S -> NP VP;
-# inside the VP, PPs attach to the VP and only "of" PPs to the object NP; "to VB" makes S, "while
-# VBG" and "while/as NP VP" make SBAR. Measured against gold parses of 168 real-style captions, 60
-# of them held out (tests/fixtures/composer_captions_*.txt, tests/test_composer_bracketer.py).
-# A real parser (`composer.py parse`) is better still.
+# Choice: a deterministic tagger + recursive-descent chunker in the Kitaev-Klein (benepar) / PTB style, not a
+# statistical parser. It knows closed-class words, ~200 caption verbs with their inflections, colour/size/material
+# adjectives and adjective-only suffixes; context decides the ambiguous ones (a verb form right after a noun phrase is
+# the verb, "rides" after "a man"; a base form after a plural subject is VBP; after a form of be/have a participle,
+# "was hit"; an -ing word after a determiner with no noun after it is a noun, "the building"; an adjective ending a
+# determiner phrase is its head noun, "a large blue square"), and open words are tagged by their position. Tokens as
+# PTB's: "girl 's" (POS inside the possessor NP), "t-shirt" one token. Structure: NP -> base NP [PP (right-branching
+# inside the PP; after "X of Y" the next PP modifies "X of Y") | VBG-phrase (reduced relative) | SBAR
+# (who/that/which)] and NP CC NP; S -> NP VP; inside the VP, PPs attach to the VP and only "of" PPs to the object NP;
+# "to VB" makes S, "while VBG" and "while/as NP VP" make SBAR. Measured against gold parses of 168 real-style
+# captions, 60 of them held out (tests/fixtures/composer_captions_*.txt, tests/test_composer_bracketer.py). A real
+# parser (`composer.py parse`) is better still.
 _CLOSED = {}
 for _tag, _words in {
     "DT": "a an the this these those some any every each no another all both either neither",
@@ -2846,11 +2813,10 @@ def _noun(w):
 
 
 def _open_tag(w, prev, nxt, nxt2, pw, existential):
-    """Tag of an open word (no closed class, verb form or suffix) from its position:
-    an intensifier between a verb and a predicate adjective ("looks super happy."), a predicate
-    adjective after a copula ("is cool.", but "there is snow."), a verb between a noun and a
-    determiner ("a woman slices the bread"), a prenominal modifier when hyphenated ("a
-    red-and-white sweater"), else a noun."""
+    """Tag of an open word (no closed class, verb form or suffix) from its position: an intensifier between a verb and
+    a predicate adjective ("looks super happy."), a predicate adjective after a copula ("is cool.", but "there is
+    snow."), a verb between a noun and a determiner ("a woman slices the bread"), a prenominal modifier when
+    hyphenated ("a red-and-white sweater"), else a noun."""
     end = (None, ".", ",", "CC")
     if prev in _VERB_TAGS + ("RB",) and nxt == "JJ" and nxt2 in end:
         return "RB"
@@ -2913,8 +2879,7 @@ def _tag_words(words):
 
 
 class _NPChunker:
-    """Recursive descent over tagged words, noun phrases; every method returns (tree string,
-    next index) or None."""
+    """Recursive descent over tagged words, noun phrases; every method returns (tree string, next index) or None."""
 
     def __init__(self, words, tags):
         self.w, self.t, self.n = words, tags, len(words)
@@ -2963,9 +2928,8 @@ class _NPChunker:
         return "(NP " + " ".join(out) + ")", k
 
     def np(self, i, mode):
-        """A base NP and its post-modifiers. mode: 'top' (PPs, reduced relatives, relative
-        clauses, coordination), 'pp' (the NP inside a PP: PPs, right-branching), 'object'
-        (only "of" PPs, "full of", relative clauses)."""
+        """A base NP and its post-modifiers. mode: 'top' (PPs, reduced relatives, relative clauses, coordination),
+        'pp' (the NP inside a PP: PPs, right-branching), 'object' (only "of" PPs, "full of", relative clauses)."""
         r = self.base_np(i)
         if r is None:
             return None
@@ -3115,16 +3079,15 @@ def bracket(caption: str) -> str:
 # =============================================================================
 # Infrastructure: checkpoints, run lifecycle, the out_dir lock, stop signals, the loss plot
 # =============================================================================
-# The layout of all three training scripts: out_dir/checkpoint/ holds model.safetensors, config.json
-# (flags, model config, "script"), tokenizer.json, state.pt (step, optimizer, RNG states, sampler
-# position; torch.save, read back with weights_only=True) and sha256.json of those four, written
-# last. A save fills checkpoint.tmp/, fsyncs it and switches it in by renames; the save before it
-# stays as checkpoint.prev/, the fallback when the newest is damaged.
+# The layout of all three training scripts: out_dir/checkpoint/ holds model.safetensors, config.json (flags, model
+# config, "script"), tokenizer.json, state.pt (step, optimizer, RNG states, sampler position; torch.save, read back
+# with weights_only=True) and sha256.json of those four, written last. A save fills checkpoint.tmp/, fsyncs it and
+# switches it in by renames; the save before it stays as checkpoint.prev/, the fallback when the newest is damaged.
 
 STATE_FILES = ("model.safetensors", "config.json", "tokenizer.json", "state.pt")
 WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)   # one error line, exit 2 (main)
-# --resume takes every flag from the run's config.json but these; a flag given on the command line
-# must equal the saved value, except the run-control ones
+# --resume takes every flag from the run's config.json but NOT_SAVED; a flag given on the command line must equal
+# the saved value, except the run-control ones
 NOT_SAVED = {"cmd", "resume", "overwrite", "out_dir", "stop_at"}
 RUN_CONTROL = NOT_SAVED | {"save_interval", "log_interval", "num_workers", "device", "compile", "eval_every"}
 RUN_FILES = ("checkpoint", "checkpoint.prev", "checkpoint.tmp", "config.json", "tokenizer.json", "metrics.jsonl",
@@ -3140,9 +3103,8 @@ def refuse(rank, msg):
 
 
 def lock_out_dir(out_dir, rank, world, device):
-    """One run per out_dir (a job submitted twice would mix two runs' saves and logs): rank 0
-    holds an flock on out_dir/.lock, which the kernel drops when the process ends, killed or
-    not. If another process holds it, every rank stops and rank 0 names that process."""
+    """One run per out_dir: rank 0 holds an flock on out_dir/.lock, dropped by the kernel when the process ends,
+    killed or not. If another process holds it, every rank stops and rank 0 names that process."""
     global _lock
     release_out_dir()
     holder = None
@@ -3173,22 +3135,31 @@ def release_out_dir():
 
 
 def prepare_out_dir(args, rank):
-    """The run lifecycle. --resume: the newest usable checkpoint, and args become the saved run's
-    (a run-defining flag given with another value is refused). A new run on an out_dir holding a
-    checkpoint is refused unless --overwrite, which first removes the previous run's files."""
-    out = args.out_dir
-    found = any(os.path.isdir(os.path.join(out, d)) for d in ("checkpoint", "checkpoint.prev"))
+    """The run lifecycle. A new run on an out_dir holding a checkpoint is refused unless --overwrite, which first
+    removes the previous run's files. --resume returns (folder, weights, state, config) of checkpoint/, or of
+    checkpoint.prev/ when that is damaged (said in a note), and args become the saved run's."""
+    newest, prev = os.path.join(args.out_dir, "checkpoint"), os.path.join(args.out_dir, "checkpoint.prev")
+    found = os.path.isdir(newest) or os.path.isdir(prev)
     if not args.resume:
         if found and not args.overwrite:
-            refuse(rank, f"{out} holds a checkpoint: --resume continues that run; a new run needs another "
+            refuse(rank, f"{args.out_dir} holds a checkpoint: --resume continues that run; a new run needs another "
                          f"--out_dir, or --overwrite to replace it")
-        for name in RUN_FILES if args.overwrite and rank == 0 else ():
-            path = os.path.join(out, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
+        for path in [os.path.join(args.out_dir, f) for f in RUN_FILES] if args.overwrite and rank == 0 else []:
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.remove(path)
         return None
     if not found:
-        refuse(rank, f"--resume: nothing to resume yet in {out} (no checkpoint saved)")
-    ckpt = find_checkpoint(out, rank)
+        refuse(rank, f"--resume: nothing to resume yet in {args.out_dir} (no checkpoint saved)")
+    try:
+        ckpt = (newest, *read_checkpoint(newest))
+    except data.DataError as e:
+        if not os.path.isdir(prev):
+            raise
+        ckpt = (prev, *read_checkpoint(prev))
+        if rank == 0:
+            print(f"note: {e}; resuming from the previous checkpoint {prev} (step {ckpt[2]['step']})", file=sys.stderr)
     for k, v in ckpt[3]["args"].items():
         if k in args.given and k not in RUN_CONTROL and getattr(args, k) != v:
             refuse(rank, f"--{k} {getattr(args, k)} differs from the resumed run's {v} ({ckpt[0]}/config.json): "
@@ -3211,9 +3182,8 @@ def sha256(path):
 
 
 def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra, device):
-    """Everything --resume needs to continue bit-exactly from `step` (rank 0 writes). Non-finite
-    weights or optimizer state are never saved (NonFinite); a write error (full disk, ...) is one
-    error line. Either way checkpoint.tmp/ goes and the last good checkpoint stays as it was."""
+    """Everything --resume needs to continue bit-exactly from `step` (rank 0 writes). Non-finite weights or optimizer
+    state are never saved (NonFinite); a write error is one error line; either way the last checkpoint stays."""
     weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     moments = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
     if not all(torch.isfinite(t).all() for t in [*weights.values(), *moments] if t.is_floating_point()):
@@ -3234,8 +3204,8 @@ def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra, d
             write_file(os.path.join(tmp, name), blob)
         tok.save(tmp)
         data.fsync(os.path.join(tmp, "tokenizer.json"))
-        write_file(os.path.join(tmp, "sha256.json"), json.dumps({f: sha256(os.path.join(tmp, f)) for f in STATE_FILES},
-                                                                indent=1).encode())
+        sums = {f: sha256(os.path.join(tmp, f)) for f in STATE_FILES}
+        write_file(os.path.join(tmp, "sha256.json"), json.dumps(sums, indent=1).encode())
         data.fsync(tmp)
         # readers of out_dir (summarize, eval --ckpt OUT_DIR) find the run's config and tokenizer there
         data.atomic_write(os.path.join(out_dir, "config.json"), lambda p: write_file(p, blobs["config.json"]))
@@ -3246,9 +3216,8 @@ def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra, d
             raise
         raise ComposerError(f"{out_dir}: {e.strerror.lower()} while writing the step-{step} checkpoint (about "
                             f"{sum(map(len, blobs.values())) / 2 ** 20:.1f} MiB needed, "
-                            f"{shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); the previous checkpoint "
-                            f"is kept") from None
-    shutil.rmtree(prev, ignore_errors=True)
+                            f"{shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); the previous checkpoint is kept") from None
+    shutil.rmtree(prev, ignore_errors=True)     # the save before the newest stays as checkpoint.prev/
     if os.path.isdir(final):
         os.replace(final, prev)
     os.replace(tmp, final)
@@ -3256,43 +3225,26 @@ def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra, d
 
 
 def read_checkpoint(folder):
-    """(weights, state, config) of one checkpoint folder whose files match its sha256.json, or a
-    DataError naming the file that is missing or damaged."""
+    """(weights, state, config) of a checkpoint folder whose files match its sha256.json, else a DataError naming
+    the file that is missing, damaged or of the wrong types."""
     sums = data.read_json(os.path.join(folder, "sha256.json"))
-    for name in STATE_FILES:
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            raise data.DataError(f"{path}: missing (incomplete checkpoint)")
-        if not isinstance(sums, dict) or sums.get(name) != sha256(path):
-            raise data.DataError(f"{path}: damaged (its sha256 differs from sha256.json's)")
-    path = os.path.join(folder, "state.pt")
+    for path in [os.path.join(folder, f) for f in STATE_FILES]:
+        if not os.path.isfile(path) or not isinstance(sums, dict) or sums.get(os.path.basename(path)) != sha256(path):
+            raise data.DataError(f"{path}: {'damaged (sha256 differs)' if os.path.isfile(path) else 'missing'}")
     try:
-        st = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise data.DataError(f"{path}: not a training state ({type(e).__name__})") from None
-    if not (isinstance(st, dict) and isinstance(st.get("step"), int) and isinstance(st.get("sampler"), dict)
-            and isinstance(st.get("optimizer"), dict) and torch.is_tensor(st.get("rng", {}).get("torch"))):
+        st = torch.load(path, map_location="cpu", weights_only=True)     # path: state.pt, the last of STATE_FILES
+        ok = isinstance(st["step"], int) and torch.is_tensor(st["rng"]["torch"]) and \
+            isinstance(st["sampler"], dict) and isinstance(st["optimizer"], dict)
+    except Exception:   # what weights_only refuses to unpickle, or not a dict with these keys
+        ok = False
+    if not ok:
         raise data.DataError(f"{path}: not a training state (wrong types)")
     return load_file(os.path.join(folder, "model.safetensors")), st, data.read_json(os.path.join(folder, "config.json"))
 
 
-def find_checkpoint(out_dir, rank):
-    """(folder, weights, state, config) of checkpoint/, or else of checkpoint.prev/ with a note."""
-    newest, prev = os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "checkpoint.prev")
-    try:
-        return (newest, *read_checkpoint(newest))
-    except data.DataError as e:
-        if not os.path.isdir(prev):
-            raise
-        found = (prev, *read_checkpoint(prev))
-        if rank == 0:
-            print(f"note: {e}; resuming from the previous checkpoint {prev} (step {found[2]['step']})", file=sys.stderr)
-        return found
-
-
 def restore(ckpt, model, opt, sampler, metrics, rank, device):
-    """--resume: weights, optimizer, sampler position and RNG states; metrics.jsonl cut back to the
-    resumed step (no step is logged twice). Returns the step."""
+    """--resume: weights, optimizer, sampler position and RNG states; metrics.jsonl cut back to the resumed step
+    (no step is logged twice). Returns the step."""
     folder, weights, st, _ = ckpt
     data.load_state(model, weights, folder)
     opt.load_state_dict(st["optimizer"])
