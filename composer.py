@@ -1,27 +1,30 @@
 """
-COMPOSER: visually grounded concept composition (Zhang, Hu, Qiu, Shaw, Sha; Findings of EMNLP
-2021), in one file that reads top to bottom:
+COMPOSER: visually grounded concept composition (Zhang, Hu, Qiu, Shaw, Sha; Findings of EMNLP 2021), in one file
+that reads top to bottom:
 
-  1. CRG    Concept & Relation Graph from PTB trees (+ a rule-based bracketer), denotations
-  2. MCD    compound divergence, the delta-ranking split procedure, graded splits
-  3. text   CRG -> token ids (templates with placeholder tokens)
-  4. model  COMPOSER (primitive cross-attention, Predicate Transformer, modulator, Composition
-            Transformer, linear regressor), level-batched; baselines VSE, single-stream, ViLBERT
-  5. feats  visual region features: shapes gold boxes, region safetensors, frozen il_clip patches
+  1. CRG    Concept & Relation Graph from PTB trees, denotations
+  2. text   CRG -> token ids (templates with placeholder tokens)
+  3. model  COMPOSER (primitive cross-attention, Predicate Transformer, modulator, Composition Transformer,
+            linear regressor), level-batched; baselines VSE, single-stream, ViLBERT
+  4. feats  region features: shapes gold boxes, region safetensors, frozen il_clip patches
+  5. data   captions + CRGs + region features of a split
   6. loss   l_match + l_MVSA (hinge / nll) + l_order
-  7. eval   text->image and phrase->image R@1/R@5/R@10, interpretation view
-  8. train  torchrun DDP (gloo on CPU), atomic safetensors checkpoints, exact --resume
-  9. main   subcommands train (default) | eval | graph | mcd | parse
+  7. train  torchrun DDP (gloo on CPU), the training loop
+  8. eval   text->image and phrase->image R@1/R@5/R@10, interpretation view
+  9. MCD    compound divergence, the delta-ranking split procedure, graded splits
+ 10. main   subcommands train (default) | eval | graph | mcd | parse | summarize
+  then      the rule-based bracketer (appendix), the infrastructure (checkpoints, lock, signals, plot)
 
   python composer.py                                   # train COMPOSER on shapes
-  python composer.py --model vse | single | vilbert    # baselines at the same budget
+  python composer.py --method vse | single | vilbert   # baselines at the same budget
+  python composer.py --resume --out_dir out/composer   # continue a stopped run with its own flags
   python composer.py eval --ckpt out/composer --split_file out/mcd/mcd.jsonl --interpret 2
   python composer.py graph --data shapes               # paper Table 1 statistics
-  python composer.py mcd --train shapes --pool shapes --pool_split test --size 300 --out out/mcd
+  python composer.py mcd --train shapes --pool shapes --pool_split test --size 300 --out_dir out/mcd
   python composer.py parse dataset_flickr30k.json --out f30k_trees.json   # benepar / stanza trees
 
-No public code of COMPOSER or the CRG exists; every choice the paper leaves open is written
-next to the code that makes it, marked "Choice:".
+No public code of COMPOSER or the CRG exists; every choice the paper leaves open is written next to the code that
+makes it, marked "Choice:".
 """
 import argparse
 import contextlib
@@ -318,7 +321,7 @@ def graph_stats(crgs: list, image_keys: list) -> dict:
 
 
 # =============================================================================
-# 3. Text: CRG -> token ids. Templates are word-piece ids of their words with one placeholder
+# 2. Text: CRG -> token ids. Templates are word-piece ids of their words with one placeholder
 #    token per slot (ids vocab_size + tag index). Choice: a word is tokenized on its own
 #    (SOT/EOT stripped), so its pieces are the same in a template and as a primitive.
 # =============================================================================
@@ -357,7 +360,8 @@ class TextCompiler:
             for t in c.template:
                 if isinstance(t, int):
                     ch = c.children[t]
-                    slots.append((len(ids), isinstance(ch, Prim), pidx[id(ch)] if isinstance(ch, Prim) else cidx[id(ch)]))
+                    is_prim = isinstance(ch, Prim)
+                    slots.append((len(ids), is_prim, pidx[id(ch)] if is_prim else cidx[id(ch)]))
                     ids.append(self.vocab_size + PLACEHOLDER_TAGS.index(ch.tag))
                 else:
                     ids.extend(self.cache[t])
@@ -417,7 +421,8 @@ class BertTokenizer:
         return self.backend.decode([i for i in ids if i != self.sot_id]).strip()
 
     def save(self, directory):
-        blob = {"kind": self.kind, "context_length": self.context_length, "tokenizer": json.loads(self.backend.to_str())}
+        blob = {"kind": self.kind, "context_length": self.context_length,
+                "tokenizer": json.loads(self.backend.to_str())}
         write_text(os.path.join(directory, "tokenizer.json"), json.dumps(blob))
 
 
@@ -463,14 +468,16 @@ def collate_text(comps: list) -> dict:
     prim_tok = _pad(prims) if prims else torch.zeros(0, 1, dtype=torch.long)
     return {"prim_tok": prim_tok, "prim_len": torch.tensor([len(p) for p in prims], dtype=torch.long),
             "node_tok": _pad([n["tok"] for n in nodes]), "node_len": torch.tensor([len(n["tok"]) for n in nodes]),
-            "node_level": torch.tensor([n["level"] for n in nodes]), "node_parent": torch.tensor([n["parent"] for n in nodes]),
+            "node_level": torch.tensor([n["level"] for n in nodes]),
+            "node_parent": torch.tensor([n["parent"] for n in nodes]),
             "slot_pos": slot_pos, "child_prim": child_prim, "child_local": child_local,
             "cap_nprim": cap_nprim, "cap_nnode": cap_nnode,
-            "cap_prim_start": torch.cumsum(cap_nprim, 0) - cap_nprim, "cap_node_start": torch.cumsum(cap_nnode, 0) - cap_nnode}
+            "cap_prim_start": torch.cumsum(cap_nprim, 0) - cap_nprim,
+            "cap_node_start": torch.cumsum(cap_nnode, 0) - cap_nnode}
 
 
 # =============================================================================
-# 4. Model (paper section 3, appendix C)
+# 3. Model (paper section 3, appendix C)
 # =============================================================================
 
 @dataclass
@@ -937,7 +944,8 @@ def bert_targets(model):
            # token type 0 everywhere: its embedding folds into the position embedding
            "pos_emb.weight": (["embeddings.position_embeddings.weight", "embeddings.token_type_embeddings.weight"],
                               lambda pe, tt, p: pe[:L] + tt[0]),
-           "emb_ln.weight": (["embeddings.LayerNorm.weight"], None), "emb_ln.bias": (["embeddings.LayerNorm.bias"], None)}
+           "emb_ln.weight": (["embeddings.LayerNorm.weight"], None),
+           "emb_ln.bias": (["embeddings.LayerNorm.bias"], None)}
     names = {id(m): n for n, m in model.named_modules()}
     for i, b in enumerate(model.bert_blocks()):
         ours, src = names[id(b)], f"encoder.layer.{i}."
@@ -957,7 +965,8 @@ def init_from_bert(model, bert_dir):
     if not hasattr(model, "bert_blocks") or not model.cfg.bert:
         raise ComposerError("--bert initialises --model composer, vilbert or vse (paper section 5.1)")
     conf, sd = read_bert(bert_dir)
-    if len(model.bert_blocks()) > conf.get("num_hidden_layers", 0) or model.cfg.max_len > conf.get("max_position_embeddings", 0):
+    n_layers, n_pos = conf.get("num_hidden_layers", 0), conf.get("max_position_embeddings", 0)
+    if len(model.bert_blocks()) > n_layers or model.cfg.max_len > n_pos:
         raise ComposerError(f"--bert {bert_dir}: {conf.get('num_hidden_layers')} layers and "
                             f"{conf.get('max_position_embeddings')} positions, the model needs "
                             f"{len(model.bert_blocks())} text layers and --max_len {model.cfg.max_len}")
@@ -986,7 +995,7 @@ def compile_for(cfg: ModelConfig, compiler: TextCompiler, crgs: list) -> list:
 
 
 # =============================================================================
-# 5. Visual features: [I, N, D] feats, [I, N, 5] boxes (x0, y0, x1, y1, area; normalised),
+# 4. Visual features: [I, N, D] feats, [I, N, 5] boxes (x0, y0, x1, y1, area; normalised),
 #    [I, N] mask. Three sources.
 # =============================================================================
 
@@ -1096,11 +1105,12 @@ class RegionStore:
             if key not in self.row:
                 raise CRGError("bad_regions", f"{self.path}: no regions for image {key!r}")
             if not 0 < self.n_valid[self.row[key]] <= self.one.shape("feats")[1]:
-                raise CRGError("bad_regions", f"{self.path}[{key}]: n_regions {self.n_valid[self.row[key]]} out of range")
+                raise CRGError("bad_regions",
+                               f"{self.path}[{key}]: n_regions {self.n_valid[self.row[key]]} out of range")
             return self.row[key]
         tf = TensorFile(os.path.join(self.path, f"{key}.safetensors"))
         f, b = tf.shape("feats"), tf.shape("boxes")
-        if f is None or b is None or len(f) != 2 or b != [f[0], 5] or f[0] == 0 or (self.dim is not None and f[1] != self.dim):
+        if f is None or b is None or len(f) != 2 or b != [f[0], 5] or f[0] == 0 or f[1] != (self.dim or f[1]):
             raise CRGError("bad_regions", f"{tf.path}: expected feats [N, {self.dim or 'D'}] and boxes [N, 5], "
                                           f"got {f} and {b}")
         self.dim = f[1]
@@ -1112,7 +1122,7 @@ class RegionStore:
         at = self.check(key)
         if self.one is not None:
             n = self.n_valid[at]
-            feats, boxes = self.one.rows("feats", at, at + 1)[0, :n].float(), self.one.rows("boxes", at, at + 1)[0, :n].float()
+            feats, boxes = (self.one.rows(name, at, at + 1)[0, :n].float() for name in ("feats", "boxes"))
         else:
             feats, boxes = at.rows("feats").float(), at.rows("boxes").float()
         if not (torch.isfinite(feats).all() and torch.isfinite(boxes).all()):
@@ -1163,7 +1173,8 @@ def load_clip_vision(path, quick_gelu=None):
     the run's config.json when there is one, else OpenAI's width / 64; the activation from
     `quick_gelu` (--quick_gelu), else open_clip_config.json / config.json, else QuickGELU (assumed)."""
     weights, folder = resolve_weights(path)
-    sd = {k: v.float() for k, v in data.read_weights(weights).items() if k.startswith("visual.")}  # also OpenAI's JIT .pt
+    # read_weights also reads OpenAI's JIT .pt
+    sd = {k: v.float() for k, v in data.read_weights(weights).items() if k.startswith("visual.")}
     if "visual.conv1.weight" not in sd:
         raise ComposerError(f"{weights}: no visual.conv1.weight (not a CLIP ViT checkpoint)")
     w, patch = sd["visual.conv1.weight"].shape[0], sd["visual.conv1.weight"].shape[-1]
@@ -1225,7 +1236,7 @@ def clip_patch_features(images, clip_path, batch=64, quick_gelu=None):
 
 
 # =============================================================================
-# 5b. Datasets: captions + CRGs + one FeatureStore. Bad captions / trees / region files are
+# 5. Datasets: captions + CRGs + one FeatureStore. Bad captions / trees / region files are
 #     skipped and counted; too many skips -> ComposerError.
 # =============================================================================
 
@@ -1300,13 +1311,15 @@ def _text_items(args, spec, split):
                        "tree": None, "_error": "bad_shard"}
                 continue
             text = lambda ext: r[ext].decode("utf-8", "replace").strip() if r.get(ext) else None
-            yield {"source": spec, "split": split, "key": r["__key__"], "caption": text("txt") or "", "tree": text("tree")}
+            yield {"source": spec, "split": split, "key": r["__key__"], "caption": text("txt") or "",
+                   "tree": text("tree")}
 
 
 def _image_items(args, spec, split, n):
     """Items with the loader's decoded image tensors (for --features clip only)."""
     items, keys = [], set()
-    loader = data.make_loader(spec, split=split, batch_size=64, tokenizer=None, image_size=getattr(args, "image_size", 64),
+    loader = data.make_loader(spec, split=split, batch_size=64, tokenizer=None,
+                              image_size=getattr(args, "image_size", 64),
                               train=False, drop_last=False, image_root=getattr(args, "image_root", None),
                               num_workers=getattr(args, "num_workers", 0),
                               **{f"csv_{k}": v for k, v in csv_options(args).items()})
@@ -1465,7 +1478,9 @@ def mvsa_nll(s, s_negc, s_negx, denom=None):
 
 def mvsa_loss(s, s_negc, s_negx, denom, args):
     """l_MVSA of --mvsa hinge (margin --alpha) or nll."""
-    return mvsa_hinge(s, s_negc, s_negx, args.alpha, denom) if args.mvsa == "hinge" else mvsa_nll(s, s_negc, s_negx, denom)
+    if args.mvsa == "hinge":
+        return mvsa_hinge(s, s_negc, s_negx, args.alpha, denom)
+    return mvsa_nll(s, s_negc, s_negx, denom)
 
 
 def order_loss(s_parent, s_child, beta=0.2, denom=None):
@@ -1549,7 +1564,7 @@ def concept_mvsa(model, compiler, sp, caps, local, ni, nt, V, vm, args, world, d
 
 
 # =============================================================================
-# 8. Training: torchrun DDP, checkpoints, resume
+# 7. Training: torchrun DDP, the loop
 # =============================================================================
 
 def setup_distributed(device_arg):
@@ -1644,7 +1659,8 @@ def train_step(model, compiler, sp: Split, gidx, rank, world, step, args, device
     nt = sample_negatives(img_of, args.n_neg_txt, gen)
     local = torch.arange(B)[rank::world]
     caps = gidx.tolist()
-    tb = text_inputs(cfg, compiler, [sp.comps[c] for c in caps] if sp.comps else None, [sp.captions[c] for c in caps], device)
+    comps = [sp.comps[c] for c in caps] if sp.comps else None
+    tb = text_inputs(cfg, compiler, comps, [sp.captions[c] for c in caps], device)
     te = model.encode_text(tb)
     V, vm = model.encode_image(*sp.store.get(img_of, device))
     b, ki, kt = len(local), args.n_neg_img, args.n_neg_txt
@@ -1667,8 +1683,8 @@ def train_step(model, compiler, sp: Split, gidx, rank, world, step, args, device
     parts = {"match": l_match.detach()}       # read only at log steps: no device sync per step
     loss = l_match
     if cfg.arch == "composer" and (args.lambda1 > 0 or args.lambda2 > 0):
-        nodes_caps = [sp.comps[c] for c in caps]
-        l_mvsa, l_order = composer_losses(aux, nodes_caps, local.tolist(), ki, nt[local].tolist(), (b, b + b * ki), args, world)
+        l_mvsa, l_order = composer_losses(aux, comps, local.tolist(), ki, nt[local].tolist(), (b, b + b * ki), args,
+                                          world)
         loss = loss + args.lambda1 * l_mvsa + args.lambda2 * l_order
         parts.update(mvsa=l_mvsa.detach(), order=l_order.detach())
     elif args.concept_mvsa:
@@ -1884,7 +1900,7 @@ def train(args):
 
 
 # =============================================================================
-# 7. Evaluation (paper section 5): text->image and phrase->image R@1/R@5, interpretation view
+# 8. Evaluation (paper section 5): text->image and phrase->image R@1/R@5, interpretation view
 # =============================================================================
 
 @torch.no_grad()
@@ -1981,7 +1997,8 @@ def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True
     if phrases:
         pc, pcap, gold, src = phrase_queries(sp, seed=seed)
         if pc:
-            Sp = gallery_scores(model, compiler, compile_for(model.cfg, compiler, pc), pcap, src, sp.store, n_img, folds, device)
+            pcomps = compile_for(model.cfg, compiler, pc)
+            Sp = gallery_scores(model, compiler, pcomps, pcap, src, sp.store, n_img, folds, device)
             res.update({f"phrase_{k}": v for k, v in recall_at(Sp, gold).items()})
             res["phrases"] = len(pc)
     return res, S
@@ -2021,7 +2038,7 @@ def interpret(model, compiler, sp: Split, S, i, device) -> str:
 
 
 # =============================================================================
-# 2. Maximum compound divergence splits (paper section 5.1, appendix B)
+# 9. Maximum compound divergence splits (paper section 5.1, appendix B)
 # =============================================================================
 
 def chernoff_divergence(p: Counter, q: Counter, alpha: float) -> float:
@@ -2138,7 +2155,7 @@ def target_problems(targets: list, windows: list, tolerance: float) -> list:
 
 
 # =============================================================================
-# 9. main: subcommands
+# 10. main: subcommands
 # =============================================================================
 
 def resolve_weights(path):
@@ -2285,9 +2302,10 @@ def cmd_mcd(args):
         os.makedirs(args.out_dir, exist_ok=True)
         sets = {"mcd": res["mcd"], "random": res["random"], **{n: w["items"] for n, w in picked.items()}}
         for name, keys in sets.items():
-            write_text(os.path.join(args.out_dir, f"{name}.jsonl"), "\n".join(json.dumps(it) for k in keys for _, it in by_img[k]) + "\n")
+            lines = [json.dumps(it) + "\n" for k in keys for _, it in by_img[k]]
+            write_text(os.path.join(args.out_dir, f"{name}.jsonl"), "".join(lines))
         data.atomic_write(os.path.join(args.out_dir, "windows.json"), lambda t: data.save_json(t, summary["windows"]))
-        summary["written"] = [os.path.join(args.out_dir, f"{n}.jsonl") for n in sets] + [os.path.join(args.out_dir, "windows.json")]
+        summary["written"] = [os.path.join(args.out_dir, f) for f in [f"{n}.jsonl" for n in sets] + ["windows.json"]]
     print(json.dumps(summary, indent=1))
     return res
 
@@ -2311,7 +2329,8 @@ def _benepar_parser():
     """benepar (Kitaev & Klein 2018, the paper's parser) in the first installed spaCy English
     pipeline; a missing piece is one error naming it and the command that installs it."""
     if not _installed("spacy"):
-        raise ComposerError("benepar is installed but spaCy is not: pip install spacy && python -m spacy download en_core_web_md")
+        raise ComposerError("benepar is installed but spaCy is not: pip install spacy && "
+                            "python -m spacy download en_core_web_md")
     model = next((m for m in SPACY_MODELS if _installed(m)), None)
     if model is None:
         raise ComposerError(f"benepar is installed but no spaCy English model ({', '.join(SPACY_MODELS)}) is: "
@@ -2332,8 +2351,9 @@ def _stanza_parser():
     try:  # download_method=None: never fetch models behind the user's back
         nlp = stanza.Pipeline("en", processors="tokenize,pos,constituency", verbose=False, download_method=None)
     except (OSError, ValueError, LookupError, KeyError) as e:  # stanza's missing-resource errors are OSErrors
-        raise ComposerError(f"stanza is installed but its English models are not ({type(e).__name__}): "
-                            f"python -c \"import stanza; stanza.download('en', processors='tokenize,pos,constituency')\"") from None
+        raise ComposerError(f"stanza is installed but its English models are not ({type(e).__name__}): python -c "
+                            f"\"import stanza; stanza.download('en', processors='tokenize,pos,constituency')\"") \
+            from None
     return lambda c: "(ROOT " + " ".join(str(s.constituency) for s in nlp(c).sentences) + ")"
 
 
@@ -2439,7 +2459,8 @@ def add_common(p):
 
 def add_csv_text(p):
     p.add_argument("--csv_caption_key", default="title", help="CSV caption column")
-    p.add_argument("--csv_separator", default=None, help="CSV separator (default: tab if the header has one, else comma)")
+    p.add_argument("--csv_separator", default=None,
+                   help="CSV separator (default: tab if the header has one, else comma)")
 
 
 def add_eval_sets(p):
@@ -2451,9 +2472,11 @@ def add_eval_sets(p):
 
 def add_features(p, default="gold"):
     p.add_argument("--features", choices=["gold", "regions", "clip"], default=default,
-                   help="gold: shapes gold boxes; regions: --regions (read per item); clip: frozen il_clip/CLIP ViT patches")
-    p.add_argument("--regions", default=None, help="DIR of {key}.safetensors (feats [N,D], boxes [N,5]) or one FILE.safetensors "
-                   "(feats [M,N,D], boxes [M,N,5], optional n_regions [M], metadata keys = JSON list of M image keys)")
+                   help="gold: shapes gold boxes; regions: --regions (read per item); clip: frozen il_clip/CLIP ViT "
+                        "patches")
+    p.add_argument("--regions", default=None, help="DIR of {key}.safetensors (feats [N,D], boxes [N,5]) or one "
+                   "FILE.safetensors (feats [M,N,D], boxes [M,N,5], optional n_regions [M], metadata keys = JSON "
+                   "list of M image keys)")
     p.add_argument("--clip", default=None, help="il_clip.py out_dir or OpenAI-format weights (--features clip)")
     p.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
                    help="the --clip weights' activation; default: what open_clip_config.json / config.json beside "
@@ -2482,7 +2505,8 @@ def add_train_parser(sub):
     add_features(t)
     t.add_argument("--method", choices=list(MODELS), default="composer",
                    help="composer | baselines: vse, single (one stream, text->image attention), vilbert (two-stream "
-                        "co-attention, no image-text pretraining; text stream from BERT with --bert, else from scratch)")
+                        "co-attention, no image-text pretraining; text stream from BERT with --bert, else from "
+                        "scratch)")
     t.add_argument("--concept_mvsa", action="store_true",
                    help="single / vilbert: add l_MVSA over every concept of the caption (\"ViLBERT + MVSA\", Table 5)")
     t.add_argument("--out_dir", default="out/composer")
@@ -2500,10 +2524,10 @@ def add_train_parser(sub):
     t.add_argument("--stop_at", type=int, default=None, help="stop at this step with a checkpoint, as if preempted")
     t.add_argument("--compile", action="store_true")
     t.add_argument("--init", default=None, help="initial weights: a composer out_dir or model.safetensors")
-    t.add_argument("--bert", default=None, help="a released BERT in Hugging Face layout (config.json, model.safetensors, "
-                   "vocab.txt; e.g. bert-base-uncased): its WordPiece vocabulary and weights initialise the text stream "
-                   "of composer (Predicate Transformer), vilbert and vse, as in the paper (section 5.1); width and "
-                   "heads become BERT's")
+    t.add_argument("--bert", default=None, help="a released BERT in Hugging Face layout (config.json, "
+                   "model.safetensors, vocab.txt; e.g. bert-base-uncased): its WordPiece vocabulary and weights "
+                   "initialise the text stream of composer (Predicate Transformer), vilbert and vse, as in the paper "
+                   "(section 5.1); width and heads become BERT's")
     t.add_argument("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz (else a BPE trained on the captions)")
     t.add_argument("--vocab_size", type=int, default=1000)
     t.add_argument("--max_len", type=int, default=40)
@@ -2525,8 +2549,10 @@ def add_train_parser(sub):
                    help="VSE: symmetric in-batch softmax, or l_match with the sampled negatives")
     t.add_argument("--n_neg_img", type=int, default=3, help="negative images per true pair (l_match, MVSA)")
     t.add_argument("--n_neg_txt", type=int, default=3, help="negative captions per true pair (l_match, MVSA)")
-    t.add_argument("--train_size", type=int, default=None, help="training images (default: the whole split; shapes: 12800)")
-    t.add_argument("--eval_size", type=int, default=None, help="in-domain eval images of --eval_split (0: none; default: all; shapes: 200)")
+    t.add_argument("--train_size", type=int, default=None,
+                   help="training images (default: the whole split; shapes: 12800)")
+    t.add_argument("--eval_size", type=int, default=None,
+                   help="in-domain eval images of --eval_split (0: none; default: all; shapes: 200)")
     t.add_argument("--eval_split", default="test")
     add_eval_sets(t)
     t.add_argument("--eval_every", type=int, default=0)
@@ -2554,7 +2580,9 @@ def parse_args(argv):
     e.set_defaults(data=None)
     e.add_argument("--ckpt", required=True)
     e.add_argument("--split", default="test")
-    e.add_argument("--eval_size", type=int, default=None, help="images of --split, each with all its captions (default: the whole split, the paper's protocol: Flickr30k test 1000 images x 5 captions, COCO 5k / --eval_size 1000 for 1k; shapes: 1000; 0: none)")
+    e.add_argument("--eval_size", type=int, default=None, help="images of --split, each with all its captions "
+                   "(default: the whole split, the paper's protocol: Flickr30k test 1000 images x 5 captions, COCO "
+                   "5k / --eval_size 1000 for 1k; shapes: 1000; 0: none)")
     add_eval_sets(e)
     e.add_argument("--no_phrases", action="store_true")
     e.add_argument("--interpret", type=int, default=0, help="print the per-node score tree of the first K captions")
@@ -2570,7 +2598,8 @@ def parse_args(argv):
     m.add_argument("--train_size", type=int, default=None, help="training images (default: all; shapes: 20000)")
     m.add_argument("--pool", default="shapes", help="candidate data spec (or a .jsonl of caption items)")
     m.add_argument("--pool_split", default="test", help="split(s) of the pool, comma-separated (e.g. val,test)")
-    m.add_argument("--pool_size", type=int, default=None, help="pool images over all its splits (default: all; shapes: 1000)")
+    m.add_argument("--pool_size", type=int, default=None,
+                   help="pool images over all its splits (default: all; shapes: 1000)")
     m.add_argument("--size", type=int, default=300, help="items (images) in the MCD split")
     m.add_argument("--stride", type=int, default=None, help="sliding-window stride for graded splits")
     m.add_argument("--targets", default=None, help="comma-separated compound divergences, e.g. 0.15,0.2,0.25,0.31: "
@@ -2581,7 +2610,8 @@ def parse_args(argv):
     m.add_argument("--nearest", action="store_true",
                    help="--targets: write the nearest reachable split for an out-of-reach target (with a warning); "
                         "targets that share a window write it once")
-    m.add_argument("--out_dir", default=None, help="write mcd.jsonl, random.jsonl, windows.json (+ target_*.jsonl) here")
+    m.add_argument("--out_dir", default=None,
+                   help="write mcd.jsonl, random.jsonl, windows.json (+ target_*.jsonl) here")
     sm = sub.add_parser("summarize", help="runs of several models and seeds: mean ± 95%% interval, paired differences")
     sm.add_argument("runs", help="folder whose sub-folders are `composer.py train` out_dirs")
     sm.add_argument("--baseline", default="composer", help="the model the paired differences are taken against")
@@ -2589,7 +2619,8 @@ def parse_args(argv):
     ps.add_argument("input", help="Karpathy .json, .csv/.tsv, or a .jsonl split file")
     ps.add_argument("--out", required=True, help="the copy with `tree` fields")
     ps.add_argument("--parser", choices=["auto", "benepar", "stanza", "builtin"], default="auto",
-                    help="auto: benepar, else stanza (neither is in requirements.txt); builtin: the rule-based bracketer")
+                    help="auto: benepar, else stanza (neither is in requirements.txt); builtin: the rule-based "
+                         "bracketer")
     ps.add_argument("--overwrite", action="store_true", help="re-parse captions that already have a tree")
     add_csv_text(ps)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
@@ -3191,7 +3222,8 @@ def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra, d
     n, state = np.random.get_state(), io.BytesIO()
     rng = {"torch": torch.get_rng_state(), "numpy": [n[0], n[1].tolist(), *n[2:]], "python": random.getstate(),
            "cuda": torch.cuda.get_rng_state_all() if device.startswith("cuda") else []}
-    torch.save({"step": step, "sampler": sampler.state_dict(), "optimizer": opt.state_dict(), "rng": rng, **extra}, state)
+    torch.save({"step": step, "sampler": sampler.state_dict(), "optimizer": opt.state_dict(), "rng": rng, **extra},
+               state)
     config = {"args": {k: v for k, v in vars(args).items() if k != "given"}, "model": asdict(cfg),
               "script": data.script_record(__file__)}
     blobs = {"model.safetensors": safetensors.torch.save(weights, {"step": str(step)}),
@@ -3216,7 +3248,8 @@ def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra, d
             raise
         raise ComposerError(f"{out_dir}: {e.strerror.lower()} while writing the step-{step} checkpoint (about "
                             f"{sum(map(len, blobs.values())) / 2 ** 20:.1f} MiB needed, "
-                            f"{shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); the previous checkpoint is kept") from None
+                            f"{shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); the previous checkpoint is "
+                            f"kept") from None
     shutil.rmtree(prev, ignore_errors=True)     # the save before the newest stays as checkpoint.prev/
     if os.path.isdir(final):
         os.replace(final, prev)
@@ -3281,7 +3314,8 @@ def stop_on_signals():
 def draw_loss_curve(metrics_path, png_path, size=(900, 420)):
     """loss_curve.png from metrics.jsonl, drawn with PIL (no matplotlib in this project)."""
     with open(metrics_path) as f:
-        pts = [(r["step"], r["loss"]) for r in map(json.loads, filter(str.strip, f)) if math.isfinite(r.get("loss", math.nan))]
+        rows = [json.loads(line) for line in f if line.strip()]
+    pts = [(r["step"], r["loss"]) for r in rows if math.isfinite(r.get("loss", math.nan))]
     (W, H), (L, R, T, B) = size, (60, 20, 20, 40)
     img = Image.new("RGB", size, "white")
     d = ImageDraw.Draw(img)
