@@ -717,33 +717,29 @@ class Composer(nn.Module):
         return score[root], {"node_score": score, "node_start": nstart, "node_src": nsrc}
 
     def score_recursive(self, comp, feats, boxes, mask):
-        return score_recursive(self, comp, feats, boxes, mask)
+        """Reference for score_pairs (tests, bench.py): node-by-node recursion for ONE caption and ONE image (batch
+        size 1 per node); returns the node scores."""
+        tb = collate_text([comp])
+        te = self.encode_text(tb)
+        V, vmask = self.encode_image(feats[None], boxes[None], mask[None])
+        prim_emb = [self.encode_primitives(te["prim"][i:i + 1, :tb["prim_len"][i]],
+                                           te["pmask"][i:i + 1, :tb["prim_len"][i]], V, vmask)
+                    for i in range(len(comp["prims"]))]
+        memo = {}
 
+        def node(j):
+            if j not in memo:
+                n = comp["nodes"][j]
+                L = len(n["tok"])
+                kids = [prim_emb[loc] if isp else node(loc)[0] for _, isp, loc in n["slots"]]
+                rows = torch.zeros(len(kids), dtype=torch.long)
+                pos = torch.tensor([p for p, _, _ in n["slots"]], dtype=torch.long)
+                memo[j] = self.compose(te["pt"][j:j + 1, :L], te["tmask"][j:j + 1, :L], rows, pos,
+                                       torch.cat(kids) if kids else None, V, vmask)
+            return memo[j]
 
-def score_recursive(model: "Composer", comp, feats, boxes, mask):
-    """Reference (Composer.score_recursive, bench.py): node-by-node recursion for ONE caption
-    and ONE image (batch size 1 per node). Used by the tests to check the level-batched path; returns node scores."""
-    tb = collate_text([comp])
-    te = model.encode_text(tb)
-    V, vmask = model.encode_image(feats[None], boxes[None], mask[None])
-    prim_emb = [model.encode_primitives(te["prim"][i:i + 1, :tb["prim_len"][i]],
-                                       te["pmask"][i:i + 1, :tb["prim_len"][i]], V, vmask)
-                for i in range(len(comp["prims"]))]
-    memo = {}
-
-    def node(j):
-        if j not in memo:
-            n = comp["nodes"][j]
-            L = len(n["tok"])
-            kids = [prim_emb[loc] if isp else node(loc)[0] for _, isp, loc in n["slots"]]
-            rows = torch.zeros(len(kids), dtype=torch.long)
-            pos = torch.tensor([p for p, _, _ in n["slots"]], dtype=torch.long)
-            memo[j] = model.compose(te["pt"][j:j + 1, :L], te["tmask"][j:j + 1, :L], rows, pos,
-                                   torch.cat(kids) if kids else None, V, vmask)
-        return memo[j]
-
-    node(len(comp["nodes"]) - 1)
-    return torch.cat([memo[j][1] for j in range(len(comp["nodes"]))])
+        node(len(comp["nodes"]) - 1)
+        return torch.cat([memo[j][1] for j in range(len(comp["nodes"]))])
 
 
 def caption_tokens(tb, cfg):
@@ -1757,12 +1753,6 @@ def check_args(args, world):
         raise ComposerError("--features regions needs --regions DIR or FILE.safetensors")
 
 
-def load_data(args, compiler):
-    """The training split and the eval sets (in-domain --eval_split, and each --split_file)."""
-    sp = attach_compiler(load_split(args, "train", _n(args.data, args.train_size, 12800)), compiler, args.max_skip_frac)
-    return sp, eval_sets(args, "in_domain", args.eval_split, _n(args.data, args.eval_size, 200), compiler)
-
-
 def eval_sets(args, name, split, n, compiler):
     """{name: the first n images of `split`} (none when n is 0), then each --split_file by its
     file stem; captions compiled."""
@@ -1807,7 +1797,8 @@ def build_run(args, resume, master, world, device):
     tok = build_tokenizer(args, resume and resume[0])
     compiler = TextCompiler(tok, args.max_len)
     t0 = time.time()
-    sp, evals = load_data(args, compiler)
+    sp = attach_compiler(load_split(args, "train", _n(args.data, args.train_size, 12800)), compiler, args.max_skip_frac)
+    evals = eval_sets(args, "in_domain", args.eval_split, _n(args.data, args.eval_size, 200), compiler)
     model, cfg = make_model(args, tok, sp.store.feat_dim)
     if args.bert and not resume:
         init_from_bert(model, args.bert)
@@ -2909,8 +2900,9 @@ def _tag_words(words):
     return tags
 
 
-class _NPChunker:
-    """Recursive descent over tagged words, noun phrases; every method returns (tree string, next index) or None."""
+class _Chunker:
+    """Recursive descent over tagged words: noun phrases, verb phrases and the sentence; every method returns (tree
+    string, next index) or None."""
 
     def __init__(self, words, tags):
         self.w, self.t, self.n = words, tags, len(words)
@@ -3016,11 +3008,6 @@ class _NPChunker:
             if self.tag(c - 1) == "CC":
                 return "(NP " + " ".join(parts) + ")", k
         return tree, j
-
-
-
-class _Chunker(_NPChunker):
-    """... and verb phrases and the sentence."""
 
     def vp(self, i, stop_finite):
         """Verb group, then complements: object NP, PPs (attached here), "to VB" (S), "while

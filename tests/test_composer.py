@@ -477,6 +477,31 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_bit_exactly(tmp_path):
     assert saved_state(out)["step"] == step + 2 and same_weights(ref, out)
 
 
+def test_signal_handlers_stay_until_main_returns(tmp_path, monkeypatch):
+    """A SIGTERM while the finished run writes its last files does not kill it; a second Ctrl-C exits at once;
+    main() puts the previous handlers back when it returns."""
+    import signal
+    before = signal.getsignal(signal.SIGTERM)
+    real = C.draw_loss_curve
+
+    def plot_under_sigterm(*a):
+        os.kill(os.getpid(), signal.SIGTERM)
+        real(*a)
+    monkeypatch.setattr(C, "draw_loss_curve", plot_under_sigterm)
+    out = C.main(["train", "--out_dir", str(tmp_path), "--max_steps", "1"] + TRAIN)
+    assert out["step"] == 1 and os.path.isfile(tmp_path / "loss_curve.png")
+    assert signal.getsignal(signal.SIGTERM) is before
+    handlers = C.stop_on_signals()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert C.STOP["flag"]
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
 def test_write_errors_are_one_line_and_keep_the_last_checkpoint(tmp_path, monkeypatch, capsys, code):
     """A write error in the step-4 save: one line naming out_dir and the size, exit 2,
