@@ -2682,35 +2682,24 @@ for _tag, _words in {
     "NN": "someone somebody something everyone everybody everything anyone anything nobody nothing",  # PTB: NN
     "PRP": "he she it they we i you him them us me himself herself themselves",
     "CD": "one two three four five six seven eight nine ten eleven twelve dozen",
-    "IN": "of in on at by with from into onto over under above below behind beside besides near "
-          "through across along around between among against toward towards inside outside beneath "
-          "underneath upon during while for like than via past beyond atop after before without within "
-          "as because if since until although though whilst amongst throughout",
-    "TO": "to",
-    "CC": "and or but nor",
-    "EX": "there",
-    "WP": "who whom what",
-    "WDT": "which whose",
-    "VBZ": "is has does",
-    "VBP": "are have do am",
-    "VBD": "was were had did",
-    "VB": "be",
-    "VBN": "been",
-    "VBG": "being",
+    "IN": "of in on at by with from into onto over under above below behind beside besides near through across along "
+          "around between among against toward towards inside outside beneath underneath upon during while for like "
+          "than via past beyond atop after before without within as because if since until although though whilst "
+          "amongst throughout",
+    "TO": "to", "CC": "and or but nor", "EX": "there", "WP": "who whom what", "WDT": "which whose",
+    "VBZ": "is has does", "VBP": "are have do am", "VBD": "was were had did", "VB": "be", "VBN": "been", "VBG": "being",
     "MD": "can could will would may might should must",
     "RB": "very not also just together too almost really quite n't away out up down off back here "
           "outside inside around nearby alone only still so even",
-    "JJ": "red green blue yellow orange purple pink brown black white gray grey cyan magenta beige tan "
-          "golden silver blond blonde dark light bright colorful colourful striped spotted plaid "
-          "small large big tiny huge little tall short long old young new wooden metal plastic glass "
-          "open empty full other same different round square wet dry hot cold warm snowy sandy grassy "
-          "rocky muddy dirty clean happy sad busy crowded clear cloudy sunny shirtless bald elderly "
-          "high low wide narrow deep thick thin fat heavy fresh asian african american indian "
-          "left right top bottom middle front first second third last next several many few "
-          "various multiple numerous professional outdoor indoor electric giant adult female male "
-          "pretty beautiful nice cute fancy older younger smaller larger bigger "
-          "single double public private great good cool fun funny nice huge cute lovely "
-          "broken shiny fluffy furry messy leafy rusty dusty",
+    "JJ": "red green blue yellow orange purple pink brown black white gray grey cyan magenta beige tan golden silver "
+          "blond blonde dark light bright colorful colourful striped spotted plaid small large big tiny huge little "
+          "tall short long old young new wooden metal plastic glass open empty full other same different round "
+          "square wet dry hot cold warm snowy sandy grassy rocky muddy dirty clean happy sad busy crowded clear cloudy "
+          "sunny shirtless bald elderly high low wide narrow deep thick thin fat heavy fresh asian african american "
+          "indian left right top bottom middle front first second third last next several many few various multiple "
+          "numerous professional outdoor indoor electric giant adult female male pretty beautiful nice cute fancy "
+          "older younger smaller larger bigger single double public private great good cool fun funny nice huge cute "
+          "lovely broken shiny fluffy furry messy leafy rusty dusty",
 }.items():
     for _w in _words.split():
         _CLOSED.setdefault(_w, _tag)
@@ -2725,21 +2714,19 @@ _ING_NOUNS = set("building clothing ceiling painting wedding evening morning rai
 _ING_COMPOUND = set("swimming dining parking fishing climbing living waiting shopping sleeping cutting "
                     "driving washing baking bowling boxing skiing surfing racing training".split())
 _VERB_LEMMAS = (
-    "ride sit stand walk run jump play hold eat drink look watch wear carry climb throw catch kick hit "
-    "swim surf ski skate dance sing read write talk smile laugh cook cut paint push pull fly drive wait "
-    "sleep lie lay lean rest fish work sell buy perform prepare grab lift pose point chase bite lick "
-    "sniff fall cross pass graze feed race dive splash speed bike hike pick clean wash build fix use "
-    "wave celebrate arrive leave enter exit open close show hang serve shop stare kiss hug shake touch "
-    "take make give put get go come stroll jog march roll slide swing bounce kneel crouch squat fill pour "
-    "blow check type drag ring lead see find stick spin sweep dig hide beat chat grab help hug nap tap "
-    "set let beg wrap clap trim rub reach step stop skip cheer compete fight tackle score block "
-    "swim paddle row sail float wade splash stretch bend lay tie teach learn study listen stir "
-    "sip taste chew bake grill fry mow rake plant water ski sled skateboard snowboard wrestle box "
-    "juggle balance practice attempt try prepare decorate display gather crowd line sort load unload "
-    "examine inspect repair adjust hold fold cover smoke drink feed rest relax enjoy admire "
-    "observe talk yell shout scream cry gesture wave hand pet pat groom herd tow haul deliver "
-    "board ride rest approach follow lead guide walk leap hop dribble shoot pitch swing bat serve "
-    "hurry rush cycle pedal steer park dress cook play").split()
+    "ride sit stand walk run jump play hold eat drink look watch wear carry climb throw catch kick hit swim surf ski "
+    "skate dance sing read write talk smile laugh cook cut paint push pull fly drive wait sleep lie lay lean rest "
+    "fish work sell buy perform prepare grab lift pose point chase bite lick sniff fall cross pass graze feed race "
+    "dive splash speed bike hike pick clean wash build fix use wave celebrate arrive leave enter exit open close "
+    "show hang serve shop stare kiss hug shake touch take make give put get go come stroll jog march roll slide swing "
+    "bounce kneel crouch squat fill pour blow check type drag ring lead see find stick spin sweep dig hide beat chat "
+    "grab help hug nap tap set let beg wrap clap trim rub reach step stop skip cheer compete fight tackle score "
+    "block swim paddle row sail float wade splash stretch bend lay tie teach learn study listen stir sip taste chew "
+    "bake grill fry mow rake plant water ski sled skateboard snowboard wrestle box juggle balance practice attempt try "
+    "prepare decorate display gather crowd line sort load unload examine inspect repair adjust hold fold cover smoke "
+    "drink feed rest relax enjoy admire observe talk yell shout scream cry gesture wave hand pet pat groom herd tow "
+    "haul deliver board ride rest approach follow lead guide walk leap hop dribble shoot pitch swing bat serve hurry "
+    "rush cycle pedal steer park dress cook play").split()
 _IRREGULAR = {"ride": "rode ridden", "sit": "sat", "stand": "stood", "run": "ran", "eat": "ate eaten",
               "drink": "drank drunk", "hold": "held", "wear": "wore worn", "throw": "threw thrown",
               "catch": "caught", "swim": "swam swum", "sing": "sang sung", "write": "wrote written",
