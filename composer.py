@@ -440,9 +440,8 @@ def load_tokenizer(folder):
     return data.Tokenizer.load(folder)
 
 
-def _pad(rows, fill=0, width=None):
-    width = width or max(1, max((len(r) for r in rows), default=1))
-    out = torch.full((len(rows), width), fill, dtype=torch.long)
+def _pad(rows):
+    out = torch.zeros(len(rows), max(1, max((len(r) for r in rows), default=1)), dtype=torch.long)
     for i, r in enumerate(rows):
         out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
     return out
@@ -450,13 +449,8 @@ def _pad(rows, fill=0, width=None):
 
 def collate_text(comps: list) -> dict:
     """Compiled captions -> flat tensors over all primitives [P] and concept nodes [M]."""
-    prims, nodes = [], []
-    cap_nprim, cap_nnode = [], []
-    for ci, c in enumerate(comps):
-        cap_nprim.append(len(c["prims"]))
-        cap_nnode.append(len(c["nodes"]))
-        prims.extend(c["prims"])
-        nodes.extend(c["nodes"])
+    prims, nodes = [p for c in comps for p in c["prims"]], [n for c in comps for n in c["nodes"]]
+    cap_nprim, cap_nnode = torch.tensor([len(c["prims"]) for c in comps]), torch.tensor([len(c["nodes"]) for c in comps])
     S = max(1, max(len(n["slots"]) for n in nodes))
     slot_pos = torch.full((len(nodes), S), -1, dtype=torch.long)
     child_prim = torch.zeros(len(nodes), S, dtype=torch.bool)
@@ -464,7 +458,6 @@ def collate_text(comps: list) -> dict:
     for r, n in enumerate(nodes):
         for s, (pos, isp, loc) in enumerate(n["slots"]):
             slot_pos[r, s], child_prim[r, s], child_local[r, s] = pos, isp, loc
-    cap_nprim, cap_nnode = torch.tensor(cap_nprim), torch.tensor(cap_nnode)
     prim_tok = _pad(prims) if prims else torch.zeros(0, 1, dtype=torch.long)
     return {"prim_tok": prim_tok, "prim_len": torch.tensor([len(p) for p in prims], dtype=torch.long),
             "node_tok": _pad([n["tok"] for n in nodes]), "node_len": torch.tensor([len(n["tok"]) for n in nodes]),
@@ -1259,7 +1252,7 @@ def _spec_items(args, spec, split, n, with_images=False) -> list:
     """Caption items (JSON-able dicts, the lines of a split file) of the first `n` images of a data spec's split (n =
     0 or None: the whole split; shapes, which has no fixed size, takes its default). Shapes items name (split, index,
     seed) and are regenerated on use. Other specs are read without decoding any image (the JSON, the CSV, the shards'
-    .txt/.tree members), so text- only work and --features regions need no JPEGs; only --features clip (with_images)
+    .txt/.tree members), so text-only work and --features regions need no JPEGs; only --features clip (with_images)
     runs the image loader."""
     if spec.endswith(".jsonl"):
         return _first_images(read_split_file(spec), n)
@@ -3238,8 +3231,9 @@ def read_checkpoint(folder):
     for path in [os.path.join(folder, f) for f in STATE_FILES]:
         if not os.path.isfile(path) or not isinstance(sums, dict) or sums.get(os.path.basename(path)) != sha256(path):
             raise data.DataError(f"{path}: {'damaged (sha256 differs)' if os.path.isfile(path) else 'missing'}")
+    path = os.path.join(folder, "state.pt")
     try:
-        st = torch.load(path, map_location="cpu", weights_only=True)     # path: state.pt, the last of STATE_FILES
+        st = torch.load(path, map_location="cpu", weights_only=True)
         ok = isinstance(st["step"], int) and torch.is_tensor(st["rng"]["torch"]) and \
             isinstance(st["sampler"], dict) and isinstance(st["optimizer"], dict)
     except Exception:   # what weights_only refuses to unpickle, or not a dict with these keys
