@@ -3101,26 +3101,26 @@ def refuse(rank, msg):
 
 
 def lock_out_dir(out_dir, rank, world, device):
-    """One run per out_dir: rank 0 holds an flock on out_dir/.lock, dropped by the kernel when the process ends,
-    killed or not. If another process holds it, every rank stops and rank 0 names that process."""
+    """One run per out_dir: rank 0 holds an flock on out_dir/.lock, which the kernel drops when the process ends,
+    killed or not; while another process holds it, every rank stops and rank 0 names the holder."""
     global _lock
     release_out_dir()
-    holder = None
+    holder = ""
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
         _lock = open(os.path.join(out_dir, ".lock"), "a+")
         try:
             fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            _lock.truncate(0)
-            _lock.write(f"{os.getpid()}\n")
-            _lock.flush()
         except BlockingIOError:
             _lock.seek(0)
             holder = _lock.read().strip() or "?"
             release_out_dir()
-    busy = torch.tensor(float(holder is not None), device=device)
+        else:   # the holder's pid, for the message a second run prints
+            _lock.truncate(0)
+            print(os.getpid(), file=_lock, flush=True)
+    busy = torch.tensor(float(bool(holder)), device=device)
     if world > 1:
-        dist.broadcast(busy, 0)
+        dist.broadcast(busy, 0)     # every rank learns it, so none waits in a collective rank 0 has left
     if busy.item():
         refuse(rank, f"{out_dir} is in use by another run: process {holder} holds {out_dir}/.lock")
 
