@@ -201,20 +201,14 @@ class Concept:
 
     def concepts(self):
         """All concepts of this sub-graph, children before parents (post-order), self last."""
-        out = []
-        for c in self.children:
-            if isinstance(c, Concept):
-                out.extend(c.concepts())
-        return out + [self]
+        return [d for c in self.children if isinstance(c, Concept) for d in c.concepts()] + [self]
 
     def primitives(self):
         return [p for c in self.concepts() for p in c.children if isinstance(p, Prim)]
 
 
 def _has_prim(t: Tree) -> bool:
-    if t.word is not None:
-        return t.label in PRIMITIVE_TAGS
-    return any(_has_prim(c) for c in t.children)
+    return t.label in PRIMITIVE_TAGS if t.word is not None else any(_has_prim(c) for c in t.children)
 
 
 def _is_concept(t: Tree) -> bool:
@@ -761,9 +755,6 @@ class CaptionCrossEncoder(nn.Module):
         self.emb_ln = embedding_ln(cfg, cfg.width)
         self.visual = VisualEncoder(cfg)
 
-    def embed(self, tb):
-        return embed_caption(self, tb)
-
     def encode_image(self, feats, boxes, mask):
         return self.visual(feats, boxes, mask)
 
@@ -781,7 +772,7 @@ class SingleStream(CaptionCrossEncoder):
         self.ln_out, self.theta = nn.LayerNorm(w), nn.Linear(w, 1)
 
     def encode_text(self, tb):
-        x, mask = self.embed(tb)
+        x, mask = embed_caption(self, tb)
         return {"x": x, "mask": mask}
 
     def score_pairs(self, tb, te, V, vmask, pair_cap, pair_img):
@@ -827,7 +818,7 @@ class ViLBERT(CaptionCrossEncoder):
         return list(self.text_blocks) + list(self.t_self)
 
     def encode_text(self, tb):
-        x, mask = self.embed(tb)
+        x, mask = embed_caption(self, tb)
         for b in self.text_blocks:  # text-only layers: the same for every image, run once
             x = b(x, mask)
         return {"x": x, "mask": mask}
@@ -1080,9 +1071,10 @@ class RegionStore:
                 raise ComposerError(f"{path}: needs feats [M, N, D] and boxes [M, N, 5], has {f} and {b}")
             try:
                 keys = json.loads(self.one.meta.get("keys", "null"))
-                assert isinstance(keys, list) and len(keys) == f[0]
-            except (ValueError, AssertionError):
-                raise ComposerError(f"{path}: metadata 'keys' must be a JSON list of {f[0]} image keys") from None
+            except ValueError:
+                keys = None
+            if not (isinstance(keys, list) and len(keys) == f[0]):
+                raise ComposerError(f"{path}: metadata 'keys' must be a JSON list of {f[0]} image keys")
             self.row = {k: i for i, k in enumerate(keys)}
             self.n_valid = self.one.rows("n_regions").tolist() if self.one.shape("n_regions") else [f[1]] * f[0]
             self.dim = f[2]
@@ -2250,11 +2242,7 @@ def _pool(args):
 
 
 def write_text(path, text):
-    """data.atomic_write of a text file (closed before the rename)."""
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-    data.atomic_write(path, write)
+    data.atomic_write(path, lambda tmp: write_file(tmp, text.encode("utf-8")))
 
 
 def cmd_mcd(args):
