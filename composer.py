@@ -1470,6 +1470,17 @@ def order_loss(s_parent, s_child, beta=0.2, denom=None):
     return (beta - s_parent + s_child).clamp(min=0).sum() / max(1, denom or s_parent.numel())
 
 
+def vse_inbatch_loss(scale, te, V, img_of, local, device):
+    """VSE's symmetric in-batch softmax for this rank's pairs `local` over the whole global batch (te, V: its unit
+    text / image embeddings); other pairs of the same image are masked out. Choice: VSE trains with this natural
+    recipe, stronger than the sampled negatives the cross-modal models can afford; `--vse_loss sampled` gives it
+    l_match with the same sampled negatives as COMPOSER and the single stream."""
+    same = (img_of[local][:, None] == img_of[None, :]) & (torch.arange(len(img_of))[None, :] != local[:, None])
+    same, target = same.to(device), local.to(device)
+    return 0.5 * (F.cross_entropy((scale * te[local] @ V.t()).masked_fill(same, -1e4), target) +
+                  F.cross_entropy((scale * V[local] @ te.t()).masked_fill(same, -1e4), target))
+
+
 def _neg_concept(levels_i, levels_j):
     """Choice: the negative concept c- of concept c (from the negative caption of the pair) is
     the concept of that caption with the same height, k-th of its height for the k-th of c's
@@ -1633,12 +1644,11 @@ def sample_negatives(img_of, k, gen):
 def train_step(model, compiler, sp: Split, gidx, rank, world, step, args, device):
     """One step's loss on this rank's slice of the global batch `gidx` (caption indices)."""
     cfg = model.cfg
-    B = len(gidx)
     gen = torch.Generator().manual_seed(args.seed * 7919 + step)
     img_of = torch.tensor([sp.cap_img[c] for c in gidx.tolist()])
     ni = sample_negatives(img_of, args.n_neg_img, gen)
     nt = sample_negatives(img_of, args.n_neg_txt, gen)
-    local = torch.arange(B)[rank::world]
+    local = torch.arange(len(gidx))[rank::world]
     caps = gidx.tolist()
     comps = [sp.comps[c] for c in caps] if sp.comps else None
     tb = text_inputs(cfg, compiler, comps, [sp.captions[c] for c in caps], device)
@@ -1646,15 +1656,7 @@ def train_step(model, compiler, sp: Split, gidx, rank, world, step, args, device
     V, vm = model.encode_image(*sp.store.get(img_of, device))
     b, ki, kt = len(local), args.n_neg_img, args.n_neg_txt
     if cfg.arch == "vse" and args.vse_loss == "inbatch":
-        # Choice: VSE trains with its natural symmetric in-batch softmax over the whole global
-        # batch (every image and caption of the step as negatives), a stronger recipe than
-        # the sampled negatives the cross-modal models can afford; `--vse_loss sampled` gives
-        # it l_match with the same sampled negatives as COMPOSER and the single stream.
-        logits = model.logit_scale.exp() * te[local] @ V.t()
-        lg_i = model.logit_scale.exp() * V[local] @ te.t()
-        mask_t = (img_of[local][:, None] == img_of[None, :]) & (torch.arange(B)[None, :] != local[:, None])
-        loss = 0.5 * (F.cross_entropy(logits.masked_fill(mask_t.to(device), -1e4), local.to(device)) +
-                      F.cross_entropy(lg_i.masked_fill(mask_t.to(device), -1e4), local.to(device)))
+        loss = vse_inbatch_loss(model.logit_scale.exp(), te, V, img_of, local, device)
         return loss, {"match": loss.detach()}
     pair_cap = torch.cat([local, local.repeat_interleave(ki), nt[local].reshape(-1)]).to(device)
     pair_img = torch.cat([local, ni[local].reshape(-1), local.repeat_interleave(kt)]).to(device)
