@@ -5,6 +5,7 @@ import errno
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -424,11 +425,14 @@ def test_damaged_checkpoint_falls_back_or_fails_in_one_line(tmp_path, capsys):
     sums = data.read_json(os.path.join(ck, "sha256.json"))
     sums["state.pt"] = C.sha256(os.path.join(ck, "state.pt"))
     data.save_json(os.path.join(ck, "sha256.json"), sums)
-    import shutil
     shutil.rmtree(os.path.join(out, "checkpoint.prev"))
     with pytest.raises(SystemExit) as e:
         C.main(["train", "--resume", "--out_dir", out])
     assert e.value.code == 2 and "state.pt: not a training state (wrong types)" in one_error_line(capsys)
+    open(os.path.join(ck, "model.safetensors"), "wb").write(bytes(blob[:len(blob) // 2]))     # truncated
+    with pytest.raises(SystemExit) as e:
+        C.main(["train", "--resume", "--out_dir", out])
+    assert e.value.code == 2 and "model.safetensors: damaged" in one_error_line(capsys)
 
 
 def test_resume_refuses_a_changed_flag_and_a_new_run_refuses_a_used_out_dir(tmp_path, capsys):
@@ -436,7 +440,9 @@ def test_resume_refuses_a_changed_flag_and_a_new_run_refuses_a_used_out_dir(tmp_
     checkpoint: one line each, exit 2, no file touched. --overwrite starts over."""
     out = str(tmp_path / "run")
     C.main(["train", "--out_dir", out, "--max_steps", "4", "--stop_at", "2"] + TRAIN)
-    before = {f: open(os.path.join(dp, f), "rb").read() for dp, _, fs in os.walk(out) for f in fs}
+    def files():
+        return {os.path.join(dp, f): open(os.path.join(dp, f), "rb").read() for dp, _, fs in os.walk(out) for f in fs}
+    before = files()
     capsys.readouterr()
     for argv, says in ((["--resume", "--lr", "0.5"], "--lr 0.5 differs from the resumed run's 0.001"),
                        (["--resume", "--method", "vse"], "--method vse differs"),
@@ -445,7 +451,7 @@ def test_resume_refuses_a_changed_flag_and_a_new_run_refuses_a_used_out_dir(tmp_
             C.main(["train", "--out_dir", out] + argv)
         line = one_error_line(capsys)
         assert e.value.code == 2 and says in line and (argv is not TRAIN or "--overwrite" in line), line
-        assert {f: open(os.path.join(dp, f), "rb").read() for dp, _, fs in os.walk(out) for f in fs} == before
+        assert files() == before
     # run-control flags may change; given flags equal to the saved ones are fine
     C.main(["train", "--out_dir", out, "--resume", "--log_interval", "2", "--lr", "0.001"])
     assert saved_state(out)["step"] == 4
