@@ -2536,11 +2536,11 @@ def add_train_parser(sub):
 
 
 def given_flags(parser, argv, dests):
-    """The flags given on the command line (what --resume compares with the saved run's): argv
-    parsed again with every default unset."""
-    quiet, unset = copy.deepcopy(parser), object()
-    quiet.set_defaults(**dict.fromkeys(dests, unset))
-    return {k for k, v in vars(quiet.parse_args(argv)).items() if v is not unset}
+    """The flags given on the command line (what --resume compares with the saved run's): argv parsed again with
+    every default None (no flag takes None from a command line)."""
+    quiet = copy.deepcopy(parser)
+    quiet.set_defaults(**dict.fromkeys(dests))
+    return {k for k, v in vars(quiet.parse_args(argv)).items() if v is not None}
 
 
 def parse_args(argv):

@@ -452,6 +452,8 @@ def test_resume_refuses_a_changed_flag_and_a_new_run_refuses_a_used_out_dir(tmp_
         line = one_error_line(capsys)
         assert e.value.code == 2 and says in line and (argv is not TRAIN or "--overwrite" in line), line
         assert files() == before
+    given = C.parse_args(["--split_file", "a.jsonl", "--no-quick_gelu", "--lr", "0.001", "--seed", "0"]).given
+    assert given == {"split_file", "quick_gelu", "lr", "seed"}      # what the command line says, defaults or not
     # run-control flags may change; given flags equal to the saved ones are fine
     C.main(["train", "--out_dir", out, "--resume", "--log_interval", "2", "--lr", "0.001"])
     assert saved_state(out)["step"] == 4
