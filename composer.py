@@ -54,7 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from PIL import Image, ImageDraw
 import safetensors.torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 try:
@@ -892,8 +892,6 @@ def read_bert(bert_dir):
     """(config, weights) of a released BERT in Hugging Face layout: config.json and
     model.safetensors. Keys are normalised: the "bert." prefix of BertForPreTraining files
     (bert-base-uncased's) dropped, LayerNorm gamma / beta read as weight / bias."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
     conf = read_bert_config(bert_dir)
     try:
         sd = load_file(os.path.join(bert_dir, "model.safetensors"))
@@ -1039,7 +1037,7 @@ class TensorFile:
                 self.meta, self.shapes = f.metadata() or {}, {k: f.get_slice(k).get_shape() for k in f.keys()}
         except FileNotFoundError:
             raise CRGError("bad_regions", f"{path}: region file not found") from None
-        except Exception as e:  # SafetensorError: a bad header, a file cut short
+        except (SafetensorError, OSError) as e:  # a bad header, a file cut short
             raise CRGError("bad_regions", f"{path}: not a safetensors file or cut short ({e})") from None
 
     def shape(self, name):
@@ -1751,11 +1749,9 @@ def eval_sets(args, name, split, n, compiler):
 
 def build_optimizer(model, args):
     """AdamW; weight decay on matrices only."""
-    params = list(model.parameters())
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": args.wd}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=args.lr, betas=(0.9, 0.98), foreach=True)
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": args.wd},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), foreach=True)
 
 
 def run_evals(model, compiler, evals, device, args):
