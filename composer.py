@@ -444,7 +444,8 @@ def _pad(rows):
 def collate_text(comps: list) -> dict:
     """Compiled captions -> flat tensors over all primitives [P] and concept nodes [M]."""
     prims, nodes = [p for c in comps for p in c["prims"]], [n for c in comps for n in c["nodes"]]
-    cap_nprim, cap_nnode = torch.tensor([len(c["prims"]) for c in comps]), torch.tensor([len(c["nodes"]) for c in comps])
+    cap_nprim = torch.tensor([len(c["prims"]) for c in comps])
+    cap_nnode = torch.tensor([len(c["nodes"]) for c in comps])
     S = max(1, max(len(n["slots"]) for n in nodes))
     slot_pos = torch.full((len(nodes), S), -1, dtype=torch.long)
     child_prim = torch.zeros(len(nodes), S, dtype=torch.bool)
