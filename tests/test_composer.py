@@ -1,9 +1,11 @@
 """Tests for composer.py: CRG, bracketer, level-batched composition, MCD divergence, losses,
 bad input, torchrun (gloo) == single process, exact resume, CLI."""
 import argparse
+import errno
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -230,20 +232,40 @@ def _run(args, nproc=1, timeout=120):
     return r
 
 
+def weights(out):
+    return load_file(os.path.join(out, "checkpoint", "model.safetensors"))
+
+
+def saved_state(out, folder="checkpoint"):
+    return torch.load(os.path.join(out, folder, "state.pt"), weights_only=True)
+
+
+def same_weights(a, b):
+    wa, wb = weights(a), weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def one_error_line(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
 def test_resume_exact_and_ddp_equals_single(tmp_path):
     full, part, ddp = str(tmp_path / "full"), str(tmp_path / "part"), str(tmp_path / "ddp")
     C.main(["train", "--out_dir", full, "--max_steps", "6"] + TRAIN)
     C.main(["train", "--out_dir", part, "--max_steps", "6", "--stop_at", "3"] + TRAIN)
     with open(os.path.join(part, "metrics.jsonl"), "a") as f:  # a log line past the checkpoint (a kill)
         f.write(json.dumps({"step": 4, "loss": 99.0}) + "\n")
-    C.main(["train", "--out_dir", part, "--max_steps", "6", "--resume"] + TRAIN)
+    C.main(["train", "--resume", "--out_dir", part])            # the saved run's own flags
     steps = [r["step"] for r in map(json.loads, open(os.path.join(part, "metrics.jsonl"))) if "loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6]  # rewound to the checkpoint: no step twice
-    a, b = load_file(os.path.join(full, "checkpoint", "model.safetensors")), load_file(os.path.join(part, "checkpoint", "model.safetensors"))
-    assert all(torch.equal(a[k], b[k]) for k in a), "resumed run differs from the uninterrupted one"
-    sa = json.load(open(os.path.join(full, "checkpoint", "train_state.json")))
-    sb = json.load(open(os.path.join(part, "checkpoint", "train_state.json")))
+    assert same_weights(full, part), "resumed run differs from the uninterrupted one"
+    sa, sb = saved_state(full), saved_state(part)
     assert sa["sampler"] == sb["sampler"] and sa["step"] == sb["step"] == 6
+    assert saved_state(part, "checkpoint.prev")["step"] == 3
+    config = data.read_json(os.path.join(full, "checkpoint", "config.json"))
+    assert config["script"] == data.script_record(C.__file__) and "given" not in config["args"]
     _run(["--out_dir", ddp, "--max_steps", "6"] + TRAIN, nproc=2)
     d = load_file(os.path.join(ddp, "checkpoint", "model.safetensors"))
     # the logged (global-batch) losses agree step by step; the weights agree up to float
@@ -251,11 +273,12 @@ def test_resume_exact_and_ddp_equals_single(tmp_path):
     la, ld = [[r["loss"] for r in map(json.loads, open(os.path.join(x, "metrics.jsonl"))) if "loss" in r]
               for x in (full, ddp)]
     assert len(la) == len(ld) == 6 and np.allclose(la, ld, atol=1e-5, rtol=0), (la, ld)
+    a = weights(full)
     for k in a:
         torch.testing.assert_close(d[k], a[k], atol=1e-3, rtol=1e-3)
     for f in ("config.json", "tokenizer.json", "metrics.jsonl", "loss_curve.png"):
         assert os.path.exists(os.path.join(full, f))
-    assert sorted(os.listdir(os.path.join(full, "checkpoint"))) == sorted(C.CHECKPOINT_FILES + ("tokenizer.json",))
+    assert sorted(os.listdir(os.path.join(full, "checkpoint"))) == sorted(C.STATE_FILES + ("sha256.json",))
     assert not [f for f in os.listdir(full) if ".tmp" in f or ".prev" in f]
     # evaluation + interpretation view on the checkpoint
     out = C.main(["eval", "--ckpt", full, "--eval_size", "12", "--interpret", "1", "--parse_dropout", "0.5",
@@ -338,7 +361,7 @@ def test_nonfinite_loss_stops_at_the_next_check_and_keeps_the_last_good_checkpoi
         C.main(["train", "--out_dir", str(tmp_path), "--max_steps", "9"] + TRAIN + ["--log_interval", "3", "--save_interval", "3"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 1 and len(err) == 1 and "non-finite loss at a step <= 6" in err[0], err
-    assert json.load(open(tmp_path / "checkpoint" / "train_state.json"))["step"] == 3
+    assert saved_state(tmp_path)["step"] == 3
     logged = [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl") if "loss" in x]
     assert logged == [3]
 
@@ -359,7 +382,7 @@ def test_nonfinite_weights_are_never_saved(tmp_path, monkeypatch, capsys):
         C.main(["train", "--out_dir", str(tmp_path), "--max_steps", "4"] + TRAIN + ["--save_interval", "1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 1 and len(err) == 1 and "non-finite" in err[0], err
-    assert json.load(open(tmp_path / "checkpoint" / "train_state.json"))["step"] == 1
+    assert saved_state(tmp_path)["step"] == 1
     assert all(torch.isfinite(t).all() for t in load_file(str(tmp_path / "checkpoint" / "model.safetensors")).values())
 
 
@@ -374,30 +397,161 @@ def test_sigterm_to_one_rank_stops_every_rank_and_resumes(tmp_path):
     rc, stdout, stderr = sigterm_one_rank(torchrun + ["--out_dir", out, "--max_steps", "100000"] + TRAIN,
                                           os.path.join(out, "metrics.jsonl"), env=env)
     assert rc == 0, stderr
-    step = json.load(open(os.path.join(out, "checkpoint", "train_state.json")))["step"]
-    assert 0 < step < 100000 and f"stopped (SIGTERM or --stop_at): checkpoint saved at step {step}" in stdout
-    _run(["--out_dir", out, "--max_steps", str(step + 1), "--resume"] + TRAIN, nproc=2)
-    assert json.load(open(os.path.join(out, "checkpoint", "train_state.json")))["step"] == step + 1
+    step = saved_state(out)["step"]
+    assert 0 < step < 100000 and f"stopped (signal or --stop_at): checkpoint saved at step {step}; continue with: " \
+        f"python composer.py train --resume --out_dir {out}" in stdout
+    _run(["--resume", "--out_dir", out, "--stop_at", str(step + 1)], nproc=2)
+    assert saved_state(out)["step"] == step + 1
 
 
 def test_damaged_checkpoint_falls_back_or_fails_in_one_line(tmp_path, capsys):
+    """A bit flipped in the newest weights: sha256.json says so, --resume falls back to
+    checkpoint.prev/ with a note and still ends bit-exactly as the uninterrupted run. A state.pt of
+    the wrong types (its sha256 matching) with no previous checkpoint: one error line."""
+    ref, out = str(tmp_path / "ref"), str(tmp_path / "run")
+    every = ["--max_steps", "4", "--save_interval", "1"]
+    C.main(["train", "--out_dir", ref] + TRAIN + every)
+    C.main(["train", "--out_dir", out, "--stop_at", "3"] + TRAIN + every)
+    ck = os.path.join(out, "checkpoint")
+    blob = bytearray(open(os.path.join(ck, "model.safetensors"), "rb").read())
+    blob[-5] ^= 0x10
+    open(os.path.join(ck, "model.safetensors"), "wb").write(bytes(blob))
+    capsys.readouterr()
+    C.main(["train", "--resume", "--out_dir", out])
+    out_err = capsys.readouterr()
+    assert "model.safetensors: damaged" in out_err.err and "resuming from the previous checkpoint" in out_err.err
+    assert "at step 2" in out_err.out and same_weights(ref, out)
+    torch.save({"step": "4", "sampler": [], "optimizer": {}, "rng": {}}, os.path.join(ck, "state.pt"))
+    sums = data.read_json(os.path.join(ck, "sha256.json"))
+    sums["state.pt"] = C.sha256(os.path.join(ck, "state.pt"))
+    data.save_json(os.path.join(ck, "sha256.json"), sums)
+    shutil.rmtree(os.path.join(out, "checkpoint.prev"))
+    with pytest.raises(SystemExit) as e:
+        C.main(["train", "--resume", "--out_dir", out])
+    assert e.value.code == 2 and "state.pt: not a training state (wrong types)" in one_error_line(capsys)
+    open(os.path.join(ck, "model.safetensors"), "wb").write(bytes(blob[:len(blob) // 2]))     # truncated
+    with pytest.raises(SystemExit) as e:
+        C.main(["train", "--resume", "--out_dir", out])
+    assert e.value.code == 2 and "model.safetensors: damaged" in one_error_line(capsys)
+
+
+def test_resume_refuses_a_changed_flag_and_a_new_run_refuses_a_used_out_dir(tmp_path, capsys):
+    """--resume with a run-defining flag of another value, and a new run on an out_dir holding a
+    checkpoint: one line each, exit 2, no file touched. --overwrite starts over."""
     out = str(tmp_path / "run")
     C.main(["train", "--out_dir", out, "--max_steps", "4", "--stop_at", "2"] + TRAIN)
-    ck, prev = os.path.join(out, "checkpoint"), os.path.join(out, "checkpoint.prev")
-    import shutil
-    shutil.copytree(ck, prev)
-    blob = open(os.path.join(ck, "model.safetensors"), "rb").read()
-    open(os.path.join(ck, "model.safetensors"), "wb").write(blob[:len(blob) // 2])  # truncated
+    def files():
+        return {os.path.join(dp, f): open(os.path.join(dp, f), "rb").read() for dp, _, fs in os.walk(out) for f in fs}
+    before = files()
     capsys.readouterr()
-    C.main(["train", "--out_dir", out, "--max_steps", "4", "--resume"] + TRAIN)
-    assert "resuming from the previous complete checkpoint" in capsys.readouterr().err
-    assert json.load(open(os.path.join(ck, "train_state.json")))["step"] == 4 and not os.path.exists(prev)
-    with open(os.path.join(ck, "train_state.json"), "w") as f:
-        f.write('{"step": ')  # damaged, and no checkpoint.prev
+    for argv, says in ((["--resume", "--lr", "0.5"], "--lr 0.5 differs from the resumed run's 0.001"),
+                       (["--resume", "--method", "vse"], "--method vse differs"),
+                       (TRAIN, "holds a checkpoint: --resume continues that run")):
+        with pytest.raises(SystemExit) as e:
+            C.main(["train", "--out_dir", out] + argv)
+        line = one_error_line(capsys)
+        assert e.value.code == 2 and says in line and (argv is not TRAIN or "--overwrite" in line), line
+        assert files() == before
+    given = C.parse_args(["--split_file", "a.jsonl", "--no-quick_gelu", "--lr", "0.001", "--seed", "0"]).given
+    assert given == {"split_file", "quick_gelu", "lr", "seed"}      # what the command line says, defaults or not
+    # run-control flags may change; given flags equal to the saved ones are fine
+    C.main(["train", "--out_dir", out, "--resume", "--log_interval", "2", "--lr", "0.001"])
+    assert saved_state(out)["step"] == 4
+    C.main(["train", "--out_dir", out, "--overwrite", "--max_steps", "1"] + TRAIN)
+    assert saved_state(out)["step"] == 1 and not os.path.exists(os.path.join(out, "checkpoint.prev"))
+    assert [json.loads(x)["step"] for x in open(os.path.join(out, "metrics.jsonl"))] == [1, 1]   # loss, final eval
+
+
+def test_ctrl_c_saves_a_checkpoint_that_resumes_bit_exactly(tmp_path):
+    """SIGINT (Ctrl-C) is handled like SIGTERM: a checkpoint at the next step, exit 0; --resume
+    --out_dir then ends where an uninterrupted run with the same flags ends."""
+    import signal
+    import time
+    out, ref = str(tmp_path / "run"), str(tmp_path / "ref")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "composer.py"), "--out_dir", out, "--max_steps", "100000"]
+                         + TRAIN, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    metrics, t0 = os.path.join(out, "metrics.jsonl"), time.time()
+    while not (os.path.isfile(metrics) and os.path.getsize(metrics)):
+        assert p.poll() is None and time.time() - t0 < 120, p.stderr.read()
+        time.sleep(0.1)
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0, stderr
+    step = saved_state(out)["step"]
+    assert f"checkpoint saved at step {step}" in stdout
+    _run(["--resume", "--out_dir", out, "--stop_at", str(step + 2)])
+    _run(["--out_dir", ref, "--max_steps", "100000", "--stop_at", str(step + 2)] + TRAIN)
+    assert saved_state(out)["step"] == step + 2 and same_weights(ref, out)
+
+
+def test_signal_handlers_stay_until_main_returns(tmp_path, monkeypatch):
+    """A SIGTERM while the finished run writes its last files does not kill it; a second Ctrl-C exits at once;
+    main() puts the previous handlers back when it returns."""
+    import signal
+    before = signal.getsignal(signal.SIGTERM)
+    real = C.draw_loss_curve
+
+    def plot_under_sigterm(*a):
+        os.kill(os.getpid(), signal.SIGTERM)
+        real(*a)
+    monkeypatch.setattr(C, "draw_loss_curve", plot_under_sigterm)
+    out = C.main(["train", "--out_dir", str(tmp_path), "--max_steps", "1"] + TRAIN)
+    assert out["step"] == 1 and os.path.isfile(tmp_path / "loss_curve.png")
+    assert signal.getsignal(signal.SIGTERM) is before
+    handlers = C.stop_on_signals()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert C.STOP["flag"]
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+def test_write_errors_are_one_line_and_keep_the_last_checkpoint(tmp_path, monkeypatch, capsys, code):
+    """A write error in the step-4 save: one line naming out_dir and the size, exit 2,
+    checkpoint.tmp/ gone, step 2's checkpoint as it was. One in the loss plot: one line too."""
+    out = str(tmp_path / "run")
+    real = C.write_file
+
+    def failing(path, blob):
+        if "checkpoint.tmp" in path and os.path.isfile(os.path.join(out, "checkpoint", "state.pt")) \
+                and saved_state(out)["step"] == 2:
+            real(path, blob[:10])
+            raise OSError(code, os.strerror(code))
+        real(path, blob)
+    monkeypatch.setattr(C, "write_file", failing)
     with pytest.raises(SystemExit) as e:
-        C.main(["train", "--out_dir", out, "--max_steps", "6", "--resume"] + TRAIN)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and "train_state.json" in err[0]
+        C.main(["train", "--out_dir", out, "--max_steps", "4"] + TRAIN + ["--save_interval", "2"])
+    line = one_error_line(capsys)
+    assert e.value.code == 2 and out in line and os.strerror(code).lower() in line and "MiB needed" in line, line
+    assert not os.path.exists(os.path.join(out, "checkpoint.tmp")) and saved_state(out)["step"] == 2
+    C.read_checkpoint(os.path.join(out, "checkpoint"))       # whole: every sha256 matches
+    monkeypatch.setattr(C, "write_file", real)
+
+    def no_quota(metrics_path, png_path):
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), png_path)
+    monkeypatch.setattr(C, "draw_loss_curve", no_quota)
+    with pytest.raises(SystemExit) as e:
+        C.main(["train", "--out_dir", out, "--resume"])
+    assert e.value.code == 2 and "loss_curve.png: Disk quota exceeded" in one_error_line(capsys)
+
+
+def test_eval_of_another_scripts_checkpoint_names_its_reader(tmp_path, capsys):
+    """An il_clip.py out_dir (config.json with "script" and a CLIP "model", no "args"): one line
+    naming the script and the command that evaluates it, not a TypeError."""
+    ck = tmp_path / "clip" / "checkpoint"
+    os.makedirs(ck)
+    save_file({"visual.conv1.weight": torch.zeros(8, 3, 4, 4)}, str(ck / "model.safetensors"))
+    data.save_json(str(ck / "config.json"), {"method": "clip", "model": {"vision_width": 8, "vision_layers": 1},
+                                             "script": {"name": "il_clip.py", "path": "/x/il_clip.py", "sha256": "0"}})
+    with pytest.raises(SystemExit) as e:
+        C.main(["eval", "--ckpt", str(tmp_path / "clip")])
+    line = one_error_line(capsys)
+    assert e.value.code == 2 and "il_clip.py" in line and f"python eval_compositional.py --ckpt {tmp_path / 'clip'}" in line
 
 
 def test_paper_sizes_are_the_default_on_real_data():
