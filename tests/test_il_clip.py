@@ -420,7 +420,8 @@ def test_ablation_flags_freeze_and_spawn_targets(tmp_path):
 # ----------------------------------------------------------------------------- resume / signals / NaN
 
 @pytest.mark.parametrize("extra,stop", [(IL + ["--negatives"], 4), (["--method", "negclip"], 3),
-                                        (["--method", "clip", "--log_interval", "3"], 4)])
+                                        (["--method", "clip", "--log_interval", "3"], 4),
+                                        (IL + ["--lr_schedule", "generation"], 4)])
 def test_resume_n_plus_m_equals_one_go(tmp_path, extra, stop):
     """--stop_at N then `--resume --out_dir` alone (the saved flags) equals one run: weights, the
     whole training state (optimizer, RNGs, data position, IL teacher, NegCLIP pool, log sums), and
@@ -439,10 +440,10 @@ def test_resume_n_plus_m_equals_one_go(tmp_path, extra, stop):
     assert all(torch.equal(a[k], b[k]) for k in a)
     sa, sb = train_state(one), train_state(two)
     assert same(sa, sb) and not same(sa, train_state(two, "checkpoint.prev"))
-    assert (sa["pool"] is not None) == ("clip" not in extra)           # NegCLIP's image pool saved
+    assert (sa["pool"] is not None) == bool({"--negatives", "negclip"} & set(extra))   # NegCLIP's image pool saved
     ra, rb = ([json.loads(x) for x in open(os.path.join(d, "metrics.jsonl"))] for d in (one, two))
     assert [r["step"] for r in ra] == [r["step"] for r in rb]
-    assert [(r["loss"], r["clip_loss"]) for r in ra] == [(r["loss"], r["clip_loss"]) for r in rb]
+    assert [(r["loss"], r["clip_loss"], r["lr"]) for r in ra] == [(r["loss"], r["clip_loss"], r["lr"]) for r in rb]
     if "il" in extra:  # generation snapshots (for eval's per-generation analyses) survive the resume
         for d in (one, two):
             assert sorted(x for x in os.listdir(d) if x.startswith("gen")) == ["gen0", "gen1"]
