@@ -27,8 +27,9 @@ Benchmarks (--benchmarks a,b,...; default `shapes`; `all` = every one below):
   retrieval     --retrieval FILE|shapes (Karpathy JSON) --retrieval_images DIR [--retrieval_split]
   linear_probe  --linear_probe DIR|shapes (ImageFolder with train/ and test/); L-BFGS to convergence, L2 strength
                 swept on held-out train (CLIP's protocol; --no-linear_probe_l2_sweep: none)
-  easy_to_learn frozen vision agent + codebook, a fresh language agent (fixed seed) trained on --probe_data;
-                accuracy curve for --ckpt and every --compare_ckpts on one plot (Fig. 5)
+  easy_to_learn frozen vision agent + codebook, a fresh language agent (fixed seed, fixed --probe_logit_scale)
+                trained on --probe_data; accuracy curve and its `auc` over the first --probe_auc_steps for --ckpt
+                and every --compare_ckpts (--probe_generations: each gen{g}/ snapshot too) on one plot (Fig. 5)
   spectral      product of per-layer spectral norms (exact SVD; Fig. 4's quantity, NOT a Lipschitz bound: see
                 spectral_product), per gen{g}/ snapshot, for --ckpt and every --compare_ckpts on one plot
   codebook      top-k --viz_data images per code as a PNG grid (Fig. 6)
@@ -194,6 +195,14 @@ def get_args(argv=None):
     p.add_argument("--probe_eval_every", type=int, default=20)
     p.add_argument("--probe_eval_size", type=int, default=256, help="held-out --probe_data pairs for the accuracy curve")
     p.add_argument("--probe_seed", type=int, default=1234, help="seed of the fresh language agent (same for every checkpoint)")
+    p.add_argument("--probe_logit_scale", type=float, default=1 / 0.07,
+                   help="easy_to_learn: the student's fixed logit scale, the same for every checkpoint (default "
+                        "1/0.07, CLIP's initial scale; not the checkpoint's learnt one)")
+    p.add_argument("--probe_generations", action="store_true",
+                   help="easy_to_learn: also probe every gen{g}/ snapshot of each checkpoint, one curve each (Fig. 5)")
+    p.add_argument("--probe_auc_steps", type=int, default=60,
+                   help="easy_to_learn: `auc` = mean accuracy over the evaluation points after 1..N probe steps "
+                        "(learning speed, Fig. 5's initial slope)")
     p.add_argument("--viz_codes", type=int, default=8, help="codebook: how many codes (the most used ones)")
     p.add_argument("--viz_topk", type=int, default=5)
     p.add_argument("--viz_images", type=int, default=500, help="codebook: --viz_data images searched")
@@ -206,6 +215,11 @@ def get_args(argv=None):
     split_zeroshot_flags(args)
     if bool(args.ckpt) == bool(args.init):
         raise ConfigError("give exactly one of --ckpt OUT_DIR or --init WEIGHTS")
+    if not 0 < args.probe_logit_scale < math.inf:
+        raise ConfigError(f"--probe_logit_scale {args.probe_logit_scale}: expected a positive number")
+    if args.probe_auc_steps < min(args.probe_eval_every, args.probe_steps):
+        raise ConfigError(f"--probe_auc_steps {args.probe_auc_steps}: no evaluation point in steps 1..N "
+                          f"(--probe_eval_every {args.probe_eval_every}, --probe_steps {args.probe_steps})")
     return args
 
 
@@ -2208,7 +2222,10 @@ def easy_to_learn_curve(model, tok, config, args, spec, kw):
     student.eval()  # no dropout; vision statistics stay fixed
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.probe_lr, weight_decay=0.0)
-    scale = float(student.logit_scale.exp().clamp(max=100)) if hasattr(student, "logit_scale") else 1 / 0.07
+    # Choice: one fixed scale for every checkpoint, not each one's learnt scale (CLIP ~17, IL ~23 on shapes):
+    # the scale sets how sharp the student's softmax is, hence its effective step size, so probing each
+    # checkpoint at its own scale would compare scales, not representations. 1/0.07: a fresh CLIP's start.
+    scale = args.probe_logit_scale
     train, val = probe_batches(spec, kw, tok, size, args)
     with torch.no_grad():
         val_img = [student.encode_image(data.normalize_images(b["image"], device)) for b in val]
@@ -2234,18 +2251,45 @@ def easy_to_learn_curve(model, tok, config, args, spec, kw):
     return curve
 
 
+def curve_auc(curve, n):
+    """Learning speed: the mean accuracy over the evaluation points after 1..n probe steps (the
+    normalised area under the curve there; step 0, before any learning, is left out)."""
+    accs = [a for s, a in curve if 0 < s <= n]
+    return round(sum(accs) / len(accs), 4)
+
+
+def probe_result(curve, args):
+    return {"final": curve[-1][1], "auc": curve_auc(curve, args.probe_auc_steps),
+            "curve": [{"step": s, "acc": a} for s, a in curve]}
+
+
 def bench_easy_to_learn(args, model, tok, config):
     """The Fig. 5 probe for --ckpt and every --compare_ckpts checkpoint, all on the same
-    --probe_data (default: --ckpt's training data) and the same student seed."""
+    --probe_data (default: --ckpt's training data), the same student seed and logit scale;
+    with --probe_generations also for each checkpoint's gen{g}/ snapshots (Fig. 5: one curve
+    per generation)."""
     spec, kw = analysis_data(args, config, "probe_data")
-    runs = {run_name(args.ckpt or args.init): (model, tok, config)}
+    runs = {run_name(args.ckpt or args.init): (args.ckpt, model, tok, config)}
     for path in compare_ckpts(args):
-        runs[run_name(path)] = load_checkpoint(path, args)
-    curves = {name: easy_to_learn_curve(m, t, c, args, spec, kw) for name, (m, t, c) in runs.items()}
+        runs[run_name(path)] = (path, *load_checkpoint(path, args))
+    out, curves = {}, {}
+    for name, (path, m, t, c) in runs.items():
+        final = easy_to_learn_curve(m, t, c, args, spec, kw)
+        gens = []
+        for snap_path in generation_snapshots(path) if args.probe_generations else []:
+            snap = load_snapshot(snap_path, m, path, args)
+            a, b = snap.state_dict(), m.state_dict()    # the last snapshot is often the final weights
+            same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+            curve = final if same else easy_to_learn_curve(snap, t, c, args, spec, kw)
+            snap_name = os.path.relpath(snap_path, out_dir_of(path))
+            gens.append({"snapshot": snap_name} | probe_result(curve, args))
+            curves[f"{name} {snap_name}"] = curve
+        curves[name] = final
+        out[name] = probe_result(final, args) | ({"generations": gens} if gens else {})
     png = os.path.join(args.plot_dir, "easy_to_learn.png")
     draw_line_plot(png, curves, "fresh language agent vs frozen vision agent", "step", "in-batch accuracy (%)")
-    out = {name: {"final": c[-1][1], "curve": [{"step": s, "acc": a} for s, a in c]} for name, c in curves.items()}
-    return out | {"data": spec, "png": png, "seed": args.probe_seed, "steps": args.probe_steps}
+    return out | {"data": spec, "png": png, "seed": args.probe_seed, "steps": args.probe_steps,
+                  "logit_scale": args.probe_logit_scale, "auc_steps": args.probe_auc_steps}
 
 
 # -----------------------------------------------------------------------------
@@ -2314,7 +2358,7 @@ def draw_image_grid(path, rows, cell=64, label_w=80):
 def shapes_run(folder: str):
     """(method, seed, results) of an il_clip.py out_dir with shapes_eval.json, else None. With
     the easy-to-learn probe's output in probe.json (--benchmarks easy_to_learn --out RUN/probe.json),
-    also its held-out accuracy at step 20 (learning speed, Fig. 5's slope) and at its last step."""
+    also its held-out accuracy at step 20 and its `auc` (learning speed, Fig. 5's slope) and at its last step."""
     res_path, cfg_path = os.path.join(folder, "shapes_eval.json"), os.path.join(folder, "config.json")
     if not (os.path.isfile(res_path) and os.path.isfile(cfg_path)):
         return None
@@ -2324,12 +2368,14 @@ def shapes_run(folder: str):
     probe_path = os.path.join(folder, "probe.json")
     if os.path.isfile(probe_path):
         probe = data.read_json(probe_path).get("results", {}).get("easy_to_learn", {})
-        curves = [r["curve"] for r in probe.values() if isinstance(r, dict) and "curve" in r]
-        at = {p["step"]: p["acc"] / 100 for p in curves[0]} if len(curves) == 1 else {}
+        runs = [r for r in probe.values() if isinstance(r, dict) and "curve" in r]
+        at = {p["step"]: p["acc"] / 100 for p in runs[0]["curve"]} if len(runs) == 1 else {}
         if 20 not in at:    # another run's curves (--compare_ckpts), or no evaluation at step 20
             raise data.DataError(f"{probe_path}: not one easy_to_learn curve with step 20 "
                                  "(probe this run alone, --probe_eval_every dividing 20)")
-        res |= {"probe_step20": at[20], "probe_final": curves[0][-1]["acc"] / 100}
+        res |= {"probe_step20": at[20], "probe_final": runs[0]["curve"][-1]["acc"] / 100}
+        if "auc" in runs[0]:    # probe.json from before the auc was written has none
+            res["probe_auc"] = runs[0]["auc"] / 100
     return cfg.get("method", folder) + ("+neg" if cfg.get("negatives") else ""), cfg.get("seed", folder), res
 
 
@@ -2344,7 +2390,7 @@ def summarize_runs(root: str, baseline: str | None = None, read_run=shapes_run) 
 # counts and settings: kept in the JSON, left out of the table (counts get their own columns)
 META_KEYS = {"n", "n_scored", "n_skipped", "n_train_skipped", "n_per_category", "n_images", "n_captions", "n_train",
              "n_test", "classes", "templates", "layers", "seed", "steps", "weight_decay", "spectral_norms", "curve",
-             "codes", "png", "generations", "over", "reason"}
+             "codes", "png", "generations", "over", "reason", "logit_scale", "auc_steps"}
 
 
 def flatten(results):

@@ -122,9 +122,11 @@ def build_args(argv=None):
     a("--stop_at", type=int, default=None, help="stop at this step with a checkpoint, as if preempted")
     a("--batch_size", type=int, default=None, help="global batch (all ranks, all micro-steps)")
     a("--accum", type=int, default=1, help="gradient accumulation micro-steps")
-    a("--lr", type=float, default=None, help="peak LR; cosine decay to 0 over max_steps")
+    a("--lr", type=float, default=None, help="peak LR (see --lr_schedule)")
     a("--warmup", type=int, default=None)
     a("--rewarm", type=int, default=None, help="linear LR re-warm-up at each generation start")
+    a("--lr_schedule", default="global", choices=["global", "generation"], help="global: one cosine over "
+      "max_steps (paper); generation: warm-up + cosine to 0 within the warm-up, each generation, the extension")
     a("--wd", type=float, default=0.1)
     a("--betas", type=float, nargs=2, default=(0.9, 0.98))
     a("--eps", type=float, default=1e-6)
@@ -873,6 +875,12 @@ class ILSchedule:
         phase = "distill" if step - start < self.t_distill else "interact"
         return phase, g + 1, start
 
+    def cycle(self, step, end):
+        """[start, stop) of the LR cycle holding step under --lr_schedule generation: the warm-up,
+        each generation (distill + interact), the extension; the run's last cycle stops at `end`."""
+        cuts = [0, *self.spawn_steps] + [g + self.gen_len for g in self.spawn_steps[-1:]]
+        return max(c for c in cuts if c <= step), min([c for c in cuts if c > step] + [end])
+
 
 def make_schedule(args):
     return ILSchedule(args.t_warm, args.t_distill, args.t_interact, args.generations,
@@ -890,16 +898,24 @@ def spawn_seed(seed, generation):
     return (seed * 1_000_003 + 7919 * generation) % (2 ** 62)
 
 
+def warmup_cosine(s, length, warm, peak):
+    """Step s of a cycle of `length` steps: linear warm-up over `warm` steps, then cosine decay to 0."""
+    if s < warm:
+        return peak * (s + 1) / warm
+    return 0.5 * peak * (1 + math.cos(math.pi * min(1.0, (s - warm) / max(1, length - warm))))
+
+
 def get_lr(step, args, sched):
-    if step < args.warmup:
-        lr = args.lr * (step + 1) / args.warmup
-    else:
-        progress = min(1.0, (step - args.warmup) / max(1, args.max_steps - args.warmup))
-        lr = 0.5 * args.lr * (1 + math.cos(math.pi * progress))
-    phase, gen, start = sched.at(step)
-    if gen > 0 and args.rewarm > 0:      # linear re-warm-up at the start of every generation
-        lr *= min(1.0, (step - start + 1) / args.rewarm)
-    return lr
+    if args.lr_schedule == "global":     # paper Table 4: one cosine over the run, re-warmed up to its current point
+        lr = warmup_cosine(step, args.max_steps, args.warmup, args.lr)
+        phase, gen, start = sched.at(step)
+        if gen > 0 and args.rewarm > 0:  # linear re-warm-up at the start of every generation
+            lr *= min(1.0, (step - start + 1) / args.rewarm)
+        return lr
+    # Choice: (the paper gives no such schedule) each cycle (warm-up, each generation, the extension)
+    # warms up to the full peak and decays to 0, so late generations learn as much as early ones.
+    start, end = sched.cycle(step, args.max_steps)
+    return warmup_cosine(step - start, end - start, args.warmup if start == 0 else args.rewarm, args.lr)
 
 
 # -----------------------------------------------------------------------------
@@ -1413,7 +1429,8 @@ def release_out_dir():
 def resumed_args(args, config):
     """--resume: the saved run's flags and the run-control flags given now. A run-defining flag
     given now must equal the saved value."""
-    saved = {k: config[k] for k in vars(args) if k in config} | {"model": config["preset"]}
+    # a checkpoint from before --lr_schedule existed ran the global schedule
+    saved = {"lr_schedule": "global"} | {k: config[k] for k in vars(args) if k in config} | {"model": config["preset"]}
     for name in sorted(set(args.given) - RUN_CONTROL):
         now = json.loads(json.dumps(getattr(args, name)))
         if name in saved and now != saved[name]:

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import types
 import zipfile
 
@@ -569,6 +570,77 @@ def test_easy_to_learn_held_out_pairs_are_never_trained_on(tmp_path):
         assert held and seen and not held & seen, kind
 
 
+@pytest.fixture(scope="module")
+def il_run(tmp_path_factory):
+    """A 3-step il_clip.py IL run: gen0/ (end of warm-up), gen1/, gen2/ (= the final weights)."""
+    import il_clip
+    out = str(tmp_path_factory.mktemp("il") / "run")
+    assert il_clip.main(["--model_args", "width=32", "layers=1", "heads=2", "embed_dim=32", "image_size=32",
+                         "patch_size=8", "code_dim=32", "--batch_size", "8", "--eval_size", "0", "--warmup", "1",
+                         "--rewarm", "1", "--vocab_size", "300", "--method", "il", "--codebook", "32", "--t_warm", "1",
+                         "--t_distill", "1", "--t_interact", "0", "--generations", "2", "--t_extend", "0",
+                         "--out_dir", out]) == 0
+    return out
+
+
+def probe_args(run, tmp_path, *extra):
+    return E.get_args(["--ckpt", run, "--plot_dir", str(tmp_path), "--probe_steps", "6", "--probe_eval_every", "2",
+                       "--probe_eval_size", "16", "--probe_batch", "8", "--probe_lr", "1e-2", "--probe_auc_steps", "4",
+                       "--no_progress", *extra])
+
+
+def test_easy_to_learn_probes_every_checkpoint_at_one_fixed_logit_scale(il_run, tmp_path):
+    """The checkpoint's learnt logit scale no longer reaches the probe; --probe_logit_scale does."""
+    a = probe_args(il_run, tmp_path)
+    model, tok, config = E.load_checkpoint(il_run, a)
+    spec, kw = E.analysis_data(a, config, "probe_data")
+    curve = E.easy_to_learn_curve(model, tok, config, a, spec, kw)
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(100.0))         # was ln(1/0.07) + 3 steps of training
+    assert E.easy_to_learn_curve(model, tok, config, a, spec, kw) == curve
+    a.probe_logit_scale = 100.0                          # the probe's own scale does reach the loss
+    assert E.easy_to_learn_curve(model, tok, config, a, spec, kw) != curve
+    assert E.get_args(["--ckpt", il_run]).probe_logit_scale == pytest.approx(14.2857, abs=1e-4)
+    for bad in (["--probe_logit_scale", "0"], ["--probe_auc_steps", "19"], ["--probe_auc_steps", "3",
+                                                                             "--probe_steps", "4"]):
+        with pytest.raises(E.ConfigError, match=bad[0]):
+            E.get_args(["--ckpt", il_run] + bad)
+
+
+def test_easy_to_learn_auc_is_the_mean_accuracy_up_to_n_steps():
+    curve = [(0, 5.0), (20, 40.0), (40, 55.0), (60, 70.0), (80, 90.0), (90, 91.0)]
+    assert E.curve_auc(curve, 60) == (40.0 + 55.0 + 70.0) / 3            # step 0 (before learning) left out
+    assert E.curve_auc(curve, 59) == 47.5 and E.curve_auc(curve, 20) == 40.0
+    assert E.curve_auc(curve, 1000) == pytest.approx((40 + 55 + 70 + 90 + 91) / 5)
+
+
+def test_easy_to_learn_one_curve_per_generation_snapshot(il_run, tmp_path):
+    a = probe_args(il_run, tmp_path, "--probe_generations")
+    model, tok, config = E.load_checkpoint(il_run, a)
+    r = E.bench_easy_to_learn(a, model, tok, config)
+    run = r["run"]
+    assert r["logit_scale"] == pytest.approx(1 / 0.07) and r["auc_steps"] == 4
+    assert [g["snapshot"] for g in run["generations"]] == ["gen0", "gen1", "gen2"]
+    for entry in [run] + run["generations"]:
+        accs = {p["step"]: p["acc"] for p in entry["curve"]}
+        assert list(accs) == [0, 2, 4, 6] and entry["final"] == accs[6]
+        assert entry["auc"] == pytest.approx((accs[2] + accs[4]) / 2, abs=1e-4)     # by hand: steps 2 and 4
+    assert run["generations"][-1]["curve"] == run["curve"]          # gen2/ holds the final weights
+    assert os.path.getsize(tmp_path / "easy_to_learn.png") > 0
+    # each snapshot is probed with its own weights: a gen1/ whose codebook is redrawn learns otherwise
+    from safetensors.torch import load_file, save_file
+    other = str(tmp_path / "other")
+    shutil.copytree(il_run, other)
+    sd = load_file(os.path.join(other, "gen1", "model.safetensors"))
+    sd["codebook"] = torch.randn(sd["codebook"].shape, generator=torch.Generator().manual_seed(5))
+    save_file(sd, os.path.join(other, "gen1", "model.safetensors"))
+    gens = E.bench_easy_to_learn(probe_args(other, tmp_path, "--probe_generations"), model, tok, config)["other"]
+    assert gens["generations"][0] == run["generations"][0] and gens["generations"][1] != run["generations"][1]
+    # without the flag: the checkpoint alone, same curve
+    a = probe_args(il_run, tmp_path)
+    assert E.bench_easy_to_learn(a, model, tok, config)["run"] == {k: v for k, v in run.items() if k != "generations"}
+
+
 # ----------------------------------------------------------------------------- results over seeds
 def test_t_interval_against_hand_computation_and_scipy():
     """The 95% t-interval of 5 values, computed by hand: mean 0.6, s = sqrt(0.025) = 0.158114,
@@ -639,8 +711,11 @@ def test_shapes_run_reads_the_easy_to_learn_probe(tmp_path):
     data.save_json(str(tmp_path / "probe.json"), {"results": {"easy_to_learn": {
         "run": {"final": 55.5, "curve": curve}, "data": "shapes", "seed": 1234, "steps": 40}}})
     method, seed, got = E.shapes_run(str(tmp_path))
-    assert (method, seed) == ("il", 3) and "scored" not in got
+    assert (method, seed) == ("il", 3) and "scored" not in got and "probe_auc" not in got   # written before auc
     assert got["probe_step20"] == pytest.approx(0.40) and got["probe_final"] == pytest.approx(0.555)
+    data.save_json(str(tmp_path / "probe.json"), {"results": {"easy_to_learn": {
+        "run": {"final": 55.5, "auc": 47.75, "curve": curve}, "data": "shapes", "auc_steps": 40}}})
+    assert E.shapes_run(str(tmp_path))[2]["probe_auc"] == pytest.approx(0.4775)
     data.save_json(str(tmp_path / "probe.json"), {"results": {"easy_to_learn": {
         "run": {"final": 55.5, "curve": curve[::2]}, "data": "shapes"}}})    # no step 20: one clear error
     with pytest.raises(data.DataError, match="step 20"):

@@ -277,13 +277,69 @@ def test_il_schedule_phases_and_lr():
         assert start == (0 if gen == 0 else 5 + 5 * (gen - 1))
     assert M.ILSchedule(5, 2, 3, 3, 4, enabled=False).at(7) == ("train", 0, 0)
     # global cosine x linear re-warm-up at each generation start
-    args = type("A", (), dict(lr=1.0, min_lr=0.0, warmup=2, rewarm=2, max_steps=s.total))()
+    args = type("A", (), dict(lr=1.0, min_lr=0.0, warmup=2, rewarm=2, max_steps=s.total, lr_schedule="global"))()
     lrs = [M.get_lr(t, args, s) for t in range(s.total)]
     assert lrs[0] == 0.5 and lrs[1] == 1.0
     for start in s.spawn_steps:
         assert lrs[start] == pytest.approx(0.5 * M.get_lr(start, args, M.ILSchedule(5, 2, 3, 3, 4, enabled=False)))
         assert lrs[start + 1] == pytest.approx(M.get_lr(start + 1, args, M.ILSchedule(5, 2, 3, 3, 4, enabled=False)))
     assert M.spawn_seed(0, 1) != M.spawn_seed(0, 2) and M.spawn_seed(3, 1) == M.spawn_seed(3, 1)
+
+
+def _lr_args(**kw):
+    return type("A", (), dict(dict(lr=2.0, warmup=2, rewarm=2, lr_schedule="generation"), **kw))()
+
+
+def _naive_lr(t, cycles, args):
+    """By hand: find t's cycle in an explicit list, then linear warm-up and cosine to 0 at its end."""
+    for a, b in cycles:
+        if a <= t < b:
+            w, s = (args.warmup if a == 0 else args.rewarm), t - a
+            return args.lr * (s + 1) / w if s < w else args.lr * 0.5 * (1 + math.cos(math.pi * (s - w) / (b - a - w)))
+    raise AssertionError(t)
+
+
+def test_lr_schedule_global_is_the_one_cosine_with_rewarm_it_was():
+    s = M.ILSchedule(t_warm=5, t_distill=2, t_interact=3, generations=3, t_extend=4)
+    args = _lr_args(lr_schedule="global", max_steps=s.total)
+    for t in range(s.total):       # the formula of commit b0cd085, written out
+        lr = 2.0 * (t + 1) / 2 if t < 2 else 0.5 * 2.0 * (1 + math.cos(math.pi * min(1.0, (t - 2) / (s.total - 2))))
+        gen_start = max([0] + [g for g in s.spawn_steps if g <= t])
+        lr *= min(1.0, (t - gen_start + 1) / 2) if gen_start else 1.0
+        assert M.get_lr(t, args, s) == lr, t
+
+
+@pytest.mark.parametrize("max_steps", [24, 30, 17])
+def test_lr_schedule_generation_restarts_a_full_cycle_per_generation(max_steps):
+    s = M.ILSchedule(t_warm=5, t_distill=2, t_interact=3, generations=3, t_extend=4)   # total 24
+    args = _lr_args(max_steps=max_steps)
+    # warm-up, three generations, the extension (to the run's end), cut at max_steps
+    cycles = [(a, min(b, max_steps)) for a, b in [(0, 5), (5, 10), (10, 15), (15, 20), (20, max(24, max_steps))]
+              if a < max_steps]
+    lrs = [M.get_lr(t, args, s) for t in range(max_steps)]
+    assert lrs == pytest.approx([_naive_lr(t, cycles, args) for t in range(max_steps)], rel=1e-12, abs=1e-12)
+    for a, b in cycles:
+        assert lrs[a] == 1.0 and lrs[a + 1] == 2.0            # first step of the cycle; the peak after warm-up
+        # last step: cosine at (L-1-w)/(L-w): 1/4 of the peak for the 5-step cycles
+        if b - a == 5:
+            assert lrs[b - 1] == pytest.approx(0.5)
+    assert max_steps != 24 or lrs[-1] == pytest.approx(1.0)          # the 4-step extension ends at cos(pi/2)
+    # without IL there is one cycle: the same as the global cosine
+    off = M.ILSchedule(5, 2, 3, 3, 4, enabled=False)
+    assert [M.get_lr(t, args, off) for t in range(max_steps)] == \
+        [M.get_lr(t, _lr_args(lr_schedule="global", max_steps=max_steps), off) for t in range(max_steps)]
+
+
+def test_lr_schedule_generation_is_what_each_phase_trains_with(tmp_path):
+    out = str(tmp_path / "g")
+    assert run_main(TINY + IL + ["--lr_schedule", "generation", "--out_dir", out]) == 0
+    recs = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    args = _lr_args(lr=1e-3, warmup=2, rewarm=1)      # TINY + IL: 3 warm-up, 2 x (2 + 2), extension 1
+    cycles = [(0, 3), (3, 7), (7, 11), (11, 12)]
+    assert [r["step"] for r in recs] == list(range(1, 13))
+    assert [r["lr"] for r in recs] == pytest.approx([_naive_lr(r["step"] - 1, cycles, args) for r in recs],
+                                                     rel=1e-12)
+    assert [r["lr"] for r in recs if r["step"] - 1 in (3, 7, 11)] == [1e-3] * 3 and recs[1]["lr"] == 1e-3
 
 
 def _trainer(tmp_path, extra=()):
@@ -364,7 +420,8 @@ def test_ablation_flags_freeze_and_spawn_targets(tmp_path):
 # ----------------------------------------------------------------------------- resume / signals / NaN
 
 @pytest.mark.parametrize("extra,stop", [(IL + ["--negatives"], 4), (["--method", "negclip"], 3),
-                                        (["--method", "clip", "--log_interval", "3"], 4)])
+                                        (["--method", "clip", "--log_interval", "3"], 4),
+                                        (IL + ["--lr_schedule", "generation"], 4)])
 def test_resume_n_plus_m_equals_one_go(tmp_path, extra, stop):
     """--stop_at N then `--resume --out_dir` alone (the saved flags) equals one run: weights, the
     whole training state (optimizer, RNGs, data position, IL teacher, NegCLIP pool, log sums), and
@@ -383,10 +440,10 @@ def test_resume_n_plus_m_equals_one_go(tmp_path, extra, stop):
     assert all(torch.equal(a[k], b[k]) for k in a)
     sa, sb = train_state(one), train_state(two)
     assert same(sa, sb) and not same(sa, train_state(two, "checkpoint.prev"))
-    assert (sa["pool"] is not None) == ("clip" not in extra)           # NegCLIP's image pool saved
+    assert (sa["pool"] is not None) == bool({"--negatives", "negclip"} & set(extra))   # NegCLIP's image pool saved
     ra, rb = ([json.loads(x) for x in open(os.path.join(d, "metrics.jsonl"))] for d in (one, two))
     assert [r["step"] for r in ra] == [r["step"] for r in rb]
-    assert [(r["loss"], r["clip_loss"]) for r in ra] == [(r["loss"], r["clip_loss"]) for r in rb]
+    assert [(r["loss"], r["clip_loss"], r["lr"]) for r in ra] == [(r["loss"], r["clip_loss"], r["lr"]) for r in rb]
     if "il" in extra:  # generation snapshots (for eval's per-generation analyses) survive the resume
         for d in (one, two):
             assert sorted(x for x in os.listdir(d) if x.startswith("gen")) == ["gen0", "gen1"]
@@ -538,7 +595,8 @@ def test_resume_refuses_a_changed_run_defining_flag_and_takes_run_control_flags(
     out = str(tmp_path / "o")
     assert run_main(TINY + ["--method", "clip", "--max_steps", "6", "--stop_at", "2", "--out_dir", out]) == 0
     capsys.readouterr()
-    for flag in (["--lr", "0.5"], ["--method", "negclip"], ["--max_steps", "7"], ["--model_args", "width=64"]):
+    for flag in (["--lr", "0.5"], ["--method", "negclip"], ["--max_steps", "7"], ["--model_args", "width=64"],
+                 ["--lr_schedule", "generation"]):
         assert run_main(["--resume", "--out_dir", out] + flag) == 2
         assert f"--resume: {flag[0]} " in _one_error_line(capsys)
     # the same values, and run-control flags, are accepted
