@@ -251,6 +251,11 @@ EXTRACT = ["extract", "--aux_width", "32", "--aux_heads", "2", "--aux_layers", "
            "--batch_size", "8", "--warmup", "1", "--log_interval", "1", "--save_interval", "0"]
 
 
+def saved_step(out_dir):
+    """The step of the training state in out_dir/checkpoint/ (state.pt, read as the script reads it)."""
+    return torch.load(os.path.join(out_dir, "checkpoint", "state.pt"), weights_only=True)["step"]
+
+
 def run_cli(args, nproc=1):
     pre = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone"] \
         if nproc > 1 else [sys.executable]
@@ -422,7 +427,7 @@ def test_finetune_resume_is_exact(extracted, tmp_path, capsys, task):
     with pytest.raises(SystemExit) as e:
         M.main(args + ["--out_dir", str(tmp_path / "two"), "--stop_at", "2"])
     assert e.value.code == 0 and "--stop_at" in capsys.readouterr().out
-    assert json.loads((tmp_path / "two" / "finetune" / "checkpoint" / "train_state.json").read_text())["step"] == 2
+    assert saved_step(tmp_path / "two" / "finetune") == 2
     M.main(args + ["--out_dir", str(tmp_path / "two"), "--resume"])
     a, b = (load_file(str(tmp_path / r / "model.safetensors")) for r in ("one", "two"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -464,7 +469,7 @@ def test_trainer_nan_stops_without_saving_anything_after_it(tmp_path):
                               save_interval=3, batch_size=8)
     with pytest.raises(M.NonFiniteError, match="non-finite loss at a step <= 6"):
         M.train_phase(model, loss_fn, _ListLoader(xs), args, 0, 1, "cpu", 8, out_dir=str(tmp_path), tag="t")
-    assert json.loads((tmp_path / "checkpoint" / "train_state.json").read_text())["step"] == 3
+    assert saved_step(tmp_path) == 3
     saved = load_file(str(tmp_path / "checkpoint" / "model.safetensors"))
     assert all(torch.isfinite(v).all() for v in saved.values())
     logged = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
@@ -482,10 +487,11 @@ def test_sigterm_to_one_rank_stops_every_rank_and_resumes(teacher, tmp_path):
     rc, stdout, stderr = sigterm_one_rank(torchrun + argv + ["--max_steps", "100000"],
                                           str(out / "metrics.jsonl"), env=ENV)
     assert rc == 0, stderr
-    step = json.load(open(out / "checkpoint" / "train_state.json"))["step"]
+    step = saved_step(out)
     assert 0 < step < 100000 and f"SIGTERM, checkpoint saved at step {step}" in stdout
-    run_cli(argv + ["--max_steps", str(step + 1), "--resume"], nproc=2)
-    assert json.load(open(out / "checkpoint" / "train_state.json"))["step"] == step + 1
+    assert f"continue with python mm_learngene.py extract --out_dir {out} --resume" in stdout
+    run_cli(["extract", "--out_dir", str(out), "--resume", "--stop_at", str(step + 1)], nproc=2)
+    assert saved_step(out) == step + 1
 
 
 @pytest.mark.parametrize("method", ["mmlg", "tleg", "helg"])
