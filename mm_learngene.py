@@ -1118,7 +1118,8 @@ def write_descendant(out_dir, sd, cfg, modality, tok_json, extra):
     atomic_save_file(sd, os.path.join(out_dir, "model.safetensors"))
     c = dataclasses.asdict(cfg)
     # "model": the ModelConfig fields, the layout il_clip.load_model reads
-    atomic_write_json({"model": c, "modality": modality, **extra}, os.path.join(out_dir, "config.json"))
+    atomic_write_json({"model": c, "modality": modality, **extra, "script": data.script_record(__file__)},
+                      os.path.join(out_dir, "config.json"))
     if tok_json is not None:    # the learngene's copy of the teacher's tokenizer.json, as written
 
         def write(path):

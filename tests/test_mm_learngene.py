@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -508,3 +509,96 @@ def test_bf16_autocast_extract_matches_fp32(teacher, tmp_path, monkeypatch, meth
     assert len(losses[True]) == 3 and all(math.isfinite(x) for x in losses[True])
     assert losses[True] != losses[False]        # bf16 autocast was on
     torch.testing.assert_close(losses[True], losses[False], rtol=0.01, atol=0.005)
+
+
+# --- the evaluation contract (load_model) and readers of a checkpoint that records its script ----
+
+
+def test_load_model_is_the_evaluation_contract(extracted, tmp_path):
+    """eval_compositional.py imports the script a checkpoint records and calls its load_model: a
+    CLIP descendant and a retrieval fine-tune load, with L2-normalised embeddings equal to the
+    descendant's own; a vision-only descendant or a classification fine-tune is one ConfigError."""
+    lg = str(extracted / "learngene.safetensors")
+    M.main(["expand", "--learngene", lg, "--layers", "3", "--out_dir", str(tmp_path / "d")])
+    M.main(["expand", "--learngene", lg, "--layers", "3", "--modality", "vision", "--out_dir", str(tmp_path / "v")])
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    module, path, note = data.import_script(config["script"])
+    assert path == os.path.abspath(M.__file__) and note is None
+    model, tok, cfg = module.load_model(str(tmp_path / "d"), device="cpu", quick_gelu=None)
+    sd, dcfg = M.descendant_state(M.load_learngene(lg)[0], 3, "clip")
+    ref = M.CLIP(dcfg).eval()
+    ref.load_state_dict(sd)
+    images, text = inputs(dcfg)
+    with torch.no_grad():
+        img, txt = model.encode_image(images), model.encode_text(text)
+        assert torch.equal(img, ref.encode_image(images)) and torch.equal(txt, ref.encode_text(text))
+    torch.testing.assert_close(img.norm(dim=-1), torch.ones(len(img)))
+    assert tok is not None and cfg["model"]["vision_layers"] == 3 and not model.training
+    with pytest.raises(M.ConfigError, match="vision model; evaluation needs both towers"):
+        M.load_model(str(tmp_path / "v"))
+    common = ["--max_steps", "1", "--warmup", "1", "--batch_size", "8", "--eval_size", "8", "--activate_steps", "1"]
+    M.main(["finetune", "--init", str(tmp_path / "d"), "--out_dir", str(tmp_path / "ft")] + common)
+    model, tok, cfg = M.load_model(str(tmp_path / "ft"))
+    final = load_file(str(tmp_path / "ft" / "model.safetensors"))
+    assert tok is not None and all(torch.equal(v, final[k]) for k, v in model.state_dict().items())
+    assert cfg["script"]["name"] == "mm_learngene.py"
+    M.main(["finetune", "--init", str(tmp_path / "v"), "--task", "classification", "--train_size", "8",
+            "--out_dir", str(tmp_path / "ftc")] + common)
+    with pytest.raises(M.ConfigError, match="classification fine-tune model; evaluation needs both towers"):
+        M.load_model(str(tmp_path / "ftc"))
+
+
+def make_fork(tmp_path):
+    """A fork of this script whose load_model leaves a mark: it is the one that read the checkpoint."""
+    fork = tmp_path / "fork" / "mm_fork.py"
+    fork.parent.mkdir()
+    fork.write_text(open(M.__file__).read() + "\n\n_load_model = load_model\n\n\n"
+                    "def load_model(path, device='cpu', quick_gelu=None):\n"
+                    f"    open({str(tmp_path / 'mark')!r}, 'a').write(str(path) + '\\n')\n"
+                    "    return _load_model(path, device, quick_gelu)\n")
+    return fork
+
+
+@pytest.mark.parametrize("reader", ["extract", "finetune"])
+def test_readers_build_the_model_from_the_recorded_script(extracted, teacher, tmp_path, capsys, reader):
+    """extract --init (alias --teacher) and finetune --init read a checkpoint with the load_model of the
+    script it records (a fork's, with the note when that file changed since); a record whose file is
+    gone, or none, leaves this script's own reader, with the same result."""
+    if reader == "extract":
+        src = teacher
+        argv = lambda init, out: ["extract", "--init", str(init), "--aux_width", "32", "--aux_heads", "2",
+                                  "--aux_layers", "4", "--max_steps", "2", "--batch_size", "8", "--warmup", "1",
+                                  "--out_dir", str(out)]
+        result = "learngene.safetensors"
+    else:
+        src = tmp_path / "d"
+        M.main(["expand", "--learngene", str(extracted / "learngene.safetensors"), "--layers", "2", "--out_dir", str(src)])
+        argv = lambda init, out: ["finetune", "--init", str(init), "--max_steps", "2", "--warmup", "1", "--batch_size",
+                                  "8", "--eval_size", "8", "--activate_steps", "1", "--out_dir", str(out)]
+        result = "model.safetensors"
+    fork = make_fork(tmp_path)
+    outs = {}
+    for case in ("own", "fork", "changed", "gone"):
+        ck = tmp_path / f"ck_{case}"
+        shutil.copytree(src, ck)
+        config = json.loads((ck / "config.json").read_text())
+        record = data.script_record(str(fork))
+        if case == "own":
+            config.pop("script", None)
+        elif case == "changed":
+            record["sha256"] = "0" * 64
+        elif case == "gone":
+            record.update(path=str(tmp_path / "nowhere" / "mm_gone.py"), name="mm_gone.py")
+        if case != "own":
+            config["script"] = record
+        (ck / "config.json").write_text(json.dumps(config))
+        (tmp_path / "mark").unlink(missing_ok=True)
+        capsys.readouterr()
+        M.main(argv(ck, tmp_path / f"out_{case}"))
+        err = capsys.readouterr().err
+        read_by_fork = (tmp_path / "mark").exists()
+        assert read_by_fork == (case in ("fork", "changed")), case
+        assert ("has changed since it trained this checkpoint" in err) == (case == "changed"), err
+        outs[case] = load_file(str(tmp_path / f"out_{case}" / result))
+    for case in ("fork", "changed", "gone"):
+        assert all(torch.equal(outs["own"][k], outs[case][k]) for k in outs["own"]), case
