@@ -579,7 +579,8 @@ def recorded_model(path: str, quick_gelu=None):
     if note:
         print(note, file=sys.stderr)
     try:
-        return module.load_model(path, device="cpu", quick_gelu=quick_gelu)
+        with torch.random.fork_rng(devices=[]):      # its random init must not shift this run's draws
+            return module.load_model(path, device="cpu", quick_gelu=quick_gelu)
     except Exception as e:      # that script's ConfigError is a class of its own: one line here too
         if type(e).__name__ in ("ConfigError", "DataError"):
             raise ConfigError(str(e)) from None
@@ -2416,18 +2417,15 @@ def main(argv=None):
 # -----------------------------------------------------------------------------
 # Infrastructure: checkpoints, the out_dir lock, the run lifecycle, write errors. A phase's
 # out_dir/checkpoint/ holds model.safetensors, config.json (flags, model config, "script"),
-# tokenizer.json (when the phase has one), state.pt (step, AdamW state, RNG states, loader position:
-# torch.save, read back with weights_only=True) and sha256.json of them, written last. A save goes
-# to checkpoint.tmp/, is fsynced and switched in by renames; checkpoint.prev/ (the save before) is
-# kept, for a damaged newest checkpoint to fall back to.
+# tokenizer.json (if the phase has one), state.pt (step, AdamW state, RNG states, loader position:
+# torch.save, read with weights_only=True) and, written last, sha256.json of them. A save goes to
+# checkpoint.tmp/, is fsynced and switched in by renames; checkpoint.prev/ (the save before) is kept
+# for a damaged newest checkpoint to fall back to.
 
-STATE_FILES = ("model.safetensors", "config.json", "state.pt")
 RUN_CONTROL = ("stop_at", "save_interval", "log_interval", "num_workers", "device", "resume", "overwrite", "out_dir")
-RESULT_FILES = ("metrics.jsonl", "loss_curve.png", "learngene.safetensors", "results.json", "model.safetensors",
-                "config.json", "tokenizer.json", "checkpoint", "checkpoint.prev", "checkpoint.tmp")
-WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
-_lock = None        # this process's open out_dir/.lock
-_signal = [0]       # the strongest signal received (SIGTERM 15 > SIGINT 2), read by train_phase
+RUN_FILES = ("metrics.jsonl", "loss_curve.png", "learngene.safetensors", "results.json", "model.safetensors",
+             "config.json", "tokenizer.json", "checkpoint", "checkpoint.prev", "checkpoint.tmp")
+_lock, _signal = None, [0]      # this process's out_dir/.lock; the strongest signal received (SIGTERM > SIGINT)
 
 
 def sha256(path):
@@ -2436,16 +2434,13 @@ def sha256(path):
 
 
 def write_errno(e):
-    """The errno of a failed write that this script reports in one line, else None (safetensors
-    reports a full disk as SafetensorError, not OSError)."""
+    """The errno of a write error said in one line (safetensors reports ENOSPC as SafetensorError)."""
     if isinstance(e, OSError):
-        return e.errno if e.errno in WRITE_ERRNOS else None
+        return e.errno if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO) else None
     return errno.ENOSPC if "No space left" in str(e) else None
 
 
 def write_checkpoint(out_dir, model_sd, config, state, tok):
-    """The set into checkpoint.tmp/, fsync, then checkpoint/ -> checkpoint.prev/, checkpoint.tmp/ ->
-    checkpoint/. A failed write is one error line; checkpoint.tmp/ is removed, the rest left as it was."""
     tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -2453,26 +2448,23 @@ def write_checkpoint(out_dir, model_sd, config, state, tok):
         save_file({k: v.detach().cpu().contiguous() for k, v in model_sd.items()},
                   os.path.join(tmp, "model.safetensors"), {"step": str(state["step"])})
         torch.save(state, os.path.join(tmp, "state.pt"))
-        data.save_json(os.path.join(tmp, "config.json"), config)
-        if tok is not None:
-            tok.save(tmp)
+        for folder in (tmp, out_dir):       # readers of out_dir find config and tokenizer there too
+            data.atomic_write(os.path.join(folder, "config.json"), lambda p: data.save_json(p, config))
+            if tok is not None:
+                tok.save(folder)
         names = sorted(os.listdir(tmp))
         for name in names:
             data.fsync(os.path.join(tmp, name))
         data.save_json(os.path.join(tmp, "sha256.json"), {n: sha256(os.path.join(tmp, n)) for n in names})
         data.fsync(tmp)
-        data.atomic_write(os.path.join(out_dir, "config.json"), lambda p: data.save_json(p, config))
-        if tok is not None:     # readers of out_dir find the tokenizer beside config.json
-            tok.save(out_dir)
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if write_errno(e) is None:
             raise
-        need = sum(t.nbytes for t in [*model_sd.values(), *(v for s in state["optimizer"]["state"].values()
-                                                           for v in s.values() if torch.is_tensor(v))])
+        need = 3 * sum(v.nbytes for v in model_sd.values()) / 2 ** 20       # weights and AdamW's two moments
         raise ConfigError(f"{out_dir}: {os.strerror(write_errno(e)).lower()} for the step-{state['step']} checkpoint "
-                          f"(about {need / 2 ** 20:.1f} MiB needed, {shutil.disk_usage(out_dir).free / 2 ** 20:.1f} "
-                          f"MiB free); the previous checkpoint is kept") from None
+                          f"(about {need:.1f} MiB needed, {shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); "
+                          f"the previous checkpoint is kept") from None
     if os.path.isdir(final):
         shutil.rmtree(prev, ignore_errors=True)
         os.replace(final, prev)
@@ -2481,34 +2473,32 @@ def write_checkpoint(out_dir, model_sd, config, state, tok):
 
 
 def read_checkpoint(folder):
-    """(model tensors, state, config) of one checkpoint folder, or a DataError naming the file that
-    is missing or damaged (its sha256 differs, or state.pt holds what this script does not write)."""
+    """(model tensors, state, config) of a checkpoint folder, or a DataError naming the file that is
+    missing or damaged (its sha256 differs, or state.pt holds what this script does not write)."""
     sums = data.read_json(os.path.join(folder, "sha256.json"))
-    for name in dict.fromkeys([*STATE_FILES, *(sums if isinstance(sums, dict) else {})]):
+    for name in dict.fromkeys(["model.safetensors", "config.json", "state.pt", *sums]):
         path = os.path.join(folder, name)
-        if not isinstance(sums, dict) or name not in sums or not os.path.isfile(path):
+        if name not in sums or not os.path.isfile(path):
             raise data.DataError(f"{path}: missing (incomplete checkpoint)")
         if sha256(path) != sums[name]:
             raise data.DataError(f"{path}: damaged (its sha256 is not the one in sha256.json)")
-    path = os.path.join(folder, "state.pt")
-    try:
-        st = torch.load(path, map_location="cpu", weights_only=True)
-        model_sd = load_file(os.path.join(folder, "model.safetensors"))
-    except Exception as e:
-        raise data.DataError(f"{path}: damaged ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})") from None
     types = {"step": int, "elapsed": (int, float), "loader": dict, "optimizer": dict, "rng": dict}
-    if not isinstance(st, dict) or any(not isinstance(st.get(k), t) for k, t in types.items()) or \
-            not torch.is_tensor(st["rng"].get("torch")) or not isinstance(st["optimizer"].get("state"), dict):
-        raise data.DataError(f"{path}: wrong types (not a training state written by {os.path.basename(__file__)})")
-    return model_sd, st, data.read_json(os.path.join(folder, "config.json"))
+    try:
+        st = torch.load(os.path.join(folder, "state.pt"), map_location="cpu", weights_only=True)
+        assert all(isinstance(st[k], t) for k, t in types.items()) and torch.is_tensor(st["rng"]["torch"]) \
+            and isinstance(st["optimizer"]["state"], dict)
+    except Exception:
+        raise data.DataError(f"{folder}/state.pt: wrong types (not a training state of "
+                             f"{os.path.basename(__file__)})") from None
+    return load_file(os.path.join(folder, "model.safetensors")), st, data.read_json(os.path.join(folder, "config.json"))
 
 
 def find_checkpoint(out_dir, rank=0):
-    """read_checkpoint of out_dir/checkpoint/, else of checkpoint.prev/ (said on stderr)."""
+    """read_checkpoint of out_dir/checkpoint/, else of checkpoint.prev/ (said in one note)."""
+    prev = os.path.join(out_dir, "checkpoint.prev")
     try:
         return read_checkpoint(os.path.join(out_dir, "checkpoint"))
     except data.DataError as e:
-        prev = os.path.join(out_dir, "checkpoint.prev")
         if not os.path.isdir(prev):
             raise
         try:
@@ -2521,30 +2511,27 @@ def find_checkpoint(out_dir, rank=0):
         return found
 
 
-def rng_state(device):
-    n = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if device.startswith("cuda") else [],
-            "numpy": [n[0], torch.from_numpy(n[1].astype(np.int64)), *n[2:]], "python": random.getstate()}
-
-
 def save_run(run):
     """Rank 0 writes; never a checkpoint with non-finite weights or optimizer state."""
     if run.out_dir is None or run.rank != 0:
         return
     sd, opt = run.raw.state_dict(), run.opt.state_dict()
     if not all(torch.isfinite(t).all() for t in [*sd.values(), *(v for s in opt["state"].values() for v in s.values())]
-               if torch.is_tensor(t) and t.is_floating_point()):
+               if t.is_floating_point()):
         raise NonFiniteError(f"{run.tag}: non-finite weights at step {run.step}; stopped, the last good checkpoint "
                              f"is kept")
-    state = {"step": run.step, "elapsed": run.elapsed, "loader": run.loader.state_dict(), "optimizer": opt,
-             "rng": rng_state(run.device)}
+    n = np.random.get_state()
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+           "cuda": torch.cuda.get_rng_state_all() if run.device.startswith("cuda") else [],
+           "numpy": [n[0], torch.from_numpy(n[1].astype(np.int64)), *n[2:]]}
+    state = {"step": run.step, "elapsed": run.elapsed, "loader": run.loader.state_dict(), "optimizer": opt, "rng": rng}
     write_checkpoint(run.out_dir, sd, {**run.config, "script": data.script_record(__file__)}, state, run.tokenizer)
     if run.on_save:
         run.on_save(run)
 
 
 def load_run(run):
-    """The newest usable checkpoint into the model, optimizer, loader and RNGs: the run goes on bit-exactly."""
+    """The newest usable checkpoint into model, optimizer, loader and RNGs: the run goes on bit-exactly."""
     model_sd, st, _ = find_checkpoint(run.out_dir, run.rank)
     data.load_state(run.raw, model_sd, os.path.join(run.out_dir, "checkpoint"))
     try:
@@ -2563,15 +2550,14 @@ def load_run(run):
 
 
 def phase_dirs(a):
-    """The folders a run's phases checkpoint into."""
     return [os.path.join(a.out_dir, t) for t in ("activate", "finetune")] if a.cmd == "finetune" else [a.out_dir]
 
 
 def claim_out_dir(a, rank, world, device):
     """Before anything is written to out_dir: one run per out_dir (rank 0 holds an flock on
-    out_dir/.lock, which the kernel drops when the process ends, killed or not); --resume needs a
-    checkpoint; a new run does not write over one unless --overwrite, which first removes that run's
-    files. Rank 0 says what is wrong, once; the other ranks exit 2."""
+    out_dir/.lock, dropped by the kernel when the process ends, killed or not); --resume needs a
+    checkpoint; a new run keeps off one unless --overwrite, which first removes the old run's files.
+    Rank 0 says what is wrong, once; the other ranks exit 2."""
     global _lock
     release_out_dir()
     out, error = a.out_dir, None
@@ -2583,14 +2569,15 @@ def claim_out_dir(a, rank, world, device):
             _lock.truncate(0)
             _lock.write(f"{os.getpid()}\n")
             _lock.flush()
-            saved = any(os.path.isdir(os.path.join(d, c)) for d in phase_dirs(a) for c in ("checkpoint", "checkpoint.prev"))
+            saved = any(os.path.isdir(os.path.join(d, c)) for d in phase_dirs(a)
+                        for c in ("checkpoint", "checkpoint.prev"))
             if a.resume and not saved:
                 error = f"--resume: nothing to resume yet in {out} (no checkpoint saved)"
-            elif not a.resume and saved and not a.overwrite:
-                error = f"{out} holds a run's checkpoint: continue it with --resume, or use another --out_dir, or --overwrite"
-            elif not a.resume and a.overwrite:
-                for path in (os.path.join(d, n) for d in [out, *phase_dirs(a)] for n in RESULT_FILES):
-                    shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
+            elif saved and not (a.resume or a.overwrite):
+                error = (f"{out} holds a run's checkpoint: continue it with --resume, or use another --out_dir, "
+                         f"or --overwrite")
+            for path in [os.path.join(d, n) for d in [out, *phase_dirs(a)] for n in RUN_FILES] if a.overwrite else []:
+                shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
         except BlockingIOError:
             _lock.seek(0)
             error = f"{out} is in use by another run: process {_lock.read().strip() or '?'} holds {out}/.lock"
@@ -2600,7 +2587,7 @@ def claim_out_dir(a, rank, world, device):
         dist.broadcast(busy, 0)
     if busy.item():
         if rank:
-            raise SystemExit(2)      # rank 0 says why, once
+            raise SystemExit(2)
         raise ConfigError(error)
 
 
@@ -2611,30 +2598,23 @@ def release_out_dir():
         _lock = None
 
 
-def given_flags(argv):
-    """The flags given on the command line: the parser again with every default suppressed."""
-    ap = build_parser()
+def resume_flags(a, argv):
+    """--resume: the saved run's flags (its newest checkpoint's config.json that sha256.json vouches
+    for); a run-defining flag given with another value is refused; run control may change."""
+    for folder in (os.path.join(d, c) for d in phase_dirs(a)[::-1] for c in ("checkpoint", "checkpoint.prev")):
+        with contextlib.suppress(OSError, data.DataError, LookupError, TypeError):
+            path = os.path.join(folder, "config.json")
+            if sha256(path) == data.read_json(os.path.join(folder, "sha256.json"))["config.json"]:
+                saved = data.read_json(path)["args"]
+                break
+    else:
+        return                       # claim_out_dir says there is nothing to resume
+    ap = build_parser()             # the flags given on the command line: every default suppressed
     for p in [ap, *next(x for x in ap._actions if isinstance(x, argparse._SubParsersAction)).choices.values()]:
         p._defaults.clear()
         for action in p._actions:
             action.default = argparse.SUPPRESS
-    return vars(ap.parse_args(argv))
-
-
-def resume_flags(a, argv):
-    """--resume: the flags of the saved run (the config.json of its newest checkpoint that sha256.json
-    vouches for). A run-defining flag given with a different value is refused; run control may change."""
-    for folder in (os.path.join(d, c) for d in phase_dirs(a)[::-1] for c in ("checkpoint", "checkpoint.prev")):
-        path = os.path.join(folder, "config.json")
-        try:
-            if sha256(path) == data.read_json(os.path.join(folder, "sha256.json")).get("config.json"):
-                saved = data.read_json(path).get("args", {})
-                break
-        except (OSError, data.DataError, AttributeError):
-            continue
-    else:
-        return                       # claim_out_dir says there is nothing to resume
-    given = given_flags(argv)
+    given = vars(ap.parse_args(argv))
     for k, v in saved.items():
         if k in given and k not in RUN_CONTROL and given[k] != v:
             raise ConfigError(f"--resume: --{k} {given[k]} differs from the saved run's {v} ({path}); only "
@@ -2648,7 +2628,7 @@ def run_flags(a) -> dict:
 
 
 def on_signal(sig, frame):
-    """SIGTERM / SIGINT: train_phase saves at a step all ranks agree on and exits; a second Ctrl-C
+    """SIGTERM / SIGINT: train_phase saves at a step the ranks agree on, then exits; a second Ctrl-C
     exits at once."""
     if sig == signal.SIGINT and _signal[0] == signal.SIGINT:
         raise KeyboardInterrupt
