@@ -136,7 +136,8 @@ def block_fn(x, p: dict, heads: int, causal: bool, quick_gelu: bool):
     h = F.layer_norm(x, (W,), p["ln_1.weight"], p["ln_1.bias"], 1e-5)
     q, k, v = F.linear(h, p["attn.in_proj_weight"], p["attn.in_proj_bias"]).split(W, dim=-1)
     x = x + F.linear(attention(q, k, v, heads, causal), p["attn.out_proj.weight"], p["attn.out_proj.bias"])
-    h = F.linear(F.layer_norm(x, (W,), p["ln_2.weight"], p["ln_2.bias"], 1e-5), p["mlp.c_fc.weight"], p["mlp.c_fc.bias"])
+    h = F.layer_norm(x, (W,), p["ln_2.weight"], p["ln_2.bias"], 1e-5)
+    h = F.linear(h, p["mlp.c_fc.weight"], p["mlp.c_fc.bias"])
     h = h * torch.sigmoid(1.702 * h) if quick_gelu else F.gelu(h)
     return x + F.linear(h, p["mlp.c_proj.weight"], p["mlp.c_proj.bias"])
 
@@ -529,7 +530,8 @@ def _cfg_value(cfg: dict, key: str, default):
 def infer_config(sd: dict, cfg: dict, path: str, need=("visual", "text")) -> ModelConfig:
     """ModelConfig from OpenAI-layout tensor shapes; heads (not visible in shapes) from
     config.json, else OpenAI's width // 64 convention."""
-    required = {"visual": ["visual.conv1.weight", "visual.positional_embedding", "visual.proj", "visual.ln_post.weight"],
+    required = {"visual": ["visual.conv1.weight", "visual.positional_embedding", "visual.proj",
+                           "visual.ln_post.weight"],
                 "text": ["token_embedding.weight", "positional_embedding", "text_projection", "ln_final.weight"]}
     for tower in need:
         missing = [k for k in required[tower] if k not in sd]
@@ -558,7 +560,8 @@ def infer_config(sd: dict, cfg: dict, path: str, need=("visual", "text")) -> Mod
         c = dataclasses.replace(c, text_layers=0)
     # a bare weight file (no config.json) follows OpenAI: QuickGELU, EOT = the last vocab id
     bare = not cfg
-    return dataclasses.replace(c, eot_token_id=_cfg_value(cfg, "eot_token_id", c.vocab_size - 1 if bare else c.eot_token_id),
+    eot = _cfg_value(cfg, "eot_token_id", c.vocab_size - 1 if bare else c.eot_token_id)
+    return dataclasses.replace(c, eot_token_id=eot,
                                quick_gelu=bool(_cfg_value(cfg, "quick_gelu", bare)))
 
 
@@ -673,7 +676,8 @@ def load_learngene(path: str, width=None) -> tuple:
                               f"{cfg.vision_width}) needs {tuple(expected[k].shape)}: learngene from another width")
     missing, unexpected = aux.load_state_dict(sd, strict=False)
     if missing or unexpected:
-        raise ConfigError(f"{path}: learngene does not match its config (missing {missing[:1]}, unexpected {unexpected[:1]})")
+        raise ConfigError(f"{path}: learngene does not match its config (missing {missing[:1]}, "
+                          f"unexpected {unexpected[:1]})")
     return aux, meta
 
 
@@ -1655,7 +1659,8 @@ def load_gpt2(folder: str) -> tuple:
           and k != "lm_head.weight"}
     if "wte.weight" not in sd or "wpe.weight" not in sd:
         raise ConfigError(f"{path}: not a GPT-2 checkpoint (no wte.weight / wpe.weight)")
-    cfg = data.read_json(os.path.join(folder, "config.json")) if os.path.exists(os.path.join(folder, "config.json")) else {}
+    cfg_path = os.path.join(folder, "config.json")
+    cfg = data.read_json(cfg_path) if os.path.exists(cfg_path) else {}
     vocab, d = sd["wte.weight"].shape
     layers = len({k.split(".")[1] for k in sd if k.startswith("h.")})
     lm = GPT2(vocab, sd["wpe.weight"].shape[0], d, layers, cfg.get("n_head", max(1, d // 64)))
@@ -1904,7 +1909,8 @@ def train_shapes_lm(folder: str, seed: int, steps: int = 400):
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(captions, trainers.BpeTrainer(vocab_size=400, special_tokens=[GPT2_EOS], show_progress=False,
+    backend.train_from_iterator(captions, trainers.BpeTrainer(vocab_size=400, special_tokens=[GPT2_EOS],
+                                                              show_progress=False,
                                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     os.makedirs(folder, exist_ok=True)
     backend.save(os.path.join(folder, "tokenizer.json"))
@@ -2261,7 +2267,8 @@ def add_train_flags(p, lr_help="", data_help=""):
     p.add_argument("--max_steps", type=int, default=None)
     p.add_argument("--batch_size", type=int, default=None, help="global batch size")
     p.add_argument("--lr", type=float, default=None, help=lr_help)
-    p.add_argument("--wd", type=float, default=None, help="AdamW weight decay on matrices (not on gains, biases, coefficients)")
+    p.add_argument("--wd", type=float, default=None,
+                   help="AdamW weight decay on matrices (not on gains, biases, coefficients)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (-1: 10%% of the steps)")
     p.add_argument("--epochs", type=float, default=None, help="epochs when --max_steps is not given (default: "
                                                               "Table 6's when --data is not shapes)")
@@ -2344,7 +2351,8 @@ def add_finetune_parser(sub):
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_extract_parser(sub)
     p = sub.add_parser("expand", help="learngene -> descendant out_dir (OpenAI layout)")

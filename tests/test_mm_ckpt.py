@@ -322,6 +322,8 @@ def test_resume_with_only_out_dir_continues_with_the_saved_flags(teacher, tmp_pa
     with pytest.raises(SystemExit):     # after the activation, in fine-tuning
         M.main(ft + ["--out_dir", str(tmp_path / "f2"), "--stop_at", "2"])
     capsys.readouterr()
+    expect_error(["finetune", "--out_dir", str(tmp_path / "f2"), "--resume", "--task", "classification"], capsys,
+                 "--task classification differs from the saved run's retrieval")
     M.main(["finetune", "--out_dir", str(tmp_path / "f2"), "--resume"])
     ra, rb = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("f1", "f2"))
     assert ra == rb

@@ -263,6 +263,7 @@ def run_cli(args, nproc=1):
     r = subprocess.run(pre + [os.path.join(ROOT, "mm_learngene.py")] + args, env=ENV, capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr
+    assert "Warning" not in r.stderr, r.stderr       # no deprecation or DDP warning under torchrun either
     return r.stdout
 
 
