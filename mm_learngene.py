@@ -582,8 +582,7 @@ def recorded_model(path: str, quick_gelu=None):
     if note:
         print(note, file=sys.stderr)
     try:
-        with torch.random.fork_rng(devices=[]):      # its random init must not shift this run's draws
-            return module.load_model(path, device="cpu", quick_gelu=quick_gelu)
+        return module.load_model(path, device="cpu", quick_gelu=quick_gelu)
     except Exception as e:      # that script's ConfigError is a class of its own: one line here too
         if type(e).__name__ in ("ConfigError", "DataError"):
             raise ConfigError(str(e)) from None
@@ -1212,8 +1211,10 @@ def load_init(a):
     if need is None or modality == "text":
         raise ConfigError(f"{a.init}: finetune supports clip and vision descendants, not {modality}")
     # a CLIP checkpoint that records its script is read by that script's load_model (a fork's
-    # layout and activation); its OpenAI-layout weights are then fine-tuned in this script's CLIP
-    found = recorded_model(a.init) if modality == "clip" else None
+    # layout and activation); its OpenAI-layout weights are then fine-tuned in this script's CLIP,
+    # built below: the reader's random init must not shift this run's draws
+    with torch.random.fork_rng(devices=[]):
+        found = recorded_model(a.init) if modality == "clip" else None
     if found is not None:
         sd, folder_tok = found[0].state_dict(), found[1]
     cfg = infer_config(sd, found[2] if found else cfgj, a.init, need)
