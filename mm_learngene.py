@@ -2147,7 +2147,10 @@ def _run_cost(path):
     steps = secs = batch = None
     st = os.path.join(data.checkpoint_dir(path), "state.pt")
     if os.path.exists(st):
-        j = torch.load(st, map_location="cpu", weights_only=True)
+        try:
+            j = torch.load(st, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ConfigError(f"{st}: cannot read the training state ({type(e).__name__})") from None
         steps, secs = j.get("step"), j.get("elapsed")
     cj = os.path.join(path, "config.json")
     if os.path.exists(cj):
@@ -2485,6 +2488,8 @@ def read_checkpoint(folder):
     """(model tensors, state, config) of a checkpoint folder, or a DataError naming the file that is
     missing or damaged (its sha256 differs, or state.pt holds what this script does not write)."""
     sums = data.read_json(os.path.join(folder, "sha256.json"))
+    if not isinstance(sums, dict):
+        raise data.DataError(f"{folder}/sha256.json: damaged (not a table of file sums)")
     for name in dict.fromkeys(["model.safetensors", "config.json", "state.pt", *sums]):
         path = os.path.join(folder, name)
         if name not in sums or not os.path.isfile(path):
@@ -2585,7 +2590,8 @@ def claim_out_dir(a, rank, world, device):
             elif saved and not (a.resume or a.overwrite):
                 error = (f"{out} holds a run's checkpoint: continue it with --resume, or use another --out_dir, "
                          f"or --overwrite")
-            for path in [os.path.join(d, n) for d in [out, *phase_dirs(a)] for n in RUN_FILES] if a.overwrite else []:
+            for path in [os.path.join(d, n) for d in [out, *phase_dirs(a)] for n in RUN_FILES] \
+                    if a.overwrite and not a.resume else []:
                 shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
         except BlockingIOError:
             _lock.seek(0)

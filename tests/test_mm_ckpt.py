@@ -46,7 +46,8 @@ def test_saves_at_save_interval_whatever_log_interval(tmp_path, monkeypatch):
     M.train_phase(torch.nn.Linear(4, 1), sq_loss, _ListLoader(toy_batches()), toy_args(), 0, 1, "cpu", 7,
                   out_dir=str(tmp_path), tag="t")   # a fresh run into the same out_dir starts a fresh log
     assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [3, 6, 7]
-    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["config.json", "model.safetensors", "sha256.json", "state.pt"]
+    files = ["config.json", "model.safetensors", "sha256.json", "state.pt"]
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == files
     # the save before the newest is kept, for a damaged newest one to fall back to
     assert saved_step(tmp_path) == 7 and not os.path.exists(tmp_path / "checkpoint.tmp")
     assert torch.load(tmp_path / "checkpoint.prev" / "state.pt", weights_only=True)["step"] == 6
@@ -115,14 +116,16 @@ def rewrite_state(folder, change):
     (folder / "sha256.json").write_text(json.dumps(sums))
 
 
-DAMAGE = {"truncate": (lambda ck: (ck / "state.pt").write_bytes((ck / "state.pt").read_bytes()[:40]), "state.pt: damaged"),
+DAMAGE = {"truncate": (lambda ck: (ck / "state.pt").write_bytes((ck / "state.pt").read_bytes()[:40]),
+                       "state.pt: damaged"),
           "bitflip": (lambda ck: (ck / "model.safetensors").write_bytes(
               (lambda b: b[:-3] + bytes([b[-3] ^ 1]) + b[-2:])((ck / "model.safetensors").read_bytes())),
                       "model.safetensors: damaged"),
           "missing": (lambda ck: os.remove(ck / "config.json"), "config.json: missing"),
           "no_sums": (lambda ck: os.remove(ck / "sha256.json"), "sha256.json: no such file"),
           "types": (lambda ck: rewrite_state(ck, lambda st: st.update(step="7")), "state.pt: wrong types"),
-          "deep_types": (lambda ck: rewrite_state(ck, lambda st: st["rng"].update(python=[1])), "state.pt: wrong types")}
+          "deep_types": (lambda ck: rewrite_state(ck, lambda st: st["rng"].update(python=[1])),
+                         "state.pt: wrong types")}
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
@@ -266,8 +269,8 @@ def test_write_errors_anywhere_are_one_line(teacher, tmp_path, capsys, monkeypat
             real(obj, path)
         monkeypatch.setattr(M, "atomic_write_json", write)
     if what == "results":
-        args = ["finetune", "--init", "scratch", "--max_steps", "1", "--warmup", "1", "--batch_size", "8", "--eval_size", "8",
-                "--out_dir", str(tmp_path / "o")]
+        args = ["finetune", "--init", "scratch", "--max_steps", "1", "--warmup", "1", "--batch_size", "8",
+                "--eval_size", "8", "--out_dir", str(tmp_path / "o")]
     else:
         args = extract_args(teacher, tmp_path / "o")
     with pytest.raises(SystemExit) as e:
@@ -333,7 +336,8 @@ def test_new_run_on_a_checkpoint_needs_overwrite(teacher, tmp_path, capsys):  # 
     out = tmp_path / "o"
     M.main(extract_args(teacher, out))
     before = (out / "checkpoint" / "state.pt").read_bytes()
-    expect_error(extract_args(teacher, out), capsys, "continue it with --resume, or use another --out_dir, or --overwrite")
+    expect_error(extract_args(teacher, out), capsys,
+                 "continue it with --resume, or use another --out_dir, or --overwrite")
     assert (out / "checkpoint" / "state.pt").read_bytes() == before
     (out / "notes.txt").write_text("the user's own file")
     M.main(extract_args(teacher, out) + ["--overwrite", "--max_steps", "2"])

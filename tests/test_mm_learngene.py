@@ -573,7 +573,8 @@ def test_readers_build_the_model_from_the_recorded_script(extracted, teacher, tm
         result = "learngene.safetensors"
     else:
         src = tmp_path / "d"
-        M.main(["expand", "--learngene", str(extracted / "learngene.safetensors"), "--layers", "2", "--out_dir", str(src)])
+        M.main(["expand", "--learngene", str(extracted / "learngene.safetensors"), "--layers", "2",
+                "--out_dir", str(src)])
         argv = lambda init, out: ["finetune", "--init", str(init), "--max_steps", "2", "--warmup", "1", "--batch_size",
                                   "8", "--eval_size", "8", "--activate_steps", "1", "--out_dir", str(out)]
         result = "model.safetensors"
@@ -603,3 +604,11 @@ def test_readers_build_the_model_from_the_recorded_script(extracted, teacher, tm
         outs[case] = load_file(str(tmp_path / f"out_{case}" / result))
     for case in ("fork", "changed", "gone"):
         assert all(torch.equal(outs["own"][k], outs[case][k]) for k in outs["own"]), case
+
+
+def test_report_reads_the_cost_of_a_run_from_its_training_state(extracted, capsys):
+    """report --ptft: steps and seconds from checkpoint/state.pt, the batch from config.json."""
+    M.main(["report", "--learngene", str(extracted / "learngene.safetensors"), "--layers", "2",
+            "--ptft", str(extracted)])
+    st = torch.load(extracted / "checkpoint" / "state.pt", weights_only=True)
+    assert f"| PT-FT pre-training {extracted} | 3 | 8 | {round(st['elapsed'])} |" in capsys.readouterr().out
