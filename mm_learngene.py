@@ -2,7 +2,7 @@
 mm_learngene.py -- MM-LG (Chen et al., "Extracting Multimodal Learngene in CLIP"), the first
 public implementation, plus the learngene baselines it is compared with (He-LG, TLEG).
 
-  extract   distil an ancestry CLIP (il_clip.py out_dir or OpenAI-layout weights) into a
+  extract   distil an ancestry CLIP (--init: il_clip.py out_dir or OpenAI-layout weights) into a
             weight-shared auxiliary CLIP-ViT-S whose layers are built from the learngene
             (two block groups theta1, theta2 of {vision, language, multimodal} blocks plus
             coefficient vectors c^v, c^l, c^mv, c^ml); writes learngene.safetensors.
@@ -19,7 +19,9 @@ public implementation, plus the learngene baselines it is compared with (He-LG, 
   report    parameter storage and pre-training cost (Table 3); finetune results side by side.
 
 Reads top to bottom: config -> model -> learngene parametrisations -> losses -> training
-loop -> subcommands -> main. The only repo import is data.py.
+loop -> subcommands -> main, then one section of infrastructure (checkpoints, the out_dir lock,
+--resume / --overwrite, signals, write errors). The only repo import is data.py; a checkpoint
+that records another training script is read with that script's load_model.
 
 Every choice the paper leaves open is marked "CHOICE:" next to the equation it concerns.
 """
