@@ -2399,7 +2399,7 @@ def main(argv=None):
             a.out_dir = a.out_dir or f"out/finetune_{a.task}"
             if a.resume:
                 resume_flags(a, argv)
-            if a.init is None:
+            if a.init is None and not a.resume:     # (with --resume, claim_out_dir says what is missing)
                 raise ConfigError(f"{a.cmd} needs --init ({'the teacher' if a.cmd == 'extract' else 'a descendant'})")
         a.func(a)
         if dist.is_available() and dist.is_initialized():

@@ -302,6 +302,8 @@ def test_resume_with_nothing_to_resume_is_one_error_line(teacher, tmp_path, caps
     out = tmp_path / "o"
     os.makedirs(out / "checkpoint.tmp")     # a SIGTERM before the first save was complete
     expect_error(extract_args(teacher, out) + ["--resume"], capsys, "nothing to resume yet")
+    expect_error(["extract", "--out_dir", str(out), "--resume"], capsys, "nothing to resume yet")
+    expect_error(["extract", "--out_dir", str(out)], capsys, "extract needs --init")
 
 
 def test_resume_with_only_out_dir_continues_with_the_saved_flags(teacher, tmp_path, capsys):  # noqa: F811
