@@ -592,23 +592,15 @@ def recorded_model(path: str, quick_gelu=None):
 
 
 def load_teacher(path: str, vocab=None, quick_gelu=None):
-    """The frozen ancestry CLIP in eval mode: (model, tokenizer, ModelConfig). A checkpoint that
-    records its script is read by that script's load_model (the model is used through its
-    encode_image, encode_text and logit_scale); else this script reads an il_clip.py out_dir, a
-    checkpoint/ folder, or an OpenAI-layout weight file. `quick_gelu` None: what the config beside
-    the weights says (open_clip_config.json or config.json), else OpenAI's QuickGELU, assumed and
-    said on stderr. A codebook-head teacher (il_clip --method codebook) is refused: its image/text
+    """The frozen ancestry CLIP in eval mode: (model, tokenizer, ModelConfig), built by the load_model
+    of the script the checkpoint records (used through encode_image, encode_text, logit_scale), else
+    by this script's. A codebook-head teacher (il_clip --method codebook) is refused: its image/text
     embeddings are not the plain CLIP ones this script distils."""
-    found = recorded_model(path, quick_gelu)
-    if found is not None:
-        model, tok, config = found
-        m = config.get("model") or {}
-        if m.get("codebook_size"):
-            raise ConfigError(f"{path}: a codebook-head teacher is not supported (its embeddings are not CLIP's)")
-        mcfg = ModelConfig(**{f.name: m[f.name] for f in dataclasses.fields(ModelConfig) if f.name in m})
-    else:
-        model, mcfg = own_teacher(path, quick_gelu)
-        tok = folder_tokenizer(path)
+    model, tok, config = recorded_model(path, quick_gelu) or load_model(path, quick_gelu=quick_gelu)
+    m = config.get("model") or {}
+    if m.get("codebook_size"):
+        raise ConfigError(f"{path}: a codebook-head teacher is not supported (its embeddings are not CLIP's)")
+    mcfg = ModelConfig(**{f.name: m[f.name] for f in dataclasses.fields(ModelConfig) if f.name in m})
     if vocab:
         tok = data.build_tokenizer(vocab_path=vocab, context_length=mcfg.context_length)
     if tok is None:
@@ -616,40 +608,23 @@ def load_teacher(path: str, vocab=None, quick_gelu=None):
     return model.eval().requires_grad_(False), tok, mcfg
 
 
-def own_teacher(path: str, quick_gelu=None):
-    """This script's reader of a teacher that records no script: (CLIP, ModelConfig)."""
-    sd, cfg = read_state(path)
-    if any(k.startswith(LEARNGENE_PREFIXES) for k in sd):
-        raise ConfigError(f"{path}: this is a learngene file, not a CLIP teacher")
-    mcfg = infer_config(sd, cfg, path)
-    weights = os.path.join(weights_folder(path), "model.safetensors") if os.path.isdir(path) else path
-    quick_gelu, source = data.weights_activation(quick_gelu, weights)
-    if source == "assumed":
-        print(data.assumed_activation_note(path, trained=os.path.isdir(path)), file=sys.stderr)
-    mcfg = dataclasses.replace(mcfg, quick_gelu=quick_gelu)
-    model = CLIP(mcfg)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    if missing:
-        raise ConfigError(f"{path}: cannot read the teacher towers (missing {missing[0]})")
-    if unexpected:
-        raise ConfigError(f"{path}: not a plain CLIP (unexpected {unexpected[0]}; a codebook-head teacher "
-                          f"is not supported)")
-    return model, mcfg
-
-
 def load_model(path, device="cpu", quick_gelu=None):
     """-> (CLIP in eval mode, tokenizer or None, config dict) of a CLIP descendant (expand --modality
-    clip) or a retrieval fine-tune's out_dir: the contract eval_compositional.py calls (as
-    il_clip.load_model); encode_image / encode_text give L2-normalised embeddings."""
+    clip), a retrieval fine-tune's out_dir, an il_clip.py out_dir or OpenAI-layout weights: the
+    contract eval_compositional.py calls (as il_clip.load_model); encode_image / encode_text give
+    L2-normalised embeddings. `quick_gelu` None: what the config beside the weights says
+    (open_clip_config.json or config.json), else OpenAI's QuickGELU, assumed and said on stderr."""
     sd, cfg = read_state(path)
     what = "learngene" if any(k.startswith(LEARNGENE_PREFIXES) for k in sd) else \
         cfg.get("modality", "clip") if cfg.get("task", "retrieval") == "retrieval" else f"{cfg['task']} fine-tune"
     if what != "clip":
         raise ConfigError(f"{path}: a {what} model; evaluation needs both towers (a CLIP descendant, expand "
                           f"--modality clip, or a retrieval fine-tune)")
-    mcfg = infer_config(sd, cfg, path)
-    if quick_gelu is not None:
-        mcfg = dataclasses.replace(mcfg, quick_gelu=bool(quick_gelu))
+    weights = os.path.join(weights_folder(path), "model.safetensors") if os.path.isdir(path) else path
+    quick_gelu, source = data.weights_activation(quick_gelu, weights)
+    if source == "assumed":
+        print(data.assumed_activation_note(path, trained=os.path.isdir(path)), file=sys.stderr)
+    mcfg = dataclasses.replace(infer_config(sd, cfg, path), quick_gelu=quick_gelu)
     model = CLIP(mcfg)
     data.load_state(model, sd, path)
     return model.to(device).eval(), folder_tokenizer(path), {**cfg, "model": dataclasses.asdict(mcfg)}
