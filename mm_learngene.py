@@ -2,7 +2,7 @@
 mm_learngene.py -- MM-LG (Chen et al., "Extracting Multimodal Learngene in CLIP"), the first
 public implementation, plus the learngene baselines it is compared with (He-LG, TLEG).
 
-  extract   distil an ancestry CLIP (il_clip.py out_dir or OpenAI-layout weights) into a
+  extract   distil an ancestry CLIP (--init: il_clip.py out_dir or OpenAI-layout weights) into a
             weight-shared auxiliary CLIP-ViT-S whose layers are built from the learngene
             (two block groups theta1, theta2 of {vision, language, multimodal} blocks plus
             coefficient vectors c^v, c^l, c^mv, c^ml); writes learngene.safetensors.
@@ -19,7 +19,9 @@ public implementation, plus the learngene baselines it is compared with (He-LG, 
   report    parameter storage and pre-training cost (Table 3); finetune results side by side.
 
 Reads top to bottom: config -> model -> learngene parametrisations -> losses -> training
-loop -> subcommands -> main. The only repo import is data.py.
+loop -> subcommands -> main, then one section of infrastructure (checkpoints, the out_dir lock,
+--resume / --overwrite, signals, write errors). The only repo import is data.py; a checkpoint
+that records another training script is read with that script's load_model.
 
 Every choice the paper leaves open is marked "CHOICE:" next to the equation it concerns.
 """
@@ -29,8 +31,9 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import gc
 import functools
+import gc
+import hashlib
 import json
 import math
 import os
@@ -135,7 +138,8 @@ def block_fn(x, p: dict, heads: int, causal: bool, quick_gelu: bool):
     h = F.layer_norm(x, (W,), p["ln_1.weight"], p["ln_1.bias"], 1e-5)
     q, k, v = F.linear(h, p["attn.in_proj_weight"], p["attn.in_proj_bias"]).split(W, dim=-1)
     x = x + F.linear(attention(q, k, v, heads, causal), p["attn.out_proj.weight"], p["attn.out_proj.bias"])
-    h = F.linear(F.layer_norm(x, (W,), p["ln_2.weight"], p["ln_2.bias"], 1e-5), p["mlp.c_fc.weight"], p["mlp.c_fc.bias"])
+    h = F.layer_norm(x, (W,), p["ln_2.weight"], p["ln_2.bias"], 1e-5)
+    h = F.linear(h, p["mlp.c_fc.weight"], p["mlp.c_fc.bias"])
     h = h * torch.sigmoid(1.702 * h) if quick_gelu else F.gelu(h)
     return x + F.linear(h, p["mlp.c_proj.weight"], p["mlp.c_proj.bias"])
 
@@ -509,7 +513,7 @@ def read_state(path: str) -> tuple:
         path = os.path.join(folder, "model.safetensors")
     cfg_path = os.path.join(folder, "config.json")
     cfg = data.read_json(cfg_path) if os.path.exists(cfg_path) else {}
-    return data.read_weights(path), cfg    # OpenAI's JIT .pt too; "module." and extra keys dropped
+    return data.read_weights(path), cfg    # "module." and extra keys dropped
 
 
 def folder_tokenizer(path: str):
@@ -528,7 +532,8 @@ def _cfg_value(cfg: dict, key: str, default):
 def infer_config(sd: dict, cfg: dict, path: str, need=("visual", "text")) -> ModelConfig:
     """ModelConfig from OpenAI-layout tensor shapes; heads (not visible in shapes) from
     config.json, else OpenAI's width // 64 convention."""
-    required = {"visual": ["visual.conv1.weight", "visual.positional_embedding", "visual.proj", "visual.ln_post.weight"],
+    required = {"visual": ["visual.conv1.weight", "visual.positional_embedding", "visual.proj",
+                           "visual.ln_post.weight"],
                 "text": ["token_embedding.weight", "positional_embedding", "text_projection", "ln_final.weight"]}
     for tower in need:
         missing = [k for k in required[tower] if k not in sd]
@@ -557,38 +562,72 @@ def infer_config(sd: dict, cfg: dict, path: str, need=("visual", "text")) -> Mod
         c = dataclasses.replace(c, text_layers=0)
     # a bare weight file (no config.json) follows OpenAI: QuickGELU, EOT = the last vocab id
     bare = not cfg
-    return dataclasses.replace(c, eot_token_id=_cfg_value(cfg, "eot_token_id", c.vocab_size - 1 if bare else c.eot_token_id),
+    eot = _cfg_value(cfg, "eot_token_id", c.vocab_size - 1 if bare else c.eot_token_id)
+    return dataclasses.replace(c, eot_token_id=eot,
                                quick_gelu=bool(_cfg_value(cfg, "quick_gelu", bare)))
 
 
+def recorded_model(path: str, quick_gelu=None):
+    """(model, tokenizer or None, config dict) from the load_model of the script that the checkpoint
+    at `path` records in its config.json ("script"), so a fork's checkpoint is read by the fork's
+    model code; None when it records no script or that file is gone (this script's own reader)."""
+    cfg_path = os.path.join(weights_folder(path), "config.json")
+    record = data.read_json(cfg_path).get("script") if os.path.isfile(cfg_path) else None
+    if not isinstance(record, dict):
+        return None
+    try:
+        module, _, note = data.import_script(record)
+    except data.DataError as e:
+        if "training script not found" in str(e):
+            return None
+        raise
+    if note:
+        print(note, file=sys.stderr)
+    try:
+        return module.load_model(path, device="cpu", quick_gelu=quick_gelu)
+    except Exception as e:      # that script's ConfigError is a class of its own: one line here too
+        if type(e).__name__ in ("ConfigError", "DataError"):
+            raise ConfigError(str(e)) from None
+        raise
+
+
 def load_teacher(path: str, vocab=None, quick_gelu=None):
-    """The frozen ancestry CLIP in eval mode: (model, tokenizer, ModelConfig). Reads an
-    il_clip.py out_dir (checkpoint/ layout or the old one), a checkpoint/ folder, or an
-    OpenAI-layout weight file. `quick_gelu` None: what the config beside the weights says
-    (open_clip_config.json or config.json), else OpenAI's QuickGELU, assumed and said on stderr.
-    A codebook-head teacher (il_clip --method codebook) is
-    refused: its image/text embeddings are not the plain CLIP ones this script distils."""
+    """The frozen ancestry CLIP in eval mode: (model, tokenizer, ModelConfig), built by the load_model
+    of the script the checkpoint records (used through encode_image, encode_text, logit_scale), else
+    by this script's. A codebook-head teacher (il_clip --method codebook) is refused: its image/text
+    embeddings are not the plain CLIP ones this script distils."""
+    model, tok, config = recorded_model(path, quick_gelu) or load_model(path, quick_gelu=quick_gelu)
+    m = config.get("model") or {}
+    if m.get("codebook_size"):
+        raise ConfigError(f"{path}: a codebook-head teacher is not supported (its embeddings are not CLIP's)")
+    mcfg = ModelConfig(**{f.name: m[f.name] for f in dataclasses.fields(ModelConfig) if f.name in m})
+    if vocab:
+        tok = data.build_tokenizer(vocab_path=vocab, context_length=mcfg.context_length)
+    if tok is None:
+        raise ConfigError(f"{path}: no tokenizer.json beside the teacher; pass --vocab bpe_simple_vocab_16e6.txt.gz")
+    return model.eval().requires_grad_(False), tok, mcfg
+
+
+def load_model(path, device="cpu", quick_gelu=None):
+    """-> (CLIP in eval mode, tokenizer or None, config dict) of a CLIP descendant (expand --modality
+    clip), a retrieval fine-tune's out_dir, an il_clip.py out_dir or OpenAI-layout weights: the
+    contract eval_compositional.py calls (as il_clip.load_model); encode_image / encode_text give
+    L2-normalised embeddings. `quick_gelu` None: what the config beside the weights says
+    (open_clip_config.json or config.json), else OpenAI's QuickGELU, assumed and said on stderr."""
     sd, cfg = read_state(path)
-    if any(k.startswith(LEARNGENE_PREFIXES) for k in sd):
-        raise ConfigError(f"{path}: this is a learngene file, not a CLIP teacher")
-    mcfg = infer_config(sd, cfg, path)
+    what = "learngene" if any(k.startswith(LEARNGENE_PREFIXES) for k in sd) else \
+        cfg.get("modality", "clip") if cfg.get("task", "retrieval") == "retrieval" else f"{cfg['task']} fine-tune"
+    if what != "clip":
+        raise ConfigError(f"{path}: a {what} model; evaluation needs both towers (a CLIP descendant, expand "
+                          f"--modality clip, or a retrieval fine-tune)")
     weights = os.path.join(weights_folder(path), "model.safetensors") if os.path.isdir(path) else path
     quick_gelu, source = data.weights_activation(quick_gelu, weights)
     if source == "assumed":
         print(data.assumed_activation_note(path, trained=os.path.isdir(path)), file=sys.stderr)
-    mcfg = dataclasses.replace(mcfg, quick_gelu=quick_gelu)
+    mcfg = dataclasses.replace(infer_config(sd, cfg, path), quick_gelu=quick_gelu)
     model = CLIP(mcfg)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    if missing:
-        raise ConfigError(f"{path}: cannot read the teacher towers (missing {missing[0]})")
-    if unexpected:
-        raise ConfigError(f"{path}: not a plain CLIP (unexpected {unexpected[0]}; a codebook-head teacher "
-                          f"is not supported)")
-    tok = data.build_tokenizer(vocab_path=vocab, context_length=mcfg.context_length) if vocab else folder_tokenizer(path)
-    if tok is None:
-        raise ConfigError(f"{path}: no tokenizer.json beside the teacher; pass --vocab bpe_simple_vocab_16e6.txt.gz")
-    model.eval().requires_grad_(False)
-    return model, tok, mcfg
+    data.load_state(model, sd, path)
+    return model.to(device).eval(), folder_tokenizer(path), {**cfg, "model": dataclasses.asdict(mcfg)}
 
 
 def load_learngene(path: str, width=None) -> tuple:
@@ -613,7 +652,8 @@ def load_learngene(path: str, width=None) -> tuple:
                               f"{cfg.vision_width}) needs {tuple(expected[k].shape)}: learngene from another width")
     missing, unexpected = aux.load_state_dict(sd, strict=False)
     if missing or unexpected:
-        raise ConfigError(f"{path}: learngene does not match its config (missing {missing[:1]}, unexpected {unexpected[:1]})")
+        raise ConfigError(f"{path}: learngene does not match its config (missing {missing[:1]}, "
+                          f"unexpected {unexpected[:1]})")
     return aux, meta
 
 
@@ -630,13 +670,13 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         out = x.new_empty((dist.get_world_size() * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous())
+        dist.all_gather_single(out, x.contiguous())    # torch 2.13's name for all_gather_into_tensor
         return out
 
     @staticmethod
     def backward(ctx, g):
         out = g.new_empty((g.shape[0] // dist.get_world_size(), *g.shape[1:]))
-        dist.reduce_scatter_tensor(out, g.contiguous())
+        dist.reduce_scatter_single(out, g.contiguous())
         return out
 
 
@@ -739,177 +779,27 @@ class NonFiniteError(Exception):
     """Divergence: printed as one line, exit code 1; the last good checkpoint stays."""
 
 
-def agree_flags(bad, stop, world, device, tag, done):
-    """Every rank's non-finite flag and SIGTERM flag, combined (MAX) over ranks. SIGTERM reaches
-    the ranks at different steps: agreeing here makes all of them stop at this same step, and
-    none is left waiting in a collective the others have left. Returns whether to stop."""
-    flags = torch.stack([bad.float(), torch.tensor(float(stop), device=device)])
+def warmup_steps(warmup, max_steps, tag, rank):
+    """--warmup (-1: 10% of the run). CHOICE: a warm-up longer than the run (Table 6's 10k steps on a
+    small set) would never reach the peak lr, so it is cut to 10% of the run, said in one note."""
+    if warmup > max_steps and rank == 0:
+        print(f"note: {tag}: the warm-up of {warmup} steps is longer than the run ({max_steps} steps); warming up "
+              f"for {max(1, max_steps // 10)} steps (10% of the run)", file=sys.stderr, flush=True)
+    return max(1, max_steps // 10 if warmup < 0 or warmup > max_steps else warmup)
+
+
+def agree_flags(bad, world, device, tag, done):
+    """Every rank's non-finite flag and the signal it received (SIGTERM, SIGINT; 0: none), combined
+    (MAX) over ranks. A signal reaches the ranks at different steps: agreeing here makes all of them
+    stop at this same step, and none is left waiting in a collective the others have left. Returns
+    the signal to stop for, or 0."""
+    flags = torch.stack([bad.float(), torch.tensor(float(_signal[0]), device=device)])
     if world > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    bad, stop = flags.tolist()
+    bad, sig = flags.tolist()
     if bad:
         raise NonFiniteError(f"{tag}: non-finite loss at a step <= {done}; stopped, the last good checkpoint is kept")
-    return bool(stop)
-
-
-# -----------------------------------------------------------------------------
-# Checkpoints. out_dir/checkpoint/ holds model.safetensors, config.json, tokenizer.json (when the
-# phase has one) and the training state: train_state.safetensors (AdamW moments) and
-# train_state.json (step, time, data position, RNG states). safetensors + JSON: loading runs no
-# pickled code. The set is written into checkpoint.tmp/, fsynced and switched in by renames, so
-# checkpoint/ (or, after a kill mid-switch, checkpoint.prev/) holds one whole step.
-
-CHECKPOINT_FILES = ("model.safetensors", "config.json", "train_state.safetensors", "train_state.json")
-_lock = None    # this process's open out_dir/.lock
-
-
-def lock_out_dir(out_dir, rank, world, device):
-    """One run per out_dir (a job submitted twice would mix two runs' saves and logs): rank 0
-    holds an flock on out_dir/.lock, which the kernel drops when the process ends, killed or
-    not. If another process holds it, every rank stops and rank 0 names that process."""
-    global _lock
-    release_out_dir()
-    holder = None
-    if rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        _lock = open(os.path.join(out_dir, ".lock"), "a+")
-        try:
-            fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            _lock.truncate(0)
-            _lock.write(f"{os.getpid()}\n")
-            _lock.flush()
-        except BlockingIOError:
-            _lock.seek(0)
-            holder = _lock.read().strip() or "?"
-            release_out_dir()
-    busy = torch.tensor(float(holder is not None), device=device)
-    if world > 1:
-        dist.broadcast(busy, 0)
-    if busy.item():
-        if rank:
-            raise SystemExit(2)      # rank 0 says why, once
-        raise ConfigError(f"{out_dir} is in use by another run: process {holder} holds {out_dir}/.lock")
-
-
-def release_out_dir():
-    global _lock
-    if _lock is not None:
-        _lock.close()
-        _lock = None
-
-
-def check_resumable(out_dir, rank):
-    """--resume with no checkpoint at all (e.g. a SIGTERM before the first save) is an error,
-    said once, by rank 0."""
-    if not any(os.path.isdir(os.path.join(out_dir, d)) for d in ("checkpoint", "checkpoint.prev")):
-        if rank:
-            raise SystemExit(2)
-        raise ConfigError(f"--resume: nothing to resume yet in {out_dir} (no checkpoint saved)")
-
-
-def write_checkpoint(out_dir, model_sd, config, tensors, state, tok):
-    """The set into checkpoint.tmp/, fsync, then checkpoint/ -> checkpoint.prev/, checkpoint.tmp/
-    -> checkpoint/, checkpoint.prev/ removed. A full disk is one error line; checkpoint.tmp/ is
-    removed and the previous checkpoint is left as it was."""
-    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
-    cpu = lambda sd: {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        save_file(cpu(model_sd), os.path.join(tmp, "model.safetensors"), {"step": str(state["step"])})
-        save_file(cpu(tensors), os.path.join(tmp, "train_state.safetensors"), {"step": str(state["step"])})
-        data.save_json(os.path.join(tmp, "config.json"), config)
-        data.save_json(os.path.join(tmp, "train_state.json"), state)
-        if tok is not None:
-            tok.save(tmp)
-        for name in os.listdir(tmp):
-            data.fsync(os.path.join(tmp, name))
-        data.fsync(tmp)
-        data.atomic_write(os.path.join(out_dir, "config.json"), lambda p: data.save_json(p, config))
-        if tok is not None:     # readers of out_dir find the tokenizer beside config.json
-            tok.save(out_dir)
-    except Exception as e:      # safetensors reports a full disk as SafetensorError, not OSError
-        shutil.rmtree(tmp, ignore_errors=True)
-        if getattr(e, "errno", None) != errno.ENOSPC and "No space left" not in str(e):
-            raise
-        need = sum(v.nbytes for v in [*model_sd.values(), *tensors.values()]) / 2 ** 20
-        raise ConfigError(f"{out_dir}: no space left on device for the step-{state['step']} checkpoint (about "
-                            f"{need:.1f} MiB needed, {shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); "
-                            f"the previous checkpoint is kept") from None
-    if os.path.isdir(final):
-        shutil.rmtree(prev, ignore_errors=True)
-        os.replace(final, prev)
-    os.replace(tmp, final)
-    data.fsync(out_dir)
-    shutil.rmtree(prev, ignore_errors=True)
-
-
-def read_checkpoint(folder, device):
-    """(model tensors, train-state tensors, train_state.json) of one checkpoint folder, or a
-    DataError naming the file that is missing, damaged or from another step."""
-    missing = [n for n in CHECKPOINT_FILES if not os.path.isfile(os.path.join(folder, n))]
-    if missing:
-        raise data.DataError(f"{os.path.join(folder, missing[0])}: missing (incomplete checkpoint)")
-    state, _ = data.read_json(os.path.join(folder, "train_state.json")), data.read_json(os.path.join(folder, "config.json"))
-    out = []
-    for path in (os.path.join(folder, "model.safetensors"), os.path.join(folder, "train_state.safetensors")):
-        try:
-            with safe_open(path, "pt") as f:
-                step = (f.metadata() or {}).get("step")
-            out.append(load_file(path, device=str(device)))
-        except Exception as e:
-            raise data.DataError(f"{path}: damaged ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})") from None
-        if not isinstance(state, dict) or step != str(state.get("step")):
-            raise data.DataError(f"{path}: from step {step}, train_state.json from step "
-                                 f"{state.get('step') if isinstance(state, dict) else None}")
-    return out[0], out[1], state
-
-
-def find_checkpoint(out_dir, device):
-    """read_checkpoint of out_dir/checkpoint/, else of a complete checkpoint.prev/ (said on stderr)."""
-    try:
-        return read_checkpoint(os.path.join(out_dir, "checkpoint"), device)
-    except data.DataError as e:
-        prev = os.path.join(out_dir, "checkpoint.prev")
-        if not os.path.isdir(prev):
-            raise
-        found = read_checkpoint(prev, device)
-        print(f"note: {e}; resuming from the previous complete checkpoint {prev} (step {found[2]['step']})",
-              file=sys.stderr)
-        return found
-
-
-def optimizer_state(opt):
-    """opt.state_dict() as (tensors "opt.{param}.{name}", JSON-able rest)."""
-    sd = opt.state_dict()
-    flat = {f"{i}.{name}": v for i, st in sd["state"].items() for name, v in st.items()}
-    return ({f"opt.{k}": v for k, v in flat.items() if torch.is_tensor(v)},
-            {"param_groups": sd["param_groups"], "scalars": {k: v for k, v in flat.items() if not torch.is_tensor(v)}})
-
-
-def load_optimizer_state(opt, tensors, info):
-    state = {}
-    for key, v in [(k[4:], v) for k, v in tensors.items() if k.startswith("opt.")] + list(info["scalars"].items()):
-        i, name = key.split(".", 1)
-        state.setdefault(int(i), {})[name] = v
-    opt.load_state_dict({"state": state, "param_groups": info["param_groups"]})
-
-
-def rng_state(device):
-    """torch (and CUDA), numpy and python RNG states as JSON: a resumed run draws the same numbers."""
-    n, p = np.random.get_state(), random.getstate()
-    return {"torch": torch.get_rng_state().tolist(),
-            "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if device.startswith("cuda") else None,
-            "numpy": [n[0], n[1].tolist(), *n[2:]], "python": [p[0], list(p[1]), p[2]]}
-
-
-def set_rng_state(st, device):
-    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
-    if st.get("cuda") and device.startswith("cuda"):
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
-    n, p = st["numpy"], st["python"]
-    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
-    random.setstate((p[0], tuple(p[1]), p[2]))
+    return int(sig)
 
 
 def rewind_metrics(path, step, rank):
@@ -945,40 +835,33 @@ def draw_loss_curve(metrics, png_path, caption, size=(900, 420)):
     data.atomic_write(png_path, lambda p: img.save(p, format="PNG"))
 
 
+class StepLoss(nn.Module):
+    """loss_fn(model, batch) as the forward() that DDP wraps, so every loss term runs inside it: a
+    term that uses a parameter directly (a learnable bias, a weight penalty) gets its gradient
+    averaged over ranks like the rest, and loss_fn sees the model itself with 1 rank or many.
+    `touch` (under DDP): every trained parameter enters the loss, times 0, so one that a rank's step
+    leaves unused (a fork's term, a branch some batches skip) gets a zero gradient there and DDP's
+    buckets match on every rank. CHOICE: this, not find_unused_parameters, which walks the graph
+    every step and warns when nothing is unused; the loss and the other gradients are unchanged."""
+
+    def __init__(self, model, loss_fn, touch=False):
+        super().__init__()
+        self.model, self.loss_fn, self.touch = model, loss_fn, touch
+
+    def forward(self, batch):
+        loss, parts = self.loss_fn(self.model, batch)
+        if self.touch:
+            loss = loss + sum(p.reshape(-1)[0] for p in self.model.parameters() if p.requires_grad) * 0.0
+        return loss, parts
+
+
 class Run:
     """The state of one training phase that a checkpoint holds (model, optimizer, step, time)."""
 
     def __init__(self, raw, opt, loader, out_dir, config, tokenizer, tag, rank, on_save, device):
         self.raw, self.opt, self.loader, self.out_dir, self.config = raw, opt, loader, out_dir, config
         self.tokenizer, self.tag, self.rank, self.on_save, self.device = tokenizer, tag, rank, on_save, device
-        self.step, self.elapsed, self.metrics, self.stop = 0, 0.0, [], False
-
-    def save(self):
-        """Rank 0 writes, in data.py's checkpoint layout; never a checkpoint with non-finite
-        weights or optimizer state."""
-        if self.out_dir is None or self.rank != 0:
-            return
-        tensors = [*self.raw.state_dict().values(), *(v for st in self.opt.state.values() for v in st.values())]
-        if not all(torch.isfinite(t).all() for t in tensors if t.is_floating_point()):
-            raise NonFiniteError(f"{self.tag}: non-finite weights at step {self.step}; stopped, the last good "
-                                 f"checkpoint is kept")
-        os.makedirs(self.out_dir, exist_ok=True)
-        tensors, optimizer = optimizer_state(self.opt)
-        state = {"step": self.step, "elapsed": self.elapsed, "loader": self.loader.state_dict(),
-                 "optimizer": optimizer, "rng": rng_state(self.device)}
-        write_checkpoint(self.out_dir, self.raw.state_dict(), self.config, tensors, state, self.tokenizer)
-        if self.on_save:
-            self.on_save(self)
-
-    def load(self):
-        check_resumable(self.out_dir, self.rank)
-        model_sd, tensors, st = find_checkpoint(self.out_dir, "cpu")
-        data.load_state(self.raw, model_sd, os.path.join(self.out_dir, "checkpoint"))
-        load_optimizer_state(self.opt, tensors, st["optimizer"])
-        self.step, self.elapsed = st["step"], st.get("elapsed", 0.0)
-        self.loader.load_state_dict(st["loader"])
-        set_rng_state(st["rng"], self.device)
-        self.metrics = rewind_metrics(os.path.join(self.out_dir, "metrics.jsonl"), self.step, self.rank)
+        self.step, self.elapsed, self.metrics = 0, 0.0, []
 
     def log(self, m):
         self.metrics.append(m)
@@ -989,26 +872,13 @@ class Run:
                 f.write(json.dumps(m) + "\n")
 
 
-class StepLoss(nn.Module):
-    """loss_fn(model, batch) as the forward() that DDP wraps, so every loss term runs inside it: a
-    term that uses a parameter directly (a learnable bias, a weight penalty) gets its gradient
-    averaged over ranks like the rest, and loss_fn sees the model itself with 1 rank or many."""
-
-    def __init__(self, model, loss_fn):
-        super().__init__()
-        self.model, self.loss_fn = model, loss_fn
-
-    def forward(self, batch):
-        return self.loss_fn(self.model, batch)
-
-
 def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, out_dir=None, config=None,
                 tokenizer=None, tag="train", on_save=None, resume=False) -> list:
     """One training phase. `loss_fn(model, batch) -> (loss, {name: detached tensor})`, run inside
     DDP's forward when world > 1 (StepLoss). Nothing in a step waits for the device: the
     losses and a non-finite flag are read at log steps, save steps and --stop_at. Saves at
-    multiples of --save_interval, at --stop_at, on SIGTERM and at the end."""
-    step_loss = StepLoss(model, loss_fn)
+    multiples of --save_interval, at --stop_at, on SIGTERM / SIGINT and at the end."""
+    step_loss = StepLoss(model, loss_fn, touch=world > 1)
     ddp = nn.parallel.DistributedDataParallel(step_loss, device_ids=[device] if device.startswith("cuda") else None) \
         if world > 1 else step_loss
     fwd = torch.compile(ddp) if getattr(args, "compile", False) else ddp
@@ -1018,71 +888,72 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
     model.zero_grad(set_to_none=True)
     trained = [p for p in model.parameters() if p.requires_grad]
     if resume:
-        run.load()
+        load_run(run)
     elif out_dir and rank == 0 and os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
         os.remove(os.path.join(out_dir, "metrics.jsonl"))     # a fresh run into an old out_dir: a fresh log
-    prev = signal.signal(signal.SIGTERM, lambda *_: setattr(run, "stop", True))
     it = loader.forever()
-    warmup = max(1, max_steps // 10 if args.warmup < 0 else args.warmup)
+    warmup = warmup_steps(args.warmup, max_steps, tag, rank)
     bad = torch.zeros((), dtype=torch.bool, device=device)
     t0 = t_log = time.time()
     step_log = run.step
-    try:
-        for step in range(run.step, max_steps):
-            lr = get_lr(step, max_steps, args.lr, warmup)
-            for g in run.opt.param_groups:
-                g["lr"] = lr
-            batch = next(it)
-            with autocast(device, args.dtype):
-                loss, parts = fwd(batch)
-            bad |= ~torch.isfinite(loss.detach())
-            run.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if args.grad_clip > 0:     # the trained parameters only: a frozen one may hold a stale grad
-                nn.utils.clip_grad_norm_(trained, args.grad_clip)
-            run.opt.step()
-            if hasattr(model, "logit_scale"):
-                with torch.no_grad():
-                    model.logit_scale.clamp_(0, math.log(100))
-            run.elapsed += time.time() - t0
-            t0 = time.time()
-            run.step = done = step + 1
-            at_log = done % args.log_interval == 0 or done == max_steps
-            at_save = bool(out_dir) and args.save_interval > 0 and done % args.save_interval == 0 and done < max_steps
-            at_stop = getattr(args, "stop_at", None) is not None and done == args.stop_at and done < max_steps
-            # flags are read (a device sync) only where every rank reads them at the same step;
-            # one process may stop at any step
-            stop = (at_log or at_save or at_stop or (world == 1 and run.stop)) and \
-                agree_flags(bad, run.stop, world, device, tag, done)
-            if rank == 0 and at_log:
-                vals = torch.stack([loss.detach().float(), *(v.float() for v in parts.values())]).tolist()
-                sps = args.batch_size * (done - step_log) / max(1e-9, time.time() - t_log)
-                t_log, step_log = time.time(), done
+    for step in range(run.step, max_steps):
+        lr = get_lr(step, max_steps, args.lr, warmup)
+        for g in run.opt.param_groups:
+            g["lr"] = lr
+        batch = next(it)
+        with autocast(device, args.dtype):
+            loss, parts = fwd(batch)
+        bad |= ~torch.isfinite(loss.detach())
+        run.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if args.grad_clip > 0:     # the trained parameters only: a frozen one may hold a stale grad
+            nn.utils.clip_grad_norm_(trained, args.grad_clip)
+        run.opt.step()
+        if hasattr(model, "logit_scale"):
+            with torch.no_grad():
+                model.logit_scale.clamp_(0, math.log(100))
+        run.elapsed += time.time() - t0
+        t0 = time.time()
+        run.step = done = step + 1
+        at_log = done % args.log_interval == 0 or done == max_steps
+        at_save = bool(out_dir) and args.save_interval > 0 and done % args.save_interval == 0 and done < max_steps
+        at_stop = getattr(args, "stop_at", None) is not None and done == args.stop_at and done < max_steps
+        # flags are read (a device sync) only where every rank reads them at the same step;
+        # one process may stop at any step
+        sig = (at_log or at_save or at_stop or (world == 1 and _signal[0])) and \
+            agree_flags(bad, world, device, tag, done)
+        if at_log:      # the global batch's losses: every rank's mean (equal local batches)
+            vals = torch.stack([loss.detach().float(), *(v.float() for v in parts.values())])
+            if world > 1:
+                dist.all_reduce(vals)
+            vals = (vals / world).tolist()
+            sps = args.batch_size * (done - step_log) / max(1e-9, time.time() - t_log)
+            t_log, step_log = time.time(), done
+            if rank == 0:
                 run.log({"phase": tag, "step": done, "loss": vals[0], "lr": lr, "elapsed": round(run.elapsed, 3),
                          "samples_per_s": round(sps, 1), **dict(zip(parts, vals[1:]))})
-            if (stop and done < max_steps) or at_stop:
-                run.save()
-                if rank == 0:
-                    print(f"{tag}: {'SIGTERM' if stop else '--stop_at'}, checkpoint saved at step {done}; "
-                          f"continue with --resume", flush=True)
-                if world > 1:      # rank 0 has written before any rank exits
-                    dist.barrier()
-                sys.exit(0)
-            if at_save:
-                run.save()
-        agree_flags(bad, False, world, device, tag, run.step)
-        if out_dir:
-            run.save()
+        if (sig and done < max_steps) or at_stop:
+            save_run(run)
             if rank == 0:
-                draw_loss_curve(run.metrics, os.path.join(out_dir, "loss_curve.png"), tag)
-    finally:
-        if prev is not None:
-            signal.signal(signal.SIGTERM, prev)
+                cmd = f"python {os.path.basename(__file__)} {args.cmd} --out_dir {args.out_dir} --resume" \
+                    if hasattr(args, "cmd") else "--resume"
+                print(f"{tag}: {signal.Signals(sig).name if sig else '--stop_at'}, checkpoint saved at step {done}; "
+                      f"continue with {cmd}", flush=True)
+            if world > 1:      # rank 0 has written before any rank exits
+                dist.barrier()
+            sys.exit(0)
+        if at_save:
+            save_run(run)
+    agree_flags(bad, world, device, tag, run.step)
+    if out_dir:
+        save_run(run)
+        if rank == 0:
+            draw_loss_curve(run.metrics, os.path.join(out_dir, "loss_curve.png"), tag)
     return run
 
 
 def contrastive_loss_fn(model, batch, device):
-    img, txt, scale = model(batch["image"].to(device), batch["text"].to(device))
+    img, txt, scale = model(data.normalize_images(batch["image"], device), batch["text"].to(device))
     i2t, t2i, labels = clip_logits(img, txt, scale)
     loss = clip_loss(i2t, t2i, labels)
     return loss, {"clip": loss.detach()}
@@ -1160,13 +1031,13 @@ def train_loader(a, src: dict, tok, image_size, rank, world, seed, ordered=False
 def cmd_extract(a):
     table6_defaults(a, "extract")
     rank, world, device = setup_distributed(a.device)
-    lock_out_dir(a.out_dir, rank, world, device)    # before anything is written there
+    claim_out_dir(a, rank, world, device)    # before anything is written there
     torch.manual_seed(a.seed)
     random.seed(a.seed)
     np.random.seed(a.seed)
-    teacher, tok, tcfg = load_teacher(a.teacher, a.vocab, a.quick_gelu)
+    teacher, tok, tcfg = load_teacher(a.init, a.vocab, a.quick_gelu)
     if rank == 0:
-        print(f"teacher: {a.teacher}  activation {'QuickGELU' if tcfg.quick_gelu else 'GELU'}", flush=True)
+        print(f"teacher: {a.init}  activation {'QuickGELU' if tcfg.quick_gelu else 'GELU'}", flush=True)
     teacher.to(device)
     preset = dict(AUX_PRESETS[a.model])
     for k in ("width", "heads", "layers"):
@@ -1186,17 +1057,12 @@ def cmd_extract(a):
     if cfg.image_size % cfg.patch_size:
         raise ConfigError(f"image size {cfg.image_size} is not a multiple of patch size {cfg.patch_size}")
     part = "no_mm" if a.no_mm else ("only_mm" if a.only_mm else "both")
-    if a.out_dir and os.path.exists(os.path.join(a.out_dir, "config.json")) and a.resume:
-        old = data.read_json(os.path.join(a.out_dir, "config.json"))
-        if old["model"]["vision_width"] != cfg.vision_width:
-            raise ConfigError(f"--resume: {a.out_dir} holds a learngene of width {old['model']['vision_width']}, "
-                              f"not {cfg.vision_width}")
     aux = AuxCLIP(cfg, a.method, part, a.helg_layers).to(device)
     loader = train_loader(a, data_source(a), tok, cfg.image_size, rank, world, a.seed)
     a.max_steps = train_steps(a, loader, data_source(a), rank, "extract")
 
     def loss_fn(model, batch):
-        images, text = batch["image"].to(device), batch["text"].to(device)
+        images, text = data.normalize_images(batch["image"], device), batch["text"].to(device)
         img, txt, scale = model(images, text)
         s_i2t, s_t2i, labels = clip_logits(img, txt, scale)
         t_i2t, t_t2i = teacher_logits(teacher, images, text)
@@ -1204,12 +1070,11 @@ def cmd_extract(a):
         l_dist = distill_loss(s_i2t, s_t2i, t_i2t, t_t2i)
         return l_clip + a.lambda_dist * l_dist, {"clip": l_clip.detach(), "dist": l_dist.detach()}  # Eq. 8
 
-    config = {**{k: v for k, v in vars(a).items() if k != "func"}, "preset": a.model, "world_size": world,
-              **aux.meta(), "model": dataclasses.asdict(aux.cfg), "teacher_config": dataclasses.asdict(tcfg)}
+    config = {"args": run_flags(a), "world_size": world, **aux.meta(), "model": dataclasses.asdict(aux.cfg),
+              "teacher_config": dataclasses.asdict(tcfg)}
 
     def write_learngene(tr):
-        tmp = os.path.join(a.out_dir, "tokenizer.json")
-        with open(tmp) as f:
+        with open(os.path.join(a.out_dir, "tokenizer.json")) as f:
             tok_json = f.read()
         meta = {"learngene": json.dumps(aux.meta()), "tokenizer": tok_json,
                 "extract": json.dumps({"step": tr.step, "elapsed": tr.elapsed, "batch_size": a.batch_size,
@@ -1234,7 +1099,8 @@ def write_descendant(out_dir, sd, cfg, modality, tok_json, extra):
     atomic_save_file(sd, os.path.join(out_dir, "model.safetensors"))
     c = dataclasses.asdict(cfg)
     # "model": the ModelConfig fields, the layout il_clip.load_model reads
-    atomic_write_json({"model": c, "modality": modality, **extra}, os.path.join(out_dir, "config.json"))
+    atomic_write_json({"model": c, "modality": modality, **extra, "script": data.script_record(__file__)},
+                      os.path.join(out_dir, "config.json"))
     if tok_json is not None:    # the learngene's copy of the teacher's tokenizer.json, as written
 
         def write(path):
@@ -1321,7 +1187,14 @@ def load_init(a):
     need = MODALITY_TOWERS.get(modality)
     if need is None or modality == "text":
         raise ConfigError(f"{a.init}: finetune supports clip and vision descendants, not {modality}")
-    cfg = infer_config(sd, cfgj, a.init, need)
+    # a CLIP checkpoint that records its script is read by that script's load_model (a fork's
+    # layout and activation); its OpenAI-layout weights are then fine-tuned in this script's CLIP,
+    # built below: the reader's random init must not shift this run's draws
+    with torch.random.fork_rng(devices=[]):
+        found = recorded_model(a.init) if modality == "clip" else None
+    if found is not None:
+        sd, folder_tok = found[0].state_dict(), found[1]
+    cfg = infer_config(sd, found[2] if found else cfgj, a.init, need)
     if modality == "clip":
         model = CLIP(cfg)
     else:
@@ -1330,7 +1203,7 @@ def load_init(a):
     missing, _ = model.load_state_dict(sd, strict=False)
     if missing:
         raise ConfigError(f"{a.init}: cannot read the checkpoint (missing {missing[0]})")
-    tok = folder_tokenizer(a.init)
+    tok = folder_tok if found else folder_tokenizer(a.init)
     if tok is None and modality == "clip":
         raise ConfigError(f"{a.init}: no tokenizer.json")
     kind = cfgj.get("method", "pretrained") if "learngene" in cfgj else "pretrained"
@@ -1447,7 +1320,7 @@ def eval_classification(clf, loader, device, n_classes):
     right = total = 0
     seen, skipped0 = set(), loader.skipped      # the loader's counter runs across epochs
     for batch in loader:
-        pred = clf(batch["image"].to(device)).argmax(-1).cpu()
+        pred = clf(data.normalize_images(batch["image"], device)).argmax(-1).cpu()
         right += (pred == batch["label"]).sum().item()
         total += len(pred)
         seen.update(batch["label"].tolist())
@@ -1520,7 +1393,7 @@ def eval_retrieval(model, loader, device, batch_size=100):
             owners.append(keys[k])
         texts.append(batch["text"])
         if new:
-            img_feats.append(model.encode_image(batch["image"][new].to(device)).float())
+            img_feats.append(model.encode_image(data.normalize_images(batch["image"][new], device)).float())
     uniq, inverse = torch.unique(torch.cat(texts), dim=0, return_inverse=True)
     T = torch.cat([model.encode_text(uniq[i:i + batch_size].to(device)).float()
                    for i in range(0, len(uniq), batch_size)])[inverse.to(device)]
@@ -1608,7 +1481,7 @@ def classification_task(a, model, tok, cfg, modality, results, rank, world, devi
     clf = Classifier(visual, len(classes)).to(device)
 
     def cls_loss(m, batch):
-        return F.cross_entropy(m(batch["image"].to(device)), batch["label"].to(device)), {}
+        return F.cross_entropy(m(data.normalize_images(batch["image"], device)), batch["label"].to(device)), {}
 
     def evaluate():
         return {**info, **eval_classification(clf, test, device, len(classes)),
@@ -1629,16 +1502,12 @@ def retrieval_task(a, model, tok, cfg, modality, results, rank, world, device):
 
 def cmd_finetune(a):
     rank, world, device = setup_distributed(a.device)
+    out = a.out_dir
+    claim_out_dir(a, rank, world, device)     # before anything is written there
     table6_defaults(a, a.task)
     torch.manual_seed(a.seed)
     model, tok, cfg, modality, kind, init_cfg = load_init(a)
     model.to(device)
-    out = a.out_dir or f"out/finetune_{a.task}"
-    a.out_dir = out
-    lock_out_dir(out, rank, world, device)
-    if a.resume and not any(os.path.isdir(os.path.join(out, tag, c)) for tag in ("activate", "finetune")
-                            for c in ("checkpoint", "checkpoint.prev")):
-        check_resumable(out, rank)      # no phase has saved yet: one error line, as in extract
     results = {"init": a.init, "kind": kind, "part": init_cfg.get("part", "both"), "task": a.task,
                "modality": modality, "layers": cfg.vision_layers or cfg.text_layers, "lr": a.lr, "wd": a.wd,
                "seed": a.seed, "params": sum(p.numel() for p in model.parameters())}
@@ -1649,7 +1518,8 @@ def cmd_finetune(a):
         d = os.path.join(out, tag)
         resume = a.resume and os.path.isdir(os.path.join(d, "checkpoint"))
         train_phase(model_, loss_fn, loader, args, rank, world, device, out_dir=d,
-                    config={"phase": tag, "init": a.init}, tag=tag, resume=resume, max_steps=steps)
+                    config={"phase": tag, "init": a.init, "args": run_flags(a)}, tag=tag, resume=resume,
+                    max_steps=steps)
     # Activation (appendix A.2.1). CHOICE: applied to every learngene descendant (MM-LG, TLEG,
     # He-LG alike), not to scratch or PT-FT; needs both towers (a vision-only descendant is
     # not activated); learning rate --activate_lr.
@@ -1666,8 +1536,11 @@ def cmd_finetune(a):
     if rank == 0:
         os.makedirs(out, exist_ok=True)
         atomic_save_file(final.state_dict(), os.path.join(out, "model.safetensors"))
-        atomic_write_json({**{k: v for k, v in vars(a).items() if k != "func"}, "results": results},
-                          os.path.join(out, "config.json"))
+        # "model", "modality", "script": what load_model needs to read a retrieval fine-tune
+        atomic_write_json({**run_flags(a), "results": results, "model": dataclasses.asdict(cfg), "modality": modality,
+                           "script": data.script_record(__file__)}, os.path.join(out, "config.json"))
+        if tok is not None:
+            tok.save(out)
         atomic_write_json(results, os.path.join(out, "results.json"))
         print("RESULT " + json.dumps(results), flush=True)
 
@@ -1764,7 +1637,8 @@ def load_gpt2(folder: str) -> tuple:
           and k != "lm_head.weight"}
     if "wte.weight" not in sd or "wpe.weight" not in sd:
         raise ConfigError(f"{path}: not a GPT-2 checkpoint (no wte.weight / wpe.weight)")
-    cfg = data.read_json(os.path.join(folder, "config.json")) if os.path.exists(os.path.join(folder, "config.json")) else {}
+    cfg_path = os.path.join(folder, "config.json")
+    cfg = data.read_json(cfg_path) if os.path.exists(cfg_path) else {}
     vocab, d = sd["wte.weight"].shape
     layers = len({k.split(".")[1] for k in sd if k.startswith("h.")})
     lm = GPT2(vocab, sd["wpe.weight"].shape[0], d, layers, cfg.get("n_head", max(1, d // 64)))
@@ -2013,7 +1887,8 @@ def train_shapes_lm(folder: str, seed: int, steps: int = 400):
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(captions, trainers.BpeTrainer(vocab_size=400, special_tokens=[GPT2_EOS], show_progress=False,
+    backend.train_from_iterator(captions, trainers.BpeTrainer(vocab_size=400, special_tokens=[GPT2_EOS],
+                                                              show_progress=False,
                                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     os.makedirs(folder, exist_ok=True)
     backend.save(os.path.join(folder, "tokenizer.json"))
@@ -2161,7 +2036,7 @@ def caption_pool(a, cap, image_size, device) -> CaptionPool:
                 new.append(j)
             captions[k].append(c)
         if new:
-            feats.append(cap.embed(batch["image"][new].to(device)))
+            feats.append(cap.embed(data.normalize_images(batch["image"][new], device)))
         if len(captions) == a.baseline_pool:
             break
     return CaptionPool(torch.cat(feats), [c[0] for c in captions.values()],
@@ -2181,7 +2056,7 @@ def eval_captioning(model, loader, device, beam, refs_of, pool=None):
         for k, c in zip(batch["key"], batch["caption"]):
             captions.setdefault(k, []).append(c)
         if new:
-            images, keys = batch["image"][new].to(device), [batch["key"][j] for j in new]
+            images, keys = data.normalize_images(batch["image"][new], device), [batch["key"][j] for j in new]
             hyps.update({k: [lm_tok.decode(s)] for k, s in zip(keys, generate(model, images, beam))})
             if pool is not None:
                 nearest.update({k: [c] for k, c in zip(keys, pool.nearest(model.embed(images)))})
@@ -2230,7 +2105,7 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
 
     def loss_fn(m, batch):
         tokens, mask = (t.to(device) for t in caption_batch(ltok, batch["caption"]))
-        return F.cross_entropy(m(batch["image"].to(device), tokens)[mask].float(), tokens[mask]), {}
+        return F.cross_entropy(m(data.normalize_images(batch["image"], device), tokens)[mask].float(), tokens[mask]), {}
 
     def evaluate():
         t0 = time.time()
@@ -2247,13 +2122,17 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
 def _run_cost(path):
     """(steps, seconds, batch) of a training out_dir (this script's or il_clip.py's)."""
     steps = secs = batch = None
-    st = os.path.join(data.checkpoint_dir(path), "train_state.json")
+    st = os.path.join(data.checkpoint_dir(path), "state.pt")
     if os.path.exists(st):
-        j = data.read_json(st)
+        try:
+            j = torch.load(st, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ConfigError(f"{st}: cannot read the training state ({type(e).__name__})") from None
         steps, secs = j.get("step"), j.get("elapsed")
     cj = os.path.join(path, "config.json")
     if os.path.exists(cj):
-        batch = data.read_json(cj).get("batch_size")
+        j = data.read_json(cj)
+        batch = j.get("batch_size") or (j.get("args") or {}).get("batch_size")
     mj = os.path.join(path, "metrics.jsonl")
     if secs is None and os.path.exists(mj):
         with open(mj) as f:
@@ -2369,7 +2248,8 @@ def add_train_flags(p, lr_help="", data_help=""):
     p.add_argument("--max_steps", type=int, default=None)
     p.add_argument("--batch_size", type=int, default=None, help="global batch size")
     p.add_argument("--lr", type=float, default=None, help=lr_help)
-    p.add_argument("--wd", type=float, default=None, help="AdamW weight decay on matrices (not on gains, biases, coefficients)")
+    p.add_argument("--wd", type=float, default=None,
+                   help="AdamW weight decay on matrices (not on gains, biases, coefficients)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (-1: 10%% of the steps)")
     p.add_argument("--epochs", type=float, default=None, help="epochs when --max_steps is not given (default: "
                                                               "Table 6's when --data is not shapes)")
@@ -2381,7 +2261,8 @@ def add_train_flags(p, lr_help="", data_help=""):
     p.add_argument("--log_interval", type=int, default=10)
     p.add_argument("--save_interval", type=int, default=200, help="checkpoint every N steps (0: only at the end)")
     p.add_argument("--stop_at", type=int, default=None, help="stop at this step with a checkpoint, as if preempted")
-    p.add_argument("--resume", action="store_true", help="continue from out_dir/checkpoint/")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out_dir with its saved flags")
+    p.add_argument("--overwrite", action="store_true", help="a new run on an out_dir with a checkpoint: remove it")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--model", default="shapes", choices=list(AUX_PRESETS))
 
@@ -2390,8 +2271,8 @@ def add_extract_parser(sub):
     p = sub.add_parser("extract", help="distil a teacher CLIP into the learngene (paper: batch 512, lr 1e-3, "
                                        "10k warm-up, 32 epochs of CC3M+CC12M, --model ViT-S-16; the defaults off "
                                        "shapes)")
-    p.add_argument("--teacher", required=True, help="il_clip.py out_dir, checkpoint/ folder or OpenAI-layout "
-                                                    ".safetensors/.pt")
+    p.add_argument("--init", "--teacher", dest="init", help="the ancestry (teacher): il_clip.py out_dir, "
+                   "checkpoint/ folder or OpenAI-layout .safetensors/.pt")
     p.add_argument("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz for a bare OpenAI weight file")
     p.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
                    help="the teacher's activation; default: what open_clip_config.json / config.json beside it "
@@ -2413,7 +2294,7 @@ def add_extract_parser(sub):
 
 def add_finetune_parser(sub):
     p = sub.add_parser("finetune", help="activation + fine-tuning (retrieval, classification or captioning)")
-    p.add_argument("--init", required=True, help="descendant out_dir, il_clip.py out_dir (PT-FT) or scratch")
+    p.add_argument("--init", help="descendant out_dir, il_clip.py out_dir (PT-FT) or scratch")
     p.add_argument("--task", default="retrieval", choices=["retrieval", "classification", "caption"])
     add_train_flags(p, lr_help="default: Table 6 per task (retrieval 5e-5, classification 1e-4, "
                     "caption 2e-5; --wd 0.01). Off shapes every Table 6 value is the default: warm-up 10k/5k/5k "
@@ -2451,7 +2332,8 @@ def add_finetune_parser(sub):
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_extract_parser(sub)
     p = sub.add_parser("expand", help="learngene -> descendant out_dir (OpenAI layout)")
@@ -2483,8 +2365,17 @@ def build_parser():
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     a = build_parser().parse_args(argv)
+    _signal[0] = 0
+    handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
+        if a.cmd in ("extract", "finetune"):
+            a.out_dir = a.out_dir or f"out/finetune_{a.task}"
+            if a.resume:
+                resume_flags(a, argv)
+            if a.init is None and not a.resume:     # (with --resume, claim_out_dir says what is missing)
+                raise ConfigError(f"{a.cmd} needs --init ({'the teacher' if a.cmd == 'extract' else 'a descendant'})")
         a.func(a)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()      # no rank tears down its connections while another still writes
@@ -2494,11 +2385,246 @@ def main(argv=None):
     except NonFiniteError as e:
         print(str(e), file=sys.stderr, flush=True)
         sys.exit(1)
+    except KeyboardInterrupt:
+        print("error: interrupted (a second Ctrl-C); the last checkpoint is kept", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:
+        if write_errno(e) is None:
+            raise
+        print(f"error: {getattr(e, 'filename', None) or a.out_dir}: {os.strerror(write_errno(e))}; the last good "
+              f"checkpoint is kept", file=sys.stderr)
+        sys.exit(2)
     finally:
         release_out_dir()
+        for s, h in handlers.items():     # only now: a signal during the final save is not fatal
+            signal.signal(s, h)
         if dist.is_available() and dist.is_initialized():
             gc.collect()    # the DDP wrapper (in a reference cycle) holds the group: it goes first
             dist.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+# Infrastructure: checkpoints, the out_dir lock, the run lifecycle, write errors. A phase's
+# out_dir/checkpoint/ holds model.safetensors, config.json (flags, model config, "script"),
+# tokenizer.json (if the phase has one), state.pt (step, AdamW state, RNG states, loader position:
+# torch.save, read with weights_only=True) and, written last, sha256.json of them. A save goes to
+# checkpoint.tmp/, is fsynced and switched in by renames; checkpoint.prev/ (the save before) is kept
+# for a damaged newest checkpoint to fall back to.
+
+RUN_CONTROL = ("stop_at", "save_interval", "log_interval", "num_workers", "device", "resume", "overwrite", "out_dir")
+RUN_FILES = ("metrics.jsonl", "loss_curve.png", "learngene.safetensors", "results.json", "model.safetensors",
+             "config.json", "tokenizer.json", "checkpoint", "checkpoint.prev", "checkpoint.tmp")
+_lock, _signal = None, [0]      # this process's out_dir/.lock; the strongest signal received (SIGTERM > SIGINT)
+
+
+def sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_errno(e):
+    """The errno of a write error said in one line (safetensors reports ENOSPC as SafetensorError)."""
+    if isinstance(e, OSError):
+        return e.errno if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO) else None
+    return errno.ENOSPC if "No space left" in str(e) else None
+
+
+def write_checkpoint(out_dir, model_sd, config, state, tok):
+    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        save_file({k: v.detach().cpu().contiguous() for k, v in model_sd.items()},
+                  os.path.join(tmp, "model.safetensors"), {"step": str(state["step"])})
+        torch.save(state, os.path.join(tmp, "state.pt"))
+        for folder in (tmp, out_dir):       # readers of out_dir find config and tokenizer there too
+            data.atomic_write(os.path.join(folder, "config.json"), lambda p: data.save_json(p, config))
+            if tok is not None:
+                tok.save(folder)
+        names = sorted(os.listdir(tmp))
+        for name in names:
+            data.fsync(os.path.join(tmp, name))
+        data.save_json(os.path.join(tmp, "sha256.json"), {n: sha256(os.path.join(tmp, n)) for n in names})
+        data.fsync(tmp)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if write_errno(e) is None:
+            raise
+        need = 3 * sum(v.nbytes for v in model_sd.values()) / 2 ** 20       # weights and AdamW's two moments
+        raise ConfigError(f"{out_dir}: {os.strerror(write_errno(e)).lower()} for the step-{state['step']} checkpoint "
+                          f"(about {need:.1f} MiB needed, {shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); "
+                          f"the previous checkpoint is kept") from None
+    if os.path.isdir(final):
+        shutil.rmtree(prev, ignore_errors=True)
+        os.replace(final, prev)
+    os.replace(tmp, final)
+    data.fsync(out_dir)
+
+
+def read_checkpoint(folder):
+    """(model tensors, state, config) of a checkpoint folder, or a DataError naming the file that is
+    missing or damaged (its sha256 differs, or state.pt holds what this script does not write)."""
+    sums = data.read_json(os.path.join(folder, "sha256.json"))
+    if not isinstance(sums, dict):
+        raise data.DataError(f"{folder}/sha256.json: damaged (not a table of file sums)")
+    for name in dict.fromkeys(["model.safetensors", "config.json", "state.pt", *sums]):
+        path = os.path.join(folder, name)
+        if name not in sums or not os.path.isfile(path):
+            raise data.DataError(f"{path}: missing (incomplete checkpoint)")
+        if sha256(path) != sums[name]:
+            raise data.DataError(f"{path}: damaged (its sha256 is not the one in sha256.json)")
+    types = {"step": int, "elapsed": (int, float), "loader": dict, "optimizer": dict, "rng": dict}
+    try:
+        st = torch.load(os.path.join(folder, "state.pt"), map_location="cpu", weights_only=True)
+        assert all(isinstance(st[k], t) for k, t in types.items()) and torch.is_tensor(st["rng"]["torch"]) \
+            and isinstance(st["optimizer"]["state"], dict)
+    except Exception:
+        raise data.DataError(f"{folder}/state.pt: wrong types (not a training state of "
+                             f"{os.path.basename(__file__)})") from None
+    return load_file(os.path.join(folder, "model.safetensors")), st, data.read_json(os.path.join(folder, "config.json"))
+
+
+def find_checkpoint(out_dir, rank=0):
+    """read_checkpoint of out_dir/checkpoint/, else of checkpoint.prev/ (said in one note)."""
+    prev = os.path.join(out_dir, "checkpoint.prev")
+    try:
+        return read_checkpoint(os.path.join(out_dir, "checkpoint"))
+    except data.DataError as e:
+        if not os.path.isdir(prev):
+            raise
+        try:
+            found = read_checkpoint(prev)
+        except data.DataError as e2:
+            raise data.DataError(f"{e}; the previous checkpoint is not usable either ({e2})") from None
+        if rank == 0:
+            print(f"note: {e}; resuming from the previous complete checkpoint {prev} (step {found[1]['step']})",
+                  file=sys.stderr, flush=True)
+        return found
+
+
+def save_run(run):
+    """Rank 0 writes; never a checkpoint with non-finite weights or optimizer state."""
+    if run.out_dir is None or run.rank != 0:
+        return
+    sd, opt = run.raw.state_dict(), run.opt.state_dict()
+    if not all(torch.isfinite(t).all() for t in [*sd.values(), *(v for s in opt["state"].values() for v in s.values())]
+               if t.is_floating_point()):
+        raise NonFiniteError(f"{run.tag}: non-finite weights at step {run.step}; stopped, the last good checkpoint "
+                             f"is kept")
+    n = np.random.get_state()
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+           "cuda": torch.cuda.get_rng_state_all() if run.device.startswith("cuda") else [],
+           "numpy": [n[0], torch.from_numpy(n[1].astype(np.int64)), *n[2:]]}
+    state = {"step": run.step, "elapsed": run.elapsed, "loader": run.loader.state_dict(), "optimizer": opt, "rng": rng}
+    write_checkpoint(run.out_dir, sd, {**run.config, "script": data.script_record(__file__)}, state, run.tokenizer)
+    if run.on_save:
+        run.on_save(run)
+
+
+def load_run(run):
+    """The newest usable checkpoint into model, optimizer, loader and RNGs: the run goes on bit-exactly."""
+    model_sd, st, _ = find_checkpoint(run.out_dir, run.rank)
+    data.load_state(run.raw, model_sd, os.path.join(run.out_dir, "checkpoint"))
+    try:
+        run.opt.load_state_dict(st["optimizer"])
+        run.loader.load_state_dict(st["loader"])
+        r = st["rng"]
+        torch.set_rng_state(r["torch"])
+        if r["cuda"] and run.device.startswith("cuda"):
+            torch.cuda.set_rng_state_all(r["cuda"])
+        np.random.set_state((r["numpy"][0], r["numpy"][1].numpy().astype(np.uint32), *r["numpy"][2:]))
+        random.setstate(r["python"])
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+        raise data.DataError(f"{run.out_dir}/checkpoint/state.pt: wrong types ({type(e).__name__}: {e})") from None
+    run.step, run.elapsed = st["step"], st["elapsed"]
+    run.metrics = rewind_metrics(os.path.join(run.out_dir, "metrics.jsonl"), run.step, run.rank)
+
+
+def phase_dirs(a):
+    return [os.path.join(a.out_dir, t) for t in ("activate", "finetune")] if a.cmd == "finetune" else [a.out_dir]
+
+
+def claim_out_dir(a, rank, world, device):
+    """Before anything is written to out_dir: one run per out_dir (rank 0 holds an flock on
+    out_dir/.lock, dropped by the kernel when the process ends, killed or not); --resume needs a
+    checkpoint; a new run keeps off one unless --overwrite, which first removes the old run's files.
+    Rank 0 says what is wrong, once; the other ranks exit 2."""
+    global _lock
+    release_out_dir()
+    out, error = a.out_dir, None
+    if rank == 0:
+        os.makedirs(out, exist_ok=True)
+        _lock = open(os.path.join(out, ".lock"), "a+")
+        try:
+            fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock.truncate(0)
+            _lock.write(f"{os.getpid()}\n")
+            _lock.flush()
+            saved = any(os.path.isdir(os.path.join(d, c)) for d in phase_dirs(a)
+                        for c in ("checkpoint", "checkpoint.prev"))
+            if a.resume and not saved:
+                error = f"--resume: nothing to resume yet in {out} (no checkpoint saved)"
+            elif saved and not (a.resume or a.overwrite):
+                error = (f"{out} holds a run's checkpoint: continue it with --resume, or use another --out_dir, "
+                         f"or --overwrite")
+            for path in [os.path.join(d, n) for d in [out, *phase_dirs(a)] for n in RUN_FILES] \
+                    if a.overwrite and not a.resume else []:
+                shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
+        except BlockingIOError:
+            _lock.seek(0)
+            error = f"{out} is in use by another run: process {_lock.read().strip() or '?'} holds {out}/.lock"
+            release_out_dir()
+    busy = torch.tensor(float(error is not None), device=device)
+    if world > 1:
+        dist.broadcast(busy, 0)
+    if busy.item():
+        if rank:
+            raise SystemExit(2)
+        raise ConfigError(error)
+
+
+def release_out_dir():
+    global _lock
+    if _lock is not None:
+        _lock.close()
+        _lock = None
+
+
+def resume_flags(a, argv):
+    """--resume: the saved run's flags (its newest checkpoint's config.json that sha256.json vouches
+    for); a run-defining flag given with another value is refused; run control may change."""
+    for folder in (os.path.join(d, c) for d in phase_dirs(a)[::-1] for c in ("checkpoint", "checkpoint.prev")):
+        with contextlib.suppress(OSError, data.DataError, LookupError, TypeError):
+            path = os.path.join(folder, "config.json")
+            if sha256(path) == data.read_json(os.path.join(folder, "sha256.json"))["config.json"]:
+                saved = data.read_json(path)["args"]
+                break
+    else:
+        return                       # claim_out_dir says there is nothing to resume
+    ap = build_parser()             # the flags given on the command line: every default suppressed
+    for p in [ap, *next(x for x in ap._actions if isinstance(x, argparse._SubParsersAction)).choices.values()]:
+        p._defaults.clear()
+        for action in p._actions:
+            action.default = argparse.SUPPRESS
+    given = vars(ap.parse_args(argv))
+    for k, v in saved.items():
+        if k in given and k not in RUN_CONTROL and given[k] != v:
+            raise ConfigError(f"--resume: --{k} {given[k]} differs from the saved run's {v} ({path}); only "
+                              f"{', '.join('--' + f for f in RUN_CONTROL[:5])} may change")
+        if k not in given and k not in RUN_CONTROL and hasattr(a, k):
+            setattr(a, k, v)
+
+
+def run_flags(a) -> dict:
+    return {k: v for k, v in vars(a).items() if k != "func"}
+
+
+def on_signal(sig, frame):
+    """SIGTERM / SIGINT: train_phase saves at a step the ranks agree on, then exits; a second Ctrl-C
+    exits at once."""
+    if sig == signal.SIGINT and _signal[0] == signal.SIGINT:
+        raise KeyboardInterrupt
+    _signal[0] = max(_signal[0], sig)
 
 
 if __name__ == "__main__":

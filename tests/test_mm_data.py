@@ -185,7 +185,7 @@ def test_activation_record_travels_and_its_absence_is_one_error(tmp_path, teache
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     ft = ["finetune", "--init", str(tmp_path / "d"), "--activate_steps", "1", "--max_steps", "1", "--batch_size", "4",
-          "--eval_size", "8", "--log_interval", "1", "--out_dir", "ft"]
+          "--eval_size", "8", "--log_interval", "1", "--warmup", "1", "--out_dir", "ft", "--overwrite"]
     M.main(ft)
     res = json.loads((tmp_path / "elsewhere" / "ft" / "results.json").read_text())
     assert res["activation_data"] == rec["data"] and res["activation_steps"] == 1
@@ -226,11 +226,11 @@ class Stop(Exception):
 
 
 @pytest.mark.parametrize("task", ["extract", "retrieval", "classification", "caption"])
-def test_table6_values_reach_the_optimizer_and_schedule(tmp_path, monkeypatch, task, teacher):  # noqa: F811
+def test_table6_values_reach_the_optimizer_and_schedule(tmp_path, monkeypatch, capsys, task, teacher):  # noqa: F811
     """Off shapes every Table 6 value is the default of extract and finetune: lr and weight
-    decay in the AdamW groups, the warm-up and lr in the schedule, the global batch in the
-    loader, and the epochs in the schedule's length (ceil(epochs * samples / batch)). Stopped
-    at the first step."""
+    decay in the AdamW groups, lr in the schedule, the global batch in the loader, and the
+    epochs in the schedule's length (ceil(epochs * samples / batch)); Table 6's warm-up, longer
+    than these short runs, is cut to 10% of the run with one note. Stopped at the first step."""
     lr, wd, warmup, batch, epochs = M.TABLE6[task]
     assert (lr, wd, warmup, batch, epochs) == {
         "extract": (1e-3, 0.1, 10_000, 512, 32), "retrieval": (5e-5, 0.01, 10_000, 256, 50),
@@ -264,7 +264,9 @@ def test_table6_values_reach_the_optimizer_and_schedule(tmp_path, monkeypatch, t
     with pytest.raises(Stop):
         M.main([*cmd, "--data", spec, "--out_dir", str(tmp_path / "out"), *extra])
     assert seen["batch"] == batch
-    assert seen["schedule"] == (0, math.ceil(epochs * samples / batch), lr, warmup)
+    steps = math.ceil(epochs * samples / batch)
+    assert warmup > steps and seen["schedule"] == (0, steps, lr, steps // 10)
+    assert f"the warm-up of {warmup} steps is longer than the run ({steps} steps)" in capsys.readouterr().err
     decayed = [g for g in seen["groups"] if g[1] > 0]
     assert [g[1] for g in decayed] == [wd] and all(g[0] == lr for g in seen["groups"])
 

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -251,12 +252,18 @@ EXTRACT = ["extract", "--aux_width", "32", "--aux_heads", "2", "--aux_layers", "
            "--batch_size", "8", "--warmup", "1", "--log_interval", "1", "--save_interval", "0"]
 
 
+def saved_step(out_dir):
+    """The step of the training state in out_dir/checkpoint/ (state.pt, read as the script reads it)."""
+    return torch.load(os.path.join(out_dir, "checkpoint", "state.pt"), weights_only=True)["step"]
+
+
 def run_cli(args, nproc=1):
     pre = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone"] \
         if nproc > 1 else [sys.executable]
     r = subprocess.run(pre + [os.path.join(ROOT, "mm_learngene.py")] + args, env=ENV, capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr
+    assert "Warning" not in r.stderr, r.stderr       # no deprecation or DDP warning under torchrun either
     return r.stdout
 
 
@@ -422,7 +429,7 @@ def test_finetune_resume_is_exact(extracted, tmp_path, capsys, task):
     with pytest.raises(SystemExit) as e:
         M.main(args + ["--out_dir", str(tmp_path / "two"), "--stop_at", "2"])
     assert e.value.code == 0 and "--stop_at" in capsys.readouterr().out
-    assert json.loads((tmp_path / "two" / "finetune" / "checkpoint" / "train_state.json").read_text())["step"] == 2
+    assert saved_step(tmp_path / "two" / "finetune") == 2
     M.main(args + ["--out_dir", str(tmp_path / "two"), "--resume"])
     a, b = (load_file(str(tmp_path / r / "model.safetensors")) for r in ("one", "two"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -464,7 +471,7 @@ def test_trainer_nan_stops_without_saving_anything_after_it(tmp_path):
                               save_interval=3, batch_size=8)
     with pytest.raises(M.NonFiniteError, match="non-finite loss at a step <= 6"):
         M.train_phase(model, loss_fn, _ListLoader(xs), args, 0, 1, "cpu", 8, out_dir=str(tmp_path), tag="t")
-    assert json.loads((tmp_path / "checkpoint" / "train_state.json").read_text())["step"] == 3
+    assert saved_step(tmp_path) == 3
     saved = load_file(str(tmp_path / "checkpoint" / "model.safetensors"))
     assert all(torch.isfinite(v).all() for v in saved.values())
     logged = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
@@ -482,10 +489,11 @@ def test_sigterm_to_one_rank_stops_every_rank_and_resumes(teacher, tmp_path):
     rc, stdout, stderr = sigterm_one_rank(torchrun + argv + ["--max_steps", "100000"],
                                           str(out / "metrics.jsonl"), env=ENV)
     assert rc == 0, stderr
-    step = json.load(open(out / "checkpoint" / "train_state.json"))["step"]
+    step = saved_step(out)
     assert 0 < step < 100000 and f"SIGTERM, checkpoint saved at step {step}" in stdout
-    run_cli(argv + ["--max_steps", str(step + 1), "--resume"], nproc=2)
-    assert json.load(open(out / "checkpoint" / "train_state.json"))["step"] == step + 1
+    assert f"continue with python mm_learngene.py extract --out_dir {out} --resume" in stdout
+    run_cli(["extract", "--out_dir", str(out), "--resume", "--stop_at", str(step + 1)], nproc=2)
+    assert saved_step(out) == step + 1
 
 
 @pytest.mark.parametrize("method", ["mmlg", "tleg", "helg"])
@@ -502,3 +510,105 @@ def test_bf16_autocast_extract_matches_fp32(teacher, tmp_path, monkeypatch, meth
     assert len(losses[True]) == 3 and all(math.isfinite(x) for x in losses[True])
     assert losses[True] != losses[False]        # bf16 autocast was on
     torch.testing.assert_close(losses[True], losses[False], rtol=0.01, atol=0.005)
+
+
+# --- the evaluation contract (load_model) and readers of a checkpoint that records its script ----
+
+
+def test_load_model_is_the_evaluation_contract(extracted, tmp_path):
+    """eval_compositional.py imports the script a checkpoint records and calls its load_model: a
+    CLIP descendant and a retrieval fine-tune load, with L2-normalised embeddings equal to the
+    descendant's own; a vision-only descendant or a classification fine-tune is one ConfigError."""
+    lg = str(extracted / "learngene.safetensors")
+    M.main(["expand", "--learngene", lg, "--layers", "3", "--out_dir", str(tmp_path / "d")])
+    M.main(["expand", "--learngene", lg, "--layers", "3", "--modality", "vision", "--out_dir", str(tmp_path / "v")])
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    module, path, note = data.import_script(config["script"])
+    assert path == os.path.abspath(M.__file__) and note is None
+    model, tok, cfg = module.load_model(str(tmp_path / "d"), device="cpu", quick_gelu=None)
+    sd, dcfg = M.descendant_state(M.load_learngene(lg)[0], 3, "clip")
+    ref = M.CLIP(dcfg).eval()
+    ref.load_state_dict(sd)
+    images, text = inputs(dcfg)
+    with torch.no_grad():
+        img, txt = model.encode_image(images), model.encode_text(text)
+        assert torch.equal(img, ref.encode_image(images)) and torch.equal(txt, ref.encode_text(text))
+    torch.testing.assert_close(img.norm(dim=-1), torch.ones(len(img)))
+    assert tok is not None and cfg["model"]["vision_layers"] == 3 and not model.training
+    with pytest.raises(M.ConfigError, match="vision model; evaluation needs both towers"):
+        M.load_model(str(tmp_path / "v"))
+    common = ["--max_steps", "1", "--warmup", "1", "--batch_size", "8", "--eval_size", "8", "--activate_steps", "1"]
+    M.main(["finetune", "--init", str(tmp_path / "d"), "--out_dir", str(tmp_path / "ft")] + common)
+    model, tok, cfg = M.load_model(str(tmp_path / "ft"))
+    final = load_file(str(tmp_path / "ft" / "model.safetensors"))
+    assert tok is not None and all(torch.equal(v, final[k]) for k, v in model.state_dict().items())
+    assert cfg["script"]["name"] == "mm_learngene.py"
+    M.main(["finetune", "--init", str(tmp_path / "v"), "--task", "classification", "--train_size", "8",
+            "--out_dir", str(tmp_path / "ftc")] + common)
+    with pytest.raises(M.ConfigError, match="classification fine-tune model; evaluation needs both towers"):
+        M.load_model(str(tmp_path / "ftc"))
+
+
+def make_fork(tmp_path):
+    """A fork of this script whose load_model leaves a mark: it is the one that read the checkpoint."""
+    fork = tmp_path / "fork" / "mm_fork.py"
+    fork.parent.mkdir()
+    fork.write_text(open(M.__file__).read() + "\n\n_load_model = load_model\n\n\n"
+                    "def load_model(path, device='cpu', quick_gelu=None):\n"
+                    f"    open({str(tmp_path / 'mark')!r}, 'a').write(str(path) + '\\n')\n"
+                    "    return _load_model(path, device, quick_gelu)\n")
+    return fork
+
+
+@pytest.mark.parametrize("reader", ["extract", "finetune"])
+def test_readers_build_the_model_from_the_recorded_script(extracted, teacher, tmp_path, capsys, reader):
+    """extract --init (alias --teacher) and finetune --init read a checkpoint with the load_model of the
+    script it records (a fork's, with the note when that file changed since); a record whose file is
+    gone, or none, leaves this script's own reader, with the same result."""
+    if reader == "extract":
+        src = teacher
+        argv = lambda init, out: ["extract", "--init", str(init), "--aux_width", "32", "--aux_heads", "2",
+                                  "--aux_layers", "4", "--max_steps", "2", "--batch_size", "8", "--warmup", "1",
+                                  "--out_dir", str(out)]
+        result = "learngene.safetensors"
+    else:
+        src = tmp_path / "d"
+        M.main(["expand", "--learngene", str(extracted / "learngene.safetensors"), "--layers", "2",
+                "--out_dir", str(src)])
+        argv = lambda init, out: ["finetune", "--init", str(init), "--max_steps", "2", "--warmup", "1", "--batch_size",
+                                  "8", "--eval_size", "8", "--activate_steps", "1", "--out_dir", str(out)]
+        result = "model.safetensors"
+    fork = make_fork(tmp_path)
+    outs = {}
+    for case in ("own", "fork", "changed", "gone"):
+        ck = tmp_path / f"ck_{case}"
+        shutil.copytree(src, ck)
+        config = json.loads((ck / "config.json").read_text())
+        record = data.script_record(str(fork))
+        if case == "own":
+            config.pop("script", None)
+        elif case == "changed":
+            record["sha256"] = "0" * 64
+        elif case == "gone":
+            record.update(path=str(tmp_path / "nowhere" / "mm_gone.py"), name="mm_gone.py")
+        if case != "own":
+            config["script"] = record
+        (ck / "config.json").write_text(json.dumps(config))
+        (tmp_path / "mark").unlink(missing_ok=True)
+        capsys.readouterr()
+        M.main(argv(ck, tmp_path / f"out_{case}"))
+        err = capsys.readouterr().err
+        read_by_fork = (tmp_path / "mark").exists()
+        assert read_by_fork == (case in ("fork", "changed")), case
+        assert ("has changed since it trained this checkpoint" in err) == (case == "changed"), err
+        outs[case] = load_file(str(tmp_path / f"out_{case}" / result))
+    for case in ("fork", "changed", "gone"):
+        assert all(torch.equal(outs["own"][k], outs[case][k]) for k in outs["own"]), case
+
+
+def test_report_reads_the_cost_of_a_run_from_its_training_state(extracted, capsys):
+    """report --ptft: steps and seconds from checkpoint/state.pt, the batch from config.json."""
+    M.main(["report", "--learngene", str(extracted / "learngene.safetensors"), "--layers", "2",
+            "--ptft", str(extracted)])
+    st = torch.load(extracted / "checkpoint" / "state.pt", weights_only=True)
+    assert f"| PT-FT pre-training {extracted} | 3 | 8 | {round(st['elapsed'])} |" in capsys.readouterr().out
