@@ -570,9 +570,10 @@ def build_tokenizer(vocab_path: str | None = None, captions=None, vocab_size: in
 
 
 # -----------------------------------------------------------------------------
-# Transforms: PIL image -> float tensor [3, S, S]; each random transform takes an optional
-# `rng` (random.Random) so a dataset can make augmentation a pure function of
-# (seed, epoch, index): a resumed run then sees exactly the same pixels.
+# Transforms: PIL image -> uint8 tensor [3, S, S] (normalize_images makes it float on the device);
+# each random transform takes an optional `rng` (random.Random) so a dataset can make augmentation a
+# pure function of (seed, epoch, index): a resumed run then sees exactly the same pixels. A
+# transform's `draft` is the shorter side a JPEG may be decoded down to (see make_sample).
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -581,6 +582,7 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 class Compose:
     def __init__(self, transforms):
         self.transforms = transforms
+        self.draft = getattr(transforms[0], "draft", None)     # what the first step needs
 
     def __call__(self, img, rng=None):
         rng = rng or random
@@ -598,6 +600,7 @@ class RandomResizedCrop:
 
     def __init__(self, size, scale=(0.9, 1.0), ratio=(3 / 4, 4 / 3)):
         self.size, self.scale, self.ratio = size, scale, ratio
+        self.draft = math.ceil(size / math.sqrt(scale[0]))    # the smallest crop keeps >= size^2 pixels
 
     def __call__(self, img, rng):
         w, h = img.size
@@ -621,7 +624,7 @@ class Resize:
     (640x480 at 224 -> 298x224, not 299)."""
 
     def __init__(self, size):
-        self.size = size
+        self.size = self.draft = size
 
     def __call__(self, img, rng=None):
         w, h = img.size
@@ -658,29 +661,20 @@ class RandomFlip:
         return img.transpose(Image.FLIP_LEFT_RIGHT) if rng.random() < self.p else img
 
 
-class ToNormalizedTensor:
-    """PIL -> float [3, H, W], (x / 255 - mean) / std, bit-identical to the per-pixel float32
-    formula: in numpy (single-threaded, free of torch's intra-op threads) on the channel-first
-    uint8 view, three in-place passes over whole planes (3x faster than channel-last)."""
-
-    def __init__(self, mean=CLIP_MEAN, std=CLIP_STD):
-        self.mean = np.asarray(mean, dtype=np.float32)[:, None, None]
-        self.std = np.asarray(std, dtype=np.float32)[:, None, None]
+class ToTensor:
+    """PIL -> uint8 [3, H, W], a channel-first view of the pixels (np.array: a writable copy); the
+    batch's stack writes it contiguous. Normalising is the training step's, on the device."""
 
     def __call__(self, img, rng=None):
-        x = np.asarray(img if img.mode == "RGB" else img.convert("RGB")).transpose(2, 0, 1)  # uint8 view
-        out = np.empty(x.shape, dtype=np.float32)
-        np.divide(x, np.float32(255.0), out=out)
-        out -= self.mean
-        out /= self.std
-        return torch.from_numpy(out)
+        return torch.from_numpy(np.array(img if img.mode == "RGB" else img.convert("RGB"))).permute(2, 0, 1)
 
 
 def normalize_images(images: torch.Tensor, device=None) -> torch.Tensor:
-    """A loader's images -> CLIP-normalised float32 on `device`. uint8 [B, 3, H, W] is copied as
-    bytes (non_blocking from pinned memory) and converted on the device, so workers send a quarter
-    of the bytes (timm's PrefetchLoader, FFCV); the arithmetic is ToNormalizedTensor's, op for op.
-    A float tensor is taken as already normalised."""
+    """A loader's images -> CLIP-normalised float32 on `device`: (x / 255 - mean) / std. uint8
+    [B, 3, H, W] is copied as bytes (non_blocking from pinned memory) and converted on the device,
+    so workers send a quarter of the bytes and skip the arithmetic (timm's PrefetchLoader, FFCV).
+    Three float32 passes: on the CPU bit for bit the per-pixel formula. A float tensor is taken as
+    already normalised."""
     x = images.to(device, non_blocking=True) if device is not None else images
     if x.dtype != torch.uint8:
         return x
@@ -692,17 +686,17 @@ def normalize_images(images: torch.Tensor, device=None) -> torch.Tensor:
 def train_transform(image_size: int, scale=(0.9, 1.0), flip: bool = False) -> Compose:
     """open_clip's training transform (RandomResizedCrop scale (0.9, 1), no other augmentation, as
     in CLIP), with an optional horizontal flip."""
-    return Compose([RandomResizedCrop(image_size, scale), *([RandomFlip()] if flip else []), ToNormalizedTensor()])
+    return Compose([RandomResizedCrop(image_size, scale), *([RandomFlip()] if flip else []), ToTensor()])
 
 
 def eval_transform(image_size: int) -> Compose:
-    return Compose([Resize(image_size), CenterCrop(image_size), ToNormalizedTensor()])
+    return Compose([Resize(image_size), CenterCrop(image_size), ToTensor()])
 
 
 # -----------------------------------------------------------------------------
 # Samples, batches and bad input
 #
-# Every reader turns one record of the user's data into a sample dict {"image": float
+# Every reader turns one record of the user's data into a sample dict {"image": uint8
 # [3, S, S], "caption", "tree" (PTB string or None), "key"} or, when the record is bad, into
 # `Skip(reason, where)`. Skips travel inside the batch (batch["_skips"], removed by the
 # loader), so they are counted and logged in the main process whatever the number of
@@ -753,6 +747,12 @@ def make_sample(image, caption, tree, key: str, transform, rng):
         return Skip("empty caption", key)
     try:
         img = Image.open(io.BytesIO(image) if isinstance(image, bytes) else image)
+        if img.format == "JPEG" and getattr(transform, "draft", None):
+            # libjpeg's scaled IDCT: a stored image at least twice the transform's need decodes at
+            # 1/2, 1/4 or 1/8 scale (the largest that keeps the shorter side >= draft), 4-64x fewer
+            # pixels. The pixels differ from a full decode + bicubic (accepted: the transform still
+            # resamples down); smaller JPEGs and other formats decode as before
+            img.draft("RGB", (transform.draft, transform.draft))
         img.load()
         x = transform(img if img.mode == "RGB" else img.convert("RGB"), rng)   # convert() of RGB is a copy
     except FileNotFoundError:
@@ -763,16 +763,15 @@ def make_sample(image, caption, tree, key: str, transform, rng):
 
 
 def _stack_images(images: list) -> torch.Tensor:
-    """torch.stack's result through numpy: a single-threaded copy, 3x faster on 2 cores (torch's
-    threads compete with training's). In a loader worker the batch is written straight into
-    shared memory (as torch's default_collate), so sending it copies nothing more."""
-    arrays = [x.numpy() for x in images]
+    """torch.stack's result, contiguous, through numpy: a single-threaded copy (torch's threads compete
+    with training's) that also lays ToTensor's channel-first views out. In a loader worker the batch
+    is written straight into shared memory (as torch's default_collate), so sending it copies nothing."""
+    first, shape = images[0], (len(images), *images[0].shape)
     if torch.utils.data.get_worker_info() is None:
-        return torch.from_numpy(np.stack(arrays))   # numpy's allocator: fewer page faults than torch.empty
-    first = images[0]
-    storage = first._typed_storage()._new_shared(len(images) * first.numel(), device=first.device)
-    out = first.new(storage).resize_(len(images), *first.shape)
-    np.stack(arrays, out=out.numpy())
+        out = torch.from_numpy(np.empty(shape, first.numpy().dtype))   # numpy's allocator: fewer page faults
+    else:
+        out = first.new(first._typed_storage()._new_shared(first.numel() * len(images), device=first.device))
+    np.stack([x.numpy() for x in images], out=out.resize_(shape).numpy())
     return out
 
 
@@ -782,7 +781,7 @@ def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> 
     (picklable, (batch, epoch) -> dict) adds entries in the loader's workers, off the training
     loop; the epoch lets it draw anew each epoch and still replay exactly on resume."""
     good = [s for s in samples if isinstance(s, dict)]
-    batch = {"image": _stack_images([s["image"] for s in good]) if good else torch.zeros(0, 3, 0, 0),
+    batch = {"image": _stack_images([s["image"] for s in good]) if good else torch.zeros(0, 3, 0, 0, dtype=torch.uint8),
              "caption": [s["caption"] for s in good], "tree": [s.get("tree") for s in good],
              "key": [s.get("key") for s in good],
              "_skips": [(s.reason, s.where) if isinstance(s, Skip) else ("bad sample", "?")
@@ -808,7 +807,7 @@ class ShapesDataset(torch.utils.data.Dataset):
     def __init__(self, split="train", size=None, seed=0, image_size=SHAPES_IMAGE_SIZE, tokenizer=None):
         self.split, self.seed, self.image_size, self.tokenizer = split, seed, image_size, tokenizer
         self.size = size or SHAPES_SIZES[split]
-        self.to_tensor = ToNormalizedTensor()
+        self.to_tensor = ToTensor()
         self.epoch = 0
 
     def __len__(self):
