@@ -662,11 +662,13 @@ class RandomFlip:
 
 
 class ToTensor:
-    """PIL -> uint8 [3, H, W], a channel-first view of the pixels (np.array: a writable copy); the
-    batch's stack writes it contiguous. Normalising is the training step's, on the device."""
+    """PIL -> uint8 [3, H, W], contiguous. PIL keeps RGB as 4 bytes a pixel, so packing it one band at a
+    time costs what packing RGB does, and lays the planes out channel-first with no transpose."""
 
     def __call__(self, img, rng=None):
-        return torch.from_numpy(np.array(img if img.mode == "RGB" else img.convert("RGB"))).permute(2, 0, 1)
+        img = img if img.mode == "RGB" else img.convert("RGB")
+        planes = [np.frombuffer(img.tobytes("raw", band), np.uint8) for band in "RGB"]
+        return torch.from_numpy(np.stack(planes).reshape(3, img.height, img.width))
 
 
 def normalize_images(images: torch.Tensor, device=None) -> torch.Tensor:
@@ -764,8 +766,8 @@ def make_sample(image, caption, tree, key: str, transform, rng):
 
 def _stack_images(images: list) -> torch.Tensor:
     """torch.stack's result, contiguous, through numpy: a single-threaded copy (torch's threads compete
-    with training's) that also lays ToTensor's channel-first views out. In a loader worker the batch
-    is written straight into shared memory (as torch's default_collate), so sending it copies nothing."""
+    with training's). In a loader worker the batch is written straight into shared memory (as torch's
+    default_collate), so sending it copies nothing more."""
     first, shape = images[0], (len(images), *images[0].shape)
     if torch.utils.data.get_worker_info() is None:
         out = torch.from_numpy(np.empty(shape, first.numpy().dtype))   # numpy's allocator: fewer page faults
