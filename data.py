@@ -1,20 +1,17 @@
 """
 data.py -- the one module shared by every script of this repo.
 
-  * the built-in `shapes` dataset: procedural images of 1-3 coloured shapes in spatial
-    relations, captions from a small grammar with gold PTB trees, and a compositional test
-    set with SugarCrepe-style hard negatives, a systematicity split (held-out
-    colour-shape compounds) and a productivity split (longer captions);
-  * the tokenizer (CLIP BPE from `bpe_simple_vocab_16e6.txt.gz`, or a BPE trained on the
-    training captions), built with the `tokenizers` library;
-  * image transforms written with PIL + numpy + torch (no torchvision);
-  * readers for real data -- webdataset/img2dataset tar shards (streamed with `tarfile`),
-    open_clip CSV/TSV, Karpathy split JSON, ImageFolder, and the presets cc3m / cc12m /
-    datacomp under $DATA_ROOT -- behind one `make_loader(spec, ...)`; the loaders split the
-    data across DDP ranks and dataloader workers, skip and count bad samples, and save a
-    position that a resumed run continues from with exactly the next batch;
-  * what the training scripts share around the method: durable and atomic file writes, and the
-    weights reader (OpenAI / open_clip files, the activation they imply, a one-line key check).
+  * the built-in `shapes` dataset: procedural images of 1-3 coloured shapes in spatial relations,
+    captions from a small grammar with gold PTB trees, a compositional test set with SugarCrepe-style
+    hard negatives, a systematicity split (held-out compounds) and a productivity split (longer captions);
+  * the tokenizer (CLIP BPE from `bpe_simple_vocab_16e6.txt.gz`, or a BPE trained on the training
+    captions), built with the `tokenizers` library; image transforms with PIL + numpy + torch;
+  * readers for real data -- webdataset/img2dataset tar shards, open_clip CSV/TSV, Karpathy split JSON,
+    ImageFolder, the presets cc3m / cc12m / datacomp under $DATA_ROOT -- behind one `make_loader(spec)`,
+    whose uint8 image batches the training step normalises on the device (normalize_images); loaders
+    split the data across DDP ranks and workers, skip and count bad samples, and resume exactly;
+  * what the training scripts share around the method: durable and atomic file writes, the weights
+    reader (OpenAI / open_clip files, the activation they imply, a one-line key check), results over seeds.
 
 Commands:
   python data.py make-shapes --out_dir DIR [--train N --test N --seed S --shard_size N]
@@ -57,17 +54,10 @@ class DataError(Exception):
 # -----------------------------------------------------------------------------
 # The `shapes` dataset
 #
-# Grammar (every caption is lower case, no punctuation):
-#   object   := ("a"|"an") [size] colour shape          e.g. "a small red circle", "an orange star"
-#   relation := "to the left of" | "to the right of" | "above" | "below"
-#   caption  := object                                  (1 object)
-#             | object relation object                  (2 objects)
-#             | object "is" relation object             (2 objects, copula form)
-#             | object "and" object                     (2 objects, no relation)
-#             | object relation object "and" object     (3 objects; the relation binds the
-#                                                        first two, the third is only present)
-#             | object relation object relation object  (productivity split only: a chain,
-#                                                        A rel1 B and B rel2 C)
+# Grammar (every caption is lower case, no punctuation): an object is ("a"|"an") [size] colour shape,
+# e.g. "a small red circle", "an orange star"; a relation is "to the left of" | "to the right of" |
+# "above" | "below"; a caption is one of CAPTION_FORMS below ("rel_and": the relation binds the first
+# two objects, the third is only present; "chain", A rel1 B and B rel2 C, in the productivity split only).
 # Size words are mentioned with probability 1/2 per object, so "add_att" negatives exist.
 # Relations are geometric and unambiguous: objects of a related pair are placed so that
 # |dx| and |dy| of their centres differ by at least RELATION_MARGIN pixels, and exactly one
@@ -168,11 +158,6 @@ def render_caption(s: CaptionStruct, word=None) -> str:
     return " ".join(w for ws in words for w in ws)
 
 
-def _np_tree(p: Phrase) -> str:
-    size = f" (JJ {p.size})" if p.size else ""
-    return f"(NP (DT {_article(p)}){size} (JJ {p.colour}) (NN {p.shape}))"
-
-
 def _pp_tree(relation: str, np_tree: str) -> str:
     if relation in ("above", "below"):
         return f"(PP (IN {relation}) {np_tree})"
@@ -180,23 +165,20 @@ def _pp_tree(relation: str, np_tree: str) -> str:
     return f"(PP (TO to) (NP (NP (DT the) (NN {side})) (PP (IN of) {np_tree})))"
 
 
+# caption form -> its PTB tree: {0}..{2} the phrases' NPs, {pp} the PP of relation 0 (for a chain its
+# object is phrase 1 with relation 1's PP)
+TREE_FORMS = {"single": "(ROOT {0})", "rel": "(ROOT (NP {0} {pp}))", "copula": "(ROOT (S {0} (VP (VBZ is) {pp})))",
+              "and": "(ROOT (NP {0} (CC and) {1}))", "rel_and": "(ROOT (NP (NP {0} {pp}) (CC and) {2}))",
+              "chain": "(ROOT (NP {0} {pp}))"}
+
+
 def caption_tree(s: CaptionStruct) -> str:
     """Gold PTB constituency tree of a caption (Penn Treebank tags, one root)."""
-    n = [_np_tree(p) for p in s.phrases]
-    if s.form == "single":
-        return f"(ROOT {n[0]})"
-    if s.form == "rel":
-        return f"(ROOT (NP {n[0]} {_pp_tree(s.relations[0], n[1])}))"
-    if s.form == "copula":
-        return f"(ROOT (S {n[0]} (VP (VBZ is) {_pp_tree(s.relations[0], n[1])})))"
-    if s.form == "and":
-        return f"(ROOT (NP {n[0]} (CC and) {n[1]}))"
-    if s.form == "rel_and":
-        return f"(ROOT (NP (NP {n[0]} {_pp_tree(s.relations[0], n[1])}) (CC and) {n[2]}))"
-    if s.form == "chain":
-        inner = f"(NP {n[1]} {_pp_tree(s.relations[1], n[2])})"
-        return f"(ROOT (NP {n[0]} {_pp_tree(s.relations[0], inner)}))"
-    raise ValueError(f"unknown caption form {s.form!r}")
+    if s.form not in TREE_FORMS:
+        raise ValueError(f"unknown caption form {s.form!r}")
+    n = [f"(NP (DT {_article(p)}){f' (JJ {p.size})' if p.size else ''} (JJ {p.colour}) (NN {p.shape}))" for p in s.phrases]
+    obj = f"(NP {n[1]} {_pp_tree(s.relations[1], n[2])})" if s.form == "chain" else n[1 % len(n)]
+    return TREE_FORMS[s.form].format(*n, pp=_pp_tree(s.relations[0], obj) if s.relations else "")
 
 
 def caption_is_true(s: CaptionStruct, objects: list) -> bool:
@@ -264,12 +246,10 @@ def _draw_object(draw: ImageDraw.ImageDraw, o: Obj, rgb: tuple):
 def render_scene(objects: list, rng: random.Random, image_size: int = SHAPES_IMAGE_SIZE) -> Image.Image:
     """Dark, slightly varied background; every object's colour jittered by up to +-20 per
     channel so that colour names are categories, not single pixel values."""
-    bg = tuple(rng.randint(10, 60) for _ in range(3))
-    img = Image.new("RGB", (image_size, image_size), bg)
+    img = Image.new("RGB", (image_size, image_size), tuple(rng.randint(10, 60) for _ in range(3)))
     draw = ImageDraw.Draw(img)
     for o in objects:
-        rgb = tuple(min(255, max(0, v + rng.randint(-20, 20))) for v in COLOURS[o.colour])
-        _draw_object(draw, o, rgb)
+        _draw_object(draw, o, tuple(min(255, max(0, v + rng.randint(-20, 20))) for v in COLOURS[o.colour]))
     return img
 
 
@@ -331,11 +311,9 @@ def _negative_candidates(category: str, s: CaptionStruct, objects: list, rng: ra
             out += [_copy_struct(s, i, colour=x) for x in COLOUR_NAMES if x != p.colour]
             if p.size:
                 out.append(_copy_struct(s, i, size="small" if p.size == "large" else "large"))
-    elif category == "replace_rel":
-        for r, rel in enumerate(s.relations):
-            for other in RELATION_NAMES:
-                if other != rel:
-                    t = _copy_struct(s); t.relations[r] = other; out.append(t)
+    elif category == "replace_rel":     # relation r by another (the phrases are never changed: shared)
+        out = [CaptionStruct(s.form, s.phrases, [x if q == r else y for q, y in enumerate(s.relations)])
+               for r, rel in enumerate(s.relations) for x in RELATION_NAMES if x != rel]
     elif category in ("swap_obj", "swap_att"):
         fields = ("shape",) if category == "swap_obj" else ("colour", "size")
         for i, j in itertools.combinations(range(k), 2):
@@ -454,11 +432,9 @@ class Tokenizer:
         self.vocab_size = backend.get_vocab_size()
 
     def __call__(self, texts) -> torch.Tensor:
-        if isinstance(texts, str):
-            texts = [texts]
+        texts = [texts] if isinstance(texts, str) else texts
         out = torch.zeros(len(texts), self.context_length, dtype=torch.long)
-        cleaned = [clip_clean(t) for t in texts]
-        for row, enc in enumerate(self.backend.encode_batch(cleaned, add_special_tokens=False)):
+        for row, enc in enumerate(self.backend.encode_batch([clip_clean(t) for t in texts], add_special_tokens=False)):
             ids = [self.sot_id] + enc.ids[: self.context_length - 2] + [self.eot_id]
             out[row, : len(ids)] = torch.tensor(ids)
         return out
@@ -1129,11 +1105,9 @@ def _start_workers(dl):
 class _Loader:
     def __init__(self, name, batch_size, tokenizer, train, rank, world_size, num_workers, seed, drop_last,
                  max_skip_fraction, num_samples, counted_by=""):
-        self.name, self.batch_size, self.tokenizer = name, batch_size, tokenizer
-        self.train, self.rank, self.world_size = train, rank, world_size
-        self.num_workers, self.seed, self.drop_last = num_workers, seed, drop_last
-        self.max_skip_fraction = max_skip_fraction
-        self.epoch, self.batches_done = 0, 0
+        self.name, self.batch_size, self.tokenizer, self.train = name, batch_size, tokenizer, train
+        self.rank, self.world_size, self.num_workers, self.seed = rank, world_size, num_workers, seed
+        self.drop_last, self.max_skip_fraction, self.epoch, self.batches_done = drop_last, max_skip_fraction, 0, 0
         self.good, self.skipped, self.dropped = 0, 0, 0  # dropped: good samples cut by drop_last
         self.skip_reasons = collections.Counter()
         self.num_samples = num_samples      # check_min: SKIP_CHECK_MIN, or one epoch's share where that is smaller
@@ -1141,10 +1115,9 @@ class _Loader:
         if drop_last and num_samples is not None and num_samples < batch_size * world_size:
             raise DataError(f"{name}: {num_samples} samples{counted_by}, fewer than one global batch "
                             f"({batch_size} x {world_size} ranks)")
-        # page-locked batches for a CUDA consumer: the .to(device, non_blocking=True) of the
-        # training loop is then a true async copy that overlaps the running step
-        self.pin_memory = False
-        self.batch_extra = None     # see collate()
+        # page-locked batches for a CUDA consumer: normalize_images' non_blocking copy of the uint8
+        # batch is then a true async copy that overlaps the running step
+        self.pin_memory, self.batch_extra = False, None     # batch_extra: see collate()
 
     def set_epoch(self, epoch):
         if epoch != self.epoch:
@@ -1218,16 +1191,14 @@ class _Loader:
 
     def load_state_dict(self, state: dict):
         self.epoch, self.batches_done = int(state["epoch"]), int(state["batches_done"])
-        self.skipped, self.good = int(state.get("skipped", 0)), int(state.get("good", 0))
-        self.dropped = int(state.get("dropped", 0))
+        self.skipped, self.good, self.dropped = (int(state.get(k, 0)) for k in ("skipped", "good", "dropped"))
         self.skip_reasons = collections.Counter(state.get("skip_reasons", {}))
 
 
 class MapLoader(_Loader):
-    """DDP loader over a map-style dataset. Each epoch draws a permutation from (seed, epoch)
-    (the same on every rank), drops the tail so that every rank gets the same number of
-    full batches, and gives rank r the indices r, r + W, r + 2W, ... Its position (epoch,
-    batches consumed) is a JSON-able state, so a resumed run continues with the next batch."""
+    """DDP loader over a map-style dataset. Each epoch draws a permutation from (seed, epoch) (the
+    same on every rank), drops the tail so that every rank gets the same number of full batches,
+    and gives rank r the indices r, r + W, r + 2W, ..."""
 
     def __init__(self, dataset, batch_size, tokenizer=None, train=True, rank=0, world_size=1, num_workers=0,
                  seed=0, drop_last=True, name="data", max_skip_fraction=MAX_SKIP_FRACTION):
@@ -1236,16 +1207,10 @@ class MapLoader(_Loader):
         self.dataset = dataset
 
     def _rank_batches(self) -> list:
-        n = len(self.dataset)
-        if self.train:
-            g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-            order = torch.randperm(n, generator=g).tolist()
-        else:
-            order = list(range(n))
-        per_step = self.batch_size * self.world_size
-        if self.drop_last:
-            order = order[: n // per_step * per_step]
-        mine = order[self.rank::self.world_size]
+        n, per_step = len(self.dataset), self.batch_size * self.world_size
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        order = torch.randperm(n, generator=g).tolist() if self.train else list(range(n))
+        mine = order[: n // per_step * per_step if self.drop_last else n][self.rank::self.world_size]
         return [mine[i:i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
 
     def __len__(self):
@@ -1280,8 +1245,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.shards, self.batch_size, self.tokenizer, self.transform = shards, batch_size, tokenizer, transform
         self.seed, self.train, self.rank, self.world_size = seed, train, rank, world_size
         self.workers, self.resampled, self.drop_last = max(1, num_workers), resampled, drop_last
-        self.shuffle_buffer = shuffle_buffer
-        self.epoch, self.worker_offset = 0, 0
+        self.shuffle_buffer, self.epoch, self.worker_offset = shuffle_buffer, 0, 0
         self.records_done = [0] * self.workers  # per logical worker: records consumed (resume)
         self.batch_extra = None
 
@@ -1330,16 +1294,13 @@ class ShardStream(torch.utils.data.IterableDataset):
 
 class ShardLoader(_Loader):
     """Streaming loader over tar shards (see ShardStream for who reads what).
-    DDP: ranks may get different numbers of samples in an epoch (shards differ in size). An
-    epoch is per rank, and `forever()` rolls it into the next, so a step-based training loop
-    (this repo's `--max_steps` over `forever()`) never waits for another rank; an epoch-based
-    loop over `for batch in loader` with DDP can desynchronise ranks and should use
-    `resampled=True` and a step count instead. A rank whose share holds no batch at all raises
-    a DataError in `forever()` instead of spinning.
-    State: epoch, batches consumed, and per dataloader worker the records it consumed and
-    which worker gave the last batch: a resumed loader replays each worker's record stream
-    without decoding, drops what was used, and restarts the round-robin at the next worker,
-    so it continues with exactly the next batch (same num_workers and world size needed)."""
+    DDP: ranks may get different numbers of samples in an epoch (shards differ in size). An epoch is
+    per rank and `forever()` rolls it into the next, so a step-based loop (`--max_steps` over
+    `forever()`) never waits for another rank; an epoch-based `for batch in loader` with DDP can
+    desynchronise ranks: use `resampled=True` and a step count. State: also per dataloader worker the
+    records it consumed and which worker gave the last batch: a resumed loader replays each worker's
+    records without decoding and restarts the round-robin at the next worker (same num_workers and
+    world size needed)."""
 
     def __init__(self, shards, batch_size, tokenizer=None, transform=None, train=True, rank=0, world_size=1,
                  num_workers=0, seed=0, resampled=False, drop_last=True, shuffle_buffer=1000, num_samples=None,
@@ -1658,9 +1619,11 @@ def paired_diff(a: dict, b: dict) -> tuple:
     return (*mean_ci([a[s] - b[s] for s in seeds]), len(seeds)) if seeds else (math.nan, math.nan, 0)
 
 
-def _pct(m: float, h: float, signed: bool = False) -> str:
-    head = f"{100 * m:+.1f}" if signed else f"{100 * m:.1f}"
-    return head if math.isnan(h) else f"{head} ± {100 * h:.1f}"
+def _pct(m: float, h: float, diff: bool = False) -> str:
+    """m ± h in %; a paired difference (`diff`) is signed, and starred where its interval excludes zero
+    (a star needs an interval: two seeds or more, some spread)."""
+    head = f"{100 * m:+.1f}" if diff else f"{100 * m:.1f}"
+    return (head if math.isnan(h) else f"{head} ± {100 * h:.1f}") + ("*" if diff and h > 0 and abs(m) > h else "")
 
 
 def results_table(rows: dict, label: str = "method") -> str:
@@ -1702,19 +1665,10 @@ def summarize_runs(root: str, read_run, baseline=None) -> dict:
         print(results_table({f"{n} ({n_seeds[n]})": {k: list(v.values()) for k, v in groups[n].items()}
                              for n in names}, label="method (n seeds)"))
         lines = [["paired difference (n seeds)", *cols], ["---"] * (len(cols) + 1)]
-        for name in names:
-            base = baseline(name)
-            if base not in names or base == name:
-                continue
-            cells, n_pairs = [], 0
-            for c in cols:
-                if c not in groups[name] or c not in groups[base]:
-                    cells.append("")
-                    continue
-                m, h, k = paired_diff(groups[name][c], groups[base][c])
-                n_pairs = max(n_pairs, k)   # a star needs an interval: two seeds or more, some spread
-                cells.append(_pct(m, h, signed=True) + ("*" if h > 0 and abs(m) > h else ""))
-            lines.append([f"{name} - {base} ({n_pairs})"] + cells)
+        for name, base in ((n, baseline(n)) for n in names if baseline(n) in names and baseline(n) != n):
+            diffs = {c: paired_diff(groups[name][c], groups[base][c]) for c in cols if c in groups[name] and c in groups[base]}
+            cells = [_pct(*diffs[c][:2], diff=True) if c in diffs else "" for c in cols]
+            lines.append([f"{name} - {base} ({max((k for *_, k in diffs.values()), default=0)})"] + cells)
         if len(lines) > 2:
             print("\n" + "\n".join("| " + " | ".join(ln) + " |" for ln in lines))
             print("(* the paired 95% interval excludes zero)\n")
