@@ -321,14 +321,11 @@ def _negative_candidates(category: str, s: CaptionStruct, objects: list, rng: ra
                 a, b = getattr(s.phrases[i], f), getattr(s.phrases[j], f)
                 if a and b and a != b:
                     t = _copy_struct(s, i, **{f: b}); setattr(t.phrases[j], f, a); out.append(t)
-    elif category == "add_obj":
-        if s.form in ("single", "rel", "and"):  # append "and a <absent object>"
-            for c, sh in SEEN_COMPOUNDS:
-                extra = Phrase(c, sh, rng.choice([None, *SIZE_NAMES]))
-                if s.form == "single":
-                    out.append(CaptionStruct("and", [s.phrases[0], extra]))
-                elif s.form == "rel":
-                    out.append(CaptionStruct("rel_and", [*s.phrases, extra], list(s.relations)))
+    elif category == "add_obj":     # append "and a <absent object>" (sizes drawn for an "and" too: same stream)
+        extras = [Phrase(c, sh, rng.choice([None, *SIZE_NAMES])) for c, sh in SEEN_COMPOUNDS] if s.form in (
+            "single", "rel", "and") else []
+        out = [CaptionStruct({"single": "and", "rel": "rel_and"}[s.form], [*s.phrases, x], list(s.relations))
+               for x in extras if s.form != "and"]
     elif category == "add_att":     # phrases are made in object order, so phrase i describes objects[i]
         out = [_copy_struct(s, i, size="small" if objects[i].size == "large" else "large")
                for i, p in enumerate(s.phrases) if p.size is None]
@@ -595,9 +592,8 @@ class RandomResizedCrop:
 
 
 class Resize:
-    """torchvision's Resize(size) with bicubic on a PIL image (OpenAI's and open_clip's eval
-    transform): the shorter side becomes `size`, the longer int(size * long / short), truncated
-    (640x480 at 224 -> 298x224, not 299)."""
+    """torchvision's Resize(size) with bicubic on a PIL image (OpenAI's and open_clip's eval transform): the shorter
+    side becomes `size`, the longer int(size * long / short), truncated (640x480 at 224 -> 298x224, not 299)."""
 
     def __init__(self, size):
         self.size = self.draft = size
@@ -726,10 +722,9 @@ def make_sample(image, caption, tree, key: str, transform, rng):
     try:
         img = Image.open(io.BytesIO(image) if isinstance(image, bytes) else image)
         if img.format == "JPEG" and getattr(transform, "draft", None):
-            # libjpeg's scaled IDCT: a stored image at least twice the transform's need decodes at
-            # 1/2, 1/4 or 1/8 scale (the largest that keeps the shorter side >= draft), 4-64x fewer
-            # pixels. The pixels differ from a full decode + bicubic (accepted: the transform still
-            # resamples down); smaller JPEGs and other formats decode as before
+            # libjpeg's scaled IDCT: a stored image >= 2x the transform's need decodes at 1/2, 1/4 or 1/8 (the
+            # largest scale keeping the shorter side >= draft). Pixels differ from a full decode + bicubic
+            # (accepted: the transform resamples down anyway); smaller JPEGs and PNGs decode as before
             img.draft("RGB", (transform.draft, transform.draft))
         img.load()
         x = transform(img if img.mode == "RGB" else img.convert("RGB"), rng)   # convert() of RGB is a copy
@@ -774,8 +769,7 @@ def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> 
 
 
 # -----------------------------------------------------------------------------
-# Map-style datasets: shapes (generated) and files listed by a CSV, a Karpathy JSON or an
-# ImageFolder tree
+# Map-style datasets: shapes (generated) and files listed by a CSV, a Karpathy JSON or an ImageFolder tree
 
 class ShapesDataset(torch.utils.data.Dataset):
     """Map-style view of one shapes split. The shapes images are generated at the model's
@@ -784,9 +778,7 @@ class ShapesDataset(torch.utils.data.Dataset):
 
     def __init__(self, split="train", size=None, seed=0, image_size=SHAPES_IMAGE_SIZE, tokenizer=None):
         self.split, self.seed, self.image_size, self.tokenizer = split, seed, image_size, tokenizer
-        self.size = size or SHAPES_SIZES[split]
-        self.to_tensor = ToTensor()
-        self.epoch = 0
+        self.size, self.to_tensor, self.epoch = size or SHAPES_SIZES[split], ToTensor(), 0
 
     def __len__(self):
         return self.size
@@ -831,10 +823,9 @@ def _resolve_image(path, base: str):
 
 def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath", caption_key: str = "title",
               separator: str | None = None, tree_key: str = "tree") -> list:
-    """open_clip's CSV/TSV convention: a header row, columns `filepath` and `title` (names
-    overridable), tab-separated by default (`separator=None` takes a tab when the header
-    has one, else a comma). Relative paths are taken against `image_root` or the CSV's
-    folder. An optional `tree` column carries PTB trees."""
+    """open_clip's CSV/TSV convention: a header row, columns `filepath` and `title` (names overridable),
+    tab-separated by default (`separator=None` takes a tab when the header has one, else a comma). Relative paths
+    are taken against `image_root` or the CSV's folder. An optional `tree` column carries PTB trees."""
     base = image_root or os.path.dirname(os.path.abspath(path))
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of a name
@@ -914,9 +905,8 @@ def image_folder(root: str):
 
 
 def expand_braces(pattern: str) -> list:
-    """`dir/{00000..00003}.tar` -> 4 names, by the `braceexpand` package (webdataset's and
-    open_clip's shard lists: {a,b} lists, {1..10..3} / {a..e} ranges, zero padding, escapes);
-    unbalanced braces are a DataError."""
+    """`dir/{00000..00003}.tar` -> 4 names, by the `braceexpand` package (webdataset's and open_clip's shard lists:
+    {a,b} lists, {1..10..3} / {a..e} ranges, zero padding, escapes); unbalanced braces are a DataError."""
     try:
         return list(braceexpand(pattern))
     except UnbalancedBracesError:
@@ -976,8 +966,8 @@ def _shard_count(path: str) -> int | None:
     stats = os.path.join(folder, name.rsplit(".", 1)[0] + "_stats.json")
     if os.path.exists(stats):
         blob = read_json(stats)
-        if isinstance(blob, dict) and isinstance(blob.get("successes", blob.get("count")), int):
-            return blob.get("successes", blob.get("count"))
+        if isinstance(blob, dict) and isinstance(n := blob.get("successes", blob.get("count")), int):
+            return n
         raise DataError(f"{stats}: malformed img2dataset stats (no 'successes' count)")
     sizes = os.path.join(folder, "sizes.json")
     if os.path.exists(sizes):
@@ -1050,8 +1040,7 @@ def resolve_data(spec: str, image_root: str | None = None) -> dict:
     if not os.path.exists(spec):
         raise DataError(f"{spec}: no such file or directory")
     if os.path.isdir(spec):
-        shards = sorted(glob.glob(os.path.join(spec, "*.tar")))
-        if shards:
+        if shards := sorted(glob.glob(os.path.join(spec, "*.tar"))):
             return _tar_source(shards)
         if any(os.path.isdir(os.path.join(spec, d)) for d in os.listdir(spec)):
             return {"kind": "imagefolder", "path": spec, "image_root": image_root}
@@ -1151,9 +1140,8 @@ class _Loader:
         self._new_epoch()
 
     def forever(self):
-        """Batches across epochs without end (for step-based training loops). An epoch that
-        starts from its beginning and gives no batch raises a DataError (in __iter__) instead
-        of spinning."""
+        """Batches across epochs without end (for step-based training loops). An epoch that starts from its
+        beginning and gives no batch raises a DataError (in __iter__) instead of spinning."""
         while True:
             yield from self
 
@@ -1231,14 +1219,13 @@ class MapLoader(_Loader):
 
 
 class ShardStream(torch.utils.data.IterableDataset):
-    """One (rank, dataloader worker) slot's share of the shards for one epoch, as batches.
-    Slots: S = world_size x max(1, num_workers); slot = rank x workers + worker. Slot s reads
-    shards s, s + S, ... of the list shuffled with (seed, epoch), the same on every rank; with
-    fewer shards than slots, every slot reads all shards and keeps records s, s + S, ... Either
-    way each record is read by exactly one slot per epoch. With `resampled`, slot s instead
-    draws ceil(#shards / S) shards with replacement from (seed, epoch, slot): an epoch is then
-    a nominal pass, and every slot has data. Records go through a shuffle buffer (train) before
-    they are decoded, so a resumed worker replays its stream without decoding."""
+    """One (rank, dataloader worker) slot's share of the shards for one epoch, as batches. Slots: S = world_size x
+    max(1, num_workers); slot = rank x workers + worker. Slot s reads shards s, s + S, ... of the list shuffled with
+    (seed, epoch), the same on every rank; with fewer shards than slots, every slot reads all shards and keeps
+    records s, s + S, ... Either way each record is read by exactly one slot per epoch. With `resampled`, slot s
+    instead draws ceil(#shards / S) shards with replacement from (seed, epoch, slot): an epoch is then a nominal
+    pass, and every slot has data. Records go through a shuffle buffer (train) before they are decoded, so a resumed
+    worker replays its stream without decoding."""
 
     def __init__(self, shards, batch_size, tokenizer, transform, seed, train, rank, world_size, num_workers,
                  resampled, drop_last, shuffle_buffer):
@@ -1293,14 +1280,13 @@ class ShardStream(torch.utils.data.IterableDataset):
 
 
 class ShardLoader(_Loader):
-    """Streaming loader over tar shards (see ShardStream for who reads what).
-    DDP: ranks may get different numbers of samples in an epoch (shards differ in size). An epoch is
-    per rank and `forever()` rolls it into the next, so a step-based loop (`--max_steps` over
-    `forever()`) never waits for another rank; an epoch-based `for batch in loader` with DDP can
-    desynchronise ranks: use `resampled=True` and a step count. State: also per dataloader worker the
-    records it consumed and which worker gave the last batch: a resumed loader replays each worker's
-    records without decoding and restarts the round-robin at the next worker (same num_workers and
-    world size needed)."""
+    """Streaming loader over tar shards (see ShardStream for who reads what). DDP: ranks may get different numbers
+    of samples in an epoch (shards differ in size). An epoch is per rank and `forever()` rolls it into the next, so
+    a step-based loop (`--max_steps` over `forever()`) never waits for another rank; an epoch-based `for batch in
+    loader` with DDP can desynchronise ranks: use `resampled=True` and a step count. State: also per dataloader
+    worker the records it consumed and which worker gave the last batch: a resumed loader replays each worker's
+    records without decoding and restarts the round-robin at the next worker (same num_workers and world size
+    needed)."""
 
     def __init__(self, shards, batch_size, tokenizer=None, transform=None, train=True, rank=0, world_size=1,
                  num_workers=0, seed=0, resampled=False, drop_last=True, shuffle_buffer=1000, num_samples=None,
@@ -1457,9 +1443,8 @@ OPENAI_EXTRA_KEYS = {"input_resolution", "context_length", "vocab_size"}   # int
 
 
 def read_weights(path: str) -> dict:
-    """A state dict of tensors from .safetensors, a torch .pt (weights_only: no pickled code
-    runs) or OpenAI's TorchScript archive; open_clip's {"state_dict": ...} and DDP's "module."
-    prefix are unwrapped."""
+    """A state dict of tensors from .safetensors, a torch .pt (weights_only: no pickled code runs) or OpenAI's
+    TorchScript archive; open_clip's {"state_dict": ...} and DDP's "module." prefix are unwrapped."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: weights file not found")
     try:
@@ -1636,11 +1621,10 @@ def results_table(rows: dict, label: str = "method") -> str:
 
 
 def summarize_runs(root: str, read_run, baseline=None) -> dict:
-    """Every run folder under `root` that `read_run` accepts (-> (group, seed, {metric: fraction}),
-    or a list of them), grouped: prints mean ± 95% t-interval over seeds per group, then each
-    group's paired difference against its baseline over the seeds both ran (* where the interval
-    excludes zero). `baseline`: one group (default: the first) or a function group -> baseline
-    group. Returns {group: {metric: {seed: value}}}."""
+    """Every run folder under `root` that `read_run` accepts (-> (group, seed, {metric: fraction}), or a list of
+    them), grouped: prints mean ± 95% t-interval over seeds per group, then each group's paired difference against
+    its baseline over the seeds both ran (* where the interval excludes zero). `baseline`: one group (default: the
+    first) or a function group -> baseline group. Returns {group: {metric: {seed: value}}}."""
     if not os.path.isdir(root):
         raise DataError(f"{root}: no such folder of runs")
     groups = {}
@@ -1729,11 +1713,10 @@ def write_shapes_shards(out: str, n: int, seed: int, shard_size: int, image_size
 def write_shapes_benchmarks(out: str, n: int, seed: int, image_size: int) -> dict:
     bench = shapes_benchmark(seed, n, image_size)
     for cat in _progress(SHAPES_CATEGORIES, "sugarcrepe"):
-        rows = {}
-        for i, item in enumerate(bench[cat]):
-            rows[str(i)] = {"filename": f"{cat}_{i:05d}.png", "caption": item["caption"],
-                            "negative_caption": item["negative_caption"]}
-            _save(os.path.join(out, "sugarcrepe", "images", rows[str(i)]["filename"]), item["image"])
+        rows = {str(i): {"filename": f"{cat}_{i:05d}.png", "caption": item["caption"],
+                         "negative_caption": item["negative_caption"]} for i, item in enumerate(bench[cat])}
+        for row, item in zip(rows.values(), bench[cat]):
+            _save(os.path.join(out, "sugarcrepe", "images", row["filename"]), item["image"])
         _save(os.path.join(out, "sugarcrepe", f"{cat}.json"), json.dumps(rows, indent=1))
     for split in _progress(("systematicity", "productivity"), "crepe"):
         for i, item in enumerate(bench[split]):
