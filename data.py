@@ -152,7 +152,7 @@ def render_caption(s: CaptionStruct, word=None) -> str:
     word, parts = word or (lambda kind, value: value), {}
     for i, p in enumerate(s.phrases):
         words = ([word("size", p.size)] if p.size else []) + [word("colour", p.colour)] + word("shape", p.shape).split()
-        parts[f"w{i}"] = ["an" if words[0][0] in "aeiou" else "a"] + words  # = _article(p) for the grammar's words
+        parts[f"w{i}"] = ["an" if words[0][0] in "aeiou" else "a"] + words
     parts.update((f"r{i}", word("relation", rel).split()) for i, rel in enumerate(s.relations))
     words = [parts[t] if t[1:].isdigit() else [t] for t in CAPTION_FORMS[s.form].split()]
     return " ".join(w for ws in words for w in ws)
@@ -204,8 +204,7 @@ def _place(rng: random.Random, objects: list, related: list, image_size: int) ->
     scale = image_size / SHAPES_IMAGE_SIZE
     for _ in range(200):
         for o in objects:
-            lo, hi = SIZE_RADIUS[o.size]
-            r = rng.uniform(lo, hi) * scale
+            r = rng.uniform(*SIZE_RADIUS[o.size]) * scale
             cx = rng.uniform(r + 1, image_size - r - 1)
             cy = rng.uniform(r + 1, image_size - r - 1)
             o.box = (round(cx - r), round(cy - r), round(cx + r), round(cy + r))
@@ -522,8 +521,7 @@ def trained_bpe_tokenizer(captions, vocab_size: int = 1000, context_length: int 
     vocabulary is given. Ids: 0 pad, 1 SOT, 2 EOT, 3 unk. All 256 bytes are in the alphabet,
     so no text is ever unknown; lower-case and whitespace cleanup as CLIP's."""
     from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
-    captions = [clip_clean(c) for c in captions if c and c.strip()]
-    if not captions:
+    if not (captions := [clip_clean(c) for c in captions if c and c.strip()]):
         raise DataError("cannot train a tokenizer: no captions")
     backend = Backend(models.BPE(unk_token=UNK_TOKEN))
     backend.normalizer = _clip_normalizer_and_pretokenizer()[0]
@@ -537,9 +535,8 @@ def trained_bpe_tokenizer(captions, vocab_size: int = 1000, context_length: int 
 
 def build_tokenizer(vocab_path: str | None = None, captions=None, vocab_size: int = 1000,
                     context_length: int = 77) -> Tokenizer:
-    if vocab_path:
-        return clip_bpe_tokenizer(vocab_path, context_length)
-    return trained_bpe_tokenizer(captions or [], vocab_size, context_length)
+    return (clip_bpe_tokenizer(vocab_path, context_length) if vocab_path
+            else trained_bpe_tokenizer(captions or [], vocab_size, context_length))
 
 
 # -----------------------------------------------------------------------------
@@ -791,8 +788,7 @@ class ShapesDataset(torch.utils.data.Dataset):
 
 @dataclass
 class Item:
-    """One listed sample: image path (None when the listing has none), caption, tree, and a
-    key that names the image (several captions of one image share it)."""
+    """One listed sample: image path (None if not listed), caption, tree, key naming the image (captions share it)."""
     image: str | None
     caption: str | None
     tree: str | None
@@ -811,7 +807,8 @@ class FileDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         it = self.items[index]
-        s = make_sample(it.image, it.caption, it.tree, it.key, self.transform, _sample_rng(self.seed, self.epoch, it.key))
+        rng = _sample_rng(self.seed, self.epoch, it.key)
+        s = make_sample(it.image, it.caption, it.tree, it.key, self.transform, rng)
         if isinstance(s, dict) and it.label is not None:
             s["label"] = it.label
         return s
@@ -833,8 +830,7 @@ def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath
             f.seek(0)
             reader = csv.DictReader(f, delimiter=sep)
             columns = reader.fieldnames or []
-            missing = [c for c in (img_key, caption_key) if c not in columns]
-            if missing:
+            if (missing := [c for c in (img_key, caption_key) if c not in columns]):
                 raise DataError(f"{path}: malformed CSV: no column {missing[0]!r} (columns: {columns}; "
                                 f"name the columns with --csv_img_key / --csv_caption_key)")
             name = os.path.basename(path)  # key: the image path as listed, else file name and line
@@ -871,7 +867,8 @@ def _karpathy_images(json_path: str, image_root: str | None, split: str) -> list
     return out
 
 
-def karpathy_items(json_path: str, image_root: str | None = None, split: str = "test", with_trees: bool = False) -> list:
+def karpathy_items(json_path: str, image_root: str | None = None, split: str = "test", with_trees: bool = False
+                   ) -> list:
     """Per-image caption lists for retrieval evaluation: [(image_path, [captions])], or
     [(image_path, [captions], [trees])] with `with_trees`. Empty captions are left out."""
     out = []
@@ -933,7 +930,8 @@ def tar_records(path: str, keep_exts=None):
                 cur[ext] = tf.extractfile(m).read() if keep_exts is None or ext in keep_exts else b""
             # tarfile stops quietly at a header cut short: an uncompressed tar must still hold
             # its end-of-archive marker (two zero blocks) after the last member
-            if getattr(tf.fileobj, "comptype", "tar") == "tar" and os.path.getsize(path) < tf.offset + 2 * tarfile.BLOCKSIZE:
+            plain = getattr(tf.fileobj, "comptype", "tar") == "tar"
+            if plain and os.path.getsize(path) < tf.offset + 2 * tarfile.BLOCKSIZE:
                 raise tarfile.ReadError("unexpected end of data")
     except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
         what = "empty tar" if cur is None and "empty" in str(e) else "truncated or unreadable tar"
@@ -1030,11 +1028,9 @@ def resolve_data(spec: str, image_root: str | None = None) -> dict:
                             f"{img2dataset_command(spec, folder)}")
         return _tar_source(shards)
     if "{" in spec:
-        shards = expand_braces(spec)
-        if not shards:
+        if not (shards := expand_braces(spec)):
             raise DataError(f"{spec}: the brace pattern names no shard")
-        missing = [s for s in shards if not os.path.isfile(s)]
-        if missing:
+        if (missing := [s for s in shards if not os.path.isfile(s)]):
             raise DataError(f"{spec}: {len(missing)} of {len(shards)} shards do not exist, first: {missing[0]}")
         return _tar_source(shards)
     if not os.path.exists(spec):
@@ -1045,8 +1041,7 @@ def resolve_data(spec: str, image_root: str | None = None) -> dict:
         if any(os.path.isdir(os.path.join(spec, d)) for d in os.listdir(spec)):
             return {"kind": "imagefolder", "path": spec, "image_root": image_root}
         raise DataError(f"{spec}: directory has neither .tar shards nor class folders")
-    ext = spec.rsplit(".", 1)[-1].lower()
-    kind = {"tar": "tar", "csv": "csv", "tsv": "csv", "json": "karpathy"}.get(ext)
+    kind = {"tar": "tar", "csv": "csv", "tsv": "csv", "json": "karpathy"}.get(spec.rsplit(".", 1)[-1].lower())
     if kind is None:
         raise DataError(f"{spec}: unknown data format (expected shapes, cc3m/cc12m/datacomp, .tar shards, "
                         f".csv/.tsv, a Karpathy .json or an ImageFolder directory)")
@@ -1082,8 +1077,6 @@ def _start_workers(dl):
     """iter(dl) with SIGTERM blocked while the workers are forked: between fork and
     _ignore_sigterm, torch's worker handler would let a SIGTERM sent to the process group kill
     the worker (and the rank with it). A SIGTERM to this process waits until the unblock."""
-    if dl.num_workers == 0:
-        return iter(dl)
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         return iter(dl)
@@ -1169,7 +1162,8 @@ class _Loader:
         seen = self.good + self.skipped + self.dropped
         if seen and self.skipped > self.max_skip_fraction * seen:
             common = ", ".join(f"{r} x{n}" for r, n in self.skip_reasons.most_common(3))
-            raise DataError(f"{self.name}: skipped {self.skipped} of {seen} samples read ({100 * self.skipped / seen:.0f}%; "
+            raise DataError(f"{self.name}: skipped {self.skipped} of {seen} samples read "
+                            f"({100 * self.skipped / seen:.0f}%; "
                             f"{self.good} used, {self.dropped} dropped by drop_last), more than "
                             f"max_skip_fraction={self.max_skip_fraction} ({common})")
 
@@ -1399,9 +1393,8 @@ def captions_for_tokenizer(spec: str, max_captions: int = 100_000, split: str = 
 
 
 # -----------------------------------------------------------------------------
-# Files: JSON, durable and atomic writes, weights. Each training script writes and reads its own
-# checkpoints (out_dir/checkpoint/: model.safetensors + config.json, train_state.*); readers of
-# any of them find the weights with checkpoint_dir.
+# Files: JSON, durable and atomic writes, weights. Each training script writes and reads its own checkpoints
+# (out_dir/checkpoint/: model.safetensors, config.json, state.pt ...); readers find the weights with checkpoint_dir.
 
 def read_json(path: str):
     try:
@@ -1459,7 +1452,8 @@ def read_weights(path: str) -> dict:
                     raise
                 sd = torch.jit.load(path, map_location="cpu").state_dict()   # OpenAI's JIT archives
     except Exception as e:
-        raise DataError(f"cannot read weights {path}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}") from None
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise DataError(f"cannot read weights {path}: {type(e).__name__}: {first}") from None
     if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
         sd = sd["state_dict"]
     if not isinstance(sd, dict):
@@ -1554,7 +1548,8 @@ def import_script(record: dict | None, override: str | None = None, default: str
     path = next((p for p in candidates if p and os.path.isfile(p)), None)
     if path is None:
         raise DataError(f"{override or name or 'the checkpoint'}: training script not found"
-                        + ("" if override else f" (looked in {', '.join(p for p in candidates if p)}); give --script PATH"))
+                        + ("" if override else f" (looked in {', '.join(p for p in candidates if p)}); "
+                                               f"give --script PATH"))
     with open(path, "rb") as f:
         sha = hashlib.sha256(f.read()).hexdigest()
     note = (f"note: {path} has changed since it trained this checkpoint (sha256 {sha[:12]}, recorded "
@@ -1615,8 +1610,9 @@ def results_table(rows: dict, label: str = "method") -> str:
     """Markdown table in %: {name: {metric: value or [per-seed values]}} (a list prints as mean ±
     the half-width of its 95% t-interval)."""
     cols = list(dict.fromkeys(c for r in rows.values() for c in r))   # a column some row lacks is blank there
-    fmt = lambda v: "" if v is None else _pct(*mean_ci(v)) if isinstance(v, list) else f"{100 * v:.1f}"
-    lines = [[label, *cols], ["---"] * (len(cols) + 1)] + [[name] + [fmt(r.get(c)) for c in cols] for name, r in rows.items()]
+    fmt = lambda v: ("" if v is None else v if isinstance(v, str) else _pct(*mean_ci(v)) if isinstance(v, list)
+                     else f"{100 * v:.1f}")    # a str: a cell already formatted
+    lines = [[label, *cols], ["---"] * (len(cols) + 1)] + [[n] + [fmt(r.get(c)) for c in cols] for n, r in rows.items()]
     return "\n".join("| " + " | ".join(ln) + " |" for ln in lines)
 
 
@@ -1648,14 +1644,15 @@ def summarize_runs(root: str, read_run, baseline=None) -> dict:
         n_seeds = {n: len({s for v in groups[n].values() for s in v}) for n in names}
         print(results_table({f"{n} ({n_seeds[n]})": {k: list(v.values()) for k, v in groups[n].items()}
                              for n in names}, label="method (n seeds)"))
-        lines = [["paired difference (n seeds)", *cols], ["---"] * (len(cols) + 1)]
+        paired = {}
         for name, base in ((n, baseline(n)) for n in names if baseline(n) in names and baseline(n) != n):
-            diffs = {c: paired_diff(groups[name][c], groups[base][c]) for c in cols if c in groups[name] and c in groups[base]}
-            cells = [_pct(*diffs[c][:2], diff=True) if c in diffs else "" for c in cols]
-            lines.append([f"{name} - {base} ({max((k for *_, k in diffs.values()), default=0)})"] + cells)
-        if len(lines) > 2:
-            print("\n" + "\n".join("| " + " | ".join(ln) + " |" for ln in lines))
-            print("(* the paired 95% interval excludes zero)\n")
+            a, b = groups[name], groups[base]
+            d = {c: paired_diff(a[c], b[c]) for c in cols if c in a and c in b}
+            paired[f"{name} - {base} ({max((k for *_, k in d.values()), default=0)})"] = {
+                c: _pct(*d[c][:2], diff=True) if c in d else "" for c in cols}
+        if paired:
+            print(f"\n{results_table(paired, 'paired difference (n seeds)')}\n"
+                  f"(* the paired 95% interval excludes zero)\n")
     return groups
 
 
@@ -1731,7 +1728,8 @@ def write_shapes_benchmarks(out: str, n: int, seed: int, image_size: int) -> dic
 # one file per negative kind named after it. (file stem, columns, category prefix per column)
 CREPE_FILES = {
     "systematicity": [("systematicity", ["valid_hard_negs_atom", "valid_hard_negs_comp"], ["replace", "swap"])],
-    "productivity": [("productivity_swap", ["hard_negs"], ["swap"]), ("productivity_replace", ["hard_negs"], ["replace"])],
+    "productivity": [("productivity_swap", ["hard_negs"], ["swap"]),
+                     ("productivity_replace", ["hard_negs"], ["replace"])],
 }
 
 
@@ -1841,7 +1839,7 @@ def main(argv=None) -> int:
     c.add_argument("--drop_last", action="store_true", help="drop the last partial batch, as training does")
     c.add_argument("--csv_img_key", default="filepath", help="CSV/TSV column of the image paths (open_clip's name)")
     c.add_argument("--csv_caption_key", default="title", help="CSV/TSV column of the captions")
-    c.add_argument("--csv_separator", default=None, help="CSV separator (default: tab if the header has one, else comma)")
+    c.add_argument("--csv_separator", default=None, help="default: tab if the header has one, else comma")
     args = vars(p.parse_args(argv))
     try:
         result = make_shapes(**args) if args.pop("cmd") == "make-shapes" else check_data(args.pop("data"), **args)
