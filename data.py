@@ -58,12 +58,11 @@ class DataError(Exception):
 # e.g. "a small red circle", "an orange star"; a relation is "to the left of" | "to the right of" |
 # "above" | "below"; a caption is one of CAPTION_FORMS below ("rel_and": the relation binds the first
 # two objects, the third is only present; "chain", A rel1 B and B rel2 C, in the productivity split only).
-# Size words are mentioned with probability 1/2 per object, so "add_att" negatives exist.
-# Relations are geometric and unambiguous: objects of a related pair are placed so that
-# |dx| and |dy| of their centres differ by at least RELATION_MARGIN pixels, and exactly one
-# of the four relations holds between any ordered pair.
-# Held-out compounds (systematicity): one colour-shape pair per colour never occurs in
-# the train/val/test splits, in images or captions, including hard negatives.
+# Size words are mentioned with probability 1/2 per object, so "add_att" negatives exist. Relations are geometric
+# and unambiguous: objects of a related pair are placed so that |dx| and |dy| of their centres differ by at least
+# RELATION_MARGIN pixels, and exactly one of the four relations holds between any ordered pair. Held-out compounds
+# (systematicity): one colour-shape pair per colour never occurs in the train/val/test splits, in images or
+# captions, including hard negatives.
 
 SHAPE_NAMES = ["circle", "square", "triangle", "star", "cross", "diamond"]
 COLOURS = {
@@ -176,7 +175,8 @@ def caption_tree(s: CaptionStruct) -> str:
     """Gold PTB constituency tree of a caption (Penn Treebank tags, one root)."""
     if s.form not in TREE_FORMS:
         raise ValueError(f"unknown caption form {s.form!r}")
-    n = [f"(NP (DT {_article(p)}){f' (JJ {p.size})' if p.size else ''} (JJ {p.colour}) (NN {p.shape}))" for p in s.phrases]
+    n = [f"(NP (DT {_article(p)}){f' (JJ {p.size})' if p.size else ''} (JJ {p.colour}) (NN {p.shape}))"
+         for p in s.phrases]
     obj = f"(NP {n[1]} {_pp_tree(s.relations[1], n[2])})" if s.form == "chain" else n[1 % len(n)]
     return TREE_FORMS[s.form].format(*n, pp=_pp_tree(s.relations[0], obj) if s.relations else "")
 
@@ -205,8 +205,7 @@ def _place(rng: random.Random, objects: list, related: list, image_size: int) ->
     for _ in range(200):
         for o in objects:
             r = rng.uniform(*SIZE_RADIUS[o.size]) * scale
-            cx = rng.uniform(r + 1, image_size - r - 1)
-            cy = rng.uniform(r + 1, image_size - r - 1)
+            cx, cy = (rng.uniform(r + 1, image_size - r - 1) for _ in range(2))
             o.box = (round(cx - r), round(cy - r), round(cx + r), round(cy + r))
         overlap = any(
             math.dist(a.centre, b.centre) < (a.box[2] - a.box[0] + b.box[2] - b.box[0]) / 2 + 2 * scale
@@ -475,13 +474,13 @@ def _special_tokens_not_in_text(backend):
 
 def _clip_normalizer_and_pretokenizer():
     from tokenizers import Regex, normalizers, pre_tokenizers
-    # OpenAI CLIP: whitespace cleanup + lower-case (for the trained BPE; the CLIP BPE gets
-    # clip_clean's text and no normalizer), then its word regex, then byte-level chars
+    # OpenAI CLIP: whitespace cleanup + lower-case (for the trained BPE; the CLIP BPE gets clip_clean's text and no
+    # normalizer), then its word regex, then byte-level chars
     normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "),
                                        normalizers.Strip(), normalizers.Lowercase()])
-    # no special-token alternatives (open_clip's SimpleTokenizer): a caption that contains the
-    # text "<|endoftext|>" must not put an EOT id mid-sequence, where argmax pooling would stop
-    # contractions case-insensitive, as open_clip's re.IGNORECASE: "'ſ" (long s) is "'s" there
+    # no special-token alternatives (open_clip's SimpleTokenizer): a caption that contains the text "<|endoftext|>"
+    # must not put an EOT id mid-sequence, where argmax pooling would stop; contractions case-insensitive, as
+    # open_clip's re.IGNORECASE: "'ſ" (long s) is "'s" there
     pattern = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
     pre = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="removed", invert=True),
                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -667,13 +666,12 @@ def eval_transform(image_size: int) -> Compose:
 # -----------------------------------------------------------------------------
 # Samples, batches and bad input
 #
-# Every reader turns one record of the user's data into a sample dict {"image": uint8
-# [3, S, S], "caption", "tree" (PTB string or None), "key"} or, when the record is bad, into
-# `Skip(reason, where)`. Skips travel inside the batch (batch["_skips"], removed by the
-# loader), so they are counted and logged in the main process whatever the number of
-# dataloader workers. A run that skips more than `max_skip_fraction` (default 10%) of what it
-# reads stops with a DataError: a data set that bad is a wrong path or a broken download,
-# and training on the remainder would be a silently different experiment.
+# Every reader turns one record of the user's data into a sample dict {"image": uint8 [3, S, S], "caption", "tree"
+# (PTB string or None), "key"} or, when the record is bad, into `Skip(reason, where)`. Skips travel inside the
+# batch (batch["_skips"], removed by the loader), so they are counted and logged in the main process whatever the
+# number of workers. A run that skips more than `max_skip_fraction` (default 10%) of what it reads stops with a
+# DataError: a data set that bad is a wrong path or a broken download, and training on the remainder would be a
+# silently different experiment.
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 MAX_SKIP_FRACTION = 0.1
@@ -786,14 +784,8 @@ class ShapesDataset(torch.utils.data.Dataset):
                 "key": f"{self.split}{index:08d}"}
 
 
-@dataclass
-class Item:
-    """One listed sample: image path (None if not listed), caption, tree, key naming the image (captions share it)."""
-    image: str | None
-    caption: str | None
-    tree: str | None
-    key: str
-    label: int | None = None
+# One listed sample: image path (None if not listed), caption, tree, key naming the image (captions share it), label
+Item = collections.namedtuple("Item", "image caption tree key label", defaults=(None,))
 
 
 class FileDataset(torch.utils.data.Dataset):
@@ -895,10 +887,9 @@ def image_folder(root: str):
 # -----------------------------------------------------------------------------
 # Webdataset / img2dataset tar shards, read with `tarfile` in streaming mode
 #
-# A record is the group of consecutive members sharing a key (the member name up to the
-# first dot of its base name): {"__key__", "__shard__", "jpg": bytes, "txt": bytes, ...}.
-# A tar that ends early or cannot be read yields one record {"__error__": ...} and stops;
-# the half-read group it was in is dropped with it (counted, never returned half-made).
+# A record is the group of consecutive members sharing a key (the member name up to the first dot of its base
+# name): {"__key__", "__shard__", "jpg": bytes, "txt": bytes, ...}. A tar that ends early or cannot be read yields
+# one record {"__error__": ...} and stops; the half-read group it was in is dropped with it (counted).
 
 
 def expand_braces(pattern: str) -> list:
@@ -1085,8 +1076,8 @@ def _start_workers(dl):
 
 
 class _Loader:
-    def __init__(self, name, batch_size, tokenizer, train, rank, world_size, num_workers, seed, drop_last,
-                 max_skip_fraction, num_samples, counted_by=""):
+    def __init__(self, batch_size, num_samples, tokenizer=None, train=True, rank=0, world_size=1, num_workers=0, seed=0,
+                 drop_last=True, name="data", max_skip_fraction=MAX_SKIP_FRACTION, counted_by=""):
         self.name, self.batch_size, self.tokenizer, self.train = name, batch_size, tokenizer, train
         self.rank, self.world_size, self.num_workers, self.seed = rank, world_size, num_workers, seed
         self.drop_last, self.max_skip_fraction, self.epoch, self.batches_done = drop_last, max_skip_fraction, 0, 0
@@ -1128,7 +1119,10 @@ class _Loader:
                 yield batch
         self._check_skips()
         if fresh and n_batches == 0:
-            raise self._no_batch_error()
+            # too little data (a batch larger than the data, every sample bad, no shard for this rank)
+            raise DataError(f"{self.name}: rank {self.rank} got no batch in a whole epoch (samples: {self.good} good, "
+                            f"{self.skipped} skipped, {self.dropped} dropped by drop_last; batch "
+                            f"{self.batch_size} x {self.world_size} ranks x {max(1, self.num_workers)} workers)")
         self.epoch, self.batches_done = self.epoch + 1, 0
         self._new_epoch()
 
@@ -1137,13 +1131,6 @@ class _Loader:
         beginning and gives no batch raises a DataError (in __iter__) instead of spinning."""
         while True:
             yield from self
-
-    def _no_batch_error(self) -> DataError:
-        """Too little data: a whole epoch gave this rank no batch (a batch larger than the data,
-        every sample bad, no shard for this rank)."""
-        return DataError(f"{self.name}: rank {self.rank} got no batch in a whole epoch (samples: {self.good} good, "
-                         f"{self.skipped} skipped, {self.dropped} dropped by drop_last; batch "
-                         f"{self.batch_size} x {self.world_size} ranks x {max(1, self.num_workers)} workers)")
 
     def _account(self, batch: dict):
         """Count the batch's samples and skips (logging the first skips); stop the run when
@@ -1182,10 +1169,8 @@ class MapLoader(_Loader):
     same on every rank), drops the tail so that every rank gets the same number of full batches,
     and gives rank r the indices r, r + W, r + 2W, ..."""
 
-    def __init__(self, dataset, batch_size, tokenizer=None, train=True, rank=0, world_size=1, num_workers=0,
-                 seed=0, drop_last=True, name="data", max_skip_fraction=MAX_SKIP_FRACTION):
-        super().__init__(name, batch_size, tokenizer, train, rank, world_size, num_workers, seed, drop_last,
-                         max_skip_fraction, len(dataset))
+    def __init__(self, dataset, batch_size, **options):     # options: _Loader's keywords (tokenizer, train, rank ...)
+        super().__init__(batch_size, len(dataset), **options)
         self.dataset = dataset
 
     def _rank_batches(self) -> list:
@@ -1221,19 +1206,13 @@ class ShardStream(torch.utils.data.IterableDataset):
     pass, and every slot has data. Records go through a shuffle buffer (train) before they are decoded, so a resumed
     worker replays its stream without decoding."""
 
-    def __init__(self, shards, batch_size, tokenizer, transform, seed, train, rank, world_size, num_workers,
-                 resampled, drop_last, shuffle_buffer):
-        self.shards, self.batch_size, self.tokenizer, self.transform = shards, batch_size, tokenizer, transform
-        self.seed, self.train, self.rank, self.world_size = seed, train, rank, world_size
-        self.workers, self.resampled, self.drop_last = max(1, num_workers), resampled, drop_last
-        self.shuffle_buffer, self.epoch, self.worker_offset = shuffle_buffer, 0, 0
+    def __init__(self, loader, shards, transform, resampled, shuffle_buffer):
+        for k in ("batch_size", "tokenizer", "seed", "train", "rank", "world_size", "drop_last"):
+            setattr(self, k, getattr(loader, k))    # a copy of the loader's settings: workers get this object
+        self.shards, self.transform, self.resampled, self.shuffle_buffer = shards, transform, resampled, shuffle_buffer
+        self.workers, self.epoch, self.worker_offset = max(1, loader.num_workers), 0, 0
         self.records_done = [0] * self.workers  # per logical worker: records consumed (resume)
         self.batch_extra = None
-
-    def _slot(self):
-        info = torch.utils.data.get_worker_info()
-        logical = ((info.id if info else 0) + self.worker_offset) % self.workers
-        return logical, self.rank * self.workers + logical, self.world_size * self.workers
 
     def _records(self, slot: int, n_slots: int):
         if self.resampled:
@@ -1258,7 +1237,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         return batch
 
     def __iter__(self):
-        logical, slot, n_slots = self._slot()
+        info = torch.utils.data.get_worker_info()
+        logical = ((info.id if info else 0) + self.worker_offset) % self.workers
+        slot, n_slots = self.rank * self.workers + logical, self.world_size * self.workers
         done = self.records_done[logical]
         pending, n_good, n = [], 0, done
         for n, rec in enumerate(itertools.islice(self._records(slot, n_slots), done, None), done + 1):
@@ -1282,15 +1263,12 @@ class ShardLoader(_Loader):
     records without decoding and restarts the round-robin at the next worker (same num_workers and world size
     needed)."""
 
-    def __init__(self, shards, batch_size, tokenizer=None, transform=None, train=True, rank=0, world_size=1,
-                 num_workers=0, seed=0, resampled=False, drop_last=True, shuffle_buffer=1000, num_samples=None,
-                 name="data", max_skip_fraction=MAX_SKIP_FRACTION):
+    def __init__(self, shards, batch_size, transform=None, resampled=False, shuffle_buffer=1000, num_samples=None,
+                 **options):    # options: _Loader's keywords (tokenizer, train, rank ...)
         if not shards:
-            raise DataError(f"{name}: no shard to read")
-        super().__init__(name, batch_size, tokenizer, train, rank, world_size, num_workers, seed, drop_last,
-                         max_skip_fraction, num_samples, " (from the shards' counts)")
-        self.stream = ShardStream(shards, batch_size, tokenizer, transform or eval_transform(SHAPES_IMAGE_SIZE), seed,
-                                  train, rank, world_size, num_workers, resampled, drop_last, shuffle_buffer)
+            raise DataError(f"{options.get('name', 'data')}: no shard to read")
+        super().__init__(batch_size, num_samples, counted_by=" (from the shards' counts)", **options)
+        self.stream = ShardStream(self, shards, transform or eval_transform(SHAPES_IMAGE_SIZE), resampled, shuffle_buffer)
         self._new_epoch()
 
     def _new_epoch(self):
@@ -1659,17 +1637,15 @@ def summarize_runs(root: str, read_run, baseline=None) -> dict:
 # -----------------------------------------------------------------------------
 # `python data.py make-shapes`: the shapes data in the real formats
 #
-# OUT/shards/{00000..}.tar    img2dataset webdataset: {key}.png .txt .json .tree, key = train index
-#                             (9 digits); {shard}_stats.json per shard and sizes.json
-# OUT/sugarcrepe/{cat}.json   SugarCrepe: {"0": {"filename", "caption", "negative_caption"}, ...}
-#                             for the 7 categories; images in OUT/sugarcrepe/images/
-# OUT/crepe/*.csv             CREPE rows image_id,x,y,width,height,caption + negatives (see
-#                             CREPE_FILES): systematicity.csv (valid_hard_negs_atom/comp),
-#                             productivity_{swap,replace}.csv (hard_negs); box = whole image;
-#                             images OUT/crepe/images/{image_id}.png
-# OUT/karpathy/dataset_shapes.json  Karpathy JSON, splits train/val/test, one sentence per image
-#                             with raw, tokens and tree; images OUT/karpathy/{split}/ (image root
-#                             = the JSON's folder, filepath = split)
+# OUT/shards/{00000..}.tar    img2dataset webdataset: {key}.png .txt .json .tree, key = train index (9 digits);
+#                             {shard}_stats.json per shard and sizes.json
+# OUT/sugarcrepe/{cat}.json   SugarCrepe: {"0": {"filename", "caption", "negative_caption"}, ...} for the 7
+#                             categories; images in OUT/sugarcrepe/images/
+# OUT/crepe/*.csv             CREPE rows image_id,x,y,width,height,caption + negatives (see CREPE_FILES):
+#                             systematicity.csv (valid_hard_negs_atom/comp), productivity_{swap,replace}.csv
+#                             (hard_negs); box = whole image; images OUT/crepe/images/{image_id}.png
+# OUT/karpathy/dataset_shapes.json  Karpathy JSON, splits train/val/test, one sentence per image with raw, tokens
+#                             and tree; images OUT/karpathy/{split}/ (image root = the JSON's folder, filepath = split)
 # OUT/csv/{train,val,test}.tsv open_clip TSV (filepath, title, tree) over the Karpathy images
 # OUT/imagefolder/{train,test}/{shape}/*.png  classification (data.shapes_classification)
 # OUT/manifest.json           what was written, with counts
@@ -1827,9 +1803,8 @@ def main(argv=None) -> int:
     m.add_argument("--out_dir", required=True)
     m.add_argument("--train", type=int, default=10_000, help="training scenes in the shards")
     m.add_argument("--test", type=int, default=500, help="items per benchmark category / split / class set")
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--shard_size", type=int, default=1000)
-    m.add_argument("--image_size", type=int, default=SHAPES_IMAGE_SIZE)
+    for flag, default in (("--seed", 0), ("--shard_size", 1000), ("--image_size", SHAPES_IMAGE_SIZE)):
+        m.add_argument(flag, type=int, default=default)
     c = sub.add_parser("check", help="read a dataset once; print JSON counts of good and skipped samples")
     c.add_argument("--data", required=True)
     c.add_argument("--split", default="train")
