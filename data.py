@@ -54,15 +54,14 @@ class DataError(Exception):
 # -----------------------------------------------------------------------------
 # The `shapes` dataset
 #
-# Grammar (every caption is lower case, no punctuation): an object is ("a"|"an") [size] colour shape,
-# e.g. "a small red circle", "an orange star"; a relation is "to the left of" | "to the right of" |
-# "above" | "below"; a caption is one of CAPTION_FORMS below ("rel_and": the relation binds the first
-# two objects, the third is only present; "chain", A rel1 B and B rel2 C, in the productivity split only).
-# Size words are mentioned with probability 1/2 per object, so "add_att" negatives exist. Relations are geometric
-# and unambiguous: objects of a related pair are placed so that |dx| and |dy| of their centres differ by at least
-# RELATION_MARGIN pixels, and exactly one of the four relations holds between any ordered pair. Held-out compounds
-# (systematicity): one colour-shape pair per colour never occurs in the train/val/test splits, in images or
-# captions, including hard negatives.
+# Grammar (every caption is lower case, no punctuation): an object is ("a"|"an") [size] colour shape, e.g. "a small red
+# circle", "an orange star"; a relation is "to the left of" | "to the right of" | "above" | "below"; a caption is one
+# of CAPTION_FORMS below ("rel_and": the relation binds the first two objects, the third is only present; "chain", A
+# rel1 B and B rel2 C, in the productivity split only). Size words are mentioned with probability 1/2 per object, so
+# "add_att" negatives exist. Relations are geometric and unambiguous: objects of a related pair are placed so that |dx|
+# and |dy| of their centres differ by at least RELATION_MARGIN pixels, and exactly one of the four relations holds
+# between any ordered pair. Held-out compounds (systematicity): one colour-shape pair per colour never occurs in the
+# train/val/test splits, in images or captions, including hard negatives.
 
 SHAPE_NAMES = ["circle", "square", "triangle", "star", "cross", "diamond"]
 COLOURS = {
@@ -164,8 +163,7 @@ def _pp_tree(relation: str, np_tree: str) -> str:
     return f"(PP (TO to) (NP (NP (DT the) (NN {side})) (PP (IN of) {np_tree})))"
 
 
-# caption form -> its PTB tree: {0}..{2} the phrases' NPs, {pp} the PP of relation 0 (for a chain its
-# object is phrase 1 with relation 1's PP)
+# caption form -> its PTB tree: {0}..{2} the phrases' NPs, {pp} the PP of relation 0 (a chain's: of NP 1 + PP 1)
 TREE_FORMS = {"single": "(ROOT {0})", "rel": "(ROOT (NP {0} {pp}))", "copula": "(ROOT (S {0} (VP (VBZ is) {pp})))",
               "and": "(ROOT (NP {0} (CC and) {1}))", "rel_and": "(ROOT (NP (NP {0} {pp}) (CC and) {2}))",
               "chain": "(ROOT (NP {0} {pp}))"}
@@ -340,46 +338,39 @@ def make_negative(category: str, scene: Scene, rng: random.Random, allow_held_ou
     for t in cands:
         seen = all((p.colour, p.shape) not in HELD_OUT_COMPOUNDS for p in t.phrases)
         if (allow_held_out or seen) and not caption_is_true(t, scene.objects):
-            text = render_caption(t)
-            if text != scene.caption:
+            if (text := render_caption(t)) != scene.caption:
                 return text
     return None
 
 
 def shapes_benchmark(seed: int = 0, n: int = 1000, image_size: int = SHAPES_IMAGE_SIZE) -> dict:
-    """The built-in compositional benchmark. For each SugarCrepe category, n items
-    {"image", "caption", "negative_caption"} drawn from the test split (scenes that admit no
-    negative of the category are skipped); for systematicity / productivity, n items
-    {"image", "caption", "negatives", "negative_categories"} (CREPE style: R@1 among the
-    positive + negatives; `negative_categories[i]` is the category that made negatives[i])."""
-    out = {}
-    for c, category in enumerate(SHAPES_CATEGORIES):
-        items, index = [], 0
-        rng = random.Random(f"shapes-bench/{seed}/{category}")
-        while len(items) < n:
-            # each category walks its own stream of test-split scenes
-            scene = shapes_scene("test", 1_000_000 * (c + 1) + index, seed, image_size)
-            index += 1
-            neg = make_negative(category, scene, rng)
-            if neg is not None:
-                items.append({"image": scene.image, "caption": scene.caption, "negative_caption": neg})
-        out[category] = items
+    """The built-in compositional benchmark. For each SugarCrepe category, n items {"image", "caption",
+    "negative_caption"} drawn from the test split (scenes that admit no negative of the category are skipped); for
+    systematicity / productivity, n items {"image", "caption", "negatives", "negative_categories"} (CREPE style: R@1
+    among the positive + negatives; `negative_categories[i]` is the category that made negatives[i])."""
+    def first_n(split, start, item):    # item(scene) of scenes start, start + 1, ...: the first n that are not None
+        return list(itertools.islice(filter(None, (item(shapes_scene(split, start + i, seed, image_size))
+                                                   for i in itertools.count())), n))
+
+    def pair(scene, category, rng):
+        neg = make_negative(category, scene, rng)
+        return neg and {"image": scene.image, "caption": scene.caption, "negative_caption": neg}
+
+    def crepe(scene, cats, rng):
+        found = {}  # negative -> the first category that made it (None: a category that made none)
+        for cat in cats:
+            found.setdefault(make_negative(cat, scene, rng, allow_held_out=True), cat)
+        found.pop(None, None)
+        return len(found) >= 2 and {"image": scene.image, "caption": scene.caption, "negatives": list(found),
+                                    "negative_categories": list(found.values())}
+    out = {}    # (first_n consumes each lambda at once: no late binding)
+    for c, cat in enumerate(SHAPES_CATEGORIES):     # each category walks its own stream of test-split scenes
+        rng = random.Random(f"shapes-bench/{seed}/{cat}")
+        out[cat] = first_n("test", 1_000_000 * (c + 1), lambda s: pair(s, cat, rng))
     for split, cats in (("systematicity", ["swap_att", "swap_obj", "replace_att", "replace_obj"]),
                         ("productivity", ["replace_rel", "swap_obj", "swap_att", "replace_att"])):
-        items, index = [], 0
         rng = random.Random(f"shapes-bench/{seed}/{split}")
-        while len(items) < n:
-            scene = shapes_scene(split, index, seed, image_size)
-            index += 1
-            found = {}  # negative -> the first category that made it
-            for cat in cats:
-                neg = make_negative(cat, scene, rng, allow_held_out=True)
-                if neg is not None:
-                    found.setdefault(neg, cat)
-            if len(found) >= 2:
-                items.append({"image": scene.image, "caption": scene.caption, "negatives": list(found),
-                              "negative_categories": list(found.values())})
-        out[split] = items
+        out[split] = first_n(split, 0, lambda s: crepe(s, cats, rng))
     return out
 
 
@@ -414,9 +405,8 @@ SOT_TOKEN, EOT_TOKEN, PAD_TOKEN, UNK_TOKEN = "<|startoftext|>", "<|endoftext|>",
 
 
 class Tokenizer:
-    """Captions -> LongTensor [B, context_length]: SOT, BPE ids, EOT, then pad id 0.
-    Every caption is cleaned as OpenAI's (clip_clean) before the BPE. Truncation keeps EOT as
-    the last token (as OpenAI CLIP's `truncate=True`)."""
+    """Captions -> LongTensor [B, context_length]: SOT, BPE ids, EOT, then pad id 0. Every caption is cleaned as
+    OpenAI's (clip_clean) before the BPE. Truncation keeps EOT as the last token (as OpenAI CLIP's `truncate=True`)."""
 
     def __init__(self, backend, kind: str, context_length: int = 77):
         backend = _special_tokens_not_in_text(backend)      # also for tokenizer.json files saved before
@@ -506,12 +496,10 @@ def clip_bpe_tokenizer(vocab_path: str, context_length: int = 77) -> Tokenizer:
     vocab = chars + [c + "</w>" for c in chars] + ["".join(m) for m in merges] + [SOT_TOKEN, EOT_TOKEN]
     backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(vocab)}, merges=merges,
                                  end_of_word_suffix="</w>", continuing_subword_prefix="", unk_token=EOT_TOKEN))
-    # no normalizer: clip_clean already did OpenAI's; a second NFC or the Rust lower-case (no
-    # final sigma) would change ids
+    # no normalizer: clip_clean already did OpenAI's; a second NFC or the Rust lower-case (no final sigma) changes ids
     backend.pre_tokenizer = _clip_normalizer_and_pretokenizer()[1]
     backend.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Replace("</w>", " ")])
-    # SOT/EOT stay plain vocabulary entries, not added special tokens, which `tokenizers` would
-    # match inside caption text
+    # SOT/EOT stay plain vocabulary entries, not added special tokens, which `tokenizers` would match inside captions
     return Tokenizer(backend, "clip_bpe", context_length)
 
 
@@ -523,9 +511,8 @@ def trained_bpe_tokenizer(captions, vocab_size: int = 1000, context_length: int 
     if not (captions := [clip_clean(c) for c in captions if c and c.strip()]):
         raise DataError("cannot train a tokenizer: no captions")
     backend = Backend(models.BPE(unk_token=UNK_TOKEN))
-    backend.normalizer = _clip_normalizer_and_pretokenizer()[0]
+    backend.normalizer, backend.decoder = _clip_normalizer_and_pretokenizer()[0], decoders.ByteLevel()
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
-    backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD_TOKEN, SOT_TOKEN, EOT_TOKEN, UNK_TOKEN],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     backend.train_from_iterator(captions, trainer=trainer)
@@ -550,8 +537,7 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 class Compose:
     def __init__(self, transforms):
-        self.transforms = transforms
-        self.draft = getattr(transforms[0], "draft", None)     # what the first step needs
+        self.transforms, self.draft = transforms, getattr(transforms[0], "draft", None)   # the first step's need
 
     def __call__(self, img, rng=None):
         rng = rng or random
@@ -561,11 +547,10 @@ class Compose:
 
 
 class RandomResizedCrop:
-    """torchvision's RandomResizedCrop: a random area fraction in `scale` with aspect ratio in
-    `ratio` (log-uniform), 10 tries, else its fallback (the whole image, clamped to `ratio`, centred);
-    resized to size x size with bicubic. Choice: the crop is resampled with PIL's `box` (the
-    filter may read pixels just outside the crop, as a crop of the real scene would) where
-    torchvision crops first and resizes the cut-out; sizes and offsets are torchvision's."""
+    """torchvision's RandomResizedCrop: a random area fraction in `scale` with aspect ratio in `ratio` (log-uniform),
+    10 tries, else its fallback (the whole image, clamped to `ratio`, centred); resized to size x size with bicubic.
+    Choice: the crop is resampled with PIL's `box` (the filter may read pixels just outside the crop, as a crop of the
+    real scene would) where torchvision crops first and resizes the cut-out; sizes and offsets are torchvision's."""
 
     def __init__(self, size, scale=(0.9, 1.0), ratio=(3 / 4, 4 / 3)):
         self.size, self.scale, self.ratio = size, scale, ratio
@@ -619,8 +604,7 @@ class CenterCrop:
 
 
 class RandomFlip:
-    """Horizontal flip with probability p (classification fine-tuning only: a flip turns "left of"
-    into "right of", wrong for captions)."""
+    """Horizontal flip with probability p (classification only: for captions "left of" would become wrong)."""
 
     def __init__(self, p=0.5):
         self.p = p
@@ -640,11 +624,10 @@ class ToTensor:
 
 
 def normalize_images(images: torch.Tensor, device=None) -> torch.Tensor:
-    """A loader's images -> CLIP-normalised float32 on `device`: (x / 255 - mean) / std. uint8
-    [B, 3, H, W] is copied as bytes (non_blocking from pinned memory) and converted on the device,
-    so workers send a quarter of the bytes and skip the arithmetic (timm's PrefetchLoader, FFCV).
-    Three float32 passes: on the CPU bit for bit the per-pixel formula. A float tensor is taken as
-    already normalised."""
+    """A loader's images -> CLIP-normalised float32 on `device`: (x / 255 - mean) / std. uint8 [B, 3, H, W] is copied
+    as bytes (non_blocking from pinned memory) and converted on the device, so workers send a quarter of the bytes
+    and skip the arithmetic (timm's PrefetchLoader, FFCV). Three float32 passes: on the CPU bit for bit the
+    per-pixel formula. A float tensor is taken as already normalised."""
     x = images.to(device, non_blocking=True) if device is not None else images
     if x.dtype != torch.uint8:
         return x
@@ -687,8 +670,7 @@ class Skip:
 
 
 def _save(path: str, blob):
-    """`blob` (bytes, a str written as UTF-8, a PIL image as PNG) as the file `path`, atomically,
-    in a folder made if missing."""
+    """`blob` (bytes, a str as UTF-8, a PIL image as PNG) as the file `path`, atomically, its folder made if missing."""
     if isinstance(blob, Image.Image):
         buf = io.BytesIO()
         blob.save(buf, format="PNG")
@@ -731,9 +713,8 @@ def make_sample(image, caption, tree, key: str, transform, rng):
 
 
 def _stack_images(images: list) -> torch.Tensor:
-    """torch.stack's result, contiguous, through numpy: a single-threaded copy (torch's threads compete
-    with training's). In a loader worker the batch is written straight into shared memory (as torch's
-    default_collate), so sending it copies nothing more."""
+    """torch.stack's result through numpy, a single-threaded copy (torch's threads compete with training's); in a
+    loader worker straight into shared memory (as torch's default_collate), so sending it copies nothing more."""
     first, shape = images[0], (len(images), *images[0].shape)
     if torch.utils.data.get_worker_info() is None:
         out = torch.from_numpy(np.empty(shape, first.numpy().dtype))   # numpy's allocator: fewer page faults
@@ -750,8 +731,7 @@ def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> 
     loop; the epoch lets it draw anew each epoch and still replay exactly on resume."""
     good = [s for s in samples if isinstance(s, dict)]
     batch = {"image": _stack_images([s["image"] for s in good]) if good else torch.zeros(0, 3, 0, 0, dtype=torch.uint8),
-             "caption": [s["caption"] for s in good], "tree": [s.get("tree") for s in good],
-             "key": [s.get("key") for s in good],
+             **{k: [s.get(k) for s in good] for k in ("caption", "tree", "key")},
              "_skips": [(s.reason, s.where) if isinstance(s, Skip) else ("bad sample", "?")
                         for s in samples if not isinstance(s, dict)]}
     if good and "label" in good[0]:
@@ -799,8 +779,7 @@ class FileDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         it = self.items[index]
-        rng = _sample_rng(self.seed, self.epoch, it.key)
-        s = make_sample(it.image, it.caption, it.tree, it.key, self.transform, rng)
+        s = make_sample(*it[:4], self.transform, _sample_rng(self.seed, self.epoch, it.key))  # it[:4]: image ... key
         if isinstance(s, dict) and it.label is not None:
             s["label"] = it.label
         return s
@@ -854,13 +833,12 @@ def _karpathy_images(json_path: str, image_root: str | None, split: str) -> list
             name = os.path.join(im.get("filepath", ""), im["filename"])
             out.append((_resolve_image(name, root), os.path.splitext(name)[0], sents))
     if not out:
-        present = sorted({str(im.get("split")) for im in images})
-        raise DataError(f"{json_path}: no images with split {split!r} (splits present: {', '.join(present)})")
+        raise DataError(f"{json_path}: no images with split {split!r} (splits present: "
+                        f"{', '.join(sorted({str(im.get('split')) for im in images}))})")
     return out
 
 
-def karpathy_items(json_path: str, image_root: str | None = None, split: str = "test", with_trees: bool = False
-                   ) -> list:
+def karpathy_items(json_path: str, image_root: str | None = None, split: str = "test", with_trees=False) -> list:
     """Per-image caption lists for retrieval evaluation: [(image_path, [captions])], or
     [(image_path, [captions], [trees])] with `with_trees`. Empty captions are left out."""
     out = []
@@ -902,8 +880,7 @@ def expand_braces(pattern: str) -> list:
 
 
 def tar_records(path: str, keep_exts=None):
-    """Records of one tar, streaming. keep_exts: read only these members' bytes (others are
-    marked present with b"")."""
+    """Records of one tar, streaming. keep_exts: read only these members' bytes (others are marked present: b"")."""
     cur = None
     try:
         with tarfile.open(path, mode="r|*") as tf:
@@ -919,10 +896,9 @@ def tar_records(path: str, keep_exts=None):
                     cur = {"__key__": key, "__shard__": path}
                 ext = ext.lower()
                 cur[ext] = tf.extractfile(m).read() if keep_exts is None or ext in keep_exts else b""
-            # tarfile stops quietly at a header cut short: an uncompressed tar must still hold
-            # its end-of-archive marker (two zero blocks) after the last member
-            plain = getattr(tf.fileobj, "comptype", "tar") == "tar"
-            if plain and os.path.getsize(path) < tf.offset + 2 * tarfile.BLOCKSIZE:
+            # tarfile stops quietly at a header cut short: an uncompressed tar must still hold its end-of-archive
+            # marker (two zero blocks) after the last member
+            if tf.fileobj.comptype == "tar" and os.path.getsize(path) < tf.offset + 2 * tarfile.BLOCKSIZE:
                 raise tarfile.ReadError("unexpected end of data")
     except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
         what = "empty tar" if cur is None and "empty" in str(e) else "truncated or unreadable tar"
@@ -1056,18 +1032,16 @@ def file_items(src: dict, split: str, csv_options: dict) -> list:
 # batches consumed) so a resumed run continues with exactly the next batch, and count skips.
 
 def _ignore_sigterm(worker_id):
-    """DataLoader worker_init_fn. torchrun's agent and SLURM send SIGTERM to the whole process
-    group: a worker that died of it would crash the rank before it could checkpoint. Workers
-    ignore it (the rank saves, then shuts them down); forked with SIGTERM blocked
-    (_start_workers), they discard one that arrived meanwhile by ignoring it first."""
+    """DataLoader worker_init_fn. torchrun's agent and SLURM send SIGTERM to the whole process group: a worker that
+    died of it would crash the rank before it could checkpoint. Workers ignore it (the rank saves, then shuts them
+    down); forked with SIGTERM blocked (_start_workers), they discard one that arrived meanwhile by ignoring it."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def _start_workers(dl):
-    """iter(dl) with SIGTERM blocked while the workers are forked: between fork and
-    _ignore_sigterm, torch's worker handler would let a SIGTERM sent to the process group kill
-    the worker (and the rank with it). A SIGTERM to this process waits until the unblock."""
+    """iter(dl) with SIGTERM blocked while the workers are forked: between fork and _ignore_sigterm, torch's worker
+    handler would let a SIGTERM sent to the process group kill the worker (and the rank with it)."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         return iter(dl)
@@ -1104,9 +1078,8 @@ class _Loader:
         """The rest of the current epoch; afterwards the loader points at the next epoch."""
         fresh, n_batches = self.batches_done == 0, 0
         dataset, how = self._epoch(fresh)
-        # a private generator: DataLoader otherwise draws its workers' base seed from the global
-        # torch RNG at every iterator, so a resumed run (one iterator more) would shift the RNG
-        # stream of a fork's dropout; samples never depend on it (see _sample_rng)
+        # a private generator: DataLoader otherwise draws its workers' base seed from the global torch RNG at every
+        # iterator, so a resumed run (one iterator more) would shift a fork's dropout; samples never depend on it
         dl = torch.utils.data.DataLoader(dataset, num_workers=self.num_workers, persistent_workers=False,
                                          pin_memory=self.pin_memory, worker_init_fn=_ignore_sigterm,
                                          generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch),
@@ -1232,9 +1205,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         return records
 
     def _batch(self, samples: list, logical: int, records: int, dropped: int = 0) -> dict:
-        batch = collate(samples, self.tokenizer, self.batch_extra, self.epoch)
-        batch["_meta"], batch["_dropped"] = {"worker": logical, "records": records}, dropped
-        return batch
+        return {**collate(samples, self.tokenizer, self.batch_extra, self.epoch), "_dropped": dropped,
+                "_meta": {"worker": logical, "records": records}}
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -1255,20 +1227,20 @@ class ShardStream(torch.utils.data.IterableDataset):
 
 
 class ShardLoader(_Loader):
-    """Streaming loader over tar shards (see ShardStream for who reads what). DDP: ranks may get different numbers
-    of samples in an epoch (shards differ in size). An epoch is per rank and `forever()` rolls it into the next, so
-    a step-based loop (`--max_steps` over `forever()`) never waits for another rank; an epoch-based `for batch in
-    loader` with DDP can desynchronise ranks: use `resampled=True` and a step count. State: also per dataloader
-    worker the records it consumed and which worker gave the last batch: a resumed loader replays each worker's
-    records without decoding and restarts the round-robin at the next worker (same num_workers and world size
-    needed)."""
+    """Streaming loader over tar shards (see ShardStream for who reads what). DDP: ranks may get different numbers of
+    samples in an epoch (shards differ in size). An epoch is per rank and `forever()` rolls it into the next, so a
+    step-based loop (`--max_steps` over `forever()`) never waits for another rank; an epoch-based `for batch in loader`
+    with DDP can desynchronise ranks: use `resampled=True` and a step count. State: also per dataloader worker the
+    records it consumed and which worker gave the last batch: a resumed loader replays each worker's records without
+    decoding and restarts the round-robin at the next worker (same num_workers and world size needed)."""
 
     def __init__(self, shards, batch_size, transform=None, resampled=False, shuffle_buffer=1000, num_samples=None,
                  **options):    # options: _Loader's keywords (tokenizer, train, rank ...)
         if not shards:
             raise DataError(f"{options.get('name', 'data')}: no shard to read")
         super().__init__(batch_size, num_samples, counted_by=" (from the shards' counts)", **options)
-        self.stream = ShardStream(self, shards, transform or eval_transform(SHAPES_IMAGE_SIZE), resampled, shuffle_buffer)
+        transform = transform or eval_transform(SHAPES_IMAGE_SIZE)
+        self.stream = ShardStream(self, shards, transform, resampled, shuffle_buffer)
         self._new_epoch()
 
     def _new_epoch(self):
@@ -1528,8 +1500,7 @@ def import_script(record: dict | None, override: str | None = None, default: str
         raise DataError(f"{override or name or 'the checkpoint'}: training script not found"
                         + ("" if override else f" (looked in {', '.join(p for p in candidates if p)}); "
                                                f"give --script PATH"))
-    with open(path, "rb") as f:
-        sha = hashlib.sha256(f.read()).hexdigest()
+    sha = script_record(path)["sha256"]
     note = (f"note: {path} has changed since it trained this checkpoint (sha256 {sha[:12]}, recorded "
             f"{record['sha256'][:12]})" if record.get("sha256") and record["sha256"] != sha else None)
     module_name = "_script_" + hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:12]
@@ -1549,8 +1520,7 @@ def import_script(record: dict | None, override: str | None = None, default: str
 # Results over seeds: the run folders of the training scripts, grouped, with 95% intervals
 # (every script's `summarize`/`report --seeds` reads its runs with its own read_run)
 
-# t_{0.975, df} for df = 1..30 (standard tables); beyond 30 the Cornish-Fisher expansion around
-# the normal quantile is within 1e-4
+# t_{0.975, df} for df = 1..30 (standard tables); beyond 30 the Cornish-Fisher expansion is within 1e-4
 T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
         2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
         2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
@@ -1566,9 +1536,8 @@ def t975(df: int) -> float:
 def mean_ci(values) -> tuple:
     """(mean, half-width of the two-sided 95% Student-t interval) over seeds; nan width for one seed."""
     v = np.asarray(values, dtype=np.float64)
-    if len(v) < 2:
-        return float(v.mean()), math.nan
-    return float(v.mean()), t975(len(v) - 1) * float(v.std(ddof=1)) / math.sqrt(len(v))
+    h = t975(len(v) - 1) * float(v.std(ddof=1)) / math.sqrt(len(v)) if len(v) > 1 else math.nan
+    return float(v.mean()), h
 
 
 def paired_diff(a: dict, b: dict) -> tuple:
@@ -1585,8 +1554,7 @@ def _pct(m: float, h: float, diff: bool = False) -> str:
 
 
 def results_table(rows: dict, label: str = "method") -> str:
-    """Markdown table in %: {name: {metric: value or [per-seed values]}} (a list prints as mean ±
-    the half-width of its 95% t-interval)."""
+    """Markdown table in %: {name: {metric: value or [per-seed values]}} (a list: mean ± 95% t-interval half-width)."""
     cols = list(dict.fromkeys(c for r in rows.values() for c in r))   # a column some row lacks is blank there
     fmt = lambda v: ("" if v is None else v if isinstance(v, str) else _pct(*mean_ci(v)) if isinstance(v, list)
                      else f"{100 * v:.1f}")    # a str: a cell already formatted
