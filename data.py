@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import ftfy
 import numpy as np
+import numpy.random  # noqa: F401  numpy 2 imports it lazily: here once, not in each forked worker (torch seeds it)
 import torch
 from braceexpand import UnbalancedBracesError, braceexpand
 from PIL import Image, ImageDraw
@@ -1257,7 +1258,7 @@ class ShardLoader(_Loader):
         s = self.stream
         s.epoch, s.records_done, s.batch_extra = self.epoch, list(self.records_done), self.batch_extra
         s.worker_offset = (self.last_worker + 1) % s.workers
-        return s, dict(batch_size=None)
+        return s, dict(batch_size=None, collate_fn=dict)  # the worker's batch as is (not default_convert's walk)
 
     def _advance(self, batch: dict):
         meta = batch.pop("_meta")
@@ -1323,8 +1324,7 @@ def make_loader(spec: str, split: str = "train", batch_size: int = 64, tokenizer
                                                  separator=csv_separator))
             loader = MapLoader(FileDataset(items, transform, seed), batch_size, name=spec,
                                max_skip_fraction=max_skip_fraction, **loader_args)
-    loader.pin_memory = pin_memory and torch.cuda.is_available()
-    loader.batch_extra = batch_extra
+    loader.pin_memory, loader.batch_extra = pin_memory and torch.cuda.is_available(), batch_extra
     return loader
 
 
