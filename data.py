@@ -895,8 +895,12 @@ def tar_records(path: str, keep_exts=None):
                     if cur is not None:
                         yield cur
                     cur = {"__key__": key, "__shard__": path}
-                ext = ext.lower()
-                cur[ext] = tf.extractfile(m).read() if keep_exts is None or ext in keep_exts else b""
+                want = keep_exts is None or ext.lower() in keep_exts    # others present as b"", their data skipped
+                # the bytes straight from the stream: extractfile's reader costs more than all the rest of a record
+                blob = (tf.fileobj.read(m.size) if m.sparse is None else tf.extractfile(m).read()) if want else b""
+                if len(blob) < m.size * want:
+                    raise tarfile.ReadError("unexpected end of data")
+                cur[ext.lower()] = blob
             # tarfile stops quietly at a header cut short: an uncompressed tar must still hold its end-of-archive
             # marker (two zero blocks) after the last member
             if tf.fileobj.comptype == "tar" and os.path.getsize(path) < tf.offset + 2 * tarfile.BLOCKSIZE:
@@ -1101,14 +1105,12 @@ class _Loader:
         self._new_epoch()
 
     def forever(self):
-        """Batches across epochs without end (for step-based training loops). An epoch that starts from its
-        beginning and gives no batch raises a DataError (in __iter__) instead of spinning."""
+        """Batches across epochs without end (step-based loops); an epoch giving no batch raises, never spins."""
         while True:
             yield from self
 
     def _account(self, batch: dict):
-        """Count the batch's samples and skips (logging the first skips); stop the run when
-        more than max_skip_fraction of what was read is bad."""
+        """Count the batch's samples and skips (logging the first); stop past max_skip_fraction bad of all read."""
         for reason, where in batch.pop("_skips"):
             if self.skipped < SKIP_LOG_LINES:
                 log.warning("data: skipped %s: %s", reason, where)
@@ -1185,8 +1187,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             setattr(self, k, getattr(loader, k))    # a copy of the loader's settings: workers get this object
         self.shards, self.transform, self.resampled, self.shuffle_buffer = shards, transform, resampled, shuffle_buffer
         self.workers, self.epoch, self.worker_offset = max(1, loader.num_workers), 0, 0
-        self.records_done = [0] * self.workers  # per logical worker: records consumed (resume)
-        self.batch_extra = None
+        self.records_done, self.batch_extra = [0] * self.workers, None  # per logical worker: records consumed
 
     def _records(self, slot: int, n_slots: int):
         if self.resampled:
@@ -1245,8 +1246,7 @@ class ShardLoader(_Loader):
         self._new_epoch()
 
     def _new_epoch(self):
-        self.records_done = [0] * self.stream.workers
-        self.last_worker = self.stream.workers - 1
+        self.records_done, self.last_worker = [0] * self.stream.workers, self.stream.workers - 1
 
     def __len__(self):
         """Nominal batches per rank and epoch (from the shard counts); TypeError when unknown."""
