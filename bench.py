@@ -309,7 +309,8 @@ def bench_data(args, device):
                     runs[w].append(loader_epoch(pattern, 224, w, B)[1])
         plain, ms = min(runs["plain"]), {w: min(runs[w]) for w in (0, workers)}
         costs[stored] = ms[workers]
-        print(f"  stored {stored} px ({sum(map(len, jpegs)) / len(jpegs) / 1024:.0f} KiB){', draft 1/2' * (stored == 512)}: "
+        kib = sum(map(len, jpegs)) / len(jpegs) / 1024
+        print(f"  stored {stored} px ({kib:.0f} KiB){', draft 1/2' * (stored == 512)}: "
               f"plain PIL loop {plain:.2f}; make_loader 0 workers {ms[0]:.2f} ({ms[0] / plain:.2f}x plain), "
               f"{workers} workers {ms[workers]:.2f} ({ms[workers] / plain:.2f}x plain)")
     if args.feed:
@@ -330,7 +331,8 @@ def bench_data_wait(args, device):
         cfg = il_clip.model_config(il_args, tok)
         model, opt = il_clip.build_model_and_optimizer(il_args, cfg, device)
         il_clip.set_trainable(model, il_args, "train", None)
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext()
+        bf16 = args.dtype == "bf16"
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
         batches = data.make_loader(pattern, batch_size=B, tokenizer=tok, image_size=cfg.image_size, num_workers=workers,
                                    pin_memory=device.type == "cuda").forever()
         wait = total = 0.0
@@ -338,9 +340,9 @@ def bench_data_wait(args, device):
             t0 = time.perf_counter()
             b = next(batches)
             t1 = time.perf_counter()
-            with autocast:
-                loss = il_clip.compute_loss(model, {"image": data.normalize_images(b["image"], device), "text": b["text"]},
-                                            "train", None, None, None, il_args)[0]
+            with autocast:      # the uint8 batch normalised on the device, as the training scripts do
+                batch = {"image": data.normalize_images(b["image"], device), "text": b["text"]}
+                loss = il_clip.compute_loss(model, batch, "train", None, None, None, il_args)[0]
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -549,8 +551,8 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     args.batch_size = args.batch_size or (64 if args.model == "tiny" and not args.codebook_memory else 256)
-    for mode, bench in (("data", bench_data), ("data_wait", bench_data_wait), ("codebook_memory", bench_codebook_memory),
-                        ("composer", bench_composer), ("targets", bench_targets)):
+    for mode, bench in (("data", bench_data), ("codebook_memory", bench_codebook_memory), ("composer", bench_composer),
+                        ("targets", bench_targets), ("data_wait", bench_data_wait)):
         if getattr(args, mode):
             return bench(args, device)
     report_train(args, run_trainer(args, args.method, device), device)
