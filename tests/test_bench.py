@@ -249,7 +249,8 @@ def test_data_wait_trains_il_clip_on_normalised_jpeg_batches(monkeypatch, capsys
     assert bench.main(["--data_wait", "--num_workers", "1", "--steps", "2", "--untimed", "1", "--batch_size", "4",
                        "--images", "8"]) == 0
     assert [s[:2] for s in seen] == [(torch.float32, (4, 3, 64, 64))] * 3       # tiny's 64 px, normalised
-    assert all(-1.5 < m < 1.5 for _, _, m, _ in seen) and all(t.shape == (4, 32) and (t[:, 0] > 0).all() for *_, t in seen)
+    assert all(-1.5 < m < 1.5 for _, _, m, _ in seen)                            # CLIP-normalised, not 0..255
+    assert all(t.shape == (4, 32) and (t[:, 0] > 0).all() for *_, t in seen)     # tokenized captions, SOT first
     out = capsys.readouterr().out
     wait = float(out.rsplit("= ", 1)[1].split("%")[0])
     assert "waiting for the next batch" in out and 0 <= wait <= 100

@@ -55,8 +55,7 @@ def _jpeg(img, quality=95) -> bytes:
 def test_uint8_then_normalize_equals_the_float_path_bit_for_bit(size):
     for i, (w, h) in enumerate([(341, 256), (256, 256), (97, 130), (640, 427)]):
         img = _photo(w, h, i)
-        for make in (lambda: data.eval_transform(size), lambda: data.train_transform(size, scale=(0.5, 1.0), flip=True)):
-            t = make()
+        for t in (data.eval_transform(size), data.train_transform(size, scale=(0.5, 1.0), flip=True)):
             x = t(img, random.Random(i))
             assert x.dtype == torch.uint8 and x.shape == (3, size, size)
             ref = _float_twin(t)(img, random.Random(i))     # same rng: the same crop and flip
