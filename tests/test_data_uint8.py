@@ -139,3 +139,14 @@ def test_loader_on_jpeg_shards_gives_uint8_batches_from_workers(tmp_path):
     by_key = {k: x for b in batches for k, x in zip(b["key"], b["image"])}
     for i, blob in enumerate(images):
         assert torch.equal(by_key[f"{i:05d}"], data.make_sample(blob, "c", None, "k", t, random.Random(0))["image"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_batches_are_pinned_uint8_and_normalise_on_the_device():
+    """pin_memory=True on CUDA: page-locked uint8 batches, copied with non_blocking and converted on the GPU to
+    what the CPU path gives (within float32 rounding)."""
+    (b,) = list(data.make_loader("shapes:train_size=8", batch_size=8, image_size=64, num_workers=1, pin_memory=True))
+    assert b["image"].dtype == torch.uint8 and b["image"].is_pinned()
+    on_gpu = data.normalize_images(b["image"], "cuda")
+    assert on_gpu.is_cuda and on_gpu.dtype == torch.float32
+    torch.testing.assert_close(on_gpu.cpu(), data.normalize_images(b["image"]), rtol=0, atol=1e-6)
