@@ -26,6 +26,7 @@ import gc
 import io
 import itertools
 import math
+import multiprocessing as mp
 import os
 import resource
 import statistics
@@ -282,12 +283,24 @@ def plain_loop(jpegs, size):
     return (cpu_seconds() - c) / len(jpegs) * 1e3
 
 
+def plain_parallel(jpegs, size, n):
+    """plain_loop run by n forked processes at once, each on its share: CPU ms/image with as many busy cores as
+    make_loader's n workers (two busy cores slow each other: shared caches, memory bandwidth, clocks)."""
+    ps = [mp.get_context("fork").Process(target=plain_loop, args=(jpegs[i::n], size)) for i in range(n)]
+    c = cpu_seconds()
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join()
+    return (cpu_seconds() - c) / len(jpegs) * 1e3
+
+
 def bench_data(args, device):
     """`--data SPEC`: that data through make_loader (decode or render + augment + tokenize). `--data`:
     --images shapes scenes as img2dataset JPEGs, stored at 256 px (img2dataset's default; decoded in
     full for 224) and at 512 px (JPEG draft decoding at 1/2), read at 224 px by a plain PIL loop and by
-    make_loader with 0 and --num_workers workers, alternated --rounds times, the least CPU kept.
-    `--feed R`: the cores that R samples/s take at those costs."""
+    make_loader with 0 and --num_workers workers, alternated --rounds times, the least CPU kept; N workers are also
+    set against N plain loops at once (as many busy cores). `--feed R`: the cores that R samples/s take."""
     B, workers = args.batch_size, args.num_workers if args.num_workers is not None else 2
     if args.data != "jpeg":
         tok = data.build_tokenizer(captions=data.captions_for_tokenizer(args.data), vocab_size=1000, context_length=32)
@@ -302,17 +315,19 @@ def bench_data(args, device):
     for stored in (256, 512):
         with tempfile.TemporaryDirectory() as d:
             pattern, jpegs = jpeg_shards(d, args.images, stored)
-            runs = {k: [] for k in ("plain", 0, workers)}
+            runs = {k: [] for k in ("plain", "parallel", 0, workers)}
             for _ in range(args.rounds):
                 runs["plain"].append(plain_loop(jpegs, 224))
+                runs["parallel"].append(plain_parallel(jpegs, 224, max(1, workers)))
                 for w in (0, workers):
                     runs[w].append(loader_epoch(pattern, 224, w, B)[1])
-        plain, ms = min(runs["plain"]), {w: min(runs[w]) for w in (0, workers)}
+        (plain, parallel), ms = (min(runs[k]) for k in ("plain", "parallel")), {w: min(runs[w]) for w in (0, workers)}
         costs[stored] = ms[workers]
         kib = sum(map(len, jpegs)) / len(jpegs) / 1024
         print(f"  stored {stored} px ({kib:.0f} KiB){', draft 1/2' * (stored == 512)}: "
               f"plain PIL loop {plain:.2f}; make_loader 0 workers {ms[0]:.2f} ({ms[0] / plain:.2f}x plain), "
-              f"{workers} workers {ms[workers]:.2f} ({ms[workers] / plain:.2f}x plain)")
+              f"{workers} workers {ms[workers]:.2f} ({ms[workers] / plain:.2f}x plain; {ms[workers] / parallel:.2f}x "
+              f"{max(1, workers)} plain loops at once, {parallel:.2f})")
     if args.feed:
         print(f"  feeding {args.feed:,.0f} samples/s takes " + ", ".join(
             f"{math.ceil(args.feed * ms / 1e3)} cores at {stored} px" for stored, ms in costs.items())

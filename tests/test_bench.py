@@ -219,8 +219,11 @@ def test_data_mode_reports_both_stored_sizes_and_the_cores_to_feed(capsys):
     for stored in (256, 512):
         line = next(ln for ln in out.splitlines() if f"stored {stored} px" in ln)
         plain, zero, one = map(float, re.findall(r"(?:loop|workers) (\d+\.\d+)", line))
-        ratios = [float(x) for x in re.findall(r"\((\d+\.\d+)x plain\)", line)]
+        ratios = [float(x) for x in re.findall(r"(\d+\.\d+)x plain[);]", line)]
         assert ratios == pytest.approx([zero / plain, one / plain], abs=0.011)     # of the printed, rounded costs
+        parallel = float(re.search(r"1 plain loops at once, (\d+\.\d+)\)", line).group(1))
+        at_once = float(re.search(r"(\d+\.\d+)x 1 plain loops", line).group(1))
+        assert at_once == pytest.approx(one / parallel, abs=0.011)      # against the loop in as many processes
         costs[stored] = one
     # the cores: samples/s x CPU seconds per sample (main process + workers), rounded up
     cores = [int(x) for x in re.findall(r"(\d+) cores at (?:256|512) px", out)]
