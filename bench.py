@@ -3,8 +3,9 @@ Throughput, MFU and memory of il_clip.py's training step (nanoGPT's bench.py is 
 
     python bench.py --model tiny --method il --batch_size 64                 # training step, CPU
     python bench.py --model ViT-B-32 --method clip --batch_size 256 --compile --dtype bf16   # GPU
-    python bench.py --data                                                   # loader vs plain PIL at 224 px
+    python bench.py --data --feed 6204                                       # loader vs plain PIL, cores to feed
     python bench.py --data shapes --num_workers 0                            # one --data spec
+    python bench.py --data_wait                                              # JPEG-fed il_clip: time waiting for data
     python bench.py --codebook_memory                                        # codebook head memory
     python bench.py --script il_clip_softmax.py --method codebook            # a fork's training step
     python bench.py --composer                                               # COMPOSER recursion
@@ -16,7 +17,8 @@ How it measures: il_clip's step on one synthetic on-device batch, timed between 
 distill steps and 5 spawns in 48k). Memory: CUDA max_memory_allocated; CPU peak RSS (VmHWM) minus the
 RSS before the model was built (a lower bound after the process's first model). A shared CPU drifts,
 so --targets / --data alternate the runs --rounds times and keep the best; compare ratios from one
-run, never across runs. --data: 256 img2dataset-style JPEGs (shorter side 256, q95) in 2 shards.
+run, never across runs. --data: img2dataset-style JPEGs (shorter side 256 or 512, q95) in 2 shards, CPU
+time of main process + workers per image (getrusage).
 --targets times open_clip's CLIP + ClipLoss too where open_clip_torch is installed.
 """
 import argparse
@@ -25,7 +27,9 @@ import gc
 import io
 import itertools
 import math
+import multiprocessing as mp
 import os
+import resource
 import statistics
 import sys
 import tarfile
@@ -228,9 +232,9 @@ def alternating_rounds(args, device, methods):
 
 # --data: the input pipeline alone
 def cpu_seconds():
-    """CPU time of this process and its joined children (the loader's workers)."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    """CPU time of this process and its joined children (the loader's workers), to the microsecond."""
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
 
 
 def loader_epoch(pattern, size, workers, batch, tok=None, max_batches=None):
@@ -245,10 +249,59 @@ def loader_epoch(pattern, size, workers, batch, tok=None, max_batches=None):
     return m / (time.perf_counter() - t), (cpu_seconds() - c) / (n + m) * 1e3, n + m, loader.skipped
 
 
+def jpeg_shards(folder, n, short_side, shards=2):
+    """n shapes scenes as img2dataset writes them (4:3, shorter side `short_side`, JPEG q95, noise for
+    photo-like sizes) in `shards` tars of KEY.jpg + KEY.txt with NNNNN_stats.json -> (brace pattern, JPEGs)."""
+    rng, jpegs = np.random.default_rng(0), []
+    for i in range(n):
+        scene = data.shapes_scene("train", i)
+        x = np.asarray(scene.image.resize((short_side * 4 // 3, short_side), Image.BICUBIC), np.float32)
+        buf = io.BytesIO()
+        Image.fromarray(np.clip(x + rng.normal(0, 12, x.shape), 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=95)
+        jpegs.append((buf.getvalue(), scene.caption))
+    for s in range(shards):
+        keys = range(s, n, shards)
+        with tarfile.open(os.path.join(folder, f"{s:05d}.tar"), "w") as tf:
+            for i, ext in itertools.product(keys, ("jpg", "txt")):
+                blob = jpegs[i][0] if ext == "jpg" else jpegs[i][1].encode()
+                info = tarfile.TarInfo(f"{i:09d}.{ext}")
+                info.size = len(blob)
+                tf.addfile(info, io.BytesIO(blob))
+        data.save_json(os.path.join(folder, f"{s:05d}_stats.json"), {"successes": len(keys)})
+    return os.path.join(folder, f"{{00000..{shards - 1:05d}}}.tar"), [j for j, _ in jpegs]
+
+
+def plain_loop(jpegs, size):
+    """CPU ms/image of the least a loader does: decode, RGB, a centred crop of 95% of the area (the mean of
+    make_loader's training crop, scale 0.9-1) resized to size x size (bicubic), a uint8 tensor. No draft."""
+    c = cpu_seconds()
+    for b in jpegs:
+        img = Image.open(io.BytesIO(b)).convert("RGB")
+        w, h = img.size
+        cw, ch = round(w * 0.95 ** 0.5), round(h * 0.95 ** 0.5)
+        img = img.resize((size, size), Image.BICUBIC, box=((w - cw) // 2, (h - ch) // 2, (w + cw) // 2, (h + ch) // 2))
+        torch.from_numpy(np.array(img))
+    return (cpu_seconds() - c) / len(jpegs) * 1e3
+
+
+def plain_parallel(jpegs, size, n):
+    """plain_loop run by n forked processes at once, each on its share: CPU ms/image with as many busy cores as
+    make_loader's n workers (two busy cores slow each other: shared caches, memory bandwidth, clocks)."""
+    ps = [mp.get_context("fork").Process(target=plain_loop, args=(jpegs[i::n], size)) for i in range(n)]
+    c = cpu_seconds()
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join()
+    return (cpu_seconds() - c) / len(jpegs) * 1e3
+
+
 def bench_data(args, device):
     """`--data SPEC`: that data through make_loader (decode or render + augment + tokenize). `--data`:
-    256 shapes scenes as img2dataset writes them (shorter side 256, JPEG q95, noise for photo-like
-    sizes) in 2 tar shards; a plain PIL loop and make_loader alternated --rounds times, best kept."""
+    --images shapes scenes as img2dataset JPEGs, stored at 256 px (img2dataset's default; decoded in
+    full for 224) and at 512 px (JPEG draft decoding at 1/2), read at 224 px by a plain PIL loop and by
+    make_loader with 0 and --num_workers workers, alternated --rounds times, the least CPU kept; N workers are also
+    set against N plain loops at once (as many busy cores). `--feed R`: the cores that R samples/s take."""
     B, workers = args.batch_size, args.num_workers if args.num_workers is not None else 2
     if args.data != "jpeg":
         tok = data.build_tokenizer(captions=data.captions_for_tokenizer(args.data), vocab_size=1000, context_length=32)
@@ -257,35 +310,64 @@ def bench_data(args, device):
         print(f"data {args.data}: image {size}, batch {B}, num_workers {workers}: {rate:,.1f} samples/s, "
               f"{cpu_ms:.2f} CPU ms/sample, {n} samples (first batch and tokenizer not timed), skipped {skipped}")
         return 0
-    rng, jpegs, plain, loader = np.random.default_rng(0), [], [], []
-    for i in range(256):
-        x = np.asarray(data.shapes_scene("train", i).image.resize((341, 256), Image.BICUBIC), np.float32)
-        buf = io.BytesIO()
-        Image.fromarray(np.clip(x + rng.normal(0, 12, x.shape), 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=95)
-        jpegs.append(buf.getvalue())
+    print(f"{args.images} img2dataset JPEGs in 2 shards read at 224 px, batch {B}, {os.cpu_count()} CPUs, CPU ms per "
+          f"image (main process + workers, worker start-up included), least of {args.rounds} rounds:")
+    costs = {}
+    for stored in (256, 512):
+        with tempfile.TemporaryDirectory() as d:
+            pattern, jpegs = jpeg_shards(d, args.images, stored)
+            runs = {k: [] for k in ("plain", "parallel", 0, workers)}
+            for _ in range(args.rounds):
+                runs["plain"].append(plain_loop(jpegs, 224))
+                runs["parallel"].append(plain_parallel(jpegs, 224, max(1, workers)))
+                for w in (0, workers):
+                    runs[w].append(loader_epoch(pattern, 224, w, B)[1])
+        (plain, parallel), ms = (min(runs[k]) for k in ("plain", "parallel")), {w: min(runs[w]) for w in (0, workers)}
+        costs[stored] = ms[workers]
+        kib = sum(map(len, jpegs)) / len(jpegs) / 1024
+        print(f"  stored {stored} px ({kib:.0f} KiB){', draft 1/2' * (stored == 512)}: "
+              f"plain PIL loop {plain:.2f}; make_loader 0 workers {ms[0]:.2f} ({ms[0] / plain:.2f}x plain), "
+              f"{workers} workers {ms[workers]:.2f} ({ms[workers] / plain:.2f}x plain; {ms[workers] / parallel:.2f}x "
+              f"{max(1, workers)} plain loops at once, {parallel:.2f})")
+    if args.feed:
+        print(f"  feeding {args.feed:,.0f} samples/s takes " + ", ".join(
+            f"{math.ceil(args.feed * ms / 1e3)} cores at {stored} px" for stored, ms in costs.items())
+              + " (cores as fast as these; make_loader's main process included)")
+    return 0
+
+
+def bench_data_wait(args, device):
+    """`--data_wait`: il_clip's model trained on JPEG shards (img2dataset-style, 256 px) through make_loader
+    with --num_workers workers: the fraction of step time spent waiting for the next batch."""
+    B, workers = args.batch_size, args.num_workers if args.num_workers is not None else 2
     with tempfile.TemporaryDirectory() as d:
-        for s in range(2):              # img2dataset's layout: NNNNN.tar of KEY.jpg + KEY.txt, NNNNN_stats.json
-            keys = range(s, len(jpegs), 2)
-            with tarfile.open(os.path.join(d, f"{s:05d}.tar"), "w") as tf:
-                for i, ext in itertools.product(keys, ("jpg", "txt")):
-                    blob = jpegs[i] if ext == "jpg" else f"caption {i}".encode()
-                    info = tarfile.TarInfo(f"{i:09d}.{ext}")
-                    info.size = len(blob)
-                    tf.addfile(info, io.BytesIO(blob))
-            data.save_json(os.path.join(d, f"{s:05d}_stats.json"), {"successes": len(keys)})
-        for _ in range(args.rounds):
-            t, c = time.perf_counter(), cpu_seconds()
-            for b in jpegs:             # the plain loop: decode, RGB, bicubic resize of the shorter side
-                img = Image.open(io.BytesIO(b)).convert("RGB")
-                s = 224 / min(img.size)
-                img.resize((round(img.size[0] * s), round(img.size[1] * s)), Image.BICUBIC)
-            plain.append((len(jpegs) / (time.perf_counter() - t), (cpu_seconds() - c) / len(jpegs) * 1e3))
-            loader.append(loader_epoch(os.path.join(d, "{00000..00001}.tar"), 224, workers, B)[:2])
-    (plain_rate, plain_ms), (rate, loader_ms) = max(plain), max(loader)
-    print(f"{len(jpegs)} JPEGs ({sum(map(len, jpegs)) / len(jpegs) / 1024:.0f} KiB each) in 2 img2dataset shards, "
-          f"224 px, {os.cpu_count()} CPUs, best of {args.rounds} rounds:\n  plain PIL loop {plain_rate:,.1f} img/s "
-          f"({plain_ms:.2f} CPU ms/img); make_loader with {workers} workers {rate:,.1f} img/s ({loader_ms:.2f} CPU "
-          f"ms/img, main + workers): {rate / plain_rate:.2f}x")
+        pattern, _ = jpeg_shards(d, max(args.images, B * (args.steps + args.untimed + 1)), 256)
+        tok = data.build_tokenizer(captions=data.captions_for_tokenizer(pattern), vocab_size=1000, context_length=32)
+        il_args = il_clip.build_args(["--model", args.model, "--method", "clip", "--data", pattern])
+        cfg = il_clip.model_config(il_args, tok)
+        model, opt = il_clip.build_model_and_optimizer(il_args, cfg, device)
+        il_clip.set_trainable(model, il_args, "train", None)
+        bf16 = args.dtype == "bf16"
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        batches = data.make_loader(pattern, batch_size=B, tokenizer=tok, image_size=cfg.image_size, num_workers=workers,
+                                   pin_memory=device.type == "cuda").forever()
+        wait = total = 0.0
+        for i in range(args.untimed + args.steps):        # the first steps start the workers: not timed
+            t0 = time.perf_counter()
+            b = next(batches)
+            t1 = time.perf_counter()
+            with autocast:      # the uint8 batch normalised on the device, as the training scripts do
+                batch = {"image": data.normalize_images(b["image"], device), "text": b["text"]}
+                loss = il_clip.compute_loss(model, batch, "train", None, None, None, il_args)[0]
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync(device)
+            if i >= args.untimed:
+                wait, total = wait + t1 - t0, total + time.perf_counter() - t0
+    print(f"il_clip {args.model} clip on JPEG shards ({cfg.image_size} px from 256 px), batch {B}, {workers} workers, "
+          f"{device_name(device)}, {os.cpu_count()} CPUs: step {total / args.steps * 1e3:.1f} ms, waiting for the next "
+          f"batch {wait / args.steps * 1e3:.1f} ms = {wait / total:.1%} of step time ({args.steps} steps timed)")
     return 0
 
 
@@ -470,7 +552,10 @@ def main(argv=None):
     a("--rounds", type=int, default=2, help="--targets / --data: alternations, best kept")
     a("--data", nargs="?", const="jpeg", default=None, help="the loader alone: JPEG shards vs plain PIL, "
       "or an il_clip.py --data spec")
-    a("--num_workers", type=int, default=None, help="--data: loader workers (default 2)")
+    a("--num_workers", type=int, default=None, help="--data / --data_wait: loader workers (default 2)")
+    a("--images", type=int, default=256, help="--data / --data_wait: JPEGs in the shards")
+    a("--feed", type=float, default=None, help="--data: the cores that this many samples/s take")
+    a("--data_wait", action="store_true", help="il_clip on JPEG shards: the step time spent waiting for data")
     a("--codebook_memory", action="store_true", help="peak memory of the codebook head alone")
     a("--code_dim", type=int, default=512, help="--codebook_memory: D of codes and queries")
     a("--composer", action="store_true", help="level-batched vs node-by-node composition")
@@ -487,7 +572,7 @@ def main(argv=None):
     args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     args.batch_size = args.batch_size or (64 if args.model == "tiny" and not args.codebook_memory else 256)
     for mode, bench in (("data", bench_data), ("codebook_memory", bench_codebook_memory), ("composer", bench_composer),
-                        ("targets", bench_targets)):
+                        ("targets", bench_targets), ("data_wait", bench_data_wait)):
         if getattr(args, mode):
             return bench(args, device)
     report_train(args, run_trainer(args, args.method, device), device)

@@ -1,20 +1,17 @@
 """
 data.py -- the one module shared by every script of this repo.
 
-  * the built-in `shapes` dataset: procedural images of 1-3 coloured shapes in spatial
-    relations, captions from a small grammar with gold PTB trees, and a compositional test
-    set with SugarCrepe-style hard negatives, a systematicity split (held-out
-    colour-shape compounds) and a productivity split (longer captions);
-  * the tokenizer (CLIP BPE from `bpe_simple_vocab_16e6.txt.gz`, or a BPE trained on the
-    training captions), built with the `tokenizers` library;
-  * image transforms written with PIL + numpy + torch (no torchvision);
-  * readers for real data -- webdataset/img2dataset tar shards (streamed with `tarfile`),
-    open_clip CSV/TSV, Karpathy split JSON, ImageFolder, and the presets cc3m / cc12m /
-    datacomp under $DATA_ROOT -- behind one `make_loader(spec, ...)`; the loaders split the
-    data across DDP ranks and dataloader workers, skip and count bad samples, and save a
-    position that a resumed run continues from with exactly the next batch;
-  * what the training scripts share around the method: durable and atomic file writes, and the
-    weights reader (OpenAI / open_clip files, the activation they imply, a one-line key check).
+  * the built-in `shapes` dataset: procedural images of 1-3 coloured shapes in spatial relations,
+    captions from a small grammar with gold PTB trees, a compositional test set with SugarCrepe-style
+    hard negatives, a systematicity split (held-out compounds) and a productivity split (longer captions);
+  * the tokenizer (CLIP BPE from `bpe_simple_vocab_16e6.txt.gz`, or a BPE trained on the training
+    captions), built with the `tokenizers` library; image transforms with PIL + numpy + torch;
+  * readers for real data -- webdataset/img2dataset tar shards, open_clip CSV/TSV, Karpathy split JSON,
+    ImageFolder, the presets cc3m / cc12m / datacomp under $DATA_ROOT -- behind one `make_loader(spec)`,
+    whose uint8 image batches the training step normalises on the device (normalize_images); loaders
+    split the data across DDP ranks and workers, skip and count bad samples, and resume exactly;
+  * what the training scripts share around the method: durable and atomic file writes, the weights
+    reader (OpenAI / open_clip files, the activation they imply, a one-line key check), results over seeds.
 
 Commands:
   python data.py make-shapes --out_dir DIR [--train N --test N --seed S --shard_size N]
@@ -45,6 +42,7 @@ from dataclasses import dataclass, field
 
 import ftfy
 import numpy as np
+import numpy.random  # noqa: F401  numpy 2 imports it lazily: here once, not in each forked worker (torch seeds it)
 import torch
 from braceexpand import UnbalancedBracesError, braceexpand
 from PIL import Image, ImageDraw
@@ -57,23 +55,14 @@ class DataError(Exception):
 # -----------------------------------------------------------------------------
 # The `shapes` dataset
 #
-# Grammar (every caption is lower case, no punctuation):
-#   object   := ("a"|"an") [size] colour shape          e.g. "a small red circle", "an orange star"
-#   relation := "to the left of" | "to the right of" | "above" | "below"
-#   caption  := object                                  (1 object)
-#             | object relation object                  (2 objects)
-#             | object "is" relation object             (2 objects, copula form)
-#             | object "and" object                     (2 objects, no relation)
-#             | object relation object "and" object     (3 objects; the relation binds the
-#                                                        first two, the third is only present)
-#             | object relation object relation object  (productivity split only: a chain,
-#                                                        A rel1 B and B rel2 C)
-# Size words are mentioned with probability 1/2 per object, so "add_att" negatives exist.
-# Relations are geometric and unambiguous: objects of a related pair are placed so that
-# |dx| and |dy| of their centres differ by at least RELATION_MARGIN pixels, and exactly one
-# of the four relations holds between any ordered pair.
-# Held-out compounds (systematicity): one colour-shape pair per colour never occurs in
-# the train/val/test splits, in images or captions, including hard negatives.
+# Grammar (every caption is lower case, no punctuation): an object is ("a"|"an") [size] colour shape, e.g. "a small red
+# circle", "an orange star"; a relation is "to the left of" | "to the right of" | "above" | "below"; a caption is one
+# of CAPTION_FORMS below ("rel_and": the relation binds the first two objects, the third is only present; "chain", A
+# rel1 B and B rel2 C, in the productivity split only). Size words are mentioned with probability 1/2 per object, so
+# "add_att" negatives exist. Relations are geometric and unambiguous: objects of a related pair are placed so that |dx|
+# and |dy| of their centres differ by at least RELATION_MARGIN pixels, and exactly one of the four relations holds
+# between any ordered pair. Held-out compounds (systematicity): one colour-shape pair per colour never occurs in the
+# train/val/test splits, in images or captions, including hard negatives.
 
 SHAPE_NAMES = ["circle", "square", "triangle", "star", "cross", "diamond"]
 COLOURS = {
@@ -162,15 +151,10 @@ def render_caption(s: CaptionStruct, word=None) -> str:
     word, parts = word or (lambda kind, value: value), {}
     for i, p in enumerate(s.phrases):
         words = ([word("size", p.size)] if p.size else []) + [word("colour", p.colour)] + word("shape", p.shape).split()
-        parts[f"w{i}"] = ["an" if words[0][0] in "aeiou" else "a"] + words  # = _article(p) for the grammar's words
+        parts[f"w{i}"] = ["an" if words[0][0] in "aeiou" else "a"] + words
     parts.update((f"r{i}", word("relation", rel).split()) for i, rel in enumerate(s.relations))
     words = [parts[t] if t[1:].isdigit() else [t] for t in CAPTION_FORMS[s.form].split()]
     return " ".join(w for ws in words for w in ws)
-
-
-def _np_tree(p: Phrase) -> str:
-    size = f" (JJ {p.size})" if p.size else ""
-    return f"(NP (DT {_article(p)}){size} (JJ {p.colour}) (NN {p.shape}))"
 
 
 def _pp_tree(relation: str, np_tree: str) -> str:
@@ -180,23 +164,20 @@ def _pp_tree(relation: str, np_tree: str) -> str:
     return f"(PP (TO to) (NP (NP (DT the) (NN {side})) (PP (IN of) {np_tree})))"
 
 
+# caption form -> its PTB tree: {0}..{2} the phrases' NPs, {pp} the PP of relation 0 (a chain's: of NP 1 + PP 1)
+TREE_FORMS = {"single": "(ROOT {0})", "rel": "(ROOT (NP {0} {pp}))", "copula": "(ROOT (S {0} (VP (VBZ is) {pp})))",
+              "and": "(ROOT (NP {0} (CC and) {1}))", "rel_and": "(ROOT (NP (NP {0} {pp}) (CC and) {2}))",
+              "chain": "(ROOT (NP {0} {pp}))"}
+
+
 def caption_tree(s: CaptionStruct) -> str:
     """Gold PTB constituency tree of a caption (Penn Treebank tags, one root)."""
-    n = [_np_tree(p) for p in s.phrases]
-    if s.form == "single":
-        return f"(ROOT {n[0]})"
-    if s.form == "rel":
-        return f"(ROOT (NP {n[0]} {_pp_tree(s.relations[0], n[1])}))"
-    if s.form == "copula":
-        return f"(ROOT (S {n[0]} (VP (VBZ is) {_pp_tree(s.relations[0], n[1])})))"
-    if s.form == "and":
-        return f"(ROOT (NP {n[0]} (CC and) {n[1]}))"
-    if s.form == "rel_and":
-        return f"(ROOT (NP (NP {n[0]} {_pp_tree(s.relations[0], n[1])}) (CC and) {n[2]}))"
-    if s.form == "chain":
-        inner = f"(NP {n[1]} {_pp_tree(s.relations[1], n[2])})"
-        return f"(ROOT (NP {n[0]} {_pp_tree(s.relations[0], inner)}))"
-    raise ValueError(f"unknown caption form {s.form!r}")
+    if s.form not in TREE_FORMS:
+        raise ValueError(f"unknown caption form {s.form!r}")
+    n = [f"(NP (DT {_article(p)}){f' (JJ {p.size})' if p.size else ''} (JJ {p.colour}) (NN {p.shape}))"
+         for p in s.phrases]
+    obj = f"(NP {n[1]} {_pp_tree(s.relations[1], n[2])})" if s.form == "chain" else n[1 % len(n)]
+    return TREE_FORMS[s.form].format(*n, pp=_pp_tree(s.relations[0], obj) if s.relations else "")
 
 
 def caption_is_true(s: CaptionStruct, objects: list) -> bool:
@@ -222,10 +203,8 @@ def _place(rng: random.Random, objects: list, related: list, image_size: int) ->
     scale = image_size / SHAPES_IMAGE_SIZE
     for _ in range(200):
         for o in objects:
-            lo, hi = SIZE_RADIUS[o.size]
-            r = rng.uniform(lo, hi) * scale
-            cx = rng.uniform(r + 1, image_size - r - 1)
-            cy = rng.uniform(r + 1, image_size - r - 1)
+            r = rng.uniform(*SIZE_RADIUS[o.size]) * scale
+            cx, cy = (rng.uniform(r + 1, image_size - r - 1) for _ in range(2))
             o.box = (round(cx - r), round(cy - r), round(cx + r), round(cy + r))
         overlap = any(
             math.dist(a.centre, b.centre) < (a.box[2] - a.box[0] + b.box[2] - b.box[0]) / 2 + 2 * scale
@@ -264,12 +243,10 @@ def _draw_object(draw: ImageDraw.ImageDraw, o: Obj, rgb: tuple):
 def render_scene(objects: list, rng: random.Random, image_size: int = SHAPES_IMAGE_SIZE) -> Image.Image:
     """Dark, slightly varied background; every object's colour jittered by up to +-20 per
     channel so that colour names are categories, not single pixel values."""
-    bg = tuple(rng.randint(10, 60) for _ in range(3))
-    img = Image.new("RGB", (image_size, image_size), bg)
+    img = Image.new("RGB", (image_size, image_size), tuple(rng.randint(10, 60) for _ in range(3)))
     draw = ImageDraw.Draw(img)
     for o in objects:
-        rgb = tuple(min(255, max(0, v + rng.randint(-20, 20))) for v in COLOURS[o.colour])
-        _draw_object(draw, o, rgb)
+        _draw_object(draw, o, tuple(min(255, max(0, v + rng.randint(-20, 20))) for v in COLOURS[o.colour]))
     return img
 
 
@@ -331,11 +308,9 @@ def _negative_candidates(category: str, s: CaptionStruct, objects: list, rng: ra
             out += [_copy_struct(s, i, colour=x) for x in COLOUR_NAMES if x != p.colour]
             if p.size:
                 out.append(_copy_struct(s, i, size="small" if p.size == "large" else "large"))
-    elif category == "replace_rel":
-        for r, rel in enumerate(s.relations):
-            for other in RELATION_NAMES:
-                if other != rel:
-                    t = _copy_struct(s); t.relations[r] = other; out.append(t)
+    elif category == "replace_rel":     # relation r by another (the phrases are never changed: shared)
+        out = [CaptionStruct(s.form, s.phrases, [x if q == r else y for q, y in enumerate(s.relations)])
+               for r, rel in enumerate(s.relations) for x in RELATION_NAMES if x != rel]
     elif category in ("swap_obj", "swap_att"):
         fields = ("shape",) if category == "swap_obj" else ("colour", "size")
         for i, j in itertools.combinations(range(k), 2):
@@ -343,14 +318,11 @@ def _negative_candidates(category: str, s: CaptionStruct, objects: list, rng: ra
                 a, b = getattr(s.phrases[i], f), getattr(s.phrases[j], f)
                 if a and b and a != b:
                     t = _copy_struct(s, i, **{f: b}); setattr(t.phrases[j], f, a); out.append(t)
-    elif category == "add_obj":
-        if s.form in ("single", "rel", "and"):  # append "and a <absent object>"
-            for c, sh in SEEN_COMPOUNDS:
-                extra = Phrase(c, sh, rng.choice([None, *SIZE_NAMES]))
-                if s.form == "single":
-                    out.append(CaptionStruct("and", [s.phrases[0], extra]))
-                elif s.form == "rel":
-                    out.append(CaptionStruct("rel_and", [*s.phrases, extra], list(s.relations)))
+    elif category == "add_obj":     # append "and a <absent object>" (sizes drawn for an "and" too: same stream)
+        extras = [Phrase(c, sh, rng.choice([None, *SIZE_NAMES])) for c, sh in SEEN_COMPOUNDS] if s.form in (
+            "single", "rel", "and") else []
+        out = [CaptionStruct({"single": "and", "rel": "rel_and"}[s.form], [*s.phrases, x], list(s.relations))
+               for x in extras if s.form != "and"]
     elif category == "add_att":     # phrases are made in object order, so phrase i describes objects[i]
         out = [_copy_struct(s, i, size="small" if objects[i].size == "large" else "large")
                for i, p in enumerate(s.phrases) if p.size is None]
@@ -367,46 +339,39 @@ def make_negative(category: str, scene: Scene, rng: random.Random, allow_held_ou
     for t in cands:
         seen = all((p.colour, p.shape) not in HELD_OUT_COMPOUNDS for p in t.phrases)
         if (allow_held_out or seen) and not caption_is_true(t, scene.objects):
-            text = render_caption(t)
-            if text != scene.caption:
+            if (text := render_caption(t)) != scene.caption:
                 return text
     return None
 
 
 def shapes_benchmark(seed: int = 0, n: int = 1000, image_size: int = SHAPES_IMAGE_SIZE) -> dict:
-    """The built-in compositional benchmark. For each SugarCrepe category, n items
-    {"image", "caption", "negative_caption"} drawn from the test split (scenes that admit no
-    negative of the category are skipped); for systematicity / productivity, n items
-    {"image", "caption", "negatives", "negative_categories"} (CREPE style: R@1 among the
-    positive + negatives; `negative_categories[i]` is the category that made negatives[i])."""
-    out = {}
-    for c, category in enumerate(SHAPES_CATEGORIES):
-        items, index = [], 0
-        rng = random.Random(f"shapes-bench/{seed}/{category}")
-        while len(items) < n:
-            # each category walks its own stream of test-split scenes
-            scene = shapes_scene("test", 1_000_000 * (c + 1) + index, seed, image_size)
-            index += 1
-            neg = make_negative(category, scene, rng)
-            if neg is not None:
-                items.append({"image": scene.image, "caption": scene.caption, "negative_caption": neg})
-        out[category] = items
+    """The built-in compositional benchmark. For each SugarCrepe category, n items {"image", "caption",
+    "negative_caption"} drawn from the test split (scenes that admit no negative of the category are skipped); for
+    systematicity / productivity, n items {"image", "caption", "negatives", "negative_categories"} (CREPE style: R@1
+    among the positive + negatives; `negative_categories[i]` is the category that made negatives[i])."""
+    def first_n(split, start, item):    # item(scene) of scenes start, start + 1, ...: the first n that are not None
+        return list(itertools.islice(filter(None, (item(shapes_scene(split, start + i, seed, image_size))
+                                                   for i in itertools.count())), n))
+
+    def pair(scene, category, rng):
+        neg = make_negative(category, scene, rng)
+        return neg and {"image": scene.image, "caption": scene.caption, "negative_caption": neg}
+
+    def crepe(scene, cats, rng):
+        found = {}  # negative -> the first category that made it (None: a category that made none)
+        for cat in cats:
+            found.setdefault(make_negative(cat, scene, rng, allow_held_out=True), cat)
+        found.pop(None, None)
+        return len(found) >= 2 and {"image": scene.image, "caption": scene.caption, "negatives": list(found),
+                                    "negative_categories": list(found.values())}
+    out = {}    # (first_n consumes each lambda at once: no late binding)
+    for c, cat in enumerate(SHAPES_CATEGORIES):     # each category walks its own stream of test-split scenes
+        rng = random.Random(f"shapes-bench/{seed}/{cat}")
+        out[cat] = first_n("test", 1_000_000 * (c + 1), lambda s: pair(s, cat, rng))
     for split, cats in (("systematicity", ["swap_att", "swap_obj", "replace_att", "replace_obj"]),
                         ("productivity", ["replace_rel", "swap_obj", "swap_att", "replace_att"])):
-        items, index = [], 0
         rng = random.Random(f"shapes-bench/{seed}/{split}")
-        while len(items) < n:
-            scene = shapes_scene(split, index, seed, image_size)
-            index += 1
-            found = {}  # negative -> the first category that made it
-            for cat in cats:
-                neg = make_negative(cat, scene, rng, allow_held_out=True)
-                if neg is not None:
-                    found.setdefault(neg, cat)
-            if len(found) >= 2:
-                items.append({"image": scene.image, "caption": scene.caption, "negatives": list(found),
-                              "negative_categories": list(found.values())})
-        out[split] = items
+        out[split] = first_n(split, 0, lambda s: crepe(s, cats, rng))
     return out
 
 
@@ -441,9 +406,8 @@ SOT_TOKEN, EOT_TOKEN, PAD_TOKEN, UNK_TOKEN = "<|startoftext|>", "<|endoftext|>",
 
 
 class Tokenizer:
-    """Captions -> LongTensor [B, context_length]: SOT, BPE ids, EOT, then pad id 0.
-    Every caption is cleaned as OpenAI's (clip_clean) before the BPE. Truncation keeps EOT as
-    the last token (as OpenAI CLIP's `truncate=True`)."""
+    """Captions -> LongTensor [B, context_length]: SOT, BPE ids, EOT, then pad id 0. Every caption is cleaned as
+    OpenAI's (clip_clean) before the BPE. Truncation keeps EOT as the last token (as OpenAI CLIP's `truncate=True`)."""
 
     def __init__(self, backend, kind: str, context_length: int = 77):
         backend = _special_tokens_not_in_text(backend)      # also for tokenizer.json files saved before
@@ -454,11 +418,9 @@ class Tokenizer:
         self.vocab_size = backend.get_vocab_size()
 
     def __call__(self, texts) -> torch.Tensor:
-        if isinstance(texts, str):
-            texts = [texts]
+        texts = [texts] if isinstance(texts, str) else texts
         out = torch.zeros(len(texts), self.context_length, dtype=torch.long)
-        cleaned = [clip_clean(t) for t in texts]
-        for row, enc in enumerate(self.backend.encode_batch(cleaned, add_special_tokens=False)):
+        for row, enc in enumerate(self.backend.encode_batch([clip_clean(t) for t in texts], add_special_tokens=False)):
             ids = [self.sot_id] + enc.ids[: self.context_length - 2] + [self.eot_id]
             out[row, : len(ids)] = torch.tensor(ids)
         return out
@@ -503,13 +465,13 @@ def _special_tokens_not_in_text(backend):
 
 def _clip_normalizer_and_pretokenizer():
     from tokenizers import Regex, normalizers, pre_tokenizers
-    # OpenAI CLIP: whitespace cleanup + lower-case (for the trained BPE; the CLIP BPE gets
-    # clip_clean's text and no normalizer), then its word regex, then byte-level chars
+    # OpenAI CLIP: whitespace cleanup + lower-case (for the trained BPE; the CLIP BPE gets clip_clean's text and no
+    # normalizer), then its word regex, then byte-level chars
     normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "),
                                        normalizers.Strip(), normalizers.Lowercase()])
-    # no special-token alternatives (open_clip's SimpleTokenizer): a caption that contains the
-    # text "<|endoftext|>" must not put an EOT id mid-sequence, where argmax pooling would stop
-    # contractions case-insensitive, as open_clip's re.IGNORECASE: "'ſ" (long s) is "'s" there
+    # no special-token alternatives (open_clip's SimpleTokenizer): a caption that contains the text "<|endoftext|>"
+    # must not put an EOT id mid-sequence, where argmax pooling would stop; contractions case-insensitive, as
+    # open_clip's re.IGNORECASE: "'ſ" (long s) is "'s" there
     pattern = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
     pre = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="removed", invert=True),
                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -535,12 +497,10 @@ def clip_bpe_tokenizer(vocab_path: str, context_length: int = 77) -> Tokenizer:
     vocab = chars + [c + "</w>" for c in chars] + ["".join(m) for m in merges] + [SOT_TOKEN, EOT_TOKEN]
     backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(vocab)}, merges=merges,
                                  end_of_word_suffix="</w>", continuing_subword_prefix="", unk_token=EOT_TOKEN))
-    # no normalizer: clip_clean already did OpenAI's; a second NFC or the Rust lower-case (no
-    # final sigma) would change ids
+    # no normalizer: clip_clean already did OpenAI's; a second NFC or the Rust lower-case (no final sigma) changes ids
     backend.pre_tokenizer = _clip_normalizer_and_pretokenizer()[1]
     backend.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Replace("</w>", " ")])
-    # SOT/EOT stay plain vocabulary entries, not added special tokens, which `tokenizers` would
-    # match inside caption text
+    # SOT/EOT stay plain vocabulary entries, not added special tokens, which `tokenizers` would match inside captions
     return Tokenizer(backend, "clip_bpe", context_length)
 
 
@@ -549,13 +509,11 @@ def trained_bpe_tokenizer(captions, vocab_size: int = 1000, context_length: int 
     vocabulary is given. Ids: 0 pad, 1 SOT, 2 EOT, 3 unk. All 256 bytes are in the alphabet,
     so no text is ever unknown; lower-case and whitespace cleanup as CLIP's."""
     from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
-    captions = [clip_clean(c) for c in captions if c and c.strip()]
-    if not captions:
+    if not (captions := [clip_clean(c) for c in captions if c and c.strip()]):
         raise DataError("cannot train a tokenizer: no captions")
     backend = Backend(models.BPE(unk_token=UNK_TOKEN))
-    backend.normalizer = _clip_normalizer_and_pretokenizer()[0]
+    backend.normalizer, backend.decoder = _clip_normalizer_and_pretokenizer()[0], decoders.ByteLevel()
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
-    backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD_TOKEN, SOT_TOKEN, EOT_TOKEN, UNK_TOKEN],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     backend.train_from_iterator(captions, trainer=trainer)
@@ -564,15 +522,15 @@ def trained_bpe_tokenizer(captions, vocab_size: int = 1000, context_length: int 
 
 def build_tokenizer(vocab_path: str | None = None, captions=None, vocab_size: int = 1000,
                     context_length: int = 77) -> Tokenizer:
-    if vocab_path:
-        return clip_bpe_tokenizer(vocab_path, context_length)
-    return trained_bpe_tokenizer(captions or [], vocab_size, context_length)
+    return (clip_bpe_tokenizer(vocab_path, context_length) if vocab_path
+            else trained_bpe_tokenizer(captions or [], vocab_size, context_length))
 
 
 # -----------------------------------------------------------------------------
-# Transforms: PIL image -> float tensor [3, S, S]; each random transform takes an optional
-# `rng` (random.Random) so a dataset can make augmentation a pure function of
-# (seed, epoch, index): a resumed run then sees exactly the same pixels.
+# Transforms: PIL image -> uint8 tensor [3, S, S] (normalize_images makes it float on the device);
+# each random transform takes an optional `rng` (random.Random) so a dataset can make augmentation a
+# pure function of (seed, epoch, index): a resumed run then sees exactly the same pixels. A
+# transform's `draft` is the shorter side a JPEG may be decoded down to (see make_sample).
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -580,7 +538,7 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 class Compose:
     def __init__(self, transforms):
-        self.transforms = transforms
+        self.transforms, self.draft = transforms, getattr(transforms[0], "draft", None)   # the first step's need
 
     def __call__(self, img, rng=None):
         rng = rng or random
@@ -590,14 +548,14 @@ class Compose:
 
 
 class RandomResizedCrop:
-    """torchvision's RandomResizedCrop: a random area fraction in `scale` with aspect ratio in
-    `ratio` (log-uniform), 10 tries, else its fallback (the whole image, clamped to `ratio`, centred);
-    resized to size x size with bicubic. Choice: the crop is resampled with PIL's `box` (the
-    filter may read pixels just outside the crop, as a crop of the real scene would) where
-    torchvision crops first and resizes the cut-out; sizes and offsets are torchvision's."""
+    """torchvision's RandomResizedCrop: a random area fraction in `scale` with aspect ratio in `ratio` (log-uniform),
+    10 tries, else its fallback (the whole image, clamped to `ratio`, centred); resized to size x size with bicubic.
+    Choice: the crop is resampled with PIL's `box` (the filter may read pixels just outside the crop, as a crop of the
+    real scene would) where torchvision crops first and resizes the cut-out; sizes and offsets are torchvision's."""
 
     def __init__(self, size, scale=(0.9, 1.0), ratio=(3 / 4, 4 / 3)):
         self.size, self.scale, self.ratio = size, scale, ratio
+        self.draft = math.ceil(size / math.sqrt(scale[0]))    # the smallest crop keeps >= size^2 pixels
 
     def __call__(self, img, rng):
         w, h = img.size
@@ -616,12 +574,11 @@ class RandomResizedCrop:
 
 
 class Resize:
-    """torchvision's Resize(size) with bicubic on a PIL image (OpenAI's and open_clip's eval
-    transform): the shorter side becomes `size`, the longer int(size * long / short), truncated
-    (640x480 at 224 -> 298x224, not 299)."""
+    """torchvision's Resize(size) with bicubic on a PIL image (OpenAI's and open_clip's eval transform): the shorter
+    side becomes `size`, the longer int(size * long / short), truncated (640x480 at 224 -> 298x224, not 299)."""
 
     def __init__(self, size):
-        self.size = size
+        self.size = self.draft = size
 
     def __call__(self, img, rng=None):
         w, h = img.size
@@ -648,8 +605,7 @@ class CenterCrop:
 
 
 class RandomFlip:
-    """Horizontal flip with probability p (classification fine-tuning only: a flip turns "left of"
-    into "right of", wrong for captions)."""
+    """Horizontal flip with probability p (classification only: for captions "left of" would become wrong)."""
 
     def __init__(self, p=0.5):
         self.p = p
@@ -658,29 +614,21 @@ class RandomFlip:
         return img.transpose(Image.FLIP_LEFT_RIGHT) if rng.random() < self.p else img
 
 
-class ToNormalizedTensor:
-    """PIL -> float [3, H, W], (x / 255 - mean) / std, bit-identical to the per-pixel float32
-    formula: in numpy (single-threaded, free of torch's intra-op threads) on the channel-first
-    uint8 view, three in-place passes over whole planes (3x faster than channel-last)."""
-
-    def __init__(self, mean=CLIP_MEAN, std=CLIP_STD):
-        self.mean = np.asarray(mean, dtype=np.float32)[:, None, None]
-        self.std = np.asarray(std, dtype=np.float32)[:, None, None]
+class ToTensor:
+    """PIL -> uint8 [3, H, W], contiguous. PIL keeps RGB as 4 bytes a pixel, so packing it one band at a
+    time costs what packing RGB does, and lays the planes out channel-first with no transpose."""
 
     def __call__(self, img, rng=None):
-        x = np.asarray(img if img.mode == "RGB" else img.convert("RGB")).transpose(2, 0, 1)  # uint8 view
-        out = np.empty(x.shape, dtype=np.float32)
-        np.divide(x, np.float32(255.0), out=out)
-        out -= self.mean
-        out /= self.std
-        return torch.from_numpy(out)
+        img = img if img.mode == "RGB" else img.convert("RGB")
+        planes = [np.frombuffer(img.tobytes("raw", band), np.uint8) for band in "RGB"]
+        return torch.from_numpy(np.stack(planes).reshape(3, img.height, img.width))
 
 
 def normalize_images(images: torch.Tensor, device=None) -> torch.Tensor:
-    """A loader's images -> CLIP-normalised float32 on `device`. uint8 [B, 3, H, W] is copied as
-    bytes (non_blocking from pinned memory) and converted on the device, so workers send a quarter
-    of the bytes (timm's PrefetchLoader, FFCV); the arithmetic is ToNormalizedTensor's, op for op.
-    A float tensor is taken as already normalised."""
+    """A loader's images -> CLIP-normalised float32 on `device`: (x / 255 - mean) / std. uint8 [B, 3, H, W] is copied
+    as bytes (non_blocking from pinned memory) and converted on the device, so workers send a quarter of the bytes
+    and skip the arithmetic (timm's PrefetchLoader, FFCV). Three float32 passes: on the CPU bit for bit the
+    per-pixel formula. A float tensor is taken as already normalised."""
     x = images.to(device, non_blocking=True) if device is not None else images
     if x.dtype != torch.uint8:
         return x
@@ -692,23 +640,22 @@ def normalize_images(images: torch.Tensor, device=None) -> torch.Tensor:
 def train_transform(image_size: int, scale=(0.9, 1.0), flip: bool = False) -> Compose:
     """open_clip's training transform (RandomResizedCrop scale (0.9, 1), no other augmentation, as
     in CLIP), with an optional horizontal flip."""
-    return Compose([RandomResizedCrop(image_size, scale), *([RandomFlip()] if flip else []), ToNormalizedTensor()])
+    return Compose([RandomResizedCrop(image_size, scale), *([RandomFlip()] if flip else []), ToTensor()])
 
 
 def eval_transform(image_size: int) -> Compose:
-    return Compose([Resize(image_size), CenterCrop(image_size), ToNormalizedTensor()])
+    return Compose([Resize(image_size), CenterCrop(image_size), ToTensor()])
 
 
 # -----------------------------------------------------------------------------
 # Samples, batches and bad input
 #
-# Every reader turns one record of the user's data into a sample dict {"image": float
-# [3, S, S], "caption", "tree" (PTB string or None), "key"} or, when the record is bad, into
-# `Skip(reason, where)`. Skips travel inside the batch (batch["_skips"], removed by the
-# loader), so they are counted and logged in the main process whatever the number of
-# dataloader workers. A run that skips more than `max_skip_fraction` (default 10%) of what it
-# reads stops with a DataError: a data set that bad is a wrong path or a broken download,
-# and training on the remainder would be a silently different experiment.
+# Every reader turns one record of the user's data into a sample dict {"image": uint8 [3, S, S], "caption", "tree"
+# (PTB string or None), "key"} or, when the record is bad, into `Skip(reason, where)`. Skips travel inside the
+# batch (batch["_skips"], removed by the loader), so they are counted and logged in the main process whatever the
+# number of workers. A run that skips more than `max_skip_fraction` (default 10%) of what it reads stops with a
+# DataError: a data set that bad is a wrong path or a broken download, and training on the remainder would be a
+# silently different experiment.
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 MAX_SKIP_FRACTION = 0.1
@@ -724,8 +671,7 @@ class Skip:
 
 
 def _save(path: str, blob):
-    """`blob` (bytes, a str written as UTF-8, a PIL image as PNG) as the file `path`, atomically,
-    in a folder made if missing."""
+    """`blob` (bytes, a str as UTF-8, a PIL image as PNG) as the file `path`, atomically, its folder made if missing."""
     if isinstance(blob, Image.Image):
         buf = io.BytesIO()
         blob.save(buf, format="PNG")
@@ -753,6 +699,11 @@ def make_sample(image, caption, tree, key: str, transform, rng):
         return Skip("empty caption", key)
     try:
         img = Image.open(io.BytesIO(image) if isinstance(image, bytes) else image)
+        if img.format == "JPEG" and getattr(transform, "draft", None):
+            # libjpeg's scaled IDCT: a stored image >= 2x the transform's need decodes at 1/2, 1/4 or 1/8 (the
+            # largest scale keeping the shorter side >= draft). Pixels differ from a full decode + bicubic
+            # (accepted: the transform resamples down anyway); smaller JPEGs and PNGs decode as before
+            img.draft("RGB", (transform.draft, transform.draft))
         img.load()
         x = transform(img if img.mode == "RGB" else img.convert("RGB"), rng)   # convert() of RGB is a copy
     except FileNotFoundError:
@@ -763,16 +714,14 @@ def make_sample(image, caption, tree, key: str, transform, rng):
 
 
 def _stack_images(images: list) -> torch.Tensor:
-    """torch.stack's result through numpy: a single-threaded copy, 3x faster on 2 cores (torch's
-    threads compete with training's). In a loader worker the batch is written straight into
-    shared memory (as torch's default_collate), so sending it copies nothing more."""
-    arrays = [x.numpy() for x in images]
+    """torch.stack's result through numpy, a single-threaded copy (torch's threads compete with training's); in a
+    loader worker straight into shared memory (as torch's default_collate), so sending it copies nothing more."""
+    first, shape = images[0], (len(images), *images[0].shape)
     if torch.utils.data.get_worker_info() is None:
-        return torch.from_numpy(np.stack(arrays))   # numpy's allocator: fewer page faults than torch.empty
-    first = images[0]
-    storage = first._typed_storage()._new_shared(len(images) * first.numel(), device=first.device)
-    out = first.new(storage).resize_(len(images), *first.shape)
-    np.stack(arrays, out=out.numpy())
+        out = torch.from_numpy(np.empty(shape, first.numpy().dtype))   # numpy's allocator: fewer page faults
+    else:
+        out = first.new(first._typed_storage()._new_shared(first.numel() * len(images), device=first.device))
+    np.stack([x.numpy() for x in images], out=out.resize_(shape).numpy())
     return out
 
 
@@ -782,9 +731,8 @@ def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> 
     (picklable, (batch, epoch) -> dict) adds entries in the loader's workers, off the training
     loop; the epoch lets it draw anew each epoch and still replay exactly on resume."""
     good = [s for s in samples if isinstance(s, dict)]
-    batch = {"image": _stack_images([s["image"] for s in good]) if good else torch.zeros(0, 3, 0, 0),
-             "caption": [s["caption"] for s in good], "tree": [s.get("tree") for s in good],
-             "key": [s.get("key") for s in good],
+    batch = {"image": _stack_images([s["image"] for s in good]) if good else torch.zeros(0, 3, 0, 0, dtype=torch.uint8),
+             **{k: [s.get(k) for s in good] for k in ("caption", "tree", "key")},
              "_skips": [(s.reason, s.where) if isinstance(s, Skip) else ("bad sample", "?")
                         for s in samples if not isinstance(s, dict)]}
     if good and "label" in good[0]:
@@ -797,8 +745,7 @@ def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> 
 
 
 # -----------------------------------------------------------------------------
-# Map-style datasets: shapes (generated) and files listed by a CSV, a Karpathy JSON or an
-# ImageFolder tree
+# Map-style datasets: shapes (generated) and files listed by a CSV, a Karpathy JSON or an ImageFolder tree
 
 class ShapesDataset(torch.utils.data.Dataset):
     """Map-style view of one shapes split. The shapes images are generated at the model's
@@ -807,9 +754,7 @@ class ShapesDataset(torch.utils.data.Dataset):
 
     def __init__(self, split="train", size=None, seed=0, image_size=SHAPES_IMAGE_SIZE, tokenizer=None):
         self.split, self.seed, self.image_size, self.tokenizer = split, seed, image_size, tokenizer
-        self.size = size or SHAPES_SIZES[split]
-        self.to_tensor = ToNormalizedTensor()
-        self.epoch = 0
+        self.size, self.to_tensor, self.epoch = size or SHAPES_SIZES[split], ToTensor(), 0
 
     def __len__(self):
         return self.size
@@ -820,15 +765,8 @@ class ShapesDataset(torch.utils.data.Dataset):
                 "key": f"{self.split}{index:08d}"}
 
 
-@dataclass
-class Item:
-    """One listed sample: image path (None when the listing has none), caption, tree, and a
-    key that names the image (several captions of one image share it)."""
-    image: str | None
-    caption: str | None
-    tree: str | None
-    key: str
-    label: int | None = None
+# One listed sample: image path (None if not listed), caption, tree, key naming the image (captions share it), label
+Item = collections.namedtuple("Item", "image caption tree key label", defaults=(None,))
 
 
 class FileDataset(torch.utils.data.Dataset):
@@ -842,7 +780,7 @@ class FileDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         it = self.items[index]
-        s = make_sample(it.image, it.caption, it.tree, it.key, self.transform, _sample_rng(self.seed, self.epoch, it.key))
+        s = make_sample(*it[:4], self.transform, _sample_rng(self.seed, self.epoch, it.key))  # it[:4]: image ... key
         if isinstance(s, dict) and it.label is not None:
             s["label"] = it.label
         return s
@@ -854,10 +792,9 @@ def _resolve_image(path, base: str):
 
 def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath", caption_key: str = "title",
               separator: str | None = None, tree_key: str = "tree") -> list:
-    """open_clip's CSV/TSV convention: a header row, columns `filepath` and `title` (names
-    overridable), tab-separated by default (`separator=None` takes a tab when the header
-    has one, else a comma). Relative paths are taken against `image_root` or the CSV's
-    folder. An optional `tree` column carries PTB trees."""
+    """open_clip's CSV/TSV convention: a header row, columns `filepath` and `title` (names overridable),
+    tab-separated by default (`separator=None` takes a tab when the header has one, else a comma). Relative paths
+    are taken against `image_root` or the CSV's folder. An optional `tree` column carries PTB trees."""
     base = image_root or os.path.dirname(os.path.abspath(path))
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of a name
@@ -865,8 +802,7 @@ def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath
             f.seek(0)
             reader = csv.DictReader(f, delimiter=sep)
             columns = reader.fieldnames or []
-            missing = [c for c in (img_key, caption_key) if c not in columns]
-            if missing:
+            if (missing := [c for c in (img_key, caption_key) if c not in columns]):
                 raise DataError(f"{path}: malformed CSV: no column {missing[0]!r} (columns: {columns}; "
                                 f"name the columns with --csv_img_key / --csv_caption_key)")
             name = os.path.basename(path)  # key: the image path as listed, else file name and line
@@ -898,12 +834,12 @@ def _karpathy_images(json_path: str, image_root: str | None, split: str) -> list
             name = os.path.join(im.get("filepath", ""), im["filename"])
             out.append((_resolve_image(name, root), os.path.splitext(name)[0], sents))
     if not out:
-        present = sorted({str(im.get("split")) for im in images})
-        raise DataError(f"{json_path}: no images with split {split!r} (splits present: {', '.join(present)})")
+        raise DataError(f"{json_path}: no images with split {split!r} (splits present: "
+                        f"{', '.join(sorted({str(im.get('split')) for im in images}))})")
     return out
 
 
-def karpathy_items(json_path: str, image_root: str | None = None, split: str = "test", with_trees: bool = False) -> list:
+def karpathy_items(json_path: str, image_root: str | None = None, split: str = "test", with_trees=False) -> list:
     """Per-image caption lists for retrieval evaluation: [(image_path, [captions])], or
     [(image_path, [captions], [trees])] with `with_trees`. Empty captions are left out."""
     out = []
@@ -930,16 +866,14 @@ def image_folder(root: str):
 # -----------------------------------------------------------------------------
 # Webdataset / img2dataset tar shards, read with `tarfile` in streaming mode
 #
-# A record is the group of consecutive members sharing a key (the member name up to the
-# first dot of its base name): {"__key__", "__shard__", "jpg": bytes, "txt": bytes, ...}.
-# A tar that ends early or cannot be read yields one record {"__error__": ...} and stops;
-# the half-read group it was in is dropped with it (counted, never returned half-made).
+# A record is the group of consecutive members sharing a key (the member name up to the first dot of its base
+# name): {"__key__", "__shard__", "jpg": bytes, "txt": bytes, ...}. A tar that ends early or cannot be read yields
+# one record {"__error__": ...} and stops; the half-read group it was in is dropped with it (counted).
 
 
 def expand_braces(pattern: str) -> list:
-    """`dir/{00000..00003}.tar` -> 4 names, by the `braceexpand` package (webdataset's and
-    open_clip's shard lists: {a,b} lists, {1..10..3} / {a..e} ranges, zero padding, escapes);
-    unbalanced braces are a DataError."""
+    """`dir/{00000..00003}.tar` -> 4 names, by the `braceexpand` package (webdataset's and open_clip's shard lists:
+    {a,b} lists, {1..10..3} / {a..e} ranges, zero padding, escapes); unbalanced braces are a DataError."""
     try:
         return list(braceexpand(pattern))
     except UnbalancedBracesError:
@@ -947,8 +881,7 @@ def expand_braces(pattern: str) -> list:
 
 
 def tar_records(path: str, keep_exts=None):
-    """Records of one tar, streaming. keep_exts: read only these members' bytes (others are
-    marked present with b"")."""
+    """Records of one tar, streaming. keep_exts: read only these members' bytes (others are marked present: b"")."""
     cur = None
     try:
         with tarfile.open(path, mode="r|*") as tf:
@@ -962,11 +895,15 @@ def tar_records(path: str, keep_exts=None):
                     if cur is not None:
                         yield cur
                     cur = {"__key__": key, "__shard__": path}
-                ext = ext.lower()
-                cur[ext] = tf.extractfile(m).read() if keep_exts is None or ext in keep_exts else b""
-            # tarfile stops quietly at a header cut short: an uncompressed tar must still hold
-            # its end-of-archive marker (two zero blocks) after the last member
-            if getattr(tf.fileobj, "comptype", "tar") == "tar" and os.path.getsize(path) < tf.offset + 2 * tarfile.BLOCKSIZE:
+                want = keep_exts is None or ext.lower() in keep_exts    # others present as b"", their data skipped
+                # the bytes straight from the stream: an extractfile reader per member was ~45% of this loop's time
+                blob = (tf.fileobj.read(m.size) if m.sparse is None else tf.extractfile(m).read()) if want else b""
+                if len(blob) < m.size * want:
+                    raise tarfile.ReadError("unexpected end of data")
+                cur[ext.lower()] = blob
+            # tarfile stops quietly at a header cut short: an uncompressed tar must still hold its end-of-archive
+            # marker (two zero blocks) after the last member
+            if tf.fileobj.comptype == "tar" and os.path.getsize(path) < tf.offset + 2 * tarfile.BLOCKSIZE:
                 raise tarfile.ReadError("unexpected end of data")
     except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
         what = "empty tar" if cur is None and "empty" in str(e) else "truncated or unreadable tar"
@@ -999,8 +936,8 @@ def _shard_count(path: str) -> int | None:
     stats = os.path.join(folder, name.rsplit(".", 1)[0] + "_stats.json")
     if os.path.exists(stats):
         blob = read_json(stats)
-        if isinstance(blob, dict) and isinstance(blob.get("successes", blob.get("count")), int):
-            return blob.get("successes", blob.get("count"))
+        if isinstance(blob, dict) and isinstance(n := blob.get("successes", blob.get("count")), int):
+            return n
         raise DataError(f"{stats}: malformed img2dataset stats (no 'successes' count)")
     sizes = os.path.join(folder, "sizes.json")
     if os.path.exists(sizes):
@@ -1063,24 +1000,20 @@ def resolve_data(spec: str, image_root: str | None = None) -> dict:
                             f"{img2dataset_command(spec, folder)}")
         return _tar_source(shards)
     if "{" in spec:
-        shards = expand_braces(spec)
-        if not shards:
+        if not (shards := expand_braces(spec)):
             raise DataError(f"{spec}: the brace pattern names no shard")
-        missing = [s for s in shards if not os.path.isfile(s)]
-        if missing:
+        if (missing := [s for s in shards if not os.path.isfile(s)]):
             raise DataError(f"{spec}: {len(missing)} of {len(shards)} shards do not exist, first: {missing[0]}")
         return _tar_source(shards)
     if not os.path.exists(spec):
         raise DataError(f"{spec}: no such file or directory")
     if os.path.isdir(spec):
-        shards = sorted(glob.glob(os.path.join(spec, "*.tar")))
-        if shards:
+        if shards := sorted(glob.glob(os.path.join(spec, "*.tar"))):
             return _tar_source(shards)
         if any(os.path.isdir(os.path.join(spec, d)) for d in os.listdir(spec)):
             return {"kind": "imagefolder", "path": spec, "image_root": image_root}
         raise DataError(f"{spec}: directory has neither .tar shards nor class folders")
-    ext = spec.rsplit(".", 1)[-1].lower()
-    kind = {"tar": "tar", "csv": "csv", "tsv": "csv", "json": "karpathy"}.get(ext)
+    kind = {"tar": "tar", "csv": "csv", "tsv": "csv", "json": "karpathy"}.get(spec.rsplit(".", 1)[-1].lower())
     if kind is None:
         raise DataError(f"{spec}: unknown data format (expected shapes, cc3m/cc12m/datacomp, .tar shards, "
                         f".csv/.tsv, a Karpathy .json or an ImageFolder directory)")
@@ -1104,20 +1037,16 @@ def file_items(src: dict, split: str, csv_options: dict) -> list:
 # batches consumed) so a resumed run continues with exactly the next batch, and count skips.
 
 def _ignore_sigterm(worker_id):
-    """DataLoader worker_init_fn. torchrun's agent and SLURM send SIGTERM to the whole process
-    group: a worker that died of it would crash the rank before it could checkpoint. Workers
-    ignore it (the rank saves, then shuts them down); forked with SIGTERM blocked
-    (_start_workers), they discard one that arrived meanwhile by ignoring it first."""
+    """DataLoader worker_init_fn. torchrun's agent and SLURM send SIGTERM to the whole process group: a worker that
+    died of it would crash the rank before it could checkpoint. Workers ignore it (the rank saves, then shuts them
+    down); forked with SIGTERM blocked (_start_workers), they discard one that arrived meanwhile by ignoring it."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def _start_workers(dl):
-    """iter(dl) with SIGTERM blocked while the workers are forked: between fork and
-    _ignore_sigterm, torch's worker handler would let a SIGTERM sent to the process group kill
-    the worker (and the rank with it). A SIGTERM to this process waits until the unblock."""
-    if dl.num_workers == 0:
-        return iter(dl)
+    """iter(dl) with SIGTERM blocked while the workers are forked: between fork and _ignore_sigterm, torch's worker
+    handler would let a SIGTERM sent to the process group kill the worker (and the rank with it)."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         return iter(dl)
@@ -1126,13 +1055,11 @@ def _start_workers(dl):
 
 
 class _Loader:
-    def __init__(self, name, batch_size, tokenizer, train, rank, world_size, num_workers, seed, drop_last,
-                 max_skip_fraction, num_samples, counted_by=""):
-        self.name, self.batch_size, self.tokenizer = name, batch_size, tokenizer
-        self.train, self.rank, self.world_size = train, rank, world_size
-        self.num_workers, self.seed, self.drop_last = num_workers, seed, drop_last
-        self.max_skip_fraction = max_skip_fraction
-        self.epoch, self.batches_done = 0, 0
+    def __init__(self, batch_size, num_samples, tokenizer=None, train=True, rank=0, world_size=1, num_workers=0, seed=0,
+                 drop_last=True, name="data", max_skip_fraction=MAX_SKIP_FRACTION, counted_by=""):
+        self.name, self.batch_size, self.tokenizer, self.train = name, batch_size, tokenizer, train
+        self.rank, self.world_size, self.num_workers, self.seed = rank, world_size, num_workers, seed
+        self.drop_last, self.max_skip_fraction, self.epoch, self.batches_done = drop_last, max_skip_fraction, 0, 0
         self.good, self.skipped, self.dropped = 0, 0, 0  # dropped: good samples cut by drop_last
         self.skip_reasons = collections.Counter()
         self.num_samples = num_samples      # check_min: SKIP_CHECK_MIN, or one epoch's share where that is smaller
@@ -1140,10 +1067,9 @@ class _Loader:
         if drop_last and num_samples is not None and num_samples < batch_size * world_size:
             raise DataError(f"{name}: {num_samples} samples{counted_by}, fewer than one global batch "
                             f"({batch_size} x {world_size} ranks)")
-        # page-locked batches for a CUDA consumer: the .to(device, non_blocking=True) of the
-        # training loop is then a true async copy that overlaps the running step
-        self.pin_memory = False
-        self.batch_extra = None     # see collate()
+        # page-locked batches for a CUDA consumer: normalize_images' non_blocking copy of the uint8
+        # batch is then a true async copy that overlaps the running step
+        self.pin_memory, self.batch_extra = False, None     # batch_extra: see collate()
 
     def set_epoch(self, epoch):
         if epoch != self.epoch:
@@ -1157,9 +1083,8 @@ class _Loader:
         """The rest of the current epoch; afterwards the loader points at the next epoch."""
         fresh, n_batches = self.batches_done == 0, 0
         dataset, how = self._epoch(fresh)
-        # a private generator: DataLoader otherwise draws its workers' base seed from the global
-        # torch RNG at every iterator, so a resumed run (one iterator more) would shift the RNG
-        # stream of a fork's dropout; samples never depend on it (see _sample_rng)
+        # a private generator: DataLoader otherwise draws its workers' base seed from the global torch RNG at every
+        # iterator, so a resumed run (one iterator more) would shift a fork's dropout; samples never depend on it
         dl = torch.utils.data.DataLoader(dataset, num_workers=self.num_workers, persistent_workers=False,
                                          pin_memory=self.pin_memory, worker_init_fn=_ignore_sigterm,
                                          generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch),
@@ -1172,27 +1097,20 @@ class _Loader:
                 yield batch
         self._check_skips()
         if fresh and n_batches == 0:
-            raise self._no_batch_error()
+            # too little data (a batch larger than the data, every sample bad, no shard for this rank)
+            raise DataError(f"{self.name}: rank {self.rank} got no batch in a whole epoch (samples: {self.good} good, "
+                            f"{self.skipped} skipped, {self.dropped} dropped by drop_last; batch "
+                            f"{self.batch_size} x {self.world_size} ranks x {max(1, self.num_workers)} workers)")
         self.epoch, self.batches_done = self.epoch + 1, 0
         self._new_epoch()
 
     def forever(self):
-        """Batches across epochs without end (for step-based training loops). An epoch that
-        starts from its beginning and gives no batch raises a DataError (in __iter__) instead
-        of spinning."""
+        """Batches across epochs without end (step-based loops); an epoch giving no batch raises, never spins."""
         while True:
             yield from self
 
-    def _no_batch_error(self) -> DataError:
-        """Too little data: a whole epoch gave this rank no batch (a batch larger than the data,
-        every sample bad, no shard for this rank)."""
-        return DataError(f"{self.name}: rank {self.rank} got no batch in a whole epoch (samples: {self.good} good, "
-                         f"{self.skipped} skipped, {self.dropped} dropped by drop_last; batch "
-                         f"{self.batch_size} x {self.world_size} ranks x {max(1, self.num_workers)} workers)")
-
     def _account(self, batch: dict):
-        """Count the batch's samples and skips (logging the first skips); stop the run when
-        more than max_skip_fraction of what was read is bad."""
+        """Count the batch's samples and skips (logging the first); stop past max_skip_fraction bad of all read."""
         for reason, where in batch.pop("_skips"):
             if self.skipped < SKIP_LOG_LINES:
                 log.warning("data: skipped %s: %s", reason, where)
@@ -1207,7 +1125,8 @@ class _Loader:
         seen = self.good + self.skipped + self.dropped
         if seen and self.skipped > self.max_skip_fraction * seen:
             common = ", ".join(f"{r} x{n}" for r, n in self.skip_reasons.most_common(3))
-            raise DataError(f"{self.name}: skipped {self.skipped} of {seen} samples read ({100 * self.skipped / seen:.0f}%; "
+            raise DataError(f"{self.name}: skipped {self.skipped} of {seen} samples read "
+                            f"({100 * self.skipped / seen:.0f}%; "
                             f"{self.good} used, {self.dropped} dropped by drop_last), more than "
                             f"max_skip_fraction={self.max_skip_fraction} ({common})")
 
@@ -1217,34 +1136,24 @@ class _Loader:
 
     def load_state_dict(self, state: dict):
         self.epoch, self.batches_done = int(state["epoch"]), int(state["batches_done"])
-        self.skipped, self.good = int(state.get("skipped", 0)), int(state.get("good", 0))
-        self.dropped = int(state.get("dropped", 0))
+        self.skipped, self.good, self.dropped = (int(state.get(k, 0)) for k in ("skipped", "good", "dropped"))
         self.skip_reasons = collections.Counter(state.get("skip_reasons", {}))
 
 
 class MapLoader(_Loader):
-    """DDP loader over a map-style dataset. Each epoch draws a permutation from (seed, epoch)
-    (the same on every rank), drops the tail so that every rank gets the same number of
-    full batches, and gives rank r the indices r, r + W, r + 2W, ... Its position (epoch,
-    batches consumed) is a JSON-able state, so a resumed run continues with the next batch."""
+    """DDP loader over a map-style dataset. Each epoch draws a permutation from (seed, epoch) (the
+    same on every rank), drops the tail so that every rank gets the same number of full batches,
+    and gives rank r the indices r, r + W, r + 2W, ..."""
 
-    def __init__(self, dataset, batch_size, tokenizer=None, train=True, rank=0, world_size=1, num_workers=0,
-                 seed=0, drop_last=True, name="data", max_skip_fraction=MAX_SKIP_FRACTION):
-        super().__init__(name, batch_size, tokenizer, train, rank, world_size, num_workers, seed, drop_last,
-                         max_skip_fraction, len(dataset))
+    def __init__(self, dataset, batch_size, **options):     # options: _Loader's keywords (tokenizer, train, rank ...)
+        super().__init__(batch_size, len(dataset), **options)
         self.dataset = dataset
 
     def _rank_batches(self) -> list:
-        n = len(self.dataset)
-        if self.train:
-            g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-            order = torch.randperm(n, generator=g).tolist()
-        else:
-            order = list(range(n))
-        per_step = self.batch_size * self.world_size
-        if self.drop_last:
-            order = order[: n // per_step * per_step]
-        mine = order[self.rank::self.world_size]
+        n, per_step = len(self.dataset), self.batch_size * self.world_size
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        order = torch.randperm(n, generator=g).tolist() if self.train else list(range(n))
+        mine = order[: n // per_step * per_step if self.drop_last else n][self.rank::self.world_size]
         return [mine[i:i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
 
     def __len__(self):
@@ -1265,29 +1174,20 @@ class MapLoader(_Loader):
 
 
 class ShardStream(torch.utils.data.IterableDataset):
-    """One (rank, dataloader worker) slot's share of the shards for one epoch, as batches.
-    Slots: S = world_size x max(1, num_workers); slot = rank x workers + worker. Slot s reads
-    shards s, s + S, ... of the list shuffled with (seed, epoch), the same on every rank; with
-    fewer shards than slots, every slot reads all shards and keeps records s, s + S, ... Either
-    way each record is read by exactly one slot per epoch. With `resampled`, slot s instead
-    draws ceil(#shards / S) shards with replacement from (seed, epoch, slot): an epoch is then
-    a nominal pass, and every slot has data. Records go through a shuffle buffer (train) before
-    they are decoded, so a resumed worker replays its stream without decoding."""
+    """One (rank, dataloader worker) slot's share of the shards for one epoch, as batches. Slots: S = world_size x
+    max(1, num_workers); slot = rank x workers + worker. Slot s reads shards s, s + S, ... of the list shuffled with
+    (seed, epoch), the same on every rank; with fewer shards than slots, every slot reads all shards and keeps
+    records s, s + S, ... Either way each record is read by exactly one slot per epoch. With `resampled`, slot s
+    instead draws ceil(#shards / S) shards with replacement from (seed, epoch, slot): an epoch is then a nominal
+    pass, and every slot has data. Records go through a shuffle buffer (train) before they are decoded, so a resumed
+    worker replays its stream without decoding."""
 
-    def __init__(self, shards, batch_size, tokenizer, transform, seed, train, rank, world_size, num_workers,
-                 resampled, drop_last, shuffle_buffer):
-        self.shards, self.batch_size, self.tokenizer, self.transform = shards, batch_size, tokenizer, transform
-        self.seed, self.train, self.rank, self.world_size = seed, train, rank, world_size
-        self.workers, self.resampled, self.drop_last = max(1, num_workers), resampled, drop_last
-        self.shuffle_buffer = shuffle_buffer
-        self.epoch, self.worker_offset = 0, 0
-        self.records_done = [0] * self.workers  # per logical worker: records consumed (resume)
-        self.batch_extra = None
-
-    def _slot(self):
-        info = torch.utils.data.get_worker_info()
-        logical = ((info.id if info else 0) + self.worker_offset) % self.workers
-        return logical, self.rank * self.workers + logical, self.world_size * self.workers
+    def __init__(self, loader, shards, transform, resampled, shuffle_buffer):
+        for k in ("batch_size", "tokenizer", "seed", "train", "rank", "world_size", "drop_last"):
+            setattr(self, k, getattr(loader, k))    # a copy of the loader's settings: workers get this object
+        self.shards, self.transform, self.resampled, self.shuffle_buffer = shards, transform, resampled, shuffle_buffer
+        self.workers, self.epoch, self.worker_offset = max(1, loader.num_workers), 0, 0
+        self.records_done, self.batch_extra = [0] * self.workers, None  # per logical worker: records consumed
 
     def _records(self, slot: int, n_slots: int):
         if self.resampled:
@@ -1307,12 +1207,13 @@ class ShardStream(torch.utils.data.IterableDataset):
         return records
 
     def _batch(self, samples: list, logical: int, records: int, dropped: int = 0) -> dict:
-        batch = collate(samples, self.tokenizer, self.batch_extra, self.epoch)
-        batch["_meta"], batch["_dropped"] = {"worker": logical, "records": records}, dropped
-        return batch
+        return {**collate(samples, self.tokenizer, self.batch_extra, self.epoch), "_dropped": dropped,
+                "_meta": {"worker": logical, "records": records}}
 
     def __iter__(self):
-        logical, slot, n_slots = self._slot()
+        info = torch.utils.data.get_worker_info()
+        logical = ((info.id if info else 0) + self.worker_offset) % self.workers
+        slot, n_slots = self.rank * self.workers + logical, self.world_size * self.workers
         done = self.records_done[logical]
         pending, n_good, n = [], 0, done
         for n, rec in enumerate(itertools.islice(self._records(slot, n_slots), done, None), done + 1):
@@ -1328,32 +1229,24 @@ class ShardStream(torch.utils.data.IterableDataset):
 
 
 class ShardLoader(_Loader):
-    """Streaming loader over tar shards (see ShardStream for who reads what).
-    DDP: ranks may get different numbers of samples in an epoch (shards differ in size). An
-    epoch is per rank, and `forever()` rolls it into the next, so a step-based training loop
-    (this repo's `--max_steps` over `forever()`) never waits for another rank; an epoch-based
-    loop over `for batch in loader` with DDP can desynchronise ranks and should use
-    `resampled=True` and a step count instead. A rank whose share holds no batch at all raises
-    a DataError in `forever()` instead of spinning.
-    State: epoch, batches consumed, and per dataloader worker the records it consumed and
-    which worker gave the last batch: a resumed loader replays each worker's record stream
-    without decoding, drops what was used, and restarts the round-robin at the next worker,
-    so it continues with exactly the next batch (same num_workers and world size needed)."""
+    """Streaming loader over tar shards (see ShardStream for who reads what). DDP: ranks may get different numbers of
+    samples in an epoch (shards differ in size). An epoch is per rank and `forever()` rolls it into the next, so a
+    step-based loop (`--max_steps` over `forever()`) never waits for another rank; an epoch-based `for batch in loader`
+    with DDP can desynchronise ranks: use `resampled=True` and a step count. State: also per dataloader worker the
+    records it consumed and which worker gave the last batch: a resumed loader replays each worker's records without
+    decoding and restarts the round-robin at the next worker (same num_workers and world size needed)."""
 
-    def __init__(self, shards, batch_size, tokenizer=None, transform=None, train=True, rank=0, world_size=1,
-                 num_workers=0, seed=0, resampled=False, drop_last=True, shuffle_buffer=1000, num_samples=None,
-                 name="data", max_skip_fraction=MAX_SKIP_FRACTION):
+    def __init__(self, shards, batch_size, transform=None, resampled=False, shuffle_buffer=1000, num_samples=None,
+                 **options):    # options: _Loader's keywords (tokenizer, train, rank ...)
         if not shards:
-            raise DataError(f"{name}: no shard to read")
-        super().__init__(name, batch_size, tokenizer, train, rank, world_size, num_workers, seed, drop_last,
-                         max_skip_fraction, num_samples, " (from the shards' counts)")
-        self.stream = ShardStream(shards, batch_size, tokenizer, transform or eval_transform(SHAPES_IMAGE_SIZE), seed,
-                                  train, rank, world_size, num_workers, resampled, drop_last, shuffle_buffer)
+            raise DataError(f"{options.get('name', 'data')}: no shard to read")
+        super().__init__(batch_size, num_samples, counted_by=" (from the shards' counts)", **options)
+        transform = transform or eval_transform(SHAPES_IMAGE_SIZE)
+        self.stream = ShardStream(self, shards, transform, resampled, shuffle_buffer)
         self._new_epoch()
 
     def _new_epoch(self):
-        self.records_done = [0] * self.stream.workers
-        self.last_worker = self.stream.workers - 1
+        self.records_done, self.last_worker = [0] * self.stream.workers, self.stream.workers - 1
 
     def __len__(self):
         """Nominal batches per rank and epoch (from the shard counts); TypeError when unknown."""
@@ -1365,7 +1258,7 @@ class ShardLoader(_Loader):
         s = self.stream
         s.epoch, s.records_done, s.batch_extra = self.epoch, list(self.records_done), self.batch_extra
         s.worker_offset = (self.last_worker + 1) % s.workers
-        return s, dict(batch_size=None)
+        return s, dict(batch_size=None, collate_fn=dict)  # the worker's batch as is (not default_convert's walk)
 
     def _advance(self, batch: dict):
         meta = batch.pop("_meta")
@@ -1431,8 +1324,7 @@ def make_loader(spec: str, split: str = "train", batch_size: int = 64, tokenizer
                                                  separator=csv_separator))
             loader = MapLoader(FileDataset(items, transform, seed), batch_size, name=spec,
                                max_skip_fraction=max_skip_fraction, **loader_args)
-    loader.pin_memory = pin_memory and torch.cuda.is_available()
-    loader.batch_extra = batch_extra
+    loader.pin_memory, loader.batch_extra = pin_memory and torch.cuda.is_available(), batch_extra
     return loader
 
 
@@ -1451,9 +1343,8 @@ def captions_for_tokenizer(spec: str, max_captions: int = 100_000, split: str = 
 
 
 # -----------------------------------------------------------------------------
-# Files: JSON, durable and atomic writes, weights. Each training script writes and reads its own
-# checkpoints (out_dir/checkpoint/: model.safetensors + config.json, train_state.*); readers of
-# any of them find the weights with checkpoint_dir.
+# Files: JSON, durable and atomic writes, weights. Each training script writes and reads its own checkpoints
+# (out_dir/checkpoint/: model.safetensors, config.json, state.pt ...); readers find the weights with checkpoint_dir.
 
 def read_json(path: str):
     try:
@@ -1495,9 +1386,8 @@ OPENAI_EXTRA_KEYS = {"input_resolution", "context_length", "vocab_size"}   # int
 
 
 def read_weights(path: str) -> dict:
-    """A state dict of tensors from .safetensors, a torch .pt (weights_only: no pickled code
-    runs) or OpenAI's TorchScript archive; open_clip's {"state_dict": ...} and DDP's "module."
-    prefix are unwrapped."""
+    """A state dict of tensors from .safetensors, a torch .pt (weights_only: no pickled code runs) or OpenAI's
+    TorchScript archive; open_clip's {"state_dict": ...} and DDP's "module." prefix are unwrapped."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: weights file not found")
     try:
@@ -1512,7 +1402,8 @@ def read_weights(path: str) -> dict:
                     raise
                 sd = torch.jit.load(path, map_location="cpu").state_dict()   # OpenAI's JIT archives
     except Exception as e:
-        raise DataError(f"cannot read weights {path}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}") from None
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise DataError(f"cannot read weights {path}: {type(e).__name__}: {first}") from None
     if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
         sd = sd["state_dict"]
     if not isinstance(sd, dict):
@@ -1607,9 +1498,9 @@ def import_script(record: dict | None, override: str | None = None, default: str
     path = next((p for p in candidates if p and os.path.isfile(p)), None)
     if path is None:
         raise DataError(f"{override or name or 'the checkpoint'}: training script not found"
-                        + ("" if override else f" (looked in {', '.join(p for p in candidates if p)}); give --script PATH"))
-    with open(path, "rb") as f:
-        sha = hashlib.sha256(f.read()).hexdigest()
+                        + ("" if override else f" (looked in {', '.join(p for p in candidates if p)}); "
+                                               f"give --script PATH"))
+    sha = script_record(path)["sha256"]
     note = (f"note: {path} has changed since it trained this checkpoint (sha256 {sha[:12]}, recorded "
             f"{record['sha256'][:12]})" if record.get("sha256") and record["sha256"] != sha else None)
     module_name = "_script_" + hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:12]
@@ -1629,8 +1520,7 @@ def import_script(record: dict | None, override: str | None = None, default: str
 # Results over seeds: the run folders of the training scripts, grouped, with 95% intervals
 # (every script's `summarize`/`report --seeds` reads its runs with its own read_run)
 
-# t_{0.975, df} for df = 1..30 (standard tables); beyond 30 the Cornish-Fisher expansion around
-# the normal quantile is within 1e-4
+# t_{0.975, df} for df = 1..30 (standard tables); beyond 30 the Cornish-Fisher expansion is within 1e-4
 T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
         2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
         2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
@@ -1646,9 +1536,8 @@ def t975(df: int) -> float:
 def mean_ci(values) -> tuple:
     """(mean, half-width of the two-sided 95% Student-t interval) over seeds; nan width for one seed."""
     v = np.asarray(values, dtype=np.float64)
-    if len(v) < 2:
-        return float(v.mean()), math.nan
-    return float(v.mean()), t975(len(v) - 1) * float(v.std(ddof=1)) / math.sqrt(len(v))
+    h = t975(len(v) - 1) * float(v.std(ddof=1)) / math.sqrt(len(v)) if len(v) > 1 else math.nan
+    return float(v.mean()), h
 
 
 def paired_diff(a: dict, b: dict) -> tuple:
@@ -1657,26 +1546,27 @@ def paired_diff(a: dict, b: dict) -> tuple:
     return (*mean_ci([a[s] - b[s] for s in seeds]), len(seeds)) if seeds else (math.nan, math.nan, 0)
 
 
-def _pct(m: float, h: float, signed: bool = False) -> str:
-    head = f"{100 * m:+.1f}" if signed else f"{100 * m:.1f}"
-    return head if math.isnan(h) else f"{head} ± {100 * h:.1f}"
+def _pct(m: float, h: float, diff: bool = False) -> str:
+    """m ± h in %; a paired difference (`diff`) is signed, and starred where its interval excludes zero
+    (a star needs an interval: two seeds or more, some spread)."""
+    head = f"{100 * m:+.1f}" if diff else f"{100 * m:.1f}"
+    return (head if math.isnan(h) else f"{head} ± {100 * h:.1f}") + ("*" if diff and h > 0 and abs(m) > h else "")
 
 
 def results_table(rows: dict, label: str = "method") -> str:
-    """Markdown table in %: {name: {metric: value or [per-seed values]}} (a list prints as mean ±
-    the half-width of its 95% t-interval)."""
+    """Markdown table in %: {name: {metric: value or [per-seed values]}} (a list: mean ± 95% t-interval half-width)."""
     cols = list(dict.fromkeys(c for r in rows.values() for c in r))   # a column some row lacks is blank there
-    fmt = lambda v: "" if v is None else _pct(*mean_ci(v)) if isinstance(v, list) else f"{100 * v:.1f}"
-    lines = [[label, *cols], ["---"] * (len(cols) + 1)] + [[name] + [fmt(r.get(c)) for c in cols] for name, r in rows.items()]
+    fmt = lambda v: ("" if v is None else v if isinstance(v, str) else _pct(*mean_ci(v)) if isinstance(v, list)
+                     else f"{100 * v:.1f}")    # a str: a cell already formatted
+    lines = [[label, *cols], ["---"] * (len(cols) + 1)] + [[n] + [fmt(r.get(c)) for c in cols] for n, r in rows.items()]
     return "\n".join("| " + " | ".join(ln) + " |" for ln in lines)
 
 
 def summarize_runs(root: str, read_run, baseline=None) -> dict:
-    """Every run folder under `root` that `read_run` accepts (-> (group, seed, {metric: fraction}),
-    or a list of them), grouped: prints mean ± 95% t-interval over seeds per group, then each
-    group's paired difference against its baseline over the seeds both ran (* where the interval
-    excludes zero). `baseline`: one group (default: the first) or a function group -> baseline
-    group. Returns {group: {metric: {seed: value}}}."""
+    """Every run folder under `root` that `read_run` accepts (-> (group, seed, {metric: fraction}), or a list of
+    them), grouped: prints mean ± 95% t-interval over seeds per group, then each group's paired difference against
+    its baseline over the seeds both ran (* where the interval excludes zero). `baseline`: one group (default: the
+    first) or a function group -> baseline group. Returns {group: {metric: {seed: value}}}."""
     if not os.path.isdir(root):
         raise DataError(f"{root}: no such folder of runs")
     groups = {}
@@ -1700,40 +1590,30 @@ def summarize_runs(root: str, read_run, baseline=None) -> dict:
         n_seeds = {n: len({s for v in groups[n].values() for s in v}) for n in names}
         print(results_table({f"{n} ({n_seeds[n]})": {k: list(v.values()) for k, v in groups[n].items()}
                              for n in names}, label="method (n seeds)"))
-        lines = [["paired difference (n seeds)", *cols], ["---"] * (len(cols) + 1)]
-        for name in names:
-            base = baseline(name)
-            if base not in names or base == name:
-                continue
-            cells, n_pairs = [], 0
-            for c in cols:
-                if c not in groups[name] or c not in groups[base]:
-                    cells.append("")
-                    continue
-                m, h, k = paired_diff(groups[name][c], groups[base][c])
-                n_pairs = max(n_pairs, k)   # a star needs an interval: two seeds or more, some spread
-                cells.append(_pct(m, h, signed=True) + ("*" if h > 0 and abs(m) > h else ""))
-            lines.append([f"{name} - {base} ({n_pairs})"] + cells)
-        if len(lines) > 2:
-            print("\n" + "\n".join("| " + " | ".join(ln) + " |" for ln in lines))
-            print("(* the paired 95% interval excludes zero)\n")
+        paired = {}
+        for name, base in ((n, baseline(n)) for n in names if baseline(n) in names and baseline(n) != n):
+            a, b = groups[name], groups[base]
+            d = {c: paired_diff(a[c], b[c]) for c in cols if c in a and c in b}
+            paired[f"{name} - {base} ({max((k for *_, k in d.values()), default=0)})"] = {
+                c: _pct(*d[c][:2], diff=True) if c in d else "" for c in cols}
+        if paired:
+            print(f"\n{results_table(paired, 'paired difference (n seeds)')}\n"
+                  f"(* the paired 95% interval excludes zero)\n")
     return groups
 
 
 # -----------------------------------------------------------------------------
 # `python data.py make-shapes`: the shapes data in the real formats
 #
-# OUT/shards/{00000..}.tar    img2dataset webdataset: {key}.png .txt .json .tree, key = train index
-#                             (9 digits); {shard}_stats.json per shard and sizes.json
-# OUT/sugarcrepe/{cat}.json   SugarCrepe: {"0": {"filename", "caption", "negative_caption"}, ...}
-#                             for the 7 categories; images in OUT/sugarcrepe/images/
-# OUT/crepe/*.csv             CREPE rows image_id,x,y,width,height,caption + negatives (see
-#                             CREPE_FILES): systematicity.csv (valid_hard_negs_atom/comp),
-#                             productivity_{swap,replace}.csv (hard_negs); box = whole image;
-#                             images OUT/crepe/images/{image_id}.png
-# OUT/karpathy/dataset_shapes.json  Karpathy JSON, splits train/val/test, one sentence per image
-#                             with raw, tokens and tree; images OUT/karpathy/{split}/ (image root
-#                             = the JSON's folder, filepath = split)
+# OUT/shards/{00000..}.tar    img2dataset webdataset: {key}.png .txt .json .tree, key = train index (9 digits);
+#                             {shard}_stats.json per shard and sizes.json
+# OUT/sugarcrepe/{cat}.json   SugarCrepe: {"0": {"filename", "caption", "negative_caption"}, ...} for the 7
+#                             categories; images in OUT/sugarcrepe/images/
+# OUT/crepe/*.csv             CREPE rows image_id,x,y,width,height,caption + negatives (see CREPE_FILES):
+#                             systematicity.csv (valid_hard_negs_atom/comp), productivity_{swap,replace}.csv
+#                             (hard_negs); box = whole image; images OUT/crepe/images/{image_id}.png
+# OUT/karpathy/dataset_shapes.json  Karpathy JSON, splits train/val/test, one sentence per image with raw, tokens
+#                             and tree; images OUT/karpathy/{split}/ (image root = the JSON's folder, filepath = split)
 # OUT/csv/{train,val,test}.tsv open_clip TSV (filepath, title, tree) over the Karpathy images
 # OUT/imagefolder/{train,test}/{shape}/*.png  classification (data.shapes_classification)
 # OUT/manifest.json           what was written, with counts
@@ -1774,11 +1654,10 @@ def write_shapes_shards(out: str, n: int, seed: int, shard_size: int, image_size
 def write_shapes_benchmarks(out: str, n: int, seed: int, image_size: int) -> dict:
     bench = shapes_benchmark(seed, n, image_size)
     for cat in _progress(SHAPES_CATEGORIES, "sugarcrepe"):
-        rows = {}
-        for i, item in enumerate(bench[cat]):
-            rows[str(i)] = {"filename": f"{cat}_{i:05d}.png", "caption": item["caption"],
-                            "negative_caption": item["negative_caption"]}
-            _save(os.path.join(out, "sugarcrepe", "images", rows[str(i)]["filename"]), item["image"])
+        rows = {str(i): {"filename": f"{cat}_{i:05d}.png", "caption": item["caption"],
+                         "negative_caption": item["negative_caption"]} for i, item in enumerate(bench[cat])}
+        for row, item in zip(rows.values(), bench[cat]):
+            _save(os.path.join(out, "sugarcrepe", "images", row["filename"]), item["image"])
         _save(os.path.join(out, "sugarcrepe", f"{cat}.json"), json.dumps(rows, indent=1))
     for split in _progress(("systematicity", "productivity"), "crepe"):
         for i, item in enumerate(bench[split]):
@@ -1793,7 +1672,8 @@ def write_shapes_benchmarks(out: str, n: int, seed: int, image_size: int) -> dic
 # one file per negative kind named after it. (file stem, columns, category prefix per column)
 CREPE_FILES = {
     "systematicity": [("systematicity", ["valid_hard_negs_atom", "valid_hard_negs_comp"], ["replace", "swap"])],
-    "productivity": [("productivity_swap", ["hard_negs"], ["swap"]), ("productivity_replace", ["hard_negs"], ["replace"])],
+    "productivity": [("productivity_swap", ["hard_negs"], ["swap"]),
+                     ("productivity_replace", ["hard_negs"], ["replace"])],
 }
 
 
@@ -1891,9 +1771,8 @@ def main(argv=None) -> int:
     m.add_argument("--out_dir", required=True)
     m.add_argument("--train", type=int, default=10_000, help="training scenes in the shards")
     m.add_argument("--test", type=int, default=500, help="items per benchmark category / split / class set")
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--shard_size", type=int, default=1000)
-    m.add_argument("--image_size", type=int, default=SHAPES_IMAGE_SIZE)
+    for flag, default in (("--seed", 0), ("--shard_size", 1000), ("--image_size", SHAPES_IMAGE_SIZE)):
+        m.add_argument(flag, type=int, default=default)
     c = sub.add_parser("check", help="read a dataset once; print JSON counts of good and skipped samples")
     c.add_argument("--data", required=True)
     c.add_argument("--split", default="train")
@@ -1903,7 +1782,7 @@ def main(argv=None) -> int:
     c.add_argument("--drop_last", action="store_true", help="drop the last partial batch, as training does")
     c.add_argument("--csv_img_key", default="filepath", help="CSV/TSV column of the image paths (open_clip's name)")
     c.add_argument("--csv_caption_key", default="title", help="CSV/TSV column of the captions")
-    c.add_argument("--csv_separator", default=None, help="CSV separator (default: tab if the header has one, else comma)")
+    c.add_argument("--csv_separator", default=None, help="default: tab if the header has one, else comma")
     args = vars(p.parse_args(argv))
     try:
         result = make_shapes(**args) if args.pop("cmd") == "make-shapes" else check_data(args.pop("data"), **args)

@@ -204,7 +204,6 @@ def test_composer_mode_times_two_paths_that_agree(capsys):
 @pytest.mark.parametrize("argv,expect", [
     (["--codebook_memory", "--batch_size", "4", "--codebook", "512"], "P=196: chunked"),
     (["--data", "shapes", "--num_workers", "0", "--steps", "2"], "skipped 0"),
-    (["--data", "--num_workers", "0", "--rounds", "1"], "256 JPEGs"),
 ])
 def test_each_mode_runs_and_reports(argv, expect, capsys):
     assert bench.main(argv) == 0
@@ -225,3 +224,52 @@ def test_script_flag_times_the_forks_own_step(tmp_path, monkeypatch, capsys):
     assert bench.main(["--script", str(fork), "--batch_size", "4", "--steps", "1", "--untimed", "1"]) == 0
     assert bench.il_clip.__file__ == str(fork) and bench.il_clip.CALLS == ["train", "train"]
     assert "samples/s" in capsys.readouterr().out
+
+
+def test_data_mode_reports_both_stored_sizes_and_the_cores_to_feed(capsys):
+    import re
+    assert bench.main(["--data", "--num_workers", "1", "--rounds", "1", "--images", "12", "--batch_size", "4",
+                       "--feed", "6204"]) == 0
+    out = capsys.readouterr().out
+    costs = {}
+    for stored in (256, 512):
+        line = next(ln for ln in out.splitlines() if f"stored {stored} px" in ln)
+        plain, zero, one = map(float, re.findall(r"(?:loop|workers) (\d+\.\d+)", line))
+        ratios = [float(x) for x in re.findall(r"(\d+\.\d+)x plain[);]", line)]
+        assert ratios == pytest.approx([zero / plain, one / plain], abs=0.011)     # of the printed, rounded costs
+        parallel = float(re.search(r"1 plain loops at once, (\d+\.\d+)\)", line).group(1))
+        at_once = float(re.search(r"(\d+\.\d+)x 1 plain loops", line).group(1))
+        assert at_once == pytest.approx(one / parallel, abs=0.011)      # against the loop in as many processes
+        costs[stored] = one
+    # the cores: samples/s x CPU seconds per sample (main process + workers), rounded up
+    cores = [int(x) for x in re.findall(r"(\d+) cores at (?:256|512) px", out)]
+    assert cores == pytest.approx([6204 * costs[256] / 1e3 + 0.5, 6204 * costs[512] / 1e3 + 0.5], abs=0.55)
+
+
+def test_loader_cpu_counts_the_workers(tmp_path):
+    """loader_epoch's CPU ms per image includes the workers' (joined children): with the decoding in
+    the workers, the main process alone would count a fraction of it."""
+    import resource
+    pattern, _ = bench.jpeg_shards(str(tmp_path), 16, 256)
+    self0 = resource.getrusage(resource.RUSAGE_SELF)
+    _, ms, n, skipped = bench.loader_epoch(pattern, 224, 2, 4)
+    self1 = resource.getrusage(resource.RUSAGE_SELF)
+    main_ms = (self1.ru_utime + self1.ru_stime - self0.ru_utime - self0.ru_stime) / n * 1e3
+    assert n == 16 and skipped == 0 and ms > 2 * main_ms
+
+
+def test_data_wait_trains_il_clip_on_normalised_jpeg_batches(monkeypatch, capsys):
+    seen, real = [], il_clip.compute_loss
+
+    def spy(model, batch, *a):
+        seen.append((batch["image"].dtype, tuple(batch["image"].shape), float(batch["image"].mean()), batch["text"]))
+        return real(model, batch, *a)
+    monkeypatch.setattr(il_clip, "compute_loss", spy)
+    assert bench.main(["--data_wait", "--num_workers", "1", "--steps", "2", "--untimed", "1", "--batch_size", "4",
+                       "--images", "8"]) == 0
+    assert [s[:2] for s in seen] == [(torch.float32, (4, 3, 64, 64))] * 3       # tiny's 64 px, normalised
+    assert all(-1.5 < m < 1.5 for _, _, m, _ in seen)                            # CLIP-normalised, not 0..255
+    assert all(t.shape == (4, 32) and (t[:, 0] > 0).all() for *_, t in seen)     # tokenized captions, SOT first
+    out = capsys.readouterr().out
+    wait = float(out.rsplit("= ", 1)[1].split("%")[0])
+    assert "waiting for the next batch" in out and 0 <= wait <= 100

@@ -235,7 +235,7 @@ def test_transforms_shapes_and_determinism():
     t = data.train_transform(32, scale=(0.5, 1.0), flip=True)
     x = t(img, random.Random(5))
     y = t(img, random.Random(5))
-    assert x.shape == (3, 32, 32) and torch.equal(x, y)
+    assert x.shape == (3, 32, 32) and x.dtype == torch.uint8 and torch.equal(x, y)
     # the flip: mirrored with probability 1/2, drawn from the sample's rng
     flips = [data.RandomFlip()(img, random.Random(s)).tobytes() == img.transpose(Image.FLIP_LEFT_RIGHT).tobytes()
              for s in range(200)]
@@ -244,7 +244,7 @@ def test_transforms_shapes_and_determinism():
     assert e.shape == (3, 32, 32)
     # normalisation: a constant image maps to (v - mean) / std
     const = Image.new("RGB", (40, 40), (255, 0, 128))
-    z = data.eval_transform(32)(const)
+    z = data.normalize_images(data.eval_transform(32)(const))
     expect = (torch.tensor([1.0, 0.0, 128 / 255]) - torch.tensor(data.CLIP_MEAN)) / torch.tensor(data.CLIP_STD)
     assert torch.allclose(z[:, 5, 5], expect, atol=1e-6)
 

@@ -222,22 +222,26 @@ def test_normalisation_equals_the_arithmetic():
     rng = np.random.default_rng(0)
     pixels = rng.integers(0, 256, (17, 23, 3), dtype=np.uint8)
     pixels[0, :3] = [[0, 0, 0], [255, 255, 255], [1, 128, 254]]
-    x = data.ToNormalizedTensor()(Image.fromarray(pixels))
+    u = data.ToTensor()(Image.fromarray(pixels))
+    assert u.dtype == torch.uint8 and torch.equal(u, torch.from_numpy(pixels).permute(2, 0, 1))
+    x = data.normalize_images(u[None])[0]
     mean = np.asarray(data.CLIP_MEAN, np.float32)[:, None, None]
     std = np.asarray(data.CLIP_STD, np.float32)[:, None, None]
     per_pixel = (pixels.transpose(2, 0, 1).astype(np.float32) / np.float32(255.0) - mean) / std
-    assert x.dtype == torch.float32 and x.shape == (3, 17, 23) and x.is_contiguous()
+    assert x.dtype == torch.float32 and x.shape == (3, 17, 23)
     assert torch.equal(x, torch.from_numpy(per_pixel))                  # bit-identical to float32 arithmetic
     closed = (pixels.transpose(2, 0, 1) / 255.0 - np.asarray(data.CLIP_MEAN)[:, None, None]) / np.asarray(
         data.CLIP_STD)[:, None, None]
     assert np.abs(x.numpy() - closed).max() < 1e-6                       # and to float64 within rounding
-    gray = data.ToNormalizedTensor()(Image.fromarray(pixels[..., 0], "L"))
-    assert torch.equal(gray, data.ToNormalizedTensor()(Image.fromarray(pixels[..., 0], "L").convert("RGB")))
+    gray = data.ToTensor()(Image.fromarray(pixels[..., 0], "L"))
+    assert torch.equal(gray, data.ToTensor()(Image.fromarray(pixels[..., 0], "L").convert("RGB")))
 
 
 def test_collate_stack_equals_torch_stack_with_and_without_workers():
     images = [torch.randn(3, 5, 7) for _ in range(4)]
     assert torch.equal(data._stack_images(images), torch.stack(images))
+    views = [torch.randint(0, 256, (5, 7, 3), dtype=torch.uint8).permute(2, 0, 1) for _ in range(4)]  # as ToTensor's
+    assert torch.equal(data._stack_images(views), torch.stack(views)) and data._stack_images(views).is_contiguous()
     make = lambda w: data.make_loader("shapes:train_size=12", batch_size=4, image_size=32, num_workers=w)  # noqa: E731
     alone, workers = list(make(0)), list(make(1))
     assert len(alone) == 3 and all(torch.equal(a["image"], b["image"]) for a, b in zip(alone, workers))

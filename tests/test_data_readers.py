@@ -38,7 +38,7 @@ def _read_all(loader):
 
 
 def _to_tensor(img):
-    return data.ToNormalizedTensor()(img)
+    return data.ToTensor()(img)
 
 
 # --- round trips -------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def _reference(img, size):
 def test_eval_transform_equals_the_formulas(size):
     for i, (w, h) in enumerate(SIZES):
         img = _noise(w, h, i)
-        got = data.eval_transform(size)(img)
+        got = data.normalize_images(data.eval_transform(size)(img))
         assert got.shape == (3, size, size)
         assert torch.equal(got, _reference(img, size)), (w, h, size)
 
@@ -62,7 +62,7 @@ def test_square_images_are_unchanged_so_shapes_results_do_not_move():
     """The shapes images are square (64x64): eval_transform at their own size is the plain
     normalisation, and the training fallback of a square image is the whole image."""
     img = data.shapes_scene("val", 0).image
-    assert torch.equal(data.eval_transform(64)(img), data.ToNormalizedTensor()(img))
+    assert torch.equal(data.eval_transform(64)(img), data.ToTensor()(img))
     crop = data.RandomResizedCrop(64, scale=(2.0, 2.0))      # no try fits: always the fallback
     assert np.array_equal(np.asarray(crop(img, random.Random(0))), np.asarray(img))
 
@@ -107,4 +107,4 @@ def test_against_torchvision_itself():
                      T.Normalize(data.CLIP_MEAN, data.CLIP_STD)])
     for i, (w, h) in enumerate(SIZES):
         img = _noise(w, h, i)
-        assert torch.allclose(data.eval_transform(224)(img), ref(img), atol=1e-6), (w, h)
+        assert torch.allclose(data.normalize_images(data.eval_transform(224)(img)), ref(img), atol=1e-6), (w, h)
