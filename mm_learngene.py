@@ -1240,7 +1240,7 @@ class ShapesClassification(torch.utils.data.Dataset):
 
     def __init__(self, split, indices, seed, image_size):
         self.split, self.indices, self.seed, self.image_size = split, indices, seed, image_size
-        self.to_tensor = data.ToNormalizedTensor()
+        self.to_tensor = data.ToTensor()
 
     def __len__(self):
         return len(self.indices)

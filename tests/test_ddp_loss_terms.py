@@ -57,7 +57,7 @@ def mm_patches(rank0_only=False):
             loss, parts = loss_fn(m, batch)
             if rank0_only and int(os.environ.get("RANK", 0)):
                 return loss, parts
-            return loss + extra_terms(m, batch["image"].mean()), parts
+            return loss + extra_terms(m, batch["image"].float().mean()), parts
         return real_phase(model, loss_with_terms, *a, **k)
     return {"AuxCLIP": BiasAuxCLIP, "train_phase": train_phase}
 

@@ -70,6 +70,7 @@ def test_cli_end_to_end(ckpts, tmp_path):
 def test_code_scores_reproduce_the_models_image_embedding(ckpts):
     model, tok, config = E.load_checkpoint(ckpts["codebook"], E.get_args(["--ckpt", ckpts["codebook"]]))
     x = torch.stack([data.eval_transform(32)(data.shapes_scene("test", i).image) for i in range(4)])
+    x = data.normalize_images(x)  # uint8 -> the model's input, as eval does
     with torch.no_grad():
         s, w = E.image_code_scores(model, x)
         assert torch.allclose(w.sum(-1), torch.ones(4), atol=1e-5) and (w >= 0).all()
@@ -133,6 +134,7 @@ def test_quick_gelu_flag_builds_the_named_activation(ckpts):
     from dataclasses import replace
     ck = ckpts["clip"]
     x = torch.stack([data.eval_transform(32)(data.shapes_scene("test", i).image) for i in range(2)])
+    x = data.normalize_images(x)  # uint8 -> the model's input, as eval does
     sd = load_file(os.path.join(ck, "checkpoint", "model.safetensors"))
     outs = {}
     for flag, quick in (([], False), (["--quick_gelu"], True), (["--no-quick_gelu"], False)):

@@ -70,7 +70,7 @@ def with_extra_terms(compute_loss):
     with "marked as ready twice"."""
     def loss_with_extra_terms(model, batch, *rest):
         loss, *out = compute_loss(model, batch, *rest)
-        extra = model.logit_bias * batch["image"].mean() + 1e-2 * model.positional_embedding.square().sum()
+        extra = model.logit_bias * batch["image"].float().mean() + 1e-2 * model.positional_embedding.square().sum()
         return loss + extra, *out
     return loss_with_extra_terms
 
