@@ -1601,8 +1601,7 @@ def wrap_ddp(step_loss, world, device):
     if world == 1:
         return step_loss
     from torch.nn.parallel import DistributedDataParallel as DDP
-    return DDP(step_loss, device_ids=[device] if device.startswith("cuda") else None,
-               find_unused_parameters=True, broadcast_buffers=False)
+    return DDP(step_loss, device_ids=[device] if device.startswith("cuda") else None, find_unused_parameters=True)
 
 
 class Sampler:
