@@ -405,6 +405,9 @@ def clip_clean(text: str) -> str:
 SOT_TOKEN, EOT_TOKEN, PAD_TOKEN, UNK_TOKEN = "<|startoftext|>", "<|endoftext|>", "<pad>", "<unk>"
 
 
+MAX_CAPTION_CHARS = 4096  # far past 77 tokens: captions are cut here before cleaning and tokenizing
+
+
 class Tokenizer:
     """Captions -> LongTensor [B, context_length]: SOT, BPE ids, EOT, then pad id 0. Every caption is cleaned as
     OpenAI's (clip_clean) before the BPE. Truncation keeps EOT as the last token (as OpenAI CLIP's `truncate=True`)."""
@@ -420,7 +423,8 @@ class Tokenizer:
     def __call__(self, texts) -> torch.Tensor:
         texts = [texts] if isinstance(texts, str) else texts
         out = torch.zeros(len(texts), self.context_length, dtype=torch.long)
-        for row, enc in enumerate(self.backend.encode_batch([clip_clean(t) for t in texts], add_special_tokens=False)):
+        texts = [clip_clean(t[:MAX_CAPTION_CHARS]) for t in texts]    # a 10 MB caption costs no more than a long one
+        for row, enc in enumerate(self.backend.encode_batch(texts, add_special_tokens=False)):
             ids = [self.sot_id] + enc.ids[: self.context_length - 2] + [self.eot_id]
             out[row, : len(ids)] = torch.tensor(ids)
         return out
@@ -1386,8 +1390,9 @@ OPENAI_EXTRA_KEYS = {"input_resolution", "context_length", "vocab_size"}   # int
 
 
 def read_weights(path: str) -> dict:
-    """A state dict of tensors from .safetensors, a torch .pt (weights_only: no pickled code runs) or OpenAI's
-    TorchScript archive; open_clip's {"state_dict": ...} and DDP's "module." prefix are unwrapped."""
+    """A state dict of tensors from .safetensors or a torch .pt (weights_only: no pickled code runs); OpenAI's
+    TorchScript archives are refused (convert-weights); open_clip's {"state_dict": ...} and DDP's "module."
+    prefix are unwrapped."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: weights file not found")
     try:
@@ -1395,12 +1400,13 @@ def read_weights(path: str) -> dict:
             from safetensors.torch import load_file
             sd = load_file(path)
         else:
-            try:
-                sd = torch.load(path, map_location="cpu", weights_only=True)
-            except RuntimeError as e:
-                if "TorchScript" not in str(e) and "constants.pkl" not in str(e):
-                    raise
-                sd = torch.jit.load(path, map_location="cpu").state_dict()   # OpenAI's JIT archives
+            import zipfile     # OpenAI's .pt files are TorchScript archives, which carry code: never run here
+            if zipfile.is_zipfile(path) and any(n.endswith("constants.pkl") for n in zipfile.ZipFile(path).namelist()):
+                raise DataError(f"{path}: a TorchScript archive (a format that carries code); if you trust it, "
+                                f"convert it once: python data.py convert-weights {path}")
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+    except DataError:
+        raise
     except Exception as e:
         first = (str(e).splitlines() or [""])[0][:200]
         raise DataError(f"cannot read weights {path}: {type(e).__name__}: {first}") from None
@@ -1783,7 +1789,16 @@ def main(argv=None) -> int:
     c.add_argument("--csv_img_key", default="filepath", help="CSV/TSV column of the image paths (open_clip's name)")
     c.add_argument("--csv_caption_key", default="title", help="CSV/TSV column of the captions")
     c.add_argument("--csv_separator", default=None, help="default: tab if the header has one, else comma")
+    w = sub.add_parser("convert-weights", help="a TorchScript .pt you trust (OpenAI's) -> PATH.safetensors; "
+                                               "loading it runs the code it carries")
+    w.add_argument("path")
     args = vars(p.parse_args(argv))
+    if args["cmd"] == "convert-weights":
+        from safetensors.torch import save_file
+        sd = torch.jit.load(args["path"], map_location="cpu").state_dict()    # explicit: runs the archive's code
+        save_file({k: v.contiguous() for k, v in sd.items()}, out := args["path"].rsplit(".", 1)[0] + ".safetensors")
+        print(out)
+        return 0
     try:
         result = make_shapes(**args) if args.pop("cmd") == "make-shapes" else check_data(args.pop("data"), **args)
     except DataError as e:

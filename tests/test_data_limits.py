@@ -245,3 +245,29 @@ def test_collate_stack_equals_torch_stack_with_and_without_workers():
     make = lambda w: data.make_loader("shapes:train_size=12", batch_size=4, image_size=32, num_workers=w)  # noqa: E731
     alone, workers = list(make(0)), list(make(1))
     assert len(alone) == 3 and all(torch.equal(a["image"], b["image"]) for a, b in zip(alone, workers))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")     # torch.jit itself is deprecated in 2.13
+def test_a_torchscript_archive_is_refused_and_converted_only_on_request(tmp_path, capsys):
+    """OpenAI's .pt files are TorchScript: read_weights never runs their code (one line naming the
+    converter); `data.py convert-weights` is the explicit step, and its safetensors equal the archive."""
+    lin = torch.jit.script(torch.nn.Linear(3, 2))
+    path = str(tmp_path / "ViT-fake.pt")
+    lin.save(path)
+    with pytest.raises(data.DataError, match="TorchScript archive.*convert-weights") as e:
+        data.read_weights(path)
+    assert "\n" not in str(e.value)
+    assert data.main(["convert-weights", path]) == 0
+    sd = data.read_weights(str(tmp_path / "ViT-fake.safetensors"))
+    assert set(sd) == {"weight", "bias"} and torch.equal(sd["weight"], lin.weight.detach())
+
+
+def test_a_huge_caption_is_cut_before_tokenizing(monkeypatch):
+    """A 10 MB caption reaches the text cleaning and the tokenizer cut to MAX_CAPTION_CHARS, and
+    gives the ids of its head (77 tokens come from far fewer characters)."""
+    tok = data.build_tokenizer(captions=["a red circle above a blue square"] * 20, vocab_size=300, context_length=16)
+    seen, clean = [], data.clip_clean
+    monkeypatch.setattr(data, "clip_clean", lambda t: seen.append(len(t)) or clean(t))
+    head = "a red circle above a blue square " * 200
+    ids = tok([head + "x" * 10_000_000])
+    assert max(seen) == data.MAX_CAPTION_CHARS and torch.equal(ids, tok([head[:data.MAX_CAPTION_CHARS]]))
