@@ -831,8 +831,9 @@ def _karpathy_images(json_path: str, image_root: str | None, split: str) -> list
     wanted = {"train", "restval"} if split == "train" else {split}
     out = []
     for n, im in enumerate(images):
-        if not isinstance(im, dict) or "filename" not in im:
-            raise DataError(f"{json_path}: malformed Karpathy JSON: images[{n}] has no 'filename'")
+        if not isinstance(im, dict) or not isinstance(im.get("filename"), str) or \
+                not isinstance(im.get("filepath", ""), str):
+            raise DataError(f"{json_path}: malformed Karpathy JSON: images[{n}] has no 'filename' string")
         if im.get("split") in wanted:
             sents = [(s.get("raw"), s.get("tree")) for s in im.get("sentences", []) if isinstance(s, dict)]
             name = os.path.join(im.get("filepath", ""), im["filename"])

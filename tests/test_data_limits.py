@@ -271,3 +271,12 @@ def test_a_huge_caption_is_cut_before_tokenizing(monkeypatch):
     head = "a red circle above a blue square " * 200
     ids = tok([head + "x" * 10_000_000])
     assert max(seen) == data.MAX_CAPTION_CHARS and torch.equal(ids, tok([head[:data.MAX_CAPTION_CHARS]]))
+
+
+@pytest.mark.parametrize("image", [{"filename": 7, "split": "test"}, {"filename": "a.png", "filepath": ["x"],
+                                                                      "split": "test"}, "a.png"])
+def test_a_karpathy_image_entry_of_the_wrong_type_is_one_line(tmp_path, image):
+    path = tmp_path / "dataset_x.json"
+    path.write_text(json.dumps({"images": [image]}))
+    with pytest.raises(data.DataError, match=r"dataset_x.json: malformed Karpathy JSON: images\[0\]"):
+        data.karpathy_items(str(path))
