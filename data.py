@@ -697,6 +697,8 @@ def make_sample(image, caption, tree, key: str, transform, rng):
     """The one place where a record becomes a sample or a Skip. `image`: path, bytes or None."""
     if image is None:
         return Skip("caption with no image", key)
+    if isinstance(image, Skip):         # refused when its path was resolved (_resolve_image)
+        return Skip(image.reason, f"{key} ({image.where})")
     if caption is None:
         return Skip("image with no caption", key)
     if not caption.strip():
@@ -790,8 +792,15 @@ class FileDataset(torch.utils.data.Dataset):
         return s
 
 
-def _resolve_image(path, base: str):
-    return None if not path else os.path.normpath(os.path.join(base, path))
+def _resolve_image(path, base: str, confined: bool = False):
+    """`path` taken against `base`; with --image_root given (`confined`), a path that resolves outside
+    it (`../../x.png`, `/etc/passwd`, a symlink out) becomes a Skip: counted with its reason, never read."""
+    if not path:
+        return None
+    full, root = os.path.normpath(os.path.join(base, path)), os.path.realpath(base)
+    if confined and os.path.commonpath([os.path.realpath(full), root]) != root:
+        return Skip("image path outside --image_root", full)
+    return full
 
 
 def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath", caption_key: str = "title",
@@ -810,8 +819,8 @@ def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath
                 raise DataError(f"{path}: malformed CSV: no column {missing[0]!r} (columns: {columns}; "
                                 f"name the columns with --csv_img_key / --csv_caption_key)")
             name = os.path.basename(path)  # key: the image path as listed, else file name and line
-            items = [Item(_resolve_image(row[img_key], base), row[caption_key], row.get(tree_key),
-                          row[img_key] or f"{name}:{n + 2}")
+            items = [Item(_resolve_image(row[img_key], base, image_root is not None), row[caption_key],
+                          row.get(tree_key), row[img_key] or f"{name}:{n + 2}")
                      for n, row in enumerate(reader)]
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None
@@ -837,7 +846,7 @@ def _karpathy_images(json_path: str, image_root: str | None, split: str) -> list
         if im.get("split") in wanted:
             sents = [(s.get("raw"), s.get("tree")) for s in im.get("sentences", []) if isinstance(s, dict)]
             name = os.path.join(im.get("filepath", ""), im["filename"])
-            out.append((_resolve_image(name, root), os.path.splitext(name)[0], sents))
+            out.append((_resolve_image(name, root, image_root is not None), os.path.splitext(name)[0], sents))
     if not out:
         raise DataError(f"{json_path}: no images with split {split!r} (splits present: "
                         f"{', '.join(sorted({str(im.get('split')) for im in images}))})")
@@ -849,6 +858,8 @@ def karpathy_items(json_path: str, image_root: str | None = None, split: str = "
     [(image_path, [captions], [trees])] with `with_trees`. Empty captions are left out."""
     out = []
     for path, _, sents in _karpathy_images(json_path, image_root, split):
+        if isinstance(path, Skip):      # an evaluation gallery is scored whole or not at all
+            raise DataError(f"{json_path}: {path.where}: {path.reason} {image_root}")
         sents = [(c, t) for c, t in sents if isinstance(c, str) and c.strip()]
         caps = [c for c, _ in sents]
         out.append((path, caps, [t for _, t in sents]) if with_trees else (path, caps))

@@ -363,3 +363,24 @@ def test_bench_times_the_shard_pipeline_alone(shapes_dir, capsys):
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith(f"data {_pattern(shapes_dir)}: image 64, batch 8, num_workers 0:")
     assert " 32 samples (" in line and line.endswith("skipped 0")
+
+
+def test_a_path_outside_the_image_root_is_skipped_and_counted(tmp_path):
+    """With --image_root given, `../` out of it, an absolute path elsewhere and a symlink out are
+    skipped with their reason (never opened); eval's gallery reader refuses them in one line."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir(), outside.mkdir()
+    for folder in (root, outside):
+        Image.open(io.BytesIO(_png(2))).save(folder / "a.png")
+    os.symlink(outside / "a.png", root / "link.png")
+    names = ["a.png", "../outside/a.png", str(outside / "a.png"), "link.png"]
+    images = [{"filename": n, "split": "train", "sentences": [{"raw": f"caption {i}"}]} for i, n in enumerate(names)]
+    (tmp_path / "k.json").write_text(json.dumps({"images": images}))
+    loader = data.make_loader(str(tmp_path / "k.json"), image_root=str(root), batch_size=8, train=False,
+                              drop_last=False, max_skip_fraction=1.0)
+    b = _read_all(loader)[0][0]
+    assert b["caption"] == ["caption 0"] and dict(loader.skip_reasons) == {"image path outside --image_root": 3}
+    with pytest.raises(data.DataError, match="outside --image_root"):
+        data.karpathy_items(str(tmp_path / "k.json"), str(root), "train")
+    # no --image_root: paths are taken against the JSON's folder as given (absolute CSV/JSON paths stay usable)
+    assert len(data.karpathy_items(str(tmp_path / "k.json"), None, "train")) == 4
