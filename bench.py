@@ -133,10 +133,14 @@ def run_trainer(args, method, device):
     decay, no_decay = il_clip.param_groups(model)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=5e-4, betas=(0.9, 0.98), eps=1e-6, fused=device.type == "cuda")
+    lever = getattr(args, "lever", "encoders")
     if open_clip:
         fwd, loss_fn = torch.compile(model) if args.compile else model, open_clip.loss.ClipLoss()
-    elif args.compile:
+    elif args.compile and (lever == "encoders" or method == "il"):
         il_clip.compile_encoders(model)
+    elif args.compile:      # --levers: the towers and the loss in one compiled graph, optionally CUDA-graphed
+        fwd_loss = torch.compile(lambda im, tx: il_clip.contrastive_loss(*model(im, tx)),
+                                 mode="reduce-overhead" if lever == "step+cudagraphs" else None)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext()
     g, B = torch.Generator().manual_seed(0), args.batch_size
     images = torch.randn(B, 3, cfg.image_size, cfg.image_size, generator=g).to(device)
@@ -148,6 +152,10 @@ def run_trainer(args, method, device):
         with autocast:
             if open_clip:
                 loss = loss_fn(*fwd(images, text))
+            elif args.compile and lever != "encoders" and method != "il":
+                if lever == "step+cudagraphs":
+                    torch.compiler.cudagraph_mark_step_begin()
+                loss = fwd_loss(images, il_clip.trim_padding(text, cfg.eot_token_id).to(device, non_blocking=True))
             else:
                 loss = il_clip.compute_loss(model, batch, phase, "language" if teacher else None, teacher, None,
                                             il_args)[0]
@@ -474,6 +482,53 @@ def bench_composer(args, device):
     return 0
 
 
+# --levers: what moves CLIP's MFU and the codebook head's cost, one lever at a time (GPU)
+LEVERS = [  # (label, method, per-GPU batch, what is compiled, codebook scores per chunk or None: il_clip's)
+    ("CLIP: encoders compiled (il_clip --compile)", "clip", 256, "encoders", None),
+    ("CLIP: towers + loss in one graph, CUDA graphs", "clip", 256, "step+cudagraphs", None),
+    ("Codebook-CLIP: encoders compiled (il_clip --compile)", "codebook", 256, "encoders", None),
+    ("Codebook-CLIP: one graph, 2^27 scores per chunk", "codebook", 256, "step", 1 << 27),
+    ("CLIP: encoders compiled (il_clip --compile)", "clip", 128, "encoders", None),
+    ("CLIP: towers + loss in one graph, CUDA graphs", "clip", 128, "step+cudagraphs", None),
+    ("CLIP: towers + loss in one graph", "clip", 256, "step", None),
+    ("CLIP: towers + loss in one graph", "clip", 512, "step", None),
+]
+
+
+def bench_levers(args, device):
+    """Each LEVERS row timed alone (--steps after --untimed, one round), printed as soon as measured, so a
+    cut-off run still reports its first rows; with --json, a report."""
+    import platform
+    default_budget = il_clip.max_code_scores.__defaults__
+    rows, clip_ms = [], {}
+    print(f"| {args.model}, {args.dtype}, {device_name(device)}, torch {torch.__version__} | batch | step | samples/s | MFU "
+          f"| peak memory | / CLIP (same batch, baseline) |\n|---|---|---|---|---|---|---|", flush=True)
+    for label, method, batch, lever, budget in LEVERS:
+        run = argparse.Namespace(**{**vars(args), "batch_size": batch, "lever": lever, "compile": True})
+        il_clip.max_code_scores.__defaults__ = (None, budget or default_budget[1], None)
+        try:
+            res = run_trainer(run, method, device)
+        finally:
+            il_clip.max_code_scores.__defaults__ = default_budget
+        ms, sps = res["step_s"] * 1e3, batch / res["step_s"]
+        mfu = il_clip.estimate_mfu(res["cfg"], sps, device)
+        if method == "clip" and lever == "encoders":
+            clip_ms[batch] = ms
+        ratio = f"{ms / clip_ms[batch]:.3f}x" if method != "clip" and batch in clip_ms else ""
+        print(f"| {label} | {batch} | {ms:.1f} ms | {sps:,.0f} | {'-' if mfu is None else f'{mfu:.1%}'} | "
+              f"{fmt_bytes(res['peak_bytes'])} | {ratio} |", flush=True)
+        rows.append({"label": label, "method": method, "batch": batch, "compiled": lever, "chunk_scores": budget,
+                     "step_ms": ms, "samples_per_s": sps, "mfu": mfu, "peak_bytes": res["peak_bytes"]})
+        del res
+        gc.collect()
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    if args.json:
+        report = {"device": device_name(device), "torch": torch.__version__, "python": platform.python_version(),
+                  "command": "python bench.py " + " ".join(args.argv), "rows": rows}
+        data.atomic_write(args.json, lambda p: data.save_json(p, report))
+    return 0
+
+
 # --targets: every speed target measured in one run and checked against its threshold
 # (key, what is measured, comparison, threshold on a GPU, threshold on the CPU; None = not a target there)
 TARGETS = [
@@ -560,6 +615,7 @@ def main(argv=None):
     a("--code_dim", type=int, default=512, help="--codebook_memory: D of codes and queries")
     a("--composer", action="store_true", help="level-batched vs node-by-node composition")
     a("--targets", action="store_true", help="measure every speed target and check each")
+    a("--levers", action="store_true", help="CLIP and Codebook-CLIP steps with each MFU lever in turn (GPU)")
     a("--json", default=None, help="--targets: also write the report to this JSON file")
     a("--script", default=None, help="time a fork's step: an il_clip.py-style script at PATH (default: il_clip.py)")
     args = p.parse_args(argv)
@@ -572,7 +628,8 @@ def main(argv=None):
     args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     args.batch_size = args.batch_size or (64 if args.model == "tiny" and not args.codebook_memory else 256)
     for mode, bench in (("data", bench_data), ("codebook_memory", bench_codebook_memory), ("composer", bench_composer),
-                        ("targets", bench_targets), ("data_wait", bench_data_wait)):
+                        ("targets", bench_targets), ("data_wait", bench_data_wait),
+                        ("levers", bench_levers)):
         if getattr(args, mode):
             return bench(args, device)
     report_train(args, run_trainer(args, args.method, device), device)
