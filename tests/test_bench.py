@@ -273,3 +273,27 @@ def test_data_wait_trains_il_clip_on_normalised_jpeg_batches(monkeypatch, capsys
     out = capsys.readouterr().out
     wait = float(out.rsplit("= ", 1)[1].split("%")[0])
     assert "waiting for the next batch" in out and 0 <= wait <= 100
+
+
+def test_levers_time_each_lever_with_its_compile_scope_and_chunking(monkeypatch, tmp_path, capsys):
+    """--levers: each row runs the step it names (the step-compiled rows go through one compiled
+    closure of model + loss, the others through il_clip's compiled encoders), the chunk budget is set
+    for its row only and restored, ratios are against CLIP at the same batch."""
+    import json
+    compiled, budgets, real_apply = [], [], il_clip._MaxCodeScores.apply
+    monkeypatch.setattr(torch, "compile", lambda fn=None, mode=None, **kw: compiled.append(mode) or fn)
+    monkeypatch.setattr(il_clip._MaxCodeScores, "apply",
+                        lambda q, c, v, budget, mt: budgets.append(budget) or real_apply(q, c, v, budget, mt))
+    monkeypatch.setattr(bench, "LEVERS", [("clip base", "clip", 4, "encoders", None),
+                                          ("clip graphs", "clip", 4, "step+cudagraphs", None),
+                                          ("codebook chunked", "codebook", 4, "step", 123)])
+    out = tmp_path / "levers.json"
+    assert bench.main(["--levers", "--codebook", "64", "--steps", "2", "--untimed", "1", "--json", str(out)]) == 0
+    # encoders: two compiled methods (mode None); step+cudagraphs: reduce-overhead; step: default mode
+    assert compiled == [None, None, "reduce-overhead", None]
+    assert set(budgets) == {123} and il_clip.max_code_scores.__defaults__[1] == 1 << 25
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["compiled"] for r in rows] == ["encoders", "step+cudagraphs", "step"] and rows[2]["chunk_scores"] == 123
+    table = capsys.readouterr().out
+    ratio = rows[2]["step_ms"] / rows[0]["step_ms"]
+    assert f"| codebook chunked | 4 |" in table and f"{ratio:.3f}x |" in table
