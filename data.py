@@ -20,7 +20,9 @@ Commands:
 """
 import argparse
 import collections
+import contextlib
 import csv
+import errno
 import functools
 import glob
 import gzip
@@ -685,7 +687,8 @@ def _save(path: str, blob):
     def write(tmp):
         with open(tmp, "wb") as f:
             f.write(blob.encode("utf-8") if isinstance(blob, str) else blob)
-    atomic_write(path, write)
+    with writing(path):
+        atomic_write(path, write)
 
 
 def _sample_rng(seed: int, epoch: int, index) -> random.Random:
@@ -1385,10 +1388,42 @@ def fsync(path: str, write=None):
 
 
 def atomic_write(path: str, write):
-    """write(tmp), then rename over `path`: a reader never sees half a file."""
+    """write(tmp), then rename over `path`: a reader never sees half a file (nor a failed write's tmp)."""
     tmp = f"{path}.tmp{os.getpid()}"
-    write(tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.isfile(tmp):
+            os.remove(tmp)
+        raise
+
+
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)  # full disk, quota, file-size limit, failing disk
+
+
+@contextlib.contextmanager
+def writing(path: str):
+    """A write that fails for want of room or of a working disk (WRITE_ERRNOS) -> DataError: one line naming the
+    file (the OSError's own, where it names one), never a traceback. safetensors says it only in its message
+    ("... (os error 27)"). Other errors pass through."""
+    try:
+        yield
+    except Exception as e:
+        code = next((c for c in WRITE_ERRNOS if getattr(e, "errno", None) == c or f"(os error {c})" in str(e)), None)
+        if code is None:
+            raise
+        raise DataError(f"{getattr(e, 'filename', None) or path}: cannot write: {os.strerror(code).lower()}") from None
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help of every script: each flag's "(default: X)" where X says something. Not for None, False or "" (the
+    help text says what they mean), nor where the help already names its default."""
+    def _get_help_string(self, action):
+        text, d = action.help or "", action.default
+        if d in (None, "", argparse.SUPPRESS) or d is False or "default" in text or not action.option_strings:
+            return text
+        return f"{text} (default: {d})".strip()
 
 
 def save_json(path: str, obj):
@@ -1644,8 +1679,7 @@ def _progress(it, desc: str, total=None):
 def write_shapes_shards(out: str, n: int, seed: int, shard_size: int, image_size: int) -> dict:
     """Train scenes 0..n-1 in shards of `shard_size`; returns {shard file name: samples}."""
     folder, sizes = os.path.join(out, "shards"), {}
-    bar = _progress(range(n), "shards", n)
-    for first in range(0, n, shard_size):
+    for first in _progress(range(0, n, shard_size), f"shards of {shard_size}"):
         name, buf = f"{first // shard_size:05d}.tar", io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
             for i in range(first, min(n, first + shard_size)):
@@ -1659,12 +1693,10 @@ def write_shapes_shards(out: str, n: int, seed: int, shard_size: int, image_size
                     info = tarfile.TarInfo(f"{key}.{ext}")
                     info.size, info.mtime, info.mode = len(blob), 0, 0o644  # fixed metadata: same seed, same bytes
                     tf.addfile(info, io.BytesIO(blob))
-                bar.update()
         sizes[name] = count = min(n, first + shard_size) - first
         _save(os.path.join(folder, name), buf.getvalue())
         _save(os.path.join(folder, name[:-4] + "_stats.json"), json.dumps(
             {"count": count, "successes": count, "failed_to_download": 0, "failed_to_resize": 0}))
-    bar.close()
     _save(os.path.join(folder, "sizes.json"), json.dumps(sizes, indent=1))
     return sizes
 
@@ -1805,14 +1837,17 @@ def main(argv=None) -> int:
                                                "loading it runs the code it carries")
     w.add_argument("path")
     args = vars(p.parse_args(argv))
-    if args["cmd"] == "convert-weights":
-        from safetensors.torch import save_file
-        sd = torch.jit.load(args["path"], map_location="cpu").state_dict()    # explicit: runs the archive's code
-        save_file({k: v.contiguous() for k, v in sd.items()}, out := args["path"].rsplit(".", 1)[0] + ".safetensors")
-        print(out)
-        return 0
+    writes = args["cmd"] != "check"    # a failed write (full disk, quota, size limit, I/O error): one line, exit 2
     try:
-        result = make_shapes(**args) if args.pop("cmd") == "make-shapes" else check_data(args.pop("data"), **args)
+        with writing(args.get("out_dir") or args["path"]) if writes else contextlib.nullcontext():
+            if args["cmd"] == "convert-weights":
+                from safetensors.torch import save_file
+                sd = torch.jit.load(args["path"], map_location="cpu").state_dict()  # explicit: runs the archive's code
+                out = args["path"].rsplit(".", 1)[0] + ".safetensors"
+                atomic_write(out, lambda tmp: save_file({k: v.contiguous() for k, v in sd.items()}, tmp))
+                print(out)
+                return 0
+            result = make_shapes(**args) if args.pop("cmd") == "make-shapes" else check_data(args.pop("data"), **args)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
