@@ -139,8 +139,18 @@ def names_file(read):
     return reader
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help: each flag's "(default: X)" where X says something. Not for None, False or "" (the
+    help text says what they mean), nor where the help already names its default."""
+    def _get_help_string(self, action):
+        text, d = action.help or "", action.default
+        if d in (None, "", argparse.SUPPRESS) or d is False or "default" in text or not action.option_strings:
+            return text
+        return f"{text} (default: {d})".strip()
+
+
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=data.HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("model: the checkpoint or weights to score")
     g.add_argument("--ckpt", help="an il_clip.py / mm_learngene.py out_dir")
     g.add_argument("--init", help="OpenAI-format weights (.safetensors / .pt) instead of --ckpt")
@@ -999,8 +1009,21 @@ def bench_retrieval(args, emb):
         return retrieval_scores(emb, items, same_caption=True)
     require((args.retrieval, "--retrieval"), (args.retrieval_images, "--retrieval_images"))
     items = [(file_ref(path), caps) for path, caps in
-             data.karpathy_items(args.retrieval, args.retrieval_images, args.retrieval_split)]
+             karpathy_items(args.retrieval, args.retrieval_images, args.retrieval_split)]
     return retrieval_scores(emb, items)
+
+
+def karpathy_items(json_path: str, image_root: str | None = None, split: str = "test", with_trees=False) -> list:
+    """Per-image caption lists for retrieval evaluation: [(image_path, [captions])], or
+    [(image_path, [captions], [trees])] with `with_trees`. Empty captions are left out."""
+    out = []
+    for path, _, sents in data.karpathy_images(json_path, image_root, split):
+        if isinstance(path, data.Skip):      # an evaluation gallery is scored whole or not at all
+            raise data.DataError(f"{json_path}: {path.where}: {path.reason} {image_root}")
+        sents = [(c, t) for c, t in sents if isinstance(c, str) and c.strip()]
+        caps = [c for c, _ in sents]
+        out.append((path, caps, [t for _, t in sents]) if with_trees else (path, caps))
+    return out
 
 
 def bench_linear_probe(args, emb):
@@ -2122,7 +2145,7 @@ def held_out_rule(spec, kw, seed):
     ~10% of the pairs by key: key -> True if held out, the same rule for both sides."""
     src = data.resolve_data(spec, kw.get("image_root"))
     if src["kind"] == "shapes" or (src["kind"] == "karpathy" and
-                                   data.karpathy_items(src["path"], src.get("image_root"), "val")):
+                                   karpathy_items(src["path"], src.get("image_root"), "val")):
         return None
     return lambda key: zlib.crc32(f"{seed}/{key}".encode()) % 100 < HELD_OUT_PERCENT
 
