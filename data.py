@@ -13,14 +13,14 @@ data.py -- the one module shared by every script of this repo.
   * what the training scripts share around the method: durable and atomic file writes, the weights
     reader (OpenAI / open_clip files, the activation they imply, a one-line key check), results over seeds.
 
-Commands:
-  python data.py make-shapes --out_dir DIR [--train N --test N --seed S --shard_size N]
-  python data.py check --data SPEC [--split S] [--image_root DIR] [--batch_size N --drop_last]
-                       [--csv_img_key K --csv_caption_key K --csv_separator S]
+Commands (flags: python data.py COMMAND --help): make-shapes --out_dir DIR (the shapes data in the real formats),
+check --data SPEC (read a dataset once, count good and skipped samples), convert-weights PATH (.pt -> .safetensors)
 """
 import argparse
 import collections
+import contextlib
 import csv
+import errno
 import functools
 import glob
 import gzip
@@ -127,8 +127,7 @@ class Scene:
 
 def relation_between(a: Obj, b: Obj) -> str:
     """The one relation that holds for "a <rel> b" (dominant axis of the centre offset)."""
-    (ax, ay), (bx, by) = a.centre, b.centre
-    dx, dy = bx - ax, by - ay
+    dx, dy = b.centre[0] - a.centre[0], b.centre[1] - a.centre[1]
     if abs(dx) >= abs(dy):
         return "to the left of" if dx > 0 else "to the right of"
     return "above" if dy > 0 else "below"
@@ -223,8 +222,7 @@ def _draw_object(draw: ImageDraw.ImageDraw, o: Obj, rgb: tuple):
     if o.shape == "circle":
         draw.ellipse(o.box, fill=rgb)
     elif o.shape == "square":
-        k = r * 0.85
-        draw.rectangle((cx - k, cy - k, cx + k, cy + k), fill=rgb)
+        draw.rectangle((cx - r * 0.85, cy - r * 0.85, cx + r * 0.85, cy + r * 0.85), fill=rgb)
     elif o.shape == "triangle":
         draw.polygon([(cx, y0), (x1, y1 - r * 0.2), (x0, y1 - r * 0.2)], fill=rgb)
     elif o.shape == "diamond":
@@ -345,10 +343,9 @@ def make_negative(category: str, scene: Scene, rng: random.Random, allow_held_ou
 
 
 def shapes_benchmark(seed: int = 0, n: int = 1000, image_size: int = SHAPES_IMAGE_SIZE) -> dict:
-    """The built-in compositional benchmark. For each SugarCrepe category, n items {"image", "caption",
-    "negative_caption"} drawn from the test split (scenes that admit no negative of the category are skipped); for
-    systematicity / productivity, n items {"image", "caption", "negatives", "negative_categories"} (CREPE style: R@1
-    among the positive + negatives; `negative_categories[i]` is the category that made negatives[i])."""
+    """The built-in compositional benchmark: per SugarCrepe category, n items {"image", "caption", "negative_caption"}
+    of the test split (scenes with no negative of the category skipped); for systematicity / productivity, n items
+    {"image", "caption", "negatives", "negative_categories"} (CREPE: R@1 among them; category i made negative i)."""
     def first_n(split, start, item):    # item(scene) of scenes start, start + 1, ...: the first n that are not None
         return list(itertools.islice(filter(None, (item(shapes_scene(split, start + i, seed, image_size))
                                                    for i in itertools.count())), n))
@@ -393,18 +390,15 @@ def shapes_captions(n: int = 5000, seed: int = 0) -> list:
 # Tokenizer
 
 def clip_clean(text: str) -> str:
-    """OpenAI CLIP's caption cleaning before the BPE (simple_tokenizer.py's basic_clean and
-    whitespace_clean): ftfy.fix_text (it also replaces lone surrogates, which the tokenizer cannot
-    encode), html.unescape twice, whitespace runs -> " ", strip, lower-case. Released weights saw
-    cleaned text, so `&amp;`, `it’s`, `ﬁ`, full-width letters and mojibake must reach the BPE so."""
+    """OpenAI CLIP's caption cleaning before the BPE (simple_tokenizer.py's basic_clean and whitespace_clean):
+    ftfy.fix_text (it also replaces lone surrogates, which the tokenizer cannot encode), html.unescape twice,
+    whitespace runs -> " ", strip, lower-case: released weights saw `&amp;`, `it’s`, `ﬁ`, full-width, mojibake fixed."""
     if not (text.isascii() and text.isprintable() and "&" not in text):  # else fix_text would change nothing
         text = html.unescape(html.unescape(ftfy.fix_text(text)))
     return " ".join(text.split()).lower()
 
 
 SOT_TOKEN, EOT_TOKEN, PAD_TOKEN, UNK_TOKEN = "<|startoftext|>", "<|endoftext|>", "<pad>", "<unk>"
-
-
 MAX_CAPTION_CHARS = 4096  # far past 77 tokens: captions are cut here before cleaning and tokenizing
 
 
@@ -454,10 +448,9 @@ class Tokenizer:
 
 
 def _special_tokens_not_in_text(backend):
-    """The backend without `added_tokens` entries for SOT/EOT/pad/unk: `tokenizers` matches
-    added tokens inside the input text, so a caption containing "<|endoftext|>" or "<pad>" got
-    those ids mid-sequence (where EOT pooling stops). They stay in the model's vocabulary, so
-    their ids are unchanged; Tokenizer puts SOT/EOT/pad around the text itself."""
+    """The backend without `added_tokens` entries for SOT/EOT/pad/unk: `tokenizers` matches added tokens inside the
+    text, so a caption containing "<|endoftext|>" or "<pad>" got those ids mid-sequence (where EOT pooling stops).
+    They stay in the vocabulary (ids unchanged); Tokenizer puts SOT/EOT/pad around the text itself."""
     from tokenizers import Tokenizer as Backend
     blob = json.loads(backend.to_str())
     specials = {SOT_TOKEN, EOT_TOKEN, PAD_TOKEN, UNK_TOKEN}
@@ -509,9 +502,8 @@ def clip_bpe_tokenizer(vocab_path: str, context_length: int = 77) -> Tokenizer:
 
 
 def trained_bpe_tokenizer(captions, vocab_size: int = 1000, context_length: int = 77) -> Tokenizer:
-    """A small byte-level BPE (GPT-2 style) trained on the training captions, used when no CLIP
-    vocabulary is given. Ids: 0 pad, 1 SOT, 2 EOT, 3 unk. All 256 bytes are in the alphabet,
-    so no text is ever unknown; lower-case and whitespace cleanup as CLIP's."""
+    """A small byte-level BPE (GPT-2 style) trained on the training captions, when no CLIP vocabulary is given. Ids:
+    0 pad, 1 SOT, 2 EOT, 3 unk. All 256 bytes are in the alphabet (no text is unknown); cleanup as CLIP's."""
     from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
     if not (captions := [clip_clean(c) for c in captions if c and c.strip()]):
         raise DataError("cannot train a tokenizer: no captions")
@@ -592,9 +584,8 @@ class Resize:
 
 
 def _centre_offset(have: int, want: int) -> int:
-    """torchvision's center_crop offset: round((have - want) / 2) with Python's round half to
-    even (a margin of 5 starts at 2, one of 3 at 2); a smaller image is padded with zeros, the
-    odd pixel after it (PIL's crop pads outside the image with zeros)."""
+    """torchvision's center_crop offset: round((have - want) / 2) with Python's round half to even (a margin of 5
+    starts at 2, one of 3 at 2); a smaller image is padded with zeros, the odd pixel after it (as PIL's crop pads)."""
     return int(round((have - want) / 2)) if have >= want else -((want - have) // 2)
 
 
@@ -629,10 +620,9 @@ class ToTensor:
 
 
 def normalize_images(images: torch.Tensor, device=None) -> torch.Tensor:
-    """A loader's images -> CLIP-normalised float32 on `device`: (x / 255 - mean) / std. uint8 [B, 3, H, W] is copied
-    as bytes (non_blocking from pinned memory) and converted on the device, so workers send a quarter of the bytes
-    and skip the arithmetic (timm's PrefetchLoader, FFCV). Three float32 passes: on the CPU bit for bit the
-    per-pixel formula. A float tensor is taken as already normalised."""
+    """A loader's images -> CLIP-normalised float32 on `device`: (x / 255 - mean) / std. uint8 [B, 3, H, W] moves as
+    bytes (non_blocking if pinned), converted on the device: workers send a quarter of the bytes, skip the arithmetic
+    (timm's PrefetchLoader, FFCV). Three float32 passes: on the CPU the per-pixel formula bit for bit. Float: as is."""
     x = images.to(device, non_blocking=True) if device is not None else images
     if x.dtype != torch.uint8:
         return x
@@ -685,7 +675,8 @@ def _save(path: str, blob):
     def write(tmp):
         with open(tmp, "wb") as f:
             f.write(blob.encode("utf-8") if isinstance(blob, str) else blob)
-    atomic_write(path, write)
+    with writing(path):
+        atomic_write(path, write)
 
 
 def _sample_rng(seed: int, epoch: int, index) -> random.Random:
@@ -699,10 +690,8 @@ def make_sample(image, caption, tree, key: str, transform, rng):
         return Skip("caption with no image", key)
     if isinstance(image, Skip):         # refused when its path was resolved (_resolve_image)
         return Skip(image.reason, f"{key} ({image.where})")
-    if caption is None:
-        return Skip("image with no caption", key)
-    if not caption.strip():
-        return Skip("empty caption", key)
+    if caption is None or not caption.strip():
+        return Skip("image with no caption" if caption is None else "empty caption", key)
     try:
         img = Image.open(io.BytesIO(image) if isinstance(image, bytes) else image)
         if img.format == "JPEG" and getattr(transform, "draft", None):
@@ -732,10 +721,9 @@ def _stack_images(images: list) -> torch.Tensor:
 
 
 def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> dict:
-    """List of samples -> batch dict. Skips (and None) are left out of the batch and listed
-    as (reason, where) pairs in batch["_skips"]; the loader removes that entry. `batch_extra`
-    (picklable, (batch, epoch) -> dict) adds entries in the loader's workers, off the training
-    loop; the epoch lets it draw anew each epoch and still replay exactly on resume."""
+    """List of samples -> batch dict. Skips (and None) are left out of the batch and listed as (reason, where) pairs
+    in batch["_skips"]; the loader removes that entry. `batch_extra` (picklable, (batch, epoch) -> dict) adds entries
+    in the loader's workers, off the training loop; the epoch lets it draw anew each epoch, replayed on resume."""
     good = [s for s in samples if isinstance(s, dict)]
     batch = {"image": _stack_images([s["image"] for s in good]) if good else torch.zeros(0, 3, 0, 0, dtype=torch.uint8),
              **{k: [s.get(k) for s in good] for k in ("caption", "tree", "key")},
@@ -754,12 +742,11 @@ def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> 
 # Map-style datasets: shapes (generated) and files listed by a CSV, a Karpathy JSON or an ImageFolder tree
 
 class ShapesDataset(torch.utils.data.Dataset):
-    """Map-style view of one shapes split. The shapes images are generated at the model's
-    resolution and not augmented: a crop could cut an object away, a flip swaps left and
-    right, a colour jitter changes colour names; every sample is already a fresh draw."""
+    """Map-style view of one shapes split, generated at the model's resolution and not augmented: a crop could cut
+    an object away, a flip swaps left and right, a colour jitter changes colour names; each sample is a fresh draw."""
 
-    def __init__(self, split="train", size=None, seed=0, image_size=SHAPES_IMAGE_SIZE, tokenizer=None):
-        self.split, self.seed, self.image_size, self.tokenizer = split, seed, image_size, tokenizer
+    def __init__(self, split="train", size=None, seed=0, image_size=SHAPES_IMAGE_SIZE):
+        self.split, self.seed, self.image_size = split, seed, image_size
         self.size, self.to_tensor, self.epoch = size or SHAPES_SIZES[split], ToTensor(), 0
 
     def __len__(self):
@@ -829,7 +816,7 @@ def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath
     return items
 
 
-def _karpathy_images(json_path: str, image_root: str | None, split: str) -> list:
+def karpathy_images(json_path: str, image_root: str | None, split: str) -> list:
     """[(image path, key, [(raw caption, tree or None), ...])] of one split of a Karpathy JSON (key =
     filepath/filename without extension); split "train" also takes "restval" (COCO's usual 113k)."""
     blob = read_json(json_path)
@@ -850,19 +837,6 @@ def _karpathy_images(json_path: str, image_root: str | None, split: str) -> list
     if not out:
         raise DataError(f"{json_path}: no images with split {split!r} (splits present: "
                         f"{', '.join(sorted({str(im.get('split')) for im in images}))})")
-    return out
-
-
-def karpathy_items(json_path: str, image_root: str | None = None, split: str = "test", with_trees=False) -> list:
-    """Per-image caption lists for retrieval evaluation: [(image_path, [captions])], or
-    [(image_path, [captions], [trees])] with `with_trees`. Empty captions are left out."""
-    out = []
-    for path, _, sents in _karpathy_images(json_path, image_root, split):
-        if isinstance(path, Skip):      # an evaluation gallery is scored whole or not at all
-            raise DataError(f"{json_path}: {path.where}: {path.reason} {image_root}")
-        sents = [(c, t) for c, t in sents if isinstance(c, str) and c.strip()]
-        caps = [c for c, _ in sents]
-        out.append((path, caps, [t for _, t in sents]) if with_trees else (path, caps))
     return out
 
 
@@ -956,10 +930,8 @@ def _shard_count(path: str) -> int | None:
             return n
         raise DataError(f"{stats}: malformed img2dataset stats (no 'successes' count)")
     sizes = os.path.join(folder, "sizes.json")
-    if os.path.exists(sizes):
-        blob = read_json(sizes)
-        return blob.get(name) if isinstance(blob, dict) else None
-    return None
+    blob = read_json(sizes) if os.path.exists(sizes) else None
+    return blob.get(name) if isinstance(blob, dict) else None
 
 
 def _shuffled(records, size: int, rng: random.Random):
@@ -1003,9 +975,8 @@ def _tar_source(shards: list) -> dict:
 
 
 def resolve_data(spec: str, image_root: str | None = None) -> dict:
-    """What a --data spec names: {"kind": "shapes"|"tar"|"csv"|"karpathy"|"imagefolder", ...}
-    with "shards" + "num_samples" (tar), "path" (csv, karpathy, imagefolder) and
-    "image_root"; raises a one-line DataError when it names nothing readable."""
+    """What a --data spec names: {"kind": "shapes"|"tar"|"csv"|"karpathy"|"imagefolder", ...} with "shards" +
+    "num_samples" (tar), "path" (csv, karpathy, imagefolder) and "image_root"; a one-line DataError if nothing."""
     if spec == "shapes" or spec.startswith("shapes:"):
         return {"kind": "shapes", **parse_shapes_spec(spec)}
     if spec in DATA_PRESETS:
@@ -1041,7 +1012,7 @@ def file_items(src: dict, split: str, csv_options: dict) -> list:
         return csv_items(src["path"], src["image_root"], **csv_options)
     if src["kind"] == "karpathy":   # an Item per sentence, keyed by the image (retrieval groups by key);
         # an image without sentences gives one Item, which is skipped
-        return [item for path, key, sents in _karpathy_images(src["path"], src["image_root"], split)
+        return [item for path, key, sents in karpathy_images(src["path"], src["image_root"], split)
                 for item in [Item(path, raw, tree, key) for raw, tree in sents] or [Item(path, None, None, key)]]
     paths, labels, classes = image_folder(src["path"])   # caption: the class name, '_' as spaces
     return [Item(p, classes[y].replace("_", " "), None, os.path.relpath(p, src["path"]), y)
@@ -1076,15 +1047,13 @@ class _Loader:
         self.name, self.batch_size, self.tokenizer, self.train = name, batch_size, tokenizer, train
         self.rank, self.world_size, self.num_workers, self.seed = rank, world_size, num_workers, seed
         self.drop_last, self.max_skip_fraction, self.epoch, self.batches_done = drop_last, max_skip_fraction, 0, 0
-        self.good, self.skipped, self.dropped = 0, 0, 0  # dropped: good samples cut by drop_last
-        self.skip_reasons = collections.Counter()
+        self.good, self.skipped, self.dropped, self.skip_reasons = 0, 0, 0, collections.Counter()  # dropped: drop_last
         self.num_samples = num_samples      # check_min: SKIP_CHECK_MIN, or one epoch's share where that is smaller
         self.check_min = max(1, min(SKIP_CHECK_MIN, num_samples // world_size)) if num_samples else SKIP_CHECK_MIN
         if drop_last and num_samples is not None and num_samples < batch_size * world_size:
             raise DataError(f"{name}: {num_samples} samples{counted_by}, fewer than one global batch "
                             f"({batch_size} x {world_size} ranks)")
-        # page-locked batches for a CUDA consumer: normalize_images' non_blocking copy of the uint8
-        # batch is then a true async copy that overlaps the running step
+        # pinned (page-locked) batches: normalize_images' non_blocking copy is then truly async, overlapping the step
         self.pin_memory, self.batch_extra = False, None     # batch_extra: see collate()
 
     def set_epoch(self, epoch):
@@ -1157,9 +1126,8 @@ class _Loader:
 
 
 class MapLoader(_Loader):
-    """DDP loader over a map-style dataset. Each epoch draws a permutation from (seed, epoch) (the
-    same on every rank), drops the tail so that every rank gets the same number of full batches,
-    and gives rank r the indices r, r + W, r + 2W, ..."""
+    """DDP loader over a map-style dataset. Each epoch draws a permutation from (seed, epoch) (the same on every
+    rank), drops the tail so that every rank gets as many full batches, and gives rank r indices r, r + W, r + 2W ..."""
 
     def __init__(self, dataset, batch_size, **options):     # options: _Loader's keywords (tokenizer, train, rank ...)
         super().__init__(batch_size, len(dataset), **options)
@@ -1317,29 +1285,23 @@ def make_loader(spec: str, split: str = "train", batch_size: int = 64, tokenizer
                 shuffle_buffer: int = 1000, max_skip_fraction: float = MAX_SKIP_FRACTION, transform=None,
                 csv_img_key: str = "filepath", csv_caption_key: str = "title", csv_separator: str | None = None,
                 pin_memory: bool = False, batch_extra=None):
-    """The loader for a `--data` spec: a MapLoader for shapes, CSV, Karpathy JSON (`split`) and
-    ImageFolder (batches also carry "label"), a ShardLoader for tar shards (`split` is ignored:
-    a shard set is one split). Real images get train_transform(image_size) when `train`, else
-    eval_transform(image_size); `transform` (PIL image, random.Random) -> tensor overrides both.
-    `pin_memory`: page-locked batches for a CUDA training loop. `batch_extra`: see collate()."""
+    """The loader for a `--data` spec: a MapLoader for shapes, CSV, Karpathy JSON (`split`) and ImageFolder (batches
+    also carry "label"), a ShardLoader for tar shards (`split` is ignored: a shard set is one split). Real images get
+    train_transform(image_size) when `train`, else eval_transform(image_size); `transform` (PIL image, random.Random)
+    -> tensor overrides both. `pin_memory`: page-locked batches for CUDA. `batch_extra`: see collate()."""
     src = resolve_data(spec, image_root)
     loader_args = dict(tokenizer=tokenizer, train=train, rank=rank, world_size=world_size, num_workers=num_workers,
-                       seed=seed, drop_last=drop_last)
-    if src["kind"] == "shapes":
-        size = src.get("train_size") if split == "train" else None
-        ds = ShapesDataset(split, size, src.get("seed", 0), image_size, tokenizer)
-        loader = MapLoader(ds, batch_size, name=spec, **loader_args)
+                       seed=seed, drop_last=drop_last, name=spec, max_skip_fraction=max_skip_fraction)
+    transform = transform or (train_transform if train else eval_transform)(image_size)
+    if src["kind"] == "shapes":     # generated at image_size, never skipped
+        ds = ShapesDataset(split, src.get("train_size") if split == "train" else None, src.get("seed", 0), image_size)
+        loader = MapLoader(ds, batch_size, **loader_args)
+    elif src["kind"] == "tar":
+        loader = ShardLoader(src["shards"], batch_size, transform=transform, resampled=resampled,
+                             shuffle_buffer=shuffle_buffer, num_samples=src["num_samples"], **loader_args)
     else:
-        transform = transform or (train_transform if train else eval_transform)(image_size)
-        if src["kind"] == "tar":
-            loader = ShardLoader(src["shards"], batch_size, transform=transform, resampled=resampled,
-                                 shuffle_buffer=shuffle_buffer, num_samples=src["num_samples"], name=spec,
-                                 max_skip_fraction=max_skip_fraction, **loader_args)
-        else:
-            items = file_items(src, split, dict(img_key=csv_img_key, caption_key=csv_caption_key,
-                                                 separator=csv_separator))
-            loader = MapLoader(FileDataset(items, transform, seed), batch_size, name=spec,
-                               max_skip_fraction=max_skip_fraction, **loader_args)
+        items = file_items(src, split, dict(img_key=csv_img_key, caption_key=csv_caption_key, separator=csv_separator))
+        loader = MapLoader(FileDataset(items, transform, seed), batch_size, **loader_args)
     loader.pin_memory, loader.batch_extra = pin_memory and torch.cuda.is_available(), batch_extra
     return loader
 
@@ -1385,10 +1347,30 @@ def fsync(path: str, write=None):
 
 
 def atomic_write(path: str, write):
-    """write(tmp), then rename over `path`: a reader never sees half a file."""
+    """write(tmp), then rename over `path`: a reader never sees half a file (nor a failed write's tmp)."""
     tmp = f"{path}.tmp{os.getpid()}"
-    write(tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:        # a failed write's tmp (after the rename there is none)
+        if os.path.isfile(tmp):
+            os.remove(tmp)
+
+
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)  # full disk, quota, file-size limit, failing disk
+
+
+@contextlib.contextmanager
+def writing(path: str):
+    """A write that fails for want of room or of a working disk (WRITE_ERRNOS) -> DataError, one line naming the file
+    (the OSError's own if it names one); safetensors says it only in its message ("(os error 27)"). Others pass."""
+    try:
+        yield
+    except Exception as e:
+        code = next((c for c in WRITE_ERRNOS if getattr(e, "errno", None) == c or f"(os error {c})" in str(e)), None)
+        if code is None:
+            raise
+        raise DataError(f"{getattr(e, 'filename', None) or path}: cannot write: {os.strerror(code).lower()}") from None
 
 
 def save_json(path: str, obj):
@@ -1402,9 +1384,8 @@ OPENAI_EXTRA_KEYS = {"input_resolution", "context_length", "vocab_size"}   # int
 
 
 def read_weights(path: str) -> dict:
-    """A state dict of tensors from .safetensors or a torch .pt (weights_only: no pickled code runs); OpenAI's
-    TorchScript archives are refused (convert-weights); open_clip's {"state_dict": ...} and DDP's "module."
-    prefix are unwrapped."""
+    """A state dict of tensors from .safetensors or a torch .pt (weights_only: no pickled code runs); TorchScript
+    archives (OpenAI's) are refused (convert-weights); open_clip's {"state_dict": ...}, DDP's "module." unwrapped."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: weights file not found")
     try:
@@ -1466,9 +1447,9 @@ def _stated_activation(cfg) -> bool | None:
 
 
 def weights_activation(flag, weights: str, folders=()) -> tuple:
-    """(quick_gelu, source) of a weights file: the flag when given ("flag"), else what a config
-    file beside the weights (or in `folders`) says (source: that file's path), else OpenAI's
-    QuickGELU, "assumed" (the caller says so: open_clip's LAION / DataComp models are GELU)."""
+    """(quick_gelu, source) of a weights file: the flag when given ("flag"), else what a config file beside the
+    weights (or in `folders`) says (source: its path), else OpenAI's QuickGELU, "assumed" (the caller says so:
+    open_clip's LAION / DataComp models are GELU)."""
     if flag is not None:
         return bool(flag), "flag"
     for folder in dict.fromkeys([os.path.dirname(os.path.abspath(weights)), *folders]):
@@ -1504,10 +1485,9 @@ def script_record(file: str) -> dict:
 
 
 def import_script(record: dict | None, override: str | None = None, default: str | None = None):
-    """-> (module, path, note) for the script a checkpoint records (see script_record), or
-    `override` (--script PATH). Looked for at its recorded path, then by name beside this file
-    and in the working directory; `default` (a script name) serves checkpoints that record none.
-    `note` is a line to print when the script's text has changed since training, else None."""
+    """-> (module, path, note) for the script a checkpoint records (see script_record), or `override` (--script
+    PATH). Looked for at its recorded path, then by name beside this file and in the working directory; `default` (a
+    script name) serves checkpoints that record none. `note`: a line to print if the script changed since training."""
     import importlib.util
     record = record if isinstance(record, dict) else {}
     name = record.get("name") or default
@@ -1524,8 +1504,7 @@ def import_script(record: dict | None, override: str | None = None, default: str
     module_name = "_script_" + hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:12]
     if module_name not in sys.modules:      # import each file once: its classes stay one identity
         spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
+        sys.modules[module_name] = module = importlib.util.module_from_spec(spec)
         try:
             spec.loader.exec_module(module)
         except Exception as e:
@@ -1581,10 +1560,9 @@ def results_table(rows: dict, label: str = "method") -> str:
 
 
 def summarize_runs(root: str, read_run, baseline=None) -> dict:
-    """Every run folder under `root` that `read_run` accepts (-> (group, seed, {metric: fraction}), or a list of
-    them), grouped: prints mean ± 95% t-interval over seeds per group, then each group's paired difference against
-    its baseline over the seeds both ran (* where the interval excludes zero). `baseline`: one group (default: the
-    first) or a function group -> baseline group. Returns {group: {metric: {seed: value}}}."""
+    """Run folders under `root` that `read_run` reads (-> (group, seed, {metric: fraction}) or a list), grouped; prints
+    mean ± 95% t-interval per group and each group's paired difference against its baseline (a group, default the first,
+    or a function group -> group) on shared seeds (*: excludes 0). -> {group: {metric: {seed: value}}}"""
     if not os.path.isdir(root):
         raise DataError(f"{root}: no such folder of runs")
     groups = {}
@@ -1625,11 +1603,9 @@ def summarize_runs(root: str, read_run, baseline=None) -> dict:
 #
 # OUT/shards/{00000..}.tar    img2dataset webdataset: {key}.png .txt .json .tree, key = train index (9 digits);
 #                             {shard}_stats.json per shard and sizes.json
-# OUT/sugarcrepe/{cat}.json   SugarCrepe: {"0": {"filename", "caption", "negative_caption"}, ...} for the 7
-#                             categories; images in OUT/sugarcrepe/images/
-# OUT/crepe/*.csv             CREPE rows image_id,x,y,width,height,caption + negatives (see CREPE_FILES):
-#                             systematicity.csv (valid_hard_negs_atom/comp), productivity_{swap,replace}.csv
-#                             (hard_negs); box = whole image; images OUT/crepe/images/{image_id}.png
+# OUT/sugarcrepe/{cat}.json   SugarCrepe {"0": {"filename", "caption", "negative_caption"}, ...}; images/ beside
+# OUT/crepe/*.csv             CREPE rows image_id,x,y,width,height,caption + negatives (CREPE_FILES): systematicity.csv,
+#                             productivity_{swap,replace}.csv; box = whole image; images OUT/crepe/images/{image_id}.png
 # OUT/karpathy/dataset_shapes.json  Karpathy JSON, splits train/val/test, one sentence per image with raw, tokens
 #                             and tree; images OUT/karpathy/{split}/ (image root = the JSON's folder, filepath = split)
 # OUT/csv/{train,val,test}.tsv open_clip TSV (filepath, title, tree) over the Karpathy images
@@ -1644,8 +1620,7 @@ def _progress(it, desc: str, total=None):
 def write_shapes_shards(out: str, n: int, seed: int, shard_size: int, image_size: int) -> dict:
     """Train scenes 0..n-1 in shards of `shard_size`; returns {shard file name: samples}."""
     folder, sizes = os.path.join(out, "shards"), {}
-    bar = _progress(range(n), "shards", n)
-    for first in range(0, n, shard_size):
+    for first in _progress(range(0, n, shard_size), f"shards of {shard_size}"):
         name, buf = f"{first // shard_size:05d}.tar", io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
             for i in range(first, min(n, first + shard_size)):
@@ -1659,12 +1634,10 @@ def write_shapes_shards(out: str, n: int, seed: int, shard_size: int, image_size
                     info = tarfile.TarInfo(f"{key}.{ext}")
                     info.size, info.mtime, info.mode = len(blob), 0, 0o644  # fixed metadata: same seed, same bytes
                     tf.addfile(info, io.BytesIO(blob))
-                bar.update()
         sizes[name] = count = min(n, first + shard_size) - first
         _save(os.path.join(folder, name), buf.getvalue())
         _save(os.path.join(folder, name[:-4] + "_stats.json"), json.dumps(
             {"count": count, "successes": count, "failed_to_download": 0, "failed_to_resize": 0}))
-    bar.close()
     _save(os.path.join(folder, "sizes.json"), json.dumps(sizes, indent=1))
     return sizes
 
@@ -1688,11 +1661,10 @@ def write_shapes_benchmarks(out: str, n: int, seed: int, image_size: int) -> dic
 # CREPE's released layout: systematicity CSVs carry `valid_hard_negs_atom` (here: replace_*
 # negatives) and `valid_hard_negs_comp` (swap_*); productivity CSVs one `hard_negs` column,
 # one file per negative kind named after it. (file stem, columns, category prefix per column)
-CREPE_FILES = {
-    "systematicity": [("systematicity", ["valid_hard_negs_atom", "valid_hard_negs_comp"], ["replace", "swap"])],
-    "productivity": [("productivity_swap", ["hard_negs"], ["swap"]),
-                     ("productivity_replace", ["hard_negs"], ["replace"])],
-}
+CREPE_FILES = {"systematicity": [("systematicity", ["valid_hard_negs_atom", "valid_hard_negs_comp"],
+                                  ["replace", "swap"])],
+               "productivity": [("productivity_swap", ["hard_negs"], ["swap"]),
+                                ("productivity_replace", ["hard_negs"], ["replace"])]}
 
 
 def _write_crepe_csv(path: str, split: str, items: list, columns: list, kinds: list):
@@ -1760,21 +1732,19 @@ def make_shapes(out_dir: str, train: int = 10_000, test: int = 500, seed: int = 
 
 def check_data(spec: str, split: str = "train", image_root: str | None = None, batch_size: int = 64,
                num_workers: int = 0, image_size: int = 64, drop_last: bool = False, **csv_options) -> dict:
-    """Reads a dataset once. Counts: good (in batches), skipped (bad samples, by reason) and
-    dropped (good samples cut by drop_last, as a training loader with this batch size would).
-    No good sample at all gives an "error" entry (main() then exits 2)."""
+    """Reads a dataset once. Counts: good (in batches), skipped (bad samples, by reason) and dropped (good samples
+    cut by drop_last, as a training loader with this batch size would). No good sample: an "error" entry (exit 2)."""
     loader = make_loader(spec, split, batch_size, image_size=image_size, train=False, num_workers=num_workers,
                          drop_last=drop_last, image_root=image_root, max_skip_fraction=1.0, **csv_options)
-    bar = _progress(None, "check", loader.num_samples)
     t0, problem = time.time(), None
-    try:
-        for batch in loader:
-            bar.update(len(batch["caption"]))
-    except DataError as e:
-        if loader.good:
-            raise
-        problem = str(e)
-    bar.close()
+    with _progress(None, "check", loader.num_samples) as bar:
+        try:
+            for batch in loader:
+                bar.update(len(batch["caption"]))
+        except DataError as e:
+            if loader.good:
+                raise
+            problem = str(e)
     result = {"data": spec, "kind": resolve_data(spec, image_root)["kind"], "split": split,
               "declared_samples": loader.num_samples, "good": loader.good, "skipped": loader.skipped,
               "dropped": loader.dropped, "batch_size": batch_size, "drop_last": drop_last,
@@ -1801,18 +1771,20 @@ def main(argv=None) -> int:
     c.add_argument("--csv_img_key", default="filepath", help="CSV/TSV column of the image paths (open_clip's name)")
     c.add_argument("--csv_caption_key", default="title", help="CSV/TSV column of the captions")
     c.add_argument("--csv_separator", default=None, help="default: tab if the header has one, else comma")
-    w = sub.add_parser("convert-weights", help="a TorchScript .pt you trust (OpenAI's) -> PATH.safetensors; "
-                                               "loading it runs the code it carries")
-    w.add_argument("path")
+    sub.add_parser("convert-weights", help="a TorchScript .pt you trust (OpenAI's) -> PATH.safetensors; loading it "
+                                          "runs the code it carries").add_argument("path")
     args = vars(p.parse_args(argv))
-    if args["cmd"] == "convert-weights":
-        from safetensors.torch import save_file
-        sd = torch.jit.load(args["path"], map_location="cpu").state_dict()    # explicit: runs the archive's code
-        save_file({k: v.contiguous() for k, v in sd.items()}, out := args["path"].rsplit(".", 1)[0] + ".safetensors")
-        print(out)
-        return 0
+    writes = args["cmd"] != "check"    # a failed write (full disk, quota, size limit, I/O error): one line, exit 2
     try:
-        result = make_shapes(**args) if args.pop("cmd") == "make-shapes" else check_data(args.pop("data"), **args)
+        with writing(args.get("out_dir") or args["path"]) if writes else contextlib.nullcontext():
+            if args["cmd"] == "convert-weights":
+                from safetensors.torch import save_file
+                sd = torch.jit.load(args["path"], map_location="cpu").state_dict()  # explicit: runs the archive's code
+                out = args["path"].rsplit(".", 1)[0] + ".safetensors"
+                atomic_write(out, lambda tmp: save_file({k: v.contiguous() for k, v in sd.items()}, tmp))
+                print(out)
+                return 0
+            result = make_shapes(**args) if args.pop("cmd") == "make-shapes" else check_data(args.pop("data"), **args)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

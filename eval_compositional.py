@@ -13,7 +13,7 @@ Benchmarks (--benchmarks a,b,...; default `shapes`; `all` = every one below):
   shapes        the built-in benchmark of data.py: 7 SugarCrepe categories (pair accuracy) + systematicity /
                 productivity (R@1 among positive + hard negatives). No files.
   sugarcrepe    --sugarcrepe DIR ({subset}.json x 7) --sugarcrepe_images DIR (COCO val2017); per subset, Table 1's
-                add / replace / swap means, and the mean of the 7
+                add / replace / swap means, and sugarcrepe_mean (the mean of the 7)
   crepe         --crepe DIR (the released CSVs, searched recursively) --crepe_images DIR (Visual Genome: VG_100K/,
                 VG_100K_2/; the CSV's image_path when present); per file, and per productivity type (atom,
                 negate, swap) the mean over complexities 4-12
@@ -24,7 +24,8 @@ Benchmarks (--benchmarks a,b,...; default `shapes`; `all` = every one below):
                 --zeroshot NAME=PATH (repeatable): one of the IL paper's 18 Table 2 datasets read in its released
                 layout, with its own class names and templates (see zeroshot_sets); --zeroshot_suite il_clip
                 prints Table 2's row
-  retrieval     --retrieval FILE|shapes (Karpathy JSON) --retrieval_images DIR [--retrieval_split]
+  retrieval     --retrieval FILE|shapes (Karpathy JSON; shapes: il_clip.py's end-of-run gallery, the first 1000 val
+                pairs) --retrieval_images DIR [--retrieval_split]: i2t_r1 i2t_r5 i2t_r10 t2i_r1 t2i_r5 t2i_r10
   linear_probe  --linear_probe DIR|shapes (ImageFolder with train/ and test/); L-BFGS to convergence, L2 strength
                 swept on held-out train (CLIP's protocol; --no-linear_probe_l2_sweep: none)
   easy_to_learn frozen vision agent + codebook, a fresh language agent (fixed seed, fixed --probe_logit_scale)
@@ -33,7 +34,7 @@ Benchmarks (--benchmarks a,b,...; default `shapes`; `all` = every one below):
   spectral      product of per-layer spectral norms (exact SVD; Fig. 4's quantity, NOT a Lipschitz bound: see
                 spectral_product), per gen{g}/ snapshot, for --ckpt and every --compare_ckpts on one plot
   codebook      top-k --viz_data images per code as a PNG grid (Fig. 6)
-All accuracies are in percent. Output: a markdown table on stdout, JSON to --out, PNGs to --plot_dir. What each
+Every score is in percent (2 decimals). Output: a markdown table on stdout, JSON to --out, PNGs to --plot_dir. What each
 number covers sits beside it: n_scored and n_skipped (malformed rows, images not found or unreadable), and a mean
 is null, with the reason, unless every subset it averages was scored in full. A benchmark whose flags are not
 given is skipped; one whose paths do not exist, that fails in any way or that scored nothing is an ERROR row
@@ -58,6 +59,7 @@ import re
 import struct
 import sys
 import tarfile
+import time
 import zipfile
 import zlib
 from collections import namedtuple
@@ -137,75 +139,94 @@ def names_file(read):
     return reader
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help: each flag's "(default: X)" where X says something. Not for None, False or "" (the
+    help text says what they mean), nor where the help already names its default."""
+    def _get_help_string(self, action):
+        text, d = action.help or "", action.default
+        if d in (None, "", argparse.SUPPRESS) or d is False or "default" in text or not action.option_strings:
+            return text
+        return f"{text} (default: {d})".strip()
+
+
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", help="an il_clip.py / mm_learngene.py out_dir")
-    p.add_argument("--init", help="OpenAI-format weights (.safetensors / .pt) instead of --ckpt")
-    p.add_argument("--vocab", help="bpe_simple_vocab_16e6.txt.gz, the tokenizer for --init weights")
-    p.add_argument("--script", help="the model code for --ckpt and its snapshots (default: the script its config.json "
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    g = p.add_argument_group("model: the checkpoint or weights to score")
+    g.add_argument("--ckpt", help="an il_clip.py / mm_learngene.py out_dir")
+    g.add_argument("--init", help="OpenAI-format weights (.safetensors / .pt) instead of --ckpt")
+    g.add_argument("--vocab", help="bpe_simple_vocab_16e6.txt.gz, the tokenizer for --init weights")
+    g.add_argument("--script", help="the model code for --ckpt and its snapshots (default: the script its config.json "
                    "records, il_clip.py for --init weights); --compare_ckpts use the scripts they record")
-    p.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
+    g.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
                    help="the MLP activation of the loaded weights: QuickGELU (OpenAI's CLIP, open_clip's *-quickgelu) or "
-                        "exact GELU (--no-quick_gelu: open_clip's LAION / DataComp ViT-B-32). Default None: what the "
+                        "exact GELU (--no-quick_gelu: open_clip's LAION / DataComp ViT-B-32). Not given: what the "
                         "checkpoint's config.json says; for --init weights the open_clip_config.json / config.json "
                         "beside them, else QuickGELU (assumed, said so). Printed.")
-    p.add_argument("--benchmarks", default="shapes", help=f"comma list of {','.join(BENCHMARKS)} or all")
-    p.add_argument("--out", help="write the results as JSON here")
-    p.add_argument("--plot_dir", help="where PNGs go (default: the --out folder, else the checkpoint dir)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batch_size", type=int, default=64, help="images / captions per forward pass")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no_progress", action="store_true", help="no tqdm bars")
-    # built-in data
-    p.add_argument("--eval_size", type=int, default=1000, help="shapes benchmark items per category")
-    p.add_argument("--shapes_seed", type=int, default=0)
-    # released benchmarks
-    p.add_argument("--sugarcrepe"), p.add_argument("--sugarcrepe_images")
-    p.add_argument("--crepe"), p.add_argument("--crepe_images")
-    p.add_argument("--cola"), p.add_argument("--cola_images")
-    p.add_argument("--winoground")
-    p.add_argument("--zeroshot", action="append", help="ImageFolder DIR, or `shapes`; or NAME=PATH, repeatable: one of "
+    g = p.add_argument_group("benchmarks and the built-in shapes data")
+    g.add_argument("--benchmarks", default="shapes", help=f"comma list of {','.join(BENCHMARKS)} or all")
+    g.add_argument("--eval_size", type=int, default=1000, help="shapes benchmark items per category (retrieval "
+                   f"shapes: always il_clip.py's {data.SHAPES_VAL_PAIRS} val pairs)")
+    g.add_argument("--shapes_seed", type=int, default=0, help="seed of the shapes benchmark and galleries")
+    g = p.add_argument_group("data: the released compositional benchmarks (files; a benchmark without them is skipped)")
+    for name, what in (("sugarcrepe", "folder of {subset}.json"), ("crepe", "folder of the released CSVs"),
+                       ("cola", "JSON list of [img1, cap1, img2, cap2]")):
+        g.add_argument(f"--{name}", help=what)
+        g.add_argument(f"--{name}_images", help=f"image root of --{name}")
+    g.add_argument("--winoground", help="folder with examples.jsonl + images/ or images.zip")
+    g = p.add_argument_group("data: zero-shot, retrieval, linear probe")
+    g.add_argument("--zeroshot", action="append", help="ImageFolder DIR, or `shapes`; or NAME=PATH, repeatable: one of "
                    f"the IL paper's 18 Table 2 datasets in its released layout (names: {' '.join(zeroshot_sets())})")
-    p.add_argument("--zeroshot_suite", choices=["il_clip"], help="print the IL paper's Table 2 row (top-1 per "
+    g.add_argument("--zeroshot_suite", choices=["il_clip"], help="print the IL paper's Table 2 row (top-1 per "
                    "dataset, n_scored, the mean over those scored) for the --zeroshot NAME=PATH given")
-    p.add_argument("--classnames", help="class names, one per line in sorted-folder order (default: folder names)")
-    p.add_argument("--templates", default="clip8", help=f"zero-shot prompt templates: {' | '.join(TEMPLATES)} "
+    g.add_argument("--classnames", help="class names, one per line in sorted-folder order (not given: folder names)")
+    g.add_argument("--templates", default="clip8", help=f"zero-shot prompt templates: {' | '.join(TEMPLATES)} "
                    "(OpenAI's 80 ImageNet templates) or a FILE, one per line with {} (default: clip8, 8 of the 80)")
-    p.add_argument("--retrieval", help="Karpathy JSON FILE, or `shapes`")
-    p.add_argument("--retrieval_images", help="image root of the Karpathy JSON")
-    p.add_argument("--retrieval_split", default="test")
-    p.add_argument("--linear_probe", help="ImageFolder DIR with train/ and test/, or `shapes`")
-    p.add_argument("--linear_probe_l2_sweep", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--retrieval", help="Karpathy JSON FILE, or `shapes` (il_clip.py's end-of-run gallery: "
+                   f"{data.SHAPES_VAL_PAIRS} val pairs)")
+    g.add_argument("--retrieval_images", help="image root of the Karpathy JSON")
+    g.add_argument("--retrieval_split", default="test", help="the Karpathy JSON's split scored")
+    g.add_argument("--linear_probe", help="ImageFolder DIR with train/ and test/, or `shapes`")
+    g.add_argument("--linear_probe_l2_sweep", action=argparse.BooleanOptionalAction, default=True,
                    help="linear probe: pick the L2 strength on held-out train (the CLIP paper's protocol; "
                         "--no-linear_probe_l2_sweep: no weight decay)")
-    p.add_argument("--linear_probe_val_frac", type=float, default=0.2,
+    g.add_argument("--linear_probe_val_frac", type=float, default=0.2,
                    help="--linear_probe_l2_sweep: train fraction held out to pick the L2 strength")
-    # analysis
-    p.add_argument("--compare_ckpts", default="",
+    g = p.add_argument_group("method: the analysis probes (easy_to_learn, spectral, codebook)")
+    g.add_argument("--compare_ckpts", default="",
                    help="easy_to_learn, spectral: more checkpoints drawn in the same plot (comma list; Figs. 4, 5)")
-    p.add_argument("--probe_data", help="easy_to_learn: any --data spec (default: the checkpoint's training data)")
-    p.add_argument("--viz_data", help="codebook: any --data spec (default: the checkpoint's training data)")
-    p.add_argument("--image_root", help="--probe_data / --viz_data image root (default: the checkpoint's)")
-    p.add_argument("--csv_img_key", help="--probe_data / --viz_data CSV image column (default: the checkpoint's)")
-    p.add_argument("--csv_caption_key", help="--probe_data / --viz_data CSV caption column (default: the checkpoint's)")
-    p.add_argument("--csv_separator", help="--probe_data / --viz_data CSV separator (default: the checkpoint's)")
-    p.add_argument("--probe_steps", type=int, default=200)
-    p.add_argument("--probe_batch", type=int, default=64)
-    p.add_argument("--probe_lr", type=float, default=5e-4)
-    p.add_argument("--probe_eval_every", type=int, default=20)
-    p.add_argument("--probe_eval_size", type=int, default=256, help="held-out --probe_data pairs for the accuracy curve")
-    p.add_argument("--probe_seed", type=int, default=1234, help="seed of the fresh language agent (same for every checkpoint)")
-    p.add_argument("--probe_logit_scale", type=float, default=1 / 0.07,
+    g.add_argument("--probe_data", help="easy_to_learn: any --data spec (not given: the checkpoint's training data)")
+    g.add_argument("--viz_data", help="codebook: any --data spec (not given: the checkpoint's training data)")
+    for key, what in (("image_root", "image root"), ("csv_img_key", "CSV image column"),
+                      ("csv_caption_key", "CSV caption column"), ("csv_separator", "CSV separator")):
+        g.add_argument(f"--{key}", help=f"--probe_data / --viz_data {what} (not given: the checkpoint's)")
+    g.add_argument("--probe_steps", type=int, default=200, help="easy_to_learn: training steps of the fresh agent")
+    g.add_argument("--probe_batch", type=int, default=64, help="easy_to_learn: its batch size")
+    g.add_argument("--probe_lr", type=float, default=5e-4, help="easy_to_learn: its AdamW learning rate")
+    g.add_argument("--probe_eval_every", type=int, default=20, help="easy_to_learn: steps between accuracy points")
+    g.add_argument("--probe_eval_size", type=int, default=256, help="easy_to_learn: held-out pairs of the curve")
+    g.add_argument("--probe_seed", type=int, default=1234, help="easy_to_learn: seed of the fresh language agent "
+                   "(the same for every checkpoint)")
+    g.add_argument("--probe_logit_scale", type=float, default=1 / 0.07,
                    help="easy_to_learn: the student's fixed logit scale, the same for every checkpoint (default "
                         "1/0.07, CLIP's initial scale; not the checkpoint's learnt one)")
-    p.add_argument("--probe_generations", action="store_true",
+    g.add_argument("--probe_generations", action="store_true",
                    help="easy_to_learn: also probe every gen{g}/ snapshot of each checkpoint, one curve each (Fig. 5)")
-    p.add_argument("--probe_auc_steps", type=int, default=60,
+    g.add_argument("--probe_auc_steps", type=int, default=60,
                    help="easy_to_learn: `auc` = mean accuracy over the evaluation points after 1..N probe steps "
                         "(learning speed, Fig. 5's initial slope)")
-    p.add_argument("--viz_codes", type=int, default=8, help="codebook: how many codes (the most used ones)")
-    p.add_argument("--viz_topk", type=int, default=5)
-    p.add_argument("--viz_images", type=int, default=500, help="codebook: --viz_data images searched")
+    g.add_argument("--viz_codes", type=int, default=8, help="codebook: how many codes (the most used ones)")
+    g.add_argument("--viz_topk", type=int, default=5, help="codebook: images shown per code")
+    g.add_argument("--viz_images", type=int, default=500, help="codebook: --viz_data images searched")
+    g = p.add_argument_group("machine")
+    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    g.add_argument("--batch_size", type=int, default=64, help="images / captions per forward pass")
+    g.add_argument("--num_workers", type=int, default=0, help="DataLoader workers of the analyses' --probe_data / "
+                   "--viz_data loaders (the benchmarks read their files in this process)")
+    g.add_argument("--seed", type=int, default=0, help="torch / python seed; the linear probe's held-out split")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", help="write the results as JSON here (not given: the table only)")
+    g.add_argument("--plot_dir", help="where PNGs go (not given: the --out folder, else the checkpoint dir)")
+    g.add_argument("--no_progress", action="store_true", help="no tqdm bars")
     args = p.parse_args(argv)
     names = BENCHMARKS if args.benchmarks == "all" else [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     unknown = [b for b in names if b not in BENCHMARKS]
@@ -397,7 +418,8 @@ class Embedder:
 # Scores (pure functions of embeddings; rows hold ImageRefs and captions)
 
 def pct(x):
-    return round(100.0 * float(x), 4)
+    """A fraction as percent, rounded to 2 decimals: the unit of every number this script reports."""
+    return round(100.0 * float(x), 2)
 
 
 @dataclass
@@ -484,7 +506,7 @@ def complete_mean(parts, names, metric="acc"):
     if missing or partial:
         why = [f"not scored: {', '.join(missing)}"] * bool(missing) + [f"incomplete: {', '.join(partial)}"] * bool(partial)
         return {metric: None, "reason": "; ".join(why)}
-    return {metric: round(sum(parts[n][metric] for n in names) / len(names), 4), "over": len(names)}
+    return {metric: round(sum(parts[n][metric] for n in names) / len(names), 2), "over": len(names)}
 
 
 def n_scored(result):
@@ -509,8 +531,10 @@ def recall_at_k(sim, positive, ks=(1, 5, 10), chunk=1024):
     return {k: pct(hits[k] / sim.shape[0]) for k in ks}
 
 
-def retrieval_scores(emb, items):
-    """items: [(ImageRef, [captions])]. Image -> text and text -> image R@1/5/10."""
+def retrieval_scores(emb, items, same_caption=False):
+    """items: [(ImageRef, [captions])]. Image -> text and text -> image R@1/5/10 (i2t_r1 ... t2i_r10) and
+    mean_r, their mean. A caption is a positive of its own image; with `same_caption`, of every image with a
+    caption of the same text (il_clip.py's shapes retrieval: generated scenes repeat captions)."""
     images = emb.images([it[0] for it in items])
     kept = usable(items, images, lambda it: [it[0]])
     if len(kept) < len(items):   # R@K over a smaller gallery is easier: not the benchmark's number
@@ -521,10 +545,14 @@ def retrieval_scores(emb, items):
     owner = torch.tensor([i for i, it in enumerate(kept) for _ in it[1]])
     txt = emb.texts(captions)
     positive = owner[None, :] == torch.arange(len(kept))[:, None]  # [images, captions]
+    if same_caption:    # image i, caption j: some caption of i has j's text
+        text_id = {c: k for k, c in enumerate(dict.fromkeys(captions))}
+        ids = torch.tensor([text_id[c] for c in captions])
+        positive = (positive.float() @ (ids[:, None] == ids[None, :]).float()) > 0
     i2t = recall_at_k(img @ txt.T, positive)
     t2i = recall_at_k(txt @ img.T, positive.T)
-    out = {f"i2t_R@{k}": v for k, v in i2t.items()} | {f"t2i_R@{k}": v for k, v in t2i.items()}
-    out["mean_R"] = round(sum(i2t.values()) / 3 / 2 + sum(t2i.values()) / 3 / 2, 4)
+    out = {f"i2t_r{k}": v for k, v in i2t.items()} | {f"t2i_r{k}": v for k, v in t2i.items()}
+    out["mean_r"] = round(sum(i2t.values()) / 3 / 2 + sum(t2i.values()) / 3 / 2, 2)
     return counted(out, kept, Part(items)) | {"n_captions": len(captions)}
 
 
@@ -867,13 +895,13 @@ def shapes_benchmark(seed, n):
 
 def bench_shapes(args, emb):
     """The built-in benchmark: generated, so every item is scored (the flat layout of
-    data.shapes_benchmark: accuracy per category, mean of the 7, R@1 per split)."""
+    data.shapes_benchmark: accuracy per category, sugarcrepe_mean (the mean of the 7), R@1 per split)."""
     bench, out = shapes_benchmark(args.shapes_seed, args.eval_size), {}
     for cat in data.SHAPES_CATEGORIES:
         refs = shapes_refs(args.shapes_seed, args.eval_size, cat, [it["image"] for it in bench[cat]])
         rows = [(r, it["caption"], it["negative_caption"]) for r, it in zip(refs, bench[cat])]
         out[cat] = pair_accuracy(emb, Part(rows))["acc"]
-    out["mean_7"] = round(sum(out[c] for c in data.SHAPES_CATEGORIES) / 7, 4)
+    out["sugarcrepe_mean"] = round(sum(out[c] for c in data.SHAPES_CATEGORIES) / 7, 2)
     for split in ("systematicity", "productivity"):
         refs = shapes_refs(args.shapes_seed, args.eval_size, split, [it["image"] for it in bench[split]])
         rows = [(r, it["caption"], it["negatives"]) for r, it in zip(refs, bench[split])]
@@ -890,7 +918,7 @@ def bench_sugarcrepe(args, emb):
            {"acc": None, "n_scored": 0, "n_skipped": 0, "reason": f"{s}.json not found"} for s in SUGARCREPE_SUBSETS}
     for group in ("add", "replace", "swap"):
         out[group] = complete_mean(out, [s for s in SUGARCREPE_SUBSETS if s.startswith(f"{group}_")])
-    out["mean"] = complete_mean(out, SUGARCREPE_SUBSETS)
+    out["sugarcrepe_mean"] = complete_mean(out, SUGARCREPE_SUBSETS)
     return out
 
 
@@ -973,16 +1001,29 @@ def zeroshot_scores(emb, classnames, items, templates, unread=()):
 
 
 def bench_retrieval(args, emb):
-    if args.retrieval == "shapes":
-        n = max(args.eval_size, 100)
-        scenes = [data.shapes_scene("test", i, args.shapes_seed) for i in range(n)]
-        items = [(ImageRef(f"shapes-scene/{args.shapes_seed}/test/{i}", pil=s.image), [s.caption])
+    if args.retrieval == "shapes":     # il_clip.py's end-of-run gallery (evaluate_shapes), so i2t_r1 means one thing
+        scenes = [data.shapes_scene("val", i, args.shapes_seed) for i in
+                  tqdm(range(data.SHAPES_VAL_PAIRS), desc="shapes val scenes", disable=args.no_progress, leave=False)]
+        items = [(ImageRef(f"shapes-scene/{args.shapes_seed}/val/{i}", pil=s.image), [s.caption])
                  for i, s in enumerate(scenes)]
-    else:
-        require((args.retrieval, "--retrieval"), (args.retrieval_images, "--retrieval_images"))
-        items = [(file_ref(path), caps) for path, caps in
-                 data.karpathy_items(args.retrieval, args.retrieval_images, args.retrieval_split)]
+        return retrieval_scores(emb, items, same_caption=True)
+    require((args.retrieval, "--retrieval"), (args.retrieval_images, "--retrieval_images"))
+    items = [(file_ref(path), caps) for path, caps in
+             karpathy_items(args.retrieval, args.retrieval_images, args.retrieval_split)]
     return retrieval_scores(emb, items)
+
+
+def karpathy_items(json_path: str, image_root: str | None = None, split: str = "test", with_trees=False) -> list:
+    """Per-image caption lists for retrieval evaluation: [(image_path, [captions])], or
+    [(image_path, [captions], [trees])] with `with_trees`. Empty captions are left out."""
+    out = []
+    for path, _, sents in data.karpathy_images(json_path, image_root, split):
+        if isinstance(path, data.Skip):      # an evaluation gallery is scored whole or not at all
+            raise data.DataError(f"{json_path}: {path.where}: {path.reason} {image_root}")
+        sents = [(c, t) for c, t in sents if isinstance(c, str) and c.strip()]
+        caps = [c for c, _ in sents]
+        out.append((path, caps, [t for _, t in sents]) if with_trees else (path, caps))
+    return out
 
 
 def bench_linear_probe(args, emb):
@@ -1577,7 +1618,7 @@ def zeroshot_suite_row(results, failed):
         else:
             row[spec.column] = {"top1": None, "n_scored": 0, "reason": failed.get(f"zeroshot/{name}", "not given")}
             missing.append(spec.column)
-    mean = round(sum(scored) / len(scored), 4) if scored else None
+    mean = round(sum(scored) / len(scored), 2) if scored else None
     row["Mean"] = {"top1": mean, "over": len(scored), "not_scored": missing}
     return row
 
@@ -2084,7 +2125,8 @@ def analysis_data(args, config, flag):
         raise Skip(f"give --{flag} (any --data spec): the weights do not say what data they were trained on")
     pick = lambda k, default: getattr(args, k) if getattr(args, k) is not None else cfg.get(k, default)
     return spec, {"image_root": pick("image_root", None), "csv_img_key": pick("csv_img_key", "filepath"),
-                  "csv_caption_key": pick("csv_caption_key", "title"), "csv_separator": pick("csv_separator", None)}
+                  "csv_caption_key": pick("csv_caption_key", "title"), "csv_separator": pick("csv_separator", None),
+                  "num_workers": getattr(args, "num_workers", 0)}
 
 
 def loader_for(spec, kw, split, tok, image_size, batch_size, train, seed=0):
@@ -2103,7 +2145,7 @@ def held_out_rule(spec, kw, seed):
     ~10% of the pairs by key: key -> True if held out, the same rule for both sides."""
     src = data.resolve_data(spec, kw.get("image_root"))
     if src["kind"] == "shapes" or (src["kind"] == "karpathy" and
-                                   data.karpathy_items(src["path"], src.get("image_root"), "val")):
+                                   karpathy_items(src["path"], src.get("image_root"), "val")):
         return None
     return lambda key: zlib.crc32(f"{seed}/{key}".encode()) % 100 < HELD_OUT_PERCENT
 
@@ -2255,7 +2297,7 @@ def curve_auc(curve, n):
     """Learning speed: the mean accuracy over the evaluation points after 1..n probe steps (the
     normalised area under the curve there; step 0, before any learning, is left out)."""
     accs = [a for s, a in curve if 0 < s <= n]
-    return round(sum(accs) / len(accs), 4)
+    return round(sum(accs) / len(accs), 2)
 
 
 def probe_result(curve, args):
@@ -2334,8 +2376,7 @@ def draw_line_plot(path, series, title, xlabel, ylabel, size=(640, 420)):
             d.ellipse([x - 2, y - 2, x + 2, y + 2], fill=colour)
         d.line([left + 10, top + 10 + 14 * k, left + 30, top + 10 + 14 * k], fill=colour, width=3)
         d.text((left + 36, top + 4 + 14 * k), str(name), fill="black")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    img.save(path)
+    save_png(img, path)
 
 
 def draw_image_grid(path, rows, cell=64, label_w=80):
@@ -2348,35 +2389,52 @@ def draw_image_grid(path, rows, cell=64, label_w=80):
         d.text((4, y + cell // 2 - 5), label, fill="black")
         for c, im in enumerate(ims):
             img.paste(im.convert("RGB").resize((cell, cell)), (label_w + c * (cell + 4), y))
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    img.save(path)
+    save_png(img, path)
+
+
+def save_png(img, path):
+    """Written whole or not at all; a full disk, quota, file-size limit or I/O error is one line naming it."""
+    with data.writing(path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        data.atomic_write(path, lambda p: img.save(p, format="PNG"))
 
 
 # -----------------------------------------------------------------------------
 # Results over seeds of il_clip.py runs (the statistics are data.summarize_runs')
 
+def shapes_percent(res):
+    """il_clip.py's end-of-run shapes results (evaluate_shapes, shapes_eval.json) -> {metric: percent} with
+    sugarcrepe_mean. Percent is told by key: the percent results carry sugarcrepe_mean (reporting's names); those
+    written before (fractions) have none, and are scaled."""
+    res = {k: v for k, v in res.items() if k != "scored"}       # the metrics, not what was scored
+    if "sugarcrepe_mean" not in res:
+        res = {k: 100 * v for k, v in res.items()}
+        res["sugarcrepe_mean"] = sum(res[c] for c in data.SHAPES_CATEGORIES) / 7
+    return res
+
+
 def shapes_run(folder: str):
-    """(method, seed, results) of an il_clip.py out_dir with shapes_eval.json, else None. With
-    the easy-to-learn probe's output in probe.json (--benchmarks easy_to_learn --out RUN/probe.json),
-    also its held-out accuracy at step 20 and its `auc` (learning speed, Fig. 5's slope) and at its last step."""
+    """(method, seed, results as fractions, what data.summarize_runs takes) of an il_clip.py out_dir with
+    shapes_eval.json, else None. With the easy-to-learn probe's output in probe.json (--benchmarks easy_to_learn
+    --out RUN/probe.json), also its held-out accuracy at step 20, its `auc` (learning speed, Fig. 5's slope) and
+    its accuracy at the last step."""
     res_path, cfg_path = os.path.join(folder, "shapes_eval.json"), os.path.join(folder, "config.json")
     if not (os.path.isfile(res_path) and os.path.isfile(cfg_path)):
         return None
-    cfg, res = data.read_json(cfg_path), data.read_json(res_path)
-    res = {k: v for k, v in res.items() if k != "scored"}       # the metrics, not what was scored
-    res["sugarcrepe_mean"] = float(np.mean([res[c] for c in data.SHAPES_CATEGORIES]))
+    cfg, res = data.read_json(cfg_path), shapes_percent(data.read_json(res_path))
     probe_path = os.path.join(folder, "probe.json")
     if os.path.isfile(probe_path):
         probe = data.read_json(probe_path).get("results", {}).get("easy_to_learn", {})
         runs = [r for r in probe.values() if isinstance(r, dict) and "curve" in r]
-        at = {p["step"]: p["acc"] / 100 for p in runs[0]["curve"]} if len(runs) == 1 else {}
+        at = {p["step"]: p["acc"] for p in runs[0]["curve"]} if len(runs) == 1 else {}
         if 20 not in at:    # another run's curves (--compare_ckpts), or no evaluation at step 20
             raise data.DataError(f"{probe_path}: not one easy_to_learn curve with step 20 "
                                  "(probe this run alone, --probe_eval_every dividing 20)")
-        res |= {"probe_step20": at[20], "probe_final": runs[0]["curve"][-1]["acc"] / 100}
+        res |= {"probe_step20": at[20], "probe_final": runs[0]["curve"][-1]["acc"]}
         if "auc" in runs[0]:    # probe.json from before the auc was written has none
-            res["probe_auc"] = runs[0]["auc"] / 100
-    return cfg.get("method", folder) + ("+neg" if cfg.get("negatives") else ""), cfg.get("seed", folder), res
+            res["probe_auc"] = runs[0]["auc"]
+    return cfg.get("method", folder) + ("+neg" if cfg.get("negatives") else ""), cfg.get("seed", folder), {
+        k: v / 100 for k, v in res.items()}
 
 
 def summarize_runs(root: str, baseline: str | None = None, read_run=shapes_run) -> dict:
@@ -2435,25 +2493,30 @@ def run_benchmarks(args, emb, model, tok, config):
                                                       getattr(args, "zeroshot_sets", {})}
     analyses = {"easy_to_learn": bench_easy_to_learn, "spectral": bench_spectral, "codebook": bench_codebook}
     results, skipped, failed = {}, {}, {}
-    for name in args.benchmark_list:
+    for name in tqdm(args.benchmark_list, desc="benchmarks", unit="benchmark", file=sys.stderr,
+                     disable=args.no_progress or len(args.benchmark_list) < 2):
         try:
             results[name] = scorers[name](args, emb) if name in scorers else analyses[name](args, model, tok, config)
             if n_scored(results[name]) == 0:
                 raise data.DataError("scored nothing: no item could be read (see the warnings above)")
         except Skip as e:
             skipped[name] = str(e)
-            print(f"skipped {name}: {e}", file=sys.stderr)
+            tqdm.write(f"skipped {name}: {e}", file=sys.stderr)
         except Exception as e:  # noqa: BLE001: one benchmark never sinks the others
             failed[name] = str(e) if isinstance(e, (data.DataError, ConfigError)) else f"{type(e).__name__}: {first_line(e)}"
-            print(f"error: {name}: {failed[name]}", file=sys.stderr)
+            tqdm.write(f"error: {name}: {failed[name]}", file=sys.stderr)
     return results, skipped, failed
 
 
 def run(args):
+    t0 = time.time()
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     path = args.ckpt or args.init
     model, tok, config = load_checkpoint(path, args, args.script)
+    print(f"start: eval_compositional.py {path} | benchmarks {','.join(args.benchmark_list)} | "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters | {args.device} x 1 | "
+          f"out {args.out or 'the table only'}", file=sys.stderr)
     quick_gelu = bool(model_field(model, config, "quick_gelu"))
     source = config.get("quick_gelu_source", "config")     # "assumed": the script's load_model said so
     if args.plot_dir is None:
@@ -2469,11 +2532,13 @@ def run(args):
         blob["zeroshot_suite"] = zeroshot_suite_row(results, failed)
         print(f"\nIL-CLIP paper, Table 2 (zero-shot top-1):\n{suite_table(blob['zeroshot_suite'])}")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        tmp = f"{args.out}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(blob, f, indent=1)
-        os.replace(tmp, args.out)
+        with data.writing(args.out):    # a full disk (quota, size limit, I/O error): one line, no half file left
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            data.atomic_write(args.out, lambda p: data.save_json(p, blob))
+    files = [args.out] * bool(args.out) + [r["png"] for r in results.values() if isinstance(r, dict) and "png" in r]
+    print(f"done: {len(results)} of {len(args.benchmark_list)} benchmarks scored"
+          + (f", {len(failed)} failed" if failed else "") + f" in {time.time() - t0:.0f}s | "
+          + (f"wrote {', '.join(files)}" if files else "wrote nothing (no --out)"), file=sys.stderr)
     return blob
 
 

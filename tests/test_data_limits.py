@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 
 import data
+import eval_compositional as E
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -170,7 +171,7 @@ def test_csv_and_json_with_a_byte_order_mark(tmp_path):
     assert [it.caption for it in data.csv_items(str(tmp_path / "bom.csv"))] == ["a red circle"]
     blob = {"images": [{"filename": "a.png", "split": "test", "sentences": [{"raw": "a red circle"}]}]}
     (tmp_path / "k.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(blob).encode("utf-8"))
-    assert data.karpathy_items(str(tmp_path / "k.json"), str(tmp_path)) == [(str(tmp_path / "a.png"), ["a red circle"])]
+    assert E.karpathy_items(str(tmp_path / "k.json"), str(tmp_path)) == [(str(tmp_path / "a.png"), ["a red circle"])]
 
 
 def test_check_takes_the_csv_flags(tmp_path, capsys):
@@ -279,4 +280,4 @@ def test_a_karpathy_image_entry_of_the_wrong_type_is_one_line(tmp_path, image):
     path = tmp_path / "dataset_x.json"
     path.write_text(json.dumps({"images": [image]}))
     with pytest.raises(data.DataError, match=r"dataset_x.json: malformed Karpathy JSON: images\[0\]"):
-        data.karpathy_items(str(path))
+        E.karpathy_items(str(path))

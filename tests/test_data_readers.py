@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 import data
+import eval_compositional as E
 
 N_TRAIN, N_TEST, SHARD = 60, 8, 16  # 4 shards: 16, 16, 16, 12
 
@@ -73,7 +74,7 @@ def test_karpathy_csv_imagefolder_round_trip(shapes_dir):
             b = next(iter(data.make_loader(spec, split=split, batch_size=N_TEST, image_size=64, train=False)))
             assert b["caption"] == [s.caption for s in scenes] and b["tree"] == [s.tree for s in scenes]
             assert torch.equal(b["image"], torch.stack([_to_tensor(s.image) for s in scenes]))
-        items = data.karpathy_items(kjson, split=split, with_trees=True)
+        items = E.karpathy_items(kjson, split=split, with_trees=True)
         assert [(caps, trees) for _, caps, trees in items] == [([s.caption], [s.tree]) for s in scenes]
         assert all(np.array_equal(np.asarray(Image.open(p)), np.asarray(s.image)) for (p, _, _), s in zip(items, scenes))
     paths, labels, classes = data.image_folder(os.path.join(shapes_dir, "imagefolder", "test"))
@@ -332,9 +333,9 @@ def test_karpathy_several_captions_restval_and_bad_sentences(tmp_path):
     b = _read_all(loader)[0][0]
     assert b["caption"] == ["one", "two", "three"] and b["key"] == ["a", "a", "b"] and b["tree"] == [None, "(X two)", None]
     assert dict(loader.skip_reasons) == {"empty caption": 1, "image with no caption": 1}
-    items = data.karpathy_items(str(tmp_path / "k.json"), split="train")
+    items = E.karpathy_items(str(tmp_path / "k.json"), split="train")
     assert [(os.path.basename(p), caps) for p, caps in items] == [("a.png", ["one", "two"]), ("b.png", ["three"]), ("b.png", [])]
-    assert data.karpathy_items(str(tmp_path / "k.json"), str(tmp_path), "test") == [(str(tmp_path / "a.png"), ["four"])]
+    assert E.karpathy_items(str(tmp_path / "k.json"), str(tmp_path), "test") == [(str(tmp_path / "a.png"), ["four"])]
 
 
 class _CaptionLengths:
@@ -381,6 +382,6 @@ def test_a_path_outside_the_image_root_is_skipped_and_counted(tmp_path):
     b = _read_all(loader)[0][0]
     assert b["caption"] == ["caption 0"] and dict(loader.skip_reasons) == {"image path outside --image_root": 3}
     with pytest.raises(data.DataError, match="outside --image_root"):
-        data.karpathy_items(str(tmp_path / "k.json"), str(root), "train")
+        E.karpathy_items(str(tmp_path / "k.json"), str(root), "train")
     # no --image_root: paths are taken against the JSON's folder as given (absolute CSV/JSON paths stay usable)
-    assert len(data.karpathy_items(str(tmp_path / "k.json"), None, "train")) == 4
+    assert len(E.karpathy_items(str(tmp_path / "k.json"), None, "train")) == 4

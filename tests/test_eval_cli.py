@@ -1,8 +1,10 @@
 """eval_compositional.py end to end on a tiny il_clip.py checkpoint (trained here for two
 steps with il_clip's smallest settings): the CLI, the analysis probes, generation
 snapshots, and the one-line errors for checkpoints it must refuse."""
+import errno
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -45,13 +47,21 @@ def test_cli_end_to_end(ckpts, tmp_path):
     out = tmp_path / "res.json"
     p = subprocess.run([sys.executable, "eval_compositional.py", "--ckpt", ck, "--out", str(out),
                         "--benchmarks", "shapes,sugarcrepe,spectral,codebook,easy_to_learn",
-                        "--compare_ckpts", ckpts["clip"]] + FAST,
+                        "--compare_ckpts", ckpts["clip"], "--num_workers", "1"] + FAST,
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.startswith("| benchmark | metric | value | scored | skipped |") and "| shapes | mean_7 |" in p.stdout
+    assert p.stdout.startswith("| benchmark | metric | value | scored | skipped |") and "| shapes | sugarcrepe_mean |" in p.stdout
     assert "activation GELU (preset)" in p.stderr  # the tiny preset's exact GELU, said once
     assert "skipped sugarcrepe: no --sugarcrepe given" in p.stderr
+    err = p.stderr.splitlines()     # one start line; the end line last, naming what was written
+    start = [ln for ln in err if ln.startswith("start: ")]
+    assert len(start) == 1 and start[0].startswith(f"start: eval_compositional.py {ck} | benchmarks shapes,sugarcrepe,"
+                                                   "spectral,codebook,easy_to_learn | ")
+    assert start[0].endswith(f"M parameters | cpu x 1 | out {out}")
+    assert err[-1].startswith("done: 4 of 5 benchmarks scored in ") and err[-1].endswith(
+        f"| wrote {out}, {tmp_path / 'spectral.png'}, {tmp_path / 'codebook.png'}, {tmp_path / 'easy_to_learn.png'}")
     res = json.loads(out.read_text())["results"]
+    assert "sugarcrepe_mean" in res["shapes"] and "mean_7" not in res["shapes"]
     assert set(res) == {"shapes", "spectral", "codebook", "easy_to_learn"}
     assert all(0 <= res["shapes"][c] <= 100 for c in data.SHAPES_CATEGORIES)
     # weights scaled by 1.1 then 1.2: every spectral norm scales, so the product grows
@@ -224,3 +234,50 @@ def test_init_weights_give_open_clips_embeddings_with_either_activation(tmp_path
         with torch.no_grad():
             assert torch.allclose(model.encode_image(x), F.normalize(ref.encode_image(x), dim=-1), atol=1e-5), flags
             assert torch.allclose(model.encode_text(text), F.normalize(ref.encode_text(text), dim=-1), atol=1e-5), flags
+
+
+def test_help_is_grouped_with_informative_defaults(capsys):
+    with pytest.raises(SystemExit):
+        E.get_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for group in ("model: the checkpoint or weights to score:", "benchmarks and the built-in shapes data:",
+                  "method: the analysis probes", "machine:", "output:"):
+        assert group in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "--eval_size EVAL_SIZE shapes benchmark items per category" in text and "(default: 1000)" in text
+    assert "--num_workers NUM_WORKERS DataLoader workers" in text
+    a = E.get_args(["--init", "w.pt", "--num_workers", "2"])
+    assert E.analysis_data(a, {"data": "shapes"}, "probe_data")[1]["num_workers"] == 2   # reaches make_loader
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO])
+def test_a_failed_json_or_png_write_is_one_line(ckpts, tmp_path, monkeypatch, capsys, code):
+    """The --out JSON: one error line, exit 2, no half file; a PNG: its benchmark's ERROR row, the others
+    scored, exit 2."""
+    from test_data_write_errors import fail_writes_under
+    fail_writes_under(monkeypatch, tmp_path, code)
+    out, why = tmp_path / "r.json", os.strerror(code).lower()
+    assert E.main(["--ckpt", ckpts["clip"], "--eval_size", "5", "--no_progress", "--out", str(out)]) == 2
+    std = capsys.readouterr()
+    assert [ln for ln in std.err.splitlines() if "error" in ln] == [f"error: {out}: cannot write: {why}"]
+    assert os.listdir(tmp_path) == [] and "| shapes | sugarcrepe_mean |" in std.out
+    png = tmp_path / "plots" / "spectral.png"
+    assert E.main(["--ckpt", ckpts["clip"], "--eval_size", "5", "--no_progress", "--benchmarks", "shapes,spectral",
+                   "--plot_dir", str(png.parent)]) == 2
+    std = capsys.readouterr()
+    assert [ln for ln in std.err.splitlines() if "error" in ln] == [f"error: spectral: {png}: cannot write: {why}"]
+    assert f"| spectral | ERROR | {png}: cannot write: {why} |" in std.out and "| shapes | sugarcrepe_mean |" in std.out
+    assert os.listdir(png.parent) == []
+
+
+def test_the_json_under_a_real_file_size_limit(ckpts, tmp_path):
+    """EFBIG from the kernel (RLIMIT_FSIZE below the JSON's size): one error line, exit 2."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "eval_compositional.py", "--ckpt", ckpts["clip"], "--eval_size", "5",
+                        "--no_progress", "--out", str(out)], cwd=ROOT, preexec_fn=limit, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"})
+    err = [ln for ln in p.stderr.splitlines() if "error" in ln or "Traceback" in ln]
+    assert p.returncode == 2 and err == [f"error: {out}: cannot write: file too large"], p.stderr
+    assert os.listdir(tmp_path) == []

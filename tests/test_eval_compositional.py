@@ -77,7 +77,7 @@ def args(**kw):
     base = dict(eval_size=5, shapes_seed=0, seed=0, sugarcrepe=None, sugarcrepe_images=None, crepe=None,
                 crepe_images=None, cola=None, cola_images=None, winoground=None, zeroshot=None, classnames=None,
                 templates="clip8", retrieval=None, retrieval_images=None, retrieval_split="test",
-                linear_probe=None, linear_probe_l2_sweep=False, linear_probe_val_frac=0.2)
+                linear_probe=None, linear_probe_l2_sweep=False, linear_probe_val_frac=0.2, no_progress=True)
     return types.SimpleNamespace(**(base | kw))
 
 
@@ -104,7 +104,8 @@ def test_sugarcrepe_strict_ties_and_bad_rows(tmp_path, emb, capsys):
     assert r["swap_att"] == {"acc": 100.0, "n_scored": 1, "n_skipped": 0}
     assert r["add_att"] == {"acc": None, "n_scored": 0, "n_skipped": 0, "reason": "add_att.json not found"}
     # no mean over what happened to be readable: 5 subsets absent, add_obj incomplete
-    assert r["mean"]["acc"] is None and "add_att" in r["mean"]["reason"] and "add_obj (2 skipped)" in r["mean"]["reason"]
+    mean = r["sugarcrepe_mean"]
+    assert mean["acc"] is None and "add_att" in mean["reason"] and "add_obj (2 skipped)" in mean["reason"]
     assert r["add"]["acc"] is None and r["swap"]["acc"] is None
     err = capsys.readouterr().err
     lines = (sc / "add_obj.json").read_text().splitlines()
@@ -135,17 +136,17 @@ def test_sugarcrepe_table1_means_only_over_complete_subsets(tmp_path, emb):
         (sc / f"{subset.replace('swap_obj', 'swap_ent')}.json").write_text(json.dumps({str(k): wrong if k == 0 else right for k in range(i + 1)}))
     r = E.bench_sugarcrepe(args(sugarcrepe=str(sc), sugarcrepe_images=str(img)), emb)
     acc = {s: 100 * i / (i + 1) for i, s in enumerate(E.SUGARCREPE_SUBSETS)}
-    assert all(r[s]["acc"] == pytest.approx(acc[s], abs=1e-3) for s in acc)
-    assert r["add"]["acc"] == pytest.approx((acc["add_obj"] + acc["add_att"]) / 2, abs=1e-3)
-    assert r["replace"]["acc"] == pytest.approx((acc["replace_obj"] + acc["replace_att"] + acc["replace_rel"]) / 3, abs=1e-3)
-    assert r["swap"]["acc"] == pytest.approx((acc["swap_obj"] + acc["swap_att"]) / 2, abs=1e-3)
-    assert r["mean"] == {"acc": pytest.approx(sum(acc.values()) / 7, abs=1e-3), "over": 7}
+    assert all(r[s]["acc"] == pytest.approx(acc[s], abs=5e-3) for s in acc)
+    assert r["add"]["acc"] == pytest.approx((acc["add_obj"] + acc["add_att"]) / 2, abs=0.01)
+    assert r["replace"]["acc"] == pytest.approx((acc["replace_obj"] + acc["replace_att"] + acc["replace_rel"]) / 3, abs=0.01)
+    assert r["swap"]["acc"] == pytest.approx((acc["swap_obj"] + acc["swap_att"]) / 2, abs=0.01)
+    assert r["sugarcrepe_mean"] == {"acc": pytest.approx(sum(acc.values()) / 7, abs=0.01), "over": 7}
     os.remove(img / "blue.jpg")  # half the images gone: every subset loses its first row
     emb.image_cache.clear()
     r = E.bench_sugarcrepe(args(sugarcrepe=str(sc), sugarcrepe_images=str(img)), emb)
     assert r["add_obj"] == {"acc": None, "n_scored": 0, "n_skipped": 1}
     assert r["swap_att"] == {"acc": 100.0, "n_scored": 6, "n_skipped": 1}
-    assert r["mean"]["acc"] is None and r["mean"]["reason"].startswith("not scored: add_obj; incomplete:")
+    assert r["sugarcrepe_mean"]["acc"] is None and r["sugarcrepe_mean"]["reason"].startswith("not scored: add_obj; incomplete:")
     assert E.n_scored(r) == sum(range(7))
 
 
@@ -252,10 +253,10 @@ def test_crepe_matches_get_one2many_rank_and_means_over_complexities(tmp_path, e
             expected[(kind, c)] = 100 * sum(right) / len(right)
     r = E.bench_crepe(args(crepe=str(tmp_path / "crepe"), crepe_images=str(vg)), emb)
     for (kind, c), acc in expected.items():
-        assert r[f"productivity/{kind}/complexity_{c}"]["acc"] == pytest.approx(acc, abs=1e-3), (kind, c)
+        assert r[f"productivity/{kind}/complexity_{c}"]["acc"] == pytest.approx(acc, abs=5e-3), (kind, c)
     for kind in ("atom", "swap"):
         mean = sum(expected[(kind, c)] for c in range(4, 13)) / 9
-        assert r[f"productivity/{kind}/mean_4-12"] == {"acc": pytest.approx(mean, abs=1e-3), "over": 9}
+        assert r[f"productivity/{kind}/mean_4-12"] == {"acc": pytest.approx(mean, abs=0.01), "over": 9}
     assert r["productivity/negate/mean_4-12"] == {
         "acc": None, "reason": "incomplete: productivity/negate/complexity_12 (1 skipped)"}
 
@@ -334,8 +335,7 @@ def test_winoground_scores_formula_on_hand_matrices():
                       [[0.5, 0.4], [0.6, 0.9]],     # image right; text: 0.5 > 0.6 no
                       [[0.5, 0.5], [0.1, 0.9]]])    # image tie: wrong; text right
     r = E.winoground_scores(s)
-    assert r["text"] == pytest.approx(200 / 3, abs=1e-3) and r["image"] == pytest.approx(200 / 3, abs=1e-3)
-    assert r["group"] == pytest.approx(100 / 3, abs=1e-3)
+    assert (r["text"], r["image"], r["group"]) == (66.67, 66.67, 33.33)    # percent, 2 decimals
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -378,7 +378,7 @@ def test_zeroshot_template_averaging_and_topk(tmp_path, emb):
     r = E.bench_zeroshot(args(zeroshot=str(folder), templates=str(tmp_path / "templates.txt")), emb)
     # 3 classes: top-5 would be trivially 100, so it is null; recall red 1/1, green 2/2, blue 1/2
     assert (r["top1"], r["top5"], r["n_scored"], r["classes"], r["templates"]) == (80.0, None, 5, 3, 2)
-    assert r["mean_per_class_recall"] == pytest.approx(100 * (1 + 1 + 0.5) / 3, abs=1e-3)
+    assert r["mean_per_class_recall"] == pytest.approx(100 * (1 + 1 + 0.5) / 3, abs=5e-3)
 
 
 def test_classification_scores_against_a_loop():
@@ -386,11 +386,11 @@ def test_classification_scores_against_a_loop():
     logits, labels = torch.randn(50, 7, generator=g), torch.randint(0, 6, (50,), generator=g)  # class 6 never a label
     r = E.classification_scores(logits, labels)
     order = logits.argsort(1, descending=True)
-    assert r["top1"] == pytest.approx(100 * sum(int(order[i, 0] == labels[i]) for i in range(50)) / 50, abs=1e-3)
-    assert r["top5"] == pytest.approx(100 * sum(int(labels[i] in order[i, :5]) for i in range(50)) / 50, abs=1e-3)
+    assert r["top1"] == pytest.approx(100 * sum(int(order[i, 0] == labels[i]) for i in range(50)) / 50, abs=5e-3)
+    assert r["top5"] == pytest.approx(100 * sum(int(labels[i] in order[i, :5]) for i in range(50)) / 50, abs=5e-3)
     present = sorted(set(labels.tolist()))
     recall = [sum(int(order[i, 0] == c) for i in range(50) if labels[i] == c) / int((labels == c).sum()) for c in present]
-    assert r["mean_per_class_recall"] == pytest.approx(100 * sum(recall) / len(recall), abs=1e-3)
+    assert r["mean_per_class_recall"] == pytest.approx(100 * sum(recall) / len(recall), abs=5e-3)
 
 
 def test_openai_imagenet_templates_by_name(tmp_path):
@@ -420,7 +420,7 @@ def test_recall_at_k_matches_brute_force():
         for k in (1, 5, 10):
             top = s.argsort(dim=1, descending=True)[:, :k]
             brute = sum(bool(p[q, top[q]].any()) for q in range(len(s))) / len(s)
-            assert r[k] == pytest.approx(100 * brute, abs=1e-3)
+            assert r[k] == round(100 * brute, 2)
 
 
 def test_recall_ties_rank_against_the_positive():
@@ -439,7 +439,7 @@ def test_retrieval_on_karpathy_json(tmp_path, emb):
               {"filepath": "val2014", "filename": "red2.png", "split": "train", "sentences": [{"raw": "green"}]}]
     (tmp_path / "karpathy.json").write_text(json.dumps({"images": images}))
     r = E.bench_retrieval(args(retrieval=str(tmp_path / "karpathy.json"), retrieval_images=str(root)), emb)
-    assert (r["i2t_R@1"], r["t2i_R@1"], r["n_scored"], r["n_skipped"], r["n_captions"]) == (100.0, 100.0, 3, 0, 4)
+    assert (r["i2t_r1"], r["t2i_r1"], r["n_scored"], r["n_skipped"], r["n_captions"]) == (100.0, 100.0, 3, 0, 4)
     # one test image gone: R@K over the 2 left would be easier than the benchmark's, so none is given
     os.remove(root / "val2014" / "blue.png")
     fresh = E.Embedder(ColourModel(), WordTokenizer(), image_size=16, batch_size=3, progress=False)  # no cache
@@ -456,7 +456,7 @@ def test_a_benchmark_without_its_data_flag_is_not_run(emb, capsys):
     assert skipped == {"zeroshot": "no --zeroshot given", "retrieval": "no --retrieval given",
                        "linear_probe": "no --linear_probe given"}
     a = E.get_args(["--init", "w.pt", "--benchmarks", "retrieval", "--retrieval", "shapes", "--eval_size", "5"])
-    assert E.run_benchmarks(a, emb, None, None, {})[0]["retrieval"]["n_scored"] == 100
+    assert E.run_benchmarks(a, emb, None, None, {})[0]["retrieval"]["n_scored"] == data.SHAPES_VAL_PAIRS
 
 
 # ----------------------------------------------------------------------------- linear probe
@@ -624,7 +624,7 @@ def test_easy_to_learn_one_curve_per_generation_snapshot(il_run, tmp_path):
     for entry in [run] + run["generations"]:
         accs = {p["step"]: p["acc"] for p in entry["curve"]}
         assert list(accs) == [0, 2, 4, 6] and entry["final"] == accs[6]
-        assert entry["auc"] == pytest.approx((accs[2] + accs[4]) / 2, abs=1e-4)     # by hand: steps 2 and 4
+        assert entry["auc"] == round((accs[2] + accs[4]) / 2, 2)     # by hand: steps 2 and 4
     assert run["generations"][-1]["curve"] == run["curve"]          # gen2/ holds the final weights
     assert os.path.getsize(tmp_path / "easy_to_learn.png") > 0
     # each snapshot is probed with its own weights: a gen1/ whose codebook is redrawn learns otherwise
@@ -722,6 +722,28 @@ def test_shapes_run_reads_the_easy_to_learn_probe(tmp_path):
         E.shapes_run(str(tmp_path))
 
 
+def test_shapes_runs_in_percent_and_older_fraction_files_read_alike(tmp_path, capsys):
+    """il_clip.py's shapes_eval.json in percent (reporting's names, sugarcrepe_mean among them) and one written
+    before that switch (fractions, no sugarcrepe_mean) give the same results and table: told apart by the key,
+    not by size (productivity 0.4% is below 1 in percent)."""
+    frac = {"i2t_r1": 0.149, "t2i_r1": 0.2, **{c: 0.5 + 0.01 * i for i, c in enumerate(data.SHAPES_CATEGORIES)},
+            "systematicity": 0.3, "productivity": 0.004}
+    percent = {k: round(100 * v, 2) for k, v in frac.items()}
+    percent["sugarcrepe_mean"] = round(sum(percent[c] for c in data.SHAPES_CATEGORIES) / 7, 2)
+    got, tables = {}, {}
+    for name, res in (("fractions", frac), ("percent", percent)):
+        run = tmp_path / name / "run0"
+        os.makedirs(run)
+        data.save_json(str(run / "config.json"), {"method": "il", "seed": 0})
+        data.save_json(str(run / "shapes_eval.json"), res | {"scored": {"items_per_category": 1000}})
+        got[name] = E.shapes_run(str(run))[2]
+        E.summarize_runs(str(tmp_path / name))
+        tables[name] = capsys.readouterr().out
+    assert got["percent"] == pytest.approx(got["fractions"], abs=1e-6) and set(got["percent"]) == set(got["fractions"])
+    assert got["percent"]["productivity"] == pytest.approx(0.004) and got["percent"]["i2t_r1"] == pytest.approx(0.149)
+    assert tables["percent"] == tables["fractions"] and "| 14.9 | 20.0 |" in tables["percent"]
+
+
 def test_il_clip_end_of_run_table_equals_eval_compositional():
     """il_clip.py scores the shapes benchmark at the end of a run with its own short loop; it must
     give what eval_compositional.py gives for the same model. (A plain CLIP: an untrained codebook
@@ -731,9 +753,16 @@ def test_il_clip_end_of_run_table_equals_eval_compositional():
     cfg = il_clip.ModelConfig(**{**il_clip.MODEL_PRESETS["tiny"], "vocab_size": tok.vocab_size,
                                  "context_length": tok.context_length, "eot_token_id": tok.eot_id})
     model = il_clip.CLIP(cfg, seed=3).eval()
-    ours = il_clip.evaluate_shapes(model, tok, n=12, n_val=8, batch_size=5)
-    ref = E.bench_shapes(args(eval_size=12), E.Embedder(model, tok, image_size=cfg.image_size, batch_size=7,
-                                                        progress=False))
-    for cat in [*data.SHAPES_CATEGORIES, "systematicity", "productivity"]:
-        assert ref[cat] == pytest.approx(100 * ours[cat], abs=1e-3), cat   # eval rounds to 4 places
+    ours = E.shapes_percent(il_clip.evaluate_shapes(model, tok, n=12, batch_size=5))   # its default gallery
+    emb = E.Embedder(model, tok, image_size=cfg.image_size, batch_size=7, progress=False)
+    ref = E.bench_shapes(args(eval_size=12), emb)
+    for cat in [*data.SHAPES_CATEGORIES, "systematicity", "productivity", "sugarcrepe_mean"]:
+        assert ref[cat] == pytest.approx(ours[cat], abs=0.01), cat   # eval rounds to 2 places
     assert len({round(ref[c]) for c in data.SHAPES_CATEGORIES}) > 1   # not all the same trivial score
+    # --retrieval shapes is the same gallery (SHAPES_VAL_PAIRS val scenes, some captions repeated: a hit for every
+    # scene a caption describes), so i2t_r1 / t2i_r1 mean one thing in both
+    ret = E.bench_retrieval(args(retrieval="shapes"), emb)
+    assert ret["n_scored"] == ret["n_captions"] == data.SHAPES_VAL_PAIRS
+    assert len({data.shapes_scene("val", i).caption for i in range(data.SHAPES_VAL_PAIRS)}) < data.SHAPES_VAL_PAIRS
+    assert (ret["i2t_r1"], ret["t2i_r1"]) == (round(ours["i2t_r1"], 2), round(ours["t2i_r1"], 2))
+    assert 0 < ret["t2i_r1"] < 100 and ret["i2t_r1"] <= ret["i2t_r5"] <= ret["i2t_r10"]

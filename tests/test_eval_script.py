@@ -71,11 +71,12 @@ def test_eval_scores_a_fork_with_its_own_code(forks, name, tmp_path):
     blob = json.loads((tmp_path / "r.json").read_text())
     assert blob["script"] == {"path": script, "sha256": data.script_record(script)["sha256"], "changed": False}
     assert f"code {script}," in p.stderr and "has changed" not in p.stderr
-    # the fork's own end-of-run numbers: fractions there, percent here, the same 20 items per category
+    # the fork's own end-of-run numbers (in percent, or fractions from before that switch), the same 20 items
     own = json.loads(open(os.path.join(run, "shapes_eval.json")).read())
     assert own["scored"]["items_per_category"] == blob["results"]["shapes"]["n_per_category"] == 20
+    own = E.shapes_percent(own)
     for cat in CATEGORIES:
-        assert blob["results"]["shapes"][cat] == pytest.approx(100 * own[cat], abs=1e-3), cat
+        assert blob["results"]["shapes"][cat] == round(own[cat], 2), cat
 
 
 def test_script_override_and_what_the_unforked_code_makes_of_a_fork(forks, tmp_path):
@@ -83,13 +84,13 @@ def test_script_override_and_what_the_unforked_code_makes_of_a_fork(forks, tmp_p
     JSON names il_clip.py and says it is not the recorded text; il_clip.py refuses the SigLIP
     fork's logit_bias in one line."""
     _, run = forks["softmax"]
-    own = json.loads(open(os.path.join(run, "shapes_eval.json")).read())
+    own = E.shapes_percent(json.loads(open(os.path.join(run, "shapes_eval.json")).read()))
     p = evaluate(run, tmp_path / "r.json", "--script", os.path.join(ROOT, "il_clip.py"))
     assert p.returncode == 0, p.stderr
     blob = json.loads((tmp_path / "r.json").read_text())
     assert blob["script"]["path"] == os.path.join(ROOT, "il_clip.py") and blob["script"]["changed"] is True
     assert "has changed since it trained this checkpoint" in p.stderr
-    assert any(blob["results"]["shapes"][c] != pytest.approx(100 * own[c], abs=1e-3) for c in CATEGORIES)
+    assert any(blob["results"]["shapes"][c] != round(own[c], 2) for c in CATEGORIES)
     p = evaluate(forks["siglip"][1], tmp_path / "s.json", "--script", os.path.join(ROOT, "il_clip.py"))
     err = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert p.returncode == 2 and len(err) == 1 and "unexpected keys logit_bias" in err[0]

@@ -399,12 +399,12 @@ def test_suite_row_scores_what_was_given_and_means_only_those(tmp_path, monkeypa
              benchmark_list=["zeroshot/cifar10", "zeroshot/stl10", "zeroshot/pets"])
     emb = E.Embedder(ColourModel(), WordTokenizer(), image_size=16, batch_size=2, progress=False)
     results, skipped, failed = E.run_benchmarks(a, emb, None, None, None)
-    assert results["zeroshot/cifar10"]["top1"] == pytest.approx(200 / 3, abs=1e-3)  # 3.png is red, labelled b
+    assert results["zeroshot/cifar10"]["top1"] == pytest.approx(200 / 3, abs=5e-3)  # 3.png is red, labelled b
     assert "not found" in failed["zeroshot/pets"]
     row = E.zeroshot_suite_row(results, failed)
-    assert row["CIFAR-10"] == {"top1": pytest.approx(66.6667, abs=1e-3), "n_scored": 3, "n_skipped": 0}
+    assert row["CIFAR-10"] == {"top1": pytest.approx(66.6667, abs=5e-3), "n_scored": 3, "n_skipped": 0}
     assert row["Pets"]["top1"] is None and "not found" in row["Pets"]["reason"]
-    assert row["Mean"]["top1"] == pytest.approx(200 / 3, abs=1e-3) and row["Mean"]["over"] == 2
+    assert row["Mean"]["top1"] == pytest.approx(200 / 3, abs=5e-3) and row["Mean"]["over"] == 2
     assert len(row["Mean"]["not_scored"]) == 16 and "Pets" in row["Mean"]["not_scored"]
     table = E.suite_table(row)
     assert table.splitlines()[2].startswith("| top-1 | — | — | 66.7 | 66.7 | —") and "not scored: ImageNet1k" in table
@@ -450,7 +450,7 @@ def test_clip_benchmark_webdataset_export(tmp_path, monkeypatch):
     a = args(zeroshot_sets={"dmlab": str(root)})
     emb = E.Embedder(ColourModel(), WordTokenizer(), image_size=16, batch_size=2, progress=False)
     r = E.bench_zeroshot_set("dmlab")(a, emb)
-    assert (r["top1"], r["n_scored"], r["split"]) == (pytest.approx(200 / 3, abs=1e-3), 3, "CLIP_benchmark webdataset, test split")
+    assert (r["top1"], r["n_scored"], r["split"]) == (pytest.approx(200 / 3, abs=5e-3), 3, "CLIP_benchmark webdataset, test split")
 
 
 def test_a_label_outside_the_class_list_is_an_error_not_a_silent_miss(tmp_path, emb):
