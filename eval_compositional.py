@@ -2217,6 +2217,41 @@ def image_code_scores(model, images):
     return model.code_scores(model.visual.forward_tokens(images), None, model.image_query)
 
 
+def code_support(model, tok, n=256, seed=0):
+    """How sparse the codebook head is: the sparsemax support (codes with weight > 0) per image and per caption of
+    `n` shapes val scenes, its median, the mean largest weight, and the codes any of them uses."""
+    scenes = [data.shapes_scene("val", i, seed=seed) for i in range(n)]
+    tf, device = data.eval_transform(image_size_of(model, {})), model.logit_scale.device
+    with torch.no_grad():
+        w_img = image_code_scores(model, data.normalize_images(torch.stack([tf(s.image) for s in scenes]), device))[1]
+        text = tok([s.caption for s in scenes]).to(device)
+        x, eot = model.forward_tokens(text)
+        valid = torch.arange(text.shape[1], device=device)[None] <= eot[:, None]
+        w_txt = model.code_scores(x, valid, model.text_query, max_tokens=model.cfg.context_length)[1]
+    out = {}
+    for name, w in (("image", w_img.float()), ("caption", w_txt.float())):
+        support = (w > 0).sum(1).float()
+        out[name] = {"codes_median": float(support.median()), "codes_mean": round(float(support.mean()), 2),
+                     "max_weight_mean": round(float(w.max(1).values.mean()), 4),
+                     "codes_used_by_any": int((w > 0).any(0).sum()), "codebook_size": w.shape[1], "n": n}
+    return out
+
+
+def codes_per_sample(pattern):
+    """`python -c "import eval_compositional as ev; ev.codes_per_sample('out/run*')"`: code_support of every
+    il_clip.py checkpoint the glob matches, one line each."""
+    import glob
+    args = argparse.Namespace(device="cpu", quick_gelu=None, vocab=None)
+    found = {}
+    for path in sorted(glob.glob(pattern)):
+        model, tok, _ = load_checkpoint(path, args)
+        found[path] = r = code_support(model, tok)
+        print(f"{path}: " + "; ".join(f"{k} {v['codes_median']:.0f} codes (median; mean {v['codes_mean']}, largest "
+                                      f"weight {v['max_weight_mean']:.2f}), {v['codes_used_by_any']}/{v['codebook_size']} "
+                                      f"used by any of {v['n']}" for k, v in r.items()))
+    return found
+
+
 def image_size_of(model, config):
     return int(model_field(model, config, "image_size", data.SHAPES_IMAGE_SIZE))
 
