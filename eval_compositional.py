@@ -2243,7 +2243,7 @@ def codes_per_sample(pattern):
     import glob
     args = argparse.Namespace(device="cpu", quick_gelu=None, vocab=None)
     found = {}
-    for path in sorted(glob.glob(pattern)):
+    for path in sorted(p for p in glob.glob(pattern) if os.path.isdir(p)):     # run folders, not their logs
         model, tok, _ = load_checkpoint(path, args)
         found[path] = r = code_support(model, tok)
         print(f"{path}: " + "; ".join(f"{k} {v['codes_median']:.0f} codes (median; mean {v['codes_mean']}, largest "
