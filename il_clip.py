@@ -109,76 +109,94 @@ CODE_TEMP_ITERS = 1000      # T = T0 * decay^(step / 1000) (FDT's schedule), flo
 KD_TEMP = 1.0               # Hinton KD temperature of the distill phase
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" where X says something; what None or an off switch means, the help says."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == [] or "default" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1], allow_abbrev=False,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    a = p.add_argument
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1], allow_abbrev=False, formatter_class=HelpFormatter)
+    by_data = lambda k: f"default: {SHAPES_DEFAULTS[k]} on shapes, {PAPER_DEFAULTS[k]} on web data"
+    a = p.add_argument_group("data").add_argument
     a("--data", default="shapes", help="shapes | cc3m | cc12m | datacomp | shards | csv | ...")
-    a("--model", default=None, help=f"preset: {', '.join(MODEL_PRESETS)} (default tiny on shapes)")
-    a("--method", default="il", choices=["clip", "codebook", "negclip", "il"])
-    a("--negatives", action="store_true", help="add NegCLIP hard negatives to --method il")
-    a("--out_dir", default="out/il_clip")
-    a("--max_steps", type=int, default=None, help="default: the IL schedule's total")
-    a("--stop_at", type=int, default=None, help="stop at this step with a checkpoint, as if preempted")
-    a("--batch_size", type=int, default=None, help="global batch (all ranks, all micro-steps)")
-    a("--accum", type=int, default=1, help="gradient accumulation micro-steps")
-    a("--lr", type=float, default=None, help="peak LR (see --lr_schedule)")
-    a("--warmup", type=int, default=None)
-    a("--rewarm", type=int, default=None, help="linear LR re-warm-up at each generation start")
-    a("--lr_schedule", default="global", choices=["global", "generation"], help="global: one cosine over "
-      "max_steps (paper); generation: warm-up + cosine to 0 within the warm-up, each generation, the extension")
-    a("--wd", type=float, default=0.1)
-    a("--betas", type=float, nargs=2, default=(0.9, 0.98))
-    a("--eps", type=float, default=1e-6)
-    a("--grad_clip", type=float, default=1.0, help="0 = off")
-    a("--seed", type=int, default=0)
-    a("--device", default=None, help="cpu | cuda (default: cuda when available; under torchrun cuda:LOCAL_RANK)")
-    a("--dtype", default=None, choices=["fp32", "bf16"], help="autocast dtype (default bf16 on CUDA)")
-    a("--compile", action="store_true")
-    a("--init", default=None, help="OpenAI/open_clip-layout weights (.safetensors or .pt)")
-    a("--quick_gelu", action=argparse.BooleanOptionalAction, default=None, help="default: the preset's; "
-      "with --init what open_clip_config.json / config.json beside the weights says, else OpenAI's QuickGELU "
-      "(assumed, and recorded so; --no-quick_gelu for open_clip's LAION/DataComp ViT-B-32, GELU)")
-    a("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz for the CLIP BPE")
-    a("--vocab_size", type=int, default=None)
+    a("--image_root", default=None, help="image folder for a CSV / Karpathy JSON --data (default: paths as written)")
+    a("--csv_img_key", default="filepath", help="the CSV's image column")
+    a("--csv_caption_key", default="title", help="the CSV's caption column")
+    a("--csv_separator", default=None, help="default: data.py picks by file extension")
+    a("--resampled", action="store_true", help="draw shards with replacement (open_clip's --dataset-resampled)")
+    a("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz for the CLIP BPE (default: a BPE trained on "
+                                    "the captions)")
+    a("--vocab_size", type=int, default=None, help=f"size of the trained BPE ({by_data('vocab_size')})")
+    a = p.add_argument_group("model").add_argument
+    a("--model", default=None, help=f"preset: {', '.join(MODEL_PRESETS)} ({by_data('model')})")
     a("--model_args", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
       help="override the preset: width, layers, heads (both towers, or vision_/text_ KEY), embed_dim, "
            "image_size, patch_size, context_length, code_dim, mlp_ratio")
-    a("--num_workers", type=int, default=0)
-    a("--resampled", action="store_true")
-    a("--image_root", default=None, help="image folder for a CSV / Karpathy JSON --data")
-    a("--csv_img_key", default="filepath")
-    a("--csv_caption_key", default="title")
-    a("--csv_separator", default=None, help="default: data.py picks by file extension")
-    # codebook (FDT)
-    a("--codebook", type=int, default=None, help="K codes (0 = none; default by method/data)")
+    a("--init", default=None, help="OpenAI/open_clip-layout weights (.safetensors or .pt) (default: random init)")
+    a("--quick_gelu", action=argparse.BooleanOptionalAction, default=None, help="default: the preset's; "
+      "with --init what open_clip_config.json / config.json beside the weights says, else OpenAI's QuickGELU "
+      "(assumed, and recorded so; --no-quick_gelu for open_clip's LAION/DataComp ViT-B-32, GELU)")
+    a = p.add_argument_group("method").add_argument
+    a("--method", default="il", choices=["clip", "codebook", "negclip", "il"], help="the loss and schedule")
+    a("--negatives", action="store_true", help="add NegCLIP hard negatives to --method il")
+    a("--neg_pool", type=int, default=None, help=f"NegCLIP's image pool ({by_data('neg_pool')})")
+    a("--codebook", type=int, default=None, help="K codes (0 = none; default: "
+      f"{SHAPES_DEFAULTS['codebook']} on shapes, {PAPER_DEFAULTS['codebook']} otherwise, with codebook / il)")
     a("--code_temp", type=float, default=None, help="T0 of the code temperature T = T0 * decay^(step/1000), "
       "floor 0.01; the scores are divided by T: a large T0 flattens them and sparsemax spreads the weight over "
-      "many codes (a softmax over codes at T0=100 would be near uniform), a small one makes it sparse")
-    a("--code_temp_decay", type=float, default=1.0)
+      "many codes (a softmax over codes at T0=100 would be near uniform), a small one makes it sparse "
+      f"({by_data('code_temp')})")
+    a("--code_temp_decay", type=float, default=1.0, help="the decay of T per 1000 steps")
     a("--code_sim", default="dot", choices=["dot", "cos"],
       help="dot: q.c/sqrt(D)/T (FDT); cos: cos(q,c)/T, in [-1/T, 1/T]: use a T near 0.01-0.1")
-    # iterated learning
-    a("--t_warm", type=int, default=None)
-    a("--t_distill", type=int, default=None)
-    a("--t_interact", type=int, default=None)
-    a("--generations", type=int, default=None, help="spawns (5 on cc3m: our choice, no paper count)")
-    a("--t_extend", type=int, default=None)
-    a("--spawn", default="language", choices=["language", "vision", "alternate"])
-    a("--no_freeze_codebook", action="store_true")
-    a("--distill_loss", default="kd", choices=["kd", "cos"])
+    a("--spawn", default="language", choices=["language", "vision", "alternate"], help="the agent re-initialised")
+    a("--no_freeze_codebook", action="store_true", help="train the codebook during distill")
+    a("--distill_loss", default="kd", choices=["kd", "cos"], help="kd: Hinton KD of the logits; cos: of embeddings")
     a("--distill_train_vision", action="store_true",
       help="train the non-spawned agent during distill (frozen by default; needs --distill_loss kd)")
     a("--spectral_norm", action="store_true", help="spectral norm on every nn.Linear and attention "
       "in_proj (not patch conv, embeddings, projections, codebook)")
-    a("--neg_pool", type=int, default=None)
-    # logging / checkpoints / eval
-    a("--log_interval", type=int, default=None)
-    a("--save_interval", type=int, default=None)
+    a = p.add_argument_group("schedule (steps)").add_argument
+    a("--max_steps", type=int, default=None, help="default: the IL schedule's total")
+    a("--t_warm", type=int, default=None, help=f"warm-up generation ({by_data('t_warm')})")
+    a("--t_distill", type=int, default=None, help=f"distill phase ({by_data('t_distill')})")
+    a("--t_interact", type=int, default=None, help=f"interact phase ({by_data('t_interact')})")
+    a("--generations", type=int, default=None, help="spawns (default: 3 on shapes, 5 on web data: our choice, the paper gives no count)")
+    a("--t_extend", type=int, default=None, help=f"the last interaction's extension ({by_data('t_extend')})")
+    a("--warmup", type=int, default=None, help=f"linear LR warm-up ({by_data('warmup')})")
+    a("--rewarm", type=int, default=None, help=f"linear LR re-warm-up at each generation start ({by_data('rewarm')})")
+    a("--lr_schedule", default="global", choices=["global", "generation"], help="global: one cosine over "
+      "max_steps (paper); generation: warm-up + cosine to 0 within the warm-up, each generation, the extension")
+    a = p.add_argument_group("optimisation").add_argument
+    a("--batch_size", type=int, default=None, help=f"global batch, all ranks and micro-steps ({by_data('batch_size')})")
+    a("--accum", type=int, default=1, help="gradient accumulation micro-steps")
+    a("--lr", type=float, default=None, help=f"peak LR, see --lr_schedule ({by_data('lr')})")
+    a("--wd", type=float, default=0.1, help="AdamW weight decay (not on gains, biases, logit_scale)")
+    a("--betas", type=float, nargs=2, default=(0.9, 0.98), help="AdamW betas")
+    a("--eps", type=float, default=1e-6, help="AdamW eps")
+    a("--grad_clip", type=float, default=1.0, help="gradient norm clip, 0 = off")
+    a("--seed", type=int, default=0, help="init, data order, spawns, NegCLIP negatives")
+    a = p.add_argument_group("machine").add_argument
+    a("--device", default=None, help="cpu | cuda (default: cuda when available; under torchrun cuda:LOCAL_RANK)")
+    a("--dtype", default=None, choices=["fp32", "bf16"], help="autocast dtype (default: bf16 on CUDA, else fp32)")
+    a("--compile", action="store_true", help="torch.compile the encoders")
+    a("--num_workers", type=int, default=0, help="data loading processes per rank")
+    a = p.add_argument_group("output").add_argument
+    a("--out_dir", default="out/il_clip", help="checkpoint/, metrics.jsonl, loss_curve.png, shapes_eval.json")
     a("--resume", action="store_true", help="continue the run in out_dir with its saved flags")
     a("--overwrite", action="store_true", help="replace the checkpoint and results of an earlier run in out_dir")
+    a("--stop_at", type=int, default=None, help="stop at this step with a checkpoint, as if preempted "
+                                                "(default: run to --max_steps)")
+    a("--log_interval", type=int, default=None, help=f"steps per metrics.jsonl line ({by_data('log_interval')})")
+    a("--save_interval", type=int, default=None, help=f"steps per checkpoint ({by_data('save_interval')})")
     a("--eval_size", type=int, default=1000,
       help="shapes benchmark items per category (0 = no eval; 1000: a standard error of at most 1.6 points)")
+    a("--wandb", default=None, metavar="PROJECT", help="also send metrics.jsonl's records to this Weights & "
+      "Biases project (rank 0; needs `pip install wandb`; default: off)")
     args = p.parse_args(argv)
     opts = {s: act.dest for act in p._actions for s in act.option_strings}
     tokens = [t.split("=")[0] for t in (sys.argv[1:] if argv is None else argv)]
@@ -1178,6 +1196,7 @@ class RunState:
     n_loss: int = 0                 # micro-batches summed in `sums`
     text_tokens: int = 0            # their trimmed text lengths, summed (the log's text_len)
     newest_damaged: bool = False    # resumed from checkpoint.prev: the next save keeps it
+    wandb: object = None            # the wandb module with --wandb (rank 0), else None
 
 
 def setup(args, rank, world, tok=None, ckpt=None):
@@ -1225,8 +1244,7 @@ def train(r):
     t_last, step_last, trainable_for = time.time(), r.step, None
     if r.step >= end:          # nothing to train (e.g. --max_steps 0 to export --init weights)
         save_checkpoint(r)
-    # on stdout, as the per-step lines were: stderr keeps only error lines and the summary
-    bar = tqdm(total=end, initial=r.step, unit="step", disable=r.rank != 0, dynamic_ncols=True, file=sys.stdout)
+    bar = progress_bar(end, "train", "step", disable=r.rank != 0, initial=r.step)
     while r.step < end:
         # the IL phase: one lookup (warm-up, then per generation spawn -> distill -> interact)
         phase, gen, _ = r.sched.at(r.step)
@@ -1297,8 +1315,7 @@ def train(r):
                    "logit_scale": scale.item(), "samples_per_s": round(sps, 2),   # the scale the loss used
                    "text_len": round(text_len, 2), "mfu": estimate_mfu(r.cfg, sps, r.device, text_len), "time": now}
             if r.rank == 0:
-                with writing(r.metrics_path), open(r.metrics_path, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+                log_record(r, rec)
                 bar.set_postfix(loss=f"{loss_v:.4f}", phase=phase, gen=gen)
             r.sums.zero_()
             r.n_loss = r.text_tokens = 0
@@ -1306,7 +1323,8 @@ def train(r):
         if save_now or stop:
             save_checkpoint(r)
             if r.rank == 0:
-                draw_loss_curve(r.metrics_path, os.path.join(args.out_dir, "loss_curve.png"), r.sched.spawn_steps)
+                draw_loss_curve(r.metrics_path, os.path.join(args.out_dir, "loss_curve.png"), r.sched.spawn_steps,
+                                args.method + "+neg" * args.negatives)
         if stop:
             bar.close()
             return "stopped"
@@ -1318,14 +1336,19 @@ def train(r):
 
 # -----------------------------------------------------------------------------
 # the built-in shapes benchmark, scored at the end of a run on `shapes`
+SHAPES_METRICS = ("i2t_r1", "t2i_r1", *data.SHAPES_CATEGORIES, "sugarcrepe_mean", "systematicity", "productivity")
+
+
 @torch.no_grad()
-def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=0, batch_size=256):
-    """The model on the built-in benchmark: i2t / t2i R@1 on `n_val` val scenes (a hit = the same
-    caption string) and, for each category, the fraction of its `n` items whose positive caption
-    scores strictly above every negative. Every item is scored."""
+def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=0, batch_size=256, progress=False):
+    """The model on the built-in benchmark, in percent (2 decimals): i2t / t2i R@1 on `n_val` val
+    scenes (a hit = the same caption string) and, for each category, the share of its `n` items whose
+    positive caption scores strictly above every negative; sugarcrepe_mean is the 7 categories' mean."""
     was_training, device = model.training, model.logit_scale.device
     model.eval()
     tf = data.eval_transform(model.cfg.image_size)
+    cats = [*data.SHAPES_CATEGORIES, "systematicity", "productivity"]
+    bar = progress_bar(n_val + n * len(cats), "shapes eval", "item", disable=not progress)
 
     def embed(images, captions):
         ie = [model.encode_image(data.normalize_images(torch.stack([tf(im) for im in images[i:i + batch_size]]),
@@ -1333,17 +1356,21 @@ def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=
               for i in range(0, len(images), batch_size)]
         te = [model.encode_text(tokenizer(captions[i:i + batch_size]).to(device)).float().cpu()
               for i in range(0, len(captions), batch_size)]
+        bar.update(len(images))
         return torch.cat(ie), torch.cat(te)
 
+    pct = lambda hits, total: round(100 * hits / total, 2)
     scenes = [data.shapes_scene("val", i, seed=seed) for i in range(n_val)]
     caps = [s.caption for s in scenes]
     ie, te = embed([s.image for s in scenes], caps)
     sim = ie @ te.t()
     same = torch.tensor([[a == b for b in caps] for a in caps])
-    res = {"i2t_r1": same[torch.arange(n_val), sim.argmax(1)].float().mean().item(),
-           "t2i_r1": same[sim.argmax(0), torch.arange(n_val)].float().mean().item()}
+    res = {"i2t_r1": pct(same[torch.arange(n_val), sim.argmax(1)].sum().item(), n_val),
+           "t2i_r1": pct(same[sim.argmax(0), torch.arange(n_val)].sum().item(), n_val)}
+    bar.set_postfix_str("rendering the benchmark")
     bench = data.shapes_benchmark(seed=seed, n=n)
-    for cat in list(data.SHAPES_CATEGORIES) + ["systematicity", "productivity"]:
+    for cat in cats:
+        bar.set_postfix_str(cat)
         items = bench[cat]
         negs = [it["negatives"] if "negatives" in it else [it["negative_caption"]] for it in items]
         ie, te = embed([it["image"] for it in items], [c for it, ng in zip(items, negs) for c in [it["caption"], *ng]])
@@ -1352,14 +1379,16 @@ def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=
             s = te[o:o + 1 + len(ng)] @ ie[j]
             correct += int(bool((s[0] > s[1:]).all()))
             o += 1 + len(ng)
-        res[cat] = correct / len(items)
+        res[cat] = pct(correct, len(items))
+    bar.close()
+    res["sugarcrepe_mean"] = round(sum(res[c] for c in data.SHAPES_CATEGORIES) / len(data.SHAPES_CATEGORIES), 2)
     model.train(was_training)
-    return res
+    return {k: res[k] for k in SHAPES_METRICS}
 
 
 def shapes_table(res):
-    """One result dict as a markdown table, in %."""
-    rows = [list(res), ["---"] * len(res), [f"{100 * v:.1f}" for v in res.values()]]
+    """One result dict (percent) as a markdown table."""
+    rows = [list(res), ["---"] * len(res), [f"{v:.1f}" for v in res.values()]]
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
@@ -1374,7 +1403,7 @@ STATE_TYPES = {"step": int, "spawned": int, "optimizer": dict, "loader": dict, "
 # the flags --resume takes from its command line (the first six always, the others when given); the
 # rest define the run: given with --resume, they must equal the saved values
 RUN_CONTROL = {"out_dir", "resume", "overwrite", "given", "stop_at", "device", "save_interval", "log_interval",
-               "num_workers", "eval_size", "compile"}
+               "num_workers", "eval_size", "compile", "wandb"}
 WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
 _lock = None    # this process's open out_dir/.lock
 _stop = None    # the signal that asked the run to stop ("SIGTERM", "SIGINT"), or None
@@ -1603,6 +1632,20 @@ def save_generation_snapshot(r, gen):
                               lambda p: data.fsync(p, lambda q: save_file(sd, q, {"step": str(r.step)})))
 
 
+def progress_bar(total, desc, unit, disable=False, initial=0):
+    """A tqdm bar on stderr, on an interactive terminal only (a log file gets the start and end lines)."""
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True,
+                disable=disable or not sys.stderr.isatty())
+
+
+def log_record(r, rec):
+    """One metrics.jsonl line (rank 0); with --wandb also sent to Weights & Biases at its step."""
+    with writing(r.metrics_path), open(r.metrics_path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    if r.wandb is not None:
+        r.wandb.log(rec, step=rec["step"])
+
+
 def on_signal(signum, frame):
     """SIGTERM / SIGINT: the ranks agree at the next sync point, save and stop. A second Ctrl-C
     exits at once, without a save (the last checkpoint stays)."""
@@ -1644,41 +1687,86 @@ def estimate_mfu(cfg, pairs_per_s, device, text_len=None):
 
 
 # -----------------------------------------------------------------------------
-# the loss curve (paper Fig. 3)
-CLIP_LOSS_COLOUR = (150, 150, 150)
-PHASE_COLOURS = {"warmup": (40, 90, 200), "train": (40, 90, 200), "distill": (220, 120, 0), "interact": (30, 150, 60)}
+# the loss curve (paper Fig. 3), drawn with PIL (no matplotlib in this project)
+CLIP_LOSS_COLOUR, SPAWN_COLOUR = (150, 150, 150), (200, 120, 120)
+PHASE_STYLE = {"warmup": ("warm-up", (40, 90, 200)), "distill": ("distill", (220, 120, 0)),
+               "interact": ("interact", (30, 150, 60))}
+METHOD_COLOUR = (130, 60, 170)     # a run without IL phases ("train"): one colour, named by its method
 
 
-def draw_loss_curve(metrics_path, png_path, boundaries=(), size=(900, 420)):
-    """The loss coloured by phase and, in grey, the contrastive loss of every phase (the distill
-    loss is KD): Fig. 3's spike at each spawn (`boundaries`, red lines) shows in the grey curve.
-    Drawn with PIL (no matplotlib in this project); non-finite points are dropped."""
+def phase_style(phase, method):
+    """(legend label, colour): IL's phases by their names, a single-phase run by its method."""
+    return PHASE_STYLE.get(phase, (method, METHOD_COLOUR))
+
+
+def nice_ticks(lo, hi, n=5, integer=False):
+    """About n round ticks in [lo, hi]: steps of 1, 2 or 5 x 10^k, whole numbers when `integer`."""
+    raw = max(hi - lo, 1e-12) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    step = max(1, round(step)) if integer else step
+    first = math.ceil(lo / step) * step
+    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def tick_labels(values):
+    """The ticks as text with the fewest decimals at which no two read the same."""
+    for digits in range(13):
+        labels = [f"{v:.{digits}f}" for v in values]
+        if len(set(labels)) == len(labels):
+            break
+    return labels
+
+
+def legend_entries(recs, method, spawns=()):
+    """(label, colour) of every series drawn: the phases in order, the contrastive loss where it differs
+    from the loss (distill: the loss is KD), the spawn lines."""
+    phases = list(dict.fromkeys(m.get("phase") for m in recs))
+    entries = [phase_style(p, method) for p in phases]
+    if any(m.get("clip_loss", m["loss"]) != m["loss"] for m in recs):
+        entries.append(("contrastive loss", CLIP_LOSS_COLOUR))
+    return entries + ([("spawn", SPAWN_COLOUR)] if spawns else [])
+
+
+def draw_loss_curve(metrics_path, png_path, boundaries=(), method="il", size=(900, 420)):
+    """The loss coloured by phase and, in grey, the contrastive loss of every phase: Fig. 3's spike at
+    each spawn (`boundaries`, red lines) shows in the grey curve. Non-finite points are dropped."""
     with open(metrics_path) if os.path.isfile(metrics_path) else nullcontext([]) as f:
-        recs = [json.loads(ln) for ln in f if ln.strip()]
+        recs = [m for m in map(json.loads, filter(str.strip, f)) if "loss" in m]     # not the eval records
     curves = [[(m["step"], m.get("clip_loss", math.nan), CLIP_LOSS_COLOUR) for m in recs],
-              [(m["step"], m["loss"], PHASE_COLOURS.get(m.get("phase"), (0, 0, 0))) for m in recs]]
+              [(m["step"], m["loss"], phase_style(m.get("phase"), method)[1]) for m in recs]]
     curves = [[p for p in curve if math.isfinite(p[1])] for curve in curves]
     pts = [p for curve in curves for p in curve]
-    (W, H), (L, R, T, B) = size, (60, 20, 20, 40)
+    (W, H), (L, R, T, B) = size, (70, 20, 40, 50)
     img = Image.new("RGB", size, "white")
     d = ImageDraw.Draw(img)
     d.rectangle([L, T, W - R, H - B], outline="black")
+    d.text((L, 8), f"il_clip.py, {method}: training loss (mean over each log interval)", fill="black")
+    d.text((4, T - 14), "loss (nats)", fill="black")
+    d.text(((L + W - R) // 2 - 10, H - 18), "step", fill="black")
     if pts:
         x1, y0, y1 = max(max(p[0] for p in pts), 1), min(p[1] for p in pts), max(p[1] for p in pts)
         y1 = y1 if y1 > y0 else y0 + 1
         px = lambda x: L + (W - L - R) * x / x1
         py = lambda y: H - B - (H - T - B) * (y - y0) / (y1 - y0)
-        for i, b in enumerate(b for b in boundaries if b <= x1):
-            d.line([px(b), T, px(b), H - B], fill=(200, 120, 120))
+        spawns = [b for b in boundaries if b <= x1]
+        for i, b in enumerate(spawns):
+            d.line([px(b), T, px(b), H - B], fill=SPAWN_COLOUR)
             d.text((px(b) + 3, T + 2), f"gen {i + 1}", fill=(160, 60, 60))
         for curve in curves:        # a segment takes the colour of its end point
             for (xa, ya, _), (xb, yb, c) in zip(curve, curve[1:]):
                 d.line([px(xa), py(ya), px(xb), py(yb)], fill=c, width=2)
-        for v in (y0, (y0 + y1) / 2, y1):
-            d.text((4, py(v) - 6), f"{v:.3f}", fill="black")
-        d.text((L, H - B + 6), "0", fill="black")
-        d.text((W - R - 40, H - B + 6), str(x1), fill="black")
-    d.text((L, H - 18), "step   (blue warm-up, orange distill, green interact; grey contrastive)", fill="black")
+        xt, yt = nice_ticks(0, x1, integer=True), nice_ticks(y0, y1)
+        for v, s in zip(xt, tick_labels(xt)):
+            d.line([px(v), H - B, px(v), H - B + 4], fill="black")
+            d.text((px(v) - 3 * len(s), H - B + 6), s, fill="black")
+        for v, s in zip(yt, tick_labels(yt)):
+            d.line([L - 4, py(v), L, py(v)], fill="black")
+            d.text((L - 8 - 6 * len(s), py(v) - 6), s, fill="black")
+        for i, (label, c) in enumerate(legend_entries(recs, method, spawns)):
+            y = T + 6 + 14 * i
+            d.line([W - R - 150, y + 6, W - R - 130, y + 6], fill=c, width=3)
+            d.text((W - R - 124, y), label, fill="black")
     with writing(png_path):
         data.atomic_write(png_path, lambda p: img.save(p, format="PNG"))
 
@@ -1686,6 +1774,7 @@ def draw_loss_curve(metrics_path, png_path, boundaries=(), size=(900, 420)):
 # -----------------------------------------------------------------------------
 # main
 def run(argv=None):
+    t0 = time.time()
     args = build_args(argv)
     rank, world = setup_distributed(args)
     claim_out_dir(args, rank, world)
@@ -1696,27 +1785,46 @@ def run(argv=None):
     random.seed(args.seed)
     np.random.seed(args.seed)
     r = setup(args, rank, world, ckpt=ckpt)
-    t0 = time.time()
+    if rank == 0:
+        print(start_line(r, ckpt is not None), flush=True)
     status = train(r)
-    if rank == 0 and status != "nan":       # (the non-finite stop has printed its error line)
-        cmd = f"{f'torchrun --nproc_per_node={world}' if world > 1 else 'python'} {os.path.basename(__file__)}"
-        print(f"{status}{f' by {_stop}' if status == 'stopped' else ''}: step {r.step}/{args.max_steps} in "
-              f"{time.time() - t0:.0f}s, checkpoint in {os.path.join(args.out_dir, 'checkpoint')}"
-              + (f"; continue with: {cmd} --resume --out_dir {args.out_dir}" if r.step < args.max_steps else ""),
-              file=sys.stderr)
     if status == "done" and r.step >= args.max_steps and rank == 0 and args.eval_size > 0 \
             and args.data.startswith("shapes"):
-        res = evaluate_shapes(r.model, r.tok, n=args.eval_size)
-        scored = {"items_per_category": args.eval_size, "val_pairs": data.SHAPES_VAL_PAIRS}
+        res = evaluate_shapes(r.model, r.tok, n=args.eval_size, progress=True)
         path = os.path.join(args.out_dir, "shapes_eval.json")
         with writing(path):
-            data.save_json(path, res | {"scored": scored})
+            data.save_json(path, res | {"scored": {"items_per_category": args.eval_size,
+                                                   "val_pairs": data.SHAPES_VAL_PAIRS}})
+        log_record(r, {"step": r.step, "phase": "eval", "time": time.time(), **res})
         print(shapes_table(res))
         print(f"scored: {args.eval_size} items per category (every item), "
-              f"retrieval on {data.SHAPES_VAL_PAIRS} val pairs")
+              f"retrieval on {data.SHAPES_VAL_PAIRS} val pairs (percent)")
+    if rank == 0 and status != "nan":       # (the non-finite stop has printed its error line)
+        print(end_line(r, status, time.time() - t0))
     if world > 1:
         dist.barrier()
     return {"done": 0, "stopped": 0, "nan": 1}[status]
+
+
+def start_line(r, resumed):
+    """start: script, method, parameter count, device x world size, data (+ its size), out_dir."""
+    a, size = r.args, r.loader.num_samples
+    return (f"start: {os.path.basename(__file__)} --method {a.method}{' --negatives' * a.negatives} | "
+            f"{sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M parameters | {r.device} x {r.world} | "
+            f"data {a.data}{f' ({size} train pairs)' if size else ''} | out_dir {a.out_dir}"
+            + (f" | resumed at step {r.step}" if resumed else ""))
+
+
+def end_line(r, status, seconds):
+    """done / stopped: the step reached, the time, what the run wrote where, how to continue."""
+    a, out = r.args, r.args.out_dir
+    names = ["checkpoint", *sorted((n for n in os.listdir(out) if re.fullmatch(r"gen\d+", n)), key=lambda n: int(n[3:])),
+             "metrics.jsonl", "loss_curve.png", "shapes_eval.json"]
+    wrote = [n + "/" * os.path.isdir(os.path.join(out, n)) for n in names if os.path.exists(os.path.join(out, n))]
+    cmd = f"{f'torchrun --nproc_per_node={r.world}' if r.world > 1 else 'python'} {os.path.basename(__file__)}"
+    return (f"{status}{f' by {_stop}' if status == 'stopped' else ''}: step {r.step}/{a.max_steps} in {seconds:.0f}s"
+            f" | wrote {out}/{{{', '.join(wrote)}}}"
+            + (f" | continue with: {cmd} --resume --out_dir {out}" if r.step < a.max_steps else ""))
 
 
 def main(argv=None):
