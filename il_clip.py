@@ -25,6 +25,7 @@ import os
 import pathlib
 import random
 import re
+import secrets
 import shutil
 import signal
 import sys
@@ -208,6 +209,8 @@ def build_args(argv=None):
 
 def check_args(args):
     """Fill the data-dependent defaults and reject contradictory flags (ConfigError)."""
+    if args.wandb:
+        import_wandb()      # on every rank, before anything is written: a missing package stops them all
     if args.negatives and args.method not in ("il", "negclip"):
         raise ConfigError("--negatives goes with --method il (negclip always uses them)")
     defaults = SHAPES_DEFAULTS if args.data.startswith("shapes") else PAPER_DEFAULTS
@@ -1433,7 +1436,7 @@ def claim_out_dir(args, rank, world):
             for name in os.listdir(out) if args.overwrite else []:     # the earlier run's checkpoints, results
                 if re.fullmatch(r"checkpoint(\..*)?|gen\d+", name):
                     shutil.rmtree(os.path.join(out, name))
-                elif re.fullmatch(r"metrics\.jsonl|shapes_eval\.json|config\.json|.*\.png", name):
+                elif re.fullmatch(r"metrics\.jsonl|shapes_eval\.json|config\.json|wandb_id\.txt|.*\.png", name):
                     os.remove(os.path.join(out, name))
         except BlockingIOError:
             _lock.seek(0)
@@ -1513,8 +1516,7 @@ def save_checkpoint(r):
              "rng": {"torch": torch.get_rng_state(), "numpy": (nps[0], nps[1].tolist(), *nps[2:]),
                      "cuda": torch.cuda.get_rng_state_all() if r.device.type == "cuda" else [],
                      "python": random.getstate()}}
-    config = {**vars(r.args), "preset": r.args.model, "model": asdict(r.cfg), "world_size": r.world,
-              "script": data.script_record(__file__)}
+    config = run_config(r)
     tmp, final, prev = (os.path.join(out, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -1544,6 +1546,12 @@ def save_checkpoint(r):
     os.replace(tmp, final)
     data.fsync(out)
     r.newest_damaged = False
+
+
+def run_config(r):
+    """config.json: the flags, the model config and the script that trained it (also wandb's config)."""
+    return {**vars(r.args), "preset": r.args.model, "model": asdict(r.cfg), "world_size": r.world,
+            "script": data.script_record(__file__)}
 
 
 def sha256(path):
@@ -1636,6 +1644,26 @@ def progress_bar(total, desc, unit, disable=False, initial=0):
     """A tqdm bar on stderr, on an interactive terminal only (a log file gets the start and end lines)."""
     return tqdm(total=total, initial=initial, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True,
                 disable=disable or not sys.stderr.isatty())
+
+
+def import_wandb():
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("--wandb needs the wandb package (pip install wandb)") from None
+    return wandb
+
+
+def start_wandb(r, resumed):
+    """--wandb PROJECT (nanoGPT's wandb_log), rank 0: the run's config; the wandb run id is kept in
+    out_dir/wandb_id.txt, so that --resume continues the same wandb run."""
+    path, wandb = os.path.join(r.args.out_dir, "wandb_id.txt"), import_wandb()
+    run_id = pathlib.Path(path).read_text().strip() if resumed and os.path.isfile(path) else secrets.token_hex(4)
+    with writing(path):
+        data.atomic_write(path, lambda p: pathlib.Path(p).write_text(run_id + "\n"))
+    wandb.init(project=r.args.wandb, name=os.path.basename(os.path.abspath(r.args.out_dir)), id=run_id,
+               resume="allow", config=run_config(r))
+    return wandb
 
 
 def log_record(r, rec):
@@ -1786,6 +1814,7 @@ def run(argv=None):
     np.random.seed(args.seed)
     r = setup(args, rank, world, ckpt=ckpt)
     if rank == 0:
+        r.wandb = start_wandb(r, ckpt is not None) if args.wandb else None
         print(start_line(r, ckpt is not None), flush=True)
     status = train(r)
     if status == "done" and r.step >= args.max_steps and rank == 0 and args.eval_size > 0 \
@@ -1799,6 +1828,8 @@ def run(argv=None):
         print(shapes_table(res))
         print(f"scored: {args.eval_size} items per category (every item), "
               f"retrieval on {data.SHAPES_VAL_PAIRS} val pairs (percent)")
+    if r.wandb is not None:
+        r.wandb.finish()
     if rank == 0 and status != "nan":       # (the non-finite stop has printed its error line)
         print(end_line(r, status, time.time() - t0))
     if world > 1:

@@ -1,17 +1,20 @@
 """il_clip.py's reporting (issue 39 items 4-7): the start and end lines, the shapes results in
 percent under one name per metric, metrics.jsonl's schema, the progress bars, the loss curve,
 --help and --wandb."""
+import glob
 import io
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import data
 import il_clip as M
-from test_il_clip import IL, TINY, run_main
+from test_il_clip import IL, ROOT, TINY, run_main
 
 SCHEMA = {"step": int, "phase": str, "loss": float, "lr": float, "time": float}
 
@@ -122,3 +125,64 @@ def test_help_is_grouped_and_shows_every_informative_default(capsys):
     assert len(flags) > 50
     bare = [lines[i] for i in flags if "  " not in lines[i].strip() and not lines[i + 1].startswith(" " * 20)]
     assert bare == []
+
+
+FAKE_WANDB = '''
+import json, os
+def _call(*args):
+    with open(os.environ["FAKE_WANDB_CALLS"], "a") as f:
+        f.write(json.dumps(args) + "\\n")
+def init(**kw):
+    _call("init", kw)
+def log(rec, step=None):
+    _call("log", rec, step)
+def finish():
+    _call("finish")
+'''
+
+
+def test_wandb_gets_every_metrics_record_and_resume_continues_its_run(tmp_path, monkeypatch, capsys):
+    """A fake `wandb` module first on the path records its calls: init (project, the out_dir's name,
+    the run's config, resume="allow" with one id across --resume), one log per metrics.jsonl record
+    at its step, finish."""
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / "wandb.py").write_text(FAKE_WANDB)
+    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("FAKE_WANDB_CALLS", str(calls))
+    out = str(tmp_path / "myrun")
+    assert run_main(TINY + IL + ["--eval_size", "3", "--stop_at", "5", "--wandb", "proj", "--out_dir", out]) == 0
+    assert run_main(["--resume", "--out_dir", out]) == 0          # --wandb comes from the saved run
+    got = [json.loads(x) for x in open(calls)]
+    inits = [c[1] for c in got if c[0] == "init"]
+    assert [c[0] for c in got if c[0] != "log"] == ["init", "finish", "init", "finish"]
+    run_id = open(os.path.join(out, "wandb_id.txt")).read().strip()
+    for kw in inits:
+        assert {k: kw[k] for k in ("project", "name", "id", "resume")} == {
+            "project": "proj", "name": "myrun", "id": run_id, "resume": "allow"}
+        assert kw["config"]["method"] == "il" and kw["config"]["model"]["codebook_size"] == 64
+    recs = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert [(c[1], c[2]) for c in got if c[0] == "log"] == [(r, r["step"]) for r in recs]
+    assert recs[-1]["phase"] == "eval" and [r["step"] for r in recs] == list(range(1, 13)) + [12]
+    monkeypatch.setitem(sys.modules, "wandb", None)                 # not installed
+    capsys.readouterr()
+    assert run_main(TINY + ["--wandb", "proj", "--out_dir", str(tmp_path / "no")]) == 2
+    assert capsys.readouterr().err == "error: --wandb needs the wandb package (pip install wandb)\n"
+    assert not os.path.exists(tmp_path / "no")                      # refused before anything is written
+
+
+def test_wandb_offline_with_the_real_package(tmp_path):
+    pytest.importorskip("wandb")
+    out = str(tmp_path / "w")
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "OMP_NUM_THREADS": "1",
+           "WANDB_SILENT": "true"}
+    cmd = [sys.executable, os.path.join(ROOT, "il_clip.py"), *TINY, "--method", "clip", "--max_steps", "4",
+           "--wandb", "proj", "--out_dir", out]
+    for extra in (["--stop_at", "2"], ["--resume"]):
+        r = subprocess.run(cmd + extra, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    run_id = open(os.path.join(out, "wandb_id.txt")).read().strip()
+    runs = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*")))
+    assert len(runs) == 2 and all(d.endswith(f"-{run_id}") for d in runs), runs   # one wandb run, continued
+    assert all(os.path.getsize(os.path.join(d, f"run-{run_id}.wandb")) > 0 for d in runs)
