@@ -166,7 +166,8 @@ def build_args(argv=None):
     a("--t_warm", type=int, default=None, help=f"warm-up generation ({by_data('t_warm')})")
     a("--t_distill", type=int, default=None, help=f"distill phase ({by_data('t_distill')})")
     a("--t_interact", type=int, default=None, help=f"interact phase ({by_data('t_interact')})")
-    a("--generations", type=int, default=None, help="spawns (default: 3 on shapes, 5 on web data: our choice, the paper gives no count)")
+    a("--generations", type=int, default=None,
+      help="spawns (default: 3 on shapes, 5 on web data: our choice, the paper gives no count)")
     a("--t_extend", type=int, default=None, help=f"the last interaction's extension ({by_data('t_extend')})")
     a("--warmup", type=int, default=None, help=f"linear LR warm-up ({by_data('warmup')})")
     a("--rewarm", type=int, default=None, help=f"linear LR re-warm-up at each generation start ({by_data('rewarm')})")
@@ -857,11 +858,9 @@ def negative_caption(caption, rng):
 
 
 class NegativeCaptions:
-    """The loader's `batch_extra` for NegCLIP: hard-negative captions made and tokenized in the
-    data workers, off the training loop (about 10 ms per 256 captions on one core). A caption's
-    negative is re-drawn every epoch, as NegCLIP samples one of several per caption each time it is
-    loaded, from (seed, epoch, sample key): a resumed run draws the same ones. neg_valid is False
-    where a caption offers nothing to swap (its column is masked)."""
+    """The loader's `batch_extra`: negatives made and tokenized in the data workers (~10 ms per 256
+    captions), re-drawn each epoch from (seed, epoch, sample key) as NegCLIP samples one of several
+    per caption, so a resumed run draws the same ones. neg_valid: False where nothing can be swapped."""
 
     def __init__(self, tokenizer, seed):
         self.tokenizer, self.seed = tokenizer, seed
@@ -989,7 +988,6 @@ def load_model(path, device="cpu", quick_gelu=None):
     tok = next((data.Tokenizer.load(d) for d in (folder, path)
                 if os.path.isfile(os.path.join(d, "tokenizer.json"))), None)
     return model.to(device).eval(), tok, config
-
 
 
 # -----------------------------------------------------------------------------
@@ -1170,7 +1168,6 @@ def spawn(model, opt, args, gen):
             p.copy_(src[n].to(p.device))
             opt.state.pop(p, None)
     return teacher
-
 
 
 # -----------------------------------------------------------------------------
@@ -1559,44 +1556,41 @@ def sha256(path):
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def read_checkpoint(folder, device):
-    """(folder, weights, training state, config) when every file matches sha256.json and state.pt
-    has the right types, else a DataError naming the file."""
-    sums = data.read_json(os.path.join(folder, "sha256.json"))
-    for name in CHECKPOINT_FILES:
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            raise data.DataError(f"{path}: missing (incomplete checkpoint)")
-        if not isinstance(sums, dict) or sha256(path) != sums.get(name):
-            raise data.DataError(f"{path}: damaged (its sha256 is not the one in sha256.json)")
-    try:                                                  # `path` is state.pt, the last of CHECKPOINT_FILES
-        state = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:
-        raise data.DataError(f"{path}: unreadable ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})")
-    bad = [f"{k}: {t.__name__}" for k, t in STATE_TYPES.items() if not isinstance(state, dict)
-           or not isinstance(state.get(k), t)]
-    if bad:
-        raise data.DataError(f"{path}: wrong types (expected {', '.join(bad)})")
-    config = data.read_json(os.path.join(folder, "config.json"))
-    return folder, data.read_weights(os.path.join(folder, "model.safetensors")), state, config
-
-
 def find_checkpoint(out_dir, device, rank):
-    """-> read_checkpoint's tuple + (newest damaged?) from out_dir/checkpoint/, or else from
-    checkpoint.prev/ with a note on stderr."""
-    try:
-        return *read_checkpoint(os.path.join(out_dir, "checkpoint"), device), False
-    except data.DataError as e:
-        prev = os.path.join(out_dir, "checkpoint.prev")
-        if not os.path.isdir(prev):
-            raise
+    """(folder, weights, training state, config, newest damaged?) from out_dir/checkpoint/ when every file
+    matches sha256.json and state.pt has the right types, else from checkpoint.prev/ with a note on stderr;
+    a DataError naming the damaged file(s) when neither is usable."""
+    errors = []
+    for folder in (os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "checkpoint.prev")):
+        if errors and not os.path.isdir(folder):
+            break
         try:
-            found = read_checkpoint(prev, device)
-        except data.DataError as e_prev:
-            raise data.DataError(f"{e}; and {e_prev}") from None
-        if rank == 0:
-            print(f"note: {e}; resuming from the previous checkpoint {prev} (step {found[2]['step']})", file=sys.stderr)
-        return *found, True
+            sums = data.read_json(os.path.join(folder, "sha256.json"))
+            for name in CHECKPOINT_FILES:
+                path = os.path.join(folder, name)
+                if not os.path.isfile(path):
+                    raise data.DataError(f"{path}: missing (incomplete checkpoint)")
+                if not isinstance(sums, dict) or sha256(path) != sums.get(name):
+                    raise data.DataError(f"{path}: damaged (its sha256 is not the one in sha256.json)")
+            try:                                              # `path` is state.pt, the last of CHECKPOINT_FILES
+                state = torch.load(path, map_location=device, weights_only=True)
+            except Exception as e:
+                why = (str(e).splitlines() or [""])[0][:120]
+                raise data.DataError(f"{path}: unreadable ({type(e).__name__}: {why})") from None
+            bad = [f"{k}: {t.__name__}" for k, t in STATE_TYPES.items() if not isinstance(state, dict)
+                   or not isinstance(state.get(k), t)]
+            if bad:
+                raise data.DataError(f"{path}: wrong types (expected {', '.join(bad)})")
+            found = folder, data.read_weights(os.path.join(folder, "model.safetensors")), state, \
+                data.read_json(os.path.join(folder, "config.json")), bool(errors)
+        except data.DataError as e:
+            errors.append(str(e))
+            continue
+        if errors and rank == 0:
+            print(f"note: {errors[0]}; resuming from the previous checkpoint {folder} (step {state['step']})",
+                  file=sys.stderr)
+        return found
+    raise data.DataError("; and ".join(errors))
 
 
 def load_checkpoint(r, ckpt):
@@ -1849,8 +1843,8 @@ def start_line(r, resumed):
 def end_line(r, status, seconds):
     """done / stopped: the step reached, the time, what the run wrote where, how to continue."""
     a, out = r.args, r.args.out_dir
-    names = ["checkpoint", *sorted((n for n in os.listdir(out) if re.fullmatch(r"gen\d+", n)), key=lambda n: int(n[3:])),
-             "metrics.jsonl", "loss_curve.png", "shapes_eval.json"]
+    gens = sorted((n for n in os.listdir(out) if re.fullmatch(r"gen\d+", n)), key=lambda n: int(n[3:]))
+    names = ["checkpoint", *gens, "metrics.jsonl", "loss_curve.png", "shapes_eval.json"]
     wrote = [n + "/" * os.path.isdir(os.path.join(out, n)) for n in names if os.path.exists(os.path.join(out, n))]
     cmd = f"{f'torchrun --nproc_per_node={r.world}' if r.world > 1 else 'python'} {os.path.basename(__file__)}"
     return (f"{status}{f' by {_stop}' if status == 'stopped' else ''}: step {r.step}/{a.max_steps} in {seconds:.0f}s"
