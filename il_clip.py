@@ -1617,7 +1617,8 @@ def load_checkpoint(r, ckpt):
     random.setstate(rng["python"])
     if r.rank == 0:
         with open(r.metrics_path) if os.path.isfile(r.metrics_path) else nullcontext([]) as f:
-            kept = "".join(ln for ln in f if ln.strip() and json.loads(ln)["step"] <= r.step)
+            kept = "".join(ln for ln in f if ln.strip() and (m := json.loads(ln))["step"] <= r.step
+                           and m.get("phase") != "eval")     # a finished run resumed is evaluated again
         with writing(r.metrics_path):
             data.atomic_write(r.metrics_path, lambda p: pathlib.Path(p).write_text(kept))
 

@@ -42,6 +42,9 @@ def test_start_and_end_lines_percent_results_and_the_eval_record(tmp_path, capsy
     for rec in recs[:-1]:
         assert {k: type(rec[k]) for k in SCHEMA} == SCHEMA, rec
     assert recs[-1] == {"step": 12, "phase": "eval", "time": recs[-1]["time"], **metrics}
+    # a finished run resumed is evaluated again: still one eval record
+    assert run_main(["--resume", "--out_dir", out]) == 0
+    assert [json.loads(x)["phase"] for x in open(os.path.join(out, "metrics.jsonl"))].count("eval") == 1
     # a resumed run says so; a run stopped early says how to continue
     assert run_main(TINY + ["--method", "clip", "--max_steps", "4", "--stop_at", "2", "--out_dir", out,
                             "--overwrite"]) == 0
