@@ -25,6 +25,7 @@ import os
 import pathlib
 import random
 import re
+import secrets
 import shutil
 import signal
 import sys
@@ -109,76 +110,95 @@ CODE_TEMP_ITERS = 1000      # T = T0 * decay^(step / 1000) (FDT's schedule), flo
 KD_TEMP = 1.0               # Hinton KD temperature of the distill phase
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" where X says something; what None or an off switch means, the help says."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == [] or "default" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1], allow_abbrev=False,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    a = p.add_argument
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1], allow_abbrev=False, formatter_class=HelpFormatter)
+    by_data = lambda k: f"default: {SHAPES_DEFAULTS[k]} on shapes, {PAPER_DEFAULTS[k]} on web data"
+    a = p.add_argument_group("data").add_argument
     a("--data", default="shapes", help="shapes | cc3m | cc12m | datacomp | shards | csv | ...")
-    a("--model", default=None, help=f"preset: {', '.join(MODEL_PRESETS)} (default tiny on shapes)")
-    a("--method", default="il", choices=["clip", "codebook", "negclip", "il"])
-    a("--negatives", action="store_true", help="add NegCLIP hard negatives to --method il")
-    a("--out_dir", default="out/il_clip")
-    a("--max_steps", type=int, default=None, help="default: the IL schedule's total")
-    a("--stop_at", type=int, default=None, help="stop at this step with a checkpoint, as if preempted")
-    a("--batch_size", type=int, default=None, help="global batch (all ranks, all micro-steps)")
-    a("--accum", type=int, default=1, help="gradient accumulation micro-steps")
-    a("--lr", type=float, default=None, help="peak LR (see --lr_schedule)")
-    a("--warmup", type=int, default=None)
-    a("--rewarm", type=int, default=None, help="linear LR re-warm-up at each generation start")
-    a("--lr_schedule", default="global", choices=["global", "generation"], help="global: one cosine over "
-      "max_steps (paper); generation: warm-up + cosine to 0 within the warm-up, each generation, the extension")
-    a("--wd", type=float, default=0.1)
-    a("--betas", type=float, nargs=2, default=(0.9, 0.98))
-    a("--eps", type=float, default=1e-6)
-    a("--grad_clip", type=float, default=1.0, help="0 = off")
-    a("--seed", type=int, default=0)
-    a("--device", default=None, help="cpu | cuda (default: cuda when available; under torchrun cuda:LOCAL_RANK)")
-    a("--dtype", default=None, choices=["fp32", "bf16"], help="autocast dtype (default bf16 on CUDA)")
-    a("--compile", action="store_true")
-    a("--init", default=None, help="OpenAI/open_clip-layout weights (.safetensors or .pt)")
-    a("--quick_gelu", action=argparse.BooleanOptionalAction, default=None, help="default: the preset's; "
-      "with --init what open_clip_config.json / config.json beside the weights says, else OpenAI's QuickGELU "
-      "(assumed, and recorded so; --no-quick_gelu for open_clip's LAION/DataComp ViT-B-32, GELU)")
-    a("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz for the CLIP BPE")
-    a("--vocab_size", type=int, default=None)
+    a("--image_root", default=None, help="image folder for a CSV / Karpathy JSON --data (default: paths as written)")
+    a("--csv_img_key", default="filepath", help="the CSV's image column")
+    a("--csv_caption_key", default="title", help="the CSV's caption column")
+    a("--csv_separator", default=None, help="default: data.py picks by file extension")
+    a("--resampled", action="store_true", help="draw shards with replacement (open_clip's --dataset-resampled)")
+    a("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz for the CLIP BPE (default: a BPE trained on "
+                                    "the captions)")
+    a("--vocab_size", type=int, default=None, help=f"size of the trained BPE ({by_data('vocab_size')})")
+    a = p.add_argument_group("model").add_argument
+    a("--model", default=None, help=f"preset: {', '.join(MODEL_PRESETS)} ({by_data('model')})")
     a("--model_args", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
       help="override the preset: width, layers, heads (both towers, or vision_/text_ KEY), embed_dim, "
            "image_size, patch_size, context_length, code_dim, mlp_ratio")
-    a("--num_workers", type=int, default=0)
-    a("--resampled", action="store_true")
-    a("--image_root", default=None, help="image folder for a CSV / Karpathy JSON --data")
-    a("--csv_img_key", default="filepath")
-    a("--csv_caption_key", default="title")
-    a("--csv_separator", default=None, help="default: data.py picks by file extension")
-    # codebook (FDT)
-    a("--codebook", type=int, default=None, help="K codes (0 = none; default by method/data)")
+    a("--init", default=None, help="OpenAI/open_clip-layout weights (.safetensors or .pt) (default: random init)")
+    a("--quick_gelu", action=argparse.BooleanOptionalAction, default=None, help="default: the preset's; "
+      "with --init what open_clip_config.json / config.json beside the weights says, else OpenAI's QuickGELU "
+      "(assumed, and recorded so; --no-quick_gelu for open_clip's LAION/DataComp ViT-B-32, GELU)")
+    a = p.add_argument_group("method").add_argument
+    a("--method", default="il", choices=["clip", "codebook", "negclip", "il"], help="the loss and schedule")
+    a("--negatives", action="store_true", help="add NegCLIP hard negatives to --method il")
+    a("--neg_pool", type=int, default=None, help=f"NegCLIP's image pool ({by_data('neg_pool')})")
+    a("--codebook", type=int, default=None, help="K codes (0 = none; default: "
+      f"{SHAPES_DEFAULTS['codebook']} on shapes, {PAPER_DEFAULTS['codebook']} otherwise, with codebook / il)")
     a("--code_temp", type=float, default=None, help="T0 of the code temperature T = T0 * decay^(step/1000), "
       "floor 0.01; the scores are divided by T: a large T0 flattens them and sparsemax spreads the weight over "
-      "many codes (a softmax over codes at T0=100 would be near uniform), a small one makes it sparse")
-    a("--code_temp_decay", type=float, default=1.0)
+      "many codes (a softmax over codes at T0=100 would be near uniform), a small one makes it sparse "
+      f"({by_data('code_temp')})")
+    a("--code_temp_decay", type=float, default=1.0, help="the decay of T per 1000 steps")
     a("--code_sim", default="dot", choices=["dot", "cos"],
       help="dot: q.c/sqrt(D)/T (FDT); cos: cos(q,c)/T, in [-1/T, 1/T]: use a T near 0.01-0.1")
-    # iterated learning
-    a("--t_warm", type=int, default=None)
-    a("--t_distill", type=int, default=None)
-    a("--t_interact", type=int, default=None)
-    a("--generations", type=int, default=None, help="spawns (5 on cc3m: our choice, no paper count)")
-    a("--t_extend", type=int, default=None)
-    a("--spawn", default="language", choices=["language", "vision", "alternate"])
-    a("--no_freeze_codebook", action="store_true")
-    a("--distill_loss", default="kd", choices=["kd", "cos"])
+    a("--spawn", default="language", choices=["language", "vision", "alternate"], help="the agent re-initialised")
+    a("--no_freeze_codebook", action="store_true", help="train the codebook during distill")
+    a("--distill_loss", default="kd", choices=["kd", "cos"], help="kd: Hinton KD of the logits; cos: of embeddings")
     a("--distill_train_vision", action="store_true",
       help="train the non-spawned agent during distill (frozen by default; needs --distill_loss kd)")
     a("--spectral_norm", action="store_true", help="spectral norm on every nn.Linear and attention "
       "in_proj (not patch conv, embeddings, projections, codebook)")
-    a("--neg_pool", type=int, default=None)
-    # logging / checkpoints / eval
-    a("--log_interval", type=int, default=None)
-    a("--save_interval", type=int, default=None)
+    a = p.add_argument_group("schedule (steps)").add_argument
+    a("--max_steps", type=int, default=None, help="default: the IL schedule's total")
+    a("--t_warm", type=int, default=None, help=f"warm-up generation ({by_data('t_warm')})")
+    a("--t_distill", type=int, default=None, help=f"distill phase ({by_data('t_distill')})")
+    a("--t_interact", type=int, default=None, help=f"interact phase ({by_data('t_interact')})")
+    a("--generations", type=int, default=None,
+      help="spawns (default: 3 on shapes, 5 on web data: our choice, the paper gives no count)")
+    a("--t_extend", type=int, default=None, help=f"the last interaction's extension ({by_data('t_extend')})")
+    a("--warmup", type=int, default=None, help=f"linear LR warm-up ({by_data('warmup')})")
+    a("--rewarm", type=int, default=None, help=f"linear LR re-warm-up at each generation start ({by_data('rewarm')})")
+    a("--lr_schedule", default="global", choices=["global", "generation"], help="global: one cosine over "
+      "max_steps (paper); generation: warm-up + cosine to 0 within the warm-up, each generation, the extension")
+    a = p.add_argument_group("optimisation").add_argument
+    a("--batch_size", type=int, default=None, help=f"global batch, all ranks and micro-steps ({by_data('batch_size')})")
+    a("--accum", type=int, default=1, help="gradient accumulation micro-steps")
+    a("--lr", type=float, default=None, help=f"peak LR, see --lr_schedule ({by_data('lr')})")
+    a("--wd", type=float, default=0.1, help="AdamW weight decay (not on gains, biases, logit_scale)")
+    a("--betas", type=float, nargs=2, default=(0.9, 0.98), help="AdamW betas")
+    a("--eps", type=float, default=1e-6, help="AdamW eps")
+    a("--grad_clip", type=float, default=1.0, help="gradient norm clip, 0 = off")
+    a("--seed", type=int, default=0, help="init, data order, spawns, NegCLIP negatives")
+    a = p.add_argument_group("machine").add_argument
+    a("--device", default=None, help="cpu | cuda (default: cuda when available; under torchrun cuda:LOCAL_RANK)")
+    a("--dtype", default=None, choices=["fp32", "bf16"], help="autocast dtype (default: bf16 on CUDA, else fp32)")
+    a("--compile", action="store_true", help="torch.compile the encoders")
+    a("--num_workers", type=int, default=0, help="data loading processes per rank")
+    a = p.add_argument_group("output").add_argument
+    a("--out_dir", default="out/il_clip", help="checkpoint/, metrics.jsonl, loss_curve.png, shapes_eval.json")
     a("--resume", action="store_true", help="continue the run in out_dir with its saved flags")
     a("--overwrite", action="store_true", help="replace the checkpoint and results of an earlier run in out_dir")
+    a("--stop_at", type=int, default=None, help="stop at this step with a checkpoint, as if preempted "
+                                                "(default: run to --max_steps)")
+    a("--log_interval", type=int, default=None, help=f"steps per metrics.jsonl line ({by_data('log_interval')})")
+    a("--save_interval", type=int, default=None, help=f"steps per checkpoint ({by_data('save_interval')})")
     a("--eval_size", type=int, default=1000,
       help="shapes benchmark items per category (0 = no eval; 1000: a standard error of at most 1.6 points)")
+    a("--wandb", default=None, metavar="PROJECT", help="also send metrics.jsonl's records to this Weights & "
+      "Biases project (rank 0; needs `pip install wandb`; default: off)")
     args = p.parse_args(argv)
     opts = {s: act.dest for act in p._actions for s in act.option_strings}
     tokens = [t.split("=")[0] for t in (sys.argv[1:] if argv is None else argv)]
@@ -190,6 +210,8 @@ def build_args(argv=None):
 
 def check_args(args):
     """Fill the data-dependent defaults and reject contradictory flags (ConfigError)."""
+    if args.wandb:
+        import_wandb()      # on every rank, before anything is written: a missing package stops them all
     if args.negatives and args.method not in ("il", "negclip"):
         raise ConfigError("--negatives goes with --method il (negclip always uses them)")
     defaults = SHAPES_DEFAULTS if args.data.startswith("shapes") else PAPER_DEFAULTS
@@ -836,11 +858,9 @@ def negative_caption(caption, rng):
 
 
 class NegativeCaptions:
-    """The loader's `batch_extra` for NegCLIP: hard-negative captions made and tokenized in the
-    data workers, off the training loop (about 10 ms per 256 captions on one core). A caption's
-    negative is re-drawn every epoch, as NegCLIP samples one of several per caption each time it is
-    loaded, from (seed, epoch, sample key): a resumed run draws the same ones. neg_valid is False
-    where a caption offers nothing to swap (its column is masked)."""
+    """The loader's `batch_extra`: negatives made and tokenized in the data workers (~10 ms per 256
+    captions), re-drawn each epoch from (seed, epoch, sample key) as NegCLIP samples one of several
+    per caption, so a resumed run draws the same ones. neg_valid: False where nothing can be swapped."""
 
     def __init__(self, tokenizer, seed):
         self.tokenizer, self.seed = tokenizer, seed
@@ -968,7 +988,6 @@ def load_model(path, device="cpu", quick_gelu=None):
     tok = next((data.Tokenizer.load(d) for d in (folder, path)
                 if os.path.isfile(os.path.join(d, "tokenizer.json"))), None)
     return model.to(device).eval(), tok, config
-
 
 
 # -----------------------------------------------------------------------------
@@ -1151,7 +1170,6 @@ def spawn(model, opt, args, gen):
     return teacher
 
 
-
 # -----------------------------------------------------------------------------
 # training
 @dataclass
@@ -1178,6 +1196,7 @@ class RunState:
     n_loss: int = 0                 # micro-batches summed in `sums`
     text_tokens: int = 0            # their trimmed text lengths, summed (the log's text_len)
     newest_damaged: bool = False    # resumed from checkpoint.prev: the next save keeps it
+    wandb: object = None            # the wandb module with --wandb (rank 0), else None
 
 
 def setup(args, rank, world, tok=None, ckpt=None):
@@ -1225,8 +1244,7 @@ def train(r):
     t_last, step_last, trainable_for = time.time(), r.step, None
     if r.step >= end:          # nothing to train (e.g. --max_steps 0 to export --init weights)
         save_checkpoint(r)
-    # on stdout, as the per-step lines were: stderr keeps only error lines and the summary
-    bar = tqdm(total=end, initial=r.step, unit="step", disable=r.rank != 0, dynamic_ncols=True, file=sys.stdout)
+    bar = progress_bar(end, "train", "step", disable=r.rank != 0, initial=r.step)
     while r.step < end:
         # the IL phase: one lookup (warm-up, then per generation spawn -> distill -> interact)
         phase, gen, _ = r.sched.at(r.step)
@@ -1297,8 +1315,7 @@ def train(r):
                    "logit_scale": scale.item(), "samples_per_s": round(sps, 2),   # the scale the loss used
                    "text_len": round(text_len, 2), "mfu": estimate_mfu(r.cfg, sps, r.device, text_len), "time": now}
             if r.rank == 0:
-                with writing(r.metrics_path), open(r.metrics_path, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+                log_record(r, rec)
                 bar.set_postfix(loss=f"{loss_v:.4f}", phase=phase, gen=gen)
             r.sums.zero_()
             r.n_loss = r.text_tokens = 0
@@ -1306,7 +1323,8 @@ def train(r):
         if save_now or stop:
             save_checkpoint(r)
             if r.rank == 0:
-                draw_loss_curve(r.metrics_path, os.path.join(args.out_dir, "loss_curve.png"), r.sched.spawn_steps)
+                draw_loss_curve(r.metrics_path, os.path.join(args.out_dir, "loss_curve.png"), r.sched.spawn_steps,
+                                args.method + "+neg" * args.negatives)
         if stop:
             bar.close()
             return "stopped"
@@ -1318,14 +1336,19 @@ def train(r):
 
 # -----------------------------------------------------------------------------
 # the built-in shapes benchmark, scored at the end of a run on `shapes`
+SHAPES_METRICS = ("i2t_r1", "t2i_r1", *data.SHAPES_CATEGORIES, "sugarcrepe_mean", "systematicity", "productivity")
+
+
 @torch.no_grad()
-def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=0, batch_size=256):
-    """The model on the built-in benchmark: i2t / t2i R@1 on `n_val` val scenes (a hit = the same
-    caption string) and, for each category, the fraction of its `n` items whose positive caption
-    scores strictly above every negative. Every item is scored."""
+def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=0, batch_size=256, progress=False):
+    """The model on the built-in benchmark, in percent (2 decimals): i2t / t2i R@1 on `n_val` val
+    scenes (a hit = the same caption string) and, for each category, the share of its `n` items whose
+    positive caption scores strictly above every negative; sugarcrepe_mean is the 7 categories' mean."""
     was_training, device = model.training, model.logit_scale.device
     model.eval()
     tf = data.eval_transform(model.cfg.image_size)
+    cats = [*data.SHAPES_CATEGORIES, "systematicity", "productivity"]
+    bar = progress_bar(n_val + n * len(cats), "shapes eval", "item", disable=not progress)
 
     def embed(images, captions):
         ie = [model.encode_image(data.normalize_images(torch.stack([tf(im) for im in images[i:i + batch_size]]),
@@ -1333,17 +1356,21 @@ def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=
               for i in range(0, len(images), batch_size)]
         te = [model.encode_text(tokenizer(captions[i:i + batch_size]).to(device)).float().cpu()
               for i in range(0, len(captions), batch_size)]
+        bar.update(len(images))
         return torch.cat(ie), torch.cat(te)
 
+    pct = lambda hits, total: round(100 * hits / total, 2)
     scenes = [data.shapes_scene("val", i, seed=seed) for i in range(n_val)]
     caps = [s.caption for s in scenes]
     ie, te = embed([s.image for s in scenes], caps)
     sim = ie @ te.t()
     same = torch.tensor([[a == b for b in caps] for a in caps])
-    res = {"i2t_r1": same[torch.arange(n_val), sim.argmax(1)].float().mean().item(),
-           "t2i_r1": same[sim.argmax(0), torch.arange(n_val)].float().mean().item()}
+    res = {"i2t_r1": pct(same[torch.arange(n_val), sim.argmax(1)].sum().item(), n_val),
+           "t2i_r1": pct(same[sim.argmax(0), torch.arange(n_val)].sum().item(), n_val)}
+    bar.set_postfix_str("rendering the benchmark")
     bench = data.shapes_benchmark(seed=seed, n=n)
-    for cat in list(data.SHAPES_CATEGORIES) + ["systematicity", "productivity"]:
+    for cat in cats:
+        bar.set_postfix_str(cat)
         items = bench[cat]
         negs = [it["negatives"] if "negatives" in it else [it["negative_caption"]] for it in items]
         ie, te = embed([it["image"] for it in items], [c for it, ng in zip(items, negs) for c in [it["caption"], *ng]])
@@ -1352,14 +1379,16 @@ def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=
             s = te[o:o + 1 + len(ng)] @ ie[j]
             correct += int(bool((s[0] > s[1:]).all()))
             o += 1 + len(ng)
-        res[cat] = correct / len(items)
+        res[cat] = pct(correct, len(items))
+    bar.close()
+    res["sugarcrepe_mean"] = round(sum(res[c] for c in data.SHAPES_CATEGORIES) / len(data.SHAPES_CATEGORIES), 2)
     model.train(was_training)
-    return res
+    return {k: res[k] for k in SHAPES_METRICS}
 
 
 def shapes_table(res):
-    """One result dict as a markdown table, in %."""
-    rows = [list(res), ["---"] * len(res), [f"{100 * v:.1f}" for v in res.values()]]
+    """One result dict (percent) as a markdown table."""
+    rows = [list(res), ["---"] * len(res), [f"{v:.1f}" for v in res.values()]]
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
@@ -1374,7 +1403,7 @@ STATE_TYPES = {"step": int, "spawned": int, "optimizer": dict, "loader": dict, "
 # the flags --resume takes from its command line (the first six always, the others when given); the
 # rest define the run: given with --resume, they must equal the saved values
 RUN_CONTROL = {"out_dir", "resume", "overwrite", "given", "stop_at", "device", "save_interval", "log_interval",
-               "num_workers", "eval_size", "compile"}
+               "num_workers", "eval_size", "compile", "wandb"}
 WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
 _lock = None    # this process's open out_dir/.lock
 _stop = None    # the signal that asked the run to stop ("SIGTERM", "SIGINT"), or None
@@ -1404,7 +1433,7 @@ def claim_out_dir(args, rank, world):
             for name in os.listdir(out) if args.overwrite else []:     # the earlier run's checkpoints, results
                 if re.fullmatch(r"checkpoint(\..*)?|gen\d+", name):
                     shutil.rmtree(os.path.join(out, name))
-                elif re.fullmatch(r"metrics\.jsonl|shapes_eval\.json|config\.json|.*\.png", name):
+                elif re.fullmatch(r"metrics\.jsonl|shapes_eval\.json|config\.json|wandb_id\.txt|.*\.png", name):
                     os.remove(os.path.join(out, name))
         except BlockingIOError:
             _lock.seek(0)
@@ -1484,8 +1513,7 @@ def save_checkpoint(r):
              "rng": {"torch": torch.get_rng_state(), "numpy": (nps[0], nps[1].tolist(), *nps[2:]),
                      "cuda": torch.cuda.get_rng_state_all() if r.device.type == "cuda" else [],
                      "python": random.getstate()}}
-    config = {**vars(r.args), "preset": r.args.model, "model": asdict(r.cfg), "world_size": r.world,
-              "script": data.script_record(__file__)}
+    config = run_config(r)
     tmp, final, prev = (os.path.join(out, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -1517,49 +1545,52 @@ def save_checkpoint(r):
     r.newest_damaged = False
 
 
+def run_config(r):
+    """config.json: the flags, the model config and the script that trained it (also wandb's config)."""
+    return {**vars(r.args), "preset": r.args.model, "model": asdict(r.cfg), "world_size": r.world,
+            "script": data.script_record(__file__)}
+
+
 def sha256(path):
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def read_checkpoint(folder, device):
-    """(folder, weights, training state, config) when every file matches sha256.json and state.pt
-    has the right types, else a DataError naming the file."""
-    sums = data.read_json(os.path.join(folder, "sha256.json"))
-    for name in CHECKPOINT_FILES:
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            raise data.DataError(f"{path}: missing (incomplete checkpoint)")
-        if not isinstance(sums, dict) or sha256(path) != sums.get(name):
-            raise data.DataError(f"{path}: damaged (its sha256 is not the one in sha256.json)")
-    try:                                                  # `path` is state.pt, the last of CHECKPOINT_FILES
-        state = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:
-        raise data.DataError(f"{path}: unreadable ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})")
-    bad = [f"{k}: {t.__name__}" for k, t in STATE_TYPES.items() if not isinstance(state, dict)
-           or not isinstance(state.get(k), t)]
-    if bad:
-        raise data.DataError(f"{path}: wrong types (expected {', '.join(bad)})")
-    config = data.read_json(os.path.join(folder, "config.json"))
-    return folder, data.read_weights(os.path.join(folder, "model.safetensors")), state, config
-
-
 def find_checkpoint(out_dir, device, rank):
-    """-> read_checkpoint's tuple + (newest damaged?) from out_dir/checkpoint/, or else from
-    checkpoint.prev/ with a note on stderr."""
-    try:
-        return *read_checkpoint(os.path.join(out_dir, "checkpoint"), device), False
-    except data.DataError as e:
-        prev = os.path.join(out_dir, "checkpoint.prev")
-        if not os.path.isdir(prev):
-            raise
+    """(folder, weights, training state, config, newest damaged?) from out_dir/checkpoint/ when every file
+    matches sha256.json and state.pt has the right types, else from checkpoint.prev/ with a note on stderr;
+    a DataError naming the damaged file(s) when neither is usable."""
+    errors = []
+    for folder in (os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "checkpoint.prev")):
+        if errors and not os.path.isdir(folder):
+            break
         try:
-            found = read_checkpoint(prev, device)
-        except data.DataError as e_prev:
-            raise data.DataError(f"{e}; and {e_prev}") from None
-        if rank == 0:
-            print(f"note: {e}; resuming from the previous checkpoint {prev} (step {found[2]['step']})", file=sys.stderr)
-        return *found, True
+            sums = data.read_json(os.path.join(folder, "sha256.json"))
+            for name in CHECKPOINT_FILES:
+                path = os.path.join(folder, name)
+                if not os.path.isfile(path):
+                    raise data.DataError(f"{path}: missing (incomplete checkpoint)")
+                if not isinstance(sums, dict) or sha256(path) != sums.get(name):
+                    raise data.DataError(f"{path}: damaged (its sha256 is not the one in sha256.json)")
+            try:                                              # `path` is state.pt, the last of CHECKPOINT_FILES
+                state = torch.load(path, map_location=device, weights_only=True)
+            except Exception as e:
+                why = (str(e).splitlines() or [""])[0][:120]
+                raise data.DataError(f"{path}: unreadable ({type(e).__name__}: {why})") from None
+            bad = [f"{k}: {t.__name__}" for k, t in STATE_TYPES.items() if not isinstance(state, dict)
+                   or not isinstance(state.get(k), t)]
+            if bad:
+                raise data.DataError(f"{path}: wrong types (expected {', '.join(bad)})")
+            found = folder, data.read_weights(os.path.join(folder, "model.safetensors")), state, \
+                data.read_json(os.path.join(folder, "config.json")), bool(errors)
+        except data.DataError as e:
+            errors.append(str(e))
+            continue
+        if errors and rank == 0:
+            print(f"note: {errors[0]}; resuming from the previous checkpoint {folder} (step {state['step']})",
+                  file=sys.stderr)
+        return found
+    raise data.DataError("; and ".join(errors))
 
 
 def load_checkpoint(r, ckpt):
@@ -1586,7 +1617,8 @@ def load_checkpoint(r, ckpt):
     random.setstate(rng["python"])
     if r.rank == 0:
         with open(r.metrics_path) if os.path.isfile(r.metrics_path) else nullcontext([]) as f:
-            kept = "".join(ln for ln in f if ln.strip() and json.loads(ln)["step"] <= r.step)
+            kept = "".join(ln for ln in f if ln.strip() and (m := json.loads(ln))["step"] <= r.step
+                           and m.get("phase") != "eval")     # a finished run resumed is evaluated again
         with writing(r.metrics_path):
             data.atomic_write(r.metrics_path, lambda p: pathlib.Path(p).write_text(kept))
 
@@ -1601,6 +1633,40 @@ def save_generation_snapshot(r, gen):
         with writing(d):
             data.atomic_write(os.path.join(d, "model.safetensors"),
                               lambda p: data.fsync(p, lambda q: save_file(sd, q, {"step": str(r.step)})))
+
+
+def progress_bar(total, desc, unit, disable=False, initial=0):
+    """A tqdm bar on stderr, on an interactive terminal only (a log file gets the start and end lines)."""
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True,
+                disable=disable or not sys.stderr.isatty())
+
+
+def import_wandb():
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("--wandb needs the wandb package (pip install wandb)") from None
+    return wandb
+
+
+def start_wandb(r, resumed):
+    """--wandb PROJECT (nanoGPT's wandb_log), rank 0: the run's config; the wandb run id is kept in
+    out_dir/wandb_id.txt, so that --resume continues the same wandb run."""
+    path, wandb = os.path.join(r.args.out_dir, "wandb_id.txt"), import_wandb()
+    run_id = pathlib.Path(path).read_text().strip() if resumed and os.path.isfile(path) else secrets.token_hex(4)
+    with writing(path):
+        data.atomic_write(path, lambda p: pathlib.Path(p).write_text(run_id + "\n"))
+    wandb.init(project=r.args.wandb, name=os.path.basename(os.path.abspath(r.args.out_dir)), id=run_id,
+               resume="allow", config=run_config(r))
+    return wandb
+
+
+def log_record(r, rec):
+    """One metrics.jsonl line (rank 0); with --wandb also sent to Weights & Biases at its step."""
+    with writing(r.metrics_path), open(r.metrics_path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    if r.wandb is not None:
+        r.wandb.log(rec, step=rec["step"])
 
 
 def on_signal(signum, frame):
@@ -1644,41 +1710,86 @@ def estimate_mfu(cfg, pairs_per_s, device, text_len=None):
 
 
 # -----------------------------------------------------------------------------
-# the loss curve (paper Fig. 3)
-CLIP_LOSS_COLOUR = (150, 150, 150)
-PHASE_COLOURS = {"warmup": (40, 90, 200), "train": (40, 90, 200), "distill": (220, 120, 0), "interact": (30, 150, 60)}
+# the loss curve (paper Fig. 3), drawn with PIL (no matplotlib in this project)
+CLIP_LOSS_COLOUR, SPAWN_COLOUR = (150, 150, 150), (200, 120, 120)
+PHASE_STYLE = {"warmup": ("warm-up", (40, 90, 200)), "distill": ("distill", (220, 120, 0)),
+               "interact": ("interact", (30, 150, 60))}
+METHOD_COLOUR = (130, 60, 170)     # a run without IL phases ("train"): one colour, named by its method
 
 
-def draw_loss_curve(metrics_path, png_path, boundaries=(), size=(900, 420)):
-    """The loss coloured by phase and, in grey, the contrastive loss of every phase (the distill
-    loss is KD): Fig. 3's spike at each spawn (`boundaries`, red lines) shows in the grey curve.
-    Drawn with PIL (no matplotlib in this project); non-finite points are dropped."""
+def phase_style(phase, method):
+    """(legend label, colour): IL's phases by their names, a single-phase run by its method."""
+    return PHASE_STYLE.get(phase, (method, METHOD_COLOUR))
+
+
+def nice_ticks(lo, hi, n=5, integer=False):
+    """About n round ticks in [lo, hi]: steps of 1, 2 or 5 x 10^k, whole numbers when `integer`."""
+    raw = max(hi - lo, 1e-12) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    step = max(1, round(step)) if integer else step
+    first = math.ceil(lo / step) * step
+    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def tick_labels(values):
+    """The ticks as text with the fewest decimals at which no two read the same."""
+    for digits in range(13):
+        labels = [f"{v:.{digits}f}" for v in values]
+        if len(set(labels)) == len(labels):
+            break
+    return labels
+
+
+def legend_entries(recs, method, spawns=()):
+    """(label, colour) of every series drawn: the phases in order, the contrastive loss where it differs
+    from the loss (distill: the loss is KD), the spawn lines."""
+    phases = list(dict.fromkeys(m.get("phase") for m in recs))
+    entries = [phase_style(p, method) for p in phases]
+    if any(m.get("clip_loss", m["loss"]) != m["loss"] for m in recs):
+        entries.append(("contrastive loss", CLIP_LOSS_COLOUR))
+    return entries + ([("spawn", SPAWN_COLOUR)] if spawns else [])
+
+
+def draw_loss_curve(metrics_path, png_path, boundaries=(), method="il", size=(900, 420)):
+    """The loss coloured by phase and, in grey, the contrastive loss of every phase: Fig. 3's spike at
+    each spawn (`boundaries`, red lines) shows in the grey curve. Non-finite points are dropped."""
     with open(metrics_path) if os.path.isfile(metrics_path) else nullcontext([]) as f:
-        recs = [json.loads(ln) for ln in f if ln.strip()]
+        recs = [m for m in map(json.loads, filter(str.strip, f)) if "loss" in m]     # not the eval records
     curves = [[(m["step"], m.get("clip_loss", math.nan), CLIP_LOSS_COLOUR) for m in recs],
-              [(m["step"], m["loss"], PHASE_COLOURS.get(m.get("phase"), (0, 0, 0))) for m in recs]]
+              [(m["step"], m["loss"], phase_style(m.get("phase"), method)[1]) for m in recs]]
     curves = [[p for p in curve if math.isfinite(p[1])] for curve in curves]
     pts = [p for curve in curves for p in curve]
-    (W, H), (L, R, T, B) = size, (60, 20, 20, 40)
+    (W, H), (L, R, T, B) = size, (70, 20, 40, 50)
     img = Image.new("RGB", size, "white")
     d = ImageDraw.Draw(img)
     d.rectangle([L, T, W - R, H - B], outline="black")
+    d.text((L, 8), f"il_clip.py, {method}: training loss (mean over each log interval)", fill="black")
+    d.text((4, T - 14), "loss (nats)", fill="black")
+    d.text(((L + W - R) // 2 - 10, H - 18), "step", fill="black")
     if pts:
         x1, y0, y1 = max(max(p[0] for p in pts), 1), min(p[1] for p in pts), max(p[1] for p in pts)
         y1 = y1 if y1 > y0 else y0 + 1
         px = lambda x: L + (W - L - R) * x / x1
         py = lambda y: H - B - (H - T - B) * (y - y0) / (y1 - y0)
-        for i, b in enumerate(b for b in boundaries if b <= x1):
-            d.line([px(b), T, px(b), H - B], fill=(200, 120, 120))
+        spawns = [b for b in boundaries if b <= x1]
+        for i, b in enumerate(spawns):
+            d.line([px(b), T, px(b), H - B], fill=SPAWN_COLOUR)
             d.text((px(b) + 3, T + 2), f"gen {i + 1}", fill=(160, 60, 60))
         for curve in curves:        # a segment takes the colour of its end point
             for (xa, ya, _), (xb, yb, c) in zip(curve, curve[1:]):
                 d.line([px(xa), py(ya), px(xb), py(yb)], fill=c, width=2)
-        for v in (y0, (y0 + y1) / 2, y1):
-            d.text((4, py(v) - 6), f"{v:.3f}", fill="black")
-        d.text((L, H - B + 6), "0", fill="black")
-        d.text((W - R - 40, H - B + 6), str(x1), fill="black")
-    d.text((L, H - 18), "step   (blue warm-up, orange distill, green interact; grey contrastive)", fill="black")
+        xt, yt = nice_ticks(0, x1, integer=True), nice_ticks(y0, y1)
+        for v, s in zip(xt, tick_labels(xt)):
+            d.line([px(v), H - B, px(v), H - B + 4], fill="black")
+            d.text((px(v) - 3 * len(s), H - B + 6), s, fill="black")
+        for v, s in zip(yt, tick_labels(yt)):
+            d.line([L - 4, py(v), L, py(v)], fill="black")
+            d.text((L - 8 - 6 * len(s), py(v) - 6), s, fill="black")
+        for i, (label, c) in enumerate(legend_entries(recs, method, spawns)):
+            y = T + 6 + 14 * i
+            d.line([W - R - 150, y + 6, W - R - 130, y + 6], fill=c, width=3)
+            d.text((W - R - 124, y), label, fill="black")
     with writing(png_path):
         data.atomic_write(png_path, lambda p: img.save(p, format="PNG"))
 
@@ -1686,6 +1797,7 @@ def draw_loss_curve(metrics_path, png_path, boundaries=(), size=(900, 420)):
 # -----------------------------------------------------------------------------
 # main
 def run(argv=None):
+    t0 = time.time()
     args = build_args(argv)
     rank, world = setup_distributed(args)
     claim_out_dir(args, rank, world)
@@ -1696,27 +1808,49 @@ def run(argv=None):
     random.seed(args.seed)
     np.random.seed(args.seed)
     r = setup(args, rank, world, ckpt=ckpt)
-    t0 = time.time()
+    if rank == 0:
+        r.wandb = start_wandb(r, ckpt is not None) if args.wandb else None
+        print(start_line(r, ckpt is not None), flush=True)
     status = train(r)
-    if rank == 0 and status != "nan":       # (the non-finite stop has printed its error line)
-        cmd = f"{f'torchrun --nproc_per_node={world}' if world > 1 else 'python'} {os.path.basename(__file__)}"
-        print(f"{status}{f' by {_stop}' if status == 'stopped' else ''}: step {r.step}/{args.max_steps} in "
-              f"{time.time() - t0:.0f}s, checkpoint in {os.path.join(args.out_dir, 'checkpoint')}"
-              + (f"; continue with: {cmd} --resume --out_dir {args.out_dir}" if r.step < args.max_steps else ""),
-              file=sys.stderr)
     if status == "done" and r.step >= args.max_steps and rank == 0 and args.eval_size > 0 \
             and args.data.startswith("shapes"):
-        res = evaluate_shapes(r.model, r.tok, n=args.eval_size)
-        scored = {"items_per_category": args.eval_size, "val_pairs": data.SHAPES_VAL_PAIRS}
+        res = evaluate_shapes(r.model, r.tok, n=args.eval_size, progress=True)
         path = os.path.join(args.out_dir, "shapes_eval.json")
         with writing(path):
-            data.save_json(path, res | {"scored": scored})
+            data.save_json(path, res | {"scored": {"items_per_category": args.eval_size,
+                                                   "val_pairs": data.SHAPES_VAL_PAIRS}})
+        log_record(r, {"step": r.step, "phase": "eval", "time": time.time(), **res})
         print(shapes_table(res))
         print(f"scored: {args.eval_size} items per category (every item), "
-              f"retrieval on {data.SHAPES_VAL_PAIRS} val pairs")
+              f"retrieval on {data.SHAPES_VAL_PAIRS} val pairs (percent)")
+    if r.wandb is not None:
+        r.wandb.finish()
+    if rank == 0 and status != "nan":       # (the non-finite stop has printed its error line)
+        print(end_line(r, status, time.time() - t0))
     if world > 1:
         dist.barrier()
     return {"done": 0, "stopped": 0, "nan": 1}[status]
+
+
+def start_line(r, resumed):
+    """start: script, method, parameter count, device x world size, data (+ its size), out_dir."""
+    a, size = r.args, r.loader.num_samples
+    return (f"start: {os.path.basename(__file__)} --method {a.method}{' --negatives' * a.negatives} | "
+            f"{sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M parameters | {r.device} x {r.world} | "
+            f"data {a.data}{f' ({size} train pairs)' if size else ''} | out_dir {a.out_dir}"
+            + (f" | resumed at step {r.step}" if resumed else ""))
+
+
+def end_line(r, status, seconds):
+    """done / stopped: the step reached, the time, what the run wrote where, how to continue."""
+    a, out = r.args, r.args.out_dir
+    gens = sorted((n for n in os.listdir(out) if re.fullmatch(r"gen\d+", n)), key=lambda n: int(n[3:]))
+    names = ["checkpoint", *gens, "metrics.jsonl", "loss_curve.png", "shapes_eval.json"]
+    wrote = [n + "/" * os.path.isdir(os.path.join(out, n)) for n in names if os.path.exists(os.path.join(out, n))]
+    cmd = f"{f'torchrun --nproc_per_node={r.world}' if r.world > 1 else 'python'} {os.path.basename(__file__)}"
+    return (f"{status}{f' by {_stop}' if status == 'stopped' else ''}: step {r.step}/{a.max_steps} in {seconds:.0f}s"
+            f" | wrote {out}/{{{', '.join(wrote)}}}"
+            + (f" | continue with: {cmd} --resume --out_dir {out}" if r.step < a.max_steps else ""))
 
 
 def main(argv=None):

@@ -522,8 +522,8 @@ def _signal_when_training(cmd, out, sig=signal.SIGTERM):
     while not (os.path.isfile(metrics) and os.path.getsize(metrics) > 0) and time.time() - t0 < 120:
         time.sleep(0.2)
     os.killpg(p.pid, sig)
-    _, err = p.communicate(timeout=120)
-    return p.returncode, err.decode()
+    out, err = p.communicate(timeout=120)
+    return p.returncode, out.decode() + err.decode()     # the end line on stdout, any error on stderr
 
 
 def env_1thread():

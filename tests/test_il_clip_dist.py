@@ -161,11 +161,11 @@ def test_sigterm_to_the_process_group_under_torchrun_with_workers_saves_and_resu
     while not (os.path.isfile(metrics) and os.path.getsize(metrics) > 0) and time.time() - t0 < 180:
         time.sleep(0.2)
     os.killpg(p.pid, signal.SIGTERM)
-    _, stderr = p.communicate(timeout=180)
+    stdout, stderr = p.communicate(timeout=180)
     step = torch.load(os.path.join(out, "checkpoint", "state.pt"), weights_only=True)["step"]
-    assert 0 < step < 100000 and f"stopped by SIGTERM: step {step}/100000" in stderr, stderr
-    assert "continue with: torchrun --nproc_per_node=2 il_clip.py --resume --out_dir" in stderr, stderr
-    assert "Traceback" not in stderr.split("stopped by SIGTERM")[0], stderr
+    assert 0 < step < 100000 and f"stopped by SIGTERM: step {step}/100000" in stdout, stdout + stderr
+    assert "continue with: torchrun --nproc_per_node=2 il_clip.py --resume --out_dir" in stdout, stdout
+    assert 'il_clip.py", line' not in stderr, stderr      # no traceback through a rank (the agent's may follow)
     assert "exitcode  : 1" not in stderr and "ChildFailedError" not in stderr, stderr
     torchrun = torchrun[:torchrun.index(os.path.join(ROOT, "il_clip.py")) + 1]
     r = subprocess.run(torchrun + ["--resume", "--out_dir", out, "--stop_at", str(step + 1)], env=env,
