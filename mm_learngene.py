@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 
 import data
 
@@ -1697,9 +1698,13 @@ class ClipCap(nn.Module):
 
 def caption_batch(tok, captions, max_len=30):
     """(tokens [B, T], mask [B, T]) of captions + EOS, padded with EOS (masked out)."""
-    ids = [tok.encode(c)[:max_len - 1] + [tok.eos] for c in captions]
+    return pad_ids([tok.encode(c)[:max_len - 1] + [tok.eos] for c in captions], tok.eos)
+
+
+def pad_ids(ids, eos):
+    """(tokens [B, T], mask [B, T]) of token id lists, padded with EOS (masked out)."""
     T = max(map(len, ids))
-    tokens = torch.full((len(ids), T), tok.eos, dtype=torch.long)
+    tokens = torch.full((len(ids), T), eos, dtype=torch.long)
     mask = torch.zeros(len(ids), T, dtype=torch.bool)
     for i, s in enumerate(ids):
         tokens[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), True
@@ -1711,6 +1716,14 @@ def generate(model, images, beam=1, max_len=30):
     """Captions (token id lists) for `images`: greedy (beam 1) or beam search with scores
     divided by length (ClipCap's generate_beam). No KV cache: captions are short."""
     lm, tok = model.frozen[1], model.frozen[2]
+    if beam == 1:       # greedy: every image at once, one token each step
+        prefix = model.prefix(images)
+        ids = torch.empty(len(prefix), 0, dtype=torch.long, device=prefix.device)
+        for _ in range(max_len):
+            ids = torch.cat([ids, lm(torch.cat([prefix, lm.wte(ids)], 1))[:, -1].argmax(-1, keepdim=True)], 1)
+            if (ids == tok.eos).any(1).all():
+                break
+        return [row[:row.index(tok.eos) + 1] if tok.eos in row else row for row in ids.tolist()]
     out = []
     for p in model.prefix(images):
         beams = [([], 0.0, False)]                       # (ids, sum log-prob, finished)
@@ -1876,44 +1889,6 @@ def caption_scores(refs: dict, hyps: dict) -> dict:
             "cider": round(100 * cider_d(refs, hyps), 2), "rouge_l": round(100 * rouge_l(refs, hyps), 2)}
 
 
-def train_shapes_lm(folder: str, seed: int, steps: int = 400):
-    """The stand-in for GPT-2 on `shapes`: a 2-layer GPT (same class, same released key
-    layout, same loader) trained as a language model on shapes training captions, with its
-    own byte-level BPE; written to `folder` once and reused."""
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
-    if os.path.exists(os.path.join(folder, "model.safetensors")):
-        return
-    captions = data.shapes_captions(5000, seed)
-    backend = Backend(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(captions, trainers.BpeTrainer(vocab_size=400, special_tokens=[GPT2_EOS],
-                                                              show_progress=False,
-                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    os.makedirs(folder, exist_ok=True)
-    backend.save(os.path.join(folder, "tokenizer.json"))
-    tok = LMTokenizer(folder)
-    # its own RNG stream: the run that trains the stand-in must draw the mapper's init like the runs
-    # that reuse it
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        gen = torch.Generator().manual_seed(seed)
-        lm = GPT2(backend.get_vocab_size(), 64, 128, 2, 4)
-        opt = torch.optim.AdamW(lm.parameters(), lr=2e-3, weight_decay=0.01)
-        for step in range(steps):
-            batch = [captions[i] for i in torch.randint(len(captions), (64,), generator=gen).tolist()]
-            tokens, mask = caption_batch(tok, batch)
-            seq = torch.cat([torch.full((len(batch), 1), tok.eos), tokens], 1)      # EOS opens a text (GPT-2)
-            logits = lm(lm.wte(seq[:, :-1]))
-            loss = F.cross_entropy(logits[mask], tokens[mask])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-    atomic_save_file(lm.state_dict(), os.path.join(folder, "model.safetensors"))
-    atomic_write_json({"n_head": 4, "stand_in": "a 2-layer GPT trained on shapes captions, not GPT-2",
-                       "final_lm_loss": round(loss.item(), 4), "steps": steps}, os.path.join(folder, "config.json"))
-
-
 # Several references per shapes image (shapes_references), as COCO has five: with one
 # reference and shapes' small grammar, one fixed caption out-scored every model on CIDEr-D.
 SHAPES_REFERENCES = 5
@@ -1982,19 +1957,129 @@ def shapes_references(scene: data.Scene, n: int, rng: random.Random) -> list:
     return refs
 
 
+def shapes_scene_of(spec: str, image_size: int):
+    """image key ("{split}{index:08d}", ShapesDataset's) -> its data.Scene, for shapes `spec`."""
+    seed = data.parse_shapes_spec(spec).get("seed", 0)
+    return functools.lru_cache(maxsize=None)(lambda key: data.shapes_scene(key[:-8], int(key[-8:]), seed, image_size))
+
+
 def reference_captions(spec: str, image_size: int):
     """(image key, the data's captions of it) -> its reference captions: on shapes
-    shapes_references of the scene (key "{split}{index:08d}", ShapesDataset's), else the
-    captions the data list for the image."""
+    shapes_references of the scene, else the captions the data list for the image."""
     if not is_shapes(spec):
         return lambda key, captions: captions
-    seed = data.parse_shapes_spec(spec).get("seed", 0)
+    seed, scene_of = data.parse_shapes_spec(spec).get("seed", 0), shapes_scene_of(spec, image_size)
+    return lambda key, captions: shapes_references(scene_of(key), SHAPES_REFERENCES,
+                                                   random.Random(f"shapes-refs/{seed}/{key[:-8]}/{int(key[-8:])}"))
 
-    def refs(key, captions):
-        split, index = key[:-8], int(key[-8:])
-        return shapes_references(data.shapes_scene(split, index, seed, image_size), SHAPES_REFERENCES,
-                                 random.Random(f"shapes-refs/{seed}/{split}/{index}"))
-    return refs
+
+# --- grounding on shapes: is a caption true of its image? (no benchmark on real data can say) -----
+# every word a shapes caption or reference uses -> the grammar's word (REFERENCE_WORDS read backwards)
+GRAMMAR_WORDS = {kind: {tuple(w.split()): w for w in names} for kind, names in (
+    ("size", data.SIZE_NAMES), ("colour", data.COLOUR_NAMES), ("shape", data.SHAPE_NAMES),
+    ("relation", data.RELATION_NAMES))}
+for _kind, _words in REFERENCE_WORDS.items():
+    GRAMMAR_WORDS[_kind].update((tuple(syn.split()), w) for w, syns in _words.items() for syn in syns)
+
+
+def parse_shapes_caption(text: str):
+    """A caption in the shapes grammar, in REFERENCE_WORDS' words and with an optional "there is"
+    (every reference's form) -> its data.CaptionStruct in the grammar's words; None if it is not one.
+    CHOICE: "a" and "an" are not checked against the next word (an article changes no fact)."""
+    words, pos = caption_tokens(text).removeprefix("there is ").split(), 0
+
+    def word(kind):
+        nonlocal pos
+        for w in sorted(GRAMMAR_WORDS[kind], key=len, reverse=True):    # "left of" after "to the left of"
+            if tuple(words[pos:pos + len(w)]) == w:
+                pos += len(w)
+                return GRAMMAR_WORDS[kind][w]
+
+    def phrase():
+        nonlocal pos
+        if words[pos:pos + 1] not in (["a"], ["an"]):
+            return None
+        pos += 1
+        size, colour, shape = word("size"), word("colour"), word("shape")
+        return data.Phrase(colour, shape, size) if colour and shape else None
+
+    def next_is(w):
+        nonlocal pos
+        hit = words[pos:pos + 1] == [w]
+        pos += hit
+        return hit
+
+    phrases, rels, form = [phrase()], [], "single"
+    if next_is("and"):
+        phrases, form = phrases + [phrase()], "and"
+    elif pos < len(words):
+        form = "copula" if next_is("is") else "rel"
+        rels, phrases = [word("relation")], phrases + [phrase()]
+        if form == "rel" and next_is("and"):
+            phrases, form = phrases + [phrase()], "rel_and"
+        elif form == "rel" and pos < len(words):
+            rels, phrases, form = rels + [word("relation")], phrases + [phrase()], "chain"
+    ok = pos == len(words) and all(phrases) and all(rels)
+    return data.CaptionStruct(form, phrases, rels) if ok else None
+
+
+def grounding(hyps: dict, scene_of) -> dict:
+    """The share (%) of captions ({image key: [caption]}) that are true of their image: parsed by
+    parse_shapes_caption and checked by data.caption_is_true, the check every reference passes;
+    and the share in the grammar at all (a caption outside it counts as not true)."""
+    parsed = {k: parse_shapes_caption(h[0]) for k, h in hyps.items()}
+    true = sum(p is not None and data.caption_is_true(p, scene_of(k).objects) for k, p in parsed.items())
+    return {"truth_rate": round(100 * true / len(hyps), 2),
+            "grammatical_rate": round(100 * sum(p is not None for p in parsed.values()) / len(hyps), 2)}
+
+
+def train_shapes_lm(folder: str, seed: int, steps: int = 1000):
+    """The stand-in for GPT-2 on `shapes`: a 2-layer GPT (same class, same released key layout, same
+    loader) with its own byte-level BPE, trained on two references of one training image in a row
+    ("<eos> r1 <eos> r2 <eos>"); written to `folder` once and reused.
+    Why pairs: ClipCap's frozen GPT-2 continues what its context says, and the mapper's prefix is that
+    context. A stand-in trained on single captions never has to read a context (nothing before a
+    caption tells anything about it), so no prefix could steer it: the mapper's loss stayed at the
+    LM's own and the captioner wrote the same 13-15 captions for 1000 images. Trained on pairs, the
+    second caption follows from the first (the same objects in other words): it reads its context."""
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+    cfg_path = os.path.join(folder, "config.json")
+    if os.path.exists(os.path.join(folder, "model.safetensors")) and os.path.exists(cfg_path):
+        if data.read_json(cfg_path).get("text") == "reference pairs":
+            return
+        print(f"note: {folder}: a stand-in LM trained on single captions (it ignores the image); retraining it",
+              file=sys.stderr, flush=True)
+    refs = [shapes_references(data.shapes_scene("train", i, seed), SHAPES_REFERENCES,
+                              random.Random(f"shapes-lm/{seed}/{i}")) for i in range(5000)]
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator([r for rs in refs for r in rs], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=[GPT2_EOS], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    os.makedirs(folder, exist_ok=True)
+    backend.save(os.path.join(folder, "tokenizer.json"))
+    tok = LMTokenizer(folder)
+    # its own RNG streams: the run that trains the stand-in must draw the mapper's init like the runs
+    # that reuse it
+    rng = random.Random(f"shapes-lm/{seed}")
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        lm = GPT2(backend.get_vocab_size(), 64, 128, 2, 4)
+        opt = torch.optim.AdamW(lm.parameters(), lr=2e-3, weight_decay=0.01)
+        for step in progress(range(steps), "stand-in LM"):
+            for g in opt.param_groups:
+                g["lr"] = get_lr(step, steps, 2e-3, max(1, steps // 10))
+            pairs = [rng.sample(refs[rng.randrange(len(refs))], 2) for _ in range(64)]
+            tokens, mask = pad_ids([tok.encode(x) + [tok.eos] + tok.encode(y) + [tok.eos] for x, y in pairs], tok.eos)
+            seq = torch.cat([torch.full((len(pairs), 1), tok.eos), tokens], 1)     # EOS opens a text (GPT-2)
+            loss = F.cross_entropy(lm(lm.wte(seq[:, :-1]))[mask], tokens[mask])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    atomic_save_file(lm.state_dict(), os.path.join(folder, "model.safetensors"))
+    atomic_write_json({"n_head": 4, "stand_in": "a 2-layer GPT trained on pairs of shapes references, not GPT-2",
+                       "text": "reference pairs", "final_lm_loss": round(loss.item(), 4), "steps": steps}, cfg_path)
 
 
 class CaptionPool:
@@ -2044,14 +2129,15 @@ def caption_pool(a, cap, image_size, device) -> CaptionPool:
 
 
 @torch.no_grad()
-def eval_captioning(model, loader, device, beam, refs_of, pool=None):
-    """Captions every eval image once (its key), scored against all its references
-    (`refs_of`). With a CaptionPool, the two baselines are scored on the same images and
-    references: its constant caption, and each image's nearest pool image's caption."""
+def eval_captioning(model, loader, device, beam, refs_of, pool=None, scene_of=None):
+    """Captions every eval image once (its key), scored against all its references (`refs_of`);
+    on shapes (`scene_of`) also the share of captions true of their image (grounding). With a
+    CaptionPool, the two baselines are scored on the same images and references: its constant
+    caption, and each image's nearest pool image's caption. Returns (scores, every image's captions)."""
     model.mapper.eval()
     captions, hyps, nearest, lm_tok = {}, {}, {}, model.frozen[2]
     skipped0 = getattr(loader, "skipped", 0)
-    for batch in loader:
+    for batch in progress(loader, "captioning", total=len(loader) if hasattr(loader, "__len__") else None):
         new = [j for j, k in enumerate(batch["key"]) if k not in captions]
         for k, c in zip(batch["key"], batch["caption"]):
             captions.setdefault(k, []).append(c)
@@ -2062,20 +2148,28 @@ def eval_captioning(model, loader, device, beam, refs_of, pool=None):
                 nearest.update({k: [c] for k, c in zip(keys, pool.nearest(model.embed(images)))})
     model.mapper.train()
     refs = {k: refs_of(k, v) for k, v in captions.items()}
-    examples = [{"ref": refs[k][0], "hyp": hyps[k][0]} for k in list(refs)[:3]]
-    # how many different captions were generated: a mapper that ignores the image writes one
-    # caption for every image, and that can still score (the most frequent caption's n-grams)
-    out = {**caption_scores(refs, hyps), "n_images": len(refs), "n_refs": sum(map(len, refs.values())), "beam": beam,
-           "n_distinct_captions": len({h[0] for h in hyps.values()}),
-           "eval_skipped": getattr(loader, "skipped", 0) - skipped0, "examples": examples}
+
+    def scores(h):
+        # how many different captions: a mapper that ignores the image writes one caption for every
+        # image, and that can still score (the most frequent caption's n-grams)
+        return {**caption_scores(refs, h), "n_distinct_captions": len({c[0] for c in h.values()}),
+                **(grounding(h, scene_of) if scene_of else {})}
+    out = {**scores(hyps), "n_images": len(refs), "n_refs": sum(map(len, refs.values())), "beam": beam,
+           "eval_skipped": getattr(loader, "skipped", 0) - skipped0,
+           "examples": [{"ref": refs[k][0], "hyp": hyps[k][0]} for k in list(refs)[:3]]}
+    per_image = {k: {"caption": hyps[k][0], "references": refs[k]} for k in refs}
+    if scene_of:
+        for k, r in per_image.items():
+            r["true"] = grounding({k: [r["caption"]]}, scene_of)["truth_rate"] == 100
     if pool is not None:
         out["baselines"] = {
-            "constant": {**caption_scores(refs, {k: [pool.constant] for k in refs}), "caption": pool.constant,
-                         "pool_cider": pool.constant_cider, "n_distinct_captions": 1},
-            "nearest": {**caption_scores(refs, nearest), "n_distinct_captions": len({h[0] for h in nearest.values()})},
-            "pool_images": len(pool.captions),
+            "constant": {**scores({k: [pool.constant] for k in refs}), "caption": pool.constant,
+                         "pool_cider": pool.constant_cider},
+            "nearest": scores(nearest), "pool_images": len(pool.captions),
             "similarity": "cosine of the frozen vision encoder's image embedding (ClipCap's input)"}
-    return out
+        for k, r in per_image.items():
+            r["nearest"] = nearest[k][0]
+    return out, per_image
 
 
 def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
@@ -2091,7 +2185,7 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
             train_shapes_lm(lm_dir, 0)
         if world > 1:
             dist.barrier()
-        results["lm"] = "stand-in: a 2-layer GPT trained on shapes captions (not GPT-2)"
+        results["lm"] = "stand-in: a 2-layer GPT trained on pairs of shapes references (not GPT-2)"
     else:
         results["lm"] = os.path.abspath(lm_dir)
     lm, ltok = load_gpt2(lm_dir)
@@ -2101,7 +2195,8 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
     # captioned images: shapes, Karpathy JSON, CSV, shards; evaluated as retrieval's split
     train = train_loader(a, data_source(a), None, cfg.image_size, rank, world, a.seed)
     test = retrieval_loader(a, None, cfg.image_size)
-    refs_of = reference_captions(getattr(a, "eval_data", None) or a.data, cfg.image_size)
+    spec = getattr(a, "eval_data", None) or a.data
+    refs_of = reference_captions(spec, cfg.image_size)
 
     def loss_fn(m, batch):
         tokens, mask = (t.to(device) for t in caption_batch(ltok, batch["caption"]))
@@ -2110,8 +2205,10 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
     def evaluate():
         t0 = time.time()
         pool = caption_pool(a, cap, cfg.image_size, device) if a.baselines else None
-        return {**eval_captioning(cap, test, device, a.beam, refs_of, pool), "eval_subset": image_subset(a),
-                "eval_seconds": round(time.time() - t0, 1)}
+        scores, per_image = eval_captioning(cap, test, device, a.beam, refs_of, pool,
+                                            shapes_scene_of(spec, cfg.image_size) if is_shapes(spec) else None)
+        atomic_write_json(per_image, os.path.join(a.out_dir, "captions.json"))
+        return {**scores, "eval_subset": image_subset(a), "eval_seconds": round(time.time() - t0, 1)}
     return cap, loss_fn, train, evaluate
 
 
@@ -2148,7 +2245,7 @@ def _run_cost(path):
 
 
 RESULT_COLUMNS = {"retrieval": ["i2t_r1", "t2i_r1"], "classification": ["top1"],
-                  "caption": ["bleu4", "cider", "rouge_l"]}
+                  "caption": ["bleu4", "cider", "rouge_l", "truth_rate"]}
 
 
 def results_table(dirs: list) -> str:
@@ -2168,7 +2265,7 @@ def results_table(dirs: list) -> str:
         lines.append(f"| {name} | {r.get('kind')} | {r.get('part', 'both')} | {r.get('layers')} | {r.get('task')} | "
                      f"{scores} | {what} |")
         for b, br in ((b, br) for b, br in r.get("baselines", {}).items() if isinstance(br, dict)):
-            scores = ", ".join(f"{k} {br[k]}" for k in RESULT_COLUMNS["caption"])
+            scores = ", ".join(f"{k} {br[k]}" for k in RESULT_COLUMNS["caption"] if k in br)
             lines.append(f"| {name} | {b} caption (baseline) | | | caption | {scores} | the same images; "
                          f"{br['n_distinct_captions']} distinct captions |")
     return "\n".join(lines)
@@ -2186,7 +2283,8 @@ def finetune_run(folder):
     name = f"{r['kind']} {r.get('part', 'both')} {r['layers']} {r['task']}"
     runs = [(name, r.get("seed", 0), {k: r[k] / 100 for k in cols if k in r})]
     runs += [(f"{b} caption" + (f" ({r['kind']})" if b == "nearest" else "") + f" {r['layers']}", r.get("seed", 0),
-              {k: br[k] / 100 for k in cols}) for b, br in r.get("baselines", {}).items() if isinstance(br, dict)]
+              {k: br[k] / 100 for k in cols if k in br}) for b, br in r.get("baselines", {}).items()
+             if isinstance(br, dict)]
     return runs
 
 
@@ -2415,6 +2513,11 @@ RUN_CONTROL = ("stop_at", "save_interval", "log_interval", "num_workers", "devic
 RUN_FILES = ("metrics.jsonl", "loss_curve.png", "learngene.safetensors", "results.json", "model.safetensors",
              "config.json", "tokenizer.json", "checkpoint", "checkpoint.prev", "checkpoint.tmp")
 _lock, _signal = None, [0]      # this process's out_dir/.lock; the strongest signal received (SIGTERM > SIGINT)
+
+
+def progress(it, desc, rank=0, **kw):
+    """A tqdm bar on stderr, drawn by rank 0 on a terminal only."""
+    return tqdm(it, desc=desc, file=sys.stderr, disable=None if rank == 0 else True, dynamic_ncols=True, **kw)
 
 
 def sha256(path):
