@@ -817,22 +817,47 @@ def rewind_metrics(path, step, rank):
     return kept
 
 
-def draw_loss_curve(metrics, png_path, caption, size=(900, 420)):
-    """loss_curve.png from the metrics records, drawn with PIL (no matplotlib in this project)."""
+PHASE_STYLE = {"extract": ("extraction: CLIP + distillation loss (Eq. 8)", (31, 119, 180)),
+               "activate": ("activation: CLIP loss", (255, 127, 14)), "finetune": ("fine-tuning", (44, 160, 44))}
+
+
+def nice_ticks(lo, hi, n=6, integer=False):
+    """About n round tick values (1, 2 or 5 x 10^k apart) covering [lo, hi]; whole numbers if `integer`."""
+    raw = max((hi - lo) / n, 1 if integer else 1e-12)
+    step = min((m * 10 ** math.floor(math.log10(raw)) for m in (1, 2, 5, 10)
+                if m * 10 ** math.floor(math.log10(raw)) >= raw))
+    return step, [k * step for k in range(math.ceil(lo / step), math.floor(hi / step) + 1)]
+
+
+def draw_loss_curve(metrics, png_path, tag, size=(900, 460)):
+    """loss_curve.png from the metrics records, drawn with PIL (no matplotlib in this project): a title,
+    labelled axes, integer step ticks, y ticks with the digits that tell them apart, a legend."""
     pts = [(m["step"], m["loss"]) for m in metrics if math.isfinite(m.get("loss", math.nan))]
-    (W, H), (L, R, T, B) = size, (60, 20, 20, 40)
+    label, colour = PHASE_STYLE.get(tag, (tag, (31, 119, 180)))
+    (W, H), (L, R, T, B) = size, (70, 20, 40, 50)
     img = Image.new("RGB", size, "white")
     d = ImageDraw.Draw(img)
+    d.text((L, 8), f"mm_learngene.py {tag}: training loss per logged step", fill="black")
     d.rectangle([L, T, W - R, H - B], outline="black")
-    if pts:
-        x1, y0, y1 = max(max(x for x, _ in pts), 1), min(y for _, y in pts), max(y for _, y in pts)
-        y1 = y1 if y1 > y0 else y0 + 1
-        d.line([(L + (W - L - R) * x / x1, H - B - (H - T - B) * (y - y0) / (y1 - y0)) for x, y in pts],
-               fill=(31, 119, 180), width=2)
-        d.text((4, T - 6), f"{y1:.3f}", fill="black")
-        d.text((4, H - B - 6), f"{y0:.3f}", fill="black")
-        d.text((W - R - 40, H - B + 6), str(x1), fill="black")
-    d.text((L, H - 18), f"step   {caption}", fill="black")
+    ys = [y for _, y in pts] or [0.0]
+    x1, y0, y1 = max([x for x, _ in pts] + [1]), min(ys), max(ys)
+    y0, y1 = (y0, y1) if y1 > y0 else (y0 - 0.5, y0 + 0.5)
+    px = lambda x: L + (W - L - R) * x / x1
+    py = lambda y: H - B - (H - T - B) * (y - y0) / (y1 - y0)
+    step, ticks = nice_ticks(y0, y1, n=10)
+    digits = max(0, -math.floor(math.log10(step)))
+    for y in ticks:
+        d.line([(L - 4, py(y)), (L, py(y))], fill="black")
+        d.text((4, py(y) - 6), f"{y:.{digits}f}", fill="black")
+    for x in nice_ticks(0, x1, integer=True)[1]:
+        d.line([(px(x), H - B), (px(x), H - B + 4)], fill="black")
+        d.text((px(x) - 8, H - B + 8), str(int(x)), fill="black")
+    if len(pts) > 1:
+        d.line([(px(x), py(y)) for x, y in pts], fill=colour, width=2)
+    d.text(((W - 60) // 2, H - 18), "step (optimizer steps)", fill="black")
+    d.text((4, T - 16), "loss (nats)", fill="black")
+    d.rectangle([W - R - 330, T + 8, W - R - 316, T + 20], fill=colour)
+    d.text((W - R - 310, T + 8), label, fill="black")
     data.atomic_write(png_path, lambda p: img.save(p, format="PNG"))
 
 
@@ -866,11 +891,16 @@ class Run:
 
     def log(self, m):
         self.metrics.append(m)
-        print(json.dumps(m), flush=True)
-        if self.out_dir:
-            os.makedirs(self.out_dir, exist_ok=True)
-            with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(m) + "\n")
+        log_record(self.out_dir, m)
+
+
+def log_record(out_dir, m):
+    """One metrics.jsonl record (rank 0): appended to out_dir's file, and sent to --wandb."""
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(m) + "\n")
+    wandb_log(m)
 
 
 def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, out_dir=None, config=None,
@@ -897,7 +927,10 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
     bad = torch.zeros((), dtype=torch.bool, device=device)
     t0 = t_log = time.time()
     step_log = run.step
-    for step in range(run.step, max_steps):
+    bar = progress(range(run.step, max_steps), tag, rank, initial=run.step, total=max_steps)
+    # --wandb: one run per process; a phase (finetune after activate) logs after the earlier phases' steps
+    _wandb["offset"], _wandb["next"] = _wandb["next"], _wandb["next"] + max_steps
+    for step in bar:
         lr = get_lr(step, max_steps, args.lr, warmup)
         for g in run.opt.param_groups:
             g["lr"] = lr
@@ -931,8 +964,9 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
             sps = args.batch_size * (done - step_log) / max(1e-9, time.time() - t_log)
             t_log, step_log = time.time(), done
             if rank == 0:
-                run.log({"phase": tag, "step": done, "loss": vals[0], "lr": lr, "elapsed": round(run.elapsed, 3),
-                         "samples_per_s": round(sps, 1), **dict(zip(parts, vals[1:]))})
+                run.log({"step": done, "phase": tag, "loss": vals[0], "lr": lr, "time": round(time.time(), 3),
+                         "elapsed": round(run.elapsed, 3), "samples_per_s": round(sps, 1), **dict(zip(parts, vals[1:]))})
+                bar.set_postfix(loss=f"{vals[0]:.4f}", lr=f"{lr:.2e}", refresh=False)
         if (sig and done < max_steps) or at_stop:
             save_run(run)
             if rank == 0:
@@ -945,6 +979,7 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
             sys.exit(0)
         if at_save:
             save_run(run)
+    bar.close()
     agree_flags(bad, world, device, tag, run.step)
     if out_dir:
         save_run(run)
@@ -1030,6 +1065,7 @@ def train_loader(a, src: dict, tok, image_size, rank, world, seed, ordered=False
 
 
 def cmd_extract(a):
+    t_start = time.time()
     table6_defaults(a, "extract")
     rank, world, device = setup_distributed(a.device)
     claim_out_dir(a, rank, world, device)    # before anything is written there
@@ -1073,6 +1109,8 @@ def cmd_extract(a):
 
     config = {"args": run_flags(a), "world_size": world, **aux.meta(), "model": dataclasses.asdict(aux.cfg),
               "teacher_config": dataclasses.asdict(tcfg)}
+    start_line(a, f"extract --method {a.method}", aux, device, world, loader, rank)
+    wandb_start(a, config, rank)
 
     def write_learngene(tr):
         with open(os.path.join(a.out_dir, "tokenizer.json")) as f:
@@ -1085,10 +1123,9 @@ def cmd_extract(a):
     train_phase(aux, loss_fn, loader, a, rank, world, device, a.max_steps, a.out_dir, config, tok, "extract",
                 write_learngene, a.resume)
     if rank == 0:
-        n_lg = aux.learngene_numel()
-        n_all = sum(p.numel() for p in aux.parameters())
-        print(f"learngene: {os.path.join(a.out_dir, 'learngene.safetensors')}  learngene parameters "
-              f"{n_lg:,} (blocks + coefficients), with non-learngene parts {n_all:,}", flush=True)
+        print(f"learngene parameters {aux.learngene_numel():,} (blocks + coefficients), with non-learngene parts "
+              f"{sum(p.numel() for p in aux.parameters()):,}", flush=True)
+        end_line(a, a.max_steps, t_start, ["learngene.safetensors", "checkpoint/", "metrics.jsonl", "loss_curve.png"])
 
 
 # -----------------------------------------------------------------------------
@@ -1502,6 +1539,7 @@ def retrieval_task(a, model, tok, cfg, modality, results, rank, world, device):
 
 
 def cmd_finetune(a):
+    t_start = time.time()
     rank, world, device = setup_distributed(a.device)
     out = a.out_dir
     claim_out_dir(a, rank, world, device)     # before anything is written there
@@ -1512,6 +1550,8 @@ def cmd_finetune(a):
     results = {"init": a.init, "kind": kind, "part": init_cfg.get("part", "both"), "task": a.task,
                "modality": modality, "layers": cfg.vision_layers or cfg.text_layers, "lr": a.lr, "wd": a.wd,
                "seed": a.seed, "params": sum(p.numel() for p in model.parameters())}
+    start_line(a, f"finetune --task {a.task} --init {a.init}", model, device, world, None, rank)
+    wandb_start(a, run_flags(a), rank)
 
     def phase(tag, model_, loss_fn, loader, args, steps):
         """Run one phase with checkpoints in out/{tag}/; with --resume it continues from them
@@ -1533,6 +1573,8 @@ def cmd_finetune(a):
     phase("finetune", final, loss_fn, train, a, a.max_steps)
     if rank == 0:
         results.update(evaluate())
+        log_record(os.path.join(out, "finetune"), {"step": a.max_steps, "phase": "eval", "time": round(time.time(), 3),
+                                                   **{k: results[k] for k in EVAL_KEYS[a.task] if k in results}})
     results["finetune_steps"] = a.max_steps
     if rank == 0:
         os.makedirs(out, exist_ok=True)
@@ -1543,7 +1585,10 @@ def cmd_finetune(a):
         if tok is not None:
             tok.save(out)
         atomic_write_json(results, os.path.join(out, "results.json"))
-        print("RESULT " + json.dumps(results), flush=True)
+        print(f"{a.task}: " + ", ".join(f"{k} {results[k]}" for k in EVAL_KEYS[a.task] if k in results), flush=True)
+        end_line(a, a.max_steps, t_start, ["model.safetensors", "config.json", "results.json"] +
+                 ["captions.json"] * (a.task == "caption") + [f"{t}/" for t in ("activate", "finetune")
+                                                              if os.path.isdir(os.path.join(out, t))])
 
 
 # -----------------------------------------------------------------------------
@@ -2246,6 +2291,9 @@ def _run_cost(path):
 
 RESULT_COLUMNS = {"retrieval": ["i2t_r1", "t2i_r1"], "classification": ["top1"],
                   "caption": ["bleu4", "cider", "rouge_l", "truth_rate"]}
+# the scores (percent) of a fine-tune's eval record in metrics.jsonl and its last line
+EVAL_KEYS = {**RESULT_COLUMNS, "caption": ["bleu1", "bleu2", "bleu3", "bleu4", "cider", "rouge_l", "truth_rate",
+                                           "grammatical_rate", "n_distinct_captions"]}
 
 
 def results_table(dirs: list) -> str:
@@ -2335,106 +2383,129 @@ def storage_report(a):
 # main
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help with "(default: X)" where X says something (not None, False or already in the help)."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if action.option_strings and action.default not in (None, argparse.SUPPRESS) and action.default is not False \
+                and "default" not in h:
+            h += " (default: %(default)s)"
+        return h
+
+
 def add_train_flags(p, lr_help="", data_help=""):
-    """The training flags; those left unset are filled from Table 6 (table6_defaults)."""
-    p.add_argument("--data", default="shapes", help=data_help or "shapes, tar shards, CSV, Karpathy JSON")
-    p.add_argument("--image_root", default=None, help="folder the image paths of a CSV / Karpathy JSON are under")
-    p.add_argument("--csv_img_key", default="filepath")
-    p.add_argument("--csv_caption_key", default="title")
-    p.add_argument("--csv_separator", default=None, help="default: tab if the header has one, else comma")
-    p.add_argument("--out_dir", default=None)
-    p.add_argument("--max_steps", type=int, default=None)
-    p.add_argument("--batch_size", type=int, default=None, help="global batch size")
-    p.add_argument("--lr", type=float, default=None, help=lr_help)
-    p.add_argument("--wd", type=float, default=None,
-                   help="AdamW weight decay on matrices (not on gains, biases, coefficients)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (-1: 10%% of the steps)")
-    p.add_argument("--epochs", type=float, default=None, help="epochs when --max_steps is not given (default: "
-                                                              "Table 6's when --data is not shapes)")
-    p.add_argument("--grad_clip", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="autocast dtype on CUDA (CPU: fp32)")
-    p.add_argument("--num_workers", type=int, default=0)
-    p.add_argument("--log_interval", type=int, default=10)
-    p.add_argument("--save_interval", type=int, default=200, help="checkpoint every N steps (0: only at the end)")
-    p.add_argument("--stop_at", type=int, default=None, help="stop at this step with a checkpoint, as if preempted")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out_dir with its saved flags")
-    p.add_argument("--overwrite", action="store_true", help="a new run on an out_dir with a checkpoint: remove it")
-    p.add_argument("--compile", action="store_true")
-    p.add_argument("--model", default="shapes", choices=list(AUX_PRESETS))
+    """The training flags in groups; those left unset are filled from Table 6 (table6_defaults)."""
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default="shapes", help=data_help or "shapes, tar shards, CSV, Karpathy JSON")
+    g.add_argument("--image_root", help="folder the image paths of a CSV / Karpathy JSON are under")
+    g.add_argument("--csv_img_key", default="filepath", help="CSV column of the image paths")
+    g.add_argument("--csv_caption_key", default="title", help="CSV column of the captions")
+    g.add_argument("--csv_separator", help="default: tab if the header has one, else comma")
+    g.add_argument("--num_workers", type=int, default=0, help="data loading processes per rank")
+    g = p.add_argument_group("schedule (unset: Table 6's, see --lr)")
+    g.add_argument("--max_steps", type=int, help="default: from --epochs off shapes, Table 6 sized on shapes")
+    g.add_argument("--epochs", type=float, help="epochs when --max_steps is not given (default: Table 6's when "
+                                                "--data is not shapes)")
+    g.add_argument("--warmup", type=int, help="warm-up steps (-1: 10%% of the steps)")
+    g.add_argument("--batch_size", type=int, help="global batch size")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--lr", type=float, help=lr_help)
+    g.add_argument("--wd", type=float, help="AdamW weight decay on matrices (not on gains, biases, coefficients)")
+    g.add_argument("--grad_clip", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("machine")
+    g.add_argument("--device", help="default: cuda if available, else cpu")
+    g.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="autocast dtype on CUDA (CPU: fp32)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the training step")
+    g = p.add_argument_group("output")
+    g.add_argument("--out_dir", help="the run's folder (finetune: out/finetune_<task> when unset)")
+    g.add_argument("--log_interval", type=int, default=10, help="steps per metrics.jsonl record")
+    g.add_argument("--save_interval", type=int, default=200, help="checkpoint every N steps (0: only at the end)")
+    g.add_argument("--stop_at", type=int, help="stop at this step with a checkpoint, as if preempted")
+    g.add_argument("--resume", action="store_true", help="continue the run in --out_dir with its saved flags")
+    g.add_argument("--overwrite", action="store_true", help="a new run on an out_dir with a checkpoint: remove it")
+    g.add_argument("--wandb", metavar="PROJECT", help="also send the metrics.jsonl records to this Weights & Biases "
+                   "project (rank 0; needs `pip install wandb`)")
+    return p.add_argument_group("model")
 
 
 def add_extract_parser(sub):
-    p = sub.add_parser("extract", help="distil a teacher CLIP into the learngene (paper: batch 512, lr 1e-3, "
-                                       "10k warm-up, 32 epochs of CC3M+CC12M, --model ViT-S-16; the defaults off "
-                                       "shapes)")
-    p.add_argument("--init", "--teacher", dest="init", help="the ancestry (teacher): il_clip.py out_dir, "
-                   "checkpoint/ folder or OpenAI-layout .safetensors/.pt")
-    p.add_argument("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz for a bare OpenAI weight file")
-    p.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
+    p = sub.add_parser("extract", formatter_class=HelpFormatter, help="distil a teacher CLIP into the learngene "
+                       "(paper: batch 512, lr 1e-3, 10k warm-up, 32 epochs of CC3M+CC12M, --model ViT-S-16; the "
+                       "defaults off shapes)")
+    g = add_train_flags(p, lr_help="default: Table 6 (1e-3, --wd 0.1); off shapes also warm-up 10k steps, batch "
+                        "512, --epochs 32; on shapes 500 steps, batch 64, warm-up 50")
+    g.add_argument("--init", "--teacher", dest="init", help="the ancestry (teacher): il_clip.py out_dir, "
+                   "checkpoint/ folder or OpenAI-layout .safetensors/.pt (--teacher: an alias)")
+    g.add_argument("--vocab", help="bpe_simple_vocab_16e6.txt.gz for a bare OpenAI weight file")
+    g.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction,
                    help="the teacher's activation; default: what open_clip_config.json / config.json beside it "
                         "says, else (a bare weight file) QuickGELU as OpenAI's released CLIPs. Printed at start.")
-    add_train_flags(p, lr_help="default: Table 6 (1e-3, --wd 0.1); off shapes also warm-up "
-                    "10k steps, batch 512, --epochs 32; on shapes 500 steps, batch 64, warm-up 50")
-    p.add_argument("--aux_width", type=int, default=None)
-    p.add_argument("--aux_heads", type=int, default=None)
-    p.add_argument("--aux_layers", type=int, default=None)
-    p.add_argument("--patch_size", type=int, default=None)
-    p.add_argument("--method", default="mmlg", choices=["mmlg", "tleg", "helg"])
-    p.add_argument("--helg_layers", type=int, default=3, help="He-LG: layers per tower kept as the learngene")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--no_mm", action="store_true", help="extra (not Table 4): extract without multimodal blocks")
-    g.add_argument("--only_mm", action="store_true", help="extra (not Table 4): extract multimodal blocks only")
-    p.add_argument("--lambda_dist", type=float, default=1.0, help="lambda of Eq. 8 (paper: 1)")
+    g.add_argument("--model", default="shapes", choices=list(AUX_PRESETS), help="the auxiliary model's preset")
+    g.add_argument("--aux_width", type=int, help="default: the preset's")
+    g.add_argument("--aux_heads", type=int, help="default: the preset's")
+    g.add_argument("--aux_layers", type=int, help="default: the preset's")
+    g.add_argument("--patch_size", type=int, help="default: the preset's")
+    g = p.add_argument_group("method")
+    g.add_argument("--method", default="mmlg", choices=["mmlg", "tleg", "helg"])
+    g.add_argument("--helg_layers", type=int, default=3, help="He-LG: layers per tower kept as the learngene")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--no_mm", action="store_true", help="extra (not Table 4): extract without multimodal blocks")
+    x.add_argument("--only_mm", action="store_true", help="extra (not Table 4): extract multimodal blocks only")
+    g.add_argument("--lambda_dist", type=float, default=1.0, help="lambda of Eq. 8 (paper: 1)")
     p.set_defaults(func=cmd_extract, out_dir="out/learngene")
 
 
 def add_finetune_parser(sub):
-    p = sub.add_parser("finetune", help="activation + fine-tuning (retrieval, classification or captioning)")
-    p.add_argument("--init", help="descendant out_dir, il_clip.py out_dir (PT-FT) or scratch")
-    p.add_argument("--task", default="retrieval", choices=["retrieval", "classification", "caption"])
-    add_train_flags(p, lr_help="default: Table 6 per task (retrieval 5e-5, classification 1e-4, "
-                    "caption 2e-5; --wd 0.01). Off shapes every Table 6 value is the default: warm-up 10k/5k/5k "
-                    "steps, batch 256, --epochs 50/500/10; on shapes 300 steps, batch 64, warm-up 30. "
-                    "Classification trains with RandomResizedCrop(0.08-1) + flip on ImageFolder data",
-                    data_help="retrieval/caption: shapes, Karpathy JSON, CSV, shards; classification: shapes "
-                              "or an ImageFolder root with train/ and val/ (or test/)")
-    p.add_argument("--like", default=None, help="scratch: copy config + tokenizer from this out_dir")
-    p.add_argument("--layers", type=int, default=None, help="scratch: depth")
-    p.add_argument("--modality", default="clip", choices=["clip", "vision"], help="scratch: towers")
-    p.add_argument("--image_size", type=int, default=64, help="scratch without --like")
-    p.add_argument("--activate_frac", type=float, default=0.1, help="paper: 10%% of the pre-training data")
-    p.add_argument("--activate_epochs", type=float, default=1.0)
-    p.add_argument("--activate_steps", type=int, default=None, help="override the computed activation steps")
-    p.add_argument("--activate_data", default=None, help="default: the data the learngene was extracted on "
-                                                         "(recorded in the descendant); required if not recorded")
-    p.add_argument("--activate_lr", type=float, default=5e-4)
-    p.add_argument("--train_size", type=int, default=None,
-                   help="classification: a seeded class-stratified subsample of N training images (default all)")
-    p.add_argument("--eval_split", default="auto", help="auto: ImageFolder val/ else test/; shapes/JSON: test")
-    p.add_argument("--eval_size", type=int, default=None,
+    p = sub.add_parser("finetune", formatter_class=HelpFormatter,
+                       help="activation + fine-tuning (retrieval, classification or captioning)")
+    g = add_train_flags(p, lr_help="default: Table 6 per task (retrieval 5e-5, classification 1e-4, "
+                        "caption 2e-5; --wd 0.01). Off shapes every Table 6 value is the default: warm-up 10k/5k/5k "
+                        "steps, batch 256, --epochs 50/500/10; on shapes 300 steps, batch 64, warm-up 30. "
+                        "Classification trains with RandomResizedCrop(0.08-1) + flip on ImageFolder data",
+                        data_help="retrieval/caption: shapes, Karpathy JSON, CSV, shards; classification: shapes "
+                                  "or an ImageFolder root with train/ and val/ (or test/)")
+    g.add_argument("--init", help="descendant out_dir, il_clip.py out_dir (PT-FT) or scratch")
+    g.add_argument("--model", default="shapes", choices=list(AUX_PRESETS), help="scratch: the preset")
+    g.add_argument("--like", help="scratch: copy config + tokenizer from this out_dir")
+    g.add_argument("--layers", type=int, help="scratch: depth (default: 6, or --like's)")
+    g.add_argument("--modality", default="clip", choices=["clip", "vision"], help="scratch: towers")
+    g.add_argument("--image_size", type=int, default=64, help="scratch without --like")
+    g = p.add_argument_group("method: task and activation (appendix A.2)")
+    g.add_argument("--task", default="retrieval", choices=["retrieval", "classification", "caption"])
+    g.add_argument("--activate_frac", type=float, default=0.1, help="paper: 10%% of the pre-training data")
+    g.add_argument("--activate_epochs", type=float, default=1.0)
+    g.add_argument("--activate_steps", type=int, help="default: computed from --activate_frac and --activate_epochs")
+    g.add_argument("--activate_data", help="default: the data the learngene was extracted on (recorded in the "
+                                           "descendant); required if not recorded")
+    g.add_argument("--activate_lr", type=float, default=5e-4)
+    g.add_argument("--train_size", type=int,
+                   help="classification: a seeded class-stratified subsample of N training images (default: all)")
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval_split", default="auto", help="auto: ImageFolder val/ else test/; shapes/JSON: test")
+    g.add_argument("--eval_size", type=int,
                    help="opt-in seeded subsample: N images (classification: stratified by class; retrieval and "
                         "captioning: N images with all their captions). Default: the whole split")
-    p.add_argument("--eval_data", default=None, help="retrieval/caption evaluation data when --data is a CSV or "
-                                                     "shards (no test split); default: --data's test split")
-    p.add_argument("--lm", default=None, help="caption: folder with GPT-2's model.safetensors + tokenizer.json "
-                                              "(or vocab.json + merges.txt); shapes: a stand-in GPT is trained")
-    p.add_argument("--beam", type=int, default=1, help="caption decoding: 1 greedy, >1 beam search")
-    p.add_argument("--baselines", action="store_true",
-                   help="caption: also score, on the same images and references, the best constant caption (the "
-                        "training caption with the highest CIDEr-D over the pool) and the nearest-neighbour caption "
-                        "(of the pool image most similar in the frozen encoder's image embedding)")
-    p.add_argument("--baseline_pool", type=int, default=1000, help="--baselines: the first N training images")
+    g.add_argument("--eval_data", help="retrieval/caption evaluation data when --data is a CSV or shards (no test "
+                                       "split); default: --data's test split")
+    g = p.add_argument_group("captioning")
+    g.add_argument("--lm", help="folder with GPT-2's model.safetensors + tokenizer.json (or vocab.json + "
+                                "merges.txt); default on shapes: a stand-in GPT trained beside --out_dir")
+    g.add_argument("--beam", type=int, default=1, help="decoding: 1 greedy, >1 beam search")
+    g.add_argument("--baselines", action="store_true",
+                   help="also score, on the same images and references, the best constant caption (the training "
+                        "caption with the highest CIDEr-D over the pool) and the nearest-neighbour caption (of the "
+                        "pool image most similar in the frozen encoder's image embedding)")
+    g.add_argument("--baseline_pool", type=int, default=1000, help="--baselines: the first N training images")
     p.set_defaults(func=cmd_finetune)
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_extract_parser(sub)
-    p = sub.add_parser("expand", help="learngene -> descendant out_dir (OpenAI layout)")
+    p = sub.add_parser("expand", formatter_class=HelpFormatter, help="learngene -> descendant out_dir (OpenAI layout)")
     p.add_argument("--learngene", required=True)
     p.add_argument("--layers", type=int, required=True)
     p.add_argument("--modality", default="clip", choices=["clip", "vision", "text"])
@@ -2444,20 +2515,21 @@ def build_parser():
                         "leaves the unimodal term out (W = c^mv theta^m, W = c^ml theta^m); the kept term keeps its "
                         "extracted coefficient, nothing is rescaled or filled randomly; embeddings, LayerNorms and "
                         "projections are the full learngene's")
-    p.add_argument("--width", type=int, default=None, help="expected width (checked)")
+    p.add_argument("--width", type=int, help="expected width (checked; default: not checked)")
     p.add_argument("--seed", type=int, default=0, help="He-LG: seed of the random layers")
-    p.add_argument("--out_dir", default=None)
+    p.add_argument("--out_dir", help="default: out/descendant_<method>_<modality><layers>")
     p.set_defaults(func=cmd_expand)
     add_finetune_parser(sub)
-    p = sub.add_parser("report", help="storage / cost table (paper Table 3) and fine-tuning results side by side")
-    p.add_argument("--learngene", default=None)
-    p.add_argument("--layers", type=int, nargs="+", default=[6, 8, 12])
+    p = sub.add_parser("report", formatter_class=HelpFormatter,
+                       help="storage / cost table (paper Table 3) and fine-tuning results side by side")
+    p.add_argument("--learngene", help="learngene.safetensors: Table 3's storage and cost")
+    p.add_argument("--layers", type=int, nargs="+", default=[6, 8, 12], help="--learngene: descendant depths")
     p.add_argument("--ptft", nargs="*", help="il_clip.py out_dirs of the directly pre-trained sizes")
     p.add_argument("--results", nargs="*", help="finetune out_dirs: one row each (Tables 1, 2, 4)")
-    p.add_argument("--seeds", default=None, help="a folder of finetune out_dirs (several seeds): mean ± 95%% "
-                   "interval per setting and paired differences against --baseline")
-    p.add_argument("--baseline", default=None, help="with --seeds: the setting every other is paired with, e.g. "
-                   "'mmlg both 6 retrieval' (default: MM-LG of the same size and task)")
+    p.add_argument("--seeds", help="a folder of finetune out_dirs (several seeds): mean ± 95%% interval per "
+                                   "setting and paired differences against --baseline")
+    p.add_argument("--baseline", help="with --seeds: the setting every other is paired with, e.g. 'mmlg both 6 "
+                                      "retrieval' (default: MM-LG of the same size and task)")
     p.set_defaults(func=cmd_report)
     return ap
 
@@ -2466,6 +2538,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     a = build_parser().parse_args(argv)
     _signal[0] = 0
+    _wandb.update(run=None, offset=0, next=0)
     handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         if a.cmd in ("extract", "finetune"):
@@ -2474,6 +2547,11 @@ def main(argv=None):
                 resume_flags(a, argv)
             if a.init is None and not a.resume:     # (with --resume, claim_out_dir says what is missing)
                 raise ConfigError(f"{a.cmd} needs --init ({'the teacher' if a.cmd == 'extract' else 'a descendant'})")
+        if getattr(a, "wandb", None):       # before training: the package is optional
+            try:
+                import wandb  # noqa: F401
+            except ImportError:
+                raise ConfigError("--wandb needs the wandb package (pip install wandb)") from None
         a.func(a)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()      # no rank tears down its connections while another still writes
@@ -2493,6 +2571,8 @@ def main(argv=None):
               f"checkpoint is kept", file=sys.stderr)
         sys.exit(2)
     finally:
+        if _wandb["run"] is not None:
+            _wandb["run"].finish()
         release_out_dir()
         for s, h in handlers.items():     # only now: a signal during the final save is not fatal
             signal.signal(s, h)
@@ -2511,8 +2591,46 @@ def main(argv=None):
 
 RUN_CONTROL = ("stop_at", "save_interval", "log_interval", "num_workers", "device", "resume", "overwrite", "out_dir")
 RUN_FILES = ("metrics.jsonl", "loss_curve.png", "learngene.safetensors", "results.json", "model.safetensors",
-             "config.json", "tokenizer.json", "checkpoint", "checkpoint.prev", "checkpoint.tmp")
+             "config.json", "tokenizer.json", "captions.json", "wandb_id", "checkpoint", "checkpoint.prev",
+             "checkpoint.tmp")
 _lock, _signal = None, [0]      # this process's out_dir/.lock; the strongest signal received (SIGTERM > SIGINT)
+
+
+_wandb = {"run": None, "offset": 0, "next": 0}    # --wandb: the module while a run is open; phase step offsets
+
+
+def wandb_start(a, config, rank):
+    """--wandb PROJECT (nanoGPT's wandb_log), rank 0: a W&B run named after out_dir, resumed by the run
+    id kept in out_dir/wandb_id (so --resume continues it); every metrics.jsonl record goes to it."""
+    if not getattr(a, "wandb", None) or rank != 0:
+        return
+    import wandb
+    id_path = os.path.join(a.out_dir, "wandb_id")
+    run_id = open(id_path).read().strip() if os.path.exists(id_path) else hashlib.sha256(os.urandom(16)).hexdigest()[:8]
+    data.atomic_write(id_path, lambda p: open(p, "w").write(run_id))
+    wandb.init(project=a.wandb, name=os.path.basename(os.path.abspath(a.out_dir)), config=config, id=run_id,
+               resume="allow")
+    _wandb["run"] = wandb
+
+
+def wandb_log(record):
+    """A record to W&B at its step; a later phase (finetune after activate) after the earlier ones' steps."""
+    if _wandb["run"] is not None:
+        _wandb["run"].log(record, step=record["step"] + _wandb["offset"])
+
+
+def start_line(a, what, model, device, world, loader, rank):
+    """The run's first line (rank 0): script, subcommand, parameters, device x world size, data, out_dir."""
+    if rank == 0:
+        n = f" ({loader.num_samples} training samples)" if getattr(loader, "num_samples", None) else ""
+        print(f"start: {os.path.basename(__file__)} {what} | {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
+              f"parameters | {device} x {world} | data {a.data}{n} | out_dir {a.out_dir}", flush=True)
+
+
+def end_line(a, steps, t_start, files):
+    """The run's last line (rank 0): steps, time, what was written where."""
+    print(f"done: step {steps}/{steps} in {time.time() - t_start:.0f}s | wrote {a.out_dir}/{{{', '.join(files)}}}",
+          flush=True)
 
 
 def progress(it, desc, rank=0, **kw):
