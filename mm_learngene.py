@@ -963,28 +963,25 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
             vals = (vals / world).tolist()
             sps = args.batch_size * (done - step_log) / max(1e-9, time.time() - t_log)
             t_log, step_log = time.time(), done
-            if rank == 0:
-                run.log({"step": done, "phase": tag, "loss": vals[0], "lr": lr, "time": round(time.time(), 3),
-                         "elapsed": round(run.elapsed, 3), "samples_per_s": round(sps, 1), **dict(zip(parts, vals[1:]))})
-                bar.set_postfix(loss=f"{vals[0]:.4f}", lr=f"{lr:.2e}", refresh=False)
+            on_rank0(lambda: run.log({"step": done, "phase": tag, "loss": vals[0], "lr": lr, "time": round(time.time(), 3),
+                                      "elapsed": round(run.elapsed, 3), "samples_per_s": round(sps, 1),
+                                      **dict(zip(parts, vals[1:]))}), rank, world, device)
+            bar.set_postfix(loss=f"{vals[0]:.4f}", lr=f"{lr:.2e}", refresh=False)
         if (sig and done < max_steps) or at_stop:
-            save_run(run)
+            on_rank0(lambda: save_run(run), rank, world, device)     # rank 0 has written before any rank exits
             if rank == 0:
                 cmd = f"python {os.path.basename(__file__)} {args.cmd} --out_dir {args.out_dir} --resume" \
                     if hasattr(args, "cmd") else "--resume"
                 print(f"{tag}: {signal.Signals(sig).name if sig else '--stop_at'}, checkpoint saved at step {done}; "
                       f"continue with {cmd}", flush=True)
-            if world > 1:      # rank 0 has written before any rank exits
-                dist.barrier()
             sys.exit(0)
         if at_save:
-            save_run(run)
+            on_rank0(lambda: save_run(run), rank, world, device)
     bar.close()
     agree_flags(bad, world, device, tag, run.step)
     if out_dir:
-        save_run(run)
-        if rank == 0:
-            draw_loss_curve(run.metrics, os.path.join(out_dir, "loss_curve.png"), tag)
+        on_rank0(lambda: (save_run(run), draw_loss_curve(run.metrics, os.path.join(out_dir, "loss_curve.png"), tag)),
+                 rank, world, device)
     return run
 
 
@@ -1571,12 +1568,12 @@ def cmd_finetune(a):
     a.max_steps = train_steps(a, train, data_source(a), rank, "finetune")
     results.update({"batch_size": a.batch_size, "warmup": a.warmup, "epochs": a.epochs})
     phase("finetune", final, loss_fn, train, a, a.max_steps)
-    if rank == 0:
+    results["finetune_steps"] = a.max_steps
+
+    def finish():       # rank 0: the evaluation and every file it writes
         results.update(evaluate())
         log_record(os.path.join(out, "finetune"), {"step": a.max_steps, "phase": "eval", "time": round(time.time(), 3),
                                                    **{k: results[k] for k in EVAL_KEYS[a.task] if k in results}})
-    results["finetune_steps"] = a.max_steps
-    if rank == 0:
         os.makedirs(out, exist_ok=True)
         atomic_save_file(final.state_dict(), os.path.join(out, "model.safetensors"))
         # "model", "modality", "script": what load_model needs to read a retrieval fine-tune
@@ -1589,6 +1586,7 @@ def cmd_finetune(a):
         end_line(a, a.max_steps, t_start, ["model.safetensors", "config.json", "results.json"] +
                  ["captions.json"] * (a.task == "caption") + [f"{t}/" for t in ("activate", "finetune")
                                                               if os.path.isdir(os.path.join(out, t))])
+    on_rank0(finish, rank, world, device)
 
 
 # -----------------------------------------------------------------------------
@@ -2226,10 +2224,7 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
                               "vocab.json + merges.txt>; only shapes has a stand-in")
         # beside out_dir, so runs under one parent folder share the stand-in
         lm_dir = os.path.join(os.path.dirname(os.path.abspath(a.out_dir)), "shapes_lm")
-        if rank == 0:
-            train_shapes_lm(lm_dir, 0)
-        if world > 1:
-            dist.barrier()
+        on_rank0(lambda: train_shapes_lm(lm_dir, 0), rank, world, device)
         results["lm"] = "stand-in: a 2-layer GPT trained on pairs of shapes references (not GPT-2)"
     else:
         results["lm"] = os.path.abspath(lm_dir)
@@ -2617,6 +2612,27 @@ def wandb_log(record):
     """A record to W&B at its step; a later phase (finetune after activate) after the earlier ones' steps."""
     if _wandb["run"] is not None:
         _wandb["run"].log(record, step=record["step"] + _wandb["offset"])
+
+
+def on_rank0(fn, rank, world, device):
+    """fn() on rank 0 (it writes), and every rank learns how it went: a write error there (or non-finite
+    weights) is its one line on rank 0, and the other ranks exit with the same status instead of
+    failing or hanging in their next collective."""
+    if world == 1:
+        return fn()
+    error = None
+    if rank == 0:
+        try:
+            fn()
+        except Exception as e:
+            error = e
+    code = 0 if error is None else 2 if isinstance(error, (ConfigError, data.DataError)) or write_errno(error) else 1
+    code = torch.tensor(float(code), device=device)
+    dist.broadcast(code, 0)
+    if error is not None:
+        raise error
+    if code.item():
+        raise SystemExit(int(code.item()))
 
 
 def start_line(a, what, model, device, world, loader, rank):
