@@ -963,9 +963,9 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
             vals = (vals / world).tolist()
             sps = args.batch_size * (done - step_log) / max(1e-9, time.time() - t_log)
             t_log, step_log = time.time(), done
-            on_rank0(lambda: run.log({"step": done, "phase": tag, "loss": vals[0], "lr": lr, "time": round(time.time(), 3),
-                                      "elapsed": round(run.elapsed, 3), "samples_per_s": round(sps, 1),
-                                      **dict(zip(parts, vals[1:]))}), rank, world, device)
+            rec = {"step": done, "phase": tag, "loss": vals[0], "lr": lr, "time": round(time.time(), 3),
+                   "elapsed": round(run.elapsed, 3), "samples_per_s": round(sps, 1), **dict(zip(parts, vals[1:]))}
+            on_rank0(lambda: run.log(rec), rank, world, device)
             bar.set_postfix(loss=f"{vals[0]:.4f}", lr=f"{lr:.2e}", refresh=False)
         if (sig and done < max_steps) or at_stop:
             on_rank0(lambda: save_run(run), rank, world, device)     # rank 0 has written before any rank exits
