@@ -145,27 +145,16 @@ def block_fn(x, p: dict, heads: int, causal: bool, quick_gelu: bool):
     return x + F.linear(h, p["mlp.c_proj.weight"], p["mlp.c_proj.bias"])
 
 
-class Attention(nn.Module):
-    def __init__(self, w):
-        super().__init__()
-        self.in_proj_weight = nn.Parameter(torch.empty(3 * w, w))
-        self.in_proj_bias = nn.Parameter(torch.zeros(3 * w))
-        self.out_proj = nn.Linear(w, w)
-
-
-class MLP(nn.Module):
-    def __init__(self, w):
-        super().__init__()
-        self.c_fc = nn.Linear(w, 4 * w)
-        self.c_proj = nn.Linear(4 * w, w)
-
-
 class Block(nn.Module):
     """Parameter container of one layer (OpenAI names); `ln=False` gives a learngene theta."""
 
     def __init__(self, w, ln=True):
         super().__init__()
-        self.attn, self.mlp = Attention(w), MLP(w)
+        self.attn, self.mlp = nn.Module(), nn.Module()
+        self.attn.in_proj_weight = nn.Parameter(torch.empty(3 * w, w))
+        self.attn.in_proj_bias = nn.Parameter(torch.zeros(3 * w))
+        self.attn.out_proj = nn.Linear(w, w)
+        self.mlp.c_fc, self.mlp.c_proj = nn.Linear(w, 4 * w), nn.Linear(4 * w, w)
         if ln:
             self.ln_1, self.ln_2 = nn.LayerNorm(w), nn.LayerNorm(w)
 
