@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 
 import data
 
@@ -144,27 +145,16 @@ def block_fn(x, p: dict, heads: int, causal: bool, quick_gelu: bool):
     return x + F.linear(h, p["mlp.c_proj.weight"], p["mlp.c_proj.bias"])
 
 
-class Attention(nn.Module):
-    def __init__(self, w):
-        super().__init__()
-        self.in_proj_weight = nn.Parameter(torch.empty(3 * w, w))
-        self.in_proj_bias = nn.Parameter(torch.zeros(3 * w))
-        self.out_proj = nn.Linear(w, w)
-
-
-class MLP(nn.Module):
-    def __init__(self, w):
-        super().__init__()
-        self.c_fc = nn.Linear(w, 4 * w)
-        self.c_proj = nn.Linear(4 * w, w)
-
-
 class Block(nn.Module):
     """Parameter container of one layer (OpenAI names); `ln=False` gives a learngene theta."""
 
     def __init__(self, w, ln=True):
         super().__init__()
-        self.attn, self.mlp = Attention(w), MLP(w)
+        self.attn, self.mlp = nn.Module(), nn.Module()
+        self.attn.in_proj_weight = nn.Parameter(torch.empty(3 * w, w))
+        self.attn.in_proj_bias = nn.Parameter(torch.zeros(3 * w))
+        self.attn.out_proj = nn.Linear(w, w)
+        self.mlp.c_fc, self.mlp.c_proj = nn.Linear(w, 4 * w), nn.Linear(4 * w, w)
         if ln:
             self.ln_1, self.ln_2 = nn.LayerNorm(w), nn.LayerNorm(w)
 
@@ -816,22 +806,47 @@ def rewind_metrics(path, step, rank):
     return kept
 
 
-def draw_loss_curve(metrics, png_path, caption, size=(900, 420)):
-    """loss_curve.png from the metrics records, drawn with PIL (no matplotlib in this project)."""
+PHASE_STYLE = {"extract": ("extraction: CLIP + distillation loss (Eq. 8)", (31, 119, 180)),
+               "activate": ("activation: CLIP loss", (255, 127, 14)), "finetune": ("fine-tuning", (44, 160, 44))}
+
+
+def nice_ticks(lo, hi, n=6, integer=False):
+    """About n round tick values (1, 2 or 5 x 10^k apart) covering [lo, hi]; whole numbers if `integer`."""
+    raw = max((hi - lo) / n, 1 if integer else 1e-12)
+    step = min((m * 10 ** math.floor(math.log10(raw)) for m in (1, 2, 5, 10)
+                if m * 10 ** math.floor(math.log10(raw)) >= raw))
+    return step, [k * step for k in range(math.ceil(lo / step), math.floor(hi / step) + 1)]
+
+
+def draw_loss_curve(metrics, png_path, tag, size=(900, 460)):
+    """loss_curve.png from the metrics records, drawn with PIL (no matplotlib in this project): a title,
+    labelled axes, integer step ticks, y ticks with the digits that tell them apart, a legend."""
     pts = [(m["step"], m["loss"]) for m in metrics if math.isfinite(m.get("loss", math.nan))]
-    (W, H), (L, R, T, B) = size, (60, 20, 20, 40)
+    label, colour = PHASE_STYLE.get(tag, (tag, (31, 119, 180)))
+    (W, H), (L, R, T, B) = size, (70, 20, 40, 50)
     img = Image.new("RGB", size, "white")
     d = ImageDraw.Draw(img)
+    d.text((L, 8), f"mm_learngene.py {tag}: training loss per logged step", fill="black")
     d.rectangle([L, T, W - R, H - B], outline="black")
-    if pts:
-        x1, y0, y1 = max(max(x for x, _ in pts), 1), min(y for _, y in pts), max(y for _, y in pts)
-        y1 = y1 if y1 > y0 else y0 + 1
-        d.line([(L + (W - L - R) * x / x1, H - B - (H - T - B) * (y - y0) / (y1 - y0)) for x, y in pts],
-               fill=(31, 119, 180), width=2)
-        d.text((4, T - 6), f"{y1:.3f}", fill="black")
-        d.text((4, H - B - 6), f"{y0:.3f}", fill="black")
-        d.text((W - R - 40, H - B + 6), str(x1), fill="black")
-    d.text((L, H - 18), f"step   {caption}", fill="black")
+    ys = [y for _, y in pts] or [0.0]
+    x1, y0, y1 = max([x for x, _ in pts] + [1]), min(ys), max(ys)
+    y0, y1 = (y0, y1) if y1 > y0 else (y0 - 0.5, y0 + 0.5)
+    px = lambda x: L + (W - L - R) * x / x1
+    py = lambda y: H - B - (H - T - B) * (y - y0) / (y1 - y0)
+    step, ticks = nice_ticks(y0, y1, n=10)
+    digits = max(0, -math.floor(math.log10(step)))
+    for y in ticks:
+        d.line([(L - 4, py(y)), (L, py(y))], fill="black")
+        d.text((4, py(y) - 6), f"{y:.{digits}f}", fill="black")
+    for x in nice_ticks(0, x1, integer=True)[1]:
+        d.line([(px(x), H - B), (px(x), H - B + 4)], fill="black")
+        d.text((px(x) - 8, H - B + 8), str(int(x)), fill="black")
+    if len(pts) > 1:
+        d.line([(px(x), py(y)) for x, y in pts], fill=colour, width=2)
+    d.text(((W - 60) // 2, H - 18), "step (optimizer steps)", fill="black")
+    d.text((4, T - 16), "loss (nats)", fill="black")
+    d.rectangle([W - R - 330, T + 8, W - R - 316, T + 20], fill=colour)
+    d.text((W - R - 310, T + 8), label, fill="black")
     data.atomic_write(png_path, lambda p: img.save(p, format="PNG"))
 
 
@@ -865,11 +880,16 @@ class Run:
 
     def log(self, m):
         self.metrics.append(m)
-        print(json.dumps(m), flush=True)
-        if self.out_dir:
-            os.makedirs(self.out_dir, exist_ok=True)
-            with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(m) + "\n")
+        log_record(self.out_dir, m)
+
+
+def log_record(out_dir, m):
+    """One metrics.jsonl record (rank 0): appended to out_dir's file, and sent to --wandb."""
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(m) + "\n")
+    wandb_log(m)
 
 
 def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, out_dir=None, config=None,
@@ -896,7 +916,10 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
     bad = torch.zeros((), dtype=torch.bool, device=device)
     t0 = t_log = time.time()
     step_log = run.step
-    for step in range(run.step, max_steps):
+    bar = progress(range(run.step, max_steps), tag, rank, initial=run.step, total=max_steps)
+    # --wandb: one run per process; a phase (finetune after activate) logs after the earlier phases' steps
+    _wandb["offset"], _wandb["next"] = _wandb["next"], _wandb["next"] + max_steps
+    for step in bar:
         lr = get_lr(step, max_steps, args.lr, warmup)
         for g in run.opt.param_groups:
             g["lr"] = lr
@@ -929,26 +952,25 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
             vals = (vals / world).tolist()
             sps = args.batch_size * (done - step_log) / max(1e-9, time.time() - t_log)
             t_log, step_log = time.time(), done
-            if rank == 0:
-                run.log({"phase": tag, "step": done, "loss": vals[0], "lr": lr, "elapsed": round(run.elapsed, 3),
-                         "samples_per_s": round(sps, 1), **dict(zip(parts, vals[1:]))})
+            rec = {"step": done, "phase": tag, "loss": vals[0], "lr": lr, "time": round(time.time(), 3),
+                   "elapsed": round(run.elapsed, 3), "samples_per_s": round(sps, 1), **dict(zip(parts, vals[1:]))}
+            on_rank0(lambda: run.log(rec), rank, world, device)
+            bar.set_postfix(loss=f"{vals[0]:.4f}", lr=f"{lr:.2e}", refresh=False)
         if (sig and done < max_steps) or at_stop:
-            save_run(run)
+            on_rank0(lambda: save_run(run), rank, world, device)     # rank 0 has written before any rank exits
             if rank == 0:
                 cmd = f"python {os.path.basename(__file__)} {args.cmd} --out_dir {args.out_dir} --resume" \
                     if hasattr(args, "cmd") else "--resume"
                 print(f"{tag}: {signal.Signals(sig).name if sig else '--stop_at'}, checkpoint saved at step {done}; "
                       f"continue with {cmd}", flush=True)
-            if world > 1:      # rank 0 has written before any rank exits
-                dist.barrier()
             sys.exit(0)
         if at_save:
-            save_run(run)
+            on_rank0(lambda: save_run(run), rank, world, device)
+    bar.close()
     agree_flags(bad, world, device, tag, run.step)
     if out_dir:
-        save_run(run)
-        if rank == 0:
-            draw_loss_curve(run.metrics, os.path.join(out_dir, "loss_curve.png"), tag)
+        on_rank0(lambda: (save_run(run), draw_loss_curve(run.metrics, os.path.join(out_dir, "loss_curve.png"), tag)),
+                 rank, world, device)
     return run
 
 
@@ -1029,6 +1051,7 @@ def train_loader(a, src: dict, tok, image_size, rank, world, seed, ordered=False
 
 
 def cmd_extract(a):
+    t_start = time.time()
     table6_defaults(a, "extract")
     rank, world, device = setup_distributed(a.device)
     claim_out_dir(a, rank, world, device)    # before anything is written there
@@ -1072,6 +1095,8 @@ def cmd_extract(a):
 
     config = {"args": run_flags(a), "world_size": world, **aux.meta(), "model": dataclasses.asdict(aux.cfg),
               "teacher_config": dataclasses.asdict(tcfg)}
+    start_line(a, f"extract --method {a.method}", aux, device, world, loader, rank)
+    wandb_start(a, config, rank)
 
     def write_learngene(tr):
         with open(os.path.join(a.out_dir, "tokenizer.json")) as f:
@@ -1084,10 +1109,9 @@ def cmd_extract(a):
     train_phase(aux, loss_fn, loader, a, rank, world, device, a.max_steps, a.out_dir, config, tok, "extract",
                 write_learngene, a.resume)
     if rank == 0:
-        n_lg = aux.learngene_numel()
-        n_all = sum(p.numel() for p in aux.parameters())
-        print(f"learngene: {os.path.join(a.out_dir, 'learngene.safetensors')}  learngene parameters "
-              f"{n_lg:,} (blocks + coefficients), with non-learngene parts {n_all:,}", flush=True)
+        print(f"learngene parameters {aux.learngene_numel():,} (blocks + coefficients), with non-learngene parts "
+              f"{sum(p.numel() for p in aux.parameters()):,}", flush=True)
+        end_line(a, a.max_steps, t_start, ["learngene.safetensors", "checkpoint/", "metrics.jsonl", "loss_curve.png"])
 
 
 # -----------------------------------------------------------------------------
@@ -1501,6 +1525,7 @@ def retrieval_task(a, model, tok, cfg, modality, results, rank, world, device):
 
 
 def cmd_finetune(a):
+    t_start = time.time()
     rank, world, device = setup_distributed(a.device)
     out = a.out_dir
     claim_out_dir(a, rank, world, device)     # before anything is written there
@@ -1511,6 +1536,8 @@ def cmd_finetune(a):
     results = {"init": a.init, "kind": kind, "part": init_cfg.get("part", "both"), "task": a.task,
                "modality": modality, "layers": cfg.vision_layers or cfg.text_layers, "lr": a.lr, "wd": a.wd,
                "seed": a.seed, "params": sum(p.numel() for p in model.parameters())}
+    start_line(a, f"finetune --task {a.task} --init {a.init}", model, device, world, None, rank)
+    wandb_start(a, run_flags(a), rank)
 
     def phase(tag, model_, loss_fn, loader, args, steps):
         """Run one phase with checkpoints in out/{tag}/; with --resume it continues from them
@@ -1530,10 +1557,12 @@ def cmd_finetune(a):
     a.max_steps = train_steps(a, train, data_source(a), rank, "finetune")
     results.update({"batch_size": a.batch_size, "warmup": a.warmup, "epochs": a.epochs})
     phase("finetune", final, loss_fn, train, a, a.max_steps)
-    if rank == 0:
-        results.update(evaluate())
     results["finetune_steps"] = a.max_steps
-    if rank == 0:
+
+    def finish():       # rank 0: the evaluation and every file it writes
+        results.update(evaluate())
+        log_record(os.path.join(out, "finetune"), {"step": a.max_steps, "phase": "eval", "time": round(time.time(), 3),
+                                                   **{k: results[k] for k in EVAL_KEYS[a.task] if k in results}})
         os.makedirs(out, exist_ok=True)
         atomic_save_file(final.state_dict(), os.path.join(out, "model.safetensors"))
         # "model", "modality", "script": what load_model needs to read a retrieval fine-tune
@@ -1542,7 +1571,11 @@ def cmd_finetune(a):
         if tok is not None:
             tok.save(out)
         atomic_write_json(results, os.path.join(out, "results.json"))
-        print("RESULT " + json.dumps(results), flush=True)
+        print(f"{a.task}: " + ", ".join(f"{k} {results[k]}" for k in EVAL_KEYS[a.task] if k in results), flush=True)
+        end_line(a, a.max_steps, t_start, ["model.safetensors", "config.json", "results.json"] +
+                 ["captions.json"] * (a.task == "caption") + [f"{t}/" for t in ("activate", "finetune")
+                                                              if os.path.isdir(os.path.join(out, t))])
+    on_rank0(finish, rank, world, device)
 
 
 # -----------------------------------------------------------------------------
@@ -1697,9 +1730,13 @@ class ClipCap(nn.Module):
 
 def caption_batch(tok, captions, max_len=30):
     """(tokens [B, T], mask [B, T]) of captions + EOS, padded with EOS (masked out)."""
-    ids = [tok.encode(c)[:max_len - 1] + [tok.eos] for c in captions]
+    return pad_ids([tok.encode(c)[:max_len - 1] + [tok.eos] for c in captions], tok.eos)
+
+
+def pad_ids(ids, eos):
+    """(tokens [B, T], mask [B, T]) of token id lists, padded with EOS (masked out)."""
     T = max(map(len, ids))
-    tokens = torch.full((len(ids), T), tok.eos, dtype=torch.long)
+    tokens = torch.full((len(ids), T), eos, dtype=torch.long)
     mask = torch.zeros(len(ids), T, dtype=torch.bool)
     for i, s in enumerate(ids):
         tokens[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), True
@@ -1711,6 +1748,14 @@ def generate(model, images, beam=1, max_len=30):
     """Captions (token id lists) for `images`: greedy (beam 1) or beam search with scores
     divided by length (ClipCap's generate_beam). No KV cache: captions are short."""
     lm, tok = model.frozen[1], model.frozen[2]
+    if beam == 1:       # greedy: every image at once, one token each step
+        prefix = model.prefix(images)
+        ids = torch.empty(len(prefix), 0, dtype=torch.long, device=prefix.device)
+        for _ in range(max_len):
+            ids = torch.cat([ids, lm(torch.cat([prefix, lm.wte(ids)], 1))[:, -1].argmax(-1, keepdim=True)], 1)
+            if (ids == tok.eos).any(1).all():
+                break
+        return [row[:row.index(tok.eos) + 1] if tok.eos in row else row for row in ids.tolist()]
     out = []
     for p in model.prefix(images):
         beams = [([], 0.0, False)]                       # (ids, sum log-prob, finished)
@@ -1876,44 +1921,6 @@ def caption_scores(refs: dict, hyps: dict) -> dict:
             "cider": round(100 * cider_d(refs, hyps), 2), "rouge_l": round(100 * rouge_l(refs, hyps), 2)}
 
 
-def train_shapes_lm(folder: str, seed: int, steps: int = 400):
-    """The stand-in for GPT-2 on `shapes`: a 2-layer GPT (same class, same released key
-    layout, same loader) trained as a language model on shapes training captions, with its
-    own byte-level BPE; written to `folder` once and reused."""
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
-    if os.path.exists(os.path.join(folder, "model.safetensors")):
-        return
-    captions = data.shapes_captions(5000, seed)
-    backend = Backend(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(captions, trainers.BpeTrainer(vocab_size=400, special_tokens=[GPT2_EOS],
-                                                              show_progress=False,
-                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    os.makedirs(folder, exist_ok=True)
-    backend.save(os.path.join(folder, "tokenizer.json"))
-    tok = LMTokenizer(folder)
-    # its own RNG stream: the run that trains the stand-in must draw the mapper's init like the runs
-    # that reuse it
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        gen = torch.Generator().manual_seed(seed)
-        lm = GPT2(backend.get_vocab_size(), 64, 128, 2, 4)
-        opt = torch.optim.AdamW(lm.parameters(), lr=2e-3, weight_decay=0.01)
-        for step in range(steps):
-            batch = [captions[i] for i in torch.randint(len(captions), (64,), generator=gen).tolist()]
-            tokens, mask = caption_batch(tok, batch)
-            seq = torch.cat([torch.full((len(batch), 1), tok.eos), tokens], 1)      # EOS opens a text (GPT-2)
-            logits = lm(lm.wte(seq[:, :-1]))
-            loss = F.cross_entropy(logits[mask], tokens[mask])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-    atomic_save_file(lm.state_dict(), os.path.join(folder, "model.safetensors"))
-    atomic_write_json({"n_head": 4, "stand_in": "a 2-layer GPT trained on shapes captions, not GPT-2",
-                       "final_lm_loss": round(loss.item(), 4), "steps": steps}, os.path.join(folder, "config.json"))
-
-
 # Several references per shapes image (shapes_references), as COCO has five: with one
 # reference and shapes' small grammar, one fixed caption out-scored every model on CIDEr-D.
 SHAPES_REFERENCES = 5
@@ -1982,19 +1989,129 @@ def shapes_references(scene: data.Scene, n: int, rng: random.Random) -> list:
     return refs
 
 
+def shapes_scene_of(spec: str, image_size: int):
+    """image key ("{split}{index:08d}", ShapesDataset's) -> its data.Scene, for shapes `spec`."""
+    seed = data.parse_shapes_spec(spec).get("seed", 0)
+    return functools.lru_cache(maxsize=None)(lambda key: data.shapes_scene(key[:-8], int(key[-8:]), seed, image_size))
+
+
 def reference_captions(spec: str, image_size: int):
     """(image key, the data's captions of it) -> its reference captions: on shapes
-    shapes_references of the scene (key "{split}{index:08d}", ShapesDataset's), else the
-    captions the data list for the image."""
+    shapes_references of the scene, else the captions the data list for the image."""
     if not is_shapes(spec):
         return lambda key, captions: captions
-    seed = data.parse_shapes_spec(spec).get("seed", 0)
+    seed, scene_of = data.parse_shapes_spec(spec).get("seed", 0), shapes_scene_of(spec, image_size)
+    return lambda key, captions: shapes_references(scene_of(key), SHAPES_REFERENCES,
+                                                   random.Random(f"shapes-refs/{seed}/{key[:-8]}/{int(key[-8:])}"))
 
-    def refs(key, captions):
-        split, index = key[:-8], int(key[-8:])
-        return shapes_references(data.shapes_scene(split, index, seed, image_size), SHAPES_REFERENCES,
-                                 random.Random(f"shapes-refs/{seed}/{split}/{index}"))
-    return refs
+
+# --- grounding on shapes: is a caption true of its image? (no benchmark on real data can say) -----
+# every word a shapes caption or reference uses -> the grammar's word (REFERENCE_WORDS read backwards)
+GRAMMAR_WORDS = {kind: {tuple(w.split()): w for w in names} for kind, names in (
+    ("size", data.SIZE_NAMES), ("colour", data.COLOUR_NAMES), ("shape", data.SHAPE_NAMES),
+    ("relation", data.RELATION_NAMES))}
+for _kind, _words in REFERENCE_WORDS.items():
+    GRAMMAR_WORDS[_kind].update((tuple(syn.split()), w) for w, syns in _words.items() for syn in syns)
+
+
+def parse_shapes_caption(text: str):
+    """A caption in the shapes grammar, in REFERENCE_WORDS' words and with an optional "there is"
+    (every reference's form) -> its data.CaptionStruct in the grammar's words; None if it is not one.
+    CHOICE: "a" and "an" are not checked against the next word (an article changes no fact)."""
+    words, pos = caption_tokens(text).removeprefix("there is ").split(), 0
+
+    def word(kind):
+        nonlocal pos
+        for w in sorted(GRAMMAR_WORDS[kind], key=len, reverse=True):    # "left of" after "to the left of"
+            if tuple(words[pos:pos + len(w)]) == w:
+                pos += len(w)
+                return GRAMMAR_WORDS[kind][w]
+
+    def phrase():
+        nonlocal pos
+        if words[pos:pos + 1] not in (["a"], ["an"]):
+            return None
+        pos += 1
+        size, colour, shape = word("size"), word("colour"), word("shape")
+        return data.Phrase(colour, shape, size) if colour and shape else None
+
+    def next_is(w):
+        nonlocal pos
+        hit = words[pos:pos + 1] == [w]
+        pos += hit
+        return hit
+
+    phrases, rels, form = [phrase()], [], "single"
+    if next_is("and"):
+        phrases, form = phrases + [phrase()], "and"
+    elif pos < len(words):
+        form = "copula" if next_is("is") else "rel"
+        rels, phrases = [word("relation")], phrases + [phrase()]
+        if form == "rel" and next_is("and"):
+            phrases, form = phrases + [phrase()], "rel_and"
+        elif form == "rel" and pos < len(words):
+            rels, phrases, form = rels + [word("relation")], phrases + [phrase()], "chain"
+    ok = pos == len(words) and all(phrases) and all(rels)
+    return data.CaptionStruct(form, phrases, rels) if ok else None
+
+
+def grounding(hyps: dict, scene_of) -> dict:
+    """The share (%) of captions ({image key: [caption]}) that are true of their image: parsed by
+    parse_shapes_caption and checked by data.caption_is_true, the check every reference passes;
+    and the share in the grammar at all (a caption outside it counts as not true)."""
+    parsed = {k: parse_shapes_caption(h[0]) for k, h in hyps.items()}
+    true = sum(p is not None and data.caption_is_true(p, scene_of(k).objects) for k, p in parsed.items())
+    return {"truth_rate": round(100 * true / len(hyps), 2),
+            "grammatical_rate": round(100 * sum(p is not None for p in parsed.values()) / len(hyps), 2)}
+
+
+def train_shapes_lm(folder: str, seed: int, steps: int = 1000):
+    """The stand-in for GPT-2 on `shapes`: a 2-layer GPT (same class, same released key layout, same
+    loader) with its own byte-level BPE, trained on two references of one training image in a row
+    ("<eos> r1 <eos> r2 <eos>"); written to `folder` once and reused.
+    Why pairs: ClipCap's frozen GPT-2 continues what its context says, and the mapper's prefix is that
+    context. A stand-in trained on single captions never has to read a context (nothing before a
+    caption tells anything about it), so no prefix could steer it: the mapper's loss stayed at the
+    LM's own and the captioner wrote the same 13-15 captions for 1000 images. Trained on pairs, the
+    second caption follows from the first (the same objects in other words): it reads its context."""
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+    cfg_path = os.path.join(folder, "config.json")
+    if os.path.exists(os.path.join(folder, "model.safetensors")) and os.path.exists(cfg_path):
+        if data.read_json(cfg_path).get("text") == "reference pairs":
+            return
+        print(f"note: {folder}: a stand-in LM trained on single captions (it ignores the image); retraining it",
+              file=sys.stderr, flush=True)
+    refs = [shapes_references(data.shapes_scene("train", i, seed), SHAPES_REFERENCES,
+                              random.Random(f"shapes-lm/{seed}/{i}")) for i in range(5000)]
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator([r for rs in refs for r in rs], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=[GPT2_EOS], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    os.makedirs(folder, exist_ok=True)
+    backend.save(os.path.join(folder, "tokenizer.json"))
+    tok = LMTokenizer(folder)
+    # its own RNG streams: the run that trains the stand-in must draw the mapper's init like the runs
+    # that reuse it
+    rng = random.Random(f"shapes-lm/{seed}")
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        lm = GPT2(backend.get_vocab_size(), 64, 128, 2, 4)
+        opt = torch.optim.AdamW(lm.parameters(), lr=2e-3, weight_decay=0.01)
+        for step in progress(range(steps), "stand-in LM"):
+            for g in opt.param_groups:
+                g["lr"] = get_lr(step, steps, 2e-3, max(1, steps // 10))
+            pairs = [rng.sample(refs[rng.randrange(len(refs))], 2) for _ in range(64)]
+            tokens, mask = pad_ids([tok.encode(x) + [tok.eos] + tok.encode(y) + [tok.eos] for x, y in pairs], tok.eos)
+            seq = torch.cat([torch.full((len(pairs), 1), tok.eos), tokens], 1)     # EOS opens a text (GPT-2)
+            loss = F.cross_entropy(lm(lm.wte(seq[:, :-1]))[mask], tokens[mask])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    atomic_save_file(lm.state_dict(), os.path.join(folder, "model.safetensors"))
+    atomic_write_json({"n_head": 4, "stand_in": "a 2-layer GPT trained on pairs of shapes references, not GPT-2",
+                       "text": "reference pairs", "final_lm_loss": round(loss.item(), 4), "steps": steps}, cfg_path)
 
 
 class CaptionPool:
@@ -2044,14 +2161,15 @@ def caption_pool(a, cap, image_size, device) -> CaptionPool:
 
 
 @torch.no_grad()
-def eval_captioning(model, loader, device, beam, refs_of, pool=None):
-    """Captions every eval image once (its key), scored against all its references
-    (`refs_of`). With a CaptionPool, the two baselines are scored on the same images and
-    references: its constant caption, and each image's nearest pool image's caption."""
+def eval_captioning(model, loader, device, beam, refs_of, pool=None, scene_of=None):
+    """Captions every eval image once (its key), scored against all its references (`refs_of`);
+    on shapes (`scene_of`) also the share of captions true of their image (grounding). With a
+    CaptionPool, the two baselines are scored on the same images and references: its constant
+    caption, and each image's nearest pool image's caption. Returns (scores, every image's captions)."""
     model.mapper.eval()
     captions, hyps, nearest, lm_tok = {}, {}, {}, model.frozen[2]
     skipped0 = getattr(loader, "skipped", 0)
-    for batch in loader:
+    for batch in progress(loader, "captioning", total=len(loader) if hasattr(loader, "__len__") else None):
         new = [j for j, k in enumerate(batch["key"]) if k not in captions]
         for k, c in zip(batch["key"], batch["caption"]):
             captions.setdefault(k, []).append(c)
@@ -2062,20 +2180,28 @@ def eval_captioning(model, loader, device, beam, refs_of, pool=None):
                 nearest.update({k: [c] for k, c in zip(keys, pool.nearest(model.embed(images)))})
     model.mapper.train()
     refs = {k: refs_of(k, v) for k, v in captions.items()}
-    examples = [{"ref": refs[k][0], "hyp": hyps[k][0]} for k in list(refs)[:3]]
-    # how many different captions were generated: a mapper that ignores the image writes one
-    # caption for every image, and that can still score (the most frequent caption's n-grams)
-    out = {**caption_scores(refs, hyps), "n_images": len(refs), "n_refs": sum(map(len, refs.values())), "beam": beam,
-           "n_distinct_captions": len({h[0] for h in hyps.values()}),
-           "eval_skipped": getattr(loader, "skipped", 0) - skipped0, "examples": examples}
+
+    def scores(h):
+        # how many different captions: a mapper that ignores the image writes one caption for every
+        # image, and that can still score (the most frequent caption's n-grams)
+        return {**caption_scores(refs, h), "n_distinct_captions": len({c[0] for c in h.values()}),
+                **(grounding(h, scene_of) if scene_of else {})}
+    out = {**scores(hyps), "n_images": len(refs), "n_refs": sum(map(len, refs.values())), "beam": beam,
+           "eval_skipped": getattr(loader, "skipped", 0) - skipped0,
+           "examples": [{"ref": refs[k][0], "hyp": hyps[k][0]} for k in list(refs)[:3]]}
+    per_image = {k: {"caption": hyps[k][0], "references": refs[k]} for k in refs}
+    if scene_of:
+        for k, r in per_image.items():
+            r["true"] = grounding({k: [r["caption"]]}, scene_of)["truth_rate"] == 100
     if pool is not None:
         out["baselines"] = {
-            "constant": {**caption_scores(refs, {k: [pool.constant] for k in refs}), "caption": pool.constant,
-                         "pool_cider": pool.constant_cider, "n_distinct_captions": 1},
-            "nearest": {**caption_scores(refs, nearest), "n_distinct_captions": len({h[0] for h in nearest.values()})},
-            "pool_images": len(pool.captions),
+            "constant": {**scores({k: [pool.constant] for k in refs}), "caption": pool.constant,
+                         "pool_cider": pool.constant_cider},
+            "nearest": scores(nearest), "pool_images": len(pool.captions),
             "similarity": "cosine of the frozen vision encoder's image embedding (ClipCap's input)"}
-    return out
+        for k, r in per_image.items():
+            r["nearest"] = nearest[k][0]
+    return out, per_image
 
 
 def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
@@ -2087,11 +2213,8 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
                               "vocab.json + merges.txt>; only shapes has a stand-in")
         # beside out_dir, so runs under one parent folder share the stand-in
         lm_dir = os.path.join(os.path.dirname(os.path.abspath(a.out_dir)), "shapes_lm")
-        if rank == 0:
-            train_shapes_lm(lm_dir, 0)
-        if world > 1:
-            dist.barrier()
-        results["lm"] = "stand-in: a 2-layer GPT trained on shapes captions (not GPT-2)"
+        on_rank0(lambda: train_shapes_lm(lm_dir, 0), rank, world, device)
+        results["lm"] = "stand-in: a 2-layer GPT trained on pairs of shapes references (not GPT-2)"
     else:
         results["lm"] = os.path.abspath(lm_dir)
     lm, ltok = load_gpt2(lm_dir)
@@ -2101,7 +2224,8 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
     # captioned images: shapes, Karpathy JSON, CSV, shards; evaluated as retrieval's split
     train = train_loader(a, data_source(a), None, cfg.image_size, rank, world, a.seed)
     test = retrieval_loader(a, None, cfg.image_size)
-    refs_of = reference_captions(getattr(a, "eval_data", None) or a.data, cfg.image_size)
+    spec = getattr(a, "eval_data", None) or a.data
+    refs_of = reference_captions(spec, cfg.image_size)
 
     def loss_fn(m, batch):
         tokens, mask = (t.to(device) for t in caption_batch(ltok, batch["caption"]))
@@ -2110,8 +2234,10 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
     def evaluate():
         t0 = time.time()
         pool = caption_pool(a, cap, cfg.image_size, device) if a.baselines else None
-        return {**eval_captioning(cap, test, device, a.beam, refs_of, pool), "eval_subset": image_subset(a),
-                "eval_seconds": round(time.time() - t0, 1)}
+        scores, per_image = eval_captioning(cap, test, device, a.beam, refs_of, pool,
+                                            shapes_scene_of(spec, cfg.image_size) if is_shapes(spec) else None)
+        atomic_write_json(per_image, os.path.join(a.out_dir, "captions.json"))
+        return {**scores, "eval_subset": image_subset(a), "eval_seconds": round(time.time() - t0, 1)}
     return cap, loss_fn, train, evaluate
 
 
@@ -2148,7 +2274,10 @@ def _run_cost(path):
 
 
 RESULT_COLUMNS = {"retrieval": ["i2t_r1", "t2i_r1"], "classification": ["top1"],
-                  "caption": ["bleu4", "cider", "rouge_l"]}
+                  "caption": ["bleu4", "cider", "rouge_l", "truth_rate"]}
+# the scores (percent) of a fine-tune's eval record in metrics.jsonl and its last line
+EVAL_KEYS = {**RESULT_COLUMNS, "caption": ["bleu1", "bleu2", "bleu3", "bleu4", "cider", "rouge_l", "truth_rate",
+                                           "grammatical_rate", "n_distinct_captions"]}
 
 
 def results_table(dirs: list) -> str:
@@ -2168,7 +2297,7 @@ def results_table(dirs: list) -> str:
         lines.append(f"| {name} | {r.get('kind')} | {r.get('part', 'both')} | {r.get('layers')} | {r.get('task')} | "
                      f"{scores} | {what} |")
         for b, br in ((b, br) for b, br in r.get("baselines", {}).items() if isinstance(br, dict)):
-            scores = ", ".join(f"{k} {br[k]}" for k in RESULT_COLUMNS["caption"])
+            scores = ", ".join(f"{k} {br[k]}" for k in RESULT_COLUMNS["caption"] if k in br)
             lines.append(f"| {name} | {b} caption (baseline) | | | caption | {scores} | the same images; "
                          f"{br['n_distinct_captions']} distinct captions |")
     return "\n".join(lines)
@@ -2186,7 +2315,8 @@ def finetune_run(folder):
     name = f"{r['kind']} {r.get('part', 'both')} {r['layers']} {r['task']}"
     runs = [(name, r.get("seed", 0), {k: r[k] / 100 for k in cols if k in r})]
     runs += [(f"{b} caption" + (f" ({r['kind']})" if b == "nearest" else "") + f" {r['layers']}", r.get("seed", 0),
-              {k: br[k] / 100 for k in cols}) for b, br in r.get("baselines", {}).items() if isinstance(br, dict)]
+              {k: br[k] / 100 for k in cols if k in br}) for b, br in r.get("baselines", {}).items()
+             if isinstance(br, dict)]
     return runs
 
 
@@ -2237,106 +2367,129 @@ def storage_report(a):
 # main
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help with "(default: X)" where X says something (not None, False or already in the help)."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if action.option_strings and action.default not in (None, argparse.SUPPRESS) and action.default is not False \
+                and "default" not in h:
+            h += " (default: %(default)s)"
+        return h
+
+
 def add_train_flags(p, lr_help="", data_help=""):
-    """The training flags; those left unset are filled from Table 6 (table6_defaults)."""
-    p.add_argument("--data", default="shapes", help=data_help or "shapes, tar shards, CSV, Karpathy JSON")
-    p.add_argument("--image_root", default=None, help="folder the image paths of a CSV / Karpathy JSON are under")
-    p.add_argument("--csv_img_key", default="filepath")
-    p.add_argument("--csv_caption_key", default="title")
-    p.add_argument("--csv_separator", default=None, help="default: tab if the header has one, else comma")
-    p.add_argument("--out_dir", default=None)
-    p.add_argument("--max_steps", type=int, default=None)
-    p.add_argument("--batch_size", type=int, default=None, help="global batch size")
-    p.add_argument("--lr", type=float, default=None, help=lr_help)
-    p.add_argument("--wd", type=float, default=None,
-                   help="AdamW weight decay on matrices (not on gains, biases, coefficients)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (-1: 10%% of the steps)")
-    p.add_argument("--epochs", type=float, default=None, help="epochs when --max_steps is not given (default: "
-                                                              "Table 6's when --data is not shapes)")
-    p.add_argument("--grad_clip", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="autocast dtype on CUDA (CPU: fp32)")
-    p.add_argument("--num_workers", type=int, default=0)
-    p.add_argument("--log_interval", type=int, default=10)
-    p.add_argument("--save_interval", type=int, default=200, help="checkpoint every N steps (0: only at the end)")
-    p.add_argument("--stop_at", type=int, default=None, help="stop at this step with a checkpoint, as if preempted")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out_dir with its saved flags")
-    p.add_argument("--overwrite", action="store_true", help="a new run on an out_dir with a checkpoint: remove it")
-    p.add_argument("--compile", action="store_true")
-    p.add_argument("--model", default="shapes", choices=list(AUX_PRESETS))
+    """The training flags in groups; those left unset are filled from Table 6 (table6_defaults)."""
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default="shapes", help=data_help or "shapes, tar shards, CSV, Karpathy JSON")
+    g.add_argument("--image_root", help="folder the image paths of a CSV / Karpathy JSON are under")
+    g.add_argument("--csv_img_key", default="filepath", help="CSV column of the image paths")
+    g.add_argument("--csv_caption_key", default="title", help="CSV column of the captions")
+    g.add_argument("--csv_separator", help="default: tab if the header has one, else comma")
+    g.add_argument("--num_workers", type=int, default=0, help="data loading processes per rank")
+    g = p.add_argument_group("schedule (unset: Table 6's, see --lr)")
+    g.add_argument("--max_steps", type=int, help="default: from --epochs off shapes, Table 6 sized on shapes")
+    g.add_argument("--epochs", type=float, help="epochs when --max_steps is not given (default: Table 6's when "
+                                                "--data is not shapes)")
+    g.add_argument("--warmup", type=int, help="warm-up steps (-1: 10%% of the steps)")
+    g.add_argument("--batch_size", type=int, help="global batch size")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--lr", type=float, help=lr_help)
+    g.add_argument("--wd", type=float, help="AdamW weight decay on matrices (not on gains, biases, coefficients)")
+    g.add_argument("--grad_clip", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("machine")
+    g.add_argument("--device", help="default: cuda if available, else cpu")
+    g.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="autocast dtype on CUDA (CPU: fp32)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the training step")
+    g = p.add_argument_group("output")
+    g.add_argument("--out_dir", help="the run's folder (finetune: out/finetune_<task> when unset)")
+    g.add_argument("--log_interval", type=int, default=10, help="steps per metrics.jsonl record")
+    g.add_argument("--save_interval", type=int, default=200, help="checkpoint every N steps (0: only at the end)")
+    g.add_argument("--stop_at", type=int, help="stop at this step with a checkpoint, as if preempted")
+    g.add_argument("--resume", action="store_true", help="continue the run in --out_dir with its saved flags")
+    g.add_argument("--overwrite", action="store_true", help="a new run on an out_dir with a checkpoint: remove it")
+    g.add_argument("--wandb", metavar="PROJECT", help="also send the metrics.jsonl records to this Weights & Biases "
+                   "project (rank 0; needs `pip install wandb`)")
+    return p.add_argument_group("model")
 
 
 def add_extract_parser(sub):
-    p = sub.add_parser("extract", help="distil a teacher CLIP into the learngene (paper: batch 512, lr 1e-3, "
-                                       "10k warm-up, 32 epochs of CC3M+CC12M, --model ViT-S-16; the defaults off "
-                                       "shapes)")
-    p.add_argument("--init", "--teacher", dest="init", help="the ancestry (teacher): il_clip.py out_dir, "
-                   "checkpoint/ folder or OpenAI-layout .safetensors/.pt")
-    p.add_argument("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz for a bare OpenAI weight file")
-    p.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
+    p = sub.add_parser("extract", formatter_class=HelpFormatter, help="distil a teacher CLIP into the learngene "
+                       "(paper: batch 512, lr 1e-3, 10k warm-up, 32 epochs of CC3M+CC12M, --model ViT-S-16; the "
+                       "defaults off shapes)")
+    g = add_train_flags(p, lr_help="default: Table 6 (1e-3, --wd 0.1); off shapes also warm-up 10k steps, batch "
+                        "512, --epochs 32; on shapes 500 steps, batch 64, warm-up 50")
+    g.add_argument("--init", "--teacher", dest="init", help="the ancestry (teacher): il_clip.py out_dir, "
+                   "checkpoint/ folder or OpenAI-layout .safetensors/.pt (--teacher: an alias)")
+    g.add_argument("--vocab", help="bpe_simple_vocab_16e6.txt.gz for a bare OpenAI weight file")
+    g.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction,
                    help="the teacher's activation; default: what open_clip_config.json / config.json beside it "
                         "says, else (a bare weight file) QuickGELU as OpenAI's released CLIPs. Printed at start.")
-    add_train_flags(p, lr_help="default: Table 6 (1e-3, --wd 0.1); off shapes also warm-up "
-                    "10k steps, batch 512, --epochs 32; on shapes 500 steps, batch 64, warm-up 50")
-    p.add_argument("--aux_width", type=int, default=None)
-    p.add_argument("--aux_heads", type=int, default=None)
-    p.add_argument("--aux_layers", type=int, default=None)
-    p.add_argument("--patch_size", type=int, default=None)
-    p.add_argument("--method", default="mmlg", choices=["mmlg", "tleg", "helg"])
-    p.add_argument("--helg_layers", type=int, default=3, help="He-LG: layers per tower kept as the learngene")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--no_mm", action="store_true", help="extra (not Table 4): extract without multimodal blocks")
-    g.add_argument("--only_mm", action="store_true", help="extra (not Table 4): extract multimodal blocks only")
-    p.add_argument("--lambda_dist", type=float, default=1.0, help="lambda of Eq. 8 (paper: 1)")
+    g.add_argument("--model", default="shapes", choices=list(AUX_PRESETS), help="the auxiliary model's preset")
+    g.add_argument("--aux_width", type=int, help="default: the preset's")
+    g.add_argument("--aux_heads", type=int, help="default: the preset's")
+    g.add_argument("--aux_layers", type=int, help="default: the preset's")
+    g.add_argument("--patch_size", type=int, help="default: the preset's")
+    g = p.add_argument_group("method")
+    g.add_argument("--method", default="mmlg", choices=["mmlg", "tleg", "helg"])
+    g.add_argument("--helg_layers", type=int, default=3, help="He-LG: layers per tower kept as the learngene")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--no_mm", action="store_true", help="extra (not Table 4): extract without multimodal blocks")
+    x.add_argument("--only_mm", action="store_true", help="extra (not Table 4): extract multimodal blocks only")
+    g.add_argument("--lambda_dist", type=float, default=1.0, help="lambda of Eq. 8 (paper: 1)")
     p.set_defaults(func=cmd_extract, out_dir="out/learngene")
 
 
 def add_finetune_parser(sub):
-    p = sub.add_parser("finetune", help="activation + fine-tuning (retrieval, classification or captioning)")
-    p.add_argument("--init", help="descendant out_dir, il_clip.py out_dir (PT-FT) or scratch")
-    p.add_argument("--task", default="retrieval", choices=["retrieval", "classification", "caption"])
-    add_train_flags(p, lr_help="default: Table 6 per task (retrieval 5e-5, classification 1e-4, "
-                    "caption 2e-5; --wd 0.01). Off shapes every Table 6 value is the default: warm-up 10k/5k/5k "
-                    "steps, batch 256, --epochs 50/500/10; on shapes 300 steps, batch 64, warm-up 30. "
-                    "Classification trains with RandomResizedCrop(0.08-1) + flip on ImageFolder data",
-                    data_help="retrieval/caption: shapes, Karpathy JSON, CSV, shards; classification: shapes "
-                              "or an ImageFolder root with train/ and val/ (or test/)")
-    p.add_argument("--like", default=None, help="scratch: copy config + tokenizer from this out_dir")
-    p.add_argument("--layers", type=int, default=None, help="scratch: depth")
-    p.add_argument("--modality", default="clip", choices=["clip", "vision"], help="scratch: towers")
-    p.add_argument("--image_size", type=int, default=64, help="scratch without --like")
-    p.add_argument("--activate_frac", type=float, default=0.1, help="paper: 10%% of the pre-training data")
-    p.add_argument("--activate_epochs", type=float, default=1.0)
-    p.add_argument("--activate_steps", type=int, default=None, help="override the computed activation steps")
-    p.add_argument("--activate_data", default=None, help="default: the data the learngene was extracted on "
-                                                         "(recorded in the descendant); required if not recorded")
-    p.add_argument("--activate_lr", type=float, default=5e-4)
-    p.add_argument("--train_size", type=int, default=None,
-                   help="classification: a seeded class-stratified subsample of N training images (default all)")
-    p.add_argument("--eval_split", default="auto", help="auto: ImageFolder val/ else test/; shapes/JSON: test")
-    p.add_argument("--eval_size", type=int, default=None,
+    p = sub.add_parser("finetune", formatter_class=HelpFormatter,
+                       help="activation + fine-tuning (retrieval, classification or captioning)")
+    g = add_train_flags(p, lr_help="default: Table 6 per task (retrieval 5e-5, classification 1e-4, "
+                        "caption 2e-5; --wd 0.01). Off shapes every Table 6 value is the default: warm-up 10k/5k/5k "
+                        "steps, batch 256, --epochs 50/500/10; on shapes 300 steps, batch 64, warm-up 30. "
+                        "Classification trains with RandomResizedCrop(0.08-1) + flip on ImageFolder data",
+                        data_help="retrieval/caption: shapes, Karpathy JSON, CSV, shards; classification: shapes "
+                                  "or an ImageFolder root with train/ and val/ (or test/)")
+    g.add_argument("--init", help="descendant out_dir, il_clip.py out_dir (PT-FT) or scratch")
+    g.add_argument("--model", default="shapes", choices=list(AUX_PRESETS), help="scratch: the preset")
+    g.add_argument("--like", help="scratch: copy config + tokenizer from this out_dir")
+    g.add_argument("--layers", type=int, help="scratch: depth (default: 6, or --like's)")
+    g.add_argument("--modality", default="clip", choices=["clip", "vision"], help="scratch: towers")
+    g.add_argument("--image_size", type=int, default=64, help="scratch without --like")
+    g = p.add_argument_group("method: task and activation (appendix A.2)")
+    g.add_argument("--task", default="retrieval", choices=["retrieval", "classification", "caption"])
+    g.add_argument("--activate_frac", type=float, default=0.1, help="paper: 10%% of the pre-training data")
+    g.add_argument("--activate_epochs", type=float, default=1.0)
+    g.add_argument("--activate_steps", type=int, help="default: computed from --activate_frac and --activate_epochs")
+    g.add_argument("--activate_data", help="default: the data the learngene was extracted on (recorded in the "
+                                           "descendant); required if not recorded")
+    g.add_argument("--activate_lr", type=float, default=5e-4)
+    g.add_argument("--train_size", type=int,
+                   help="classification: a seeded class-stratified subsample of N training images (default: all)")
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval_split", default="auto", help="auto: ImageFolder val/ else test/; shapes/JSON: test")
+    g.add_argument("--eval_size", type=int,
                    help="opt-in seeded subsample: N images (classification: stratified by class; retrieval and "
                         "captioning: N images with all their captions). Default: the whole split")
-    p.add_argument("--eval_data", default=None, help="retrieval/caption evaluation data when --data is a CSV or "
-                                                     "shards (no test split); default: --data's test split")
-    p.add_argument("--lm", default=None, help="caption: folder with GPT-2's model.safetensors + tokenizer.json "
-                                              "(or vocab.json + merges.txt); shapes: a stand-in GPT is trained")
-    p.add_argument("--beam", type=int, default=1, help="caption decoding: 1 greedy, >1 beam search")
-    p.add_argument("--baselines", action="store_true",
-                   help="caption: also score, on the same images and references, the best constant caption (the "
-                        "training caption with the highest CIDEr-D over the pool) and the nearest-neighbour caption "
-                        "(of the pool image most similar in the frozen encoder's image embedding)")
-    p.add_argument("--baseline_pool", type=int, default=1000, help="--baselines: the first N training images")
+    g.add_argument("--eval_data", help="retrieval/caption evaluation data when --data is a CSV or shards (no test "
+                                       "split); default: --data's test split")
+    g = p.add_argument_group("captioning")
+    g.add_argument("--lm", help="folder with GPT-2's model.safetensors + tokenizer.json (or vocab.json + "
+                                "merges.txt); default on shapes: a stand-in GPT trained beside --out_dir")
+    g.add_argument("--beam", type=int, default=1, help="decoding: 1 greedy, >1 beam search")
+    g.add_argument("--baselines", action="store_true",
+                   help="also score, on the same images and references, the best constant caption (the training "
+                        "caption with the highest CIDEr-D over the pool) and the nearest-neighbour caption (of the "
+                        "pool image most similar in the frozen encoder's image embedding)")
+    g.add_argument("--baseline_pool", type=int, default=1000, help="--baselines: the first N training images")
     p.set_defaults(func=cmd_finetune)
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_extract_parser(sub)
-    p = sub.add_parser("expand", help="learngene -> descendant out_dir (OpenAI layout)")
+    p = sub.add_parser("expand", formatter_class=HelpFormatter, help="learngene -> descendant out_dir (OpenAI layout)")
     p.add_argument("--learngene", required=True)
     p.add_argument("--layers", type=int, required=True)
     p.add_argument("--modality", default="clip", choices=["clip", "vision", "text"])
@@ -2346,20 +2499,21 @@ def build_parser():
                         "leaves the unimodal term out (W = c^mv theta^m, W = c^ml theta^m); the kept term keeps its "
                         "extracted coefficient, nothing is rescaled or filled randomly; embeddings, LayerNorms and "
                         "projections are the full learngene's")
-    p.add_argument("--width", type=int, default=None, help="expected width (checked)")
+    p.add_argument("--width", type=int, help="expected width (checked; default: not checked)")
     p.add_argument("--seed", type=int, default=0, help="He-LG: seed of the random layers")
-    p.add_argument("--out_dir", default=None)
+    p.add_argument("--out_dir", help="default: out/descendant_<method>_<modality><layers>")
     p.set_defaults(func=cmd_expand)
     add_finetune_parser(sub)
-    p = sub.add_parser("report", help="storage / cost table (paper Table 3) and fine-tuning results side by side")
-    p.add_argument("--learngene", default=None)
-    p.add_argument("--layers", type=int, nargs="+", default=[6, 8, 12])
+    p = sub.add_parser("report", formatter_class=HelpFormatter,
+                       help="storage / cost table (paper Table 3) and fine-tuning results side by side")
+    p.add_argument("--learngene", help="learngene.safetensors: Table 3's storage and cost")
+    p.add_argument("--layers", type=int, nargs="+", default=[6, 8, 12], help="--learngene: descendant depths")
     p.add_argument("--ptft", nargs="*", help="il_clip.py out_dirs of the directly pre-trained sizes")
     p.add_argument("--results", nargs="*", help="finetune out_dirs: one row each (Tables 1, 2, 4)")
-    p.add_argument("--seeds", default=None, help="a folder of finetune out_dirs (several seeds): mean ± 95%% "
-                   "interval per setting and paired differences against --baseline")
-    p.add_argument("--baseline", default=None, help="with --seeds: the setting every other is paired with, e.g. "
-                   "'mmlg both 6 retrieval' (default: MM-LG of the same size and task)")
+    p.add_argument("--seeds", help="a folder of finetune out_dirs (several seeds): mean ± 95%% interval per "
+                                   "setting and paired differences against --baseline")
+    p.add_argument("--baseline", help="with --seeds: the setting every other is paired with, e.g. 'mmlg both 6 "
+                                      "retrieval' (default: MM-LG of the same size and task)")
     p.set_defaults(func=cmd_report)
     return ap
 
@@ -2368,6 +2522,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     a = build_parser().parse_args(argv)
     _signal[0] = 0
+    _wandb.update(run=None, offset=0, next=0)
     handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         if a.cmd in ("extract", "finetune"):
@@ -2376,6 +2531,11 @@ def main(argv=None):
                 resume_flags(a, argv)
             if a.init is None and not a.resume:     # (with --resume, claim_out_dir says what is missing)
                 raise ConfigError(f"{a.cmd} needs --init ({'the teacher' if a.cmd == 'extract' else 'a descendant'})")
+        if getattr(a, "wandb", None):       # before training: the package is optional
+            try:
+                import wandb  # noqa: F401
+            except ImportError:
+                raise ConfigError("--wandb needs the wandb package (pip install wandb)") from None
         a.func(a)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()      # no rank tears down its connections while another still writes
@@ -2395,6 +2555,8 @@ def main(argv=None):
               f"checkpoint is kept", file=sys.stderr)
         sys.exit(2)
     finally:
+        if _wandb["run"] is not None:
+            _wandb["run"].finish()
         release_out_dir()
         for s, h in handlers.items():     # only now: a signal during the final save is not fatal
             signal.signal(s, h)
@@ -2413,8 +2575,72 @@ def main(argv=None):
 
 RUN_CONTROL = ("stop_at", "save_interval", "log_interval", "num_workers", "device", "resume", "overwrite", "out_dir")
 RUN_FILES = ("metrics.jsonl", "loss_curve.png", "learngene.safetensors", "results.json", "model.safetensors",
-             "config.json", "tokenizer.json", "checkpoint", "checkpoint.prev", "checkpoint.tmp")
+             "config.json", "tokenizer.json", "captions.json", "wandb_id", "checkpoint", "checkpoint.prev",
+             "checkpoint.tmp")
 _lock, _signal = None, [0]      # this process's out_dir/.lock; the strongest signal received (SIGTERM > SIGINT)
+
+
+_wandb = {"run": None, "offset": 0, "next": 0}    # --wandb: the module while a run is open; phase step offsets
+
+
+def wandb_start(a, config, rank):
+    """--wandb PROJECT (nanoGPT's wandb_log), rank 0: a W&B run named after out_dir, resumed by the run
+    id kept in out_dir/wandb_id (so --resume continues it); every metrics.jsonl record goes to it."""
+    if not getattr(a, "wandb", None) or rank != 0:
+        return
+    import wandb
+    id_path = os.path.join(a.out_dir, "wandb_id")
+    run_id = open(id_path).read().strip() if os.path.exists(id_path) else hashlib.sha256(os.urandom(16)).hexdigest()[:8]
+    data.atomic_write(id_path, lambda p: open(p, "w").write(run_id))
+    wandb.init(project=a.wandb, name=os.path.basename(os.path.abspath(a.out_dir)), config=config, id=run_id,
+               resume="allow")
+    _wandb["run"] = wandb
+
+
+def wandb_log(record):
+    """A record to W&B at its step; a later phase (finetune after activate) after the earlier ones' steps."""
+    if _wandb["run"] is not None:
+        _wandb["run"].log(record, step=record["step"] + _wandb["offset"])
+
+
+def on_rank0(fn, rank, world, device):
+    """fn() on rank 0 (it writes), and every rank learns how it went: a write error there (or non-finite
+    weights) is its one line on rank 0, and the other ranks exit with the same status instead of
+    failing or hanging in their next collective."""
+    if world == 1:
+        return fn()
+    error = None
+    if rank == 0:
+        try:
+            fn()
+        except Exception as e:
+            error = e
+    code = 0 if error is None else 2 if isinstance(error, (ConfigError, data.DataError)) or write_errno(error) else 1
+    code = torch.tensor(float(code), device=device)
+    dist.broadcast(code, 0)
+    if error is not None:
+        raise error
+    if code.item():
+        raise SystemExit(int(code.item()))
+
+
+def start_line(a, what, model, device, world, loader, rank):
+    """The run's first line (rank 0): script, subcommand, parameters, device x world size, data, out_dir."""
+    if rank == 0:
+        n = f" ({loader.num_samples} training samples)" if getattr(loader, "num_samples", None) else ""
+        print(f"start: {os.path.basename(__file__)} {what} | {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
+              f"parameters | {device} x {world} | data {a.data}{n} | out_dir {a.out_dir}", flush=True)
+
+
+def end_line(a, steps, t_start, files):
+    """The run's last line (rank 0): steps, time, what was written where."""
+    print(f"done: step {steps}/{steps} in {time.time() - t_start:.0f}s | wrote {a.out_dir}/{{{', '.join(files)}}}",
+          flush=True)
+
+
+def progress(it, desc, rank=0, **kw):
+    """A tqdm bar on stderr, drawn by rank 0 on a terminal only."""
+    return tqdm(it, desc=desc, file=sys.stderr, disable=None if rank == 0 else True, dynamic_ncols=True, **kw)
 
 
 def sha256(path):

@@ -303,11 +303,24 @@ def test_finetune_caption_baselines_on_shapes_references(tmp_path, capsys):
     assert 1 <= base["nearest"]["n_distinct_captions"] <= 6
     for b in ("constant", "nearest"):
         assert all(0 <= base[b][k] <= 100 for k in ("bleu4", "rouge_l")) and base[b]["cider"] >= 0
+    # grounding: captions.json says per image whether the model's caption is true; the rates agree with
+    # the test grammar's parser and data.caption_is_true on the scenes, image by image
+    per_image = json.loads((tmp_path / "cap" / "captions.json").read_text())
+    assert len(per_image) == 6
+    scene = lambda k: data.shapes_scene(k[:-8], int(k[-8:]), 0, 32)
+    true = lambda c, k: (s := parse_shapes_caption(to_grammar(c))) is not None and data.caption_is_true(
+        s, scene(k).objects)
+    assert [r["true"] for r in per_image.values()] == [true(r["caption"], k) for k, r in per_image.items()]
+    assert res["truth_rate"] == round(100 * sum(r["true"] for r in per_image.values()) / 6, 2)
+    assert base["constant"]["truth_rate"] == round(100 * sum(true(base["constant"]["caption"], k)
+                                                             for k in per_image) / 6, 2)
+    assert base["nearest"]["truth_rate"] == round(100 * sum(true(r["nearest"], k)
+                                                            for k, r in per_image.items()) / 6, 2)
     capsys.readouterr()
     M.main(["report", "--results", str(tmp_path / "cap")])
     out = capsys.readouterr().out
     assert "constant caption (baseline)" in out and "nearest caption (baseline)" in out
-    assert f"cider {base['constant']['cider']}" in out
+    assert f"cider {base['constant']['cider']}" in out and f"truth_rate {base['constant']['truth_rate']}" in out
 
 
 def test_shapes_stand_in_leaves_the_global_rng_alone(tmp_path):

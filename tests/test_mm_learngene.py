@@ -435,8 +435,12 @@ def test_finetune_resume_is_exact(extracted, tmp_path, capsys, task):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ra, rb = (json.loads((tmp_path / r / "results.json").read_text()) for r in ("one", "two"))
     assert ra == rb and ra["activation_steps"] == 2
-    steps = [json.loads(x)["step"] for x in open(tmp_path / "two" / "finetune" / "metrics.jsonl")]
-    assert steps == [1, 2, 3, 4]
+    records = [json.loads(x) for x in open(tmp_path / "two" / "finetune" / "metrics.jsonl")]
+    assert [m["step"] for m in records] == [1, 2, 3, 4, 4] and records[-1]["phase"] == "eval"
+    for m in records[:-1]:      # metrics.jsonl's schema (reporting): step, phase, loss, lr, time
+        assert {"step", "phase", "loss", "lr", "time"} <= m.keys() and m["phase"] == "finetune"
+    score = M.RESULT_COLUMNS[task][0]       # the eval record holds the results' scores, in percent
+    assert records[-1][score] == ra[score] and "loss" not in records[-1]
 
 
 class _ListLoader:
