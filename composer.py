@@ -2112,16 +2112,18 @@ def pick_windows(windows: list, targets: list) -> list:
 
 
 def target_problems(targets: list, windows: list, tolerance: float) -> list:
-    """What is wrong with the windows picked for --targets: a target further than `tolerance`
-    from every window (out of reach of this pool: the nearest reachable divergence is named), and
-    a target whose window another target already took (the two would be one split twice)."""
+    """What is wrong with the windows picked for --targets: a target further from every window than `tolerance` times
+    the reachable range (the windows' lowest to highest divergence; an absolute tolerance would be 40% of the range on
+    shapes, which spans 0.004..0.026) is out of reach of this pool, and a target whose window another target already
+    took (the two would be one split twice)."""
     out, first = [], {}
     cds = [w["compound_divergence"] for w in windows]
+    tol = tolerance * (max(cds) - min(cds)) + 1e-9   # + 1e-9: a window's own (rounded) divergence is in reach
     for t, w in zip(targets, pick_windows(windows, targets)):
         cd = w["compound_divergence"]
-        if abs(cd - t) > tolerance:
-            out.append(f"target {t:g} is out of reach of this pool (nearest reachable compound divergence {cd:g}; "
-                       f"its windows span {min(cds):g}..{max(cds):g})")
+        if abs(cd - t) > tol:
+            out.append(f"target {t:g} is out of reach of this pool: its windows span {min(cds):g}..{max(cds):g} "
+                       f"(nearest reachable compound divergence {cd:g}; --tolerance {tolerance:g} of the range)")
         if w["start"] in first:
             out.append(f"targets {first[w['start']]:g} and {t:g} pick the same window (divergence {cd:g})")
         first.setdefault(w["start"], t)
@@ -2244,10 +2246,15 @@ def write_text(path, text):
 
 
 def cmd_mcd(args):
+    try:
+        targets = [float(t) for t in args.targets.split(",")] if args.targets else []
+    except ValueError:
+        raise ComposerError(f"--targets {args.targets}: not a comma-separated list of numbers") from None
+    if not 0 <= args.tolerance < 1:
+        raise ComposerError(f"--tolerance {args.tolerance:g}: a fraction of the reachable range, in [0, 1)")
     train_crgs, _, sk_t, nb_t = _collect(args, args.train, args.train_split, _n(args.train, args.train_size, 20000))
     by_img, sk_p, nb_p = _pool(args)  # pool items are images with all their captions (appendix B)
     pool = [(k, [c for c, _ in v]) for k, v in by_img.items()]
-    targets = [float(t) for t in args.targets.split(",")] if args.targets else []
     stride = args.stride or (max(1, args.size // 10) if targets else None)
     res = mcd_split(train_crgs, pool, args.size, stride)
     summary = {k: v for k, v in res.items() if k not in ("mcd", "random", "windows")}
@@ -2575,8 +2582,9 @@ def parse_args(argv):
     m.add_argument("--targets", default=None, help="comma-separated compound divergences, e.g. 0.15,0.2,0.25,0.31: "
                    "write target_<t>.jsonl, the window closest to each (stride default: size/10); a target out of "
                    "reach of the pool, or two targets on one window, is an error unless --nearest")
-    m.add_argument("--tolerance", type=float, default=0.01,
-                   help="--targets: how far a window's divergence may be from its target")
+    m.add_argument("--tolerance", type=float, default=0.05,
+                   help="--targets: how far a window's divergence may be from its target, as a fraction of the "
+                        "reachable range (the windows' lowest to highest divergence)")
     m.add_argument("--nearest", action="store_true",
                    help="--targets: write the nearest reachable split for an out-of-reach target (with a warning); "
                         "targets that share a window write it once")

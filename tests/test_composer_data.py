@@ -128,8 +128,8 @@ def test_mcd_targets_and_pool_over_splits(tmp_path):
 
 def test_mcd_target_problems():
     windows = [{"start": s, "compound_divergence": cd} for s, cd in [(0, 0.031), (5, 0.02), (10, 0.012)]]
-    assert C.target_problems([0.02, 0.03], windows, 0.01) == []
-    p = C.target_problems([0.15, 0.2, 0.012], windows, 0.01)
+    assert C.target_problems([0.02, 0.03], windows, 0.1) == []   # 0.1 of the range 0.012..0.031: 0.0019
+    p = C.target_problems([0.15, 0.2, 0.012], windows, 0.1)
     assert p[0].startswith("target 0.15 is out of reach") and "nearest reachable compound divergence 0.031" in p[0]
     assert "targets 0.15 and 0.2 pick the same window" in p[2] and len(p) == 3
 
