@@ -48,3 +48,55 @@ def test_cli_refuses_out_of_range_targets_on_shapes(tmp_path, capsys):
     assert [w["compound_divergence"] for w in res["windows"]] == [w["compound_divergence"] for w in written]
     assert sorted(os.listdir(out)) == ["mcd.jsonl", "random.jsonl", "target_0.02.jsonl", "target_0.04393.jsonl",
                                        "windows.json"]
+
+
+def naive_divergence(train: list, test: list, alpha: float) -> float:
+    """1 - sum_k p_k^alpha q_k^(1-alpha) over the union of compounds, from two lists of compound occurrences."""
+    p = {k: train.count(k) / len(train) for k in set(train)}
+    q = {k: test.count(k) / len(test) for k in set(test)}
+    return 1.0 - sum(p.get(k, 0.0) ** alpha * q.get(k, 0.0) ** (1 - alpha) for k in set(p) | set(q))
+
+
+def compounds_and_atoms(crgs):
+    return [c.predicate for g in crgs for c in g.concepts()], [p.word for g in crgs for p in g.primitives()]
+
+
+def test_hold_out_split_reaches_the_papers_compound_divergence(tmp_path, capsys):
+    """`mcd --hold_out shapes`: the four held-out size-colour predicates are absent from the training captions (all their
+    words present), and the MCD split written has a compound divergence in the paper's range (0.15-0.31), computed here
+    by a naive loop over compound counts, with an atom divergence below 0.01."""
+    import data
+    held = C.hold_out_predicates("shapes")
+    assert held == {"a small red [NN]", "a large blue [NN]", "a small purple [NN]", "a large white [NN]"}
+    out = tmp_path / "mcd"
+    res = C.main(["mcd", "--train", "shapes", "--train_size", "2000", "--hold_out", "shapes", "--pool", "shapes",
+                  "--pool_size", "1000", "--size", "200", "--out_dir", str(out)])
+    capsys.readouterr()
+    train = [C.caption_crg(s.caption, s.tree) for s in (data.shapes_scene("train", i) for i in range(2000))]
+    kept = [g for g in train if not held & {c.predicate for c in g.concepts()}]
+    assert 0.15 < 1 - len(kept) / len(train) < 0.3       # a fifth of the training captions is left out
+    tc, ta = compounds_and_atoms(kept)
+    assert not held & set(tc) and {"small", "large", "red", "blue", "purple", "white"} <= set(" ".join(tc).split())
+    rows = [json.loads(line) for line in open(out / "mcd.jsonl")]
+    assert len({r["key"] for r in rows}) == 200 and all(r["split"] == "test" for r in rows)
+    qc, qa = compounds_and_atoms([C.caption_crg(s.caption, s.tree) for s in
+                                  (data.shapes_scene(r["split"], r["index"], r["seed"]) for r in rows)])
+    cd, ad = naive_divergence(tc, qc, 0.1), naive_divergence(ta, qa, 0.5)
+    assert 0.15 <= cd <= 0.31 and ad < 0.01, (cd, ad)
+    assert abs(cd - res["mcd_compound_divergence"]) < 1e-4 and abs(ad - res["mcd_atom_divergence"]) < 1e-4
+    rnd = [json.loads(line) for line in open(out / "random.jsonl")]
+    qr, _ = compounds_and_atoms([C.caption_crg(s.caption, s.tree) for s in
+                                 (data.shapes_scene(r["split"], r["index"], r["seed"]) for r in rnd)])
+    assert naive_divergence(tc, qr, 0.1) < 0.1           # a random draw of the same pool stays near the training set
+
+
+def test_training_leaves_the_held_out_captions_out(tmp_path):
+    args = C.parse_args(["--hold_out", "shapes", "--train_size", "100", "--out_dir", str(tmp_path)])
+    held = C.hold_out_predicates(args.hold_out)
+    full = C.load_split(args, "train", 100)
+    sp = C.load_split(args, "train", 100, hold_out=held)
+    bad = [i for i, g in enumerate(full.crgs) if held & {c.predicate for c in g.concepts()}]
+    assert sp.held_out == len(bad) > 0 and len(sp.captions) == 100 - len(bad) == len(sp.keys)
+    assert sp.keys == [k for i, k in enumerate(full.keys) if i not in bad]
+    assert C.hold_out_predicates("a b [NN], [NP] is above [NP]") == {"a b [NN]", "[NP] is above [NP]"}
+    assert C.hold_out_predicates(None) == frozenset()
