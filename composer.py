@@ -10,7 +10,7 @@ that reads top to bottom:
   5. data   captions + CRGs + region features of a split
   6. loss   l_match + l_MVSA (hinge / nll) + l_order
   7. train  torchrun DDP (gloo on CPU), the training loop
-  8. eval   text->image and phrase->image R@1/R@5/R@10, interpretation view
+  8. eval   text->image and phrase->image retrieval (t2i_r1/5/10, p2i_r1/5/10, percent), interpretation view
   9. MCD    compound divergence, the delta-ranking split procedure, graded splits
  10. main   subcommands train (default) | eval | graph | mcd | parse | summarize
   then      the rule-based bracketer (appendix), the infrastructure (checkpoints, lock, signals, plot)
@@ -1908,7 +1908,7 @@ def train(args):
 
 
 # =============================================================================
-# 8. Evaluation (paper section 5): text->image and phrase->image R@1/R@5, interpretation view
+# 8. Evaluation (paper section 5): text->image and phrase->image R@1/5/10 (t2i_r*, p2i_r*), interpretation view
 # =============================================================================
 
 @torch.no_grad()
@@ -2140,10 +2140,11 @@ def mcd_split(train_crgs: list, pool: list, size: int, stride: int | None = None
             "windows": windows}
 
 
-# Choice (issue 43): on shapes every predicate of the test split is frequent in training, so no split of it reaches the
-# paper's compound divergence (0.15-0.31; 0.026 at most). `--hold_out shapes` leaves four size-colour predicates out of
-# training, their words all seen ("a small red [NN]" never, "a red [NN]", "a large red [NN]", "a small green [NN]"
-# often), as the shapes benchmark holds colour-shape compounds out for its systematicity split; the test pool keeps them.
+# Choice (issue 43): on shapes every predicate of the test split is frequent in training, so no split of it reaches
+# the paper's compound divergence (0.15-0.31; 0.026 at most). `--hold_out shapes` leaves four size-colour predicates
+# out of training, their words all seen ("a small red [NN]" never, "a red [NN]", "a large red [NN]", "a small green
+# [NN]" often), as the shapes benchmark holds colour-shape compounds out for its systematicity split; the test pool
+# keeps them.
 def hold_out_predicates(value) -> frozenset:
     """--hold_out: none (empty), `shapes` (red-small, blue-large, purple-small, white-large), or comma-separated
     predicates as `composer.py graph` prints them ("a small red [NN]", "[NP] is above [NP]")."""

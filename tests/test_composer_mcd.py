@@ -30,8 +30,8 @@ def test_tolerance_is_a_fraction_of_the_reachable_range():
 
 def test_cli_refuses_out_of_range_targets_on_shapes(tmp_path, capsys):
     out = tmp_path / "mcd"
-    base = ["mcd", "--train", "shapes", "--train_size", "2000", "--pool", "shapes", "--pool_size", "500", "--size", "100",
-            "--out_dir", str(out)]
+    base = ["mcd", "--train", "shapes", "--train_size", "2000", "--pool", "shapes", "--pool_size", "500",
+            "--size", "100", "--out_dir", str(out)]
     for t in ("0.052", "0.0"):   # the pool's windows span 0.00522..0.04393
         with pytest.raises(SystemExit) as e:
             C.main(base + ["--targets", t])
@@ -62,9 +62,9 @@ def compounds_and_atoms(crgs):
 
 
 def test_hold_out_split_reaches_the_papers_compound_divergence(tmp_path, capsys):
-    """`mcd --hold_out shapes`: the four held-out size-colour predicates are absent from the training captions (all their
-    words present), and the MCD split written has a compound divergence in the paper's range (0.15-0.31), computed here
-    by a naive loop over compound counts, with an atom divergence below 0.01."""
+    """`mcd --hold_out shapes`: the four held-out size-colour predicates are absent from the training captions (all
+    their words present), and the MCD split written has a compound divergence in the paper's range (0.15-0.31),
+    computed here by a naive loop over compound counts, with an atom divergence below 0.01."""
     import data
     held = C.hold_out_predicates("shapes")
     assert held == {"a small red [NN]", "a large blue [NN]", "a small purple [NN]", "a large white [NN]"}
