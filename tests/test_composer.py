@@ -283,7 +283,7 @@ def test_resume_exact_and_ddp_equals_single(tmp_path):
     # evaluation + interpretation view on the checkpoint
     out = C.main(["eval", "--ckpt", full, "--eval_size", "12", "--interpret", "1", "--parse_dropout", "0.5",
                   "--folds", "3", "--out", os.path.join(full, "eval.json")])
-    assert set(out["test"]) >= {"R@1", "R@5", "phrase_R@1", "phrase_R@5"} and out["test"]["gallery"] == 4
+    assert set(out["test"]) >= {"t2i_r1", "t2i_r5", "t2i_r10", "p2i_r1", "p2i_r5", "p2i_r10"} and out["test"]["gallery"] == 4
     assert data.read_json(os.path.join(full, "eval.json")) == json.loads(json.dumps(out))
 
 
@@ -291,7 +291,7 @@ def test_resume_exact_and_ddp_equals_single(tmp_path):
 def test_baseline_training_runs(tmp_path, model):
     out = C.main(["train", "--method", *model, "--out_dir", str(tmp_path), "--max_steps", "2"]
                  + TRAIN + ["--eval_size", "8"])
-    assert 0 <= out["eval"]["in_domain"]["R@1"] <= 100
+    assert 0 <= out["eval"]["in_domain"]["t2i_r1"] <= 100
 
 
 def test_cli_bad_flags_one_line(tmp_path, capsys):
@@ -344,8 +344,8 @@ def test_frozen_il_clip_patch_features(tmp_path):
 
 def test_recall_ties_count_against_the_query():
     S = torch.tensor([[1.0, 1.0, 0.0], [0.0, 2.0, 1.0]])
-    assert C.recall_at(S, [{0}, {1}], ks=(1, 2)) == {"R@1": 50.0, "R@2": 100.0}
-    assert C.recall_at(S, [{0, 1}, {0, 2}], ks=(1,)) == {"R@1": 50.0}  # any correct image counts
+    assert C.recall_at(S, [{0}, {1}], ks=(1, 2)) == {"t2i_r1": 50.0, "t2i_r2": 100.0}
+    assert C.recall_at(S, [{0, 1}, {0, 2}], ks=(1,), name="p2i") == {"p2i_r1": 50.0}  # any correct image counts
 
 
 def test_nonfinite_loss_stops_at_the_next_check_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
@@ -377,7 +377,7 @@ def test_nonfinite_weights_are_never_saved(tmp_path, monkeypatch, capsys):
                 next(model.parameters())[0].fill_(float("nan"))
         return real_step(model, *a, **k)
     monkeypatch.setattr(C, "train_step", poison_after_1)
-    monkeypatch.setattr(C, "sync_values", lambda loss, parts, bad, flag, world: [0.0] * (len(parts) + 1) + [0.0, 0.0])
+    monkeypatch.setattr(C, "sync_values", lambda losses, bad, flag, world: [0.0] * len(losses) + [0.0, 0.0])
     with pytest.raises(SystemExit) as e:
         C.main(["train", "--out_dir", str(tmp_path), "--max_steps", "4"] + TRAIN + ["--save_interval", "1"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -532,7 +532,7 @@ def test_write_errors_are_one_line_and_keep_the_last_checkpoint(tmp_path, monkey
     C.read_checkpoint(os.path.join(out, "checkpoint"))       # whole: every sha256 matches
     monkeypatch.setattr(C, "write_file", real)
 
-    def no_quota(metrics_path, png_path):
+    def no_quota(metrics_path, png_path, *a):
         raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), png_path)
     monkeypatch.setattr(C, "draw_loss_curve", no_quota)
     with pytest.raises(SystemExit) as e:

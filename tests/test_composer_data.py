@@ -78,9 +78,9 @@ def test_text_only_training_and_eval_without_images(tmp_path, capsys):
             "--out_dir", out, "--max_steps", "2", "--batch_size", "4", "--width", "16", "--heads", "2",
             "--ct_layers", "1", "--vocab_size", "200", "--n_neg_img", "1", "--n_neg_txt", "1", "--dtype", "fp32",
             "--log_interval", "1"])
-    assert "30 train captions / 6 images, 30 parsed by the built-in bracketer" in capsys.readouterr().out
+    assert "30 train captions / 6 images, 30 parsed by the built-in bracketer" in capsys.readouterr().out.splitlines()[0]
     res = C.main(["eval", "--ckpt", out, "--no_phrases"])["test"]      # default: the whole test split
-    assert (res["images"], res["captions"], res["bracketer"]) == (6, 30, 30) and "R@10" in res
+    assert (res["images"], res["captions"], res["bracketer"]) == (6, 30, 30) and "t2i_r10" in res
     res = C.main(["eval", "--ckpt", out, "--no_phrases", "--eval_size", "2"])["test"]  # counts images
     assert (res["images"], res["captions"]) == (2, 10)
 
@@ -128,8 +128,8 @@ def test_mcd_targets_and_pool_over_splits(tmp_path):
 
 def test_mcd_target_problems():
     windows = [{"start": s, "compound_divergence": cd} for s, cd in [(0, 0.031), (5, 0.02), (10, 0.012)]]
-    assert C.target_problems([0.02, 0.03], windows, 0.01) == []
-    p = C.target_problems([0.15, 0.2, 0.012], windows, 0.01)
+    assert C.target_problems([0.02, 0.03], windows, 0.1) == []   # 0.1 of the range 0.012..0.031: 0.0019
+    p = C.target_problems([0.15, 0.2, 0.012], windows, 0.1)
     assert p[0].startswith("target 0.15 is out of reach") and "nearest reachable compound divergence 0.031" in p[0]
     assert "targets 0.15 and 0.2 pick the same window" in p[2] and len(p) == 3
 
@@ -262,7 +262,7 @@ def test_folds_rank_each_caption_within_its_gallery(tmp_path):
     for k in (1, 5):
         hits = sum(sum(bool(S1[i, j] >= S1[i, g]) for j in range(7) if j != g and j % 3 == g % 3) < k
                    for i, g in enumerate(sp.cap_img))
-        assert res[f"R@{k}"] == round(100.0 * hits / 7, 2)
+        assert res[f"t2i_r{k}"] == round(100.0 * hits / 7, 2)
     assert full["folds"] == 1 and torch.isfinite(S1).all()
     with pytest.raises(C.ComposerError, match="--folds 8"):
         C.evaluate(model, compiler, sp, "cpu", phrases=False, folds=8)
@@ -308,8 +308,9 @@ def test_parse_says_which_model_is_missing(tmp_path, monkeypatch, capsys):
 
 
 def test_summarize_reads_final_evals_and_pairs_seeds(tmp_path, capsys):
-    """`composer.py summarize`: one group per model (modulator / +mvsa named), R@k of the final
-    eval record as fractions, paired difference against the baseline on the shared seeds."""
+    """`composer.py summarize`: one group per model (modulator / +mvsa named), t2i_r<k> of the final
+    eval record as fractions, paired difference against the baseline on the shared seeds; a run written before the
+    names were t2i_r<k> (R@<k> under "eval") reads the same."""
     runs = {"c0": ("composer", "film", False, 0, 30.0), "c1": ("composer", "film", False, 1, 34.0),
             "s0": ("single", "film", False, 0, 20.0), "s1": ("single", "film", False, 1, 26.0),
             "r0": ("composer", "replace", False, 0, 50.0), "v0": ("vilbert", "film", True, 0, 40.0)}
@@ -318,12 +319,16 @@ def test_summarize_reads_final_evals_and_pairs_seeds(tmp_path, capsys):
         data.save_json(str(tmp_path / d / "config.json"), {"args": {"method": method, "modulator": modulator,
                                                                     "concept_mvsa": mvsa, "seed": seed}})
         with open(tmp_path / d / "metrics.jsonl", "w") as f:
-            f.write(json.dumps({"step": 1, "loss": 1.0}) + "\n")
-            f.write(json.dumps({"step": 2, "eval": {"mcd": {"R@1": r1, "R@5": 90.0, "R@10": 99.0}}, "final": True}) + "\n")
+            f.write(json.dumps({"step": 1, "phase": "train", "loss": 1.0, "lr": 1e-3, "time": 0.0}) + "\n")
+            ev = {"mcd": {"t2i_r1": r1, "t2i_r5": 90.0, "t2i_r10": 99.0, "images": 5}}
+            if d == "v0":   # the earlier layout
+                ev = {"eval": {"mcd": {"R@1": r1, "R@5": 90.0, "R@10": 99.0}}}
+            f.write(json.dumps({"step": 2, "phase": "eval", "time": 0.0, "final": True, **ev}) + "\n")
     os.makedirs(tmp_path / "unfinished")
     groups = C.main(["summarize", str(tmp_path)])
     assert set(groups) == {"composer", "single", "composer replace", "vilbert +mvsa"}
-    assert groups["single"]["mcd R@1"] == {0: 0.2, 1: 0.26}
+    assert groups["single"]["mcd t2i_r1"] == {0: 0.2, 1: 0.26} and groups["vilbert +mvsa"]["mcd t2i_r5"] == {0: 0.9}
+    assert set(groups["composer"]) == {"mcd t2i_r1", "mcd t2i_r5"}
     out = capsys.readouterr().out
     d = np.array([-0.10, -0.08])       # single - composer on seeds 0 and 1
     from data import T975
@@ -331,5 +336,5 @@ def test_summarize_reads_final_evals_and_pairs_seeds(tmp_path, capsys):
     row = next(ln for ln in out.splitlines() if ln.startswith("| single - composer (2) |"))
     assert row.split(" | ")[1] == f"{100 * d.mean():+.1f} ± {100 * half:.1f}"
     # a later `composer.py eval --out RUN/eval.json` (e.g. on larger splits) replaces the final record
-    data.save_json(str(tmp_path / "s1" / "eval.json"), {"mcd": {"R@1": 36.0, "R@5": 95.0}})
-    assert C.main(["summarize", str(tmp_path)])["single"]["mcd R@1"] == {0: 0.2, 1: 0.36}
+    data.save_json(str(tmp_path / "s1" / "eval.json"), {"mcd": {"t2i_r1": 36.0, "t2i_r5": 95.0}})
+    assert C.main(["summarize", str(tmp_path)])["single"]["mcd t2i_r1"] == {0: 0.2, 1: 0.36}
