@@ -128,8 +128,9 @@ def run_trainer(args, method, device):
                                  + (["--codebook", str(K)] if cfg.codebook_size else [])
                                  + (["--compile"] if args.compile else []))
     mem = PeakMemory(device)
-    torch.manual_seed(0)
-    model = open_clip_model(open_clip, cfg).to(device).train() if open_clip else il_clip.CLIP(cfg, seed=0).to(device)
+    seed = getattr(args, "seed", 0)
+    torch.manual_seed(seed)
+    model = open_clip_model(open_clip, cfg).to(device).train() if open_clip else il_clip.CLIP(cfg, seed=seed).to(device)
     decay, no_decay = il_clip.param_groups(model)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=5e-4, betas=(0.9, 0.98), eps=1e-6, fused=device.type == "cuda")
@@ -142,7 +143,7 @@ def run_trainer(args, method, device):
         fwd_loss = torch.compile(lambda im, tx: il_clip.contrastive_loss(*model(im, tx)),
                                  mode="reduce-overhead" if lever == "step+cudagraphs" else None)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext()
-    g, B = torch.Generator().manual_seed(0), args.batch_size
+    g, B = torch.Generator().manual_seed(seed), args.batch_size
     images = torch.randn(B, 3, cfg.image_size, cfg.image_size, generator=g).to(device)
     # il_clip's text stays on the CPU: compute_loss trims its padding there (no device sync)
     text = synthetic_text(B, cfg.vocab_size, cfg.context_length, g).to(device if open_clip else "cpu")
@@ -616,7 +617,8 @@ def main(argv=None):
     a("--composer", action="store_true", help="level-batched vs node-by-node composition")
     a("--targets", action="store_true", help="measure every speed target and check each")
     a("--levers", action="store_true", help="CLIP and Codebook-CLIP steps with each MFU lever in turn (GPU)")
-    a("--json", default=None, help="--targets: also write the report to this JSON file")
+    a("--out", "--json", dest="json", default=None, help="--targets / --levers: also write the report to this JSON file")
+    a("--seed", type=int, default=0, help="weights and synthetic batch of the timed steps")
     a("--script", default=None, help="time a fork's step: an il_clip.py-style script at PATH (default: il_clip.py)")
     args = p.parse_args(argv)
     if args.script:

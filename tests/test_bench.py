@@ -288,7 +288,7 @@ def test_levers_time_each_lever_with_its_compile_scope_and_chunking(monkeypatch,
                                           ("clip graphs", "clip", 4, "step+cudagraphs", None),
                                           ("codebook chunked", "codebook", 4, "step", 123)])
     out = tmp_path / "levers.json"
-    assert bench.main(["--levers", "--codebook", "64", "--steps", "2", "--untimed", "1", "--json", str(out)]) == 0
+    assert bench.main(["--levers", "--codebook", "64", "--steps", "2", "--untimed", "1", "--out", str(out)]) == 0
     # encoders: two compiled methods (mode None); step+cudagraphs: reduce-overhead; step: default mode
     assert compiled == [None, None, "reduce-overhead", None]
     assert set(budgets) == {123} and il_clip.max_code_scores.__defaults__[1] == 1 << 25
@@ -297,3 +297,12 @@ def test_levers_time_each_lever_with_its_compile_scope_and_chunking(monkeypatch,
     table = capsys.readouterr().out
     ratio = rows[2]["step_ms"] / rows[0]["step_ms"]
     assert f"| codebook chunked | 4 |" in table and f"{ratio:.3f}x |" in table
+
+
+def test_seed_sets_the_timed_models_weights(monkeypatch):
+    """--seed reaches the model built for the timed steps (default 0, as before the flag)."""
+    seeds, real = [], il_clip.CLIP
+    monkeypatch.setattr(il_clip, "CLIP", lambda cfg, seed=0: seeds.append(seed) or real(cfg, seed=seed))
+    bench.run_trainer(_args(seed=7), "clip", torch.device("cpu"))
+    bench.run_trainer(_args(), "clip", torch.device("cpu"))
+    assert seeds == [7, 0]
