@@ -2,6 +2,8 @@ import contextlib
 import os
 import sys
 
+import pytest
+
 # tests import the scripts of the repository root (data.py, il_clip.py, ...) as modules
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -115,3 +117,14 @@ def gloo_threads_left():
         with contextlib.suppress(OSError), open(f"/proc/self/task/{t}/comm") as f:
             names.append(f.read().strip())
     return [n for n in names if "gloo" in n]
+
+
+def require_real_wandb():
+    """Skip unless the wandb package is installed. `importorskip("wandb")` is not enough: a fake wandb.py
+    that an earlier test imported (with its folder on sys.path) stays in sys.modules after the path is
+    restored, and a subprocess would then not find the package."""
+    import importlib.metadata
+    try:
+        importlib.metadata.version("wandb")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("wandb is not installed")

@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import require_real_wandb
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -140,7 +141,7 @@ def test_wandb_missing_is_one_line(tmp_path):
 
 
 def test_wandb_offline_with_the_real_package(tmp_path):
-    pytest.importorskip("wandb")
+    require_real_wandb()
     out = str(tmp_path / "run")
     r = _train(["--out_dir", out, "--max_steps", "2", "--log_interval", "1", "--wandb", "composer-test"] + TRAIN,
                {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true", "PYTHONPATH": ROOT})

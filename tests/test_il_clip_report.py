@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import require_real_wandb
 import torch
 
 import data
@@ -176,7 +177,7 @@ def test_wandb_gets_every_metrics_record_and_resume_continues_its_run(tmp_path, 
 
 
 def test_wandb_offline_with_the_real_package(tmp_path):
-    pytest.importorskip("wandb")
+    require_real_wandb()
     out = str(tmp_path / "w")
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "OMP_NUM_THREADS": "1",
            "WANDB_SILENT": "true"}

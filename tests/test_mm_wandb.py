@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import require_real_wandb
 
 import mm_learngene as M
 from test_mm_learngene import ENV, EXTRACT, ROOT, teacher  # noqa: F401
@@ -60,7 +61,7 @@ def test_wandb_missing_package_is_one_line_before_training(teacher, tmp_path, mo
 
 
 def test_real_wandb_offline(teacher, tmp_path):  # noqa: F811
-    pytest.importorskip("wandb")
+    require_real_wandb()
     env = {**ENV, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
     out = tmp_path / "lg"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "mm_learngene.py")] + EXTRACT +
