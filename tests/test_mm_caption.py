@@ -238,15 +238,20 @@ def test_damaged_gpt2_folder_is_one_error_naming_the_file(tmp_path):
         M.load_gpt2(str(tmp_path / "gpt2"))
 
 
-def test_beam_search_scores_at_least_greedy(tmp_path):
-    """Beam search keeps the best length-normalised sequence it found; greedy is one of its
-    candidates' prefixes, so with the same stopping rule beam >= greedy in normalised score."""
+def tiny_captioner(tmp_path):
+    """(lm, tokenizer, ClipCap) over a released-layout GPT-2 fixture and a one-layer ViT, seeded."""
     write_released_gpt2(tmp_path / "gpt2")
     lm, tok = M.load_gpt2(str(tmp_path / "gpt2"))
     cfg = M.ModelConfig(embed_dim=8, image_size=16, patch_size=8, vision_width=16, vision_layers=1, vision_heads=2,
                         text_layers=0)
     torch.manual_seed(0)
-    cap = M.ClipCap(M.VisionTransformer(cfg), lm, tok, cfg.embed_dim)
+    return lm, tok, M.ClipCap(M.VisionTransformer(cfg), lm, tok, cfg.embed_dim)
+
+
+def test_beam_search_scores_at_least_greedy(tmp_path):
+    """Beam search keeps the best length-normalised sequence it found; greedy is one of its
+    candidates' prefixes, so with the same stopping rule beam >= greedy in normalised score."""
+    lm, tok, cap = tiny_captioner(tmp_path)
     images = torch.randn(3, 3, 16, 16)
 
     def score(prefix, ids):

@@ -10,7 +10,7 @@ import torch
 import data
 import mm_learngene as M
 from test_data import parse_shapes_caption as grammar_parser
-from test_mm_caption import to_grammar, write_released_gpt2
+from test_mm_caption import tiny_captioner, to_grammar
 
 
 def obj(shape, colour, size, cx, cy, r=4):
@@ -63,12 +63,7 @@ def test_every_reference_parses_as_the_test_grammar_reads_it_and_is_true():
 
 
 def test_greedy_decoding_of_a_batch_equals_a_hand_loop(tmp_path):
-    write_released_gpt2(tmp_path / "gpt2")
-    lm, tok = M.load_gpt2(str(tmp_path / "gpt2"))
-    cfg = M.ModelConfig(embed_dim=8, image_size=16, patch_size=8, vision_width=16, vision_layers=1, vision_heads=2,
-                        text_layers=0)
-    torch.manual_seed(0)
-    cap = M.ClipCap(M.VisionTransformer(cfg), lm, tok, cfg.embed_dim)
+    lm, tok, cap = tiny_captioner(tmp_path)
     images = torch.randn(4, 3, 16, 16)
     with torch.no_grad():
         want = []
