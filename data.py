@@ -1637,7 +1637,8 @@ def save_checkpoint(out_dir, weights, state, config, tokenizer, step, newest_dam
     try:
         os.makedirs(tmp)
         save_file(weights, os.path.join(tmp, "model.safetensors"), {"step": str(step)})
-        fsync(os.path.join(tmp, "state.pt"), lambda p: torch.save(state, p))
+        with open(os.path.join(tmp, "state.pt"), "wb") as f:   # a Python file: a write error keeps its errno
+            torch.save(state, f)
         for folder in (tmp, out_dir):
             atomic_write(os.path.join(folder, "config.json"), lambda p: save_json(p, config))
             if tokenizer is not None:

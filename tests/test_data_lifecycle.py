@@ -84,6 +84,20 @@ def test_write_error_is_one_line_and_keeps_the_previous(tmp_path, monkeypatch):
     assert data.load_checkpoint(str(tmp_path), TYPES)[2]["step"] == 1
 
 
+def test_file_size_limit_is_one_line(tmp_path):
+    """A real RLIMIT_FSIZE hit inside state.pt (torch.save to a path would fail with no errno to name)."""
+    code = ("import resource, sys, torch, data, test_data_lifecycle as t\n"
+            "model, state = t.trained_state(1)\n"
+            "state['pad'] = torch.zeros(1 << 18)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (600_000, 600_000))\n"
+            "try:\n    data.save_checkpoint(sys.argv[1], model.state_dict(), state, {}, None, 1)\n"
+            "except data.DataError as e:\n    print(e)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(data.__file__), os.path.dirname(__file__)]))
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert out.stdout.strip().endswith("the previous checkpoint is kept") and "file too large for the step-1" in out.stdout
+    assert not os.path.exists(tmp_path / "checkpoint.tmp")
+
+
 def test_claim_out_dir(tmp_path):
     out = str(tmp_path / "run")
     with pytest.raises(data.DataError, match="nothing to resume"):
