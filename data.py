@@ -1332,8 +1332,8 @@ def read_json(path: str):
             return json.load(f)
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: malformed JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, MemoryError) as e:   # nested too deep, too big
+        raise DataError(f"{path}: malformed JSON ({e or type(e).__name__})") from None
 
 
 def fsync(path: str, write=None):

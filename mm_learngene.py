@@ -2649,10 +2649,11 @@ def sha256(path):
 
 
 def write_errno(e):
-    """The errno of a write error said in one line (safetensors reports ENOSPC as SafetensorError)."""
+    """The errno of a write error said in one line (safetensors says it only in its message: "(os error 27)")."""
+    codes = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
     if isinstance(e, OSError):
-        return e.errno if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO) else None
-    return errno.ENOSPC if "No space left" in str(e) else None
+        return e.errno if e.errno in codes else None
+    return next((c for c in codes if f"(os error {c})" in str(e)), errno.ENOSPC if "No space left" in str(e) else None)
 
 
 def write_checkpoint(out_dir, model_sd, config, state, tok):
@@ -2662,7 +2663,8 @@ def write_checkpoint(out_dir, model_sd, config, state, tok):
         os.makedirs(tmp)
         save_file({k: v.detach().cpu().contiguous() for k, v in model_sd.items()},
                   os.path.join(tmp, "model.safetensors"), {"step": str(state["step"])})
-        torch.save(state, os.path.join(tmp, "state.pt"))
+        with open(os.path.join(tmp, "state.pt"), "wb") as f:     # a Python file: a failed write is an OSError
+            torch.save(state, f)
         for folder in (tmp, out_dir):       # readers of out_dir find config and tokenizer there too
             data.atomic_write(os.path.join(folder, "config.json"), lambda p: data.save_json(p, config))
             if tok is not None:

@@ -281,3 +281,14 @@ def test_a_karpathy_image_entry_of_the_wrong_type_is_one_line(tmp_path, image):
     path.write_text(json.dumps({"images": [image]}))
     with pytest.raises(data.DataError, match=r"dataset_x.json: malformed Karpathy JSON: images\[0\]"):
         E.karpathy_items(str(path))
+
+
+def test_a_karpathy_json_nested_too_deep_is_one_line_naming_the_file(tmp_path):
+    """100,000 nested brackets: the decoder's RecursionError is the one-line error naming the file, in
+    training's reader (data.karpathy_images) and the evaluation's (karpathy_items), not "retrieval: RecursionError"."""
+    path = tmp_path / "dataset_deep.json"
+    path.write_text("[" * 100000 + "]" * 100000)
+    for read in (lambda: data.karpathy_images(str(path), None, "train"), lambda: E.karpathy_items(str(path))):
+        with pytest.raises(data.DataError, match=f"^{path}: malformed JSON \\(maximum recursion depth") as e:
+            read()
+        assert "\n" not in str(e.value)

@@ -413,3 +413,21 @@ def test_a_sigterm_during_the_final_save_does_not_kill_the_run(teacher, tmp_path
     monkeypatch.setattr(M, "atomic_save_file", save_and_signal)
     M.main(extract_args(teacher, tmp_path / "o"))
     assert (tmp_path / "o" / "learngene.safetensors").exists() and saved_step(tmp_path / "o") == 3
+
+
+@pytest.mark.parametrize("limit", [50_000, 600_000])    # inside model.safetensors (~396 kB), inside state.pt (~841 kB)
+def test_a_real_file_size_limit_during_a_checkpoint_save_is_one_line(teacher, tmp_path, limit):  # noqa: F811
+    """EFBIG from the kernel (RLIMIT_FSIZE; Python ignores SIGXFSZ) while the checkpoint is written, in
+    safetensors' writer (which says "(os error 27)" only in its message) and in torch.save's: one line, exit 2."""
+    import resource
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    out = tmp_path / "o"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "mm_learngene.py")] + extract_args(teacher, out) +
+                       ["--save_interval", "1"], preexec_fn=small_files, capture_output=True, text=True, env=ENV,
+                       cwd=ROOT, timeout=240)
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("error") or "Traceback" in ln]
+    assert r.returncode == 2 and len(err) == 1, r.stderr[-3000:]
+    assert err[0].startswith(f"error: {out}: file too large for the step-1 checkpoint"), err
+    assert not (out / "checkpoint.tmp").exists()
