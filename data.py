@@ -1960,15 +1960,10 @@ def summarize_runs(root: str, read_run, baseline=None) -> dict:
 # OUT/imagefolder/{train,test}/{shape}/*.png  classification (data.shapes_classification)
 # OUT/manifest.json           what was written, with counts
 
-def _progress(it, desc: str, total=None):
-    from tqdm import tqdm
-    return tqdm(it, desc=desc, total=total, leave=False, dynamic_ncols=True)
-
-
 def write_shapes_shards(out: str, n: int, seed: int, shard_size: int, image_size: int) -> dict:
     """Train scenes 0..n-1 in shards of `shard_size`; returns {shard file name: samples}."""
     folder, sizes = os.path.join(out, "shards"), {}
-    for first in _progress(range(0, n, shard_size), f"shards of {shard_size}"):
+    for first in progress(range(0, n, shard_size), desc=f"shards of {shard_size}", leave=False):
         name, buf = f"{first // shard_size:05d}.tar", io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
             for i in range(first, min(n, first + shard_size)):
@@ -1992,13 +1987,13 @@ def write_shapes_shards(out: str, n: int, seed: int, shard_size: int, image_size
 
 def write_shapes_benchmarks(out: str, n: int, seed: int, image_size: int) -> dict:
     bench = shapes_benchmark(seed, n, image_size)
-    for cat in _progress(SHAPES_CATEGORIES, "sugarcrepe"):
+    for cat in progress(SHAPES_CATEGORIES, desc="sugarcrepe", leave=False):
         rows = {str(i): {"filename": f"{cat}_{i:05d}.png", "caption": item["caption"],
                          "negative_caption": item["negative_caption"]} for i, item in enumerate(bench[cat])}
         for row, item in zip(rows.values(), bench[cat]):
             _save(os.path.join(out, "sugarcrepe", "images", row["filename"]), item["image"])
         _save(os.path.join(out, "sugarcrepe", f"{cat}.json"), json.dumps(rows, indent=1))
-    for split in _progress(("systematicity", "productivity"), "crepe"):
+    for split in progress(("systematicity", "productivity"), desc="crepe", leave=False):
         for i, item in enumerate(bench[split]):
             _save(os.path.join(out, "crepe", "images", f"{split}_{i:05d}.png"), item["image"])
         for name, columns, kinds in CREPE_FILES[split]:
@@ -2034,7 +2029,7 @@ def write_shapes_karpathy(out: str, n: int, seed: int, image_size: int) -> dict:
     images, rows = [], {}
     for split in ("train", "val", "test"):
         rows[split] = [("filepath", "title", "tree")]
-        for i in _progress(range(n), f"karpathy {split}"):
+        for i in progress(range(n), desc=f"karpathy {split}", leave=False):
             scene, filename, k = shapes_scene(split, i, seed, image_size), f"{i:09d}.png", len(images)
             _save(os.path.join(out, "karpathy", split, filename), scene.image)
             images.append({"filepath": split, "filename": filename, "split": split, "imgid": k, "sentids": [k],
@@ -2051,7 +2046,7 @@ def write_shapes_imagefolder(out: str, n: int, seed: int, image_size: int) -> di
     for split in ("train", "test"):
         for name in SHAPE_NAMES:  # every class has its folder, even when no image drew it
             os.makedirs(os.path.join(out, "imagefolder", split, name), exist_ok=True)
-        for i in _progress(range(n), f"imagefolder {split}"):
+        for i in progress(range(n), desc=f"imagefolder {split}", leave=False):
             img, label = shapes_classification(split, i, seed, image_size)
             _save(os.path.join(out, "imagefolder", split, SHAPE_NAMES[label], f"{i:06d}.png"), img)
     return {"train": n, "test": n, "classes": SHAPE_NAMES}
@@ -2085,7 +2080,7 @@ def check_data(spec: str, split: str = "train", image_root: str | None = None, b
     loader = make_loader(spec, split, batch_size, image_size=image_size, train=False, num_workers=num_workers,
                          drop_last=drop_last, image_root=image_root, max_skip_fraction=1.0, **csv_options)
     t0, problem = time.time(), None
-    with _progress(None, "check", loader.num_samples) as bar:
+    with progress(desc="check", total=loader.num_samples, leave=False) as bar:
         try:
             for batch in loader:
                 bar.update(len(batch["caption"]))
