@@ -46,11 +46,9 @@ from tqdm import tqdm
 import data
 
 if dist.is_available():
-    # Imported before any process group exists: these functions take `group=group.WORLD` as a
-    # default, evaluated on import. Imported later (DDP does, through torch._dynamo), the defaults
-    # hold the group past destroy_process_group, so its gloo worker threads run on into
-    # interpreter exit, where one freeing a Python tensor aborts the process ("terminate called
-    # without an active exception").
+    # Imported before any process group exists: its `group=group.WORLD` defaults are evaluated on
+    # import. Imported later (by DDP, through torch._dynamo), they hold the group past
+    # destroy_process_group and its gloo threads abort the process at exit ("terminate called...").
     import torch.distributed.nn.functional  # noqa: F401
 
 # -----------------------------------------------------------------------------
@@ -98,13 +96,11 @@ MODEL_PRESETS = {
 # defaults used on the built-in shapes data (sized so `python il_clip.py` runs ~10 min on 2 CPU cores).
 # generations=5: the paper gives no count ("K training cycles"); 5 is this repo's choice, which
 # with its CC3M step counts (6000 + 5 x (1000 + 5000) + 12000) gives 48k steps.
-PAPER_DEFAULTS = dict(model="ViT-B-32", batch_size=1024, lr=5e-4, warmup=500, rewarm=500,
-                      codebook=16384, code_temp=1000.0, t_warm=6000, t_distill=1000,
-                      t_interact=5000, generations=5, t_extend=12000, context_length=77,
-                      vocab_size=49408, neg_pool=16384, log_interval=50, save_interval=1000)
-SHAPES_DEFAULTS = dict(model="tiny", batch_size=64, lr=1e-3, warmup=50, rewarm=25,
-                       codebook=1024, code_temp=100.0, t_warm=300, t_distill=40,
-                       t_interact=160, generations=3, t_extend=100, context_length=32,
+PAPER_DEFAULTS = dict(model="ViT-B-32", batch_size=1024, lr=5e-4, warmup=500, rewarm=500, codebook=16384,
+                      code_temp=1000.0, t_warm=6000, t_distill=1000, t_interact=5000, generations=5, t_extend=12000,
+                      context_length=77, vocab_size=49408, neg_pool=16384, log_interval=50, save_interval=1000)
+SHAPES_DEFAULTS = dict(model="tiny", batch_size=64, lr=1e-3, warmup=50, rewarm=25, codebook=1024, code_temp=100.0,
+                       t_warm=300, t_distill=40, t_interact=160, generations=3, t_extend=100, context_length=32,
                        vocab_size=1000, neg_pool=1024, log_interval=20, save_interval=200)
 CODE_TEMP_ITERS = 1000      # T = T0 * decay^(step / 1000) (FDT's schedule), floor 0.01
 KD_TEMP = 1.0               # Hinton KD temperature of the distill phase
@@ -145,8 +141,7 @@ def build_args(argv=None):
     a("--method", default="il", choices=["clip", "codebook", "negclip", "il"], help="the loss and schedule")
     a("--negatives", action="store_true", help="add NegCLIP hard negatives to --method il")
     a("--neg_pool", type=int, default=None, help=f"NegCLIP's image pool ({by_data('neg_pool')})")
-    a("--codebook", type=int, default=None, help="K codes (0 = none; default: "
-      f"{SHAPES_DEFAULTS['codebook']} on shapes, {PAPER_DEFAULTS['codebook']} otherwise, with codebook / il)")
+    a("--codebook", type=int, default=None, help=f"K codes, 0 = none ({by_data('codebook')}; with codebook / il)")
     a("--code_temp", type=float, default=None, help="T0 of the code temperature T = T0 * decay^(step/1000), "
       "floor 0.01; the scores are divided by T: a large T0 flattens them and sparsemax spreads the weight over "
       "many codes (a softmax over codes at T0=100 would be near uniform), a small one makes it sparse "
@@ -166,8 +161,7 @@ def build_args(argv=None):
     a("--t_warm", type=int, default=None, help=f"warm-up generation ({by_data('t_warm')})")
     a("--t_distill", type=int, default=None, help=f"distill phase ({by_data('t_distill')})")
     a("--t_interact", type=int, default=None, help=f"interact phase ({by_data('t_interact')})")
-    a("--generations", type=int, default=None,
-      help="spawns (default: 3 on shapes, 5 on web data: our choice, the paper gives no count)")
+    a("--generations", type=int, default=None, help=f"spawns ({by_data('generations')}; the paper gives no count)")
     a("--t_extend", type=int, default=None, help=f"the last interaction's extension ({by_data('t_extend')})")
     a("--warmup", type=int, default=None, help=f"linear LR warm-up ({by_data('warmup')})")
     a("--rewarm", type=int, default=None, help=f"linear LR re-warm-up at each generation start ({by_data('rewarm')})")
@@ -314,16 +308,11 @@ class Transformer(nn.Module):
         return x
 
 
-def _raw(module, name):
-    """The stored tensor behind `module.name` (the original when spectral norm parametrizes it)."""
-    if hasattr(module, "parametrizations") and name in module.parametrizations:
-        return module.parametrizations[name].original
-    return getattr(module, name)
-
-
 @torch.no_grad()
 def _normal(module, name, std, g):
-    t = _raw(module, name)
+    """N(0, std^2) into `module.name`, or into the original where spectral norm parametrizes it."""
+    sn = getattr(module, "parametrizations", {})
+    t = sn[name].original if name in sn else getattr(module, name)
     t.copy_(torch.randn(t.shape, generator=g) * std)
 
 
@@ -536,8 +525,7 @@ UNUSED_WITH_CODEBOOK = ("text_projection", "visual.proj", "visual.ln_post.weight
 
 
 def apply_spectral_norm(model):
-    """Spectral norm (paper Table 3) on every nn.Linear and attention in_proj_weight; not the
-    patch conv, embeddings, projections or codebook."""
+    """Paper Table 3's ablation: on every nn.Linear and attention in_proj (see --spectral_norm)."""
     from torch.nn.utils.parametrizations import spectral_norm
     for m in list(model.modules()):
         if isinstance(m, nn.Linear):
@@ -558,21 +546,17 @@ def agent_params(model, agent):
 
 # -----------------------------------------------------------------------------
 # sparsemax (Martins & Astudillo 2016) and the memory-lean codebook scores
-def _sparsemax_tau(z):
-    """Threshold tau of the last dim of z by a full sort (Martins & Astudillo 2016, Alg. 1)."""
-    zs = z.sort(dim=-1, descending=True).values
-    r = torch.arange(1, zs.shape[-1] + 1, device=z.device, dtype=z.dtype)
-    cs = zs.cumsum(-1) - 1
-    # support size >= 1; a NaN row (a diverged run) counts 0 and is clamped, so it gives NaN
-    # weights and the non-finite-loss stop instead of an out-of-bounds gather
-    ksz = (r * zs > cs).sum(-1, keepdim=True).clamp(min=1)
-    return cs.gather(-1, ksz - 1) / ksz.to(z.dtype)
-
-
 class _Sparsemax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z):
-        out = torch.clamp(z - _sparsemax_tau(z), min=0)
+        # the threshold tau of the last dim by a full sort (Martins & Astudillo 2016, Alg. 1)
+        zs = z.sort(dim=-1, descending=True).values
+        r = torch.arange(1, zs.shape[-1] + 1, device=z.device, dtype=z.dtype)
+        cs = zs.cumsum(-1) - 1
+        # support size >= 1; a NaN row (a diverged run) counts 0 and is clamped, so it gives NaN
+        # weights and the non-finite-loss stop instead of an out-of-bounds gather
+        ksz = (r * zs > cs).sum(-1, keepdim=True).clamp(min=1)
+        out = torch.clamp(z - cs.gather(-1, ksz - 1) / ksz.to(z.dtype), min=0)
         ctx.save_for_backward(out)
         return out
 
