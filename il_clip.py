@@ -13,21 +13,14 @@ train -> shapes benchmark score; then one infrastructure section (out_dir, check
 MFU, loss curve) and main. data.py holds the loaders, the tokenizer and the shapes data.
 """
 import argparse
-import contextlib
 import copy
-import errno
-import fcntl
 import gc
-import hashlib
+import importlib.util
 import json
 import math
 import os
-import pathlib
 import random
 import re
-import secrets
-import shutil
-import signal
 import sys
 import time
 from collections import OrderedDict
@@ -39,9 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from PIL import Image, ImageDraw
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 import data
 
@@ -204,8 +195,8 @@ def build_args(argv=None):
 
 def check_args(args):
     """Fill the data-dependent defaults and reject contradictory flags (ConfigError)."""
-    if args.wandb:
-        import_wandb()      # on every rank, before anything is written: a missing package stops them all
+    if args.wandb and importlib.util.find_spec("wandb") is None:    # on every rank, before anything is written
+        raise ConfigError("--wandb needs the wandb package (pip install wandb)")
     if args.negatives and args.method not in ("il", "negclip"):
         raise ConfigError("--negatives goes with --method il (negclip always uses them)")
     defaults = SHAPES_DEFAULTS if args.data.startswith("shapes") else PAPER_DEFAULTS
@@ -1216,7 +1207,7 @@ def setup(args, rank, world, tok=None, ckpt=None):
     if ckpt is not None:
         load_checkpoint(r, ckpt)
     elif rank == 0:
-        with writing(r.metrics_path):
+        with data.writing(r.metrics_path):
             open(r.metrics_path, "w").close()
     return r
 
@@ -1228,7 +1219,7 @@ def train(r):
     t_last, step_last, trainable_for = time.time(), r.step, None
     if r.step >= end:          # nothing to train (e.g. --max_steps 0 to export --init weights)
         save_checkpoint(r)
-    bar = progress_bar(end, "train", "step", disable=r.rank != 0, initial=r.step)
+    bar = data.progress(total=end, initial=r.step, desc="train", unit="step", disable=r.rank != 0)
     while r.step < end:
         # the IL phase: one lookup (warm-up, then per generation spawn -> distill -> interact)
         phase, gen, _ = r.sched.at(r.step)
@@ -1278,14 +1269,15 @@ def train(r):
         # (a --stop_at step saves without a log line: the resumed run logs as an uninterrupted one)
         log_now = r.step % args.log_interval == 0 or r.step == args.max_steps or r.sched.at(r.step)[0] != phase
         save_now = r.step % args.save_interval == 0 or r.step == end
-        if not (log_now or save_now or (r.world == 1 and _stop)):
+        stop = data.stop_requested() is not None
+        if not (log_now or save_now or (r.world == 1 and stop)):
             continue
-        stats = torch.cat([r.sums / max(1, r.n_loss), torch.tensor([float(_stop is not None)], device=r.device)])
+        stats = torch.cat([r.sums / max(1, r.n_loss), torch.tensor([float(stop)], device=r.device)])
         if r.world > 1:           # mean loss over ranks; nonzero if any rank is bad / signalled
             dist.all_reduce(stats)
             stats[:2] /= r.world
         loss_v, clip_v, bad, stop = stats.tolist()
-        if bad or (save_now or stop) and not all_finite([model.state_dict(), list(r.opt.state.values())]):
+        if bad or (save_now or stop) and not data.all_finite([model.state_dict(), list(r.opt.state.values())]):
             bar.close()
             if r.rank == 0:
                 print(f"error: non-finite loss or weights at step <= {r.step} (phase {phase}, generation "
@@ -1299,7 +1291,7 @@ def train(r):
                    "logit_scale": scale.item(), "samples_per_s": round(sps, 2),   # the scale the loss used
                    "text_len": round(text_len, 2), "mfu": estimate_mfu(r.cfg, sps, r.device, text_len), "time": now}
             if r.rank == 0:
-                log_record(r, rec)
+                data.log_record(r.metrics_path, rec, r.wandb)
                 bar.set_postfix(loss=f"{loss_v:.4f}", phase=phase, gen=gen)
             r.sums.zero_()
             r.n_loss = r.text_tokens = 0
@@ -1332,7 +1324,7 @@ def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=
     model.eval()
     tf = data.eval_transform(model.cfg.image_size)
     cats = [*data.SHAPES_CATEGORIES, "systematicity", "productivity"]
-    bar = progress_bar(n_val + n * len(cats), "shapes eval", "item", disable=not progress)
+    bar = data.progress(total=n_val + n * len(cats), desc="shapes eval", unit="item", disable=not progress)
 
     def embed(images, captions):
         ie = [model.encode_image(data.normalize_images(torch.stack([tf(im) for im in images[i:i + batch_size]]),
@@ -1377,155 +1369,36 @@ def shapes_table(res):
 
 
 # =============================================================================
-# infrastructure: the out_dir (run lifecycle, lock), checkpoints, signals, write errors, MFU, the
-# loss curve. Nothing here changes what is trained.
-# out_dir/checkpoint/ holds CHECKPOINT_FILES and sha256.json (written last); state.pt is torch.save'd
-# and read with weights_only=True (no pickled code runs). A save writes checkpoint.tmp/, then renames
-# checkpoint/ -> checkpoint.prev/ (kept: what a damaged newest falls back to), checkpoint.tmp/ -> checkpoint/.
-CHECKPOINT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "state.pt")
+# infrastructure: il_clip's part of the run lifecycle (data.py holds the rest: the out_dir lock, the
+# checkpoint files and their fallback, write errors, stop signals, wandb, the curve drawing), MFU and
+# the loss curve's series. Nothing here changes what is trained.
 STATE_TYPES = {"step": int, "spawned": int, "optimizer": dict, "loader": dict, "log": dict, "rng": dict}
-# the flags --resume takes from its command line (the first six always, the others when given); the
-# rest define the run: given with --resume, they must equal the saved values
-RUN_CONTROL = {"out_dir", "resume", "overwrite", "given", "stop_at", "device", "save_interval", "log_interval",
-               "num_workers", "eval_size", "compile", "wandb"}
-WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
-_lock = None    # this process's open out_dir/.lock
-_stop = None    # the signal that asked the run to stop ("SIGTERM", "SIGINT"), or None
-
-
-def claim_out_dir(args, rank, world):
-    """Before anything is written: one run per out_dir (rank 0 holds an flock on out_dir/.lock, which
-    the kernel drops when the process ends, killed or not); --resume needs a checkpoint; a new run
-    replaces one only with --overwrite. Rank 0 says what is wrong, once; the other ranks exit 2."""
-    global _lock
-    release_out_dir()
-    out, error = args.out_dir, None
-    if rank == 0:
-        os.makedirs(out, exist_ok=True)
-        _lock = open(os.path.join(out, ".lock"), "a+")
-        try:
-            fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            _lock.truncate(0)
-            _lock.write(f"{os.getpid()}\n")
-            _lock.flush()
-            saved = any(os.path.isdir(os.path.join(out, d)) for d in ("checkpoint", "checkpoint.prev"))
-            if args.resume and not saved:
-                error = f"--resume: nothing to resume yet in {out} (no checkpoint saved)"
-            elif saved and not (args.resume or args.overwrite):
-                error = (f"{out} holds the checkpoint of an earlier run: continue it with --resume, or use another "
-                         f"--out_dir, or --overwrite to replace it")
-            for name in os.listdir(out) if args.overwrite else []:     # the earlier run's checkpoints, results
-                if re.fullmatch(r"checkpoint(\..*)?|gen\d+", name):
-                    shutil.rmtree(os.path.join(out, name))
-                elif re.fullmatch(r"metrics\.jsonl|shapes_eval\.json|config\.json|wandb_id\.txt|.*\.png", name):
-                    os.remove(os.path.join(out, name))
-        except BlockingIOError:
-            _lock.seek(0)
-            error = f"{out} is in use by another run: process {_lock.read().strip() or '?'} holds {out}/.lock"
-            release_out_dir()
-    failed = torch.tensor(float(error is not None), device=args.device)
-    if world > 1:
-        dist.broadcast(failed, 0)
-    if failed.item():
-        if rank:
-            raise SystemExit(2)
-        raise ConfigError(error)
-
-
-def release_out_dir():
-    global _lock
-    if _lock is not None:
-        _lock.close()
-        _lock = None
+# the flags --resume takes from its command line (ALWAYS_NOW always, the others when given); the rest
+# define the run: given with --resume, they must equal the saved values
+ALWAYS_NOW = {"out_dir", "resume", "overwrite", "given", "stop_at", "device"}
+RUN_CONTROL = ALWAYS_NOW | {"save_interval", "log_interval", "num_workers", "eval_size", "compile", "wandb"}
+# what --overwrite removes from out_dir: the earlier run's checkpoints and results
+RUN_FILES = (r"checkpoint(\..*)?|gen\d+", r"metrics\.jsonl|shapes_eval\.json|config\.json|wandb_id\.txt|.*\.png")
 
 
 def resumed_args(args, config):
-    """--resume: the saved run's flags and the run-control flags given now. A run-defining flag
-    given now must equal the saved value."""
-    # a checkpoint from before --lr_schedule existed ran the global schedule
-    saved = {"lr_schedule": "global"} | {k: config[k] for k in vars(args) if k in config} | {"model": config["preset"]}
-    for name in sorted(set(args.given) - RUN_CONTROL):
-        now = json.loads(json.dumps(getattr(args, name)))
-        if name in saved and now != saved[name]:
-            raise ConfigError(f"--resume: --{name} {now} differs from the saved run's {saved[name]} ({args.out_dir}); "
-                              f"drop it to continue that run, or start a new one in another --out_dir")
-    keep = set(args.given) | {"out_dir", "resume", "overwrite", "given", "stop_at", "device"}
+    """--resume: the saved run's flags and the run-control flags given now (DataError for a changed
+    run-defining flag)."""
+    saved = {k: config[k] for k in vars(args) if k in config} | {"model": config["preset"]}
+    data.resumed_flags({k: getattr(args, k) for k in args.given}, saved, RUN_CONTROL, args.out_dir)
+    keep = set(args.given) | ALWAYS_NOW
     return check_args(argparse.Namespace(**(vars(args) | {k: v for k, v in saved.items() if k not in keep})))
 
 
-def tensors_in(obj):
-    if torch.is_tensor(obj):
-        yield obj
-    elif isinstance(obj, (dict, list, tuple)):
-        for v in obj.values() if isinstance(obj, dict) else obj:
-            yield from tensors_in(v)
-
-
-def all_finite(obj):
-    """Every floating-point tensor in obj finite? (checked before a save: never a NaN checkpoint)"""
-    flags = [torch.isfinite(t).all() for t in tensors_in(obj) if t.is_floating_point()]
-    return bool(torch.stack(flags).all()) if flags else True
-
-
-@contextlib.contextmanager
-def writing(path, what=""):
-    """A failed write (full disk, quota, file too large, I/O error) -> one error line (ConfigError).
-    safetensors says so in its message only, torch.save in the error it was raised during."""
-    try:
-        yield
-    except Exception as e:
-        err, why = e, None
-        while err is not None and why is None:
-            why = next((os.strerror(c).lower() for c in WRITE_ERRNOS
-                        if getattr(err, "errno", None) == c or os.strerror(c) in str(err)), None)
-            err = err.__context__
-        if why is None:
-            raise
-        raise ConfigError(f"{path}: {why}{what}") from None
-
-
 def save_checkpoint(r):
-    """Everything --resume needs to continue bit-exactly from r.step (rank 0 writes). A failed write
-    is one error line; checkpoint.tmp/ is removed, the earlier checkpoints kept."""
+    """Everything --resume needs to continue bit-exactly from r.step (rank 0 writes)."""
     if r.rank != 0:
         return
-    nps, out = np.random.get_state(), r.args.out_dir
     state = {"step": r.step, "spawned": r.spawned, "optimizer": r.opt.state_dict(), "loader": r.loader.state_dict(),
              "teacher": r.teacher.state_dict() if r.teacher is not None else None,
              "pool": {"emb": r.pool.emb, "ptr": r.pool.ptr, "count": r.pool.count} if r.pool is not None else None,
-             "log": {"sums": r.sums, "n": r.n_loss, "text_tokens": r.text_tokens},
-             "rng": {"torch": torch.get_rng_state(), "numpy": (nps[0], nps[1].tolist(), *nps[2:]),
-                     "cuda": torch.cuda.get_rng_state_all() if r.device.type == "cuda" else [],
-                     "python": random.getstate()}}
-    config = run_config(r)
-    tmp, final, prev = (os.path.join(out, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    model_sd = {k: v.detach().to("cpu").contiguous() for k, v in r.model.state_dict().items()}
-    need = sum(t.nbytes for t in tensors_in([model_sd, state])) / 2 ** 20
-    try:
-        with writing(out, f" for the step-{r.step} checkpoint (about {need:.1f} MiB needed, "
-                          f"{shutil.disk_usage(out).free / 2 ** 20:.1f} MiB free); the previous one is kept"):
-            save_file(model_sd, os.path.join(tmp, "model.safetensors"), {"step": str(r.step)})
-            with open(os.path.join(tmp, "state.pt"), "wb") as f:
-                torch.save(state, f)
-            data.save_json(os.path.join(tmp, "config.json"), config)
-            r.tok.save(tmp)
-            data.save_json(os.path.join(tmp, "sha256.json"),
-                           {n: sha256(os.path.join(tmp, n)) for n in CHECKPOINT_FILES})
-            for name in os.listdir(tmp):
-                data.fsync(os.path.join(tmp, name))
-            data.fsync(tmp)
-            data.atomic_write(os.path.join(out, "config.json"), lambda p: data.save_json(p, config))
-    except Exception:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if os.path.isdir(final) and not r.newest_damaged:     # a damaged newest is dropped, checkpoint.prev kept
-        shutil.rmtree(prev, ignore_errors=True)
-        os.replace(final, prev)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    data.fsync(out)
+             "log": {"sums": r.sums, "n": r.n_loss, "text_tokens": r.text_tokens}, "rng": data.rng_state(r.device)}
+    data.save_checkpoint(r.args.out_dir, r.model.state_dict(), state, run_config(r), r.tok, r.step, r.newest_damaged)
     r.newest_damaged = False
 
 
@@ -1535,50 +1408,8 @@ def run_config(r):
             "script": data.script_record(__file__)}
 
 
-def sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def find_checkpoint(out_dir, device, rank):
-    """(folder, weights, training state, config, newest damaged?) from out_dir/checkpoint/ when every file
-    matches sha256.json and state.pt has the right types, else from checkpoint.prev/ with a note on stderr;
-    a DataError naming the damaged file(s) when neither is usable."""
-    errors = []
-    for folder in (os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "checkpoint.prev")):
-        if errors and not os.path.isdir(folder):
-            break
-        try:
-            sums = data.read_json(os.path.join(folder, "sha256.json"))
-            for name in CHECKPOINT_FILES:
-                path = os.path.join(folder, name)
-                if not os.path.isfile(path):
-                    raise data.DataError(f"{path}: missing (incomplete checkpoint)")
-                if not isinstance(sums, dict) or sha256(path) != sums.get(name):
-                    raise data.DataError(f"{path}: damaged (its sha256 is not the one in sha256.json)")
-            try:                                              # `path` is state.pt, the last of CHECKPOINT_FILES
-                state = torch.load(path, map_location=device, weights_only=True)
-            except Exception as e:
-                why = (str(e).splitlines() or [""])[0][:120]
-                raise data.DataError(f"{path}: unreadable ({type(e).__name__}: {why})") from None
-            bad = [f"{k}: {t.__name__}" for k, t in STATE_TYPES.items() if not isinstance(state, dict)
-                   or not isinstance(state.get(k), t)]
-            if bad:
-                raise data.DataError(f"{path}: wrong types (expected {', '.join(bad)})")
-            found = folder, data.read_weights(os.path.join(folder, "model.safetensors")), state, \
-                data.read_json(os.path.join(folder, "config.json")), bool(errors)
-        except data.DataError as e:
-            errors.append(str(e))
-            continue
-        if errors and rank == 0:
-            print(f"note: {errors[0]}; resuming from the previous checkpoint {folder} (step {state['step']})",
-                  file=sys.stderr)
-        return found
-    raise data.DataError("; and ".join(errors))
-
-
 def load_checkpoint(r, ckpt):
-    """save_checkpoint undone; metrics.jsonl is cut back to the resumed step, so no step is logged twice."""
+    """save_checkpoint undone (ckpt: data.load_checkpoint's); metrics.jsonl is cut back to the resumed step."""
     folder, sd, state, _, r.newest_damaged = ckpt
     data.load_state(r.model, sd, folder)
     r.opt.load_state_dict(state["optimizer"])
@@ -1593,18 +1424,9 @@ def load_checkpoint(r, ckpt):
     r.step, r.spawned = state["step"], state["spawned"]
     r.sums.copy_(state["log"]["sums"])
     r.n_loss, r.text_tokens = state["log"]["n"], state["log"]["text_tokens"]
-    rng = state["rng"]
-    torch.set_rng_state(rng["torch"].cpu())
-    if rng["cuda"] and r.device.type == "cuda":
-        torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
-    np.random.set_state((rng["numpy"][0], np.array(rng["numpy"][1], dtype=np.uint32), *rng["numpy"][2:]))
-    random.setstate(rng["python"])
+    data.set_rng_state(state["rng"], r.device)
     if r.rank == 0:
-        with open(r.metrics_path) if os.path.isfile(r.metrics_path) else nullcontext([]) as f:
-            kept = "".join(ln for ln in f if ln.strip() and (m := json.loads(ln))["step"] <= r.step
-                           and m.get("phase") != "eval")     # a finished run resumed is evaluated again
-        with writing(r.metrics_path):
-            data.atomic_write(r.metrics_path, lambda p: pathlib.Path(p).write_text(kept))
+        data.cut_metrics(r.metrics_path, r.step)
 
 
 def save_generation_snapshot(r, gen):
@@ -1614,53 +1436,9 @@ def save_generation_snapshot(r, gen):
         d = os.path.join(r.args.out_dir, f"gen{gen}")
         os.makedirs(d, exist_ok=True)
         sd = {k: v.detach().to("cpu").contiguous() for k, v in r.model.state_dict().items()}
-        with writing(d):
+        with data.writing(d):
             data.atomic_write(os.path.join(d, "model.safetensors"),
                               lambda p: data.fsync(p, lambda q: save_file(sd, q, {"step": str(r.step)})))
-
-
-def progress_bar(total, desc, unit, disable=False, initial=0):
-    """A tqdm bar on stderr, on an interactive terminal only (a log file gets the start and end lines)."""
-    return tqdm(total=total, initial=initial, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True,
-                disable=disable or not sys.stderr.isatty())
-
-
-def import_wandb():
-    try:
-        import wandb
-    except ImportError:
-        raise ConfigError("--wandb needs the wandb package (pip install wandb)") from None
-    return wandb
-
-
-def start_wandb(r, resumed):
-    """--wandb PROJECT (nanoGPT's wandb_log), rank 0: the run's config; the wandb run id is kept in
-    out_dir/wandb_id.txt, so that --resume continues the same wandb run."""
-    path, wandb = os.path.join(r.args.out_dir, "wandb_id.txt"), import_wandb()
-    run_id = pathlib.Path(path).read_text().strip() if resumed and os.path.isfile(path) else secrets.token_hex(4)
-    with writing(path):
-        data.atomic_write(path, lambda p: pathlib.Path(p).write_text(run_id + "\n"))
-    wandb.init(project=r.args.wandb, name=os.path.basename(os.path.abspath(r.args.out_dir)), id=run_id,
-               resume="allow", config=run_config(r))
-    return wandb
-
-
-def log_record(r, rec):
-    """One metrics.jsonl line (rank 0); with --wandb also sent to Weights & Biases at its step."""
-    with writing(r.metrics_path), open(r.metrics_path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
-    if r.wandb is not None:
-        r.wandb.log(rec, step=rec["step"])
-
-
-def on_signal(signum, frame):
-    """SIGTERM / SIGINT: the ranks agree at the next sync point, save and stop. A second Ctrl-C
-    exits at once, without a save (the last checkpoint stays)."""
-    global _stop
-    if _stop is not None and signum == signal.SIGINT:
-        print("error: interrupted again: exiting without saving", file=sys.stderr)
-        os._exit(130)
-    _stop = signal.Signals(signum).name
 
 
 def estimate_flops_per_pair(cfg, text_len=None):
@@ -1694,7 +1472,7 @@ def estimate_mfu(cfg, pairs_per_s, device, text_len=None):
 
 
 # -----------------------------------------------------------------------------
-# the loss curve (paper Fig. 3), drawn with PIL (no matplotlib in this project)
+# the loss curve (paper Fig. 3), drawn by data.draw_curves
 CLIP_LOSS_COLOUR, SPAWN_COLOUR = (150, 150, 150), (200, 120, 120)
 PHASE_STYLE = {"warmup": ("warm-up", (40, 90, 200)), "distill": ("distill", (220, 120, 0)),
                "interact": ("interact", (30, 150, 60))}
@@ -1704,25 +1482,6 @@ METHOD_COLOUR = (130, 60, 170)     # a run without IL phases ("train"): one colo
 def phase_style(phase, method):
     """(legend label, colour): IL's phases by their names, a single-phase run by its method."""
     return PHASE_STYLE.get(phase, (method, METHOD_COLOUR))
-
-
-def nice_ticks(lo, hi, n=5, integer=False):
-    """About n round ticks in [lo, hi]: steps of 1, 2 or 5 x 10^k, whole numbers when `integer`."""
-    raw = max(hi - lo, 1e-12) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
-    step = max(1, round(step)) if integer else step
-    first = math.ceil(lo / step) * step
-    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
-
-
-def tick_labels(values):
-    """The ticks as text with the fewest decimals at which no two read the same."""
-    for digits in range(13):
-        labels = [f"{v:.{digits}f}" for v in values]
-        if len(set(labels)) == len(labels):
-            break
-    return labels
 
 
 def legend_entries(recs, method, spawns=()):
@@ -1735,47 +1494,17 @@ def legend_entries(recs, method, spawns=()):
     return entries + ([("spawn", SPAWN_COLOUR)] if spawns else [])
 
 
-def draw_loss_curve(metrics_path, png_path, boundaries=(), method="il", size=(900, 420)):
+def draw_loss_curve(metrics_path, png_path, spawns=(), method="il"):
     """The loss coloured by phase and, in grey, the contrastive loss of every phase: Fig. 3's spike at
-    each spawn (`boundaries`, red lines) shows in the grey curve. Non-finite points are dropped."""
+    each spawn (red lines) shows in the grey curve."""
     with open(metrics_path) if os.path.isfile(metrics_path) else nullcontext([]) as f:
         recs = [m for m in map(json.loads, filter(str.strip, f)) if "loss" in m]     # not the eval records
-    curves = [[(m["step"], m.get("clip_loss", math.nan), CLIP_LOSS_COLOUR) for m in recs],
-              [(m["step"], m["loss"], phase_style(m.get("phase"), method)[1]) for m in recs]]
-    curves = [[p for p in curve if math.isfinite(p[1])] for curve in curves]
-    pts = [p for curve in curves for p in curve]
-    (W, H), (L, R, T, B) = size, (70, 20, 40, 50)
-    img = Image.new("RGB", size, "white")
-    d = ImageDraw.Draw(img)
-    d.rectangle([L, T, W - R, H - B], outline="black")
-    d.text((L, 8), f"il_clip.py, {method}: training loss (mean over each log interval)", fill="black")
-    d.text((4, T - 14), "loss (nats)", fill="black")
-    d.text(((L + W - R) // 2 - 10, H - 18), "step", fill="black")
-    if pts:
-        x1, y0, y1 = max(max(p[0] for p in pts), 1), min(p[1] for p in pts), max(p[1] for p in pts)
-        y1 = y1 if y1 > y0 else y0 + 1
-        px = lambda x: L + (W - L - R) * x / x1
-        py = lambda y: H - B - (H - T - B) * (y - y0) / (y1 - y0)
-        spawns = [b for b in boundaries if b <= x1]
-        for i, b in enumerate(spawns):
-            d.line([px(b), T, px(b), H - B], fill=SPAWN_COLOUR)
-            d.text((px(b) + 3, T + 2), f"gen {i + 1}", fill=(160, 60, 60))
-        for curve in curves:        # a segment takes the colour of its end point
-            for (xa, ya, _), (xb, yb, c) in zip(curve, curve[1:]):
-                d.line([px(xa), py(ya), px(xb), py(yb)], fill=c, width=2)
-        xt, yt = nice_ticks(0, x1, integer=True), nice_ticks(y0, y1)
-        for v, s in zip(xt, tick_labels(xt)):
-            d.line([px(v), H - B, px(v), H - B + 4], fill="black")
-            d.text((px(v) - 3 * len(s), H - B + 6), s, fill="black")
-        for v, s in zip(yt, tick_labels(yt)):
-            d.line([L - 4, py(v), L, py(v)], fill="black")
-            d.text((L - 8 - 6 * len(s), py(v) - 6), s, fill="black")
-        for i, (label, c) in enumerate(legend_entries(recs, method, spawns)):
-            y = T + 6 + 14 * i
-            d.line([W - R - 150, y + 6, W - R - 130, y + 6], fill=c, width=3)
-            d.text((W - R - 124, y), label, fill="black")
-    with writing(png_path):
-        data.atomic_write(png_path, lambda p: img.save(p, format="PNG"))
+    spawns = [s for s in spawns if recs and s <= recs[-1]["step"]]
+    series = [("contrastive loss", CLIP_LOSS_COLOUR, [(m["step"], m.get("clip_loss", math.nan)) for m in recs], 2),
+              ("loss", None, [(m["step"], m["loss"], phase_style(m.get("phase"), method)[1]) for m in recs], 2)]
+    data.draw_curves(png_path, f"il_clip.py, {method}: training loss (mean over each log interval)", series,
+                     [(s, f"gen {i + 1}", SPAWN_COLOUR) for i, s in enumerate(spawns)],
+                     legend_entries(recs, method, spawns))
 
 
 # -----------------------------------------------------------------------------
@@ -1784,8 +1513,8 @@ def run(argv=None):
     t0 = time.time()
     args = build_args(argv)
     rank, world = setup_distributed(args)
-    claim_out_dir(args, rank, world)
-    ckpt = find_checkpoint(args.out_dir, args.device, rank) if args.resume else None
+    data.claim_out_dir(args.out_dir, rank, world, args.device, args.resume, args.overwrite, RUN_FILES)
+    ckpt = data.load_checkpoint(args.out_dir, STATE_TYPES, args.device, rank) if args.resume else None
     if ckpt is not None:
         args = resumed_args(args, ckpt[3])
     torch.manual_seed(args.seed)
@@ -1793,17 +1522,17 @@ def run(argv=None):
     np.random.seed(args.seed)
     r = setup(args, rank, world, ckpt=ckpt)
     if rank == 0:
-        r.wandb = start_wandb(r, ckpt is not None) if args.wandb else None
+        r.wandb = data.start_wandb(args.wandb, args.out_dir, run_config(r), ckpt is not None) if args.wandb else None
         print(start_line(r, ckpt is not None), flush=True)
     status = train(r)
     if status == "done" and r.step >= args.max_steps and rank == 0 and args.eval_size > 0 \
             and args.data.startswith("shapes"):
         res = evaluate_shapes(r.model, r.tok, n=args.eval_size, progress=True)
         path = os.path.join(args.out_dir, "shapes_eval.json")
-        with writing(path):
+        with data.writing(path):
             data.save_json(path, res | {"scored": {"items_per_category": args.eval_size,
                                                    "val_pairs": data.SHAPES_VAL_PAIRS}})
-        log_record(r, {"step": r.step, "phase": "eval", "time": time.time(), **res})
+        data.log_record(r.metrics_path, {"step": r.step, "phase": "eval", "time": time.time(), **res}, r.wandb)
         print(shapes_table(res))
         print(f"scored: {args.eval_size} items per category (every item), "
               f"retrieval on {data.SHAPES_VAL_PAIRS} val pairs (percent)")
@@ -1832,29 +1561,27 @@ def end_line(r, status, seconds):
     names = ["checkpoint", *gens, "metrics.jsonl", "loss_curve.png", "shapes_eval.json"]
     wrote = [n + "/" * os.path.isdir(os.path.join(out, n)) for n in names if os.path.exists(os.path.join(out, n))]
     cmd = f"{f'torchrun --nproc_per_node={r.world}' if r.world > 1 else 'python'} {os.path.basename(__file__)}"
-    return (f"{status}{f' by {_stop}' if status == 'stopped' else ''}: step {r.step}/{a.max_steps} in {seconds:.0f}s"
-            f" | wrote {out}/{{{', '.join(wrote)}}}"
+    return (f"{status}{f' by {data.stop_requested()}' if status == 'stopped' else ''}: step {r.step}/{a.max_steps} "
+            f"in {seconds:.0f}s | wrote {out}/{{{', '.join(wrote)}}}"
             + (f" | continue with: {cmd} --resume --out_dir {out}" if r.step < a.max_steps else ""))
 
 
 def main(argv=None):
-    global _stop
     owns_pg = dist.is_available() and not dist.is_initialized()   # a caller's group is the caller's to end
     # installed until main returns: a SIGTERM during the final save or the evaluation does not kill it
-    _stop, handlers = None, {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    handlers = data.catch_stop_signals()
     try:
         return run(argv)
     except (data.DataError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        release_out_dir()
+        data.release_out_dir()
         if owns_pg and dist.is_initialized():
             # torch's order: the group goes last, once, on every path, after run() has returned
             gc.collect()    # the DDP wrappers (in reference cycles) hold the group: they go first
             dist.destroy_process_group()
-        for s, h in handlers.items():
-            signal.signal(s, h)
+        data.restore_signals(handlers)
 
 
 if __name__ == "__main__":
