@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils.parametrizations import spectral_norm
 from safetensors.torch import save_file
 
 import data
@@ -44,8 +45,7 @@ if dist.is_available():
 
 # -----------------------------------------------------------------------------
 # config
-class ConfigError(Exception):
-    """A user mistake in flags or files: main() prints `error: <msg>` and exits 2."""
+ConfigError = data.DataError     # a user mistake in flags or files: main() prints `error: <msg>` and exits 2
 
 
 @dataclass
@@ -176,8 +176,7 @@ def build_args(argv=None):
     a("--out_dir", default="out/il_clip", help="checkpoint/, metrics.jsonl, loss_curve.png, shapes_eval.json")
     a("--resume", action="store_true", help="continue the run in out_dir with its saved flags")
     a("--overwrite", action="store_true", help="replace the checkpoint and results of an earlier run in out_dir")
-    a("--stop_at", type=int, default=None, help="stop at this step with a checkpoint, as if preempted "
-                                                "(default: run to --max_steps)")
+    a("--stop_at", type=int, default=None, help="stop here with a checkpoint, as if preempted (default: --max_steps)")
     a("--log_interval", type=int, default=None, help=f"steps per metrics.jsonl line ({by_data('log_interval')})")
     a("--save_interval", type=int, default=None, help=f"steps per checkpoint ({by_data('save_interval')})")
     a("--eval_size", type=int, default=1000,
@@ -225,8 +224,7 @@ def check_args(args):
 
 
 def parse_model_args(pairs):
-    """["width=64", "layers=6"] -> {"vision_width": 64, "text_width": 64, ...}, typed as ModelConfig
-    (fields that have a flag of their own, or come from the tokenizer, are not accepted here)."""
+    """["width=64", "layers=6"] -> {"vision_width": 64, "text_width": 64, ...}, typed as ModelConfig."""
     own_flag = {"vocab_size", "eot_token_id", "quick_gelu", "codebook_size", "code_sim", "spectral_norm"}
     field_type = {f.name: f.type for f in fields(ModelConfig) if f.name not in own_flag}  # int, float, str
     out = {}
@@ -439,8 +437,10 @@ class CLIP(TextTransformer):
             # current sparsemax temperature T (a schedule: T0 * w^(step/iters), floor 0.01); saved
             self.register_buffer("code_temperature", torch.tensor(1.0))
         self.init_weights(seed)
-        if cfg.spectral_norm:
-            apply_spectral_norm(self)
+        if cfg.spectral_norm:       # paper Table 3's ablation: every nn.Linear and attention in_proj
+            for m in list(self.modules()):
+                if isinstance(m, (nn.Linear, Attention)):
+                    spectral_norm(m, "in_proj_weight" if isinstance(m, Attention) else "weight")
         # The codebook head replaces the CLS/EOT projections: these stay in the state dict (OpenAI
         # key layout for --init and load_model) but are frozen, so DDP and AdamW never see them.
         for n in UNUSED_WITH_CODEBOOK if cfg.codebook_size else ():
@@ -515,16 +515,6 @@ class CLIP(TextTransformer):
 UNUSED_WITH_CODEBOOK = ("text_projection", "visual.proj", "visual.ln_post.weight", "visual.ln_post.bias")
 
 
-def apply_spectral_norm(model):
-    """Paper Table 3's ablation: on every nn.Linear and attention in_proj (see --spectral_norm)."""
-    from torch.nn.utils.parametrizations import spectral_norm
-    for m in list(model.modules()):
-        if isinstance(m, nn.Linear):
-            spectral_norm(m, "weight")
-        elif isinstance(m, Attention):
-            spectral_norm(m, "in_proj_weight")
-
-
 VISION_PREFIXES = ("visual.", "image_query.")
 LANGUAGE_PREFIXES = ("token_embedding.", "positional_embedding", "transformer.", "ln_final.",
                      "text_projection", "text_query.")
@@ -562,8 +552,7 @@ class _Sparsemax(torch.autograd.Function):
 
 
 def sparsemax(x, dim=-1):
-    """Exact sparsemax along `dim` (Euclidean projection onto the simplex), computed in at
-    least float32."""
+    """Exact sparsemax along `dim` (Euclidean projection onto the simplex), in at least float32."""
     dtype = x.dtype
     z = x.float() if dtype in (torch.float16, torch.bfloat16) else x
     out = _Sparsemax.apply(z.transpose(dim, -1).contiguous())
@@ -616,20 +605,18 @@ class _MaxCodeScores(torch.autograd.Function):
 
 
 def max_code_scores(q, codes, valid=None, budget=1 << 25, max_tokens=None):
-    """max over valid tokens ([B, P] bool) of q @ codes.T -> [B, K] float32, in sample chunks of
-    budget // (max_tokens x K) scores; a fixed `max_tokens` keeps torch.compile from recompiling
-    per text length. Pads get -inf (FDT's reference zeroes pad features, clamping scores at >= 0)."""
+    """max over valid tokens ([B, P] bool) of q @ codes.T -> [B, K] float32, in sample chunks of budget //
+    (max_tokens x K) scores (a fixed `max_tokens`: no recompile per text length). Pads get -inf (FDT's
+    reference zeroes pad features, clamping scores at >= 0)."""
     return _MaxCodeScores.apply(q, codes, valid, budget, max_tokens)
 
 
 # -----------------------------------------------------------------------------
 # distributed helpers and losses
 class _AllGather(torch.autograd.Function):
-    """Every rank's rows in rank order; the backward sums each rank's gradient for these rows and
-    returns it to their owner (open_clip's gather_with_grad). Both collectives are synchronous: with
-    torch's asynchronous functional all-gather, 2-rank gloo runs died about 1 in 100 (heap corruption
-    found in gloo's worker thread). (all_gather_single / reduce_scatter_single: torch 2.13's names
-    for all_gather_into_tensor / reduce_scatter_tensor, now deprecated.)"""
+    """Every rank's rows in rank order; backward returns each rank's summed gradient to its rows' owner
+    (open_clip's gather_with_grad). Synchronous collectives (torch 2.13's names): with the asynchronous
+    functional all-gather, 2-rank gloo runs died about 1 in 100 (heap corruption in gloo's worker)."""
 
     @staticmethod
     def forward(ctx, x):
@@ -659,11 +646,8 @@ def contrastive_loss(img, txt, scale, neg_txt=None, neg_txt_valid=None, neg_img=
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     labels = torch.arange(B, device=img.device) + rank * B
     all_img, all_txt = gather(img), gather(txt)
-    txt_cols, img_cols = all_txt, all_img
-    if neg_txt is not None:
-        txt_cols = torch.cat([all_txt, gather(neg_txt)])
-    if neg_img is not None:
-        img_cols = torch.cat([all_img, neg_img])
+    txt_cols = all_txt if neg_txt is None else torch.cat([all_txt, gather(neg_txt)])
+    img_cols = all_img if neg_img is None else torch.cat([all_img, neg_img])
     li = scale * img @ txt_cols.t()
     if neg_txt_valid is not None:   # a caption with nothing to swap gets no negative column
         keep = torch.cat([torch.ones(all_txt.shape[0], dtype=torch.bool, device=img.device),
@@ -916,9 +900,8 @@ def get_lr(step, args, sched):
 # -----------------------------------------------------------------------------
 # weights: --init, load_model
 def openai_config(sd: dict) -> dict:
-    """The hyperparameters of OpenAI-layout CLIP weights, read from tensor shapes as open_clip's
-    build_model_from_openai does (heads by OpenAI's width // 64; QuickGELU; EOT the last id);
-    with a codebook head (this script's), its size and code dimension."""
+    """The hyperparameters of OpenAI-layout weights from tensor shapes, as open_clip's build_model_from_openai
+    (heads = width // 64; QuickGELU; EOT the last id); with this script's codebook head, its size."""
     try:
         vw, _, patch, _ = sd["visual.conv1.weight"].shape
         tw, vocab = sd["ln_final.weight"].shape[0], sd["token_embedding.weight"].shape[0]
@@ -937,10 +920,9 @@ def openai_config(sd: dict) -> dict:
 
 
 def load_model(path, device="cpu", quick_gelu=None):
-    """-> (model, tokenizer or None, config dict) from an out_dir, a checkpoint/ folder or an
-    OpenAI-format weight file. `quick_gelu` None: the checkpoint's config; for a weight file the
-    open_clip_config.json / config.json beside it, else OpenAI's QuickGELU, assumed (said on
-    stderr, as for a checkpoint whose run assumed it). config["quick_gelu_source"] says which."""
+    """-> (model, tokenizer or None, config) from an out_dir, a checkpoint/ folder or an OpenAI-layout weight
+    file. The activation: `quick_gelu`, else the checkpoint's config, else data.weights_activation's (an
+    assumption is said on stderr); config["quick_gelu_source"] says which."""
     folder = data.checkpoint_dir(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         config = data.read_json(os.path.join(folder, "config.json"))
@@ -968,10 +950,9 @@ def load_model(path, device="cpu", quick_gelu=None):
 # -----------------------------------------------------------------------------
 # the loss of one micro-batch: every term a forker may change sits here
 def trim_padding(text, eot_id: int, multiple: int = 8):
-    """Drop the token columns after a CPU batch's last EOT, rounded up to a multiple of 8 (tensor
-    cores, few compiled lengths). Exact when nothing reads past a caption's EOT (a causal text
-    tower; this script's codebook head masks those positions). A device tensor is returned as is
-    (finding the EOT would sync)."""
+    """Drop the token columns after a CPU batch's last EOT, rounded up to a multiple of 8 (tensor cores, few
+    compiled lengths): exact when nothing reads past a caption's EOT (a causal text tower; the codebook head
+    masks those positions). A device tensor is returned as is (finding the EOT would sync)."""
     if text.device.type != "cpu":
         return text
     n = int((text == eot_id).int().argmax(-1).max()) + 1
@@ -979,10 +960,9 @@ def trim_padding(text, eot_id: int, multiple: int = 8):
 
 
 def compute_loss(model, batch, phase, agent, teacher, pool, args):
-    """One micro-batch -> (loss to backpropagate, contrastive loss for the log, the logit scale
-    used, text length after trimming, NegCLIP's global image embeddings for the pool or None).
-    Changes nothing: train() adds the embeddings to the pool after the step. NegCLIP's negative
-    captions ride in the same text batch (one forward of the model per micro-batch)."""
+    """One micro-batch -> (loss to backpropagate, contrastive loss for the log, the logit scale used, text
+    length after trimming, NegCLIP's global image embeddings for train() to add to the pool, or None).
+    NegCLIP's negative captions ride in the same text batch (one forward per micro-batch)."""
     device = model.logit_scale.device
     images = data.normalize_images(batch["image"], device)      # uint8 -> normalised float on the device
     text, n = batch["text"], batch["text"].shape[0]
@@ -1018,10 +998,9 @@ def compute_loss(model, batch, phase, agent, teacher, pool, args):
 
 
 class StepLoss(nn.Module):
-    """compute_loss as the forward() that DDP wraps, so every loss term runs inside it: a term that
-    uses a parameter directly (a learnable bias, a weight penalty) gets its gradient averaged over
-    ranks like the rest. (Around the model alone, DDP's find_unused_parameters marks a parameter
-    the forward did not use as ready, and its later gradient fails: "marked as ready twice".)"""
+    """compute_loss as the forward() DDP wraps: a term that uses a parameter directly (a learnable bias,
+    a weight penalty) gets its gradient averaged over ranks like the rest (around the model alone, DDP
+    fails on it: "marked as ready twice")."""
 
     def __init__(self, model, args):
         super().__init__()
@@ -1061,9 +1040,8 @@ def build_tokenizer(args, rank, world):
 
 
 def model_config(args, tok):
-    """The preset, then --model_args and --quick_gelu; the tokenizer fixes vocabulary and length.
-    With --init the activation is the flag's, else the weights' config file's, else assumed
-    (OpenAI's QuickGELU); args.quick_gelu_source records which in the run's config.json."""
+    """The preset, then --model_args and --quick_gelu (with --init: data.weights_activation); the tokenizer
+    fixes vocabulary and length. args.quick_gelu_source records the activation's source."""
     cfg = ModelConfig(**{**MODEL_PRESETS[args.model], **args.model_overrides})
     cfg.vocab_size, cfg.context_length, cfg.eot_token_id = tok.vocab_size, tok.context_length, tok.eot_id
     source = "preset"
@@ -1122,9 +1100,8 @@ def set_trainable(model, args, phase, agent):
         frozen.add("logit_scale")                          # the KD logits use a detached scale
         if not args.no_freeze_codebook:
             frozen.add("codebook")                         # paper: the codebook evolves smoothly
-        other = {"language": "vision", "vision": "language"}[agent]
-        if not args.distill_train_vision:
-            frozen |= {n for n, _ in agent_params(model, other)}
+        if not args.distill_train_vision:                  # the other agent
+            frozen |= {n for n, _ in agent_params(model, "vision" if agent == "language" else "language")}
     for n, p in model.named_parameters():
         p.requires_grad_(n not in frozen)
 
@@ -1174,9 +1151,8 @@ class RunState:
     wandb: object = None            # the wandb module with --wandb (rank 0), else None
 
 
-def setup(args, rank, world, tok=None, ckpt=None):
-    """The run's state: model, optimizer, loader, IL schedule, NegCLIP pool, log sums (restored from
-    `ckpt`, find_checkpoint's, on --resume)."""
+def setup(args, rank, world, ckpt=None):
+    """The run's state, restored from `ckpt` (data.load_checkpoint's) on --resume."""
     device = torch.device(args.device)
     dt = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     if device.type == "cuda":
@@ -1187,7 +1163,7 @@ def setup(args, rank, world, tok=None, ckpt=None):
     if args.init and not os.path.isfile(args.init):
         raise ConfigError(f"--init file not found: {args.init}")
     data.resolve_data(args.data, args.image_root)   # e.g. cc3m without shards: DataError saying where it looked
-    tok = tok or build_tokenizer(args, rank, world)
+    tok = build_tokenizer(args, rank, world)
     cfg = model_config(args, tok)
     model, opt = build_model_and_optimizer(args, cfg, device)
     pool = negatives = None
@@ -1246,8 +1222,7 @@ def train(r):
         # forward/backward, gradients averaged over ranks by DDP on the last micro-batch only
         for micro in range(args.accum):
             batch = next(r.batches)
-            last_micro = micro == args.accum - 1
-            with fwd.no_sync() if r.world > 1 and not last_micro else nullcontext():
+            with fwd.no_sync() if r.world > 1 and micro < args.accum - 1 else nullcontext():
                 with r.autocast:
                     loss, logged, scale, text_len, new_images = fwd(batch, phase, agent, r.teacher, r.pool)
                 (loss / args.accum).backward()
@@ -1256,10 +1231,8 @@ def train(r):
             r.sums += torch.stack([loss.detach(), logged, (~torch.isfinite(loss.detach())).float()])
             r.n_loss += 1
             r.text_tokens += text_len
-        if args.grad_clip > 0:
-            params = [p for p in model.parameters() if p.grad is not None]
-            if params:
-                torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        if args.grad_clip > 0:      # over the parameters with a gradient (a frozen one has none)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         r.opt.step()
         r.opt.zero_grad(set_to_none=True)
         model.clamp_logit_scale_()
@@ -1350,12 +1323,8 @@ def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=
         items = bench[cat]
         negs = [it["negatives"] if "negatives" in it else [it["negative_caption"]] for it in items]
         ie, te = embed([it["image"] for it in items], [c for it, ng in zip(items, negs) for c in [it["caption"], *ng]])
-        correct, o = 0, 0
-        for j, ng in enumerate(negs):
-            s = te[o:o + 1 + len(ng)] @ ie[j]
-            correct += int(bool((s[0] > s[1:]).all()))
-            o += 1 + len(ng)
-        res[cat] = pct(correct, len(items))
+        scores = [t @ ie[j] for j, t in enumerate(te.split([1 + len(ng) for ng in negs]))]  # positive first
+        res[cat] = pct(sum(bool((s[0] > s[1:]).all()) for s in scores), len(items))
     bar.close()
     res["sugarcrepe_mean"] = round(sum(res[c] for c in data.SHAPES_CATEGORIES) / len(data.SHAPES_CATEGORIES), 2)
     model.train(was_training)
@@ -1572,7 +1541,7 @@ def main(argv=None):
     handlers = data.catch_stop_signals()
     try:
         return run(argv)
-    except (data.DataError, ConfigError) as e:
+    except data.DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
