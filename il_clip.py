@@ -9,8 +9,8 @@ Paper: "Iterated Learning Improves Compositionality in Large Vision-Language Mod
 al., CVPR 2024); what it leaves open is marked `Choice:` where it is decided.
 Reads top to bottom: config -> model -> sparsemax / codebook head -> losses -> NegCLIP's negative
 captions -> IL schedule -> compute_loss (every loss term) -> IL phases (set_trainable, spawn) ->
-train -> shapes benchmark score; then one infrastructure section (out_dir, checkpoints, signals,
-MFU, loss curve) and main. data.py holds the loaders, the tokenizer and the shapes data.
+train -> shapes benchmark score; then one infrastructure section (what state.pt holds, MFU, the loss
+curve's series) and main. data.py holds the loaders, the tokenizer, the shapes data and the run lifecycle.
 """
 import argparse
 import copy
