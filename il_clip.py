@@ -436,7 +436,12 @@ class CLIP(TextTransformer):
             self.text_query = QueryMap(cfg.text_width, cfg.code_dim)
             # current sparsemax temperature T (a schedule: T0 * w^(step/iters), floor 0.01); saved
             self.register_buffer("code_temperature", torch.tensor(1.0))
-        self.init_weights(seed)
+        g = torch.Generator().manual_seed(seed)     # the whole init from `seed`: vision, language, codebook
+        self.init_agent("vision", g)
+        self.init_agent("language", g)
+        if cfg.codebook_size:
+            with torch.no_grad():
+                self.codebook.copy_(torch.randn(self.codebook.shape, generator=g))  # N(0, 1)
         if cfg.spectral_norm:       # paper Table 3's ablation: every nn.Linear and attention in_proj
             for m in list(self.modules()):
                 if isinstance(m, (nn.Linear, Attention)):
@@ -445,15 +450,6 @@ class CLIP(TextTransformer):
         # key layout for --init and load_model) but are frozen, so DDP and AdamW never see them.
         for n in UNUSED_WITH_CODEBOOK if cfg.codebook_size else ():
             self.get_parameter(n).requires_grad_(False)
-
-    def init_weights(self, seed):
-        g = torch.Generator().manual_seed(seed)
-        self.init_agent("vision", g)
-        self.init_agent("language", g)
-        with torch.no_grad():
-            self.logit_scale.fill_(math.log(1 / 0.07))
-            if self.cfg.codebook_size:
-                self.codebook.copy_(torch.randn(self.codebook.shape, generator=g))  # N(0, 1)
 
     def init_agent(self, agent, g):
         """Re-initialise a whole agent exactly as at step 0 (used at every IL spawn)."""
@@ -1351,8 +1347,7 @@ RUN_FILES = (r"checkpoint(\..*)?|gen\d+", r"metrics\.jsonl|shapes_eval\.json|con
 
 
 def resumed_args(args, config):
-    """--resume: the saved run's flags and the run-control flags given now (DataError for a changed
-    run-defining flag)."""
+    """--resume: the saved run's flags and the run-control flags given now (a changed run-defining flag: DataError)."""
     saved = {k: config[k] for k in vars(args) if k in config} | {"model": config["preset"]}
     data.resumed_flags({k: getattr(args, k) for k in args.given}, saved, RUN_CONTROL, args.out_dir)
     keep = set(args.given) | ALWAYS_NOW
@@ -1456,8 +1451,7 @@ def phase_style(phase, method):
 def legend_entries(recs, method, spawns=()):
     """(label, colour) of every series drawn: the phases in order, the contrastive loss where it differs
     from the loss (distill: the loss is KD), the spawn lines."""
-    phases = list(dict.fromkeys(m.get("phase") for m in recs))
-    entries = [phase_style(p, method) for p in phases]
+    entries = [phase_style(p, method) for p in dict.fromkeys(m.get("phase") for m in recs)]
     if any(m.get("clip_loss", m["loss"]) != m["loss"] for m in recs):
         entries.append(("contrastive loss", CLIP_LOSS_COLOUR))
     return entries + ([("spawn", SPAWN_COLOUR)] if spawns else [])
