@@ -9,25 +9,18 @@ Paper: "Iterated Learning Improves Compositionality in Large Vision-Language Mod
 al., CVPR 2024); what it leaves open is marked `Choice:` where it is decided.
 Reads top to bottom: config -> model -> sparsemax / codebook head -> losses -> NegCLIP's negative
 captions -> IL schedule -> compute_loss (every loss term) -> IL phases (set_trainable, spawn) ->
-train -> shapes benchmark score; then one infrastructure section (out_dir, checkpoints, signals,
-MFU, loss curve) and main. data.py holds the loaders, the tokenizer and the shapes data.
+train -> shapes benchmark score; then one infrastructure section (what state.pt holds, MFU, the loss
+curve's series) and main. data.py holds the loaders, the tokenizer, the shapes data and the run lifecycle.
 """
 import argparse
-import contextlib
 import copy
-import errno
-import fcntl
 import gc
-import hashlib
+import importlib.util
 import json
 import math
 import os
-import pathlib
 import random
 import re
-import secrets
-import shutil
-import signal
 import sys
 import time
 from collections import OrderedDict
@@ -39,24 +32,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from PIL import Image, ImageDraw
+from torch.nn.utils.parametrizations import spectral_norm
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 import data
 
 if dist.is_available():
-    # Imported before any process group exists: these functions take `group=group.WORLD` as a
-    # default, evaluated on import. Imported later (DDP does, through torch._dynamo), the defaults
-    # hold the group past destroy_process_group, so its gloo worker threads run on into
-    # interpreter exit, where one freeing a Python tensor aborts the process ("terminate called
-    # without an active exception").
+    # Imported before any process group exists: its `group=group.WORLD` defaults are evaluated on
+    # import. Imported later (by DDP, through torch._dynamo), they hold the group past
+    # destroy_process_group and its gloo threads abort the process at exit ("terminate called...").
     import torch.distributed.nn.functional  # noqa: F401
 
 # -----------------------------------------------------------------------------
 # config
-class ConfigError(Exception):
-    """A user mistake in flags or files: main() prints `error: <msg>` and exits 2."""
+ConfigError = data.DataError     # a user mistake in flags or files: main() prints `error: <msg>` and exits 2
 
 
 @dataclass
@@ -98,13 +87,11 @@ MODEL_PRESETS = {
 # defaults used on the built-in shapes data (sized so `python il_clip.py` runs ~10 min on 2 CPU cores).
 # generations=5: the paper gives no count ("K training cycles"); 5 is this repo's choice, which
 # with its CC3M step counts (6000 + 5 x (1000 + 5000) + 12000) gives 48k steps.
-PAPER_DEFAULTS = dict(model="ViT-B-32", batch_size=1024, lr=5e-4, warmup=500, rewarm=500,
-                      codebook=16384, code_temp=1000.0, t_warm=6000, t_distill=1000,
-                      t_interact=5000, generations=5, t_extend=12000, context_length=77,
-                      vocab_size=49408, neg_pool=16384, log_interval=50, save_interval=1000)
-SHAPES_DEFAULTS = dict(model="tiny", batch_size=64, lr=1e-3, warmup=50, rewarm=25,
-                       codebook=1024, code_temp=100.0, t_warm=300, t_distill=40,
-                       t_interact=160, generations=3, t_extend=100, context_length=32,
+PAPER_DEFAULTS = dict(model="ViT-B-32", batch_size=1024, lr=5e-4, warmup=500, rewarm=500, codebook=16384,
+                      code_temp=1000.0, t_warm=6000, t_distill=1000, t_interact=5000, generations=5, t_extend=12000,
+                      context_length=77, vocab_size=49408, neg_pool=16384, log_interval=50, save_interval=1000)
+SHAPES_DEFAULTS = dict(model="tiny", batch_size=64, lr=1e-3, warmup=50, rewarm=25, codebook=1024, code_temp=100.0,
+                       t_warm=300, t_distill=40, t_interact=160, generations=3, t_extend=100, context_length=32,
                        vocab_size=1000, neg_pool=1024, log_interval=20, save_interval=200)
 CODE_TEMP_ITERS = 1000      # T = T0 * decay^(step / 1000) (FDT's schedule), floor 0.01
 KD_TEMP = 1.0               # Hinton KD temperature of the distill phase
@@ -145,8 +132,7 @@ def build_args(argv=None):
     a("--method", default="il", choices=["clip", "codebook", "negclip", "il"], help="the loss and schedule")
     a("--negatives", action="store_true", help="add NegCLIP hard negatives to --method il")
     a("--neg_pool", type=int, default=None, help=f"NegCLIP's image pool ({by_data('neg_pool')})")
-    a("--codebook", type=int, default=None, help="K codes (0 = none; default: "
-      f"{SHAPES_DEFAULTS['codebook']} on shapes, {PAPER_DEFAULTS['codebook']} otherwise, with codebook / il)")
+    a("--codebook", type=int, default=None, help=f"K codes, 0 = none ({by_data('codebook')}; with codebook / il)")
     a("--code_temp", type=float, default=None, help="T0 of the code temperature T = T0 * decay^(step/1000), "
       "floor 0.01; the scores are divided by T: a large T0 flattens them and sparsemax spreads the weight over "
       "many codes (a softmax over codes at T0=100 would be near uniform), a small one makes it sparse "
@@ -166,8 +152,7 @@ def build_args(argv=None):
     a("--t_warm", type=int, default=None, help=f"warm-up generation ({by_data('t_warm')})")
     a("--t_distill", type=int, default=None, help=f"distill phase ({by_data('t_distill')})")
     a("--t_interact", type=int, default=None, help=f"interact phase ({by_data('t_interact')})")
-    a("--generations", type=int, default=None,
-      help="spawns (default: 3 on shapes, 5 on web data: our choice, the paper gives no count)")
+    a("--generations", type=int, default=None, help=f"spawns ({by_data('generations')}; the paper gives no count)")
     a("--t_extend", type=int, default=None, help=f"the last interaction's extension ({by_data('t_extend')})")
     a("--warmup", type=int, default=None, help=f"linear LR warm-up ({by_data('warmup')})")
     a("--rewarm", type=int, default=None, help=f"linear LR re-warm-up at each generation start ({by_data('rewarm')})")
@@ -191,8 +176,7 @@ def build_args(argv=None):
     a("--out_dir", default="out/il_clip", help="checkpoint/, metrics.jsonl, loss_curve.png, shapes_eval.json")
     a("--resume", action="store_true", help="continue the run in out_dir with its saved flags")
     a("--overwrite", action="store_true", help="replace the checkpoint and results of an earlier run in out_dir")
-    a("--stop_at", type=int, default=None, help="stop at this step with a checkpoint, as if preempted "
-                                                "(default: run to --max_steps)")
+    a("--stop_at", type=int, default=None, help="stop here with a checkpoint, as if preempted (default: --max_steps)")
     a("--log_interval", type=int, default=None, help=f"steps per metrics.jsonl line ({by_data('log_interval')})")
     a("--save_interval", type=int, default=None, help=f"steps per checkpoint ({by_data('save_interval')})")
     a("--eval_size", type=int, default=1000,
@@ -210,8 +194,8 @@ def build_args(argv=None):
 
 def check_args(args):
     """Fill the data-dependent defaults and reject contradictory flags (ConfigError)."""
-    if args.wandb:
-        import_wandb()      # on every rank, before anything is written: a missing package stops them all
+    if args.wandb and importlib.util.find_spec("wandb") is None:    # on every rank, before anything is written
+        raise ConfigError("--wandb needs the wandb package (pip install wandb)")
     if args.negatives and args.method not in ("il", "negclip"):
         raise ConfigError("--negatives goes with --method il (negclip always uses them)")
     defaults = SHAPES_DEFAULTS if args.data.startswith("shapes") else PAPER_DEFAULTS
@@ -240,8 +224,7 @@ def check_args(args):
 
 
 def parse_model_args(pairs):
-    """["width=64", "layers=6"] -> {"vision_width": 64, "text_width": 64, ...}, typed as ModelConfig
-    (fields that have a flag of their own, or come from the tokenizer, are not accepted here)."""
+    """["width=64", "layers=6"] -> {"vision_width": 64, "text_width": 64, ...}, typed as ModelConfig."""
     own_flag = {"vocab_size", "eot_token_id", "quick_gelu", "codebook_size", "code_sim", "spectral_norm"}
     field_type = {f.name: f.type for f in fields(ModelConfig) if f.name not in own_flag}  # int, float, str
     out = {}
@@ -314,16 +297,11 @@ class Transformer(nn.Module):
         return x
 
 
-def _raw(module, name):
-    """The stored tensor behind `module.name` (the original when spectral norm parametrizes it)."""
-    if hasattr(module, "parametrizations") and name in module.parametrizations:
-        return module.parametrizations[name].original
-    return getattr(module, name)
-
-
 @torch.no_grad()
 def _normal(module, name, std, g):
-    t = _raw(module, name)
+    """N(0, std^2) into `module.name`, or into the original where spectral norm parametrizes it."""
+    sn = getattr(module, "parametrizations", {})
+    t = sn[name].original if name in sn else getattr(module, name)
     t.copy_(torch.randn(t.shape, generator=g) * std)
 
 
@@ -458,22 +436,20 @@ class CLIP(TextTransformer):
             self.text_query = QueryMap(cfg.text_width, cfg.code_dim)
             # current sparsemax temperature T (a schedule: T0 * w^(step/iters), floor 0.01); saved
             self.register_buffer("code_temperature", torch.tensor(1.0))
-        self.init_weights(seed)
-        if cfg.spectral_norm:
-            apply_spectral_norm(self)
+        g = torch.Generator().manual_seed(seed)     # the whole init from `seed`: vision, language, codebook
+        self.init_agent("vision", g)
+        self.init_agent("language", g)
+        if cfg.codebook_size:
+            with torch.no_grad():
+                self.codebook.copy_(torch.randn(self.codebook.shape, generator=g))  # N(0, 1)
+        if cfg.spectral_norm:       # paper Table 3's ablation: every nn.Linear and attention in_proj
+            for m in list(self.modules()):
+                if isinstance(m, (nn.Linear, Attention)):
+                    spectral_norm(m, "in_proj_weight" if isinstance(m, Attention) else "weight")
         # The codebook head replaces the CLS/EOT projections: these stay in the state dict (OpenAI
         # key layout for --init and load_model) but are frozen, so DDP and AdamW never see them.
         for n in UNUSED_WITH_CODEBOOK if cfg.codebook_size else ():
             self.get_parameter(n).requires_grad_(False)
-
-    def init_weights(self, seed):
-        g = torch.Generator().manual_seed(seed)
-        self.init_agent("vision", g)
-        self.init_agent("language", g)
-        with torch.no_grad():
-            self.logit_scale.fill_(math.log(1 / 0.07))
-            if self.cfg.codebook_size:
-                self.codebook.copy_(torch.randn(self.codebook.shape, generator=g))  # N(0, 1)
 
     def init_agent(self, agent, g):
         """Re-initialise a whole agent exactly as at step 0 (used at every IL spawn)."""
@@ -535,17 +511,6 @@ class CLIP(TextTransformer):
 UNUSED_WITH_CODEBOOK = ("text_projection", "visual.proj", "visual.ln_post.weight", "visual.ln_post.bias")
 
 
-def apply_spectral_norm(model):
-    """Spectral norm (paper Table 3) on every nn.Linear and attention in_proj_weight; not the
-    patch conv, embeddings, projections or codebook."""
-    from torch.nn.utils.parametrizations import spectral_norm
-    for m in list(model.modules()):
-        if isinstance(m, nn.Linear):
-            spectral_norm(m, "weight")
-        elif isinstance(m, Attention):
-            spectral_norm(m, "in_proj_weight")
-
-
 VISION_PREFIXES = ("visual.", "image_query.")
 LANGUAGE_PREFIXES = ("token_embedding.", "positional_embedding", "transformer.", "ln_final.",
                      "text_projection", "text_query.")
@@ -558,21 +523,17 @@ def agent_params(model, agent):
 
 # -----------------------------------------------------------------------------
 # sparsemax (Martins & Astudillo 2016) and the memory-lean codebook scores
-def _sparsemax_tau(z):
-    """Threshold tau of the last dim of z by a full sort (Martins & Astudillo 2016, Alg. 1)."""
-    zs = z.sort(dim=-1, descending=True).values
-    r = torch.arange(1, zs.shape[-1] + 1, device=z.device, dtype=z.dtype)
-    cs = zs.cumsum(-1) - 1
-    # support size >= 1; a NaN row (a diverged run) counts 0 and is clamped, so it gives NaN
-    # weights and the non-finite-loss stop instead of an out-of-bounds gather
-    ksz = (r * zs > cs).sum(-1, keepdim=True).clamp(min=1)
-    return cs.gather(-1, ksz - 1) / ksz.to(z.dtype)
-
-
 class _Sparsemax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z):
-        out = torch.clamp(z - _sparsemax_tau(z), min=0)
+        # the threshold tau of the last dim by a full sort (Martins & Astudillo 2016, Alg. 1)
+        zs = z.sort(dim=-1, descending=True).values
+        r = torch.arange(1, zs.shape[-1] + 1, device=z.device, dtype=z.dtype)
+        cs = zs.cumsum(-1) - 1
+        # support size >= 1; a NaN row (a diverged run) counts 0 and is clamped, so it gives NaN
+        # weights and the non-finite-loss stop instead of an out-of-bounds gather
+        ksz = (r * zs > cs).sum(-1, keepdim=True).clamp(min=1)
+        out = torch.clamp(z - cs.gather(-1, ksz - 1) / ksz.to(z.dtype), min=0)
         ctx.save_for_backward(out)
         return out
 
@@ -587,8 +548,7 @@ class _Sparsemax(torch.autograd.Function):
 
 
 def sparsemax(x, dim=-1):
-    """Exact sparsemax along `dim` (Euclidean projection onto the simplex), computed in at
-    least float32."""
+    """Exact sparsemax along `dim` (Euclidean projection onto the simplex), in at least float32."""
     dtype = x.dtype
     z = x.float() if dtype in (torch.float16, torch.bfloat16) else x
     out = _Sparsemax.apply(z.transpose(dim, -1).contiguous())
@@ -641,20 +601,18 @@ class _MaxCodeScores(torch.autograd.Function):
 
 
 def max_code_scores(q, codes, valid=None, budget=1 << 25, max_tokens=None):
-    """max over valid tokens ([B, P] bool) of q @ codes.T -> [B, K] float32, in sample chunks of
-    budget // (max_tokens x K) scores; a fixed `max_tokens` keeps torch.compile from recompiling
-    per text length. Pads get -inf (FDT's reference zeroes pad features, clamping scores at >= 0)."""
+    """max over valid tokens ([B, P] bool) of q @ codes.T -> [B, K] float32, in sample chunks of budget //
+    (max_tokens x K) scores (a fixed `max_tokens`: no recompile per text length). Pads get -inf (FDT's
+    reference zeroes pad features, clamping scores at >= 0)."""
     return _MaxCodeScores.apply(q, codes, valid, budget, max_tokens)
 
 
 # -----------------------------------------------------------------------------
 # distributed helpers and losses
 class _AllGather(torch.autograd.Function):
-    """Every rank's rows in rank order; the backward sums each rank's gradient for these rows and
-    returns it to their owner (open_clip's gather_with_grad). Both collectives are synchronous: with
-    torch's asynchronous functional all-gather, 2-rank gloo runs died about 1 in 100 (heap corruption
-    found in gloo's worker thread). (all_gather_single / reduce_scatter_single: torch 2.13's names
-    for all_gather_into_tensor / reduce_scatter_tensor, now deprecated.)"""
+    """Every rank's rows in rank order; backward returns each rank's summed gradient to its rows' owner
+    (open_clip's gather_with_grad). Synchronous collectives (torch 2.13's names): with the asynchronous
+    functional all-gather, 2-rank gloo runs died about 1 in 100 (heap corruption in gloo's worker)."""
 
     @staticmethod
     def forward(ctx, x):
@@ -684,11 +642,8 @@ def contrastive_loss(img, txt, scale, neg_txt=None, neg_txt_valid=None, neg_img=
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     labels = torch.arange(B, device=img.device) + rank * B
     all_img, all_txt = gather(img), gather(txt)
-    txt_cols, img_cols = all_txt, all_img
-    if neg_txt is not None:
-        txt_cols = torch.cat([all_txt, gather(neg_txt)])
-    if neg_img is not None:
-        img_cols = torch.cat([all_img, neg_img])
+    txt_cols = all_txt if neg_txt is None else torch.cat([all_txt, gather(neg_txt)])
+    img_cols = all_img if neg_img is None else torch.cat([all_img, neg_img])
     li = scale * img @ txt_cols.t()
     if neg_txt_valid is not None:   # a caption with nothing to swap gets no negative column
         keep = torch.cat([torch.ones(all_txt.shape[0], dtype=torch.bool, device=img.device),
@@ -941,9 +896,8 @@ def get_lr(step, args, sched):
 # -----------------------------------------------------------------------------
 # weights: --init, load_model
 def openai_config(sd: dict) -> dict:
-    """The hyperparameters of OpenAI-layout CLIP weights, read from tensor shapes as open_clip's
-    build_model_from_openai does (heads by OpenAI's width // 64; QuickGELU; EOT the last id);
-    with a codebook head (this script's), its size and code dimension."""
+    """The hyperparameters of OpenAI-layout weights from tensor shapes, as open_clip's build_model_from_openai
+    (heads = width // 64; QuickGELU; EOT the last id); with this script's codebook head, its size."""
     try:
         vw, _, patch, _ = sd["visual.conv1.weight"].shape
         tw, vocab = sd["ln_final.weight"].shape[0], sd["token_embedding.weight"].shape[0]
@@ -962,10 +916,9 @@ def openai_config(sd: dict) -> dict:
 
 
 def load_model(path, device="cpu", quick_gelu=None):
-    """-> (model, tokenizer or None, config dict) from an out_dir, a checkpoint/ folder or an
-    OpenAI-format weight file. `quick_gelu` None: the checkpoint's config; for a weight file the
-    open_clip_config.json / config.json beside it, else OpenAI's QuickGELU, assumed (said on
-    stderr, as for a checkpoint whose run assumed it). config["quick_gelu_source"] says which."""
+    """-> (model, tokenizer or None, config) from an out_dir, a checkpoint/ folder or an OpenAI-layout weight
+    file. The activation: `quick_gelu`, else the checkpoint's config, else data.weights_activation's (an
+    assumption is said on stderr); config["quick_gelu_source"] says which."""
     folder = data.checkpoint_dir(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         config = data.read_json(os.path.join(folder, "config.json"))
@@ -993,10 +946,9 @@ def load_model(path, device="cpu", quick_gelu=None):
 # -----------------------------------------------------------------------------
 # the loss of one micro-batch: every term a forker may change sits here
 def trim_padding(text, eot_id: int, multiple: int = 8):
-    """Drop the token columns after a CPU batch's last EOT, rounded up to a multiple of 8 (tensor
-    cores, few compiled lengths). Exact when nothing reads past a caption's EOT (a causal text
-    tower; this script's codebook head masks those positions). A device tensor is returned as is
-    (finding the EOT would sync)."""
+    """Drop the token columns after a CPU batch's last EOT, rounded up to a multiple of 8 (tensor cores, few
+    compiled lengths): exact when nothing reads past a caption's EOT (a causal text tower; the codebook head
+    masks those positions). A device tensor is returned as is (finding the EOT would sync)."""
     if text.device.type != "cpu":
         return text
     n = int((text == eot_id).int().argmax(-1).max()) + 1
@@ -1004,10 +956,9 @@ def trim_padding(text, eot_id: int, multiple: int = 8):
 
 
 def compute_loss(model, batch, phase, agent, teacher, pool, args):
-    """One micro-batch -> (loss to backpropagate, contrastive loss for the log, the logit scale
-    used, text length after trimming, NegCLIP's global image embeddings for the pool or None).
-    Changes nothing: train() adds the embeddings to the pool after the step. NegCLIP's negative
-    captions ride in the same text batch (one forward of the model per micro-batch)."""
+    """One micro-batch -> (loss to backpropagate, contrastive loss for the log, the logit scale used, text
+    length after trimming, NegCLIP's global image embeddings for train() to add to the pool, or None).
+    NegCLIP's negative captions ride in the same text batch (one forward per micro-batch)."""
     device = model.logit_scale.device
     images = data.normalize_images(batch["image"], device)      # uint8 -> normalised float on the device
     text, n = batch["text"], batch["text"].shape[0]
@@ -1043,10 +994,9 @@ def compute_loss(model, batch, phase, agent, teacher, pool, args):
 
 
 class StepLoss(nn.Module):
-    """compute_loss as the forward() that DDP wraps, so every loss term runs inside it: a term that
-    uses a parameter directly (a learnable bias, a weight penalty) gets its gradient averaged over
-    ranks like the rest. (Around the model alone, DDP's find_unused_parameters marks a parameter
-    the forward did not use as ready, and its later gradient fails: "marked as ready twice".)"""
+    """compute_loss as the forward() DDP wraps: a term that uses a parameter directly (a learnable bias,
+    a weight penalty) gets its gradient averaged over ranks like the rest (around the model alone, DDP
+    fails on it: "marked as ready twice")."""
 
     def __init__(self, model, args):
         super().__init__()
@@ -1086,9 +1036,8 @@ def build_tokenizer(args, rank, world):
 
 
 def model_config(args, tok):
-    """The preset, then --model_args and --quick_gelu; the tokenizer fixes vocabulary and length.
-    With --init the activation is the flag's, else the weights' config file's, else assumed
-    (OpenAI's QuickGELU); args.quick_gelu_source records which in the run's config.json."""
+    """The preset, then --model_args and --quick_gelu (with --init: data.weights_activation); the tokenizer
+    fixes vocabulary and length. args.quick_gelu_source records the activation's source."""
     cfg = ModelConfig(**{**MODEL_PRESETS[args.model], **args.model_overrides})
     cfg.vocab_size, cfg.context_length, cfg.eot_token_id = tok.vocab_size, tok.context_length, tok.eot_id
     source = "preset"
@@ -1147,9 +1096,8 @@ def set_trainable(model, args, phase, agent):
         frozen.add("logit_scale")                          # the KD logits use a detached scale
         if not args.no_freeze_codebook:
             frozen.add("codebook")                         # paper: the codebook evolves smoothly
-        other = {"language": "vision", "vision": "language"}[agent]
-        if not args.distill_train_vision:
-            frozen |= {n for n, _ in agent_params(model, other)}
+        if not args.distill_train_vision:                  # the other agent
+            frozen |= {n for n, _ in agent_params(model, "vision" if agent == "language" else "language")}
     for n, p in model.named_parameters():
         p.requires_grad_(n not in frozen)
 
@@ -1199,9 +1147,8 @@ class RunState:
     wandb: object = None            # the wandb module with --wandb (rank 0), else None
 
 
-def setup(args, rank, world, tok=None, ckpt=None):
-    """The run's state: model, optimizer, loader, IL schedule, NegCLIP pool, log sums (restored from
-    `ckpt`, find_checkpoint's, on --resume)."""
+def setup(args, rank, world, ckpt=None):
+    """The run's state, restored from `ckpt` (data.load_checkpoint's) on --resume."""
     device = torch.device(args.device)
     dt = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     if device.type == "cuda":
@@ -1212,7 +1159,7 @@ def setup(args, rank, world, tok=None, ckpt=None):
     if args.init and not os.path.isfile(args.init):
         raise ConfigError(f"--init file not found: {args.init}")
     data.resolve_data(args.data, args.image_root)   # e.g. cc3m without shards: DataError saying where it looked
-    tok = tok or build_tokenizer(args, rank, world)
+    tok = build_tokenizer(args, rank, world)
     cfg = model_config(args, tok)
     model, opt = build_model_and_optimizer(args, cfg, device)
     pool = negatives = None
@@ -1232,7 +1179,7 @@ def setup(args, rank, world, tok=None, ckpt=None):
     if ckpt is not None:
         load_checkpoint(r, ckpt)
     elif rank == 0:
-        with writing(r.metrics_path):
+        with data.writing(r.metrics_path):
             open(r.metrics_path, "w").close()
     return r
 
@@ -1244,7 +1191,7 @@ def train(r):
     t_last, step_last, trainable_for = time.time(), r.step, None
     if r.step >= end:          # nothing to train (e.g. --max_steps 0 to export --init weights)
         save_checkpoint(r)
-    bar = progress_bar(end, "train", "step", disable=r.rank != 0, initial=r.step)
+    bar = data.progress(total=end, initial=r.step, desc="train", unit="step", disable=r.rank != 0)
     while r.step < end:
         # the IL phase: one lookup (warm-up, then per generation spawn -> distill -> interact)
         phase, gen, _ = r.sched.at(r.step)
@@ -1271,8 +1218,7 @@ def train(r):
         # forward/backward, gradients averaged over ranks by DDP on the last micro-batch only
         for micro in range(args.accum):
             batch = next(r.batches)
-            last_micro = micro == args.accum - 1
-            with fwd.no_sync() if r.world > 1 and not last_micro else nullcontext():
+            with fwd.no_sync() if r.world > 1 and micro < args.accum - 1 else nullcontext():
                 with r.autocast:
                     loss, logged, scale, text_len, new_images = fwd(batch, phase, agent, r.teacher, r.pool)
                 (loss / args.accum).backward()
@@ -1281,10 +1227,8 @@ def train(r):
             r.sums += torch.stack([loss.detach(), logged, (~torch.isfinite(loss.detach())).float()])
             r.n_loss += 1
             r.text_tokens += text_len
-        if args.grad_clip > 0:
-            params = [p for p in model.parameters() if p.grad is not None]
-            if params:
-                torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        if args.grad_clip > 0:      # over the parameters with a gradient (a frozen one has none)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         r.opt.step()
         r.opt.zero_grad(set_to_none=True)
         model.clamp_logit_scale_()
@@ -1294,14 +1238,15 @@ def train(r):
         # (a --stop_at step saves without a log line: the resumed run logs as an uninterrupted one)
         log_now = r.step % args.log_interval == 0 or r.step == args.max_steps or r.sched.at(r.step)[0] != phase
         save_now = r.step % args.save_interval == 0 or r.step == end
-        if not (log_now or save_now or (r.world == 1 and _stop)):
+        stop = data.stop_requested() is not None
+        if not (log_now or save_now or (r.world == 1 and stop)):
             continue
-        stats = torch.cat([r.sums / max(1, r.n_loss), torch.tensor([float(_stop is not None)], device=r.device)])
+        stats = torch.cat([r.sums / max(1, r.n_loss), torch.tensor([float(stop)], device=r.device)])
         if r.world > 1:           # mean loss over ranks; nonzero if any rank is bad / signalled
             dist.all_reduce(stats)
             stats[:2] /= r.world
         loss_v, clip_v, bad, stop = stats.tolist()
-        if bad or (save_now or stop) and not all_finite([model.state_dict(), list(r.opt.state.values())]):
+        if bad or (save_now or stop) and not data.all_finite([model.state_dict(), list(r.opt.state.values())]):
             bar.close()
             if r.rank == 0:
                 print(f"error: non-finite loss or weights at step <= {r.step} (phase {phase}, generation "
@@ -1315,7 +1260,7 @@ def train(r):
                    "logit_scale": scale.item(), "samples_per_s": round(sps, 2),   # the scale the loss used
                    "text_len": round(text_len, 2), "mfu": estimate_mfu(r.cfg, sps, r.device, text_len), "time": now}
             if r.rank == 0:
-                log_record(r, rec)
+                data.log_record(r.metrics_path, rec, r.wandb)
                 bar.set_postfix(loss=f"{loss_v:.4f}", phase=phase, gen=gen)
             r.sums.zero_()
             r.n_loss = r.text_tokens = 0
@@ -1348,7 +1293,7 @@ def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=
     model.eval()
     tf = data.eval_transform(model.cfg.image_size)
     cats = [*data.SHAPES_CATEGORIES, "systematicity", "productivity"]
-    bar = progress_bar(n_val + n * len(cats), "shapes eval", "item", disable=not progress)
+    bar = data.progress(total=n_val + n * len(cats), desc="shapes eval", unit="item", disable=not progress)
 
     def embed(images, captions):
         ie = [model.encode_image(data.normalize_images(torch.stack([tf(im) for im in images[i:i + batch_size]]),
@@ -1374,12 +1319,8 @@ def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=
         items = bench[cat]
         negs = [it["negatives"] if "negatives" in it else [it["negative_caption"]] for it in items]
         ie, te = embed([it["image"] for it in items], [c for it, ng in zip(items, negs) for c in [it["caption"], *ng]])
-        correct, o = 0, 0
-        for j, ng in enumerate(negs):
-            s = te[o:o + 1 + len(ng)] @ ie[j]
-            correct += int(bool((s[0] > s[1:]).all()))
-            o += 1 + len(ng)
-        res[cat] = pct(correct, len(items))
+        scores = [t @ ie[j] for j, t in enumerate(te.split([1 + len(ng) for ng in negs]))]  # positive first
+        res[cat] = pct(sum(bool((s[0] > s[1:]).all()) for s in scores), len(items))
     bar.close()
     res["sugarcrepe_mean"] = round(sum(res[c] for c in data.SHAPES_CATEGORIES) / len(data.SHAPES_CATEGORIES), 2)
     model.train(was_training)
@@ -1393,155 +1334,35 @@ def shapes_table(res):
 
 
 # =============================================================================
-# infrastructure: the out_dir (run lifecycle, lock), checkpoints, signals, write errors, MFU, the
-# loss curve. Nothing here changes what is trained.
-# out_dir/checkpoint/ holds CHECKPOINT_FILES and sha256.json (written last); state.pt is torch.save'd
-# and read with weights_only=True (no pickled code runs). A save writes checkpoint.tmp/, then renames
-# checkpoint/ -> checkpoint.prev/ (kept: what a damaged newest falls back to), checkpoint.tmp/ -> checkpoint/.
-CHECKPOINT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "state.pt")
+# infrastructure: il_clip's part of the run lifecycle (data.py holds the rest: the out_dir lock, the
+# checkpoint files and their fallback, write errors, stop signals, wandb, the curve drawing), MFU and
+# the loss curve's series. Nothing here changes what is trained.
 STATE_TYPES = {"step": int, "spawned": int, "optimizer": dict, "loader": dict, "log": dict, "rng": dict}
-# the flags --resume takes from its command line (the first six always, the others when given); the
-# rest define the run: given with --resume, they must equal the saved values
-RUN_CONTROL = {"out_dir", "resume", "overwrite", "given", "stop_at", "device", "save_interval", "log_interval",
-               "num_workers", "eval_size", "compile", "wandb"}
-WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
-_lock = None    # this process's open out_dir/.lock
-_stop = None    # the signal that asked the run to stop ("SIGTERM", "SIGINT"), or None
-
-
-def claim_out_dir(args, rank, world):
-    """Before anything is written: one run per out_dir (rank 0 holds an flock on out_dir/.lock, which
-    the kernel drops when the process ends, killed or not); --resume needs a checkpoint; a new run
-    replaces one only with --overwrite. Rank 0 says what is wrong, once; the other ranks exit 2."""
-    global _lock
-    release_out_dir()
-    out, error = args.out_dir, None
-    if rank == 0:
-        os.makedirs(out, exist_ok=True)
-        _lock = open(os.path.join(out, ".lock"), "a+")
-        try:
-            fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            _lock.truncate(0)
-            _lock.write(f"{os.getpid()}\n")
-            _lock.flush()
-            saved = any(os.path.isdir(os.path.join(out, d)) for d in ("checkpoint", "checkpoint.prev"))
-            if args.resume and not saved:
-                error = f"--resume: nothing to resume yet in {out} (no checkpoint saved)"
-            elif saved and not (args.resume or args.overwrite):
-                error = (f"{out} holds the checkpoint of an earlier run: continue it with --resume, or use another "
-                         f"--out_dir, or --overwrite to replace it")
-            for name in os.listdir(out) if args.overwrite else []:     # the earlier run's checkpoints, results
-                if re.fullmatch(r"checkpoint(\..*)?|gen\d+", name):
-                    shutil.rmtree(os.path.join(out, name))
-                elif re.fullmatch(r"metrics\.jsonl|shapes_eval\.json|config\.json|wandb_id\.txt|.*\.png", name):
-                    os.remove(os.path.join(out, name))
-        except BlockingIOError:
-            _lock.seek(0)
-            error = f"{out} is in use by another run: process {_lock.read().strip() or '?'} holds {out}/.lock"
-            release_out_dir()
-    failed = torch.tensor(float(error is not None), device=args.device)
-    if world > 1:
-        dist.broadcast(failed, 0)
-    if failed.item():
-        if rank:
-            raise SystemExit(2)
-        raise ConfigError(error)
-
-
-def release_out_dir():
-    global _lock
-    if _lock is not None:
-        _lock.close()
-        _lock = None
+# the flags --resume takes from its command line (ALWAYS_NOW always, the others when given); the rest
+# define the run: given with --resume, they must equal the saved values
+ALWAYS_NOW = {"out_dir", "resume", "overwrite", "given", "stop_at", "device"}
+RUN_CONTROL = ALWAYS_NOW | {"save_interval", "log_interval", "num_workers", "eval_size", "compile", "wandb"}
+# what --overwrite removes from out_dir: the earlier run's checkpoints and results
+RUN_FILES = (r"checkpoint(\..*)?|gen\d+", r"metrics\.jsonl|shapes_eval\.json|config\.json|wandb_id\.txt|.*\.png")
 
 
 def resumed_args(args, config):
-    """--resume: the saved run's flags and the run-control flags given now. A run-defining flag
-    given now must equal the saved value."""
-    # a checkpoint from before --lr_schedule existed ran the global schedule
-    saved = {"lr_schedule": "global"} | {k: config[k] for k in vars(args) if k in config} | {"model": config["preset"]}
-    for name in sorted(set(args.given) - RUN_CONTROL):
-        now = json.loads(json.dumps(getattr(args, name)))
-        if name in saved and now != saved[name]:
-            raise ConfigError(f"--resume: --{name} {now} differs from the saved run's {saved[name]} ({args.out_dir}); "
-                              f"drop it to continue that run, or start a new one in another --out_dir")
-    keep = set(args.given) | {"out_dir", "resume", "overwrite", "given", "stop_at", "device"}
+    """--resume: the saved run's flags and the run-control flags given now (a changed run-defining flag: DataError)."""
+    saved = {k: config[k] for k in vars(args) if k in config} | {"model": config["preset"]}
+    data.resumed_flags({k: getattr(args, k) for k in args.given}, saved, RUN_CONTROL, args.out_dir)
+    keep = set(args.given) | ALWAYS_NOW
     return check_args(argparse.Namespace(**(vars(args) | {k: v for k, v in saved.items() if k not in keep})))
 
 
-def tensors_in(obj):
-    if torch.is_tensor(obj):
-        yield obj
-    elif isinstance(obj, (dict, list, tuple)):
-        for v in obj.values() if isinstance(obj, dict) else obj:
-            yield from tensors_in(v)
-
-
-def all_finite(obj):
-    """Every floating-point tensor in obj finite? (checked before a save: never a NaN checkpoint)"""
-    flags = [torch.isfinite(t).all() for t in tensors_in(obj) if t.is_floating_point()]
-    return bool(torch.stack(flags).all()) if flags else True
-
-
-@contextlib.contextmanager
-def writing(path, what=""):
-    """A failed write (full disk, quota, file too large, I/O error) -> one error line (ConfigError).
-    safetensors says so in its message only, torch.save in the error it was raised during."""
-    try:
-        yield
-    except Exception as e:
-        err, why = e, None
-        while err is not None and why is None:
-            why = next((os.strerror(c).lower() for c in WRITE_ERRNOS
-                        if getattr(err, "errno", None) == c or os.strerror(c) in str(err)), None)
-            err = err.__context__
-        if why is None:
-            raise
-        raise ConfigError(f"{path}: {why}{what}") from None
-
-
 def save_checkpoint(r):
-    """Everything --resume needs to continue bit-exactly from r.step (rank 0 writes). A failed write
-    is one error line; checkpoint.tmp/ is removed, the earlier checkpoints kept."""
+    """Everything --resume needs to continue bit-exactly from r.step (rank 0 writes)."""
     if r.rank != 0:
         return
-    nps, out = np.random.get_state(), r.args.out_dir
     state = {"step": r.step, "spawned": r.spawned, "optimizer": r.opt.state_dict(), "loader": r.loader.state_dict(),
              "teacher": r.teacher.state_dict() if r.teacher is not None else None,
              "pool": {"emb": r.pool.emb, "ptr": r.pool.ptr, "count": r.pool.count} if r.pool is not None else None,
-             "log": {"sums": r.sums, "n": r.n_loss, "text_tokens": r.text_tokens},
-             "rng": {"torch": torch.get_rng_state(), "numpy": (nps[0], nps[1].tolist(), *nps[2:]),
-                     "cuda": torch.cuda.get_rng_state_all() if r.device.type == "cuda" else [],
-                     "python": random.getstate()}}
-    config = run_config(r)
-    tmp, final, prev = (os.path.join(out, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    model_sd = {k: v.detach().to("cpu").contiguous() for k, v in r.model.state_dict().items()}
-    need = sum(t.nbytes for t in tensors_in([model_sd, state])) / 2 ** 20
-    try:
-        with writing(out, f" for the step-{r.step} checkpoint (about {need:.1f} MiB needed, "
-                          f"{shutil.disk_usage(out).free / 2 ** 20:.1f} MiB free); the previous one is kept"):
-            save_file(model_sd, os.path.join(tmp, "model.safetensors"), {"step": str(r.step)})
-            with open(os.path.join(tmp, "state.pt"), "wb") as f:
-                torch.save(state, f)
-            data.save_json(os.path.join(tmp, "config.json"), config)
-            r.tok.save(tmp)
-            data.save_json(os.path.join(tmp, "sha256.json"),
-                           {n: sha256(os.path.join(tmp, n)) for n in CHECKPOINT_FILES})
-            for name in os.listdir(tmp):
-                data.fsync(os.path.join(tmp, name))
-            data.fsync(tmp)
-            data.atomic_write(os.path.join(out, "config.json"), lambda p: data.save_json(p, config))
-    except Exception:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if os.path.isdir(final) and not r.newest_damaged:     # a damaged newest is dropped, checkpoint.prev kept
-        shutil.rmtree(prev, ignore_errors=True)
-        os.replace(final, prev)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    data.fsync(out)
+             "log": {"sums": r.sums, "n": r.n_loss, "text_tokens": r.text_tokens}, "rng": data.rng_state(r.device)}
+    data.save_checkpoint(r.args.out_dir, r.model.state_dict(), state, run_config(r), r.tok, r.step, r.newest_damaged)
     r.newest_damaged = False
 
 
@@ -1551,50 +1372,8 @@ def run_config(r):
             "script": data.script_record(__file__)}
 
 
-def sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def find_checkpoint(out_dir, device, rank):
-    """(folder, weights, training state, config, newest damaged?) from out_dir/checkpoint/ when every file
-    matches sha256.json and state.pt has the right types, else from checkpoint.prev/ with a note on stderr;
-    a DataError naming the damaged file(s) when neither is usable."""
-    errors = []
-    for folder in (os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "checkpoint.prev")):
-        if errors and not os.path.isdir(folder):
-            break
-        try:
-            sums = data.read_json(os.path.join(folder, "sha256.json"))
-            for name in CHECKPOINT_FILES:
-                path = os.path.join(folder, name)
-                if not os.path.isfile(path):
-                    raise data.DataError(f"{path}: missing (incomplete checkpoint)")
-                if not isinstance(sums, dict) or sha256(path) != sums.get(name):
-                    raise data.DataError(f"{path}: damaged (its sha256 is not the one in sha256.json)")
-            try:                                              # `path` is state.pt, the last of CHECKPOINT_FILES
-                state = torch.load(path, map_location=device, weights_only=True)
-            except Exception as e:
-                why = (str(e).splitlines() or [""])[0][:120]
-                raise data.DataError(f"{path}: unreadable ({type(e).__name__}: {why})") from None
-            bad = [f"{k}: {t.__name__}" for k, t in STATE_TYPES.items() if not isinstance(state, dict)
-                   or not isinstance(state.get(k), t)]
-            if bad:
-                raise data.DataError(f"{path}: wrong types (expected {', '.join(bad)})")
-            found = folder, data.read_weights(os.path.join(folder, "model.safetensors")), state, \
-                data.read_json(os.path.join(folder, "config.json")), bool(errors)
-        except data.DataError as e:
-            errors.append(str(e))
-            continue
-        if errors and rank == 0:
-            print(f"note: {errors[0]}; resuming from the previous checkpoint {folder} (step {state['step']})",
-                  file=sys.stderr)
-        return found
-    raise data.DataError("; and ".join(errors))
-
-
 def load_checkpoint(r, ckpt):
-    """save_checkpoint undone; metrics.jsonl is cut back to the resumed step, so no step is logged twice."""
+    """save_checkpoint undone (ckpt: data.load_checkpoint's); metrics.jsonl is cut back to the resumed step."""
     folder, sd, state, _, r.newest_damaged = ckpt
     data.load_state(r.model, sd, folder)
     r.opt.load_state_dict(state["optimizer"])
@@ -1609,18 +1388,9 @@ def load_checkpoint(r, ckpt):
     r.step, r.spawned = state["step"], state["spawned"]
     r.sums.copy_(state["log"]["sums"])
     r.n_loss, r.text_tokens = state["log"]["n"], state["log"]["text_tokens"]
-    rng = state["rng"]
-    torch.set_rng_state(rng["torch"].cpu())
-    if rng["cuda"] and r.device.type == "cuda":
-        torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
-    np.random.set_state((rng["numpy"][0], np.array(rng["numpy"][1], dtype=np.uint32), *rng["numpy"][2:]))
-    random.setstate(rng["python"])
+    data.set_rng_state(state["rng"], r.device)
     if r.rank == 0:
-        with open(r.metrics_path) if os.path.isfile(r.metrics_path) else nullcontext([]) as f:
-            kept = "".join(ln for ln in f if ln.strip() and (m := json.loads(ln))["step"] <= r.step
-                           and m.get("phase") != "eval")     # a finished run resumed is evaluated again
-        with writing(r.metrics_path):
-            data.atomic_write(r.metrics_path, lambda p: pathlib.Path(p).write_text(kept))
+        data.cut_metrics(r.metrics_path, r.step)
 
 
 def save_generation_snapshot(r, gen):
@@ -1630,53 +1400,9 @@ def save_generation_snapshot(r, gen):
         d = os.path.join(r.args.out_dir, f"gen{gen}")
         os.makedirs(d, exist_ok=True)
         sd = {k: v.detach().to("cpu").contiguous() for k, v in r.model.state_dict().items()}
-        with writing(d):
+        with data.writing(d):
             data.atomic_write(os.path.join(d, "model.safetensors"),
                               lambda p: data.fsync(p, lambda q: save_file(sd, q, {"step": str(r.step)})))
-
-
-def progress_bar(total, desc, unit, disable=False, initial=0):
-    """A tqdm bar on stderr, on an interactive terminal only (a log file gets the start and end lines)."""
-    return tqdm(total=total, initial=initial, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True,
-                disable=disable or not sys.stderr.isatty())
-
-
-def import_wandb():
-    try:
-        import wandb
-    except ImportError:
-        raise ConfigError("--wandb needs the wandb package (pip install wandb)") from None
-    return wandb
-
-
-def start_wandb(r, resumed):
-    """--wandb PROJECT (nanoGPT's wandb_log), rank 0: the run's config; the wandb run id is kept in
-    out_dir/wandb_id.txt, so that --resume continues the same wandb run."""
-    path, wandb = os.path.join(r.args.out_dir, "wandb_id.txt"), import_wandb()
-    run_id = pathlib.Path(path).read_text().strip() if resumed and os.path.isfile(path) else secrets.token_hex(4)
-    with writing(path):
-        data.atomic_write(path, lambda p: pathlib.Path(p).write_text(run_id + "\n"))
-    wandb.init(project=r.args.wandb, name=os.path.basename(os.path.abspath(r.args.out_dir)), id=run_id,
-               resume="allow", config=run_config(r))
-    return wandb
-
-
-def log_record(r, rec):
-    """One metrics.jsonl line (rank 0); with --wandb also sent to Weights & Biases at its step."""
-    with writing(r.metrics_path), open(r.metrics_path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
-    if r.wandb is not None:
-        r.wandb.log(rec, step=rec["step"])
-
-
-def on_signal(signum, frame):
-    """SIGTERM / SIGINT: the ranks agree at the next sync point, save and stop. A second Ctrl-C
-    exits at once, without a save (the last checkpoint stays)."""
-    global _stop
-    if _stop is not None and signum == signal.SIGINT:
-        print("error: interrupted again: exiting without saving", file=sys.stderr)
-        os._exit(130)
-    _stop = signal.Signals(signum).name
 
 
 def estimate_flops_per_pair(cfg, text_len=None):
@@ -1710,7 +1436,7 @@ def estimate_mfu(cfg, pairs_per_s, device, text_len=None):
 
 
 # -----------------------------------------------------------------------------
-# the loss curve (paper Fig. 3), drawn with PIL (no matplotlib in this project)
+# the loss curve (paper Fig. 3), drawn by data.draw_curves
 CLIP_LOSS_COLOUR, SPAWN_COLOUR = (150, 150, 150), (200, 120, 120)
 PHASE_STYLE = {"warmup": ("warm-up", (40, 90, 200)), "distill": ("distill", (220, 120, 0)),
                "interact": ("interact", (30, 150, 60))}
@@ -1722,76 +1448,26 @@ def phase_style(phase, method):
     return PHASE_STYLE.get(phase, (method, METHOD_COLOUR))
 
 
-def nice_ticks(lo, hi, n=5, integer=False):
-    """About n round ticks in [lo, hi]: steps of 1, 2 or 5 x 10^k, whole numbers when `integer`."""
-    raw = max(hi - lo, 1e-12) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
-    step = max(1, round(step)) if integer else step
-    first = math.ceil(lo / step) * step
-    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
-
-
-def tick_labels(values):
-    """The ticks as text with the fewest decimals at which no two read the same."""
-    for digits in range(13):
-        labels = [f"{v:.{digits}f}" for v in values]
-        if len(set(labels)) == len(labels):
-            break
-    return labels
-
-
 def legend_entries(recs, method, spawns=()):
     """(label, colour) of every series drawn: the phases in order, the contrastive loss where it differs
     from the loss (distill: the loss is KD), the spawn lines."""
-    phases = list(dict.fromkeys(m.get("phase") for m in recs))
-    entries = [phase_style(p, method) for p in phases]
+    entries = [phase_style(p, method) for p in dict.fromkeys(m.get("phase") for m in recs)]
     if any(m.get("clip_loss", m["loss"]) != m["loss"] for m in recs):
         entries.append(("contrastive loss", CLIP_LOSS_COLOUR))
     return entries + ([("spawn", SPAWN_COLOUR)] if spawns else [])
 
 
-def draw_loss_curve(metrics_path, png_path, boundaries=(), method="il", size=(900, 420)):
+def draw_loss_curve(metrics_path, png_path, spawns=(), method="il"):
     """The loss coloured by phase and, in grey, the contrastive loss of every phase: Fig. 3's spike at
-    each spawn (`boundaries`, red lines) shows in the grey curve. Non-finite points are dropped."""
+    each spawn (red lines) shows in the grey curve."""
     with open(metrics_path) if os.path.isfile(metrics_path) else nullcontext([]) as f:
         recs = [m for m in map(json.loads, filter(str.strip, f)) if "loss" in m]     # not the eval records
-    curves = [[(m["step"], m.get("clip_loss", math.nan), CLIP_LOSS_COLOUR) for m in recs],
-              [(m["step"], m["loss"], phase_style(m.get("phase"), method)[1]) for m in recs]]
-    curves = [[p for p in curve if math.isfinite(p[1])] for curve in curves]
-    pts = [p for curve in curves for p in curve]
-    (W, H), (L, R, T, B) = size, (70, 20, 40, 50)
-    img = Image.new("RGB", size, "white")
-    d = ImageDraw.Draw(img)
-    d.rectangle([L, T, W - R, H - B], outline="black")
-    d.text((L, 8), f"il_clip.py, {method}: training loss (mean over each log interval)", fill="black")
-    d.text((4, T - 14), "loss (nats)", fill="black")
-    d.text(((L + W - R) // 2 - 10, H - 18), "step", fill="black")
-    if pts:
-        x1, y0, y1 = max(max(p[0] for p in pts), 1), min(p[1] for p in pts), max(p[1] for p in pts)
-        y1 = y1 if y1 > y0 else y0 + 1
-        px = lambda x: L + (W - L - R) * x / x1
-        py = lambda y: H - B - (H - T - B) * (y - y0) / (y1 - y0)
-        spawns = [b for b in boundaries if b <= x1]
-        for i, b in enumerate(spawns):
-            d.line([px(b), T, px(b), H - B], fill=SPAWN_COLOUR)
-            d.text((px(b) + 3, T + 2), f"gen {i + 1}", fill=(160, 60, 60))
-        for curve in curves:        # a segment takes the colour of its end point
-            for (xa, ya, _), (xb, yb, c) in zip(curve, curve[1:]):
-                d.line([px(xa), py(ya), px(xb), py(yb)], fill=c, width=2)
-        xt, yt = nice_ticks(0, x1, integer=True), nice_ticks(y0, y1)
-        for v, s in zip(xt, tick_labels(xt)):
-            d.line([px(v), H - B, px(v), H - B + 4], fill="black")
-            d.text((px(v) - 3 * len(s), H - B + 6), s, fill="black")
-        for v, s in zip(yt, tick_labels(yt)):
-            d.line([L - 4, py(v), L, py(v)], fill="black")
-            d.text((L - 8 - 6 * len(s), py(v) - 6), s, fill="black")
-        for i, (label, c) in enumerate(legend_entries(recs, method, spawns)):
-            y = T + 6 + 14 * i
-            d.line([W - R - 150, y + 6, W - R - 130, y + 6], fill=c, width=3)
-            d.text((W - R - 124, y), label, fill="black")
-    with writing(png_path):
-        data.atomic_write(png_path, lambda p: img.save(p, format="PNG"))
+    spawns = [s for s in spawns if recs and s <= recs[-1]["step"]]
+    series = [("contrastive loss", CLIP_LOSS_COLOUR, [(m["step"], m.get("clip_loss", math.nan)) for m in recs], 2),
+              ("loss", None, [(m["step"], m["loss"], phase_style(m.get("phase"), method)[1]) for m in recs], 2)]
+    data.draw_curves(png_path, f"il_clip.py, {method}: training loss (mean over each log interval)", series,
+                     [(s, f"gen {i + 1}", SPAWN_COLOUR) for i, s in enumerate(spawns)],
+                     legend_entries(recs, method, spawns))
 
 
 # -----------------------------------------------------------------------------
@@ -1800,8 +1476,8 @@ def run(argv=None):
     t0 = time.time()
     args = build_args(argv)
     rank, world = setup_distributed(args)
-    claim_out_dir(args, rank, world)
-    ckpt = find_checkpoint(args.out_dir, args.device, rank) if args.resume else None
+    data.claim_out_dir(args.out_dir, rank, world, args.device, args.resume, args.overwrite, RUN_FILES)
+    ckpt = data.load_checkpoint(args.out_dir, STATE_TYPES, args.device, rank) if args.resume else None
     if ckpt is not None:
         args = resumed_args(args, ckpt[3])
     torch.manual_seed(args.seed)
@@ -1809,17 +1485,17 @@ def run(argv=None):
     np.random.seed(args.seed)
     r = setup(args, rank, world, ckpt=ckpt)
     if rank == 0:
-        r.wandb = start_wandb(r, ckpt is not None) if args.wandb else None
+        r.wandb = data.start_wandb(args.wandb, args.out_dir, run_config(r), ckpt is not None) if args.wandb else None
         print(start_line(r, ckpt is not None), flush=True)
     status = train(r)
     if status == "done" and r.step >= args.max_steps and rank == 0 and args.eval_size > 0 \
             and args.data.startswith("shapes"):
         res = evaluate_shapes(r.model, r.tok, n=args.eval_size, progress=True)
         path = os.path.join(args.out_dir, "shapes_eval.json")
-        with writing(path):
+        with data.writing(path):
             data.save_json(path, res | {"scored": {"items_per_category": args.eval_size,
                                                    "val_pairs": data.SHAPES_VAL_PAIRS}})
-        log_record(r, {"step": r.step, "phase": "eval", "time": time.time(), **res})
+        data.log_record(r.metrics_path, {"step": r.step, "phase": "eval", "time": time.time(), **res}, r.wandb)
         print(shapes_table(res))
         print(f"scored: {args.eval_size} items per category (every item), "
               f"retrieval on {data.SHAPES_VAL_PAIRS} val pairs (percent)")
@@ -1848,29 +1524,27 @@ def end_line(r, status, seconds):
     names = ["checkpoint", *gens, "metrics.jsonl", "loss_curve.png", "shapes_eval.json"]
     wrote = [n + "/" * os.path.isdir(os.path.join(out, n)) for n in names if os.path.exists(os.path.join(out, n))]
     cmd = f"{f'torchrun --nproc_per_node={r.world}' if r.world > 1 else 'python'} {os.path.basename(__file__)}"
-    return (f"{status}{f' by {_stop}' if status == 'stopped' else ''}: step {r.step}/{a.max_steps} in {seconds:.0f}s"
-            f" | wrote {out}/{{{', '.join(wrote)}}}"
+    return (f"{status}{f' by {data.stop_requested()}' if status == 'stopped' else ''}: step {r.step}/{a.max_steps} "
+            f"in {seconds:.0f}s | wrote {out}/{{{', '.join(wrote)}}}"
             + (f" | continue with: {cmd} --resume --out_dir {out}" if r.step < a.max_steps else ""))
 
 
 def main(argv=None):
-    global _stop
     owns_pg = dist.is_available() and not dist.is_initialized()   # a caller's group is the caller's to end
     # installed until main returns: a SIGTERM during the final save or the evaluation does not kill it
-    _stop, handlers = None, {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    handlers = data.catch_stop_signals()
     try:
         return run(argv)
-    except (data.DataError, ConfigError) as e:
+    except data.DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        release_out_dir()
+        data.release_out_dir()
         if owns_pg and dist.is_initialized():
             # torch's order: the group goes last, once, on every path, after run() has returned
             gc.collect()    # the DDP wrappers (in reference cycles) hold the group: they go first
             dist.destroy_process_group()
-        for s, h in handlers.items():
-            signal.signal(s, h)
+        data.restore_signals(handlers)
 
 
 if __name__ == "__main__":

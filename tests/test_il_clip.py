@@ -463,10 +463,10 @@ def test_saves_at_multiples_of_save_interval_whatever_the_log_interval(tmp_path,
     assert [json.loads(x)["step"] for x in open(os.path.join(out, "metrics.jsonl"))] == [3, 6, 7]
     assert sorted(os.listdir(out)) == [".lock", "checkpoint", "checkpoint.prev", "config.json", "loss_curve.png",
                                        "metrics.jsonl", "tokenizer.json"]       # no checkpoint.tmp left behind
-    assert sorted(os.listdir(os.path.join(out, "checkpoint"))) == sorted(M.CHECKPOINT_FILES + ("sha256.json",))
+    assert sorted(os.listdir(os.path.join(out, "checkpoint"))) == sorted(data.CHECKPOINT_FILES + ("sha256.json",))
     assert train_state(out)["step"] == 7 and train_state(out, "checkpoint.prev")["step"] == 6
     sums = json.load(open(os.path.join(out, "checkpoint", "sha256.json")))
-    assert set(sums) == set(M.CHECKPOINT_FILES) and sums["state.pt"] == M.sha256(os.path.join(out, "checkpoint", "state.pt"))
+    assert set(sums) == set(data.CHECKPOINT_FILES) and sums["state.pt"] == data.sha256(os.path.join(out, "checkpoint", "state.pt"))
 
 
 def _damage(ck, how):
@@ -484,7 +484,7 @@ def _damage(ck, how):
     else:                                        # "types": a state.pt of the wrong shape, its sha256 updated
         torch.save({"step": "2", "optimizer": []}, os.path.join(ck, "state.pt"))
         sums = json.load(open(os.path.join(ck, "sha256.json")))
-        json.dump(sums | {"state.pt": M.sha256(os.path.join(ck, "state.pt"))}, open(os.path.join(ck, "sha256.json"), "w"))
+        json.dump(sums | {"state.pt": data.sha256(os.path.join(ck, "state.pt"))}, open(os.path.join(ck, "sha256.json"), "w"))
 
 
 @pytest.mark.parametrize("how,says", [("bit-flip", "model.safetensors: damaged"), ("missing", "state.pt: missing"),
@@ -558,12 +558,15 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_bit_exactly(tmp_path):
 
 def test_a_second_ctrl_c_exits_at_once(monkeypatch, capsys):
     exits = []
-    monkeypatch.setattr(M.os, "_exit", exits.append)
-    monkeypatch.setattr(M, "_stop", None)
-    M.on_signal(signal.SIGTERM, None)
-    M.on_signal(signal.SIGTERM, None)
-    assert M._stop == "SIGTERM" and exits == []        # the first asks for a save at the next sync point
-    M.on_signal(signal.SIGINT, None)
+    monkeypatch.setattr(data.os, "_exit", exits.append)
+    old = data.catch_stop_signals()                    # what il_clip.main installs
+    try:
+        data._on_stop_signal(signal.SIGTERM, None)
+        data._on_stop_signal(signal.SIGTERM, None)
+        assert data.stop_requested() == "SIGTERM" and exits == []   # the first asks for a save at the next sync point
+        data._on_stop_signal(signal.SIGINT, None)
+    finally:
+        data.restore_signals(old)
     assert exits == [130] and "exiting without saving" in _one_error_line(capsys)
 
 
@@ -632,7 +635,7 @@ def test_nonfinite_stops_and_never_saves_a_nonfinite_checkpoint(tmp_path, capsys
     step = train_state(out)["step"]
     assert step < 50
     assert all(torch.isfinite(v).all() for v in weights(out).values())
-    assert M.all_finite(train_state(out)) and train_state(out)["optimizer"]["state"]
+    assert data.all_finite(train_state(out)) and train_state(out)["optimizer"]["state"]
 
 
 def test_logit_scale_used_in_the_loss_is_at_most_100():
