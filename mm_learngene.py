@@ -37,6 +37,7 @@ import hashlib
 import json
 import math
 import os
+import pathlib
 import random
 import shutil
 import signal
@@ -162,14 +163,6 @@ class Block(nn.Module):
         return dict(self.named_parameters())
 
 
-class LNPair(nn.Module):
-    """ln_1, ln_2 of a layer; in MM-LG one pair per modality is shared by all layers (Sec. 3.1)."""
-
-    def __init__(self, w):
-        super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(w), nn.LayerNorm(w)
-
-
 def init_block(b: Block, width: int, layers: int, gen=None):
     """OpenAI CLIP init (attn std w^-1/2, proj std w^-1/2 (2L)^-1/2, fc std (2w)^-1/2).
     CHOICE: Linear biases start at zero (OpenAI leaves PyTorch's uniform default)."""
@@ -180,6 +173,7 @@ def init_block(b: Block, width: int, layers: int, gen=None):
             t.copy_(torch.randn(t.shape, generator=gen) * std)
         for t in (b.attn.in_proj_bias, b.attn.out_proj.bias, b.mlp.c_fc.bias, b.mlp.c_proj.bias):
             t.zero_()
+    return b
 
 
 def transformer_stack(width: int, layers: int) -> nn.Module:
@@ -247,10 +241,8 @@ class TextTransformer(nn.Module):
 
 
 def capped_scale(model):
-    """exp(logit_scale) capped at 100 (CLIP, Radford et al. 2021, Sec. 2.5: "clipped to prevent
-    scaling the logits by more than 100"). The training loop clamps the parameter after each
-    step; this cap also holds for loaded weights (a teacher, a descendant, an ancestry whose
-    scale was stored above ln 100) from their first forward on."""
+    """exp(logit_scale) capped at 100 (CLIP Sec. 2.5: "clipped to prevent scaling the logits by more
+    than 100"), also for loaded weights whose scale was stored above ln 100."""
     return model.logit_scale.exp().clamp(max=100.0)
 
 
@@ -272,30 +264,21 @@ class CLIP(TextTransformer):
 # -----------------------------------------------------------------------------
 # Learngene parametrisations of the auxiliary model (paper Sec. 3.1, Fig. 3)
 #
-# INDEX MAPPING (paper Eq. 1-2, Fig. 3a). The paper says: the two groups are
-# "used alternately and repeatedly, one group is shared twice and then switched", and
-# "every weight scalar element [of a coefficient vector of length L/2] is shared twice
-# prior to the next one", and gives the example "layer 6: group 2, coefficient 3"
-# (1-indexed). With 0-indexed layers i = 0..L-1 this reads
+# INDEX MAPPING (paper Eq. 1-2, Fig. 3a). The two groups are "used alternately and repeatedly,
+# one group is shared twice and then switched", and "every weight scalar element [of a coefficient
+# vector of length L/2] is shared twice prior to the next one". With 0-indexed layers i = 0..L-1:
 #     group g = (i // 2) % 2      coefficient k = i // 2
 #     L = 12:  i  0  1  2  3  4  5  6  7  8  9 10 11
 #              g  0  0  1  1  0  0  1  1  0  0  1  1      (0 = theta1, 1 = theta2)
 #              k  0  0  1  1  2  2  3  3  4  4  5  5
-# The paper's example ("layer 6: block group index 2, coefficient index 3") is this reading
-# with 0-indexed layers and coefficients and 1-indexed group names: i = 6 -> g = 1 (theta2),
-# k = 3 (c_3). Consecutive layer pairs (2k, 2k+1) are therefore identical.
-# Hence only L/2 layers are distinct: unique layer k uses (g = k % 2, c[k]) -- exactly the
-# 6-layer descendant of Fig. 3b.
+# The paper's example "layer 6: group 2, coefficient 3" is i = 6 -> g = 1 (theta2), k = 3 with
+# 1-indexed group names. Layers 2k and 2k+1 are identical, so only L/2 are distinct: unique layer k
+# uses (g = k % 2, c[k]), the 6-layer descendant of Fig. 3b.
 
 
 def aux_index(i: int) -> tuple:
     """Auxiliary layer i -> (block group g, coefficient index k). Paper Eq. 1-2 / Fig. 3a."""
     return (i // 2) % 2, i // 2
-
-
-def descendant_index(k: int) -> tuple:
-    """Unique (6-layer descendant) layer k -> (g, k). Paper Fig. 3b: aux layers 2k and 2k+1."""
-    return k % 2, k
 
 
 def expand_order(n: int, unique: int) -> list:
@@ -314,21 +297,11 @@ def expand_order(n: int, unique: int) -> list:
     return [k for k in range(rep) for _ in (0, 1)] + list(range(rep, unique))
 
 
-def mix(terms, name):
-    """sum_j c_j * theta_j[name] -- the weighted sum of Eq. 1 / Eq. 2, one function for the
-    auxiliary forward and the expansion so n = 12 reproduces the auxiliary model bit for bit."""
-    out = None
-    for c, theta in terms:
-        t = c * theta[name]
-        out = t if out is None else out + t
-    return out
-
-
 def mmlg_learngene(w: int, L: int, part: str) -> nn.Module:
     """theta1, theta2 = {vision, language, multimodal} blocks (Linear weights only) and the
     coefficient vectors c^v, c^l, c^mv, c^ml of length L/2 (paper Sec. 3.1)."""
-    names = [n for n, keep in (("vision", part != "only_mm"), ("language", part != "only_mm"),
-                               ("multimodal", part != "no_mm")) if keep]
+    uni, mm = part != "only_mm", part != "no_mm"
+    names, coefs = ["vision", "language"] * uni + ["multimodal"] * mm, ["v", "l"] * uni + ["mv", "ml"] * mm
     lg = nn.Module()
     for g in ("theta1", "theta2"):
         setattr(lg, g, nn.ModuleDict({n: Block(w, ln=False) for n in names}))
@@ -339,8 +312,6 @@ def mmlg_learngene(w: int, L: int, part: str) -> nn.Module:
     # of one; with a single part 1. Coefficients get no weight decay (it would pull
     # them, and with them every layer, towards zero).
     c0 = 1.0 if part != "both" else 2 ** -0.5
-    coefs = [n for n, keep in (("v", part != "only_mm"), ("l", part != "only_mm"),
-                               ("mv", part != "no_mm"), ("ml", part != "no_mm")) if keep]
     lg.coef = nn.ParameterDict({c: nn.Parameter(torch.full((L // 2,), c0)) for c in coefs})
     return lg
 
@@ -390,7 +361,8 @@ class AuxCLIP(CLIP):
             self.learngene = mmlg_learngene(w, L, part)
             # Paper: "The Layer Normalization part is shared in each Transformer layer";
             # CHOICE: one set per modality (the learngene holds the linear layers, not the norms).
-            self.shared_ln = nn.ModuleDict({t: LNPair(w) for t in TOWERS})
+            self.shared_ln = nn.ModuleDict({t: nn.ModuleDict({"ln_1": nn.LayerNorm(w), "ln_2": nn.LayerNorm(w)})
+                                            for t in TOWERS})
         elif method == "tleg":
             self.tleg = tleg_learngene(w, L)
         elif method != "helg":
@@ -405,16 +377,12 @@ class AuxCLIP(CLIP):
         if part != self.part and self.part != "both":
             raise ConfigError(f"--part {part}: this learngene was extracted with part {self.part}")
         uni, cu, cm = TOWER_PARTS[tower]
-        theta = getattr(self.learngene, ("theta1", "theta2")[g])
-        coef = self.learngene.coef
-        terms = []
-        if part != "only_mm":
-            terms.append((coef[cu][k], theta[uni].params()))
-        if part != "no_mm":
-            terms.append((coef[cm][k], theta["multimodal"].params()))
-        p = {n: mix(terms, n) for n in LINEAR_NAMES}
-        p.update(self.shared_ln[tower].named_parameters())
-        return p
+        theta, coef = getattr(self.learngene, ("theta1", "theta2")[g]), self.learngene.coef
+        terms = ([(coef[cu][k], theta[uni].params())] if part != "only_mm" else []) + \
+            ([(coef[cm][k], theta["multimodal"].params())] if part != "no_mm" else [])
+        # the same sum for the auxiliary forward and the expansion: n = 12 reproduces the auxiliary model bit for bit
+        p = {n: functools.reduce(torch.add, [c * t[n] for c, t in terms]) for n in LINEAR_NAMES}
+        return {**p, **dict(self.shared_ln[tower].named_parameters())}
 
     def tleg_layer(self, tower, l, n):
         A, B = self.tleg[tower]["A"].params(), self.tleg[tower]["B"].params()
@@ -430,22 +398,17 @@ class AuxCLIP(CLIP):
 
     def descendant_layers(self, tower, n, seed=0, part=None):
         """Per-layer param dicts of an n-layer descendant tower (paper Sec. 3.3)."""
-        if self.method == "mmlg":
-            return [self.mmlg_layer(tower, *descendant_index(k), part) for k in expand_order(n, self.aux_layers // 2)]
+        if n < 1:
+            raise ConfigError(f"--layers must be >= 1, got {n}")
+        if self.method == "mmlg":      # unique layer k = aux layers 2k and 2k+1: (g, k) = (k % 2, k), Fig. 3b
+            return [self.mmlg_layer(tower, k % 2, k, part) for k in expand_order(n, self.aux_layers // 2)]
         if self.method == "tleg":  # TLEG: theta_l = theta_A + (l / n) theta_B, l = 0..n-1
             return [self.tleg_layer(tower, l, n) for l in range(n)]
         # He-LG: the last K layers of the distilled model on top of n-K random layers
-        if n < 1:
-            raise ConfigError(f"--layers must be >= 1, got {n}")
         blocks = (self.visual.transformer.resblocks if tower == "visual" else self.transformer.resblocks)
         kept = [b.params() for b in blocks[self.aux_layers - min(n, self.helg_layers):]]
-        gen = torch.Generator().manual_seed(seed * 2 + (tower == "text"))
-        fresh = []
-        for _ in range(n - len(kept)):
-            b = Block(self.cfg.vision_width)
-            init_block(b, self.cfg.vision_width, n, gen)
-            fresh.append(b.params())
-        return fresh + kept
+        gen, w = torch.Generator().manual_seed(seed * 2 + (tower == "text")), self.cfg.vision_width
+        return [init_block(Block(w), w, n, gen).params() for _ in range(n - len(kept))] + kept
 
     def learngene_numel(self) -> int:
         """Parameters of the learngene proper (blocks + coefficients; He-LG: kept layers)."""
@@ -464,8 +427,6 @@ def descendant_state(aux: AuxCLIP, n: int, modality: str, seed: int = 0, part=No
     """Normal descendant state dict (OpenAI layout) + its ModelConfig. Paper Sec. 3.3:
     layers from the learngene; "components other than the learngene could be loaded directly
     like Embedding or Layer Normalization"; per-layer LNs = the shared ones (MM-LG)."""
-    if modality not in MODALITY_TOWERS:
-        raise ConfigError(f"--modality must be clip, vision or text, got {modality}")
     towers = MODALITY_TOWERS[modality]
     sd = {}
     with torch.no_grad():
@@ -530,7 +491,7 @@ def infer_config(sd: dict, cfg: dict, path: str, need=("visual", "text")) -> Mod
         if missing:
             raise ConfigError(f"{path}: cannot read the {'vision' if tower == 'visual' else 'text'} tower "
                               f"(missing {missing[0]})")
-    c = ModelConfig()
+    c = ModelConfig(vision_layers=0, text_layers=0)
     count = lambda prefix: len({k[len(prefix):].split(".")[0] for k in sd if k.startswith(prefix)})
     if "visual" in need:
         vw, _, p, _ = sd["visual.conv1.weight"].shape
@@ -539,8 +500,6 @@ def infer_config(sd: dict, cfg: dict, path: str, need=("visual", "text")) -> Mod
                                 vision_layers=count("visual.transformer.resblocks."),
                                 vision_heads=_cfg_value(cfg, "vision_heads", max(1, vw // 64)),
                                 embed_dim=sd["visual.proj"].shape[1])
-    else:
-        c = dataclasses.replace(c, vision_layers=0)
     if "text" in need:
         tw = sd["ln_final.weight"].shape[0]
         c = dataclasses.replace(c, text_width=tw, vocab_size=sd["token_embedding.weight"].shape[0],
@@ -548,13 +507,9 @@ def infer_config(sd: dict, cfg: dict, path: str, need=("visual", "text")) -> Mod
                                 text_layers=count("transformer.resblocks."),
                                 text_heads=_cfg_value(cfg, "text_heads", max(1, tw // 64)),
                                 embed_dim=sd["text_projection"].shape[1])
-    else:
-        c = dataclasses.replace(c, text_layers=0)
-    # a bare weight file (no config.json) follows OpenAI: QuickGELU, EOT = the last vocab id
-    bare = not cfg
+    bare = not cfg      # a bare weight file (no config.json) follows OpenAI: QuickGELU, EOT = the last vocab id
     eot = _cfg_value(cfg, "eot_token_id", c.vocab_size - 1 if bare else c.eot_token_id)
-    return dataclasses.replace(c, eot_token_id=eot,
-                               quick_gelu=bool(_cfg_value(cfg, "quick_gelu", bare)))
+    return dataclasses.replace(c, eot_token_id=eot, quick_gelu=bool(_cfg_value(cfg, "quick_gelu", bare)))
 
 
 def recorded_model(path: str, quick_gelu=None):
@@ -1121,21 +1076,15 @@ def cmd_extract(a):
 def write_descendant(out_dir, sd, cfg, modality, tok_json, extra):
     os.makedirs(out_dir, exist_ok=True)
     atomic_save_file(sd, os.path.join(out_dir, "model.safetensors"))
-    c = dataclasses.asdict(cfg)
     # "model": the ModelConfig fields, the layout il_clip.load_model reads
-    atomic_write_json({"model": c, "modality": modality, **extra, "script": data.script_record(__file__)},
-                      os.path.join(out_dir, "config.json"))
+    atomic_write_json({"model": dataclasses.asdict(cfg), "modality": modality, **extra,
+                       "script": data.script_record(__file__)}, os.path.join(out_dir, "config.json"))
     if tok_json is not None:    # the learngene's copy of the teacher's tokenizer.json, as written
-
-        def write(path):
-            with open(path, "w") as f:
-                f.write(tok_json)
-        data.atomic_write(os.path.join(out_dir, "tokenizer.json"), lambda tmp: data.fsync(tmp, write))
+        write = lambda tmp: data.fsync(tmp, lambda f: pathlib.Path(f).write_text(tok_json))
+        data.atomic_write(os.path.join(out_dir, "tokenizer.json"), write)
 
 
 def cmd_expand(a):
-    if a.layers < 1:
-        raise ConfigError(f"--layers must be >= 1, got {a.layers}")
     if a.modality == "text":
         raise ConfigError("--modality text: no task of finetune trains a text-only descendant (the paper's tasks "
                           "are retrieval, classification and captioning); expand --modality clip for a text tower")
@@ -1178,22 +1127,17 @@ def load_init(a):
     """(model, tokenizer, ModelConfig, modality, kind) for --init: a descendant out_dir, an
     il_clip.py out_dir / OpenAI weights (PT-FT), or `scratch` (config from --like or --model)."""
     if a.init == "scratch":
+        modality, cfg, tok = a.modality, None, None
         if a.like:
             sd, cfgj = read_state(a.like)
             modality = cfgj.get("modality", "clip")
-            cfg = infer_config(sd, cfgj, a.like, MODALITY_TOWERS[modality])
-            tok = folder_tokenizer(a.like)
-        else:
-            p = AUX_PRESETS[a.model]
-            tok = None
-            modality = a.modality
-            cfg = None
+            cfg, tok = infer_config(sd, cfgj, a.like, MODALITY_TOWERS[modality]), folder_tokenizer(a.like)
         if tok is None:
             captions = (data.captions_for_tokenizer("shapes") if a.task == "classification" else
                         data.captions_for_tokenizer(a.data, image_root=a.image_root, **csv_options(a)))
             tok = data.build_tokenizer(captions=captions, context_length=77)
         if cfg is None:
-            n = a.layers or 6
+            p, n = AUX_PRESETS[a.model], a.layers or 6
             cfg = ModelConfig(embed_dim=p["embed_dim"], image_size=a.image_size, patch_size=p["patch_size"],
                               vision_width=p["width"], vision_layers=n, vision_heads=p["heads"],
                               context_length=tok.context_length, vocab_size=tok.vocab_size, text_width=p["width"],
@@ -1717,7 +1661,6 @@ class ClipCap(nn.Module):
         return (visual(images) @ visual.proj).float()
 
     def prefix(self, images):
-        """ClipCap feeds CLIP's image embedding to the mapper."""
         return self.mapper(self.embed(images))
 
     def forward(self, images, tokens):
@@ -1726,11 +1669,6 @@ class ClipCap(nn.Module):
         p = self.prefix(images)
         logits = lm(torch.cat([p, lm.wte(tokens)], 1))
         return logits[:, p.shape[1] - 1:-1]
-
-
-def caption_batch(tok, captions, max_len=30):
-    """(tokens [B, T], mask [B, T]) of captions + EOS, padded with EOS (masked out)."""
-    return pad_ids([tok.encode(c)[:max_len - 1] + [tok.eos] for c in captions], tok.eos)
 
 
 def pad_ids(ids, eos):
@@ -1827,15 +1765,15 @@ def cider_vectors(refs: dict, n=4):
     return vec, {k: [vec(r) for r in refs[k]] for k in refs}
 
 
-def cider_scorer(refs: dict, n=4, sigma=6.0):
-    """CIDEr-D (Vedantam et al. 2015) as pycocoevalcap's Cider: tf-idf n-gram vectors with
+def cider_d(refs: dict, hyps: dict, n=4, sigma=6.0) -> float:
+    """Corpus CIDEr-D (Vedantam et al. 2015) as pycocoevalcap's Cider: tf-idf n-gram vectors with
     document frequencies from the references, clipped hypothesis weights, a Gaussian length
     penalty (sigma 6; "length" = the bigram count, as there), the mean over n = 1..4 and
-    over references, x10. Returns score(image key, hypothesis) -> that image's CIDEr-D."""
+    over references, x10; the mean over images."""
     vec, ref_vecs = cider_vectors(refs, n)
-
-    def score(k, hyp):
-        vh, nh, lh = vec(hyp)
+    out = 0.0
+    for k in refs:
+        vh, nh, lh = vec(hyps[k][0])
         total = [0.0] * n
         for vr, nr, lr in ref_vecs[k]:
             penalty = math.exp(-((lh - lr) ** 2) / (2 * sigma ** 2))
@@ -1845,8 +1783,8 @@ def cider_scorer(refs: dict, n=4, sigma=6.0):
                 if nh[j] and nr[j]:
                     val /= nh[j] * nr[j]
                 total[j] += val * penalty
-        return 10.0 * sum(total) / n / len(refs[k])
-    return score
+        out += 10.0 * sum(total) / n / len(refs[k])
+    return out / len(refs)
 
 
 def constant_ciders(refs: dict, candidates: list, n=4, sigma=6.0) -> list:
@@ -1874,12 +1812,6 @@ def constant_ciders(refs: dict, candidates: list, n=4, sigma=6.0) -> list:
                                           np.exp(-((lh - lr) ** 2) / (2 * sigma ** 2))))
         out.append(10.0 * total / n / len(refs))
     return out
-
-
-def cider_d(refs: dict, hyps: dict, n=4, sigma=6.0) -> float:
-    """Corpus CIDEr-D: the mean over images of cider_scorer's per-image score."""
-    score = cider_scorer(refs, n, sigma)
-    return sum(score(k, hyps[k][0]) for k in refs) / len(refs)
 
 
 def lcs_len(a, b):
@@ -1938,14 +1870,6 @@ CONVERSE = {"to the left of": "to the right of", "to the right of": "to the left
             "below": "above"}
 
 
-def _clear_relation(a: data.Obj, b: data.Obj, image_size: int):
-    """relation_between(a, b) when it is as unambiguous as the relations captions state (the
-    placement margin), else None."""
-    dx, dy = b.centre[0] - a.centre[0], b.centre[1] - a.centre[1]
-    margin = data.RELATION_MARGIN * image_size / data.SHAPES_IMAGE_SIZE
-    return data.relation_between(a, b) if abs(abs(dx) - abs(dy)) >= margin else None
-
-
 def _reference_struct(scene: data.Scene, rng: random.Random) -> data.CaptionStruct:
     """A caption structure about the scene's objects, in the grammar: sizes mentioned or not,
     "X rel Y" or "X is rel Y", object order reversed with the converse relation, the two
@@ -1953,10 +1877,10 @@ def _reference_struct(scene: data.Scene, rng: random.Random) -> data.CaptionStru
     objs, s = scene.objects, scene.struct
     phrases = [data.Phrase(o.colour, o.shape, o.size if rng.random() < 0.5 else None) for o in objs]
     form, rels = s.form, list(s.relations)
-    if form == "and":
-        clear = _clear_relation(objs[0], objs[1], scene.image.size[0])
-        if clear and rng.random() < 0.5:
-            form, rels = "rel", [clear]
+    if form == "and":       # related instead where the relation is as clear as captions state (placement margin)
+        (a, b), margin = objs[:2], data.RELATION_MARGIN * scene.image.size[0] / data.SHAPES_IMAGE_SIZE
+        if abs(abs(b.centre[0] - a.centre[0]) - abs(b.centre[1] - a.centre[1])) >= margin and rng.random() < 0.5:
+            form, rels = "rel", [data.relation_between(a, b)]
     if form in ("rel", "copula"):
         form = rng.choice(["rel", "copula"])
     order = list(range(len(phrases)))
@@ -2228,7 +2152,8 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
     refs_of = reference_captions(spec, cfg.image_size)
 
     def loss_fn(m, batch):
-        tokens, mask = (t.to(device) for t in caption_batch(ltok, batch["caption"]))
+        ids = [ltok.encode(c)[:29] + [ltok.eos] for c in batch["caption"]]     # at most 30 tokens with EOS
+        tokens, mask = (t.to(device) for t in pad_ids(ids, ltok.eos))
         return F.cross_entropy(m(data.normalize_images(batch["image"], device), tokens)[mask].float(), tokens[mask]), {}
 
     def evaluate():
