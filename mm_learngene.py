@@ -29,17 +29,13 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import errno
-import fcntl
 import functools
 import gc
-import hashlib
 import json
 import math
 import os
 import pathlib
 import random
-import shutil
 import signal
 import sys
 import time
@@ -50,10 +46,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from PIL import Image, ImageDraw
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from tqdm import tqdm
 
 import data
 
@@ -66,7 +60,7 @@ if dist.is_available():
     import torch.distributed.nn.functional  # noqa: F401
 
 
-class ConfigError(Exception):
+class ConfigError(data.DataError):
     """User-facing configuration / input problem: printed as `error: ...`, exit code 2."""
 
 
@@ -334,19 +328,15 @@ class AuxCLIP(CLIP):
     """The auxiliary CLIP built from the learngene.
 
     method "mmlg" (paper): learngene.theta{1,2}.{vision,language,multimodal}.<linear names>,
-      learngene.coef.{v,l,mv,ml} (length L/2), shared_ln.{visual,text}.ln_{1,2}.*; the
-      towers' own resblocks are empty. Layer i of the vision tower (Eq. 1):
-          W_i^v = c^v[k] * theta_g^v + c^mv[k] * theta_g^m,   (g, k) = aux_index(i)
-      and of the language tower (Eq. 2):
-          W_i^l = c^l[k] * theta_g^l + c^ml[k] * theta_g^m
-      part "no_mm" drops theta^m and c^mv, c^ml; part "only_mm" drops theta^v, theta^l,
-      c^v, c^l (W_i^v = c^mv[k] theta_g^m, W_i^l = c^ml[k] theta_g^m).
-    method "tleg" (Xia et al. 2024b): per tower tleg.{visual,text}.{A,B} full
-      blocks (Linear + LayerNorm), layer l of an L-layer stack = A + (l / L) * B.
-    method "helg" (Wang et al. 2022): an ordinary CLIP distilled from the teacher; the
-      learngene is its last `helg_layers` layers per tower (expand fills the rest randomly).
-    Everything else (embeddings, ln_pre/post/final, projections, logit_scale) is an ordinary
-    parameter, stored with the learngene."""
+      learngene.coef.{v,l,mv,ml} (length L/2), shared_ln.{visual,text}.ln_{1,2}.*; the towers' own
+      resblocks are empty. Layer i, (g, k) = aux_index(i), of the vision tower (Eq. 1) and the language
+      tower (Eq. 2):   W_i^v = c^v[k] theta_g^v + c^mv[k] theta_g^m,   W_i^l = c^l[k] theta_g^l + c^ml[k] theta_g^m
+      part "no_mm" drops the theta^m terms, part "only_mm" the theta^v, theta^l terms.
+    method "tleg" (Xia et al. 2024b): per tower tleg.{visual,text}.{A,B} full blocks (Linear +
+      LayerNorm), layer l of an L-layer stack = A + (l / L) * B.
+    method "helg" (Wang et al. 2022): an ordinary CLIP distilled from the teacher; the learngene is
+      its last `helg_layers` layers per tower (expand fills the rest randomly).
+    Embeddings, ln_pre/post/final, projections and logit_scale are ordinary parameters, stored with it."""
 
     def __init__(self, cfg: ModelConfig, method="mmlg", part="both", helg_layers=3):
         L = cfg.vision_layers
@@ -738,7 +728,8 @@ def agree_flags(bad, world, device, tag, done):
     (MAX) over ranks. A signal reaches the ranks at different steps: agreeing here makes all of them
     stop at this same step, and none is left waiting in a collective the others have left. Returns
     the signal to stop for, or 0."""
-    flags = torch.stack([bad.float(), torch.tensor(float(_signal[0]), device=device)])
+    sig = data.stop_requested()
+    flags = torch.stack([bad.float(), torch.tensor(float(signal.Signals[sig] if sig else 0), device=device)])
     if world > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     bad, sig = flags.tolist()
@@ -747,62 +738,18 @@ def agree_flags(bad, world, device, tag, done):
     return int(sig)
 
 
-def rewind_metrics(path, step, rank):
-    """metrics.jsonl cut back to the resumed step: no step is logged twice. Only rank 0 rewrites
-    the file; every rank gets the records."""
-    with open(path) if os.path.isfile(path) else contextlib.nullcontext([]) as f:
-        kept = [m for m in map(json.loads, filter(str.strip, f)) if m["step"] <= step]
-
-    def write(p):
-        with open(p, "w") as f:
-            f.writelines(json.dumps(m) + "\n" for m in kept)
-    if rank == 0:
-        data.atomic_write(path, write)
-    return kept
-
-
 PHASE_STYLE = {"extract": ("extraction: CLIP + distillation loss (Eq. 8)", (31, 119, 180)),
                "activate": ("activation: CLIP loss", (255, 127, 14)), "finetune": ("fine-tuning", (44, 160, 44))}
 
 
-def nice_ticks(lo, hi, n=6, integer=False):
-    """About n round tick values (1, 2 or 5 x 10^k apart) covering [lo, hi]; whole numbers if `integer`."""
-    raw = max((hi - lo) / n, 1 if integer else 1e-12)
-    step = min((m * 10 ** math.floor(math.log10(raw)) for m in (1, 2, 5, 10)
-                if m * 10 ** math.floor(math.log10(raw)) >= raw))
-    return step, [k * step for k in range(math.ceil(lo / step), math.floor(hi / step) + 1)]
-
-
-def draw_loss_curve(metrics, png_path, tag, size=(900, 460)):
-    """loss_curve.png from the metrics records, drawn with PIL (no matplotlib in this project): a title,
-    labelled axes, integer step ticks, y ticks with the digits that tell them apart, a legend."""
-    pts = [(m["step"], m["loss"]) for m in metrics if math.isfinite(m.get("loss", math.nan))]
+def draw_loss_curve(out_dir, tag):
+    """out_dir/loss_curve.png: the phase's training loss per logged step (its metrics.jsonl), labelled by phase."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    with open(path) if os.path.isfile(path) else contextlib.nullcontext([]) as f:
+        pts = [(m["step"], m["loss"]) for m in map(json.loads, filter(str.strip, f)) if "loss" in m]
     label, colour = PHASE_STYLE.get(tag, (tag, (31, 119, 180)))
-    (W, H), (L, R, T, B) = size, (70, 20, 40, 50)
-    img = Image.new("RGB", size, "white")
-    d = ImageDraw.Draw(img)
-    d.text((L, 8), f"mm_learngene.py {tag}: training loss per logged step", fill="black")
-    d.rectangle([L, T, W - R, H - B], outline="black")
-    ys = [y for _, y in pts] or [0.0]
-    x1, y0, y1 = max([x for x, _ in pts] + [1]), min(ys), max(ys)
-    y0, y1 = (y0, y1) if y1 > y0 else (y0 - 0.5, y0 + 0.5)
-    px = lambda x: L + (W - L - R) * x / x1
-    py = lambda y: H - B - (H - T - B) * (y - y0) / (y1 - y0)
-    step, ticks = nice_ticks(y0, y1, n=10)
-    digits = max(0, -math.floor(math.log10(step)))
-    for y in ticks:
-        d.line([(L - 4, py(y)), (L, py(y))], fill="black")
-        d.text((4, py(y) - 6), f"{y:.{digits}f}", fill="black")
-    for x in nice_ticks(0, x1, integer=True)[1]:
-        d.line([(px(x), H - B), (px(x), H - B + 4)], fill="black")
-        d.text((px(x) - 8, H - B + 8), str(int(x)), fill="black")
-    if len(pts) > 1:
-        d.line([(px(x), py(y)) for x, y in pts], fill=colour, width=2)
-    d.text(((W - 60) // 2, H - 18), "step (optimizer steps)", fill="black")
-    d.text((4, T - 16), "loss (nats)", fill="black")
-    d.rectangle([W - R - 330, T + 8, W - R - 316, T + 20], fill=colour)
-    d.text((W - R - 310, T + 8), label, fill="black")
-    data.atomic_write(png_path, lambda p: img.save(p, format="PNG"))
+    data.draw_curves(os.path.join(out_dir, "loss_curve.png"), f"mm_learngene.py {tag}: training loss per logged step",
+                     [(label, colour, pts, 2)], xlabel="step (optimizer steps)", size=(900, 460))
 
 
 class StepLoss(nn.Module):
@@ -831,20 +778,15 @@ class Run:
     def __init__(self, raw, opt, loader, out_dir, config, tokenizer, tag, rank, on_save, device):
         self.raw, self.opt, self.loader, self.out_dir, self.config = raw, opt, loader, out_dir, config
         self.tokenizer, self.tag, self.rank, self.on_save, self.device = tokenizer, tag, rank, on_save, device
-        self.step, self.elapsed, self.metrics = 0, 0.0, []
-
-    def log(self, m):
-        self.metrics.append(m)
-        log_record(self.out_dir, m)
+        self.step, self.elapsed, self.newest_damaged = 0, 0.0, False
 
 
 def log_record(out_dir, m):
-    """One metrics.jsonl record (rank 0): appended to out_dir's file, and sent to --wandb."""
+    """One metrics.jsonl record (rank 0), also sent to --wandb: a later phase (finetune after activate) after
+    the earlier phases' steps."""
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(m) + "\n")
-    wandb_log(m)
+        data.log_record(os.path.join(out_dir, "metrics.jsonl"), m, _wandb["run"], m["step"] + _wandb["offset"])
 
 
 def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, out_dir=None, config=None,
@@ -871,7 +813,7 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
     bad = torch.zeros((), dtype=torch.bool, device=device)
     t0 = t_log = time.time()
     step_log = run.step
-    bar = progress(range(run.step, max_steps), tag, rank, initial=run.step, total=max_steps)
+    bar = data.progress(range(run.step, max_steps), desc=tag, initial=run.step, total=max_steps)
     # --wandb: one run per process; a phase (finetune after activate) logs after the earlier phases' steps
     _wandb["offset"], _wandb["next"] = _wandb["next"], _wandb["next"] + max_steps
     for step in bar:
@@ -898,7 +840,7 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
         at_stop = getattr(args, "stop_at", None) is not None and done == args.stop_at and done < max_steps
         # flags are read (a device sync) only where every rank reads them at the same step;
         # one process may stop at any step
-        sig = (at_log or at_save or at_stop or (world == 1 and _signal[0])) and \
+        sig = (at_log or at_save or at_stop or (world == 1 and data.stop_requested())) and \
             agree_flags(bad, world, device, tag, done)
         if at_log:      # the global batch's losses: every rank's mean (equal local batches)
             vals = torch.stack([loss.detach().float(), *(v.float() for v in parts.values())])
@@ -909,7 +851,7 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
             t_log, step_log = time.time(), done
             rec = {"step": done, "phase": tag, "loss": vals[0], "lr": lr, "time": round(time.time(), 3),
                    "elapsed": round(run.elapsed, 3), "samples_per_s": round(sps, 1), **dict(zip(parts, vals[1:]))}
-            on_rank0(lambda: run.log(rec), rank, world, device)
+            on_rank0(lambda: log_record(out_dir, rec), rank, world, device)
             bar.set_postfix(loss=f"{vals[0]:.4f}", lr=f"{lr:.2e}", refresh=False)
         if (sig and done < max_steps) or at_stop:
             on_rank0(lambda: save_run(run), rank, world, device)     # rank 0 has written before any rank exits
@@ -924,8 +866,7 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
     bar.close()
     agree_flags(bad, world, device, tag, run.step)
     if out_dir:
-        on_rank0(lambda: (save_run(run), draw_loss_curve(run.metrics, os.path.join(out_dir, "loss_curve.png"), tag)),
-                 rank, world, device)
+        on_rank0(lambda: (save_run(run), draw_loss_curve(out_dir, tag)), rank, world, device)
     return run
 
 
@@ -1009,7 +950,7 @@ def cmd_extract(a):
     t_start = time.time()
     table6_defaults(a, "extract")
     rank, world, device = setup_distributed(a.device)
-    claim_out_dir(a, rank, world, device)    # before anything is written there
+    data.claim_out_dir(a.out_dir, rank, world, device, a.resume, a.overwrite, RUN_FILES)   # before any write there
     torch.manual_seed(a.seed)
     random.seed(a.seed)
     np.random.seed(a.seed)
@@ -1051,7 +992,7 @@ def cmd_extract(a):
     config = {"args": run_flags(a), "world_size": world, **aux.meta(), "model": dataclasses.asdict(aux.cfg),
               "teacher_config": dataclasses.asdict(tcfg)}
     start_line(a, f"extract --method {a.method}", aux, device, world, loader, rank)
-    wandb_start(a, config, rank)
+    _wandb["run"] = data.start_wandb(a.wandb, a.out_dir, config, a.resume) if a.wandb and rank == 0 else None
 
     def write_learngene(tr):
         with open(os.path.join(a.out_dir, "tokenizer.json")) as f:
@@ -1328,13 +1269,10 @@ def retrieval_loader(a, tok, image_size, batch_size=100):
 
 
 def retrieval_hits(sim, owners):
-    """Per-query R@1 hits from `sim` [images, texts] and `owners` [texts] (the image index
-    each text belongs to). Ties count as misses (pessimistic ranking): an image is a hit only
-    if its best correct text scores strictly higher than every text of another image; a text
-    only if its image scores strictly higher than every other image. So a collapsed model
-    scores 0, and two identical captions of different images (the shapes data repeats short
-    ones such as "a white star") can never credit either image, whatever their order:
-    `argmax` gave the hit to whichever came first. Returns (i2t [images], t2i [texts]) bool."""
+    """Per-query R@1 hits (i2t [images], t2i [texts], bool) from `sim` [images, texts] and `owners` [texts]
+    (each text's image). Ties count as misses: a hit scores strictly higher than every wrong candidate, so a
+    collapsed model scores 0 and two identical captions of different images (shapes repeats short ones such
+    as "a white star") credit neither, whatever their order (`argmax` credited the first)."""
     pos = owners[None, :] == torch.arange(sim.shape[0], device=sim.device)[:, None]
     best_pos = sim.masked_fill(~pos, -math.inf).amax(1)
     best_neg = sim.masked_fill(pos, -math.inf).amax(1)
@@ -1345,10 +1283,8 @@ def retrieval_hits(sim, owners):
 
 @torch.no_grad()
 def eval_retrieval(model, loader, device, batch_size=100):
-    """I2T / T2I R@1 (%) over every batch of `loader`. Images are grouped by sample key, so
-    several captions of one image (Karpathy JSON) are all correct for it (I2T). Ties count as
-    misses (see `retrieval_hits`). Identical token sequences are encoded once, so duplicate
-    captions tie exactly, also across batches."""
+    """I2T / T2I R@1 (%) over every batch of `loader`; images grouped by sample key (several captions of one
+    image are all correct for it). Identical token sequences are encoded once: duplicates tie exactly."""
     model.eval()
     keys, img_feats, texts, owners = {}, [], [], []
     skipped0 = getattr(loader, "skipped", 0)    # the loader's counter runs across epochs
@@ -1472,7 +1408,7 @@ def cmd_finetune(a):
     t_start = time.time()
     rank, world, device = setup_distributed(a.device)
     out = a.out_dir
-    claim_out_dir(a, rank, world, device)     # before anything is written there
+    data.claim_out_dir(out, rank, world, device, a.resume, a.overwrite, RUN_FILES, phase_dirs(a))   # before any write
     table6_defaults(a, a.task)
     torch.manual_seed(a.seed)
     model, tok, cfg, modality, kind, init_cfg = load_init(a)
@@ -1481,7 +1417,7 @@ def cmd_finetune(a):
                "modality": modality, "layers": cfg.vision_layers or cfg.text_layers, "lr": a.lr, "wd": a.wd,
                "seed": a.seed, "params": sum(p.numel() for p in model.parameters())}
     start_line(a, f"finetune --task {a.task} --init {a.init}", model, device, world, None, rank)
-    wandb_start(a, run_flags(a), rank)
+    _wandb["run"] = data.start_wandb(a.wandb, out, run_flags(a), a.resume) if a.wandb and rank == 0 else None
 
     def phase(tag, model_, loss_fn, loader, args, steps):
         """Run one phase with checkpoints in out/{tag}/; with --resume it continues from them
@@ -2023,7 +1959,7 @@ def train_shapes_lm(folder: str, seed: int, steps: int = 1000):
         torch.manual_seed(seed)
         lm = GPT2(backend.get_vocab_size(), 64, 128, 2, 4)
         opt = torch.optim.AdamW(lm.parameters(), lr=2e-3, weight_decay=0.01)
-        for step in progress(range(steps), "stand-in LM"):
+        for step in data.progress(range(steps), desc="stand-in LM"):
             for g in opt.param_groups:
                 g["lr"] = get_lr(step, steps, 2e-3, max(1, steps // 10))
             pairs = [rng.sample(refs[rng.randrange(len(refs))], 2) for _ in range(64)]
@@ -2093,7 +2029,7 @@ def eval_captioning(model, loader, device, beam, refs_of, pool=None, scene_of=No
     model.mapper.eval()
     captions, hyps, nearest, lm_tok = {}, {}, {}, model.frozen[2]
     skipped0 = getattr(loader, "skipped", 0)
-    for batch in progress(loader, "captioning", total=len(loader) if hasattr(loader, "__len__") else None):
+    for batch in data.progress(loader, desc="captioning", total=len(loader) if hasattr(loader, "__len__") else None):
         new = [j for j, k in enumerate(batch["key"]) if k not in captions]
         for k, c in zip(batch["key"], batch["caption"]):
             captions.setdefault(k, []).append(c)
@@ -2339,7 +2275,9 @@ def add_train_flags(p, lr_help="", data_help=""):
     return p.add_argument_group("model")
 
 
-def add_extract_parser(sub):
+def build_parser():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("extract", formatter_class=HelpFormatter, help="distil a teacher CLIP into the learngene "
                        "(paper: batch 512, lr 1e-3, 10k warm-up, 32 epochs of CC3M+CC12M, --model ViT-S-16; the "
                        "defaults off shapes)")
@@ -2352,10 +2290,8 @@ def add_extract_parser(sub):
                    help="the teacher's activation; default: what open_clip_config.json / config.json beside it "
                         "says, else (a bare weight file) QuickGELU as OpenAI's released CLIPs. Printed at start.")
     g.add_argument("--model", default="shapes", choices=list(AUX_PRESETS), help="the auxiliary model's preset")
-    g.add_argument("--aux_width", type=int, help="default: the preset's")
-    g.add_argument("--aux_heads", type=int, help="default: the preset's")
-    g.add_argument("--aux_layers", type=int, help="default: the preset's")
-    g.add_argument("--patch_size", type=int, help="default: the preset's")
+    for flag in ("--aux_width", "--aux_heads", "--aux_layers", "--patch_size"):
+        g.add_argument(flag, type=int, help="default: the preset's")
     g = p.add_argument_group("method")
     g.add_argument("--method", default="mmlg", choices=["mmlg", "tleg", "helg"])
     g.add_argument("--helg_layers", type=int, default=3, help="He-LG: layers per tower kept as the learngene")
@@ -2364,9 +2300,20 @@ def add_extract_parser(sub):
     x.add_argument("--only_mm", action="store_true", help="extra (not Table 4): extract multimodal blocks only")
     g.add_argument("--lambda_dist", type=float, default=1.0, help="lambda of Eq. 8 (paper: 1)")
     p.set_defaults(func=cmd_extract, out_dir="out/learngene")
-
-
-def add_finetune_parser(sub):
+    p = sub.add_parser("expand", formatter_class=HelpFormatter, help="learngene -> descendant out_dir (OpenAI layout)")
+    p.add_argument("--learngene", required=True)
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--modality", default="clip", choices=["clip", "vision", "text"])
+    p.add_argument("--part", default="both", choices=["both", "no_mm", "only_mm"],
+                   help="Table 4's ablations at initialisation, from one full MM-LG learngene: no_mm leaves the "
+                        "multimodal term c^m theta^m out of Eq. 1-2 (W = c^v theta^v, W = c^l theta^l), only_mm "
+                        "leaves the unimodal term out (W = c^mv theta^m, W = c^ml theta^m); the kept term keeps its "
+                        "extracted coefficient, nothing is rescaled or filled randomly; embeddings, LayerNorms and "
+                        "projections are the full learngene's")
+    p.add_argument("--width", type=int, help="expected width (checked; default: not checked)")
+    p.add_argument("--seed", type=int, default=0, help="He-LG: seed of the random layers")
+    p.add_argument("--out_dir", help="default: out/descendant_<method>_<modality><layers>")
+    p.set_defaults(func=cmd_expand)
     p = sub.add_parser("finetune", formatter_class=HelpFormatter,
                        help="activation + fine-tuning (retrieval, classification or captioning)")
     g = add_train_flags(p, lr_help="default: Table 6 per task (retrieval 5e-5, classification 1e-4, "
@@ -2408,27 +2355,6 @@ def add_finetune_parser(sub):
                         "pool image most similar in the frozen encoder's image embedding)")
     g.add_argument("--baseline_pool", type=int, default=1000, help="--baselines: the first N training images")
     p.set_defaults(func=cmd_finetune)
-
-
-def build_parser():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    add_extract_parser(sub)
-    p = sub.add_parser("expand", formatter_class=HelpFormatter, help="learngene -> descendant out_dir (OpenAI layout)")
-    p.add_argument("--learngene", required=True)
-    p.add_argument("--layers", type=int, required=True)
-    p.add_argument("--modality", default="clip", choices=["clip", "vision", "text"])
-    p.add_argument("--part", default="both", choices=["both", "no_mm", "only_mm"],
-                   help="Table 4's ablations at initialisation, from one full MM-LG learngene: no_mm leaves the "
-                        "multimodal term c^m theta^m out of Eq. 1-2 (W = c^v theta^v, W = c^l theta^l), only_mm "
-                        "leaves the unimodal term out (W = c^mv theta^m, W = c^ml theta^m); the kept term keeps its "
-                        "extracted coefficient, nothing is rescaled or filled randomly; embeddings, LayerNorms and "
-                        "projections are the full learngene's")
-    p.add_argument("--width", type=int, help="expected width (checked; default: not checked)")
-    p.add_argument("--seed", type=int, default=0, help="He-LG: seed of the random layers")
-    p.add_argument("--out_dir", help="default: out/descendant_<method>_<modality><layers>")
-    p.set_defaults(func=cmd_expand)
-    add_finetune_parser(sub)
     p = sub.add_parser("report", formatter_class=HelpFormatter,
                        help="storage / cost table (paper Table 3) and fine-tuning results side by side")
     p.add_argument("--learngene", help="learngene.safetensors: Table 3's storage and cost")
@@ -2446,9 +2372,8 @@ def build_parser():
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     a = build_parser().parse_args(argv)
-    _signal[0] = 0
     _wandb.update(run=None, offset=0, next=0)
-    handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    handlers = data.catch_stop_signals()
     try:
         if a.cmd in ("extract", "finetune"):
             a.out_dir = a.out_dir or f"out/finetune_{a.task}"
@@ -2456,7 +2381,7 @@ def main(argv=None):
                 resume_flags(a, argv)
             if a.init is None and not a.resume:     # (with --resume, claim_out_dir says what is missing)
                 raise ConfigError(f"{a.cmd} needs --init ({'the teacher' if a.cmd == 'extract' else 'a descendant'})")
-        if getattr(a, "wandb", None):       # before training: the package is optional
+        if getattr(a, "wandb", None):       # on every rank, before training: the package is optional
             try:
                 import wandb  # noqa: F401
             except ImportError:
@@ -2464,89 +2389,41 @@ def main(argv=None):
         a.func(a)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()      # no rank tears down its connections while another still writes
-    except (ConfigError, data.DataError) as e:
+    except data.DataError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except NonFiniteError as e:
         print(str(e), file=sys.stderr, flush=True)
         sys.exit(1)
-    except KeyboardInterrupt:
-        print("error: interrupted (a second Ctrl-C); the last checkpoint is kept", file=sys.stderr)
-        sys.exit(130)
     except Exception as e:
-        if write_errno(e) is None:
+        if data.write_error(e) is None:
             raise
-        print(f"error: {getattr(e, 'filename', None) or a.out_dir}: {os.strerror(write_errno(e))}; the last good "
-              f"checkpoint is kept", file=sys.stderr)
+        print(f"error: {getattr(e, 'filename', None) or a.out_dir}: {data.write_error(e)}; the last good checkpoint "
+              f"is kept", file=sys.stderr)
         sys.exit(2)
     finally:
         if _wandb["run"] is not None:
             _wandb["run"].finish()
-        release_out_dir()
-        for s, h in handlers.items():     # only now: a signal during the final save is not fatal
-            signal.signal(s, h)
+        data.release_out_dir()
+        data.restore_signals(handlers)     # only now: a signal during the final save is not fatal
         if dist.is_available() and dist.is_initialized():
             gc.collect()    # the DDP wrapper (in a reference cycle) holds the group: it goes first
             dist.destroy_process_group()
 
 
 # -----------------------------------------------------------------------------
-# Infrastructure: checkpoints, the out_dir lock, the run lifecycle, write errors. A phase's
-# out_dir/checkpoint/ holds model.safetensors, config.json (flags, model config, "script"),
-# tokenizer.json (if the phase has one), state.pt (step, AdamW state, RNG states, loader position:
-# torch.save, read with weights_only=True) and, written last, sha256.json of them. A save goes to
-# checkpoint.tmp/, is fsynced and switched in by renames; checkpoint.prev/ (the save before) is kept
-# for a damaged newest checkpoint to fall back to.
+# Infrastructure: the run lifecycle is data.py's (the out_dir lock, checkpoint/ with sha256.json and the
+# fallback to checkpoint.prev/, RNG states, write errors, stop signals, metrics.jsonl + wandb, the curve).
+# This script's own: what a phase's state.pt holds (step, time, loader position, AdamW state, RNG states)
+# and its restore, the flags --resume lets change, the files --overwrite removes, the start and done lines.
 
 RUN_CONTROL = ("stop_at", "save_interval", "log_interval", "num_workers", "device", "resume", "overwrite", "out_dir")
-RUN_FILES = ("metrics.jsonl", "loss_curve.png", "learngene.safetensors", "results.json", "model.safetensors",
-             "config.json", "tokenizer.json", "captions.json", "wandb_id", "checkpoint", "checkpoint.prev",
-             "checkpoint.tmp")
-_lock, _signal = None, [0]      # this process's out_dir/.lock; the strongest signal received (SIGTERM > SIGINT)
-
-
+RUN_FILES = (r"metrics\.jsonl", r"loss_curve\.png", r"learngene\.safetensors", r"results\.json", r"model\.safetensors",
+             r"config\.json", r"tokenizer\.json", r"captions\.json", r"wandb_id(\.txt)?", r"checkpoint(\.prev|\.tmp)?")
+STATE_TYPES = {"step": int, "elapsed": (int, float), "loader": dict, "optimizer": dict, "rng": dict}
 _wandb = {"run": None, "offset": 0, "next": 0}    # --wandb: the module while a run is open; phase step offsets
-
-
-def wandb_start(a, config, rank):
-    """--wandb PROJECT (nanoGPT's wandb_log), rank 0: a W&B run named after out_dir, resumed by the run
-    id kept in out_dir/wandb_id (so --resume continues it); every metrics.jsonl record goes to it."""
-    if not getattr(a, "wandb", None) or rank != 0:
-        return
-    import wandb
-    id_path = os.path.join(a.out_dir, "wandb_id")
-    run_id = open(id_path).read().strip() if os.path.exists(id_path) else hashlib.sha256(os.urandom(16)).hexdigest()[:8]
-    data.atomic_write(id_path, lambda p: open(p, "w").write(run_id))
-    wandb.init(project=a.wandb, name=os.path.basename(os.path.abspath(a.out_dir)), config=config, id=run_id,
-               resume="allow")
-    _wandb["run"] = wandb
-
-
-def wandb_log(record):
-    """A record to W&B at its step; a later phase (finetune after activate) after the earlier ones' steps."""
-    if _wandb["run"] is not None:
-        _wandb["run"].log(record, step=record["step"] + _wandb["offset"])
-
-
-def on_rank0(fn, rank, world, device):
-    """fn() on rank 0 (it writes), and every rank learns how it went: a write error there (or non-finite
-    weights) is its one line on rank 0, and the other ranks exit with the same status instead of
-    failing or hanging in their next collective."""
-    if world == 1:
-        return fn()
-    error = None
-    if rank == 0:
-        try:
-            fn()
-        except Exception as e:
-            error = e
-    code = 0 if error is None else 2 if isinstance(error, (ConfigError, data.DataError)) or write_errno(error) else 1
-    code = torch.tensor(float(code), device=device)
-    dist.broadcast(code, 0)
-    if error is not None:
-        raise error
-    if code.item():
-        raise SystemExit(int(code.item()))
+# fn() on rank 0, and every rank learns how it went (a write error there: one line, every rank exits 2)
+on_rank0 = functools.partial(data.on_rank0, user_errors=(data.DataError,))
 
 
 def start_line(a, what, model, device, world, loader, rank):
@@ -2563,182 +2440,40 @@ def end_line(a, steps, t_start, files):
           flush=True)
 
 
-def progress(it, desc, rank=0, **kw):
-    """A tqdm bar on stderr, drawn by rank 0 on a terminal only."""
-    return tqdm(it, desc=desc, file=sys.stderr, disable=None if rank == 0 else True, dynamic_ncols=True, **kw)
-
-
-def sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def write_errno(e):
-    """The errno of a write error said in one line (safetensors reports ENOSPC as SafetensorError)."""
-    if isinstance(e, OSError):
-        return e.errno if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO) else None
-    return errno.ENOSPC if "No space left" in str(e) else None
-
-
-def write_checkpoint(out_dir, model_sd, config, state, tok):
-    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        os.makedirs(tmp)
-        save_file({k: v.detach().cpu().contiguous() for k, v in model_sd.items()},
-                  os.path.join(tmp, "model.safetensors"), {"step": str(state["step"])})
-        torch.save(state, os.path.join(tmp, "state.pt"))
-        for folder in (tmp, out_dir):       # readers of out_dir find config and tokenizer there too
-            data.atomic_write(os.path.join(folder, "config.json"), lambda p: data.save_json(p, config))
-            if tok is not None:
-                tok.save(folder)
-        names = sorted(os.listdir(tmp))
-        for name in names:
-            data.fsync(os.path.join(tmp, name))
-        data.save_json(os.path.join(tmp, "sha256.json"), {n: sha256(os.path.join(tmp, n)) for n in names})
-        data.fsync(tmp)
-    except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if write_errno(e) is None:
-            raise
-        need = 3 * sum(v.nbytes for v in model_sd.values()) / 2 ** 20       # weights and AdamW's two moments
-        raise ConfigError(f"{out_dir}: {os.strerror(write_errno(e)).lower()} for the step-{state['step']} checkpoint "
-                          f"(about {need:.1f} MiB needed, {shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); "
-                          f"the previous checkpoint is kept") from None
-    if os.path.isdir(final):
-        shutil.rmtree(prev, ignore_errors=True)
-        os.replace(final, prev)
-    os.replace(tmp, final)
-    data.fsync(out_dir)
-
-
-def read_checkpoint(folder):
-    """(model tensors, state, config) of a checkpoint folder, or a DataError naming the file that is
-    missing or damaged (its sha256 differs, or state.pt holds what this script does not write)."""
-    sums = data.read_json(os.path.join(folder, "sha256.json"))
-    if not isinstance(sums, dict):
-        raise data.DataError(f"{folder}/sha256.json: damaged (not a table of file sums)")
-    for name in dict.fromkeys(["model.safetensors", "config.json", "state.pt", *sums]):
-        path = os.path.join(folder, name)
-        if name not in sums or not os.path.isfile(path):
-            raise data.DataError(f"{path}: missing (incomplete checkpoint)")
-        if sha256(path) != sums[name]:
-            raise data.DataError(f"{path}: damaged (its sha256 is not the one in sha256.json)")
-    types = {"step": int, "elapsed": (int, float), "loader": dict, "optimizer": dict, "rng": dict}
-    try:
-        st = torch.load(os.path.join(folder, "state.pt"), map_location="cpu", weights_only=True)
-        assert all(isinstance(st[k], t) for k, t in types.items()) and torch.is_tensor(st["rng"]["torch"]) \
-            and isinstance(st["optimizer"]["state"], dict)
-    except Exception:
-        raise data.DataError(f"{folder}/state.pt: wrong types (not a training state of "
-                             f"{os.path.basename(__file__)})") from None
-    return load_file(os.path.join(folder, "model.safetensors")), st, data.read_json(os.path.join(folder, "config.json"))
-
-
-def find_checkpoint(out_dir, rank=0):
-    """read_checkpoint of out_dir/checkpoint/, else of checkpoint.prev/ (said in one note)."""
-    prev = os.path.join(out_dir, "checkpoint.prev")
-    try:
-        return read_checkpoint(os.path.join(out_dir, "checkpoint"))
-    except data.DataError as e:
-        if not os.path.isdir(prev):
-            raise
-        try:
-            found = read_checkpoint(prev)
-        except data.DataError as e2:
-            raise data.DataError(f"{e}; the previous checkpoint is not usable either ({e2})") from None
-        if rank == 0:
-            print(f"note: {e}; resuming from the previous complete checkpoint {prev} (step {found[1]['step']})",
-                  file=sys.stderr, flush=True)
-        return found
-
-
 def save_run(run):
     """Rank 0 writes; never a checkpoint with non-finite weights or optimizer state."""
     if run.out_dir is None or run.rank != 0:
         return
     sd, opt = run.raw.state_dict(), run.opt.state_dict()
-    if not all(torch.isfinite(t).all() for t in [*sd.values(), *(v for s in opt["state"].values() for v in s.values())]
-               if t.is_floating_point()):
+    if not data.all_finite([sd, opt["state"]]):
         raise NonFiniteError(f"{run.tag}: non-finite weights at step {run.step}; stopped, the last good checkpoint "
                              f"is kept")
-    n = np.random.get_state()
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-           "cuda": torch.cuda.get_rng_state_all() if run.device.startswith("cuda") else [],
-           "numpy": [n[0], torch.from_numpy(n[1].astype(np.int64)), *n[2:]]}
-    state = {"step": run.step, "elapsed": run.elapsed, "loader": run.loader.state_dict(), "optimizer": opt, "rng": rng}
-    write_checkpoint(run.out_dir, sd, {**run.config, "script": data.script_record(__file__)}, state, run.tokenizer)
+    state = {"step": run.step, "elapsed": run.elapsed, "loader": run.loader.state_dict(), "optimizer": opt,
+             "rng": data.rng_state(run.device)}
+    data.save_checkpoint(run.out_dir, sd, state, {**run.config, "script": data.script_record(__file__)},
+                         run.tokenizer, run.step, run.newest_damaged)
+    run.newest_damaged = False
     if run.on_save:
         run.on_save(run)
 
 
 def load_run(run):
     """The newest usable checkpoint into model, optimizer, loader and RNGs: the run goes on bit-exactly."""
-    model_sd, st, _ = find_checkpoint(run.out_dir, run.rank)
-    data.load_state(run.raw, model_sd, os.path.join(run.out_dir, "checkpoint"))
+    folder, model_sd, st, _, run.newest_damaged = data.load_checkpoint(run.out_dir, STATE_TYPES, rank=run.rank)
+    data.load_state(run.raw, model_sd, folder)
     try:
         run.opt.load_state_dict(st["optimizer"])
         run.loader.load_state_dict(st["loader"])
-        r = st["rng"]
-        torch.set_rng_state(r["torch"])
-        if r["cuda"] and run.device.startswith("cuda"):
-            torch.cuda.set_rng_state_all(r["cuda"])
-        np.random.set_state((r["numpy"][0], r["numpy"][1].numpy().astype(np.uint32), *r["numpy"][2:]))
-        random.setstate(r["python"])
-    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
-        raise data.DataError(f"{run.out_dir}/checkpoint/state.pt: wrong types ({type(e).__name__}: {e})") from None
+        data.set_rng_state(st["rng"], run.device)
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError, AttributeError) as e:
+        raise data.DataError(f"{folder}/state.pt: wrong types ({type(e).__name__}: {e})") from None
     run.step, run.elapsed = st["step"], st["elapsed"]
-    run.metrics = rewind_metrics(os.path.join(run.out_dir, "metrics.jsonl"), run.step, run.rank)
+    if run.rank == 0:       # no step logged twice
+        data.cut_metrics(os.path.join(run.out_dir, "metrics.jsonl"), run.step)
 
 
 def phase_dirs(a):
     return [os.path.join(a.out_dir, t) for t in ("activate", "finetune")] if a.cmd == "finetune" else [a.out_dir]
-
-
-def claim_out_dir(a, rank, world, device):
-    """Before anything is written to out_dir: one run per out_dir (rank 0 holds an flock on
-    out_dir/.lock, dropped by the kernel when the process ends, killed or not); --resume needs a
-    checkpoint; a new run keeps off one unless --overwrite, which first removes the old run's files.
-    Rank 0 says what is wrong, once; the other ranks exit 2."""
-    global _lock
-    release_out_dir()
-    out, error = a.out_dir, None
-    if rank == 0:
-        os.makedirs(out, exist_ok=True)
-        _lock = open(os.path.join(out, ".lock"), "a+")
-        try:
-            fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            _lock.truncate(0)
-            _lock.write(f"{os.getpid()}\n")
-            _lock.flush()
-            saved = any(os.path.isdir(os.path.join(d, c)) for d in phase_dirs(a)
-                        for c in ("checkpoint", "checkpoint.prev"))
-            if a.resume and not saved:
-                error = f"--resume: nothing to resume yet in {out} (no checkpoint saved)"
-            elif saved and not (a.resume or a.overwrite):
-                error = (f"{out} holds a run's checkpoint: continue it with --resume, or use another --out_dir, "
-                         f"or --overwrite")
-            for path in [os.path.join(d, n) for d in [out, *phase_dirs(a)] for n in RUN_FILES] \
-                    if a.overwrite and not a.resume else []:
-                shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
-        except BlockingIOError:
-            _lock.seek(0)
-            error = f"{out} is in use by another run: process {_lock.read().strip() or '?'} holds {out}/.lock"
-            release_out_dir()
-    busy = torch.tensor(float(error is not None), device=device)
-    if world > 1:
-        dist.broadcast(busy, 0)
-    if busy.item():
-        if rank:
-            raise SystemExit(2)
-        raise ConfigError(error)
-
-
-def release_out_dir():
-    global _lock
-    if _lock is not None:
-        _lock.close()
-        _lock = None
 
 
 def resume_flags(a, argv):
@@ -2747,7 +2482,7 @@ def resume_flags(a, argv):
     for folder in (os.path.join(d, c) for d in phase_dirs(a)[::-1] for c in ("checkpoint", "checkpoint.prev")):
         with contextlib.suppress(OSError, data.DataError, LookupError, TypeError):
             path = os.path.join(folder, "config.json")
-            if sha256(path) == data.read_json(os.path.join(folder, "sha256.json"))["config.json"]:
+            if data.sha256(path) == data.read_json(os.path.join(folder, "sha256.json"))["config.json"]:
                 saved = data.read_json(path)["args"]
                 break
     else:
@@ -2757,25 +2492,13 @@ def resume_flags(a, argv):
         p._defaults.clear()
         for action in p._actions:
             action.default = argparse.SUPPRESS
-    given = vars(ap.parse_args(argv))
-    for k, v in saved.items():
-        if k in given and k not in RUN_CONTROL and given[k] != v:
-            raise ConfigError(f"--resume: --{k} {given[k]} differs from the saved run's {v} ({path}); only "
-                              f"{', '.join('--' + f for f in RUN_CONTROL[:5])} may change")
-        if k not in given and k not in RUN_CONTROL and hasattr(a, k):
+    for k, v in data.resumed_flags(vars(ap.parse_args(argv)), saved, RUN_CONTROL, path).items():
+        if hasattr(a, k):
             setattr(a, k, v)
 
 
 def run_flags(a) -> dict:
     return {k: v for k, v in vars(a).items() if k != "func"}
-
-
-def on_signal(sig, frame):
-    """SIGTERM / SIGINT: train_phase saves at a step the ranks agree on, then exits; a second Ctrl-C
-    exits at once."""
-    if sig == signal.SIGINT and _signal[0] == signal.SIGINT:
-        raise KeyboardInterrupt
-    _signal[0] = max(_signal[0], sig)
 
 
 if __name__ == "__main__":
