@@ -19,9 +19,10 @@ public implementation, plus the learngene baselines it is compared with (He-LG, 
   report    parameter storage and pre-training cost (Table 3); finetune results side by side.
 
 Reads top to bottom: config -> model -> learngene parametrisations -> losses -> training
-loop -> subcommands -> main, then one section of infrastructure (checkpoints, the out_dir lock,
---resume / --overwrite, signals, write errors). The only repo import is data.py; a checkpoint
-that records another training script is read with that script's load_model.
+loop -> subcommands -> main, then one short section of infrastructure: what a checkpoint holds; the
+run lifecycle itself (checkpoints, the out_dir lock, --resume / --overwrite, signals, write errors) is
+data.py's. The only repo import is data.py; a checkpoint that records another training script is read
+with that script's load_model.
 
 Every choice the paper leaves open is marked "CHOICE:" next to the equation it concerns.
 """
@@ -851,10 +852,10 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
             t_log, step_log = time.time(), done
             rec = {"step": done, "phase": tag, "loss": vals[0], "lr": lr, "time": round(time.time(), 3),
                    "elapsed": round(run.elapsed, 3), "samples_per_s": round(sps, 1), **dict(zip(parts, vals[1:]))}
-            on_rank0(lambda: log_record(out_dir, rec), rank, world, device)
+            data.on_rank0(lambda: log_record(out_dir, rec), rank, world, device)
             bar.set_postfix(loss=f"{vals[0]:.4f}", lr=f"{lr:.2e}", refresh=False)
         if (sig and done < max_steps) or at_stop:
-            on_rank0(lambda: save_run(run), rank, world, device)     # rank 0 has written before any rank exits
+            data.on_rank0(lambda: save_run(run), rank, world, device)     # rank 0 has written before any rank exits
             if rank == 0:
                 cmd = f"python {os.path.basename(__file__)} {args.cmd} --out_dir {args.out_dir} --resume" \
                     if hasattr(args, "cmd") else "--resume"
@@ -862,11 +863,11 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
                       f"continue with {cmd}", flush=True)
             sys.exit(0)
         if at_save:
-            on_rank0(lambda: save_run(run), rank, world, device)
+            data.on_rank0(lambda: save_run(run), rank, world, device)
     bar.close()
     agree_flags(bad, world, device, tag, run.step)
     if out_dir:
-        on_rank0(lambda: (save_run(run), draw_loss_curve(out_dir, tag)), rank, world, device)
+        data.on_rank0(lambda: (save_run(run), draw_loss_curve(out_dir, tag)), rank, world, device)
     return run
 
 
@@ -1455,7 +1456,7 @@ def cmd_finetune(a):
         end_line(a, a.max_steps, t_start, ["model.safetensors", "config.json", "results.json"] +
                  ["captions.json"] * (a.task == "caption") + [f"{t}/" for t in ("activate", "finetune")
                                                               if os.path.isdir(os.path.join(out, t))])
-    on_rank0(finish, rank, world, device)
+    data.on_rank0(finish, rank, world, device)
 
 
 # -----------------------------------------------------------------------------
@@ -2073,7 +2074,7 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
                               "vocab.json + merges.txt>; only shapes has a stand-in")
         # beside out_dir, so runs under one parent folder share the stand-in
         lm_dir = os.path.join(os.path.dirname(os.path.abspath(a.out_dir)), "shapes_lm")
-        on_rank0(lambda: train_shapes_lm(lm_dir, 0), rank, world, device)
+        data.on_rank0(lambda: train_shapes_lm(lm_dir, 0), rank, world, device)
         results["lm"] = "stand-in: a 2-layer GPT trained on pairs of shapes references (not GPT-2)"
     else:
         results["lm"] = os.path.abspath(lm_dir)
@@ -2422,8 +2423,6 @@ RUN_FILES = (r"metrics\.jsonl", r"loss_curve\.png", r"learngene\.safetensors", r
              r"config\.json", r"tokenizer\.json", r"captions\.json", r"wandb_id(\.txt)?", r"checkpoint(\.prev|\.tmp)?")
 STATE_TYPES = {"step": int, "elapsed": (int, float), "loader": dict, "optimizer": dict, "rng": dict}
 _wandb = {"run": None, "offset": 0, "next": 0}    # --wandb: the module while a run is open; phase step offsets
-# fn() on rank 0, and every rank learns how it went (a write error there: one line, every rank exits 2)
-on_rank0 = functools.partial(data.on_rank0, user_errors=(data.DataError,))
 
 
 def start_line(a, what, model, device, world, loader, rank):
