@@ -1102,8 +1102,7 @@ def load_init(a):
     # built below: the reader's random init must not shift this run's draws
     with torch.random.fork_rng(devices=[]):
         found = recorded_model(a.init) if modality == "clip" else None
-    if found is not None:
-        sd, folder_tok = found[0].state_dict(), found[1]
+    sd, tok = (found[0].state_dict(), found[1]) if found else (sd, folder_tokenizer(a.init))
     cfg = infer_config(sd, found[2] if found else cfgj, a.init, need)
     if modality == "clip":
         model = CLIP(cfg)
@@ -1113,7 +1112,6 @@ def load_init(a):
     missing, _ = model.load_state_dict(sd, strict=False)
     if missing:
         raise ConfigError(f"{a.init}: cannot read the checkpoint (missing {missing[0]})")
-    tok = folder_tok if found else folder_tokenizer(a.init)
     if tok is None and modality == "clip":
         raise ConfigError(f"{a.init}: no tokenizer.json")
     kind = cfgj.get("method", "pretrained") if "learngene" in cfgj else "pretrained"
@@ -2204,15 +2202,15 @@ def storage_report(a):
     rows = [(n, sum(v.numel() for v in descendant_state(aux, n, "clip", 0)[0].values())) for n in a.layers]
     total = sum(cnt for _, cnt in rows)
     ext = json.loads(meta.get("extract", "{}"))
-    lines = ["| | parameters stored | ratio |", "|---|---:|---:|"]
-    lines += [f"| PT-FT {n}-layer CLIP | {cnt:,} | |" for n, cnt in rows]
-    lines.append(f"| PT-FT total ({', '.join(str(n) for n in a.layers)} layers) | {total:,} | 100% |")
-    lines.append(f"| {aux.method.upper()} learngene (blocks + coefficients) | {lg:,} | {100 * lg / total:.1f}% |")
-    lines.append(f"| {aux.method.upper()} learngene file (+ embeddings, LNs, projections) | {lg_all:,} | "
-                 f"{100 * lg_all / total:.1f}% |")
-    lines += ["", "| pre-training | steps | batch | seconds |", "|---|---:|---:|---:|"]
-    lines.append(f"| extraction (once, all sizes) | {ext.get('step')} | {ext.get('batch_size')} | "
-                 f"{ext.get('elapsed', 0):.0f} |")
+    lines = ["| | parameters stored | ratio |", "|---|---:|---:|",
+             *[f"| PT-FT {n}-layer CLIP | {cnt:,} | |" for n, cnt in rows],
+             f"| PT-FT total ({', '.join(str(n) for n in a.layers)} layers) | {total:,} | 100% |",
+             f"| {aux.method.upper()} learngene (blocks + coefficients) | {lg:,} | {100 * lg / total:.1f}% |",
+             f"| {aux.method.upper()} learngene file (+ embeddings, LNs, projections) | {lg_all:,} | "
+             f"{100 * lg_all / total:.1f}% |",
+             "", "| pre-training | steps | batch | seconds |", "|---|---:|---:|---:|",
+             f"| extraction (once, all sizes) | {ext.get('step')} | {ext.get('batch_size')} | "
+             f"{ext.get('elapsed', 0):.0f} |"]
     pt_steps = pt_secs = 0
     for path in a.ptft or []:
         s, t, b = _run_cost(path)
