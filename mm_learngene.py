@@ -19,9 +19,10 @@ public implementation, plus the learngene baselines it is compared with (He-LG, 
   report    parameter storage and pre-training cost (Table 3); finetune results side by side.
 
 Reads top to bottom: config -> model -> learngene parametrisations -> losses -> training
-loop -> subcommands -> main, then one section of infrastructure (checkpoints, the out_dir lock,
---resume / --overwrite, signals, write errors). The only repo import is data.py; a checkpoint
-that records another training script is read with that script's load_model.
+loop -> subcommands -> main, then one short section of infrastructure: what a checkpoint holds; the
+run lifecycle itself (checkpoints, the out_dir lock, --resume / --overwrite, signals, write errors) is
+data.py's. The only repo import is data.py; a checkpoint that records another training script is read
+with that script's load_model.
 
 Every choice the paper leaves open is marked "CHOICE:" next to the equation it concerns.
 """
@@ -29,16 +30,13 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import errno
-import fcntl
 import functools
 import gc
-import hashlib
 import json
 import math
 import os
+import pathlib
 import random
-import shutil
 import signal
 import sys
 import time
@@ -49,10 +47,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from PIL import Image, ImageDraw
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from tqdm import tqdm
 
 import data
 
@@ -65,7 +61,7 @@ if dist.is_available():
     import torch.distributed.nn.functional  # noqa: F401
 
 
-class ConfigError(Exception):
+class ConfigError(data.DataError):
     """User-facing configuration / input problem: printed as `error: ...`, exit code 2."""
 
 
@@ -162,14 +158,6 @@ class Block(nn.Module):
         return dict(self.named_parameters())
 
 
-class LNPair(nn.Module):
-    """ln_1, ln_2 of a layer; in MM-LG one pair per modality is shared by all layers (Sec. 3.1)."""
-
-    def __init__(self, w):
-        super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(w), nn.LayerNorm(w)
-
-
 def init_block(b: Block, width: int, layers: int, gen=None):
     """OpenAI CLIP init (attn std w^-1/2, proj std w^-1/2 (2L)^-1/2, fc std (2w)^-1/2).
     CHOICE: Linear biases start at zero (OpenAI leaves PyTorch's uniform default)."""
@@ -180,6 +168,7 @@ def init_block(b: Block, width: int, layers: int, gen=None):
             t.copy_(torch.randn(t.shape, generator=gen) * std)
         for t in (b.attn.in_proj_bias, b.attn.out_proj.bias, b.mlp.c_fc.bias, b.mlp.c_proj.bias):
             t.zero_()
+    return b
 
 
 def transformer_stack(width: int, layers: int) -> nn.Module:
@@ -247,10 +236,8 @@ class TextTransformer(nn.Module):
 
 
 def capped_scale(model):
-    """exp(logit_scale) capped at 100 (CLIP, Radford et al. 2021, Sec. 2.5: "clipped to prevent
-    scaling the logits by more than 100"). The training loop clamps the parameter after each
-    step; this cap also holds for loaded weights (a teacher, a descendant, an ancestry whose
-    scale was stored above ln 100) from their first forward on."""
+    """exp(logit_scale) capped at 100 (CLIP Sec. 2.5: "clipped to prevent scaling the logits by more
+    than 100"), also for loaded weights whose scale was stored above ln 100."""
     return model.logit_scale.exp().clamp(max=100.0)
 
 
@@ -272,30 +259,21 @@ class CLIP(TextTransformer):
 # -----------------------------------------------------------------------------
 # Learngene parametrisations of the auxiliary model (paper Sec. 3.1, Fig. 3)
 #
-# INDEX MAPPING (paper Eq. 1-2, Fig. 3a). The paper says: the two groups are
-# "used alternately and repeatedly, one group is shared twice and then switched", and
-# "every weight scalar element [of a coefficient vector of length L/2] is shared twice
-# prior to the next one", and gives the example "layer 6: group 2, coefficient 3"
-# (1-indexed). With 0-indexed layers i = 0..L-1 this reads
+# INDEX MAPPING (paper Eq. 1-2, Fig. 3a). The two groups are "used alternately and repeatedly,
+# one group is shared twice and then switched", and "every weight scalar element [of a coefficient
+# vector of length L/2] is shared twice prior to the next one". With 0-indexed layers i = 0..L-1:
 #     group g = (i // 2) % 2      coefficient k = i // 2
 #     L = 12:  i  0  1  2  3  4  5  6  7  8  9 10 11
 #              g  0  0  1  1  0  0  1  1  0  0  1  1      (0 = theta1, 1 = theta2)
 #              k  0  0  1  1  2  2  3  3  4  4  5  5
-# The paper's example ("layer 6: block group index 2, coefficient index 3") is this reading
-# with 0-indexed layers and coefficients and 1-indexed group names: i = 6 -> g = 1 (theta2),
-# k = 3 (c_3). Consecutive layer pairs (2k, 2k+1) are therefore identical.
-# Hence only L/2 layers are distinct: unique layer k uses (g = k % 2, c[k]) -- exactly the
-# 6-layer descendant of Fig. 3b.
+# The paper's example "layer 6: group 2, coefficient 3" is i = 6 -> g = 1 (theta2), k = 3 with
+# 1-indexed group names. Layers 2k and 2k+1 are identical, so only L/2 are distinct: unique layer k
+# uses (g = k % 2, c[k]), the 6-layer descendant of Fig. 3b.
 
 
 def aux_index(i: int) -> tuple:
     """Auxiliary layer i -> (block group g, coefficient index k). Paper Eq. 1-2 / Fig. 3a."""
     return (i // 2) % 2, i // 2
-
-
-def descendant_index(k: int) -> tuple:
-    """Unique (6-layer descendant) layer k -> (g, k). Paper Fig. 3b: aux layers 2k and 2k+1."""
-    return k % 2, k
 
 
 def expand_order(n: int, unique: int) -> list:
@@ -314,21 +292,11 @@ def expand_order(n: int, unique: int) -> list:
     return [k for k in range(rep) for _ in (0, 1)] + list(range(rep, unique))
 
 
-def mix(terms, name):
-    """sum_j c_j * theta_j[name] -- the weighted sum of Eq. 1 / Eq. 2, one function for the
-    auxiliary forward and the expansion so n = 12 reproduces the auxiliary model bit for bit."""
-    out = None
-    for c, theta in terms:
-        t = c * theta[name]
-        out = t if out is None else out + t
-    return out
-
-
 def mmlg_learngene(w: int, L: int, part: str) -> nn.Module:
     """theta1, theta2 = {vision, language, multimodal} blocks (Linear weights only) and the
     coefficient vectors c^v, c^l, c^mv, c^ml of length L/2 (paper Sec. 3.1)."""
-    names = [n for n, keep in (("vision", part != "only_mm"), ("language", part != "only_mm"),
-                               ("multimodal", part != "no_mm")) if keep]
+    uni, mm = part != "only_mm", part != "no_mm"
+    names, coefs = ["vision", "language"] * uni + ["multimodal"] * mm, ["v", "l"] * uni + ["mv", "ml"] * mm
     lg = nn.Module()
     for g in ("theta1", "theta2"):
         setattr(lg, g, nn.ModuleDict({n: Block(w, ln=False) for n in names}))
@@ -339,8 +307,6 @@ def mmlg_learngene(w: int, L: int, part: str) -> nn.Module:
     # of one; with a single part 1. Coefficients get no weight decay (it would pull
     # them, and with them every layer, towards zero).
     c0 = 1.0 if part != "both" else 2 ** -0.5
-    coefs = [n for n, keep in (("v", part != "only_mm"), ("l", part != "only_mm"),
-                               ("mv", part != "no_mm"), ("ml", part != "no_mm")) if keep]
     lg.coef = nn.ParameterDict({c: nn.Parameter(torch.full((L // 2,), c0)) for c in coefs})
     return lg
 
@@ -363,19 +329,15 @@ class AuxCLIP(CLIP):
     """The auxiliary CLIP built from the learngene.
 
     method "mmlg" (paper): learngene.theta{1,2}.{vision,language,multimodal}.<linear names>,
-      learngene.coef.{v,l,mv,ml} (length L/2), shared_ln.{visual,text}.ln_{1,2}.*; the
-      towers' own resblocks are empty. Layer i of the vision tower (Eq. 1):
-          W_i^v = c^v[k] * theta_g^v + c^mv[k] * theta_g^m,   (g, k) = aux_index(i)
-      and of the language tower (Eq. 2):
-          W_i^l = c^l[k] * theta_g^l + c^ml[k] * theta_g^m
-      part "no_mm" drops theta^m and c^mv, c^ml; part "only_mm" drops theta^v, theta^l,
-      c^v, c^l (W_i^v = c^mv[k] theta_g^m, W_i^l = c^ml[k] theta_g^m).
-    method "tleg" (Xia et al. 2024b): per tower tleg.{visual,text}.{A,B} full
-      blocks (Linear + LayerNorm), layer l of an L-layer stack = A + (l / L) * B.
-    method "helg" (Wang et al. 2022): an ordinary CLIP distilled from the teacher; the
-      learngene is its last `helg_layers` layers per tower (expand fills the rest randomly).
-    Everything else (embeddings, ln_pre/post/final, projections, logit_scale) is an ordinary
-    parameter, stored with the learngene."""
+      learngene.coef.{v,l,mv,ml} (length L/2), shared_ln.{visual,text}.ln_{1,2}.*; the towers' own
+      resblocks are empty. Layer i, (g, k) = aux_index(i), of the vision tower (Eq. 1) and the language
+      tower (Eq. 2):   W_i^v = c^v[k] theta_g^v + c^mv[k] theta_g^m,   W_i^l = c^l[k] theta_g^l + c^ml[k] theta_g^m
+      part "no_mm" drops the theta^m terms, part "only_mm" the theta^v, theta^l terms.
+    method "tleg" (Xia et al. 2024b): per tower tleg.{visual,text}.{A,B} full blocks (Linear +
+      LayerNorm), layer l of an L-layer stack = A + (l / L) * B.
+    method "helg" (Wang et al. 2022): an ordinary CLIP distilled from the teacher; the learngene is
+      its last `helg_layers` layers per tower (expand fills the rest randomly).
+    Embeddings, ln_pre/post/final, projections and logit_scale are ordinary parameters, stored with it."""
 
     def __init__(self, cfg: ModelConfig, method="mmlg", part="both", helg_layers=3):
         L = cfg.vision_layers
@@ -390,7 +352,8 @@ class AuxCLIP(CLIP):
             self.learngene = mmlg_learngene(w, L, part)
             # Paper: "The Layer Normalization part is shared in each Transformer layer";
             # CHOICE: one set per modality (the learngene holds the linear layers, not the norms).
-            self.shared_ln = nn.ModuleDict({t: LNPair(w) for t in TOWERS})
+            self.shared_ln = nn.ModuleDict({t: nn.ModuleDict({"ln_1": nn.LayerNorm(w), "ln_2": nn.LayerNorm(w)})
+                                            for t in TOWERS})
         elif method == "tleg":
             self.tleg = tleg_learngene(w, L)
         elif method != "helg":
@@ -405,16 +368,12 @@ class AuxCLIP(CLIP):
         if part != self.part and self.part != "both":
             raise ConfigError(f"--part {part}: this learngene was extracted with part {self.part}")
         uni, cu, cm = TOWER_PARTS[tower]
-        theta = getattr(self.learngene, ("theta1", "theta2")[g])
-        coef = self.learngene.coef
-        terms = []
-        if part != "only_mm":
-            terms.append((coef[cu][k], theta[uni].params()))
-        if part != "no_mm":
-            terms.append((coef[cm][k], theta["multimodal"].params()))
-        p = {n: mix(terms, n) for n in LINEAR_NAMES}
-        p.update(self.shared_ln[tower].named_parameters())
-        return p
+        theta, coef = getattr(self.learngene, ("theta1", "theta2")[g]), self.learngene.coef
+        terms = ([(coef[cu][k], theta[uni].params())] if part != "only_mm" else []) + \
+            ([(coef[cm][k], theta["multimodal"].params())] if part != "no_mm" else [])
+        # the same sum for the auxiliary forward and the expansion: n = 12 reproduces the auxiliary model bit for bit
+        p = {n: functools.reduce(torch.add, [c * t[n] for c, t in terms]) for n in LINEAR_NAMES}
+        return {**p, **dict(self.shared_ln[tower].named_parameters())}
 
     def tleg_layer(self, tower, l, n):
         A, B = self.tleg[tower]["A"].params(), self.tleg[tower]["B"].params()
@@ -430,22 +389,17 @@ class AuxCLIP(CLIP):
 
     def descendant_layers(self, tower, n, seed=0, part=None):
         """Per-layer param dicts of an n-layer descendant tower (paper Sec. 3.3)."""
-        if self.method == "mmlg":
-            return [self.mmlg_layer(tower, *descendant_index(k), part) for k in expand_order(n, self.aux_layers // 2)]
+        if n < 1:
+            raise ConfigError(f"--layers must be >= 1, got {n}")
+        if self.method == "mmlg":      # unique layer k = aux layers 2k and 2k+1: (g, k) = (k % 2, k), Fig. 3b
+            return [self.mmlg_layer(tower, k % 2, k, part) for k in expand_order(n, self.aux_layers // 2)]
         if self.method == "tleg":  # TLEG: theta_l = theta_A + (l / n) theta_B, l = 0..n-1
             return [self.tleg_layer(tower, l, n) for l in range(n)]
         # He-LG: the last K layers of the distilled model on top of n-K random layers
-        if n < 1:
-            raise ConfigError(f"--layers must be >= 1, got {n}")
         blocks = (self.visual.transformer.resblocks if tower == "visual" else self.transformer.resblocks)
         kept = [b.params() for b in blocks[self.aux_layers - min(n, self.helg_layers):]]
-        gen = torch.Generator().manual_seed(seed * 2 + (tower == "text"))
-        fresh = []
-        for _ in range(n - len(kept)):
-            b = Block(self.cfg.vision_width)
-            init_block(b, self.cfg.vision_width, n, gen)
-            fresh.append(b.params())
-        return fresh + kept
+        gen, w = torch.Generator().manual_seed(seed * 2 + (tower == "text")), self.cfg.vision_width
+        return [init_block(Block(w), w, n, gen).params() for _ in range(n - len(kept))] + kept
 
     def learngene_numel(self) -> int:
         """Parameters of the learngene proper (blocks + coefficients; He-LG: kept layers)."""
@@ -464,8 +418,6 @@ def descendant_state(aux: AuxCLIP, n: int, modality: str, seed: int = 0, part=No
     """Normal descendant state dict (OpenAI layout) + its ModelConfig. Paper Sec. 3.3:
     layers from the learngene; "components other than the learngene could be loaded directly
     like Embedding or Layer Normalization"; per-layer LNs = the shared ones (MM-LG)."""
-    if modality not in MODALITY_TOWERS:
-        raise ConfigError(f"--modality must be clip, vision or text, got {modality}")
     towers = MODALITY_TOWERS[modality]
     sd = {}
     with torch.no_grad():
@@ -530,7 +482,7 @@ def infer_config(sd: dict, cfg: dict, path: str, need=("visual", "text")) -> Mod
         if missing:
             raise ConfigError(f"{path}: cannot read the {'vision' if tower == 'visual' else 'text'} tower "
                               f"(missing {missing[0]})")
-    c = ModelConfig()
+    c = ModelConfig(vision_layers=0, text_layers=0)
     count = lambda prefix: len({k[len(prefix):].split(".")[0] for k in sd if k.startswith(prefix)})
     if "visual" in need:
         vw, _, p, _ = sd["visual.conv1.weight"].shape
@@ -539,8 +491,6 @@ def infer_config(sd: dict, cfg: dict, path: str, need=("visual", "text")) -> Mod
                                 vision_layers=count("visual.transformer.resblocks."),
                                 vision_heads=_cfg_value(cfg, "vision_heads", max(1, vw // 64)),
                                 embed_dim=sd["visual.proj"].shape[1])
-    else:
-        c = dataclasses.replace(c, vision_layers=0)
     if "text" in need:
         tw = sd["ln_final.weight"].shape[0]
         c = dataclasses.replace(c, text_width=tw, vocab_size=sd["token_embedding.weight"].shape[0],
@@ -548,13 +498,9 @@ def infer_config(sd: dict, cfg: dict, path: str, need=("visual", "text")) -> Mod
                                 text_layers=count("transformer.resblocks."),
                                 text_heads=_cfg_value(cfg, "text_heads", max(1, tw // 64)),
                                 embed_dim=sd["text_projection"].shape[1])
-    else:
-        c = dataclasses.replace(c, text_layers=0)
-    # a bare weight file (no config.json) follows OpenAI: QuickGELU, EOT = the last vocab id
-    bare = not cfg
+    bare = not cfg      # a bare weight file (no config.json) follows OpenAI: QuickGELU, EOT = the last vocab id
     eot = _cfg_value(cfg, "eot_token_id", c.vocab_size - 1 if bare else c.eot_token_id)
-    return dataclasses.replace(c, eot_token_id=eot,
-                               quick_gelu=bool(_cfg_value(cfg, "quick_gelu", bare)))
+    return dataclasses.replace(c, eot_token_id=eot, quick_gelu=bool(_cfg_value(cfg, "quick_gelu", bare)))
 
 
 def recorded_model(path: str, quick_gelu=None):
@@ -783,7 +729,8 @@ def agree_flags(bad, world, device, tag, done):
     (MAX) over ranks. A signal reaches the ranks at different steps: agreeing here makes all of them
     stop at this same step, and none is left waiting in a collective the others have left. Returns
     the signal to stop for, or 0."""
-    flags = torch.stack([bad.float(), torch.tensor(float(_signal[0]), device=device)])
+    sig = data.stop_requested()
+    flags = torch.stack([bad.float(), torch.tensor(float(signal.Signals[sig] if sig else 0), device=device)])
     if world > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     bad, sig = flags.tolist()
@@ -792,62 +739,18 @@ def agree_flags(bad, world, device, tag, done):
     return int(sig)
 
 
-def rewind_metrics(path, step, rank):
-    """metrics.jsonl cut back to the resumed step: no step is logged twice. Only rank 0 rewrites
-    the file; every rank gets the records."""
-    with open(path) if os.path.isfile(path) else contextlib.nullcontext([]) as f:
-        kept = [m for m in map(json.loads, filter(str.strip, f)) if m["step"] <= step]
-
-    def write(p):
-        with open(p, "w") as f:
-            f.writelines(json.dumps(m) + "\n" for m in kept)
-    if rank == 0:
-        data.atomic_write(path, write)
-    return kept
-
-
 PHASE_STYLE = {"extract": ("extraction: CLIP + distillation loss (Eq. 8)", (31, 119, 180)),
                "activate": ("activation: CLIP loss", (255, 127, 14)), "finetune": ("fine-tuning", (44, 160, 44))}
 
 
-def nice_ticks(lo, hi, n=6, integer=False):
-    """About n round tick values (1, 2 or 5 x 10^k apart) covering [lo, hi]; whole numbers if `integer`."""
-    raw = max((hi - lo) / n, 1 if integer else 1e-12)
-    step = min((m * 10 ** math.floor(math.log10(raw)) for m in (1, 2, 5, 10)
-                if m * 10 ** math.floor(math.log10(raw)) >= raw))
-    return step, [k * step for k in range(math.ceil(lo / step), math.floor(hi / step) + 1)]
-
-
-def draw_loss_curve(metrics, png_path, tag, size=(900, 460)):
-    """loss_curve.png from the metrics records, drawn with PIL (no matplotlib in this project): a title,
-    labelled axes, integer step ticks, y ticks with the digits that tell them apart, a legend."""
-    pts = [(m["step"], m["loss"]) for m in metrics if math.isfinite(m.get("loss", math.nan))]
+def draw_loss_curve(out_dir, tag):
+    """out_dir/loss_curve.png: the phase's training loss per logged step (its metrics.jsonl), labelled by phase."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    with open(path) if os.path.isfile(path) else contextlib.nullcontext([]) as f:
+        pts = [(m["step"], m["loss"]) for m in map(json.loads, filter(str.strip, f)) if "loss" in m]
     label, colour = PHASE_STYLE.get(tag, (tag, (31, 119, 180)))
-    (W, H), (L, R, T, B) = size, (70, 20, 40, 50)
-    img = Image.new("RGB", size, "white")
-    d = ImageDraw.Draw(img)
-    d.text((L, 8), f"mm_learngene.py {tag}: training loss per logged step", fill="black")
-    d.rectangle([L, T, W - R, H - B], outline="black")
-    ys = [y for _, y in pts] or [0.0]
-    x1, y0, y1 = max([x for x, _ in pts] + [1]), min(ys), max(ys)
-    y0, y1 = (y0, y1) if y1 > y0 else (y0 - 0.5, y0 + 0.5)
-    px = lambda x: L + (W - L - R) * x / x1
-    py = lambda y: H - B - (H - T - B) * (y - y0) / (y1 - y0)
-    step, ticks = nice_ticks(y0, y1, n=10)
-    digits = max(0, -math.floor(math.log10(step)))
-    for y in ticks:
-        d.line([(L - 4, py(y)), (L, py(y))], fill="black")
-        d.text((4, py(y) - 6), f"{y:.{digits}f}", fill="black")
-    for x in nice_ticks(0, x1, integer=True)[1]:
-        d.line([(px(x), H - B), (px(x), H - B + 4)], fill="black")
-        d.text((px(x) - 8, H - B + 8), str(int(x)), fill="black")
-    if len(pts) > 1:
-        d.line([(px(x), py(y)) for x, y in pts], fill=colour, width=2)
-    d.text(((W - 60) // 2, H - 18), "step (optimizer steps)", fill="black")
-    d.text((4, T - 16), "loss (nats)", fill="black")
-    d.rectangle([W - R - 330, T + 8, W - R - 316, T + 20], fill=colour)
-    d.text((W - R - 310, T + 8), label, fill="black")
-    data.atomic_write(png_path, lambda p: img.save(p, format="PNG"))
+    data.draw_curves(os.path.join(out_dir, "loss_curve.png"), f"mm_learngene.py {tag}: training loss per logged step",
+                     [(label, colour, pts, 2)], xlabel="step (optimizer steps)", size=(900, 460))
 
 
 class StepLoss(nn.Module):
@@ -876,20 +779,15 @@ class Run:
     def __init__(self, raw, opt, loader, out_dir, config, tokenizer, tag, rank, on_save, device):
         self.raw, self.opt, self.loader, self.out_dir, self.config = raw, opt, loader, out_dir, config
         self.tokenizer, self.tag, self.rank, self.on_save, self.device = tokenizer, tag, rank, on_save, device
-        self.step, self.elapsed, self.metrics = 0, 0.0, []
-
-    def log(self, m):
-        self.metrics.append(m)
-        log_record(self.out_dir, m)
+        self.step, self.elapsed, self.newest_damaged = 0, 0.0, False
 
 
 def log_record(out_dir, m):
-    """One metrics.jsonl record (rank 0): appended to out_dir's file, and sent to --wandb."""
+    """One metrics.jsonl record (rank 0), also sent to --wandb: a later phase (finetune after activate) after
+    the earlier phases' steps."""
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(m) + "\n")
-    wandb_log(m)
+        data.log_record(os.path.join(out_dir, "metrics.jsonl"), m, _wandb["run"], m["step"] + _wandb["offset"])
 
 
 def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, out_dir=None, config=None,
@@ -916,7 +814,7 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
     bad = torch.zeros((), dtype=torch.bool, device=device)
     t0 = t_log = time.time()
     step_log = run.step
-    bar = progress(range(run.step, max_steps), tag, rank, initial=run.step, total=max_steps)
+    bar = data.progress(range(run.step, max_steps), desc=tag, initial=run.step, total=max_steps)
     # --wandb: one run per process; a phase (finetune after activate) logs after the earlier phases' steps
     _wandb["offset"], _wandb["next"] = _wandb["next"], _wandb["next"] + max_steps
     for step in bar:
@@ -943,7 +841,7 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
         at_stop = getattr(args, "stop_at", None) is not None and done == args.stop_at and done < max_steps
         # flags are read (a device sync) only where every rank reads them at the same step;
         # one process may stop at any step
-        sig = (at_log or at_save or at_stop or (world == 1 and _signal[0])) and \
+        sig = (at_log or at_save or at_stop or (world == 1 and data.stop_requested())) and \
             agree_flags(bad, world, device, tag, done)
         if at_log:      # the global batch's losses: every rank's mean (equal local batches)
             vals = torch.stack([loss.detach().float(), *(v.float() for v in parts.values())])
@@ -954,10 +852,10 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
             t_log, step_log = time.time(), done
             rec = {"step": done, "phase": tag, "loss": vals[0], "lr": lr, "time": round(time.time(), 3),
                    "elapsed": round(run.elapsed, 3), "samples_per_s": round(sps, 1), **dict(zip(parts, vals[1:]))}
-            on_rank0(lambda: run.log(rec), rank, world, device)
+            data.on_rank0(lambda: log_record(out_dir, rec), rank, world, device)
             bar.set_postfix(loss=f"{vals[0]:.4f}", lr=f"{lr:.2e}", refresh=False)
         if (sig and done < max_steps) or at_stop:
-            on_rank0(lambda: save_run(run), rank, world, device)     # rank 0 has written before any rank exits
+            data.on_rank0(lambda: save_run(run), rank, world, device)     # rank 0 has written before any rank exits
             if rank == 0:
                 cmd = f"python {os.path.basename(__file__)} {args.cmd} --out_dir {args.out_dir} --resume" \
                     if hasattr(args, "cmd") else "--resume"
@@ -965,12 +863,11 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
                       f"continue with {cmd}", flush=True)
             sys.exit(0)
         if at_save:
-            on_rank0(lambda: save_run(run), rank, world, device)
+            data.on_rank0(lambda: save_run(run), rank, world, device)
     bar.close()
     agree_flags(bad, world, device, tag, run.step)
     if out_dir:
-        on_rank0(lambda: (save_run(run), draw_loss_curve(run.metrics, os.path.join(out_dir, "loss_curve.png"), tag)),
-                 rank, world, device)
+        data.on_rank0(lambda: (save_run(run), draw_loss_curve(out_dir, tag)), rank, world, device)
     return run
 
 
@@ -1054,7 +951,7 @@ def cmd_extract(a):
     t_start = time.time()
     table6_defaults(a, "extract")
     rank, world, device = setup_distributed(a.device)
-    claim_out_dir(a, rank, world, device)    # before anything is written there
+    data.claim_out_dir(a.out_dir, rank, world, device, a.resume, a.overwrite, RUN_FILES)   # before any write there
     torch.manual_seed(a.seed)
     random.seed(a.seed)
     np.random.seed(a.seed)
@@ -1096,7 +993,7 @@ def cmd_extract(a):
     config = {"args": run_flags(a), "world_size": world, **aux.meta(), "model": dataclasses.asdict(aux.cfg),
               "teacher_config": dataclasses.asdict(tcfg)}
     start_line(a, f"extract --method {a.method}", aux, device, world, loader, rank)
-    wandb_start(a, config, rank)
+    _wandb["run"] = data.start_wandb(a.wandb, a.out_dir, config, a.resume) if a.wandb and rank == 0 else None
 
     def write_learngene(tr):
         with open(os.path.join(a.out_dir, "tokenizer.json")) as f:
@@ -1121,21 +1018,15 @@ def cmd_extract(a):
 def write_descendant(out_dir, sd, cfg, modality, tok_json, extra):
     os.makedirs(out_dir, exist_ok=True)
     atomic_save_file(sd, os.path.join(out_dir, "model.safetensors"))
-    c = dataclasses.asdict(cfg)
     # "model": the ModelConfig fields, the layout il_clip.load_model reads
-    atomic_write_json({"model": c, "modality": modality, **extra, "script": data.script_record(__file__)},
-                      os.path.join(out_dir, "config.json"))
+    atomic_write_json({"model": dataclasses.asdict(cfg), "modality": modality, **extra,
+                       "script": data.script_record(__file__)}, os.path.join(out_dir, "config.json"))
     if tok_json is not None:    # the learngene's copy of the teacher's tokenizer.json, as written
-
-        def write(path):
-            with open(path, "w") as f:
-                f.write(tok_json)
-        data.atomic_write(os.path.join(out_dir, "tokenizer.json"), lambda tmp: data.fsync(tmp, write))
+        write = lambda tmp: data.fsync(tmp, lambda f: pathlib.Path(f).write_text(tok_json))
+        data.atomic_write(os.path.join(out_dir, "tokenizer.json"), write)
 
 
 def cmd_expand(a):
-    if a.layers < 1:
-        raise ConfigError(f"--layers must be >= 1, got {a.layers}")
     if a.modality == "text":
         raise ConfigError("--modality text: no task of finetune trains a text-only descendant (the paper's tasks "
                           "are retrieval, classification and captioning); expand --modality clip for a text tower")
@@ -1178,22 +1069,17 @@ def load_init(a):
     """(model, tokenizer, ModelConfig, modality, kind) for --init: a descendant out_dir, an
     il_clip.py out_dir / OpenAI weights (PT-FT), or `scratch` (config from --like or --model)."""
     if a.init == "scratch":
+        modality, cfg, tok = a.modality, None, None
         if a.like:
             sd, cfgj = read_state(a.like)
             modality = cfgj.get("modality", "clip")
-            cfg = infer_config(sd, cfgj, a.like, MODALITY_TOWERS[modality])
-            tok = folder_tokenizer(a.like)
-        else:
-            p = AUX_PRESETS[a.model]
-            tok = None
-            modality = a.modality
-            cfg = None
+            cfg, tok = infer_config(sd, cfgj, a.like, MODALITY_TOWERS[modality]), folder_tokenizer(a.like)
         if tok is None:
             captions = (data.captions_for_tokenizer("shapes") if a.task == "classification" else
                         data.captions_for_tokenizer(a.data, image_root=a.image_root, **csv_options(a)))
             tok = data.build_tokenizer(captions=captions, context_length=77)
         if cfg is None:
-            n = a.layers or 6
+            p, n = AUX_PRESETS[a.model], a.layers or 6
             cfg = ModelConfig(embed_dim=p["embed_dim"], image_size=a.image_size, patch_size=p["patch_size"],
                               vision_width=p["width"], vision_layers=n, vision_heads=p["heads"],
                               context_length=tok.context_length, vocab_size=tok.vocab_size, text_width=p["width"],
@@ -1216,8 +1102,7 @@ def load_init(a):
     # built below: the reader's random init must not shift this run's draws
     with torch.random.fork_rng(devices=[]):
         found = recorded_model(a.init) if modality == "clip" else None
-    if found is not None:
-        sd, folder_tok = found[0].state_dict(), found[1]
+    sd, tok = (found[0].state_dict(), found[1]) if found else (sd, folder_tokenizer(a.init))
     cfg = infer_config(sd, found[2] if found else cfgj, a.init, need)
     if modality == "clip":
         model = CLIP(cfg)
@@ -1227,7 +1112,6 @@ def load_init(a):
     missing, _ = model.load_state_dict(sd, strict=False)
     if missing:
         raise ConfigError(f"{a.init}: cannot read the checkpoint (missing {missing[0]})")
-    tok = folder_tok if found else folder_tokenizer(a.init)
     if tok is None and modality == "clip":
         raise ConfigError(f"{a.init}: no tokenizer.json")
     kind = cfgj.get("method", "pretrained") if "learngene" in cfgj else "pretrained"
@@ -1384,13 +1268,10 @@ def retrieval_loader(a, tok, image_size, batch_size=100):
 
 
 def retrieval_hits(sim, owners):
-    """Per-query R@1 hits from `sim` [images, texts] and `owners` [texts] (the image index
-    each text belongs to). Ties count as misses (pessimistic ranking): an image is a hit only
-    if its best correct text scores strictly higher than every text of another image; a text
-    only if its image scores strictly higher than every other image. So a collapsed model
-    scores 0, and two identical captions of different images (the shapes data repeats short
-    ones such as "a white star") can never credit either image, whatever their order:
-    `argmax` gave the hit to whichever came first. Returns (i2t [images], t2i [texts]) bool."""
+    """Per-query R@1 hits (i2t [images], t2i [texts], bool) from `sim` [images, texts] and `owners` [texts]
+    (each text's image). Ties count as misses: a hit scores strictly higher than every wrong candidate, so a
+    collapsed model scores 0 and two identical captions of different images (shapes repeats short ones such
+    as "a white star") credit neither, whatever their order (`argmax` credited the first)."""
     pos = owners[None, :] == torch.arange(sim.shape[0], device=sim.device)[:, None]
     best_pos = sim.masked_fill(~pos, -math.inf).amax(1)
     best_neg = sim.masked_fill(pos, -math.inf).amax(1)
@@ -1401,10 +1282,8 @@ def retrieval_hits(sim, owners):
 
 @torch.no_grad()
 def eval_retrieval(model, loader, device, batch_size=100):
-    """I2T / T2I R@1 (%) over every batch of `loader`. Images are grouped by sample key, so
-    several captions of one image (Karpathy JSON) are all correct for it (I2T). Ties count as
-    misses (see `retrieval_hits`). Identical token sequences are encoded once, so duplicate
-    captions tie exactly, also across batches."""
+    """I2T / T2I R@1 (%) over every batch of `loader`; images grouped by sample key (several captions of one
+    image are all correct for it). Identical token sequences are encoded once: duplicates tie exactly."""
     model.eval()
     keys, img_feats, texts, owners = {}, [], [], []
     skipped0 = getattr(loader, "skipped", 0)    # the loader's counter runs across epochs
@@ -1528,7 +1407,7 @@ def cmd_finetune(a):
     t_start = time.time()
     rank, world, device = setup_distributed(a.device)
     out = a.out_dir
-    claim_out_dir(a, rank, world, device)     # before anything is written there
+    data.claim_out_dir(out, rank, world, device, a.resume, a.overwrite, RUN_FILES, phase_dirs(a))   # before any write
     table6_defaults(a, a.task)
     torch.manual_seed(a.seed)
     model, tok, cfg, modality, kind, init_cfg = load_init(a)
@@ -1537,7 +1416,7 @@ def cmd_finetune(a):
                "modality": modality, "layers": cfg.vision_layers or cfg.text_layers, "lr": a.lr, "wd": a.wd,
                "seed": a.seed, "params": sum(p.numel() for p in model.parameters())}
     start_line(a, f"finetune --task {a.task} --init {a.init}", model, device, world, None, rank)
-    wandb_start(a, run_flags(a), rank)
+    _wandb["run"] = data.start_wandb(a.wandb, out, run_flags(a), a.resume) if a.wandb and rank == 0 else None
 
     def phase(tag, model_, loss_fn, loader, args, steps):
         """Run one phase with checkpoints in out/{tag}/; with --resume it continues from them
@@ -1575,7 +1454,7 @@ def cmd_finetune(a):
         end_line(a, a.max_steps, t_start, ["model.safetensors", "config.json", "results.json"] +
                  ["captions.json"] * (a.task == "caption") + [f"{t}/" for t in ("activate", "finetune")
                                                               if os.path.isdir(os.path.join(out, t))])
-    on_rank0(finish, rank, world, device)
+    data.on_rank0(finish, rank, world, device)
 
 
 # -----------------------------------------------------------------------------
@@ -1717,7 +1596,6 @@ class ClipCap(nn.Module):
         return (visual(images) @ visual.proj).float()
 
     def prefix(self, images):
-        """ClipCap feeds CLIP's image embedding to the mapper."""
         return self.mapper(self.embed(images))
 
     def forward(self, images, tokens):
@@ -1726,11 +1604,6 @@ class ClipCap(nn.Module):
         p = self.prefix(images)
         logits = lm(torch.cat([p, lm.wte(tokens)], 1))
         return logits[:, p.shape[1] - 1:-1]
-
-
-def caption_batch(tok, captions, max_len=30):
-    """(tokens [B, T], mask [B, T]) of captions + EOS, padded with EOS (masked out)."""
-    return pad_ids([tok.encode(c)[:max_len - 1] + [tok.eos] for c in captions], tok.eos)
 
 
 def pad_ids(ids, eos):
@@ -1827,15 +1700,15 @@ def cider_vectors(refs: dict, n=4):
     return vec, {k: [vec(r) for r in refs[k]] for k in refs}
 
 
-def cider_scorer(refs: dict, n=4, sigma=6.0):
-    """CIDEr-D (Vedantam et al. 2015) as pycocoevalcap's Cider: tf-idf n-gram vectors with
+def cider_d(refs: dict, hyps: dict, n=4, sigma=6.0) -> float:
+    """Corpus CIDEr-D (Vedantam et al. 2015) as pycocoevalcap's Cider: tf-idf n-gram vectors with
     document frequencies from the references, clipped hypothesis weights, a Gaussian length
     penalty (sigma 6; "length" = the bigram count, as there), the mean over n = 1..4 and
-    over references, x10. Returns score(image key, hypothesis) -> that image's CIDEr-D."""
+    over references, x10; the mean over images."""
     vec, ref_vecs = cider_vectors(refs, n)
-
-    def score(k, hyp):
-        vh, nh, lh = vec(hyp)
+    out = 0.0
+    for k in refs:
+        vh, nh, lh = vec(hyps[k][0])
         total = [0.0] * n
         for vr, nr, lr in ref_vecs[k]:
             penalty = math.exp(-((lh - lr) ** 2) / (2 * sigma ** 2))
@@ -1845,8 +1718,8 @@ def cider_scorer(refs: dict, n=4, sigma=6.0):
                 if nh[j] and nr[j]:
                     val /= nh[j] * nr[j]
                 total[j] += val * penalty
-        return 10.0 * sum(total) / n / len(refs[k])
-    return score
+        out += 10.0 * sum(total) / n / len(refs[k])
+    return out / len(refs)
 
 
 def constant_ciders(refs: dict, candidates: list, n=4, sigma=6.0) -> list:
@@ -1874,12 +1747,6 @@ def constant_ciders(refs: dict, candidates: list, n=4, sigma=6.0) -> list:
                                           np.exp(-((lh - lr) ** 2) / (2 * sigma ** 2))))
         out.append(10.0 * total / n / len(refs))
     return out
-
-
-def cider_d(refs: dict, hyps: dict, n=4, sigma=6.0) -> float:
-    """Corpus CIDEr-D: the mean over images of cider_scorer's per-image score."""
-    score = cider_scorer(refs, n, sigma)
-    return sum(score(k, hyps[k][0]) for k in refs) / len(refs)
 
 
 def lcs_len(a, b):
@@ -1938,14 +1805,6 @@ CONVERSE = {"to the left of": "to the right of", "to the right of": "to the left
             "below": "above"}
 
 
-def _clear_relation(a: data.Obj, b: data.Obj, image_size: int):
-    """relation_between(a, b) when it is as unambiguous as the relations captions state (the
-    placement margin), else None."""
-    dx, dy = b.centre[0] - a.centre[0], b.centre[1] - a.centre[1]
-    margin = data.RELATION_MARGIN * image_size / data.SHAPES_IMAGE_SIZE
-    return data.relation_between(a, b) if abs(abs(dx) - abs(dy)) >= margin else None
-
-
 def _reference_struct(scene: data.Scene, rng: random.Random) -> data.CaptionStruct:
     """A caption structure about the scene's objects, in the grammar: sizes mentioned or not,
     "X rel Y" or "X is rel Y", object order reversed with the converse relation, the two
@@ -1953,10 +1812,10 @@ def _reference_struct(scene: data.Scene, rng: random.Random) -> data.CaptionStru
     objs, s = scene.objects, scene.struct
     phrases = [data.Phrase(o.colour, o.shape, o.size if rng.random() < 0.5 else None) for o in objs]
     form, rels = s.form, list(s.relations)
-    if form == "and":
-        clear = _clear_relation(objs[0], objs[1], scene.image.size[0])
-        if clear and rng.random() < 0.5:
-            form, rels = "rel", [clear]
+    if form == "and":       # related instead where the relation is as clear as captions state (placement margin)
+        (a, b), margin = objs[:2], data.RELATION_MARGIN * scene.image.size[0] / data.SHAPES_IMAGE_SIZE
+        if abs(abs(b.centre[0] - a.centre[0]) - abs(b.centre[1] - a.centre[1])) >= margin and rng.random() < 0.5:
+            form, rels = "rel", [data.relation_between(a, b)]
     if form in ("rel", "copula"):
         form = rng.choice(["rel", "copula"])
     order = list(range(len(phrases)))
@@ -2099,7 +1958,7 @@ def train_shapes_lm(folder: str, seed: int, steps: int = 1000):
         torch.manual_seed(seed)
         lm = GPT2(backend.get_vocab_size(), 64, 128, 2, 4)
         opt = torch.optim.AdamW(lm.parameters(), lr=2e-3, weight_decay=0.01)
-        for step in progress(range(steps), "stand-in LM"):
+        for step in data.progress(range(steps), desc="stand-in LM"):
             for g in opt.param_groups:
                 g["lr"] = get_lr(step, steps, 2e-3, max(1, steps // 10))
             pairs = [rng.sample(refs[rng.randrange(len(refs))], 2) for _ in range(64)]
@@ -2169,7 +2028,7 @@ def eval_captioning(model, loader, device, beam, refs_of, pool=None, scene_of=No
     model.mapper.eval()
     captions, hyps, nearest, lm_tok = {}, {}, {}, model.frozen[2]
     skipped0 = getattr(loader, "skipped", 0)
-    for batch in progress(loader, "captioning", total=len(loader) if hasattr(loader, "__len__") else None):
+    for batch in data.progress(loader, desc="captioning", total=len(loader) if hasattr(loader, "__len__") else None):
         new = [j for j, k in enumerate(batch["key"]) if k not in captions]
         for k, c in zip(batch["key"], batch["caption"]):
             captions.setdefault(k, []).append(c)
@@ -2213,7 +2072,7 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
                               "vocab.json + merges.txt>; only shapes has a stand-in")
         # beside out_dir, so runs under one parent folder share the stand-in
         lm_dir = os.path.join(os.path.dirname(os.path.abspath(a.out_dir)), "shapes_lm")
-        on_rank0(lambda: train_shapes_lm(lm_dir, 0), rank, world, device)
+        data.on_rank0(lambda: train_shapes_lm(lm_dir, 0), rank, world, device)
         results["lm"] = "stand-in: a 2-layer GPT trained on pairs of shapes references (not GPT-2)"
     else:
         results["lm"] = os.path.abspath(lm_dir)
@@ -2228,7 +2087,8 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
     refs_of = reference_captions(spec, cfg.image_size)
 
     def loss_fn(m, batch):
-        tokens, mask = (t.to(device) for t in caption_batch(ltok, batch["caption"]))
+        ids = [ltok.encode(c)[:29] + [ltok.eos] for c in batch["caption"]]     # at most 30 tokens with EOS
+        tokens, mask = (t.to(device) for t in pad_ids(ids, ltok.eos))
         return F.cross_entropy(m(data.normalize_images(batch["image"], device), tokens)[mask].float(), tokens[mask]), {}
 
     def evaluate():
@@ -2342,15 +2202,15 @@ def storage_report(a):
     rows = [(n, sum(v.numel() for v in descendant_state(aux, n, "clip", 0)[0].values())) for n in a.layers]
     total = sum(cnt for _, cnt in rows)
     ext = json.loads(meta.get("extract", "{}"))
-    lines = ["| | parameters stored | ratio |", "|---|---:|---:|"]
-    lines += [f"| PT-FT {n}-layer CLIP | {cnt:,} | |" for n, cnt in rows]
-    lines.append(f"| PT-FT total ({', '.join(str(n) for n in a.layers)} layers) | {total:,} | 100% |")
-    lines.append(f"| {aux.method.upper()} learngene (blocks + coefficients) | {lg:,} | {100 * lg / total:.1f}% |")
-    lines.append(f"| {aux.method.upper()} learngene file (+ embeddings, LNs, projections) | {lg_all:,} | "
-                 f"{100 * lg_all / total:.1f}% |")
-    lines += ["", "| pre-training | steps | batch | seconds |", "|---|---:|---:|---:|"]
-    lines.append(f"| extraction (once, all sizes) | {ext.get('step')} | {ext.get('batch_size')} | "
-                 f"{ext.get('elapsed', 0):.0f} |")
+    lines = ["| | parameters stored | ratio |", "|---|---:|---:|",
+             *[f"| PT-FT {n}-layer CLIP | {cnt:,} | |" for n, cnt in rows],
+             f"| PT-FT total ({', '.join(str(n) for n in a.layers)} layers) | {total:,} | 100% |",
+             f"| {aux.method.upper()} learngene (blocks + coefficients) | {lg:,} | {100 * lg / total:.1f}% |",
+             f"| {aux.method.upper()} learngene file (+ embeddings, LNs, projections) | {lg_all:,} | "
+             f"{100 * lg_all / total:.1f}% |",
+             "", "| pre-training | steps | batch | seconds |", "|---|---:|---:|---:|",
+             f"| extraction (once, all sizes) | {ext.get('step')} | {ext.get('batch_size')} | "
+             f"{ext.get('elapsed', 0):.0f} |"]
     pt_steps = pt_secs = 0
     for path in a.ptft or []:
         s, t, b = _run_cost(path)
@@ -2414,7 +2274,9 @@ def add_train_flags(p, lr_help="", data_help=""):
     return p.add_argument_group("model")
 
 
-def add_extract_parser(sub):
+def build_parser():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("extract", formatter_class=HelpFormatter, help="distil a teacher CLIP into the learngene "
                        "(paper: batch 512, lr 1e-3, 10k warm-up, 32 epochs of CC3M+CC12M, --model ViT-S-16; the "
                        "defaults off shapes)")
@@ -2427,10 +2289,8 @@ def add_extract_parser(sub):
                    help="the teacher's activation; default: what open_clip_config.json / config.json beside it "
                         "says, else (a bare weight file) QuickGELU as OpenAI's released CLIPs. Printed at start.")
     g.add_argument("--model", default="shapes", choices=list(AUX_PRESETS), help="the auxiliary model's preset")
-    g.add_argument("--aux_width", type=int, help="default: the preset's")
-    g.add_argument("--aux_heads", type=int, help="default: the preset's")
-    g.add_argument("--aux_layers", type=int, help="default: the preset's")
-    g.add_argument("--patch_size", type=int, help="default: the preset's")
+    for flag in ("--aux_width", "--aux_heads", "--aux_layers", "--patch_size"):
+        g.add_argument(flag, type=int, help="default: the preset's")
     g = p.add_argument_group("method")
     g.add_argument("--method", default="mmlg", choices=["mmlg", "tleg", "helg"])
     g.add_argument("--helg_layers", type=int, default=3, help="He-LG: layers per tower kept as the learngene")
@@ -2439,9 +2299,20 @@ def add_extract_parser(sub):
     x.add_argument("--only_mm", action="store_true", help="extra (not Table 4): extract multimodal blocks only")
     g.add_argument("--lambda_dist", type=float, default=1.0, help="lambda of Eq. 8 (paper: 1)")
     p.set_defaults(func=cmd_extract, out_dir="out/learngene")
-
-
-def add_finetune_parser(sub):
+    p = sub.add_parser("expand", formatter_class=HelpFormatter, help="learngene -> descendant out_dir (OpenAI layout)")
+    p.add_argument("--learngene", required=True)
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--modality", default="clip", choices=["clip", "vision", "text"])
+    p.add_argument("--part", default="both", choices=["both", "no_mm", "only_mm"],
+                   help="Table 4's ablations at initialisation, from one full MM-LG learngene: no_mm leaves the "
+                        "multimodal term c^m theta^m out of Eq. 1-2 (W = c^v theta^v, W = c^l theta^l), only_mm "
+                        "leaves the unimodal term out (W = c^mv theta^m, W = c^ml theta^m); the kept term keeps its "
+                        "extracted coefficient, nothing is rescaled or filled randomly; embeddings, LayerNorms and "
+                        "projections are the full learngene's")
+    p.add_argument("--width", type=int, help="expected width (checked; default: not checked)")
+    p.add_argument("--seed", type=int, default=0, help="He-LG: seed of the random layers")
+    p.add_argument("--out_dir", help="default: out/descendant_<method>_<modality><layers>")
+    p.set_defaults(func=cmd_expand)
     p = sub.add_parser("finetune", formatter_class=HelpFormatter,
                        help="activation + fine-tuning (retrieval, classification or captioning)")
     g = add_train_flags(p, lr_help="default: Table 6 per task (retrieval 5e-5, classification 1e-4, "
@@ -2483,27 +2354,6 @@ def add_finetune_parser(sub):
                         "pool image most similar in the frozen encoder's image embedding)")
     g.add_argument("--baseline_pool", type=int, default=1000, help="--baselines: the first N training images")
     p.set_defaults(func=cmd_finetune)
-
-
-def build_parser():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    add_extract_parser(sub)
-    p = sub.add_parser("expand", formatter_class=HelpFormatter, help="learngene -> descendant out_dir (OpenAI layout)")
-    p.add_argument("--learngene", required=True)
-    p.add_argument("--layers", type=int, required=True)
-    p.add_argument("--modality", default="clip", choices=["clip", "vision", "text"])
-    p.add_argument("--part", default="both", choices=["both", "no_mm", "only_mm"],
-                   help="Table 4's ablations at initialisation, from one full MM-LG learngene: no_mm leaves the "
-                        "multimodal term c^m theta^m out of Eq. 1-2 (W = c^v theta^v, W = c^l theta^l), only_mm "
-                        "leaves the unimodal term out (W = c^mv theta^m, W = c^ml theta^m); the kept term keeps its "
-                        "extracted coefficient, nothing is rescaled or filled randomly; embeddings, LayerNorms and "
-                        "projections are the full learngene's")
-    p.add_argument("--width", type=int, help="expected width (checked; default: not checked)")
-    p.add_argument("--seed", type=int, default=0, help="He-LG: seed of the random layers")
-    p.add_argument("--out_dir", help="default: out/descendant_<method>_<modality><layers>")
-    p.set_defaults(func=cmd_expand)
-    add_finetune_parser(sub)
     p = sub.add_parser("report", formatter_class=HelpFormatter,
                        help="storage / cost table (paper Table 3) and fine-tuning results side by side")
     p.add_argument("--learngene", help="learngene.safetensors: Table 3's storage and cost")
@@ -2521,9 +2371,8 @@ def build_parser():
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     a = build_parser().parse_args(argv)
-    _signal[0] = 0
     _wandb.update(run=None, offset=0, next=0)
-    handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    handlers = data.catch_stop_signals()
     try:
         if a.cmd in ("extract", "finetune"):
             a.out_dir = a.out_dir or f"out/finetune_{a.task}"
@@ -2531,7 +2380,7 @@ def main(argv=None):
                 resume_flags(a, argv)
             if a.init is None and not a.resume:     # (with --resume, claim_out_dir says what is missing)
                 raise ConfigError(f"{a.cmd} needs --init ({'the teacher' if a.cmd == 'extract' else 'a descendant'})")
-        if getattr(a, "wandb", None):       # before training: the package is optional
+        if getattr(a, "wandb", None):       # on every rank, before training: the package is optional
             try:
                 import wandb  # noqa: F401
             except ImportError:
@@ -2539,89 +2388,39 @@ def main(argv=None):
         a.func(a)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()      # no rank tears down its connections while another still writes
-    except (ConfigError, data.DataError) as e:
+    except data.DataError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except NonFiniteError as e:
         print(str(e), file=sys.stderr, flush=True)
         sys.exit(1)
-    except KeyboardInterrupt:
-        print("error: interrupted (a second Ctrl-C); the last checkpoint is kept", file=sys.stderr)
-        sys.exit(130)
     except Exception as e:
-        if write_errno(e) is None:
+        if data.write_error(e) is None:
             raise
-        print(f"error: {getattr(e, 'filename', None) or a.out_dir}: {os.strerror(write_errno(e))}; the last good "
-              f"checkpoint is kept", file=sys.stderr)
+        print(f"error: {getattr(e, 'filename', None) or a.out_dir}: {data.write_error(e)}; the last good checkpoint "
+              f"is kept", file=sys.stderr)
         sys.exit(2)
     finally:
         if _wandb["run"] is not None:
             _wandb["run"].finish()
-        release_out_dir()
-        for s, h in handlers.items():     # only now: a signal during the final save is not fatal
-            signal.signal(s, h)
+        data.release_out_dir()
+        data.restore_signals(handlers)     # only now: a signal during the final save is not fatal
         if dist.is_available() and dist.is_initialized():
             gc.collect()    # the DDP wrapper (in a reference cycle) holds the group: it goes first
             dist.destroy_process_group()
 
 
 # -----------------------------------------------------------------------------
-# Infrastructure: checkpoints, the out_dir lock, the run lifecycle, write errors. A phase's
-# out_dir/checkpoint/ holds model.safetensors, config.json (flags, model config, "script"),
-# tokenizer.json (if the phase has one), state.pt (step, AdamW state, RNG states, loader position:
-# torch.save, read with weights_only=True) and, written last, sha256.json of them. A save goes to
-# checkpoint.tmp/, is fsynced and switched in by renames; checkpoint.prev/ (the save before) is kept
-# for a damaged newest checkpoint to fall back to.
+# Infrastructure: the run lifecycle is data.py's (the out_dir lock, checkpoint/ with sha256.json and the
+# fallback to checkpoint.prev/, RNG states, write errors, stop signals, metrics.jsonl + wandb, the curve).
+# This script's own: what a phase's state.pt holds (step, time, loader position, AdamW state, RNG states)
+# and its restore, the flags --resume lets change, the files --overwrite removes, the start and done lines.
 
 RUN_CONTROL = ("stop_at", "save_interval", "log_interval", "num_workers", "device", "resume", "overwrite", "out_dir")
-RUN_FILES = ("metrics.jsonl", "loss_curve.png", "learngene.safetensors", "results.json", "model.safetensors",
-             "config.json", "tokenizer.json", "captions.json", "wandb_id", "checkpoint", "checkpoint.prev",
-             "checkpoint.tmp")
-_lock, _signal = None, [0]      # this process's out_dir/.lock; the strongest signal received (SIGTERM > SIGINT)
-
-
+RUN_FILES = (r"metrics\.jsonl", r"loss_curve\.png", r"learngene\.safetensors", r"results\.json", r"model\.safetensors",
+             r"config\.json", r"tokenizer\.json", r"captions\.json", r"wandb_id(\.txt)?", r"checkpoint(\.prev|\.tmp)?")
+STATE_TYPES = {"step": int, "elapsed": (int, float), "loader": dict, "optimizer": dict, "rng": dict}
 _wandb = {"run": None, "offset": 0, "next": 0}    # --wandb: the module while a run is open; phase step offsets
-
-
-def wandb_start(a, config, rank):
-    """--wandb PROJECT (nanoGPT's wandb_log), rank 0: a W&B run named after out_dir, resumed by the run
-    id kept in out_dir/wandb_id (so --resume continues it); every metrics.jsonl record goes to it."""
-    if not getattr(a, "wandb", None) or rank != 0:
-        return
-    import wandb
-    id_path = os.path.join(a.out_dir, "wandb_id")
-    run_id = open(id_path).read().strip() if os.path.exists(id_path) else hashlib.sha256(os.urandom(16)).hexdigest()[:8]
-    data.atomic_write(id_path, lambda p: open(p, "w").write(run_id))
-    wandb.init(project=a.wandb, name=os.path.basename(os.path.abspath(a.out_dir)), config=config, id=run_id,
-               resume="allow")
-    _wandb["run"] = wandb
-
-
-def wandb_log(record):
-    """A record to W&B at its step; a later phase (finetune after activate) after the earlier ones' steps."""
-    if _wandb["run"] is not None:
-        _wandb["run"].log(record, step=record["step"] + _wandb["offset"])
-
-
-def on_rank0(fn, rank, world, device):
-    """fn() on rank 0 (it writes), and every rank learns how it went: a write error there (or non-finite
-    weights) is its one line on rank 0, and the other ranks exit with the same status instead of
-    failing or hanging in their next collective."""
-    if world == 1:
-        return fn()
-    error = None
-    if rank == 0:
-        try:
-            fn()
-        except Exception as e:
-            error = e
-    code = 0 if error is None else 2 if isinstance(error, (ConfigError, data.DataError)) or write_errno(error) else 1
-    code = torch.tensor(float(code), device=device)
-    dist.broadcast(code, 0)
-    if error is not None:
-        raise error
-    if code.item():
-        raise SystemExit(int(code.item()))
 
 
 def start_line(a, what, model, device, world, loader, rank):
@@ -2638,184 +2437,40 @@ def end_line(a, steps, t_start, files):
           flush=True)
 
 
-def progress(it, desc, rank=0, **kw):
-    """A tqdm bar on stderr, drawn by rank 0 on a terminal only."""
-    return tqdm(it, desc=desc, file=sys.stderr, disable=None if rank == 0 else True, dynamic_ncols=True, **kw)
-
-
-def sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def write_errno(e):
-    """The errno of a write error said in one line (safetensors says it only in its message: "(os error 27)")."""
-    codes = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
-    if isinstance(e, OSError):
-        return e.errno if e.errno in codes else None
-    return next((c for c in codes if f"(os error {c})" in str(e)), errno.ENOSPC if "No space left" in str(e) else None)
-
-
-def write_checkpoint(out_dir, model_sd, config, state, tok):
-    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        os.makedirs(tmp)
-        save_file({k: v.detach().cpu().contiguous() for k, v in model_sd.items()},
-                  os.path.join(tmp, "model.safetensors"), {"step": str(state["step"])})
-        with open(os.path.join(tmp, "state.pt"), "wb") as f:     # a Python file: a failed write is an OSError
-            torch.save(state, f)
-        for folder in (tmp, out_dir):       # readers of out_dir find config and tokenizer there too
-            data.atomic_write(os.path.join(folder, "config.json"), lambda p: data.save_json(p, config))
-            if tok is not None:
-                tok.save(folder)
-        names = sorted(os.listdir(tmp))
-        for name in names:
-            data.fsync(os.path.join(tmp, name))
-        data.save_json(os.path.join(tmp, "sha256.json"), {n: sha256(os.path.join(tmp, n)) for n in names})
-        data.fsync(tmp)
-    except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if write_errno(e) is None:
-            raise
-        need = 3 * sum(v.nbytes for v in model_sd.values()) / 2 ** 20       # weights and AdamW's two moments
-        raise ConfigError(f"{out_dir}: {os.strerror(write_errno(e)).lower()} for the step-{state['step']} checkpoint "
-                          f"(about {need:.1f} MiB needed, {shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); "
-                          f"the previous checkpoint is kept") from None
-    if os.path.isdir(final):
-        shutil.rmtree(prev, ignore_errors=True)
-        os.replace(final, prev)
-    os.replace(tmp, final)
-    data.fsync(out_dir)
-
-
-def read_checkpoint(folder):
-    """(model tensors, state, config) of a checkpoint folder, or a DataError naming the file that is
-    missing or damaged (its sha256 differs, or state.pt holds what this script does not write)."""
-    sums = data.read_json(os.path.join(folder, "sha256.json"))
-    if not isinstance(sums, dict):
-        raise data.DataError(f"{folder}/sha256.json: damaged (not a table of file sums)")
-    for name in dict.fromkeys(["model.safetensors", "config.json", "state.pt", *sums]):
-        path = os.path.join(folder, name)
-        if name not in sums or not os.path.isfile(path):
-            raise data.DataError(f"{path}: missing (incomplete checkpoint)")
-        if sha256(path) != sums[name]:
-            raise data.DataError(f"{path}: damaged (its sha256 is not the one in sha256.json)")
-    types = {"step": int, "elapsed": (int, float), "loader": dict, "optimizer": dict, "rng": dict}
-    try:
-        st = torch.load(os.path.join(folder, "state.pt"), map_location="cpu", weights_only=True)
-        assert all(isinstance(st[k], t) for k, t in types.items()) and torch.is_tensor(st["rng"]["torch"]) \
-            and isinstance(st["optimizer"]["state"], dict)
-    except Exception:
-        raise data.DataError(f"{folder}/state.pt: wrong types (not a training state of "
-                             f"{os.path.basename(__file__)})") from None
-    return load_file(os.path.join(folder, "model.safetensors")), st, data.read_json(os.path.join(folder, "config.json"))
-
-
-def find_checkpoint(out_dir, rank=0):
-    """read_checkpoint of out_dir/checkpoint/, else of checkpoint.prev/ (said in one note)."""
-    prev = os.path.join(out_dir, "checkpoint.prev")
-    try:
-        return read_checkpoint(os.path.join(out_dir, "checkpoint"))
-    except data.DataError as e:
-        if not os.path.isdir(prev):
-            raise
-        try:
-            found = read_checkpoint(prev)
-        except data.DataError as e2:
-            raise data.DataError(f"{e}; the previous checkpoint is not usable either ({e2})") from None
-        if rank == 0:
-            print(f"note: {e}; resuming from the previous complete checkpoint {prev} (step {found[1]['step']})",
-                  file=sys.stderr, flush=True)
-        return found
-
-
 def save_run(run):
     """Rank 0 writes; never a checkpoint with non-finite weights or optimizer state."""
     if run.out_dir is None or run.rank != 0:
         return
     sd, opt = run.raw.state_dict(), run.opt.state_dict()
-    if not all(torch.isfinite(t).all() for t in [*sd.values(), *(v for s in opt["state"].values() for v in s.values())]
-               if t.is_floating_point()):
+    if not data.all_finite([sd, opt["state"]]):
         raise NonFiniteError(f"{run.tag}: non-finite weights at step {run.step}; stopped, the last good checkpoint "
                              f"is kept")
-    n = np.random.get_state()
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-           "cuda": torch.cuda.get_rng_state_all() if run.device.startswith("cuda") else [],
-           "numpy": [n[0], torch.from_numpy(n[1].astype(np.int64)), *n[2:]]}
-    state = {"step": run.step, "elapsed": run.elapsed, "loader": run.loader.state_dict(), "optimizer": opt, "rng": rng}
-    write_checkpoint(run.out_dir, sd, {**run.config, "script": data.script_record(__file__)}, state, run.tokenizer)
+    state = {"step": run.step, "elapsed": run.elapsed, "loader": run.loader.state_dict(), "optimizer": opt,
+             "rng": data.rng_state(run.device)}
+    data.save_checkpoint(run.out_dir, sd, state, {**run.config, "script": data.script_record(__file__)},
+                         run.tokenizer, run.step, run.newest_damaged)
+    run.newest_damaged = False
     if run.on_save:
         run.on_save(run)
 
 
 def load_run(run):
     """The newest usable checkpoint into model, optimizer, loader and RNGs: the run goes on bit-exactly."""
-    model_sd, st, _ = find_checkpoint(run.out_dir, run.rank)
-    data.load_state(run.raw, model_sd, os.path.join(run.out_dir, "checkpoint"))
+    folder, model_sd, st, _, run.newest_damaged = data.load_checkpoint(run.out_dir, STATE_TYPES, rank=run.rank)
+    data.load_state(run.raw, model_sd, folder)
     try:
         run.opt.load_state_dict(st["optimizer"])
         run.loader.load_state_dict(st["loader"])
-        r = st["rng"]
-        torch.set_rng_state(r["torch"])
-        if r["cuda"] and run.device.startswith("cuda"):
-            torch.cuda.set_rng_state_all(r["cuda"])
-        np.random.set_state((r["numpy"][0], r["numpy"][1].numpy().astype(np.uint32), *r["numpy"][2:]))
-        random.setstate(r["python"])
-    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
-        raise data.DataError(f"{run.out_dir}/checkpoint/state.pt: wrong types ({type(e).__name__}: {e})") from None
+        data.set_rng_state(st["rng"], run.device)
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError, AttributeError) as e:
+        raise data.DataError(f"{folder}/state.pt: wrong types ({type(e).__name__}: {e})") from None
     run.step, run.elapsed = st["step"], st["elapsed"]
-    run.metrics = rewind_metrics(os.path.join(run.out_dir, "metrics.jsonl"), run.step, run.rank)
+    if run.rank == 0:       # no step logged twice
+        data.cut_metrics(os.path.join(run.out_dir, "metrics.jsonl"), run.step)
 
 
 def phase_dirs(a):
     return [os.path.join(a.out_dir, t) for t in ("activate", "finetune")] if a.cmd == "finetune" else [a.out_dir]
-
-
-def claim_out_dir(a, rank, world, device):
-    """Before anything is written to out_dir: one run per out_dir (rank 0 holds an flock on
-    out_dir/.lock, dropped by the kernel when the process ends, killed or not); --resume needs a
-    checkpoint; a new run keeps off one unless --overwrite, which first removes the old run's files.
-    Rank 0 says what is wrong, once; the other ranks exit 2."""
-    global _lock
-    release_out_dir()
-    out, error = a.out_dir, None
-    if rank == 0:
-        os.makedirs(out, exist_ok=True)
-        _lock = open(os.path.join(out, ".lock"), "a+")
-        try:
-            fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            _lock.truncate(0)
-            _lock.write(f"{os.getpid()}\n")
-            _lock.flush()
-            saved = any(os.path.isdir(os.path.join(d, c)) for d in phase_dirs(a)
-                        for c in ("checkpoint", "checkpoint.prev"))
-            if a.resume and not saved:
-                error = f"--resume: nothing to resume yet in {out} (no checkpoint saved)"
-            elif saved and not (a.resume or a.overwrite):
-                error = (f"{out} holds a run's checkpoint: continue it with --resume, or use another --out_dir, "
-                         f"or --overwrite")
-            for path in [os.path.join(d, n) for d in [out, *phase_dirs(a)] for n in RUN_FILES] \
-                    if a.overwrite and not a.resume else []:
-                shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
-        except BlockingIOError:
-            _lock.seek(0)
-            error = f"{out} is in use by another run: process {_lock.read().strip() or '?'} holds {out}/.lock"
-            release_out_dir()
-    busy = torch.tensor(float(error is not None), device=device)
-    if world > 1:
-        dist.broadcast(busy, 0)
-    if busy.item():
-        if rank:
-            raise SystemExit(2)
-        raise ConfigError(error)
-
-
-def release_out_dir():
-    global _lock
-    if _lock is not None:
-        _lock.close()
-        _lock = None
 
 
 def resume_flags(a, argv):
@@ -2824,7 +2479,7 @@ def resume_flags(a, argv):
     for folder in (os.path.join(d, c) for d in phase_dirs(a)[::-1] for c in ("checkpoint", "checkpoint.prev")):
         with contextlib.suppress(OSError, data.DataError, LookupError, TypeError):
             path = os.path.join(folder, "config.json")
-            if sha256(path) == data.read_json(os.path.join(folder, "sha256.json"))["config.json"]:
+            if data.sha256(path) == data.read_json(os.path.join(folder, "sha256.json"))["config.json"]:
                 saved = data.read_json(path)["args"]
                 break
     else:
@@ -2834,25 +2489,13 @@ def resume_flags(a, argv):
         p._defaults.clear()
         for action in p._actions:
             action.default = argparse.SUPPRESS
-    given = vars(ap.parse_args(argv))
-    for k, v in saved.items():
-        if k in given and k not in RUN_CONTROL and given[k] != v:
-            raise ConfigError(f"--resume: --{k} {given[k]} differs from the saved run's {v} ({path}); only "
-                              f"{', '.join('--' + f for f in RUN_CONTROL[:5])} may change")
-        if k not in given and k not in RUN_CONTROL and hasattr(a, k):
+    for k, v in data.resumed_flags(vars(ap.parse_args(argv)), saved, RUN_CONTROL, path).items():
+        if hasattr(a, k):
             setattr(a, k, v)
 
 
 def run_flags(a) -> dict:
     return {k: v for k, v in vars(a).items() if k != "func"}
-
-
-def on_signal(sig, frame):
-    """SIGTERM / SIGINT: train_phase saves at a step the ranks agree on, then exits; a second Ctrl-C
-    exits at once."""
-    if sig == signal.SIGINT and _signal[0] == signal.SIGINT:
-        raise KeyboardInterrupt
-    _signal[0] = max(_signal[0], sig)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,6 @@ def test_help_is_grouped_with_defaults_shown():
 
 
 def test_loss_curve_ticks_are_round_and_distinct():
-    step, ticks = M.nice_ticks(3.6381, 3.6389, n=10)
-    assert len(ticks) >= 4 and len({f"{t:.{-__import__('math').floor(__import__('math').log10(step))}f}"
-                                    for t in ticks}) == len(ticks)
-    assert M.nice_ticks(0, 7, integer=True)[1] == [0, 2, 4, 6]       # whole steps only
+    ticks = M.data.nice_ticks(3.6381, 3.6389, n=10)     # the curve is drawn by data.draw_curves
+    assert len(ticks) >= 4 and len(set(M.data.tick_labels(ticks))) == len(ticks)
+    assert M.data.nice_ticks(0, 7, integer=True) == [0, 2, 4, 6]       # whole steps only

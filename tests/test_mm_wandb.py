@@ -42,7 +42,7 @@ def test_wandb_calls_match_metrics_jsonl_and_resume_continues_the_run(teacher, f
     M.main(["extract", "--resume", "--out_dir", str(out), "--log_interval", "1"])
     calls = fake_wandb()
     inits = [c for c in calls if c["call"] == "init"]
-    assert len(inits) == 2 and inits[0]["id"] == inits[1]["id"] == (out / "wandb_id").read_text()
+    assert len(inits) == 2 and inits[0]["id"] == inits[1]["id"] == (out / "wandb_id.txt").read_text().strip()
     assert all(c["project"] == "proj" and c["name"] == "lg" and c["resume"] == "allow" for c in inits)
     assert inits[0]["config"]["args"]["max_steps"] == 4
     logged = [(c["step"], c["record"]) for c in calls if c["call"] == "log"]
@@ -68,6 +68,6 @@ def test_real_wandb_offline(teacher, tmp_path):  # noqa: F811
                        ["--teacher", str(teacher), "--out_dir", str(out), "--wandb", "proj"],
                        env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
-    run_id = (out / "wandb_id").read_text()
+    run_id = (out / "wandb_id.txt").read_text().strip()
     runs = glob.glob(str(tmp_path / "wandb" / f"offline-run-*-{run_id}"))
     assert len(runs) == 1 and glob.glob(os.path.join(runs[0], f"run-{run_id}.wandb"))
