@@ -58,10 +58,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-try:
-    import data  # the repo's shared module (shapes, tokenizer, loaders)
-except ImportError:  # the CRG / MCD / model parts below do not need it
-    data = None
+import data  # the repo's shared module (shapes, tokenizer, loaders, run lifecycle)
 
 if dist.is_available():
     # Imported before any process group exists: these functions take `group=group.WORLD` as a default, evaluated on
@@ -111,8 +108,7 @@ class Tree:
 
 
 def _strip_function_tags(label: str) -> str:
-    """NP-SBJ -> NP, PP-LOC-2 -> PP, NP=1 -> NP (PTB function tags and indices); -NONE-, -LRB-
-    are labels of their own."""
+    """NP-SBJ -> NP, PP-LOC-2 -> PP, NP=1 -> NP (PTB function tags, indices); -NONE-, -LRB- stay."""
     if label.startswith("-") or ("-" not in label and "=" not in label):
         return label
     return re.split(r"[-=]", label)[0] or label
@@ -179,8 +175,7 @@ class Prim:
 
 @dataclass
 class Concept:
-    """A concept: its words, the tag of its constituent, and its predicate = `template`, a
-    list of words (str) and argument slots (int index into `children`)."""
+    """A concept: its words, its constituent's tag, and its predicate `template`: words (str) and slots (int)."""
     tag: str
     words: list
     template: list
@@ -218,8 +213,8 @@ def _is_concept(t: Tree) -> bool:
 
 
 def _build_concept(t: Tree, tag: str) -> Concept:
-    """The predicate of constituent t: its words, each maximal sub-concept / primitive replaced
-    by a slot. Sub-concepts are built recursively (the paper's repeated extraction)."""
+    """The predicate of constituent t: its words, each maximal sub-concept / primitive a slot (built recursively:
+    the paper's repeated extraction)."""
     template, children = [], []
 
     def walk(m: Tree):
@@ -253,8 +248,8 @@ def _norm(s: str) -> str:
 
 
 def crg_from_tree(tree: str, caption: str | None = None) -> Concept:
-    """The CRG of one caption (the caption is the root concept, whatever its tag).
-    Raises CRGError: malformed_tree, tree_mismatch (leaves != caption words), no_primitive."""
+    """The CRG of one caption (the root concept, whatever its tag). CRGError: malformed_tree, tree_mismatch,
+    no_primitive."""
     t = parse_ptb(tree)
     if caption is not None and _norm("".join(t.leaves())) != _norm(caption):
         raise CRGError("tree_mismatch", f"tree does not match its caption: {caption[:60]!r}")
@@ -295,8 +290,7 @@ def drop_branches(c: Concept, p: float, rng: random.Random) -> Concept:
 
 
 def graph_stats(crgs: list, image_keys: list) -> dict:
-    """Paper Table 1: unique concepts / predicates / primitives, average height; denotation
-    = the set of images whose captions contain the concept (paper section 2)."""
+    """Paper Table 1; a denotation is the set of images whose captions contain the concept (section 2)."""
     denot = defaultdict(set)
     predicates, primitives = set(), set()
     for crg, key in zip(crgs, image_keys):
@@ -336,8 +330,8 @@ class TextCompiler:
         return [self.cache[w] for w in words]
 
     def compile(self, crg: Concept) -> dict:
-        """-> {"prims": [[ids]], "nodes": [{tok, slots: [(pos, is_prim, local)], level, parent}],
-        "texts": node texts, "words": primitive words}; nodes post-order, root last."""
+        """-> {"prims", "nodes": [{tok, slots: [(pos, is_prim, local)], level, parent}] (post-order), "texts",
+        "words"}"""
         concepts = crg.concepts()
         cidx = {id(c): i for i, c in enumerate(concepts)}
         prims, pidx, parent = [], {}, {}
@@ -368,10 +362,9 @@ class TextCompiler:
 
 
 class BertTokenizer:
-    """BERT's WordPiece (vocab.txt of a released BERT, via `tokenizers`) behind the interface of
-    data.Tokenizer: captions -> [B, context_length] ids = [CLS] pieces [SEP], then [PAD]. Lower-
-    cases when the release says so (tokenizer_config.json do_lower_case) or, without that file,
-    when its vocabulary has no upper-case word (bert-base-uncased). Saved as tokenizer.json."""
+    """BERT's WordPiece (a release's vocab.txt, via `tokenizers`) behind data.Tokenizer's interface: [CLS] pieces
+    [SEP] [PAD]... Lower-cases when tokenizer_config.json's do_lower_case says so or, without it, when the vocabulary
+    has no upper-case word (bert-base-uncased)."""
     kind = "bert_wordpiece"
 
     def __init__(self, backend, context_length=77):
@@ -390,8 +383,7 @@ class BertTokenizer:
             with open(path, encoding="utf-8") as f:
                 vocab = {line.rstrip("\n"): i for i, line in enumerate(f)}
         except OSError as e:
-            raise ComposerError(f"{path}: cannot read BERT's vocabulary ({e.strerror}; --bert needs a released "
-                                f"BERT: config.json, model.safetensors, vocab.txt)") from None
+            raise ComposerError(f"{path}: cannot read BERT's vocabulary ({e.strerror}; {BERT_NEEDS})") from None
         conf = os.path.join(bert_dir, "tokenizer_config.json")
         lower = json.load(open(conf)).get("do_lower_case") if os.path.isfile(conf) else None
         if lower is None:
@@ -488,6 +480,7 @@ class ModelConfig:
 
 
 BERT_LN_EPS = 1e-12  # BERT's LayerNorm epsilon (every released BERT config has layer_norm_eps 1e-12)
+BERT_NEEDS = "--bert needs a released BERT: config.json, model.safetensors, vocab.txt"
 
 
 class Attention(nn.Module):
@@ -508,10 +501,9 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block. kind: "self" (SelfAtt), "cross" (CrossAtt: queries x, keys/values
-    ctx) or "self+cross" (keys/values = x U ctx: the paper's primitive encoder).
-    post_ln: BERT's layer instead (Devlin et al. 2019; LayerNorm after each residual), the text
-    stream's blocks when they start from BERT (--bert); its parameters have the same names."""
+    """Pre-LN transformer block. kind: "self", "cross" (keys/values ctx) or "self+cross" (keys/values x U ctx: the
+    paper's primitive encoder). post_ln: BERT's layer (LayerNorm after each residual, same parameter names), for the
+    text stream with --bert."""
 
     def __init__(self, w, h, r, kind="self", post_ln=False):
         super().__init__()
@@ -548,7 +540,7 @@ def embedding_ln(cfg, w):
 
 
 def masked_mean(x, mask):
-    """Mean of x [B, L, w] over the positions where mask [B, L] is True (an empty row gives 0)."""
+    """Mean over the positions where mask is True (an empty row gives 0)."""
     m = mask.unsqueeze(-1).to(x.dtype)
     return (x * m).sum(1) / m.sum(1).clamp(min=1)
 
@@ -560,10 +552,9 @@ def _ct_kinds(n):
 
 
 class VisualEncoder(nn.Module):
-    """Regions -> [I, N, w]: Linear(feat) + Linear(box) (ViLBERT's 5-d position feature), LN,
-    then self-attention over the regions of each image. Choice (Composer, single-stream): the
-    visual stream is not updated by the text (ViLBERT co-attention would), so it is computed
-    once per image and shared by every node and caption that is scored against that image."""
+    """Regions -> [I, N, w]: Linear(feat) + Linear(box) (ViLBERT's 5-d position feature), LN, self-attention.
+    Choice (Composer, single-stream): the text does not update the visual stream (ViLBERT's co-attention would), so
+    it is computed once per image and shared by every node and caption scored against it."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -604,8 +595,7 @@ class Modulator(nn.Module):
 
 
 class Composer(nn.Module):
-    """COMPOSER. Text inputs are collate_text() batches of compiled CRGs; a "pair" is
-    (caption index, image index); every concept node of every pair gets a score s(x, c)."""
+    """COMPOSER over collate_text() batches; a "pair" is (caption, image); every concept node of a pair gets s(x, c)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -655,8 +645,8 @@ class Composer(nn.Module):
         return masked_mean(self.prim(q, qmask, V, vmask), qmask)  # mean over the word's pieces
 
     def compose(self, seq, tmask, slot_rows, slot_pos, child_emb, V, vmask):
-        """seq [n, T, w] encoded predicates; the slots (slot_rows, slot_pos) get the modulated
-        child embeddings; then the CT with an output token. Returns (embedding, score)."""
+        """Encoded predicates seq [n, T, w], their slots filled with the modulated children, through the CT with an
+        output token -> (embedding, score)."""
         if len(slot_rows):
             seq = seq.index_put((slot_rows, slot_pos), self.mod(seq[slot_rows, slot_pos], child_emb).to(seq.dtype))
         x = torch.cat([self.out_token.expand(seq.shape[0], 1, -1).to(seq.dtype), seq], 1)
@@ -667,9 +657,8 @@ class Composer(nn.Module):
         return e, self.theta(e).squeeze(-1)
 
     def score_pairs(self, tb, te, V, vmask, pair_cap, pair_img):
-        """Level-batched recursion over all pairs at once: level 1 nodes of every pair, then
-        level 2, ... (paper section 3.2): one batched call per level, not a Python loop per node.
-        Returns (root scores [Q], {"node_score" [M'], "node_start" [Q], "node_src" [M']})."""
+        """Level-batched recursion (paper section 3.2): level 1 nodes of every pair, then level 2, ..., one batched
+        call per level. Returns (root scores [Q], {"node_score" [M'], "node_start" [Q], "node_src" [M']})."""
         dev = pair_cap.device
         npr, nnd = tb["cap_nprim"][pair_cap], tb["cap_nnode"][pair_cap]
 
@@ -706,8 +695,7 @@ class Composer(nn.Module):
         return score[root], {"node_score": score, "node_start": nstart, "node_src": nsrc}
 
     def score_recursive(self, comp, feats, boxes, mask):
-        """Reference for score_pairs (tests, bench.py): node-by-node recursion for ONE caption and ONE image (batch
-        size 1 per node); returns the node scores."""
+        """Reference for score_pairs (tests, bench.py): node-by-node recursion, one caption, one image."""
         tb = collate_text([comp])
         te = self.encode_text(tb)
         V, vmask = self.encode_image(feats[None], boxes[None], mask[None])
@@ -747,8 +735,7 @@ def embed_caption(model, tb):
 
 
 class CaptionCrossEncoder(nn.Module):
-    """What the caption-level cross-encoders share: token + position embeddings of the caption
-    and the visual encoder (created first, in this order, so initialisation is unchanged)."""
+    """The caption-level cross-encoders' token + position embeddings and visual encoder (created in this order)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -762,9 +749,8 @@ class CaptionCrossEncoder(nn.Module):
 
 
 class SingleStream(CaptionCrossEncoder):
-    """Baseline: one transformer over the whole caption's tokens (no tree), interleaving self-
-    and cross-attention to the regions like the CT; output at the SOT position -> theta.
-    Equal budget: pt_layers self blocks + the CT pattern, same width and visual encoder."""
+    """Baseline: one transformer over the caption's tokens (no tree), self- and cross-attention interleaved like the
+    CT; theta at the SOT position. Equal budget: pt_layers self blocks + the CT pattern."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -834,9 +820,8 @@ class ViLBERT(CaptionCrossEncoder):
 
 
 class VSE(nn.Module):
-    """Baseline (Kiros et al. 2014 as in paper appendix C): text = mean of contextualised tokens,
-    image = mean of residual-MLP-transformed regions, score = scale * cosine.
-    Equal budget: pt_layers + ct_layers self-attention blocks on the text side."""
+    """Baseline (Kiros et al. 2014, paper appendix C): mean of contextualised tokens, mean of residual-MLP regions,
+    scale * cosine. Equal budget: pt_layers + ct_layers text blocks."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -881,8 +866,7 @@ def read_bert_config(bert_dir):
         with open(path) as f:
             conf = json.load(f)
     except FileNotFoundError:
-        raise ComposerError(f"{path}: not found (--bert needs a released BERT: config.json, model.safetensors, "
-                            f"vocab.txt)") from None
+        raise ComposerError(f"{path}: not found ({BERT_NEEDS})") from None
     except (OSError, ValueError) as e:
         raise ComposerError(f"{path}: unreadable ({type(e).__name__})") from None
     if not isinstance(conf, dict):
@@ -891,15 +875,13 @@ def read_bert_config(bert_dir):
 
 
 def read_bert(bert_dir):
-    """(config, weights) of a released BERT in Hugging Face layout: config.json and
-    model.safetensors. Keys are normalised: the "bert." prefix of BertForPreTraining files
-    (bert-base-uncased's) dropped, LayerNorm gamma / beta read as weight / bias."""
+    """(config, weights) of a released BERT (Hugging Face layout); BertForPreTraining's "bert." prefix dropped,
+    LayerNorm gamma / beta read as weight / bias."""
     conf = read_bert_config(bert_dir)
     try:
         sd = load_file(os.path.join(bert_dir, "model.safetensors"))
     except FileNotFoundError as e:
-        raise ComposerError(f"{e.filename}: not found (--bert needs a released BERT: config.json, "
-                            f"model.safetensors, vocab.txt)") from None
+        raise ComposerError(f"{e.filename}: not found ({BERT_NEEDS})") from None
     except (ValueError, OSError, SafetensorError) as e:
         raise ComposerError(f"{bert_dir}: unreadable BERT release ({type(e).__name__}: {str(e)[:80]})") from None
     norm = lambda k: re.sub(r"\.gamma$", ".weight", re.sub(r"\.beta$", ".bias", k[5:] if k.startswith("bert.") else k))
@@ -916,9 +898,8 @@ def bert_sizes(conf):
 
 
 def bert_targets(model):
-    """{parameter name: (BERT key(s), how to make the tensor)} for the model's text stream:
-    embeddings, then its bert_blocks() from BERT layer 0 on. Query -> q, key+value -> kv (one
-    matrix), attention output -> o and ln1, intermediate / output -> mlp and ln2."""
+    """{parameter name: (BERT key(s), how to make the tensor)} for the text stream: embeddings, then bert_blocks()
+    from BERT layer 0 on (key + value -> one kv matrix)."""
     n_tok, L = model.cfg.vocab_size, model.cfg.max_len
     out = {"tok_emb.weight": (["embeddings.word_embeddings.weight"], lambda w, p: torch.cat([w, p[n_tok:]])),
            # token type 0 everywhere: its embedding folds into the position embedding
@@ -987,7 +968,6 @@ def shapes_region_features(image, objects, max_regions=8):
     non-learned descriptor per box (a stand-in for the frozen detector features): mean and std RGB of the box's
     foreground pixels (pixels that differ from the background colour = median of the image border) + the box's 8x8
     foreground-occupancy mask (shape), 70-d; boxes normalised. Regions are sorted by x0 (not in caption order)."""
-    from PIL import Image
     a = np.asarray(image, dtype=np.float32) / 255.0
     H, W = a.shape[:2]
     border = np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]])
@@ -1005,8 +985,7 @@ def shapes_region_features(image, objects, max_regions=8):
 
 
 def pad_regions(feats: list, boxes: list):
-    """Per-image feats [n_i, D] and boxes [n_i, 5] (arrays or tensors) -> [I, N, D], [I, N, 5]
-    zero-padded to the largest n_i, and the mask [I, N] of real regions."""
+    """Per-image feats [n_i, D], boxes [n_i, 5] -> zero-padded [I, N, D], [I, N, 5] and the mask [I, N]."""
     I, N, D = len(feats), max(f.shape[0] for f in feats), feats[0].shape[1]
     fs, bs, mask = torch.zeros(I, N, D), torch.zeros(I, N, 5), torch.zeros(I, N, dtype=torch.bool)
     for i, (f, b) in enumerate(zip(feats, boxes)):
@@ -1029,8 +1008,7 @@ class FeatureStore:
 
 
 class TensorFile:
-    """Row ranges of the tensors of one safetensors file, read through safe_open's slices: only the
-    rows read are touched, so a rank's memory holds only the items it reads."""
+    """Row ranges of a safetensors file's tensors through safe_open's slices: a rank reads only its items."""
 
     def __init__(self, path):
         self.path = path
@@ -1046,21 +1024,15 @@ class TensorFile:
         return self.shapes.get(name)
 
     def rows(self, name, lo=None, hi=None):
-        """Rows lo..hi of the first axis (the whole tensor when lo is None), as a new tensor."""
         with safe_open(self.path, "pt") as f:
             return f.get_slice(name)[slice(lo, hi)]
 
 
 class RegionStore:
-    """Precomputed region features, read per item (memory does not grow with the data set).
-    Two layouts:
-      DIR/{key}.safetensors   one file per image: feats [N, D], boxes [N, 5]
-      FILE.safetensors        all images: feats [M, N, D], boxes [M, N, 5], optional n_regions [M]
-                              (valid rows per image; else all N), metadata {"keys": JSON list of M}
-    check(key) validates an item from the safetensors header alone (shapes, dtypes; no data is
-    read at start: Flickr30k's 2048-d regions are ~24 GB); read(key) reads it and checks its
-    values, so an item with non-finite values is found, skipped and counted when first read
-    (LazyFeatures). select(keys) gives the store of a split."""
+    """Precomputed region features, read per item (memory does not grow with the data set). Layouts (--regions):
+    DIR/{key}.safetensors (feats [N, D], boxes [N, 5]) or FILE.safetensors (feats [M, N, D], boxes [M, N, 5], optional
+    n_regions [M], metadata {"keys": JSON list of M}). check(key) reads only the header (Flickr30k's 2048-d regions are
+    ~24 GB); read(key) reads the item and checks its values, so a non-finite item is skipped when first read."""
 
     def __init__(self, path):
         self.path, self.dim = path, None
@@ -1080,8 +1052,7 @@ class RegionStore:
             self.dim = f[2]
 
     def check(self, key):
-        """Header-only validation of one item (reads no feature data); returns where it lives
-        (a TensorFile, or the row of the one file)."""
+        """Header-only validation of one item; returns where it lives (a TensorFile, or the one file's row)."""
         if self.one is not None:
             if key not in self.row:
                 raise CRGError("bad_regions", f"{self.path}: no regions for image {key!r}")
@@ -1098,8 +1069,7 @@ class RegionStore:
         return tf
 
     def read(self, key):
-        """(feats [n, D] float32, boxes [n, 5] float32) of one image; CRGError('bad_regions')
-        for a bad item (header problems, non-finite values)."""
+        """(feats [n, D], boxes [n, 5]) float32 of one image; CRGError('bad_regions') for a bad item."""
         at = self.check(key)
         if self.one is not None:
             n = self.n_valid[at]
@@ -1148,11 +1118,9 @@ class LazyFeatures:
 
 
 def load_clip_vision(path, quick_gelu=None):
-    """The vision tower of an il_clip.py checkpoint (COMMON.md layout: out_dir, checkpoint/ or a
-    weights file) or OpenAI-format CLIP weights: (state dict of visual.*, heads, quick_gelu, image
-    size). Copied here (not imported) so that composer.py imports only data.py. Heads come from
-    the run's config.json when there is one, else OpenAI's width / 64; the activation from
-    `quick_gelu` (--quick_gelu), else open_clip_config.json / config.json, else QuickGELU (assumed)."""
+    """The vision tower of an il_clip.py checkpoint or OpenAI-format CLIP weights: (visual.* state dict, heads,
+    quick_gelu, image size); written here so that composer.py imports only data.py. Heads from the run's config.json,
+    else OpenAI's width / 64; the activation from --quick_gelu, else the config files, else QuickGELU (assumed)."""
     weights, folder = resolve_weights(path)
     # read_weights also reads OpenAI's JIT .pt
     sd = {k: v.float() for k, v in data.read_weights(weights).items() if k.startswith("visual.")}
@@ -1172,8 +1140,7 @@ def load_clip_vision(path, quick_gelu=None):
 
 
 def vit_patch_tokens(sd, heads, quick_gelu, images):
-    """Patch tokens of the last block, without CLS, before ln_post (il_clip's forward_tokens):
-    OpenAI CLIP's ViT written out over the state dict."""
+    """Last-block patch tokens before ln_post (il_clip's forward_tokens): OpenAI's ViT over the state dict."""
     ln = lambda x, p: F.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"])
     lin = lambda x, p: F.linear(x, sd[p + ".weight"], sd[p + ".bias"])
     conv = sd["visual.conv1.weight"]
@@ -1194,8 +1161,7 @@ def vit_patch_tokens(sd, heads, quick_gelu, images):
 
 @torch.no_grad()
 def clip_patch_features(images, clip_path, batch=64, quick_gelu=None):
-    """Frozen CLIP ViT (il_clip.py checkpoint or OpenAI weights): last-block patch tokens
-    (before ln_post) as regions, the patch grid as boxes."""
+    """Frozen CLIP ViT patch tokens as regions, the patch grid as boxes."""
     sd, heads, quick_gelu, size = load_clip_vision(clip_path, quick_gelu)
     tf = data.eval_transform(size)
     feats = []
@@ -1236,17 +1202,14 @@ class Split:
 
 
 def _n(spec, n, shapes_default):
-    """An image count flag: the given value, else (None) the whole split, except on shapes,
-    whose scenes are generated on demand and so has no whole split: there `shapes_default`."""
+    """An image count flag: the value given, else the whole split (None), or on shapes (no whole split) its default."""
     return n if n is not None else (shapes_default if _is_shapes(spec) else None)
 
 
 def _spec_items(args, spec, split, n, with_images=False) -> list:
-    """Caption items (JSON-able dicts, the lines of a split file) of the first `n` images of a data spec's split (n =
-    0 or None: the whole split; shapes, which has no fixed size, takes its default). Shapes items name (split, index,
-    seed) and are regenerated on use. Other specs are read without decoding any image (the JSON, the CSV, the shards'
-    .txt/.tree members), so text-only work and --features regions need no JPEGs; only --features clip (with_images)
-    runs the image loader."""
+    """Caption items (JSON-able dicts, the lines of a split file) of the first `n` images of a split (0 / None: all).
+    Shapes items name (split, index, seed) and are regenerated on use. Other specs are read without decoding an image
+    (so text-only work and --features regions need no JPEGs); only --features clip (with_images) runs the loader."""
     if spec.endswith(".jsonl"):
         return _first_images(read_split_file(spec), n)
     if _is_shapes(spec):
@@ -1259,7 +1222,6 @@ def _spec_items(args, spec, split, n, with_images=False) -> list:
 
 
 def _first_images(items, n):
-    """The items of the first n distinct image keys (all when n is 0 / None)."""
     if not n:
         return list(items)
     out, keys = [], set()
@@ -1278,7 +1240,6 @@ def csv_options(args):
 
 
 def _text_items(args, spec, split):
-    """Caption items of a Karpathy JSON, CSV/TSV or tar shards, without opening an image."""
     src = data.resolve_data(spec, getattr(args, "image_root", None))
     if src["kind"] == "imagefolder":
         raise ComposerError(f"{spec}: an ImageFolder has class labels, not captions")
@@ -1298,7 +1259,6 @@ def _text_items(args, spec, split):
 
 
 def _image_items(args, spec, split, n):
-    """Items with the loader's decoded image tensors (for --features clip only)."""
     items, keys = [], set()
     loader = data.make_loader(spec, split=split, batch_size=64, tokenizer=None,
                               image_size=getattr(args, "image_size", 64),
@@ -1315,7 +1275,6 @@ def _image_items(args, spec, split, n):
 
 
 def _resolve_item(it):
-    """(key, caption, tree, scene / image / None) of a caption item."""
     if it.get("source") == "shapes":
         sc = data.shapes_scene(it["split"], it["index"], it.get("seed", 0))
         return it["key"], sc.caption, sc.tree, sc
@@ -1336,9 +1295,8 @@ def _check_skips(skipped: Counter, total: int, max_frac: float, what: str):
 
 
 def caption_crgs(items: list, max_skip_frac: float, what: str):
-    """CRGs of caption items: [(crg, item, resolved)], skips by kind, and how many captions had
-    no tree and went through the built-in bracketer (printed by every run: its parses are
-    rougher than a real parser's, see `composer.py parse`)."""
+    """[(crg, item, (key, caption, scene / image))], skips by kind, and how many captions went through the built-in
+    bracketer (every run says: its parses are rougher than a real parser's, see `composer.py parse`)."""
     out, skipped, n_bracketed = [], Counter(), 0
     for it in progress(items, f"CRGs of {what}"):
         key, cap, tree, obj = _resolve_item(it)
@@ -1356,10 +1314,8 @@ def caption_crgs(items: list, max_skip_frac: float, what: str):
 
 
 def load_split(args, split: str, n: int | None, items: list | None = None, hold_out=frozenset()) -> Split:
-    """Captions, trees and region features of the first `n` images of a split (or of the given
-    split-file items). Features: --features gold (shapes gold boxes) | regions (--regions: read
-    per item, see RegionStore) | clip (--clip CKPT, frozen il_clip patch tokens). Captions with a
-    predicate in `hold_out` are left out, and an image none of whose captions is left, too."""
+    """Captions, CRGs and region features (--features) of the first `n` images of a split (or of split-file items).
+    Captions with a predicate in `hold_out` are left out, and so is an image none of whose captions is left."""
     if items is None:
         items = _spec_items(args, args.data, split, n, with_images=args.features == "clip")
     what = f"{args.data} ({split})"
@@ -1371,8 +1327,7 @@ def load_split(args, split: str, n: int | None, items: list | None = None, hold_
     keys, kidx, bad, captions, kept, cap_img, feats, its = [], {}, {}, [], [], [], [], []
 
     def add_image(key, obj):
-        """The image's index, after its features are made (gold, clip) or its regions' header
-        checked; None when they are bad (its captions are skipped and counted)."""
+        """The image's index once its features are made or checked; None when bad (its captions are skipped)."""
         if key not in kidx and key not in bad:
             try:
                 if args.features == "gold":
@@ -1420,8 +1375,7 @@ def load_split(args, split: str, n: int | None, items: list | None = None, hold_
 
 def attach_compiler(sp: Split, compiler: TextCompiler, max_skip_frac: float):
     """Compile every CRG; captions whose templates are too long are dropped and counted."""
-    keep = []
-    comps = []
+    keep, comps = [], []
     for i, c in enumerate(sp.crgs):
         try:
             comps.append(compiler.compile(c))
@@ -1447,10 +1401,8 @@ def match_loss(s_pos, s_neg):
 
 def mvsa_hinge(s, s_negc, s_negx, alpha=0.8, denom=None):
     """l_MVSA (hinge): per concept c of a true pair, [a - s(x,c) + s(x,c-)]_+ + [a - s(x,c) + s(x-,c)]_+.
-    s [n], s_negc [n, kc], s_negx [n, kx]. Choice: with several negatives each hinge term is
-    averaged over them, and the sum of both terms is averaged over concepts (the paper sums;
-    the mean keeps lambda = 1 independent of batch size and tree size). `denom` replaces n
-    (the global concept count / world under DDP, so that ranks average to the global mean)."""
+    Choice: each term is averaged over its negatives and the sum over concepts (the paper sums; the mean keeps
+    lambda = 1 independent of batch and tree size). `denom`: the global concept count / world under DDP."""
     s = s[:, None]
     t = (alpha - s + s_negc).clamp(min=0).mean(1) + (alpha - s + s_negx).clamp(min=0).mean(1)
     return t.sum() / (denom or len(t))
@@ -1464,15 +1416,13 @@ def mvsa_nll(s, s_negc, s_negx, denom=None):
 
 
 def mvsa_loss(s, s_negc, s_negx, denom, args):
-    """l_MVSA of --mvsa hinge (margin --alpha) or nll."""
     if args.mvsa == "hinge":
         return mvsa_hinge(s, s_negc, s_negx, args.alpha, denom)
     return mvsa_nll(s, s_negc, s_negx, denom)
 
 
 def order_loss(s_parent, s_child, beta=0.2, denom=None):
-    """l_order (Zhang et al. 2020): [b - s(x, c_parent) + s(x, c_child)]_+ per concept edge, mean
-    (`denom` as in mvsa_hinge). A batch without edges (one-concept captions) gives 0."""
+    """l_order (Zhang et al. 2020): [b - s(x, c_parent) + s(x, c_child)]_+ per concept edge, mean; no edges: 0."""
     return (beta - s_parent + s_child).clamp(min=0).sum() / max(1, denom or s_parent.numel())
 
 
@@ -1488,9 +1438,8 @@ def vse_inbatch_loss(scale, te, V, img_of, local, device):
 
 
 def _neg_concept(levels_i, levels_j):
-    """Choice: the negative concept c- of concept c (from the negative caption of the pair) is
-    the concept of that caption with the same height, k-th of its height for the k-th of c's
-    height (cyclic); if the caption has no concept of that height, the nearest height."""
+    """Choice: the negative concept c- of concept c is the negative caption's concept of the same height (the k-th
+    for the k-th, cyclic), else of the nearest height."""
     by_h = defaultdict(list)
     for u, h in enumerate(levels_j):
         by_h[h].append(u)
@@ -1503,10 +1452,9 @@ def _neg_concept(levels_i, levels_j):
 
 
 def composer_losses(aux, comps, cap_idx, neg_img_pairs, neg_txt_caps, pair_base, args, world=1):
-    """MVSA + order terms from the node scores of one step. comps: the global batch's compiled
-    captions; cap_idx [b] caption of each of this rank's true pairs; pair q = i is true pair i,
-    pair_base[0] + i*ki + m its m-th negative image, pair_base[1] + i*kt + m its m-th negative
-    caption (caption neg_txt_caps[i][m]). Normalised by global counts (see mvsa_hinge)."""
+    """MVSA + order terms from one step's node scores. Pair i is this rank's true pair i (caption cap_idx[i]),
+    pair_base[0] + i*ki + m its m-th negative image, pair_base[1] + i*kt + m its m-th negative caption
+    (neg_txt_caps[i][m]). Normalised by global counts (see mvsa_hinge)."""
     ns, start = aux["node_score"], aux["node_start"].tolist()
     pos_i, negx_i, negc_i, par_i, chi_i = [], [], [], [], []
     ki, kt = neg_img_pairs, len(neg_txt_caps[0]) if len(neg_txt_caps) else 0
@@ -1529,11 +1477,9 @@ def composer_losses(aux, comps, cap_idx, neg_img_pairs, neg_txt_caps, pair_base,
 
 
 def concept_mvsa(model, compiler, sp, caps, local, ni, nt, V, vm, args, world, device):
-    """l_MVSA for a caption-level baseline ("ViLBERT + MVSA", paper Table 5): every concept of a
-    true caption, as its own text, is scored against the pair's image (s) and the negative images
-    (s_x-); the same-height concept of each negative caption (_neg_concept) against the true
-    image gives s_c-. caps: the global batch's captions; local: this rank's pairs; ni / nt: the
-    batch positions of each pair's negative images / captions. Normalised as for COMPOSER."""
+    """l_MVSA for a caption-level baseline ("ViLBERT + MVSA", paper Table 5): every concept of a true caption, as its
+    own text, against the pair's image (s) and the negative images (s_x-); each negative caption's _neg_concept
+    against the true image gives s_c-. ni / nt: batch positions of each pair's negatives. Normalised as COMPOSER's."""
     texts, tid, pc, pi = [], {}, [], []
 
     def pair(text, img):
@@ -1586,10 +1532,8 @@ def autocast(device, dtype):
 
 
 class StepLoss(nn.Module):
-    """The training step as one forward(), so that DistributedDataParallel (which syncs the
-    gradients of what forward() used, averaged over ranks) can wrap it: the model's own methods
-    (encode_text, score_pairs, ...) are called inside. The data and compiler ride along as plain
-    attributes (DDP moves nothing but the forward's arguments)."""
+    """The training step as one forward(), so that DDP (which syncs the gradients of what forward() used) can wrap
+    it; the data and compiler ride along as plain attributes."""
 
     def __init__(self, model, compiler, sp, args, rank, world, device):
         super().__init__()
@@ -1602,9 +1546,8 @@ class StepLoss(nn.Module):
 
 
 def wrap_ddp(step_loss, world, device):
-    """DDP over the step. find_unused_parameters: a rank's captions may not reach every tree
-    level or modulator branch (and VSE's in-batch loss skips parameters); such parameters get
-    no gradient on that rank, which DDP's default would wait for forever."""
+    """DDP over the step. find_unused_parameters: a rank's captions may not reach every tree level or modulator
+    branch (VSE's in-batch loss skips parameters), whose gradients DDP's default would wait for forever."""
     if world == 1:
         return step_loss
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -1612,8 +1555,8 @@ def wrap_ddp(step_loss, world, device):
 
 
 class Sampler:
-    """Global batches of caption indices: a permutation per epoch from (seed, epoch), the same on
-    every rank; rank r trains on the slice r::world of each global batch. State = (epoch, pos)."""
+    """Global batches of caption indices: a permutation per (seed, epoch), the same on every rank (rank r trains on
+    r::world of each)."""
 
     def __init__(self, n, batch, seed):
         if n < batch:
@@ -1636,8 +1579,8 @@ class Sampler:
 
 
 def sample_negatives(img_of, k, gen):
-    """For each position i of a global batch, k other positions with a different image (random,
-    ViLBERT-style in-batch negatives), from a generator shared by all ranks."""
+    """For each position of a global batch, k random positions with another image (ViLBERT-style in-batch
+    negatives; the generator is the same on all ranks)."""
     B = len(img_of)
     r = torch.rand(B, B, generator=gen)
     same = img_of[:, None] == img_of[None, :]
@@ -1683,8 +1626,8 @@ def train_step(model, compiler, sp: Split, gidx, rank, world, step, args, device
 
 
 def get_lr(step, args):
-    """Choice: linear warm-up then cosine decay to 10% (the paper's step schedule is for 20
-    epochs of BERT fine-tuning; a from-scratch tiny model trains better with cosine)."""
+    """Choice: linear warm-up then cosine to 10% (the paper's step schedule is for 20 epochs of BERT fine-tuning; a
+    from-scratch tiny model trains better with cosine)."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     t = (step - args.warmup) / max(1, args.max_steps - args.warmup)
@@ -1701,8 +1644,8 @@ def nonfinite(step, args):
 
 
 def build_tokenizer(args, folder=None):
-    """The tokenizer of the checkpoint folder being resumed, or a new one: BERT's WordPiece (--bert),
-    the CLIP BPE (--vocab) or a BPE trained on the captions."""
+    """The resumed checkpoint's tokenizer, or BERT's WordPiece (--bert), the CLIP BPE (--vocab), a BPE trained on the
+    captions."""
     if folder:
         return load_tokenizer(folder)
     if getattr(args, "bert", None):
@@ -1713,7 +1656,6 @@ def build_tokenizer(args, folder=None):
 
 
 def read_split_file(path):
-    """A split file written by `composer.py mcd` (JSON lines: one caption item per line)."""
     try:
         with open(path) as f:
             return [json.loads(l) for l in f if l.strip()]
@@ -1746,16 +1688,14 @@ def check_args(args, world):
 
 
 def eval_sets(args, name, split, n, compiler):
-    """{name: the first n images of `split`} (none when n is 0), then each --split_file by its
-    file stem; captions compiled."""
+    """{name: the first n images of `split`} (none when n is 0), then each --split_file by its file stem."""
     sets = {name: load_split(args, split, n)} if n != 0 else {}
     for path in args.split_file or []:
         sets[os.path.splitext(os.path.basename(path))[0]] = load_split(args, None, None, items=read_split_file(path))
     return {k: attach_compiler(sp, compiler, args.max_skip_frac) for k, sp in sets.items()}
 
 
-def build_optimizer(model, args):
-    """AdamW; weight decay on matrices only."""
+def build_optimizer(model, args):  # AdamW, weight decay on matrices only
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": args.wd},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), foreach=True)
@@ -1782,8 +1722,7 @@ def sync_values(losses, bad, stop_flag, world):
 
 
 def build_run(args, resume, master, world, device):
-    """Tokenizer (the resumed checkpoint's), compiler, training and eval data, and the model
-    (--bert, --init weights) on `device`; rank 0 says what was read."""
+    """Tokenizer, compiler, training and eval data, the model (--bert, --init) on `device`; rank 0 says what it read."""
     tok = build_tokenizer(args, resume and resume[0])
     compiler = TextCompiler(tok, args.max_len)
     t0 = time.time()
@@ -2722,17 +2661,14 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    errors = (ComposerError, CRGError) + ((data.DataError,) if data is not None else ())
     handlers = stop_on_signals() if args.cmd == "train" else {}
     try:
-        if data is None and args.cmd not in ("mcd", "parse"):
-            raise ComposerError("data.py is missing (composer.py imports it for data, tokenizer and shapes)")
         result = {"train": train, "eval": cmd_eval, "graph": cmd_graph, "mcd": cmd_mcd, "parse": cmd_parse,
                   "summarize": cmd_summarize}[args.cmd](args)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()      # no rank tears down its connections while another still uses them
         return result
-    except errors as e:
+    except (ComposerError, CRGError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1 if isinstance(e, NonFinite) else 2)
     except OSError as e:    # a full disk, a quota, a failing device: one line, the last checkpoint intact
