@@ -33,6 +33,8 @@ import logging
 import math
 import os
 import random
+import re
+import shutil
 import signal
 import sys
 import tarfile
@@ -1361,16 +1363,15 @@ WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)  # full disk
 
 
 @contextlib.contextmanager
-def writing(path: str):
+def writing(path: str, what: str = ""):
     """A write that fails for want of room or of a working disk (WRITE_ERRNOS) -> DataError, one line naming the file
-    (the OSError's own if it names one); safetensors says it only in its message ("(os error 27)"). Others pass."""
+    (the OSError's own if it names one) and `what` was being written. Other errors pass."""
     try:
         yield
     except Exception as e:
-        code = next((c for c in WRITE_ERRNOS if getattr(e, "errno", None) == c or f"(os error {c})" in str(e)), None)
-        if code is None:
+        if write_error(e) is None:
             raise
-        raise DataError(f"{getattr(e, 'filename', None) or path}: cannot write: {os.strerror(code).lower()}") from None
+        raise DataError(f"{getattr(e, 'filename', None) or path}: cannot write: {write_error(e)}{what}") from None
 
 
 def save_json(path: str, obj):
@@ -1511,6 +1512,352 @@ def import_script(record: dict | None, override: str | None = None, default: str
             del sys.modules[module_name]
             raise DataError(f"{path}: cannot import the training script ({type(e).__name__}: {e})") from None
     return sys.modules[module_name], os.path.abspath(path), note
+
+
+# -----------------------------------------------------------------------------
+# The run lifecycle every training script shares: one run per out_dir, checkpoints that survive a
+# crash, stop signals, metrics.jsonl (+ wandb), a progress bar, the loss-curve PNG. The method scripts
+# keep only what is their own: what state.pt holds and how it is restored.
+# out_dir/checkpoint/ holds model.safetensors, config.json (flags, model config, "script"), tokenizer.json,
+# state.pt (torch.save; read with weights_only=True: no pickled code runs) and sha256.json of them, written
+# last. A save fills checkpoint.tmp/, fsyncs it, renames checkpoint/ -> checkpoint.prev/ (what a damaged
+# newest falls back to) and checkpoint.tmp/ -> checkpoint/.
+CHECKPOINT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "state.pt")
+_lock = None        # this process's open out_dir/.lock
+_stop = []          # the stop signals received, by name
+
+
+def write_error(e: BaseException) -> str | None:
+    """'no space left on device' etc. when e (or what it was raised during) is a WRITE_ERRNOS error, else None;
+    safetensors says it only in its message ("(os error 28)")."""
+    while e is not None:
+        code = next((c for c in WRITE_ERRNOS if getattr(e, "errno", None) == c or f"(os error {c})" in str(e)), None)
+        if code is not None:
+            return os.strerror(code).lower()
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)     # not through a `from None`
+    return None
+
+
+def claim_out_dir(out_dir, rank, world, device, resume=False, overwrite=False, run_files=(), phase_dirs=()):
+    """Before anything is written: one run per out_dir (rank 0 holds an flock on out_dir/.lock, which the kernel
+    drops when the process ends, killed or not); --resume needs a checkpoint (in out_dir or one of `phase_dirs`);
+    a new run replaces one only with --overwrite, which removes the names in out_dir and `phase_dirs` that match a
+    `run_files` pattern. Rank 0 raises DataError; the other ranks exit 2."""
+    global _lock
+    release_out_dir()
+    error = None
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        _lock = open(os.path.join(out_dir, ".lock"), "a+")
+        try:
+            import fcntl
+            fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock.truncate(0)
+            print(os.getpid(), file=_lock, flush=True)
+            dirs = [out_dir, *phase_dirs]
+            saved = any(os.path.isdir(os.path.join(d, c)) for d in dirs for c in ("checkpoint", "checkpoint.prev"))
+            if resume and not saved:
+                error = f"--resume: nothing to resume yet in {out_dir} (no checkpoint saved)"
+            elif saved and not (resume or overwrite):
+                error = (f"{out_dir} holds the checkpoint of an earlier run: continue it with --resume, or use "
+                         f"another --out_dir, or --overwrite to replace it")
+            for d in dirs if overwrite and not resume and error is None else []:
+                for name in os.listdir(d) if os.path.isdir(d) else []:
+                    path = os.path.join(d, name)
+                    if any(re.fullmatch(p, name) for p in run_files):
+                        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        except BlockingIOError:
+            _lock.seek(0)
+            error = f"{out_dir} is in use by another run: process {_lock.read().strip() or '?'} holds {out_dir}/.lock"
+            release_out_dir()
+    failed = torch.tensor(float(error is not None), device=device)
+    if world > 1:
+        torch.distributed.broadcast(failed, 0)   # every rank learns it, so none waits in a collective rank 0 left
+    if failed.item():
+        if rank:
+            raise SystemExit(2)
+        raise DataError(error)
+
+
+def release_out_dir():
+    global _lock
+    if _lock is not None:
+        _lock.close()
+        _lock = None
+
+
+def on_rank0(fn, rank, world, device, user_errors=(DataError,)):
+    """fn() on rank 0 (a save, a results file), and every rank learns how it went: a user error or write error
+    there is its one line on rank 0, and the other ranks exit with the same status instead of hanging in their
+    next collective."""
+    if world == 1:
+        return fn()
+    error = None
+    if rank == 0:
+        try:
+            fn()
+        except Exception as e:
+            error = e
+    code = 0 if error is None else 2 if isinstance(error, user_errors) or write_error(error) else 1
+    code = torch.tensor(float(code), device=device)
+    torch.distributed.broadcast(code, 0)
+    if error is not None:
+        raise error
+    if code.item():
+        raise SystemExit(int(code.item()))
+
+
+def tensors_in(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, (dict, list, tuple)):
+        for v in obj.values() if isinstance(obj, dict) else obj:
+            yield from tensors_in(v)
+
+
+def all_finite(obj) -> bool:
+    """Every floating-point tensor in a nested dict/list finite? (checked before a save: never a NaN checkpoint)"""
+    flags = [torch.isfinite(t).all() for t in tensors_in(obj) if t.is_floating_point()]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
+def sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def save_checkpoint(out_dir, weights, state, config, tokenizer, step, newest_damaged=False):
+    """Write a checkpoint (rank 0 only), as the layout above says; out_dir/config.json and tokenizer.json too, for
+    readers of out_dir. A write error is one DataError line; checkpoint.tmp/ is removed, the earlier checkpoints
+    kept. A damaged newest (newest_damaged) is replaced without becoming checkpoint.prev/."""
+    from safetensors.torch import save_file
+    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
+    weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        save_file(weights, os.path.join(tmp, "model.safetensors"), {"step": str(step)})
+        fsync(os.path.join(tmp, "state.pt"), lambda p: torch.save(state, p))
+        for folder in (tmp, out_dir):
+            atomic_write(os.path.join(folder, "config.json"), lambda p: save_json(p, config))
+            if tokenizer is not None:
+                tokenizer.save(folder)
+        names = sorted(os.listdir(tmp))
+        for name in names:
+            fsync(os.path.join(tmp, name))
+        save_json(os.path.join(tmp, "sha256.json"), {n: sha256(os.path.join(tmp, n)) for n in names})
+        fsync(tmp)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if write_error(e) is None:
+            raise
+        need = sum(t.nbytes for t in tensors_in([weights, state])) / 2 ** 20
+        raise DataError(f"{out_dir}: {write_error(e)} for the step-{step} checkpoint (about {need:.1f} MiB needed, "
+                        f"{shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); the previous checkpoint is "
+                        f"kept") from None
+    if os.path.isdir(final) and not newest_damaged:
+        shutil.rmtree(prev, ignore_errors=True)
+        os.replace(final, prev)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    fsync(out_dir)
+
+
+def read_checkpoint(folder, state_types, device="cpu"):
+    """(weights, state, config) of a checkpoint folder whose files all match its sha256.json and whose state.pt
+    has `state_types` ({key: type}); else a DataError naming the file that is missing, damaged or of wrong types."""
+    from safetensors.torch import load_file
+    sums = read_json(os.path.join(folder, "sha256.json"))
+    if not isinstance(sums, dict):
+        raise DataError(f"{folder}/sha256.json: damaged (not a table of file sums)")
+    for name in dict.fromkeys(["model.safetensors", "config.json", "state.pt", *sums]):
+        path = os.path.join(folder, name)
+        if name not in sums or not os.path.isfile(path):
+            raise DataError(f"{path}: missing (incomplete checkpoint)")
+        if sha256(path) != sums[name]:
+            raise DataError(f"{path}: damaged (its sha256 is not the one in sha256.json)")
+    path = os.path.join(folder, "state.pt")
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:
+        raise DataError(f"{path}: unreadable ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})") from None
+    bad = [f"{k}: {getattr(t, '__name__', t)}" for k, t in state_types.items()
+           if not isinstance(state, dict) or not isinstance(state.get(k), t)]
+    if bad:
+        raise DataError(f"{path}: wrong types (expected {', '.join(bad)})")
+    return load_file(os.path.join(folder, "model.safetensors")), state, read_json(os.path.join(folder, "config.json"))
+
+
+def load_checkpoint(out_dir, state_types, device="cpu", rank=0):
+    """(folder, weights, state, config, newest_damaged) of out_dir/checkpoint/ when it is whole (read_checkpoint),
+    else of checkpoint.prev/, said in a note on stderr; a DataError naming the damaged file(s) when neither is."""
+    errors = []
+    for folder in (os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "checkpoint.prev")):
+        if errors and not os.path.isdir(folder):
+            break
+        try:
+            found = (folder, *read_checkpoint(folder, state_types, device), bool(errors))
+        except DataError as e:
+            errors.append(str(e))
+            continue
+        if errors and rank == 0:
+            print(f"note: {errors[0]}; resuming from the previous checkpoint {folder} (step {found[2]['step']})",
+                  file=sys.stderr, flush=True)
+        return found
+    raise DataError("; and ".join(errors))
+
+
+def rng_state(device) -> dict:
+    """Every RNG a run draws from, as torch.save / weights_only can carry them."""
+    n = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if str(device).startswith("cuda") else [],
+            "numpy": [n[0], torch.from_numpy(n[1].astype(np.int64)), *n[2:]]}
+
+
+def set_rng_state(rng: dict, device):
+    torch.set_rng_state(rng["torch"].cpu())
+    if rng["cuda"] and str(device).startswith("cuda"):
+        torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
+    n = rng["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1].cpu() if torch.is_tensor(n[1]) else n[1]).astype(np.uint32), *n[2:]))
+    random.setstate(rng["python"])
+
+
+def resumed_flags(given: dict, saved: dict, run_control, where: str) -> dict:
+    """--resume continues a run with its own flags: a run-defining flag given now (`given`: name -> value) must
+    equal the saved value (DataError otherwise); returns the saved values of the flags not given."""
+    for name in sorted(set(given) & set(saved) - set(run_control)):
+        now = json.loads(json.dumps(given[name]))
+        if now != saved[name]:
+            raise DataError(f"--resume: --{name} {now} differs from the saved run's {saved[name]} ({where}); drop it "
+                            f"to continue that run, or start a new one in another --out_dir")
+    return {k: v for k, v in saved.items() if k not in given and k not in run_control}
+
+
+def cut_metrics(path, step):
+    """metrics.jsonl back to the resumed step (no step logged twice; a finished run resumed is evaluated again)."""
+    with open(path) if os.path.isfile(path) else contextlib.nullcontext([]) as f:
+        kept = "".join(ln for ln in f if ln.strip() and (m := json.loads(ln))["step"] <= step
+                       and m.get("phase") != "eval")
+    with writing(path):
+        atomic_write(path, lambda p: fsync(p, lambda q: open(q, "w").write(kept)))
+
+
+def log_record(path, rec, wandb=None, wandb_step=None):
+    """One metrics.jsonl line (rank 0); with --wandb also sent to Weights & Biases at its step."""
+    with writing(path), open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    if wandb is not None:
+        wandb.log(rec, step=rec["step"] if wandb_step is None else wandb_step)
+
+
+def start_wandb(project, out_dir, config, resumed):
+    """--wandb PROJECT (nanoGPT's wandb_log), rank 0: a W&B run named after out_dir with the run's config; its id
+    is kept in out_dir/wandb_id.txt, so --resume continues the same W&B run."""
+    try:
+        import wandb
+    except ImportError:
+        raise DataError("--wandb needs the wandb package (pip install wandb)") from None
+    path = os.path.join(out_dir, "wandb_id.txt")
+    run_id = open(path).read().strip() if resumed and os.path.isfile(path) else os.urandom(4).hex()
+    with writing(path):
+        atomic_write(path, lambda p: open(p, "w").write(run_id + "\n"))
+    wandb.init(project=project, name=os.path.basename(os.path.abspath(out_dir)), id=run_id, resume="allow",
+               config=config)
+    return wandb
+
+
+def _on_stop_signal(signum, frame):
+    if signum == signal.SIGINT and _stop:
+        print("error: interrupted again: exiting without saving", file=sys.stderr, flush=True)
+        os._exit(130)
+    _stop.append(signal.Signals(signum).name)
+
+
+def catch_stop_signals() -> dict:
+    """SIGTERM / SIGINT ask the run to stop: the script's loop sees stop_requested(), the ranks agree, it saves and
+    stops. A second Ctrl-C exits at once, without a save (the last checkpoint stays). Returns the old handlers."""
+    _stop.clear()
+    return {s: signal.signal(s, _on_stop_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+
+
+def restore_signals(handlers: dict):
+    for s, h in handlers.items():
+        signal.signal(s, h)
+
+
+def stop_requested() -> str | None:
+    """The stop signal received ("SIGTERM" before "SIGINT"), or None."""
+    return "SIGTERM" if "SIGTERM" in _stop else _stop[0] if _stop else None
+
+
+def progress(iterable=None, **kw):
+    """A tqdm bar on stderr, on rank 0 at an interactive terminal only (a log file gets the start and done lines)."""
+    from tqdm import tqdm
+    kw["disable"] = kw.get("disable") or not sys.stderr.isatty() or os.environ.get("RANK", "0") != "0"
+    return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, **kw)
+
+
+def nice_ticks(lo, hi, n=5, integer=False):
+    """About n round ticks in [lo, hi]: steps of 1, 2 or 5 x 10^k, whole numbers when `integer`."""
+    raw = max(hi - lo, 1e-12) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    step = max(1, round(step)) if integer else step
+    first = math.ceil(lo / step) * step
+    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def tick_labels(values):
+    """The ticks as text with the fewest decimals at which no two read the same."""
+    for digits in range(13):
+        labels = [f"{v:.{digits}f}" for v in values]
+        if len(set(labels)) == len(labels):
+            break
+    return labels
+
+
+def draw_curves(png_path, title, series, vlines=(), legend=None, ylabel="loss (nats)", xlabel="step",
+                size=(900, 420)):
+    """A line plot as PNG, drawn with PIL (no matplotlib in this project). series: [(label, rgb, points, width)],
+    points (x, y) or (x, y, rgb) (a segment takes its end point's colour); non-finite points are dropped.
+    vlines: [(x, text, rgb)] (IL's spawns). legend: [(label, rgb)], by default each series label once."""
+    series = [(label, c, [p for p in pts if math.isfinite(p[1])], w) for label, c, pts, w in series]
+    pts = [p for *_, ps, _ in series for p in ps]
+    (W, H), (L, R, T, B) = size, (70, 20, 40, 50)
+    img = Image.new("RGB", size, "white")
+    d = ImageDraw.Draw(img)
+    d.rectangle([L, T, W - R, H - B], outline="black")
+    d.text((L, 8), title, fill="black")
+    d.text((4, T - 14), ylabel, fill="black")
+    d.text(((L + W - R) // 2 - 10, H - 18), xlabel, fill="black")
+    if pts:
+        x1, y0, y1 = max(max(p[0] for p in pts), 1), min(p[1] for p in pts), max(p[1] for p in pts)
+        y1 = y1 if y1 > y0 else y0 + 1
+        px = lambda x: L + (W - L - R) * x / x1
+        py = lambda y: H - B - (H - T - B) * (y - y0) / (y1 - y0)
+        vlines = [v for v in vlines if v[0] <= x1]
+        for x, label, c in vlines:
+            d.line([px(x), T, px(x), H - B], fill=c)
+            d.text((px(x) + 3, T + 2), label, fill=c)
+        for label, c, ps, width in series:
+            for a, b in zip(ps, ps[1:]):
+                d.line([px(a[0]), py(a[1]), px(b[0]), py(b[1])], fill=b[2] if len(b) > 2 else c, width=width)
+        xt, yt = nice_ticks(0, x1, integer=True), nice_ticks(y0, y1)
+        for v, s in zip(xt, tick_labels(xt)):
+            d.line([px(v), H - B, px(v), H - B + 4], fill="black")
+            d.text((px(v) - 3 * len(s), H - B + 6), s, fill="black")
+        for v, s in zip(yt, tick_labels(yt)):
+            d.line([L - 4, py(v), L, py(v)], fill="black")
+            d.text((L - 8 - 6 * len(s), py(v) - 6), s, fill="black")
+        legend = legend if legend is not None else dict.fromkeys((label, c) for label, c, ps, _ in series if ps)
+        for i, (label, c) in enumerate(legend):
+            y = T + 6 + 14 * i
+            d.line([W - R - 150, y + 6, W - R - 130, y + 6], fill=c, width=3)
+            d.text((W - R - 124, y), label, fill="black")
+    with writing(png_path):
+        atomic_write(png_path, lambda p: img.save(p, format="PNG"))
 
 
 # -----------------------------------------------------------------------------
