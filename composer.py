@@ -29,19 +29,13 @@ makes it, marked "Choice:".
 import argparse
 import contextlib
 import copy
-import errno
-import fcntl
 import functools
 import gc
-import hashlib
-import io
 import json
 import math
 import os
 import random
 import re
-import shutil
-import signal
 import sys
 import time
 from collections import Counter, defaultdict
@@ -52,11 +46,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from PIL import Image, ImageDraw
-import safetensors.torch
+from PIL import Image
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
-from tqdm import tqdm
 
 import data  # the repo's shared module (shapes, tokenizer, loaders, run lifecycle)
 
@@ -570,10 +562,8 @@ class VisualEncoder(nn.Module):
 
 
 class Modulator(nn.Module):
-    """Binds a child concept embedding c to its placeholder p (paper section 3.2).
-    film: a = 1 + MLP_a(p), b = MLP_b(p), out = MLP(a * c + b)  (Choice: a is centred at 1 so
-          the untrained modulator passes c through the output MLP unscaled)
-    mlp: out = MLP([p; c]); replace: out = c."""
+    """Binds a child concept embedding c to its placeholder p (paper section 3.2). film: MLP((1 + MLP_a(p)) * c +
+    MLP_b(p)) (Choice: centred at 1, the untrained modulator passes c on unscaled); mlp: MLP([p; c]); replace: c."""
 
     def __init__(self, kind, w):
         super().__init__()
@@ -783,15 +773,11 @@ class CoAttention(nn.Module):
 
 
 class ViLBERT(CaptionCrossEncoder):
-    """Baseline: two-stream co-attention transformer (text <-> image both ways), without image-text pretraining, as in
-    the paper (section 5.1: its ViLBERT, like COMPOSER and VSE, starts from BERT and sees no Conceptual Captions
-    pretraining). --bert DIR initialises the text stream (embeddings, text-only layers, then the stream's layers
-    between co-attentions) from BERT's layers in order; without it everything is trained from scratch. Text: pt_layers
-    self-attention blocks (ViLBERT's text-only layers), then ct_layers rounds of Co-TRM + a self-attention block in
-    each stream (the visual stream is updated by the text, unlike COMPOSER's). Score: theta(h_CLS * mean of the visual
-    stream), ViLBERT's alignment head (it uses the IMG token; the regions here have none, so their masked mean stands
-    in). With --concept_mvsa every concept of the caption is also scored and trained with l_MVSA: "ViLBERT + MVSA"
-    (paper Table 5)."""
+    """Baseline: two-stream co-attention transformer, no image-text pretraining (paper section 5.1: like COMPOSER and
+    VSE it starts from BERT, --bert, and sees no Conceptual Captions). Text: pt_layers text-only blocks, then ct_layers
+    rounds of Co-TRM + a self-attention block in each stream (the text updates the visual stream, unlike COMPOSER).
+    Score: theta(h_CLS * mean of the visual stream), ViLBERT's alignment head (the regions have no IMG token: their
+    masked mean stands in). --concept_mvsa adds l_MVSA over every concept: "ViLBERT + MVSA" (paper Table 5)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -1020,9 +1006,6 @@ class TensorFile:
         except (SafetensorError, OSError) as e:  # a bad header, a file cut short
             raise CRGError("bad_regions", f"{path}: not a safetensors file or cut short ({e})") from None
 
-    def shape(self, name):
-        return self.shapes.get(name)
-
     def rows(self, name, lo=None, hi=None):
         with safe_open(self.path, "pt") as f:
             return f.get_slice(name)[slice(lo, hi)]
@@ -1038,7 +1021,7 @@ class RegionStore:
         self.path, self.dim = path, None
         self.one = None if os.path.isdir(path) else TensorFile(path)
         if self.one is not None:
-            f, b = self.one.shape("feats"), self.one.shape("boxes")
+            f, b = self.one.shapes.get("feats"), self.one.shapes.get("boxes")
             if f is None or b is None or len(f) != 3 or b != [f[0], f[1], 5]:
                 raise ComposerError(f"{path}: needs feats [M, N, D] and boxes [M, N, 5], has {f} and {b}")
             try:
@@ -1048,7 +1031,8 @@ class RegionStore:
             if not (isinstance(keys, list) and len(keys) == f[0]):
                 raise ComposerError(f"{path}: metadata 'keys' must be a JSON list of {f[0]} image keys")
             self.row = {k: i for i, k in enumerate(keys)}
-            self.n_valid = self.one.rows("n_regions").tolist() if self.one.shape("n_regions") else [f[1]] * f[0]
+            n = self.one.shapes.get("n_regions")
+            self.n_valid = self.one.rows("n_regions").tolist() if n else [f[1]] * f[0]
             self.dim = f[2]
 
     def check(self, key):
@@ -1056,12 +1040,12 @@ class RegionStore:
         if self.one is not None:
             if key not in self.row:
                 raise CRGError("bad_regions", f"{self.path}: no regions for image {key!r}")
-            if not 0 < self.n_valid[self.row[key]] <= self.one.shape("feats")[1]:
+            if not 0 < self.n_valid[self.row[key]] <= self.one.shapes["feats"][1]:
                 raise CRGError("bad_regions",
                                f"{self.path}[{key}]: n_regions {self.n_valid[self.row[key]]} out of range")
             return self.row[key]
         tf = TensorFile(os.path.join(self.path, f"{key}.safetensors"))
-        f, b = tf.shape("feats"), tf.shape("boxes")
+        f, b = tf.shapes.get("feats"), tf.shapes.get("boxes")
         if f is None or b is None or len(f) != 2 or b != [f[0], 5] or f[0] == 0 or f[1] != (self.dim or f[1]):
             raise CRGError("bad_regions", f"{tf.path}: expected feats [N, {self.dim or 'D'}] and boxes [N, 5], "
                                           f"got {f} and {b}")
@@ -1298,7 +1282,7 @@ def caption_crgs(items: list, max_skip_frac: float, what: str):
     """[(crg, item, (key, caption, scene / image))], skips by kind, and how many captions went through the built-in
     bracketer (every run says: its parses are rougher than a real parser's, see `composer.py parse`)."""
     out, skipped, n_bracketed = [], Counter(), 0
-    for it in progress(items, f"CRGs of {what}"):
+    for it in data.progress(items, desc=f"CRGs of {what}", leave=False):
         key, cap, tree, obj = _resolve_item(it)
         try:
             if it.get("_error"):
@@ -1749,12 +1733,15 @@ def build_run(args, resume, master, world, device):
 def train(args):
     rank, world, device = setup_distributed(args.device)
     master = rank == 0
-    lock_out_dir(args.out_dir, rank, world, device)   # before anything is written there
-    resume = prepare_out_dir(args, rank)              # --resume: args become the saved run's
+    data.claim_out_dir(args.out_dir, rank, world, device, args.resume, args.overwrite, RUN_FILES)
+    resume = resume_run(args, rank) if args.resume else None    # args become the saved run's
     check_args(args, world)
-    if args.wandb and not _installed("wandb"):      # every rank stops; before the data is read
-        refuse(rank, "--wandb needs the wandb package (pip install wandb)")
-    tracker = start_wandb(args) if master and args.wandb else None
+    if args.wandb and not _installed("wandb"):      # every rank stops, rank 0 says why; before the data is read
+        raise SystemExit(2) if rank else ComposerError("--wandb needs the wandb package (pip install wandb)")
+    tracker = None
+    if master and args.wandb:
+        config = {k: v for k, v in vars(args).items() if k != "given"}
+        tracker = data.start_wandb(args.wandb, args.out_dir, config, resumed=bool(resume))
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -1780,15 +1767,12 @@ def train(args):
 
     def log(rec):
         if master:
-            with open(metrics, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            if tracker:
-                tracker.log(rec, step=rec["step"])
+            data.log_record(metrics, rec, tracker)
 
     model.train()
     bad = torch.zeros((), dtype=torch.bool, device=device)     # any non-finite loss since the start
-    stopping = False
-    bar = progress(None, args.method, total=args.max_steps, initial=step, leave=True)
+    stopping, newest_damaged = False, bool(resume and resume[4])
+    bar = data.progress(desc=args.method, total=args.max_steps, initial=step)
     while step < args.max_steps:
         gidx = sampler.next()
         for g in opt.param_groups:
@@ -1805,8 +1789,9 @@ def train(args):
         v = torch.stack([loss.detach(), *parts.values()]).double()
         sums, n_sum = (v if sums is None else sums + v), n_sum + 1
         at_ckpt = step % args.save_interval == 0 or step in (args.max_steps, args.stop_at)  # the same on every rank
-        if step % args.log_interval == 0 or at_ckpt or (world == 1 and STOP["flag"]):
-            vals = sync_values(sums / n_sum, bad, STOP["flag"], world)
+        signalled = data.stop_requested() is not None
+        if step % args.log_interval == 0 or at_ckpt or (world == 1 and signalled):
+            vals = sync_values(sums / n_sum, bad, signalled, world)
             if vals[-2]:
                 raise nonfinite(step, args)
             stopping = (vals[-1] > 0 or step == args.stop_at) and step < args.max_steps
@@ -1824,9 +1809,9 @@ def train(args):
         if master and (at_ckpt or stopping):
             extra = {"skipped": dict(sp.skipped), "log_sums": (sums if sums is not None else torch.zeros(0)).cpu(),
                      "log_steps": n_sum}
-            save_checkpoint(args.out_dir, model, opt, cfg, args, step, sampler, tok, extra, device)
+            save_checkpoint(args.out_dir, model, opt, cfg, args, step, sampler, tok, extra, device, newest_damaged)
+            newest_damaged = False
         if stopping:
-            bar.close()
             if master:
                 print(f"stopped (signal or --stop_at): checkpoint saved at step {step}; continue with: "
                       f"python composer.py train --resume --out_dir {args.out_dir}", flush=True)
@@ -1852,9 +1837,8 @@ def train(args):
 
 @torch.no_grad()
 def score_matrix(model, compiler, comps, captions, store, img_idx, device, cap_chunk=32, img_chunk=128):
-    """Scores [C, I] of every caption against every image, batched over images: the text side
-    (PT / token encoder) runs once per caption chunk, the visual side once per image chunk,
-    and each (caption chunk x image chunk) block is one level-batched call."""
+    """Scores [C, I] of every caption against every image: the text side runs once per caption chunk, the visual
+    side once per image chunk, each block one level-batched call."""
     cfg = model.cfg
     img_idx = torch.as_tensor(img_idx, dtype=torch.long)
     vis = []
@@ -1862,7 +1846,7 @@ def score_matrix(model, compiler, comps, captions, store, img_idx, device, cap_c
         f, b, m = store.get(img_idx[j:j + img_chunk], device)
         vis.append(model.encode_image(f, b, m))
     out = torch.zeros(len(captions), len(img_idx))
-    for i in progress(range(0, len(captions), cap_chunk), "scoring"):
+    for i in data.progress(range(0, len(captions), cap_chunk), desc="scoring", leave=False):
         tb = text_inputs(cfg, compiler, comps[i:i + cap_chunk], captions[i:i + cap_chunk], device)
         te = model.encode_text(tb)
         nc = min(cap_chunk, len(captions) - i)
@@ -1908,11 +1892,9 @@ def phrase_queries(sp: Split, per_caption=5, seed=0):
 
 
 def gallery_scores(model, compiler, comps, captions, src, store, n_img, folds, device):
-    """Scores [C, n_img]. folds = 1: every caption against every image (the paper's protocol).
-    folds = K: image j sits in gallery j % K and a caption (source image src[i]) is scored only
-    against its own gallery, -inf elsewhere: COCO's "5 x 1K test" averaging, which gives a
-    large split many queries at the cost of K galleries of n_img/K (the cross-modal model scores
-    each caption-image pair, so a whole 1000-image split costs 25x a 200-image one; 5 folds, 5x)."""
+    """Scores [C, n_img]; folds = 1: every caption against every image (the paper's protocol). folds = K: image j in
+    gallery j % K, a caption scored only against its source image's gallery (-inf elsewhere): COCO's "5 x 1K test",
+    many queries at 1/K of the cost (a cross-modal model scores every pair: 1000 images cost 25x 200)."""
     if folds == 1:
         return score_matrix(model, compiler, comps, captions, store, list(range(n_img)), device)
     S = torch.full((len(captions), n_img), -float("inf"))
@@ -1927,9 +1909,8 @@ def gallery_scores(model, compiler, comps, captions, src, store, n_img, folds, d
 
 @torch.no_grad()
 def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True, seed=0, folds=1):
-    """Text->image t2i_r1/5/10 (each caption ranks all images of the split, or of its gallery
-    with folds > 1: see gallery_scores) and phrase->image p2i_r1/5/10, in percent. The result says what was
-    scored: images, captions, folds, and how many parsed by the bracketer."""
+    """Text->image t2i_r1/5/10 (each caption ranks all images of the split, or of its gallery) and phrase->image
+    p2i_r1/5/10, in percent, with what was scored."""
     model.eval()
     crgs = sp.crgs
     if parse_dropout > 0:
@@ -1954,8 +1935,8 @@ def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True
 
 @torch.no_grad()
 def interpret(model, compiler, sp: Split, S, i, device) -> str:
-    """Paper Fig. 5: caption i's CRG with the score of every concept on its true image and on
-    a wrong image (Choice: the highest-scoring wrong image, the most informative contrast)."""
+    """Paper Fig. 5: every concept's score on caption i's true image and on a wrong one (Choice: the highest-scoring
+    wrong image, the most informative contrast)."""
     g = sp.cap_img[i]
     row = S[i].clone()
     row[g] = -float("inf")
@@ -2237,7 +2218,8 @@ def _pool(args):
 
 
 def write_text(path, text):
-    data.atomic_write(path, lambda tmp: write_file(tmp, text.encode("utf-8")))
+    with data.writing(path):
+        data.atomic_write(path, lambda tmp: data.fsync(tmp, lambda p: open(p, "w", encoding="utf-8").write(text)))
 
 
 def cmd_mcd(args):
@@ -2255,9 +2237,9 @@ def cmd_mcd(args):
     pool = [(k, [c for c, _ in v]) for k, v in by_img.items()]
     stride = args.stride or (max(1, args.size // 10) if targets else None)
     res = mcd_split(train_crgs, pool, args.size, stride)
-    summary = {k: v for k, v in res.items() if k not in ("mcd", "random", "windows")}
-    summary["pool_images"] = len(pool)
-    summary["windows"] = [{k: v for k, v in w.items() if k != "items"} for w in res["windows"]]
+    meta = lambda w: {k: v for k, v in w.items() if k != "items"}   # a window without its items
+    summary = {**{k: v for k, v in res.items() if k not in ("mcd", "random", "windows")}, "pool_images": len(pool),
+               "windows": [meta(w) for w in res["windows"]]}
     picked = {f"target_{t:g}": w for t, w in zip(targets, pick_windows(res["windows"], targets))}
     problems = target_problems(targets, res["windows"], args.tolerance)
     if problems and not args.nearest:
@@ -2268,7 +2250,7 @@ def cmd_mcd(args):
     # a window picked by several targets is written once, under the first target's name
     seen = {}
     picked = {n: w for n, w in picked.items() if seen.setdefault(w["start"], n) == n}
-    summary["targets"] = {name: {k: v for k, v in w.items() if k != "items"} for name, w in picked.items()}
+    summary["targets"] = {name: meta(w) for name, w in picked.items()}
     if problems:
         summary["target_problems"] = problems
     summary["skipped"] = {"train": dict(sk_t), "pool": dict(sk_p)}
@@ -2303,8 +2285,7 @@ def _installed(name):
 
 
 def _benepar_parser():
-    """benepar (Kitaev & Klein 2018, the paper's parser) in the first installed spaCy English
-    pipeline; a missing piece is one error naming it and the command that installs it."""
+    """benepar (Kitaev & Klein 2018, the paper's parser) in the first installed spaCy English pipeline."""
     if not _installed("spacy"):
         raise ComposerError("benepar is installed but spaCy is not: pip install spacy && "
                             "python -m spacy download en_core_web_md")
@@ -2335,20 +2316,17 @@ def _stanza_parser():
 
 
 def load_parser(name):
-    """caption -> PTB string with a real constituency parser (optional; not in requirements), or
-    the built-in bracketer ('builtin'). 'auto' takes benepar, then stanza. A parser that is
-    installed without its model says so (that, not "no parser", is what the user must fix)."""
+    """caption -> PTB string: a real parser (not in requirements; 'auto': benepar, then stanza) or the built-in
+    bracketer. A parser installed without its model says so (that, not "no parser", is what the user must fix)."""
     if name == "builtin":
         return bracket
     problems = []
-    for which in (["benepar", "stanza"] if name == "auto" else [name]):
-        if not _installed(which):
-            continue
+    for which in [w for w in (["benepar", "stanza"] if name == "auto" else [name]) if _installed(w)]:
         try:
             return _benepar_parser() if which == "benepar" else _stanza_parser()
         except ComposerError as e:
             problems.append(str(e))
-    raise ComposerError("; ".join(problems) if problems else PARSER_HELP)
+    raise ComposerError("; ".join(problems) or PARSER_HELP)
 
 
 def composer_run(folder):
@@ -2471,9 +2449,8 @@ def add_features(g, default="gold"):
     g.add_argument("--features", choices=["gold", "regions", "clip"], default=default,
                    help="gold: shapes gold boxes; regions: --regions (read per item); clip: frozen il_clip/CLIP ViT "
                         "patches" + ("" if default else " (default: the checkpoint's)"))
-    g.add_argument("--regions", default=None, help="DIR of {key}.safetensors (feats [N,D], boxes [N,5]) or one "
-                   "FILE.safetensors (feats [M,N,D], boxes [M,N,5], optional n_regions [M], metadata keys = JSON "
-                   "list of M image keys)")
+    g.add_argument("--regions", default=None, help="DIR of {key}.safetensors (feats [N,D], boxes [N,5]) or one FILE"
+                   ".safetensors (feats [M,N,D], boxes [M,N,5], optional n_regions [M], metadata keys: JSON list)")
     g.add_argument("--clip", default=None, help="il_clip.py out_dir or OpenAI-format weights (--features clip)")
     g.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
                    help="the --clip weights' activation; default: what open_clip_config.json / config.json beside "
@@ -2517,10 +2494,9 @@ def add_train_parser(sub):
     d.add_argument("--eval_split", default="test", help="split of --data the in-domain evaluation reads")
     add_eval_sets(d)
     add_features(d)
-    m.add_argument("--model", choices=list(SIZE_PRESETS), default=None,
-                   help="default: shapes for --data shapes, paper otherwise. shapes: width 64, 4 heads, PT 1, CT 3 "
-                        "(CPU); paper: width 768, 12 heads, PT 6, CT 5 (S X S X S, ending in text self-attention). "
-                        "--width --heads --pt_layers --ct_layers override the preset")
+    m.add_argument("--model", choices=list(SIZE_PRESETS), default=None, help="shapes: width 64, 4 heads, PT 1, CT 3 "
+                   "(CPU); paper: width 768, 12 heads, PT 6, CT 5 (default: shapes for --data shapes, else paper); "
+                   "--width --heads --pt_layers --ct_layers override the preset")
     for k in SIZE_PRESETS["paper"]:  # width, heads, pt_layers, ct_layers
         m.add_argument(f"--{k}", type=int, default=None, help="default: the --model preset's")
     m.add_argument("--vis_layers", type=int, default=1, help="visual encoder layers over the regions")
@@ -2532,16 +2508,12 @@ def add_train_parser(sub):
     m.add_argument("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz (default: a BPE trained on the "
                    "captions)")
     m.add_argument("--vocab_size", type=int, default=1000, help="size of the BPE trained on the captions")
-    m.add_argument("--bert", default=None, help="a released BERT in Hugging Face layout (config.json, "
-                   "model.safetensors, vocab.txt; e.g. bert-base-uncased): its WordPiece vocabulary and weights "
-                   "initialise the text stream of composer (Predicate Transformer), vilbert and vse, as in the paper "
-                   "(section 5.1); width and heads become BERT's")
+    m.add_argument("--bert", default=None, help="a released BERT folder (e.g. bert-base-uncased): its WordPiece and "
+                   "weights initialise the text stream of composer (the PT), vilbert and vse (paper section 5.1)")
     m.add_argument("--init", default=None, help="initial weights: a composer out_dir or model.safetensors (default: "
                    "random)")
-    me.add_argument("--method", choices=list(MODELS), default="composer",
-                    help="composer | baselines: vse, single (one stream, text->image attention), vilbert (two-stream "
-                         "co-attention, no image-text pretraining; text stream from BERT with --bert, else from "
-                         "scratch)")
+    me.add_argument("--method", choices=list(MODELS), default="composer", help="composer | baselines: vse, single "
+                    "(one stream, text->image attention), vilbert (two-stream co-attention, no image-text pretraining)")
     me.add_argument("--concept_mvsa", action="store_true",
                     help="single / vilbert: add l_MVSA over every concept of the caption (\"ViLBERT + MVSA\", Table 5)")
     me.add_argument("--mvsa", choices=["hinge", "nll"], default="hinge", help="the form of l_MVSA")
@@ -2661,7 +2633,7 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    handlers = stop_on_signals() if args.cmd == "train" else {}
+    handlers = data.catch_stop_signals() if args.cmd == "train" else {}
     try:
         result = {"train": train, "eval": cmd_eval, "graph": cmd_graph, "mcd": cmd_mcd, "parse": cmd_parse,
                   "summarize": cmd_summarize}[args.cmd](args)
@@ -2672,7 +2644,7 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1 if isinstance(e, NonFinite) else 2)
     except OSError as e:    # a full disk, a quota, a failing device: one line, the last checkpoint intact
-        if e.errno not in WRITE_ERRNOS:
+        if e.errno not in data.WRITE_ERRNOS:
             raise
         print(f"error: {e.filename or getattr(args, 'out_dir', None) or getattr(args, 'out', '')}: {e.strerror}",
               file=sys.stderr)
@@ -2680,12 +2652,11 @@ def main(argv=None):
     finally:
         # torch's order: the process group goes last, once per process, after the run that used
         # it (and its DDP wrapper) has returned; on every path, errors included
-        release_out_dir()
+        data.release_out_dir()
         if dist.is_available() and dist.is_initialized():
             gc.collect()    # the DDP wrapper (in a reference cycle) holds the group: it goes first
             dist.destroy_process_group()
-        for s, h in handlers.items():
-            signal.signal(s, h)
+        data.restore_signals(handlers)
 
 
 # =============================================================================
@@ -2720,7 +2691,7 @@ for _tag, _words in {
     "VBZ": "is has does", "VBP": "are have do am", "VBD": "was were had did", "VB": "be", "VBN": "been", "VBG": "being",
     "MD": "can could will would may might should must",
     "RB": "very not also just together too almost really quite n't away out up down off back here "
-          "outside inside around nearby alone only still so even",
+          "nearby alone only still so even",
     "JJ": "red green blue yellow orange purple pink brown black white gray grey cyan magenta beige tan golden silver "
           "blond blonde dark light bright colorful colourful striped spotted plaid small large big tiny huge little "
           "tall short long old young new wooden metal plastic glass open empty full other same different round "
@@ -2728,7 +2699,7 @@ for _tag, _words in {
           "sunny shirtless bald elderly high low wide narrow deep thick thin fat heavy fresh asian african american "
           "indian left right top bottom middle front first second third last next several many few various multiple "
           "numerous professional outdoor indoor electric giant adult female male pretty beautiful nice cute fancy "
-          "older younger smaller larger bigger single double public private great good cool fun funny nice huge cute "
+          "older younger smaller larger bigger single double public private great good cool fun funny "
           "lovely broken shiny fluffy furry messy leafy rusty dusty",
 }.items():
     for _w in _words.split():
@@ -2747,16 +2718,15 @@ _VERB_LEMMAS = (
     "ride sit stand walk run jump play hold eat drink look watch wear carry climb throw catch kick hit swim surf ski "
     "skate dance sing read write talk smile laugh cook cut paint push pull fly drive wait sleep lie lay lean rest "
     "fish work sell buy perform prepare grab lift pose point chase bite lick sniff fall cross pass graze feed race "
-    "dive splash speed bike hike pick clean wash build fix use wave celebrate arrive leave enter exit open close "
-    "show hang serve shop stare kiss hug shake touch take make give put get go come stroll jog march roll slide swing "
+    "dive splash speed bike hike pick clean wash build fix use wave celebrate arrive leave enter exit open close show "
+    "hang serve shop stare kiss hug shake touch take make give put get go come stroll jog march roll slide swing "
     "bounce kneel crouch squat fill pour blow check type drag ring lead see find stick spin sweep dig hide beat chat "
-    "grab help hug nap tap set let beg wrap clap trim rub reach step stop skip cheer compete fight tackle score "
-    "block swim paddle row sail float wade splash stretch bend lay tie teach learn study listen stir sip taste chew "
-    "bake grill fry mow rake plant water ski sled skateboard snowboard wrestle box juggle balance practice attempt try "
-    "prepare decorate display gather crowd line sort load unload examine inspect repair adjust hold fold cover smoke "
-    "drink feed rest relax enjoy admire observe talk yell shout scream cry gesture wave hand pet pat groom herd tow "
-    "haul deliver board ride rest approach follow lead guide walk leap hop dribble shoot pitch swing bat serve hurry "
-    "rush cycle pedal steer park dress cook play").split()
+    "help nap tap set let beg wrap clap trim rub reach step stop skip cheer compete fight tackle score block paddle "
+    "row sail float wade stretch bend tie teach learn study listen stir sip taste chew bake grill fry mow rake plant "
+    "water sled skateboard snowboard wrestle box juggle balance practice attempt try decorate display gather crowd "
+    "line sort load unload examine inspect repair adjust fold cover smoke relax enjoy admire observe yell shout "
+    "scream cry gesture hand pet pat groom herd tow haul deliver board approach follow guide leap hop dribble shoot "
+    "pitch bat hurry rush cycle pedal steer park dress").split()
 _IRREGULAR = {"ride": "rode ridden", "sit": "sat", "stand": "stood", "run": "ran", "eat": "ate eaten",
               "drink": "drank drunk", "hold": "held", "wear": "wore worn", "throw": "threw thrown",
               "catch": "caught", "swim": "swam swum", "sing": "sang sung", "write": "wrote written",
@@ -2771,7 +2741,7 @@ _IRREGULAR = {"ride": "rode ridden", "sit": "sat", "stand": "stood", "run": "ran
               "teach": "taught", "shoot": "shot", "leap": "leapt", "hit": "hit", "cut": "cut",
               "put": "put", "set": "set", "let": "let"}
 _DOUBLE = set("run sit swim cut hit shop jog get put dig spin drag skip stop chat grab hug nap tap set "
-              "let beg wrap clap trim rub step sled box".split()) - {"box"}
+              "let beg wrap clap trim rub step sled".split())
 
 
 def _inflections(lemma):
@@ -3011,9 +2981,8 @@ class _Chunker:
         return tree, j
 
     def coordination(self, tree, j, mode):
-        """NP [, NP]* CC NP inside a PP or an object ("with a stove and a sink", "has cabinets and a
-        fridge"). Inside a PP a conjunct with its own modifiers ("and a woman in a coat") is left
-        to the coordination of the whole NP."""
+        """NP [, NP]* CC NP inside a PP or an object ("with a stove and a sink", "has cabinets and a fridge"). Inside a
+        PP a conjunct with its own modifiers ("and a woman in a coat") is left to the coordination of the whole NP."""
         parts, k = [tree], j
         while self.tag(k) in (",", "CC"):
             c = k + 2 if self.tag(k) == "," and self.tag(k + 1) == "CC" else k + 1
@@ -3112,282 +3081,67 @@ def bracket(caption: str) -> str:
 
 
 # =============================================================================
-# Infrastructure: checkpoints, run lifecycle, the out_dir lock, stop signals, the loss plot
+# Infrastructure: what composer.py adds to data.py's run lifecycle
 # =============================================================================
-# The layout of all three training scripts: out_dir/checkpoint/ holds model.safetensors, config.json (flags, model
-# config, "script"), tokenizer.json, state.pt (step, optimizer, RNG states, sampler position; torch.save, read back
-# with weights_only=True) and sha256.json of those four, written last. A save fills checkpoint.tmp/, fsyncs it and
-# switches it in by renames; the save before it stays as checkpoint.prev/, the fallback when the newest is damaged.
+# data.py holds the run lifecycle every training script shares (the out_dir lock, checkpoint save / verify / fallback,
+# RNG states, resumed flags, stop signals, metrics.jsonl + wandb, the plot). composer.py's own parts are below: what
+# its state.pt holds and how it is restored, its run-control flags, the series of its loss plot.
 
-STATE_FILES = ("model.safetensors", "config.json", "tokenizer.json", "state.pt")
-WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)   # one error line, exit 2 (main)
 # --resume takes every flag from the run's config.json but NOT_SAVED; a flag given on the command line must equal
 # the saved value, except the run-control ones
 NOT_SAVED = {"cmd", "resume", "overwrite", "out_dir", "stop_at"}
 RUN_CONTROL = NOT_SAVED | {"save_interval", "log_interval", "num_workers", "device", "compile", "eval_every", "wandb"}
-RUN_FILES = ("checkpoint", "checkpoint.prev", "checkpoint.tmp", "config.json", "tokenizer.json", "metrics.jsonl",
-             "loss_curve.png", "eval.json", "wandb_id")   # what --overwrite removes
-_lock = None    # this process's open out_dir/.lock
+RUN_FILES = (r"checkpoint(\.prev|\.tmp)?", r"config\.json", r"tokenizer\.json", r"metrics\.jsonl", r"loss_curve\.png",
+             r"eval\.json", r"wandb_id(\.txt)?")   # what --overwrite removes
+STATE_TYPES = {"step": int, "sampler": dict, "optimizer": dict, "rng": dict}   # state.pt (+ log_sums, log_steps)
 
 
-def refuse(rank, msg):
-    """A problem every rank finds alike: rank 0 says it once, every rank exits 2."""
-    if rank:
-        raise SystemExit(2)
-    raise ComposerError(msg)
-
-
-def lock_out_dir(out_dir, rank, world, device):
-    """One run per out_dir: rank 0 holds an flock on out_dir/.lock, which the kernel drops when the process ends,
-    killed or not; while another process holds it, every rank stops and rank 0 names the holder."""
-    global _lock
-    release_out_dir()
-    holder = ""
-    if rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        _lock = open(os.path.join(out_dir, ".lock"), "a+")
-        try:
-            fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _lock.seek(0)
-            holder = _lock.read().strip() or "?"
-            release_out_dir()
-        else:   # the holder's pid, for the message a second run prints
-            _lock.truncate(0)
-            print(os.getpid(), file=_lock, flush=True)
-    busy = torch.tensor(float(bool(holder)), device=device)
-    if world > 1:
-        dist.broadcast(busy, 0)     # every rank learns it, so none waits in a collective rank 0 has left
-    if busy.item():
-        refuse(rank, f"{out_dir} is in use by another run: process {holder} holds {out_dir}/.lock")
-
-
-def release_out_dir():
-    global _lock
-    if _lock is not None:
-        _lock.close()
-        _lock = None
-
-
-def prepare_out_dir(args, rank):
-    """The run lifecycle. A new run on an out_dir holding a checkpoint is refused unless --overwrite, which first
-    removes the previous run's files. --resume returns (folder, weights, state, config) of checkpoint/, or of
-    checkpoint.prev/ when that is damaged (said in a note), and args become the saved run's."""
-    newest, prev = os.path.join(args.out_dir, "checkpoint"), os.path.join(args.out_dir, "checkpoint.prev")
-    found = os.path.isdir(newest) or os.path.isdir(prev)
-    if not args.resume:
-        if found and not args.overwrite:
-            refuse(rank, f"{args.out_dir} holds a checkpoint: --resume continues that run; a new run needs another "
-                         f"--out_dir, or --overwrite to replace it")
-        for path in [os.path.join(args.out_dir, f) for f in RUN_FILES] if args.overwrite and rank == 0 else []:
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            elif os.path.exists(path):
-                os.remove(path)
-        return None
-    if not found:
-        refuse(rank, f"--resume: nothing to resume yet in {args.out_dir} (no checkpoint saved)")
-    try:
-        ckpt = (newest, *read_checkpoint(newest))
-    except data.DataError as e:
-        if not os.path.isdir(prev):
-            raise
-        ckpt = (prev, *read_checkpoint(prev))
-        if rank == 0:
-            print(f"note: {e}; resuming from the previous checkpoint {prev} (step {ckpt[2]['step']})", file=sys.stderr)
-    for k, v in ckpt[3]["args"].items():
-        if k in args.given and k not in RUN_CONTROL and getattr(args, k) != v:
-            refuse(rank, f"--{k} {getattr(args, k)} differs from the resumed run's {v} ({ckpt[0]}/config.json): "
-                         f"--resume continues a run with its own flags")
+def resume_run(args, rank):
+    """--resume: (folder, weights, state, config, newest_damaged) of the newest whole checkpoint; args become the
+    saved run's, a run-defining flag given now must equal its saved value."""
+    ckpt = data.load_checkpoint(args.out_dir, STATE_TYPES, rank=rank)
+    saved = ckpt[3]["args"]
+    data.resumed_flags({k: getattr(args, k) for k in args.given}, saved, RUN_CONTROL, f"{ckpt[0]}/config.json")
+    for k, v in saved.items():
         if k not in args.given and k not in NOT_SAVED:
             setattr(args, k, v)
     return ckpt
 
 
-def write_file(path, blob):
-    with open(path, "wb") as f:
-        f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra, device):
+def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra, device, newest_damaged=False):
     """Everything --resume needs to continue bit-exactly from `step` (rank 0 writes). Non-finite weights or optimizer
     state are never saved (NonFinite); a write error is one error line; either way the last checkpoint stays."""
-    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    moments = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
-    if not all(torch.isfinite(t).all() for t in [*weights.values(), *moments] if t.is_floating_point()):
+    weights, optim = model.state_dict(), opt.state_dict()
+    if not data.all_finite([weights, optim["state"]]):
         raise nonfinite(step, args)
-    n, state = np.random.get_state(), io.BytesIO()
-    rng = {"torch": torch.get_rng_state(), "numpy": [n[0], n[1].tolist(), *n[2:]], "python": random.getstate(),
-           "cuda": torch.cuda.get_rng_state_all() if device.startswith("cuda") else []}
-    torch.save({"step": step, "sampler": sampler.state_dict(), "optimizer": opt.state_dict(), "rng": rng, **extra},
-               state)
+    state = {"step": step, "sampler": sampler.state_dict(), "optimizer": optim, "rng": data.rng_state(device), **extra}
     config = {"args": {k: v for k, v in vars(args).items() if k != "given"}, "model": asdict(cfg),
               "script": data.script_record(__file__)}
-    blobs = {"model.safetensors": safetensors.torch.save(weights, {"step": str(step)}),
-             "config.json": json.dumps(config, indent=1).encode(), "state.pt": state.getvalue()}
-    tmp, final, prev = (os.path.join(out_dir, d) for d in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        os.makedirs(tmp)
-        for name, blob in blobs.items():
-            write_file(os.path.join(tmp, name), blob)
-        tok.save(tmp)
-        data.fsync(os.path.join(tmp, "tokenizer.json"))
-        sums = {f: sha256(os.path.join(tmp, f)) for f in STATE_FILES}
-        write_file(os.path.join(tmp, "sha256.json"), json.dumps(sums, indent=1).encode())
-        data.fsync(tmp)
-        # readers of out_dir (summarize, eval --ckpt OUT_DIR) find the run's config and tokenizer there
-        data.atomic_write(os.path.join(out_dir, "config.json"), lambda p: write_file(p, blobs["config.json"]))
-        tok.save(out_dir)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if e.errno not in WRITE_ERRNOS:
-            raise
-        raise ComposerError(f"{out_dir}: {e.strerror.lower()} while writing the step-{step} checkpoint (about "
-                            f"{sum(map(len, blobs.values())) / 2 ** 20:.1f} MiB needed, "
-                            f"{shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); the previous checkpoint is "
-                            f"kept") from None
-    shutil.rmtree(prev, ignore_errors=True)     # the save before the newest stays as checkpoint.prev/
-    if os.path.isdir(final):
-        os.replace(final, prev)
-    os.replace(tmp, final)
-    data.fsync(out_dir)
-
-
-def read_checkpoint(folder):
-    """(weights, state, config) of a checkpoint folder whose files match its sha256.json, else a DataError naming
-    the file that is missing, damaged or of the wrong types."""
-    sums = data.read_json(os.path.join(folder, "sha256.json"))
-    for path in [os.path.join(folder, f) for f in STATE_FILES]:
-        if not os.path.isfile(path) or not isinstance(sums, dict) or sums.get(os.path.basename(path)) != sha256(path):
-            raise data.DataError(f"{path}: {'damaged (sha256 differs)' if os.path.isfile(path) else 'missing'}")
-    path = os.path.join(folder, "state.pt")
-    try:
-        st = torch.load(path, map_location="cpu", weights_only=True)
-        ok = isinstance(st["step"], int) and torch.is_tensor(st["rng"]["torch"]) and \
-            isinstance(st["sampler"], dict) and isinstance(st["optimizer"], dict)
-    except Exception:   # what weights_only refuses to unpickle, or not a dict with these keys
-        ok = False
-    if not ok:
-        raise data.DataError(f"{path}: not a training state (wrong types)")
-    return load_file(os.path.join(folder, "model.safetensors")), st, data.read_json(os.path.join(folder, "config.json"))
+    data.save_checkpoint(out_dir, weights, state, config, tok, step, newest_damaged)
 
 
 def restore(ckpt, model, opt, sampler, metrics, rank, device):
     """--resume: weights, optimizer, sampler position and RNG states; metrics.jsonl cut back to the resumed step
     (no step is logged twice). Returns the step."""
-    folder, weights, st, _ = ckpt
+    folder, weights, st = ckpt[:3]
     data.load_state(model, weights, folder)
     opt.load_state_dict(st["optimizer"])
     sampler.load_state_dict(st["sampler"])
-    torch.set_rng_state(st["rng"]["torch"])
-    if st["rng"]["cuda"] and device.startswith("cuda"):
-        torch.cuda.set_rng_state_all(st["rng"]["cuda"])
-    n = st["rng"]["numpy"]
-    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
-    random.setstate(st["rng"]["python"])
+    data.set_rng_state(st["rng"], device)
     if rank == 0:
-        with open(metrics) if os.path.isfile(metrics) else contextlib.nullcontext([]) as f:
-            kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= st["step"]]
-        data.atomic_write(metrics, lambda p: write_file(p, "".join(kept).encode()))
+        data.cut_metrics(metrics, st["step"])
     return st["step"]
 
 
-STOP = {"flag": False}   # set by SIGTERM / SIGINT, read by the training loop
-
-
-def stop_on_signals():
-    """SIGTERM and SIGINT (Ctrl-C) ask the loop to stop with a checkpoint at the next step all ranks
-    agree on; a second Ctrl-C exits at once. Installed until main() ends (a SIGTERM during the last
-    save must not kill it); returns the handlers main() puts back."""
-    STOP["flag"] = False
-
-    def handler(signum, frame):
-        if signum == signal.SIGINT and STOP["flag"]:
-            raise KeyboardInterrupt
-        STOP["flag"] = True
-    return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-
-
-def progress(it, desc, **kw):
-    """A tqdm bar on stderr, on rank 0 at a terminal only (logs, pipes and tests stay clean)."""
-    return tqdm(it, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=kw.pop("leave", False),
-                disable=not sys.stderr.isatty() or os.environ.get("RANK", "0") != "0", **kw)
-
-
-def start_wandb(args):
-    """--wandb PROJECT (nanoGPT's wandb_log): rank 0 sends every metrics.jsonl record to Weights & Biases. The run id
-    is kept in out_dir/wandb_id, so --resume continues the same W&B run (--overwrite starts a new one)."""
-    try:
-        import wandb
-    except ImportError:
-        raise ComposerError("--wandb needs the wandb package (pip install wandb)") from None
-    path = os.path.join(args.out_dir, "wandb_id")
-    run_id = open(path).read().strip() if os.path.isfile(path) else os.urandom(6).hex()
-    data.atomic_write(path, lambda p: write_file(p, run_id.encode()))
-    config = {k: v for k, v in vars(args).items() if k != "given"}
-    wandb.init(project=args.wandb, name=os.path.basename(os.path.abspath(args.out_dir)), config=config, id=run_id,
-               resume="allow")
-    return wandb
-
-
-def axis_ticks(lo, hi, integer=False, n=5):
-    """(values, labels) of about n ticks over [lo, hi]: integers on an integer axis, else as many decimals as make
-    the labels distinct."""
-    if integer:
-        raw = max(1, (hi - lo) / n)
-        unit = 10 ** math.floor(math.log10(raw))
-        stride = next(m * unit for m in (1, 2, 5, 10) if m * unit >= raw)
-        vals = list(range(int(math.ceil(lo / stride) * stride), int(hi) + 1, int(stride)))
-        return vals, [str(v) for v in vals]
-    vals = [lo + (hi - lo) * i / (n - 1) for i in range(n)]
-    digits = max(0, math.ceil(-math.log10(max((hi - lo) / (n - 1), 1e-12)) - 1e-9) + 1)
-    return vals, [f"{v:.{digits}f}" for v in vals]
-
-
-def draw_loss_curve(metrics_path, png_path, args, size=(900, 460)):
-    """loss_curve.png from metrics.jsonl's training records, drawn with PIL (no matplotlib in this project): the
-    total loss in one colour labelled by the method (one phase), its terms (l_match, l_MVSA, l_order) beside it."""
+def draw_loss_curve(metrics_path, png_path, args):
+    """loss_curve.png: the total loss, labelled by the method, and its terms l_match, l_MVSA, l_order."""
     with open(metrics_path) as f:
         rows = [r for r in map(json.loads, filter(str.strip, f)) if "loss" in r]
-    names = [k for k in ("loss", "match", "mvsa", "order") if any(k in r for r in rows)]
-    series = {k: [(r["step"], r[k]) for r in rows if math.isfinite(r.get(k, math.nan))] for k in names}
     colours = {"loss": (31, 119, 180), "match": (255, 127, 14), "mvsa": (44, 160, 44), "order": (148, 103, 189)}
-    (W, H), (L, R, T, B) = size, (80, 20, 50, 50)
-    img = Image.new("RGB", size, "white")
-    d = ImageDraw.Draw(img)
-    d.text((L, 12), f"composer.py --method {args.method}: training loss ({os.path.basename(args.out_dir)})",
-           fill="black")
-    d.text((8, T - 20), "loss (nats)", fill="black")
-    d.text(((W + L) // 2 - 12, H - 18), "step", fill="black")
-    d.rectangle([L, T, W - R, H - B], outline="black")
-    pts = [p for v in series.values() for p in v]
-    if pts:
-        x1 = max(max(x for x, _ in pts), 1)
-        y0, y1 = min(y for _, y in pts), max(y for _, y in pts)
-        y1 = y1 if y1 > y0 else y0 + 1
-        X = lambda x: L + (W - L - R) * x / x1
-        Y = lambda y: H - B - (H - T - B) * (y - y0) / (y1 - y0)
-        for v, lab in zip(*axis_ticks(y0, y1)):
-            d.line([(L - 4, Y(v)), (L, Y(v))], fill="black")
-            d.text((8, Y(v) - 6), lab, fill="black")
-        for v, lab in zip(*axis_ticks(0, x1, integer=True)):
-            d.line([(X(v), H - B), (X(v), H - B + 4)], fill="black")
-            d.text((X(v) - 3 * len(lab), H - B + 6), lab, fill="black")
-        for i, (k, v) in enumerate(series.items()):
-            label = f"{args.method} (total)" if k == "loss" else f"l_{k}"
-            if len(v) > 1:
-                d.line([(X(x), Y(y)) for x, y in v], fill=colours[k], width=2 if k == "loss" else 1)
-            d.line([(W - R - 150, T + 12 + 16 * i), (W - R - 125, T + 12 + 16 * i)], fill=colours[k], width=2)
-            d.text((W - R - 120, T + 6 + 16 * i), label, fill="black")
-    data.atomic_write(png_path, lambda p: img.save(p, format="PNG"))
+    series = [(f"{args.method} (total)" if k == "loss" else f"l_{k}", rgb, [(r["step"], r[k]) for r in rows if k in r],
+               2 if k == "loss" else 1) for k, rgb in colours.items()]
+    title = f"composer.py --method {args.method}: training loss ({os.path.basename(args.out_dir)})"
+    data.draw_curves(png_path, title, series)
 
 
 if __name__ == "__main__":
