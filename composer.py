@@ -322,8 +322,7 @@ class TextCompiler:
         return [self.cache[w] for w in words]
 
     def compile(self, crg: Concept) -> dict:
-        """-> {"prims", "nodes": [{tok, slots: [(pos, is_prim, local)], level, parent}] (post-order), "texts",
-        "words"}"""
+        """-> {"prims": [ids], "nodes": [{tok, slots: [(pos, is_prim, local)], level, parent}] (post-order)}"""
         concepts = crg.concepts()
         cidx = {id(c): i for i, c in enumerate(concepts)}
         prims, pidx, parent = [], {}, {}
@@ -349,8 +348,7 @@ class TextCompiler:
             if len(ids) > self.max_len:
                 raise CRGError("too_long", f"predicate longer than {self.max_len} tokens: {c.predicate[:60]!r}")
             nodes.append({"tok": ids, "slots": slots, "level": c.height, "parent": parent.get(id(c), -1)})
-        return {"prims": [self.cache[w] for w in prims], "nodes": nodes,
-                "texts": [c.text for c in concepts], "words": prims}
+        return {"prims": [self.cache[w] for w in prims], "nodes": nodes}
 
 
 class BertTokenizer:
@@ -1717,7 +1715,8 @@ def build_run(args, resume, master, world, device):
     if args.bert and not resume:
         init_from_bert(model, args.bert)
     if args.init:
-        load_weights(model, resolve_weights(args.init)[0])
+        weights = resolve_weights(args.init)[0]
+        data.load_state(model, data.read_weights(weights), weights)
     model.to(device)
     if master:
         flags = "".join(f" --{k} {getattr(args, k)}" for k in ("modulator", "hold_out") if k in args.given)
@@ -2139,18 +2138,8 @@ def load_checkpoint(ckpt, device="cpu"):
         name = script.get("name") if isinstance(script, dict) else None
         raise ComposerError(f"{ckpt}: a checkpoint of {name or 'another script'}, not of composer.py: evaluate it "
                             f"with python eval_compositional.py --ckpt {ckpt}") from None
-    return load_weights(model, weights).to(device).eval(), load_tokenizer(folder), args
-
-
-def load_weights(model, weights):
-    """data.read_weights into the model: a truncated file or another model's weights is one
-    error line, not a traceback."""
-    sd = data.read_weights(weights)
-    try:
-        model.load_state_dict(sd)
-    except RuntimeError as e:
-        raise ComposerError(f"{weights}: not this model's weights ({' '.join(str(e).split())[:160]})") from None
-    return model
+    data.load_state(model, data.read_weights(weights), weights)   # a damaged file or another model's: one line
+    return model.to(device).eval(), load_tokenizer(folder), args
 
 
 def cmd_eval(args):
