@@ -13,7 +13,7 @@ that reads top to bottom:
   8. eval   text->image and phrase->image retrieval (t2i_r1/5/10, p2i_r1/5/10, percent), interpretation view
   9. MCD    compound divergence, the delta-ranking split procedure, graded splits
  10. main   subcommands train (default) | eval | graph | mcd | parse | summarize
-  then      the rule-based bracketer (appendix), the infrastructure (checkpoints, lock, signals, plot)
+  then      the rule-based bracketer (appendix); what state.pt holds (data.py runs the checkpoints, lock, signals)
 
   python composer.py                                   # train COMPOSER on shapes
   python composer.py --method vse | single | vilbert   # baselines at the same budget
@@ -2146,10 +2146,9 @@ def cmd_eval(args):
     t_start = time.time()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tok, targs = load_checkpoint(args.ckpt, device)
-    for k in ("features", "regions", "clip", "quick_gelu", "image_size", "image_root"):
-        if getattr(args, k, None) is None:
+    for k in ("data", "features", "regions", "clip", "quick_gelu", "image_size", "image_root"):
+        if getattr(args, k, None) is None:      # the checkpoint's, unless given
             setattr(args, k, getattr(targs, k, None))
-    args.data = args.data or targs.data
     compiler = TextCompiler(tok, model.cfg.max_len)
     # the paper's protocol: every image of the test split, each ranked by all captions
     out = {}
@@ -2453,15 +2452,6 @@ def add_machine(g, seed_help="the run's seed: initialisation, batches, negatives
     g.add_argument("--num_workers", type=int, default=0, help="loader workers decoding images (--features clip)")
 
 
-SUBCOMMANDS = """subcommands (python composer.py SUBCOMMAND --help for each one's flags):
-  train   train COMPOSER or a baseline (the default when the first argument is a flag)
-  eval    text->image and phrase->image retrieval of a checkpoint (t2i_r1/5/10, p2i_r1/5/10, percent)
-  graph   CRG statistics of a caption set (paper Table 1); reads no image
-  mcd     maximum compound divergence splits (paper appendix B), --targets for graded splits
-  parse   write constituency trees into a copy of a caption file (benepar / stanza)
-  summarize  seeds of several models: mean ± 95% interval and paired differences"""
-
-
 # paper section 4 / appendix C: BERT-base sizes, PT 6 and CT 5 (S X S X S, ending in text self-attention)
 SIZE_PRESETS = {"shapes": dict(width=64, heads=4, pt_layers=1, ct_layers=3),
                 "paper": dict(width=768, heads=12, pt_layers=6, ct_layers=5)}
@@ -2471,9 +2461,9 @@ HOLD_OUT_HELP = ("leave the training captions with these predicates out (default
 
 
 def add_train_parser(sub):
-    t, (d, m, me, s, o, ma, out) = subparser(sub, "train", "train COMPOSER or a baseline (the default subcommand)",
-                                              "data", "model", "method", "schedule", "optimisation", "machine",
-                                              "output")
+    t, (d, m, me, s, o, ma, out) = subparser(sub, "train", "train COMPOSER or a baseline (the default when the first "
+                                             "argument is a flag)", "data", "model", "method", "schedule",
+                                             "optimisation", "machine", "output")
     add_data(d)
     d.add_argument("--train_size", type=int, default=None,
                    help="training images (default: the whole split; shapes: 12800)")
@@ -2548,10 +2538,11 @@ def given_flags(parser, argv, dests):
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description="COMPOSER: CRG, model, training, retrieval, MCD splits",
-                                 epilog=SUBCOMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 epilog="python composer.py SUBCOMMAND --help for each one's flags")
     sub = ap.add_subparsers(dest="cmd", metavar="{train,eval,graph,mcd,parse,summarize}")
     train_parser = add_train_parser(sub)
-    _, (d, f, ev, ma) = subparser(sub, "eval", "text->image / phrase->image retrieval of a checkpoint",
+    _, (d, f, ev, ma) = subparser(sub, "eval", "text->image and phrase->image retrieval of a checkpoint (t2i_r1/5/10, "
+                                  "p2i_r1/5/10, percent)",
                                   "checkpoint and data", "features (default: the checkpoint's)", "evaluation",
                                   "machine and output")
     d.add_argument("--ckpt", required=True, help="a composer.py out_dir, checkpoint/ folder or model.safetensors")
@@ -2567,12 +2558,12 @@ def parse_args(argv):
     add_machine(ma, seed_help="seed of the phrase sample and of --parse_dropout")
     ma.add_argument("--out", help="also write the results to this JSON file (`summarize` reads RUN/eval.json; "
                     "default: stdout only)")
-    _, (g,) = subparser(sub, "graph", "CRG statistics (paper Table 1)", "data")
+    _, (g,) = subparser(sub, "graph", "CRG statistics of a caption set (paper Table 1); reads no image", "data")
     add_data(g)
     g.add_argument("--split", default="train", help="split of --data to read")
     g.add_argument("--max_images", type=int, default=None, help="images to read (default: all; shapes: 10000)")
-    _, (d, sp, out) = subparser(sub, "mcd", "maximum compound divergence split (paper appendix B)",
-                                "training set and pool", "split", "output")
+    _, (d, sp, out) = subparser(sub, "mcd", "maximum compound divergence splits (paper appendix B), --targets for "
+                                "graded ones", "training set and pool", "split", "output")
     add_data(d)
     d.add_argument("--train", default="shapes", help="training data spec (or a .jsonl of caption items)")
     d.add_argument("--train_split", default="train", help="split of --train")
@@ -2600,7 +2591,8 @@ def parse_args(argv):
                          "differences", "runs")
     g.add_argument("runs", help="folder whose sub-folders are `composer.py train` out_dirs")
     g.add_argument("--baseline", default="composer", help="the model the paired differences are taken against")
-    _, (g,) = subparser(sub, "parse", "write PTB trees into a copy of a caption file with a real parser", "parse")
+    _, (g,) = subparser(sub, "parse", "write constituency trees into a copy of a caption file (benepar / stanza)",
+                        "parse")
     g.add_argument("input", help="Karpathy .json, .csv/.tsv, or a .jsonl split file")
     g.add_argument("--out", required=True, help="the copy with `tree` fields")
     g.add_argument("--parser", choices=["auto", "benepar", "stanza", "builtin"], default="auto",
