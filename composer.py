@@ -2206,8 +2206,10 @@ def _pool(args):
 
 
 def write_text(path, text):
-    with data.writing(path):
-        data.atomic_write(path, lambda tmp: data.fsync(tmp, lambda p: open(p, "w", encoding="utf-8").write(text)))
+    def write(p):
+        with open(p, "w", encoding="utf-8") as f:
+            f.write(text)
+    data.atomic_write(path, lambda tmp: data.fsync(tmp, write))
 
 
 def cmd_mcd(args):
@@ -2987,7 +2989,7 @@ class _Chunker:
             j += 1
         while j < self.n:
             t = self.tag(j)
-            if t in (".",):
+            if t == ".":
                 break
             if t == "IN" and self.w[j] in _SUBORD and (cl := self.clause(j + 1)):
                 out.append(f"(SBAR {self.leaf(j)} {cl[0]})")  # "while a dog runs", "as the sun sets"
@@ -2995,13 +2997,9 @@ class _Chunker:
                 continue
             if t in _VERB_TAGS and t != "VBG" and stop_finite and t not in ("VB", "VBN"):
                 break
-            if t == "TO" and self.tag(j + 1) == "VB":
+            if (t, self.tag(j + 1)) in (("TO", "VB"), ("IN", "VBG")):   # "to ride a bike", "while riding"
                 v, k = self.vp(j + 1, stop_finite)
-                out.append(f"(S (VP {self.leaf(j)} {v}))")
-                j = k
-            elif t == "IN" and self.tag(j + 1) == "VBG":
-                v, k = self.vp(j + 1, stop_finite)
-                out.append(f"(SBAR {self.leaf(j)} (S {v}))")
+                out.append(f"(S (VP {self.leaf(j)} {v}))" if t == "TO" else f"(SBAR {self.leaf(j)} (S {v}))")
                 j = k
             elif t in ("IN", "TO") and (inner := self.np(j + 1, "pp")):
                 out.append(f"(PP {self.leaf(j)} {inner[0]})")
