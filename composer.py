@@ -13,7 +13,7 @@ that reads top to bottom:
   8. eval   text->image and phrase->image retrieval (t2i_r1/5/10, p2i_r1/5/10, percent), interpretation view
   9. MCD    compound divergence, the delta-ranking split procedure, graded splits
  10. main   subcommands train (default) | eval | graph | mcd | parse | summarize
-  then      the rule-based bracketer (appendix), the infrastructure (checkpoints, lock, signals, plot)
+  then      the rule-based bracketer (appendix); what state.pt holds (data.py runs the checkpoints, lock, signals)
 
   python composer.py                                   # train COMPOSER on shapes
   python composer.py --method vse | single | vilbert   # baselines at the same budget
@@ -29,19 +29,13 @@ makes it, marked "Choice:".
 import argparse
 import contextlib
 import copy
-import errno
-import fcntl
 import functools
 import gc
-import hashlib
-import io
 import json
 import math
 import os
 import random
 import re
-import shutil
-import signal
 import sys
 import time
 from collections import Counter, defaultdict
@@ -52,16 +46,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from PIL import Image, ImageDraw
-import safetensors.torch
+from PIL import Image
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
-from tqdm import tqdm
 
-try:
-    import data  # the repo's shared module (shapes, tokenizer, loaders)
-except ImportError:  # the CRG / MCD / model parts below do not need it
-    data = None
+import data  # the repo's shared module (shapes, tokenizer, loaders, run lifecycle)
 
 if dist.is_available():
     # Imported before any process group exists: these functions take `group=group.WORLD` as a default, evaluated on
@@ -111,8 +100,7 @@ class Tree:
 
 
 def _strip_function_tags(label: str) -> str:
-    """NP-SBJ -> NP, PP-LOC-2 -> PP, NP=1 -> NP (PTB function tags and indices); -NONE-, -LRB-
-    are labels of their own."""
+    """NP-SBJ -> NP, PP-LOC-2 -> PP, NP=1 -> NP (PTB function tags, indices); -NONE-, -LRB- stay."""
     if label.startswith("-") or ("-" not in label and "=" not in label):
         return label
     return re.split(r"[-=]", label)[0] or label
@@ -179,8 +167,7 @@ class Prim:
 
 @dataclass
 class Concept:
-    """A concept: its words, the tag of its constituent, and its predicate = `template`, a
-    list of words (str) and argument slots (int index into `children`)."""
+    """A concept: its words, its constituent's tag, and its predicate `template`: words (str) and slots (int)."""
     tag: str
     words: list
     template: list
@@ -218,8 +205,8 @@ def _is_concept(t: Tree) -> bool:
 
 
 def _build_concept(t: Tree, tag: str) -> Concept:
-    """The predicate of constituent t: its words, each maximal sub-concept / primitive replaced
-    by a slot. Sub-concepts are built recursively (the paper's repeated extraction)."""
+    """The predicate of constituent t: its words, each maximal sub-concept / primitive a slot (built recursively:
+    the paper's repeated extraction)."""
     template, children = [], []
 
     def walk(m: Tree):
@@ -253,8 +240,8 @@ def _norm(s: str) -> str:
 
 
 def crg_from_tree(tree: str, caption: str | None = None) -> Concept:
-    """The CRG of one caption (the caption is the root concept, whatever its tag).
-    Raises CRGError: malformed_tree, tree_mismatch (leaves != caption words), no_primitive."""
+    """The CRG of one caption (the root concept, whatever its tag). CRGError: malformed_tree, tree_mismatch,
+    no_primitive."""
     t = parse_ptb(tree)
     if caption is not None and _norm("".join(t.leaves())) != _norm(caption):
         raise CRGError("tree_mismatch", f"tree does not match its caption: {caption[:60]!r}")
@@ -295,8 +282,7 @@ def drop_branches(c: Concept, p: float, rng: random.Random) -> Concept:
 
 
 def graph_stats(crgs: list, image_keys: list) -> dict:
-    """Paper Table 1: unique concepts / predicates / primitives, average height; denotation
-    = the set of images whose captions contain the concept (paper section 2)."""
+    """Paper Table 1; a denotation is the set of images whose captions contain the concept (section 2)."""
     denot = defaultdict(set)
     predicates, primitives = set(), set()
     for crg, key in zip(crgs, image_keys):
@@ -336,8 +322,7 @@ class TextCompiler:
         return [self.cache[w] for w in words]
 
     def compile(self, crg: Concept) -> dict:
-        """-> {"prims": [[ids]], "nodes": [{tok, slots: [(pos, is_prim, local)], level, parent}],
-        "texts": node texts, "words": primitive words}; nodes post-order, root last."""
+        """-> {"prims": [ids], "nodes": [{tok, slots: [(pos, is_prim, local)], level, parent}] (post-order)}"""
         concepts = crg.concepts()
         cidx = {id(c): i for i, c in enumerate(concepts)}
         prims, pidx, parent = [], {}, {}
@@ -363,15 +348,13 @@ class TextCompiler:
             if len(ids) > self.max_len:
                 raise CRGError("too_long", f"predicate longer than {self.max_len} tokens: {c.predicate[:60]!r}")
             nodes.append({"tok": ids, "slots": slots, "level": c.height, "parent": parent.get(id(c), -1)})
-        return {"prims": [self.cache[w] for w in prims], "nodes": nodes,
-                "texts": [c.text for c in concepts], "words": prims}
+        return {"prims": [self.cache[w] for w in prims], "nodes": nodes}
 
 
 class BertTokenizer:
-    """BERT's WordPiece (vocab.txt of a released BERT, via `tokenizers`) behind the interface of
-    data.Tokenizer: captions -> [B, context_length] ids = [CLS] pieces [SEP], then [PAD]. Lower-
-    cases when the release says so (tokenizer_config.json do_lower_case) or, without that file,
-    when its vocabulary has no upper-case word (bert-base-uncased). Saved as tokenizer.json."""
+    """BERT's WordPiece (a release's vocab.txt, via `tokenizers`) behind data.Tokenizer's interface: [CLS] pieces
+    [SEP] [PAD]... Lower-cases when tokenizer_config.json's do_lower_case says so or, without it, when the vocabulary
+    has no upper-case word (bert-base-uncased)."""
     kind = "bert_wordpiece"
 
     def __init__(self, backend, context_length=77):
@@ -390,8 +373,7 @@ class BertTokenizer:
             with open(path, encoding="utf-8") as f:
                 vocab = {line.rstrip("\n"): i for i, line in enumerate(f)}
         except OSError as e:
-            raise ComposerError(f"{path}: cannot read BERT's vocabulary ({e.strerror}; --bert needs a released "
-                                f"BERT: config.json, model.safetensors, vocab.txt)") from None
+            raise ComposerError(f"{path}: cannot read BERT's vocabulary ({e.strerror}; {BERT_NEEDS})") from None
         conf = os.path.join(bert_dir, "tokenizer_config.json")
         lower = json.load(open(conf)).get("do_lower_case") if os.path.isfile(conf) else None
         if lower is None:
@@ -488,6 +470,7 @@ class ModelConfig:
 
 
 BERT_LN_EPS = 1e-12  # BERT's LayerNorm epsilon (every released BERT config has layer_norm_eps 1e-12)
+BERT_NEEDS = "--bert needs a released BERT: config.json, model.safetensors, vocab.txt"
 
 
 class Attention(nn.Module):
@@ -508,10 +491,9 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block. kind: "self" (SelfAtt), "cross" (CrossAtt: queries x, keys/values
-    ctx) or "self+cross" (keys/values = x U ctx: the paper's primitive encoder).
-    post_ln: BERT's layer instead (Devlin et al. 2019; LayerNorm after each residual), the text
-    stream's blocks when they start from BERT (--bert); its parameters have the same names."""
+    """Pre-LN transformer block. kind: "self", "cross" (keys/values ctx) or "self+cross" (keys/values x U ctx: the
+    paper's primitive encoder). post_ln: BERT's layer (LayerNorm after each residual, same parameter names), for the
+    text stream with --bert."""
 
     def __init__(self, w, h, r, kind="self", post_ln=False):
         super().__init__()
@@ -548,7 +530,7 @@ def embedding_ln(cfg, w):
 
 
 def masked_mean(x, mask):
-    """Mean of x [B, L, w] over the positions where mask [B, L] is True (an empty row gives 0)."""
+    """Mean over the positions where mask is True (an empty row gives 0)."""
     m = mask.unsqueeze(-1).to(x.dtype)
     return (x * m).sum(1) / m.sum(1).clamp(min=1)
 
@@ -560,10 +542,9 @@ def _ct_kinds(n):
 
 
 class VisualEncoder(nn.Module):
-    """Regions -> [I, N, w]: Linear(feat) + Linear(box) (ViLBERT's 5-d position feature), LN,
-    then self-attention over the regions of each image. Choice (Composer, single-stream): the
-    visual stream is not updated by the text (ViLBERT co-attention would), so it is computed
-    once per image and shared by every node and caption that is scored against that image."""
+    """Regions -> [I, N, w]: Linear(feat) + Linear(box) (ViLBERT's 5-d position feature), LN, self-attention.
+    Choice (Composer, single-stream): the text does not update the visual stream (ViLBERT's co-attention would), so
+    it is computed once per image and shared by every node and caption scored against it."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -579,10 +560,8 @@ class VisualEncoder(nn.Module):
 
 
 class Modulator(nn.Module):
-    """Binds a child concept embedding c to its placeholder p (paper section 3.2).
-    film: a = 1 + MLP_a(p), b = MLP_b(p), out = MLP(a * c + b)  (Choice: a is centred at 1 so
-          the untrained modulator passes c through the output MLP unscaled)
-    mlp: out = MLP([p; c]); replace: out = c."""
+    """Binds a child concept embedding c to its placeholder p (paper section 3.2). film: MLP((1 + MLP_a(p)) * c +
+    MLP_b(p)) (Choice: centred at 1, the untrained modulator passes c on unscaled); mlp: MLP([p; c]); replace: c."""
 
     def __init__(self, kind, w):
         super().__init__()
@@ -604,8 +583,7 @@ class Modulator(nn.Module):
 
 
 class Composer(nn.Module):
-    """COMPOSER. Text inputs are collate_text() batches of compiled CRGs; a "pair" is
-    (caption index, image index); every concept node of every pair gets a score s(x, c)."""
+    """COMPOSER over collate_text() batches; a "pair" is (caption, image); every concept node of a pair gets s(x, c)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -655,8 +633,8 @@ class Composer(nn.Module):
         return masked_mean(self.prim(q, qmask, V, vmask), qmask)  # mean over the word's pieces
 
     def compose(self, seq, tmask, slot_rows, slot_pos, child_emb, V, vmask):
-        """seq [n, T, w] encoded predicates; the slots (slot_rows, slot_pos) get the modulated
-        child embeddings; then the CT with an output token. Returns (embedding, score)."""
+        """Encoded predicates seq [n, T, w], their slots filled with the modulated children, through the CT with an
+        output token -> (embedding, score)."""
         if len(slot_rows):
             seq = seq.index_put((slot_rows, slot_pos), self.mod(seq[slot_rows, slot_pos], child_emb).to(seq.dtype))
         x = torch.cat([self.out_token.expand(seq.shape[0], 1, -1).to(seq.dtype), seq], 1)
@@ -667,9 +645,8 @@ class Composer(nn.Module):
         return e, self.theta(e).squeeze(-1)
 
     def score_pairs(self, tb, te, V, vmask, pair_cap, pair_img):
-        """Level-batched recursion over all pairs at once: level 1 nodes of every pair, then
-        level 2, ... (paper section 3.2): one batched call per level, not a Python loop per node.
-        Returns (root scores [Q], {"node_score" [M'], "node_start" [Q], "node_src" [M']})."""
+        """Level-batched recursion (paper section 3.2): level 1 nodes of every pair, then level 2, ..., one batched
+        call per level. Returns (root scores [Q], {"node_score" [M'], "node_start" [Q], "node_src" [M']})."""
         dev = pair_cap.device
         npr, nnd = tb["cap_nprim"][pair_cap], tb["cap_nnode"][pair_cap]
 
@@ -706,8 +683,7 @@ class Composer(nn.Module):
         return score[root], {"node_score": score, "node_start": nstart, "node_src": nsrc}
 
     def score_recursive(self, comp, feats, boxes, mask):
-        """Reference for score_pairs (tests, bench.py): node-by-node recursion for ONE caption and ONE image (batch
-        size 1 per node); returns the node scores."""
+        """Reference for score_pairs (tests, bench.py): node-by-node recursion, one caption, one image."""
         tb = collate_text([comp])
         te = self.encode_text(tb)
         V, vmask = self.encode_image(feats[None], boxes[None], mask[None])
@@ -747,8 +723,7 @@ def embed_caption(model, tb):
 
 
 class CaptionCrossEncoder(nn.Module):
-    """What the caption-level cross-encoders share: token + position embeddings of the caption
-    and the visual encoder (created first, in this order, so initialisation is unchanged)."""
+    """The caption-level cross-encoders' token + position embeddings and visual encoder (created in this order)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -762,9 +737,8 @@ class CaptionCrossEncoder(nn.Module):
 
 
 class SingleStream(CaptionCrossEncoder):
-    """Baseline: one transformer over the whole caption's tokens (no tree), interleaving self-
-    and cross-attention to the regions like the CT; output at the SOT position -> theta.
-    Equal budget: pt_layers self blocks + the CT pattern, same width and visual encoder."""
+    """Baseline: one transformer over the caption's tokens (no tree), self- and cross-attention interleaved like the
+    CT; theta at the SOT position. Equal budget: pt_layers self blocks + the CT pattern."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -797,15 +771,11 @@ class CoAttention(nn.Module):
 
 
 class ViLBERT(CaptionCrossEncoder):
-    """Baseline: two-stream co-attention transformer (text <-> image both ways), without image-text pretraining, as in
-    the paper (section 5.1: its ViLBERT, like COMPOSER and VSE, starts from BERT and sees no Conceptual Captions
-    pretraining). --bert DIR initialises the text stream (embeddings, text-only layers, then the stream's layers
-    between co-attentions) from BERT's layers in order; without it everything is trained from scratch. Text: pt_layers
-    self-attention blocks (ViLBERT's text-only layers), then ct_layers rounds of Co-TRM + a self-attention block in
-    each stream (the visual stream is updated by the text, unlike COMPOSER's). Score: theta(h_CLS * mean of the visual
-    stream), ViLBERT's alignment head (it uses the IMG token; the regions here have none, so their masked mean stands
-    in). With --concept_mvsa every concept of the caption is also scored and trained with l_MVSA: "ViLBERT + MVSA"
-    (paper Table 5)."""
+    """Baseline: two-stream co-attention transformer, no image-text pretraining (paper section 5.1: like COMPOSER and
+    VSE it starts from BERT, --bert, and sees no Conceptual Captions). Text: pt_layers text-only blocks, then ct_layers
+    rounds of Co-TRM + a self-attention block in each stream (the text updates the visual stream, unlike COMPOSER).
+    Score: theta(h_CLS * mean of the visual stream), ViLBERT's alignment head (the regions have no IMG token: their
+    masked mean stands in). --concept_mvsa adds l_MVSA over every concept: "ViLBERT + MVSA" (paper Table 5)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -834,9 +804,8 @@ class ViLBERT(CaptionCrossEncoder):
 
 
 class VSE(nn.Module):
-    """Baseline (Kiros et al. 2014 as in paper appendix C): text = mean of contextualised tokens,
-    image = mean of residual-MLP-transformed regions, score = scale * cosine.
-    Equal budget: pt_layers + ct_layers self-attention blocks on the text side."""
+    """Baseline (Kiros et al. 2014, paper appendix C): mean of contextualised tokens, mean of residual-MLP regions,
+    scale * cosine. Equal budget: pt_layers + ct_layers text blocks."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -881,8 +850,7 @@ def read_bert_config(bert_dir):
         with open(path) as f:
             conf = json.load(f)
     except FileNotFoundError:
-        raise ComposerError(f"{path}: not found (--bert needs a released BERT: config.json, model.safetensors, "
-                            f"vocab.txt)") from None
+        raise ComposerError(f"{path}: not found ({BERT_NEEDS})") from None
     except (OSError, ValueError) as e:
         raise ComposerError(f"{path}: unreadable ({type(e).__name__})") from None
     if not isinstance(conf, dict):
@@ -891,15 +859,13 @@ def read_bert_config(bert_dir):
 
 
 def read_bert(bert_dir):
-    """(config, weights) of a released BERT in Hugging Face layout: config.json and
-    model.safetensors. Keys are normalised: the "bert." prefix of BertForPreTraining files
-    (bert-base-uncased's) dropped, LayerNorm gamma / beta read as weight / bias."""
+    """(config, weights) of a released BERT (Hugging Face layout); BertForPreTraining's "bert." prefix dropped,
+    LayerNorm gamma / beta read as weight / bias."""
     conf = read_bert_config(bert_dir)
     try:
         sd = load_file(os.path.join(bert_dir, "model.safetensors"))
     except FileNotFoundError as e:
-        raise ComposerError(f"{e.filename}: not found (--bert needs a released BERT: config.json, "
-                            f"model.safetensors, vocab.txt)") from None
+        raise ComposerError(f"{e.filename}: not found ({BERT_NEEDS})") from None
     except (ValueError, OSError, SafetensorError) as e:
         raise ComposerError(f"{bert_dir}: unreadable BERT release ({type(e).__name__}: {str(e)[:80]})") from None
     norm = lambda k: re.sub(r"\.gamma$", ".weight", re.sub(r"\.beta$", ".bias", k[5:] if k.startswith("bert.") else k))
@@ -916,9 +882,8 @@ def bert_sizes(conf):
 
 
 def bert_targets(model):
-    """{parameter name: (BERT key(s), how to make the tensor)} for the model's text stream:
-    embeddings, then its bert_blocks() from BERT layer 0 on. Query -> q, key+value -> kv (one
-    matrix), attention output -> o and ln1, intermediate / output -> mlp and ln2."""
+    """{parameter name: (BERT key(s), how to make the tensor)} for the text stream: embeddings, then bert_blocks()
+    from BERT layer 0 on (key + value -> one kv matrix)."""
     n_tok, L = model.cfg.vocab_size, model.cfg.max_len
     out = {"tok_emb.weight": (["embeddings.word_embeddings.weight"], lambda w, p: torch.cat([w, p[n_tok:]])),
            # token type 0 everywhere: its embedding folds into the position embedding
@@ -987,7 +952,6 @@ def shapes_region_features(image, objects, max_regions=8):
     non-learned descriptor per box (a stand-in for the frozen detector features): mean and std RGB of the box's
     foreground pixels (pixels that differ from the background colour = median of the image border) + the box's 8x8
     foreground-occupancy mask (shape), 70-d; boxes normalised. Regions are sorted by x0 (not in caption order)."""
-    from PIL import Image
     a = np.asarray(image, dtype=np.float32) / 255.0
     H, W = a.shape[:2]
     border = np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]])
@@ -1005,8 +969,7 @@ def shapes_region_features(image, objects, max_regions=8):
 
 
 def pad_regions(feats: list, boxes: list):
-    """Per-image feats [n_i, D] and boxes [n_i, 5] (arrays or tensors) -> [I, N, D], [I, N, 5]
-    zero-padded to the largest n_i, and the mask [I, N] of real regions."""
+    """Per-image feats [n_i, D], boxes [n_i, 5] -> zero-padded [I, N, D], [I, N, 5] and the mask [I, N]."""
     I, N, D = len(feats), max(f.shape[0] for f in feats), feats[0].shape[1]
     fs, bs, mask = torch.zeros(I, N, D), torch.zeros(I, N, 5), torch.zeros(I, N, dtype=torch.bool)
     for i, (f, b) in enumerate(zip(feats, boxes)):
@@ -1029,8 +992,7 @@ class FeatureStore:
 
 
 class TensorFile:
-    """Row ranges of the tensors of one safetensors file, read through safe_open's slices: only the
-    rows read are touched, so a rank's memory holds only the items it reads."""
+    """Row ranges of a safetensors file's tensors through safe_open's slices: a rank reads only its items."""
 
     def __init__(self, path):
         self.path = path
@@ -1042,31 +1004,22 @@ class TensorFile:
         except (SafetensorError, OSError) as e:  # a bad header, a file cut short
             raise CRGError("bad_regions", f"{path}: not a safetensors file or cut short ({e})") from None
 
-    def shape(self, name):
-        return self.shapes.get(name)
-
     def rows(self, name, lo=None, hi=None):
-        """Rows lo..hi of the first axis (the whole tensor when lo is None), as a new tensor."""
         with safe_open(self.path, "pt") as f:
             return f.get_slice(name)[slice(lo, hi)]
 
 
 class RegionStore:
-    """Precomputed region features, read per item (memory does not grow with the data set).
-    Two layouts:
-      DIR/{key}.safetensors   one file per image: feats [N, D], boxes [N, 5]
-      FILE.safetensors        all images: feats [M, N, D], boxes [M, N, 5], optional n_regions [M]
-                              (valid rows per image; else all N), metadata {"keys": JSON list of M}
-    check(key) validates an item from the safetensors header alone (shapes, dtypes; no data is
-    read at start: Flickr30k's 2048-d regions are ~24 GB); read(key) reads it and checks its
-    values, so an item with non-finite values is found, skipped and counted when first read
-    (LazyFeatures). select(keys) gives the store of a split."""
+    """Precomputed region features, read per item (memory does not grow with the data set). Layouts (--regions):
+    DIR/{key}.safetensors (feats [N, D], boxes [N, 5]) or FILE.safetensors (feats [M, N, D], boxes [M, N, 5], optional
+    n_regions [M], metadata {"keys": JSON list of M}). check(key) reads only the header (Flickr30k's 2048-d regions are
+    ~24 GB); read(key) reads the item and checks its values, so a non-finite item is skipped when first read."""
 
     def __init__(self, path):
         self.path, self.dim = path, None
         self.one = None if os.path.isdir(path) else TensorFile(path)
         if self.one is not None:
-            f, b = self.one.shape("feats"), self.one.shape("boxes")
+            f, b = self.one.shapes.get("feats"), self.one.shapes.get("boxes")
             if f is None or b is None or len(f) != 3 or b != [f[0], f[1], 5]:
                 raise ComposerError(f"{path}: needs feats [M, N, D] and boxes [M, N, 5], has {f} and {b}")
             try:
@@ -1076,21 +1029,21 @@ class RegionStore:
             if not (isinstance(keys, list) and len(keys) == f[0]):
                 raise ComposerError(f"{path}: metadata 'keys' must be a JSON list of {f[0]} image keys")
             self.row = {k: i for i, k in enumerate(keys)}
-            self.n_valid = self.one.rows("n_regions").tolist() if self.one.shape("n_regions") else [f[1]] * f[0]
+            n = self.one.shapes.get("n_regions")
+            self.n_valid = self.one.rows("n_regions").tolist() if n else [f[1]] * f[0]
             self.dim = f[2]
 
     def check(self, key):
-        """Header-only validation of one item (reads no feature data); returns where it lives
-        (a TensorFile, or the row of the one file)."""
+        """Header-only validation of one item; returns where it lives (a TensorFile, or the one file's row)."""
         if self.one is not None:
             if key not in self.row:
                 raise CRGError("bad_regions", f"{self.path}: no regions for image {key!r}")
-            if not 0 < self.n_valid[self.row[key]] <= self.one.shape("feats")[1]:
+            if not 0 < self.n_valid[self.row[key]] <= self.one.shapes["feats"][1]:
                 raise CRGError("bad_regions",
                                f"{self.path}[{key}]: n_regions {self.n_valid[self.row[key]]} out of range")
             return self.row[key]
         tf = TensorFile(os.path.join(self.path, f"{key}.safetensors"))
-        f, b = tf.shape("feats"), tf.shape("boxes")
+        f, b = tf.shapes.get("feats"), tf.shapes.get("boxes")
         if f is None or b is None or len(f) != 2 or b != [f[0], 5] or f[0] == 0 or f[1] != (self.dim or f[1]):
             raise CRGError("bad_regions", f"{tf.path}: expected feats [N, {self.dim or 'D'}] and boxes [N, 5], "
                                           f"got {f} and {b}")
@@ -1098,8 +1051,7 @@ class RegionStore:
         return tf
 
     def read(self, key):
-        """(feats [n, D] float32, boxes [n, 5] float32) of one image; CRGError('bad_regions')
-        for a bad item (header problems, non-finite values)."""
+        """(feats [n, D], boxes [n, 5]) float32 of one image; CRGError('bad_regions') for a bad item."""
         at = self.check(key)
         if self.one is not None:
             n = self.n_valid[at]
@@ -1148,11 +1100,9 @@ class LazyFeatures:
 
 
 def load_clip_vision(path, quick_gelu=None):
-    """The vision tower of an il_clip.py checkpoint (COMMON.md layout: out_dir, checkpoint/ or a
-    weights file) or OpenAI-format CLIP weights: (state dict of visual.*, heads, quick_gelu, image
-    size). Copied here (not imported) so that composer.py imports only data.py. Heads come from
-    the run's config.json when there is one, else OpenAI's width / 64; the activation from
-    `quick_gelu` (--quick_gelu), else open_clip_config.json / config.json, else QuickGELU (assumed)."""
+    """The vision tower of an il_clip.py checkpoint or OpenAI-format CLIP weights: (visual.* state dict, heads,
+    quick_gelu, image size); written here so that composer.py imports only data.py. Heads from the run's config.json,
+    else OpenAI's width / 64; the activation from --quick_gelu, else the config files, else QuickGELU (assumed)."""
     weights, folder = resolve_weights(path)
     # read_weights also reads OpenAI's JIT .pt
     sd = {k: v.float() for k, v in data.read_weights(weights).items() if k.startswith("visual.")}
@@ -1172,8 +1122,7 @@ def load_clip_vision(path, quick_gelu=None):
 
 
 def vit_patch_tokens(sd, heads, quick_gelu, images):
-    """Patch tokens of the last block, without CLS, before ln_post (il_clip's forward_tokens):
-    OpenAI CLIP's ViT written out over the state dict."""
+    """Last-block patch tokens before ln_post (il_clip's forward_tokens): OpenAI's ViT over the state dict."""
     ln = lambda x, p: F.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"])
     lin = lambda x, p: F.linear(x, sd[p + ".weight"], sd[p + ".bias"])
     conv = sd["visual.conv1.weight"]
@@ -1194,8 +1143,7 @@ def vit_patch_tokens(sd, heads, quick_gelu, images):
 
 @torch.no_grad()
 def clip_patch_features(images, clip_path, batch=64, quick_gelu=None):
-    """Frozen CLIP ViT (il_clip.py checkpoint or OpenAI weights): last-block patch tokens
-    (before ln_post) as regions, the patch grid as boxes."""
+    """Frozen CLIP ViT patch tokens as regions, the patch grid as boxes."""
     sd, heads, quick_gelu, size = load_clip_vision(clip_path, quick_gelu)
     tf = data.eval_transform(size)
     feats = []
@@ -1236,17 +1184,14 @@ class Split:
 
 
 def _n(spec, n, shapes_default):
-    """An image count flag: the given value, else (None) the whole split, except on shapes,
-    whose scenes are generated on demand and so has no whole split: there `shapes_default`."""
+    """An image count flag: the value given, else the whole split (None), or on shapes (no whole split) its default."""
     return n if n is not None else (shapes_default if _is_shapes(spec) else None)
 
 
 def _spec_items(args, spec, split, n, with_images=False) -> list:
-    """Caption items (JSON-able dicts, the lines of a split file) of the first `n` images of a data spec's split (n =
-    0 or None: the whole split; shapes, which has no fixed size, takes its default). Shapes items name (split, index,
-    seed) and are regenerated on use. Other specs are read without decoding any image (the JSON, the CSV, the shards'
-    .txt/.tree members), so text-only work and --features regions need no JPEGs; only --features clip (with_images)
-    runs the image loader."""
+    """Caption items (JSON-able dicts, the lines of a split file) of the first `n` images of a split (0 / None: all).
+    Shapes items name (split, index, seed) and are regenerated on use. Other specs are read without decoding an image
+    (so text-only work and --features regions need no JPEGs); only --features clip (with_images) runs the loader."""
     if spec.endswith(".jsonl"):
         return _first_images(read_split_file(spec), n)
     if _is_shapes(spec):
@@ -1259,7 +1204,6 @@ def _spec_items(args, spec, split, n, with_images=False) -> list:
 
 
 def _first_images(items, n):
-    """The items of the first n distinct image keys (all when n is 0 / None)."""
     if not n:
         return list(items)
     out, keys = [], set()
@@ -1278,7 +1222,6 @@ def csv_options(args):
 
 
 def _text_items(args, spec, split):
-    """Caption items of a Karpathy JSON, CSV/TSV or tar shards, without opening an image."""
     src = data.resolve_data(spec, getattr(args, "image_root", None))
     if src["kind"] == "imagefolder":
         raise ComposerError(f"{spec}: an ImageFolder has class labels, not captions")
@@ -1298,7 +1241,6 @@ def _text_items(args, spec, split):
 
 
 def _image_items(args, spec, split, n):
-    """Items with the loader's decoded image tensors (for --features clip only)."""
     items, keys = [], set()
     loader = data.make_loader(spec, split=split, batch_size=64, tokenizer=None,
                               image_size=getattr(args, "image_size", 64),
@@ -1315,7 +1257,6 @@ def _image_items(args, spec, split, n):
 
 
 def _resolve_item(it):
-    """(key, caption, tree, scene / image / None) of a caption item."""
     if it.get("source") == "shapes":
         sc = data.shapes_scene(it["split"], it["index"], it.get("seed", 0))
         return it["key"], sc.caption, sc.tree, sc
@@ -1336,11 +1277,10 @@ def _check_skips(skipped: Counter, total: int, max_frac: float, what: str):
 
 
 def caption_crgs(items: list, max_skip_frac: float, what: str):
-    """CRGs of caption items: [(crg, item, resolved)], skips by kind, and how many captions had
-    no tree and went through the built-in bracketer (printed by every run: its parses are
-    rougher than a real parser's, see `composer.py parse`)."""
+    """[(crg, item, (key, caption, scene / image))], skips by kind, and how many captions went through the built-in
+    bracketer (every run says: its parses are rougher than a real parser's, see `composer.py parse`)."""
     out, skipped, n_bracketed = [], Counter(), 0
-    for it in progress(items, f"CRGs of {what}"):
+    for it in data.progress(items, desc=f"CRGs of {what}", leave=False):
         key, cap, tree, obj = _resolve_item(it)
         try:
             if it.get("_error"):
@@ -1356,10 +1296,8 @@ def caption_crgs(items: list, max_skip_frac: float, what: str):
 
 
 def load_split(args, split: str, n: int | None, items: list | None = None, hold_out=frozenset()) -> Split:
-    """Captions, trees and region features of the first `n` images of a split (or of the given
-    split-file items). Features: --features gold (shapes gold boxes) | regions (--regions: read
-    per item, see RegionStore) | clip (--clip CKPT, frozen il_clip patch tokens). Captions with a
-    predicate in `hold_out` are left out, and an image none of whose captions is left, too."""
+    """Captions, CRGs and region features (--features) of the first `n` images of a split (or of split-file items).
+    Captions with a predicate in `hold_out` are left out, and so is an image none of whose captions is left."""
     if items is None:
         items = _spec_items(args, args.data, split, n, with_images=args.features == "clip")
     what = f"{args.data} ({split})"
@@ -1371,8 +1309,7 @@ def load_split(args, split: str, n: int | None, items: list | None = None, hold_
     keys, kidx, bad, captions, kept, cap_img, feats, its = [], {}, {}, [], [], [], [], []
 
     def add_image(key, obj):
-        """The image's index, after its features are made (gold, clip) or its regions' header
-        checked; None when they are bad (its captions are skipped and counted)."""
+        """The image's index once its features are made or checked; None when bad (its captions are skipped)."""
         if key not in kidx and key not in bad:
             try:
                 if args.features == "gold":
@@ -1420,8 +1357,7 @@ def load_split(args, split: str, n: int | None, items: list | None = None, hold_
 
 def attach_compiler(sp: Split, compiler: TextCompiler, max_skip_frac: float):
     """Compile every CRG; captions whose templates are too long are dropped and counted."""
-    keep = []
-    comps = []
+    keep, comps = [], []
     for i, c in enumerate(sp.crgs):
         try:
             comps.append(compiler.compile(c))
@@ -1447,10 +1383,8 @@ def match_loss(s_pos, s_neg):
 
 def mvsa_hinge(s, s_negc, s_negx, alpha=0.8, denom=None):
     """l_MVSA (hinge): per concept c of a true pair, [a - s(x,c) + s(x,c-)]_+ + [a - s(x,c) + s(x-,c)]_+.
-    s [n], s_negc [n, kc], s_negx [n, kx]. Choice: with several negatives each hinge term is
-    averaged over them, and the sum of both terms is averaged over concepts (the paper sums;
-    the mean keeps lambda = 1 independent of batch size and tree size). `denom` replaces n
-    (the global concept count / world under DDP, so that ranks average to the global mean)."""
+    Choice: each term is averaged over its negatives and the sum over concepts (the paper sums; the mean keeps
+    lambda = 1 independent of batch and tree size). `denom`: the global concept count / world under DDP."""
     s = s[:, None]
     t = (alpha - s + s_negc).clamp(min=0).mean(1) + (alpha - s + s_negx).clamp(min=0).mean(1)
     return t.sum() / (denom or len(t))
@@ -1464,15 +1398,13 @@ def mvsa_nll(s, s_negc, s_negx, denom=None):
 
 
 def mvsa_loss(s, s_negc, s_negx, denom, args):
-    """l_MVSA of --mvsa hinge (margin --alpha) or nll."""
     if args.mvsa == "hinge":
         return mvsa_hinge(s, s_negc, s_negx, args.alpha, denom)
     return mvsa_nll(s, s_negc, s_negx, denom)
 
 
 def order_loss(s_parent, s_child, beta=0.2, denom=None):
-    """l_order (Zhang et al. 2020): [b - s(x, c_parent) + s(x, c_child)]_+ per concept edge, mean
-    (`denom` as in mvsa_hinge). A batch without edges (one-concept captions) gives 0."""
+    """l_order (Zhang et al. 2020): [b - s(x, c_parent) + s(x, c_child)]_+ per concept edge, mean; no edges: 0."""
     return (beta - s_parent + s_child).clamp(min=0).sum() / max(1, denom or s_parent.numel())
 
 
@@ -1488,9 +1420,8 @@ def vse_inbatch_loss(scale, te, V, img_of, local, device):
 
 
 def _neg_concept(levels_i, levels_j):
-    """Choice: the negative concept c- of concept c (from the negative caption of the pair) is
-    the concept of that caption with the same height, k-th of its height for the k-th of c's
-    height (cyclic); if the caption has no concept of that height, the nearest height."""
+    """Choice: the negative concept c- of concept c is the negative caption's concept of the same height (the k-th
+    for the k-th, cyclic), else of the nearest height."""
     by_h = defaultdict(list)
     for u, h in enumerate(levels_j):
         by_h[h].append(u)
@@ -1503,10 +1434,9 @@ def _neg_concept(levels_i, levels_j):
 
 
 def composer_losses(aux, comps, cap_idx, neg_img_pairs, neg_txt_caps, pair_base, args, world=1):
-    """MVSA + order terms from the node scores of one step. comps: the global batch's compiled
-    captions; cap_idx [b] caption of each of this rank's true pairs; pair q = i is true pair i,
-    pair_base[0] + i*ki + m its m-th negative image, pair_base[1] + i*kt + m its m-th negative
-    caption (caption neg_txt_caps[i][m]). Normalised by global counts (see mvsa_hinge)."""
+    """MVSA + order terms from one step's node scores. Pair i is this rank's true pair i (caption cap_idx[i]),
+    pair_base[0] + i*ki + m its m-th negative image, pair_base[1] + i*kt + m its m-th negative caption
+    (neg_txt_caps[i][m]). Normalised by global counts (see mvsa_hinge)."""
     ns, start = aux["node_score"], aux["node_start"].tolist()
     pos_i, negx_i, negc_i, par_i, chi_i = [], [], [], [], []
     ki, kt = neg_img_pairs, len(neg_txt_caps[0]) if len(neg_txt_caps) else 0
@@ -1529,11 +1459,9 @@ def composer_losses(aux, comps, cap_idx, neg_img_pairs, neg_txt_caps, pair_base,
 
 
 def concept_mvsa(model, compiler, sp, caps, local, ni, nt, V, vm, args, world, device):
-    """l_MVSA for a caption-level baseline ("ViLBERT + MVSA", paper Table 5): every concept of a
-    true caption, as its own text, is scored against the pair's image (s) and the negative images
-    (s_x-); the same-height concept of each negative caption (_neg_concept) against the true
-    image gives s_c-. caps: the global batch's captions; local: this rank's pairs; ni / nt: the
-    batch positions of each pair's negative images / captions. Normalised as for COMPOSER."""
+    """l_MVSA for a caption-level baseline ("ViLBERT + MVSA", paper Table 5): every concept of a true caption, as its
+    own text, against the pair's image (s) and the negative images (s_x-); each negative caption's _neg_concept
+    against the true image gives s_c-. ni / nt: batch positions of each pair's negatives. Normalised as COMPOSER's."""
     texts, tid, pc, pi = [], {}, [], []
 
     def pair(text, img):
@@ -1586,10 +1514,8 @@ def autocast(device, dtype):
 
 
 class StepLoss(nn.Module):
-    """The training step as one forward(), so that DistributedDataParallel (which syncs the
-    gradients of what forward() used, averaged over ranks) can wrap it: the model's own methods
-    (encode_text, score_pairs, ...) are called inside. The data and compiler ride along as plain
-    attributes (DDP moves nothing but the forward's arguments)."""
+    """The training step as one forward(), so that DDP (which syncs the gradients of what forward() used) can wrap
+    it; the data and compiler ride along as plain attributes."""
 
     def __init__(self, model, compiler, sp, args, rank, world, device):
         super().__init__()
@@ -1602,9 +1528,8 @@ class StepLoss(nn.Module):
 
 
 def wrap_ddp(step_loss, world, device):
-    """DDP over the step. find_unused_parameters: a rank's captions may not reach every tree
-    level or modulator branch (and VSE's in-batch loss skips parameters); such parameters get
-    no gradient on that rank, which DDP's default would wait for forever."""
+    """DDP over the step. find_unused_parameters: a rank's captions may not reach every tree level or modulator
+    branch (VSE's in-batch loss skips parameters), whose gradients DDP's default would wait for forever."""
     if world == 1:
         return step_loss
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -1612,8 +1537,8 @@ def wrap_ddp(step_loss, world, device):
 
 
 class Sampler:
-    """Global batches of caption indices: a permutation per epoch from (seed, epoch), the same on
-    every rank; rank r trains on the slice r::world of each global batch. State = (epoch, pos)."""
+    """Global batches of caption indices: a permutation per (seed, epoch), the same on every rank (rank r trains on
+    r::world of each)."""
 
     def __init__(self, n, batch, seed):
         if n < batch:
@@ -1636,8 +1561,8 @@ class Sampler:
 
 
 def sample_negatives(img_of, k, gen):
-    """For each position i of a global batch, k other positions with a different image (random,
-    ViLBERT-style in-batch negatives), from a generator shared by all ranks."""
+    """For each position of a global batch, k random positions with another image (ViLBERT-style in-batch
+    negatives; the generator is the same on all ranks)."""
     B = len(img_of)
     r = torch.rand(B, B, generator=gen)
     same = img_of[:, None] == img_of[None, :]
@@ -1683,8 +1608,8 @@ def train_step(model, compiler, sp: Split, gidx, rank, world, step, args, device
 
 
 def get_lr(step, args):
-    """Choice: linear warm-up then cosine decay to 10% (the paper's step schedule is for 20
-    epochs of BERT fine-tuning; a from-scratch tiny model trains better with cosine)."""
+    """Choice: linear warm-up then cosine to 10% (the paper's step schedule is for 20 epochs of BERT fine-tuning; a
+    from-scratch tiny model trains better with cosine)."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     t = (step - args.warmup) / max(1, args.max_steps - args.warmup)
@@ -1701,8 +1626,8 @@ def nonfinite(step, args):
 
 
 def build_tokenizer(args, folder=None):
-    """The tokenizer of the checkpoint folder being resumed, or a new one: BERT's WordPiece (--bert),
-    the CLIP BPE (--vocab) or a BPE trained on the captions."""
+    """The resumed checkpoint's tokenizer, or BERT's WordPiece (--bert), the CLIP BPE (--vocab), a BPE trained on the
+    captions."""
     if folder:
         return load_tokenizer(folder)
     if getattr(args, "bert", None):
@@ -1713,7 +1638,6 @@ def build_tokenizer(args, folder=None):
 
 
 def read_split_file(path):
-    """A split file written by `composer.py mcd` (JSON lines: one caption item per line)."""
     try:
         with open(path) as f:
             return [json.loads(l) for l in f if l.strip()]
@@ -1746,16 +1670,14 @@ def check_args(args, world):
 
 
 def eval_sets(args, name, split, n, compiler):
-    """{name: the first n images of `split`} (none when n is 0), then each --split_file by its
-    file stem; captions compiled."""
+    """{name: the first n images of `split`} (none when n is 0), then each --split_file by its file stem."""
     sets = {name: load_split(args, split, n)} if n != 0 else {}
     for path in args.split_file or []:
         sets[os.path.splitext(os.path.basename(path))[0]] = load_split(args, None, None, items=read_split_file(path))
     return {k: attach_compiler(sp, compiler, args.max_skip_frac) for k, sp in sets.items()}
 
 
-def build_optimizer(model, args):
-    """AdamW; weight decay on matrices only."""
+def build_optimizer(model, args):  # AdamW, weight decay on matrices only
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": args.wd},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), foreach=True)
@@ -1782,8 +1704,7 @@ def sync_values(losses, bad, stop_flag, world):
 
 
 def build_run(args, resume, master, world, device):
-    """Tokenizer (the resumed checkpoint's), compiler, training and eval data, and the model
-    (--bert, --init weights) on `device`; rank 0 says what was read."""
+    """Tokenizer, compiler, training and eval data, the model (--bert, --init) on `device`; rank 0 says what it read."""
     tok = build_tokenizer(args, resume and resume[0])
     compiler = TextCompiler(tok, args.max_len)
     t0 = time.time()
@@ -1794,7 +1715,8 @@ def build_run(args, resume, master, world, device):
     if args.bert and not resume:
         init_from_bert(model, args.bert)
     if args.init:
-        load_weights(model, resolve_weights(args.init)[0])
+        weights = resolve_weights(args.init)[0]
+        data.load_state(model, data.read_weights(weights), weights)
     model.to(device)
     if master:
         flags = "".join(f" --{k} {getattr(args, k)}" for k in ("modulator", "hold_out") if k in args.given)
@@ -1810,12 +1732,15 @@ def build_run(args, resume, master, world, device):
 def train(args):
     rank, world, device = setup_distributed(args.device)
     master = rank == 0
-    lock_out_dir(args.out_dir, rank, world, device)   # before anything is written there
-    resume = prepare_out_dir(args, rank)              # --resume: args become the saved run's
+    data.claim_out_dir(args.out_dir, rank, world, device, args.resume, args.overwrite, RUN_FILES)
+    resume = resume_run(args, rank) if args.resume else None    # args become the saved run's
     check_args(args, world)
-    if args.wandb and not _installed("wandb"):      # every rank stops; before the data is read
-        refuse(rank, "--wandb needs the wandb package (pip install wandb)")
-    tracker = start_wandb(args) if master and args.wandb else None
+    if args.wandb and not _installed("wandb"):      # every rank stops, rank 0 says why; before the data is read
+        raise SystemExit(2) if rank else ComposerError("--wandb needs the wandb package (pip install wandb)")
+    tracker = None
+    if master and args.wandb:
+        config = {k: v for k, v in vars(args).items() if k != "given"}
+        tracker = data.start_wandb(args.wandb, args.out_dir, config, resumed=bool(resume))
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -1841,15 +1766,12 @@ def train(args):
 
     def log(rec):
         if master:
-            with open(metrics, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            if tracker:
-                tracker.log(rec, step=rec["step"])
+            data.log_record(metrics, rec, tracker)
 
     model.train()
     bad = torch.zeros((), dtype=torch.bool, device=device)     # any non-finite loss since the start
-    stopping = False
-    bar = progress(None, args.method, total=args.max_steps, initial=step, leave=True)
+    stopping, newest_damaged = False, bool(resume and resume[4])
+    bar = data.progress(desc=args.method, total=args.max_steps, initial=step)
     while step < args.max_steps:
         gidx = sampler.next()
         for g in opt.param_groups:
@@ -1866,8 +1788,9 @@ def train(args):
         v = torch.stack([loss.detach(), *parts.values()]).double()
         sums, n_sum = (v if sums is None else sums + v), n_sum + 1
         at_ckpt = step % args.save_interval == 0 or step in (args.max_steps, args.stop_at)  # the same on every rank
-        if step % args.log_interval == 0 or at_ckpt or (world == 1 and STOP["flag"]):
-            vals = sync_values(sums / n_sum, bad, STOP["flag"], world)
+        signalled = data.stop_requested() is not None
+        if step % args.log_interval == 0 or at_ckpt or (world == 1 and signalled):
+            vals = sync_values(sums / n_sum, bad, signalled, world)
             if vals[-2]:
                 raise nonfinite(step, args)
             stopping = (vals[-1] > 0 or step == args.stop_at) and step < args.max_steps
@@ -1885,9 +1808,9 @@ def train(args):
         if master and (at_ckpt or stopping):
             extra = {"skipped": dict(sp.skipped), "log_sums": (sums if sums is not None else torch.zeros(0)).cpu(),
                      "log_steps": n_sum}
-            save_checkpoint(args.out_dir, model, opt, cfg, args, step, sampler, tok, extra, device)
+            save_checkpoint(args.out_dir, model, opt, cfg, args, step, sampler, tok, extra, device, newest_damaged)
+            newest_damaged = False
         if stopping:
-            bar.close()
             if master:
                 print(f"stopped (signal or --stop_at): checkpoint saved at step {step}; continue with: "
                       f"python composer.py train --resume --out_dir {args.out_dir}", flush=True)
@@ -1913,9 +1836,8 @@ def train(args):
 
 @torch.no_grad()
 def score_matrix(model, compiler, comps, captions, store, img_idx, device, cap_chunk=32, img_chunk=128):
-    """Scores [C, I] of every caption against every image, batched over images: the text side
-    (PT / token encoder) runs once per caption chunk, the visual side once per image chunk,
-    and each (caption chunk x image chunk) block is one level-batched call."""
+    """Scores [C, I] of every caption against every image: the text side runs once per caption chunk, the visual
+    side once per image chunk, each block one level-batched call."""
     cfg = model.cfg
     img_idx = torch.as_tensor(img_idx, dtype=torch.long)
     vis = []
@@ -1923,7 +1845,7 @@ def score_matrix(model, compiler, comps, captions, store, img_idx, device, cap_c
         f, b, m = store.get(img_idx[j:j + img_chunk], device)
         vis.append(model.encode_image(f, b, m))
     out = torch.zeros(len(captions), len(img_idx))
-    for i in progress(range(0, len(captions), cap_chunk), "scoring"):
+    for i in data.progress(range(0, len(captions), cap_chunk), desc="scoring", leave=False):
         tb = text_inputs(cfg, compiler, comps[i:i + cap_chunk], captions[i:i + cap_chunk], device)
         te = model.encode_text(tb)
         nc = min(cap_chunk, len(captions) - i)
@@ -1969,11 +1891,9 @@ def phrase_queries(sp: Split, per_caption=5, seed=0):
 
 
 def gallery_scores(model, compiler, comps, captions, src, store, n_img, folds, device):
-    """Scores [C, n_img]. folds = 1: every caption against every image (the paper's protocol).
-    folds = K: image j sits in gallery j % K and a caption (source image src[i]) is scored only
-    against its own gallery, -inf elsewhere: COCO's "5 x 1K test" averaging, which gives a
-    large split many queries at the cost of K galleries of n_img/K (the cross-modal model scores
-    each caption-image pair, so a whole 1000-image split costs 25x a 200-image one; 5 folds, 5x)."""
+    """Scores [C, n_img]; folds = 1: every caption against every image (the paper's protocol). folds = K: image j in
+    gallery j % K, a caption scored only against its source image's gallery (-inf elsewhere): COCO's "5 x 1K test",
+    many queries at 1/K of the cost (a cross-modal model scores every pair: 1000 images cost 25x 200)."""
     if folds == 1:
         return score_matrix(model, compiler, comps, captions, store, list(range(n_img)), device)
     S = torch.full((len(captions), n_img), -float("inf"))
@@ -1988,9 +1908,8 @@ def gallery_scores(model, compiler, comps, captions, src, store, n_img, folds, d
 
 @torch.no_grad()
 def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True, seed=0, folds=1):
-    """Text->image t2i_r1/5/10 (each caption ranks all images of the split, or of its gallery
-    with folds > 1: see gallery_scores) and phrase->image p2i_r1/5/10, in percent. The result says what was
-    scored: images, captions, folds, and how many parsed by the bracketer."""
+    """Text->image t2i_r1/5/10 (each caption ranks all images of the split, or of its gallery) and phrase->image
+    p2i_r1/5/10, in percent, with what was scored."""
     model.eval()
     crgs = sp.crgs
     if parse_dropout > 0:
@@ -2015,8 +1934,8 @@ def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True
 
 @torch.no_grad()
 def interpret(model, compiler, sp: Split, S, i, device) -> str:
-    """Paper Fig. 5: caption i's CRG with the score of every concept on its true image and on
-    a wrong image (Choice: the highest-scoring wrong image, the most informative contrast)."""
+    """Paper Fig. 5: every concept's score on caption i's true image and on a wrong one (Choice: the highest-scoring
+    wrong image, the most informative contrast)."""
     g = sp.cap_img[i]
     row = S[i].clone()
     row[g] = -float("inf")
@@ -2219,28 +2138,17 @@ def load_checkpoint(ckpt, device="cpu"):
         name = script.get("name") if isinstance(script, dict) else None
         raise ComposerError(f"{ckpt}: a checkpoint of {name or 'another script'}, not of composer.py: evaluate it "
                             f"with python eval_compositional.py --ckpt {ckpt}") from None
-    return load_weights(model, weights).to(device).eval(), load_tokenizer(folder), args
-
-
-def load_weights(model, weights):
-    """data.read_weights into the model: a truncated file or another model's weights is one
-    error line, not a traceback."""
-    sd = data.read_weights(weights)
-    try:
-        model.load_state_dict(sd)
-    except RuntimeError as e:
-        raise ComposerError(f"{weights}: not this model's weights ({' '.join(str(e).split())[:160]})") from None
-    return model
+    data.load_state(model, data.read_weights(weights), weights)   # a damaged file or another model's: one line
+    return model.to(device).eval(), load_tokenizer(folder), args
 
 
 def cmd_eval(args):
     t_start = time.time()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tok, targs = load_checkpoint(args.ckpt, device)
-    for k in ("features", "regions", "clip", "quick_gelu", "image_size", "image_root"):
-        if getattr(args, k, None) is None:
+    for k in ("data", "features", "regions", "clip", "quick_gelu", "image_size", "image_root"):
+        if getattr(args, k, None) is None:      # the checkpoint's, unless given
             setattr(args, k, getattr(targs, k, None))
-    args.data = args.data or targs.data
     compiler = TextCompiler(tok, model.cfg.max_len)
     # the paper's protocol: every image of the test split, each ranked by all captions
     out = {}
@@ -2298,7 +2206,10 @@ def _pool(args):
 
 
 def write_text(path, text):
-    data.atomic_write(path, lambda tmp: write_file(tmp, text.encode("utf-8")))
+    def write(p):
+        with open(p, "w", encoding="utf-8") as f:
+            f.write(text)
+    data.atomic_write(path, lambda tmp: data.fsync(tmp, write))
 
 
 def cmd_mcd(args):
@@ -2316,9 +2227,9 @@ def cmd_mcd(args):
     pool = [(k, [c for c, _ in v]) for k, v in by_img.items()]
     stride = args.stride or (max(1, args.size // 10) if targets else None)
     res = mcd_split(train_crgs, pool, args.size, stride)
-    summary = {k: v for k, v in res.items() if k not in ("mcd", "random", "windows")}
-    summary["pool_images"] = len(pool)
-    summary["windows"] = [{k: v for k, v in w.items() if k != "items"} for w in res["windows"]]
+    meta = lambda w: {k: v for k, v in w.items() if k != "items"}   # a window without its items
+    summary = {**{k: v for k, v in res.items() if k not in ("mcd", "random", "windows")}, "pool_images": len(pool),
+               "windows": [meta(w) for w in res["windows"]]}
     picked = {f"target_{t:g}": w for t, w in zip(targets, pick_windows(res["windows"], targets))}
     problems = target_problems(targets, res["windows"], args.tolerance)
     if problems and not args.nearest:
@@ -2329,7 +2240,7 @@ def cmd_mcd(args):
     # a window picked by several targets is written once, under the first target's name
     seen = {}
     picked = {n: w for n, w in picked.items() if seen.setdefault(w["start"], n) == n}
-    summary["targets"] = {name: {k: v for k, v in w.items() if k != "items"} for name, w in picked.items()}
+    summary["targets"] = {name: meta(w) for name, w in picked.items()}
     if problems:
         summary["target_problems"] = problems
     summary["skipped"] = {"train": dict(sk_t), "pool": dict(sk_p)}
@@ -2364,8 +2275,7 @@ def _installed(name):
 
 
 def _benepar_parser():
-    """benepar (Kitaev & Klein 2018, the paper's parser) in the first installed spaCy English
-    pipeline; a missing piece is one error naming it and the command that installs it."""
+    """benepar (Kitaev & Klein 2018, the paper's parser) in the first installed spaCy English pipeline."""
     if not _installed("spacy"):
         raise ComposerError("benepar is installed but spaCy is not: pip install spacy && "
                             "python -m spacy download en_core_web_md")
@@ -2396,20 +2306,17 @@ def _stanza_parser():
 
 
 def load_parser(name):
-    """caption -> PTB string with a real constituency parser (optional; not in requirements), or
-    the built-in bracketer ('builtin'). 'auto' takes benepar, then stanza. A parser that is
-    installed without its model says so (that, not "no parser", is what the user must fix)."""
+    """caption -> PTB string: a real parser (not in requirements; 'auto': benepar, then stanza) or the built-in
+    bracketer. A parser installed without its model says so (that, not "no parser", is what the user must fix)."""
     if name == "builtin":
         return bracket
     problems = []
-    for which in (["benepar", "stanza"] if name == "auto" else [name]):
-        if not _installed(which):
-            continue
+    for which in [w for w in (["benepar", "stanza"] if name == "auto" else [name]) if _installed(w)]:
         try:
             return _benepar_parser() if which == "benepar" else _stanza_parser()
         except ComposerError as e:
             problems.append(str(e))
-    raise ComposerError("; ".join(problems) if problems else PARSER_HELP)
+    raise ComposerError("; ".join(problems) or PARSER_HELP)
 
 
 def composer_run(folder):
@@ -2532,9 +2439,8 @@ def add_features(g, default="gold"):
     g.add_argument("--features", choices=["gold", "regions", "clip"], default=default,
                    help="gold: shapes gold boxes; regions: --regions (read per item); clip: frozen il_clip/CLIP ViT "
                         "patches" + ("" if default else " (default: the checkpoint's)"))
-    g.add_argument("--regions", default=None, help="DIR of {key}.safetensors (feats [N,D], boxes [N,5]) or one "
-                   "FILE.safetensors (feats [M,N,D], boxes [M,N,5], optional n_regions [M], metadata keys = JSON "
-                   "list of M image keys)")
+    g.add_argument("--regions", default=None, help="DIR of {key}.safetensors (feats [N,D], boxes [N,5]) or one FILE"
+                   ".safetensors (feats [M,N,D], boxes [M,N,5], optional n_regions [M], metadata keys: JSON list)")
     g.add_argument("--clip", default=None, help="il_clip.py out_dir or OpenAI-format weights (--features clip)")
     g.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
                    help="the --clip weights' activation; default: what open_clip_config.json / config.json beside "
@@ -2548,15 +2454,6 @@ def add_machine(g, seed_help="the run's seed: initialisation, batches, negatives
     g.add_argument("--num_workers", type=int, default=0, help="loader workers decoding images (--features clip)")
 
 
-SUBCOMMANDS = """subcommands (python composer.py SUBCOMMAND --help for each one's flags):
-  train   train COMPOSER or a baseline (the default when the first argument is a flag)
-  eval    text->image and phrase->image retrieval of a checkpoint (t2i_r1/5/10, p2i_r1/5/10, percent)
-  graph   CRG statistics of a caption set (paper Table 1); reads no image
-  mcd     maximum compound divergence splits (paper appendix B), --targets for graded splits
-  parse   write constituency trees into a copy of a caption file (benepar / stanza)
-  summarize  seeds of several models: mean ± 95% interval and paired differences"""
-
-
 # paper section 4 / appendix C: BERT-base sizes, PT 6 and CT 5 (S X S X S, ending in text self-attention)
 SIZE_PRESETS = {"shapes": dict(width=64, heads=4, pt_layers=1, ct_layers=3),
                 "paper": dict(width=768, heads=12, pt_layers=6, ct_layers=5)}
@@ -2566,9 +2463,9 @@ HOLD_OUT_HELP = ("leave the training captions with these predicates out (default
 
 
 def add_train_parser(sub):
-    t, (d, m, me, s, o, ma, out) = subparser(sub, "train", "train COMPOSER or a baseline (the default subcommand)",
-                                              "data", "model", "method", "schedule", "optimisation", "machine",
-                                              "output")
+    t, (d, m, me, s, o, ma, out) = subparser(sub, "train", "train COMPOSER or a baseline (the default when the first "
+                                             "argument is a flag)", "data", "model", "method", "schedule",
+                                             "optimisation", "machine", "output")
     add_data(d)
     d.add_argument("--train_size", type=int, default=None,
                    help="training images (default: the whole split; shapes: 12800)")
@@ -2578,10 +2475,9 @@ def add_train_parser(sub):
     d.add_argument("--eval_split", default="test", help="split of --data the in-domain evaluation reads")
     add_eval_sets(d)
     add_features(d)
-    m.add_argument("--model", choices=list(SIZE_PRESETS), default=None,
-                   help="default: shapes for --data shapes, paper otherwise. shapes: width 64, 4 heads, PT 1, CT 3 "
-                        "(CPU); paper: width 768, 12 heads, PT 6, CT 5 (S X S X S, ending in text self-attention). "
-                        "--width --heads --pt_layers --ct_layers override the preset")
+    m.add_argument("--model", choices=list(SIZE_PRESETS), default=None, help="shapes: width 64, 4 heads, PT 1, CT 3 "
+                   "(CPU); paper: width 768, 12 heads, PT 6, CT 5 (default: shapes for --data shapes, else paper); "
+                   "--width --heads --pt_layers --ct_layers override the preset")
     for k in SIZE_PRESETS["paper"]:  # width, heads, pt_layers, ct_layers
         m.add_argument(f"--{k}", type=int, default=None, help="default: the --model preset's")
     m.add_argument("--vis_layers", type=int, default=1, help="visual encoder layers over the regions")
@@ -2593,16 +2489,12 @@ def add_train_parser(sub):
     m.add_argument("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz (default: a BPE trained on the "
                    "captions)")
     m.add_argument("--vocab_size", type=int, default=1000, help="size of the BPE trained on the captions")
-    m.add_argument("--bert", default=None, help="a released BERT in Hugging Face layout (config.json, "
-                   "model.safetensors, vocab.txt; e.g. bert-base-uncased): its WordPiece vocabulary and weights "
-                   "initialise the text stream of composer (Predicate Transformer), vilbert and vse, as in the paper "
-                   "(section 5.1); width and heads become BERT's")
+    m.add_argument("--bert", default=None, help="a released BERT folder (e.g. bert-base-uncased): its WordPiece and "
+                   "weights initialise the text stream of composer (the PT), vilbert and vse (paper section 5.1)")
     m.add_argument("--init", default=None, help="initial weights: a composer out_dir or model.safetensors (default: "
                    "random)")
-    me.add_argument("--method", choices=list(MODELS), default="composer",
-                    help="composer | baselines: vse, single (one stream, text->image attention), vilbert (two-stream "
-                         "co-attention, no image-text pretraining; text stream from BERT with --bert, else from "
-                         "scratch)")
+    me.add_argument("--method", choices=list(MODELS), default="composer", help="composer | baselines: vse, single "
+                    "(one stream, text->image attention), vilbert (two-stream co-attention, no image-text pretraining)")
     me.add_argument("--concept_mvsa", action="store_true",
                     help="single / vilbert: add l_MVSA over every concept of the caption (\"ViLBERT + MVSA\", Table 5)")
     me.add_argument("--mvsa", choices=["hinge", "nll"], default="hinge", help="the form of l_MVSA")
@@ -2648,10 +2540,11 @@ def given_flags(parser, argv, dests):
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description="COMPOSER: CRG, model, training, retrieval, MCD splits",
-                                 epilog=SUBCOMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 epilog="python composer.py SUBCOMMAND --help for each one's flags")
     sub = ap.add_subparsers(dest="cmd", metavar="{train,eval,graph,mcd,parse,summarize}")
     train_parser = add_train_parser(sub)
-    _, (d, f, ev, ma) = subparser(sub, "eval", "text->image / phrase->image retrieval of a checkpoint",
+    _, (d, f, ev, ma) = subparser(sub, "eval", "text->image and phrase->image retrieval of a checkpoint (t2i_r1/5/10, "
+                                  "p2i_r1/5/10, percent)",
                                   "checkpoint and data", "features (default: the checkpoint's)", "evaluation",
                                   "machine and output")
     d.add_argument("--ckpt", required=True, help="a composer.py out_dir, checkpoint/ folder or model.safetensors")
@@ -2667,12 +2560,12 @@ def parse_args(argv):
     add_machine(ma, seed_help="seed of the phrase sample and of --parse_dropout")
     ma.add_argument("--out", help="also write the results to this JSON file (`summarize` reads RUN/eval.json; "
                     "default: stdout only)")
-    _, (g,) = subparser(sub, "graph", "CRG statistics (paper Table 1)", "data")
+    _, (g,) = subparser(sub, "graph", "CRG statistics of a caption set (paper Table 1); reads no image", "data")
     add_data(g)
     g.add_argument("--split", default="train", help="split of --data to read")
     g.add_argument("--max_images", type=int, default=None, help="images to read (default: all; shapes: 10000)")
-    _, (d, sp, out) = subparser(sub, "mcd", "maximum compound divergence split (paper appendix B)",
-                                "training set and pool", "split", "output")
+    _, (d, sp, out) = subparser(sub, "mcd", "maximum compound divergence splits (paper appendix B), --targets for "
+                                "graded ones", "training set and pool", "split", "output")
     add_data(d)
     d.add_argument("--train", default="shapes", help="training data spec (or a .jsonl of caption items)")
     d.add_argument("--train_split", default="train", help="split of --train")
@@ -2700,7 +2593,8 @@ def parse_args(argv):
                          "differences", "runs")
     g.add_argument("runs", help="folder whose sub-folders are `composer.py train` out_dirs")
     g.add_argument("--baseline", default="composer", help="the model the paired differences are taken against")
-    _, (g,) = subparser(sub, "parse", "write PTB trees into a copy of a caption file with a real parser", "parse")
+    _, (g,) = subparser(sub, "parse", "write constituency trees into a copy of a caption file (benepar / stanza)",
+                        "parse")
     g.add_argument("input", help="Karpathy .json, .csv/.tsv, or a .jsonl split file")
     g.add_argument("--out", required=True, help="the copy with `tree` fields")
     g.add_argument("--parser", choices=["auto", "benepar", "stanza", "builtin"], default="auto",
@@ -2722,21 +2616,18 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    errors = (ComposerError, CRGError) + ((data.DataError,) if data is not None else ())
-    handlers = stop_on_signals() if args.cmd == "train" else {}
+    handlers = data.catch_stop_signals() if args.cmd == "train" else {}
     try:
-        if data is None and args.cmd not in ("mcd", "parse"):
-            raise ComposerError("data.py is missing (composer.py imports it for data, tokenizer and shapes)")
         result = {"train": train, "eval": cmd_eval, "graph": cmd_graph, "mcd": cmd_mcd, "parse": cmd_parse,
                   "summarize": cmd_summarize}[args.cmd](args)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()      # no rank tears down its connections while another still uses them
         return result
-    except errors as e:
+    except (ComposerError, CRGError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1 if isinstance(e, NonFinite) else 2)
     except OSError as e:    # a full disk, a quota, a failing device: one line, the last checkpoint intact
-        if e.errno not in WRITE_ERRNOS:
+        if e.errno not in data.WRITE_ERRNOS:
             raise
         print(f"error: {e.filename or getattr(args, 'out_dir', None) or getattr(args, 'out', '')}: {e.strerror}",
               file=sys.stderr)
@@ -2744,12 +2635,11 @@ def main(argv=None):
     finally:
         # torch's order: the process group goes last, once per process, after the run that used
         # it (and its DDP wrapper) has returned; on every path, errors included
-        release_out_dir()
+        data.release_out_dir()
         if dist.is_available() and dist.is_initialized():
             gc.collect()    # the DDP wrapper (in a reference cycle) holds the group: it goes first
             dist.destroy_process_group()
-        for s, h in handlers.items():
-            signal.signal(s, h)
+        data.restore_signals(handlers)
 
 
 # =============================================================================
@@ -2784,7 +2674,7 @@ for _tag, _words in {
     "VBZ": "is has does", "VBP": "are have do am", "VBD": "was were had did", "VB": "be", "VBN": "been", "VBG": "being",
     "MD": "can could will would may might should must",
     "RB": "very not also just together too almost really quite n't away out up down off back here "
-          "outside inside around nearby alone only still so even",
+          "nearby alone only still so even",
     "JJ": "red green blue yellow orange purple pink brown black white gray grey cyan magenta beige tan golden silver "
           "blond blonde dark light bright colorful colourful striped spotted plaid small large big tiny huge little "
           "tall short long old young new wooden metal plastic glass open empty full other same different round "
@@ -2792,7 +2682,7 @@ for _tag, _words in {
           "sunny shirtless bald elderly high low wide narrow deep thick thin fat heavy fresh asian african american "
           "indian left right top bottom middle front first second third last next several many few various multiple "
           "numerous professional outdoor indoor electric giant adult female male pretty beautiful nice cute fancy "
-          "older younger smaller larger bigger single double public private great good cool fun funny nice huge cute "
+          "older younger smaller larger bigger single double public private great good cool fun funny "
           "lovely broken shiny fluffy furry messy leafy rusty dusty",
 }.items():
     for _w in _words.split():
@@ -2811,16 +2701,15 @@ _VERB_LEMMAS = (
     "ride sit stand walk run jump play hold eat drink look watch wear carry climb throw catch kick hit swim surf ski "
     "skate dance sing read write talk smile laugh cook cut paint push pull fly drive wait sleep lie lay lean rest "
     "fish work sell buy perform prepare grab lift pose point chase bite lick sniff fall cross pass graze feed race "
-    "dive splash speed bike hike pick clean wash build fix use wave celebrate arrive leave enter exit open close "
-    "show hang serve shop stare kiss hug shake touch take make give put get go come stroll jog march roll slide swing "
+    "dive splash speed bike hike pick clean wash build fix use wave celebrate arrive leave enter exit open close show "
+    "hang serve shop stare kiss hug shake touch take make give put get go come stroll jog march roll slide swing "
     "bounce kneel crouch squat fill pour blow check type drag ring lead see find stick spin sweep dig hide beat chat "
-    "grab help hug nap tap set let beg wrap clap trim rub reach step stop skip cheer compete fight tackle score "
-    "block swim paddle row sail float wade splash stretch bend lay tie teach learn study listen stir sip taste chew "
-    "bake grill fry mow rake plant water ski sled skateboard snowboard wrestle box juggle balance practice attempt try "
-    "prepare decorate display gather crowd line sort load unload examine inspect repair adjust hold fold cover smoke "
-    "drink feed rest relax enjoy admire observe talk yell shout scream cry gesture wave hand pet pat groom herd tow "
-    "haul deliver board ride rest approach follow lead guide walk leap hop dribble shoot pitch swing bat serve hurry "
-    "rush cycle pedal steer park dress cook play").split()
+    "help nap tap set let beg wrap clap trim rub reach step stop skip cheer compete fight tackle score block paddle "
+    "row sail float wade stretch bend tie teach learn study listen stir sip taste chew bake grill fry mow rake plant "
+    "water sled skateboard snowboard wrestle box juggle balance practice attempt try decorate display gather crowd "
+    "line sort load unload examine inspect repair adjust fold cover smoke relax enjoy admire observe yell shout "
+    "scream cry gesture hand pet pat groom herd tow haul deliver board approach follow guide leap hop dribble shoot "
+    "pitch bat hurry rush cycle pedal steer park dress").split()
 _IRREGULAR = {"ride": "rode ridden", "sit": "sat", "stand": "stood", "run": "ran", "eat": "ate eaten",
               "drink": "drank drunk", "hold": "held", "wear": "wore worn", "throw": "threw thrown",
               "catch": "caught", "swim": "swam swum", "sing": "sang sung", "write": "wrote written",
@@ -2835,7 +2724,7 @@ _IRREGULAR = {"ride": "rode ridden", "sit": "sat", "stand": "stood", "run": "ran
               "teach": "taught", "shoot": "shot", "leap": "leapt", "hit": "hit", "cut": "cut",
               "put": "put", "set": "set", "let": "let"}
 _DOUBLE = set("run sit swim cut hit shop jog get put dig spin drag skip stop chat grab hug nap tap set "
-              "let beg wrap clap trim rub step sled box".split()) - {"box"}
+              "let beg wrap clap trim rub step sled".split())
 
 
 def _inflections(lemma):
@@ -3075,9 +2964,8 @@ class _Chunker:
         return tree, j
 
     def coordination(self, tree, j, mode):
-        """NP [, NP]* CC NP inside a PP or an object ("with a stove and a sink", "has cabinets and a
-        fridge"). Inside a PP a conjunct with its own modifiers ("and a woman in a coat") is left
-        to the coordination of the whole NP."""
+        """NP [, NP]* CC NP inside a PP or an object ("with a stove and a sink", "has cabinets and a fridge"). Inside a
+        PP a conjunct with its own modifiers ("and a woman in a coat") is left to the coordination of the whole NP."""
         parts, k = [tree], j
         while self.tag(k) in (",", "CC"):
             c = k + 2 if self.tag(k) == "," and self.tag(k + 1) == "CC" else k + 1
@@ -3101,7 +2989,7 @@ class _Chunker:
             j += 1
         while j < self.n:
             t = self.tag(j)
-            if t in (".",):
+            if t == ".":
                 break
             if t == "IN" and self.w[j] in _SUBORD and (cl := self.clause(j + 1)):
                 out.append(f"(SBAR {self.leaf(j)} {cl[0]})")  # "while a dog runs", "as the sun sets"
@@ -3109,13 +2997,9 @@ class _Chunker:
                 continue
             if t in _VERB_TAGS and t != "VBG" and stop_finite and t not in ("VB", "VBN"):
                 break
-            if t == "TO" and self.tag(j + 1) == "VB":
+            if (t, self.tag(j + 1)) in (("TO", "VB"), ("IN", "VBG")):   # "to ride a bike", "while riding"
                 v, k = self.vp(j + 1, stop_finite)
-                out.append(f"(S (VP {self.leaf(j)} {v}))")
-                j = k
-            elif t == "IN" and self.tag(j + 1) == "VBG":
-                v, k = self.vp(j + 1, stop_finite)
-                out.append(f"(SBAR {self.leaf(j)} (S {v}))")
+                out.append(f"(S (VP {self.leaf(j)} {v}))" if t == "TO" else f"(SBAR {self.leaf(j)} (S {v}))")
                 j = k
             elif t in ("IN", "TO") and (inner := self.np(j + 1, "pp")):
                 out.append(f"(PP {self.leaf(j)} {inner[0]})")
@@ -3176,282 +3060,67 @@ def bracket(caption: str) -> str:
 
 
 # =============================================================================
-# Infrastructure: checkpoints, run lifecycle, the out_dir lock, stop signals, the loss plot
+# Infrastructure: what composer.py adds to data.py's run lifecycle
 # =============================================================================
-# The layout of all three training scripts: out_dir/checkpoint/ holds model.safetensors, config.json (flags, model
-# config, "script"), tokenizer.json, state.pt (step, optimizer, RNG states, sampler position; torch.save, read back
-# with weights_only=True) and sha256.json of those four, written last. A save fills checkpoint.tmp/, fsyncs it and
-# switches it in by renames; the save before it stays as checkpoint.prev/, the fallback when the newest is damaged.
+# data.py holds the run lifecycle every training script shares (the out_dir lock, checkpoint save / verify / fallback,
+# RNG states, resumed flags, stop signals, metrics.jsonl + wandb, the plot). composer.py's own parts are below: what
+# its state.pt holds and how it is restored, its run-control flags, the series of its loss plot.
 
-STATE_FILES = ("model.safetensors", "config.json", "tokenizer.json", "state.pt")
-WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)   # one error line, exit 2 (main)
 # --resume takes every flag from the run's config.json but NOT_SAVED; a flag given on the command line must equal
 # the saved value, except the run-control ones
 NOT_SAVED = {"cmd", "resume", "overwrite", "out_dir", "stop_at"}
 RUN_CONTROL = NOT_SAVED | {"save_interval", "log_interval", "num_workers", "device", "compile", "eval_every", "wandb"}
-RUN_FILES = ("checkpoint", "checkpoint.prev", "checkpoint.tmp", "config.json", "tokenizer.json", "metrics.jsonl",
-             "loss_curve.png", "eval.json", "wandb_id")   # what --overwrite removes
-_lock = None    # this process's open out_dir/.lock
+RUN_FILES = (r"checkpoint(\.prev|\.tmp)?", r"config\.json", r"tokenizer\.json", r"metrics\.jsonl", r"loss_curve\.png",
+             r"eval\.json", r"wandb_id(\.txt)?")   # what --overwrite removes
+STATE_TYPES = {"step": int, "sampler": dict, "optimizer": dict, "rng": dict}   # state.pt (+ log_sums, log_steps)
 
 
-def refuse(rank, msg):
-    """A problem every rank finds alike: rank 0 says it once, every rank exits 2."""
-    if rank:
-        raise SystemExit(2)
-    raise ComposerError(msg)
-
-
-def lock_out_dir(out_dir, rank, world, device):
-    """One run per out_dir: rank 0 holds an flock on out_dir/.lock, which the kernel drops when the process ends,
-    killed or not; while another process holds it, every rank stops and rank 0 names the holder."""
-    global _lock
-    release_out_dir()
-    holder = ""
-    if rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        _lock = open(os.path.join(out_dir, ".lock"), "a+")
-        try:
-            fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _lock.seek(0)
-            holder = _lock.read().strip() or "?"
-            release_out_dir()
-        else:   # the holder's pid, for the message a second run prints
-            _lock.truncate(0)
-            print(os.getpid(), file=_lock, flush=True)
-    busy = torch.tensor(float(bool(holder)), device=device)
-    if world > 1:
-        dist.broadcast(busy, 0)     # every rank learns it, so none waits in a collective rank 0 has left
-    if busy.item():
-        refuse(rank, f"{out_dir} is in use by another run: process {holder} holds {out_dir}/.lock")
-
-
-def release_out_dir():
-    global _lock
-    if _lock is not None:
-        _lock.close()
-        _lock = None
-
-
-def prepare_out_dir(args, rank):
-    """The run lifecycle. A new run on an out_dir holding a checkpoint is refused unless --overwrite, which first
-    removes the previous run's files. --resume returns (folder, weights, state, config) of checkpoint/, or of
-    checkpoint.prev/ when that is damaged (said in a note), and args become the saved run's."""
-    newest, prev = os.path.join(args.out_dir, "checkpoint"), os.path.join(args.out_dir, "checkpoint.prev")
-    found = os.path.isdir(newest) or os.path.isdir(prev)
-    if not args.resume:
-        if found and not args.overwrite:
-            refuse(rank, f"{args.out_dir} holds a checkpoint: --resume continues that run; a new run needs another "
-                         f"--out_dir, or --overwrite to replace it")
-        for path in [os.path.join(args.out_dir, f) for f in RUN_FILES] if args.overwrite and rank == 0 else []:
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            elif os.path.exists(path):
-                os.remove(path)
-        return None
-    if not found:
-        refuse(rank, f"--resume: nothing to resume yet in {args.out_dir} (no checkpoint saved)")
-    try:
-        ckpt = (newest, *read_checkpoint(newest))
-    except data.DataError as e:
-        if not os.path.isdir(prev):
-            raise
-        ckpt = (prev, *read_checkpoint(prev))
-        if rank == 0:
-            print(f"note: {e}; resuming from the previous checkpoint {prev} (step {ckpt[2]['step']})", file=sys.stderr)
-    for k, v in ckpt[3]["args"].items():
-        if k in args.given and k not in RUN_CONTROL and getattr(args, k) != v:
-            refuse(rank, f"--{k} {getattr(args, k)} differs from the resumed run's {v} ({ckpt[0]}/config.json): "
-                         f"--resume continues a run with its own flags")
+def resume_run(args, rank):
+    """--resume: (folder, weights, state, config, newest_damaged) of the newest whole checkpoint; args become the
+    saved run's, a run-defining flag given now must equal its saved value."""
+    ckpt = data.load_checkpoint(args.out_dir, STATE_TYPES, rank=rank)
+    saved = ckpt[3]["args"]
+    data.resumed_flags({k: getattr(args, k) for k in args.given}, saved, RUN_CONTROL, f"{ckpt[0]}/config.json")
+    for k, v in saved.items():
         if k not in args.given and k not in NOT_SAVED:
             setattr(args, k, v)
     return ckpt
 
 
-def write_file(path, blob):
-    with open(path, "wb") as f:
-        f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra, device):
+def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra, device, newest_damaged=False):
     """Everything --resume needs to continue bit-exactly from `step` (rank 0 writes). Non-finite weights or optimizer
     state are never saved (NonFinite); a write error is one error line; either way the last checkpoint stays."""
-    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    moments = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
-    if not all(torch.isfinite(t).all() for t in [*weights.values(), *moments] if t.is_floating_point()):
+    weights, optim = model.state_dict(), opt.state_dict()
+    if not data.all_finite([weights, optim["state"]]):
         raise nonfinite(step, args)
-    n, state = np.random.get_state(), io.BytesIO()
-    rng = {"torch": torch.get_rng_state(), "numpy": [n[0], n[1].tolist(), *n[2:]], "python": random.getstate(),
-           "cuda": torch.cuda.get_rng_state_all() if device.startswith("cuda") else []}
-    torch.save({"step": step, "sampler": sampler.state_dict(), "optimizer": opt.state_dict(), "rng": rng, **extra},
-               state)
+    state = {"step": step, "sampler": sampler.state_dict(), "optimizer": optim, "rng": data.rng_state(device), **extra}
     config = {"args": {k: v for k, v in vars(args).items() if k != "given"}, "model": asdict(cfg),
               "script": data.script_record(__file__)}
-    blobs = {"model.safetensors": safetensors.torch.save(weights, {"step": str(step)}),
-             "config.json": json.dumps(config, indent=1).encode(), "state.pt": state.getvalue()}
-    tmp, final, prev = (os.path.join(out_dir, d) for d in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        os.makedirs(tmp)
-        for name, blob in blobs.items():
-            write_file(os.path.join(tmp, name), blob)
-        tok.save(tmp)
-        data.fsync(os.path.join(tmp, "tokenizer.json"))
-        sums = {f: sha256(os.path.join(tmp, f)) for f in STATE_FILES}
-        write_file(os.path.join(tmp, "sha256.json"), json.dumps(sums, indent=1).encode())
-        data.fsync(tmp)
-        # readers of out_dir (summarize, eval --ckpt OUT_DIR) find the run's config and tokenizer there
-        data.atomic_write(os.path.join(out_dir, "config.json"), lambda p: write_file(p, blobs["config.json"]))
-        tok.save(out_dir)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if e.errno not in WRITE_ERRNOS:
-            raise
-        raise ComposerError(f"{out_dir}: {e.strerror.lower()} while writing the step-{step} checkpoint (about "
-                            f"{sum(map(len, blobs.values())) / 2 ** 20:.1f} MiB needed, "
-                            f"{shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); the previous checkpoint is "
-                            f"kept") from None
-    shutil.rmtree(prev, ignore_errors=True)     # the save before the newest stays as checkpoint.prev/
-    if os.path.isdir(final):
-        os.replace(final, prev)
-    os.replace(tmp, final)
-    data.fsync(out_dir)
-
-
-def read_checkpoint(folder):
-    """(weights, state, config) of a checkpoint folder whose files match its sha256.json, else a DataError naming
-    the file that is missing, damaged or of the wrong types."""
-    sums = data.read_json(os.path.join(folder, "sha256.json"))
-    for path in [os.path.join(folder, f) for f in STATE_FILES]:
-        if not os.path.isfile(path) or not isinstance(sums, dict) or sums.get(os.path.basename(path)) != sha256(path):
-            raise data.DataError(f"{path}: {'damaged (sha256 differs)' if os.path.isfile(path) else 'missing'}")
-    path = os.path.join(folder, "state.pt")
-    try:
-        st = torch.load(path, map_location="cpu", weights_only=True)
-        ok = isinstance(st["step"], int) and torch.is_tensor(st["rng"]["torch"]) and \
-            isinstance(st["sampler"], dict) and isinstance(st["optimizer"], dict)
-    except Exception:   # what weights_only refuses to unpickle, or not a dict with these keys
-        ok = False
-    if not ok:
-        raise data.DataError(f"{path}: not a training state (wrong types)")
-    return load_file(os.path.join(folder, "model.safetensors")), st, data.read_json(os.path.join(folder, "config.json"))
+    data.save_checkpoint(out_dir, weights, state, config, tok, step, newest_damaged)
 
 
 def restore(ckpt, model, opt, sampler, metrics, rank, device):
     """--resume: weights, optimizer, sampler position and RNG states; metrics.jsonl cut back to the resumed step
     (no step is logged twice). Returns the step."""
-    folder, weights, st, _ = ckpt
+    folder, weights, st = ckpt[:3]
     data.load_state(model, weights, folder)
     opt.load_state_dict(st["optimizer"])
     sampler.load_state_dict(st["sampler"])
-    torch.set_rng_state(st["rng"]["torch"])
-    if st["rng"]["cuda"] and device.startswith("cuda"):
-        torch.cuda.set_rng_state_all(st["rng"]["cuda"])
-    n = st["rng"]["numpy"]
-    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
-    random.setstate(st["rng"]["python"])
+    data.set_rng_state(st["rng"], device)
     if rank == 0:
-        with open(metrics) if os.path.isfile(metrics) else contextlib.nullcontext([]) as f:
-            kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= st["step"]]
-        data.atomic_write(metrics, lambda p: write_file(p, "".join(kept).encode()))
+        data.cut_metrics(metrics, st["step"])
     return st["step"]
 
 
-STOP = {"flag": False}   # set by SIGTERM / SIGINT, read by the training loop
-
-
-def stop_on_signals():
-    """SIGTERM and SIGINT (Ctrl-C) ask the loop to stop with a checkpoint at the next step all ranks
-    agree on; a second Ctrl-C exits at once. Installed until main() ends (a SIGTERM during the last
-    save must not kill it); returns the handlers main() puts back."""
-    STOP["flag"] = False
-
-    def handler(signum, frame):
-        if signum == signal.SIGINT and STOP["flag"]:
-            raise KeyboardInterrupt
-        STOP["flag"] = True
-    return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-
-
-def progress(it, desc, **kw):
-    """A tqdm bar on stderr, on rank 0 at a terminal only (logs, pipes and tests stay clean)."""
-    return tqdm(it, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=kw.pop("leave", False),
-                disable=not sys.stderr.isatty() or os.environ.get("RANK", "0") != "0", **kw)
-
-
-def start_wandb(args):
-    """--wandb PROJECT (nanoGPT's wandb_log): rank 0 sends every metrics.jsonl record to Weights & Biases. The run id
-    is kept in out_dir/wandb_id, so --resume continues the same W&B run (--overwrite starts a new one)."""
-    try:
-        import wandb
-    except ImportError:
-        raise ComposerError("--wandb needs the wandb package (pip install wandb)") from None
-    path = os.path.join(args.out_dir, "wandb_id")
-    run_id = open(path).read().strip() if os.path.isfile(path) else os.urandom(6).hex()
-    data.atomic_write(path, lambda p: write_file(p, run_id.encode()))
-    config = {k: v for k, v in vars(args).items() if k != "given"}
-    wandb.init(project=args.wandb, name=os.path.basename(os.path.abspath(args.out_dir)), config=config, id=run_id,
-               resume="allow")
-    return wandb
-
-
-def axis_ticks(lo, hi, integer=False, n=5):
-    """(values, labels) of about n ticks over [lo, hi]: integers on an integer axis, else as many decimals as make
-    the labels distinct."""
-    if integer:
-        raw = max(1, (hi - lo) / n)
-        unit = 10 ** math.floor(math.log10(raw))
-        stride = next(m * unit for m in (1, 2, 5, 10) if m * unit >= raw)
-        vals = list(range(int(math.ceil(lo / stride) * stride), int(hi) + 1, int(stride)))
-        return vals, [str(v) for v in vals]
-    vals = [lo + (hi - lo) * i / (n - 1) for i in range(n)]
-    digits = max(0, math.ceil(-math.log10(max((hi - lo) / (n - 1), 1e-12)) - 1e-9) + 1)
-    return vals, [f"{v:.{digits}f}" for v in vals]
-
-
-def draw_loss_curve(metrics_path, png_path, args, size=(900, 460)):
-    """loss_curve.png from metrics.jsonl's training records, drawn with PIL (no matplotlib in this project): the
-    total loss in one colour labelled by the method (one phase), its terms (l_match, l_MVSA, l_order) beside it."""
+def draw_loss_curve(metrics_path, png_path, args):
+    """loss_curve.png: the total loss, labelled by the method, and its terms l_match, l_MVSA, l_order."""
     with open(metrics_path) as f:
         rows = [r for r in map(json.loads, filter(str.strip, f)) if "loss" in r]
-    names = [k for k in ("loss", "match", "mvsa", "order") if any(k in r for r in rows)]
-    series = {k: [(r["step"], r[k]) for r in rows if math.isfinite(r.get(k, math.nan))] for k in names}
     colours = {"loss": (31, 119, 180), "match": (255, 127, 14), "mvsa": (44, 160, 44), "order": (148, 103, 189)}
-    (W, H), (L, R, T, B) = size, (80, 20, 50, 50)
-    img = Image.new("RGB", size, "white")
-    d = ImageDraw.Draw(img)
-    d.text((L, 12), f"composer.py --method {args.method}: training loss ({os.path.basename(args.out_dir)})",
-           fill="black")
-    d.text((8, T - 20), "loss (nats)", fill="black")
-    d.text(((W + L) // 2 - 12, H - 18), "step", fill="black")
-    d.rectangle([L, T, W - R, H - B], outline="black")
-    pts = [p for v in series.values() for p in v]
-    if pts:
-        x1 = max(max(x for x, _ in pts), 1)
-        y0, y1 = min(y for _, y in pts), max(y for _, y in pts)
-        y1 = y1 if y1 > y0 else y0 + 1
-        X = lambda x: L + (W - L - R) * x / x1
-        Y = lambda y: H - B - (H - T - B) * (y - y0) / (y1 - y0)
-        for v, lab in zip(*axis_ticks(y0, y1)):
-            d.line([(L - 4, Y(v)), (L, Y(v))], fill="black")
-            d.text((8, Y(v) - 6), lab, fill="black")
-        for v, lab in zip(*axis_ticks(0, x1, integer=True)):
-            d.line([(X(v), H - B), (X(v), H - B + 4)], fill="black")
-            d.text((X(v) - 3 * len(lab), H - B + 6), lab, fill="black")
-        for i, (k, v) in enumerate(series.items()):
-            label = f"{args.method} (total)" if k == "loss" else f"l_{k}"
-            if len(v) > 1:
-                d.line([(X(x), Y(y)) for x, y in v], fill=colours[k], width=2 if k == "loss" else 1)
-            d.line([(W - R - 150, T + 12 + 16 * i), (W - R - 125, T + 12 + 16 * i)], fill=colours[k], width=2)
-            d.text((W - R - 120, T + 6 + 16 * i), label, fill="black")
-    data.atomic_write(png_path, lambda p: img.save(p, format="PNG"))
+    series = [(f"{args.method} (total)" if k == "loss" else f"l_{k}", rgb, [(r["step"], r[k]) for r in rows if k in r],
+               2 if k == "loss" else 1) for k, rgb in colours.items()]
+    title = f"composer.py --method {args.method}: training loss ({os.path.basename(args.out_dir)})"
+    data.draw_curves(png_path, title, series)
 
 
 if __name__ == "__main__":

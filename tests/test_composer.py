@@ -278,7 +278,7 @@ def test_resume_exact_and_ddp_equals_single(tmp_path):
         torch.testing.assert_close(d[k], a[k], atol=1e-3, rtol=1e-3)
     for f in ("config.json", "tokenizer.json", "metrics.jsonl", "loss_curve.png"):
         assert os.path.exists(os.path.join(full, f))
-    assert sorted(os.listdir(os.path.join(full, "checkpoint"))) == sorted(C.STATE_FILES + ("sha256.json",))
+    assert sorted(os.listdir(os.path.join(full, "checkpoint"))) == sorted(data.CHECKPOINT_FILES + ("sha256.json",))
     assert not [f for f in os.listdir(full) if ".tmp" in f or ".prev" in f]
     # evaluation + interpretation view on the checkpoint
     out = C.main(["eval", "--ckpt", full, "--eval_size", "12", "--interpret", "1", "--parse_dropout", "0.5",
@@ -423,12 +423,12 @@ def test_damaged_checkpoint_falls_back_or_fails_in_one_line(tmp_path, capsys):
     assert "at step 2" in out_err.out and same_weights(ref, out)
     torch.save({"step": "4", "sampler": [], "optimizer": {}, "rng": {}}, os.path.join(ck, "state.pt"))
     sums = data.read_json(os.path.join(ck, "sha256.json"))
-    sums["state.pt"] = C.sha256(os.path.join(ck, "state.pt"))
+    sums["state.pt"] = data.sha256(os.path.join(ck, "state.pt"))
     data.save_json(os.path.join(ck, "sha256.json"), sums)
     shutil.rmtree(os.path.join(out, "checkpoint.prev"))
     with pytest.raises(SystemExit) as e:
         C.main(["train", "--resume", "--out_dir", out])
-    assert e.value.code == 2 and "state.pt: not a training state (wrong types)" in one_error_line(capsys)
+    assert e.value.code == 2 and "state.pt: wrong types" in one_error_line(capsys)
     open(os.path.join(ck, "model.safetensors"), "wb").write(bytes(blob[:len(blob) // 2]))     # truncated
     with pytest.raises(SystemExit) as e:
         C.main(["train", "--resume", "--out_dir", out])
@@ -444,9 +444,9 @@ def test_resume_refuses_a_changed_flag_and_a_new_run_refuses_a_used_out_dir(tmp_
         return {os.path.join(dp, f): open(os.path.join(dp, f), "rb").read() for dp, _, fs in os.walk(out) for f in fs}
     before = files()
     capsys.readouterr()
-    for argv, says in ((["--resume", "--lr", "0.5"], "--lr 0.5 differs from the resumed run's 0.001"),
+    for argv, says in ((["--resume", "--lr", "0.5"], "--lr 0.5 differs from the saved run's 0.001"),
                        (["--resume", "--method", "vse"], "--method vse differs"),
-                       (TRAIN, "holds a checkpoint: --resume continues that run")):
+                       (TRAIN, "holds the checkpoint of an earlier run: continue it with --resume")):
         with pytest.raises(SystemExit) as e:
             C.main(["train", "--out_dir", out] + argv)
         line = one_error_line(capsys)
@@ -486,8 +486,8 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_bit_exactly(tmp_path):
 
 
 def test_signal_handlers_stay_until_main_returns(tmp_path, monkeypatch):
-    """A SIGTERM while the finished run writes its last files does not kill it; a second Ctrl-C exits at once;
-    main() puts the previous handlers back when it returns."""
+    """A SIGTERM while the finished run writes its last files does not kill it; main() puts the previous handlers
+    back when it returns (a second Ctrl-C exiting at once: tests/test_data_lifecycle.py)."""
     import signal
     before = signal.getsignal(signal.SIGTERM)
     real = C.draw_loss_curve
@@ -499,15 +499,6 @@ def test_signal_handlers_stay_until_main_returns(tmp_path, monkeypatch):
     out = C.main(["train", "--out_dir", str(tmp_path), "--max_steps", "1"] + TRAIN)
     assert out["step"] == 1 and os.path.isfile(tmp_path / "loss_curve.png")
     assert signal.getsignal(signal.SIGTERM) is before
-    handlers = C.stop_on_signals()
-    try:
-        os.kill(os.getpid(), signal.SIGINT)
-        assert C.STOP["flag"]
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
@@ -515,22 +506,21 @@ def test_write_errors_are_one_line_and_keep_the_last_checkpoint(tmp_path, monkey
     """A write error in the step-4 save: one line naming out_dir and the size, exit 2,
     checkpoint.tmp/ gone, step 2's checkpoint as it was. One in the loss plot: one line too."""
     out = str(tmp_path / "run")
-    real = C.write_file
+    real = torch.save
 
-    def failing(path, blob):
-        if "checkpoint.tmp" in path and os.path.isfile(os.path.join(out, "checkpoint", "state.pt")) \
-                and saved_state(out)["step"] == 2:
-            real(path, blob[:10])
+    def failing(obj, path, *a, **k):
+        if "checkpoint.tmp" in str(path) and isinstance(obj, dict) and obj.get("step") == 4:
+            open(path, "wb").write(b"\0" * 10)
             raise OSError(code, os.strerror(code))
-        real(path, blob)
-    monkeypatch.setattr(C, "write_file", failing)
+        real(obj, path, *a, **k)
+    monkeypatch.setattr(torch, "save", failing)
     with pytest.raises(SystemExit) as e:
         C.main(["train", "--out_dir", out, "--max_steps", "4"] + TRAIN + ["--save_interval", "2"])
     line = one_error_line(capsys)
     assert e.value.code == 2 and out in line and os.strerror(code).lower() in line and "MiB needed" in line, line
     assert not os.path.exists(os.path.join(out, "checkpoint.tmp")) and saved_state(out)["step"] == 2
-    C.read_checkpoint(os.path.join(out, "checkpoint"))       # whole: every sha256 matches
-    monkeypatch.setattr(C, "write_file", real)
+    data.read_checkpoint(os.path.join(out, "checkpoint"), C.STATE_TYPES)       # whole: every sha256 matches
+    monkeypatch.setattr(torch, "save", real)
 
     def no_quota(metrics_path, png_path, *a):
         raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), png_path)

@@ -169,7 +169,8 @@ def importable(name):
 def test_help_lists_subcommands():
     r = subprocess.run([sys.executable, os.path.join(ROOT, "composer.py"), "--help"], capture_output=True, text=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=60)
-    assert r.returncode == 0 and all(f"\n  {c} " in r.stdout for c in ("train", "eval", "graph", "mcd", "parse"))
+    assert r.returncode == 0 and all(f"\n    {c} " in r.stdout
+                                     for c in ("train", "eval", "graph", "mcd", "parse", "summarize"))
 
 
 def test_csv_captions_and_trees_without_images(tmp_path):

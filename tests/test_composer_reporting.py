@@ -14,6 +14,7 @@ from conftest import require_real_wandb
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import composer as C  # noqa: E402
+import data  # noqa: E402
 
 pytest.importorskip("data")
 
@@ -66,11 +67,11 @@ def test_a_resumed_run_logs_the_same_interval_means(tmp_path, capsys):
 
 
 def test_plot_ticks_are_readable():
-    vals, labels = C.axis_ticks(0, 400, integer=True)
+    vals = data.nice_ticks(0, 400, integer=True)                      # the loss plot's axes (data.draw_curves)
     assert all(isinstance(v, int) for v in vals) and vals[0] == 0 and vals[-1] <= 400 and len(vals) >= 3
-    assert C.axis_ticks(0, 3, integer=True)[0] == [0, 1, 2, 3]       # no half steps
-    _, labels = C.axis_ticks(3.6381, 3.6385)                          # a flat curve: labels still distinct
-    assert len(set(labels)) == len(labels) == 5 and labels[0] == "3.63810"
+    assert data.nice_ticks(0, 3, integer=True) == [0, 1, 2, 3]        # no half steps
+    labels = data.tick_labels(data.nice_ticks(3.6381, 3.6385))        # a flat curve: labels still distinct
+    assert len(set(labels)) == len(labels) >= 3
 
 
 def test_help_is_grouped_and_shows_defaults():
@@ -119,7 +120,7 @@ def test_wandb_gets_every_metrics_record_with_a_fake_module(tmp_path):
     assert r.returncode == 0, r.stderr
     calls = [json.loads(line) for line in open(log)]
     inits = [c[1] for c in calls if c[0] == "init"]
-    assert len(inits) == 2 and inits[0]["id"] == inits[1]["id"] == open(os.path.join(out, "wandb_id")).read()
+    assert len(inits) == 2 and inits[0]["id"] == inits[1]["id"] == open(os.path.join(out, "wandb_id.txt")).read().strip()
     assert inits[0]["project"] == "proj" and inits[0]["name"] == "run" and inits[0]["resume"] == "allow"
     assert inits[0]["config"]["max_steps"] == 4 and inits[0]["config"]["wandb"] == "proj"
     logged = [(c[1], c[2]) for c in calls if c[0] == "log"]
@@ -146,7 +147,7 @@ def test_wandb_offline_with_the_real_package(tmp_path):
     r = _train(["--out_dir", out, "--max_steps", "2", "--log_interval", "1", "--wandb", "composer-test"] + TRAIN,
                {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true", "PYTHONPATH": ROOT})
     assert r.returncode == 0, r.stderr
-    run_id = open(os.path.join(out, "wandb_id")).read()
+    run_id = open(os.path.join(out, "wandb_id.txt")).read().strip()
     runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-") and d.endswith(run_id)]
     assert len(runs) == 1, os.listdir(tmp_path / "wandb")
     assert os.path.isfile(tmp_path / "wandb" / runs[0] / f"run-{run_id}.wandb")
