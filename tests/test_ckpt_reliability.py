@@ -53,7 +53,6 @@ def exit_code(main, argv):
 SCRIPTS = {"il_clip": (I.main, lambda out, t: CLIP + ["--out_dir", out]),
            "composer": (C.main, lambda out, t: ["train"] + TRAIN + ["--out_dir", out, "--max_steps", "4",
                                                                    "--save_interval", "2"])}
-MODULES = {"il_clip": I, "composer": C}     # mm_learngene's versions of these tests: test_mm_ckpt.py
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -63,30 +62,16 @@ def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(script, tmp_pat
     byte for byte as it was."""
     main, argv = SCRIPTS[script]
     out = str(tmp_path / "o")
-    mod = MODULES[script]
-    if script == "composer":        # composer writes every checkpoint file through write_file(path, blob)
-        real_write, saves = mod.write_file, []
+    import safetensors.torch        # both scripts save through data.save_checkpoint, which imports save_file then
+    real = safetensors.torch.save_file
 
-        def full_disk_blob(path, blob):
-            if "checkpoint.tmp" in path and path.endswith("model.safetensors"):
-                saves.append(path)
-            if len(saves) == 2 and "checkpoint.tmp" in path:       # the step-4 save
-                with open(path, "wb") as f:
-                    f.write(b"\0" * 100)
-                raise OSError(errno.ENOSPC, "No space left on device")
-            real_write(path, blob)
-        monkeypatch.setattr(mod, "write_file", full_disk_blob)
-    else:                           # il_clip writes through data.save_checkpoint, which imports save_file when it saves
-        import safetensors.torch
-        mod, real = safetensors.torch, safetensors.torch.save_file
-
-        def full_disk(tensors, path, metadata=None):
-            if metadata and metadata.get("step") == "4":
-                with open(path, "wb") as f:
-                    f.write(b"\0" * 100)
-                raise OSError(errno.ENOSPC, "No space left on device")
-            real(tensors, path, metadata)
-        monkeypatch.setattr(mod, "save_file", full_disk)
+    def full_disk(tensors, path, metadata=None):
+        if metadata and metadata.get("step") == "4":
+            with open(path, "wb") as f:
+                f.write(b"\0" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(tensors, path, metadata)
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     assert exit_code(main, argv(out, teacher)) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("error: ") and out in line and "no space left" in line and "MiB needed" in line, line
@@ -163,7 +148,7 @@ def test_composer_and_mm_checkpoint_of_another_size_is_one_line(tmp_path, capsys
     C.main(["train", "--out_dir", co, "--max_steps", "2", "--stop_at", "1"] + TRAIN)
     wider = [a if a != "32" else "48" for a in TRAIN]                  # --width 48
     assert exit_code(C.main, ["train", "--out_dir", co, "--max_steps", "2", "--resume"] + wider) == 2
-    assert "--width 48 differs from the resumed run's 32" in one_error_line(capsys)
+    assert "--width 48 differs from the saved run's 32" in one_error_line(capsys)
     from test_mm_ckpt import sq_loss, toy_args, toy_batches
     from test_mm_learngene import _ListLoader
     mm = str(tmp_path / "m")
