@@ -20,6 +20,7 @@ import mm_learngene as M
 from test_composer import TRAIN
 from test_il_clip import TINY
 from test_mm_learngene import EXTRACT, teacher  # noqa: F401
+from conftest import disk_full_at_save
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
@@ -62,16 +63,7 @@ def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(script, tmp_pat
     byte for byte as it was."""
     main, argv = SCRIPTS[script]
     out = str(tmp_path / "o")
-    import safetensors.torch        # both scripts save through data.save_checkpoint, which imports save_file then
-    real = safetensors.torch.save_file
-
-    def full_disk(tensors, path, metadata=None):
-        if metadata and metadata.get("step") == "4":
-            with open(path, "wb") as f:
-                f.write(b"\0" * 100)
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(tensors, path, metadata)
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    disk_full_at_save(monkeypatch, 4)
     assert exit_code(main, argv(out, teacher)) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("error: ") and out in line and "no space left" in line and "MiB needed" in line, line

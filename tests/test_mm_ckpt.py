@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import mm_learngene as M
 from test_mm_learngene import EXTRACT, ENV, ROOT, _ListLoader, expect_error, run_cli, saved_step, teacher  # noqa: F401
+from conftest import disk_full_at_save
 
 
 def toy_args(**kw):
@@ -235,16 +236,7 @@ def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(teacher, tmp_pa
     line naming out_dir and the size needed, exit 2, checkpoint.tmp/ gone, step 2's checkpoint
     as it was."""
     out = str(tmp_path / "o")
-    import safetensors.torch         # data.save_checkpoint imports save_file when it saves
-    real = safetensors.torch.save_file
-
-    def full_disk(tensors, path, metadata=None):
-        if metadata and metadata.get("step") == "4":
-            with open(path, "wb") as f:
-                f.write(b"\0" * 100)
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(tensors, path, metadata)
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    disk_full_at_save(monkeypatch, 4)
     expect_error(extract_args(teacher, out) + ["--max_steps", "4", "--save_interval", "2"], capsys, "MiB needed")
     assert not os.path.exists(os.path.join(out, "checkpoint.tmp")) and saved_step(out) == 2
     M.data.read_checkpoint(os.path.join(out, "checkpoint"), M.STATE_TYPES)       # complete, its sha256 sums hold
