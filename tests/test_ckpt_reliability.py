@@ -1,7 +1,6 @@
 """Reliability of the three training scripts' checkpoint sections and data checks: a full disk,
 two runs on one out_dir, --resume with nothing to resume, a checkpoint of another size, bad data
 in a run shorter than an epoch, and composer's metrics.jsonl on a fresh run and on --resume."""
-import errno
 import json
 import os
 import shutil
