@@ -1524,16 +1524,20 @@ class StepLoss(nn.Module):
 
     def forward(self, gidx, step):
         compiler, sp, args, rank, world, device = self.ctx
-        return train_step(self.model, compiler, sp, gidx, rank, world, step, args, device)
+        loss, parts = train_step(self.model, compiler, sp, gidx, rank, world, step, args, device)
+        if world > 1:   # every trained parameter enters the loss, times 0 (see wrap_ddp); loss and gradients unchanged
+            loss = loss + sum(p.reshape(-1)[0] for p in self.model.parameters() if p.requires_grad) * 0.0
+        return loss, parts
 
 
 def wrap_ddp(step_loss, world, device):
-    """DDP over the step. find_unused_parameters: a rank's captions may not reach every tree level or modulator
-    branch (VSE's in-batch loss skips parameters), whose gradients DDP's default would wait for forever."""
+    """DDP over the step. A rank's captions may not reach every tree level or modulator branch (VSE's in-batch loss
+    skips parameters), whose gradients DDP would wait for forever; StepLoss gives those a zero gradient instead.
+    Choice: this, not find_unused_parameters, which walks the graph every step and warns when nothing is unused."""
     if world == 1:
         return step_loss
     from torch.nn.parallel import DistributedDataParallel as DDP
-    return DDP(step_loss, device_ids=[device] if device.startswith("cuda") else None, find_unused_parameters=True)
+    return DDP(step_loss, device_ids=[device] if device.startswith("cuda") else None)
 
 
 class Sampler:

@@ -130,17 +130,18 @@ def require_real_wandb():
         pytest.skip("wandb is not installed")
 
 
-def disk_full_at_save(monkeypatch, step):
-    """The checkpoint save of `step` fails with ENOSPC after writing part of model.safetensors (every training
-    script saves through data.save_checkpoint, which imports safetensors' save_file when it saves)."""
+def disk_full_at_save(monkeypatch, step, code=None):
+    """The checkpoint save of `step` fails with `code` (ENOSPC) after writing part of model.safetensors (every
+    training script saves through data.save_checkpoint, which imports safetensors' save_file when it saves)."""
     import errno
     import safetensors.torch
+    code = code or errno.ENOSPC
     real = safetensors.torch.save_file
 
     def full_disk(tensors, path, metadata=None):
         if metadata and metadata.get("step") == str(step):
             with open(path, "wb") as f:
                 f.write(b"\0" * 100)
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise OSError(code, os.strerror(code))
         real(tensors, path, metadata)
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)

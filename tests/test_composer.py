@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import composer as C  # noqa: E402
 import data  # noqa: E402
+from conftest import disk_full_at_save  # noqa: E402
 
 PAPER_TREE = ("(ROOT (S (NP (CD two) (NNS dogs)) (VP (VBP are) (VP (VBG running) "
               "(PP (IN on) (NP (DT the) (NN grass)))))))")
@@ -506,21 +507,14 @@ def test_write_errors_are_one_line_and_keep_the_last_checkpoint(tmp_path, monkey
     """A write error in the step-4 save: one line naming out_dir and the size, exit 2,
     checkpoint.tmp/ gone, step 2's checkpoint as it was. One in the loss plot: one line too."""
     out = str(tmp_path / "run")
-    real = torch.save
-
-    def failing(obj, path, *a, **k):
-        if "checkpoint.tmp" in str(path) and isinstance(obj, dict) and obj.get("step") == 4:
-            open(path, "wb").write(b"\0" * 10)
-            raise OSError(code, os.strerror(code))
-        real(obj, path, *a, **k)
-    monkeypatch.setattr(torch, "save", failing)
+    disk_full_at_save(monkeypatch, 4, code)
     with pytest.raises(SystemExit) as e:
         C.main(["train", "--out_dir", out, "--max_steps", "4"] + TRAIN + ["--save_interval", "2"])
     line = one_error_line(capsys)
     assert e.value.code == 2 and out in line and os.strerror(code).lower() in line and "MiB needed" in line, line
     assert not os.path.exists(os.path.join(out, "checkpoint.tmp")) and saved_state(out)["step"] == 2
     data.read_checkpoint(os.path.join(out, "checkpoint"), C.STATE_TYPES)       # whole: every sha256 matches
-    monkeypatch.setattr(torch, "save", real)
+    monkeypatch.undo()
 
     def no_quota(metrics_path, png_path, *a):
         raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), png_path)

@@ -84,8 +84,7 @@ def test_loss_terms_on_parameters_train_under_torchrun(teacher, tmp_path, monkey
         module, patches, argv = RUNS[name]
         r = torchrun(name, teacher, tmp_path / "two" / name)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr   # the failing rank's whole message
-        if name == "mm":        # no deprecation or DDP warning under torchrun
-            assert "Warning" not in r.stderr and "warn" not in r.stderr.lower(), r.stderr
+        assert "Warning" not in r.stderr and "warn" not in r.stderr.lower(), r.stderr    # no deprecation or DDP warning
         with monkeypatch.context() as m:
             for k, v in patches().items():
                 m.setattr(module, k, v)
