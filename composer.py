@@ -2409,7 +2409,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def subparser(sub, name, help_text, *groups):
-    p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
+    p = sub.add_parser(name, help=help_text, description=help_text.replace("%%", "%"),   # help= is %-formatted
+                       formatter_class=HelpFormatter)
     return p, [p.add_argument_group(g) for g in groups]
 
 
