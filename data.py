@@ -11,7 +11,9 @@ data.py -- the one module shared by every script of this repo.
     whose uint8 image batches the training step normalises on the device (normalize_images); loaders
     split the data across DDP ranks and workers, skip and count bad samples, and resume exactly;
   * what the training scripts share around the method: durable and atomic file writes, the weights
-    reader (OpenAI / open_clip files, the activation they imply, a one-line key check), results over seeds.
+    reader (OpenAI / open_clip files, the activation they imply, a one-line key check), the run lifecycle
+    (out_dir lock, checkpoints with their fallback, stop signals, metrics.jsonl + wandb, the loss-curve PNG),
+    results over seeds.
 
 Commands (flags: python data.py COMMAND --help): make-shapes --out_dir DIR (the shapes data in the real formats),
 check --data SPEC (read a dataset once, count good and skipped samples), convert-weights PATH (.pt -> .safetensors)
