@@ -320,7 +320,8 @@ def bench_data(args, device):
               f"{cpu_ms:.2f} CPU ms/sample, {n} samples (first batch and tokenizer not timed), skipped {skipped}")
         return 0
     print(f"{args.images} img2dataset JPEGs in 2 shards read at 224 px, batch {B}, {os.cpu_count()} CPUs, CPU ms per "
-          f"image (main process + workers, worker start-up included), least of {args.rounds} rounds:")
+          f"image (main process + workers, worker start-up included), least of {args.rounds} rounds; each ratio is "
+          f"the median over rounds of the two costs measured side by side in a round (the machine's speed drifts):")
     costs = {}
     for stored in (256, 512):
         with tempfile.TemporaryDirectory() as d:
@@ -334,10 +335,11 @@ def bench_data(args, device):
         (plain, parallel), ms = (min(runs[k]) for k in ("plain", "parallel")), {w: min(runs[w]) for w in (0, workers)}
         costs[stored] = ms[workers]
         kib = sum(map(len, jpegs)) / len(jpegs) / 1024
+        ratio = lambda a, b: statistics.median(x / y for x, y in zip(runs[a], runs[b]))
         print(f"  stored {stored} px ({kib:.0f} KiB){', draft 1/2' * (stored == 512)}: "
-              f"plain PIL loop {plain:.2f}; make_loader 0 workers {ms[0]:.2f} ({ms[0] / plain:.2f}x plain), "
-              f"{workers} workers {ms[workers]:.2f} ({ms[workers] / plain:.2f}x plain; {ms[workers] / parallel:.2f}x "
-              f"{max(1, workers)} plain loops at once, {parallel:.2f})")
+              f"plain PIL loop {plain:.2f}; make_loader 0 workers {ms[0]:.2f} ({ratio(0, 'plain'):.2f}x plain), "
+              f"{workers} workers {ms[workers]:.2f} ({ratio(workers, 'plain'):.2f}x plain; "
+              f"{ratio(workers, 'parallel'):.2f}x {max(1, workers)} plain loops at once, {parallel:.2f})")
     if args.feed:
         print(f"  feeding {args.feed:,.0f} samples/s takes " + ", ".join(
             f"{math.ceil(args.feed * ms / 1e3)} cores at {stored} px" for stored, ms in costs.items())

@@ -249,6 +249,19 @@ def test_data_mode_reports_both_stored_sizes_and_the_cores_to_feed(capsys):
     assert cores == pytest.approx([6204 * costs[256] / 1e3 + 0.5, 6204 * costs[512] / 1e3 + 0.5], abs=0.55)
 
 
+def test_data_mode_ratios_pair_the_two_costs_of_each_round(monkeypatch, capsys):
+    """A ratio is the median over rounds of loader / plain measured in the same round, not least over least:
+    with these costs least over least would say 1.20x."""
+    cost = {"plain": [2.0, 4.0, 2.4], "parallel": [2.0, 4.0, 2.4], 0: [2.4, 4.2, 2.5], 1: [2.4, 4.4, 2.6]}
+    calls = {k: iter(v * 2) for k, v in cost.items()}       # 3 rounds at each stored size
+    monkeypatch.setattr(bench, "plain_loop", lambda jpegs, size: next(calls["plain"]))
+    monkeypatch.setattr(bench, "plain_parallel", lambda jpegs, size, n: next(calls["parallel"]))
+    monkeypatch.setattr(bench, "loader_epoch", lambda pattern, size, w, batch: (0.0, next(calls[w]), 0, 0))
+    assert bench.main(["--data", "--num_workers", "1", "--rounds", "3", "--images", "4", "--batch_size", "4"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "stored 256 px" in ln)
+    assert "plain PIL loop 2.00; make_loader 0 workers 2.40 (1.05x plain), 1 workers 2.40 (1.10x plain; 1.10x" in line
+
+
 def test_loader_cpu_counts_the_workers(tmp_path):
     """loader_epoch's CPU ms per image includes the workers' (joined children): with the decoding in
     the workers, the main process alone would count a fraction of it."""

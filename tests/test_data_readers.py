@@ -237,6 +237,65 @@ def test_bad_samples_are_skipped_counted_and_logged(bad_shards, caplog):
     assert out["skipped"] == 8 and out["good"] == len(keys) and out["skip_reasons"]["empty tar"] == 2
 
 
+def _tar_variants(tmp_path):
+    """Tars as img2dataset, webdataset and GNU tar write them, and damaged ones: name -> path."""
+    members = _good("a", 3) + [("sub/dir/b000.jpg", _jpeg()), ("sub/dir/b000.txt", b"a red square"),
+                               ("sub/dir/b000.json", b"{}")]
+    long = [("x" * 120 + ".png", _png()), ("x" * 120 + ".txt", b"a long name")]   # a pax header (name > 100 bytes)
+    out = {"plain": _write_tar(tmp_path / "plain.tar", members), "pax": _write_tar(tmp_path / "pax.tar", members + long)}
+    for name, mode, fmt in (("ustar", "w", tarfile.USTAR_FORMAT), ("gnu", "w", tarfile.GNU_FORMAT),
+                            ("gz", "w:gz", tarfile.PAX_FORMAT)):
+        out[name] = str(tmp_path / f"{name}.tar")
+        with tarfile.open(out[name], mode, format=fmt) as tf:
+            folder = tarfile.TarInfo("sub/dir")
+            folder.type = tarfile.DIRTYPE
+            tf.addfile(folder)
+            for n, blob in members:
+                info = tarfile.TarInfo(n)
+                info.size = len(blob)
+                tf.addfile(info, io.BytesIO(blob))
+            if name == "gnu":   # a hard link: left to tarfile
+                link = tarfile.TarInfo("sub/dir/c000.png")
+                link.type, link.linkname = tarfile.LNKTYPE, "a000.png"
+                tf.addfile(link)
+    whole = open(out["plain"], "rb").read()
+    for cut in range(0, len(whole), 1500):      # cut anywhere: in a header, in data, in the end marker
+        out[f"cut{cut}"] = str(tmp_path / f"cut{cut}.tar")
+        open(out[f"cut{cut}"], "wb").write(whole[:cut])
+    bad = bytearray(whole)
+    with tarfile.open(out["plain"]) as tf:
+        bad[tf.getmembers()[4].offset + 3] ^= 1     # a flipped bit in a later header: its checksum fails
+    out["badsum"] = str(tmp_path / "badsum.tar")
+    open(out["badsum"], "wb").write(bytes(bad))
+    return out
+
+
+def test_the_fast_tar_reader_gives_what_tarfile_gives(tmp_path, monkeypatch):
+    tars = _tar_variants(tmp_path)
+    read = lambda keep: {name: [dict(r) for r in data.tar_records(p, keep)] for name, p in tars.items()}
+    fast, fast_txt = read(None), read({"txt"})
+    assert [r["__key__"] for r in fast["plain"]] == ["a000", "a001", "a002", "sub/dir/b000"]
+    assert fast["plain"][3]["jpg"] == _jpeg() and fast["plain"][0]["txt"] == b"a red circle"
+    assert fast_txt["plain"][0] == {"__key__": "a000", "__shard__": tars["plain"], "png": b"", "txt": b"a red circle"}
+    # the reference: tarfile alone (the fast reader refuses every file)
+    monkeypatch.setattr(data, "_plain_tar_members", lambda path, want: (_ for _ in ()).throw(data._NotPlainTar()))
+    assert read(None) == fast and read({"txt"}) == fast_txt
+    monkeypatch.undo()
+    # which files the fast reader reads itself, and which it leaves to tarfile (before giving any member)
+    def fast_reads(p):
+        try:
+            return len(list(data._plain_tar_members(p, lambda n: True)))
+        except data._NotPlainTar:
+            return None
+    assert fast_reads(tars["plain"]) == fast_reads(tars["ustar"]) == 9
+    assert fast_reads(tars["pax"]) is fast_reads(tars["gz"]) is fast_reads(tars["gnu"]) is None  # pax, gzip, link
+    assert fast_reads(tars["badsum"]) is None and fast_reads(tars["cut1500"]) is None
+    assert "__error__" in fast["cut1500"][-1] and "__error__" not in fast["plain"][-1]
+    # tarfile stops quietly at a damaged header; the reader says so instead of losing the shard's rest unseen
+    assert [r["__key__"] for r in fast["badsum"]] == ["a000", "a001"]
+    assert "damaged member header at byte" in fast["badsum"][-1]["__error__"]
+
+
 def test_too_many_skips_stop_the_run(bad_shards):
     loader = data.make_loader(bad_shards, batch_size=4, train=False, drop_last=False, image_size=16)
     with pytest.raises(data.DataError, match=r"skipped 8 of .*max_skip_fraction=0.1"):
