@@ -156,8 +156,9 @@ def build_args(argv=None):
     a("--t_extend", type=int, default=None, help=f"the last interaction's extension ({by_data('t_extend')})")
     a("--warmup", type=int, default=None, help=f"linear LR warm-up ({by_data('warmup')})")
     a("--rewarm", type=int, default=None, help=f"linear LR re-warm-up at each generation start ({by_data('rewarm')})")
-    a("--lr_schedule", default="global", choices=["global", "generation"], help="global: one cosine over "
-      "max_steps (paper); generation: warm-up + cosine to 0 within the warm-up, each generation, the extension")
+    a("--lr_schedule", default="global", choices=["global", "generation", "il_cycles"], help="global: one cosine "
+      "over max_steps (paper); generation: warm-up + cosine to 0 within the warm-up, each generation, the "
+      "extension; il_cycles: generation's cycles for any method (a no-spawn control)")
     a = p.add_argument_group("optimisation").add_argument
     a("--batch_size", type=int, default=None, help=f"global batch, all ranks and micro-steps ({by_data('batch_size')})")
     a("--accum", type=int, default=1, help="gradient accumulation micro-steps")
@@ -833,11 +834,13 @@ class ILSchedule:
     """warm-up [0, t_warm) = generation 0, then `generations` x [spawn -> distill -> interact],
     the last interaction extended by t_extend."""
 
-    def __init__(self, t_warm, t_distill, t_interact, generations, t_extend, enabled=True):
+    def __init__(self, t_warm, t_distill, t_interact, generations, t_extend, enabled=True, cycles=None):
         self.t_warm, self.t_distill, self.generations, self.enabled = t_warm, t_distill, generations, enabled
         self.gen_len = t_distill + t_interact
         self.total = t_warm + generations * self.gen_len + t_extend
         self.spawn_steps = [t_warm + g * self.gen_len for g in range(generations)] if enabled else []
+        # LR cycle starts: the spawns, or IL's generation starts without a spawn (cycles=True: a control run)
+        self.cycle_starts = [t_warm + g * self.gen_len for g in range(generations)] if cycles else self.spawn_steps
 
     def at(self, step):
         """(phase, generation, start step of that generation)."""
@@ -853,13 +856,13 @@ class ILSchedule:
     def cycle(self, step, end):
         """[start, stop) of the LR cycle holding step under --lr_schedule generation: the warm-up,
         each generation (distill + interact), the extension; the run's last cycle stops at `end`."""
-        cuts = [0, *self.spawn_steps] + [g + self.gen_len for g in self.spawn_steps[-1:]]
+        cuts = [0, *self.cycle_starts] + [g + self.gen_len for g in self.cycle_starts[-1:]]
         return max(c for c in cuts if c <= step), min([c for c in cuts if c > step] + [end])
 
 
 def make_schedule(args):
     return ILSchedule(args.t_warm, args.t_distill, args.t_interact, args.generations,
-                      args.t_extend, enabled=args.method == "il")
+                      args.t_extend, enabled=args.method == "il", cycles=args.lr_schedule == "il_cycles")
 
 
 def spawn_agent(args, generation):

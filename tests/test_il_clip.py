@@ -324,15 +324,20 @@ def test_lr_schedule_generation_restarts_a_full_cycle_per_generation(max_steps):
         if b - a == 5:
             assert lrs[b - 1] == pytest.approx(0.5)
     assert max_steps != 24 or lrs[-1] == pytest.approx(1.0)          # the 4-step extension ends at cos(pi/2)
+    # il_cycles, the no-spawn control: IL's cycles for a run that never spawns
+    control = M.ILSchedule(5, 2, 3, 3, 4, enabled=False, cycles=True)
+    assert [M.get_lr(t, args, control) for t in range(max_steps)] == lrs and control.spawn_steps == []
     # without IL there is one cycle: the same as the global cosine
     off = M.ILSchedule(5, 2, 3, 3, 4, enabled=False)
     assert [M.get_lr(t, args, off) for t in range(max_steps)] == \
         [M.get_lr(t, _lr_args(lr_schedule="global", max_steps=max_steps), off) for t in range(max_steps)]
 
 
-def test_lr_schedule_generation_is_what_each_phase_trains_with(tmp_path):
+@pytest.mark.parametrize("method, schedule", [("il", "generation"), ("codebook", "il_cycles")])
+def test_lr_schedule_generation_is_what_each_phase_trains_with(tmp_path, method, schedule):
+    """IL under `generation`; the no-spawn control (Codebook-CLIP under `il_cycles`) gets the same LRs."""
     out = str(tmp_path / "g")
-    assert run_main(TINY + IL + ["--lr_schedule", "generation", "--out_dir", out]) == 0
+    assert run_main(TINY + IL + ["--method", method, "--lr_schedule", schedule, "--out_dir", out]) == 0
     recs = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     args = _lr_args(lr=1e-3, warmup=2, rewarm=1)      # TINY + IL: 3 warm-up, 2 x (2 + 2), extension 1
     cycles = [(0, 3), (3, 7), (7, 11), (11, 12)]
