@@ -876,17 +876,16 @@ def expand_braces(pattern: str) -> list:
 
 def tar_records(path: str, keep_exts=None):
     """Records of one tar, streaming. keep_exts: read only these members' bytes (others are marked present: b"")."""
-    want = (lambda name: True) if keep_exts is None else (lambda name: name.rpartition("/")[2].partition(".")[2].lower()
-                                                           in keep_exts)
+    def want(name):     # the extension after the base name's first dot, as the record key splits it
+        return keep_exts is None or name.rpartition("/")[2].partition(".")[2].lower() in keep_exts
+
     done = 0
     try:
         for rec in _group_records(path, _plain_tar_members(path, want)):
             yield rec
             done += 1
-        return
-    except _NotPlainTar:    # compressed, extension headers, damage: tarfile reads it again and words any error
-        pass
-    yield from itertools.islice(_group_records(path, _tarfile_members(path, want)), done, None)
+    except _NotPlainTar:    # compressed, extension headers, damage: tarfile reads the rest again, and words any error
+        yield from itertools.islice(_group_records(path, _tarfile_members(path, want)), done, None)
 
 
 def _group_records(path: str, members):
@@ -932,7 +931,7 @@ def _tarfile_members(path: str, want):
 
 
 class _NotPlainTar(Exception):
-    pass
+    """Raised by _plain_tar_members for a tar it leaves to tarfile."""
 
 
 def _plain_tar_members(path: str, want):
