@@ -258,6 +258,29 @@ def loader_epoch(pattern, size, workers, batch, tok=None, max_batches=None):
     return m / (time.perf_counter() - t), (cpu_seconds() - c) / (n + m) * 1e3, n + m, loader.skipped
 
 
+class _OneImage(torch.utils.data.Dataset):
+    """n samples of one fixed uint8 224 px image: a loader over it costs its batch transport alone, no decode."""
+
+    def __init__(self, n):
+        self.n, self.image = n, torch.randint(0, 256, (3, 224, 224), dtype=torch.uint8, generator=torch.Generator())
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"image": self.image, "caption": "c", "key": str(i)}
+
+
+def transport_ms(n, workers, batch, slots):
+    """CPU ms/image (main + workers) of moving n uint8 224 px images from `workers` workers to the main process,
+    through reused shared-memory slots (data._SharedBatches) or fresh shared memory per batch (slots=False)."""
+    loader = data.MapLoader(_OneImage(n), batch, num_workers=workers)
+    loader.image_bytes = 3 * 224 ** 2 if slots else 0     # 0: no slots (as torch's default_collate)
+    c = cpu_seconds()
+    m = sum(len(b["caption"]) for b in loader)
+    return (cpu_seconds() - c) / m * 1e3
+
+
 def jpeg_shards(folder, n, short_side, shards=2):
     """n shapes scenes as img2dataset writes them (4:3, shorter side `short_side`, JPEG q95, noise for
     photo-like sizes) in `shards` tars of KEY.jpg + KEY.txt with NNNNN_stats.json -> (brace pattern, JPEGs)."""
@@ -340,6 +363,14 @@ def bench_data(args, device):
               f"plain PIL loop {plain:.2f}; make_loader 0 workers {ms[0]:.2f} ({ratio(0, 'plain'):.2f}x plain), "
               f"{workers} workers {ms[workers]:.2f} ({ratio(workers, 'plain'):.2f}x plain; "
               f"{ratio(workers, 'parallel'):.2f}x {max(1, workers)} plain loops at once, {parallel:.2f})")
+    if workers:
+        runs = {True: [], False: []}
+        for _ in range(args.rounds):
+            for slots in runs:
+                runs[slots].append(transport_ms(4096, workers, B, slots))
+        print(f"  batch transport alone (4096 images, no decode), {workers} workers: {min(runs[True]):.3f} ms/image through reused "
+              f"shared-memory slots, {min(runs[False]):.3f} through fresh shared memory per batch (median difference "
+              f"{statistics.median(b - a for a, b in zip(runs[True], runs[False])):.3f})")
     if args.feed:
         print(f"  feeding {args.feed:,.0f} samples/s takes " + ", ".join(
             f"{math.ceil(args.feed * ms / 1e3)} cores at {stored} px" for stored, ms in costs.items())

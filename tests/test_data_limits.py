@@ -240,9 +240,10 @@ def test_normalisation_equals_the_arithmetic():
 
 def test_collate_stack_equals_torch_stack_with_and_without_workers():
     images = [torch.randn(3, 5, 7) for _ in range(4)]
-    assert torch.equal(data._stack_images(images), torch.stack(images))
+    assert torch.equal(data._stack_images(images)[0], torch.stack(images)) and data._stack_images(images)[1] is None
     views = [torch.randint(0, 256, (5, 7, 3), dtype=torch.uint8).permute(2, 0, 1) for _ in range(4)]  # as ToTensor's
-    assert torch.equal(data._stack_images(views), torch.stack(views)) and data._stack_images(views).is_contiguous()
+    stacked, _ = data._stack_images(views)
+    assert torch.equal(stacked, torch.stack(views)) and stacked.is_contiguous()
     make = lambda w: data.make_loader("shapes:train_size=12", batch_size=4, image_size=32, num_workers=w)  # noqa: E731
     alone, workers = list(make(0)), list(make(1))
     assert len(alone) == 3 and all(torch.equal(a["image"], b["image"]) for a, b in zip(alone, workers))

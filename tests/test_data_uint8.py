@@ -141,6 +141,42 @@ def test_loader_on_jpeg_shards_gives_uint8_batches_from_workers(tmp_path):
         assert torch.equal(by_key[f"{i:05d}"], data.make_sample(blob, "c", None, "k", t, random.Random(0))["image"])
 
 
+def test_shared_batch_slots_are_claimed_until_taken():
+    """The protocol alone: a slot is given to one claim until the main process takes (copies out) its batch; a batch
+    larger than a slot, or with every slot busy, gets None (the worker then uses fresh shared memory)."""
+    slots = data._SharedBatches(2, 12)
+    a, b = slots.claim((2, 5)), slots.claim((3, 4))
+    assert (a[0], b[0]) == (0, 1) and slots.claim((1,)) is None and slots.claim((13,)) is None
+    a[1].copy_(torch.arange(10, dtype=torch.uint8).view(2, 5))
+    out = slots.take(data._Slot(0, (2, 5)), pin=False)
+    assert torch.equal(out, torch.arange(10, dtype=torch.uint8).view(2, 5)) and not out.is_shared()
+    again = slots.claim((2, 6))
+    assert again[0] == 0 and slots.claim((1,)) is None
+    again[1].fill_(7)       # the next batch in the slot leaves the batch taken out before untouched
+    assert torch.equal(out, torch.arange(10, dtype=torch.uint8).view(2, 5))
+
+
+@pytest.mark.parametrize("stored", ["shapes", "jpeg"])
+def test_worker_batches_reuse_the_slots_and_stay_intact_while_held(tmp_path, stored):
+    """2 workers, 12 batches through 5 slots, every batch kept: each equals the 0-worker batch (a slot reused under a
+    held batch would change it), and none is in shared memory (each came through a slot, so slots were freed)."""
+    if stored == "jpeg":
+        _shard(tmp_path / "00000.tar", [_jpeg(_photo(40, 30, i)) for i in range(48)])
+    spec = str(tmp_path / "00000.tar") if stored == "jpeg" else "shapes:train_size=48"
+    make = lambda w, **kw: list(data.make_loader(spec, batch_size=4, image_size=32, num_workers=w,  # noqa: E731
+                                                 train=False, shuffle_buffer=0, **kw))
+    alone, workers = make(0), make(2)
+    assert len(alone) == len(workers) == 12
+    assert sorted(k for b in workers for k in b["key"]) == sorted(k for b in alone for k in b["key"])
+    by_key = {k: x for b in alone for k, x in zip(b["key"], b["image"])}
+    assert all(torch.equal(x, by_key[k]) for b in workers for k, x in zip(b["key"], b["image"]))
+    assert not any(b["image"].is_shared() for b in workers)
+    # images larger than the slots were sized for (a transform of 48 px on a 32 px loader): fresh shared memory
+    big = make(2, transform=data.eval_transform(48)) if stored == "jpeg" else None
+    if big is not None:
+        assert all(b["image"].shape[-1] == 48 and b["image"].is_shared() for b in big)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_batches_are_pinned_uint8_and_normalise_on_the_device():
     """pin_memory=True on CUDA: page-locked uint8 batches, copied with non_blocking and converted on the GPU to
