@@ -333,7 +333,9 @@ def bench_data(args, device):
     --images shapes scenes as img2dataset JPEGs, stored at 256 px (img2dataset's default; decoded in
     full for 224) and at 512 px (JPEG draft decoding at 1/2), read at 224 px by a plain PIL loop and by
     make_loader with 0 and --num_workers workers, alternated --rounds times, the least CPU kept; N workers are also
-    set against N plain loops at once (as many busy cores). `--feed R`: the cores that R samples/s take."""
+    set against N plain loops at once (as many busy cores). Steady state: the slope between an epoch of one batch per
+    shard and the full one, which takes out each epoch's start-up (forking workers, their copy-on-write faults) that
+    a long epoch amortises. `--feed R`: the cores that R samples/s take, in steady state."""
     B, workers = args.batch_size, args.num_workers if args.num_workers is not None else 2
     if args.data != "jpeg":
         tok = data.build_tokenizer(captions=data.captions_for_tokenizer(args.data), vocab_size=1000, context_length=32)
@@ -343,26 +345,40 @@ def bench_data(args, device):
               f"{cpu_ms:.2f} CPU ms/sample, {n} samples (first batch and tokenizer not timed), skipped {skipped}")
         return 0
     print(f"{args.images} img2dataset JPEGs in 2 shards read at 224 px, batch {B}, {os.cpu_count()} CPUs, CPU ms per "
-          f"image (main process + workers, worker start-up included), least of {args.rounds} rounds; each ratio is "
+          f"image (main process + workers, each epoch's worker start-up included), least of {args.rounds} rounds; each ratio is "
           f"the median over rounds of the two costs measured side by side in a round (the machine's speed drifts):")
-    costs = {}
+    costs, tiny = {}, 2 * B     # the short epoch: one batch per shard (one per worker at 2 workers)
     for stored in (256, 512):
         with tempfile.TemporaryDirectory() as d:
             pattern, jpegs = jpeg_shards(d, args.images, stored)
-            runs = {k: [] for k in ("plain", "parallel", 0, workers)}
+            os.mkdir(os.path.join(d, "short"))
+            short_pattern = jpeg_shards(os.path.join(d, "short"), tiny, stored)[0] if args.images > tiny else None
+            runs = {k: [] for k in ("plain", "parallel", 0, workers, "steady0", "steady", "start0", "start")}
             for _ in range(args.rounds):
                 runs["plain"].append(plain_loop(jpegs, 224))
                 runs["parallel"].append(plain_parallel(jpegs, 224, max(1, workers)))
-                for w in (0, workers):
-                    runs[w].append(loader_epoch(pattern, 224, w, B)[1])
+                for w, tag in ((0, "0"), (workers, "")):
+                    _, ms, n, _ = loader_epoch(pattern, 224, w, B)
+                    runs[w].append(ms)
+                    if short_pattern:   # steady state: the slope between the short and the full epoch
+                        _, ms_short, n_short, _ = loader_epoch(short_pattern, 224, w, B)
+                        runs["steady" + tag].append((ms * n - ms_short * n_short) / (n - n_short))
+                        runs["start" + tag].append(ms_short * n_short - runs["steady" + tag][-1] * n_short)
         (plain, parallel), ms = (min(runs[k]) for k in ("plain", "parallel")), {w: min(runs[w]) for w in (0, workers)}
-        costs[stored] = ms[workers]
+        costs[stored] = min(runs["steady"]) if short_pattern else ms[workers]
         kib = sum(map(len, jpegs)) / len(jpegs) / 1024
         ratio = lambda a, b: statistics.median(x / y for x, y in zip(runs[a], runs[b]))
         print(f"  stored {stored} px ({kib:.0f} KiB){', draft 1/2' * (stored == 512)}: "
               f"plain PIL loop {plain:.2f}; make_loader 0 workers {ms[0]:.2f} ({ratio(0, 'plain'):.2f}x plain), "
               f"{workers} workers {ms[workers]:.2f} ({ratio(workers, 'plain'):.2f}x plain; "
               f"{ratio(workers, 'parallel'):.2f}x {max(1, workers)} plain loops at once, {parallel:.2f})")
+        if short_pattern:
+            print(f"    steady state (each epoch's start-up, {statistics.median(runs['start0']):.0f} / "
+                  f"{statistics.median(runs['start']):.0f} CPU ms at 0 / {workers} workers, taken out: the slope between "
+                  f"{tiny}- and {args.images}-image epochs): 0 workers {min(runs['steady0']):.2f} "
+                  f"({ratio('steady0', 'plain'):.2f}x plain), {workers} workers {min(runs['steady']):.2f} "
+                  f"({ratio('steady', 'plain'):.2f}x plain; {ratio('steady', 'parallel'):.2f}x {max(1, workers)} "
+                  f"plain loops at once)")
     if workers:
         runs = {True: [], False: []}
         for _ in range(args.rounds):
@@ -374,7 +390,7 @@ def bench_data(args, device):
     if args.feed:
         print(f"  feeding {args.feed:,.0f} samples/s takes " + ", ".join(
             f"{math.ceil(args.feed * ms / 1e3)} cores at {stored} px" for stored, ms in costs.items())
-              + " (cores as fast as these; make_loader's main process included)")
+              + " (cores as fast as these, steady state; make_loader's main process included)")
     return 0
 
 

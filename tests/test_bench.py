@@ -232,34 +232,54 @@ def test_data_mode_reports_both_stored_sizes_and_the_cores_to_feed(capsys):
                        "--feed", "6204"]) == 0
     out = capsys.readouterr().out
     costs = {}
+    # of the printed costs, each rounded to 0.005: the ratio a/b moves by up to 0.005 (1 + a/b) / b, +0.005
+    slack = lambda a, b: 0.005 * (1 + a / b) / (b - 0.005) + 0.0051   # noqa: E731
     for stored in (256, 512):
-        line = next(ln for ln in out.splitlines() if f"stored {stored} px" in ln)
+        lines = out.splitlines()
+        at = next(i for i, ln in enumerate(lines) if f"stored {stored} px" in ln)
+        line, steady = lines[at], lines[at + 1]
         plain, zero, one = map(float, re.findall(r"(?:loop|workers) (\d+\.\d+)", line))
         ratios = [float(x) for x in re.findall(r"(\d+\.\d+)x plain[);]", line)]
-        # of the printed costs, each rounded to 0.005: the ratio a/b moves by up to 0.005 (1 + a/b) / b, +0.005
-        slack = lambda a, b: 0.005 * (1 + a / b) / (b - 0.005) + 0.0051
         assert ratios[0] == pytest.approx(zero / plain, abs=slack(zero, plain))
         assert ratios[1] == pytest.approx(one / plain, abs=slack(one, plain))
         parallel = float(re.search(r"1 plain loops at once, (\d+\.\d+)\)", line).group(1))
         at_once = float(re.search(r"(\d+\.\d+)x 1 plain loops", line).group(1))
         assert at_once == pytest.approx(one / parallel, abs=slack(one, parallel))  # the loop in as many processes
-        costs[stored] = one
-    # the cores: samples/s x CPU seconds per sample (main process + workers), rounded up
+        # steady state: the slope between the 8-image (one batch per shard) and the 12-image epoch
+        assert "steady state" in steady and "the slope between 8- and 12-image epochs" in steady
+        zero_s, one_s = map(float, re.findall(r"workers (\d+\.\d+)", steady))
+        assert float(re.search(r"(\d+\.\d+)x plain\)", steady).group(1)) == pytest.approx(
+            zero_s / plain, abs=slack(zero_s, plain))
+        costs[stored] = one_s
+    # the cores: samples/s x CPU seconds per sample in steady state (main process + workers), rounded up
     cores = [int(x) for x in re.findall(r"(\d+) cores at (?:256|512) px", out)]
     assert cores == pytest.approx([6204 * costs[256] / 1e3 + 0.5, 6204 * costs[512] / 1e3 + 0.5], abs=0.55)
 
 
 def test_data_mode_ratios_pair_the_two_costs_of_each_round(monkeypatch, capsys):
     """A ratio is the median over rounds of loader / plain measured in the same round, not least over least:
-    with these costs least over least would say 1.20x."""
+    with these costs least over least would say 1.20x. Steady state: (the full epoch's CPU - the short epoch's) /
+    (the images between them); here every epoch costs 3.2 ms of start-up beyond its images."""
     cost = {"plain": [2.0, 4.0, 2.4], "parallel": [2.0, 4.0, 2.4], 0: [2.4, 4.2, 2.5], 1: [2.4, 4.4, 2.6]}
     calls = {k: iter(v * 2) for k, v in cost.items()}       # 3 rounds at each stored size
     monkeypatch.setattr(bench, "plain_loop", lambda jpegs, size: next(calls["plain"]))
     monkeypatch.setattr(bench, "plain_parallel", lambda jpegs, size, n: next(calls["parallel"]))
-    monkeypatch.setattr(bench, "loader_epoch", lambda pattern, size, w, batch: (0.0, next(calls[w]), 0, 0))
-    assert bench.main(["--data", "--num_workers", "1", "--rounds", "3", "--images", "4", "--batch_size", "4"]) == 0
-    line = next(ln for ln in capsys.readouterr().out.splitlines() if "stored 256 px" in ln)
-    assert "plain PIL loop 2.00; make_loader 0 workers 2.40 (1.05x plain), 1 workers 2.40 (1.10x plain; 1.10x" in line
+    steady = {}
+
+    def epoch(pattern, size, w, batch):     # -> (rate, CPU ms per image, images, skipped)
+        if "short" not in pattern:
+            per_image = next(calls[w])          # of the 16-image epoch: 16 x steady + 3.2 ms
+            steady[w] = per_image - 3.2 / 16
+            return 0.0, per_image, 16, 0
+        return 0.0, (8 * steady[w] + 3.2) / 8, 8, 0
+    monkeypatch.setattr(bench, "loader_epoch", epoch)
+    assert bench.main(["--data", "--num_workers", "1", "--rounds", "3", "--images", "16", "--batch_size", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    at = next(i for i, ln in enumerate(out) if "stored 256 px" in ln)
+    assert "plain PIL loop 2.00; make_loader 0 workers 2.40 (1.05x plain), 1 workers 2.40 (1.10x plain; 1.10x" in out[at]
+    # steady: 0 workers 2.2, 4.0, 2.3 (median ratio 1.00), 1 worker 2.2, 4.2, 2.4 (1.05); start-up 3.2 ms
+    assert "start-up, 3 / 3 CPU ms" in out[at + 1]
+    assert "0 workers 2.20 (1.00x plain), 1 workers 2.20 (1.05x plain; 1.05x 1 plain loops at once)" in out[at + 1]
 
 
 def test_loader_cpu_counts_the_workers(tmp_path):
