@@ -274,8 +274,7 @@ class _OneImage(torch.utils.data.Dataset):
 def transport_ms(n, workers, batch, slots):
     """CPU ms/image (main + workers) of moving n uint8 224 px images from `workers` workers to the main process,
     through reused shared-memory slots (data._SharedBatches) or fresh shared memory per batch (slots=False)."""
-    loader = data.MapLoader(_OneImage(n), batch, num_workers=workers)
-    loader.image_bytes = 3 * 224 ** 2 if slots else 0     # 0: no slots (as torch's default_collate)
+    loader = data.MapLoader(_OneImage(n), batch, num_workers=workers, image_size=224 if slots else None)
     c = cpu_seconds()
     m = sum(len(b["caption"]) for b in loader)
     return (cpu_seconds() - c) / m * 1e3
@@ -345,8 +344,8 @@ def bench_data(args, device):
               f"{cpu_ms:.2f} CPU ms/sample, {n} samples (first batch and tokenizer not timed), skipped {skipped}")
         return 0
     print(f"{args.images} img2dataset JPEGs in 2 shards read at 224 px, batch {B}, {os.cpu_count()} CPUs, CPU ms per "
-          f"image (main process + workers, each epoch's worker start-up included), least of {args.rounds} rounds; each ratio is "
-          f"the median over rounds of the two costs measured side by side in a round (the machine's speed drifts):")
+          f"image (main process + workers, each epoch's worker start-up included), least of {args.rounds} rounds; each "
+          f"ratio is the median over rounds of the two costs measured side by side in a round (the machine's speed drifts):")
     costs, tiny = {}, 2 * B     # the short epoch: one batch per shard (one per worker at 2 workers)
     for stored in (256, 512):
         with tempfile.TemporaryDirectory() as d:
@@ -374,8 +373,8 @@ def bench_data(args, device):
               f"{ratio(workers, 'parallel'):.2f}x {max(1, workers)} plain loops at once, {parallel:.2f})")
         if short_pattern:
             print(f"    steady state (each epoch's start-up, {statistics.median(runs['start0']):.0f} / "
-                  f"{statistics.median(runs['start']):.0f} CPU ms at 0 / {workers} workers, taken out: the slope between "
-                  f"{tiny}- and {args.images}-image epochs): 0 workers {min(runs['steady0']):.2f} "
+                  f"{statistics.median(runs['start']):.0f} CPU ms at 0 / {workers} workers, taken out: the slope "
+                  f"between {tiny}- and {args.images}-image epochs): 0 workers {min(runs['steady0']):.2f} "
                   f"({ratio('steady0', 'plain'):.2f}x plain), {workers} workers {min(runs['steady']):.2f} "
                   f"({ratio('steady', 'plain'):.2f}x plain; {ratio('steady', 'parallel'):.2f}x {max(1, workers)} "
                   f"plain loops at once)")
@@ -384,8 +383,8 @@ def bench_data(args, device):
         for _ in range(args.rounds):
             for slots in runs:
                 runs[slots].append(transport_ms(4096, workers, B, slots))
-        print(f"  batch transport alone (4096 images, no decode), {workers} workers: {min(runs[True]):.3f} ms/image through reused "
-              f"shared-memory slots, {min(runs[False]):.3f} through fresh shared memory per batch (median difference "
+        print(f"  batch transport alone (4096 images, no decode), {workers} workers: {min(runs[True]):.3f} ms/image "
+              f"through reused shared-memory slots, {min(runs[False]):.3f} through fresh shared memory per batch (median difference "
               f"{statistics.median(b - a for a, b in zip(runs[True], runs[False])):.3f})")
     if args.feed:
         print(f"  feeding {args.feed:,.0f} samples/s takes " + ", ".join(

@@ -777,7 +777,8 @@ def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> 
     in batch["_skips"]; the loader removes that entry. `batch_extra` (picklable, (batch, epoch) -> dict) adds entries
     in the loader's workers, off the training loop; the epoch lets it draw anew each epoch, replayed on resume."""
     good = [s for s in samples if isinstance(s, dict)]
-    images, slot = _stack_images([s["image"] for s in good]) if good else (torch.zeros(0, 3, 0, 0, dtype=torch.uint8), None)
+    empty = torch.zeros(0, 3, 0, 0, dtype=torch.uint8)
+    images, slot = _stack_images([s["image"] for s in good]) if good else (empty, None)
     batch = {"image": images,
              **{k: [s.get(k) for s in good] for k in ("caption", "tree", "key")},
              "_skips": [(s.reason, s.where) if isinstance(s, Skip) else ("bad sample", "?")
@@ -1166,7 +1167,7 @@ def _start_workers(dl):
 
 class _Loader:
     def __init__(self, batch_size, num_samples, tokenizer=None, train=True, rank=0, world_size=1, num_workers=0, seed=0,
-                 drop_last=True, name="data", max_skip_fraction=MAX_SKIP_FRACTION, counted_by=""):
+                 drop_last=True, name="data", max_skip_fraction=MAX_SKIP_FRACTION, counted_by="", image_size=None):
         self.name, self.batch_size, self.tokenizer, self.train = name, batch_size, tokenizer, train
         self.rank, self.world_size, self.num_workers, self.seed = rank, world_size, num_workers, seed
         self.drop_last, self.max_skip_fraction, self.epoch, self.batches_done = drop_last, max_skip_fraction, 0, 0
@@ -1178,7 +1179,8 @@ class _Loader:
                             f"({batch_size} x {world_size} ranks)")
         # pinned (page-locked) batches: normalize_images' non_blocking copy is then truly async, overlapping the step
         self.pin_memory, self.batch_extra = False, None     # batch_extra: see collate()
-        self.image_bytes = 0    # bytes per image (3 x size^2): _SharedBatches' slot size, 0 = none
+        # image_size: what the transform gives, sizing the workers' reused _SharedBatches slots (None: no slots)
+        self.image_bytes = 3 * image_size ** 2 if image_size else 0
 
     def set_epoch(self, epoch):
         if epoch != self.epoch:
@@ -1197,7 +1199,8 @@ class _Loader:
         slots = (_SharedBatches(2 * self.num_workers + 1, self.batch_size * self.image_bytes)   # prefetch_factor 2
                  if self.num_workers and self.image_bytes else None)
         dl = torch.utils.data.DataLoader(dataset, num_workers=self.num_workers, persistent_workers=False,
-                                         pin_memory=self.pin_memory, worker_init_fn=functools.partial(_init_worker, slots),
+                                         pin_memory=self.pin_memory,
+                                         worker_init_fn=functools.partial(_init_worker, slots),
                                          generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch),
                                          **how)
         for batch in _start_workers(dl):
@@ -1419,7 +1422,8 @@ def make_loader(spec: str, split: str = "train", batch_size: int = 64, tokenizer
     -> tensor overrides both. `pin_memory`: page-locked batches for CUDA. `batch_extra`: see collate()."""
     src = resolve_data(spec, image_root)
     loader_args = dict(tokenizer=tokenizer, train=train, rank=rank, world_size=world_size, num_workers=num_workers,
-                       seed=seed, drop_last=drop_last, name=spec, max_skip_fraction=max_skip_fraction)
+                       seed=seed, drop_last=drop_last, name=spec, max_skip_fraction=max_skip_fraction,
+                       image_size=image_size)
     transform = transform or (train_transform if train else eval_transform)(image_size)
     if src["kind"] == "shapes":     # generated at image_size, never skipped
         ds = ShapesDataset(split, src.get("train_size") if split == "train" else None, src.get("seed", 0), image_size)
@@ -1431,7 +1435,6 @@ def make_loader(spec: str, split: str = "train", batch_size: int = 64, tokenizer
         items = file_items(src, split, dict(img_key=csv_img_key, caption_key=csv_caption_key, separator=csv_separator))
         loader = MapLoader(FileDataset(items, transform, seed), batch_size, **loader_args)
     loader.pin_memory, loader.batch_extra = pin_memory and torch.cuda.is_available(), batch_extra
-    loader.image_bytes = 3 * image_size ** 2
     return loader
 
 

@@ -1215,7 +1215,7 @@ def classification_data(a, image_size, rank, world):
         eval_ds = data.FileDataset(eval_items, data.eval_transform(image_size), a.seed)
         eval_name = eval_dir
     train = data.MapLoader(train_ds, a.batch_size // world, train=True, rank=rank, world_size=world,
-                           num_workers=a.num_workers, seed=a.seed, name=a.data)
+                           num_workers=a.num_workers, seed=a.seed, name=a.data, image_size=image_size)
     test = data.MapLoader(eval_ds, 100, train=False, drop_last=False, name=eval_name)
     subsample = f"seeded stratified subsample (seed {a.seed})" if a.eval_size else "whole split"
     return train, test, classes, {"eval_data": eval_name, "eval_subset": subsample}

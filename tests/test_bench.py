@@ -276,7 +276,8 @@ def test_data_mode_ratios_pair_the_two_costs_of_each_round(monkeypatch, capsys):
     assert bench.main(["--data", "--num_workers", "1", "--rounds", "3", "--images", "16", "--batch_size", "4"]) == 0
     out = capsys.readouterr().out.splitlines()
     at = next(i for i, ln in enumerate(out) if "stored 256 px" in ln)
-    assert "plain PIL loop 2.00; make_loader 0 workers 2.40 (1.05x plain), 1 workers 2.40 (1.10x plain; 1.10x" in out[at]
+    assert ("plain PIL loop 2.00; make_loader 0 workers 2.40 (1.05x plain), 1 workers 2.40 (1.10x plain; 1.10x"
+            in out[at])
     # steady: 0 workers 2.2, 4.0, 2.3 (median ratio 1.00), 1 worker 2.2, 4.2, 2.4 (1.05); start-up 3.2 ms
     assert "start-up, 3 / 3 CPU ms" in out[at + 1]
     assert "0 workers 2.20 (1.00x plain), 1 workers 2.20 (1.05x plain; 1.05x 1 plain loops at once)" in out[at + 1]
