@@ -548,17 +548,17 @@ def bench_levers(args, device):
     """Each LEVERS row timed alone (--steps after --untimed, one round), printed as soon as measured, so a
     cut-off run still reports its first rows; with --json, a report."""
     import platform
-    default_budget = il_clip.max_code_scores.__defaults__
+    default_budget = il_clip.CODE_SCORES_PER_CHUNK
     rows, clip_ms = [], {}
     print(f"| {args.model}, {args.dtype}, {device_name(device)}, torch {torch.__version__} | batch | step | samples/s | MFU "
           f"| peak memory | / CLIP (same batch, baseline) |\n|---|---|---|---|---|---|---|", flush=True)
     for label, method, batch, lever, budget in LEVERS:
         run = argparse.Namespace(**{**vars(args), "batch_size": batch, "lever": lever, "compile": True})
-        il_clip.max_code_scores.__defaults__ = (None, budget or default_budget[1], None)
+        il_clip.CODE_SCORES_PER_CHUNK = budget or default_budget
         try:
             res = run_trainer(run, method, device)
         finally:
-            il_clip.max_code_scores.__defaults__ = default_budget
+            il_clip.CODE_SCORES_PER_CHUNK = default_budget
         ms, sps = res["step_s"] * 1e3, batch / res["step_s"]
         mfu = il_clip.estimate_mfu(res["cfg"], sps, device)
         if method == "clip" and lever == "encoders":

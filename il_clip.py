@@ -601,11 +601,14 @@ class _MaxCodeScores(torch.autograd.Function):
         return dq, (dc.to(codes.dtype) if dc is not None else None), None, None, None
 
 
-def max_code_scores(q, codes, valid=None, budget=1 << 25, max_tokens=None):
-    """max over valid tokens ([B, P] bool) of q @ codes.T -> [B, K] float32, in sample chunks of budget //
-    (max_tokens x K) scores (a fixed `max_tokens`: no recompile per text length). Pads get -inf (FDT's
-    reference zeroes pad features, clamping scores at >= 0)."""
-    return _MaxCodeScores.apply(q, codes, valid, budget, max_tokens)
+CODE_SCORES_PER_CHUNK = 1 << 25    # 128 MiB of float32 scores at a time (bench.py --levers tries others)
+
+
+def max_code_scores(q, codes, valid=None, budget=None, max_tokens=None):
+    """max over valid tokens ([B, P] bool) of q @ codes.T -> [B, K] float32, in sample chunks of budget
+    (default CODE_SCORES_PER_CHUNK) // (max_tokens x K) scores (a fixed `max_tokens`: no recompile per text
+    length). Pads get -inf (FDT's reference zeroes pad features, clamping scores at >= 0)."""
+    return _MaxCodeScores.apply(q, codes, valid, budget or CODE_SCORES_PER_CHUNK, max_tokens)
 
 
 # -----------------------------------------------------------------------------

@@ -328,7 +328,7 @@ def test_levers_time_each_lever_with_its_compile_scope_and_chunking(monkeypatch,
     assert bench.main(["--levers", "--codebook", "64", "--steps", "2", "--untimed", "1", "--out", str(out)]) == 0
     # encoders: two compiled methods (mode None); step+cudagraphs: reduce-overhead; step: default mode
     assert compiled == [None, None, "reduce-overhead", None]
-    assert set(budgets) == {123} and il_clip.max_code_scores.__defaults__[1] == 1 << 25
+    assert set(budgets) == {123} and il_clip.CODE_SCORES_PER_CHUNK == 1 << 25
     rows = json.loads(out.read_text())["rows"]
     assert [r["compiled"] for r in rows] == ["encoders", "step+cudagraphs", "step"] and rows[2]["chunk_scores"] == 123
     table = capsys.readouterr().out
