@@ -345,7 +345,8 @@ def bench_data(args, device):
         return 0
     print(f"{args.images} img2dataset JPEGs in 2 shards read at 224 px, batch {B}, {os.cpu_count()} CPUs, CPU ms per "
           f"image (main process + workers, each epoch's worker start-up included), least of {args.rounds} rounds; each "
-          f"ratio is the median over rounds of the two costs measured side by side in a round (the machine's speed drifts):")
+          f"ratio is the median over rounds of the two costs measured side by side in a round (the machine's speed "
+          f"drifts):")
     costs, tiny = {}, 2 * B     # the short epoch: one batch per shard (one per worker at 2 workers)
     for stored in (256, 512):
         with tempfile.TemporaryDirectory() as d:
@@ -384,8 +385,8 @@ def bench_data(args, device):
             for slots in runs:
                 runs[slots].append(transport_ms(4096, workers, B, slots))
         print(f"  batch transport alone (4096 images, no decode), {workers} workers: {min(runs[True]):.3f} ms/image "
-              f"through reused shared-memory slots, {min(runs[False]):.3f} through fresh shared memory per batch (median difference "
-              f"{statistics.median(b - a for a, b in zip(runs[True], runs[False])):.3f})")
+              f"through reused shared-memory slots, {min(runs[False]):.3f} through fresh shared memory per batch "
+              f"(median difference {statistics.median(b - a for a, b in zip(runs[True], runs[False])):.3f})")
     if args.feed:
         print(f"  feeding {args.feed:,.0f} samples/s takes " + ", ".join(
             f"{math.ceil(args.feed * ms / 1e3)} cores at {stored} px" for stored, ms in costs.items())

@@ -857,7 +857,7 @@ class ILSchedule:
         return phase, g + 1, start
 
     def cycle(self, step, end):
-        """[start, stop) of the LR cycle holding step under --lr_schedule generation: the warm-up,
+        """[start, stop) of the LR cycle holding step under --lr_schedule generation / il_cycles: the warm-up,
         each generation (distill + interact), the extension; the run's last cycle stops at `end`."""
         cuts = [0, *self.cycle_starts] + [g + self.gen_len for g in self.cycle_starts[-1:]]
         return max(c for c in cuts if c <= step), min([c for c in cuts if c > step] + [end])
