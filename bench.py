@@ -365,14 +365,20 @@ def bench_data(args, device):
                         runs["steady" + tag].append((ms * n - ms_short * n_short) / (n - n_short))
                         runs["start" + tag].append(ms_short * n_short - runs["steady" + tag][-1] * n_short)
         (plain, parallel), ms = (min(runs[k]) for k in ("plain", "parallel")), {w: min(runs[w]) for w in (0, workers)}
-        costs[stored] = min(runs["steady"]) if short_pattern else ms[workers]
+        # with few images the start-up noise can exceed the images between the two epochs: no slope then
+        separable = short_pattern and min(runs["steady0"] + runs["steady"]) > 0
+        costs[stored] = min(runs["steady"]) if separable else ms[workers]
         kib = sum(map(len, jpegs)) / len(jpegs) / 1024
         ratio = lambda a, b: statistics.median(x / y for x, y in zip(runs[a], runs[b]))
         print(f"  stored {stored} px ({kib:.0f} KiB){', draft 1/2' * (stored == 512)}: "
               f"plain PIL loop {plain:.2f}; make_loader 0 workers {ms[0]:.2f} ({ratio(0, 'plain'):.2f}x plain), "
               f"{workers} workers {ms[workers]:.2f} ({ratio(workers, 'plain'):.2f}x plain; "
               f"{ratio(workers, 'parallel'):.2f}x {max(1, workers)} plain loops at once, {parallel:.2f})")
-        if short_pattern:
+        if short_pattern and not separable:
+            print(f"    steady state: not separable at {args.images} images (a slope between {tiny}- and "
+                  f"{args.images}-image epochs at or below zero, start-up noise exceeding the images between "
+                  f"them; use more --images); --feed uses the full epoch")
+        elif short_pattern:
             print(f"    steady state (each epoch's start-up, {statistics.median(runs['start0']):.0f} / "
                   f"{statistics.median(runs['start']):.0f} CPU ms at 0 / {workers} workers, taken out: the slope "
                   f"between {tiny}- and {args.images}-image epochs): 0 workers {min(runs['steady0']):.2f} "
@@ -390,7 +396,7 @@ def bench_data(args, device):
     if args.feed:
         print(f"  feeding {args.feed:,.0f} samples/s takes " + ", ".join(
             f"{math.ceil(args.feed * ms / 1e3)} cores at {stored} px" for stored, ms in costs.items())
-              + " (cores as fast as these, steady state; make_loader's main process included)")
+              + " (cores as fast as these, steady state where separable; make_loader's main process included)")
     return 0
 
 
