@@ -277,6 +277,8 @@ def test_data_mode_ratios_pair_the_two_costs_of_each_round(monkeypatch, capsys):
             return 0.0, per_image, 16, 0
         return 0.0, (8 * steady[w] + 3.2) / 8, 8, 0
     monkeypatch.setattr(bench, "loader_epoch", epoch)
+    monkeypatch.setattr(bench, "transport_ms", lambda *a: 0.1)      # not under test here
+    monkeypatch.setattr(bench, "jpeg_shards", lambda d, n, stored: (d + "/{0..1}.tar", [b"jpeg"] * n))
     assert bench.main(["--data", "--num_workers", "1", "--rounds", "3", "--images", "16", "--batch_size", "4"]) == 0
     out = capsys.readouterr().out.splitlines()
     at = next(i for i, ln in enumerate(out) if "stored 256 px" in ln)
@@ -295,6 +297,7 @@ def test_data_mode_without_a_positive_slope_says_so_and_feeds_from_the_full_epoc
     monkeypatch.setattr(bench, "loader_epoch", lambda pattern, size, w, batch:
                         (0.0, 9.0, 8, 0) if "short" in pattern else (0.0, 5.0, 16, 0))   # slope (80 - 72) / 8 = 1
     monkeypatch.setattr(bench, "transport_ms", lambda *a: 0.1)
+    monkeypatch.setattr(bench, "jpeg_shards", lambda d, n, stored: (d + "/{0..1}.tar", [b"jpeg"] * n))
     assert bench.main(["--data", "--num_workers", "1", "--rounds", "1", "--images", "16", "--batch_size", "4",
                        "--feed", "1000"]) == 0
     out = capsys.readouterr().out
