@@ -1,22 +1,19 @@
 """
 data.py -- the one module shared by every script of this repo.
 
-  * the built-in `shapes` dataset: procedural images of 1-3 coloured shapes in spatial relations,
-    captions from a small grammar with gold PTB trees, a compositional test set with SugarCrepe-style
-    hard negatives, a systematicity split (held-out compounds) and a productivity split (longer captions);
-  * the tokenizer (CLIP BPE from `bpe_simple_vocab_16e6.txt.gz`, or a BPE trained on the training
-    captions), built with the `tokenizers` library; image transforms with PIL + numpy + torch;
-  * readers for real data -- webdataset/img2dataset tar shards, open_clip CSV/TSV, Karpathy split JSON,
-    ImageFolder, the presets cc3m / cc12m / datacomp under $DATA_ROOT -- behind one `make_loader(spec)`,
-    whose uint8 image batches the training step normalises on the device (normalize_images); loaders
-    split the data across DDP ranks and workers, skip and count bad samples, and resume exactly;
-  * what the training scripts share around the method: durable and atomic file writes, the weights
-    reader (OpenAI / open_clip files, the activation they imply, a one-line key check), the run lifecycle
-    (out_dir lock, checkpoints with their fallback, stop signals, metrics.jsonl + wandb, the loss-curve PNG),
-    results over seeds.
+  * the built-in `shapes` dataset: procedural images of 1-3 coloured shapes in spatial relations, captions from a
+    small grammar with gold PTB trees, SugarCrepe-style hard negatives, a systematicity split (held-out compounds)
+    and a productivity split (longer captions);
+  * the tokenizer (CLIP BPE from `bpe_simple_vocab_16e6.txt.gz`, or a BPE trained on the captions; `tokenizers`);
+    image transforms with PIL + numpy + torch;
+  * readers for real data (webdataset tar shards, open_clip CSV/TSV, Karpathy JSON, ImageFolder, the presets
+    cc3m / cc12m / datacomp under $DATA_ROOT) behind one `make_loader(spec)`: uint8 batches that the step normalises
+    on the device (normalize_images), split across DDP ranks and workers, bad samples skipped and counted, exact resume;
+  * what the training scripts share: durable and atomic writes, the weights reader, the run lifecycle (out_dir
+    lock, checkpoints with their fallback, stop signals, metrics.jsonl + wandb, the loss-curve PNG), results over seeds.
 
-Commands (flags: python data.py COMMAND --help): make-shapes --out_dir DIR (the shapes data in the real formats),
-check --data SPEC (read a dataset once, count good and skipped samples), convert-weights PATH (.pt -> .safetensors)
+Commands (python data.py COMMAND --help): make-shapes --out_dir DIR (the shapes data in the real formats),
+check --data SPEC (count good and skipped samples), convert-weights PATH (.pt -> .safetensors)
 """
 import argparse
 import collections
@@ -60,14 +57,13 @@ class DataError(Exception):
 # -----------------------------------------------------------------------------
 # The `shapes` dataset
 #
-# Grammar (every caption is lower case, no punctuation): an object is ("a"|"an") [size] colour shape, e.g. "a small red
-# circle", "an orange star"; a relation is "to the left of" | "to the right of" | "above" | "below"; a caption is one
-# of CAPTION_FORMS below ("rel_and": the relation binds the first two objects, the third is only present; "chain", A
-# rel1 B and B rel2 C, in the productivity split only). Size words are mentioned with probability 1/2 per object, so
-# "add_att" negatives exist. Relations are geometric and unambiguous: objects of a related pair are placed so that |dx|
-# and |dy| of their centres differ by at least RELATION_MARGIN pixels, and exactly one of the four relations holds
-# between any ordered pair. Held-out compounds (systematicity): one colour-shape pair per colour never occurs in the
-# train/val/test splits, in images or captions, including hard negatives.
+# Grammar (lower case, no punctuation): an object is ("a"|"an") [size] colour shape, e.g. "a small red circle"; a
+# relation is one of RELATION_NAMES; a caption is one of CAPTION_FORMS ("rel_and": the relation binds the first two
+# objects, the third is only present; "chain", A rel1 B and B rel2 C, in the productivity split only). Size words are
+# mentioned with probability 1/2 per object, so "add_att" negatives exist. Relations are geometric and unambiguous: a
+# related pair's centres differ in |dx| and |dy| by at least RELATION_MARGIN pixels, and exactly one of the four
+# relations holds between any ordered pair. Held-out compounds (systematicity): one colour-shape pair per colour never
+# occurs in the train/val/test splits, in images or captions, including hard negatives.
 
 SHAPE_NAMES = ["circle", "square", "triangle", "star", "cross", "diamond"]
 COLOURS = {
@@ -113,8 +109,7 @@ class Phrase:
 
 @dataclass
 class CaptionStruct:
-    """A caption before it is rendered to words: phrases + how they are joined (form, one of
-    CAPTION_FORMS); relations[i] relates phrase i to phrase i+1."""
+    """A caption before it is rendered: phrases joined by `form` (CAPTION_FORMS), relations[i] of phrases i, i+1."""
     form: str
     phrases: list
     relations: list = field(default_factory=list)
@@ -148,10 +143,7 @@ def _related_pairs(form: str) -> list:
 
 
 def render_caption(s: CaptionStruct, word=None) -> str:
-    """The caption's words; `word(kind, value)` may put a synonym for a size, colour, shape or
-    relation (mm_learngene.shapes_references), by default the grammar's own word."""
-    if s.form not in CAPTION_FORMS:
-        raise ValueError(f"unknown caption form {s.form!r}")
+    """The caption's words; `word(kind, value)` may give a synonym for a word (mm_learngene.shapes_references)."""
     word, parts = word or (lambda kind, value: value), {}
     for i, p in enumerate(s.phrases):
         words = ([word("size", p.size)] if p.size else []) + [word("colour", p.colour)] + word("shape", p.shape).split()
@@ -176,8 +168,6 @@ TREE_FORMS = {"single": "(ROOT {0})", "rel": "(ROOT (NP {0} {pp}))", "copula": "
 
 def caption_tree(s: CaptionStruct) -> str:
     """Gold PTB constituency tree of a caption (Penn Treebank tags, one root)."""
-    if s.form not in TREE_FORMS:
-        raise ValueError(f"unknown caption form {s.form!r}")
     n = [f"(NP (DT {_article(p)}){f' (JJ {p.size})' if p.size else ''} (JJ {p.colour}) (NN {p.shape}))"
          for p in s.phrases]
     obj = f"(NP {n[1]} {_pp_tree(s.relations[1], n[2])})" if s.form == "chain" else n[1 % len(n)]
@@ -185,8 +175,7 @@ def caption_tree(s: CaptionStruct) -> str:
 
 
 def caption_is_true(s: CaptionStruct, objects: list) -> bool:
-    """Does the caption describe the scene? True iff the phrases can be assigned to distinct
-    objects with matching attributes such that every stated relation holds."""
+    """True iff the phrases can be assigned to distinct matching objects such that every stated relation holds."""
     rels = [(i, s.relations[i], j) for i, j in _related_pairs(s.form)]
     for assign in itertools.permutations(range(len(objects)), len(s.phrases)):
         ok = all(objects[o].colour == p.colour and objects[o].shape == p.shape and p.size in (None, objects[o].size)
@@ -244,8 +233,7 @@ def _draw_object(draw: ImageDraw.ImageDraw, o: Obj, rgb: tuple):
 
 
 def render_scene(objects: list, rng: random.Random, image_size: int = SHAPES_IMAGE_SIZE) -> Image.Image:
-    """Dark, slightly varied background; every object's colour jittered by up to +-20 per
-    channel so that colour names are categories, not single pixel values."""
+    """Dark varied background; colours jittered +-20 per channel: colour names are categories, not pixel values."""
     img = Image.new("RGB", (image_size, image_size), tuple(rng.randint(10, 60) for _ in range(3)))
     draw = ImageDraw.Draw(img)
     for o in objects:
@@ -254,8 +242,7 @@ def render_scene(objects: list, rng: random.Random, image_size: int = SHAPES_IMA
 
 
 def _scene_layout(split: str, rng: random.Random):
-    """(number of objects, caption form) for a split: train/val/test have 1-3 objects and at
-    most one relation; productivity has 3 objects and two relations (a chain)."""
+    """(objects, caption form): train/val/test 1-3 objects, at most one relation; productivity a 3-object chain."""
     if split == "productivity":
         return 3, "chain"
     u = rng.random()
@@ -335,8 +322,7 @@ def _negative_candidates(category: str, s: CaptionStruct, objects: list, rng: ra
 
 
 def make_negative(category: str, scene: Scene, rng: random.Random, allow_held_out: bool = False):
-    """A caption of `category` that is grammatical, different from the positive and false of
-    the image (checked by `caption_is_true`); None if the scene admits none."""
+    """A caption of `category`: grammatical, not the positive, false of the image (caption_is_true); None if none."""
     cands = _negative_candidates(category, scene.struct, scene.objects, rng)
     rng.shuffle(cands)
     for t in cands:
@@ -387,7 +373,7 @@ def shapes_classification(split: str = "train", index: int = 0, seed: int = 0, i
 
 
 def shapes_captions(n: int = 5000, seed: int = 0) -> list:
-    """Training captions (no rendering needed beyond the scene) to train a tokenizer on."""
+    """Training captions to train a tokenizer on."""
     return [shapes_scene("train", i, seed).caption for i in range(n)]
 
 
@@ -413,7 +399,8 @@ class Tokenizer:
 
     def __init__(self, backend, kind: str, context_length: int = 77):
         backend = _special_tokens_not_in_text(backend)      # also for tokenizer.json files saved before
-        if kind == "clip_bpe":      # files saved before clip_clean: OpenAI's pipeline as clip_bpe_tokenizer's
+        if kind == "clip_bpe":  # no normalizer: clip_clean did OpenAI's (a second NFC or the Rust lower-case, no final
+            # sigma, changes ids); also for files saved before clip_clean
             backend.normalizer, backend.pre_tokenizer = None, _clip_normalizer_and_pretokenizer()[1]
         self.backend, self.kind, self.context_length = backend, kind, context_length
         self.sot_id, self.eot_id, self.pad_id = backend.token_to_id(SOT_TOKEN), backend.token_to_id(EOT_TOKEN), 0
@@ -447,22 +434,19 @@ class Tokenizer:
             backend = Backend.from_str(json.dumps(blob["tokenizer"]))
         except FileNotFoundError:
             raise DataError(f"{path}: tokenizer file not found") from None
-        except (json.JSONDecodeError, KeyError, Exception) as e:
+        except Exception as e:      # malformed JSON, no "tokenizer" key, a backend tokenizers cannot read
             raise DataError(f"{path}: not a tokenizer file written by this repo ({type(e).__name__})") from None
         return cls(backend, blob["kind"], blob["context_length"])
 
 
 def _special_tokens_not_in_text(backend):
-    """The backend without `added_tokens` entries for SOT/EOT/pad/unk: `tokenizers` matches added tokens inside the
-    text, so a caption containing "<|endoftext|>" or "<pad>" got those ids mid-sequence (where EOT pooling stops).
-    They stay in the vocabulary (ids unchanged); Tokenizer puts SOT/EOT/pad around the text itself."""
+    """The backend without `added_tokens` entries for SOT/EOT/pad/unk (still in the vocabulary): `tokenizers` matches
+    added tokens inside the text, so "<|endoftext|>" in a caption got its id mid-sequence (where EOT pooling stops)."""
     from tokenizers import Tokenizer as Backend
     blob = json.loads(backend.to_str())
-    specials = {SOT_TOKEN, EOT_TOKEN, PAD_TOKEN, UNK_TOKEN}
-    if not any(t["content"] in specials for t in blob.get("added_tokens") or []):
-        return backend
-    blob["added_tokens"] = [t for t in blob["added_tokens"] if t["content"] not in specials]
-    return Backend.from_str(json.dumps(blob))
+    added = blob.get("added_tokens") or []
+    blob["added_tokens"] = [t for t in added if t["content"] not in {SOT_TOKEN, EOT_TOKEN, PAD_TOKEN, UNK_TOKEN}]
+    return backend if len(blob["added_tokens"]) == len(added) else Backend.from_str(json.dumps(blob))
 
 
 def _clip_normalizer_and_pretokenizer():
@@ -499,11 +483,9 @@ def clip_bpe_tokenizer(vocab_path: str, context_length: int = 77) -> Tokenizer:
     vocab = chars + [c + "</w>" for c in chars] + ["".join(m) for m in merges] + [SOT_TOKEN, EOT_TOKEN]
     backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(vocab)}, merges=merges,
                                  end_of_word_suffix="</w>", continuing_subword_prefix="", unk_token=EOT_TOKEN))
-    # no normalizer: clip_clean already did OpenAI's; a second NFC or the Rust lower-case (no final sigma) changes ids
-    backend.pre_tokenizer = _clip_normalizer_and_pretokenizer()[1]
     backend.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Replace("</w>", " ")])
     # SOT/EOT stay plain vocabulary entries, not added special tokens, which `tokenizers` would match inside captions
-    return Tokenizer(backend, "clip_bpe", context_length)
+    return Tokenizer(backend, "clip_bpe", context_length)   # which sets the pre-tokenizer and no normalizer
 
 
 def trained_bpe_tokenizer(captions, vocab_size: int = 1000, context_length: int = 77) -> Tokenizer:
@@ -637,8 +619,7 @@ def normalize_images(images: torch.Tensor, device=None) -> torch.Tensor:
 
 
 def train_transform(image_size: int, scale=(0.9, 1.0), flip: bool = False) -> Compose:
-    """open_clip's training transform (RandomResizedCrop scale (0.9, 1), no other augmentation, as
-    in CLIP), with an optional horizontal flip."""
+    """open_clip's training transform (RandomResizedCrop scale (0.9, 1), as in CLIP), an optional horizontal flip."""
     return Compose([RandomResizedCrop(image_size, scale), *([RandomFlip()] if flip else []), ToTensor()])
 
 
@@ -649,12 +630,11 @@ def eval_transform(image_size: int) -> Compose:
 # -----------------------------------------------------------------------------
 # Samples, batches and bad input
 #
-# Every reader turns one record of the user's data into a sample dict {"image": uint8 [3, S, S], "caption", "tree"
-# (PTB string or None), "key"} or, when the record is bad, into `Skip(reason, where)`. Skips travel inside the
-# batch (batch["_skips"], removed by the loader), so they are counted and logged in the main process whatever the
-# number of workers. A run that skips more than `max_skip_fraction` (default 10%) of what it reads stops with a
-# DataError: a data set that bad is a wrong path or a broken download, and training on the remainder would be a
-# silently different experiment.
+# Every reader turns a record of the user's data into a sample {"image": uint8 [3, S, S], "caption", "tree" (PTB or
+# None), "key"} or, if it is bad, a `Skip(reason, where)`. Skips travel in the batch (batch["_skips"], removed by the
+# loader), so the main process counts and logs them whatever the number of workers. A run that skips more than
+# `max_skip_fraction` (default 10%) of what it reads stops with a DataError: a data set that bad is a wrong path or a
+# broken download, and training on the rest would silently be a different experiment.
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 MAX_SKIP_FRACTION = 0.1
@@ -671,13 +651,11 @@ class Skip:
 
 def _save(path: str, blob):
     """`blob` (bytes, a str as UTF-8, a PIL image as PNG) as the file `path`, atomically, its folder made if missing."""
-    if isinstance(blob, Image.Image):
-        buf = io.BytesIO()
-        blob.save(buf, format="PNG")
-        blob = buf.getvalue()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
 
     def write(tmp):
+        if isinstance(blob, Image.Image):
+            return blob.save(tmp, format="PNG")
         with open(tmp, "wb") as f:
             f.write(blob.encode("utf-8") if isinstance(blob, str) else blob)
     with writing(path):
@@ -757,9 +735,8 @@ _worker_slots = None    # a worker's _SharedBatches (set by _init_worker)
 
 
 def _stack_images(images: list) -> tuple:
-    """torch.stack's result through numpy, a single-threaded copy (torch's threads compete with training's). In a
-    loader worker into shared memory, so sending it copies nothing more: into a free _SharedBatches slot (and that
-    _Slot is returned beside the tensor), else fresh (as torch's default_collate)."""
+    """torch.stack through numpy, one thread (torch's threads compete with training's). In a loader worker into shared
+    memory, so sending copies nothing more: a free _SharedBatches slot (its _Slot returned too), else fresh memory."""
     first, shape = images[0], (len(images), *images[0].shape)
     claimed = _worker_slots.claim(shape) if _worker_slots is not None and first.dtype == torch.uint8 else None
     if claimed is not None:
@@ -779,8 +756,7 @@ def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> 
     good = [s for s in samples if isinstance(s, dict)]
     empty = torch.zeros(0, 3, 0, 0, dtype=torch.uint8)
     images, slot = _stack_images([s["image"] for s in good]) if good else (empty, None)
-    batch = {"image": images,
-             **{k: [s.get(k) for s in good] for k in ("caption", "tree", "key")},
+    batch = {"image": images, **{k: [s.get(k) for s in good] for k in ("caption", "tree", "key")},
              "_skips": [(s.reason, s.where) if isinstance(s, Skip) else ("bad sample", "?")
                         for s in samples if not isinstance(s, dict)]}
     if good and "label" in good[0]:
@@ -863,8 +839,7 @@ def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath
                                 f"name the columns with --csv_img_key / --csv_caption_key)")
             name = os.path.basename(path)  # key: the image path as listed, else file name and line
             items = [Item(_resolve_image(row[img_key], base, image_root is not None), row[caption_key],
-                          row.get(tree_key), row[img_key] or f"{name}:{n + 2}")
-                     for n, row in enumerate(reader)]
+                          row.get(tree_key), row[img_key] or f"{name}:{n + 2}") for n, row in enumerate(reader)]
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None
     except (csv.Error, UnicodeDecodeError) as e:
@@ -897,8 +872,8 @@ def karpathy_images(json_path: str, image_root: str | None, split: str) -> list:
 
 
 def image_folder(root: str):
-    """ImageFolder: root/class_name/*.{jpg,jpeg,png,webp} -> (paths, labels, class_names); classes =
-    every sub-folder (an empty one too, so class indices do not shift), sorted by name."""
+    """root/class_name/*.{jpg,jpeg,png,webp} -> (paths, labels, classes): every sub-folder sorted, empty ones too
+    (so class indices do not shift)."""
     if not os.path.isdir(root):
         raise DataError(f"{root}: no such directory")
     classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
@@ -992,11 +967,7 @@ def _plain_tar_members(path: str, want):
     per image, this is a fifth of it. Anything else (compression, pax or GNU long-name headers, links, a bad
     checksum, an early end) raises _NotPlainTar before its member is given."""
     block = tarfile.BLOCKSIZE
-    try:
-        f = open(path, "rb")
-    except OSError:
-        raise _NotPlainTar from None
-    with f:
+    with open(path, "rb") as f:     # an OSError here is the record {"__error__"} tarfile's open would give
         while True:
             header = f.read(block)
             if header == bytes(block):
@@ -1041,8 +1012,7 @@ def decode_record(rec: dict, transform, rng):
 
 
 def _shard_count(path: str) -> int | None:
-    """Samples in one shard from img2dataset's `{shard}_stats.json` ("successes") or a
-    `sizes.json` {shard file name: count} beside it; None when neither says."""
+    """Samples in a shard by img2dataset's `{shard}_stats.json` ("successes") or sizes.json {name: count}, else None."""
     folder, name = os.path.split(path)
     stats = os.path.join(folder, name.rsplit(".", 1)[0] + "_stats.json")
     if os.path.exists(stats):
@@ -1072,9 +1042,9 @@ def _shuffled(records, size: int, rng: random.Random):
 # -----------------------------------------------------------------------------
 # --data specs: presets, shard patterns, files, folders
 
-# name -> how to make its shards: the released URL list (with the header line img2dataset needs:
-# Google's CC3M/CC12M TSVs have none) and the img2dataset flags that read it. The flags are
-# img2dataset.download()'s parameters (img2dataset/main.py); tests check every one.
+# name -> how to make its shards: the released URL list (with the header line img2dataset needs: Google's CC3M/CC12M
+# TSVs have none) and the img2dataset flags that read it. The flags are img2dataset.download()'s parameters
+# (img2dataset/main.py); tests check every one.
 DATA_PRESETS = {
     "cc3m": "sed -i '1s/^/caption\\turl\\n/' cc3m.tsv && img2dataset --url_list cc3m.tsv --input_format tsv "
             "--url_col url --caption_col caption",
@@ -1145,10 +1115,9 @@ def file_items(src: dict, split: str, csv_options: dict) -> list:
 # batches consumed) so a resumed run continues with exactly the next batch, and count skips.
 
 def _init_worker(slots, worker_id):
-    """DataLoader worker_init_fn: the iterator's _SharedBatches, and SIGTERM ignored. torchrun's agent and SLURM send
-    SIGTERM to the whole process group: a worker that died of it would crash the rank before it could checkpoint.
-    Workers ignore it (the rank saves, then shuts them down); forked with SIGTERM blocked (_start_workers), they
-    discard one that arrived meanwhile by ignoring it."""
+    """DataLoader worker_init_fn: the iterator's _SharedBatches, and SIGTERM ignored: torchrun's agent and SLURM send
+    it to the whole process group, and a worker killed by it would crash the rank before it could checkpoint (the
+    rank saves, then shuts them down). Forked with SIGTERM blocked (_start_workers), one sent meanwhile is dropped."""
     global _worker_slots
     _worker_slots = slots
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -1198,11 +1167,10 @@ class _Loader:
         # iterator, so a resumed run (one iterator more) would shift a fork's dropout; samples never depend on it
         slots = (_SharedBatches(2 * self.num_workers + 1, self.batch_size * self.image_bytes)   # prefetch_factor 2
                  if self.num_workers and self.image_bytes else None)
-        dl = torch.utils.data.DataLoader(dataset, num_workers=self.num_workers, persistent_workers=False,
-                                         pin_memory=self.pin_memory,
-                                         worker_init_fn=functools.partial(_init_worker, slots),
-                                         generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch),
-                                         **how)
+        dl = torch.utils.data.DataLoader(
+            dataset, num_workers=self.num_workers, persistent_workers=False, pin_memory=self.pin_memory,
+            worker_init_fn=functools.partial(_init_worker, slots),
+            generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch), **how)
         for batch in _start_workers(dl):
             if isinstance(batch["image"], _Slot):
                 batch["image"] = slots.take(batch["image"], self.pin_memory)
@@ -1242,9 +1210,8 @@ class _Loader:
         if seen and self.skipped > self.max_skip_fraction * seen:
             common = ", ".join(f"{r} x{n}" for r, n in self.skip_reasons.most_common(3))
             raise DataError(f"{self.name}: skipped {self.skipped} of {seen} samples read "
-                            f"({100 * self.skipped / seen:.0f}%; "
-                            f"{self.good} used, {self.dropped} dropped by drop_last), more than "
-                            f"max_skip_fraction={self.max_skip_fraction} ({common})")
+                            f"({100 * self.skipped / seen:.0f}%; {self.good} used, {self.dropped} dropped by "
+                            f"drop_last), more than max_skip_fraction={self.max_skip_fraction} ({common})")
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batches_done": self.batches_done, "skipped": self.skipped, "good": self.good,
@@ -1449,7 +1416,7 @@ def captions_for_tokenizer(spec: str, max_captions: int = 100_000, split: str = 
         caps = (r["txt"].decode("utf-8", "replace") for r in records if r.get("txt"))
     else:
         caps = (it.caption for it in file_items(src, split, csv_options))
-    return [c for c in itertools.islice((c for c in caps if c and c.strip()), max_captions)]
+    return list(itertools.islice((c for c in caps if c and c.strip()), max_captions))
 
 
 # -----------------------------------------------------------------------------
@@ -1467,8 +1434,7 @@ def read_json(path: str):
 
 
 def fsync(path: str, write=None):
-    """write(path) if given, then flush the file or folder to disk: a checkpoint must survive a
-    power cut or SIGKILL, not only a crash of this process."""
+    """write(path) if given, then flush the file or folder to disk: a checkpoint must survive a power cut or SIGKILL."""
     if write is not None:
         write(path)
     fd = os.open(path, os.O_RDONLY)
@@ -1543,8 +1509,7 @@ def read_weights(path: str) -> dict:
 
 
 def load_state(model, sd: dict, source: str, allow_missing=()):
-    """model.load_state_dict(sd) with one error line for missing (other than the `allow_missing`
-    prefixes) or unexpected keys and shape mismatches, instead of torch's multi-line report."""
+    """model.load_state_dict(sd); missing (but `allow_missing`), unexpected or misshaped keys: one error line."""
     own = model.state_dict()
     problems = {"missing keys": [k for k in own if k not in sd and not k.startswith(allow_missing)],
                 "unexpected keys": [k for k in sd if k not in own],
@@ -1556,16 +1521,15 @@ def load_state(model, sd: dict, source: str, allow_missing=()):
     model.load_state_dict(sd, strict=False)
 
 
-# The MLP activation of foreign weights is not in the tensors. open_clip's hub layout puts
-# open_clip_config.json ({"model_cfg": {..., "quick_gelu": true}, "preprocess_cfg": ...}; no
-# "quick_gelu" means GELU, as open_clip builds it) beside open_clip_model.safetensors; this
-# repo's runs put config.json ({"model": {"quick_gelu": ...}}) beside model.safetensors.
+# The MLP activation of foreign weights is not in the tensors. open_clip's hub layout puts open_clip_config.json
+# ({"model_cfg": {..., "quick_gelu": true}, "preprocess_cfg": ...}; no "quick_gelu" means GELU, as open_clip builds it)
+# beside open_clip_model.safetensors; this repo's runs put config.json ({"model": {"quick_gelu": ...}}) beside
+# model.safetensors.
 ACTIVATION_FILES = ("open_clip_config.json", "config.json")
 
 
 def _stated_activation(cfg) -> bool | None:
-    """quick_gelu as a config file states it, or None when it does not say (or only repeats an
-    assumption: a run that loaded bare weights records "quick_gelu_source": "assumed")."""
+    """quick_gelu as a config file states it, else None (also where it repeats "quick_gelu_source": "assumed")."""
     if not isinstance(cfg, dict):
         return None
     model = cfg.get("model")
@@ -1592,24 +1556,20 @@ def weights_activation(flag, weights: str, folders=()) -> tuple:
 
 
 def assumed_activation_note(path: str, trained: bool = False) -> str:
-    """The stderr line when weights_activation said "assumed" (`trained`: a checkpoint whose run
-    loaded such weights, config.json "quick_gelu_source": "assumed")."""
-    what = ("its run assumed OpenAI's QuickGELU for --init weights that did not say their activation"
-            if trained else "no open_clip_config.json or config.json beside it says its activation: "
-                            "assuming OpenAI's QuickGELU")
+    """The stderr line when weights_activation said "assumed" (`trained`: the checkpoint's run assumed it)."""
+    what = ("its run assumed OpenAI's QuickGELU for --init weights that did not say their activation" if trained else
+            "no open_clip_config.json or config.json beside it says its activation: assuming OpenAI's QuickGELU")
     return f"note: {path}: {what} (--no-quick_gelu for GELU models such as open_clip's LAION / DataComp ViT-B-32)"
 
 
 def checkpoint_dir(path: str) -> str:
-    """An out_dir -> its checkpoint/ folder when that holds a model.safetensors (the layout of all
-    three training scripts), else `path` as given (a checkpoint/ or descendant folder, a file)."""
+    """An out_dir -> its checkpoint/ when that holds a model.safetensors (all training scripts), else `path` as is."""
     inner = os.path.join(path, "checkpoint")
     return inner if os.path.isfile(os.path.join(inner, "model.safetensors")) else path
 
 
 def script_record(file: str) -> dict:
-    """The training script as config.json records it ("script"): a reader of the checkpoint
-    imports this file, so a fork's weights are scored with the fork's own model code."""
+    """config.json's "script": a checkpoint's reader imports it, so a fork's weights run the fork's own model code."""
     path = os.path.abspath(file)
     with open(path, "rb") as f:
         return {"name": os.path.basename(path), "path": path, "sha256": hashlib.sha256(f.read()).hexdigest()}
@@ -1626,9 +1586,8 @@ def import_script(record: dict | None, override: str | None = None, default: str
         os.path.join(d, name) for d in (os.path.dirname(os.path.abspath(__file__)), os.getcwd()) if name)]
     path = next((p for p in candidates if p and os.path.isfile(p)), None)
     if path is None:
-        raise DataError(f"{override or name or 'the checkpoint'}: training script not found"
-                        + ("" if override else f" (looked in {', '.join(p for p in candidates if p)}); "
-                                               f"give --script PATH"))
+        raise DataError(f"{override or name or 'the checkpoint'}: training script not found" + (
+            "" if override else f" (looked in {', '.join(p for p in candidates if p)}); give --script PATH"))
     sha = script_record(path)["sha256"]
     note = (f"note: {path} has changed since it trained this checkpoint (sha256 {sha[:12]}, recorded "
             f"{record['sha256'][:12]})" if record.get("sha256") and record["sha256"] != sha else None)
@@ -1645,12 +1604,11 @@ def import_script(record: dict | None, override: str | None = None, default: str
 
 
 # -----------------------------------------------------------------------------
-# The run lifecycle every training script shares: one run per out_dir, checkpoints that survive a
-# crash, stop signals, metrics.jsonl (+ wandb), a progress bar, the loss-curve PNG. The method scripts
-# keep only what is their own: what state.pt holds and how it is restored.
-# out_dir/checkpoint/ holds model.safetensors, config.json (flags, model config, "script"), tokenizer.json,
-# state.pt (torch.save; read with weights_only=True: no pickled code runs) and sha256.json of them, written
-# last. A save fills checkpoint.tmp/, fsyncs it, renames checkpoint/ -> checkpoint.prev/ (what a damaged
+# The run lifecycle every training script shares: one run per out_dir, checkpoints that survive a crash, stop signals,
+# metrics.jsonl (+ wandb), a progress bar, the loss-curve PNG. The method scripts keep only what is their own: what
+# state.pt holds and how it is restored. out_dir/checkpoint/ holds model.safetensors, config.json (flags, model config,
+# "script"), tokenizer.json, state.pt (torch.save; read with weights_only=True: no pickled code runs) and sha256.json of
+# them, written last. A save fills checkpoint.tmp/, fsyncs it, renames checkpoint/ -> checkpoint.prev/ (what a damaged
 # newest falls back to) and checkpoint.tmp/ -> checkpoint/.
 CHECKPOINT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "state.pt")
 _lock = None        # this process's open out_dir/.lock
@@ -1672,41 +1630,35 @@ def claim_out_dir(out_dir, rank, world, device, resume=False, overwrite=False, r
     """Before anything is written: one run per out_dir (rank 0 holds an flock on out_dir/.lock, which the kernel
     drops when the process ends, killed or not); --resume needs a checkpoint (in out_dir or one of `phase_dirs`);
     a new run replaces one only with --overwrite, which removes the names in out_dir and `phase_dirs` that match a
-    `run_files` pattern. Rank 0 raises DataError; the other ranks exit 2."""
-    global _lock
-    release_out_dir()
-    error = None
-    if rank == 0:
+    `run_files` pattern. Rank 0 raises DataError; the other ranks exit 2 (on_rank0)."""
+    def claim():
+        global _lock
+        import fcntl
         os.makedirs(out_dir, exist_ok=True)
         _lock = open(os.path.join(out_dir, ".lock"), "a+")
         try:
-            import fcntl
             fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            _lock.truncate(0)
-            print(os.getpid(), file=_lock, flush=True)
-            dirs = [out_dir, *phase_dirs]
-            saved = any(os.path.isdir(os.path.join(d, c)) for d in dirs for c in ("checkpoint", "checkpoint.prev"))
-            if resume and not saved:
-                error = f"--resume: nothing to resume yet in {out_dir} (no checkpoint saved)"
-            elif saved and not (resume or overwrite):
-                error = (f"{out_dir} holds the checkpoint of an earlier run: continue it with --resume, or use "
-                         f"another --out_dir, or --overwrite to replace it")
-            for d in dirs if overwrite and not resume and error is None else []:
-                for name in os.listdir(d) if os.path.isdir(d) else []:
-                    path = os.path.join(d, name)
-                    if any(re.fullmatch(p, name) for p in run_files):
-                        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         except BlockingIOError:
             _lock.seek(0)
-            error = f"{out_dir} is in use by another run: process {_lock.read().strip() or '?'} holds {out_dir}/.lock"
+            holder = _lock.read().strip() or "?"
             release_out_dir()
-    failed = torch.tensor(float(error is not None), device=device)
-    if world > 1:
-        torch.distributed.broadcast(failed, 0)   # every rank learns it, so none waits in a collective rank 0 left
-    if failed.item():
-        if rank:
-            raise SystemExit(2)
-        raise DataError(error)
+            raise DataError(f"{out_dir} is in use by another run: process {holder} holds {out_dir}/.lock") from None
+        _lock.truncate(0)
+        print(os.getpid(), file=_lock, flush=True)
+        dirs = [out_dir, *phase_dirs]
+        saved = any(os.path.isdir(os.path.join(d, c)) for d in dirs for c in ("checkpoint", "checkpoint.prev"))
+        if resume and not saved:
+            raise DataError(f"--resume: nothing to resume yet in {out_dir} (no checkpoint saved)")
+        if saved and not (resume or overwrite):
+            raise DataError(f"{out_dir} holds the checkpoint of an earlier run: continue it with --resume, or use "
+                            f"another --out_dir, or --overwrite to replace it")
+        for d in dirs if overwrite and not resume else []:
+            for name in os.listdir(d) if os.path.isdir(d) else []:
+                path = os.path.join(d, name)
+                if any(re.fullmatch(p, name) for p in run_files):
+                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    release_out_dir()
+    on_rank0(claim, rank, world, device)   # every rank learns it, so none waits in a collective rank 0 left
 
 
 def release_out_dir():
@@ -1717,9 +1669,8 @@ def release_out_dir():
 
 
 def on_rank0(fn, rank, world, device, user_errors=(DataError,)):
-    """fn() on rank 0 (a save, a results file), and every rank learns how it went: a user error or write error
-    there is its one line on rank 0, and the other ranks exit with the same status instead of hanging in their
-    next collective."""
+    """fn() on rank 0 (a save, a results file), and every rank learns how it went: a user or write error is one line
+    on rank 0, and the other ranks exit with the same status instead of hanging in their next collective."""
     if world == 1:
         return fn()
     error = None
@@ -1960,9 +1911,8 @@ def draw_curves(png_path, title, series, vlines=(), legend=None, ylabel="loss (n
     img = Image.new("RGB", size, "white")
     d = ImageDraw.Draw(img)
     d.rectangle([L, T, W - R, H - B], outline="black")
-    d.text((L, 8), title, fill="black")
-    d.text((4, T - 14), ylabel, fill="black")
-    d.text(((L + W - R) // 2 - 10, H - 18), xlabel, fill="black")
+    for xy, text in (((L, 8), title), ((4, T - 14), ylabel), (((L + W - R) // 2 - 10, H - 18), xlabel)):
+        d.text(xy, text, fill="black")
     if pts:
         x1, y0, y1 = max(max(p[0] for p in pts), 1), min(p[1] for p in pts), max(p[1] for p in pts)
         y1 = y1 if y1 > y0 else y0 + 1
@@ -2131,9 +2081,9 @@ def write_shapes_benchmarks(out: str, n: int, seed: int, image_size: int) -> dic
     return {k: len(v) for k, v in bench.items()}
 
 
-# CREPE's released layout: systematicity CSVs carry `valid_hard_negs_atom` (here: replace_*
-# negatives) and `valid_hard_negs_comp` (swap_*); productivity CSVs one `hard_negs` column,
-# one file per negative kind named after it. (file stem, columns, category prefix per column)
+# CREPE's released layout: systematicity CSVs carry `valid_hard_negs_atom` (here: replace_* negatives) and
+# `valid_hard_negs_comp` (swap_*); productivity CSVs one `hard_negs` column, one file per negative kind named after it.
+# (file stem, columns, category prefix per column)
 CREPE_FILES = {"systematicity": [("systematicity", ["valid_hard_negs_atom", "valid_hard_negs_comp"],
                                   ["replace", "swap"])],
                "productivity": [("productivity_swap", ["hard_negs"], ["swap"]),
