@@ -1256,13 +1256,12 @@ class MapLoader(_Loader):
 
 
 class ShardStream(torch.utils.data.IterableDataset):
-    """One (rank, dataloader worker) slot's share of the shards for one epoch, as batches. Slots: S = world_size x
-    max(1, num_workers); slot = rank x workers + worker. Slot s reads shards s, s + S, ... of the list shuffled with
-    (seed, epoch), the same on every rank; with fewer shards than slots, every slot reads all shards and keeps
-    records s, s + S, ... Either way each record is read by exactly one slot per epoch. With `resampled`, slot s
-    instead draws ceil(#shards / S) shards with replacement from (seed, epoch, slot): an epoch is then a nominal
-    pass, and every slot has data. Records go through a shuffle buffer (train) before they are decoded, so a resumed
-    worker replays its stream without decoding."""
+    """One (rank, dataloader worker) slot's share of an epoch's shards, as batches. S = world_size x max(1, num_workers)
+    slots, slot = rank x workers + worker. Slot s reads shards s, s + S, ... of the list shuffled by (seed, epoch), the
+    same on every rank; with fewer shards than slots, every slot reads all shards and keeps records s, s + S, ...
+    Either way each record is read by exactly one slot per epoch. With `resampled`, slot s draws ceil(#shards / S)
+    shards with replacement by (seed, epoch, slot): a nominal epoch, data for every slot. Records go through a shuffle
+    buffer (train) before they are decoded, so a resumed worker replays its stream without decoding."""
 
     def __init__(self, loader, shards, transform, resampled, shuffle_buffer):
         for k in ("batch_size", "tokenizer", "seed", "train", "rank", "world_size", "drop_last"):
@@ -1311,12 +1310,12 @@ class ShardStream(torch.utils.data.IterableDataset):
 
 
 class ShardLoader(_Loader):
-    """Streaming loader over tar shards (see ShardStream for who reads what). DDP: ranks may get different numbers of
-    samples in an epoch (shards differ in size). An epoch is per rank and `forever()` rolls it into the next, so a
-    step-based loop (`--max_steps` over `forever()`) never waits for another rank; an epoch-based `for batch in loader`
-    with DDP can desynchronise ranks: use `resampled=True` and a step count. State: also per dataloader worker the
-    records it consumed and which worker gave the last batch: a resumed loader replays each worker's records without
-    decoding and restarts the round-robin at the next worker (same num_workers and world size needed)."""
+    """Streaming loader over tar shards (ShardStream says who reads what). Under DDP ranks may get different numbers of
+    samples in an epoch (shards differ in size); an epoch is per rank and `forever()` rolls into the next, so a
+    step-based loop (`--max_steps` over `forever()`) never waits for another rank, while an epoch-based `for batch in
+    loader` can desynchronise ranks: use `resampled=True` and a step count. The state also holds each worker's records
+    consumed and the worker of the last batch: a resumed loader replays each worker's records without decoding and
+    restarts the round-robin at the next worker (same num_workers and world size needed)."""
 
     def __init__(self, shards, batch_size, transform=None, resampled=False, shuffle_buffer=1000, num_samples=None,
                  **options):    # options: _Loader's keywords (tokenizer, train, rank ...)
@@ -1843,8 +1842,7 @@ def start_wandb(project, out_dir, config, resumed):
         raise DataError("--wandb needs the wandb package (pip install wandb)") from None
     path = os.path.join(out_dir, "wandb_id.txt")
     run_id = open(path).read().strip() if resumed and os.path.isfile(path) else os.urandom(4).hex()
-    with writing(path):
-        atomic_write(path, lambda p: open(p, "w").write(run_id + "\n"))
+    _save(path, run_id + "\n")
     wandb.init(project=project, name=os.path.basename(os.path.abspath(out_dir)), id=run_id, resume="allow",
                config=config)
     return wandb
@@ -1937,8 +1935,7 @@ def draw_curves(png_path, title, series, vlines=(), legend=None, ylabel="loss (n
             y = T + 6 + 14 * i
             d.line([W - R - 150, y + 6, W - R - 130, y + 6], fill=c, width=3)
             d.text((W - R - 124, y), label, fill="black")
-    with writing(png_path):
-        atomic_write(png_path, lambda p: img.save(p, format="PNG"))
+    _save(png_path, img)
 
 
 # -----------------------------------------------------------------------------
