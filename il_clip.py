@@ -5,12 +5,11 @@ CLIP, Codebook-CLIP (FDT), NegCLIP and IL-CLIP (iterated learning) in one file.
     python il_clip.py --method clip --max_steps 300     # plain CLIP baseline
     torchrun --standalone --nproc_per_node=8 il_clip.py --data cc3m --model ViT-B-32
 
-Paper: "Iterated Learning Improves Compositionality in Large Vision-Language Models" (Zheng et
-al., CVPR 2024); what it leaves open is marked `Choice:` where it is decided.
-Reads top to bottom: config -> model -> sparsemax / codebook head -> losses -> NegCLIP's negative
-captions -> IL schedule -> compute_loss (every loss term) -> IL phases (set_trainable, spawn) ->
-train -> shapes benchmark score; then one infrastructure section (what state.pt holds, MFU, the loss
-curve's series) and main. data.py holds the loaders, the tokenizer, the shapes data and the run lifecycle.
+Paper: "Iterated Learning Improves Compositionality in Large Vision-Language Models" (Zheng et al., CVPR 2024); what
+it leaves open is marked `Choice:` where it is decided. Reads top to bottom: config -> model -> sparsemax / codebook
+head -> losses -> NegCLIP's negative captions -> IL schedule -> compute_loss (every loss term) -> IL phases
+(set_trainable, spawn) -> train -> shapes benchmark score; then one infrastructure section (what state.pt holds, MFU,
+the loss curve's series) and main. data.py holds the loaders, the tokenizer, the shapes data and the run lifecycle.
 """
 import argparse
 import copy
@@ -116,8 +115,7 @@ def build_args(argv=None):
     a("--csv_caption_key", default="title", help="the CSV's caption column")
     a("--csv_separator", default=None, help="default: data.py picks by file extension")
     a("--resampled", action="store_true", help="draw shards with replacement (open_clip's --dataset-resampled)")
-    a("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz for the CLIP BPE (default: a BPE trained on "
-                                    "the captions)")
+    a("--vocab", default=None, help="CLIP's bpe_simple_vocab_16e6.txt.gz (default: a BPE trained on the captions)")
     a("--vocab_size", type=int, default=None, help=f"size of the trained BPE ({by_data('vocab_size')})")
     a = p.add_argument_group("model").add_argument
     a("--model", default=None, help=f"preset: {', '.join(MODEL_PRESETS)} ({by_data('model')})")
@@ -133,10 +131,9 @@ def build_args(argv=None):
     a("--negatives", action="store_true", help="add NegCLIP hard negatives to --method il")
     a("--neg_pool", type=int, default=None, help=f"NegCLIP's image pool ({by_data('neg_pool')})")
     a("--codebook", type=int, default=None, help=f"K codes, 0 = none ({by_data('codebook')}; with codebook / il)")
-    a("--code_temp", type=float, default=None, help="T0 of the code temperature T = T0 * decay^(step/1000), "
-      "floor 0.01; the scores are divided by T: a large T0 flattens them and sparsemax spreads the weight over "
-      "many codes (a softmax over codes at T0=100 would be near uniform), a small one makes it sparse "
-      f"({by_data('code_temp')})")
+    a("--code_temp", type=float, default=None, help="T0 of the code temperature T = T0 * decay^(step/1000), floor "
+      "0.01, dividing the scores: a large T0 spreads sparsemax's weight over many codes (a softmax at T0=100 would be "
+      f"near uniform), a small one makes it sparse ({by_data('code_temp')})")
     a("--code_temp_decay", type=float, default=1.0, help="the decay of T per 1000 steps")
     a("--code_sim", default="dot", choices=["dot", "cos"],
       help="dot: q.c/sqrt(D)/T (FDT); cos: cos(q,c)/T, in [-1/T, 1/T]: use a T near 0.01-0.1")
@@ -441,8 +438,7 @@ class CLIP(TextTransformer):
         self.init_agent("vision", g)
         self.init_agent("language", g)
         if cfg.codebook_size:
-            with torch.no_grad():
-                self.codebook.copy_(torch.randn(self.codebook.shape, generator=g))  # N(0, 1)
+            _normal(self, "codebook", 1.0, g)       # N(0, 1)
         if cfg.spectral_norm:       # paper Table 3's ablation: every nn.Linear and attention in_proj
             for m in list(self.modules()):
                 if isinstance(m, (nn.Linear, Attention)):
@@ -454,21 +450,15 @@ class CLIP(TextTransformer):
 
     def init_agent(self, agent, g):
         """Re-initialise a whole agent exactly as at step 0 (used at every IL spawn)."""
-        if agent == "vision":
-            self.visual.init_weights(g)
-            if self.cfg.codebook_size:
-                self.image_query.init_weights(g)
-        else:
-            self.init_text_weights(g)
-            if self.cfg.codebook_size:
-                self.text_query.init_weights(g)
+        (self.visual.init_weights if agent == "vision" else self.init_text_weights)(g)
+        if self.cfg.codebook_size:      # after its tower, from the same generator
+            (self.image_query if agent == "vision" else self.text_query).init_weights(g)
 
     # --- heads
     def code_scores(self, tokens, valid, query, max_tokens=None):
         """r_k = max over valid tokens of q(f_p) . c_k / (sqrt(D) T) (paper Eq. 2; `--code_sim cos`:
         cos / T) and their sparsemax weights (Eq. 3)."""
-        q = query(tokens)
-        codes = self.codebook
+        q, codes = query(tokens), self.codebook
         if self.cfg.code_sim == "cos":
             q, codes = F.normalize(q, dim=-1), F.normalize(codes, dim=-1)
             scale = 1.0 / self.code_temperature
@@ -510,8 +500,6 @@ class CLIP(TextTransformer):
 
 
 UNUSED_WITH_CODEBOOK = ("text_projection", "visual.proj", "visual.ln_post.weight", "visual.ln_post.bias")
-
-
 VISION_PREFIXES = ("visual.", "image_query.")
 LANGUAGE_PREFIXES = ("token_embedding.", "positional_embedding", "transformer.", "ln_final.",
                      "text_projection", "text_query.")
@@ -572,8 +560,7 @@ class _MaxCodeScores(torch.autograd.Function):
             sc = torch.matmul(q[s:s + chunk], cb.t())                          # [b, P, K]
             if valid is not None:
                 sc.masked_fill_(~valid[s:s + chunk, :, None], float("-inf"))
-            m, i = sc.max(dim=1)
-            out[s:s + chunk], idx[s:s + chunk] = m, i
+            out[s:s + chunk], idx[s:s + chunk] = sc.max(dim=1)
         ctx.save_for_backward(q, codes, idx)
         ctx.chunk = chunk
         return out
@@ -639,9 +626,8 @@ def gather(x):
 
 
 def contrastive_loss(img, txt, scale, neg_txt=None, neg_txt_valid=None, neg_img=None):
-    """Symmetric InfoNCE, local rows against all-gathered columns (mean over ranks = the
-    single-process loss). NegCLIP: negative captions as extra image->text columns, negative
-    images (already global) as extra text->image columns."""
+    """Symmetric InfoNCE, local rows against all-gathered columns (mean over ranks = the single-process loss). NegCLIP:
+    negative captions as extra image->text columns, negative images (already global) as extra text->image columns."""
     B = img.shape[0]
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     labels = torch.arange(B, device=img.device) + rank * B
@@ -650,8 +636,7 @@ def contrastive_loss(img, txt, scale, neg_txt=None, neg_txt_valid=None, neg_img=
     img_cols = all_img if neg_img is None else torch.cat([all_img, neg_img])
     li = scale * img @ txt_cols.t()
     if neg_txt_valid is not None:   # a caption with nothing to swap gets no negative column
-        keep = torch.cat([torch.ones(all_txt.shape[0], dtype=torch.bool, device=img.device),
-                          gather(neg_txt_valid)])
+        keep = torch.cat([torch.ones(all_txt.shape[0], dtype=torch.bool, device=img.device), gather(neg_txt_valid)])
         li = li.masked_fill(~keep[None], float("-inf"))
     lt = scale * txt @ img_cols.t()
     return (F.cross_entropy(li, labels) + F.cross_entropy(lt, labels)) / 2
@@ -716,6 +701,7 @@ ADJECTIVES = COLOUR_WORDS | set(
     "pretty beautiful cute sandy grassy rocky cloudy furry colorful".split())
 ADJ_SUFFIX = re.compile(r".{3,}(ful|ous|ive|able|ible|ish|less)$")
 IRREGULAR_PLURALS = set("men women children people feet teeth mice geese sheep".split())
+COORDINATORS = {"and", "or", "&"}
 RELATION_OPPOSITES = {"in front of": "behind", "behind": "in front of", "to the left of": "to the right of",
                       "to the right of": "to the left of", "on top of": "under", "underneath": "on top of",
                       "above": "below", "below": "above", "over": "under", "under": "over", "inside": "outside",
@@ -752,9 +738,6 @@ def tag_caption(words):
             tag, in_np = "NOUN.pl" if plural else "NOUN", False
         tags.append(tag)
     return tags
-
-
-COORDINATORS = {"and", "or", "&"}
 
 
 def reorders_conjuncts(low, comma, i, j):
@@ -1046,12 +1029,11 @@ def model_config(args, tok):
     fixes vocabulary and length. args.quick_gelu_source records the activation's source."""
     cfg = ModelConfig(**{**MODEL_PRESETS[args.model], **args.model_overrides})
     cfg.vocab_size, cfg.context_length, cfg.eot_token_id = tok.vocab_size, tok.context_length, tok.eot_id
-    source = "preset"
+    args.quick_gelu_source = "preset"
     if args.init:
-        cfg.quick_gelu, source = data.weights_activation(args.quick_gelu, args.init)
+        cfg.quick_gelu, args.quick_gelu_source = data.weights_activation(args.quick_gelu, args.init)
     elif args.quick_gelu is not None:
-        cfg.quick_gelu, source = args.quick_gelu, "flag"
-    args.quick_gelu_source = source
+        cfg.quick_gelu, args.quick_gelu_source = args.quick_gelu, "flag"
     cfg.codebook_size, cfg.code_sim, cfg.spectral_norm = args.codebook, args.code_sim, args.spectral_norm
     return cfg
 
@@ -1333,16 +1315,9 @@ def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=
     return {k: res[k] for k in SHAPES_METRICS}
 
 
-def shapes_table(res):
-    """One result dict (percent) as a markdown table."""
-    rows = [list(res), ["---"] * len(res), [f"{v:.1f}" for v in res.values()]]
-    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
-
-
 # =============================================================================
-# infrastructure: il_clip's part of the run lifecycle (data.py holds the rest: the out_dir lock, the
-# checkpoint files and their fallback, write errors, stop signals, wandb, the curve drawing), MFU and
-# the loss curve's series. Nothing here changes what is trained.
+# infrastructure: il_clip's part of the run lifecycle (the rest is data.py's: the out_dir lock, the checkpoint files
+# and their fallback, write errors, stop signals, wandb, the curve), MFU, the loss curve. Nothing here changes training.
 STATE_TYPES = {"step": int, "spawned": int, "optimizer": dict, "loader": dict, "log": dict, "rng": dict}
 # the flags --resume takes from its command line (ALWAYS_NOW always, the others when given); the rest
 # define the run: given with --resume, they must equal the saved values
@@ -1366,7 +1341,7 @@ def save_checkpoint(r):
         return
     state = {"step": r.step, "spawned": r.spawned, "optimizer": r.opt.state_dict(), "loader": r.loader.state_dict(),
              "teacher": r.teacher.state_dict() if r.teacher is not None else None,
-             "pool": {"emb": r.pool.emb, "ptr": r.pool.ptr, "count": r.pool.count} if r.pool is not None else None,
+             "pool": vars(r.pool) if r.pool is not None else None,     # emb, ptr, count
              "log": {"sums": r.sums, "n": r.n_loss, "text_tokens": r.text_tokens}, "rng": data.rng_state(r.device)}
     data.save_checkpoint(r.args.out_dir, r.model.state_dict(), state, run_config(r), r.tok, r.step, r.newest_damaged)
     r.newest_damaged = False
@@ -1388,9 +1363,7 @@ def load_checkpoint(r, ckpt):
         r.teacher = frozen_copy(r.model, r.args.compile)
         r.teacher.load_state_dict(state["teacher"])
     if r.pool is not None:
-        r.pool.emb.copy_(state["pool"]["emb"])
-        r.pool.ptr.copy_(state["pool"]["ptr"])
-        r.pool.count = state["pool"]["count"]
+        vars(r.pool).update(state["pool"])
     r.step, r.spawned = state["step"], state["spawned"]
     r.sums.copy_(state["log"]["sums"])
     r.n_loss, r.text_tokens = state["log"]["n"], state["log"]["text_tokens"]
@@ -1502,7 +1475,8 @@ def run(argv=None):
             data.save_json(path, res | {"scored": {"items_per_category": args.eval_size,
                                                    "val_pairs": data.SHAPES_VAL_PAIRS}})
         data.log_record(r.metrics_path, {"step": r.step, "phase": "eval", "time": time.time(), **res}, r.wandb)
-        print(shapes_table(res))
+        rows = [list(res), ["---"] * len(res), [f"{v:.1f}" for v in res.values()]]    # a markdown table
+        print("\n".join("| " + " | ".join(row) + " |" for row in rows))
         print(f"scored: {args.eval_size} items per category (every item), "
               f"retrieval on {data.SHAPES_VAL_PAIRS} val pairs (percent)")
     if r.wandb is not None:
