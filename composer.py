@@ -34,6 +34,7 @@ import gc
 import json
 import math
 import os
+import pathlib
 import random
 import re
 import sys
@@ -107,8 +108,7 @@ def _strip_function_tags(label: str) -> str:
 
 
 def parse_ptb(s: str) -> Tree:
-    """PTB bracketed string -> Tree. Raises CRGError('malformed_tree') on anything else.
-    `(ROOT (S ...))` and `( (S ...))` wrappers and unary chains at the top are unwrapped."""
+    """PTB string -> Tree, `(ROOT ...)` / `( ...)` and top unary chains unwrapped; else CRGError('malformed_tree')."""
     toks = re.findall(r"\(|\)|[^\s()]+", s or "")
     pos = 0
 
@@ -229,9 +229,7 @@ def _build_concept(t: Tree, tag: str) -> Concept:
     concept = Concept(tag, [w.lower() for w in t.leaves()], template, children)
     # Choice: a unary chain (NP (NP two dogs)) yields the predicate "[NP]"; it is collapsed
     # into the inner concept, so no predicate is the identity.
-    if template == [0] and isinstance(children[0], Concept):
-        return children[0]
-    return concept
+    return children[0] if template == [0] and isinstance(children[0], Concept) else concept
 
 
 def _norm(s: str) -> str:
@@ -240,8 +238,7 @@ def _norm(s: str) -> str:
 
 
 def crg_from_tree(tree: str, caption: str | None = None) -> Concept:
-    """The CRG of one caption (the root concept, whatever its tag). CRGError: malformed_tree, tree_mismatch,
-    no_primitive."""
+    """The CRG (root concept, any tag) of one caption. CRGError: malformed_tree, tree_mismatch, no_primitive."""
     t = parse_ptb(tree)
     if caption is not None and _norm("".join(t.leaves())) != _norm(caption):
         raise CRGError("tree_mismatch", f"tree does not match its caption: {caption[:60]!r}")
@@ -272,8 +269,7 @@ def drop_branches(c: Concept, p: float, rng: random.Random) -> Concept:
         if isinstance(ch, Concept):
             ch = drop_branches(ch, p, rng)
             if rng.random() < p:
-                for u in ch.template:
-                    template.append(len(children) + u if isinstance(u, int) else u)
+                template.extend(len(children) + u if isinstance(u, int) else u for u in ch.template)
                 children.extend(ch.children)
                 continue
         template.append(len(children))
@@ -436,14 +432,12 @@ def collate_text(comps: list) -> dict:
     for r, n in enumerate(nodes):
         for s, (pos, isp, loc) in enumerate(n["slots"]):
             slot_pos[r, s], child_prim[r, s], child_local[r, s] = pos, isp, loc
-    prim_tok = _pad(prims) if prims else torch.zeros(0, 1, dtype=torch.long)
-    return {"prim_tok": prim_tok, "prim_len": torch.tensor([len(p) for p in prims], dtype=torch.long),
+    return {"prim_tok": _pad(prims), "prim_len": torch.tensor([len(p) for p in prims], dtype=torch.long),
             "node_tok": _pad([n["tok"] for n in nodes]), "node_len": torch.tensor([len(n["tok"]) for n in nodes]),
             "node_level": torch.tensor([n["level"] for n in nodes]),
             "node_parent": torch.tensor([n["parent"] for n in nodes]),
             "slot_pos": slot_pos, "child_prim": child_prim, "child_local": child_local,
-            "cap_nprim": cap_nprim, "cap_nnode": cap_nnode,
-            "cap_prim_start": torch.cumsum(cap_nprim, 0) - cap_nprim,
+            "cap_nprim": cap_nprim, "cap_nnode": cap_nnode, "cap_prim_start": torch.cumsum(cap_nprim, 0) - cap_nprim,
             "cap_node_start": torch.cumsum(cap_nnode, 0) - cap_nnode}
 
 
@@ -519,16 +513,6 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-def text_block(cfg, w, h, r):
-    """A block of the text stream: BERT's layer with --bert, else the pre-LN block."""
-    return Block(w, h, r, post_ln=cfg.bert)
-
-
-def embedding_ln(cfg, w):
-    """BERT's LayerNorm over word + position embeddings with --bert (nothing otherwise)."""
-    return nn.LayerNorm(w, eps=BERT_LN_EPS) if cfg.bert else nn.Identity()
-
-
 def masked_mean(x, mask):
     """Mean over the positions where mask is True (an empty row gives 0)."""
     m = mask.unsqueeze(-1).to(x.dtype)
@@ -577,28 +561,42 @@ class Modulator(nn.Module):
     def forward(self, p, c):
         if self.kind == "film":
             return self.out((1 + self.a(p)) * c + self.b(p))
-        if self.kind == "mlp":
-            return self.out(torch.cat([p, c], -1))
-        return c
+        return self.out(torch.cat([p, c], -1)) if self.kind == "mlp" else c
 
 
-class Composer(nn.Module):
+class ModelBase(nn.Module):
+    """Every model's token + position embeddings (with --bert, BERT's LayerNorm over their sum) and, but for VSE's own,
+    the visual encoder (created in this order)."""
+
+    def __init__(self, cfg: ModelConfig, n_tok=None, visual=True):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(n_tok or cfg.vocab_size, cfg.width)
+        self.pos_emb = nn.Embedding(cfg.max_len, cfg.width)
+        self.emb_ln = nn.LayerNorm(cfg.width, eps=BERT_LN_EPS) if cfg.bert else nn.Identity()
+        if visual:
+            self.visual = VisualEncoder(cfg)
+
+    def embed(self, ids):
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        return self.emb_ln(self.tok_emb(ids) + self.pos_emb(pos))
+
+    def encode_image(self, feats, boxes, mask):
+        return self.visual(feats, boxes, mask)
+
+
+class Composer(ModelBase):
     """COMPOSER over collate_text() batches; a "pair" is (caption, image); every concept node of a pair gets s(x, c)."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg, cfg.vocab_size + len(PLACEHOLDER_TAGS))
         w, h, r = cfg.width, cfg.heads, cfg.mlp_ratio
-        self.tok_emb = nn.Embedding(cfg.vocab_size + len(PLACEHOLDER_TAGS), w)
-        self.pos_emb = nn.Embedding(cfg.max_len, w)
-        self.emb_ln = embedding_ln(cfg, w)
-        self.visual = VisualEncoder(cfg)
         # primitive encoder: one layer, queries = the word's pieces, keys/values = pieces U regions
         # (--no_crossatt_primitives: keys/values = pieces only, no visual context; paper Table 3)
         self.prim = Block(w, h, r, "self+cross" if cfg.crossatt_primitives else "self")
         # Predicate Transformer: BERT-initialised in the paper (section 5.1; --bert), whose
         # post-LN output needs no final LayerNorm
-        self.pt = nn.ModuleList(text_block(cfg, w, h, r) for _ in range(cfg.pt_layers))
+        self.pt = nn.ModuleList(Block(w, h, r, post_ln=cfg.bert) for _ in range(cfg.pt_layers))
         self.pt_ln = nn.Identity() if cfg.bert else nn.LayerNorm(w)
         self.mod = Modulator(cfg.modulator, w)
         # Choice: the CT sequence starts with a learned output token; its final state is the
@@ -609,10 +607,6 @@ class Composer(nn.Module):
         self.theta = nn.Linear(w, 1)  # the linear regressor
 
     # --- text-only parts: computed once per caption, shared by all images it is scored with
-    def embed(self, ids):
-        pos = torch.arange(ids.shape[1], device=ids.device)
-        return self.emb_ln(self.tok_emb(ids) + self.pos_emb(pos))
-
     def bert_blocks(self):
         return list(self.pt)
 
@@ -624,9 +618,6 @@ class Composer(nn.Module):
             x = b(x, tmask)
         pmask = torch.arange(tb["prim_tok"].shape[1], device=tb["prim_tok"].device) < tb["prim_len"][:, None]
         return {"pt": self.pt_ln(x), "tmask": tmask, "prim": self.embed(tb["prim_tok"]), "pmask": pmask}
-
-    def encode_image(self, feats, boxes, mask):
-        return self.visual(feats, boxes, mask)
 
     # --- the composition step for a set of nodes (any mix of captions, images and depths)
     def encode_primitives(self, q, qmask, V, vmask):
@@ -719,24 +710,10 @@ def caption_tokens(tb, cfg):
 def embed_caption(model, tb):
     """Token + position embeddings of the caption-level models (cross-encoders, VSE), and the mask."""
     t, mask = caption_tokens(tb, model.cfg)
-    return model.emb_ln(model.tok_emb(t) + model.pos_emb(torch.arange(t.shape[1], device=t.device))), mask
+    return model.embed(t), mask
 
 
-class CaptionCrossEncoder(nn.Module):
-    """The caption-level cross-encoders' token + position embeddings and visual encoder (created in this order)."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.tok_emb, self.pos_emb = nn.Embedding(cfg.vocab_size, cfg.width), nn.Embedding(cfg.max_len, cfg.width)
-        self.emb_ln = embedding_ln(cfg, cfg.width)
-        self.visual = VisualEncoder(cfg)
-
-    def encode_image(self, feats, boxes, mask):
-        return self.visual(feats, boxes, mask)
-
-
-class SingleStream(CaptionCrossEncoder):
+class SingleStream(ModelBase):
     """Baseline: one transformer over the caption's tokens (no tree), self- and cross-attention interleaved like the
     CT; theta at the SOT position. Equal budget: pt_layers self blocks + the CT pattern."""
 
@@ -770,7 +747,7 @@ class CoAttention(nn.Module):
         return self.t2v(x, m, V, vm), self.v2t(V, vm, x, m)
 
 
-class ViLBERT(CaptionCrossEncoder):
+class ViLBERT(ModelBase):
     """Baseline: two-stream co-attention transformer, no image-text pretraining (paper section 5.1: like COMPOSER and
     VSE it starts from BERT, --bert, and sees no Conceptual Captions). Text: pt_layers text-only blocks, then ct_layers
     rounds of Co-TRM + a self-attention block in each stream (the text updates the visual stream, unlike COMPOSER).
@@ -780,9 +757,9 @@ class ViLBERT(CaptionCrossEncoder):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         w, h, r = cfg.width, cfg.heads, cfg.mlp_ratio
-        self.text_blocks = nn.ModuleList(text_block(cfg, w, h, r) for _ in range(cfg.pt_layers))
+        self.text_blocks = nn.ModuleList(Block(w, h, r, post_ln=cfg.bert) for _ in range(cfg.pt_layers))
         self.co = nn.ModuleList(CoAttention(w, h, r) for _ in range(cfg.ct_layers))
-        self.t_self = nn.ModuleList(text_block(cfg, w, h, r) for _ in range(cfg.ct_layers))
+        self.t_self = nn.ModuleList(Block(w, h, r, post_ln=cfg.bert) for _ in range(cfg.ct_layers))
         self.v_self = nn.ModuleList(Block(w, h, r) for _ in range(cfg.ct_layers))
         self.ln_t, self.ln_v, self.theta = nn.LayerNorm(w), nn.LayerNorm(w), nn.Linear(w, 1)
 
@@ -803,17 +780,14 @@ class ViLBERT(CaptionCrossEncoder):
         return self.theta(self.ln_t(x[:, 0]) * masked_mean(self.ln_v(V), vm)).squeeze(-1), {}
 
 
-class VSE(nn.Module):
+class VSE(ModelBase):
     """Baseline (Kiros et al. 2014, paper appendix C): mean of contextualised tokens, mean of residual-MLP regions,
     scale * cosine. Equal budget: pt_layers + ct_layers text blocks."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg, visual=False)
         w, h, r = cfg.width, cfg.heads, cfg.mlp_ratio
-        self.tok_emb, self.pos_emb = nn.Embedding(cfg.vocab_size, w), nn.Embedding(cfg.max_len, w)
-        self.emb_ln = embedding_ln(cfg, w)
-        self.blocks = nn.ModuleList(text_block(cfg, w, h, r) for _ in range(cfg.pt_layers + cfg.ct_layers))
+        self.blocks = nn.ModuleList(Block(w, h, r, post_ln=cfg.bert) for _ in range(cfg.pt_layers + cfg.ct_layers))
         self.ln_t, self.proj_t = nn.LayerNorm(w), nn.Linear(w, w)
         self.feat, self.box = nn.Linear(cfg.feat_dim, w), nn.Linear(5, w)
         self.mlp_v = nn.Sequential(nn.LayerNorm(w), nn.Linear(w, r * w), nn.GELU(), nn.Linear(r * w, w))
@@ -944,9 +918,6 @@ def compile_for(cfg: ModelConfig, compiler: TextCompiler, crgs: list) -> list:
 #    [I, N] mask. Three sources.
 # =============================================================================
 
-SHAPES_FEAT_DIM = 70
-
-
 def shapes_region_features(image, objects, max_regions=8):
     """Default for `shapes`: the gold object boxes as regions (the paper uses detector boxes). Choice: a fixed,
     non-learned descriptor per box (a stand-in for the frozen detector features): mean and std RGB of the box's
@@ -1036,12 +1007,11 @@ class RegionStore:
     def check(self, key):
         """Header-only validation of one item; returns where it lives (a TensorFile, or the one file's row)."""
         if self.one is not None:
-            if key not in self.row:
+            if (i := self.row.get(key)) is None:
                 raise CRGError("bad_regions", f"{self.path}: no regions for image {key!r}")
-            if not 0 < self.n_valid[self.row[key]] <= self.one.shapes["feats"][1]:
-                raise CRGError("bad_regions",
-                               f"{self.path}[{key}]: n_regions {self.n_valid[self.row[key]]} out of range")
-            return self.row[key]
+            if not 0 < self.n_valid[i] <= self.one.shapes["feats"][1]:
+                raise CRGError("bad_regions", f"{self.path}[{key}]: n_regions {self.n_valid[i]} out of range")
+            return i
         tf = TensorFile(os.path.join(self.path, f"{key}.safetensors"))
         f, b = tf.shapes.get("feats"), tf.shapes.get("boxes")
         if f is None or b is None or len(f) != 2 or b != [f[0], 5] or f[0] == 0 or f[1] != (self.dim or f[1]):
@@ -1198,9 +1168,7 @@ def _spec_items(args, spec, split, n, with_images=False) -> list:
         seed = data.parse_shapes_spec(spec).get("seed", 0) if spec != "shapes" else 0
         return [{"source": "shapes", "split": split, "index": i, "seed": seed, "key": f"{split}{i:08d}"}
                 for i in range(n)]
-    if with_images:
-        return _image_items(args, spec, split, n)
-    return _first_images(_text_items(args, spec, split), n)
+    return _image_items(args, spec, split, n) if with_images else _first_images(_text_items(args, spec, split), n)
 
 
 def _first_images(items, n):
@@ -1242,9 +1210,8 @@ def _text_items(args, spec, split):
 
 def _image_items(args, spec, split, n):
     items, keys = [], set()
-    loader = data.make_loader(spec, split=split, batch_size=64, tokenizer=None,
-                              image_size=getattr(args, "image_size", 64),
-                              train=False, drop_last=False, image_root=getattr(args, "image_root", None),
+    loader = data.make_loader(spec, split=split, batch_size=64, tokenizer=None, train=False, drop_last=False,
+                              image_size=getattr(args, "image_size", 64), image_root=getattr(args, "image_root", None),
                               num_workers=getattr(args, "num_workers", 0),
                               **{f"csv_{k}": v for k, v in csv_options(args).items()})
     for b in loader:
@@ -1269,7 +1236,7 @@ def _is_shapes(spec):
 
 def _check_skips(skipped: Counter, total: int, max_frac: float, what: str):
     bad = sum(skipped.values())
-    if total == 0 or total - bad <= 0:
+    if bad >= total:
         raise ComposerError(f"{what}: no usable captions ({dict(skipped)} skipped)")
     if bad / total > max_frac:
         raise ComposerError(f"{what}: {bad} of {total} captions skipped ({dict(skipped)}), more than "
@@ -1303,10 +1270,9 @@ def load_split(args, split: str, n: int | None, items: list | None = None, hold_
     what = f"{args.data} ({split})"
     crgs, skipped, n_bracketed = caption_crgs(items, args.max_skip_frac, what)
     held = {id(it) for c, it, _ in crgs if holds_out(c, hold_out)}
-    if held:
-        crgs, items = [x for x in crgs if id(x[1]) not in held], [it for it in items if id(it) not in held]
+    crgs, items = [x for x in crgs if id(x[1]) not in held], [it for it in items if id(it) not in held]
     regions = RegionStore(args.regions) if args.features == "regions" else None
-    keys, kidx, bad, captions, kept, cap_img, feats, its = [], {}, {}, [], [], [], [], []
+    keys, kidx, bad, feats = [], {}, {}, []
 
     def add_image(key, obj):
         """The image's index once its features are made or checked; None when bad (its captions are skipped)."""
@@ -1330,14 +1296,8 @@ def load_split(args, split: str, n: int | None, items: list | None = None, hold_
             keys.append(key)
         return kidx.get(key)
 
-    for crg, it, (key, cap, obj) in crgs:
-        if (im := add_image(key, obj)) is None:
-            skipped[bad[key]] += 1
-            continue
-        captions.append(cap)
-        kept.append(crg)
-        cap_img.append(im)
-        its.append(it)
+    rows = [(cap, crg, im, it) for crg, it, (key, cap, obj) in crgs if (im := add_image(key, obj)) is not None]
+    skipped.update(bad[key] for _, _, (key, _, _) in crgs if key in bad)  # the captions of a bad image
     # Every image stays a retrieval candidate (paper section 5: each caption ranks all test
     # images), also one none of whose captions built a graph.
     for it in items:
@@ -1345,6 +1305,7 @@ def load_split(args, split: str, n: int | None, items: list | None = None, hold_
             key, _, _, obj = _resolve_item(it)
             add_image(key, obj)
     _check_skips(skipped, len(items), args.max_skip_frac, what)
+    captions, kept, cap_img, its = map(list, zip(*rows))  # not empty: _check_skips saw usable captions
     if args.features == "regions":
         store = regions.select(keys, skipped, args.max_skip_frac)
     elif args.features == "clip":
@@ -1494,9 +1455,7 @@ def concept_mvsa(model, compiler, sp, caps, local, ni, nt, V, vm, args, world, d
 # =============================================================================
 
 def setup_distributed(device_arg):
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    rank = int(os.environ.get("RANK", 0))
-    local = int(os.environ.get("LOCAL_RANK", 0))
+    world, rank, local = (int(os.environ.get(k, d)) for k, d in (("WORLD_SIZE", 1), ("RANK", 0), ("LOCAL_RANK", 0)))
     device = device_arg or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and world > 1:
         device = f"cuda:{local}"
@@ -1625,8 +1584,7 @@ class NonFinite(ComposerError):
 
 
 def nonfinite(step, args):
-    return NonFinite(f"non-finite loss at a step <= {step}: stopping; the last good checkpoint "
-                         f"is in {args.out_dir}")
+    return NonFinite(f"non-finite loss at a step <= {step}: stopping; the last good checkpoint is in {args.out_dir}")
 
 
 def build_tokenizer(args, folder=None):
@@ -1767,11 +1725,6 @@ def train(args):
     # same means)
     sums, n_sum = (resume[2].get("log_sums"), resume[2].get("log_steps", 0)) if resume else (None, 0)
     sums = None if sums is None or not n_sum else sums.to(device)
-
-    def log(rec):
-        if master:
-            data.log_record(metrics, rec, tracker)
-
     model.train()
     bad = torch.zeros((), dtype=torch.bool, device=device)     # any non-finite loss since the start
     stopping, newest_damaged = False, bool(resume and resume[4])
@@ -1803,12 +1756,13 @@ def train(args):
             rec = {"step": step, "phase": "train", "loss": round(vals[0], 6), "lr": opt.param_groups[0]["lr"],
                    "time": round(time.time(), 3), **{k: round(x, 6) for k, x in zip(parts, vals[1:-2])},
                    "samples_per_s": round(args.batch_size * n_sum / max(dt, 1e-9), 1)}
-            log(rec)
+            if master:
+                data.log_record(metrics, rec, tracker)
             bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", refresh=False)
             sums, n_sum = None, 0
         if args.eval_every and step % args.eval_every == 0 and step < args.max_steps and master:
-            log({"step": step, "phase": "eval", "time": round(time.time(), 3),
-                 **run_evals(model, compiler, evals, device, args)})
+            data.log_record(metrics, {"step": step, "phase": "eval", "time": round(time.time(), 3),
+                                      **run_evals(model, compiler, evals, device, args)}, tracker)
         if master and (at_ckpt or stopping):
             extra = {"skipped": dict(sp.skipped), "log_sums": (sums if sums is not None else torch.zeros(0)).cpu(),
                      "log_steps": n_sum}
@@ -1823,7 +1777,8 @@ def train(args):
     result = None
     if master and not stopping:
         ev = run_evals(model, compiler, evals, device, args)
-        log({"step": step, "phase": "eval", "time": round(time.time(), 3), "final": True, **ev})
+        data.log_record(metrics, {"step": step, "phase": "eval", "time": round(time.time(), 3), "final": True, **ev},
+                        tracker)
         result = {"step": step, "eval": ev}
         draw_loss_curve(metrics, os.path.join(args.out_dir, "loss_curve.png"), args)
         scores = "".join(f" | {name} t2i_r1 {r['t2i_r1']:.2f} t2i_r5 {r['t2i_r5']:.2f}" for name, r in ev.items())
@@ -1844,10 +1799,7 @@ def score_matrix(model, compiler, comps, captions, store, img_idx, device, cap_c
     side once per image chunk, each block one level-batched call."""
     cfg = model.cfg
     img_idx = torch.as_tensor(img_idx, dtype=torch.long)
-    vis = []
-    for j in range(0, len(img_idx), img_chunk):
-        f, b, m = store.get(img_idx[j:j + img_chunk], device)
-        vis.append(model.encode_image(f, b, m))
+    vis = [model.encode_image(*store.get(img_idx[j:j + img_chunk], device)) for j in range(0, len(img_idx), img_chunk)]
     out = torch.zeros(len(captions), len(img_idx))
     for i in data.progress(range(0, len(captions), cap_chunk), desc="scoring", leave=False):
         tb = text_inputs(cfg, compiler, comps[i:i + cap_chunk], captions[i:i + cap_chunk], device)
@@ -1883,15 +1835,11 @@ def phrase_queries(sp: Split, per_caption=5, seed=0):
     for crg, im in zip(sp.crgs, sp.cap_img):
         for c in crg.concepts():
             denot[c.text].add(im)
-    crgs, caps, gold, src = [], [], [], []
+    qs = []
     for crg, im in zip(sp.crgs, sp.cap_img):
         sub = crg.concepts()[:-1]
-        for c in (rng.sample(sub, per_caption) if len(sub) > per_caption else sub):
-            crgs.append(c)
-            caps.append(c.text)
-            gold.append(denot[c.text])
-            src.append(im)
-    return crgs, caps, gold, src
+        qs += [(c, im) for c in (rng.sample(sub, per_caption) if len(sub) > per_caption else sub)]
+    return [c for c, _ in qs], [c.text for c, _ in qs], [denot[c.text] for c, _ in qs], [im for _, im in qs]
 
 
 def gallery_scores(model, compiler, comps, captions, src, store, n_img, folds, device):
@@ -1915,10 +1863,8 @@ def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True
     """Text->image t2i_r1/5/10 (each caption ranks all images of the split, or of its gallery) and phrase->image
     p2i_r1/5/10, in percent, with what was scored."""
     model.eval()
-    crgs = sp.crgs
-    if parse_dropout > 0:
-        rng = random.Random(seed)
-        crgs = [drop_branches(c, parse_dropout, rng) for c in crgs]
+    rng = random.Random(seed)
+    crgs = [drop_branches(c, parse_dropout, rng) for c in sp.crgs] if parse_dropout > 0 else sp.crgs
     comps = compile_for(model.cfg, compiler, crgs)
     n_img = len(sp.keys)
     if not 1 <= folds <= max(n_img, 1):
@@ -1931,8 +1877,7 @@ def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True
         if pc:
             pcomps = compile_for(model.cfg, compiler, pc)
             Sp = gallery_scores(model, compiler, pcomps, pcap, src, sp.store, n_img, folds, device)
-            res.update(recall_at(Sp, gold, name="p2i"))
-            res["phrases"] = len(pc)
+            res.update(recall_at(Sp, gold, name="p2i"), phrases=len(pc))
     return res, S
 
 
@@ -1946,10 +1891,9 @@ def interpret(model, compiler, sp: Split, S, i, device) -> str:
     w = int(row.argmax())
     comp = compiler.compile(sp.crgs[i])
     tb = text_inputs(model.cfg, compiler, [comp], None, device)
-    te = model.encode_text(tb)
-    f, b, m = sp.store.get(torch.tensor([g, w]), device)
-    V, vm = model.encode_image(f, b, m)
-    _, aux = model.score_pairs(tb, te, V, vm, torch.tensor([0, 0], device=device), torch.tensor([0, 1], device=device))
+    V, vm = model.encode_image(*sp.store.get(torch.tensor([g, w]), device))
+    pc, pi = torch.tensor([0, 0], device=device), torch.tensor([0, 1], device=device)
+    _, aux = model.score_pairs(tb, model.encode_text(tb), V, vm, pc, pi)
     ns, n = aux["node_score"].tolist(), len(comp["nodes"])
     lines = [f"caption: {sp.captions[i]!r}   true image {sp.keys[g]}   wrong image {sp.keys[w]} "
              f"(sentence score {float(S[i, g]):+.2f} vs {float(S[i, w]):+.2f})"]
@@ -1982,22 +1926,14 @@ def chernoff_divergence(p: Counter, q: Counter, alpha: float) -> float:
     return 1.0 - sum((pc / P) ** alpha * (q[k] / Q) ** (1 - alpha) for k, pc in p.items() if q.get(k, 0) > 0)
 
 
-def compound_divergence(p, q):
-    return chernoff_divergence(p, q, 0.1)
+compound_divergence = functools.partial(chernoff_divergence, alpha=0.1)
+atom_divergence = functools.partial(chernoff_divergence, alpha=0.5)
 
 
-def atom_divergence(p, q):
-    return chernoff_divergence(p, q, 0.5)
-
-
-def crg_compounds(crg: Concept) -> Counter:
-    """Compounds = predicates (paper section 5.1)."""
-    return Counter(c.predicate for c in crg.concepts())
-
-
-def crg_atoms(crg: Concept) -> Counter:
-    """Atoms = primitives."""
-    return Counter(p.word for p in crg.primitives())
+def compounds_and_atoms(crgs: list) -> tuple:
+    """Compounds = predicates, atoms = primitives (paper section 5.1), counted over some CRGs."""
+    return (Counter(c.predicate for g in crgs for c in g.concepts()),
+            Counter(p.word for g in crgs for p in g.primitives()))
 
 
 def delta_ranking(train: Counter, items: list, alpha: float = 0.1):
@@ -2029,14 +1965,10 @@ def mcd_split(train_crgs: list, pool: list, size: int, stride: int | None = None
     `size` over the ranking give graded splits. Choice: the paper's "top ranking" is read as *most negative* Delta
     first (the items whose removal lowers the divergence most, i.e. that carry the divergence); the printed CD of the
     split confirms the direction. Returns a dict with the order, the split and windows."""
-    train_c, train_a = Counter(), Counter()
-    for c in train_crgs:
-        train_c.update(crg_compounds(c))
-        train_a.update(crg_atoms(c))
+    train_c, train_a = compounds_and_atoms(train_crgs)
     kept = [(it, crgs) for it, crgs in pool if all(p.word in train_a for c in crgs for p in c.primitives())]
     dropped = len(pool) - len(kept)
-    comp = [sum((crg_compounds(c) for c in crgs), Counter()) for _, crgs in kept]
-    atoms = [sum((crg_atoms(c) for c in crgs), Counter()) for _, crgs in kept]
+    comp, atoms = zip(*[compounds_and_atoms(crgs) for _, crgs in kept]) if kept else ([], [])
     cd_all, deltas = delta_ranking(train_c, comp)
     order = sorted(range(len(kept)), key=lambda i: (deltas[i], i))
 
@@ -2160,9 +2092,7 @@ def cmd_eval(args):
         t0 = time.time()
         res, S = evaluate(model, compiler, sp, device, args.parse_dropout, phrases=not args.no_phrases, seed=args.seed,
                           folds=args.folds)
-        res["skipped"] = dict(sp.skipped)
-        res["seconds"] = round(time.time() - t0, 1)
-        out[name] = res
+        out[name] = {**res, "skipped": dict(sp.skipped), "seconds": round(time.time() - t0, 1)}
         if args.interpret and model.cfg.arch == "composer":
             for i in range(min(args.interpret, len(sp.captions))):
                 print(interpret(model, compiler, sp, S, i, device) + "\n")
@@ -2186,9 +2116,7 @@ def _collect(args, spec, split, n):
 
 def cmd_graph(args):
     crgs, items, skipped, n_bracketed = _collect(args, args.data, args.split, _n(args.data, args.max_images, 10000))
-    st = graph_stats(crgs, [it.get("key") for it in items])
-    st["skipped"] = dict(skipped)
-    st["bracketer"] = n_bracketed
+    st = {**graph_stats(crgs, [it.get("key") for it in items]), "skipped": dict(skipped), "bracketer": n_bracketed}
     print(json.dumps(st, indent=1))
     return st
 
@@ -2210,10 +2138,7 @@ def _pool(args):
 
 
 def write_text(path, text):
-    def write(p):
-        with open(p, "w", encoding="utf-8") as f:
-            f.write(text)
-    data.atomic_write(path, lambda tmp: data.fsync(tmp, write))
+    data.atomic_write(path, lambda tmp: data.fsync(tmp, lambda p: pathlib.Path(p).write_text(text, encoding="utf-8")))
 
 
 def cmd_mcd(args):
@@ -2419,7 +2344,7 @@ def add_data(g, default="shapes"):
     g.add_argument("--data", default=default, help="data spec (data.py): shapes, shapes:train_size=N,seed=S, a "
                    "Karpathy .json, .csv/.tsv, tar shards" + ("" if default else " (default: the checkpoint's)"))
     g.add_argument("--max_skip_frac", type=float, default=0.1, help="stop if more captions than this are skipped")
-    g.add_argument("--image_root", default=None, help="folder the captions' image paths are relative to (default: "
+    g.add_argument("--image_root", help="folder the captions' image paths are relative to (default: "
                    "beside the caption file)")
     g.add_argument("--csv_img_key", default="filepath", help="CSV image column (open_clip's name)")
     add_csv_text(g)
@@ -2427,8 +2352,7 @@ def add_data(g, default="shapes"):
 
 def add_csv_text(g):
     g.add_argument("--csv_caption_key", default="title", help="CSV caption column")
-    g.add_argument("--csv_separator", default=None,
-                   help="CSV separator (default: tab if the header has one, else comma)")
+    g.add_argument("--csv_separator", help="CSV separator (default: tab if the header has one, else comma)")
 
 
 def add_eval_sets(g):
@@ -2444,17 +2368,17 @@ def add_features(g, default="gold"):
     g.add_argument("--features", choices=["gold", "regions", "clip"], default=default,
                    help="gold: shapes gold boxes; regions: --regions (read per item); clip: frozen il_clip/CLIP ViT "
                         "patches" + ("" if default else " (default: the checkpoint's)"))
-    g.add_argument("--regions", default=None, help="DIR of {key}.safetensors (feats [N,D], boxes [N,5]) or one FILE"
-                   ".safetensors (feats [M,N,D], boxes [M,N,5], optional n_regions [M], metadata keys: JSON list)")
-    g.add_argument("--clip", default=None, help="il_clip.py out_dir or OpenAI-format weights (--features clip)")
-    g.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
+    g.add_argument("--regions", help="DIR of {key}.safetensors (feats [N,D], boxes [N,5]) or one FILE.safetensors "
+                   "(feats [M,N,D], boxes [M,N,5], optional n_regions [M], metadata keys: JSON list)")
+    g.add_argument("--clip", help="il_clip.py out_dir or OpenAI-format weights (--features clip)")
+    g.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction,
                    help="the --clip weights' activation; default: what open_clip_config.json / config.json beside "
                         "them says, else OpenAI's QuickGELU (said on stderr; --no-quick_gelu for GELU models)")
     g.add_argument("--image_size", type=int, default=64, help="image side the --clip features are taken at")
 
 
 def add_machine(g, seed_help="the run's seed: initialisation, batches, negatives"):
-    g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when there is one, else cpu)")
+    g.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda when there is one, else cpu)")
     g.add_argument("--seed", type=int, default=0, help=seed_help)
     g.add_argument("--num_workers", type=int, default=0, help="loader workers decoding images (--features clip)")
 
@@ -2472,32 +2396,29 @@ def add_train_parser(sub):
                                              "argument is a flag)", "data", "model", "method", "schedule",
                                              "optimisation", "machine", "output")
     add_data(d)
-    d.add_argument("--train_size", type=int, default=None,
-                   help="training images (default: the whole split; shapes: 12800)")
-    d.add_argument("--hold_out", default=None, help=HOLD_OUT_HELP)
-    d.add_argument("--eval_size", type=int, default=None,
-                   help="in-domain eval images of --eval_split (0: none; default: all; shapes: 200)")
+    d.add_argument("--train_size", type=int, help="training images (default: the whole split; shapes: 12800)")
+    d.add_argument("--hold_out", help=HOLD_OUT_HELP)
+    d.add_argument("--eval_size", type=int, help="in-domain eval images of --eval_split (0: none; default: all; "
+                   "shapes: 200)")
     d.add_argument("--eval_split", default="test", help="split of --data the in-domain evaluation reads")
     add_eval_sets(d)
     add_features(d)
-    m.add_argument("--model", choices=list(SIZE_PRESETS), default=None, help="shapes: width 64, 4 heads, PT 1, CT 3 "
-                   "(CPU); paper: width 768, 12 heads, PT 6, CT 5 (default: shapes for --data shapes, else paper); "
-                   "--width --heads --pt_layers --ct_layers override the preset")
+    m.add_argument("--model", choices=list(SIZE_PRESETS), help="shapes: width 64, 4 heads, PT 1, CT 3 (CPU); paper: "
+                   "width 768, 12 heads, PT 6, CT 5 (default: shapes for --data shapes, else paper); --width --heads "
+                   "--pt_layers --ct_layers override the preset")
     for k in SIZE_PRESETS["paper"]:  # width, heads, pt_layers, ct_layers
-        m.add_argument(f"--{k}", type=int, default=None, help="default: the --model preset's")
+        m.add_argument(f"--{k}", type=int, help="default: the --model preset's")
     m.add_argument("--vis_layers", type=int, default=1, help="visual encoder layers over the regions")
     m.add_argument("--modulator", choices=["film", "mlp", "replace"], default="film",
                    help="how a predicate's output conditions the Composition Transformer (paper Table 4)")
     m.add_argument("--no_crossatt_primitives", action="store_true",
                    help="primitives without cross-attention to the image (paper Table 4)")
     m.add_argument("--max_len", type=int, default=40, help="tokens per text")
-    m.add_argument("--vocab", default=None, help="bpe_simple_vocab_16e6.txt.gz (default: a BPE trained on the "
-                   "captions)")
+    m.add_argument("--vocab", help="bpe_simple_vocab_16e6.txt.gz (default: a BPE trained on the captions)")
     m.add_argument("--vocab_size", type=int, default=1000, help="size of the BPE trained on the captions")
-    m.add_argument("--bert", default=None, help="a released BERT folder (e.g. bert-base-uncased): its WordPiece and "
-                   "weights initialise the text stream of composer (the PT), vilbert and vse (paper section 5.1)")
-    m.add_argument("--init", default=None, help="initial weights: a composer out_dir or model.safetensors (default: "
-                   "random)")
+    m.add_argument("--bert", help="a released BERT folder (e.g. bert-base-uncased): its WordPiece and weights "
+                   "initialise the text stream of composer (the PT), vilbert and vse (paper section 5.1)")
+    m.add_argument("--init", help="initial weights: a composer out_dir or model.safetensors (default: random)")
     me.add_argument("--method", choices=list(MODELS), default="composer", help="composer | baselines: vse, single "
                     "(one stream, text->image attention), vilbert (two-stream co-attention, no image-text pretraining)")
     me.add_argument("--concept_mvsa", action="store_true",
@@ -2513,8 +2434,8 @@ def add_train_parser(sub):
     me.add_argument("--n_neg_txt", type=int, default=3, help="negative captions per true pair (l_match, MVSA)")
     s.add_argument("--max_steps", type=int, default=400, help="optimizer steps")
     s.add_argument("--warmup", type=int, default=50, help="linear warm-up steps, then cosine to 10%% of --lr")
-    s.add_argument("--stop_at", type=int, default=None, help="stop at this step with a checkpoint, as if preempted "
-                   "(default: run to --max_steps)")
+    s.add_argument("--stop_at", type=int, help="stop at this step with a checkpoint, as if preempted (default: run "
+                   "to --max_steps)")
     o.add_argument("--batch_size", type=int, default=32, help="global batch (split over ranks)")
     o.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
     o.add_argument("--wd", type=float, default=0.01, help="AdamW weight decay (matrices only)")
@@ -2530,8 +2451,8 @@ def add_train_parser(sub):
     out.add_argument("--log_interval", type=int, default=25, help="steps between metrics.jsonl records")
     out.add_argument("--save_interval", type=int, default=200, help="checkpoint at multiples of this step")
     out.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps (0: at the end only)")
-    out.add_argument("--wandb", default=None, metavar="PROJECT", help="also send the metrics.jsonl records to this "
-                     "Weights & Biases project (needs `pip install wandb`; default: off)")
+    out.add_argument("--wandb", metavar="PROJECT", help="also send the metrics.jsonl records to this Weights & Biases "
+                     "project (needs `pip install wandb`; default: off)")
     return t
 
 
@@ -2549,15 +2470,14 @@ def parse_args(argv):
     sub = ap.add_subparsers(dest="cmd", metavar="{train,eval,graph,mcd,parse,summarize}")
     train_parser = add_train_parser(sub)
     _, (d, f, ev, ma) = subparser(sub, "eval", "text->image and phrase->image retrieval of a checkpoint (t2i_r1/5/10, "
-                                  "p2i_r1/5/10, percent)",
-                                  "checkpoint and data", "features (default: the checkpoint's)", "evaluation",
-                                  "machine and output")
+                                  "p2i_r1/5/10, percent)", "checkpoint and data", "features (default: the "
+                                  "checkpoint's)", "evaluation", "machine and output")
     d.add_argument("--ckpt", required=True, help="a composer.py out_dir, checkpoint/ folder or model.safetensors")
     add_data(d, default=None)
     d.add_argument("--split", default="test", help="split of --data to evaluate")
-    d.add_argument("--eval_size", type=int, default=None, help="images of --split, each with all its captions "
-                   "(default: the whole split, the paper's protocol: Flickr30k test 1000 images x 5 captions, COCO "
-                   "5k / --eval_size 1000 for 1k; shapes: 1000; 0: none)")
+    d.add_argument("--eval_size", type=int, help="images of --split, each with all its captions (default: the whole "
+                   "split, the paper's protocol: Flickr30k test 1000 images x 5 captions, COCO 5k / --eval_size 1000 "
+                   "for 1k; shapes: 1000; 0: none)")
     add_features(f, default=None)
     add_eval_sets(ev)
     ev.add_argument("--no_phrases", action="store_true", help="skip phrase->image retrieval")
@@ -2568,43 +2488,39 @@ def parse_args(argv):
     _, (g,) = subparser(sub, "graph", "CRG statistics of a caption set (paper Table 1); reads no image", "data")
     add_data(g)
     g.add_argument("--split", default="train", help="split of --data to read")
-    g.add_argument("--max_images", type=int, default=None, help="images to read (default: all; shapes: 10000)")
+    g.add_argument("--max_images", type=int, help="images to read (default: all; shapes: 10000)")
     _, (d, sp, out) = subparser(sub, "mcd", "maximum compound divergence splits (paper appendix B), --targets for "
                                 "graded ones", "training set and pool", "split", "output")
     add_data(d)
     d.add_argument("--train", default="shapes", help="training data spec (or a .jsonl of caption items)")
     d.add_argument("--train_split", default="train", help="split of --train")
-    d.add_argument("--train_size", type=int, default=None, help="training images (default: all; shapes: 20000)")
-    d.add_argument("--hold_out", default=None, help=HOLD_OUT_HELP)
+    d.add_argument("--train_size", type=int, help="training images (default: all; shapes: 20000)")
+    d.add_argument("--hold_out", help=HOLD_OUT_HELP)
     d.add_argument("--pool", default="shapes", help="candidate data spec (or a .jsonl of caption items)")
     d.add_argument("--pool_split", default="test", help="split(s) of the pool, comma-separated (e.g. val,test)")
-    d.add_argument("--pool_size", type=int, default=None,
-                   help="pool images over all its splits (default: all; shapes: 1000)")
+    d.add_argument("--pool_size", type=int, help="pool images over all its splits (default: all; shapes: 1000)")
     sp.add_argument("--size", type=int, default=300, help="items (images) in the MCD split")
-    sp.add_argument("--stride", type=int, default=None, help="sliding-window stride for graded splits (default: "
-                    "--size / 2, or / 10 with --targets)")
-    sp.add_argument("--targets", default=None, help="comma-separated compound divergences, e.g. 0.15,0.2,0.25,0.31: "
-                    "write target_<t>.jsonl, the window closest to each; a target out of reach of the pool, or two "
-                    "targets on one window, is an error unless --nearest (default: none)")
-    sp.add_argument("--tolerance", type=float, default=0.05,
-                    help="--targets: how far a window's divergence may be from its target, as a fraction of the "
-                         "reachable range (the windows' lowest to highest divergence)")
-    sp.add_argument("--nearest", action="store_true",
-                    help="--targets: write the nearest reachable split for an out-of-reach target (with a warning); "
-                         "targets that share a window write it once")
-    out.add_argument("--out_dir", default=None,
-                     help="write mcd.jsonl, random.jsonl, windows.json (+ target_*.jsonl) here (default: print only)")
-    sm, (g,) = subparser(sub, "summarize", "runs of several models and seeds: mean ± 95%% interval, paired "
-                         "differences", "runs")
+    sp.add_argument("--stride", type=int, help="sliding-window stride for graded splits (default: --size / 2, or / "
+                    "10 with --targets)")
+    sp.add_argument("--targets", help="comma-separated compound divergences, e.g. 0.15,0.2,0.25,0.31: write "
+                    "target_<t>.jsonl, the window closest to each; a target out of reach of the pool, or two targets "
+                    "on one window, is an error unless --nearest (default: none)")
+    sp.add_argument("--tolerance", type=float, default=0.05, help="--targets: how far a window's divergence may be "
+                    "from its target, as a fraction of the reachable range (the windows' lowest to highest divergence)")
+    sp.add_argument("--nearest", action="store_true", help="--targets: write the nearest reachable split for an "
+                    "out-of-reach target (with a warning); targets that share a window write it once")
+    out.add_argument("--out_dir", help="write mcd.jsonl, random.jsonl, windows.json (+ target_*.jsonl) here (default: "
+                     "print only)")
+    _, (g,) = subparser(sub, "summarize", "runs of several models and seeds: mean ± 95%% interval, paired "
+                        "differences", "runs")
     g.add_argument("runs", help="folder whose sub-folders are `composer.py train` out_dirs")
     g.add_argument("--baseline", default="composer", help="the model the paired differences are taken against")
     _, (g,) = subparser(sub, "parse", "write constituency trees into a copy of a caption file (benepar / stanza)",
                         "parse")
     g.add_argument("input", help="Karpathy .json, .csv/.tsv, or a .jsonl split file")
     g.add_argument("--out", required=True, help="the copy with `tree` fields")
-    g.add_argument("--parser", choices=["auto", "benepar", "stanza", "builtin"], default="auto",
-                   help="auto: benepar, else stanza (neither is in requirements.txt); builtin: the rule-based "
-                        "bracketer")
+    g.add_argument("--parser", choices=["auto", "benepar", "stanza", "builtin"], default="auto", help="auto: "
+                   "benepar, else stanza (neither is in requirements.txt); builtin: the rule-based bracketer")
     g.add_argument("--overwrite", action="store_true", help="re-parse captions that already have a tree")
     add_csv_text(g)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
@@ -2696,12 +2612,12 @@ for _tag, _words in {
 # after a preposition when "of" follows)
 _NOUN_AFTER_DET = {"left", "right", "top", "bottom", "middle", "front", "side", "back", "center", "centre"}
 # -ing words that are nouns (PTB NN) even without a determiner
-_ING_NOUNS = set("building clothing ceiling painting wedding evening morning railing ring string thing "
-                 "something nothing anything everything spring sibling pudding awning earring icing "
-                 "lighting king wing swing".split())
+_ING_NOUNS = set("building clothing ceiling painting wedding evening morning railing ring string thing something "
+                 "nothing anything everything spring sibling pudding awning earring icing lighting king wing "
+                 "swing".split())
 # -ing words that head a noun compound ("a swimming pool", "the parking lot") and are NN there
-_ING_COMPOUND = set("swimming dining parking fishing climbing living waiting shopping sleeping cutting "
-                    "driving washing baking bowling boxing skiing surfing racing training".split())
+_ING_COMPOUND = set("swimming dining parking fishing climbing living waiting shopping sleeping cutting driving "
+                    "washing baking bowling boxing skiing surfing racing training".split())
 _VERB_LEMMAS = (
     "ride sit stand walk run jump play hold eat drink look watch wear carry climb throw catch kick hit swim surf ski "
     "skate dance sing read write talk smile laugh cook cut paint push pull fly drive wait sleep lie lay lean rest "
@@ -2716,43 +2632,26 @@ _VERB_LEMMAS = (
     "scream cry gesture hand pet pat groom herd tow haul deliver board approach follow guide leap hop dribble shoot "
     "pitch bat hurry rush cycle pedal steer park dress").split()
 _IRREGULAR = {"ride": "rode ridden", "sit": "sat", "stand": "stood", "run": "ran", "eat": "ate eaten",
-              "drink": "drank drunk", "hold": "held", "wear": "wore worn", "throw": "threw thrown",
-              "catch": "caught", "swim": "swam swum", "sing": "sang sung", "write": "wrote written",
-              "fly": "flew flown", "drive": "drove driven", "sleep": "slept", "lie": "lay lain",
-              "lay": "laid", "fall": "fell fallen", "feed": "fed", "dive": "dove", "speed": "sped",
-              "build": "built", "take": "took taken", "make": "made", "give": "gave given",
-              "get": "got gotten", "go": "went gone", "come": "came", "leave": "left",
-              "swing": "swung", "blow": "blew blown", "buy": "bought", "sell": "sold",
-              "shake": "shook shaken", "hang": "hung", "bite": "bit bitten", "kneel": "knelt",
-              "lead": "led", "see": "saw seen", "find": "found", "stick": "stuck", "spin": "spun",
-              "sweep": "swept", "dig": "dug", "hide": "hid hidden", "beat": "beaten",
-              "teach": "taught", "shoot": "shot", "leap": "leapt", "hit": "hit", "cut": "cut",
+              "drink": "drank drunk", "hold": "held", "wear": "wore worn", "throw": "threw thrown", "catch": "caught",
+              "swim": "swam swum", "sing": "sang sung", "write": "wrote written", "fly": "flew flown",
+              "drive": "drove driven", "sleep": "slept", "lie": "lay lain", "lay": "laid", "fall": "fell fallen",
+              "feed": "fed", "dive": "dove", "speed": "sped", "build": "built", "take": "took taken", "make": "made",
+              "give": "gave given", "get": "got gotten", "go": "went gone", "come": "came", "leave": "left",
+              "swing": "swung", "blow": "blew blown", "buy": "bought", "sell": "sold", "shake": "shook shaken",
+              "hang": "hung", "bite": "bit bitten", "kneel": "knelt", "lead": "led", "see": "saw seen",
+              "find": "found", "stick": "stuck", "spin": "spun", "sweep": "swept", "dig": "dug", "hide": "hid hidden",
+              "beat": "beaten", "teach": "taught", "shoot": "shot", "leap": "leapt", "hit": "hit", "cut": "cut",
               "put": "put", "set": "set", "let": "let"}
-_DOUBLE = set("run sit swim cut hit shop jog get put dig spin drag skip stop chat grab hug nap tap set "
-              "let beg wrap clap trim rub step sled".split())
+_DOUBLE = set("run sit swim cut hit shop jog get put dig spin drag skip stop chat grab hug nap tap set let beg wrap "
+              "clap trim rub step sled".split())
 
 
 def _inflections(lemma):
     """{form: kind} for kind in base, s, ing, ed (regular rules + _IRREGULAR)."""
-    stem = lemma + lemma[-1] if lemma in _DOUBLE else lemma
-    if lemma.endswith("ie"):
-        ing = lemma[:-2] + "ying"
-    elif lemma.endswith("e") and not lemma.endswith("ee"):
-        ing = lemma[:-1] + "ing"
-    else:
-        ing = stem + "ing"
-    if re.search(r"(s|sh|ch|x|z|o)$", lemma):
-        s = lemma + "es"
-    elif re.search(r"[^aeiou]y$", lemma):
-        s = lemma[:-1] + "ies"
-    else:
-        s = lemma + "s"
-    if lemma.endswith("e"):
-        ed = lemma + "d"
-    elif re.search(r"[^aeiou]y$", lemma):
-        ed = lemma[:-1] + "ied"
-    else:
-        ed = stem + "ed"
+    stem = lemma + lemma[-1] if lemma in _DOUBLE else lemma  # running, stopped
+    ing = re.sub(r"ie$", "y", re.sub(r"(?<![ie])e$", "", stem)) + "ing"  # lying, riding, seeing
+    s = re.sub(r"([^aeiou])y$", r"\1ie", lemma) + ("es" if re.search(r"(s|sh|ch|x|z|o)$", lemma) else "s")  # tries
+    ed = lemma + "d" if lemma.endswith("e") else re.sub(r"([^aeiou])y$", r"\1i", stem) + "ed"  # tied, tried
     forms = {lemma: "base", s: "s", ing: "ing"}
     for f in ([ed] if lemma not in _IRREGULAR else []) + _IRREGULAR.get(lemma, "").split():
         forms.setdefault(f, "ed")
@@ -2800,9 +2699,7 @@ def _lexical_tag(w):
         return "VB" if kind == "base" else "VBZ"
     if len(w) > 4 and w.endswith("ly"):
         return "RB"
-    if _JJ_SUFFIX.match(w):
-        return "JJ"
-    return None
+    return "JJ" if _JJ_SUFFIX.match(w) else None
 
 
 def _noun(w):
@@ -2821,9 +2718,7 @@ def _open_tag(w, prev, nxt, nxt2, pw, existential):
         return "JJ"
     if prev in _NOUN_TAGS and nxt in ("DT", "PRP$", "CD"):
         return "VBZ" if _noun(w) == "NNS" else ("VBP" if prev == "NNS" else "VBD")
-    if "-" in w and nxt in ("JJ", "NN", "NNS"):
-        return "JJ"
-    return _noun(w)
+    return "JJ" if "-" in w and nxt in ("JJ", "NN", "NNS") else _noun(w)
 
 
 def _tag_words(words):
@@ -2842,17 +2737,14 @@ def _tag_words(words):
             t = "VBZ" if prev in ("PRP", "EX", "WDT", "WP") or pw == "that" else "POS"  # "it's" / "girl's"
         elif w in _NOUN_AFTER_DET and (prev == "DT" or (prev == "IN" and nxt == "IN" and words[i + 1] == "of")):
             t = "NN"
-        elif w in _ING_NOUNS and _VERB_FORMS.get(w) == "ing" and prev in _VERB_TAGS + _NOUN_TAGS + ("RB", "CC"):
+        elif w in _ING_NOUNS and kind == "ing" and prev in _VERB_TAGS + _NOUN_TAGS + ("RB", "CC"):
             t = "VBG"  # "is painting a wall", "a man painting a wall" (but "a painting")
-        elif w == "that" and prev in _NOUN_TAGS:
-            t = "WDT"
         elif w == "that":
-            t = "DT"
+            t = "WDT" if prev in _NOUN_TAGS else "DT"
         elif t == "RB" and np_inside and w.endswith("ly"):
             t = "JJ" if nxt in _NOUN_TAGS + ("JJ",) else "NN"  # "a lovely day", "a family"
         elif t == "VBG" and prev in ("DT", "PRP$", "JJ", "CD", "POS"):
-            # "the building" (no noun after: a noun); "a swimming pool" (a compound: NN);
-            # "a running dog" (a modifier: VBG, not a primitive)
+            # "the building" (no noun after: NN); "a swimming pool" (compound: NN); "a running dog" (modifier: VBG)
             t = "NN" if nxt not in _NOUN_TAGS or w in _ING_COMPOUND else "VBG"
         elif kind in ("base", "ed") and pw in _BE and prev in _VERB_TAGS:
             t = "VBN"  # passive / perfect: "was hit", "is being cut", "has eaten"
@@ -2862,10 +2754,8 @@ def _tag_words(words):
             t = "VBP" if prev in ("NNS", "PRP") else "VB"
         elif kind == "base" and prev == "NN" and w in _PAST_IS_BASE and nxt in ("DT", "PRP$", "CD", "IN"):
             t = "VBD"  # "the player hit the ball": after a singular subject the bare form is the past
-        elif kind == "ed" and after_np:
-            t = "VBD"
-        elif kind == "ed" and prev in ("VBZ", "VBP", "VBD", "VBN", "RB"):
-            t = "VBN"
+        elif kind == "ed" and (after_np or prev in ("VBZ", "VBP", "VBD", "VBN", "RB")):
+            t = "VBD" if after_np else "VBN"
         elif kind in ("base", "s") and t in ("VB", "VBZ"):
             t = _noun(w)  # a verb form where no verb can stand: a noun ("a bus stop", "the waves")
         elif t == "NNS" and prev == "NN" and nxt in ("DT", "PRP$", "IN", "CD", "TO") and kind is None \
@@ -2920,9 +2810,7 @@ class _Chunker:
         if self.tag(k) == "POS":  # PTB possessive: (NP (NP a little girl 's) (NN dog))
             owner = "(NP " + " ".join(out) + f" {self.leaf(k)})"
             rest = self.base_np(k + 1) if self.tag(k + 1) not in ("DT", "PRP$", "POS") else None
-            if rest is None:
-                return owner, k + 1
-            return f"(NP {owner} {rest[0][4:-1]})", rest[1]
+            return (owner, k + 1) if rest is None else (f"(NP {owner} {rest[0][4:-1]})", rest[1])
         return "(NP " + " ".join(out) + ")", k
 
     def np(self, i, mode):
@@ -3037,12 +2925,10 @@ class _Chunker:
         first = self.np(0, "top")
         if first is None:
             return None
-        tree, j = first
+        (tree, j), label = first, "NP"
         if self.tag(j) in _VERB_TAGS and self.tag(j) != "VBG":
             vp, j = self.vp(j, stop_finite=False)
             tree, label = f"{tree} {vp}", "S"
-        else:
-            label = "NP"
         rest = " ".join(self.leaf(k) for k in range(j, self.n))
         if rest.replace("(. .)", "").replace("(, ,)", "").strip():
             label = "S"  # words the chunker could not place stay flat under the root
