@@ -613,8 +613,7 @@ def normalize_images(images: torch.Tensor, device=None) -> torch.Tensor:
     x = images.to(device, non_blocking=True) if device is not None else images
     if x.dtype != torch.uint8:
         return x
-    mean = torch.tensor(CLIP_MEAN, dtype=torch.float32, device=x.device).view(-1, 1, 1)
-    std = torch.tensor(CLIP_STD, dtype=torch.float32, device=x.device).view(-1, 1, 1)
+    mean, std = (torch.tensor(v, dtype=torch.float32, device=x.device).view(-1, 1, 1) for v in (CLIP_MEAN, CLIP_STD))
     return x.float().div_(255.0).sub_(mean).div_(std)
 
 
@@ -1042,9 +1041,9 @@ def _shuffled(records, size: int, rng: random.Random):
 # -----------------------------------------------------------------------------
 # --data specs: presets, shard patterns, files, folders
 
-# name -> how to make its shards: the released URL list (with the header line img2dataset needs: Google's CC3M/CC12M
-# TSVs have none) and the img2dataset flags that read it. The flags are img2dataset.download()'s parameters
-# (img2dataset/main.py); tests check every one.
+# name -> how to make its shards: the released URL list (with the header line img2dataset needs:
+# Google's CC3M/CC12M TSVs have none) and the img2dataset flags that read it. The flags are
+# img2dataset.download()'s parameters (img2dataset/main.py); tests check every one.
 DATA_PRESETS = {
     "cc3m": "sed -i '1s/^/caption\\turl\\n/' cc3m.tsv && img2dataset --url_list cc3m.tsv --input_format tsv "
             "--url_col url --caption_col caption",
@@ -1310,12 +1309,12 @@ class ShardStream(torch.utils.data.IterableDataset):
 
 
 class ShardLoader(_Loader):
-    """Streaming loader over tar shards (ShardStream says who reads what). Under DDP ranks may get different numbers of
-    samples in an epoch (shards differ in size); an epoch is per rank and `forever()` rolls into the next, so a
-    step-based loop (`--max_steps` over `forever()`) never waits for another rank, while an epoch-based `for batch in
-    loader` can desynchronise ranks: use `resampled=True` and a step count. The state also holds each worker's records
-    consumed and the worker of the last batch: a resumed loader replays each worker's records without decoding and
-    restarts the round-robin at the next worker (same num_workers and world size needed)."""
+    """Streaming loader over tar shards (see ShardStream for who reads what). DDP: ranks may get different numbers of
+    samples in an epoch (shards differ in size). An epoch is per rank and `forever()` rolls it into the next, so a
+    step-based loop (`--max_steps` over `forever()`) never waits for another rank; an epoch-based `for batch in loader`
+    with DDP can desynchronise ranks: use `resampled=True` and a step count. State: also per dataloader worker the
+    records it consumed and which worker gave the last batch: a resumed loader replays each worker's records without
+    decoding and restarts the round-robin at the next worker (same num_workers and world size needed)."""
 
     def __init__(self, shards, batch_size, transform=None, resampled=False, shuffle_buffer=1000, num_samples=None,
                  **options):    # options: _Loader's keywords (tokenizer, train, rank ...)
@@ -1520,10 +1519,10 @@ def load_state(model, sd: dict, source: str, allow_missing=()):
     model.load_state_dict(sd, strict=False)
 
 
-# The MLP activation of foreign weights is not in the tensors. open_clip's hub layout puts open_clip_config.json
-# ({"model_cfg": {..., "quick_gelu": true}, "preprocess_cfg": ...}; no "quick_gelu" means GELU, as open_clip builds it)
-# beside open_clip_model.safetensors; this repo's runs put config.json ({"model": {"quick_gelu": ...}}) beside
-# model.safetensors.
+# The MLP activation of foreign weights is not in the tensors. open_clip's hub layout puts
+# open_clip_config.json ({"model_cfg": {..., "quick_gelu": true}, "preprocess_cfg": ...}; no
+# "quick_gelu" means GELU, as open_clip builds it) beside open_clip_model.safetensors; this
+# repo's runs put config.json ({"model": {"quick_gelu": ...}}) beside model.safetensors.
 ACTIVATION_FILES = ("open_clip_config.json", "config.json")
 
 
@@ -2062,6 +2061,15 @@ def write_shapes_shards(out: str, n: int, seed: int, shard_size: int, image_size
     return sizes
 
 
+# CREPE's released layout: systematicity CSVs carry `valid_hard_negs_atom` (here: replace_*
+# negatives) and `valid_hard_negs_comp` (swap_*); productivity CSVs one `hard_negs` column,
+# one file per negative kind named after it. (file stem, columns, category prefix per column)
+CREPE_FILES = {"systematicity": [("systematicity", ["valid_hard_negs_atom", "valid_hard_negs_comp"],
+                                  ["replace", "swap"])],
+               "productivity": [("productivity_swap", ["hard_negs"], ["swap"]),
+                                ("productivity_replace", ["hard_negs"], ["replace"])]}
+
+
 def write_shapes_benchmarks(out: str, n: int, seed: int, image_size: int) -> dict:
     bench = shapes_benchmark(seed, n, image_size)
     for cat in progress(SHAPES_CATEGORIES, desc="sugarcrepe", leave=False):
@@ -2073,33 +2081,18 @@ def write_shapes_benchmarks(out: str, n: int, seed: int, image_size: int) -> dic
     for split in progress(("systematicity", "productivity"), desc="crepe", leave=False):
         for i, item in enumerate(bench[split]):
             _save(os.path.join(out, "crepe", "images", f"{split}_{i:05d}.png"), item["image"])
-        for name, columns, kinds in CREPE_FILES[split]:
-            _write_crepe_csv(os.path.join(out, "crepe", f"{name}.csv"), split, bench[split], columns, kinds)
+        for name, columns, kinds in CREPE_FILES[split]:     # lists as JSON strings (ast.literal_eval reads them too)
+            buf = io.StringIO()
+            writer = csv.writer(buf, lineterminator="\n")
+            writer.writerow(["image_id", "x", "y", "width", "height", "caption"] + columns)
+            for i, item in enumerate(bench[split]):
+                negs = [[x for x, cat in zip(item["negatives"], item["negative_categories"]) if cat.startswith(kind)]
+                        for kind in kinds]
+                if any(negs):   # rows without a negative are left out; box = the whole image
+                    writer.writerow([f"{split}_{i:05d}", 0, 0, item["image"].width, item["image"].height,
+                                     item["caption"]] + [json.dumps(neg) for neg in negs])
+            _save(os.path.join(out, "crepe", f"{name}.csv"), buf.getvalue())
     return {k: len(v) for k, v in bench.items()}
-
-
-# CREPE's released layout: systematicity CSVs carry `valid_hard_negs_atom` (here: replace_* negatives) and
-# `valid_hard_negs_comp` (swap_*); productivity CSVs one `hard_negs` column, one file per negative kind named after it.
-# (file stem, columns, category prefix per column)
-CREPE_FILES = {"systematicity": [("systematicity", ["valid_hard_negs_atom", "valid_hard_negs_comp"],
-                                  ["replace", "swap"])],
-               "productivity": [("productivity_swap", ["hard_negs"], ["swap"]),
-                                ("productivity_replace", ["hard_negs"], ["replace"])]}
-
-
-def _write_crepe_csv(path: str, split: str, items: list, columns: list, kinds: list):
-    """Rows image_id,x,y,width,height,caption,<columns> (lists as JSON strings, which
-    ast.literal_eval reads too); box = the whole image; rows without a negative are left out."""
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(["image_id", "x", "y", "width", "height", "caption"] + columns)
-    for i, item in enumerate(items):
-        negs = [[x for x, cat in zip(item["negatives"], item["negative_categories"]) if cat.startswith(kind)]
-                for kind in kinds]
-        if any(negs):
-            writer.writerow([f"{split}_{i:05d}", 0, 0, item["image"].width, item["image"].height, item["caption"]]
-                            + [json.dumps(n) for n in negs])
-    _save(path, buf.getvalue())
 
 
 def write_shapes_karpathy(out: str, n: int, seed: int, image_size: int) -> dict:
