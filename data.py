@@ -1820,8 +1820,12 @@ def cut_metrics(path, step):
     with open(path) if os.path.isfile(path) else contextlib.nullcontext([]) as f:
         kept = "".join(ln for ln in f if ln.strip() and (m := json.loads(ln))["step"] <= step
                        and m.get("phase") != "eval")
+    def write(tmp):     # closed before the rename: a flush that fails at close (full disk) must raise here
+        with open(tmp, "w") as f:
+            f.write(kept)
+        fsync(tmp)
     with writing(path):
-        atomic_write(path, lambda p: fsync(p, lambda q: open(q, "w").write(kept)))
+        atomic_write(path, write)
 
 
 def log_record(path, rec, wandb=None, wandb_step=None):

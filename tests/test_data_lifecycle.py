@@ -150,6 +150,39 @@ def test_cut_metrics_and_log_record(tmp_path):
     assert [json.loads(ln) for ln in open(path)] == [r for r in recs if r["step"] <= 2 and "phase" not in r]
 
 
+def test_cut_metrics_keeps_the_old_file_when_the_flush_at_close_fails(tmp_path, monkeypatch):
+    """A full disk often shows only when the buffered data is flushed, at close: the cut file must not replace
+    metrics.jsonl then (an unclosed file's failed flush is swallowed at garbage collection)."""
+    import builtins
+    path = str(tmp_path / "metrics.jsonl")
+    for s in (1, 2, 3):
+        data.log_record(path, {"step": s})
+    before, real = open(path).read(), builtins.open
+
+    class FlushFailsAtClose:        # buffers the writes; close() fails as a flush to a full disk does
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            return len(text)
+
+        def close(self):
+            self.f.close()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.close()
+    monkeypatch.setattr(builtins, "open", lambda p, mode="r", *a, **k: FlushFailsAtClose(real(p, mode, *a, **k))
+                        if "w" in mode else real(p, mode, *a, **k))
+    with pytest.raises(data.DataError, match="cannot write: no space left on device"):
+        data.cut_metrics(path, 2)
+    monkeypatch.undo()
+    assert open(path).read() == before and os.listdir(tmp_path) == ["metrics.jsonl"]
+
+
 def test_stop_signals():
     old = data.catch_stop_signals()
     try:
