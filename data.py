@@ -307,7 +307,9 @@ def _negative_candidates(category: str, s: CaptionStruct, objects: list, rng: ra
             for f in fields:    # swap two phrases' values where both have one and they differ
                 a, b = getattr(s.phrases[i], f), getattr(s.phrases[j], f)
                 if a and b and a != b:
-                    t = _copy_struct(s, i, **{f: b}); setattr(t.phrases[j], f, a); out.append(t)
+                    t = _copy_struct(s, i, **{f: b})
+                    setattr(t.phrases[j], f, a)
+                    out.append(t)
     elif category == "add_obj":     # append "and a <absent object>" (sizes drawn for an "and" too: same stream)
         extras = [Phrase(c, sh, rng.choice([None, *SIZE_NAMES])) for c, sh in SEEN_COMPOUNDS] if s.form in (
             "single", "rel", "and") else []
