@@ -2,27 +2,24 @@
 mm_learngene.py -- MM-LG (Chen et al., "Extracting Multimodal Learngene in CLIP"), the first
 public implementation, plus the learngene baselines it is compared with (He-LG, TLEG).
 
-  extract   distil an ancestry CLIP (--init: il_clip.py out_dir or OpenAI-layout weights) into a
-            weight-shared auxiliary CLIP-ViT-S whose layers are built from the learngene
-            (two block groups theta1, theta2 of {vision, language, multimodal} blocks plus
-            coefficient vectors c^v, c^l, c^mv, c^ml); writes learngene.safetensors.
-  expand    learngene -> a normal descendant (CLIP or vision tower, any depth up to 2x the
-            unique layers) in OpenAI state-dict layout, as an out_dir that il_clip.py loads.
-  finetune  activation (short contrastive training on 10% of the learngene's extraction data,
-            one epoch) then fine-tuning with Table 6's settings: retrieval (I2T/T2I R@1),
-            classification (top-1) or captioning (--task caption: ClipCap mapper into a frozen
-            GPT-2; BLEU, CIDEr-D, ROUGE-L against every reference, 5 per shapes image;
-            --baselines adds the best constant and the nearest-neighbour caption). Whole eval
-            splits by default. Baselines: --init scratch, --init
-            <il_clip out_dir> (PT-FT), He-LG and TLEG descendants (extract --method helg|tleg);
-            Table 4's ablations: expand --part no_mm|only_mm.
+  extract   distil an ancestry CLIP (--init: il_clip.py out_dir or OpenAI-layout weights) into a weight-shared
+            auxiliary CLIP-ViT-S whose layers are built from the learngene (two block groups theta1, theta2 of
+            {vision, language, multimodal} blocks plus coefficient vectors c^v, c^l, c^mv, c^ml);
+            writes learngene.safetensors.
+  expand    learngene -> a normal descendant (CLIP or vision tower, any depth up to 2x the unique layers) in
+            OpenAI state-dict layout, as an out_dir that il_clip.py loads.
+  finetune  activation (short contrastive training on 10% of the learngene's extraction data, one epoch) then
+            fine-tuning with Table 6's settings: retrieval (I2T/T2I R@1), classification (top-1) or captioning
+            (--task caption: ClipCap mapper into a frozen GPT-2; BLEU, CIDEr-D, ROUGE-L against every reference,
+            5 per shapes image; --baselines adds the best constant and the nearest-neighbour caption). Whole
+            eval splits by default. Baselines: --init scratch, --init <il_clip out_dir> (PT-FT), He-LG and TLEG
+            descendants (extract --method helg|tleg); Table 4's ablations: expand --part no_mm|only_mm.
   report    parameter storage and pre-training cost (Table 3); finetune results side by side.
 
-Reads top to bottom: config -> model -> learngene parametrisations -> losses -> training
-loop -> subcommands -> main, then one short section of infrastructure: what a checkpoint holds; the
-run lifecycle itself (checkpoints, the out_dir lock, --resume / --overwrite, signals, write errors) is
-data.py's. The only repo import is data.py; a checkpoint that records another training script is read
-with that script's load_model.
+Reads top to bottom: config -> model -> learngene parametrisations -> losses -> training loop -> subcommands ->
+main, then one short section of infrastructure: what a checkpoint holds; the run lifecycle itself (checkpoints,
+the out_dir lock, --resume / --overwrite, signals, write errors) is data.py's. The only repo import is data.py;
+a checkpoint that records another training script is read with that script's load_model.
 
 Every choice the paper leaves open is marked "CHOICE:" next to the equation it concerns.
 """
@@ -34,12 +31,14 @@ import functools
 import gc
 import json
 import math
+import operator
 import os
 import pathlib
 import random
 import signal
 import sys
 import time
+import types
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,16 +47,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import data
 
 if dist.is_available():
-    # Imported before any process group exists: these functions take `group=group.WORLD` as a
-    # default, evaluated on import. Imported later (DDP does, through torch._dynamo), the defaults
-    # hold the group past destroy_process_group, so its gloo worker threads run on into
-    # interpreter exit, where one freeing a Python tensor aborts the process ("terminate called
-    # without an active exception").
+    # Imported before any process group exists: these functions take `group=group.WORLD` as a default, evaluated on
+    # import. Imported later (DDP does, through torch._dynamo), the defaults hold the group past destroy_process_group,
+    # so its gloo worker threads run on into interpreter exit, where one freeing a Python tensor aborts the process
+    # ("terminate called without an active exception").
     import torch.distributed.nn.functional  # noqa: F401
 
 
@@ -94,11 +92,10 @@ AUX_PRESETS = {
     "ViT-S-16": dict(width=384, heads=6, layers=12, patch_size=16, embed_dim=384),
 }
 
-# Table 6 (appendix A.3), the defaults when --data is not shapes: (lr, weight decay, warm-up
-# steps, global batch, epochs) for extraction and each fine-tuning task. Captioning's weight
-# decay is blank in the table; 0.01 like the others is a CHOICE. The table leaves open the
-# optimizer, its betas and the decay after warm-up: CHOICE AdamW(0.9, 0.98, eps 1e-6), weight
-# decay on matrices only, cosine decay to lr/10 (make_optimizer, get_lr).
+# Table 6 (appendix A.3), the defaults when --data is not shapes: (lr, weight decay, warm-up steps, global batch,
+# epochs) for extraction and each fine-tuning task. Captioning's weight decay is blank in the table; 0.01 like the
+# others is a CHOICE. The table leaves open the optimizer, its betas and the decay after warm-up: CHOICE AdamW(0.9,
+# 0.98, eps 1e-6), weight decay on matrices only, cosine decay to lr/10 (make_optimizer, get_lr).
 TABLE6 = {"extract": (1e-3, 0.1, 10_000, 512, 32), "retrieval": (5e-5, 0.01, 10_000, 256, 50),
           "classification": (1e-4, 0.01, 5_000, 256, 500), "caption": (2e-5, 0.01, 5_000, 256, 10)}
 # On shapes: Table 6's lr and weight decay with CPU-sized steps, batch and warm-up
@@ -206,8 +203,7 @@ class VisionTransformer(nn.Module):
 
 
 class TextTransformer(nn.Module):
-    """The text tower with OpenAI's top-level key names (token_embedding, positional_embedding,
-    transformer.resblocks, ln_final, text_projection): CLIP subclasses it to keep that layout."""
+    """The text tower with OpenAI's top-level key names: CLIP subclasses it to keep that layout."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -277,10 +273,9 @@ def aux_index(i: int) -> tuple:
 
 
 def expand_order(n: int, unique: int) -> list:
-    """Descendant depth n -> which unique layer each of its layers copies (paper Sec. 3.3):
-    "replicate each of the first n-6 layers once and connect them in sequence"
-    (8 -> [0,0,1,1,2,3,4,5]; 12 -> [0,0,1,1,...,5,5] = the auxiliary model).
-    CHOICE: n < unique keeps the first n unique layers (the paper only builds 6, 8, 12)."""
+    """Descendant depth n -> which unique layer each of its layers copies (paper Sec. 3.3): "replicate each of the
+    first n-6 layers once and connect them in sequence" (8 -> [0,0,1,1,2,3,4,5]; 12 -> [0,0,1,1,...,5,5] = the
+    auxiliary model). CHOICE: n < unique keeps the first n unique layers (the paper only builds 6, 8, 12)."""
     if n < 1:
         raise ConfigError(f"--layers must be >= 1, got {n}")
     if n > 2 * unique:
@@ -302,10 +297,9 @@ def mmlg_learngene(w: int, L: int, part: str) -> nn.Module:
         setattr(lg, g, nn.ModuleDict({n: Block(w, ln=False) for n in names}))
         for b in getattr(lg, g).values():
             init_block(b, w, L)
-    # CHOICE (init of c, not given by the paper): with both parts 1/sqrt(2) each, so
-    # c*theta + c'*theta^m of two independent OpenAI-initialised blocks has the variance
-    # of one; with a single part 1. Coefficients get no weight decay (it would pull
-    # them, and with them every layer, towards zero).
+    # CHOICE (init of c, not given by the paper): with both parts 1/sqrt(2) each, so c*theta + c'*theta^m of two
+    # independent OpenAI-initialised blocks has the variance of one; with a single part 1. Coefficients get no weight
+    # decay (it would pull them, and with them every layer, towards zero).
     c0 = 1.0 if part != "both" else 2 ** -0.5
     lg.coef = nn.ParameterDict({c: nn.Parameter(torch.full((L // 2,), c0)) for c in coefs})
     return lg
@@ -317,11 +311,10 @@ def tleg_learngene(w: int, L: int) -> nn.ModuleDict:
     for t in TOWERS:
         init_block(tleg[t]["A"], w, L)
         init_block(tleg[t]["B"], w, L)
-        # CHOICE: B starts with the same random Linear init as A (so layers differ
-        # from step 0) and zero LayerNorm gains/biases (LN of every layer starts as A's).
-        with torch.no_grad():
-            for n in LN_NAMES:
-                tleg[t]["B"].get_parameter(n).zero_()
+        # CHOICE: B starts with the same random Linear init as A (so layers differ from step 0) and zero
+        # LayerNorm gains/biases (LN of every layer starts as A's).
+        for n in LN_NAMES:
+            nn.init.zeros_(tleg[t]["B"].get_parameter(n))
     return tleg
 
 
@@ -361,9 +354,8 @@ class AuxCLIP(CLIP):
 
     # --- the layers of a stack of depth n built from the learngene ---------------------------
     def mmlg_layer(self, tower, g, k, part=None):
-        """Eq. 1 / Eq. 2 for (group g, coefficient k). `part` (Table 4's ablations at
-        initialisation) leaves a term out of the sum: "no_mm" drops c^m theta^m, "only_mm"
-        drops c^v theta^v / c^l theta^l; the kept term keeps its extracted coefficient."""
+        """Eq. 1 / Eq. 2 for (group g, coefficient k). `part` (Table 4's ablations at initialisation) leaves a term
+        out of the sum (see AuxCLIP); the kept term keeps its extracted coefficient."""
         part = part or self.part
         if part != self.part and self.part != "both":
             raise ConfigError(f"--part {part}: this learngene was extracted with part {self.part}")
@@ -406,8 +398,7 @@ class AuxCLIP(CLIP):
         if self.method == "helg":
             per_layer = sum(p.numel() for p in self.transformer.resblocks[0].parameters())
             return 2 * min(self.helg_layers, self.aux_layers) * per_layer
-        return sum(v.numel() for k, v in self.state_dict().items()
-                   if k.startswith(("learngene.", "tleg.")))
+        return sum(v.numel() for k, v in self.state_dict().items() if k.startswith(("learngene.", "tleg.")))
 
     def meta(self) -> dict:
         return {"method": self.method, "part": self.part, "helg_layers": self.helg_layers,
@@ -418,15 +409,12 @@ def descendant_state(aux: AuxCLIP, n: int, modality: str, seed: int = 0, part=No
     """Normal descendant state dict (OpenAI layout) + its ModelConfig. Paper Sec. 3.3:
     layers from the learngene; "components other than the learngene could be loaded directly
     like Embedding or Layer Normalization"; per-layer LNs = the shared ones (MM-LG)."""
-    towers = MODALITY_TOWERS[modality]
-    sd = {}
+    towers, sd = MODALITY_TOWERS[modality], {}
     with torch.no_grad():
-        for k, v in aux.state_dict().items():
-            if k.startswith(LEARNGENE_PREFIXES) or ".resblocks." in k:
-                continue
+        for k, v in aux.state_dict().items():      # logit_scale: only a CLIP's
             tower = "visual" if k.startswith("visual.") else ("clip" if k == "logit_scale" else "text")
-            if tower in towers or (tower == "clip" and modality == "clip"):
-                sd[k] = v.detach().clone()
+            if (tower in towers or tower == modality) and not (k.startswith(LEARNGENE_PREFIXES) or ".resblocks." in k):
+                sd[k] = v.clone()
         for tower in towers:
             prefix = "visual.transformer.resblocks." if tower == "visual" else "transformer.resblocks."
             for i, p in enumerate(aux.descendant_layers(tower, n, seed, part)):
@@ -447,9 +435,8 @@ def weights_folder(path: str) -> str:
 
 
 def read_state(path: str) -> tuple:
-    """(state dict, config dict or {}) of an out_dir, a checkpoint/ folder (model.safetensors +
-    config.json) or a .safetensors / .pt (weights_only) OpenAI-layout file, with the config.json
-    beside it if there is one (a bare file: OpenAI's conventions, see infer_config)."""
+    """(state dict, config dict or {}) of an out_dir, a checkpoint/ folder or an OpenAI-layout .safetensors / .pt,
+    with the config.json beside it if there is one (a bare file: OpenAI's conventions, see infer_config)."""
     folder = weights_folder(path)
     if os.path.isdir(path):
         path = os.path.join(folder, "model.safetensors")
@@ -504,9 +491,8 @@ def infer_config(sd: dict, cfg: dict, path: str, need=("visual", "text")) -> Mod
 
 
 def recorded_model(path: str, quick_gelu=None):
-    """(model, tokenizer or None, config dict) from the load_model of the script that the checkpoint
-    at `path` records in its config.json ("script"), so a fork's checkpoint is read by the fork's
-    model code; None when it records no script or that file is gone (this script's own reader)."""
+    """(model, tokenizer or None, config dict) from the load_model of the script the checkpoint at `path` records
+    ("script"), so a fork's checkpoint is read by the fork's model code; None without a record or that file."""
     cfg_path = os.path.join(weights_folder(path), "config.json")
     record = data.read_json(cfg_path).get("script") if os.path.isfile(cfg_path) else None
     if not isinstance(record, dict):
@@ -528,10 +514,9 @@ def recorded_model(path: str, quick_gelu=None):
 
 
 def load_teacher(path: str, vocab=None, quick_gelu=None):
-    """The frozen ancestry CLIP in eval mode: (model, tokenizer, ModelConfig), built by the load_model
-    of the script the checkpoint records (used through encode_image, encode_text, logit_scale), else
-    by this script's. A codebook-head teacher (il_clip --method codebook) is refused: its image/text
-    embeddings are not the plain CLIP ones this script distils."""
+    """The frozen ancestry CLIP in eval mode: (model, tokenizer, ModelConfig), built by the load_model of the script
+    the checkpoint records, else by this script's (used through encode_image, encode_text, logit_scale). A
+    codebook-head teacher (il_clip --method codebook) is refused: its embeddings are not the plain CLIP ones."""
     model, tok, config = recorded_model(path, quick_gelu) or load_model(path, quick_gelu=quick_gelu)
     m = config.get("model") or {}
     if m.get("codebook_size"):
@@ -545,11 +530,10 @@ def load_teacher(path: str, vocab=None, quick_gelu=None):
 
 
 def load_model(path, device="cpu", quick_gelu=None):
-    """-> (CLIP in eval mode, tokenizer or None, config dict) of a CLIP descendant (expand --modality
-    clip), a retrieval fine-tune's out_dir, an il_clip.py out_dir or OpenAI-layout weights: the
-    contract eval_compositional.py calls (as il_clip.load_model); encode_image / encode_text give
-    L2-normalised embeddings. `quick_gelu` None: what the config beside the weights says
-    (open_clip_config.json or config.json), else OpenAI's QuickGELU, assumed and said on stderr."""
+    """-> (CLIP in eval mode, tokenizer or None, config dict) of a CLIP descendant (expand --modality clip), a
+    retrieval fine-tune's out_dir, an il_clip.py out_dir or OpenAI-layout weights: the contract eval_compositional.py
+    calls (as il_clip.load_model); encode_image / encode_text give L2-normalised embeddings. `quick_gelu` None: what
+    the open_clip_config.json / config.json beside the weights says, else OpenAI's QuickGELU, said on stderr."""
     sd, cfg = read_state(path)
     what = "learngene" if any(k.startswith(LEARNGENE_PREFIXES) for k in sd) else \
         cfg.get("modality", "clip") if cfg.get("task", "retrieval") == "retrieval" else f"{cfg['task']} fine-tune"
@@ -572,8 +556,7 @@ def load_learngene(path: str, width=None) -> tuple:
         raise ConfigError(f"{path}: no such learngene file")
     try:
         with safe_open(path, "pt") as f:
-            meta = f.metadata() or {}
-        sd = load_file(path)
+            meta, sd = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
         info = json.loads(meta["learngene"])
     except Exception as e:
         raise ConfigError(f"{path}: not a learngene file written by mm_learngene.py ({type(e).__name__})")
@@ -598,10 +581,9 @@ def load_learngene(path: str, width=None) -> tuple:
 
 
 class _AllGather(torch.autograd.Function):
-    """Every rank's rows in rank order; the backward sums each rank's gradient for these rows and
-    returns it to their owner (open_clip's gather_with_grad). Both collectives are synchronous: with
-    torch's asynchronous functional all-gather, 2-rank gloo runs died about 1 in 100 (heap corruption
-    found in gloo's worker thread)."""
+    """Every rank's rows in rank order; the backward sums each rank's gradient for these rows and returns it to their
+    owner (open_clip's gather_with_grad). Both collectives are synchronous: with torch's asynchronous functional
+    all-gather, 2-rank gloo runs died about 1 in 100 (heap corruption found in gloo's worker thread)."""
 
     @staticmethod
     def forward(ctx, x):
@@ -637,16 +619,14 @@ def clip_loss(i2t, t2i, labels):
 
 
 def soft_ce(student_logits, teacher_logits):
-    """CE(logit^aux, logit^anc) of Eq. 5-6. CHOICE: soft-target cross-entropy with
-    softmax(teacher logits) as the target distribution, row-wise, mean over rows, no extra
-    distillation temperature (each model's own logit scale is its temperature)."""
+    """CE(logit^aux, logit^anc) of Eq. 5-6. CHOICE: soft-target cross-entropy, target softmax(teacher logits),
+    row-wise, mean over rows, no extra distillation temperature (each model's own logit scale is its temperature)."""
     return -(teacher_logits.softmax(-1) * student_logits.log_softmax(-1)).sum(-1).mean()
 
 
 @torch.no_grad()
 def teacher_logits(teacher, images, text):
-    """The frozen ancestry's (i2t, t2i) logits of Eq. 5-6, with its own logit scale, capped at
-    100 as the student's."""
+    """The frozen ancestry's (i2t, t2i) logits of Eq. 5-6, with its own logit scale, capped at 100 as the student's."""
     t_i2t, t_t2i, _ = clip_logits(teacher.encode_image(images).float(), teacher.encode_text(text).float(),
                                   capped_scale(teacher).float(), grad=False)
     return t_i2t, t_t2i
@@ -683,13 +663,13 @@ def autocast(device, dtype):
 
 
 def make_optimizer(model, lr, weight_decay, device):
-    """AdamW(0.9, 0.98); weight decay on matrices only (not on gains, biases, coefficients,
-    class embedding, logit_scale)."""
+    """AdamW(0.9, 0.98); weight decay on matrices only (not gains, biases, coefficients, class_embedding,
+    logit_scale)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    extra = {"fused": True} if device.startswith("cuda") else {}
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-6, **extra)
+    fused = True if device.startswith("cuda") else None
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-6, fused=fused)
 
 
 def get_lr(step, max_steps, lr, warmup):
@@ -725,10 +705,9 @@ def warmup_steps(warmup, max_steps, tag, rank):
 
 
 def agree_flags(bad, world, device, tag, done):
-    """Every rank's non-finite flag and the signal it received (SIGTERM, SIGINT; 0: none), combined
-    (MAX) over ranks. A signal reaches the ranks at different steps: agreeing here makes all of them
-    stop at this same step, and none is left waiting in a collective the others have left. Returns
-    the signal to stop for, or 0."""
+    """Every rank's non-finite flag and the signal it received (SIGTERM, SIGINT; 0: none), combined (MAX) over ranks.
+    A signal reaches the ranks at different steps: agreeing here makes all of them stop at this same step, and none
+    is left waiting in a collective the others have left. Returns the signal to stop for, or 0."""
     sig = data.stop_requested()
     flags = torch.stack([bad.float(), torch.tensor(float(signal.Signals[sig] if sig else 0), device=device)])
     if world > 1:
@@ -754,12 +733,11 @@ def draw_loss_curve(out_dir, tag):
 
 
 class StepLoss(nn.Module):
-    """loss_fn(model, batch) as the forward() that DDP wraps, so every loss term runs inside it: a
-    term that uses a parameter directly (a learnable bias, a weight penalty) gets its gradient
-    averaged over ranks like the rest, and loss_fn sees the model itself with 1 rank or many.
-    `touch` (under DDP): every trained parameter enters the loss, times 0, so one that a rank's step
-    leaves unused (a fork's term, a branch some batches skip) gets a zero gradient there and DDP's
-    buckets match on every rank. CHOICE: this, not find_unused_parameters, which walks the graph
+    """loss_fn(model, batch) as the forward() that DDP wraps, so every loss term runs inside it: a term that uses a
+    parameter directly (a learnable bias, a weight penalty) gets its gradient averaged over ranks like the rest, and
+    loss_fn sees the model itself with 1 rank or many. `touch` (under DDP): every trained parameter enters the loss,
+    times 0, so one that a rank's step leaves unused (a fork's term, a branch some batches skip) gets a zero gradient
+    there and DDP's buckets match on every rank. CHOICE: this, not find_unused_parameters, which walks the graph
     every step and warns when nothing is unused; the loss and the other gradients are unchanged."""
 
     def __init__(self, model, loss_fn, touch=False):
@@ -773,25 +751,15 @@ class StepLoss(nn.Module):
         return loss, parts
 
 
-class Run:
-    """The state of one training phase that a checkpoint holds (model, optimizer, step, time)."""
-
-    def __init__(self, raw, opt, loader, out_dir, config, tokenizer, tag, rank, on_save, device):
-        self.raw, self.opt, self.loader, self.out_dir, self.config = raw, opt, loader, out_dir, config
-        self.tokenizer, self.tag, self.rank, self.on_save, self.device = tokenizer, tag, rank, on_save, device
-        self.step, self.elapsed, self.newest_damaged = 0, 0.0, False
-
-
 def log_record(out_dir, m):
-    """One metrics.jsonl record (rank 0), also sent to --wandb: a later phase (finetune after activate) after
-    the earlier phases' steps."""
+    """One metrics.jsonl record (rank 0), also to --wandb, where a later phase logs after the earlier phases' steps."""
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         data.log_record(os.path.join(out_dir, "metrics.jsonl"), m, _wandb["run"], m["step"] + _wandb["offset"])
 
 
 def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, out_dir=None, config=None,
-                tokenizer=None, tag="train", on_save=None, resume=False) -> list:
+                tokenizer=None, tag="train", on_save=None, resume=False):
     """One training phase. `loss_fn(model, batch) -> (loss, {name: detached tensor})`, run inside
     DDP's forward when world > 1 (StepLoss). Nothing in a step waits for the device: the
     losses and a non-finite flag are read at log steps, save steps and --stop_at. Saves at
@@ -800,8 +768,10 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
     ddp = nn.parallel.DistributedDataParallel(step_loss, device_ids=[device] if device.startswith("cuda") else None) \
         if world > 1 else step_loss
     fwd = torch.compile(ddp) if getattr(args, "compile", False) else ddp
-    run = Run(model, make_optimizer(model, args.lr, args.wd, device), loader, out_dir, config or {}, tokenizer,
-              tag, rank, on_save, device)
+    # the state of the phase that a checkpoint holds (save_run, load_run)
+    run = types.SimpleNamespace(raw=model, opt=make_optimizer(model, args.lr, args.wd, device), loader=loader,
+                                out_dir=out_dir, config=config or {}, tokenizer=tokenizer, tag=tag, rank=rank,
+                                on_save=on_save, device=device, step=0, elapsed=0.0, newest_damaged=False)
     # no gradient carried over from an earlier phase (a resumed run starts without one)
     model.zero_grad(set_to_none=True)
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -831,8 +801,7 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
             nn.utils.clip_grad_norm_(trained, args.grad_clip)
         run.opt.step()
         if hasattr(model, "logit_scale"):
-            with torch.no_grad():
-                model.logit_scale.clamp_(0, math.log(100))
+            model.logit_scale.data.clamp_(0, math.log(100))
         run.elapsed += time.time() - t0
         t0 = time.time()
         run.step = done = step + 1
@@ -906,9 +875,8 @@ def recorded_source(a) -> dict:
 
 
 def table6_defaults(a, column: str):
-    """Fill the flags left unset: Table 6's `column` when --data is not shapes; on shapes its
-    lr and weight decay with SHAPES_SIZED steps, batch and warm-up. Off shapes --max_steps,
-    when unset, follows from --epochs (train_steps)."""
+    """Fill the flags left unset: Table 6's `column` off shapes; on shapes its lr and weight decay with SHAPES_SIZED
+    steps, batch and warm-up. Off shapes an unset --max_steps follows from --epochs (train_steps)."""
     lr, wd, warmup, batch, epochs = TABLE6[column]
     if is_shapes(a.data):
         values = {"lr": lr, "wd": wd, **SHAPES_SIZED["extract" if column == "extract" else "finetune"]}
@@ -996,8 +964,7 @@ def cmd_extract(a):
     _wandb["run"] = data.start_wandb(a.wandb, a.out_dir, config, a.resume) if a.wandb and rank == 0 else None
 
     def write_learngene(tr):
-        with open(os.path.join(a.out_dir, "tokenizer.json")) as f:
-            tok_json = f.read()
+        tok_json = pathlib.Path(a.out_dir, "tokenizer.json").read_text()
         meta = {"learngene": json.dumps(aux.meta()), "tokenizer": tok_json,
                 "extract": json.dumps({"step": tr.step, "elapsed": tr.elapsed, "batch_size": a.batch_size,
                                        **recorded_source(a)})}
@@ -1104,10 +1071,8 @@ def load_init(a):
         found = recorded_model(a.init) if modality == "clip" else None
     sd, tok = (found[0].state_dict(), found[1]) if found else (sd, folder_tokenizer(a.init))
     cfg = infer_config(sd, found[2] if found else cfgj, a.init, need)
-    if modality == "clip":
-        model = CLIP(cfg)
-    else:
-        model = VisionTransformer(cfg)
+    model = CLIP(cfg) if modality == "clip" else VisionTransformer(cfg)
+    if modality == "vision":
         sd = {k.removeprefix("visual."): v for k, v in sd.items() if k.startswith("visual.")}
     missing, _ = model.load_state_dict(sd, strict=False)
     if missing:
@@ -1119,10 +1084,9 @@ def load_init(a):
 
 
 def stratified_subsample(labels: list, n: int, seed: int) -> list:
-    """`n` of the indices of `labels`, seeded, each class in proportion to its size
-    (largest remainder, ties to the larger class then the lower label), in index order. Used
-    for the opt-in --train_size / --eval_size (the first n of a class-sorted split would be
-    the first few classes only)."""
+    """`n` of the indices of `labels`, seeded, each class in proportion to its size (largest remainder, ties to the
+    larger class then the lower label), in index order. Used for the opt-in --train_size / --eval_size (the first n
+    of a class-sorted split would be the first few classes only)."""
     if n >= len(labels):
         return list(range(len(labels)))
     groups = {}
@@ -1160,10 +1124,9 @@ class ShapesClassification(torch.utils.data.Dataset):
 
 
 def imagefolder_splits(root: str, eval_split: str) -> tuple:
-    """(train folder, eval folder) of an ImageNet-style tree: root/train/ with root/val/
-    (ImageNet) or root/test/; `eval_split` "auto" takes val/, else test/. A flat folder (class
-    folders directly under root) is an error: training and scoring on the same images would be
-    a silently wrong number."""
+    """(train folder, eval folder) of an ImageNet-style tree: root/train/ with root/val/ (ImageNet) or root/test/;
+    `eval_split` "auto" takes val/, else test/. A flat folder (class folders directly under root) is an error:
+    training and scoring on the same images would be a silently wrong number."""
     train = os.path.join(root, "train")
     if not os.path.isdir(train):
         raise ConfigError(f"{root}: an ImageFolder needs train/ and val/ (or test/) sub-folders of class folders "
@@ -1238,9 +1201,8 @@ def eval_classification(clf, loader, device, n_classes):
 
 
 def retrieval_loader(a, tok, image_size, batch_size=100):
-    """Loader over the retrieval eval split: every image with all its captions, or with
-    --eval_size N a seeded sample of N IMAGES (each with all its captions; COCO 5k /
-    Flickr30k 1k count images). Tar shards are evaluated whole."""
+    """Loader over the retrieval eval split: every image with all its captions, or with --eval_size N a seeded sample
+    of N IMAGES (each with all its captions; COCO 5k / Flickr30k 1k count images). Tar shards are evaluated whole."""
     split = "test" if a.eval_split == "auto" else a.eval_split
     spec = getattr(a, "eval_data", None) or a.data
     src = data.resolve_data(spec, a.image_root)
@@ -1327,8 +1289,7 @@ def count_shard_samples(spec: str, image_root=None) -> int:
 
 
 def epoch_samples(loader, src: dict, rank: int, tag: str) -> int:
-    """Samples in one epoch of `loader` over data source `src`; shards without count files
-    are counted."""
+    """Samples in one epoch of `loader` over data source `src`; shards without count files are counted."""
     n = loader.num_samples
     if n is None:
         n = count_shard_samples(src["data"], src["image_root"])
@@ -1338,9 +1299,8 @@ def epoch_samples(loader, src: dict, rank: int, tag: str) -> int:
 
 
 def activation_source(a, init_cfg: dict) -> dict:
-    """Activation data (appendix A.2.1: 10% of the pre-training data, one epoch): --activate_data,
-    else the data the learngene was extracted on, recorded by extract and expand. Never a
-    silent `shapes` for real fine-tuning data."""
+    """Activation data (appendix A.2.1: 10% of the pre-training data, one epoch): --activate_data, else the data the
+    learngene was extracted on, recorded by extract and expand. Never a silent `shapes` for real fine-tuning data."""
     rec = init_cfg.get("extract_data") or {}
     spec = a.activate_data or rec.get("data")
     if spec is None:
@@ -1426,9 +1386,8 @@ def cmd_finetune(a):
         train_phase(model_, loss_fn, loader, args, rank, world, device, out_dir=d,
                     config={"phase": tag, "init": a.init, "args": run_flags(a)}, tag=tag, resume=resume,
                     max_steps=steps)
-    # Activation (appendix A.2.1). CHOICE: applied to every learngene descendant (MM-LG, TLEG,
-    # He-LG alike), not to scratch or PT-FT; needs both towers (a vision-only descendant is
-    # not activated); learning rate --activate_lr.
+    # Activation (appendix A.2.1). CHOICE: applied to every learngene descendant (MM-LG, TLEG, He-LG alike), not to
+    # scratch or PT-FT; needs both towers (a vision-only descendant is not activated); learning rate --activate_lr.
     if a.activate_frac > 0 and kind in ("mmlg", "tleg", "helg") and modality == "clip":
         activate(a, model, tok, cfg, init_cfg, phase, results, rank, world, device)
     task = {"retrieval": retrieval_task, "classification": classification_task, "caption": caption_task}[a.task]
@@ -1458,11 +1417,10 @@ def cmd_finetune(a):
 
 
 # -----------------------------------------------------------------------------
-# Captioning (paper Sec. 4.4, Table 2): ClipCap (Mokady & Hertz 2021) with its transformer
-# mapping network. The descendant's vision encoder and the language model are frozen; only
-# the mapper is trained. The language model is GPT-2 in raw PyTorch, in the released HF key
-# layout (wte, wpe, h.{i}.ln_1, h.{i}.attn.c_attn (Conv1D: weight [in, out]), h.{i}.attn.c_proj,
-# h.{i}.ln_2, h.{i}.mlp.c_fc, h.{i}.mlp.c_proj, ln_f; optional `transformer.` prefix).
+# Captioning (paper Sec. 4.4, Table 2): ClipCap (Mokady & Hertz 2021) with its transformer mapping network. The
+# descendant's vision encoder and the language model are frozen; only the mapper is trained. The language model is GPT-2
+# in raw PyTorch, in the released HF key layout (wte, wpe, h.{i}.ln_1, h.{i}.attn.c_attn (Conv1D: weight [in, out]),
+# h.{i}.attn.c_proj, h.{i}.ln_2, h.{i}.mlp.c_fc, h.{i}.mlp.c_proj, ln_f; optional `transformer.` prefix).
 
 GPT2_EOS = "<|endoftext|>"
 
@@ -1602,8 +1560,7 @@ class ClipCap(nn.Module):
         """Teacher-forced logits of `tokens` [B, T] after the prefix: [B, T, vocab]."""
         lm = self.frozen[1]
         p = self.prefix(images)
-        logits = lm(torch.cat([p, lm.wte(tokens)], 1))
-        return logits[:, p.shape[1] - 1:-1]
+        return lm(torch.cat([p, lm.wte(tokens)], 1))[:, p.shape[1] - 1:-1]
 
 
 def pad_ids(ids, eos):
@@ -1663,13 +1620,10 @@ def bleu(refs: dict, hyps: dict, n=4) -> list:
     correct, guess, testlen, reflen = [0] * n, [0] * n, 0, 0
     for k in refs:
         words = hyps[k][0].split()
-        counts = ngram_counts(words, n)
-        maxref = collections.Counter()
-        for r in refs[k]:
-            for g, c in ngram_counts(r.split(), n).items():
-                maxref[g] = max(maxref[g], c)
-        for g, c in counts.items():
-            correct[len(g) - 1] += min(c, maxref[g])
+        # clipped counts: Counter's | keeps the max over references, & the min with the hypothesis
+        maxref = functools.reduce(operator.or_, (ngram_counts(r.split(), n) for r in refs[k]), collections.Counter())
+        for g, c in (ngram_counts(words, n) & maxref).items():
+            correct[len(g) - 1] += c
         for j in range(n):
             guess[j] += max(0, len(words) - j)
         testlen += len(words)
@@ -1701,10 +1655,9 @@ def cider_vectors(refs: dict, n=4):
 
 
 def cider_d(refs: dict, hyps: dict, n=4, sigma=6.0) -> float:
-    """Corpus CIDEr-D (Vedantam et al. 2015) as pycocoevalcap's Cider: tf-idf n-gram vectors with
-    document frequencies from the references, clipped hypothesis weights, a Gaussian length
-    penalty (sigma 6; "length" = the bigram count, as there), the mean over n = 1..4 and
-    over references, x10; the mean over images."""
+    """Corpus CIDEr-D (Vedantam et al. 2015) as pycocoevalcap's Cider: tf-idf n-gram vectors with document
+    frequencies from the references, clipped hypothesis weights, a Gaussian length penalty (sigma 6; "length" = the
+    bigram count, as there), the mean over n = 1..4 and over references, x10; the mean over images."""
     vec, ref_vecs = cider_vectors(refs, n)
     out = 0.0
     for k in refs:
@@ -1773,9 +1726,8 @@ def rouge_l(refs: dict, hyps: dict, beta=1.2) -> float:
 
 
 def caption_tokens(text: str) -> str:
-    """Lower case, punctuation dropped, one space between words. CHOICE: stands in for the
-    COCO evaluation's Java PTBTokenizer (which also drops punctuation); contractions such as
-    "man's" stay one word here, two there."""
+    """Lower case, punctuation dropped, one space between words. CHOICE: stands in for the COCO evaluation's Java
+    PTBTokenizer (which also drops punctuation); contractions such as "man's" stay one word here, two there."""
     return " ".join("".join(ch if ch.isalnum() or ch == "'" else " " for ch in text.lower()).split())
 
 
@@ -1783,8 +1735,7 @@ def caption_scores(refs: dict, hyps: dict) -> dict:
     """BLEU-1..4, CIDEr-D, ROUGE-L, all x100 as the paper's Table 2 reports them."""
     refs = {k: [caption_tokens(r) for r in v] for k, v in refs.items()}
     hyps = {k: [caption_tokens(v[0])] for k, v in hyps.items()}   # an empty caption is scored empty
-    b = bleu(refs, hyps)
-    return {**{f"bleu{j + 1}": round(100 * x, 2) for j, x in enumerate(b)},
+    return {**{f"bleu{j + 1}": round(100 * x, 2) for j, x in enumerate(bleu(refs, hyps))},
             "cider": round(100 * cider_d(refs, hyps), 2), "rouge_l": round(100 * rouge_l(refs, hyps), 2)}
 
 
@@ -1925,14 +1876,13 @@ def grounding(hyps: dict, scene_of) -> dict:
 
 
 def train_shapes_lm(folder: str, seed: int, steps: int = 1000):
-    """The stand-in for GPT-2 on `shapes`: a 2-layer GPT (same class, same released key layout, same
-    loader) with its own byte-level BPE, trained on two references of one training image in a row
-    ("<eos> r1 <eos> r2 <eos>"); written to `folder` once and reused.
-    Why pairs: ClipCap's frozen GPT-2 continues what its context says, and the mapper's prefix is that
-    context. A stand-in trained on single captions never has to read a context (nothing before a
-    caption tells anything about it), so no prefix could steer it: the mapper's loss stayed at the
-    LM's own and the captioner wrote the same 13-15 captions for 1000 images. Trained on pairs, the
-    second caption follows from the first (the same objects in other words): it reads its context."""
+    """The stand-in for GPT-2 on `shapes`: a 2-layer GPT (same class, same released key layout, same loader) with its
+    own byte-level BPE, trained on two references of one training image in a row ("<eos> r1 <eos> r2 <eos>"); written
+    to `folder` once and reused. Why pairs: ClipCap's frozen GPT-2 continues what its context says, and the mapper's
+    prefix is that context. A stand-in trained on single captions never has to read a context (nothing before a
+    caption tells anything about it), so no prefix could steer it: the mapper's loss stayed at the LM's own and the
+    captioner wrote the same 13-15 captions for 1000 images. Trained on pairs, the second caption follows from the
+    first (the same objects in other words): it reads its context."""
     from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
     cfg_path = os.path.join(folder, "config.json")
     if os.path.exists(os.path.join(folder, "model.safetensors")) and os.path.exists(cfg_path):
@@ -1951,8 +1901,7 @@ def train_shapes_lm(folder: str, seed: int, steps: int = 1000):
     os.makedirs(folder, exist_ok=True)
     backend.save(os.path.join(folder, "tokenizer.json"))
     tok = LMTokenizer(folder)
-    # its own RNG streams: the run that trains the stand-in must draw the mapper's init like the runs
-    # that reuse it
+    # its own RNG streams: the run that trains the stand-in must draw the mapper's init like the runs that reuse it
     rng = random.Random(f"shapes-lm/{seed}")
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -1974,9 +1923,8 @@ def train_shapes_lm(folder: str, seed: int, steps: int = 1000):
 
 
 class CaptionPool:
-    """Training images for the captioning baselines: their embeddings (cosine similarity of
-    ClipCap's input, the frozen descendant encoder's image embedding), their first training
-    caption, and the best constant caption chosen on them."""
+    """Training images for the captioning baselines: their image embeddings (ClipCap's input, for cosine similarity),
+    their first training caption, and the best constant caption chosen on them."""
 
     def __init__(self, feats, captions, refs):
         self.feats, self.captions = F.normalize(feats, dim=-1), captions
@@ -2048,18 +1996,15 @@ def eval_captioning(model, loader, device, beam, refs_of, pool=None, scene_of=No
     out = {**scores(hyps), "n_images": len(refs), "n_refs": sum(map(len, refs.values())), "beam": beam,
            "eval_skipped": getattr(loader, "skipped", 0) - skipped0,
            "examples": [{"ref": refs[k][0], "hyp": hyps[k][0]} for k in list(refs)[:3]]}
-    per_image = {k: {"caption": hyps[k][0], "references": refs[k]} for k in refs}
-    if scene_of:
-        for k, r in per_image.items():
-            r["true"] = grounding({k: [r["caption"]]}, scene_of)["truth_rate"] == 100
+    per_image = {k: {"caption": hyps[k][0], "references": refs[k],
+                     **({"true": grounding({k: hyps[k]}, scene_of)["truth_rate"] == 100} if scene_of else {}),
+                     **({"nearest": nearest[k][0]} if pool is not None else {})} for k in refs}
     if pool is not None:
         out["baselines"] = {
             "constant": {**scores({k: [pool.constant] for k in refs}), "caption": pool.constant,
                          "pool_cider": pool.constant_cider},
             "nearest": scores(nearest), "pool_images": len(pool.captions),
             "similarity": "cosine of the frozen vision encoder's image embedding (ClipCap's input)"}
-        for k, r in per_image.items():
-            r["nearest"] = nearest[k][0]
     return out, per_image
 
 
@@ -2249,8 +2194,7 @@ def add_train_flags(p, lr_help="", data_help=""):
     g.add_argument("--num_workers", type=int, default=0, help="data loading processes per rank")
     g = p.add_argument_group("schedule (unset: Table 6's, see --lr)")
     g.add_argument("--max_steps", type=int, help="default: from --epochs off shapes, Table 6 sized on shapes")
-    g.add_argument("--epochs", type=float, help="epochs when --max_steps is not given (default: Table 6's when "
-                                                "--data is not shapes)")
+    g.add_argument("--epochs", type=float, help="epochs when --max_steps is not given (default: Table 6's off shapes)")
     g.add_argument("--warmup", type=int, help="warm-up steps (-1: 10%% of the steps)")
     g.add_argument("--batch_size", type=int, help="global batch size")
     g = p.add_argument_group("optimisation")
@@ -2278,16 +2222,15 @@ def build_parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("extract", formatter_class=HelpFormatter, help="distil a teacher CLIP into the learngene "
-                       "(paper: batch 512, lr 1e-3, 10k warm-up, 32 epochs of CC3M+CC12M, --model ViT-S-16; the "
-                       "defaults off shapes)")
+                       "(paper: CC3M+CC12M, --model ViT-S-16, Table 6's schedule: the defaults off shapes)")
     g = add_train_flags(p, lr_help="default: Table 6 (1e-3, --wd 0.1); off shapes also warm-up 10k steps, batch "
                         "512, --epochs 32; on shapes 500 steps, batch 64, warm-up 50")
     g.add_argument("--init", "--teacher", dest="init", help="the ancestry (teacher): il_clip.py out_dir, "
                    "checkpoint/ folder or OpenAI-layout .safetensors/.pt (--teacher: an alias)")
     g.add_argument("--vocab", help="bpe_simple_vocab_16e6.txt.gz for a bare OpenAI weight file")
     g.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction,
-                   help="the teacher's activation; default: what open_clip_config.json / config.json beside it "
-                        "says, else (a bare weight file) QuickGELU as OpenAI's released CLIPs. Printed at start.")
+                   help="the teacher's activation (printed at start); default: what open_clip_config.json / "
+                        "config.json beside it says, else (a bare weight file) QuickGELU as OpenAI's CLIPs")
     g.add_argument("--model", default="shapes", choices=list(AUX_PRESETS), help="the auxiliary model's preset")
     for flag in ("--aux_width", "--aux_heads", "--aux_layers", "--patch_size"):
         g.add_argument(flag, type=int, help="default: the preset's")
@@ -2305,10 +2248,8 @@ def build_parser():
     p.add_argument("--modality", default="clip", choices=["clip", "vision", "text"])
     p.add_argument("--part", default="both", choices=["both", "no_mm", "only_mm"],
                    help="Table 4's ablations at initialisation, from one full MM-LG learngene: no_mm leaves the "
-                        "multimodal term c^m theta^m out of Eq. 1-2 (W = c^v theta^v, W = c^l theta^l), only_mm "
-                        "leaves the unimodal term out (W = c^mv theta^m, W = c^ml theta^m); the kept term keeps its "
-                        "extracted coefficient, nothing is rescaled or filled randomly; embeddings, LayerNorms and "
-                        "projections are the full learngene's")
+                        "multimodal term c^m theta^m out of Eq. 1-2, only_mm the unimodal term; the kept term keeps "
+                        "its extracted coefficient (nothing rescaled or random); embeddings, LNs and projections stay")
     p.add_argument("--width", type=int, help="expected width (checked; default: not checked)")
     p.add_argument("--seed", type=int, default=0, help="He-LG: seed of the random layers")
     p.add_argument("--out_dir", help="default: out/descendant_<method>_<modality><layers>")
@@ -2332,8 +2273,8 @@ def build_parser():
     g.add_argument("--activate_frac", type=float, default=0.1, help="paper: 10%% of the pre-training data")
     g.add_argument("--activate_epochs", type=float, default=1.0)
     g.add_argument("--activate_steps", type=int, help="default: computed from --activate_frac and --activate_epochs")
-    g.add_argument("--activate_data", help="default: the data the learngene was extracted on (recorded in the "
-                                           "descendant); required if not recorded")
+    g.add_argument("--activate_data", help="default: the learngene's extraction data, recorded in the descendant "
+                                           "(required if not recorded)")
     g.add_argument("--activate_lr", type=float, default=5e-4)
     g.add_argument("--train_size", type=int,
                    help="classification: a seeded class-stratified subsample of N training images (default: all)")
@@ -2348,10 +2289,9 @@ def build_parser():
     g.add_argument("--lm", help="folder with GPT-2's model.safetensors + tokenizer.json (or vocab.json + "
                                 "merges.txt); default on shapes: a stand-in GPT trained beside --out_dir")
     g.add_argument("--beam", type=int, default=1, help="decoding: 1 greedy, >1 beam search")
-    g.add_argument("--baselines", action="store_true",
-                   help="also score, on the same images and references, the best constant caption (the training "
-                        "caption with the highest CIDEr-D over the pool) and the nearest-neighbour caption (of the "
-                        "pool image most similar in the frozen encoder's image embedding)")
+    g.add_argument("--baselines", action="store_true", help="also score the best constant caption (the pool's "
+                   "training caption of highest CIDEr-D) and the nearest-neighbour caption (of the pool image most "
+                   "similar in the frozen encoder's embedding), on the same images and references")
     g.add_argument("--baseline_pool", type=int, default=1000, help="--baselines: the first N training images")
     p.set_defaults(func=cmd_finetune)
     p = sub.add_parser("report", formatter_class=HelpFormatter,
