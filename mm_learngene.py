@@ -801,7 +801,8 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
             nn.utils.clip_grad_norm_(trained, args.grad_clip)
         run.opt.step()
         if hasattr(model, "logit_scale"):
-            model.logit_scale.data.clamp_(0, math.log(100))
+            with torch.no_grad():
+                model.logit_scale.clamp_(0, math.log(100))
         run.elapsed += time.time() - t0
         t0 = time.time()
         run.step = done = step + 1
