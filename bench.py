@@ -199,7 +199,8 @@ def report_train(args, res, device, label="il_clip"):
     if res["method"] == "il":
         print(f"  distill step {res['distill_s'] * 1e3:.1f} ms ({res['d']} timed), interact step "
               f"{res['interact_s'] * 1e3:.1f} ms ({res['i']} timed), spawn {res['spawn_s'] * 1e3:.0f} ms")
-        print(f"  IL average at the paper's schedule (5 x 1000 distill steps, 5 spawns in 48k): {step * 1e3:.1f} ms/step")
+        print(f"  IL average at the paper's schedule (5 x 1000 distill steps, 5 spawns in 48k): "
+              f"{step * 1e3:.1f} ms/step")
     else:
         print(f"  step {step * 1e3:.1f} ms")
     print(f"  {sps:,.1f} samples/s, {flops / 1e9:.2f} GFLOPs/pair/step -> {flops * sps / 1e12:.3f} TFLOP/s, "
@@ -209,7 +210,8 @@ def report_train(args, res, device, label="il_clip"):
 
 # the reference: the same configuration with open_clip's model and ClipLoss
 def import_open_clip():
-    """open_clip for the reference runs only (the project never imports it); None, saying why, where it cannot be imported."""
+    """open_clip for the reference runs only (the project never imports it); None, saying why, where it cannot be
+    imported."""
     try:
         import open_clip
         return open_clip
@@ -219,8 +221,9 @@ def import_open_clip():
 
 def open_clip_model(open_clip, cfg):
     from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
-    vision = CLIPVisionCfg(layers=cfg.vision_layers, width=cfg.vision_width, head_width=cfg.vision_width // cfg.vision_heads,
-                           mlp_ratio=cfg.mlp_ratio, patch_size=cfg.patch_size, image_size=cfg.image_size)
+    vision = CLIPVisionCfg(layers=cfg.vision_layers, width=cfg.vision_width,
+                           head_width=cfg.vision_width // cfg.vision_heads, mlp_ratio=cfg.mlp_ratio,
+                           patch_size=cfg.patch_size, image_size=cfg.image_size)
     text = CLIPTextCfg(context_length=cfg.context_length, vocab_size=cfg.vocab_size, width=cfg.text_width,
                        heads=cfg.text_heads, layers=cfg.text_layers, mlp_ratio=cfg.mlp_ratio)
     return CLIP(cfg.embed_dim, vision, text, quick_gelu=cfg.quick_gelu)
@@ -450,7 +453,8 @@ class LiveTensorBytes(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        storages = lambda x: [t.untyped_storage() for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+        storages = lambda x: [t.untyped_storage() for t in torch.utils._pytree.tree_leaves(x)  # noqa: E731
+                              if isinstance(t, torch.Tensor)]
         inputs = {st.data_ptr() for st in storages((args, kwargs))}
         for st in storages(out):
             key, n = st.data_ptr(), st.nbytes()
@@ -516,7 +520,8 @@ def bench_composer(args, device):
     compiler = composer.TextCompiler(tok, cfg.max_len)
     comps = [compiler.compile(composer.caption_crg(s.caption, s.tree)) for s in scenes]
     regions = [composer.shapes_region_features(s.image, s.objects) for s in scenes]
-    feats, boxes, mask = composer.FeatureStore([r[0] for r in regions], [r[1] for r in regions]).get(torch.arange(n), device)
+    store = composer.FeatureStore([r[0] for r in regions], [r[1] for r in regions])
+    feats, boxes, mask = store.get(torch.arange(n), device)
 
     def batched():
         tb = {k: v.to(device) if torch.is_tensor(v) else v for k, v in composer.collate_text(comps).items()}
@@ -557,8 +562,8 @@ def bench_levers(args, device):
     import platform
     default_budget = il_clip.CODE_SCORES_PER_CHUNK
     rows, clip_ms = [], {}
-    print(f"| {args.model}, {args.dtype}, {device_name(device)}, torch {torch.__version__} | batch | step | samples/s | MFU "
-          f"| peak memory | / CLIP (same batch, baseline) |\n|---|---|---|---|---|---|---|", flush=True)
+    print(f"| {args.model}, {args.dtype}, {device_name(device)}, torch {torch.__version__} | batch | step | samples/s "
+          f"| MFU | peak memory | / CLIP (same batch, baseline) |\n|---|---|---|---|---|---|---|", flush=True)
     for label, method, batch, lever, budget in LEVERS:
         run = argparse.Namespace(**{**vars(args), "batch_size": batch, "lever": lever, "compile": True})
         il_clip.CODE_SCORES_PER_CHUNK = budget or default_budget
@@ -639,7 +644,8 @@ def bench_targets(args, device):
         runs = {m: {k: (dataclasses.asdict(v) if k == "cfg" else v) for k, v in r.items()} for m, r in res.items()}
         report = {"device": device_name(device), "torch": torch.__version__, "python": platform.python_version(),
                   "command": "python bench.py " + " ".join(args.argv),
-                  "config": {k: getattr(args, k) for k in ("model", "batch_size", "dtype", "compile", "steps", "untimed")},
+                  "config": {k: getattr(args, k)
+                             for k in ("model", "batch_size", "dtype", "compile", "steps", "untimed")},
                   "targets": rows, "runs": runs,
                   "codebook_head": {"bytes": head_bytes, "counted_by": head_kind}}
         data.atomic_write(args.json, lambda p: data.save_json(p, report))   # a reader never sees half a file
@@ -654,7 +660,8 @@ def main(argv=None):
     a("--model", default="tiny", choices=list(il_clip.MODEL_PRESETS))
     a("--method", default="clip", choices=["clip", "codebook", "il"])
     a("--batch_size", type=int, default=None, help="default: 64 for tiny, 256 otherwise")
-    a("--codebook", type=int, default=None, help="K (default: 1024 for tiny, 16384 otherwise and for --codebook_memory)")
+    a("--codebook", type=int, default=None,
+      help="K (default: 1024 for tiny, 16384 otherwise and for --codebook_memory)")
     a("--compile", action="store_true")
     a("--dtype", default=None, choices=["fp32", "bf16"], help="default: bf16 on CUDA, fp32 on CPU")
     a("--device", default=None, help="cpu | cuda (default: cuda when available)")
@@ -672,7 +679,8 @@ def main(argv=None):
     a("--composer", action="store_true", help="level-batched vs node-by-node composition")
     a("--targets", action="store_true", help="measure every speed target and check each")
     a("--levers", action="store_true", help="CLIP and Codebook-CLIP steps with each MFU lever in turn (GPU)")
-    a("--out", "--json", dest="json", default=None, help="--targets / --levers: also write the report to this JSON file")
+    a("--out", "--json", dest="json", default=None,
+      help="--targets / --levers: also write the report to this JSON file")
     a("--seed", type=int, default=0, help="weights and synthetic batch of the timed steps")
     a("--script", default=None, help="time a fork's step: an il_clip.py-style script at PATH (default: il_clip.py)")
     args = p.parse_args(argv)

@@ -385,7 +385,8 @@ def shapes_captions(n: int = 5000, seed: int = 0) -> list:
 def clip_clean(text: str) -> str:
     """OpenAI CLIP's caption cleaning before the BPE (simple_tokenizer.py's basic_clean and whitespace_clean):
     ftfy.fix_text (it also replaces lone surrogates, which the tokenizer cannot encode), html.unescape twice,
-    whitespace runs -> " ", strip, lower-case: released weights saw `&amp;`, `it’s`, `ﬁ`, full-width, mojibake fixed."""
+    whitespace runs -> " ", strip, lower-case: released weights saw `&amp;`, `it’s`, `ﬁ`, full-width, mojibake
+    fixed."""
     if not (text.isascii() and text.isprintable() and "&" not in text):  # else fix_text would change nothing
         text = html.unescape(html.unescape(ftfy.fix_text(text)))
     return " ".join(text.split()).lower()
