@@ -7,7 +7,8 @@ probes of the IL-CLIP paper (section 4.4).
     python eval_compositional.py --ckpt out/il --benchmarks all \
         --sugarcrepe sugarcrepe/ --sugarcrepe_images coco/val2017 --out results.json
     python eval_compositional.py --init ViT-B-32.safetensors --vocab bpe_simple_vocab_16e6.txt.gz
-    python -c "import eval_compositional as ev; ev.summarize_runs('out/study/confirm', baseline='il')"  # seeds: mean ± CI
+    # seeds: mean ± 95% interval per method, paired differences against the baseline
+    python -c "import eval_compositional as ev; ev.summarize_runs('out/study/confirm', baseline='il')"
 
 Benchmarks (--benchmarks a,b,...; default `shapes`; `all` = every one below):
   shapes        the built-in benchmark of data.py: 7 SugarCrepe categories (pair accuracy) + systematicity /
@@ -158,10 +159,10 @@ def get_args(argv=None):
     g.add_argument("--script", help="the model code for --ckpt and its snapshots (default: the script its config.json "
                    "records, il_clip.py for --init weights); --compare_ckpts use the scripts they record")
     g.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
-                   help="the MLP activation of the loaded weights: QuickGELU (OpenAI's CLIP, open_clip's *-quickgelu) or "
-                        "exact GELU (--no-quick_gelu: open_clip's LAION / DataComp ViT-B-32). Not given: what the "
-                        "checkpoint's config.json says; for --init weights the open_clip_config.json / config.json "
-                        "beside them, else QuickGELU (assumed, said so). Printed.")
+                   help="the MLP activation of the loaded weights: QuickGELU (OpenAI's CLIP, open_clip's "
+                        "*-quickgelu) or exact GELU (--no-quick_gelu: open_clip's LAION / DataComp ViT-B-32). Not "
+                        "given: what the checkpoint's config.json says; for --init weights the open_clip_config.json / "
+                        "config.json beside them, else QuickGELU (assumed, said so). Printed.")
     g = p.add_argument_group("benchmarks and the built-in shapes data")
     g.add_argument("--benchmarks", default="shapes", help=f"comma list of {','.join(BENCHMARKS)} or all")
     g.add_argument("--eval_size", type=int, default=1000, help="shapes benchmark items per category (retrieval "
@@ -270,7 +271,8 @@ def load_checkpoint(path, args, script=None):
     cfg = read_json(os.path.join(path, "config.json")) if os.path.isfile(os.path.join(path, "config.json")) else {}
     cfg = cfg if isinstance(cfg, dict) else {}
     record = cfg.get("script") if isinstance(cfg.get("script"), dict) else None
-    maker = (record or {}).get("name") or ("mm_learngene.py" if {"phase", "task", "modality"} & set(cfg) else "composer.py")
+    maker = (record or {}).get("name") or (
+        "mm_learngene.py" if {"phase", "task", "modality"} & set(cfg) else "composer.py")
     model_cfg = cfg.get("model")
     if cfg.get("modality", "clip") != "clip":
         raise refuse(path, maker, f"a {cfg['modality']}-only descendant (these benchmarks need both towers: "
@@ -295,7 +297,8 @@ def load_checkpoint(path, args, script=None):
     if tok is None:
         if not args.vocab:
             raise ConfigError(f"{path}: weights without a tokenizer; give --vocab bpe_simple_vocab_16e6.txt.gz")
-        tok = data.build_tokenizer(vocab_path=args.vocab, context_length=model_field(model, config, "context_length", 77))
+        tok = data.build_tokenizer(vocab_path=args.vocab,
+                                   context_length=model_field(model, config, "context_length", 77))
     check_tokenizer(tok, model, config, path)
     quick = bool(model_field(model, config, "quick_gelu"))
     print(f"model: {path}: code {script_path}, activation {'QuickGELU' if quick else 'GELU'} "
@@ -326,7 +329,8 @@ def model_field(model, config, name, default=None):
 def check_tokenizer(tok, model, config, path):
     problems = [f"tokenizer {what} {have}, the model's {want}" for what, have, key in (
         ("vocabulary", tok.vocab_size, "vocab_size"), ("EOT id", tok.eot_id, "eot_token_id"),
-        ("context", tok.context_length, "context_length")) if (want := model_field(model, config, key)) not in (None, have)]
+        ("context", tok.context_length, "context_length"))
+        if (want := model_field(model, config, key)) not in (None, have)]
     if problems:
         raise ConfigError(f"{path}: tokenizer mismatch: {'; '.join(problems)}")
 
@@ -504,7 +508,8 @@ def complete_mean(parts, names, metric="acc"):
     partial = [f"{n} ({parts[n]['n_skipped']} skipped)" for n in names
                if n not in missing and parts[n].get("n_skipped")]
     if missing or partial:
-        why = [f"not scored: {', '.join(missing)}"] * bool(missing) + [f"incomplete: {', '.join(partial)}"] * bool(partial)
+        why = ([f"not scored: {', '.join(missing)}"] * bool(missing)
+               + [f"incomplete: {', '.join(partial)}"] * bool(partial))
         return {metric: None, "reason": "; ".join(why)}
     return {metric: round(sum(parts[n][metric] for n in names) / len(names), 2), "over": len(names)}
 
@@ -696,7 +701,8 @@ def read_sugarcrepe(root, image_root):
             continue
         part = out[subset] = Part([])
         for line, key, v in json_rows(path):
-            if not isinstance(v, dict) or not all(isinstance(v.get(k), str) for k in ("filename", "caption", "negative_caption")):
+            fields = ("filename", "caption", "negative_caption")
+            if not isinstance(v, dict) or not all(isinstance(v.get(k), str) for k in fields):
                 bad_row(path, line, f"entry {key!r} needs string fields filename, caption, negative_caption")
                 part.skipped += 1
                 continue
@@ -926,7 +932,8 @@ def bench_crepe(args, emb):
     """Image -> text R@1 per CSV subset, and per productivity type (atom, negate, swap; the
     paper's Table 1 calls atom "replace") the mean over complexities 4-12."""
     require((args.crepe, "--crepe"), (args.crepe_images, "--crepe_images"))
-    out = {name: r1_among_negatives(emb, part) for name, part in sorted(read_crepe(args.crepe, args.crepe_images).items())}
+    parts = read_crepe(args.crepe, args.crepe_images)
+    out = {name: r1_among_negatives(emb, part) for name, part in sorted(parts.items())}
     for kind in CREPE_TYPES:
         if any(name.startswith(f"productivity/{kind}/") for name in out):
             names = [f"productivity/{kind}/complexity_{c}" for c in CREPE_COMPLEXITIES]
@@ -1039,8 +1046,9 @@ def bench_linear_probe(args, emb):
         test_classes, test = read_image_folder(test_dir)
         if test_classes != classnames:
             raise data.DataError(f"{args.linear_probe}: train/ and test/ have different class folders")
-    (tx, ty, train_skipped), (vx, vy, test_skipped) = classification_features(emb, train), classification_features(emb, test)
-    out = linear_probe(tx, ty, vx, vy, len(classnames), args.linear_probe_l2_sweep, args.linear_probe_val_frac, args.seed)
+    (tx, ty, train_skipped), (vx, vy, test_skipped) = (classification_features(emb, items) for items in (train, test))
+    out = linear_probe(tx, ty, vx, vy, len(classnames), args.linear_probe_l2_sweep, args.linear_probe_val_frac,
+                       args.seed)
     return out | {"n_scored": len(vy), "n_skipped": len(test_skipped), "n_train_skipped": len(train_skipped)}
 
 
@@ -1135,7 +1143,8 @@ def read_cifar(path, n_classes):
     """CIFAR-10/100 test set: the python version (cifar-10-batches-py/test_batch, cifar-100-python/test;
     rows of 1024 R, 1024 G, 1024 B bytes) or the binary version (test_batch.bin: 1 label byte + 3072;
     CIFAR-100's test.bin: coarse and fine label bytes + 3072)."""
-    py, binary, key = ("test_batch", "test_batch.bin", "labels") if n_classes == 10 else ("test", "test.bin", "fine_labels")
+    py, binary, key = (("test_batch", "test_batch.bin", "labels") if n_classes == 10
+                       else ("test", "test.bin", "fine_labels"))
     if os.path.isdir(path) and not glob.glob(os.path.join(glob.escape(path), "**", py), recursive=True):
         root = find_root(path, binary)  # the binary version, memory-mapped
         rec, skip = np.memmap(os.path.join(root, binary), dtype=np.uint8, mode="r"), 1 if n_classes == 10 else 2
@@ -1350,7 +1359,8 @@ def read_objectnet(path):
     overlap = sorted(folder_of[label] for label in shared)
     label_of = {v: k for k, v in folder_of.items()}
     items = [(file_ref(p), y) for y, f in enumerate(overlap)
-             for p in sorted(glob.glob(os.path.join(glob.escape(root), "images", f, "*"))) if p.lower().endswith(IMAGE_EXTS)]
+             for p in sorted(glob.glob(os.path.join(glob.escape(root), "images", f, "*")))
+             if p.lower().endswith(IMAGE_EXTS)]
     return [label_of[f].lower() for f in overlap], items, f"{len(overlap)} classes shared with ImageNet-1k"
 
 
@@ -1483,7 +1493,8 @@ def tfrecords(path):
 def read_dmlab(path):
     """DMLab (VTAB): dmlab.tar.gz's dmlab-test.tfrecord* (tf.train.Example: image = JPEG bytes,
     label = int64 0-5, filename); VTAB's test split is this whole split."""
-    files = sorted(glob.glob(os.path.join(glob.escape(find_root(path, "dmlab-test.tfrecord*")), "dmlab-test.tfrecord*")))
+    root = find_root(path, "dmlab-test.tfrecord*")
+    files = sorted(glob.glob(os.path.join(glob.escape(root), "dmlab-test.tfrecord*")))
     items = []
     for file in files:
         try:
@@ -1491,7 +1502,8 @@ def read_dmlab(path):
                 (io_, size), = ex["image"]
                 items.append((LazyRef(f"{file}@{offset + io_}", path=file, span=(offset + io_, size)), ex["label"][0]))
         except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise data.DataError(f"{file}: record {len(items) + 1}: not a tf.train.Example with image and label ({e})") from None
+            raise data.DataError(f"{file}: record {len(items) + 1}: not a tf.train.Example with image and label "
+                                 f"({e})") from None
     return DMLAB, items, "test split (VTAB test)"
 
 
@@ -1549,9 +1561,12 @@ def zeroshot_sets():
         "resisc45": ZeroShotSet("Resisc45", read_resisc45, ["a sattelite image of {}", "an aerial view of {}",
                                                             "a sattelite photo of {}", "{} from above"]),
         "dmlab": ZeroShotSet("DMLAB", read_dmlab, ["{}"]),
-        "imagenet-a": ZeroShotSet("ImageNet-A", lambda p: wnid_tree(p, IMAGENET_A_WNIDS, IMAGENET_CLASSNAMES), imagenet),
-        "imagenet-r": ZeroShotSet("ImageNet-R", lambda p: wnid_tree(p, IMAGENET_R_WNIDS, IMAGENET_CLASSNAMES), imagenet),
-        "imagenet-sketch": ZeroShotSet("IN-sketch", lambda p: wnid_tree(p, IMAGENET_WNIDS, IMAGENET_CLASSNAMES), imagenet),
+        "imagenet-a": ZeroShotSet("ImageNet-A", lambda p: wnid_tree(p, IMAGENET_A_WNIDS, IMAGENET_CLASSNAMES),
+                                  imagenet),
+        "imagenet-r": ZeroShotSet("ImageNet-R", lambda p: wnid_tree(p, IMAGENET_R_WNIDS, IMAGENET_CLASSNAMES),
+                                  imagenet),
+        "imagenet-sketch": ZeroShotSet("IN-sketch", lambda p: wnid_tree(p, IMAGENET_WNIDS, IMAGENET_CLASSNAMES),
+                                       imagenet),
     }
 
 
@@ -1581,7 +1596,8 @@ def split_zeroshot_flags(args):
         args.benchmark_list.append("zeroshot")
     if "zeroshot" in args.benchmark_list:
         i = args.benchmark_list.index("zeroshot")
-        args.benchmark_list[i:i + 1] = ["zeroshot"] * (args.zeroshot is not None or not sets) + [f"zeroshot/{n}" for n in sets]
+        args.benchmark_list[i:i + 1] = (["zeroshot"] * (args.zeroshot is not None or not sets)
+                                        + [f"zeroshot/{n}" for n in sets])
     return args
 
 
@@ -1591,7 +1607,8 @@ def bench_zeroshot_set(name):
         spec = zeroshot_sets()[name]
         require((args.zeroshot_sets[name], f"--zeroshot {name}=PATH"))
         path = args.zeroshot_sets[name]
-        wds = os.path.isfile(os.path.join(path, "classnames.txt")) and glob.glob(os.path.join(glob.escape(path), "test", "*.tar"))
+        wds = (os.path.isfile(os.path.join(path, "classnames.txt"))
+               and glob.glob(os.path.join(glob.escape(path), "test", "*.tar")))
         classnames, items, note = names_file(read_clip_benchmark_wds if wds else spec.reader)(path)
         unread = [why for ref, why in items if ref is None]   # rows the reader could not read, with why
         items = [it for it in items if it[0] is not None]
@@ -2247,8 +2264,9 @@ def codes_per_sample(pattern):
         model, tok, _ = load_checkpoint(path, args)
         found[path] = r = code_support(model, tok)
         print(f"{path}: " + "; ".join(f"{k} {v['codes_median']:.0f} codes (median; mean {v['codes_mean']}, largest "
-                                      f"weight {v['max_weight_mean']:.2f}), {v['codes_used_by_any']}/{v['codebook_size']} "
-                                      f"used by any of {v['n']}" for k, v in r.items()))
+                                      f"weight {v['max_weight_mean']:.2f}), "
+                                      f"{v['codes_used_by_any']}/{v['codebook_size']} used by any of {v['n']}"
+                                      for k, v in r.items()))
     return found
 
 
@@ -2510,10 +2528,14 @@ def flatten(results):
 def markdown_table(results, skipped, errors):
     lines = ["| benchmark | metric | value | scored | skipped |", "|---|---|---|---|---|"]
     for bench, metric, v, n_ok, n_bad, why in flatten(results):
-        value = f"null ({why})" if v is None and why else "null" if v is None else f"{v:.2f}" if isinstance(v, float) else v
+        if v is None:
+            value = f"null ({why})" if why else "null"
+        else:
+            value = f"{v:.2f}" if isinstance(v, float) else v
         lines.append(f"| {bench} | {metric} | {value} | {n_ok} | {n_bad} |")
     for label, whys in (("not run", skipped), ("ERROR", errors)):
-        lines += [f"| {bench} | {label} | {' '.join(why.split()).replace('|', '/')} | | |" for bench, why in whys.items()]
+        lines += [f"| {bench} | {label} | {' '.join(why.split()).replace('|', '/')} | | |"
+                  for bench, why in whys.items()]
     return "\n".join(lines)
 
 
@@ -2538,7 +2560,8 @@ def run_benchmarks(args, emb, model, tok, config):
             skipped[name] = str(e)
             tqdm.write(f"skipped {name}: {e}", file=sys.stderr)
         except Exception as e:  # noqa: BLE001: one benchmark never sinks the others
-            failed[name] = str(e) if isinstance(e, (data.DataError, ConfigError)) else f"{type(e).__name__}: {first_line(e)}"
+            user_error = isinstance(e, (data.DataError, ConfigError))
+            failed[name] = str(e) if user_error else f"{type(e).__name__}: {first_line(e)}"
             tqdm.write(f"error: {name}: {failed[name]}", file=sys.stderr)
     return results, skipped, failed
 
