@@ -1272,7 +1272,7 @@ def load_split(args, split: str, n: int | None, items: list | None = None, hold_
     held = {id(it) for c, it, _ in crgs if holds_out(c, hold_out)}
     crgs, items = [x for x in crgs if id(x[1]) not in held], [it for it in items if id(it) not in held]
     regions = RegionStore(args.regions) if args.features == "regions" else None
-    keys, kidx, bad, feats = [], {}, {}, []
+    keys, kidx, bad, captions, kept, cap_img, feats, its = [], {}, {}, [], [], [], [], []
 
     def add_image(key, obj):
         """The image's index once its features are made or checked; None when bad (its captions are skipped)."""
@@ -1296,8 +1296,14 @@ def load_split(args, split: str, n: int | None, items: list | None = None, hold_
             keys.append(key)
         return kidx.get(key)
 
-    rows = [(cap, crg, im, it) for crg, it, (key, cap, obj) in crgs if (im := add_image(key, obj)) is not None]
-    skipped.update(bad[key] for _, _, (key, _, _) in crgs if key in bad)  # the captions of a bad image
+    for crg, it, (key, cap, obj) in crgs:
+        if (im := add_image(key, obj)) is None:
+            skipped[bad[key]] += 1
+            continue
+        captions.append(cap)
+        kept.append(crg)
+        cap_img.append(im)
+        its.append(it)
     # Every image stays a retrieval candidate (paper section 5: each caption ranks all test
     # images), also one none of whose captions built a graph.
     for it in items:
@@ -1305,7 +1311,6 @@ def load_split(args, split: str, n: int | None, items: list | None = None, hold_
             key, _, _, obj = _resolve_item(it)
             add_image(key, obj)
     _check_skips(skipped, len(items), args.max_skip_frac, what)
-    captions, kept, cap_img, its = map(list, zip(*rows))  # not empty: _check_skips saw usable captions
     if args.features == "regions":
         store = regions.select(keys, skipped, args.max_skip_frac)
     elif args.features == "clip":

@@ -450,9 +450,14 @@ class CLIP(TextTransformer):
 
     def init_agent(self, agent, g):
         """Re-initialise a whole agent exactly as at step 0 (used at every IL spawn)."""
-        (self.visual.init_weights if agent == "vision" else self.init_text_weights)(g)
-        if self.cfg.codebook_size:      # after its tower, from the same generator
-            (self.image_query if agent == "vision" else self.text_query).init_weights(g)
+        if agent == "vision":
+            self.visual.init_weights(g)
+            if self.cfg.codebook_size:
+                self.image_query.init_weights(g)
+        else:
+            self.init_text_weights(g)
+            if self.cfg.codebook_size:
+                self.text_query.init_weights(g)
 
     # --- heads
     def code_scores(self, tokens, valid, query, max_tokens=None):
@@ -1341,7 +1346,7 @@ def save_checkpoint(r):
         return
     state = {"step": r.step, "spawned": r.spawned, "optimizer": r.opt.state_dict(), "loader": r.loader.state_dict(),
              "teacher": r.teacher.state_dict() if r.teacher is not None else None,
-             "pool": vars(r.pool) if r.pool is not None else None,     # emb, ptr, count
+             "pool": {"emb": r.pool.emb, "ptr": r.pool.ptr, "count": r.pool.count} if r.pool is not None else None,
              "log": {"sums": r.sums, "n": r.n_loss, "text_tokens": r.text_tokens}, "rng": data.rng_state(r.device)}
     data.save_checkpoint(r.args.out_dir, r.model.state_dict(), state, run_config(r), r.tok, r.step, r.newest_damaged)
     r.newest_damaged = False
@@ -1363,7 +1368,9 @@ def load_checkpoint(r, ckpt):
         r.teacher = frozen_copy(r.model, r.args.compile)
         r.teacher.load_state_dict(state["teacher"])
     if r.pool is not None:
-        vars(r.pool).update(state["pool"])
+        r.pool.emb.copy_(state["pool"]["emb"])
+        r.pool.ptr.copy_(state["pool"]["ptr"])
+        r.pool.count = state["pool"]["count"]
     r.step, r.spawned = state["step"], state["spawned"]
     r.sums.copy_(state["log"]["sums"])
     r.n_loss, r.text_tokens = state["log"]["n"], state["log"]["text_tokens"]

@@ -31,7 +31,6 @@ import functools
 import gc
 import json
 import math
-import operator
 import os
 import pathlib
 import random
@@ -411,9 +410,11 @@ def descendant_state(aux: AuxCLIP, n: int, modality: str, seed: int = 0, part=No
     like Embedding or Layer Normalization"; per-layer LNs = the shared ones (MM-LG)."""
     towers, sd = MODALITY_TOWERS[modality], {}
     with torch.no_grad():
-        for k, v in aux.state_dict().items():      # logit_scale: only a CLIP's
+        for k, v in aux.state_dict().items():
+            if k.startswith(LEARNGENE_PREFIXES) or ".resblocks." in k:
+                continue        # the layers are built from the learngene below
             tower = "visual" if k.startswith("visual.") else ("clip" if k == "logit_scale" else "text")
-            if (tower in towers or tower == modality) and not (k.startswith(LEARNGENE_PREFIXES) or ".resblocks." in k):
+            if tower in towers or (tower == "clip" and modality == "clip"):      # logit_scale: only a CLIP's
                 sd[k] = v.clone()
         for tower in towers:
             prefix = "visual.transformer.resblocks." if tower == "visual" else "transformer.resblocks."
@@ -1621,10 +1622,12 @@ def bleu(refs: dict, hyps: dict, n=4) -> list:
     correct, guess, testlen, reflen = [0] * n, [0] * n, 0, 0
     for k in refs:
         words = hyps[k][0].split()
-        # clipped counts: Counter's | keeps the max over references, & the min with the hypothesis
-        maxref = functools.reduce(operator.or_, (ngram_counts(r.split(), n) for r in refs[k]), collections.Counter())
-        for g, c in (ngram_counts(words, n) & maxref).items():
-            correct[len(g) - 1] += c
+        maxref = collections.Counter()      # each n-gram's largest count in one reference
+        for r in refs[k]:
+            for g, c in ngram_counts(r.split(), n).items():
+                maxref[g] = max(maxref[g], c)
+        for g, c in ngram_counts(words, n).items():
+            correct[len(g) - 1] += min(c, maxref[g])    # clipped
         for j in range(n):
             guess[j] += max(0, len(words) - j)
         testlen += len(words)
@@ -1997,9 +2000,12 @@ def eval_captioning(model, loader, device, beam, refs_of, pool=None, scene_of=No
     out = {**scores(hyps), "n_images": len(refs), "n_refs": sum(map(len, refs.values())), "beam": beam,
            "eval_skipped": getattr(loader, "skipped", 0) - skipped0,
            "examples": [{"ref": refs[k][0], "hyp": hyps[k][0]} for k in list(refs)[:3]]}
-    per_image = {k: {"caption": hyps[k][0], "references": refs[k],
-                     **({"true": grounding({k: hyps[k]}, scene_of)["truth_rate"] == 100} if scene_of else {}),
-                     **({"nearest": nearest[k][0]} if pool is not None else {})} for k in refs}
+    per_image = {k: {"caption": hyps[k][0], "references": refs[k]} for k in refs}
+    for k, r in per_image.items():
+        if scene_of:
+            r["true"] = grounding({k: [r["caption"]]}, scene_of)["truth_rate"] == 100
+        if pool is not None:
+            r["nearest"] = nearest[k][0]
     if pool is not None:
         out["baselines"] = {
             "constant": {**scores({k: [pool.constant] for k in refs}), "caption": pool.constant,
