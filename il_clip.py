@@ -308,11 +308,9 @@ def _reset_norms_and_biases(module):
     for m in module.modules():
         if isinstance(m, nn.LayerNorm):
             m.weight.fill_(1.0)
-            m.bias.zero_()
-        elif isinstance(m, (nn.Linear, Attention)):
-            for n in ("bias", "in_proj_bias"):
-                if getattr(m, n, None) is not None:
-                    getattr(m, n).zero_()
+    for n, p in module.named_parameters():
+        if n.endswith("bias"):
+            p.zero_()
 
 
 def _init_transformer(tr, g):
@@ -343,8 +341,8 @@ class QueryMap(nn.Module):
     def init_weights(self, g):
         # N(0, 1/fan_in): unit-variance queries, so q.c/sqrt(D) starts at unit scale
         _reset_norms_and_biases(self)
-        _normal(self.fc_1, "weight", self.fc_1.in_features ** -0.5, g)
-        _normal(self.fc_2, "weight", self.fc_2.in_features ** -0.5, g)
+        for fc in (self.fc_1, self.fc_2):
+            _normal(fc, "weight", fc.in_features ** -0.5, g)
 
 
 class VisionTransformer(nn.Module):
@@ -365,10 +363,9 @@ class VisionTransformer(nn.Module):
 
     def init_weights(self, g):
         w = self.class_embedding.shape[0]
-        _normal(self.conv1, "weight", (self.conv1.weight[0].numel()) ** -0.5, g)
-        _normal(self, "class_embedding", w ** -0.5, g)
-        _normal(self, "positional_embedding", w ** -0.5, g)
-        _normal(self, "proj", w ** -0.5, g)
+        _normal(self.conv1, "weight", self.conv1.weight[0].numel() ** -0.5, g)
+        for name in ("class_embedding", "positional_embedding", "proj"):
+            _normal(self, name, w ** -0.5, g)
         _reset_norms_and_biases(self)
         _init_transformer(self.transformer, g)
 
@@ -452,12 +449,10 @@ class CLIP(TextTransformer):
         """Re-initialise a whole agent exactly as at step 0 (used at every IL spawn)."""
         if agent == "vision":
             self.visual.init_weights(g)
-            if self.cfg.codebook_size:
-                self.image_query.init_weights(g)
         else:
             self.init_text_weights(g)
-            if self.cfg.codebook_size:
-                self.text_query.init_weights(g)
+        if self.cfg.codebook_size:
+            (self.image_query if agent == "vision" else self.text_query).init_weights(g)
 
     # --- heads
     def code_scores(self, tokens, valid, query, max_tokens=None):
@@ -543,10 +538,9 @@ class _Sparsemax(torch.autograd.Function):
 
 def sparsemax(x, dim=-1):
     """Exact sparsemax along `dim` (Euclidean projection onto the simplex), in at least float32."""
-    dtype = x.dtype
-    z = x.float() if dtype in (torch.float16, torch.bfloat16) else x
+    z = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     out = _Sparsemax.apply(z.transpose(dim, -1).contiguous())
-    return out.transpose(dim, -1).to(dtype)
+    return out.transpose(dim, -1).to(x.dtype)
 
 
 class _MaxCodeScores(torch.autograd.Function):
@@ -965,9 +959,8 @@ def compute_loss(model, batch, phase, agent, teacher, pool, args):
     img, txt, scale = model(images, text)
     txt, neg_txt = txt[:n], (txt[n:] if negclip else None)
     if phase == "distill":
-        # distill (paper Sec. 3.2): the spawned agent learns the old generation's image<->text
-        # logits (Hinton KD, both directions) against the other agent's embeddings; the scale is
-        # the student's, detached (logit_scale is frozen here)
+        # distill (paper Sec. 3.2): the spawned agent learns the old generation's logits (kd_loss);
+        # the scale is the student's, detached (logit_scale is frozen here)
         with torch.no_grad():
             t_emb = teacher.encode_text(text) if agent == "language" else teacher.encode_image(images)
         s_emb, o_emb = (txt, img) if agent == "language" else (img, txt)
@@ -977,9 +970,7 @@ def compute_loss(model, batch, phase, agent, teacher, pool, args):
         return kd_loss(o_emb, s_emb, t_emb, scale.detach(), KD_TEMP), logged, scale.detach(), text_len, None
     neg_valid = neg_img = all_img = None
     if negclip:
-        # NegCLIP: hard-negative captions as extra image->text columns (masked where a caption
-        # offers nothing to swap); each image's nearest neighbour in a pool of earlier global
-        # image embeddings as an extra text->image column
+        # NegCLIP's extra columns (contrastive_loss): the negative captions, each image's pool neighbour
         neg_valid = batch["neg_valid"].to(device, non_blocking=True)
         all_img = gather(img.detach())
         neg_img = pool.nearest(all_img)
@@ -1186,7 +1177,6 @@ def train(r):
         save_checkpoint(r)
     bar = data.progress(total=end, initial=r.step, desc="train", unit="step", disable=r.rank != 0)
     while r.step < end:
-        # the IL phase: one lookup (warm-up, then per generation spawn -> distill -> interact)
         phase, gen, _ = r.sched.at(r.step)
         agent = spawn_agent(args, gen) if phase == "distill" else None
         if gen > r.spawned and r.step in r.sched.spawn_steps:
