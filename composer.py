@@ -102,8 +102,6 @@ class Tree:
 
 def _strip_function_tags(label: str) -> str:
     """NP-SBJ -> NP, PP-LOC-2 -> PP, NP=1 -> NP (PTB function tags, indices); -NONE-, -LRB- stay."""
-    if label.startswith("-") or ("-" not in label and "=" not in label):
-        return label
     return re.split(r"[-=]", label)[0] or label
 
 
@@ -914,8 +912,7 @@ def compile_for(cfg: ModelConfig, compiler: TextCompiler, crgs: list) -> list:
 
 
 # =============================================================================
-# 4. Visual features: [I, N, D] feats, [I, N, 5] boxes (x0, y0, x1, y1, area; normalised),
-#    [I, N] mask. Three sources.
+# 4. Visual features: [I, N, D] feats, [I, N, 5] boxes (x0, y0, x1, y1, area; normalised), [I, N] mask. Three sources.
 # =============================================================================
 
 def shapes_region_features(image, objects, max_regions=8):
@@ -1165,7 +1162,7 @@ def _spec_items(args, spec, split, n, with_images=False) -> list:
     if spec.endswith(".jsonl"):
         return _first_images(read_split_file(spec), n)
     if _is_shapes(spec):
-        seed = data.parse_shapes_spec(spec).get("seed", 0) if spec != "shapes" else 0
+        seed = data.parse_shapes_spec(spec).get("seed", 0)
         return [{"source": "shapes", "split": split, "index": i, "seed": seed, "key": f"{split}{i:08d}"}
                 for i in range(n)]
     return _image_items(args, spec, split, n) if with_images else _first_images(_text_items(args, spec, split), n)
@@ -1317,8 +1314,7 @@ def load_split(args, split: str, n: int | None, items: list | None = None, hold_
         store = FeatureStore(*clip_patch_features(feats, args.clip, quick_gelu=getattr(args, "quick_gelu", None)))
     else:
         store = FeatureStore([f for f, _ in feats], [b for _, b in feats])
-    return Split(keys, captions, kept, cap_img, store, skipped, items=its, n_bracketed=n_bracketed,
-                 held_out=len(held))
+    return Split(keys, captions, kept, cap_img, store, skipped, items=its, n_bracketed=n_bracketed, held_out=len(held))
 
 
 def attach_compiler(sp: Split, compiler: TextCompiler, max_skip_frac: float):
