@@ -1272,22 +1272,11 @@ def eval_retrieval(model, loader, device, batch_size=100):
 
 
 def count_shard_samples(spec: str, image_root=None) -> int:
-    """Samples of a shard set without count files (no _stats.json / sizes.json): the keys
-    that have an image member, read from the tar headers (one pass, no decoding)."""
-    import tarfile
-    total = 0
-    for shard in data.resolve_data(spec, image_root)["shards"]:
-        keys = set()
-        try:
-            with tarfile.open(shard, "r|*") as tf:
-                for m in tf:
-                    base = os.path.basename(m.name)
-                    if m.isfile() and "." in base and base.split(".", 1)[1].lower() in data.IMAGE_EXTS:
-                        keys.add(os.path.join(os.path.dirname(m.name), base.split(".", 1)[0]))
-        except (tarfile.TarError, OSError):
-            pass                                        # a damaged shard counts what it held before the damage
-        total += len(keys)
-    return total
+    """Samples of a shard set without count files (no _stats.json / sizes.json): the loader's records that hold an
+    image, from the tar headers alone. A damaged shard counts the records before the damage (its error record holds
+    no image)."""
+    return sum(any(e in rec for e in data.IMAGE_EXTS) for shard in data.resolve_data(spec, image_root)["shards"]
+               for rec in data.tar_records(shard, keep_exts=()))
 
 
 def epoch_samples(loader, src: dict, rank: int, tag: str) -> int:
