@@ -669,8 +669,7 @@ def make_optimizer(model, lr, weight_decay, device):
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    fused = True if device.startswith("cuda") else None
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-6, fused=fused)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-6, fused=device.startswith("cuda") or None)
 
 
 def get_lr(step, max_steps, lr, warmup):
@@ -1272,22 +1271,11 @@ def eval_retrieval(model, loader, device, batch_size=100):
 
 
 def count_shard_samples(spec: str, image_root=None) -> int:
-    """Samples of a shard set without count files (no _stats.json / sizes.json): the keys
-    that have an image member, read from the tar headers (one pass, no decoding)."""
-    import tarfile
-    total = 0
-    for shard in data.resolve_data(spec, image_root)["shards"]:
-        keys = set()
-        try:
-            with tarfile.open(shard, "r|*") as tf:
-                for m in tf:
-                    base = os.path.basename(m.name)
-                    if m.isfile() and "." in base and base.split(".", 1)[1].lower() in data.IMAGE_EXTS:
-                        keys.add(os.path.join(os.path.dirname(m.name), base.split(".", 1)[0]))
-        except (tarfile.TarError, OSError):
-            pass                                        # a damaged shard counts what it held before the damage
-        total += len(keys)
-    return total
+    """Samples of a shard set without count files (no _stats.json / sizes.json): the loader's records that hold an
+    image, from the tar headers alone. A damaged shard counts the records before the damage (its error record holds
+    no image)."""
+    return sum(any(e in rec for e in data.IMAGE_EXTS) for shard in data.resolve_data(spec, image_root)["shards"]
+               for rec in data.tar_records(shard, keep_exts=()))
 
 
 def epoch_samples(loader, src: dict, rank: int, tag: str) -> int:
@@ -2228,8 +2216,9 @@ def add_train_flags(p, lr_help="", data_help=""):
 def build_parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("extract", formatter_class=HelpFormatter, help="distil a teacher CLIP into the learngene "
-                       "(paper: CC3M+CC12M, --model ViT-S-16, Table 6's schedule: the defaults off shapes)")
+    add_parser = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
+    p = add_parser("extract", help="distil a teacher CLIP into the learngene "
+                   "(paper: CC3M+CC12M, --model ViT-S-16, Table 6's schedule: the defaults off shapes)")
     g = add_train_flags(p, lr_help="default: Table 6 (1e-3, --wd 0.1); off shapes also warm-up 10k steps, batch "
                         "512, --epochs 32; on shapes 500 steps, batch 64, warm-up 50")
     g.add_argument("--init", "--teacher", dest="init", help="the ancestry (teacher): il_clip.py out_dir, "
@@ -2249,7 +2238,7 @@ def build_parser():
     x.add_argument("--only_mm", action="store_true", help="extra (not Table 4): extract multimodal blocks only")
     g.add_argument("--lambda_dist", type=float, default=1.0, help="lambda of Eq. 8 (paper: 1)")
     p.set_defaults(func=cmd_extract, out_dir="out/learngene")
-    p = sub.add_parser("expand", formatter_class=HelpFormatter, help="learngene -> descendant out_dir (OpenAI layout)")
+    p = add_parser("expand", help="learngene -> descendant out_dir (OpenAI layout)")
     p.add_argument("--learngene", required=True)
     p.add_argument("--layers", type=int, required=True)
     p.add_argument("--modality", default="clip", choices=["clip", "vision", "text"])
@@ -2261,8 +2250,7 @@ def build_parser():
     p.add_argument("--seed", type=int, default=0, help="He-LG: seed of the random layers")
     p.add_argument("--out_dir", help="default: out/descendant_<method>_<modality><layers>")
     p.set_defaults(func=cmd_expand)
-    p = sub.add_parser("finetune", formatter_class=HelpFormatter,
-                       help="activation + fine-tuning (retrieval, classification or captioning)")
+    p = add_parser("finetune", help="activation + fine-tuning (retrieval, classification or captioning)")
     g = add_train_flags(p, lr_help="default: Table 6 per task (retrieval 5e-5, classification 1e-4, "
                         "caption 2e-5; --wd 0.01). Off shapes every Table 6 value is the default: warm-up 10k/5k/5k "
                         "steps, batch 256, --epochs 50/500/10; on shapes 300 steps, batch 64, warm-up 30. "
@@ -2301,8 +2289,7 @@ def build_parser():
                    "similar in the frozen encoder's embedding), on the same images and references")
     g.add_argument("--baseline_pool", type=int, default=1000, help="--baselines: the first N training images")
     p.set_defaults(func=cmd_finetune)
-    p = sub.add_parser("report", formatter_class=HelpFormatter,
-                       help="storage / cost table (paper Table 3) and fine-tuning results side by side")
+    p = add_parser("report", help="storage / cost table (paper Table 3) and fine-tuning results side by side")
     p.add_argument("--learngene", help="learngene.safetensors: Table 3's storage and cost")
     p.add_argument("--layers", type=int, nargs="+", default=[6, 8, 12], help="--learngene: descendant depths")
     p.add_argument("--ptft", nargs="*", help="il_clip.py out_dirs of the directly pre-trained sizes")
@@ -2316,8 +2303,7 @@ def build_parser():
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    a = build_parser().parse_args(argv)
+    a = build_parser().parse_args(argv)     # argv None: sys.argv[1:], here and in resume_flags
     _wandb.update(run=None, offset=0, next=0)
     handlers = data.catch_stop_signals()
     try:

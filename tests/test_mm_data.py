@@ -159,6 +159,23 @@ def test_activation_on_shards_without_count_files(tmp_path, extracted, capsys): 
     assert "counted 10 samples" in capsys.readouterr().out
 
 
+def test_count_of_a_truncated_shard_is_its_whole_records_before_the_cut(tmp_path):
+    shard = os.path.join(write_shards(str(tmp_path / "shards"), n_shards=1, per=6), "00000.tar")
+    with tarfile.open(shard) as tf:
+        members = tf.getmembers()
+    middle = members[len(members) // 2]                     # cut inside a member's bytes, half-way through the shard
+    cut = middle.offset_data + middle.size // 2
+    ends = {}                                               # key -> where its last member's bytes end
+    for m in members:
+        key = m.name.split(".")[0]
+        ends[key] = max(ends.get(key, 0), m.offset_data + m.size)
+    whole = sum(end <= cut for end in ends.values())
+    assert 0 < whole < 6
+    with open(shard, "r+b") as f:
+        f.truncate(cut)
+    assert M.count_shard_samples(shard) == whole
+
+
 def test_activation_data_comes_from_the_learngene_or_is_required(tmp_path, extracted, capsys):  # noqa: F811
     lg = str(extracted / "learngene.safetensors")
     M.main(["expand", "--learngene", lg, "--layers", "2", "--out_dir", str(tmp_path / "d")])
