@@ -48,6 +48,7 @@ import numpy.random  # noqa: F401  numpy 2 imports it lazily: here once, not in 
 import torch
 from braceexpand import UnbalancedBracesError, braceexpand
 from PIL import Image, ImageDraw
+from tokenizers import Regex, Tokenizer as Backend, decoders, models, normalizers, pre_tokenizers, trainers
 
 
 class DataError(Exception):
@@ -384,9 +385,8 @@ def shapes_captions(n: int = 5000, seed: int = 0) -> list:
 
 def clip_clean(text: str) -> str:
     """OpenAI CLIP's caption cleaning before the BPE (simple_tokenizer.py's basic_clean and whitespace_clean):
-    ftfy.fix_text (it also replaces lone surrogates, which the tokenizer cannot encode), html.unescape twice,
-    whitespace runs -> " ", strip, lower-case: released weights saw `&amp;`, `it’s`, `ﬁ`, full-width, mojibake
-    fixed."""
+    ftfy.fix_text (it also replaces lone surrogates, which the tokenizer cannot encode), html.unescape twice, whitespace
+    runs -> " ", strip, lower-case: released weights saw `&amp;`, `it’s`, `ﬁ`, full-width, mojibake fixed."""
     if not (text.isascii() and text.isprintable() and "&" not in text):  # else fix_text would change nothing
         text = html.unescape(html.unescape(ftfy.fix_text(text)))
     return " ".join(text.split()).lower()
@@ -429,7 +429,6 @@ class Tokenizer:
 
     @classmethod
     def load(cls, directory: str) -> "Tokenizer":
-        from tokenizers import Tokenizer as Backend
         path = os.path.join(directory, "tokenizer.json") if os.path.isdir(directory) else directory
         try:
             with open(path) as f:
@@ -445,7 +444,6 @@ class Tokenizer:
 def _special_tokens_not_in_text(backend):
     """The backend without `added_tokens` entries for SOT/EOT/pad/unk (still in the vocabulary): `tokenizers` matches
     added tokens inside the text, so "<|endoftext|>" in a caption got its id mid-sequence (where EOT pooling stops)."""
-    from tokenizers import Tokenizer as Backend
     blob = json.loads(backend.to_str())
     added = blob.get("added_tokens") or []
     blob["added_tokens"] = [t for t in added if t["content"] not in {SOT_TOKEN, EOT_TOKEN, PAD_TOKEN, UNK_TOKEN}]
@@ -453,7 +451,6 @@ def _special_tokens_not_in_text(backend):
 
 
 def _clip_normalizer_and_pretokenizer():
-    from tokenizers import Regex, normalizers, pre_tokenizers
     # OpenAI CLIP: whitespace cleanup + lower-case (for the trained BPE; the CLIP BPE gets clip_clean's text and no
     # normalizer), then its word regex, then byte-level chars
     normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "),
@@ -469,7 +466,6 @@ def _clip_normalizer_and_pretokenizer():
 
 def clip_bpe_tokenizer(vocab_path: str, context_length: int = 77) -> Tokenizer:
     """OpenAI CLIP's BPE (49408 tokens) from its `bpe_simple_vocab_16e6.txt.gz`."""
-    from tokenizers import Tokenizer as Backend, decoders, models
     try:
         with gzip.open(vocab_path) as f:
             lines = f.read().decode("utf-8").split("\n")
@@ -494,7 +490,6 @@ def clip_bpe_tokenizer(vocab_path: str, context_length: int = 77) -> Tokenizer:
 def trained_bpe_tokenizer(captions, vocab_size: int = 1000, context_length: int = 77) -> Tokenizer:
     """A small byte-level BPE (GPT-2 style) trained on the training captions, when no CLIP vocabulary is given. Ids:
     0 pad, 1 SOT, 2 EOT, 3 unk. All 256 bytes are in the alphabet (no text is unknown); cleanup as CLIP's."""
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
     if not (captions := [clip_clean(c) for c in captions if c and c.strip()]):
         raise DataError("cannot train a tokenizer: no captions")
     backend = Backend(models.BPE(unk_token=UNK_TOKEN))
@@ -1187,8 +1182,7 @@ class _Loader:
             raise DataError(f"{self.name}: rank {self.rank} got no batch in a whole epoch (samples: {self.good} good, "
                             f"{self.skipped} skipped, {self.dropped} dropped by drop_last; batch "
                             f"{self.batch_size} x {self.world_size} ranks x {max(1, self.num_workers)} workers)")
-        self.epoch, self.batches_done = self.epoch + 1, 0
-        self._new_epoch()
+        self.set_epoch(self.epoch + 1)
 
     def forever(self):
         """Batches across epochs without end (step-based loops); an epoch giving no batch raises, never spins."""
@@ -1826,9 +1820,8 @@ def cut_metrics(path, step):
     def write(tmp):     # closed before the rename: a flush that fails at close (full disk) must raise here
         with open(tmp, "w") as f:
             f.write(kept)
-        fsync(tmp)
     with writing(path):
-        atomic_write(path, write)
+        atomic_write(path, lambda tmp: fsync(tmp, write))
 
 
 def log_record(path, rec, wandb=None, wandb_step=None):
@@ -1904,8 +1897,7 @@ def tick_labels(values):
     return labels
 
 
-def draw_curves(png_path, title, series, vlines=(), legend=None, ylabel="loss (nats)", xlabel="step",
-                size=(900, 420)):
+def draw_curves(png_path, title, series, vlines=(), legend=None, ylabel="loss (nats)", xlabel="step", size=(900, 420)):
     """A line plot as PNG, drawn with PIL (no matplotlib in this project). series: [(label, rgb, points, width)],
     points (x, y) or (x, y, rgb) (a segment takes its end point's colour); non-finite points are dropped.
     vlines: [(x, text, rgb)] (IL's spawns). legend: [(label, rgb)], by default each series label once."""
