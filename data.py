@@ -48,7 +48,6 @@ import numpy.random  # noqa: F401  numpy 2 imports it lazily: here once, not in 
 import torch
 from braceexpand import UnbalancedBracesError, braceexpand
 from PIL import Image, ImageDraw
-from tokenizers import Regex, Tokenizer as Backend, decoders, models, normalizers, pre_tokenizers, trainers
 
 
 class DataError(Exception):
@@ -429,6 +428,7 @@ class Tokenizer:
 
     @classmethod
     def load(cls, directory: str) -> "Tokenizer":
+        from tokenizers import Tokenizer as Backend
         path = os.path.join(directory, "tokenizer.json") if os.path.isdir(directory) else directory
         try:
             with open(path) as f:
@@ -444,6 +444,7 @@ class Tokenizer:
 def _special_tokens_not_in_text(backend):
     """The backend without `added_tokens` entries for SOT/EOT/pad/unk (still in the vocabulary): `tokenizers` matches
     added tokens inside the text, so "<|endoftext|>" in a caption got its id mid-sequence (where EOT pooling stops)."""
+    from tokenizers import Tokenizer as Backend
     blob = json.loads(backend.to_str())
     added = blob.get("added_tokens") or []
     blob["added_tokens"] = [t for t in added if t["content"] not in {SOT_TOKEN, EOT_TOKEN, PAD_TOKEN, UNK_TOKEN}]
@@ -451,6 +452,7 @@ def _special_tokens_not_in_text(backend):
 
 
 def _clip_normalizer_and_pretokenizer():
+    from tokenizers import Regex, normalizers, pre_tokenizers
     # OpenAI CLIP: whitespace cleanup + lower-case (for the trained BPE; the CLIP BPE gets clip_clean's text and no
     # normalizer), then its word regex, then byte-level chars
     normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "),
@@ -466,6 +468,7 @@ def _clip_normalizer_and_pretokenizer():
 
 def clip_bpe_tokenizer(vocab_path: str, context_length: int = 77) -> Tokenizer:
     """OpenAI CLIP's BPE (49408 tokens) from its `bpe_simple_vocab_16e6.txt.gz`."""
+    from tokenizers import Tokenizer as Backend, decoders, models
     try:
         with gzip.open(vocab_path) as f:
             lines = f.read().decode("utf-8").split("\n")
@@ -490,6 +493,7 @@ def clip_bpe_tokenizer(vocab_path: str, context_length: int = 77) -> Tokenizer:
 def trained_bpe_tokenizer(captions, vocab_size: int = 1000, context_length: int = 77) -> Tokenizer:
     """A small byte-level BPE (GPT-2 style) trained on the training captions, when no CLIP vocabulary is given. Ids:
     0 pad, 1 SOT, 2 EOT, 3 unk. All 256 bytes are in the alphabet (no text is unknown); cleanup as CLIP's."""
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
     if not (captions := [clip_clean(c) for c in captions if c and c.strip()]):
         raise DataError("cannot train a tokenizer: no captions")
     backend = Backend(models.BPE(unk_token=UNK_TOKEN))
