@@ -384,9 +384,8 @@ def shapes_captions(n: int = 5000, seed: int = 0) -> list:
 
 def clip_clean(text: str) -> str:
     """OpenAI CLIP's caption cleaning before the BPE (simple_tokenizer.py's basic_clean and whitespace_clean):
-    ftfy.fix_text (it also replaces lone surrogates, which the tokenizer cannot encode), html.unescape twice,
-    whitespace runs -> " ", strip, lower-case: released weights saw `&amp;`, `it’s`, `ﬁ`, full-width, mojibake
-    fixed."""
+    ftfy.fix_text (it also replaces lone surrogates, which the tokenizer cannot encode), html.unescape twice, whitespace
+    runs -> " ", strip, lower-case: released weights saw `&amp;`, `it’s`, `ﬁ`, full-width, mojibake fixed."""
     if not (text.isascii() and text.isprintable() and "&" not in text):  # else fix_text would change nothing
         text = html.unescape(html.unescape(ftfy.fix_text(text)))
     return " ".join(text.split()).lower()
@@ -1187,8 +1186,7 @@ class _Loader:
             raise DataError(f"{self.name}: rank {self.rank} got no batch in a whole epoch (samples: {self.good} good, "
                             f"{self.skipped} skipped, {self.dropped} dropped by drop_last; batch "
                             f"{self.batch_size} x {self.world_size} ranks x {max(1, self.num_workers)} workers)")
-        self.epoch, self.batches_done = self.epoch + 1, 0
-        self._new_epoch()
+        self.set_epoch(self.epoch + 1)
 
     def forever(self):
         """Batches across epochs without end (step-based loops); an epoch giving no batch raises, never spins."""
@@ -1826,9 +1824,8 @@ def cut_metrics(path, step):
     def write(tmp):     # closed before the rename: a flush that fails at close (full disk) must raise here
         with open(tmp, "w") as f:
             f.write(kept)
-        fsync(tmp)
     with writing(path):
-        atomic_write(path, write)
+        atomic_write(path, lambda tmp: fsync(tmp, write))
 
 
 def log_record(path, rec, wandb=None, wandb_step=None):
@@ -1904,8 +1901,7 @@ def tick_labels(values):
     return labels
 
 
-def draw_curves(png_path, title, series, vlines=(), legend=None, ylabel="loss (nats)", xlabel="step",
-                size=(900, 420)):
+def draw_curves(png_path, title, series, vlines=(), legend=None, ylabel="loss (nats)", xlabel="step", size=(900, 420)):
     """A line plot as PNG, drawn with PIL (no matplotlib in this project). series: [(label, rgb, points, width)],
     points (x, y) or (x, y, rgb) (a segment takes its end point's colour); non-finite points are dropped.
     vlines: [(x, text, rgb)] (IL's spawns). legend: [(label, rgb)], by default each series label once."""
