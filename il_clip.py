@@ -308,9 +308,11 @@ def _reset_norms_and_biases(module):
     for m in module.modules():
         if isinstance(m, nn.LayerNorm):
             m.weight.fill_(1.0)
-    for n, p in module.named_parameters():
-        if n.endswith("bias"):
-            p.zero_()
+            m.bias.zero_()
+        elif isinstance(m, (nn.Linear, Attention)):
+            for n in ("bias", "in_proj_bias"):
+                if getattr(m, n, None) is not None:
+                    getattr(m, n).zero_()
 
 
 def _init_transformer(tr, g):
@@ -449,10 +451,12 @@ class CLIP(TextTransformer):
         """Re-initialise a whole agent exactly as at step 0 (used at every IL spawn)."""
         if agent == "vision":
             self.visual.init_weights(g)
+            if self.cfg.codebook_size:
+                self.image_query.init_weights(g)
         else:
             self.init_text_weights(g)
-        if self.cfg.codebook_size:
-            (self.image_query if agent == "vision" else self.text_query).init_weights(g)
+            if self.cfg.codebook_size:
+                self.text_query.init_weights(g)
 
     # --- heads
     def code_scores(self, tokens, valid, query, max_tokens=None):
