@@ -1988,8 +1988,8 @@ def results_table(rows: dict, label: str = "method") -> str:
 
 def summarize_runs(root: str, read_run, baseline=None) -> dict:
     """Run folders under `root` that `read_run` reads (-> (group, seed, {metric: fraction}) or a list), grouped; prints
-    mean ± 95% t-interval per group and each group's paired difference against its baseline (a group, default the first,
-    or a function group -> group) on shared seeds (*: excludes 0). -> {group: {metric: {seed: value}}}"""
+    mean ± 95% t-interval per group and each group's paired difference against its baseline (a group, default the
+    first, or a function group -> group) on shared seeds (*: excludes 0). -> {group: {metric: {seed: value}}}"""
     if not os.path.isdir(root):
         raise DataError(f"{root}: no such folder of runs")
     groups = {}

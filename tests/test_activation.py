@@ -129,7 +129,8 @@ def test_load_model_and_eval_follow_the_file_and_repeat_an_assumption(trained, t
     # eval --init on open_clip's layout, with OpenAI's vocabulary (EOT = the last id)
     cfg = M.ModelConfig(embed_dim=32, image_size=32, patch_size=8, vision_width=64, vision_layers=1, vision_heads=1,
                         context_length=77, vocab_size=49408, text_width=64, text_layers=1, text_heads=1)
-    save_file({k: v.contiguous() for k, v in M.CLIP(cfg).state_dict().items()}, str(hub / "open_clip_model.safetensors"))
+    save_file({k: v.contiguous() for k, v in M.CLIP(cfg).state_dict().items()},
+              str(hub / "open_clip_model.safetensors"))
     vocab = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "bpe_simple_vocab_16e6.txt.gz")
     assert E.main(["--init", str(hub / "open_clip_model.safetensors"), "--vocab", vocab, "--benchmarks", "spectral",
                    "--no_progress", "--out", str(tmp_path / "r.json")]) == 0

@@ -146,7 +146,8 @@ def test_targets_run_measures_every_method_and_derives_the_ratios(monkeypatch, t
     assert "| codebook head peak memory, B=256 P=49 K=16384 D=512 |" in table and "targets met" in table
 
 
-@pytest.mark.parametrize("model,codebook,text_len", [("ViT-B-32", 0, None), ("ViT-B-32", 16384, 32), ("tiny", 1024, None)])
+@pytest.mark.parametrize("model,codebook,text_len",
+                         [("ViT-B-32", 0, None), ("ViT-B-32", 16384, 32), ("tiny", 1024, None)])
 def test_flops_per_pair_matches_torch_flop_counter(model, codebook, text_len):
     """The MFU numerator, il_clip.estimate_flops_per_pair, against torch's FlopCounterMode over a
     real forward (on the meta device: shapes only, no arithmetic), times 3 for a training step."""

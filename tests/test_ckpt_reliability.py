@@ -56,7 +56,8 @@ SCRIPTS = {"il_clip": (I.main, lambda out, t: CLIP + ["--out_dir", out]),
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(script, tmp_path, capsys, monkeypatch, teacher):  # noqa: F811
+def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(script, tmp_path, capsys, monkeypatch,
+                                                                 teacher):  # noqa: F811
     """The writer fails with ENOSPC at the step-4 save (after writing part of a file): one error
     line naming out_dir and the size needed, exit 2, checkpoint.tmp/ gone, step 2's checkpoint
     byte for byte as it was."""
@@ -75,7 +76,8 @@ def _tmpfs(tmp_path, size="600k"):
     d = tmp_path / "small"
     d.mkdir()
     if shutil.which("mount") is None or \
-            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True).returncode:
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)],
+                           capture_output=True).returncode:
         pytest.skip("cannot mount a small tmpfs here")
     return d
 

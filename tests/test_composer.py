@@ -49,7 +49,8 @@ def test_crg_nested_tree_and_edge_cases():
     assert rel.predicate == "[NP] to [NP]" and rel.children[1].predicate == "[NP] of [NP]"
     assert rel.children[1].children[0].predicate == "the [NN]"
     # nested: a concept inside a concept inside a concept, post-order with root last
-    t = "(S (NP (NP (DT a) (NN man)) (PP (IN in) (NP (DT a) (JJ red) (NN shirt)))) (VP (VBZ rides) (NP (DT a) (NN bike))) (. .))"
+    t = ("(S (NP (NP (DT a) (NN man)) (PP (IN in) (NP (DT a) (JJ red) (NN shirt)))) "
+         "(VP (VBZ rides) (NP (DT a) (NN bike))) (. .))")
     c = C.crg_from_tree(t, "a man in a red shirt rides a bike.")
     assert [x.predicate for x in c.concepts()] == ["a [NN]", "a red [NN]", "[NP] in [NP]", "a [NN]", "[NP] rides [NP]"]
     # unary chains collapse; a one-word caption is a unary concept over its primitive
@@ -98,7 +99,8 @@ def test_region_files_wrong_shape_skipped(tmp_path):
         feats = torch.randn(n, 7) if i != 5 else torch.randn(n, 9)          # wrong D
         boxes = torch.rand(n, 5) if i != 7 else torch.rand(n, 4)            # wrong box width
         save_file({"feats": feats, "boxes": boxes}, str(tmp_path / f"k{i}.safetensors"))
-        items.append({"source": "x", "key": f"k{i}", "caption": "two dogs are running on the grass", "tree": PAPER_TREE})
+        items.append({"source": "x", "key": f"k{i}", "caption": "two dogs are running on the grass",
+                      "tree": PAPER_TREE})
     items.append({"source": "x", "key": "missing", "caption": "a dog", "tree": None})
     args = argparse.Namespace(data="x", features="regions", regions=str(tmp_path), max_skip_frac=0.5)
     sp = C.load_split(args, None, None, items=items)
@@ -148,7 +150,8 @@ def test_baselines_score_shapes():
     tok, comp, comps, st = _tiny_setup(4)
     caps = [data.shapes_scene("train", i).caption for i in range(4)]
     for arch in ("vse", "single", "vilbert"):
-        cfg = C.ModelConfig(arch=arch, vocab_size=tok.vocab_size, eot_token_id=tok.eot_id, feat_dim=st.feat_dim, width=32)
+        cfg = C.ModelConfig(arch=arch, vocab_size=tok.vocab_size, eot_token_id=tok.eot_id, feat_dim=st.feat_dim,
+                            width=32)
         m = C.MODELS[arch](cfg).eval()
         S = C.score_matrix(m, comp, [None] * 4, caps, st, list(range(4)), "cpu", cap_chunk=3, img_chunk=3)
         assert S.shape == (4, 4) and torch.isfinite(S).all()
@@ -284,11 +287,13 @@ def test_resume_exact_and_ddp_equals_single(tmp_path):
     # evaluation + interpretation view on the checkpoint
     out = C.main(["eval", "--ckpt", full, "--eval_size", "12", "--interpret", "1", "--parse_dropout", "0.5",
                   "--folds", "3", "--out", os.path.join(full, "eval.json")])
-    assert set(out["test"]) >= {"t2i_r1", "t2i_r5", "t2i_r10", "p2i_r1", "p2i_r5", "p2i_r10"} and out["test"]["gallery"] == 4
+    assert (set(out["test"]) >= {"t2i_r1", "t2i_r5", "t2i_r10", "p2i_r1", "p2i_r5", "p2i_r10"}
+            and out["test"]["gallery"] == 4)
     assert data.read_json(os.path.join(full, "eval.json")) == json.loads(json.dumps(out))
 
 
-@pytest.mark.parametrize("model", [["vse"], ["vse", "--vse_loss", "sampled"], ["single"], ["vilbert", "--concept_mvsa"]])
+@pytest.mark.parametrize("model", [["vse"], ["vse", "--vse_loss", "sampled"], ["single"],
+                                   ["vilbert", "--concept_mvsa"]])
 def test_baseline_training_runs(tmp_path, model):
     out = C.main(["train", "--method", *model, "--out_dir", str(tmp_path), "--max_steps", "2"]
                  + TRAIN + ["--eval_size", "8"])
@@ -313,9 +318,10 @@ def test_damaged_or_foreign_weights_one_line(tmp_path, capsys):
     good = open(weights, "rb").read()
     open(weights, "wb").write(good[:len(good) // 2])
     for argv in (["eval", "--ckpt", out, "--eval_size", "4"],
-                 ["train", "--method", "vse", "--init", weights, "--out_dir", str(tmp_path / "i"), "--max_steps", "1"] + TRAIN,
-                 ["train", "--method", "single", "--init", str(tmp_path / "ok.safetensors"), "--out_dir", str(tmp_path / "j"),
-                  "--max_steps", "1"] + TRAIN):
+                 ["train", "--method", "vse", "--init", weights, "--out_dir", str(tmp_path / "i"),
+                  "--max_steps", "1"] + TRAIN,
+                 ["train", "--method", "single", "--init", str(tmp_path / "ok.safetensors"),
+                  "--out_dir", str(tmp_path / "j"), "--max_steps", "1"] + TRAIN):
         open(tmp_path / "ok.safetensors", "wb").write(good)   # complete, but VSE's weights
         with pytest.raises(SystemExit) as e:
             C.main(argv)
@@ -340,7 +346,8 @@ def test_frozen_il_clip_patch_features(tmp_path):
     sd, heads, qg, size = C.load_clip_vision(str(tmp_path / "w.safetensors"))
     x = torch.randn(3, 3, size, size)
     with torch.no_grad():
-        torch.testing.assert_close(C.vit_patch_tokens(sd, heads, qg, x), model.visual.forward_tokens(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(C.vit_patch_tokens(sd, heads, qg, x), model.visual.forward_tokens(x),
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_recall_ties_count_against_the_query():
@@ -359,7 +366,8 @@ def test_nonfinite_loss_stops_at_the_next_check_and_keeps_the_last_good_checkpoi
         return (loss * float("nan"), parts) if a[6] == 4 else (loss, parts)   # a[6]: 0-based step
     monkeypatch.setattr(C, "train_step", nan_at_5)
     with pytest.raises(SystemExit) as e:
-        C.main(["train", "--out_dir", str(tmp_path), "--max_steps", "9"] + TRAIN + ["--log_interval", "3", "--save_interval", "3"])
+        C.main(["train", "--out_dir", str(tmp_path), "--max_steps", "9"] + TRAIN
+               + ["--log_interval", "3", "--save_interval", "3"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 1 and len(err) == 1 and "non-finite loss at a step <= 6" in err[0], err
     assert saved_state(tmp_path)["step"] == 3
@@ -535,7 +543,8 @@ def test_eval_of_another_scripts_checkpoint_names_its_reader(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         C.main(["eval", "--ckpt", str(tmp_path / "clip")])
     line = one_error_line(capsys)
-    assert e.value.code == 2 and "il_clip.py" in line and f"python eval_compositional.py --ckpt {tmp_path / 'clip'}" in line
+    assert (e.value.code == 2 and "il_clip.py" in line
+            and f"python eval_compositional.py --ckpt {tmp_path / 'clip'}" in line)
 
 
 def test_paper_sizes_are_the_default_on_real_data():

@@ -38,7 +38,8 @@ def release(request, tmp_path_factory):
     (d / "vocab.txt").write_text("\n".join(WORDS) + "\n")
     if request.param == "bert-base-uncased":  # BertForPreTraining's names, as the released file has them
         sd = load_file(str(d / "model.safetensors"))
-        rn = lambda k: "bert." + k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta")
+        rn = lambda k: "bert." + k.replace("LayerNorm.weight", "LayerNorm.gamma").replace(
+            "LayerNorm.bias", "LayerNorm.beta")
         save_file({rn(k): v for k, v in sd.items()}, str(d / "model.safetensors"), metadata={"format": "pt"})
     return str(d), hf
 
@@ -130,7 +131,8 @@ def test_paper_sizes_take_bert_base_shapes(arch):
 
     params = dict(model.named_parameters())
     targets = C.bert_targets(model)
-    assert len(model.bert_blocks()) <= BERT_BASE["num_hidden_layers"] and len(targets) == 4 + 14 * len(model.bert_blocks())
+    assert (len(model.bert_blocks()) <= BERT_BASE["num_hidden_layers"]
+            and len(targets) == 4 + 14 * len(model.bert_blocks()))
     for name, (keys, make) in targets.items():
         src = [torch.empty(base_shape(key), device="meta") for key in keys]
         t = make(*src, params[name]) if make else src[0]

@@ -119,13 +119,15 @@ def test_suffix_words_are_nouns_unless_adjectival():
 def test_possessive_is_pos_inside_the_np():
     tree = C.bracket("A little girl's dog.")
     assert "(NP (NP (DT a) (JJ little) (NN girl) (POS 's)) (NN dog))" in tree
-    assert [x.text for x in C.caption_crg("A little girl's dog.").concepts()] == ["a little girl 's", "a little girl 's dog"]
+    assert ([x.text for x in C.caption_crg("A little girl's dog.").concepts()]
+            == ["a little girl 's", "a little girl 's dog"])
     assert "(VBZ 's)" in C.bracket("It's a dog.")  # a clitic verb after a pronoun
 
 
 def test_hyphenated_words_are_one_token():
     assert prims("A man in a black t-shirt.") == ["man", "t-shirt"]
-    assert "(JJ long-haired)" in C.bracket("A long-haired woman.") and "(JJ red-and-white) " in C.bracket("A red-and-white sign.")
+    assert ("(JJ long-haired)" in C.bracket("A long-haired woman.")
+            and "(JJ red-and-white) " in C.bracket("A red-and-white sign."))
 
 
 def test_adjective_heading_a_determiner_phrase_is_a_noun():

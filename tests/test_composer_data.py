@@ -31,8 +31,10 @@ def karpathy(tmp_path, n_images=6, per_image=5, splits=("train", "test")):
     images, k = [], 0
     for split in splits:
         for i in range(n_images):
-            sents = [{"raw": CAPTIONS[(k + j) % len(CAPTIONS)], "tokens": [], "sentid": k * 10 + j} for j in range(per_image)]
-            images.append({"filename": f"{split}{i}.jpg", "imgid": k, "split": split, "sentences": sents, "sentids": []})
+            sents = [{"raw": CAPTIONS[(k + j) % len(CAPTIONS)], "tokens": [], "sentid": k * 10 + j}
+                     for j in range(per_image)]
+            images.append({"filename": f"{split}{i}.jpg", "imgid": k, "split": split, "sentences": sents,
+                           "sentids": []})
             k += 1
     path = tmp_path / "dataset_flickr30k.json"
     path.write_text(json.dumps({"images": images, "dataset": "flickr30k"}))
@@ -52,7 +54,8 @@ def test_region_store_one_file_and_per_image_files_agree(tmp_path):
     feats, boxes, nr = region_file(tmp_path / "regions.safetensors", keys)
     os.makedirs(tmp_path / "dir")
     for i, k in enumerate(keys):
-        save_file({"feats": feats[i, :nr[i]].clone(), "boxes": boxes[i, :nr[i]].clone()}, str(tmp_path / "dir" / f"{k}.safetensors"))
+        save_file({"feats": feats[i, :nr[i]].clone(), "boxes": boxes[i, :nr[i]].clone()},
+                  str(tmp_path / "dir" / f"{k}.safetensors"))
     for src in (str(tmp_path / "regions.safetensors"), str(tmp_path / "dir")):
         rs = C.RegionStore(src)
         for k in keys:
@@ -78,7 +81,8 @@ def test_text_only_training_and_eval_without_images(tmp_path, capsys):
             "--out_dir", out, "--max_steps", "2", "--batch_size", "4", "--width", "16", "--heads", "2",
             "--ct_layers", "1", "--vocab_size", "200", "--n_neg_img", "1", "--n_neg_txt", "1", "--dtype", "fp32",
             "--log_interval", "1"])
-    assert "30 train captions / 6 images, 30 parsed by the built-in bracketer" in capsys.readouterr().out.splitlines()[0]
+    assert ("30 train captions / 6 images, 30 parsed by the built-in bracketer"
+            in capsys.readouterr().out.splitlines()[0])
     res = C.main(["eval", "--ckpt", out, "--no_phrases"])["test"]      # default: the whole test split
     assert (res["images"], res["captions"], res["bracketer"]) == (6, 30, 30) and "t2i_r10" in res
     res = C.main(["eval", "--ckpt", out, "--no_phrases", "--eval_size", "2"])["test"]  # counts images
@@ -97,21 +101,23 @@ def test_shards_read_without_decoding(tmp_path):
     args = C.parse_args(["graph", "--data", str(tmp_path / "00000.tar")])
     items = C._spec_items(args, args.data, "train", None)
     assert [it["caption"] for it in items] == CAPTIONS and items[0]["tree"] == "(NP (DT a) (NN dog))"
-    crgs, _, skipped, n_bracketed = C._collect(argparse_ns(max_skip_frac=0.5), str(tmp_path / "00000.tar"), "train", None)
+    crgs, _, skipped, n_bracketed = C._collect(argparse_ns(max_skip_frac=0.5), str(tmp_path / "00000.tar"),
+                                               "train", None)
     assert dict(skipped) == {"tree_mismatch": 1} and n_bracketed == len(CAPTIONS) - 1
 
 
 def argparse_ns(**kw):
     import argparse
-    return argparse.Namespace(image_root=None, csv_img_key="filepath", csv_caption_key="title", csv_separator=None, **kw)
+    return argparse.Namespace(image_root=None, csv_img_key="filepath", csv_caption_key="title", csv_separator=None,
+                              **kw)
 
 
 def test_mcd_targets_and_pool_over_splits(tmp_path):
     windows = [{"start": s, "compound_divergence": cd} for s, cd in [(0, 0.4), (5, 0.3), (10, 0.22), (15, 0.1)]]
     assert [w["start"] for w in C.pick_windows(windows, [0.15, 0.2, 0.31, 0.9])] == [15, 10, 5, 0]
     js, _ = karpathy(tmp_path, splits=("train", "val", "test"))
-    args = C.parse_args(["mcd", "--train", js, "--pool", js, "--pool_split", "val,test", "--pool_size", "10", "--size", "4",
-                         "--targets", "0.0,1.0", "--out_dir", str(tmp_path / "mcd")])
+    args = C.parse_args(["mcd", "--train", js, "--pool", js, "--pool_split", "val,test", "--pool_size", "10",
+                         "--size", "4", "--targets", "0.0,1.0", "--out_dir", str(tmp_path / "mcd")])
     by_img, _, nb = C._pool(args)
     assert sorted(by_img) == [f"test{i}" for i in range(4)] + [f"val{i}" for i in range(6)] and nb == 50
     with pytest.raises(C.ComposerError, match="target 1 is out of reach of this pool"):
@@ -136,7 +142,8 @@ def test_mcd_target_problems():
 
 def test_mcd_cli_out_of_reach_exits_nonzero(tmp_path, capsys):
     js, _ = karpathy(tmp_path, splits=("train", "test"))
-    argv = ["mcd", "--train", js, "--pool", js, "--size", "3", "--targets", "0.9,0.95", "--out_dir", str(tmp_path / "m")]
+    argv = ["mcd", "--train", js, "--pool", js, "--size", "3", "--targets", "0.9,0.95",
+            "--out_dir", str(tmp_path / "m")]
     with pytest.raises(SystemExit) as e:
         C.main(argv)
     err = capsys.readouterr().err.strip().splitlines()

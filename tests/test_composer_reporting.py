@@ -120,7 +120,8 @@ def test_wandb_gets_every_metrics_record_with_a_fake_module(tmp_path):
     assert r.returncode == 0, r.stderr
     calls = [json.loads(line) for line in open(log)]
     inits = [c[1] for c in calls if c[0] == "init"]
-    assert len(inits) == 2 and inits[0]["id"] == inits[1]["id"] == open(os.path.join(out, "wandb_id.txt")).read().strip()
+    assert (len(inits) == 2
+            and inits[0]["id"] == inits[1]["id"] == open(os.path.join(out, "wandb_id.txt")).read().strip())
     assert inits[0]["project"] == "proj" and inits[0]["name"] == "run" and inits[0]["resume"] == "allow"
     assert inits[0]["config"]["max_steps"] == 4 and inits[0]["config"]["wandb"] == "proj"
     logged = [(c[1], c[2]) for c in calls if c[0] == "log"]

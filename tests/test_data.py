@@ -82,7 +82,8 @@ def test_shapes_is_deterministic_and_seed_dependent():
     a = [data.shapes_scene("train", i, seed=0) for i in range(20)]
     b = [data.shapes_scene("train", i, seed=0) for i in range(20)]
     c = [data.shapes_scene("train", i, seed=1) for i in range(20)]
-    digest = lambda scenes: hashlib.sha256(b"".join(_png_bytes(s.image) + s.caption.encode() for s in scenes)).hexdigest()
+    digest = lambda scenes: hashlib.sha256(b"".join(_png_bytes(s.image) + s.caption.encode()
+                                                    for s in scenes)).hexdigest()
     assert digest(a) == digest(b)
     assert digest(a) != digest(c)
 
@@ -114,7 +115,8 @@ def test_relation_geometry_against_pixels():
                 ys, xs = np.nonzero(np.abs(patch - target).max(-1) <= 25)
                 cents.append((xs.mean() + x0, ys.mean() + y0))
             dx, dy = cents[1][0] - cents[0][0], cents[1][1] - cents[0][1]
-            expect = ("to the left of" if dx > 0 else "to the right of") if abs(dx) >= abs(dy) else ("above" if dy > 0 else "below")
+            expect = (("to the left of" if dx > 0 else "to the right of") if abs(dx) >= abs(dy)
+                      else ("above" if dy > 0 else "below"))
             assert rel == expect
 
 

@@ -94,7 +94,8 @@ def test_file_size_limit_is_one_line(tmp_path):
             "except data.DataError as e:\n    print(e)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(data.__file__), os.path.dirname(__file__)]))
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env)
-    assert out.stdout.strip().endswith("the previous checkpoint is kept") and "file too large for the step-1" in out.stdout
+    assert (out.stdout.strip().endswith("the previous checkpoint is kept")
+            and "file too large for the step-1" in out.stdout)
     assert not os.path.exists(tmp_path / "checkpoint.tmp")
 
 

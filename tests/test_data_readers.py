@@ -76,7 +76,8 @@ def test_karpathy_csv_imagefolder_round_trip(shapes_dir):
             assert torch.equal(b["image"], torch.stack([_to_tensor(s.image) for s in scenes]))
         items = E.karpathy_items(kjson, split=split, with_trees=True)
         assert [(caps, trees) for _, caps, trees in items] == [([s.caption], [s.tree]) for s in scenes]
-        assert all(np.array_equal(np.asarray(Image.open(p)), np.asarray(s.image)) for (p, _, _), s in zip(items, scenes))
+        assert all(np.array_equal(np.asarray(Image.open(p)), np.asarray(s.image))
+                   for (p, _, _), s in zip(items, scenes))
     paths, labels, classes = data.image_folder(os.path.join(shapes_dir, "imagefolder", "test"))
     assert classes == sorted(data.SHAPE_NAMES) and len(paths) == N_TEST
     expect = sorted((data.SHAPE_NAMES[data.shapes_classification("test", i)[1]], i) for i in range(N_TEST))
@@ -242,7 +243,8 @@ def _tar_variants(tmp_path):
     members = _good("a", 3) + [("sub/dir/b000.jpg", _jpeg()), ("sub/dir/b000.txt", b"a red square"),
                                ("sub/dir/b000.json", b"{}")]
     long = [("x" * 120 + ".png", _png()), ("x" * 120 + ".txt", b"a long name")]   # a pax header (name > 100 bytes)
-    out = {"plain": _write_tar(tmp_path / "plain.tar", members), "pax": _write_tar(tmp_path / "pax.tar", members + long)}
+    out = {"plain": _write_tar(tmp_path / "plain.tar", members),
+           "pax": _write_tar(tmp_path / "pax.tar", members + long)}
     for name, mode, fmt in (("ustar", "w", tarfile.USTAR_FORMAT), ("gnu", "w", tarfile.GNU_FORMAT),
                             ("gz", "w:gz", tarfile.PAX_FORMAT)):
         out[name] = str(tmp_path / f"{name}.tar")
@@ -365,7 +367,8 @@ def test_presets_say_where_they_looked_and_how_to_make_shards(tmp_path, monkeypa
 
 
 def test_cli_check_and_error_exit(shapes_dir, capsys):
-    assert data.main(["check", "--data", os.path.join(shapes_dir, "karpathy", "dataset_shapes.json"), "--split", "val"]) == 0
+    assert data.main(["check", "--data", os.path.join(shapes_dir, "karpathy", "dataset_shapes.json"),
+                      "--split", "val"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["good"] == N_TEST and out["skipped"] == 0 and out["kind"] == "karpathy"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -388,12 +391,15 @@ def test_karpathy_several_captions_restval_and_bad_sentences(tmp_path):
               {"filename": "b.png", "split": "train", "sentences": []},
               {"filename": "a.png", "split": "test", "sentences": [{"raw": "four"}]}]
     (tmp_path / "k.json").write_text(json.dumps({"images": images}))
-    loader = data.make_loader(str(tmp_path / "k.json"), batch_size=8, train=False, drop_last=False, max_skip_fraction=1.0)
+    loader = data.make_loader(str(tmp_path / "k.json"), batch_size=8, train=False, drop_last=False,
+                              max_skip_fraction=1.0)
     b = _read_all(loader)[0][0]
-    assert b["caption"] == ["one", "two", "three"] and b["key"] == ["a", "a", "b"] and b["tree"] == [None, "(X two)", None]
+    assert (b["caption"] == ["one", "two", "three"] and b["key"] == ["a", "a", "b"]
+            and b["tree"] == [None, "(X two)", None])
     assert dict(loader.skip_reasons) == {"empty caption": 1, "image with no caption": 1}
     items = E.karpathy_items(str(tmp_path / "k.json"), split="train")
-    assert [(os.path.basename(p), caps) for p, caps in items] == [("a.png", ["one", "two"]), ("b.png", ["three"]), ("b.png", [])]
+    assert ([(os.path.basename(p), caps) for p, caps in items]
+            == [("a.png", ["one", "two"]), ("b.png", ["three"]), ("b.png", [])])
     assert E.karpathy_items(str(tmp_path / "k.json"), str(tmp_path), "test") == [(str(tmp_path / "a.png"), ["four"])]
 
 

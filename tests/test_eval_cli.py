@@ -33,7 +33,8 @@ def ckpts(tmp_path_factory):
     out = {}
     for name, method in (("codebook", ["--method", "codebook", "--codebook", "32"]), ("clip", ["--method", "clip"])):
         out[name] = str(root / name)
-        assert il_clip.main(TINY + method + ["--out_dir", out[name], "--seed", "1" if name == "clip" else "0"]) in (0, None)
+        assert il_clip.main(TINY + method + ["--out_dir", out[name],
+                                             "--seed", "1" if name == "clip" else "0"]) in (0, None)
     return out
 
 
@@ -50,7 +51,8 @@ def test_cli_end_to_end(ckpts, tmp_path):
                         "--compare_ckpts", ckpts["clip"], "--num_workers", "1"] + FAST,
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.startswith("| benchmark | metric | value | scored | skipped |") and "| shapes | sugarcrepe_mean |" in p.stdout
+    assert (p.stdout.startswith("| benchmark | metric | value | scored | skipped |")
+            and "| shapes | sugarcrepe_mean |" in p.stdout)
     assert "activation GELU (preset)" in p.stderr  # the tiny preset's exact GELU, said once
     assert "skipped sugarcrepe: no --sugarcrepe given" in p.stderr
     err = p.stderr.splitlines()     # one start line; the end line last, naming what was written
@@ -84,7 +86,8 @@ def test_code_scores_reproduce_the_models_image_embedding(ckpts):
     with torch.no_grad():
         s, w = E.image_code_scores(model, x)
         assert torch.allclose(w.sum(-1), torch.ones(4), atol=1e-5) and (w >= 0).all()
-        assert torch.allclose(torch.nn.functional.normalize(w @ model.codebook, dim=-1), model.encode_image(x), atol=1e-5)
+        assert torch.allclose(torch.nn.functional.normalize(w @ model.codebook, dim=-1), model.encode_image(x),
+                              atol=1e-5)
 
 
 def test_fresh_language_agent_is_the_same_for_every_checkpoint(ckpts):
@@ -111,11 +114,13 @@ def test_refuses_other_methods_and_tokenizer_mismatch(ckpts, tmp_path, capsys):
     shutil.copy(os.path.join(ckpts["clip"], "checkpoint", "model.safetensors"), other)
     assert E.main(["--ckpt", str(other)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error:") and f"use python composer.py eval --ckpt {other}" in err and len(err.splitlines()) == 1
+    assert (err.startswith("error:") and f"use python composer.py eval --ckpt {other}" in err
+            and len(err.splitlines()) == 1)
 
     bad_tok = tmp_path / "badtok"
     shutil.copytree(ckpts["clip"], bad_tok)
-    data.build_tokenizer(captions=data.shapes_captions(200), vocab_size=280, context_length=32).save(str(bad_tok / "checkpoint"))
+    data.build_tokenizer(captions=data.shapes_captions(200), vocab_size=280,
+                         context_length=32).save(str(bad_tok / "checkpoint"))
     assert E.main(["--ckpt", str(bad_tok)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "tokenizer mismatch" in err and len(err.splitlines()) == 1
@@ -200,7 +205,8 @@ def test_analyses_need_data_for_bare_weights(ckpts, tmp_path):
         scene.image.save(tmp_path / f"{i}.png")
         rows.append(f"{i}.png,{scene.caption}")
     (tmp_path / "pairs.csv").write_text("\n".join(rows) + "\n")
-    a.viz_data, a.probe_data, a.probe_batch, a.probe_eval_size = str(tmp_path / "pairs.csv"), str(tmp_path / "pairs.csv"), 3, 6
+    a.viz_data, a.probe_data, a.probe_batch, a.probe_eval_size = (
+        str(tmp_path / "pairs.csv"), str(tmp_path / "pairs.csv"), 3, 6)
     r = E.bench_codebook(a, model, tok, bare)
     assert r["data"] == a.viz_data and r["n_images"] == 20 and r["n_skipped"] == 0
     assert all(c in [s.split(",", 1)[1] for s in rows[1:]] for code in r["codes"].values() for c in code["captions"])
@@ -277,7 +283,8 @@ def test_the_json_under_a_real_file_size_limit(ckpts, tmp_path):
     out = tmp_path / "r.json"
     p = subprocess.run([sys.executable, "eval_compositional.py", "--ckpt", ckpts["clip"], "--eval_size", "5",
                         "--no_progress", "--out", str(out)], cwd=ROOT, preexec_fn=limit, capture_output=True,
-                       text=True, timeout=300, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"})
+                       text=True, timeout=300,
+                       env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"})
     err = [ln for ln in p.stderr.splitlines() if "error" in ln or "Traceback" in ln]
     assert p.returncode == 2 and err == [f"error: {out}: cannot write: file too large"], p.stderr
     assert os.listdir(tmp_path) == []

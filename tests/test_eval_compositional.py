@@ -133,12 +133,14 @@ def test_sugarcrepe_table1_means_only_over_complete_subsets(tmp_path, emb):
     # subset i holds i + 1 rows of which the first is wrong: accuracy i / (i + 1); swap_obj under
     # its early name swap_ent.json
     for i, subset in enumerate(E.SUGARCREPE_SUBSETS):
-        (sc / f"{subset.replace('swap_obj', 'swap_ent')}.json").write_text(json.dumps({str(k): wrong if k == 0 else right for k in range(i + 1)}))
+        (sc / f"{subset.replace('swap_obj', 'swap_ent')}.json").write_text(
+            json.dumps({str(k): wrong if k == 0 else right for k in range(i + 1)}))
     r = E.bench_sugarcrepe(args(sugarcrepe=str(sc), sugarcrepe_images=str(img)), emb)
     acc = {s: 100 * i / (i + 1) for i, s in enumerate(E.SUGARCREPE_SUBSETS)}
     assert all(r[s]["acc"] == pytest.approx(acc[s], abs=5e-3) for s in acc)
     assert r["add"]["acc"] == pytest.approx((acc["add_obj"] + acc["add_att"]) / 2, abs=0.01)
-    assert r["replace"]["acc"] == pytest.approx((acc["replace_obj"] + acc["replace_att"] + acc["replace_rel"]) / 3, abs=0.01)
+    assert r["replace"]["acc"] == pytest.approx((acc["replace_obj"] + acc["replace_att"] + acc["replace_rel"]) / 3,
+                                                abs=0.01)
     assert r["swap"]["acc"] == pytest.approx((acc["swap_obj"] + acc["swap_att"]) / 2, abs=0.01)
     assert r["sugarcrepe_mean"] == {"acc": pytest.approx(sum(acc.values()) / 7, abs=0.01), "over": 7}
     os.remove(img / "blue.jpg")  # half the images gone: every subset loses its first row
@@ -146,7 +148,8 @@ def test_sugarcrepe_table1_means_only_over_complete_subsets(tmp_path, emb):
     r = E.bench_sugarcrepe(args(sugarcrepe=str(sc), sugarcrepe_images=str(img)), emb)
     assert r["add_obj"] == {"acc": None, "n_scored": 0, "n_skipped": 1}
     assert r["swap_att"] == {"acc": 100.0, "n_scored": 6, "n_skipped": 1}
-    assert r["sugarcrepe_mean"]["acc"] is None and r["sugarcrepe_mean"]["reason"].startswith("not scored: add_obj; incomplete:")
+    assert (r["sugarcrepe_mean"]["acc"] is None
+            and r["sugarcrepe_mean"]["reason"].startswith("not scored: add_obj; incomplete:"))
     assert E.n_scored(r) == sum(range(7))
 
 
@@ -211,7 +214,8 @@ def test_crepe_released_layout_crops_and_counts_ties_wrong(tmp_path, emb, capsys
               "image_path"]
     crepe_csv(crepe / "syst_hard_negatives" / "syst_vg_hard_negs_seen_compounds_in_cc12m.csv", header, [
         [7, 0, 0, 10, 10, "red", "['blue']", "['red red']", ""],      # comp right, atom tie: wrong
-        [9, 10, 0, 10, 10, "blue", "['red']", "[]", "/data/visual_genome/elsewhere/9.jpg"]])  # image_path; atom empty: right
+        # image_path; atom empty: right
+        [9, 10, 0, 10, 10, "blue", "['red']", "[]", "/data/visual_genome/elsewhere/9.jpg"]])
     r = E.bench_crepe(args(crepe=str(crepe), crepe_images=str(vg)), emb)
     assert r["productivity/swap/complexity_4"] == {"acc": 50.0, "n_scored": 4, "n_skipped": 2}
     assert r["productivity/swap/mean_4-12"]["acc"] is None  # complexities 5-12 not there
@@ -304,7 +308,8 @@ def winoground_examples(folder, rows):
     with open(os.path.join(folder, "examples.jsonl"), "w") as f:
         for k, (i0, c0, i1, c1) in enumerate(rows):
             f.write(json.dumps({"id": k, "image_0": i0, "image_1": i1, "caption_0": c0, "caption_1": c1,
-                                "tag": "Object", "secondary_tag": "", "num_main_preds": 1, "collapsed_tag": "Object"}) + "\n")
+                                "tag": "Object", "secondary_tag": "", "num_main_preds": 1,
+                                "collapsed_tag": "Object"}) + "\n")
 
 
 def test_winoground_scores(tmp_path, emb):
@@ -318,7 +323,8 @@ def test_winoground_reads_images_zip_of_the_hf_release(tmp_path, emb):
     """facebook/winoground on the Hub: data/examples.jsonl and data/images.zip (images/{name}.png
     inside), read without unzipping; a missing member is a skipped row."""
     colour_images(tmp_path / "png")
-    with zipfile.ZipFile(tmp_path / "hf" / "data" / "images.zip" if os.makedirs(tmp_path / "hf" / "data") is None else "", "w") as z:
+    with zipfile.ZipFile(tmp_path / "hf" / "data" / "images.zip"
+                         if os.makedirs(tmp_path / "hf" / "data") is None else "", "w") as z:
         for name in ("red", "blue", "yellow"):
             z.write(tmp_path / "png" / f"{name}.png", f"images/{name}.png")
     winoground_examples(tmp_path / "hf" / "data", WINO + [("red", "red", "green", "green")])
@@ -389,7 +395,8 @@ def test_classification_scores_against_a_loop():
     assert r["top1"] == pytest.approx(100 * sum(int(order[i, 0] == labels[i]) for i in range(50)) / 50, abs=5e-3)
     assert r["top5"] == pytest.approx(100 * sum(int(labels[i] in order[i, :5]) for i in range(50)) / 50, abs=5e-3)
     present = sorted(set(labels.tolist()))
-    recall = [sum(int(order[i, 0] == c) for i in range(50) if labels[i] == c) / int((labels == c).sum()) for c in present]
+    recall = [sum(int(order[i, 0] == c) for i in range(50) if labels[i] == c) / int((labels == c).sum())
+              for c in present]
     assert r["mean_per_class_recall"] == pytest.approx(100 * sum(recall) / len(recall), abs=5e-3)
 
 
@@ -432,7 +439,8 @@ def test_retrieval_on_karpathy_json(tmp_path, emb):
     root = tmp_path / "coco"
     colour_images(root / "val2014")
     solid(root / "val2014" / "red2.png", RED)
-    images = [{"filepath": "val2014", "filename": "red.png", "split": "test", "sentences": [{"raw": "red"}, {"raw": "red thing"}]},
+    images = [{"filepath": "val2014", "filename": "red.png", "split": "test",
+               "sentences": [{"raw": "red"}, {"raw": "red thing"}]},
               {"filepath": "val2014", "filename": "blue.png", "split": "test", "sentences": [{"raw": "blue"}]},
               {"filepath": "val2014", "filename": "yellow.png", "split": "test", "sentences": [{"raw": "red green"}]},
               # a train image that would tie with red.png for "red" if the split were ignored
@@ -555,7 +563,8 @@ def test_easy_to_learn_held_out_pairs_are_never_trained_on(tmp_path):
     key: the val split of shapes and of a Karpathy JSON, a seeded ~10% of CSV rows, tar shard
     members and ImageFolder files (their readers have no split)."""
     out = tmp_path / "export"
-    assert data.main(["make-shapes", "--out_dir", str(out), "--train", "120", "--test", "60", "--shard_size", "40"]) == 0
+    assert data.main(["make-shapes", "--out_dir", str(out), "--train", "120", "--test", "60",
+                      "--shard_size", "40"]) == 0
     tok = data.build_tokenizer(captions=data.shapes_captions(200), vocab_size=300, context_length=32)
     a = types.SimpleNamespace(probe_seed=3, probe_batch=8, probe_eval_size=64)
     specs = {"shapes": "shapes:train_size=120", "karpathy": str(out / "karpathy" / "dataset_shapes.json"),

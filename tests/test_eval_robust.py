@@ -35,7 +35,8 @@ def test_one_bad_benchmark_is_its_error_row_and_the_others_finish(tmp_path, monk
     (tmp_path / "dmlab" / "dmlab-test.tfrecord-00000-of-00001").write_bytes(struct.pack("<QI", 2 ** 60, 0) + bytes(64))
     os.makedirs(tmp_path / "pets" / "annotations"), os.makedirs(tmp_path / "pets" / "images")
     (tmp_path / "pets" / "annotations" / "test.txt").write_bytes(b"\xff\xfe\x00garbage")
-    monkeypatch.setattr(E, "load_checkpoint", lambda path, a, script=None: (ColourModel(), WordTokenizer(), {"image_size": 16}))
+    monkeypatch.setattr(E, "load_checkpoint",
+                        lambda path, a, script=None: (ColourModel(), WordTokenizer(), {"image_size": 16}))
     monkeypatch.setattr(E, "bench_shapes", lambda a, emb: 1 / 0)
     out = tmp_path / "r.json"
     code = E.main(["--init", "w.pt", "--benchmarks", "shapes,zeroshot", "--no_progress", "--out", str(out)]
@@ -47,7 +48,8 @@ def test_one_bad_benchmark_is_its_error_row_and_the_others_finish(tmp_path, monk
     assert "| shapes | ERROR | ZeroDivisionError: division by zero | | |" in std.out
     tf = tmp_path / "dmlab" / "dmlab-test.tfrecord-00000-of-00001"
     assert f"| zeroshot/dmlab | ERROR | {tf}: record at byte 0 says {2 ** 60} bytes" in std.out
-    assert f"| zeroshot/pets | ERROR | {tmp_path / 'pets' / 'annotations' / 'test.txt'}: unreadable (UnicodeDecodeError" in std.out
+    assert (f"| zeroshot/pets | ERROR | {tmp_path / 'pets' / 'annotations' / 'test.txt'}: unreadable "
+            "(UnicodeDecodeError" in std.out)
     assert all(f"error: {b}:" in std.err for b in ("shapes", "zeroshot/dmlab", "zeroshot/pets"))
 
 
@@ -163,5 +165,7 @@ def test_uint8_loader_images_reach_the_model_normalised():
     x = torch.from_numpy(rgb_stack(2, 16).transpose(0, 3, 1, 2).copy())
     assert np.array_equal(np.asarray(E.to_pil(x[0])), np.asarray(E.to_pil(data.normalize_images(x)[0])))
     m = ColourModel()
-    assert torch.equal(m.encode_image(data.normalize_images(x, "cpu")), m.encode_image(data.normalize_images(x.float().div(255).sub(
-        torch.tensor(data.CLIP_MEAN)[:, None, None]).div(torch.tensor(data.CLIP_STD)[:, None, None]), "cpu")))
+    assert torch.equal(m.encode_image(data.normalize_images(x, "cpu")),
+                       m.encode_image(data.normalize_images(
+                           x.float().div(255).sub(torch.tensor(data.CLIP_MEAN)[:, None, None])
+                           .div(torch.tensor(data.CLIP_STD)[:, None, None]), "cpu")))

@@ -27,7 +27,8 @@ FORKS = {  # name: [(text of il_clip.py, its replacement)]
                 "        self.logit_bias = nn.Parameter(torch.tensor(-10.))\n"),
                ("    loss = contrastive_loss(img, txt, scale, neg_txt, neg_valid, neg_img)\n",
                 "    logits = scale * img @ txt.t() + model.logit_bias\n"
-                "    loss = -F.logsigmoid((2 * torch.eye(len(logits), device=device) - 1) * logits).sum() / len(logits)\n")]}
+                "    loss = -F.logsigmoid((2 * torch.eye(len(logits), device=device) - 1) * logits).sum()"
+                " / len(logits)\n")]}
 CATEGORIES = [*data.SHAPES_CATEGORIES, "systematicity", "productivity"]
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
 
@@ -123,11 +124,13 @@ def test_changed_and_missing_scripts(forks, tmp_path, capsys):
 def test_checkpoints_of_other_scripts_get_one_line_naming_the_script_and_its_reader(forks, tmp_path, capsys):
     weights = os.path.join(forks["softmax"][1], "checkpoint", "model.safetensors")
     cases = {  # config.json -> what the line must say
-        "composer": ({"args": {}, "model": {"dim": 32}, "script": data.script_record(os.path.join(ROOT, "composer.py"))},
+        "composer": ({"args": {}, "model": {"dim": 32},
+                      "script": data.script_record(os.path.join(ROOT, "composer.py"))},
                      "a checkpoint of composer.py", "python composer.py eval --ckpt"),
         "finetune": ({"cmd": "finetune", "task": "classification", "results": {}},   # recorded no script yet
                      "a checkpoint of mm_learngene.py", "python mm_learngene.py report --results"),
-        "vision": ({"model": {"vision_width": 32}, "modality": "vision"}, "a vision-only descendant", "--modality clip")}
+        "vision": ({"model": {"vision_width": 32}, "modality": "vision"}, "a vision-only descendant",
+                   "--modality clip")}
     for name, (cfg, what, how) in cases.items():
         os.makedirs(tmp_path / name)
         shutil.copy(weights, tmp_path / name)

@@ -15,7 +15,8 @@ from PIL import Image
 
 import data
 import eval_compositional as E
-from test_eval_compositional import BLUE, GREEN, RED, ColourModel, WordTokenizer, args, emb, solid  # noqa: F401 (emb: fixture)
+from test_eval_compositional import (  # noqa: F401 (emb: fixture)
+    BLUE, GREEN, RED, ColourModel, WordTokenizer, args, emb, solid)
 
 
 def pixels(ref):
@@ -34,7 +35,8 @@ class Py2Pickler(pickle._Pickler):
 
     def save_py2_str(self, obj):
         n = len(obj)
-        self.write(pickle.SHORT_BINSTRING + bytes([n]) + obj if n < 256 else pickle.BINSTRING + struct.pack("<i", n) + obj)
+        self.write(pickle.SHORT_BINSTRING + bytes([n]) + obj if n < 256
+                   else pickle.BINSTRING + struct.pack("<i", n) + obj)
         self.memoize(obj)
     dispatch[bytes] = save_py2_str
 
@@ -144,7 +146,8 @@ def test_food101_meta_test_json(tmp_path):
     solid(root / "images" / "apple_pie" / "1011328.jpg", RED)
     solid(root / "images" / "waffles" / "24.jpg", BLUE)
     os.makedirs(root / "meta")
-    (root / "meta" / "test.json").write_text(json.dumps({"waffles": ["waffles/24"], "apple_pie": ["apple_pie/1011328"]}))
+    (root / "meta" / "test.json").write_text(json.dumps({"waffles": ["waffles/24"],
+                                                         "apple_pie": ["apple_pie/1011328"]}))
     names, items, _ = E.read_food101(str(tmp_path))
     assert names == ["apple pie", "waffles"]
     assert [(os.path.basename(r.path), y) for r, y in items] == [("1011328.jpg", 0), ("24.jpg", 1)]
@@ -162,7 +165,8 @@ def test_sun397_class_list_and_partition(tmp_path):
                                                                        ("sun_ccc.jpg", 0)]
     (root / "Testing_01.txt").write_text("/a/abbey/sun_aaa.jpg\n/a/apartment_building/outdoor/sun_bbb.jpg\n")
     _, items, note = E.read_sun397(str(tmp_path))
-    assert [(r.path, y) for r, y in items] == [(os.path.abspath(a), 0), (os.path.abspath(b), 1)] and "Testing_01" in note
+    assert ([(r.path, y) for r, y in items] == [(os.path.abspath(a), 0), (os.path.abspath(b), 1)]
+            and "Testing_01" in note)
 
 
 def test_caltech101_folders_map_to_clip_benchmark_names(tmp_path):
@@ -171,7 +175,8 @@ def test_caltech101_folders_map_to_clip_benchmark_names(tmp_path):
     solid(cats / "yin_yang" / "image_0001.jpg", BLUE)
     os.makedirs(cats / "BACKGROUND_Google")
     names, items, _ = E.read_caltech101(str(tmp_path))
-    assert len(names) == 102 and names[0] == "background" and names[2] == "centered face" and names[101] == "yin and yang symbol"
+    assert (len(names) == 102 and names[0] == "background" and names[2] == "centered face"
+            and names[101] == "yin and yang symbol")
     assert [y for _, y in items] == [2, 101]
 
 
@@ -407,7 +412,8 @@ def test_suite_row_scores_what_was_given_and_means_only_those(tmp_path, monkeypa
     assert row["Mean"]["top1"] == pytest.approx(200 / 3, abs=5e-3) and row["Mean"]["over"] == 2
     assert len(row["Mean"]["not_scored"]) == 16 and "Pets" in row["Mean"]["not_scored"]
     table = E.suite_table(row)
-    assert table.splitlines()[2].startswith("| top-1 | — | — | 66.7 | 66.7 | —") and "not scored: ImageNet1k" in table
+    assert (table.splitlines()[2].startswith("| top-1 | — | — | 66.7 | 66.7 | —")
+            and "not scored: ImageNet1k" in table)
 
 
 def test_cli_prints_the_table2_row_and_exits_2_on_a_broken_set(tmp_path, monkeypatch, capsys):
@@ -416,7 +422,8 @@ def test_cli_prints_the_table2_row_and_exits_2_on_a_broken_set(tmp_path, monkeyp
     images = np.zeros((2, 32, 32, 3), np.uint8)
     (root / "test_batch.bin").write_bytes(b"".join(bytes([y]) + im.transpose(2, 0, 1).tobytes()
                                                    for y, im in zip((0, 9), images)))
-    monkeypatch.setattr(E, "load_checkpoint", lambda path, a, script=None: (ColourModel(), WordTokenizer(), {"image_size": 16}))
+    monkeypatch.setattr(E, "load_checkpoint",
+                        lambda path, a, script=None: (ColourModel(), WordTokenizer(), {"image_size": 16}))
     out = tmp_path / "r.json"
     code = E.main(["--init", "w.pt", "--benchmarks", "zeroshot", "--zeroshot", f"CIFAR-10={tmp_path}", "--zeroshot",
                    f"pets={tmp_path / 'missing'}", "--zeroshot_suite", "il_clip", "--no_progress", "--out", str(out)])
@@ -450,7 +457,8 @@ def test_clip_benchmark_webdataset_export(tmp_path, monkeypatch):
     a = args(zeroshot_sets={"dmlab": str(root)})
     emb = E.Embedder(ColourModel(), WordTokenizer(), image_size=16, batch_size=2, progress=False)
     r = E.bench_zeroshot_set("dmlab")(a, emb)
-    assert (r["top1"], r["n_scored"], r["split"]) == (pytest.approx(200 / 3, abs=5e-3), 3, "CLIP_benchmark webdataset, test split")
+    assert (r["top1"], r["n_scored"], r["split"]) == (pytest.approx(200 / 3, abs=5e-3), 3,
+                                                      "CLIP_benchmark webdataset, test split")
 
 
 def test_a_label_outside_the_class_list_is_an_error_not_a_silent_miss(tmp_path, emb):

@@ -210,8 +210,8 @@ def test_bad_input_lines(tmp_path, capsys):
     w = str(tmp_path / "w")
     assert run_main(TINY + ["--method", "clip", "--max_steps", "0", "--out_dir", w]) == 0
     capsys.readouterr()
-    assert run_main(TINY + ["--method", "clip", "--model_args", "width=48", "--init", os.path.join(w, "checkpoint", "model.safetensors"),
-                            "--out_dir", out]) == 2
+    assert run_main(TINY + ["--method", "clip", "--model_args", "width=48",
+                            "--init", os.path.join(w, "checkpoint", "model.safetensors"), "--out_dir", out]) == 2
     line = _one_error_line(capsys)
     assert "config/weights mismatch" in line and "shape mismatch" in line
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
@@ -471,7 +471,8 @@ def test_saves_at_multiples_of_save_interval_whatever_the_log_interval(tmp_path,
     assert sorted(os.listdir(os.path.join(out, "checkpoint"))) == sorted(data.CHECKPOINT_FILES + ("sha256.json",))
     assert train_state(out)["step"] == 7 and train_state(out, "checkpoint.prev")["step"] == 6
     sums = json.load(open(os.path.join(out, "checkpoint", "sha256.json")))
-    assert set(sums) == set(data.CHECKPOINT_FILES) and sums["state.pt"] == data.sha256(os.path.join(out, "checkpoint", "state.pt"))
+    assert (set(sums) == set(data.CHECKPOINT_FILES)
+            and sums["state.pt"] == data.sha256(os.path.join(out, "checkpoint", "state.pt")))
 
 
 def _damage(ck, how):
@@ -489,7 +490,8 @@ def _damage(ck, how):
     else:                                        # "types": a state.pt of the wrong shape, its sha256 updated
         torch.save({"step": "2", "optimizer": []}, os.path.join(ck, "state.pt"))
         sums = json.load(open(os.path.join(ck, "sha256.json")))
-        json.dump(sums | {"state.pt": data.sha256(os.path.join(ck, "state.pt"))}, open(os.path.join(ck, "sha256.json"), "w"))
+        json.dump(sums | {"state.pt": data.sha256(os.path.join(ck, "state.pt"))},
+                  open(os.path.join(ck, "sha256.json"), "w"))
 
 
 @pytest.mark.parametrize("how,says", [("bit-flip", "model.safetensors: damaged"), ("missing", "state.pt: missing"),
@@ -512,7 +514,8 @@ def test_damaged_newest_checkpoint_falls_back_to_prev_or_is_one_error_line(tmp_p
     os.rename(str(tmp_path / "prev"), prev)
     assert run_main(["--resume", "--out_dir", out]) == 0
     err = capsys.readouterr().err
-    assert f"note: {os.path.join(ck, says)}" in err and "resuming from the previous checkpoint" in err and "step 2" in err
+    assert (f"note: {os.path.join(ck, says)}" in err and "resuming from the previous checkpoint" in err
+            and "step 2" in err)
     a, b = weights(ref), weights(out)
     assert all(torch.equal(a[k], b[k]) for k in a) and same(train_state(ref), train_state(out))
     assert train_state(out, "checkpoint.prev")["step"] == 3            # the damaged one was not kept as prev

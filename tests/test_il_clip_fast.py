@@ -1,6 +1,6 @@
-"""The fast paths of il_clip.py give the plain paths' numbers: no host-device sync anywhere in a training step (run on the meta device, where any .item() /
-bool(tensor) raises), torch.compile without graph breaks and with eager's numbers (dynamo +
-AOTAutograd for the whole IL loop, inductor for the codebook text encoder)."""
+"""The fast paths of il_clip.py give the plain paths' numbers: no host-device sync anywhere in a training step
+(run on the meta device, where any .item() / bool(tensor) raises), torch.compile without graph breaks and with
+eager's numbers (dynamo + AOTAutograd for the whole IL loop, inductor for the codebook text encoder)."""
 import json
 
 import pytest

@@ -173,7 +173,8 @@ def write_released_gpt2(folder, d=16, layers=2, heads=2, vocab_text=None):
           "transformer.ln_f.weight": 1 + r(d), "transformer.ln_f.bias": r(d)}
     for i in range(layers):
         h = f"transformer.h.{i}."
-        sd.update({h + "ln_1.weight": 1 + r(d), h + "ln_1.bias": r(d), h + "ln_2.weight": 1 + r(d), h + "ln_2.bias": r(d),
+        sd.update({h + "ln_1.weight": 1 + r(d), h + "ln_1.bias": r(d),
+                   h + "ln_2.weight": 1 + r(d), h + "ln_2.bias": r(d),
                    h + "attn.c_attn.weight": r(d, 3 * d), h + "attn.c_attn.bias": r(3 * d),
                    h + "attn.c_proj.weight": r(d, d), h + "attn.c_proj.bias": r(d),
                    h + "mlp.c_fc.weight": r(d, 4 * d), h + "mlp.c_fc.bias": r(4 * d),

@@ -218,8 +218,8 @@ def test_teacher_readers_accept_every_layout(teacher, tmp_path):  # noqa: F811
     out = tmp_path / "run"
     shutil.copytree(teacher, out / "checkpoint")
     (out / "checkpoint" / "model.safetensors").rename(out / "checkpoint" / "model.safetensors.tmp")
-    save_file(load_file(str(out / "checkpoint" / "model.safetensors.tmp")), str(out / "checkpoint" / "model.safetensors"),
-              metadata={"step": "5"})
+    save_file(load_file(str(out / "checkpoint" / "model.safetensors.tmp")),
+              str(out / "checkpoint" / "model.safetensors"), metadata={"step": "5"})
     (out / "model.safetensors").write_bytes(b"a stale file the reader must not take")
     ref, _, ref_cfg = M.load_teacher(str(teacher))
     for path in (out, out / "checkpoint", teacher / "model.safetensors"):

@@ -89,7 +89,8 @@ def test_imagefolder_flat_and_unknown_class_are_errors(tmp_path):
 def test_shapes_classification_whole_split_and_stratified_subsample():
     train, test, classes, info = M.classification_data(cls_args("shapes", batch_size=8), 16, 0, 1)
     assert test.num_samples == 1000 and info["eval_subset"] == "whole split"
-    train, test, _, info = M.classification_data(cls_args("shapes", eval_size=60, train_size=24, batch_size=8), 16, 0, 1)
+    train, test, _, info = M.classification_data(cls_args("shapes", eval_size=60, train_size=24, batch_size=8),
+                                                 16, 0, 1)
     labels = [y for b in test for y in b["label"].tolist()]
     assert len(labels) == 60 and len(set(labels)) == 6 and "stratified" in info["eval_subset"]
     assert train.num_samples == 24
@@ -115,8 +116,9 @@ def test_karpathy_image_root_and_retrieval_counted_in_images(tmp_path):
     spec = make_karpathy(tmp_path)
     tok = data.build_tokenizer(captions=[f"photo {i} caption {j}" for i in range(10) for j in range(5)], vocab_size=300,
                                context_length=16)
-    a = argparse.Namespace(data=spec, eval_split="auto", eval_size=None, seed=0, image_root=str(tmp_path / "flickr_images"),
-                           csv_img_key="filepath", csv_caption_key="title", csv_separator=None)
+    a = argparse.Namespace(data=spec, eval_split="auto", eval_size=None, seed=0,
+                           image_root=str(tmp_path / "flickr_images"), csv_img_key="filepath",
+                           csv_caption_key="title", csv_separator=None)
     cfg = M.ModelConfig(embed_dim=8, image_size=16, patch_size=8, vision_width=16, vision_layers=1, vision_heads=2,
                         context_length=16, vocab_size=tok.vocab_size, text_width=16, text_layers=1, text_heads=2,
                         eot_token_id=tok.eot_id)

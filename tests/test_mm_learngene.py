@@ -206,7 +206,8 @@ def test_tleg_and_helg_expansion():
     for i in range(2):  # the last 2 of 5 are the aux's last 2 layers
         for n in M.LINEAR_NAMES:
             assert torch.equal(sd[f"transformer.resblocks.{3 + i}.{n}"], sd_aux[f"transformer.resblocks.{2 + i}.{n}"])
-    assert not torch.equal(sd["transformer.resblocks.0.attn.in_proj_weight"], sd_aux["transformer.resblocks.0.attn.in_proj_weight"])
+    assert not torch.equal(sd["transformer.resblocks.0.attn.in_proj_weight"],
+                           sd_aux["transformer.resblocks.0.attn.in_proj_weight"])
 
 
 def test_descendant_loads_into_il_clip(tmp_path):
@@ -226,7 +227,8 @@ def test_descendant_loads_into_il_clip(tmp_path):
         torch.testing.assert_close(model.encode_image(images), mine.encode_image(images), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(model.encode_text(text), mine.encode_text(text), rtol=1e-5, atol=1e-5)
     vsd, vcfg = M.descendant_state(aux, 3, "vision")
-    vis = il_clip.VisionTransformer(il_clip.ModelConfig(**{k: v for k, v in dataclasses.asdict(vcfg).items() if k in names}))
+    vis = il_clip.VisionTransformer(il_clip.ModelConfig(**{k: v for k, v in dataclasses.asdict(vcfg).items()
+                                                           if k in names}))
     missing, unexpected = vis.load_state_dict({k.removeprefix("visual."): v for k, v in vsd.items()}, strict=False)
     assert missing == [] and unexpected == []
 
@@ -349,7 +351,8 @@ def test_bad_input(teacher, extracted, tmp_path, capsys):
     # a teacher whose text tower cannot be read
     tsd = load_file(str(teacher / "model.safetensors"))
     (tmp_path / "bad").mkdir()
-    M.atomic_save_file({k: v for k, v in tsd.items() if k.startswith("visual.")}, str(tmp_path / "bad" / "model.safetensors"))
+    M.atomic_save_file({k: v for k, v in tsd.items() if k.startswith("visual.")},
+                       str(tmp_path / "bad" / "model.safetensors"))
     (tmp_path / "bad" / "config.json").write_text((teacher / "config.json").read_text())
     expect_error(["extract", "--teacher", str(tmp_path / "bad"), "--max_steps", "1"], capsys, "text tower")
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")

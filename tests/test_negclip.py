@@ -107,7 +107,8 @@ def reorders_coordination(caption, negative):
 def test_the_coordination_judge():
     assert reorders_coordination("a dog and a cat on a sofa", "a cat and a dog on a sofa")
     assert reorders_coordination("bananas, apples and oranges", "oranges, apples and bananas")
-    assert reorders_coordination("a man riding a horse and a man riding a bike", "a man riding a bike and a man riding a horse")
+    assert reorders_coordination("a man riding a horse and a man riding a bike",
+                                 "a man riding a bike and a man riding a horse")
     assert not reorders_coordination("a dog and a cat on a sofa", "a sofa and a cat on a dog")
     assert not reorders_coordination("a man riding a horse and a woman walking a dog",
                                      "a woman riding a horse and a man walking a dog")
