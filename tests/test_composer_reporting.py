@@ -2,6 +2,7 @@
 stdout, metrics.jsonl's common schema with the loss as the mean over the log interval (resumed runs log the same),
 metric names in percent, the loss plot's ticks, --help grouped with defaults, and --wandb (a fake module always, the
 real package in offline mode when installed)."""
+import importlib.machinery
 import json
 import os
 import subprocess
@@ -74,17 +75,22 @@ def test_plot_ticks_are_readable():
     assert len(set(labels)) == len(labels) >= 3
 
 
-def test_help_is_grouped_and_shows_defaults():
+def test_help_is_grouped_and_shows_defaults(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")    # argparse wraps help at the terminal's width
+
+    def help_text(cmd):
+        with pytest.raises(SystemExit) as e:
+            C.main([cmd, "--help"])
+        assert e.value.code == 0
+        return capsys.readouterr().out
+
     for cmd, groups in (("train", ["data", "model", "method", "schedule", "optimisation", "machine", "output"]),
                         ("eval", ["checkpoint and data", "evaluation", "machine and output"]),
                         ("mcd", ["training set and pool", "split", "output"])):
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "composer.py"), cmd, "--help"], capture_output=True,
-                           text=True, env={**os.environ, "COLUMNS": "200"})
-        assert r.returncode == 0 and all(f"\n{g}:\n" in r.stdout for g in groups), r.stdout
-        assert "(default: None)" not in r.stdout and "(default: False)" not in r.stdout
-    assert "--lr LR peak learning rate (AdamW) (default: 0.001)" in " ".join(
-        subprocess.run([sys.executable, os.path.join(ROOT, "composer.py"), "train", "--help"], capture_output=True,
-                       text=True, env={**os.environ, "COLUMNS": "200"}).stdout.split())
+        text = help_text(cmd)
+        assert all(f"\n{g}:\n" in text for g in groups), text
+        assert "(default: None)" not in text and "(default: False)" not in text
+    assert "--lr LR peak learning rate (AdamW) (default: 0.001)" in " ".join(help_text("train").split())
 
 
 FAKE_WANDB = '''
@@ -107,29 +113,28 @@ def _train(argv, env):
                           env={**os.environ, "OMP_NUM_THREADS": "1", **env}, cwd=ROOT, timeout=300)
 
 
-def test_wandb_gets_every_metrics_record_with_a_fake_module(tmp_path):
-    fake = tmp_path / "fake"
-    fake.mkdir()
-    (fake / "wandb.py").write_text(FAKE_WANDB)
+def test_wandb_gets_every_metrics_record_with_a_fake_module(tmp_path, monkeypatch, capsys):
+    """A stand-in `wandb` module (imported in place of the real one, installed or not) records every call."""
     log, out = tmp_path / "calls.jsonl", str(tmp_path / "run")
-    env = {"PYTHONPATH": f"{fake}{os.pathsep}{ROOT}", "FAKE_WANDB_LOG": str(log)}
-    r = _train(["--out_dir", out, "--max_steps", "4", "--log_interval", "2", "--stop_at", "2", "--wandb", "proj"]
-               + TRAIN, env)
-    assert r.returncode == 0, r.stderr
-    r = _train(["--resume", "--out_dir", out], env)    # continues the same W&B run, still logging
-    assert r.returncode == 0, r.stderr
+    monkeypatch.setenv("FAKE_WANDB_LOG", str(log))
+    fake = type(sys)("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)   # composer.py checks with find_spec first
+    exec(FAKE_WANDB, fake.__dict__)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    C.main(["--out_dir", out, "--max_steps", "4", "--log_interval", "2", "--stop_at", "2", "--wandb", "proj"] + TRAIN)
+    C.main(["--resume", "--out_dir", out])     # continues the same W&B run, still logging
     calls = [json.loads(line) for line in open(log)]
     inits = [c[1] for c in calls if c[0] == "init"]
-    assert (len(inits) == 2
-            and inits[0]["id"] == inits[1]["id"] == open(os.path.join(out, "wandb_id.txt")).read().strip())
+    assert len(inits) == 2 and inits[0]["id"] == inits[1]["id"] == open(os.path.join(out, "wandb_id.txt")).read().strip()
     assert inits[0]["project"] == "proj" and inits[0]["name"] == "run" and inits[0]["resume"] == "allow"
     assert inits[0]["config"]["max_steps"] == 4 and inits[0]["config"]["wandb"] == "proj"
     logged = [(c[1], c[2]) for c in calls if c[0] == "log"]
     assert [rec for rec, _ in logged] == records(out) and all(step == rec["step"] for rec, step in logged)
     assert [c[0] for c in calls].count("finish") == 2 and calls[-1] == ["finish"]
     # --overwrite starts a new W&B run
-    r = _train(["--out_dir", out, "--overwrite", "--max_steps", "2", "--wandb", "proj"] + TRAIN, env)
-    assert r.returncode == 0 and [json.loads(line) for line in open(log)][-4][1]["id"] != inits[0]["id"]
+    C.main(["--out_dir", out, "--overwrite", "--max_steps", "2", "--wandb", "proj"] + TRAIN)
+    assert [json.loads(line) for line in open(log)][-4][1]["id"] != inits[0]["id"]
+    capsys.readouterr()
 
 
 def test_wandb_missing_is_one_line(tmp_path):
