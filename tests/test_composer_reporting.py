@@ -125,7 +125,8 @@ def test_wandb_gets_every_metrics_record_with_a_fake_module(tmp_path, monkeypatc
     C.main(["--resume", "--out_dir", out])     # continues the same W&B run, still logging
     calls = [json.loads(line) for line in open(log)]
     inits = [c[1] for c in calls if c[0] == "init"]
-    assert len(inits) == 2 and inits[0]["id"] == inits[1]["id"] == open(os.path.join(out, "wandb_id.txt")).read().strip()
+    run_id = open(os.path.join(out, "wandb_id.txt")).read().strip()
+    assert len(inits) == 2 and inits[0]["id"] == inits[1]["id"] == run_id
     assert inits[0]["project"] == "proj" and inits[0]["name"] == "run" and inits[0]["resume"] == "allow"
     assert inits[0]["config"]["max_steps"] == 4 and inits[0]["config"]["wandb"] == "proj"
     logged = [(c[1], c[2]) for c in calls if c[0] == "log"]
