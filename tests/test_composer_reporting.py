@@ -113,7 +113,7 @@ def _train(argv, env):
                           env={**os.environ, "OMP_NUM_THREADS": "1", **env}, cwd=ROOT, timeout=300)
 
 
-def test_wandb_gets_every_metrics_record_with_a_fake_module(tmp_path, monkeypatch, capsys):
+def test_wandb_gets_every_metrics_record_with_a_fake_module(tmp_path, monkeypatch):
     """A stand-in `wandb` module (imported in place of the real one, installed or not) records every call."""
     log, out = tmp_path / "calls.jsonl", str(tmp_path / "run")
     monkeypatch.setenv("FAKE_WANDB_LOG", str(log))
@@ -135,7 +135,6 @@ def test_wandb_gets_every_metrics_record_with_a_fake_module(tmp_path, monkeypatc
     # --overwrite starts a new W&B run
     C.main(["--out_dir", out, "--overwrite", "--max_steps", "2", "--wandb", "proj"] + TRAIN)
     assert [json.loads(line) for line in open(log)][-4][1]["id"] != inits[0]["id"]
-    capsys.readouterr()
 
 
 def test_wandb_missing_is_one_line(tmp_path):

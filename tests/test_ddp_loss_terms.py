@@ -69,16 +69,10 @@ RUNS = {"composer": (C, composer_patches, lambda teacher, out: COMPOSER + ["--ou
                      lambda teacher, out: EXTRACT + ["--teacher", teacher, "--out_dir", out])}
 
 
-def start_torchrun(name, teacher, out):
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                             os.path.abspath(__file__), name, str(teacher), str(out)], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def finished(p):
-    """(returncode, stdout, stderr) of a start_torchrun process."""
-    stdout, stderr = p.communicate(timeout=300)
-    return p.returncode, stdout, stderr
+def torchrun(name, teacher, out):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                           os.path.abspath(__file__), name, str(teacher), str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def _losses(out):
@@ -86,17 +80,15 @@ def _losses(out):
 
 
 def test_loss_terms_on_parameters_train_under_torchrun(teacher, tmp_path, monkeypatch):  # noqa: F811
-    # both torchrun launches run while this process trains the one-process references
-    launched = {name: start_torchrun(name, teacher, tmp_path / "two" / name) for name in ("composer", "mm")}
-    for name, p in launched.items():
+    for name in ("composer", "mm"):
         module, patches, argv = RUNS[name]
+        r = torchrun(name, teacher, tmp_path / "two" / name)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr   # the failing rank's whole message
+        assert "Warning" not in r.stderr and "warn" not in r.stderr.lower(), r.stderr    # no deprecation or DDP warning
         with monkeypatch.context() as m:
             for k, v in patches().items():
                 m.setattr(module, k, v)
             module.main(argv(str(teacher), str(tmp_path / "one" / name)))
-        code, stdout, stderr = finished(p)
-        assert code == 0, stdout[-2000:] + stderr   # the failing rank's whole message
-        assert "Warning" not in stderr and "warn" not in stderr.lower(), stderr    # no deprecation or DDP warning
         one, two = (str(tmp_path / run / name) for run in ("one", "two"))
         la, lb = _losses(one), _losses(two)
         assert len(la) == len(lb) > 1
@@ -111,8 +103,8 @@ def test_loss_terms_on_parameters_train_under_torchrun(teacher, tmp_path, monkey
 def test_a_parameter_one_rank_leaves_unused_trains(teacher, tmp_path):  # noqa: F811
     """mm_learngene under torchrun: only rank 0's steps use the bias. DDP gets a (zero) gradient for
     it from rank 1 too, so it trains (from rank 0's half of the mean) instead of a gloo error."""
-    code, stdout, stderr = finished(start_torchrun("mm_rank0", teacher, tmp_path))
-    assert code == 0 and "Warning" not in stderr, stdout[-2000:] + stderr
+    r = torchrun("mm_rank0", teacher, tmp_path)
+    assert r.returncode == 0 and "Warning" not in r.stderr, r.stdout[-2000:] + r.stderr
     w = load_file(os.path.join(tmp_path, "checkpoint", "model.safetensors"))
     assert w["logit_bias"] != -1.0
 
