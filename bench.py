@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 import data
+import lifecycle
 import il_clip
 
 
@@ -192,8 +193,8 @@ def run_trainer(args, method, device):
 
 def report_train(args, res, device, label="il_clip"):
     cfg, step = res["cfg"], res["step_s"]
-    flops, sps = il_clip.estimate_flops_per_pair(cfg), args.batch_size / step
-    mfu = il_clip.estimate_mfu(cfg, sps, device)
+    flops, sps = lifecycle.estimate_flops_per_pair(cfg), args.batch_size / step
+    mfu = lifecycle.estimate_mfu(cfg, sps, device)
     print(f"{label} {args.model} {res['method']} {f'K={cfg.codebook_size} ' if cfg.codebook_size else ''}batch "
           f"{args.batch_size} {args.dtype}{' compiled' if args.compile else ''} on {device_name(device)}")
     if res["method"] == "il":
@@ -301,7 +302,7 @@ def jpeg_shards(folder, n, short_side, shards=2):
                 info = tarfile.TarInfo(f"{i:09d}.{ext}")
                 info.size = len(blob)
                 tf.addfile(info, io.BytesIO(blob))
-        data.save_json(os.path.join(folder, f"{s:05d}_stats.json"), {"successes": len(keys)})
+        lifecycle.save_json(os.path.join(folder, f"{s:05d}_stats.json"), {"successes": len(keys)})
     return os.path.join(folder, f"{{00000..{shards - 1:05d}}}.tar"), [j for j, _ in jpegs]
 
 
@@ -572,7 +573,7 @@ def bench_levers(args, device):
         finally:
             il_clip.CODE_SCORES_PER_CHUNK = default_budget
         ms, sps = res["step_s"] * 1e3, batch / res["step_s"]
-        mfu = il_clip.estimate_mfu(res["cfg"], sps, device)
+        mfu = lifecycle.estimate_mfu(res["cfg"], sps, device)
         if method == "clip" and lever == "encoders":
             clip_ms[batch] = ms
         ratio = f"{ms / clip_ms[batch]:.3f}x" if method != "clip" and batch in clip_ms else ""
@@ -586,7 +587,7 @@ def bench_levers(args, device):
     if args.json:
         report = {"device": device_name(device), "torch": torch.__version__, "python": platform.python_version(),
                   "command": "python bench.py " + " ".join(args.argv), "rows": rows}
-        data.atomic_write(args.json, lambda p: data.save_json(p, report))
+        lifecycle.atomic_write(args.json, lambda p: lifecycle.save_json(p, report))
     return 0
 
 
@@ -621,7 +622,7 @@ def bench_targets(args, device):
     res = alternating_rounds(args, device, methods)
     clip_step = res["clip"]["step_s"]
     head_bytes, head_kind = head_peak(256, 49, 16384, 512, False, device)
-    rows = target_rows({"clip_mfu": il_clip.estimate_mfu(res["clip"]["cfg"], args.batch_size / clip_step, device),
+    rows = target_rows({"clip_mfu": lifecycle.estimate_mfu(res["clip"]["cfg"], args.batch_size / clip_step, device),
                         "codebook_over_clip": res["codebook"]["step_s"] / clip_step,
                         "il_over_codebook": res["il"]["step_s"] / res["codebook"]["step_s"],
                         # samples/s ratio = inverse step-time ratio (same batch)
@@ -648,7 +649,7 @@ def bench_targets(args, device):
                              for k in ("model", "batch_size", "dtype", "compile", "steps", "untimed")},
                   "targets": rows, "runs": runs,
                   "codebook_head": {"bytes": head_bytes, "counted_by": head_kind}}
-        data.atomic_write(args.json, lambda p: data.save_json(p, report))   # a reader never sees half a file
+        lifecycle.atomic_write(args.json, lambda p: lifecycle.save_json(p, report))   # a reader never sees half a file
         print(f"report written to {args.json}")
     return 0
 
@@ -685,7 +686,7 @@ def main(argv=None):
     a("--script", default=None, help="time a fork's step: an il_clip.py-style script at PATH (default: il_clip.py)")
     args = p.parse_args(argv)
     if args.script:
-        il_clip = data.import_script(None, override=args.script)[0]
+        il_clip = lifecycle.import_script(None, override=args.script)[0]
     args.argv = sys.argv[1:] if argv is None else list(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":

@@ -52,6 +52,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 import data  # the repo's shared module (shapes, tokenizer, loaders, run lifecycle)
+import lifecycle
 
 if dist.is_available():
     # Imported before any process group exists: these functions take `group=group.WORLD` as a default, evaluated on
@@ -1072,19 +1073,19 @@ def load_clip_vision(path, quick_gelu=None):
     else OpenAI's width / 64; the activation from --quick_gelu, else the config files, else QuickGELU (assumed)."""
     weights, folder = resolve_weights(path)
     # read_weights also reads OpenAI's JIT .pt
-    sd = {k: v.float() for k, v in data.read_weights(weights).items() if k.startswith("visual.")}
+    sd = {k: v.float() for k, v in lifecycle.read_weights(weights).items() if k.startswith("visual.")}
     if "visual.conv1.weight" not in sd:
         raise ComposerError(f"{weights}: no visual.conv1.weight (not a CLIP ViT checkpoint)")
     w, patch = sd["visual.conv1.weight"].shape[0], sd["visual.conv1.weight"].shape[-1]
     conf = os.path.join(folder, "config.json")
-    model_cfg = data.read_json(conf).get("model", {}) if os.path.isfile(conf) else {}
+    model_cfg = lifecycle.read_json(conf).get("model", {}) if os.path.isfile(conf) else {}
     if "vision_heads" not in model_cfg and w % 64:
         raise ComposerError(f"{weights}: no config.json with vision_heads beside it, and width {w} is not "
                             f"OpenAI's (64 per head): pass the il_clip.py out_dir")
     grid = int(round(math.sqrt(sd["visual.positional_embedding"].shape[0] - 1)))
-    quick_gelu, source = data.weights_activation(quick_gelu, weights, [folder])
+    quick_gelu, source = lifecycle.weights_activation(quick_gelu, weights, [folder])
     if source == "assumed":
-        print(data.assumed_activation_note(weights), file=sys.stderr)
+        print(lifecycle.assumed_activation_note(weights), file=sys.stderr)
     return sd, model_cfg.get("vision_heads", w // 64), quick_gelu, grid * patch
 
 
@@ -1244,7 +1245,7 @@ def caption_crgs(items: list, max_skip_frac: float, what: str):
     """[(crg, item, (key, caption, scene / image))], skips by kind, and how many captions went through the built-in
     bracketer (every run says: its parses are rougher than a real parser's, see `composer.py parse`)."""
     out, skipped, n_bracketed = [], Counter(), 0
-    for it in data.progress(items, desc=f"CRGs of {what}", leave=False):
+    for it in lifecycle.progress(items, desc=f"CRGs of {what}", leave=False):
         key, cap, tree, obj = _resolve_item(it)
         try:
             if it.get("_error"):
@@ -1679,7 +1680,7 @@ def build_run(args, resume, master, world, device):
         init_from_bert(model, args.bert)
     if args.init:
         weights = resolve_weights(args.init)[0]
-        data.load_state(model, data.read_weights(weights), weights)
+        lifecycle.load_state(model, lifecycle.read_weights(weights), weights)
     model.to(device)
     if master:
         flags = "".join(f" --{k} {getattr(args, k)}" for k in ("modulator", "hold_out") if k in args.given)
@@ -1695,7 +1696,7 @@ def build_run(args, resume, master, world, device):
 def train(args):
     rank, world, device = setup_distributed(args.device)
     master = rank == 0
-    data.claim_out_dir(args.out_dir, rank, world, device, args.resume, args.overwrite, RUN_FILES)
+    lifecycle.claim_out_dir(args.out_dir, rank, world, device, args.resume, args.overwrite, RUN_FILES)
     resume = resume_run(args, rank) if args.resume else None    # args become the saved run's
     check_args(args, world)
     if args.wandb and not _installed("wandb"):      # every rank stops, rank 0 says why; before the data is read
@@ -1703,7 +1704,7 @@ def train(args):
     tracker = None
     if master and args.wandb:
         config = {k: v for k, v in vars(args).items() if k != "given"}
-        tracker = data.start_wandb(args.wandb, args.out_dir, config, resumed=bool(resume))
+        tracker = lifecycle.start_wandb(args.wandb, args.out_dir, config, resumed=bool(resume))
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -1729,7 +1730,7 @@ def train(args):
     model.train()
     bad = torch.zeros((), dtype=torch.bool, device=device)     # any non-finite loss since the start
     stopping, newest_damaged = False, bool(resume and resume[4])
-    bar = data.progress(desc=args.method, total=args.max_steps, initial=step)
+    bar = lifecycle.progress(desc=args.method, total=args.max_steps, initial=step)
     while step < args.max_steps:
         gidx = sampler.next()
         for g in opt.param_groups:
@@ -1746,7 +1747,7 @@ def train(args):
         v = torch.stack([loss.detach(), *parts.values()]).double()
         sums, n_sum = (v if sums is None else sums + v), n_sum + 1
         at_ckpt = step % args.save_interval == 0 or step in (args.max_steps, args.stop_at)  # the same on every rank
-        signalled = data.stop_requested() is not None
+        signalled = lifecycle.stop_requested() is not None
         if step % args.log_interval == 0 or at_ckpt or (world == 1 and signalled):
             vals = sync_values(sums / n_sum, bad, signalled, world)
             if vals[-2]:
@@ -1758,11 +1759,11 @@ def train(args):
                    "time": round(time.time(), 3), **{k: round(x, 6) for k, x in zip(parts, vals[1:-2])},
                    "samples_per_s": round(args.batch_size * n_sum / max(dt, 1e-9), 1)}
             if master:
-                data.log_record(metrics, rec, tracker)
+                lifecycle.log_record(metrics, rec, tracker)
             bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", refresh=False)
             sums, n_sum = None, 0
         if args.eval_every and step % args.eval_every == 0 and step < args.max_steps and master:
-            data.log_record(metrics, {"step": step, "phase": "eval", "time": round(time.time(), 3),
+            lifecycle.log_record(metrics, {"step": step, "phase": "eval", "time": round(time.time(), 3),
                                       **run_evals(model, compiler, evals, device, args)}, tracker)
         if master and (at_ckpt or stopping):
             extra = {"skipped": dict(sp.skipped), "log_sums": (sums if sums is not None else torch.zeros(0)).cpu(),
@@ -1778,7 +1779,7 @@ def train(args):
     result = None
     if master and not stopping:
         ev = run_evals(model, compiler, evals, device, args)
-        data.log_record(metrics, {"step": step, "phase": "eval", "time": round(time.time(), 3), "final": True, **ev},
+        lifecycle.log_record(metrics, {"step": step, "phase": "eval", "time": round(time.time(), 3), "final": True, **ev},
                         tracker)
         result = {"step": step, "eval": ev}
         draw_loss_curve(metrics, os.path.join(args.out_dir, "loss_curve.png"), args)
@@ -1802,7 +1803,7 @@ def score_matrix(model, compiler, comps, captions, store, img_idx, device, cap_c
     img_idx = torch.as_tensor(img_idx, dtype=torch.long)
     vis = [model.encode_image(*store.get(img_idx[j:j + img_chunk], device)) for j in range(0, len(img_idx), img_chunk)]
     out = torch.zeros(len(captions), len(img_idx))
-    for i in data.progress(range(0, len(captions), cap_chunk), desc="scoring", leave=False):
+    for i in lifecycle.progress(range(0, len(captions), cap_chunk), desc="scoring", leave=False):
         tb = text_inputs(cfg, compiler, comps[i:i + cap_chunk], captions[i:i + cap_chunk], device)
         te = model.encode_text(tb)
         nc = min(cap_chunk, len(captions) - i)
@@ -2065,7 +2066,7 @@ def load_checkpoint(ckpt, device="cpu"):
     weights, folder = resolve_weights(ckpt)
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise ComposerError(f"{ckpt}: no config.json (not a composer.py out_dir)")
-    conf = data.read_json(os.path.join(folder, "config.json"))
+    conf = lifecycle.read_json(os.path.join(folder, "config.json"))
     try:
         cfg = ModelConfig(**conf["model"])
         model = MODELS[cfg.arch](cfg)
@@ -2075,7 +2076,7 @@ def load_checkpoint(ckpt, device="cpu"):
         name = script.get("name") if isinstance(script, dict) else None
         raise ComposerError(f"{ckpt}: a checkpoint of {name or 'another script'}, not of composer.py: evaluate it "
                             f"with python eval_compositional.py --ckpt {ckpt}") from None
-    data.load_state(model, data.read_weights(weights), weights)   # a damaged file or another model's: one line
+    lifecycle.load_state(model, lifecycle.read_weights(weights), weights)   # a damaged file or another model's: one line
     return model.to(device).eval(), load_tokenizer(folder), args
 
 
@@ -2139,7 +2140,7 @@ def _pool(args):
 
 
 def write_text(path, text):
-    data.atomic_write(path, lambda tmp: data.fsync(tmp, lambda p: pathlib.Path(p).write_text(text, encoding="utf-8")))
+    lifecycle.atomic_write(path, lambda tmp: lifecycle.fsync(tmp, lambda p: pathlib.Path(p).write_text(text, encoding="utf-8")))
 
 
 def cmd_mcd(args):
@@ -2183,7 +2184,7 @@ def cmd_mcd(args):
         for name, keys in sets.items():
             lines = [json.dumps(it) + "\n" for k in keys for _, it in by_img[k]]
             write_text(os.path.join(args.out_dir, f"{name}.jsonl"), "".join(lines))
-        data.atomic_write(os.path.join(args.out_dir, "windows.json"), lambda t: data.save_json(t, summary["windows"]))
+        lifecycle.atomic_write(os.path.join(args.out_dir, "windows.json"), lambda t: lifecycle.save_json(t, summary["windows"]))
         summary["written"] = [os.path.join(args.out_dir, f) for f in [f"{n}.jsonl" for n in sets] + ["windows.json"]]
     print(json.dumps(summary, indent=1))
     return res
@@ -2261,8 +2262,8 @@ def composer_run(folder):
     if final is None:
         return None
     if os.path.isfile(os.path.join(folder, "eval.json")):
-        final = data.read_json(os.path.join(folder, "eval.json"))
-    a = data.read_json(cfg_path)["args"]
+        final = lifecycle.read_json(os.path.join(folder, "eval.json"))
+    a = lifecycle.read_json(cfg_path)["args"]
     name = a["method"] + (f" {a['modulator']}" if a["method"] == "composer" and a["modulator"] != "film" else "") \
         + (" +mvsa" if a.get("concept_mvsa") else "")
     old = {"R@1": "t2i_r1", "R@5": "t2i_r5"}
@@ -2272,7 +2273,7 @@ def composer_run(folder):
 
 def cmd_summarize(args):
     """Mean ± 95% t-interval over seeds per model, and paired differences against --baseline."""
-    return data.summarize_runs(args.runs, composer_run, args.baseline)
+    return lifecycle.summarize_runs(args.runs, composer_run, args.baseline)
 
 
 def cmd_parse(args):
@@ -2290,7 +2291,7 @@ def cmd_parse(args):
 
     ext = src.rsplit(".", 1)[-1].lower()
     if ext == "json":
-        blob = data.read_json(src)
+        blob = lifecycle.read_json(src)
         for im in blob.get("images", []) if isinstance(blob, dict) else []:
             for sent in im.get("sentences", []):
                 sent["tree"] = tree_of(sent.get("raw"), sent.get("tree"))
@@ -2538,7 +2539,7 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    handlers = data.catch_stop_signals() if args.cmd == "train" else {}
+    handlers = lifecycle.catch_stop_signals() if args.cmd == "train" else {}
     try:
         result = {"train": train, "eval": cmd_eval, "graph": cmd_graph, "mcd": cmd_mcd, "parse": cmd_parse,
                   "summarize": cmd_summarize}[args.cmd](args)
@@ -2549,7 +2550,7 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1 if isinstance(e, NonFinite) else 2)
     except OSError as e:    # a full disk, a quota, a failing device: one line, the last checkpoint intact
-        if e.errno not in data.WRITE_ERRNOS:
+        if e.errno not in lifecycle.WRITE_ERRNOS:
             raise
         print(f"error: {e.filename or getattr(args, 'out_dir', None) or getattr(args, 'out', '')}: {e.strerror}",
               file=sys.stderr)
@@ -2557,11 +2558,11 @@ def main(argv=None):
     finally:
         # torch's order: the process group goes last, once per process, after the run that used
         # it (and its DDP wrapper) has returned; on every path, errors included
-        data.release_out_dir()
+        lifecycle.release_out_dir()
         if dist.is_available() and dist.is_initialized():
             gc.collect()    # the DDP wrapper (in a reference cycle) holds the group: it goes first
             dist.destroy_process_group()
-        data.restore_signals(handlers)
+        lifecycle.restore_signals(handlers)
 
 
 # =============================================================================
@@ -2970,9 +2971,9 @@ STATE_TYPES = {"step": int, "sampler": dict, "optimizer": dict, "rng": dict}   #
 def resume_run(args, rank):
     """--resume: (folder, weights, state, config, newest_damaged) of the newest whole checkpoint; args become the
     saved run's, a run-defining flag given now must equal its saved value."""
-    ckpt = data.load_checkpoint(args.out_dir, STATE_TYPES, rank=rank)
+    ckpt = lifecycle.load_checkpoint(args.out_dir, STATE_TYPES, rank=rank)
     saved = ckpt[3]["args"]
-    data.resumed_flags({k: getattr(args, k) for k in args.given}, saved, RUN_CONTROL, f"{ckpt[0]}/config.json")
+    lifecycle.resumed_flags({k: getattr(args, k) for k in args.given}, saved, RUN_CONTROL, f"{ckpt[0]}/config.json")
     for k, v in saved.items():
         if k not in args.given and k not in NOT_SAVED:
             setattr(args, k, v)
@@ -2983,24 +2984,24 @@ def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra, d
     """Everything --resume needs to continue bit-exactly from `step` (rank 0 writes). Non-finite weights or optimizer
     state are never saved (NonFinite); a write error is one error line; either way the last checkpoint stays."""
     weights, optim = model.state_dict(), opt.state_dict()
-    if not data.all_finite([weights, optim["state"]]):
+    if not lifecycle.all_finite([weights, optim["state"]]):
         raise nonfinite(step, args)
-    state = {"step": step, "sampler": sampler.state_dict(), "optimizer": optim, "rng": data.rng_state(device), **extra}
+    state = {"step": step, "sampler": sampler.state_dict(), "optimizer": optim, "rng": lifecycle.rng_state(device), **extra}
     config = {"args": {k: v for k, v in vars(args).items() if k != "given"}, "model": asdict(cfg),
-              "script": data.script_record(__file__)}
-    data.save_checkpoint(out_dir, weights, state, config, tok, step, newest_damaged)
+              "script": lifecycle.script_record(__file__)}
+    lifecycle.save_checkpoint(out_dir, weights, state, config, tok, step, newest_damaged)
 
 
 def restore(ckpt, model, opt, sampler, metrics, rank, device):
     """--resume: weights, optimizer, sampler position and RNG states; metrics.jsonl cut back to the resumed step
     (no step is logged twice). Returns the step."""
     folder, weights, st = ckpt[:3]
-    data.load_state(model, weights, folder)
+    lifecycle.load_state(model, weights, folder)
     opt.load_state_dict(st["optimizer"])
     sampler.load_state_dict(st["sampler"])
-    data.set_rng_state(st["rng"], device)
+    lifecycle.set_rng_state(st["rng"], device)
     if rank == 0:
-        data.cut_metrics(metrics, st["step"])
+        lifecycle.cut_metrics(metrics, st["step"])
     return st["step"]
 
 
@@ -3012,7 +3013,7 @@ def draw_loss_curve(metrics_path, png_path, args):
     series = [(f"{args.method} (total)" if k == "loss" else f"l_{k}", rgb, [(r["step"], r[k]) for r in rows if k in r],
                2 if k == "loss" else 1) for k, rgb in colours.items()]
     title = f"composer.py --method {args.method}: training loss ({os.path.basename(args.out_dir)})"
-    data.draw_curves(png_path, title, series)
+    lifecycle.draw_curves(png_path, title, series)
 
 
 if __name__ == "__main__":

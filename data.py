@@ -1,5 +1,5 @@
 """
-data.py -- the one module shared by every script of this repo.
+data.py -- the data every script of this repo reads.
 
   * the built-in `shapes` dataset: procedural images of 1-3 coloured shapes in spatial relations, captions from a
     small grammar with gold PTB trees, SugarCrepe-style hard negatives, a systematicity split (held-out compounds)
@@ -8,9 +8,10 @@ data.py -- the one module shared by every script of this repo.
     image transforms with PIL + numpy + torch;
   * readers for real data (webdataset tar shards, open_clip CSV/TSV, Karpathy JSON, ImageFolder, the presets
     cc3m / cc12m / datacomp under $DATA_ROOT) behind one `make_loader(spec)`: uint8 batches that the step normalises
-    on the device (normalize_images), split across DDP ranks and workers, bad samples skipped and counted, exact resume;
-  * what the training scripts share: durable and atomic writes, the weights reader, the run lifecycle (out_dir
-    lock, checkpoints with their fallback, stop signals, metrics.jsonl + wandb, the loss-curve PNG), results over seeds.
+    on the device (normalize_images), split across DDP ranks and workers, bad samples skipped and counted, exact resume.
+
+What a run does with its out_dir (checkpoints, the lock, signals, logs, plots, weights files, results over seeds) is
+in lifecycle.py; DataError, the one-line error for the user's data and paths, is defined there and used here.
 
 Commands (python data.py COMMAND --help): make-shapes --out_dir DIR (the shapes data in the real formats),
 check --data SPEC (count good and skipped samples), convert-weights PATH (.pt -> .safetensors)
@@ -19,11 +20,9 @@ import argparse
 import collections
 import contextlib
 import csv
-import errno
 import functools
 import glob
 import gzip
-import hashlib
 import html
 import io
 import itertools
@@ -33,8 +32,6 @@ import math
 import multiprocessing
 import os
 import random
-import re
-import shutil
 import signal
 import sys
 import tarfile
@@ -49,9 +46,9 @@ import torch
 from braceexpand import UnbalancedBracesError, braceexpand
 from PIL import Image, ImageDraw
 
+# files and the one-line user error come from the run module (data.DataError is lifecycle.DataError)
+from lifecycle import DataError, atomic_write, progress, read_json, write_file, writing
 
-class DataError(Exception):
-    """A problem with the user's data or paths. Scripts print it as one line, no traceback."""
 
 
 # -----------------------------------------------------------------------------
@@ -423,7 +420,7 @@ class Tokenizer:
         return self.backend.decode([i for i in ids if i != self.sot_id]).strip()
 
     def save(self, directory: str):
-        _save(os.path.join(directory, "tokenizer.json"), json.dumps(
+        write_file(os.path.join(directory, "tokenizer.json"), json.dumps(
             {"kind": self.kind, "context_length": self.context_length, "tokenizer": json.loads(self.backend.to_str())}))
 
     @classmethod
@@ -650,17 +647,6 @@ class Skip:
     where: str  # the file / key it came from
 
 
-def _save(path: str, blob):
-    """`blob` (bytes, a str as UTF-8, a PIL image as PNG) as the file `path`, atomically, its folder made if missing."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-
-    def write(tmp):
-        if isinstance(blob, Image.Image):
-            return blob.save(tmp, format="PNG")
-        with open(tmp, "wb") as f:
-            f.write(blob.encode("utf-8") if isinstance(blob, str) else blob)
-    with writing(path):
-        atomic_write(path, write)
 
 
 def _sample_rng(seed: int, epoch: int, index) -> random.Random:
@@ -1419,613 +1405,6 @@ def captions_for_tokenizer(spec: str, max_captions: int = 100_000, split: str = 
 
 
 # -----------------------------------------------------------------------------
-# Files: JSON, durable and atomic writes, weights. Each training script writes and reads its own checkpoints
-# (out_dir/checkpoint/: model.safetensors, config.json, state.pt ...); readers find the weights with checkpoint_dir.
-
-def read_json(path: str):
-    try:
-        with open(path, encoding="utf-8-sig") as f:  # -sig: tolerate a byte-order mark
-            return json.load(f)
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, MemoryError) as e:   # nested too deep, too big
-        raise DataError(f"{path}: malformed JSON ({e or type(e).__name__})") from None
-
-
-def fsync(path: str, write=None):
-    """write(path) if given, then flush the file or folder to disk: a checkpoint must survive a power cut or SIGKILL."""
-    if write is not None:
-        write(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str, write):
-    """write(tmp), then rename over `path`: a reader never sees half a file (nor a failed write's tmp)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:        # a failed write's tmp (after the rename there is none)
-        if os.path.isfile(tmp):
-            os.remove(tmp)
-
-
-WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)  # full disk, quota, file-size limit, failing disk
-
-
-@contextlib.contextmanager
-def writing(path: str, what: str = ""):
-    """A write that fails for want of room or of a working disk (WRITE_ERRNOS) -> DataError, one line naming the file
-    (the OSError's own if it names one) and `what` was being written. Other errors pass."""
-    try:
-        yield
-    except Exception as e:
-        if write_error(e) is None:
-            raise
-        raise DataError(f"{getattr(e, 'filename', None) or path}: cannot write: {write_error(e)}{what}") from None
-
-
-def save_json(path: str, obj):
-    def write(p):
-        with open(p, "w") as f:
-            json.dump(obj, f, indent=1)
-    fsync(path, write)
-
-
-OPENAI_EXTRA_KEYS = {"input_resolution", "context_length", "vocab_size"}   # ints in OpenAI's .pt
-
-
-def read_weights(path: str) -> dict:
-    """A state dict of tensors from .safetensors or a torch .pt (weights_only: no pickled code runs); TorchScript
-    archives (OpenAI's) are refused (convert-weights); open_clip's {"state_dict": ...}, DDP's "module." unwrapped."""
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: weights file not found")
-    try:
-        if path.endswith(".safetensors"):
-            from safetensors.torch import load_file
-            sd = load_file(path)
-        else:
-            import zipfile     # OpenAI's .pt files are TorchScript archives, which carry code: never run here
-            if zipfile.is_zipfile(path) and any(n.endswith("constants.pkl") for n in zipfile.ZipFile(path).namelist()):
-                raise DataError(f"{path}: a TorchScript archive (a format that carries code); if you trust it, "
-                                f"convert it once: python data.py convert-weights {path}")
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-    except DataError:
-        raise
-    except Exception as e:
-        first = (str(e).splitlines() or [""])[0][:200]
-        raise DataError(f"cannot read weights {path}: {type(e).__name__}: {first}") from None
-    if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
-        sd = sd["state_dict"]
-    if not isinstance(sd, dict):
-        raise DataError(f"{path} does not hold a state dict")
-    return {k[7:] if k.startswith("module.") else k: v for k, v in sd.items()
-            if torch.is_tensor(v) and k not in OPENAI_EXTRA_KEYS}
-
-
-def load_state(model, sd: dict, source: str, allow_missing=()):
-    """model.load_state_dict(sd); missing (but `allow_missing`), unexpected or misshaped keys: one error line."""
-    own = model.state_dict()
-    problems = {"missing keys": [k for k in own if k not in sd and not k.startswith(allow_missing)],
-                "unexpected keys": [k for k in sd if k not in own],
-                "shape mismatch": [f"{k} {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
-                                   for k in own if k in sd and sd[k].shape != own[k].shape]}
-    problems = [f"{what} {', '.join(ks[:3])}{' ...' if len(ks) > 3 else ''}" for what, ks in problems.items() if ks]
-    if problems:
-        raise DataError(f"config/weights mismatch for {source}: " + "; ".join(problems))
-    model.load_state_dict(sd, strict=False)
-
-
-# The MLP activation of foreign weights is not in the tensors. open_clip's hub layout puts
-# open_clip_config.json ({"model_cfg": {..., "quick_gelu": true}, "preprocess_cfg": ...}; no
-# "quick_gelu" means GELU, as open_clip builds it) beside open_clip_model.safetensors; this
-# repo's runs put config.json ({"model": {"quick_gelu": ...}}) beside model.safetensors.
-ACTIVATION_FILES = ("open_clip_config.json", "config.json")
-
-
-def _stated_activation(cfg) -> bool | None:
-    """quick_gelu as a config file states it, else None (also where it repeats "quick_gelu_source": "assumed")."""
-    if not isinstance(cfg, dict):
-        return None
-    model = cfg.get("model")
-    if isinstance(model, dict) and "quick_gelu" in model:
-        return None if cfg.get("quick_gelu_source") == "assumed" else bool(model["quick_gelu"])
-    model_cfg = cfg.get("model_cfg", cfg)   # open_clip reads a hub config or a bare model config
-    if isinstance(model_cfg, dict) and ("model_cfg" in cfg or "vision_cfg" in model_cfg):
-        return bool(model_cfg.get("quick_gelu", False))
-    return None
-
-
-def weights_activation(flag, weights: str, folders=()) -> tuple:
-    """(quick_gelu, source) of a weights file: the flag when given ("flag"), else what a config file beside the
-    weights (or in `folders`) says (source: its path), else OpenAI's QuickGELU, "assumed" (the caller says so:
-    open_clip's LAION / DataComp models are GELU)."""
-    if flag is not None:
-        return bool(flag), "flag"
-    for folder in dict.fromkeys([os.path.dirname(os.path.abspath(weights)), *folders]):
-        for name in ACTIVATION_FILES:
-            path = os.path.join(folder, name)
-            if os.path.isfile(path) and (value := _stated_activation(read_json(path))) is not None:
-                return value, path
-    return True, "assumed"
-
-
-def assumed_activation_note(path: str, trained: bool = False) -> str:
-    """The stderr line when weights_activation said "assumed" (`trained`: the checkpoint's run assumed it)."""
-    what = ("its run assumed OpenAI's QuickGELU for --init weights that did not say their activation" if trained else
-            "no open_clip_config.json or config.json beside it says its activation: assuming OpenAI's QuickGELU")
-    return f"note: {path}: {what} (--no-quick_gelu for GELU models such as open_clip's LAION / DataComp ViT-B-32)"
-
-
-def checkpoint_dir(path: str) -> str:
-    """An out_dir -> its checkpoint/ when that holds a model.safetensors (all training scripts), else `path` as is."""
-    inner = os.path.join(path, "checkpoint")
-    return inner if os.path.isfile(os.path.join(inner, "model.safetensors")) else path
-
-
-def script_record(file: str) -> dict:
-    """config.json's "script": a checkpoint's reader imports it, so a fork's weights run the fork's own model code."""
-    path = os.path.abspath(file)
-    with open(path, "rb") as f:
-        return {"name": os.path.basename(path), "path": path, "sha256": hashlib.sha256(f.read()).hexdigest()}
-
-
-def import_script(record: dict | None, override: str | None = None, default: str | None = None):
-    """-> (module, path, note) for the script a checkpoint records (see script_record), or `override` (--script
-    PATH). Looked for at its recorded path, then by name beside this file and in the working directory; `default` (a
-    script name) serves checkpoints that record none. `note`: a line to print if the script changed since training."""
-    import importlib.util
-    record = record if isinstance(record, dict) else {}
-    name = record.get("name") or default
-    candidates = [override] if override else [record.get("path"), *(
-        os.path.join(d, name) for d in (os.path.dirname(os.path.abspath(__file__)), os.getcwd()) if name)]
-    path = next((p for p in candidates if p and os.path.isfile(p)), None)
-    if path is None:
-        raise DataError(f"{override or name or 'the checkpoint'}: training script not found" + (
-            "" if override else f" (looked in {', '.join(p for p in candidates if p)}); give --script PATH"))
-    sha = script_record(path)["sha256"]
-    note = (f"note: {path} has changed since it trained this checkpoint (sha256 {sha[:12]}, recorded "
-            f"{record['sha256'][:12]})" if record.get("sha256") and record["sha256"] != sha else None)
-    module_name = "_script_" + hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:12]
-    if module_name not in sys.modules:      # import each file once: its classes stay one identity
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        sys.modules[module_name] = module = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(module)
-        except Exception as e:
-            del sys.modules[module_name]
-            raise DataError(f"{path}: cannot import the training script ({type(e).__name__}: {e})") from None
-    return sys.modules[module_name], os.path.abspath(path), note
-
-
-# -----------------------------------------------------------------------------
-# The run lifecycle every training script shares: one run per out_dir, checkpoints that survive a crash, stop signals,
-# metrics.jsonl (+ wandb), a progress bar, the loss-curve PNG. The method scripts keep only what is their own: what
-# state.pt holds and how it is restored. out_dir/checkpoint/ holds model.safetensors, config.json (flags, model config,
-# "script"), tokenizer.json, state.pt (torch.save; read with weights_only=True: no pickled code runs) and sha256.json of
-# them, written last. A save fills checkpoint.tmp/, fsyncs it, renames checkpoint/ -> checkpoint.prev/ (what a damaged
-# newest falls back to) and checkpoint.tmp/ -> checkpoint/.
-CHECKPOINT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "state.pt")
-_lock = None        # this process's open out_dir/.lock
-_stop = []          # the stop signals received, by name
-
-
-def write_error(e: BaseException) -> str | None:
-    """'no space left on device' etc. when e (or what it was raised during) is a WRITE_ERRNOS error, else None;
-    safetensors says it only in its message ("(os error 28)")."""
-    while e is not None:
-        code = next((c for c in WRITE_ERRNOS if getattr(e, "errno", None) == c or f"(os error {c})" in str(e)), None)
-        if code is not None:
-            return os.strerror(code).lower()
-        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)     # not through a `from None`
-    return None
-
-
-def claim_out_dir(out_dir, rank, world, device, resume=False, overwrite=False, run_files=(), phase_dirs=()):
-    """Before anything is written: one run per out_dir (rank 0 holds an flock on out_dir/.lock, which the kernel
-    drops when the process ends, killed or not); --resume needs a checkpoint (in out_dir or one of `phase_dirs`);
-    a new run replaces one only with --overwrite, which removes the names in out_dir and `phase_dirs` that match a
-    `run_files` pattern. Rank 0 raises DataError; the other ranks exit 2 (on_rank0)."""
-    def claim():
-        global _lock
-        import fcntl
-        os.makedirs(out_dir, exist_ok=True)
-        _lock = open(os.path.join(out_dir, ".lock"), "a+")
-        try:
-            fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _lock.seek(0)
-            holder = _lock.read().strip() or "?"
-            release_out_dir()
-            raise DataError(f"{out_dir} is in use by another run: process {holder} holds {out_dir}/.lock") from None
-        _lock.truncate(0)
-        print(os.getpid(), file=_lock, flush=True)
-        dirs = [out_dir, *phase_dirs]
-        saved = any(os.path.isdir(os.path.join(d, c)) for d in dirs for c in ("checkpoint", "checkpoint.prev"))
-        if resume and not saved:
-            raise DataError(f"--resume: nothing to resume yet in {out_dir} (no checkpoint saved)")
-        if saved and not (resume or overwrite):
-            raise DataError(f"{out_dir} holds the checkpoint of an earlier run: continue it with --resume, or use "
-                            f"another --out_dir, or --overwrite to replace it")
-        for d in dirs if overwrite and not resume else []:
-            for name in os.listdir(d) if os.path.isdir(d) else []:
-                path = os.path.join(d, name)
-                if any(re.fullmatch(p, name) for p in run_files):
-                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    release_out_dir()
-    on_rank0(claim, rank, world, device)   # every rank learns it, so none waits in a collective rank 0 left
-
-
-def release_out_dir():
-    global _lock
-    if _lock is not None:
-        _lock.close()
-        _lock = None
-
-
-def on_rank0(fn, rank, world, device, user_errors=(DataError,)):
-    """fn() on rank 0 (a save, a results file), and every rank learns how it went: a user or write error is one line
-    on rank 0, and the other ranks exit with the same status instead of hanging in their next collective."""
-    if world == 1:
-        return fn()
-    error = None
-    if rank == 0:
-        try:
-            fn()
-        except Exception as e:
-            error = e
-    code = 0 if error is None else 2 if isinstance(error, user_errors) or write_error(error) else 1
-    code = torch.tensor(float(code), device=device)
-    torch.distributed.broadcast(code, 0)
-    if error is not None:
-        raise error
-    if code.item():
-        raise SystemExit(int(code.item()))
-
-
-def tensors_in(obj):
-    if torch.is_tensor(obj):
-        yield obj
-    elif isinstance(obj, (dict, list, tuple)):
-        for v in obj.values() if isinstance(obj, dict) else obj:
-            yield from tensors_in(v)
-
-
-def all_finite(obj) -> bool:
-    """Every floating-point tensor in a nested dict/list finite? (checked before a save: never a NaN checkpoint)"""
-    flags = [torch.isfinite(t).all() for t in tensors_in(obj) if t.is_floating_point()]
-    return bool(torch.stack(flags).all()) if flags else True
-
-
-def sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def save_checkpoint(out_dir, weights, state, config, tokenizer, step, newest_damaged=False):
-    """Write a checkpoint (rank 0 only), as the layout above says; out_dir/config.json and tokenizer.json too, for
-    readers of out_dir. A write error is one DataError line; checkpoint.tmp/ is removed, the earlier checkpoints
-    kept. A damaged newest (newest_damaged) is replaced without becoming checkpoint.prev/."""
-    from safetensors.torch import save_file
-    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
-    weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        os.makedirs(tmp)
-        save_file(weights, os.path.join(tmp, "model.safetensors"), {"step": str(step)})
-        with open(os.path.join(tmp, "state.pt"), "wb") as f:   # a Python file: a write error keeps its errno
-            torch.save(state, f)
-        for folder in (tmp, out_dir):
-            atomic_write(os.path.join(folder, "config.json"), lambda p: save_json(p, config))
-            if tokenizer is not None:
-                tokenizer.save(folder)
-        names = sorted(os.listdir(tmp))
-        for name in names:
-            fsync(os.path.join(tmp, name))
-        save_json(os.path.join(tmp, "sha256.json"), {n: sha256(os.path.join(tmp, n)) for n in names})
-        fsync(tmp)
-    except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if write_error(e) is None:
-            raise
-        need = sum(t.nbytes for t in tensors_in([weights, state])) / 2 ** 20
-        raise DataError(f"{out_dir}: {write_error(e)} for the step-{step} checkpoint (about {need:.1f} MiB needed, "
-                        f"{shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); the previous checkpoint is "
-                        f"kept") from None
-    if os.path.isdir(final) and not newest_damaged:
-        shutil.rmtree(prev, ignore_errors=True)
-        os.replace(final, prev)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    fsync(out_dir)
-
-
-def read_checkpoint(folder, state_types, device="cpu"):
-    """(weights, state, config) of a checkpoint folder whose files all match its sha256.json and whose state.pt
-    has `state_types` ({key: type}); else a DataError naming the file that is missing, damaged or of wrong types."""
-    from safetensors.torch import load_file
-    sums = read_json(os.path.join(folder, "sha256.json"))
-    if not isinstance(sums, dict):
-        raise DataError(f"{folder}/sha256.json: damaged (not a table of file sums)")
-    for name in dict.fromkeys(["model.safetensors", "config.json", "state.pt", *sums]):
-        path = os.path.join(folder, name)
-        if name not in sums or not os.path.isfile(path):
-            raise DataError(f"{path}: missing (incomplete checkpoint)")
-        if sha256(path) != sums[name]:
-            raise DataError(f"{path}: damaged (its sha256 is not the one in sha256.json)")
-    path = os.path.join(folder, "state.pt")
-    try:
-        state = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:
-        raise DataError(f"{path}: unreadable ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})") from None
-    bad = [f"{k}: {getattr(t, '__name__', t)}" for k, t in state_types.items()
-           if not isinstance(state, dict) or not isinstance(state.get(k), t)]
-    if bad:
-        raise DataError(f"{path}: wrong types (expected {', '.join(bad)})")
-    return load_file(os.path.join(folder, "model.safetensors")), state, read_json(os.path.join(folder, "config.json"))
-
-
-def load_checkpoint(out_dir, state_types, device="cpu", rank=0):
-    """(folder, weights, state, config, newest_damaged) of out_dir/checkpoint/ when it is whole (read_checkpoint),
-    else of checkpoint.prev/, said in a note on stderr; a DataError naming the damaged file(s) when neither is."""
-    errors = []
-    for folder in (os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "checkpoint.prev")):
-        if errors and not os.path.isdir(folder):
-            break
-        try:
-            found = (folder, *read_checkpoint(folder, state_types, device), bool(errors))
-        except DataError as e:
-            errors.append(str(e))
-            continue
-        if errors and rank == 0:
-            print(f"note: {errors[0]}; resuming from the previous checkpoint {folder} (step {found[2]['step']})",
-                  file=sys.stderr, flush=True)
-        return found
-    raise DataError("; and ".join(errors))
-
-
-def rng_state(device) -> dict:
-    """Every RNG a run draws from, as torch.save / weights_only can carry them."""
-    n = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if str(device).startswith("cuda") else [],
-            "numpy": [n[0], torch.from_numpy(n[1].astype(np.int64)), *n[2:]]}
-
-
-def set_rng_state(rng: dict, device):
-    torch.set_rng_state(rng["torch"].cpu())
-    if rng["cuda"] and str(device).startswith("cuda"):
-        torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
-    n = rng["numpy"]
-    np.random.set_state((n[0], np.asarray(n[1].cpu() if torch.is_tensor(n[1]) else n[1]).astype(np.uint32), *n[2:]))
-    random.setstate(rng["python"])
-
-
-def resumed_flags(given: dict, saved: dict, run_control, where: str) -> dict:
-    """--resume continues a run with its own flags: a run-defining flag given now (`given`: name -> value) must
-    equal the saved value (DataError otherwise); returns the saved values of the flags not given."""
-    for name in sorted(set(given) & set(saved) - set(run_control)):
-        now = json.loads(json.dumps(given[name]))
-        if now != saved[name]:
-            raise DataError(f"--resume: --{name} {now} differs from the saved run's {saved[name]} ({where}); drop it "
-                            f"to continue that run, or start a new one in another --out_dir")
-    return {k: v for k, v in saved.items() if k not in given and k not in run_control}
-
-
-def cut_metrics(path, step):
-    """metrics.jsonl back to the resumed step (no step logged twice; a finished run resumed is evaluated again)."""
-    with open(path) if os.path.isfile(path) else contextlib.nullcontext([]) as f:
-        kept = "".join(ln for ln in f if ln.strip() and (m := json.loads(ln))["step"] <= step
-                       and m.get("phase") != "eval")
-    def write(tmp):     # closed before the rename: a flush that fails at close (full disk) must raise here
-        with open(tmp, "w") as f:
-            f.write(kept)
-    with writing(path):
-        atomic_write(path, lambda tmp: fsync(tmp, write))
-
-
-def log_record(path, rec, wandb=None, wandb_step=None):
-    """One metrics.jsonl line (rank 0); with --wandb also sent to Weights & Biases at its step."""
-    with writing(path), open(path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
-    if wandb is not None:
-        wandb.log(rec, step=rec["step"] if wandb_step is None else wandb_step)
-
-
-def start_wandb(project, out_dir, config, resumed):
-    """--wandb PROJECT (nanoGPT's wandb_log), rank 0: a W&B run named after out_dir with the run's config; its id
-    is kept in out_dir/wandb_id.txt, so --resume continues the same W&B run."""
-    try:
-        import wandb
-    except ImportError:
-        raise DataError("--wandb needs the wandb package (pip install wandb)") from None
-    path = os.path.join(out_dir, "wandb_id.txt")
-    run_id = open(path).read().strip() if resumed and os.path.isfile(path) else os.urandom(4).hex()
-    _save(path, run_id + "\n")
-    wandb.init(project=project, name=os.path.basename(os.path.abspath(out_dir)), id=run_id, resume="allow",
-               config=config)
-    return wandb
-
-
-def _on_stop_signal(signum, frame):
-    if signum == signal.SIGINT and _stop:
-        print("error: interrupted again: exiting without saving", file=sys.stderr, flush=True)
-        os._exit(130)
-    _stop.append(signal.Signals(signum).name)
-
-
-def catch_stop_signals() -> dict:
-    """SIGTERM / SIGINT ask the run to stop: the script's loop sees stop_requested(), the ranks agree, it saves and
-    stops. A second Ctrl-C exits at once, without a save (the last checkpoint stays). Returns the old handlers."""
-    _stop.clear()
-    return {s: signal.signal(s, _on_stop_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-
-
-def restore_signals(handlers: dict):
-    for s, h in handlers.items():
-        signal.signal(s, h)
-
-
-def stop_requested() -> str | None:
-    """The stop signal received ("SIGTERM" before "SIGINT"), or None."""
-    return "SIGTERM" if "SIGTERM" in _stop else _stop[0] if _stop else None
-
-
-def progress(iterable=None, **kw):
-    """A tqdm bar on stderr, on rank 0 at an interactive terminal only (a log file gets the start and done lines)."""
-    from tqdm import tqdm
-    kw["disable"] = kw.get("disable") or not sys.stderr.isatty() or os.environ.get("RANK", "0") != "0"
-    return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, **kw)
-
-
-def nice_ticks(lo, hi, n=5, integer=False):
-    """About n round ticks in [lo, hi]: steps of 1, 2 or 5 x 10^k, whole numbers when `integer`."""
-    raw = max(hi - lo, 1e-12) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
-    step = max(1, round(step)) if integer else step
-    first = math.ceil(lo / step) * step
-    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
-
-
-def tick_labels(values):
-    """The ticks as text with the fewest decimals at which no two read the same."""
-    for digits in range(13):
-        labels = [f"{v:.{digits}f}" for v in values]
-        if len(set(labels)) == len(labels):
-            break
-    return labels
-
-
-def draw_curves(png_path, title, series, vlines=(), legend=None, ylabel="loss (nats)", xlabel="step", size=(900, 420)):
-    """A line plot as PNG, drawn with PIL (no matplotlib in this project). series: [(label, rgb, points, width)],
-    points (x, y) or (x, y, rgb) (a segment takes its end point's colour); non-finite points are dropped.
-    vlines: [(x, text, rgb)] (IL's spawns). legend: [(label, rgb)], by default each series label once."""
-    series = [(label, c, [p for p in pts if math.isfinite(p[1])], w) for label, c, pts, w in series]
-    pts = [p for *_, ps, _ in series for p in ps]
-    (W, H), (L, R, T, B) = size, (70, 20, 40, 50)
-    img = Image.new("RGB", size, "white")
-    d = ImageDraw.Draw(img)
-    d.rectangle([L, T, W - R, H - B], outline="black")
-    for xy, text in (((L, 8), title), ((4, T - 14), ylabel), (((L + W - R) // 2 - 10, H - 18), xlabel)):
-        d.text(xy, text, fill="black")
-    if pts:
-        x1, y0, y1 = max(max(p[0] for p in pts), 1), min(p[1] for p in pts), max(p[1] for p in pts)
-        y1 = y1 if y1 > y0 else y0 + 1
-        px = lambda x: L + (W - L - R) * x / x1
-        py = lambda y: H - B - (H - T - B) * (y - y0) / (y1 - y0)
-        vlines = [v for v in vlines if v[0] <= x1]
-        for x, label, c in vlines:
-            d.line([px(x), T, px(x), H - B], fill=c)
-            d.text((px(x) + 3, T + 2), label, fill=c)
-        for label, c, ps, width in series:
-            for a, b in zip(ps, ps[1:]):
-                d.line([px(a[0]), py(a[1]), px(b[0]), py(b[1])], fill=b[2] if len(b) > 2 else c, width=width)
-        xt, yt = nice_ticks(0, x1, integer=True), nice_ticks(y0, y1)
-        for v, s in zip(xt, tick_labels(xt)):
-            d.line([px(v), H - B, px(v), H - B + 4], fill="black")
-            d.text((px(v) - 3 * len(s), H - B + 6), s, fill="black")
-        for v, s in zip(yt, tick_labels(yt)):
-            d.line([L - 4, py(v), L, py(v)], fill="black")
-            d.text((L - 8 - 6 * len(s), py(v) - 6), s, fill="black")
-        legend = legend if legend is not None else dict.fromkeys((label, c) for label, c, ps, _ in series if ps)
-        for i, (label, c) in enumerate(legend):
-            y = T + 6 + 14 * i
-            d.line([W - R - 150, y + 6, W - R - 130, y + 6], fill=c, width=3)
-            d.text((W - R - 124, y), label, fill="black")
-    _save(png_path, img)
-
-
-# -----------------------------------------------------------------------------
-# Results over seeds: the run folders of the training scripts, grouped, with 95% intervals
-# (every script's `summarize`/`report --seeds` reads its runs with its own read_run)
-
-# t_{0.975, df} for df = 1..30 (standard tables); beyond 30 the Cornish-Fisher expansion is within 1e-4
-T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
-        2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
-        2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
-
-
-def t975(df: int) -> float:
-    if df <= len(T975):
-        return T975[df - 1]
-    z = 1.959964
-    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
-
-
-def mean_ci(values) -> tuple:
-    """(mean, half-width of the two-sided 95% Student-t interval) over seeds; nan width for one seed."""
-    v = np.asarray(values, dtype=np.float64)
-    h = t975(len(v) - 1) * float(v.std(ddof=1)) / math.sqrt(len(v)) if len(v) > 1 else math.nan
-    return float(v.mean()), h
-
-
-def paired_diff(a: dict, b: dict) -> tuple:
-    """Paired difference A - B over the seeds both have ({seed: value} each): (mean, half-width, n)."""
-    seeds = sorted(set(a) & set(b))
-    return (*mean_ci([a[s] - b[s] for s in seeds]), len(seeds)) if seeds else (math.nan, math.nan, 0)
-
-
-def _pct(m: float, h: float, diff: bool = False) -> str:
-    """m ± h in %; a paired difference (`diff`) is signed, and starred where its interval excludes zero
-    (a star needs an interval: two seeds or more, some spread)."""
-    head = f"{100 * m:+.1f}" if diff else f"{100 * m:.1f}"
-    return (head if math.isnan(h) else f"{head} ± {100 * h:.1f}") + ("*" if diff and h > 0 and abs(m) > h else "")
-
-
-def results_table(rows: dict, label: str = "method") -> str:
-    """Markdown table in %: {name: {metric: value or [per-seed values]}} (a list: mean ± 95% t-interval half-width)."""
-    cols = list(dict.fromkeys(c for r in rows.values() for c in r))   # a column some row lacks is blank there
-    fmt = lambda v: ("" if v is None else v if isinstance(v, str) else _pct(*mean_ci(v)) if isinstance(v, list)
-                     else f"{100 * v:.1f}")    # a str: a cell already formatted
-    lines = [[label, *cols], ["---"] * (len(cols) + 1)] + [[n] + [fmt(r.get(c)) for c in cols] for n, r in rows.items()]
-    return "\n".join("| " + " | ".join(ln) + " |" for ln in lines)
-
-
-def summarize_runs(root: str, read_run, baseline=None) -> dict:
-    """Run folders under `root` that `read_run` reads (-> (group, seed, {metric: fraction}) or a list), grouped; prints
-    mean ± 95% t-interval per group and each group's paired difference against its baseline (a group, default the
-    first, or a function group -> group) on shared seeds (*: excludes 0). -> {group: {metric: {seed: value}}}"""
-    if not os.path.isdir(root):
-        raise DataError(f"{root}: no such folder of runs")
-    groups = {}
-    for d in sorted(os.listdir(root)):
-        runs = read_run(os.path.join(root, d)) if os.path.isdir(os.path.join(root, d)) else None
-        for name, seed, res in [runs] if isinstance(runs, tuple) else runs or []:   # one run or several
-            for k, v in res.items():
-                groups.setdefault(name, {}).setdefault(k, {})[seed] = v
-    if not groups:
-        raise DataError(f"{root}: no finished run folder in it")
-    if not callable(baseline):      # one group every other is paired with, or a rule per group
-        fixed = baseline or next(iter(groups))
-        if fixed not in groups:
-            raise DataError(f"{root}: no runs of baseline {fixed!r} (methods: {', '.join(groups)})")
-        baseline = lambda name: fixed
-    tables = {}     # one table per kind of run (retrieval, captioning ...), told by its first metric;
-    for name, r in groups.items():      # a metric only some of its runs have is a column, blank where absent
-        tables.setdefault(next(iter(r)), []).append(name)
-    for names in tables.values():
-        cols = list(dict.fromkeys(c for n in names for c in groups[n]))
-        n_seeds = {n: len({s for v in groups[n].values() for s in v}) for n in names}
-        print(results_table({f"{n} ({n_seeds[n]})": {k: list(v.values()) for k, v in groups[n].items()}
-                             for n in names}, label="method (n seeds)"))
-        paired = {}
-        for name, base in ((n, baseline(n)) for n in names if baseline(n) in names and baseline(n) != n):
-            a, b = groups[name], groups[base]
-            d = {c: paired_diff(a[c], b[c]) for c in cols if c in a and c in b}
-            paired[f"{name} - {base} ({max((k for *_, k in d.values()), default=0)})"] = {
-                c: _pct(*d[c][:2], diff=True) if c in d else "" for c in cols}
-        if paired:
-            print(f"\n{results_table(paired, 'paired difference (n seeds)')}\n"
-                  f"(* the paired 95% interval excludes zero)\n")
-    return groups
-
-
-# -----------------------------------------------------------------------------
 # `python data.py make-shapes`: the shapes data in the real formats
 #
 # OUT/shards/{00000..}.tar    img2dataset webdataset: {key}.png .txt .json .tree, key = train index (9 digits);
@@ -2057,10 +1436,10 @@ def write_shapes_shards(out: str, n: int, seed: int, shard_size: int, image_size
                     info.size, info.mtime, info.mode = len(blob), 0, 0o644  # fixed metadata: same seed, same bytes
                     tf.addfile(info, io.BytesIO(blob))
         sizes[name] = count = min(n, first + shard_size) - first
-        _save(os.path.join(folder, name), buf.getvalue())
-        _save(os.path.join(folder, name[:-4] + "_stats.json"), json.dumps(
+        write_file(os.path.join(folder, name), buf.getvalue())
+        write_file(os.path.join(folder, name[:-4] + "_stats.json"), json.dumps(
             {"count": count, "successes": count, "failed_to_download": 0, "failed_to_resize": 0}))
-    _save(os.path.join(folder, "sizes.json"), json.dumps(sizes, indent=1))
+    write_file(os.path.join(folder, "sizes.json"), json.dumps(sizes, indent=1))
     return sizes
 
 
@@ -2079,11 +1458,11 @@ def write_shapes_benchmarks(out: str, n: int, seed: int, image_size: int) -> dic
         rows = {str(i): {"filename": f"{cat}_{i:05d}.png", "caption": item["caption"],
                          "negative_caption": item["negative_caption"]} for i, item in enumerate(bench[cat])}
         for row, item in zip(rows.values(), bench[cat]):
-            _save(os.path.join(out, "sugarcrepe", "images", row["filename"]), item["image"])
-        _save(os.path.join(out, "sugarcrepe", f"{cat}.json"), json.dumps(rows, indent=1))
+            write_file(os.path.join(out, "sugarcrepe", "images", row["filename"]), item["image"])
+        write_file(os.path.join(out, "sugarcrepe", f"{cat}.json"), json.dumps(rows, indent=1))
     for split in progress(("systematicity", "productivity"), desc="crepe", leave=False):
         for i, item in enumerate(bench[split]):
-            _save(os.path.join(out, "crepe", "images", f"{split}_{i:05d}.png"), item["image"])
+            write_file(os.path.join(out, "crepe", "images", f"{split}_{i:05d}.png"), item["image"])
         for name, columns, kinds in CREPE_FILES[split]:     # lists as JSON strings (ast.literal_eval reads them too)
             buf = io.StringIO()
             writer = csv.writer(buf, lineterminator="\n")
@@ -2094,7 +1473,7 @@ def write_shapes_benchmarks(out: str, n: int, seed: int, image_size: int) -> dic
                 if any(negs):   # rows without a negative are left out; box = the whole image
                     writer.writerow([f"{split}_{i:05d}", 0, 0, item["image"].width, item["image"].height,
                                      item["caption"]] + [json.dumps(neg) for neg in negs])
-            _save(os.path.join(out, "crepe", f"{name}.csv"), buf.getvalue())
+            write_file(os.path.join(out, "crepe", f"{name}.csv"), buf.getvalue())
     return {k: len(v) for k, v in bench.items()}
 
 
@@ -2104,14 +1483,14 @@ def write_shapes_karpathy(out: str, n: int, seed: int, image_size: int) -> dict:
         rows[split] = [("filepath", "title", "tree")]
         for i in progress(range(n), desc=f"karpathy {split}", leave=False):
             scene, filename, k = shapes_scene(split, i, seed, image_size), f"{i:09d}.png", len(images)
-            _save(os.path.join(out, "karpathy", split, filename), scene.image)
+            write_file(os.path.join(out, "karpathy", split, filename), scene.image)
             images.append({"filepath": split, "filename": filename, "split": split, "imgid": k, "sentids": [k],
                            "sentences": [{"raw": scene.caption, "tokens": scene.caption.split(), "imgid": k,
                                           "sentid": k, "tree": scene.tree}]})
             rows[split].append((f"../karpathy/{split}/{filename}", scene.caption, scene.tree))
-    _save(os.path.join(out, "karpathy", "dataset_shapes.json"), json.dumps({"dataset": "shapes", "images": images}))
+    write_file(os.path.join(out, "karpathy", "dataset_shapes.json"), json.dumps({"dataset": "shapes", "images": images}))
     for split, lines in rows.items():
-        _save(os.path.join(out, "csv", f"{split}.tsv"), "".join("\t".join(r) + "\n" for r in lines))
+        write_file(os.path.join(out, "csv", f"{split}.tsv"), "".join("\t".join(r) + "\n" for r in lines))
     return {split: n for split in rows}
 
 
@@ -2121,7 +1500,7 @@ def write_shapes_imagefolder(out: str, n: int, seed: int, image_size: int) -> di
             os.makedirs(os.path.join(out, "imagefolder", split, name), exist_ok=True)
         for i in progress(range(n), desc=f"imagefolder {split}", leave=False):
             img, label = shapes_classification(split, i, seed, image_size)
-            _save(os.path.join(out, "imagefolder", split, SHAPE_NAMES[label], f"{i:06d}.png"), img)
+            write_file(os.path.join(out, "imagefolder", split, SHAPE_NAMES[label], f"{i:06d}.png"), img)
     return {"train": n, "test": n, "classes": SHAPE_NAMES}
 
 
@@ -2139,7 +1518,7 @@ def make_shapes(out_dir: str, train: int = 10_000, test: int = 500, seed: int = 
                 "karpathy": write_shapes_karpathy(out_dir, test, seed, image_size),
                 "imagefolder": write_shapes_imagefolder(out_dir, test, seed, image_size)}
     manifest["seconds"] = round(time.time() - t0, 2)
-    _save(os.path.join(out_dir, "manifest.json"), json.dumps(manifest, indent=1))
+    write_file(os.path.join(out_dir, "manifest.json"), json.dumps(manifest, indent=1))
     return manifest
 
 

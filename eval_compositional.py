@@ -74,6 +74,7 @@ from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 import data
+import lifecycle
 
 BENCHMARKS = ["shapes", "sugarcrepe", "crepe", "cola", "winoground", "zeroshot", "retrieval",
               "linear_probe", "easy_to_learn", "spectral", "codebook"]
@@ -267,7 +268,7 @@ def load_checkpoint(path, args, script=None):
     do not fit."""
     if not os.path.exists(path):
         raise ConfigError(f"{path}: checkpoint not found")
-    path = data.checkpoint_dir(path)
+    path = lifecycle.checkpoint_dir(path)
     cfg = read_json(os.path.join(path, "config.json")) if os.path.isfile(os.path.join(path, "config.json")) else {}
     cfg = cfg if isinstance(cfg, dict) else {}
     record = cfg.get("script") if isinstance(cfg.get("script"), dict) else None
@@ -280,7 +281,7 @@ def load_checkpoint(path, args, script=None):
     if cfg and not record and not (isinstance(model_cfg, dict) and {"vision_width", "text_width"} <= set(model_cfg)):
         raise refuse(path, maker, "config.json holds no CLIP model config")
     try:
-        module, script_path, note = data.import_script(record, override=script, default="il_clip.py")
+        module, script_path, note = lifecycle.import_script(record, override=script, default="il_clip.py")
     except data.DataError as e:
         raise ConfigError(str(e)) from None
     if not callable(getattr(module, "load_model", None)):
@@ -292,7 +293,7 @@ def load_checkpoint(path, args, script=None):
     except Exception as e:  # noqa: BLE001: the script's own error line, else what went wrong, in one line
         own = isinstance(e, (data.DataError, getattr(module, "ConfigError", data.DataError)))
         raise ConfigError(str(e) if own else f"{path}: {script_path} cannot load it ({first_line(e)})") from None
-    config["script_used"] = {"path": script_path, "sha256": data.script_record(script_path)["sha256"],
+    config["script_used"] = {"path": script_path, "sha256": lifecycle.script_record(script_path)["sha256"],
                              "changed": bool(note) if record and record.get("sha256") else None}
     if tok is None:
         if not args.vocab:
@@ -2447,13 +2448,13 @@ def draw_image_grid(path, rows, cell=64, label_w=80):
 
 def save_png(img, path):
     """Written whole or not at all; a full disk, quota, file-size limit or I/O error is one line naming it."""
-    with data.writing(path):
+    with lifecycle.writing(path):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        data.atomic_write(path, lambda p: img.save(p, format="PNG"))
+        lifecycle.atomic_write(path, lambda p: img.save(p, format="PNG"))
 
 
 # -----------------------------------------------------------------------------
-# Results over seeds of il_clip.py runs (the statistics are data.summarize_runs')
+# Results over seeds of il_clip.py runs (the statistics are lifecycle.summarize_runs')
 
 def shapes_percent(res):
     """il_clip.py's end-of-run shapes results (evaluate_shapes, shapes_eval.json) -> {metric: percent} with
@@ -2467,17 +2468,17 @@ def shapes_percent(res):
 
 
 def shapes_run(folder: str):
-    """(method, seed, results as fractions, what data.summarize_runs takes) of an il_clip.py out_dir with
+    """(method, seed, results as fractions, what lifecycle.summarize_runs takes) of an il_clip.py out_dir with
     shapes_eval.json, else None. With the easy-to-learn probe's output in probe.json (--benchmarks easy_to_learn
     --out RUN/probe.json), also its held-out accuracy at step 20, its `auc` (learning speed, Fig. 5's slope) and
     its accuracy at the last step."""
     res_path, cfg_path = os.path.join(folder, "shapes_eval.json"), os.path.join(folder, "config.json")
     if not (os.path.isfile(res_path) and os.path.isfile(cfg_path)):
         return None
-    cfg, res = data.read_json(cfg_path), shapes_percent(data.read_json(res_path))
+    cfg, res = lifecycle.read_json(cfg_path), shapes_percent(lifecycle.read_json(res_path))
     probe_path = os.path.join(folder, "probe.json")
     if os.path.isfile(probe_path):
-        probe = data.read_json(probe_path).get("results", {}).get("easy_to_learn", {})
+        probe = lifecycle.read_json(probe_path).get("results", {}).get("easy_to_learn", {})
         runs = [r for r in probe.values() if isinstance(r, dict) and "curve" in r]
         at = {p["step"]: p["acc"] for p in runs[0]["curve"]} if len(runs) == 1 else {}
         if 20 not in at:    # another run's curves (--compare_ckpts), or no evaluation at step 20
@@ -2491,8 +2492,8 @@ def shapes_run(folder: str):
 
 
 def summarize_runs(root: str, baseline: str | None = None, read_run=shapes_run) -> dict:
-    """data.summarize_runs over il_clip.py run folders (shapes_eval.json, probe.json)."""
-    return data.summarize_runs(root, read_run, baseline)
+    """lifecycle.summarize_runs over il_clip.py run folders (shapes_eval.json, probe.json)."""
+    return lifecycle.summarize_runs(root, read_run, baseline)
 
 
 # -----------------------------------------------------------------------------
@@ -2590,9 +2591,9 @@ def run(args):
         blob["zeroshot_suite"] = zeroshot_suite_row(results, failed)
         print(f"\nIL-CLIP paper, Table 2 (zero-shot top-1):\n{suite_table(blob['zeroshot_suite'])}")
     if args.out:
-        with data.writing(args.out):    # a full disk (quota, size limit, I/O error): one line, no half file left
+        with lifecycle.writing(args.out):    # a full disk (quota, size limit, I/O error): one line, no half file left
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            data.atomic_write(args.out, lambda p: data.save_json(p, blob))
+            lifecycle.atomic_write(args.out, lambda p: lifecycle.save_json(p, blob))
     files = [args.out] * bool(args.out) + [r["png"] for r in results.values() if isinstance(r, dict) and "png" in r]
     print(f"done: {len(results)} of {len(args.benchmark_list)} benchmarks scored"
           + (f", {len(failed)} failed" if failed else "") + f" in {time.time() - t0:.0f}s | "

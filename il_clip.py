@@ -35,6 +35,7 @@ from torch.nn.utils.parametrizations import spectral_norm
 from safetensors.torch import save_file
 
 import data
+import lifecycle
 
 if dist.is_available():
     # Imported before any process group exists: its `group=group.WORLD` defaults are evaluated on
@@ -887,49 +888,32 @@ def get_lr(step, args, sched):
 
 # -----------------------------------------------------------------------------
 # weights: --init, load_model
-def openai_config(sd: dict) -> dict:
-    """The hyperparameters of OpenAI-layout weights from tensor shapes, as open_clip's build_model_from_openai
-    (heads = width // 64; QuickGELU; EOT the last id); with this script's codebook head, its size."""
-    try:
-        vw, _, patch, _ = sd["visual.conv1.weight"].shape
-        tw, vocab = sd["ln_final.weight"].shape[0], sd["token_embedding.weight"].shape[0]
-        count = lambda pre: len({k[len(pre):].split(".")[0] for k in sd if k.startswith(pre)})
-        cfg = dict(embed_dim=sd["text_projection"].shape[1], patch_size=patch,
-                   image_size=round((sd["visual.positional_embedding"].shape[0] - 1) ** 0.5) * patch,
-                   vision_width=vw, vision_layers=count("visual.transformer.resblocks."), vision_heads=max(1, vw // 64),
-                   context_length=sd["positional_embedding"].shape[0], vocab_size=vocab, text_width=tw,
-                   text_layers=count("transformer.resblocks."), text_heads=max(1, tw // 64),
-                   eot_token_id=vocab - 1, quick_gelu=True)
-    except KeyError as e:
-        raise data.DataError(f"weights are not in OpenAI CLIP layout: missing key {e}") from None
-    if "codebook" in sd:
-        cfg["codebook_size"], cfg["code_dim"] = sd["codebook"].shape
-    return cfg
-
-
 def load_model(path, device="cpu", quick_gelu=None):
     """-> (model, tokenizer or None, config) from an out_dir, a checkpoint/ folder or an OpenAI-layout weight
-    file. The activation: `quick_gelu`, else the checkpoint's config, else data.weights_activation's (an
+    file. The activation: `quick_gelu`, else the checkpoint's config, else lifecycle.weights_activation's (an
     assumption is said on stderr); config["quick_gelu_source"] says which."""
-    folder = data.checkpoint_dir(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    folder = lifecycle.checkpoint_dir(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        config = data.read_json(os.path.join(folder, "config.json"))
+        config = lifecycle.read_json(os.path.join(folder, "config.json"))
         names = {f.name for f in fields(ModelConfig)}
         cfg = ModelConfig(**{k: v for k, v in config["model"].items() if k in names})
-        sd = data.read_weights(os.path.join(folder, "model.safetensors"))
+        sd = lifecycle.read_weights(os.path.join(folder, "model.safetensors"))
         source = config.get("quick_gelu_source", "config")
     else:
-        sd = data.read_weights(path)
-        cfg = ModelConfig(**openai_config(sd))
-        cfg.quick_gelu, source = data.weights_activation(None, path)
+        sd = lifecycle.read_weights(path)
+        hparams = lifecycle.clip_hparams(sd, path)     # OpenAI's conventions: a bare file has no config
+        if "codebook" in sd:        # this script's codebook head
+            hparams["codebook_size"], hparams["code_dim"] = sd["codebook"].shape
+        cfg = ModelConfig(**hparams)
+        cfg.quick_gelu, source = lifecycle.weights_activation(None, path)
         config = {"model": asdict(cfg)}
     if quick_gelu is not None:
         cfg.quick_gelu, source = bool(quick_gelu), "flag"
     elif source == "assumed":
-        print(data.assumed_activation_note(path, trained=os.path.isdir(path)), file=sys.stderr)
+        print(lifecycle.assumed_activation_note(path, trained=os.path.isdir(path)), file=sys.stderr)
     config["model"]["quick_gelu"], config["quick_gelu_source"] = cfg.quick_gelu, source
     model = CLIP(cfg)
-    data.load_state(model, sd, path)
+    lifecycle.load_state(model, sd, path)
     tok = next((data.Tokenizer.load(d) for d in (folder, path)
                 if os.path.isfile(os.path.join(d, "tokenizer.json"))), None)
     return model.to(device).eval(), tok, config
@@ -1025,13 +1009,13 @@ def build_tokenizer(args, rank, world):
 
 
 def model_config(args, tok):
-    """The preset, then --model_args and --quick_gelu (with --init: data.weights_activation); the tokenizer
+    """The preset, then --model_args and --quick_gelu (with --init: lifecycle.weights_activation); the tokenizer
     fixes vocabulary and length. args.quick_gelu_source records the activation's source."""
     cfg = ModelConfig(**{**MODEL_PRESETS[args.model], **args.model_overrides})
     cfg.vocab_size, cfg.context_length, cfg.eot_token_id = tok.vocab_size, tok.context_length, tok.eot_id
     args.quick_gelu_source = "preset"
     if args.init:
-        cfg.quick_gelu, args.quick_gelu_source = data.weights_activation(args.quick_gelu, args.init)
+        cfg.quick_gelu, args.quick_gelu_source = lifecycle.weights_activation(args.quick_gelu, args.init)
     elif args.quick_gelu is not None:
         cfg.quick_gelu, args.quick_gelu_source = args.quick_gelu, "flag"
     cfg.codebook_size, cfg.code_sim, cfg.spectral_norm = args.codebook, args.code_sim, args.spectral_norm
@@ -1048,10 +1032,10 @@ def param_groups(model):
 def build_model_and_optimizer(args, cfg, device):
     model = CLIP(cfg, seed=args.seed).to(device)
     if args.init:
-        data.load_state(model, data.read_weights(args.init), args.init,
+        lifecycle.load_state(model, lifecycle.read_weights(args.init), args.init,
                            allow_missing=("codebook", "image_query.", "text_query.", "code_temperature"))
         if getattr(args, "quick_gelu_source", None) == "assumed":
-            print(data.assumed_activation_note(args.init), file=sys.stderr)
+            print(lifecycle.assumed_activation_note(args.init), file=sys.stderr)
     decay, no_decay = param_groups(model)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd},
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr,
@@ -1136,7 +1120,7 @@ class RunState:
 
 
 def setup(args, rank, world, ckpt=None):
-    """The run's state, restored from `ckpt` (data.load_checkpoint's) on --resume."""
+    """The run's state, restored from `ckpt` (lifecycle.load_checkpoint's) on --resume."""
     device = torch.device(args.device)
     dt = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     if device.type == "cuda":
@@ -1167,7 +1151,7 @@ def setup(args, rank, world, ckpt=None):
     if ckpt is not None:
         load_checkpoint(r, ckpt)
     elif rank == 0:
-        with data.writing(r.metrics_path):
+        with lifecycle.writing(r.metrics_path):
             open(r.metrics_path, "w").close()
     return r
 
@@ -1179,7 +1163,7 @@ def train(r):
     t_last, step_last, trainable_for = time.time(), r.step, None
     if r.step >= end:          # nothing to train (e.g. --max_steps 0 to export --init weights)
         save_checkpoint(r)
-    bar = data.progress(total=end, initial=r.step, desc="train", unit="step", disable=r.rank != 0)
+    bar = lifecycle.progress(total=end, initial=r.step, desc="train", unit="step", disable=r.rank != 0)
     while r.step < end:
         phase, gen, _ = r.sched.at(r.step)
         agent = spawn_agent(args, gen) if phase == "distill" else None
@@ -1225,7 +1209,7 @@ def train(r):
         # (a --stop_at step saves without a log line: the resumed run logs as an uninterrupted one)
         log_now = r.step % args.log_interval == 0 or r.step == args.max_steps or r.sched.at(r.step)[0] != phase
         save_now = r.step % args.save_interval == 0 or r.step == end
-        stop = data.stop_requested() is not None
+        stop = lifecycle.stop_requested() is not None
         if not (log_now or save_now or (r.world == 1 and stop)):
             continue
         stats = torch.cat([r.sums / max(1, r.n_loss), torch.tensor([float(stop)], device=r.device)])
@@ -1233,7 +1217,7 @@ def train(r):
             dist.all_reduce(stats)
             stats[:2] /= r.world
         loss_v, clip_v, bad, stop = stats.tolist()
-        if bad or (save_now or stop) and not data.all_finite([model.state_dict(), list(r.opt.state.values())]):
+        if bad or (save_now or stop) and not lifecycle.all_finite([model.state_dict(), list(r.opt.state.values())]):
             bar.close()
             if r.rank == 0:
                 print(f"error: non-finite loss or weights at step <= {r.step} (phase {phase}, generation "
@@ -1245,9 +1229,9 @@ def train(r):
             text_len = r.text_tokens / max(1, r.n_loss)
             rec = {"step": r.step, "loss": loss_v, "clip_loss": clip_v, "lr": lr, "phase": phase, "generation": gen,
                    "logit_scale": scale.item(), "samples_per_s": round(sps, 2),   # the scale the loss used
-                   "text_len": round(text_len, 2), "mfu": estimate_mfu(r.cfg, sps, r.device, text_len), "time": now}
+                   "text_len": round(text_len, 2), "mfu": lifecycle.estimate_mfu(r.cfg, sps, r.device, text_len), "time": now}
             if r.rank == 0:
-                data.log_record(r.metrics_path, rec, r.wandb)
+                lifecycle.log_record(r.metrics_path, rec, r.wandb)
                 bar.set_postfix(loss=f"{loss_v:.4f}", phase=phase, gen=gen)
             r.sums.zero_()
             r.n_loss = r.text_tokens = 0
@@ -1280,7 +1264,7 @@ def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=
     model.eval()
     tf = data.eval_transform(model.cfg.image_size)
     cats = [*data.SHAPES_CATEGORIES, "systematicity", "productivity"]
-    bar = data.progress(total=n_val + n * len(cats), desc="shapes eval", unit="item", disable=not progress)
+    bar = lifecycle.progress(total=n_val + n * len(cats), desc="shapes eval", unit="item", disable=not progress)
 
     def embed(images, captions):
         ie = [model.encode_image(data.normalize_images(torch.stack([tf(im) for im in images[i:i + batch_size]]),
@@ -1329,7 +1313,7 @@ RUN_FILES = (r"checkpoint(\..*)?|gen\d+", r"metrics\.jsonl|shapes_eval\.json|con
 def resumed_args(args, config):
     """--resume: the saved run's flags and the run-control flags given now (a changed run-defining flag: DataError)."""
     saved = {k: config[k] for k in vars(args) if k in config} | {"model": config["preset"]}
-    data.resumed_flags({k: getattr(args, k) for k in args.given}, saved, RUN_CONTROL, args.out_dir)
+    lifecycle.resumed_flags({k: getattr(args, k) for k in args.given}, saved, RUN_CONTROL, args.out_dir)
     keep = set(args.given) | ALWAYS_NOW
     return check_args(argparse.Namespace(**(vars(args) | {k: v for k, v in saved.items() if k not in keep})))
 
@@ -1341,21 +1325,21 @@ def save_checkpoint(r):
     state = {"step": r.step, "spawned": r.spawned, "optimizer": r.opt.state_dict(), "loader": r.loader.state_dict(),
              "teacher": r.teacher.state_dict() if r.teacher is not None else None,
              "pool": {"emb": r.pool.emb, "ptr": r.pool.ptr, "count": r.pool.count} if r.pool is not None else None,
-             "log": {"sums": r.sums, "n": r.n_loss, "text_tokens": r.text_tokens}, "rng": data.rng_state(r.device)}
-    data.save_checkpoint(r.args.out_dir, r.model.state_dict(), state, run_config(r), r.tok, r.step, r.newest_damaged)
+             "log": {"sums": r.sums, "n": r.n_loss, "text_tokens": r.text_tokens}, "rng": lifecycle.rng_state(r.device)}
+    lifecycle.save_checkpoint(r.args.out_dir, r.model.state_dict(), state, run_config(r), r.tok, r.step, r.newest_damaged)
     r.newest_damaged = False
 
 
 def run_config(r):
     """config.json: the flags, the model config and the script that trained it (also wandb's config)."""
     return {**vars(r.args), "preset": r.args.model, "model": asdict(r.cfg), "world_size": r.world,
-            "script": data.script_record(__file__)}
+            "script": lifecycle.script_record(__file__)}
 
 
 def load_checkpoint(r, ckpt):
-    """save_checkpoint undone (ckpt: data.load_checkpoint's); metrics.jsonl is cut back to the resumed step."""
+    """save_checkpoint undone (ckpt: lifecycle.load_checkpoint's); metrics.jsonl is cut back to the resumed step."""
     folder, sd, state, _, r.newest_damaged = ckpt
-    data.load_state(r.model, sd, folder)
+    lifecycle.load_state(r.model, sd, folder)
     r.opt.load_state_dict(state["optimizer"])
     r.loader.load_state_dict(state["loader"])
     if state["teacher"] is not None:
@@ -1368,9 +1352,9 @@ def load_checkpoint(r, ckpt):
     r.step, r.spawned = state["step"], state["spawned"]
     r.sums.copy_(state["log"]["sums"])
     r.n_loss, r.text_tokens = state["log"]["n"], state["log"]["text_tokens"]
-    data.set_rng_state(state["rng"], r.device)
+    lifecycle.set_rng_state(state["rng"], r.device)
     if r.rank == 0:
-        data.cut_metrics(r.metrics_path, r.step)
+        lifecycle.cut_metrics(r.metrics_path, r.step)
 
 
 def save_generation_snapshot(r, gen):
@@ -1380,43 +1364,13 @@ def save_generation_snapshot(r, gen):
         d = os.path.join(r.args.out_dir, f"gen{gen}")
         os.makedirs(d, exist_ok=True)
         sd = {k: v.detach().to("cpu").contiguous() for k, v in r.model.state_dict().items()}
-        with data.writing(d):
-            data.atomic_write(os.path.join(d, "model.safetensors"),
-                              lambda p: data.fsync(p, lambda q: save_file(sd, q, {"step": str(r.step)})))
-
-
-def estimate_flops_per_pair(cfg, text_len=None):
-    """Training FLOPs per pair (3 x forward, 2 per MAC) at text length `text_len` (default full)."""
-    P, T = (cfg.image_size // cfg.patch_size) ** 2, text_len or cfg.context_length
-    tower = lambda n, w, L: L * (12 * n * w * w + 2 * n * n * w)       # QKV, out, MLP + attention
-    macs = tower(P + 1, cfg.vision_width, cfg.vision_layers) + P * 3 * cfg.patch_size ** 2 * cfg.vision_width
-    macs += tower(T, cfg.text_width, cfg.text_layers)
-    if cfg.codebook_size:   # query maps, token x code scores, the weighted sum of the codes
-        K, D = cfg.codebook_size, cfg.code_dim
-        macs += sum(n * (w * D + D * D) + n * K * D + K * D for n, w in ((P, cfg.vision_width), (T, cfg.text_width)))
-    else:
-        macs += (cfg.vision_width + cfg.text_width) * cfg.embed_dim
-    return 3 * 2 * macs
-
-
-# dense bf16 peak FLOP/s by device-name fragment, first match wins: the PCIe and NVL H100s run
-# lower clocks than the SXM part that `torch.cuda.get_device_name` calls "NVIDIA H100 80GB HBM3"
-PEAK_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,
-              "A100": 312e12, "A10": 125e12, "L4": 121e12}
-
-
-def peak_flops(device_name):
-    return next((v for k, v in PEAK_FLOPS.items() if k in device_name), None)
-
-
-def estimate_mfu(cfg, pairs_per_s, device, text_len=None):
-    """Model FLOPs utilisation against the dense bf16 peak of the GPU (None on CPU/unknown)."""
-    peak = peak_flops(torch.cuda.get_device_name(device)) if str(device).startswith("cuda") else None
-    return None if peak is None else estimate_flops_per_pair(cfg, text_len) * pairs_per_s / peak
+        with lifecycle.writing(d):
+            lifecycle.atomic_write(os.path.join(d, "model.safetensors"),
+                              lambda p: lifecycle.fsync(p, lambda q: save_file(sd, q, {"step": str(r.step)})))
 
 
 # -----------------------------------------------------------------------------
-# the loss curve (paper Fig. 3), drawn by data.draw_curves
+# the loss curve (paper Fig. 3), drawn by lifecycle.draw_curves
 CLIP_LOSS_COLOUR, SPAWN_COLOUR = (150, 150, 150), (200, 120, 120)
 PHASE_STYLE = {"warmup": ("warm-up", (40, 90, 200)), "distill": ("distill", (220, 120, 0)),
                "interact": ("interact", (30, 150, 60))}
@@ -1445,7 +1399,7 @@ def draw_loss_curve(metrics_path, png_path, spawns=(), method="il"):
     spawns = [s for s in spawns if recs and s <= recs[-1]["step"]]
     series = [("contrastive loss", CLIP_LOSS_COLOUR, [(m["step"], m.get("clip_loss", math.nan)) for m in recs], 2),
               ("loss", None, [(m["step"], m["loss"], phase_style(m.get("phase"), method)[1]) for m in recs], 2)]
-    data.draw_curves(png_path, f"il_clip.py, {method}: training loss (mean over each log interval)", series,
+    lifecycle.draw_curves(png_path, f"il_clip.py, {method}: training loss (mean over each log interval)", series,
                      [(s, f"gen {i + 1}", SPAWN_COLOUR) for i, s in enumerate(spawns)],
                      legend_entries(recs, method, spawns))
 
@@ -1456,8 +1410,8 @@ def run(argv=None):
     t0 = time.time()
     args = build_args(argv)
     rank, world = setup_distributed(args)
-    data.claim_out_dir(args.out_dir, rank, world, args.device, args.resume, args.overwrite, RUN_FILES)
-    ckpt = data.load_checkpoint(args.out_dir, STATE_TYPES, args.device, rank) if args.resume else None
+    lifecycle.claim_out_dir(args.out_dir, rank, world, args.device, args.resume, args.overwrite, RUN_FILES)
+    ckpt = lifecycle.load_checkpoint(args.out_dir, STATE_TYPES, args.device, rank) if args.resume else None
     if ckpt is not None:
         args = resumed_args(args, ckpt[3])
     torch.manual_seed(args.seed)
@@ -1465,17 +1419,17 @@ def run(argv=None):
     np.random.seed(args.seed)
     r = setup(args, rank, world, ckpt=ckpt)
     if rank == 0:
-        r.wandb = data.start_wandb(args.wandb, args.out_dir, run_config(r), ckpt is not None) if args.wandb else None
+        r.wandb = lifecycle.start_wandb(args.wandb, args.out_dir, run_config(r), ckpt is not None) if args.wandb else None
         print(start_line(r, ckpt is not None), flush=True)
     status = train(r)
     if status == "done" and r.step >= args.max_steps and rank == 0 and args.eval_size > 0 \
             and args.data.startswith("shapes"):
         res = evaluate_shapes(r.model, r.tok, n=args.eval_size, progress=True)
         path = os.path.join(args.out_dir, "shapes_eval.json")
-        with data.writing(path):
-            data.save_json(path, res | {"scored": {"items_per_category": args.eval_size,
+        with lifecycle.writing(path):
+            lifecycle.save_json(path, res | {"scored": {"items_per_category": args.eval_size,
                                                    "val_pairs": data.SHAPES_VAL_PAIRS}})
-        data.log_record(r.metrics_path, {"step": r.step, "phase": "eval", "time": time.time(), **res}, r.wandb)
+        lifecycle.log_record(r.metrics_path, {"step": r.step, "phase": "eval", "time": time.time(), **res}, r.wandb)
         rows = [list(res), ["---"] * len(res), [f"{v:.1f}" for v in res.values()]]    # a markdown table
         print("\n".join("| " + " | ".join(row) + " |" for row in rows))
         print(f"scored: {args.eval_size} items per category (every item), "
@@ -1505,7 +1459,7 @@ def end_line(r, status, seconds):
     names = ["checkpoint", *gens, "metrics.jsonl", "loss_curve.png", "shapes_eval.json"]
     wrote = [n + "/" * os.path.isdir(os.path.join(out, n)) for n in names if os.path.exists(os.path.join(out, n))]
     cmd = f"{f'torchrun --nproc_per_node={r.world}' if r.world > 1 else 'python'} {os.path.basename(__file__)}"
-    return (f"{status}{f' by {data.stop_requested()}' if status == 'stopped' else ''}: step {r.step}/{a.max_steps} "
+    return (f"{status}{f' by {lifecycle.stop_requested()}' if status == 'stopped' else ''}: step {r.step}/{a.max_steps} "
             f"in {seconds:.0f}s | wrote {out}/{{{', '.join(wrote)}}}"
             + (f" | continue with: {cmd} --resume --out_dir {out}" if r.step < a.max_steps else ""))
 
@@ -1513,19 +1467,19 @@ def end_line(r, status, seconds):
 def main(argv=None):
     owns_pg = dist.is_available() and not dist.is_initialized()   # a caller's group is the caller's to end
     # installed until main returns: a SIGTERM during the final save or the evaluation does not kill it
-    handlers = data.catch_stop_signals()
+    handlers = lifecycle.catch_stop_signals()
     try:
         return run(argv)
     except data.DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        data.release_out_dir()
+        lifecycle.release_out_dir()
         if owns_pg and dist.is_initialized():
             # torch's order: the group goes last, once, on every path, after run() has returned
             gc.collect()    # the DDP wrappers (in reference cycles) hold the group: they go first
             dist.destroy_process_group()
-        data.restore_signals(handlers)
+        lifecycle.restore_signals(handlers)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import data
+import lifecycle
 
 if dist.is_available():
     # Imported before any process group exists: these functions take `group=group.WORLD` as a default, evaluated on
@@ -432,7 +433,7 @@ def descendant_state(aux: AuxCLIP, n: int, modality: str, seed: int = 0, part=No
 
 def weights_folder(path: str) -> str:
     """The folder whose config.json and tokenizer.json go with the weights at `path`."""
-    return data.checkpoint_dir(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    return lifecycle.checkpoint_dir(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
 
 
 def read_state(path: str) -> tuple:
@@ -442,8 +443,8 @@ def read_state(path: str) -> tuple:
     if os.path.isdir(path):
         path = os.path.join(folder, "model.safetensors")
     cfg_path = os.path.join(folder, "config.json")
-    cfg = data.read_json(cfg_path) if os.path.exists(cfg_path) else {}
-    return data.read_weights(path), cfg    # "module." and extra keys dropped
+    cfg = lifecycle.read_json(cfg_path) if os.path.exists(cfg_path) else {}
+    return lifecycle.read_weights(path), cfg    # "module." and extra keys dropped
 
 
 def folder_tokenizer(path: str):
@@ -452,54 +453,22 @@ def folder_tokenizer(path: str):
     return data.Tokenizer.load(folder) if os.path.exists(os.path.join(folder, "tokenizer.json")) else None
 
 
-def _cfg_value(cfg: dict, key: str, default):
-    for d in (cfg.get("model") if isinstance(cfg.get("model"), dict) else {}, cfg.get("model_config") or {}, cfg):
-        if key in d:
-            return d[key]
-    return default
-
-
 def infer_config(sd: dict, cfg: dict, path: str, need=("visual", "text")) -> ModelConfig:
-    """ModelConfig from OpenAI-layout tensor shapes; heads (not visible in shapes) from
-    config.json, else OpenAI's width // 64 convention."""
-    required = {"visual": ["visual.conv1.weight", "visual.positional_embedding", "visual.proj",
-                           "visual.ln_post.weight"],
-                "text": ["token_embedding.weight", "positional_embedding", "text_projection", "ln_final.weight"]}
-    for tower in need:
-        missing = [k for k in required[tower] if k not in sd]
-        if missing:
-            raise ConfigError(f"{path}: cannot read the {'vision' if tower == 'visual' else 'text'} tower "
-                              f"(missing {missing[0]})")
-    c = ModelConfig(vision_layers=0, text_layers=0)
-    count = lambda prefix: len({k[len(prefix):].split(".")[0] for k in sd if k.startswith(prefix)})
-    if "visual" in need:
-        vw, _, p, _ = sd["visual.conv1.weight"].shape
-        grid = int(round(math.sqrt(sd["visual.positional_embedding"].shape[0] - 1)))
-        c = dataclasses.replace(c, vision_width=vw, patch_size=p, image_size=grid * p,
-                                vision_layers=count("visual.transformer.resblocks."),
-                                vision_heads=_cfg_value(cfg, "vision_heads", max(1, vw // 64)),
-                                embed_dim=sd["visual.proj"].shape[1])
-    if "text" in need:
-        tw = sd["ln_final.weight"].shape[0]
-        c = dataclasses.replace(c, text_width=tw, vocab_size=sd["token_embedding.weight"].shape[0],
-                                context_length=sd["positional_embedding"].shape[0],
-                                text_layers=count("transformer.resblocks."),
-                                text_heads=_cfg_value(cfg, "text_heads", max(1, tw // 64)),
-                                embed_dim=sd["text_projection"].shape[1])
-    bare = not cfg      # a bare weight file (no config.json) follows OpenAI: QuickGELU, EOT = the last vocab id
-    eot = _cfg_value(cfg, "eot_token_id", c.vocab_size - 1 if bare else c.eot_token_id)
-    return dataclasses.replace(c, eot_token_id=eot, quick_gelu=bool(_cfg_value(cfg, "quick_gelu", bare)))
+    """ModelConfig of OpenAI-layout weights (lifecycle.clip_hparams: shapes, and what config.json states); the
+    towers not in `need` keep 0 layers."""
+    hparams = lifecycle.clip_hparams(sd, path, cfg, need)
+    return ModelConfig(**{"vision_layers": 0, "text_layers": 0, **hparams})
 
 
 def recorded_model(path: str, quick_gelu=None):
     """(model, tokenizer or None, config dict) from the load_model of the script the checkpoint at `path` records
     ("script"), so a fork's checkpoint is read by the fork's model code; None without a record or that file."""
     cfg_path = os.path.join(weights_folder(path), "config.json")
-    record = data.read_json(cfg_path).get("script") if os.path.isfile(cfg_path) else None
+    record = lifecycle.read_json(cfg_path).get("script") if os.path.isfile(cfg_path) else None
     if not isinstance(record, dict):
         return None
     try:
-        module, _, note = data.import_script(record)
+        module, _, note = lifecycle.import_script(record)
     except data.DataError as e:
         if "training script not found" in str(e):
             return None
@@ -542,12 +511,12 @@ def load_model(path, device="cpu", quick_gelu=None):
         raise ConfigError(f"{path}: a {what} model; evaluation needs both towers (a CLIP descendant, expand "
                           f"--modality clip, or a retrieval fine-tune)")
     weights = os.path.join(weights_folder(path), "model.safetensors") if os.path.isdir(path) else path
-    quick_gelu, source = data.weights_activation(quick_gelu, weights)
+    quick_gelu, source = lifecycle.weights_activation(quick_gelu, weights)
     if source == "assumed":
-        print(data.assumed_activation_note(path, trained=os.path.isdir(path)), file=sys.stderr)
+        print(lifecycle.assumed_activation_note(path, trained=os.path.isdir(path)), file=sys.stderr)
     mcfg = dataclasses.replace(infer_config(sd, cfg, path), quick_gelu=quick_gelu)
     model = CLIP(mcfg)
-    data.load_state(model, sd, path)
+    lifecycle.load_state(model, sd, path)
     return model.to(device).eval(), folder_tokenizer(path), {**cfg, "model": dataclasses.asdict(mcfg)}
 
 
@@ -682,13 +651,13 @@ def get_lr(step, max_steps, lr, warmup):
 
 def atomic_save_file(tensors, path, metadata=None):
     """A .safetensors outside the checkpoint set (learngene, descendant, final model) with its
-    own metadata, written whole or not at all (data.atomic_write) and fsynced (data.fsync)."""
+    own metadata, written whole or not at all (lifecycle.atomic_write) and fsynced (lifecycle.fsync)."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    data.atomic_write(path, lambda tmp: data.fsync(tmp, lambda f: save_file(tensors, f, metadata=metadata)))
+    lifecycle.atomic_write(path, lambda tmp: lifecycle.fsync(tmp, lambda f: save_file(tensors, f, metadata=metadata)))
 
 
 def atomic_write_json(obj, path):
-    data.atomic_write(path, lambda tmp: data.save_json(tmp, obj))
+    lifecycle.atomic_write(path, lambda tmp: lifecycle.save_json(tmp, obj))
 
 
 class NonFiniteError(Exception):
@@ -708,7 +677,7 @@ def agree_flags(bad, world, device, tag, done):
     """Every rank's non-finite flag and the signal it received (SIGTERM, SIGINT; 0: none), combined (MAX) over ranks.
     A signal reaches the ranks at different steps: agreeing here makes all of them stop at this same step, and none
     is left waiting in a collective the others have left. Returns the signal to stop for, or 0."""
-    sig = data.stop_requested()
+    sig = lifecycle.stop_requested()
     flags = torch.stack([bad.float(), torch.tensor(float(signal.Signals[sig] if sig else 0), device=device)])
     if world > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -728,7 +697,7 @@ def draw_loss_curve(out_dir, tag):
     with open(path) if os.path.isfile(path) else contextlib.nullcontext([]) as f:
         pts = [(m["step"], m["loss"]) for m in map(json.loads, filter(str.strip, f)) if "loss" in m]
     label, colour = PHASE_STYLE.get(tag, (tag, (31, 119, 180)))
-    data.draw_curves(os.path.join(out_dir, "loss_curve.png"), f"mm_learngene.py {tag}: training loss per logged step",
+    lifecycle.draw_curves(os.path.join(out_dir, "loss_curve.png"), f"mm_learngene.py {tag}: training loss per logged step",
                      [(label, colour, pts, 2)], xlabel="step (optimizer steps)", size=(900, 460))
 
 
@@ -755,7 +724,7 @@ def log_record(out_dir, m):
     """One metrics.jsonl record (rank 0), also to --wandb, where a later phase logs after the earlier phases' steps."""
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        data.log_record(os.path.join(out_dir, "metrics.jsonl"), m, _wandb["run"], m["step"] + _wandb["offset"])
+        lifecycle.log_record(os.path.join(out_dir, "metrics.jsonl"), m, _wandb["run"], m["step"] + _wandb["offset"])
 
 
 def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, out_dir=None, config=None,
@@ -784,7 +753,7 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
     bad = torch.zeros((), dtype=torch.bool, device=device)
     t0 = t_log = time.time()
     step_log = run.step
-    bar = data.progress(range(run.step, max_steps), desc=tag, initial=run.step, total=max_steps)
+    bar = lifecycle.progress(range(run.step, max_steps), desc=tag, initial=run.step, total=max_steps)
     # --wandb: one run per process; a phase (finetune after activate) logs after the earlier phases' steps
     _wandb["offset"], _wandb["next"] = _wandb["next"], _wandb["next"] + max_steps
     for step in bar:
@@ -811,7 +780,7 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
         at_stop = getattr(args, "stop_at", None) is not None and done == args.stop_at and done < max_steps
         # flags are read (a device sync) only where every rank reads them at the same step;
         # one process may stop at any step
-        sig = (at_log or at_save or at_stop or (world == 1 and data.stop_requested())) and \
+        sig = (at_log or at_save or at_stop or (world == 1 and lifecycle.stop_requested())) and \
             agree_flags(bad, world, device, tag, done)
         if at_log:      # the global batch's losses: every rank's mean (equal local batches)
             vals = torch.stack([loss.detach().float(), *(v.float() for v in parts.values())])
@@ -822,10 +791,10 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
             t_log, step_log = time.time(), done
             rec = {"step": done, "phase": tag, "loss": vals[0], "lr": lr, "time": round(time.time(), 3),
                    "elapsed": round(run.elapsed, 3), "samples_per_s": round(sps, 1), **dict(zip(parts, vals[1:]))}
-            data.on_rank0(lambda: log_record(out_dir, rec), rank, world, device)
+            lifecycle.on_rank0(lambda: log_record(out_dir, rec), rank, world, device)
             bar.set_postfix(loss=f"{vals[0]:.4f}", lr=f"{lr:.2e}", refresh=False)
         if (sig and done < max_steps) or at_stop:
-            data.on_rank0(lambda: save_run(run), rank, world, device)     # rank 0 has written before any rank exits
+            lifecycle.on_rank0(lambda: save_run(run), rank, world, device)     # rank 0 has written before any rank exits
             if rank == 0:
                 cmd = f"python {os.path.basename(__file__)} {args.cmd} --out_dir {args.out_dir} --resume" \
                     if hasattr(args, "cmd") else "--resume"
@@ -833,11 +802,11 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
                       f"continue with {cmd}", flush=True)
             sys.exit(0)
         if at_save:
-            data.on_rank0(lambda: save_run(run), rank, world, device)
+            lifecycle.on_rank0(lambda: save_run(run), rank, world, device)
     bar.close()
     agree_flags(bad, world, device, tag, run.step)
     if out_dir:
-        data.on_rank0(lambda: (save_run(run), draw_loss_curve(out_dir, tag)), rank, world, device)
+        lifecycle.on_rank0(lambda: (save_run(run), draw_loss_curve(out_dir, tag)), rank, world, device)
     return run
 
 
@@ -920,7 +889,7 @@ def cmd_extract(a):
     t_start = time.time()
     table6_defaults(a, "extract")
     rank, world, device = setup_distributed(a.device)
-    data.claim_out_dir(a.out_dir, rank, world, device, a.resume, a.overwrite, RUN_FILES)   # before any write there
+    lifecycle.claim_out_dir(a.out_dir, rank, world, device, a.resume, a.overwrite, RUN_FILES)   # before any write there
     torch.manual_seed(a.seed)
     random.seed(a.seed)
     np.random.seed(a.seed)
@@ -962,7 +931,7 @@ def cmd_extract(a):
     config = {"args": run_flags(a), "world_size": world, **aux.meta(), "model": dataclasses.asdict(aux.cfg),
               "teacher_config": dataclasses.asdict(tcfg)}
     start_line(a, f"extract --method {a.method}", aux, device, world, loader, rank)
-    _wandb["run"] = data.start_wandb(a.wandb, a.out_dir, config, a.resume) if a.wandb and rank == 0 else None
+    _wandb["run"] = lifecycle.start_wandb(a.wandb, a.out_dir, config, a.resume) if a.wandb and rank == 0 else None
 
     def write_learngene(tr):
         tok_json = pathlib.Path(a.out_dir, "tokenizer.json").read_text()
@@ -988,10 +957,10 @@ def write_descendant(out_dir, sd, cfg, modality, tok_json, extra):
     atomic_save_file(sd, os.path.join(out_dir, "model.safetensors"))
     # "model": the ModelConfig fields, the layout il_clip.load_model reads
     atomic_write_json({"model": dataclasses.asdict(cfg), "modality": modality, **extra,
-                       "script": data.script_record(__file__)}, os.path.join(out_dir, "config.json"))
+                       "script": lifecycle.script_record(__file__)}, os.path.join(out_dir, "config.json"))
     if tok_json is not None:    # the learngene's copy of the teacher's tokenizer.json, as written
-        write = lambda tmp: data.fsync(tmp, lambda f: pathlib.Path(f).write_text(tok_json))
-        data.atomic_write(os.path.join(out_dir, "tokenizer.json"), write)
+        write = lambda tmp: lifecycle.fsync(tmp, lambda f: pathlib.Path(f).write_text(tok_json))
+        lifecycle.atomic_write(os.path.join(out_dir, "tokenizer.json"), write)
 
 
 def cmd_expand(a):
@@ -1357,7 +1326,7 @@ def cmd_finetune(a):
     t_start = time.time()
     rank, world, device = setup_distributed(a.device)
     out = a.out_dir
-    data.claim_out_dir(out, rank, world, device, a.resume, a.overwrite, RUN_FILES, phase_dirs(a))   # before any write
+    lifecycle.claim_out_dir(out, rank, world, device, a.resume, a.overwrite, RUN_FILES, phase_dirs(a))   # before any write
     table6_defaults(a, a.task)
     torch.manual_seed(a.seed)
     model, tok, cfg, modality, kind, init_cfg = load_init(a)
@@ -1366,7 +1335,7 @@ def cmd_finetune(a):
                "modality": modality, "layers": cfg.vision_layers or cfg.text_layers, "lr": a.lr, "wd": a.wd,
                "seed": a.seed, "params": sum(p.numel() for p in model.parameters())}
     start_line(a, f"finetune --task {a.task} --init {a.init}", model, device, world, None, rank)
-    _wandb["run"] = data.start_wandb(a.wandb, out, run_flags(a), a.resume) if a.wandb and rank == 0 else None
+    _wandb["run"] = lifecycle.start_wandb(a.wandb, out, run_flags(a), a.resume) if a.wandb and rank == 0 else None
 
     def phase(tag, model_, loss_fn, loader, args, steps):
         """Run one phase with checkpoints in out/{tag}/; with --resume it continues from them
@@ -1395,7 +1364,7 @@ def cmd_finetune(a):
         atomic_save_file(final.state_dict(), os.path.join(out, "model.safetensors"))
         # "model", "modality", "script": what load_model needs to read a retrieval fine-tune
         atomic_write_json({**run_flags(a), "results": results, "model": dataclasses.asdict(cfg), "modality": modality,
-                           "script": data.script_record(__file__)}, os.path.join(out, "config.json"))
+                           "script": lifecycle.script_record(__file__)}, os.path.join(out, "config.json"))
         if tok is not None:
             tok.save(out)
         atomic_write_json(results, os.path.join(out, "results.json"))
@@ -1403,7 +1372,7 @@ def cmd_finetune(a):
         end_line(a, a.max_steps, t_start, ["model.safetensors", "config.json", "results.json"] +
                  ["captions.json"] * (a.task == "caption") + [f"{t}/" for t in ("activate", "finetune")
                                                               if os.path.isdir(os.path.join(out, t))])
-    data.on_rank0(finish, rank, world, device)
+    lifecycle.on_rank0(finish, rank, world, device)
 
 
 # -----------------------------------------------------------------------------
@@ -1491,14 +1460,14 @@ def load_gpt2(folder: str) -> tuple:
     path = os.path.join(folder, "model.safetensors")
     if not os.path.exists(path):
         raise ConfigError(f"{path}: no such file (--lm wants a folder with GPT-2's model.safetensors)")
-    sd = {k.removeprefix("transformer."): v for k, v in data.read_weights(path).items()}
+    sd = {k.removeprefix("transformer."): v for k, v in lifecycle.read_weights(path).items()}
     # the causal-mask buffers h.{i}.attn.bias / .masked_bias and the tied lm_head are not weights here
     sd = {k: v for k, v in sd.items() if k.split(".")[-2:] not in (["attn", "bias"], ["attn", "masked_bias"])
           and k != "lm_head.weight"}
     if "wte.weight" not in sd or "wpe.weight" not in sd:
         raise ConfigError(f"{path}: not a GPT-2 checkpoint (no wte.weight / wpe.weight)")
     cfg_path = os.path.join(folder, "config.json")
-    cfg = data.read_json(cfg_path) if os.path.exists(cfg_path) else {}
+    cfg = lifecycle.read_json(cfg_path) if os.path.exists(cfg_path) else {}
     vocab, d = sd["wte.weight"].shape
     layers = len({k.split(".")[1] for k in sd if k.startswith("h.")})
     lm = GPT2(vocab, sd["wpe.weight"].shape[0], d, layers, cfg.get("n_head", max(1, d // 64)))
@@ -1878,7 +1847,7 @@ def train_shapes_lm(folder: str, seed: int, steps: int = 1000):
     from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
     cfg_path = os.path.join(folder, "config.json")
     if os.path.exists(os.path.join(folder, "model.safetensors")) and os.path.exists(cfg_path):
-        if data.read_json(cfg_path).get("text") == "reference pairs":
+        if lifecycle.read_json(cfg_path).get("text") == "reference pairs":
             return
         print(f"note: {folder}: a stand-in LM trained on single captions (it ignores the image); retraining it",
               file=sys.stderr, flush=True)
@@ -1899,7 +1868,7 @@ def train_shapes_lm(folder: str, seed: int, steps: int = 1000):
         torch.manual_seed(seed)
         lm = GPT2(backend.get_vocab_size(), 64, 128, 2, 4)
         opt = torch.optim.AdamW(lm.parameters(), lr=2e-3, weight_decay=0.01)
-        for step in data.progress(range(steps), desc="stand-in LM"):
+        for step in lifecycle.progress(range(steps), desc="stand-in LM"):
             for g in opt.param_groups:
                 g["lr"] = get_lr(step, steps, 2e-3, max(1, steps // 10))
             pairs = [rng.sample(refs[rng.randrange(len(refs))], 2) for _ in range(64)]
@@ -1968,7 +1937,7 @@ def eval_captioning(model, loader, device, beam, refs_of, pool=None, scene_of=No
     model.mapper.eval()
     captions, hyps, nearest, lm_tok = {}, {}, {}, model.frozen[2]
     skipped0 = getattr(loader, "skipped", 0)
-    for batch in data.progress(loader, desc="captioning", total=len(loader) if hasattr(loader, "__len__") else None):
+    for batch in lifecycle.progress(loader, desc="captioning", total=len(loader) if hasattr(loader, "__len__") else None):
         new = [j for j, k in enumerate(batch["key"]) if k not in captions]
         for k, c in zip(batch["key"], batch["caption"]):
             captions.setdefault(k, []).append(c)
@@ -2012,7 +1981,7 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
                               "vocab.json + merges.txt>; only shapes has a stand-in")
         # beside out_dir, so runs under one parent folder share the stand-in
         lm_dir = os.path.join(os.path.dirname(os.path.abspath(a.out_dir)), "shapes_lm")
-        data.on_rank0(lambda: train_shapes_lm(lm_dir, 0), rank, world, device)
+        lifecycle.on_rank0(lambda: train_shapes_lm(lm_dir, 0), rank, world, device)
         results["lm"] = "stand-in: a 2-layer GPT trained on pairs of shapes references (not GPT-2)"
     else:
         results["lm"] = os.path.abspath(lm_dir)
@@ -2048,7 +2017,7 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
 def _run_cost(path):
     """(steps, seconds, batch) of a training out_dir (this script's or il_clip.py's)."""
     steps = secs = batch = None
-    st = os.path.join(data.checkpoint_dir(path), "state.pt")
+    st = os.path.join(lifecycle.checkpoint_dir(path), "state.pt")
     if os.path.exists(st):
         try:
             j = torch.load(st, map_location="cpu", weights_only=True)
@@ -2057,7 +2026,7 @@ def _run_cost(path):
         steps, secs = j.get("step"), j.get("elapsed")
     cj = os.path.join(path, "config.json")
     if os.path.exists(cj):
-        j = data.read_json(cj)
+        j = lifecycle.read_json(cj)
         batch = j.get("batch_size") or (j.get("args") or {}).get("batch_size")
     mj = os.path.join(path, "metrics.jsonl")
     if secs is None and os.path.exists(mj):
@@ -2088,7 +2057,7 @@ def results_table(dirs: list) -> str:
         path = os.path.join(d, "results.json")
         if not os.path.exists(path):
             raise ConfigError(f"{path}: no such file (not a finished finetune out_dir)")
-        r = data.read_json(path)
+        r = lifecycle.read_json(path)
         scores = ", ".join(f"{k} {r[k]}" for k in RESULT_COLUMNS.get(r.get("task"), []) if k in r)
         what = f"{r.get('n_images')} images" + (f", {r['n_classes']} classes" if "n_classes" in r else "") + \
             (f", {r['n_refs']} refs" if "n_refs" in r else "") + f", {r.get('eval_subset', 'whole split')}" + \
@@ -2110,7 +2079,7 @@ def finetune_run(folder):
     path = os.path.join(folder, "results.json")
     if not os.path.isfile(path):
         return None
-    r = data.read_json(path)
+    r = lifecycle.read_json(path)
     cols = RESULT_COLUMNS.get(r.get("task"), [])
     name = f"{r['kind']} {r.get('part', 'both')} {r['layers']} {r['task']}"
     runs = [(name, r.get("seed", 0), {k: r[k] / 100 for k in cols if k in r})]
@@ -2128,7 +2097,7 @@ def cmd_report(a):
             words = group.split()
             layers, task = (words[-2], words[-1]) if words[-1] in RESULT_COLUMNS else (words[-1], "caption")
             return a.baseline or f"mmlg both {layers} {task}"
-        data.summarize_runs(a.seeds, finetune_run, mmlg_of)
+        lifecycle.summarize_runs(a.seeds, finetune_run, mmlg_of)
     if a.learngene:
         storage_report(a)
     elif not (a.results or a.seeds):
@@ -2305,7 +2274,7 @@ def build_parser():
 def main(argv=None):
     a = build_parser().parse_args(argv)     # argv None: sys.argv[1:], here and in resume_flags
     _wandb.update(run=None, offset=0, next=0)
-    handlers = data.catch_stop_signals()
+    handlers = lifecycle.catch_stop_signals()
     try:
         if a.cmd in ("extract", "finetune"):
             a.out_dir = a.out_dir or f"out/finetune_{a.task}"
@@ -2328,16 +2297,16 @@ def main(argv=None):
         print(str(e), file=sys.stderr, flush=True)
         sys.exit(1)
     except Exception as e:
-        if data.write_error(e) is None:
+        if lifecycle.write_error(e) is None:
             raise
-        print(f"error: {getattr(e, 'filename', None) or a.out_dir}: {data.write_error(e)}; the last good checkpoint "
+        print(f"error: {getattr(e, 'filename', None) or a.out_dir}: {lifecycle.write_error(e)}; the last good checkpoint "
               f"is kept", file=sys.stderr)
         sys.exit(2)
     finally:
         if _wandb["run"] is not None:
             _wandb["run"].finish()
-        data.release_out_dir()
-        data.restore_signals(handlers)     # only now: a signal during the final save is not fatal
+        lifecycle.release_out_dir()
+        lifecycle.restore_signals(handlers)     # only now: a signal during the final save is not fatal
         if dist.is_available() and dist.is_initialized():
             gc.collect()    # the DDP wrapper (in a reference cycle) holds the group: it goes first
             dist.destroy_process_group()
@@ -2375,12 +2344,12 @@ def save_run(run):
     if run.out_dir is None or run.rank != 0:
         return
     sd, opt = run.raw.state_dict(), run.opt.state_dict()
-    if not data.all_finite([sd, opt["state"]]):
+    if not lifecycle.all_finite([sd, opt["state"]]):
         raise NonFiniteError(f"{run.tag}: non-finite weights at step {run.step}; stopped, the last good checkpoint "
                              f"is kept")
     state = {"step": run.step, "elapsed": run.elapsed, "loader": run.loader.state_dict(), "optimizer": opt,
-             "rng": data.rng_state(run.device)}
-    data.save_checkpoint(run.out_dir, sd, state, {**run.config, "script": data.script_record(__file__)},
+             "rng": lifecycle.rng_state(run.device)}
+    lifecycle.save_checkpoint(run.out_dir, sd, state, {**run.config, "script": lifecycle.script_record(__file__)},
                          run.tokenizer, run.step, run.newest_damaged)
     run.newest_damaged = False
     if run.on_save:
@@ -2389,17 +2358,17 @@ def save_run(run):
 
 def load_run(run):
     """The newest usable checkpoint into model, optimizer, loader and RNGs: the run goes on bit-exactly."""
-    folder, model_sd, st, _, run.newest_damaged = data.load_checkpoint(run.out_dir, STATE_TYPES, rank=run.rank)
-    data.load_state(run.raw, model_sd, folder)
+    folder, model_sd, st, _, run.newest_damaged = lifecycle.load_checkpoint(run.out_dir, STATE_TYPES, rank=run.rank)
+    lifecycle.load_state(run.raw, model_sd, folder)
     try:
         run.opt.load_state_dict(st["optimizer"])
         run.loader.load_state_dict(st["loader"])
-        data.set_rng_state(st["rng"], run.device)
+        lifecycle.set_rng_state(st["rng"], run.device)
     except (KeyError, TypeError, ValueError, IndexError, RuntimeError, AttributeError) as e:
         raise data.DataError(f"{folder}/state.pt: wrong types ({type(e).__name__}: {e})") from None
     run.step, run.elapsed = st["step"], st["elapsed"]
     if run.rank == 0:       # no step logged twice
-        data.cut_metrics(os.path.join(run.out_dir, "metrics.jsonl"), run.step)
+        lifecycle.cut_metrics(os.path.join(run.out_dir, "metrics.jsonl"), run.step)
 
 
 def phase_dirs(a):
@@ -2412,8 +2381,8 @@ def resume_flags(a, argv):
     for folder in (os.path.join(d, c) for d in phase_dirs(a)[::-1] for c in ("checkpoint", "checkpoint.prev")):
         with contextlib.suppress(OSError, data.DataError, LookupError, TypeError):
             path = os.path.join(folder, "config.json")
-            if data.sha256(path) == data.read_json(os.path.join(folder, "sha256.json"))["config.json"]:
-                saved = data.read_json(path)["args"]
+            if lifecycle.sha256(path) == lifecycle.read_json(os.path.join(folder, "sha256.json"))["config.json"]:
+                saved = lifecycle.read_json(path)["args"]
                 break
     else:
         return                       # claim_out_dir says there is nothing to resume
@@ -2422,7 +2391,7 @@ def resume_flags(a, argv):
         p._defaults.clear()
         for action in p._actions:
             action.default = argparse.SUPPRESS
-    for k, v in data.resumed_flags(vars(ap.parse_args(argv)), saved, RUN_CONTROL, path).items():
+    for k, v in lifecycle.resumed_flags(vars(ap.parse_args(argv)), saved, RUN_CONTROL, path).items():
         if hasattr(a, k):
             setattr(a, k, v)
 

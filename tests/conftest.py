@@ -138,7 +138,7 @@ def require_real_wandb():
 
 def disk_full_at_save(monkeypatch, step, code=None):
     """The checkpoint save of `step` fails with `code` (ENOSPC) after writing part of model.safetensors (every
-    training script saves through data.save_checkpoint, which imports safetensors' save_file when it saves)."""
+    training script saves through lifecycle.save_checkpoint, which imports safetensors' save_file when it saves)."""
     import errno
     import safetensors.torch
     code = code or errno.ENOSPC

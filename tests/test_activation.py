@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 import composer as C
 import data
+import lifecycle
 import eval_compositional as E
 import il_clip as M
 import mm_learngene as MM
@@ -52,31 +53,31 @@ def trained(tmp_path_factory):
 def test_weights_activation_reads_each_layout(tmp_path):
     w = str(tmp_path / "hub" / "open_clip_model.safetensors")
     write_json(tmp_path / "hub" / "open_clip_config.json", hub_config())
-    assert data.weights_activation(None, w) == (False, str(tmp_path / "hub" / "open_clip_config.json"))
+    assert lifecycle.weights_activation(None, w) == (False, str(tmp_path / "hub" / "open_clip_config.json"))
     write_json(tmp_path / "hub" / "open_clip_config.json", hub_config(quick_gelu=True))
-    assert data.weights_activation(None, w)[0] is True
-    assert data.weights_activation(False, w) == (False, "flag")
+    assert lifecycle.weights_activation(None, w)[0] is True
+    assert lifecycle.weights_activation(False, w) == (False, "flag")
     # the LAION repos also hold transformers' config.json: open_clip's file is read first
     write_json(tmp_path / "hub" / "config.json", {"architectures": ["CLIPModel"], "model": None})
-    assert data.weights_activation(None, w)[1].endswith("open_clip_config.json")
+    assert lifecycle.weights_activation(None, w)[1].endswith("open_clip_config.json")
     # a bare open_clip model config (open_clip reads it too), this repo's run config, neither
     write_json(tmp_path / "oc" / "config.json", hub_config()["model_cfg"])
-    assert data.weights_activation(None, str(tmp_path / "oc" / "w.pt"))[0] is False
+    assert lifecycle.weights_activation(None, str(tmp_path / "oc" / "w.pt"))[0] is False
     write_json(tmp_path / "run" / "config.json", {"model": {"quick_gelu": False}})
-    assert data.weights_activation(None, str(tmp_path / "run" / "model.safetensors"))[0] is False
+    assert lifecycle.weights_activation(None, str(tmp_path / "run" / "model.safetensors"))[0] is False
     write_json(tmp_path / "other" / "config.json", {"architectures": ["CLIPModel"]})
-    assert data.weights_activation(None, str(tmp_path / "other" / "w.safetensors")) == (True, "assumed")
+    assert lifecycle.weights_activation(None, str(tmp_path / "other" / "w.safetensors")) == (True, "assumed")
     # a run that assumed it passes the assumption on, never as a statement
     write_json(tmp_path / "assumed" / "config.json", {"model": {"quick_gelu": True}, "quick_gelu_source": "assumed"})
-    assert data.weights_activation(None, str(tmp_path / "assumed" / "w.safetensors")) == (True, "assumed")
+    assert lifecycle.weights_activation(None, str(tmp_path / "assumed" / "w.safetensors")) == (True, "assumed")
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "open_clip_config.json").write_text("{not json")
     with pytest.raises(data.DataError, match="open_clip_config.json: malformed JSON"):
-        data.weights_activation(None, str(tmp_path / "bad" / "w.safetensors"))
+        lifecycle.weights_activation(None, str(tmp_path / "bad" / "w.safetensors"))
 
 
 def _run_config(out_dir):
-    return data.read_json(os.path.join(out_dir, "checkpoint", "config.json"))
+    return lifecycle.read_json(os.path.join(out_dir, "checkpoint", "config.json"))
 
 
 def test_il_clip_init_records_where_the_activation_came_from(trained, tmp_path, capsys):

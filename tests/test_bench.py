@@ -10,6 +10,7 @@ import torch
 
 import bench
 import il_clip
+import lifecycle
 from conftest import import_open_clip
 
 
@@ -149,7 +150,7 @@ def test_targets_run_measures_every_method_and_derives_the_ratios(monkeypatch, t
 @pytest.mark.parametrize("model,codebook,text_len",
                          [("ViT-B-32", 0, None), ("ViT-B-32", 16384, 32), ("tiny", 1024, None)])
 def test_flops_per_pair_matches_torch_flop_counter(model, codebook, text_len):
-    """The MFU numerator, il_clip.estimate_flops_per_pair, against torch's FlopCounterMode over a
+    """The MFU numerator, lifecycle.estimate_flops_per_pair, against torch's FlopCounterMode over a
     real forward (on the meta device: shapes only, no arithmetic), times 3 for a training step."""
     from torch.utils.flop_counter import FlopCounterMode
     cfg = bench.model_config(model, "codebook" if codebook else "clip", codebook)
@@ -161,15 +162,15 @@ def test_flops_per_pair_matches_torch_flop_counter(model, codebook, text_len):
         with FlopCounterMode(display=False) as counter:
             net.encode_image(images), net.encode_text(text)
     counted = 3 * counter.get_total_flops() / 2
-    assert il_clip.estimate_flops_per_pair(cfg, text_len) == pytest.approx(counted, rel=1e-9)
+    assert lifecycle.estimate_flops_per_pair(cfg, text_len) == pytest.approx(counted, rel=1e-9)
     if model == "ViT-B-32" and not codebook:
         assert counted == pytest.approx(44.3e9, rel=2e-3)        # the issue's 14.8 GFLOPs forward x 3
 
 
 def test_peak_flops_by_device_name():
-    assert il_clip.peak_flops("NVIDIA H100 80GB HBM3") == il_clip.peak_flops("NVIDIA H200") == 989e12
-    assert il_clip.peak_flops("NVIDIA H100 PCIe") == 756e12 and il_clip.peak_flops("NVIDIA H100 NVL") == 835e12
-    assert il_clip.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12 and il_clip.peak_flops("Tesla T4") is None
+    assert lifecycle.peak_flops("NVIDIA H100 80GB HBM3") == lifecycle.peak_flops("NVIDIA H200") == 989e12
+    assert lifecycle.peak_flops("NVIDIA H100 PCIe") == 756e12 and lifecycle.peak_flops("NVIDIA H100 NVL") == 835e12
+    assert lifecycle.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12 and lifecycle.peak_flops("Tesla T4") is None
 
 
 def test_open_clip_step_is_timed_like_ours():

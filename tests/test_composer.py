@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import composer as C  # noqa: E402
 import data  # noqa: E402
+import lifecycle
 from conftest import disk_full_at_save  # noqa: E402
 
 PAPER_TREE = ("(ROOT (S (NP (CD two) (NNS dogs)) (VP (VBP are) (VP (VBG running) "
@@ -268,8 +269,8 @@ def test_resume_exact_and_ddp_equals_single(tmp_path):
     sa, sb = saved_state(full), saved_state(part)
     assert sa["sampler"] == sb["sampler"] and sa["step"] == sb["step"] == 6
     assert saved_state(part, "checkpoint.prev")["step"] == 3
-    config = data.read_json(os.path.join(full, "checkpoint", "config.json"))
-    assert config["script"] == data.script_record(C.__file__) and "given" not in config["args"]
+    config = lifecycle.read_json(os.path.join(full, "checkpoint", "config.json"))
+    assert config["script"] == lifecycle.script_record(C.__file__) and "given" not in config["args"]
     _run(["--out_dir", ddp, "--max_steps", "6"] + TRAIN, nproc=2)
     d = load_file(os.path.join(ddp, "checkpoint", "model.safetensors"))
     # the logged (global-batch) losses agree step by step; the weights agree up to float
@@ -282,14 +283,14 @@ def test_resume_exact_and_ddp_equals_single(tmp_path):
         torch.testing.assert_close(d[k], a[k], atol=1e-3, rtol=1e-3)
     for f in ("config.json", "tokenizer.json", "metrics.jsonl", "loss_curve.png"):
         assert os.path.exists(os.path.join(full, f))
-    assert sorted(os.listdir(os.path.join(full, "checkpoint"))) == sorted(data.CHECKPOINT_FILES + ("sha256.json",))
+    assert sorted(os.listdir(os.path.join(full, "checkpoint"))) == sorted(lifecycle.CHECKPOINT_FILES + ("sha256.json",))
     assert not [f for f in os.listdir(full) if ".tmp" in f or ".prev" in f]
     # evaluation + interpretation view on the checkpoint
     out = C.main(["eval", "--ckpt", full, "--eval_size", "12", "--interpret", "1", "--parse_dropout", "0.5",
                   "--folds", "3", "--out", os.path.join(full, "eval.json")])
     assert (set(out["test"]) >= {"t2i_r1", "t2i_r5", "t2i_r10", "p2i_r1", "p2i_r5", "p2i_r10"}
             and out["test"]["gallery"] == 4)
-    assert data.read_json(os.path.join(full, "eval.json")) == json.loads(json.dumps(out))
+    assert lifecycle.read_json(os.path.join(full, "eval.json")) == json.loads(json.dumps(out))
 
 
 @pytest.mark.parametrize("model", [["vse"], ["vse", "--vse_loss", "sampled"], ["single"],
@@ -310,7 +311,7 @@ def test_cli_bad_flags_one_line(tmp_path, capsys):
 
 
 def test_damaged_or_foreign_weights_one_line(tmp_path, capsys):
-    """eval --ckpt and --init read weights through data.read_weights: a truncated file or another
+    """eval --ckpt and --init read weights through lifecycle.read_weights: a truncated file or another
     model's weights is one `error:` line naming the file, exit 2."""
     out = str(tmp_path / "vse")
     C.main(["train", "--method", "vse", "--out_dir", out, "--max_steps", "1"] + TRAIN + ["--eval_size", "0"])
@@ -431,9 +432,9 @@ def test_damaged_checkpoint_falls_back_or_fails_in_one_line(tmp_path, capsys):
     assert "model.safetensors: damaged" in out_err.err and "resuming from the previous checkpoint" in out_err.err
     assert "at step 2" in out_err.out and same_weights(ref, out)
     torch.save({"step": "4", "sampler": [], "optimizer": {}, "rng": {}}, os.path.join(ck, "state.pt"))
-    sums = data.read_json(os.path.join(ck, "sha256.json"))
-    sums["state.pt"] = data.sha256(os.path.join(ck, "state.pt"))
-    data.save_json(os.path.join(ck, "sha256.json"), sums)
+    sums = lifecycle.read_json(os.path.join(ck, "sha256.json"))
+    sums["state.pt"] = lifecycle.sha256(os.path.join(ck, "state.pt"))
+    lifecycle.save_json(os.path.join(ck, "sha256.json"), sums)
     shutil.rmtree(os.path.join(out, "checkpoint.prev"))
     with pytest.raises(SystemExit) as e:
         C.main(["train", "--resume", "--out_dir", out])
@@ -521,7 +522,7 @@ def test_write_errors_are_one_line_and_keep_the_last_checkpoint(tmp_path, monkey
     line = one_error_line(capsys)
     assert e.value.code == 2 and out in line and os.strerror(code).lower() in line and "MiB needed" in line, line
     assert not os.path.exists(os.path.join(out, "checkpoint.tmp")) and saved_state(out)["step"] == 2
-    data.read_checkpoint(os.path.join(out, "checkpoint"), C.STATE_TYPES)       # whole: every sha256 matches
+    lifecycle.read_checkpoint(os.path.join(out, "checkpoint"), C.STATE_TYPES)       # whole: every sha256 matches
     monkeypatch.undo()
 
     def no_quota(metrics_path, png_path, *a):
@@ -538,7 +539,7 @@ def test_eval_of_another_scripts_checkpoint_names_its_reader(tmp_path, capsys):
     ck = tmp_path / "clip" / "checkpoint"
     os.makedirs(ck)
     save_file({"visual.conv1.weight": torch.zeros(8, 3, 4, 4)}, str(ck / "model.safetensors"))
-    data.save_json(str(ck / "config.json"), {"method": "clip", "model": {"vision_width": 8, "vision_layers": 1},
+    lifecycle.save_json(str(ck / "config.json"), {"method": "clip", "model": {"vision_width": 8, "vision_layers": 1},
                                              "script": {"name": "il_clip.py", "path": "/x/il_clip.py", "sha256": "0"}})
     with pytest.raises(SystemExit) as e:
         C.main(["eval", "--ckpt", str(tmp_path / "clip")])

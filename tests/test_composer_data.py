@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import composer as C  # noqa: E402
+import lifecycle  # noqa: E402
 
 data = pytest.importorskip("data")
 
@@ -324,7 +325,7 @@ def test_summarize_reads_final_evals_and_pairs_seeds(tmp_path, capsys):
             "r0": ("composer", "replace", False, 0, 50.0), "v0": ("vilbert", "film", True, 0, 40.0)}
     for d, (method, modulator, mvsa, seed, r1) in runs.items():
         os.makedirs(tmp_path / d)
-        data.save_json(str(tmp_path / d / "config.json"), {"args": {"method": method, "modulator": modulator,
+        lifecycle.save_json(str(tmp_path / d / "config.json"), {"args": {"method": method, "modulator": modulator,
                                                                     "concept_mvsa": mvsa, "seed": seed}})
         with open(tmp_path / d / "metrics.jsonl", "w") as f:
             f.write(json.dumps({"step": 1, "phase": "train", "loss": 1.0, "lr": 1e-3, "time": 0.0}) + "\n")
@@ -344,5 +345,5 @@ def test_summarize_reads_final_evals_and_pairs_seeds(tmp_path, capsys):
     row = next(ln for ln in out.splitlines() if ln.startswith("| single - composer (2) |"))
     assert row.split(" | ")[1] == f"{100 * d.mean():+.1f} ± {100 * half:.1f}"
     # a later `composer.py eval --out RUN/eval.json` (e.g. on larger splits) replaces the final record
-    data.save_json(str(tmp_path / "s1" / "eval.json"), {"mcd": {"t2i_r1": 36.0, "t2i_r5": 95.0}})
+    lifecycle.save_json(str(tmp_path / "s1" / "eval.json"), {"mcd": {"t2i_r1": 36.0, "t2i_r5": 95.0}})
     assert C.main(["summarize", str(tmp_path)])["single"]["mcd t2i_r1"] == {0: 0.2, 1: 0.36}

@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import composer as C  # noqa: E402
 import data  # noqa: E402
+import lifecycle
 
 pytest.importorskip("data")
 
@@ -68,10 +69,10 @@ def test_a_resumed_run_logs_the_same_interval_means(tmp_path, capsys):
 
 
 def test_plot_ticks_are_readable():
-    vals = data.nice_ticks(0, 400, integer=True)                      # the loss plot's axes (data.draw_curves)
+    vals = lifecycle.nice_ticks(0, 400, integer=True)                      # the loss plot's axes (lifecycle.draw_curves)
     assert all(isinstance(v, int) for v in vals) and vals[0] == 0 and vals[-1] <= 400 and len(vals) >= 3
-    assert data.nice_ticks(0, 3, integer=True) == [0, 1, 2, 3]        # no half steps
-    labels = data.tick_labels(data.nice_ticks(3.6381, 3.6385))        # a flat curve: labels still distinct
+    assert lifecycle.nice_ticks(0, 3, integer=True) == [0, 1, 2, 3]        # no half steps
+    labels = lifecycle.tick_labels(lifecycle.nice_ticks(3.6381, 3.6385))        # a flat curve: labels still distinct
     assert len(set(labels)) == len(labels) >= 3
 
 

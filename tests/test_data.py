@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 import data
+import lifecycle
 
 
 def _png_bytes(img):
@@ -297,12 +298,12 @@ def test_summarize_runs_blank_cells_and_no_star_without_an_interval(tmp_path, ca
     """A metric only some runs have is a blank cell (its method's paired row is kept, n counts the
     seeds); a paired difference with zero spread gets no star (no interval to exclude zero)."""
     def read(folder):
-        return tuple(data.read_json(os.path.join(folder, "run.json")))
+        return tuple(lifecycle.read_json(os.path.join(folder, "run.json")))
     for method, seed, res in [("a", 0, {"x": 0.5, "y": 0.1}), ("a", 1, {"x": 0.6}), ("b", 0, {"x": 0.4}),
                               ("b", 1, {"x": 0.5})]:
         os.makedirs(tmp_path / f"{method}{seed}")
-        data.save_json(str(tmp_path / f"{method}{seed}" / "run.json"), [method, seed, res])
-    data.summarize_runs(str(tmp_path), read, baseline="b")
+        lifecycle.save_json(str(tmp_path / f"{method}{seed}" / "run.json"), [method, seed, res])
+    lifecycle.summarize_runs(str(tmp_path), read, baseline="b")
     out = capsys.readouterr().out.splitlines()
     cells = {ln.split(" | ")[0]: [c.strip(" |") for c in ln.split(" | ")[1:]] for ln in out if ln.startswith("| ")}
     assert cells["| a (2)"][1] == "10.0" and cells["| b (2)"][1] == ""     # y: one seed (no ±); blank for b

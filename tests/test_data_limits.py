@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 
 import data
+import lifecycle
 import eval_compositional as E
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -257,10 +258,10 @@ def test_a_torchscript_archive_is_refused_and_converted_only_on_request(tmp_path
     path = str(tmp_path / "ViT-fake.pt")
     lin.save(path)
     with pytest.raises(data.DataError, match="TorchScript archive.*convert-weights") as e:
-        data.read_weights(path)
+        lifecycle.read_weights(path)
     assert "\n" not in str(e.value)
     assert data.main(["convert-weights", path]) == 0
-    sd = data.read_weights(str(tmp_path / "ViT-fake.safetensors"))
+    sd = lifecycle.read_weights(str(tmp_path / "ViT-fake.safetensors"))
     assert set(sd) == {"weight", "bias"} and torch.equal(sd["weight"], lin.weight.detach())
 
 

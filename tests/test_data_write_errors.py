@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import data
+import lifecycle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["make-shapes", "--train", "4", "--test", "2", "--shard_size", "2"]
@@ -67,11 +68,11 @@ def test_make_shapes_under_a_real_file_size_limit(tmp_path):
 
 def test_writing_reads_the_errno_and_safetensors_message():
     with pytest.raises(data.DataError, match="^x.bin: cannot write: no space left on device$"):
-        with data.writing("x.bin"):
+        with lifecycle.writing("x.bin"):
             raise OSError(errno.ENOSPC, "No space left on device")
     with pytest.raises(data.DataError, match="^w.safetensors: cannot write: file too large$"):
-        with data.writing("w.safetensors"):     # safetensors' Rust io::Error, not an OSError
+        with lifecycle.writing("w.safetensors"):     # safetensors' Rust io::Error, not an OSError
             raise RuntimeError("Error while serializing: IoError(File too large (os error 27))")
     with pytest.raises(PermissionError):        # not a want of room: not this policy's
-        with data.writing("x.bin"):
+        with lifecycle.writing("x.bin"):
             raise PermissionError(errno.EACCES, "Permission denied")

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 import data
+import lifecycle
 import eval_compositional as E
 
 # ----------------------------------------------------------------------------- stand-in model
@@ -654,12 +655,12 @@ def test_easy_to_learn_one_curve_per_generation_snapshot(il_run, tmp_path):
 def test_t_interval_against_hand_computation_and_scipy():
     """The 95% t-interval of 5 values, computed by hand: mean 0.6, s = sqrt(0.025) = 0.158114,
     t(0.975, 4) = 2.7764 -> half-width 2.7764 * 0.158114 / sqrt(5) = 0.196324."""
-    m, h = data.mean_ci([0.4, 0.5, 0.6, 0.7, 0.8])
+    m, h = lifecycle.mean_ci([0.4, 0.5, 0.6, 0.7, 0.8])
     assert m == pytest.approx(0.6) and h == pytest.approx(0.196324, abs=1e-5)
-    assert math.isnan(data.mean_ci([0.3])[1])
+    assert math.isnan(lifecycle.mean_ci([0.3])[1])
     scipy_stats = pytest.importorskip("scipy.stats")
     for df in (1, 2, 7, 30, 31, 45, 200):
-        assert data.t975(df) == pytest.approx(scipy_stats.t.ppf(0.975, df), abs=2e-4)
+        assert lifecycle.t975(df) == pytest.approx(scipy_stats.t.ppf(0.975, df), abs=2e-4)
 
 
 def test_paired_difference_uses_shared_seeds_only():
@@ -667,12 +668,12 @@ def test_paired_difference_uses_shared_seeds_only():
     narrower than the unpaired spread when the seeds move both methods together."""
     a = {0: 0.70, 1: 0.80, 2: 0.60, 3: 0.75, 9: 0.1}
     b = {0: 0.68, 1: 0.77, 2: 0.57, 3: 0.73, 5: 0.9}
-    m, h, n = data.paired_diff(a, b)
+    m, h, n = lifecycle.paired_diff(a, b)
     d = np.array([0.02, 0.03, 0.03, 0.02])
     assert n == 4 and m == pytest.approx(d.mean())
-    assert h == pytest.approx(data.T975[2] * d.std(ddof=1) / 2)   # df = 3
+    assert h == pytest.approx(lifecycle.T975[2] * d.std(ddof=1) / 2)   # df = 3
     assert m - h > 0                                   # excludes zero although the groups overlap
-    assert data.paired_diff({0: 1.0}, {1: 1.0})[2] == 0
+    assert lifecycle.paired_diff({0: 1.0}, {1: 1.0})[2] == 0
 
 
 def test_summarize_runs_means_and_intervals_over_seeds(tmp_path, capsys):
@@ -685,21 +686,21 @@ def test_summarize_runs_means_and_intervals_over_seeds(tmp_path, capsys):
     for d, (method, neg, seed) in runs.items():
         res = {k: float(rng.uniform()) for k in ["i2t_r1", "t2i_r1", *data.SHAPES_CATEGORIES]}
         os.makedirs(tmp_path / d)
-        data.save_json(str(tmp_path / d / "config.json"), {"method": method, "negatives": neg, "seed": seed})
-        data.save_json(str(tmp_path / d / "shapes_eval.json"), res)
+        lifecycle.save_json(str(tmp_path / d / "config.json"), {"method": method, "negatives": neg, "seed": seed})
+        lifecycle.save_json(str(tmp_path / d / "shapes_eval.json"), res)
         written.setdefault(method + ("+neg" if neg else ""), []).append(res)
     os.makedirs(tmp_path / "incomplete")            # no shapes_eval.json: not counted
-    data.save_json(str(tmp_path / "incomplete" / "config.json"), {"method": "il"})
+    lifecycle.save_json(str(tmp_path / "incomplete" / "config.json"), {"method": "il"})
     groups = E.summarize_runs(str(tmp_path), baseline="clip")
     assert {k: len(v["i2t_r1"]) for k, v in groups.items()} == {"il": 3, "il+neg": 1, "clip": 3}
     out = capsys.readouterr().out.splitlines()
     col = 1 + 2 + data.SHAPES_CATEGORIES.index("replace_att")
     il = np.array([r["replace_att"] for r in written["il"]])
     cell = next(ln for ln in out if ln.startswith("| il (3) |")).split(" | ")[col]
-    assert cell == f"{100 * il.mean():.1f} ± {100 * data.T975[1] * il.std(ddof=1) / np.sqrt(3):.1f}"
+    assert cell == f"{100 * il.mean():.1f} ± {100 * lifecycle.T975[1] * il.std(ddof=1) / np.sqrt(3):.1f}"
     d = il - np.array([r["replace_att"] for r in written["clip"]])
     cell = next(ln for ln in out if ln.startswith("| il - clip (3) |")).split(" | ")[col]
-    assert cell.rstrip("*") == f"{100 * d.mean():+.1f} ± {100 * data.T975[1] * d.std(ddof=1) / np.sqrt(3):.1f}"
+    assert cell.rstrip("*") == f"{100 * d.mean():+.1f} ± {100 * lifecycle.T975[1] * d.std(ddof=1) / np.sqrt(3):.1f}"
     assert next(ln for ln in out if ln.startswith("| il+neg - clip (1) |"))
     means = [np.mean([r[c] for c in data.SHAPES_CATEGORIES]) for r in written["il"]]
     assert np.allclose(list(groups["il"]["sugarcrepe_mean"].values()), means)
@@ -712,20 +713,20 @@ def test_summarize_runs_means_and_intervals_over_seeds(tmp_path, capsys):
 def test_shapes_run_reads_the_easy_to_learn_probe(tmp_path):
     """A run folder with the easy_to_learn JSON gains the probe's accuracy at step 20 and at its
     last step (fractions); 'scored' is not a metric."""
-    data.save_json(str(tmp_path / "config.json"), {"method": "il", "seed": 3})
+    lifecycle.save_json(str(tmp_path / "config.json"), {"method": "il", "seed": 3})
     res = {k: 0.5 for k in ["i2t_r1", "t2i_r1", *data.SHAPES_CATEGORIES]}
-    data.save_json(str(tmp_path / "shapes_eval.json"), res | {"scored": {"items_per_category": 1000}})
+    lifecycle.save_json(str(tmp_path / "shapes_eval.json"), res | {"scored": {"items_per_category": 1000}})
     assert "probe_final" not in E.shapes_run(str(tmp_path))[2]
     curve = [{"step": 0, "acc": 1.0}, {"step": 20, "acc": 40.0}, {"step": 40, "acc": 55.5}]
-    data.save_json(str(tmp_path / "probe.json"), {"results": {"easy_to_learn": {
+    lifecycle.save_json(str(tmp_path / "probe.json"), {"results": {"easy_to_learn": {
         "run": {"final": 55.5, "curve": curve}, "data": "shapes", "seed": 1234, "steps": 40}}})
     method, seed, got = E.shapes_run(str(tmp_path))
     assert (method, seed) == ("il", 3) and "scored" not in got and "probe_auc" not in got   # written before auc
     assert got["probe_step20"] == pytest.approx(0.40) and got["probe_final"] == pytest.approx(0.555)
-    data.save_json(str(tmp_path / "probe.json"), {"results": {"easy_to_learn": {
+    lifecycle.save_json(str(tmp_path / "probe.json"), {"results": {"easy_to_learn": {
         "run": {"final": 55.5, "auc": 47.75, "curve": curve}, "data": "shapes", "auc_steps": 40}}})
     assert E.shapes_run(str(tmp_path))[2]["probe_auc"] == pytest.approx(0.4775)
-    data.save_json(str(tmp_path / "probe.json"), {"results": {"easy_to_learn": {
+    lifecycle.save_json(str(tmp_path / "probe.json"), {"results": {"easy_to_learn": {
         "run": {"final": 55.5, "curve": curve[::2]}, "data": "shapes"}}})    # no step 20: one clear error
     with pytest.raises(data.DataError, match="step 20"):
         E.shapes_run(str(tmp_path))
@@ -743,8 +744,8 @@ def test_shapes_runs_in_percent_and_older_fraction_files_read_alike(tmp_path, ca
     for name, res in (("fractions", frac), ("percent", percent)):
         run = tmp_path / name / "run0"
         os.makedirs(run)
-        data.save_json(str(run / "config.json"), {"method": "il", "seed": 0})
-        data.save_json(str(run / "shapes_eval.json"), res | {"scored": {"items_per_category": 1000}})
+        lifecycle.save_json(str(run / "config.json"), {"method": "il", "seed": 0})
+        lifecycle.save_json(str(run / "shapes_eval.json"), res | {"scored": {"items_per_category": 1000}})
         got[name] = E.shapes_run(str(run))[2]
         E.summarize_runs(str(tmp_path / name))
         tables[name] = capsys.readouterr().out

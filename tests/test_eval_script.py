@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import data
+import lifecycle
 import eval_compositional as E
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,7 +71,7 @@ def test_eval_scores_a_fork_with_its_own_code(forks, name, tmp_path):
     p = evaluate(run, tmp_path / "r.json")
     assert p.returncode == 0, p.stderr
     blob = json.loads((tmp_path / "r.json").read_text())
-    assert blob["script"] == {"path": script, "sha256": data.script_record(script)["sha256"], "changed": False}
+    assert blob["script"] == {"path": script, "sha256": lifecycle.script_record(script)["sha256"], "changed": False}
     assert f"code {script}," in p.stderr and "has changed" not in p.stderr
     # the fork's own end-of-run numbers (in percent, or fractions from before that switch), the same 20 items
     own = json.loads(open(os.path.join(run, "shapes_eval.json")).read())
@@ -100,9 +101,9 @@ def test_script_override_and_what_the_unforked_code_makes_of_a_fork(forks, tmp_p
 def copy_run(run, dest, **script):
     """A copy of a run's checkpoint whose config.json records `script` fields changed."""
     shutil.copytree(os.path.join(run, "checkpoint"), dest)
-    cfg = data.read_json(str(dest / "config.json"))
+    cfg = lifecycle.read_json(str(dest / "config.json"))
     cfg["script"] = {**cfg["script"], **script}
-    data.save_json(str(dest / "config.json"), cfg)
+    lifecycle.save_json(str(dest / "config.json"), cfg)
     return str(dest)
 
 
@@ -125,7 +126,7 @@ def test_checkpoints_of_other_scripts_get_one_line_naming_the_script_and_its_rea
     weights = os.path.join(forks["softmax"][1], "checkpoint", "model.safetensors")
     cases = {  # config.json -> what the line must say
         "composer": ({"args": {}, "model": {"dim": 32},
-                      "script": data.script_record(os.path.join(ROOT, "composer.py"))},
+                      "script": lifecycle.script_record(os.path.join(ROOT, "composer.py"))},
                      "a checkpoint of composer.py", "python composer.py eval --ckpt"),
         "finetune": ({"cmd": "finetune", "task": "classification", "results": {}},   # recorded no script yet
                      "a checkpoint of mm_learngene.py", "python mm_learngene.py report --results"),
@@ -134,7 +135,7 @@ def test_checkpoints_of_other_scripts_get_one_line_naming_the_script_and_its_rea
     for name, (cfg, what, how) in cases.items():
         os.makedirs(tmp_path / name)
         shutil.copy(weights, tmp_path / name)
-        data.save_json(str(tmp_path / name / "config.json"), cfg)
+        lifecycle.save_json(str(tmp_path / name / "config.json"), cfg)
         assert E.main(["--ckpt", str(tmp_path / name), "--no_progress"]) == 2, name
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error:") and what in err[0] and how in err[0], (name, err)
@@ -153,9 +154,9 @@ def test_analyses_load_snapshots_and_compared_runs_with_their_code(forks, tmp_pa
     assert E.script_of(model).__file__ == script
     snap = tmp_path / "gen1"
     shutil.copytree(os.path.join(run, "checkpoint"), snap)
-    cfg = data.read_json(str(snap / "config.json"))
+    cfg = lifecycle.read_json(str(snap / "config.json"))
     del cfg["script"]
-    data.save_json(str(snap / "config.json"), cfg)
+    lifecycle.save_json(str(snap / "config.json"), cfg)
     assert type(E.load_snapshot(str(snap), model, run, args)) is type(model)
     assert type(E.fresh_language_agent(model, 7)) is type(model)
     r = E.bench_codebook(args, model, tok, config)

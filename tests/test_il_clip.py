@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import data
+import lifecycle
 import il_clip as M
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +32,7 @@ def run_main(argv):
 
 def weights(out_dir):
     """The latest checkpoint's weights (out_dir/checkpoint/), or a gen{g}/ snapshot's."""
-    return load_file(os.path.join(data.checkpoint_dir(out_dir), "model.safetensors"))
+    return load_file(os.path.join(lifecycle.checkpoint_dir(out_dir), "model.safetensors"))
 
 
 def train_state(out_dir, folder="checkpoint"):
@@ -159,8 +160,12 @@ def test_openai_key_layout_and_shapes():
     assert sd["transformer.resblocks.11.attn.in_proj_weight"] == (1536, 512)
     assert sd["positional_embedding"] == (77, 512) and sd["token_embedding.weight"] == (49408, 512)
     assert not any(k.startswith(("codebook", "image_query", "text_query")) for k in sd)
-    inferred = M.ModelConfig(**M.openai_config({k: torch.empty(v, device="meta") for k, v in sd.items()}))
+    meta = {k: torch.empty(v, device="meta") for k, v in sd.items()}
+    inferred = M.ModelConfig(**lifecycle.clip_hparams(meta, "ViT-B-32"))   # a bare file: OpenAI's conventions
     assert (inferred.vision_layers, inferred.text_layers, inferred.image_size, inferred.patch_size) == (12, 12, 224, 32)
+    assert (inferred.vision_heads, inferred.text_heads, inferred.eot_token_id, inferred.quick_gelu) == (12, 8, 49407, True)
+    with pytest.raises(lifecycle.DataError, match="cannot read the text tower .missing ln_final.weight"):
+        lifecycle.clip_hparams({k: v for k, v in meta.items() if k != "ln_final.weight"}, "x.safetensors")
 
 
 def _meta_state_dict(cfg):
@@ -468,11 +473,11 @@ def test_saves_at_multiples_of_save_interval_whatever_the_log_interval(tmp_path,
     assert [json.loads(x)["step"] for x in open(os.path.join(out, "metrics.jsonl"))] == [3, 6, 7]
     assert sorted(os.listdir(out)) == [".lock", "checkpoint", "checkpoint.prev", "config.json", "loss_curve.png",
                                        "metrics.jsonl", "tokenizer.json"]       # no checkpoint.tmp left behind
-    assert sorted(os.listdir(os.path.join(out, "checkpoint"))) == sorted(data.CHECKPOINT_FILES + ("sha256.json",))
+    assert sorted(os.listdir(os.path.join(out, "checkpoint"))) == sorted(lifecycle.CHECKPOINT_FILES + ("sha256.json",))
     assert train_state(out)["step"] == 7 and train_state(out, "checkpoint.prev")["step"] == 6
     sums = json.load(open(os.path.join(out, "checkpoint", "sha256.json")))
-    assert (set(sums) == set(data.CHECKPOINT_FILES)
-            and sums["state.pt"] == data.sha256(os.path.join(out, "checkpoint", "state.pt")))
+    assert (set(sums) == set(lifecycle.CHECKPOINT_FILES)
+            and sums["state.pt"] == lifecycle.sha256(os.path.join(out, "checkpoint", "state.pt")))
 
 
 def _damage(ck, how):
@@ -490,7 +495,7 @@ def _damage(ck, how):
     else:                                        # "types": a state.pt of the wrong shape, its sha256 updated
         torch.save({"step": "2", "optimizer": []}, os.path.join(ck, "state.pt"))
         sums = json.load(open(os.path.join(ck, "sha256.json")))
-        json.dump(sums | {"state.pt": data.sha256(os.path.join(ck, "state.pt"))},
+        json.dump(sums | {"state.pt": lifecycle.sha256(os.path.join(ck, "state.pt"))},
                   open(os.path.join(ck, "sha256.json"), "w"))
 
 
@@ -567,14 +572,14 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_bit_exactly(tmp_path):
 def test_a_second_ctrl_c_exits_at_once(monkeypatch, capsys):
     exits = []
     monkeypatch.setattr(data.os, "_exit", exits.append)
-    old = data.catch_stop_signals()                    # what il_clip.main installs
+    old = lifecycle.catch_stop_signals()                    # what il_clip.main installs
     try:
-        data._on_stop_signal(signal.SIGTERM, None)
-        data._on_stop_signal(signal.SIGTERM, None)
-        assert data.stop_requested() == "SIGTERM" and exits == []   # the first asks for a save at the next sync point
-        data._on_stop_signal(signal.SIGINT, None)
+        lifecycle._on_stop_signal(signal.SIGTERM, None)
+        lifecycle._on_stop_signal(signal.SIGTERM, None)
+        assert lifecycle.stop_requested() == "SIGTERM" and exits == []   # the first asks for a save at the next sync point
+        lifecycle._on_stop_signal(signal.SIGINT, None)
     finally:
-        data.restore_signals(old)
+        lifecycle.restore_signals(old)
     assert exits == [130] and "exiting without saving" in _one_error_line(capsys)
 
 
@@ -624,7 +629,7 @@ def test_a_write_error_is_one_line_and_keeps_the_checkpoint(tmp_path, capsys, ta
     """A full disk (/dev/full) under metrics.jsonl or the loss curve PNG: one error line, exit 2."""
     out = str(tmp_path / "w")
     os.makedirs(out)
-    name = target if target == "metrics.jsonl" else f"{target}.tmp{os.getpid()}"   # data.atomic_write's temp
+    name = target if target == "metrics.jsonl" else f"{target}.tmp{os.getpid()}"   # lifecycle.atomic_write's temp
     os.symlink("/dev/full", os.path.join(out, name))
     rc = run_main(TINY + ["--method", "clip", "--max_steps", "4", "--save_interval", "2", "--out_dir", out])
     line = _one_error_line(capsys)
@@ -643,7 +648,7 @@ def test_nonfinite_stops_and_never_saves_a_nonfinite_checkpoint(tmp_path, capsys
     step = train_state(out)["step"]
     assert step < 50
     assert all(torch.isfinite(v).all() for v in weights(out).values())
-    assert data.all_finite(train_state(out)) and train_state(out)["optimizer"]["state"]
+    assert lifecycle.all_finite(train_state(out)) and train_state(out)["optimizer"]["state"]
 
 
 def test_logit_scale_used_in_the_loss_is_at_most_100():

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import il_clip as M
+import lifecycle
 from test_il_clip import IL, TINY
 
 
@@ -216,8 +217,8 @@ def test_trimmed_text_padding_gives_the_same_embeddings(codebook):
     assert M.trim_padding(text.to("meta"), eot).shape == (5, L)   # on a device: untouched, no sync
     with torch.no_grad():
         assert torch.allclose(model.encode_text(trimmed), model.encode_text(text), atol=1e-6)
-    flops = M.estimate_flops_per_pair(model.cfg, text_len=16)
-    assert flops < M.estimate_flops_per_pair(model.cfg) == M.estimate_flops_per_pair(model.cfg, L)
+    flops = lifecycle.estimate_flops_per_pair(model.cfg, text_len=16)
+    assert flops < lifecycle.estimate_flops_per_pair(model.cfg) == lifecycle.estimate_flops_per_pair(model.cfg, L)
 
 
 def test_compiled_text_encoder_does_not_recompile_per_text_length():

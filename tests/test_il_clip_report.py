@@ -14,6 +14,7 @@ from conftest import require_real_wandb
 import torch
 
 import data
+import lifecycle
 import il_clip as M
 from test_il_clip import IL, ROOT, TINY, run_main
 
@@ -96,16 +97,16 @@ def test_a_single_phase_run_is_one_colour_named_by_its_method(tmp_path):
 
 @pytest.mark.parametrize("hi", [1, 3, 7, 12, 37, 1000, 48000])
 def test_step_ticks_are_whole_numbers_inside_the_range(hi):
-    ticks = data.nice_ticks(0, hi, integer=True)
+    ticks = lifecycle.nice_ticks(0, hi, integer=True)
     assert ticks[0] == 0 and ticks[-1] <= hi and len(ticks) >= 2 - (hi < 2)
     assert all(float(t).is_integer() for t in ticks) and len(set(ticks)) == len(ticks)
-    assert all("." not in s for s in data.tick_labels(ticks))
+    assert all("." not in s for s in lifecycle.tick_labels(ticks))
 
 
 @pytest.mark.parametrize("lo,hi", [(3.6381, 3.6383), (0.5, 4.7), (1e-4, 3e-4), (2.0, 2.0 + 1e-6)])
 def test_loss_ticks_read_differently_and_lie_in_the_range(lo, hi):
-    ticks = data.nice_ticks(lo, hi)
-    labels = data.tick_labels(ticks)
+    ticks = lifecycle.nice_ticks(lo, hi)
+    labels = lifecycle.tick_labels(ticks)
     assert len(ticks) >= 2 and lo - 1e-12 <= ticks[0] and ticks[-1] <= hi + 1e-12
     assert len(set(labels)) == len(labels)
     assert all(abs(float(s) - t) <= (hi - lo) / 10 for s, t in zip(labels, ticks))   # a label reads its tick

@@ -39,8 +39,8 @@ def sq_loss(m, x):
 
 def test_saves_at_save_interval_whatever_log_interval(tmp_path, monkeypatch):
     saved = []
-    real = M.data.save_checkpoint
-    monkeypatch.setattr(M.data, "save_checkpoint", lambda *a, **k: (saved.append(a[2]["step"]), real(*a, **k)))
+    real = M.lifecycle.save_checkpoint
+    monkeypatch.setattr(M.lifecycle, "save_checkpoint", lambda *a, **k: (saved.append(a[2]["step"]), real(*a, **k)))
     torch.manual_seed(0)
     M.train_phase(torch.nn.Linear(4, 1), sq_loss, _ListLoader(toy_batches()), toy_args(), 0, 1, "cpu", 7,
                   out_dir=str(tmp_path), tag="t")
@@ -115,7 +115,7 @@ def rewrite_state(folder, change):
     change(st)
     torch.save(st, folder / "state.pt")
     sums = json.loads((folder / "sha256.json").read_text())
-    sums["state.pt"] = M.data.sha256(folder / "state.pt")
+    sums["state.pt"] = M.lifecycle.sha256(folder / "state.pt")
     (folder / "sha256.json").write_text(json.dumps(sums))
 
 
@@ -239,7 +239,7 @@ def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(teacher, tmp_pa
     disk_full_at_save(monkeypatch, 4)
     expect_error(extract_args(teacher, out) + ["--max_steps", "4", "--save_interval", "2"], capsys, "MiB needed")
     assert not os.path.exists(os.path.join(out, "checkpoint.tmp")) and saved_step(out) == 2
-    M.data.read_checkpoint(os.path.join(out, "checkpoint"), M.STATE_TYPES)       # complete, its sha256 sums hold
+    M.lifecycle.read_checkpoint(os.path.join(out, "checkpoint"), M.STATE_TYPES)       # complete, its sha256 sums hold
 
 
 @pytest.mark.parametrize("what", ["metrics", "png", "results"])
@@ -250,11 +250,11 @@ def test_write_errors_anywhere_are_one_line(teacher, tmp_path, capsys, monkeypat
     if what == "metrics":
         def log(path, *a):
             raise OSError(code, os.strerror(code), path)
-        monkeypatch.setattr(M.data, "log_record", log)
+        monkeypatch.setattr(M.lifecycle, "log_record", log)
     elif what == "png":
         def draw(path, *a, **k):
             raise OSError(code, os.strerror(code), path)
-        monkeypatch.setattr(M.data, "draw_curves", draw)
+        monkeypatch.setattr(M.lifecycle, "draw_curves", draw)
     else:
         real = M.atomic_write_json
 
@@ -398,7 +398,7 @@ def test_ctrl_c_saves_like_sigterm_and_a_second_exits_at_once(teacher, tmp_path,
         M.main(["extract", "--out_dir", str(out), "--resume"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 130 and err == ["error: interrupted again: exiting without saving"], err
-    assert saved_step(out) == step and signal.getsignal(signal.SIGINT) is not M.data._on_stop_signal
+    assert saved_step(out) == step and signal.getsignal(signal.SIGINT) is not M.lifecycle._on_stop_signal
 
 
 def test_a_sigterm_during_the_final_save_does_not_kill_the_run(teacher, tmp_path, monkeypatch):  # noqa: F811

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 import data
+import lifecycle
 import eval_compositional as E
 import mm_learngene as M
 from test_mm_learngene import EXTRACT, expect_error, extracted, hand_layer, randomise, small_cfg, teacher  # noqa: F401
@@ -380,12 +381,12 @@ def test_report_seeds_pairs_each_setting_with_mmlg_of_its_size(tmp_path, capsys)
         for part, r1 in (("both", 15.0 + seed), ("no_mm", 8.0 + 2 * seed)):
             d = tmp_path / f"ret_{part}_s{seed}"
             os.makedirs(d)
-            data.save_json(str(d / "results.json"), {"kind": "mmlg", "part": part, "layers": 6, "task": "retrieval",
+            lifecycle.save_json(str(d / "results.json"), {"kind": "mmlg", "part": part, "layers": 6, "task": "retrieval",
                                                      "seed": seed, "i2t_r1": r1, "t2i_r1": r1 - 1})
         for kind, (b4, nearest) in cap.items():
             d = tmp_path / f"cap_{kind}_s{seed}"
             os.makedirs(d)
-            data.save_json(str(d / "results.json"), {
+            lifecycle.save_json(str(d / "results.json"), {
                 "kind": kind, "part": "both", "layers": 6, "task": "caption", "seed": seed,
                 "bleu4": b4 + seed, "cider": 50.0, "rouge_l": 40.0,
                 "baselines": {"nearest": {"bleu4": nearest, "cider": 120.0 + seed, "rouge_l": 48.0},
@@ -394,8 +395,8 @@ def test_report_seeds_pairs_each_setting_with_mmlg_of_its_size(tmp_path, capsys)
     out = capsys.readouterr().out.splitlines()
     row = next(ln for ln in out if ln.startswith("| mmlg no_mm 6 retrieval - mmlg both 6 retrieval (3) |"))
     d = np.array([8.0 - 15.0, 10.0 - 16.0, 12.0 - 17.0]) / 100
-    assert row.split(" | ")[1] == f"{100 * d.mean():+.1f} ± {100 * data.T975[1] * d.std(ddof=1) / np.sqrt(3):.1f}*"
+    assert row.split(" | ")[1] == f"{100 * d.mean():+.1f} ± {100 * lifecycle.T975[1] * d.std(ddof=1) / np.sqrt(3):.1f}*"
     row = next(ln for ln in out if ln.startswith("| nearest caption (mmlg) 6 - mmlg both 6 caption (3) |"))
     d = np.array([70.0, 71.0, 72.0]) / 100            # cider: (120 + seed) - 50
-    assert row.split(" | ")[2] == f"{100 * d.mean():+.1f} ± {100 * data.T975[1] * d.std(ddof=1) / np.sqrt(3):.1f}*"
+    assert row.split(" | ")[2] == f"{100 * d.mean():+.1f} ± {100 * lifecycle.T975[1] * d.std(ddof=1) / np.sqrt(3):.1f}*"
     assert any(ln.startswith("| tleg both 6 caption - mmlg both 6 caption (3) |") for ln in out)

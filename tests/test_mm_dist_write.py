@@ -19,14 +19,14 @@ if __name__ != "__main__":
 def driver(out, argv):
     """Rank 0's second checkpoint save hits a full disk; each rank writes down how it exited."""
     rank = int(os.environ.get("RANK", 0))
-    real, calls = M.data.save_checkpoint, []
+    real, calls = M.lifecycle.save_checkpoint, []
 
     def full_disk(*a, **k):
         calls.append(1)
         if len(calls) == 2:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(*a, **k)
-    M.data.save_checkpoint = full_disk
+    M.lifecycle.save_checkpoint = full_disk
     code = 0
     try:
         M.main(argv)

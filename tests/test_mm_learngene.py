@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import data
+import lifecycle
 import mm_learngene as M
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -530,7 +531,7 @@ def test_load_model_is_the_evaluation_contract(extracted, tmp_path):
     M.main(["expand", "--learngene", lg, "--layers", "3", "--out_dir", str(tmp_path / "d")])
     M.main(["expand", "--learngene", lg, "--layers", "3", "--modality", "vision", "--out_dir", str(tmp_path / "v")])
     config = json.loads((tmp_path / "d" / "config.json").read_text())
-    module, path, note = data.import_script(config["script"])
+    module, path, note = lifecycle.import_script(config["script"])
     assert path == os.path.abspath(M.__file__) and note is None
     model, tok, cfg = module.load_model(str(tmp_path / "d"), device="cpu", quick_gelu=None)
     sd, dcfg = M.descendant_state(M.load_learngene(lg)[0], 3, "clip")
@@ -591,7 +592,7 @@ def test_readers_build_the_model_from_the_recorded_script(extracted, teacher, tm
         ck = tmp_path / f"ck_{case}"
         shutil.copytree(src, ck)
         config = json.loads((ck / "config.json").read_text())
-        record = data.script_record(str(fork))
+        record = lifecycle.script_record(str(fork))
         if case == "own":
             config.pop("script", None)
         elif case == "changed":

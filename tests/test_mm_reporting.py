@@ -41,6 +41,6 @@ def test_help_is_grouped_with_defaults_shown():
 
 
 def test_loss_curve_ticks_are_round_and_distinct():
-    ticks = M.data.nice_ticks(3.6381, 3.6389, n=10)     # the curve is drawn by data.draw_curves
-    assert len(ticks) >= 4 and len(set(M.data.tick_labels(ticks))) == len(ticks)
-    assert M.data.nice_ticks(0, 7, integer=True) == [0, 2, 4, 6]       # whole steps only
+    ticks = M.lifecycle.nice_ticks(3.6381, 3.6389, n=10)     # the curve is drawn by lifecycle.draw_curves
+    assert len(ticks) >= 4 and len(set(M.lifecycle.tick_labels(ticks))) == len(ticks)
+    assert M.lifecycle.nice_ticks(0, 7, integer=True) == [0, 2, 4, 6]       # whole steps only
