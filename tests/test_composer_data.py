@@ -340,7 +340,7 @@ def test_summarize_reads_final_evals_and_pairs_seeds(tmp_path, capsys):
     assert set(groups["composer"]) == {"mcd t2i_r1", "mcd t2i_r5"}
     out = capsys.readouterr().out
     d = np.array([-0.10, -0.08])       # single - composer on seeds 0 and 1
-    from data import T975
+    from lifecycle import T975
     half = T975[0] * d.std(ddof=1) / np.sqrt(2)
     row = next(ln for ln in out.splitlines() if ln.startswith("| single - composer (2) |"))
     assert row.split(" | ")[1] == f"{100 * d.mean():+.1f} ± {100 * half:.1f}"
