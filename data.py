@@ -388,7 +388,10 @@ def clip_clean(text: str) -> str:
     return " ".join(text.split()).lower()
 
 
-SOT_TOKEN, EOT_TOKEN, PAD_TOKEN, UNK_TOKEN = "<|startoftext|>", "<|endoftext|>", "<pad>", "<unk>"
+SOT_TOKEN = "<|startoftext|>"
+EOT_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<pad>"
+UNK_TOKEN = "<unk>"
 MAX_CAPTION_CHARS = 4096  # far past 77 tokens: captions are cut here before cleaning and tokenizing
 
 
@@ -785,7 +788,10 @@ class FileDataset(torch.utils.data.Dataset):
     """Map-style dataset over `Item`s; images are read and transformed in __getitem__."""
 
     def __init__(self, items: list, transform, seed: int = 0):
-        self.items, self.transform, self.seed, self.epoch = items, transform, seed, 0
+        self.items = items
+        self.transform = transform
+        self.seed = seed
+        self.epoch = 0
 
     def __len__(self):
         return len(self.items)
@@ -1124,10 +1130,22 @@ def _start_workers(dl):
 class _Loader:
     def __init__(self, batch_size, num_samples, tokenizer=None, train=True, rank=0, world_size=1, num_workers=0, seed=0,
                  drop_last=True, name="data", max_skip_fraction=MAX_SKIP_FRACTION, counted_by="", image_size=None):
-        self.name, self.batch_size, self.tokenizer, self.train = name, batch_size, tokenizer, train
-        self.rank, self.world_size, self.num_workers, self.seed = rank, world_size, num_workers, seed
-        self.drop_last, self.max_skip_fraction, self.epoch, self.batches_done = drop_last, max_skip_fraction, 0, 0
-        self.good, self.skipped, self.dropped, self.skip_reasons = 0, 0, 0, collections.Counter()  # dropped: drop_last
+        self.name = name
+        self.batch_size = batch_size
+        self.tokenizer = tokenizer
+        self.train = train
+        self.rank = rank
+        self.world_size = world_size
+        self.num_workers = num_workers
+        self.seed = seed
+        self.drop_last = drop_last
+        self.max_skip_fraction = max_skip_fraction
+        self.epoch = 0
+        self.batches_done = 0
+        self.good = 0
+        self.skipped = 0
+        self.dropped = 0  # dropped: drop_last
+        self.skip_reasons = collections.Counter()
         self.num_samples = num_samples      # check_min: SKIP_CHECK_MIN, or one epoch's share where that is smaller
         self.check_min = max(1, min(SKIP_CHECK_MIN, num_samples // world_size)) if num_samples else SKIP_CHECK_MIN
         if drop_last and num_samples is not None and num_samples < batch_size * world_size:
@@ -1252,7 +1270,10 @@ class ShardStream(torch.utils.data.IterableDataset):
     def __init__(self, loader, shards, transform, resampled, shuffle_buffer):
         for k in ("batch_size", "tokenizer", "seed", "train", "rank", "world_size", "drop_last"):
             setattr(self, k, getattr(loader, k))    # a copy of the loader's settings: workers get this object
-        self.shards, self.transform, self.resampled, self.shuffle_buffer = shards, transform, resampled, shuffle_buffer
+        self.shards = shards
+        self.transform = transform
+        self.resampled = resampled
+        self.shuffle_buffer = shuffle_buffer
         self.workers, self.epoch, self.worker_offset = max(1, loader.num_workers), 0, 0
         self.records_done, self.batch_extra = [0] * self.workers, None  # per logical worker: records consumed
 
