@@ -374,7 +374,7 @@ def bench_data(args, device):
         costs[stored] = min(runs["steady"]) if separable else ms[workers]
         kib = sum(map(len, jpegs)) / len(jpegs) / 1024
         ratio = lambda a, b: statistics.median(x / y for x, y in zip(runs[a], runs[b]))
-        print(f"  stored {stored} px ({kib:.0f} KiB){', draft 1/2' * (stored == 512)}: "
+        print(f"  stored {stored} px ({kib:.0f} KiB){', draft 1/2' if stored == 512 else ''}: "
               f"plain PIL loop {plain:.2f}; make_loader 0 workers {ms[0]:.2f} ({ratio(0, 'plain'):.2f}x plain), "
               f"{workers} workers {ms[workers]:.2f} ({ratio(workers, 'plain'):.2f}x plain; "
               f"{ratio(workers, 'parallel'):.2f}x {max(1, workers)} plain loops at once, {parallel:.2f})")
@@ -632,8 +632,16 @@ def bench_targets(args, device):
     print(f"\ntargets on {device_name(device)}: {args.model}, batch {args.batch_size}, {args.dtype}, K="
           f"{res['codebook']['cfg'].codebook_size}{', compiled' if args.compile else ''} (the GPU thresholds are set "
           f"for ViT-B-32, batch 256, bf16, K=16384)\n| target | measured | threshold | met |\n|---|---|---|---|")
-    fmt = lambda key, v: ("-" if v is None else f"{v / 1e9:.2f} GB" if key == "codebook_head_bytes"
-                          else f"{v:.1%}" if key == "clip_mfu" else f"{v:.3f}x")
+
+    def fmt(key, v):
+        if v is None:
+            return "-"
+        if key == "codebook_head_bytes":
+            return f"{v / 1e9:.2f} GB"
+        if key == "clip_mfu":
+            return f"{v:.1%}"
+        return f"{v:.3f}x"
+
     for r in rows:
         thr = "-" if r["threshold"] is None else f"{r['op']} {fmt(r['key'], r['threshold'])}"
         verdict = {True: "yes", False: "**no**", None: "n/a" if r["threshold"] is None else "not measured"}[r["ok"]]

@@ -728,7 +728,10 @@ class SingleStream(ModelBase):
         return {"x": x, "mask": mask}
 
     def score_pairs(self, tb, te, V, vmask, pair_cap, pair_img):
-        x, m, V, vm = te["x"][pair_cap], te["mask"][pair_cap], V[pair_img], vmask[pair_img]
+        x = te["x"][pair_cap]
+        m = te["mask"][pair_cap]
+        V = V[pair_img]
+        vm = vmask[pair_img]
         for b in self.blocks:
             x = b(x, m, V, vm)
         return self.theta(self.ln_out(x[:, 0])).squeeze(-1), {}
@@ -772,7 +775,10 @@ class ViLBERT(ModelBase):
         return {"x": x, "mask": mask}
 
     def score_pairs(self, tb, te, V, vmask, pair_cap, pair_img):
-        x, m, V, vm = te["x"][pair_cap], te["mask"][pair_cap], V[pair_img], vmask[pair_img]
+        x = te["x"][pair_cap]
+        m = te["mask"][pair_cap]
+        V = V[pair_img]
+        vm = vmask[pair_img]
         for co, ts, vs in zip(self.co, self.t_self, self.v_self):
             x, V = co(x, m, V, vm)
             x, V = ts(x, m), vs(V, vm)
@@ -1270,7 +1276,14 @@ def load_split(args, split: str, n: int | None, items: list | None = None, hold_
     held = {id(it) for c, it, _ in crgs if holds_out(c, hold_out)}
     crgs, items = [x for x in crgs if id(x[1]) not in held], [it for it in items if id(it) not in held]
     regions = RegionStore(args.regions) if args.features == "regions" else None
-    keys, kidx, bad, captions, kept, cap_img, feats, its = [], {}, {}, [], [], [], [], []
+    keys = []
+    kidx = {}
+    bad = {}
+    captions = []
+    kept = []
+    cap_img = []
+    feats = []
+    its = []
 
     def add_image(key, obj):
         """The image's index once its features are made or checked; None when bad (its captions are skipped)."""
@@ -1401,7 +1414,11 @@ def composer_losses(aux, comps, cap_idx, neg_img_pairs, neg_txt_caps, pair_base,
     pair_base[0] + i*ki + m its m-th negative image, pair_base[1] + i*kt + m its m-th negative caption
     (neg_txt_caps[i][m]). Normalised by global counts (see mvsa_hinge)."""
     ns, start = aux["node_score"], aux["node_start"].tolist()
-    pos_i, negx_i, negc_i, par_i, chi_i = [], [], [], [], []
+    pos_i = []
+    negx_i = []
+    negc_i = []
+    par_i = []
+    chi_i = []
     ki, kt = neg_img_pairs, len(neg_txt_caps[0]) if len(neg_txt_caps) else 0
     for i, c in enumerate(cap_idx):
         nodes = comps[c]["nodes"]
@@ -1425,7 +1442,10 @@ def concept_mvsa(model, compiler, sp, caps, local, ni, nt, V, vm, args, world, d
     """l_MVSA for a caption-level baseline ("ViLBERT + MVSA", paper Table 5): every concept of a true caption, as its
     own text, against the pair's image (s) and the negative images (s_x-); each negative caption's _neg_concept
     against the true image gives s_c-. ni / nt: batch positions of each pair's negatives. Normalised as COMPOSER's."""
-    texts, tid, pc, pi = [], {}, [], []
+    texts = []
+    tid = {}
+    pc = []
+    pi = []
 
     def pair(text, img):
         if text not in tid:
@@ -1508,7 +1528,11 @@ class Sampler:
     def __init__(self, n, batch, seed):
         if n < batch:
             raise ComposerError(f"{n} training captions, fewer than one batch of {batch}")
-        self.n, self.batch, self.seed, self.epoch, self.pos = n, batch, seed, 0, 0
+        self.n = n
+        self.batch = batch
+        self.seed = seed
+        self.epoch = 0
+        self.pos = 0
 
     def next(self):
         if self.pos + self.batch > self.n:
@@ -1684,7 +1708,8 @@ def build_run(args, resume, master, world, device):
     model.to(device)
     if master:
         flags = "".join(f" --{k} {getattr(args, k)}" for k in ("modulator", "hold_out") if k in args.given)
-        print(f"start: composer.py train --method {args.method}{' --concept_mvsa' * args.concept_mvsa}{flags} | "
+        print(f"start: composer.py train --method {args.method}"
+              f"{' --concept_mvsa' if args.concept_mvsa else ''}{flags} | "
               f"{sum(p.numel() for p in model.parameters()) / 1e6:.3f}M parameters | {device} x {world} | data "
               f"{args.data} ({len(sp.captions)} train captions / {len(sp.keys)} images"
               f"{f', {sp.held_out} held out by --hold_out' if sp.held_out else ''}, {sp.n_bracketed} parsed by the "
@@ -2101,8 +2126,10 @@ def cmd_eval(args):
     print(json.dumps(out, indent=1))
     if args.out:
         write_text(args.out, json.dumps(out, indent=1) + "\n")
-    print(f"done: {', '.join(out)} evaluated in {time.time() - t_start:.0f}s{f' | wrote {args.out}' * bool(args.out)}",
-          file=sys.stderr)
+    done = f"done: {', '.join(out)} evaluated in {time.time() - t_start:.0f}s"
+    if args.out:
+        done += f" | wrote {args.out}"
+    print(done, file=sys.stderr)
     return out
 
 

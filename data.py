@@ -1,20 +1,23 @@
 """
 data.py -- the data every script of this repo reads.
 
-  * the built-in `shapes` dataset: procedural images of 1-3 coloured shapes in spatial relations, captions from a
-    small grammar with gold PTB trees, SugarCrepe-style hard negatives, a systematicity split (held-out compounds)
-    and a productivity split (longer captions);
-  * the tokenizer (CLIP BPE from `bpe_simple_vocab_16e6.txt.gz`, or a BPE trained on the captions; `tokenizers`);
-    image transforms with PIL + numpy + torch;
-  * readers for real data (webdataset tar shards, open_clip CSV/TSV, Karpathy JSON, ImageFolder, the presets
-    cc3m / cc12m / datacomp under $DATA_ROOT) behind one `make_loader(spec)`: uint8 batches that the step normalises
-    on the device (normalize_images), split across DDP ranks and workers, bad samples skipped and counted, exact resume.
+  * the built-in `shapes` dataset: procedural images of 1-3 coloured shapes in spatial relations,
+    captions from a small grammar with gold PTB trees, SugarCrepe-style hard negatives, a
+    systematicity split (held-out compounds) and a productivity split (longer captions);
+  * the tokenizer (CLIP BPE from `bpe_simple_vocab_16e6.txt.gz`, or a BPE trained on the captions;
+    `tokenizers`); image transforms with PIL + numpy + torch;
+  * readers for real data (webdataset tar shards, open_clip CSV/TSV, Karpathy JSON, ImageFolder, the
+    presets cc3m / cc12m / datacomp under $DATA_ROOT) behind one `make_loader(spec)`: uint8 batches
+    that the step normalises on the device (normalize_images), split across DDP ranks and workers,
+    bad samples skipped and counted, exact resume.
 
-What a run does with its out_dir (checkpoints, the lock, signals, logs, plots, weights files, results over seeds) is
-in lifecycle.py; DataError, the one-line error for the user's data and paths, is defined there and used here.
+What a run does with its out_dir (checkpoints, the lock, signals, logs, plots, weights files,
+results over seeds) is in lifecycle.py; DataError, the one-line error for the user's data and paths,
+is defined there and used here.
 
-Commands (python data.py COMMAND --help): make-shapes --out_dir DIR (the shapes data in the real formats),
-check --data SPEC (count good and skipped samples), convert-weights PATH (.pt -> .safetensors)
+Commands (python data.py COMMAND --help): make-shapes --out_dir DIR (the shapes data in the real
+formats), check --data SPEC (count good and skipped samples),
+convert-weights PATH (.pt -> .safetensors)
 """
 import argparse
 import collections
@@ -41,7 +44,8 @@ from dataclasses import dataclass, field
 
 import ftfy
 import numpy as np
-import numpy.random  # noqa: F401  numpy 2 imports it lazily: here once, not in each forked worker (torch seeds it)
+# numpy 2 imports it lazily: here once, not in each forked worker (torch seeds it)
+import numpy.random  # noqa: F401
 import torch
 from braceexpand import UnbalancedBracesError, braceexpand
 from PIL import Image, ImageDraw
@@ -54,28 +58,34 @@ from lifecycle import DataError, atomic_write, progress, read_json, write_file, 
 # -----------------------------------------------------------------------------
 # The `shapes` dataset
 #
-# Grammar (lower case, no punctuation): an object is ("a"|"an") [size] colour shape, e.g. "a small red circle"; a
-# relation is one of RELATION_NAMES; a caption is one of CAPTION_FORMS ("rel_and": the relation binds the first two
-# objects, the third is only present; "chain", A rel1 B and B rel2 C, in the productivity split only). Size words are
-# mentioned with probability 1/2 per object, so "add_att" negatives exist. Relations are geometric and unambiguous: a
-# related pair's centres differ in |dx| and |dy| by at least RELATION_MARGIN pixels, and exactly one of the four
-# relations holds between any ordered pair. Held-out compounds (systematicity): one colour-shape pair per colour never
-# occurs in the train/val/test splits, in images or captions, including hard negatives.
+# Grammar (lower case, no punctuation): an object is ("a"|"an") [size] colour shape, e.g. "a small
+# red circle"; a relation is one of RELATION_NAMES; a caption is one of CAPTION_FORMS ("rel_and":
+# the relation binds the first two objects, the third is only present; "chain", A rel1 B and B rel2
+# C, in the productivity split only). Size words are mentioned with probability 1/2 per object, so
+# "add_att" negatives exist. Relations are geometric and unambiguous: a related pair's centres
+# differ in |dx| and |dy| by at least RELATION_MARGIN pixels, and exactly one of the four relations
+# holds between any ordered pair. Held-out compounds (systematicity): one colour-shape pair per
+# colour never occurs in the train/val/test splits, in images or captions, including hard negatives.
 
 SHAPE_NAMES = ["circle", "square", "triangle", "star", "cross", "diamond"]
 COLOURS = {
-    "red": (220, 40, 40), "green": (40, 170, 60), "blue": (50, 90, 235), "yellow": (235, 215, 40),
-    "purple": (150, 60, 200), "orange": (245, 135, 30), "white": (235, 235, 235), "cyan": (40, 205, 215),
+    "red": (220, 40, 40), "green": (40, 170, 60), "blue": (50, 90, 235),
+    "yellow": (235, 215, 40), "purple": (150, 60, 200), "orange": (245, 135, 30),
+    "white": (235, 235, 235), "cyan": (40, 205, 215),
 }
 COLOUR_NAMES = list(COLOURS)
 SIZE_NAMES = ["small", "large"]
 SIZE_RADIUS = {"small": (5, 7), "large": (10, 13)}  # radius range in pixels at 64x64
 RELATION_NAMES = ["to the left of", "to the right of", "above", "below"]
-HELD_OUT_COMPOUNDS = frozenset((c, SHAPE_NAMES[i % len(SHAPE_NAMES)]) for i, c in enumerate(COLOUR_NAMES))
-SEEN_COMPOUNDS = [(c, s) for c in COLOUR_NAMES for s in SHAPE_NAMES if (c, s) not in HELD_OUT_COMPOUNDS]
-SHAPES_CATEGORIES = ["replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att", "add_obj", "add_att"]
+HELD_OUT_COMPOUNDS = frozenset((c, SHAPE_NAMES[i % len(SHAPE_NAMES)])
+                               for i, c in enumerate(COLOUR_NAMES))
+SEEN_COMPOUNDS = [(c, s) for c in COLOUR_NAMES for s in SHAPE_NAMES
+                  if (c, s) not in HELD_OUT_COMPOUNDS]
+SHAPES_CATEGORIES = ["replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att",
+                     "add_obj", "add_att"]
 SHAPES_SPLITS = ["train", "val", "test", "systematicity", "productivity"]
-SHAPES_SIZES = {"train": 100_000, "val": 1000, "test": 1000, "systematicity": 1000, "productivity": 1000}
+SHAPES_SIZES = {"train": 100_000, "val": 1000, "test": 1000, "systematicity": 1000,
+                "productivity": 1000}
 SHAPES_IMAGE_SIZE = 64
 SHAPES_VAL_PAIRS = 1000   # retrieval R@1 of the benchmark: a standard error of at most 1.6 points
 RELATION_MARGIN = 4
@@ -106,7 +116,8 @@ class Phrase:
 
 @dataclass
 class CaptionStruct:
-    """A caption before it is rendered: phrases joined by `form` (CAPTION_FORMS), relations[i] of phrases i, i+1."""
+    """A caption before it is rendered: phrases joined by `form` (CAPTION_FORMS), relations[i] of
+    phrases i, i+1."""
     form: str
     phrases: list
     relations: list = field(default_factory=list)
@@ -140,10 +151,12 @@ def _related_pairs(form: str) -> list:
 
 
 def render_caption(s: CaptionStruct, word=None) -> str:
-    """The caption's words; `word(kind, value)` may give a synonym for a word (mm_learngene.shapes_references)."""
+    """The caption's words; `word(kind, value)` may give a synonym for a word
+    (mm_learngene.shapes_references)."""
     word, parts = word or (lambda kind, value: value), {}
     for i, p in enumerate(s.phrases):
-        words = ([word("size", p.size)] if p.size else []) + [word("colour", p.colour)] + word("shape", p.shape).split()
+        words = (([word("size", p.size)] if p.size else []) + [word("colour", p.colour)]
+                 + word("shape", p.shape).split())
         parts[f"w{i}"] = ["an" if words[0][0] in "aeiou" else "a"] + words
     parts.update((f"r{i}", word("relation", rel).split()) for i, rel in enumerate(s.relations))
     words = [parts[t] if t[1:].isdigit() else [t] for t in CAPTION_FORMS[s.form].split()]
@@ -157,10 +170,11 @@ def _pp_tree(relation: str, np_tree: str) -> str:
     return f"(PP (TO to) (NP (NP (DT the) (NN {side})) (PP (IN of) {np_tree})))"
 
 
-# caption form -> its PTB tree: {0}..{2} the phrases' NPs, {pp} the PP of relation 0 (a chain's: of NP 1 + PP 1)
-TREE_FORMS = {"single": "(ROOT {0})", "rel": "(ROOT (NP {0} {pp}))", "copula": "(ROOT (S {0} (VP (VBZ is) {pp})))",
-              "and": "(ROOT (NP {0} (CC and) {1}))", "rel_and": "(ROOT (NP (NP {0} {pp}) (CC and) {2}))",
-              "chain": "(ROOT (NP {0} {pp}))"}
+# caption form -> its PTB tree: {0}..{2} the phrases' NPs, {pp} the PP of relation 0 (a chain's: of
+# NP 1 + PP 1)
+TREE_FORMS = {"single": "(ROOT {0})", "rel": "(ROOT (NP {0} {pp}))",
+              "copula": "(ROOT (S {0} (VP (VBZ is) {pp})))", "and": "(ROOT (NP {0} (CC and) {1}))",
+              "rel_and": "(ROOT (NP (NP {0} {pp}) (CC and) {2}))", "chain": "(ROOT (NP {0} {pp}))"}
 
 
 def caption_tree(s: CaptionStruct) -> str:
@@ -172,12 +186,15 @@ def caption_tree(s: CaptionStruct) -> str:
 
 
 def caption_is_true(s: CaptionStruct, objects: list) -> bool:
-    """True iff the phrases can be assigned to distinct matching objects such that every stated relation holds."""
+    """True iff the phrases can be assigned to distinct matching objects such that every stated
+    relation holds."""
     rels = [(i, s.relations[i], j) for i, j in _related_pairs(s.form)]
     for assign in itertools.permutations(range(len(objects)), len(s.phrases)):
-        ok = all(objects[o].colour == p.colour and objects[o].shape == p.shape and p.size in (None, objects[o].size)
+        ok = all(objects[o].colour == p.colour and objects[o].shape == p.shape
+                 and p.size in (None, objects[o].size)
                  for p, o in zip(s.phrases, assign))
-        if ok and all(relation_between(objects[assign[i]], objects[assign[j]]) == r for i, r, j in rels):
+        if ok and all(relation_between(objects[assign[i]], objects[assign[j]]) == r
+                      for i, r, j in rels):
             return True
     return False
 
@@ -200,7 +217,8 @@ def _place(rng: random.Random, objects: list, related: list, image_size: int) ->
             math.dist(a.centre, b.centre) < (a.box[2] - a.box[0] + b.box[2] - b.box[0]) / 2 + 2 * scale
             for k, a in enumerate(objects) for b in objects[k + 1:])
         ambiguous = any(
-            abs(abs(objects[j].centre[0] - objects[i].centre[0]) - abs(objects[j].centre[1] - objects[i].centre[1]))
+            abs(abs(objects[j].centre[0] - objects[i].centre[0])
+                - abs(objects[j].centre[1] - objects[i].centre[1]))
             < RELATION_MARGIN * scale for i, j in related)
         if not overlap and not ambiguous:
             return True
@@ -219,7 +237,8 @@ def _draw_object(draw: ImageDraw.ImageDraw, o: Obj, rgb: tuple):
     elif o.shape == "diamond":
         draw.polygon([(cx, y0), (x1, cy), (cx, y1), (x0, cy)], fill=rgb)
     elif o.shape == "star":
-        rads = [(r if k % 2 == 0 else r * 0.45, -math.pi / 2 + k * math.pi / 5) for k in range(10)]   # (radius, angle)
+        # (radius, angle)
+        rads = [(r if k % 2 == 0 else r * 0.45, -math.pi / 2 + k * math.pi / 5) for k in range(10)]
         draw.polygon([(cx + rad * math.cos(a), cy + rad * math.sin(a)) for rad, a in rads], fill=rgb)
     elif o.shape == "cross":
         t = r * 0.35
@@ -229,17 +248,21 @@ def _draw_object(draw: ImageDraw.ImageDraw, o: Obj, rgb: tuple):
         raise ValueError(o.shape)
 
 
-def render_scene(objects: list, rng: random.Random, image_size: int = SHAPES_IMAGE_SIZE) -> Image.Image:
-    """Dark varied background; colours jittered +-20 per channel: colour names are categories, not pixel values."""
+def render_scene(objects: list, rng: random.Random,
+                 image_size: int = SHAPES_IMAGE_SIZE) -> Image.Image:
+    """Dark varied background; colours jittered +-20 per channel: colour names are categories, not
+    pixel values."""
     img = Image.new("RGB", (image_size, image_size), tuple(rng.randint(10, 60) for _ in range(3)))
     draw = ImageDraw.Draw(img)
     for o in objects:
-        _draw_object(draw, o, tuple(min(255, max(0, v + rng.randint(-20, 20))) for v in COLOURS[o.colour]))
+        _draw_object(draw, o, tuple(min(255, max(0, v + rng.randint(-20, 20)))
+                                    for v in COLOURS[o.colour]))
     return img
 
 
 def _scene_layout(split: str, rng: random.Random):
-    """(objects, caption form): train/val/test 1-3 objects, at most one relation; productivity a 3-object chain."""
+    """(objects, caption form): train/val/test 1-3 objects, at most one relation; productivity a
+    3-object chain."""
     if split == "productivity":
         return 3, "chain"
     u = rng.random()
@@ -250,11 +273,13 @@ def _scene_layout(split: str, rng: random.Random):
     return 3, "rel_and"
 
 
-def shapes_scene(split: str = "train", index: int = 0, seed: int = 0, image_size: int = SHAPES_IMAGE_SIZE) -> Scene:
+def shapes_scene(split: str = "train", index: int = 0, seed: int = 0,
+                 image_size: int = SHAPES_IMAGE_SIZE) -> Scene:
     """Scene `index` of a split: deterministic in (split, index, seed); same seed, same bytes."""
     if split not in SHAPES_SPLITS:
         raise DataError(f"shapes: unknown split {split!r} (choose from {', '.join(SHAPES_SPLITS)})")
-    rng = random.Random(f"shapes/{seed}/{split}/{index}")  # str seeds are hashed with sha512: stable across runs
+    # str seeds are hashed with sha512: stable across runs
+    rng = random.Random(f"shapes/{seed}/{split}/{index}")
     while True:
         n, form = _scene_layout(split, rng)
         if split == "systematicity":
@@ -280,7 +305,8 @@ def shapes_scene(split: str = "train", index: int = 0, seed: int = 0, image_size
 
 def _copy_struct(s: CaptionStruct, i: int = 0, **values) -> CaptionStruct:
     """A copy of `s` whose phrase i has the fields `values`."""
-    t = CaptionStruct(s.form, [Phrase(p.colour, p.shape, p.size) for p in s.phrases], list(s.relations))
+    t = CaptionStruct(s.form, [Phrase(p.colour, p.shape, p.size) for p in s.phrases],
+                      list(s.relations))
     vars(t.phrases[i]).update(values)
     return t
 
@@ -289,14 +315,17 @@ def _negative_candidates(category: str, s: CaptionStruct, objects: list, rng: ra
     """Candidate negatives of one category (possibly empty); validity is checked by the caller."""
     out, k = [], len(s.phrases)
     if category == "replace_obj":
-        out = [_copy_struct(s, i, shape=x) for i in range(k) for x in SHAPE_NAMES if x != s.phrases[i].shape]
+        out = [_copy_struct(s, i, shape=x) for i in range(k) for x in SHAPE_NAMES
+               if x != s.phrases[i].shape]
     elif category == "replace_att":
         for i, p in enumerate(s.phrases):
             out += [_copy_struct(s, i, colour=x) for x in COLOUR_NAMES if x != p.colour]
             if p.size:
                 out.append(_copy_struct(s, i, size="small" if p.size == "large" else "large"))
-    elif category == "replace_rel":     # relation r by another (the phrases are never changed: shared)
-        out = [CaptionStruct(s.form, s.phrases, [x if q == r else y for q, y in enumerate(s.relations)])
+    elif category == "replace_rel":
+        # relation r by another (the phrases are never changed: shared)
+        out = [CaptionStruct(s.form, s.phrases,
+                             [x if q == r else y for q, y in enumerate(s.relations)])
                for r, rel in enumerate(s.relations) for x in RELATION_NAMES if x != rel]
     elif category in ("swap_obj", "swap_att"):
         fields = ("shape",) if category == "swap_obj" else ("colour", "size")
@@ -307,12 +336,15 @@ def _negative_candidates(category: str, s: CaptionStruct, objects: list, rng: ra
                     t = _copy_struct(s, i, **{f: b})
                     setattr(t.phrases[j], f, a)
                     out.append(t)
-    elif category == "add_obj":     # append "and a <absent object>" (sizes drawn for an "and" too: same stream)
-        extras = [Phrase(c, sh, rng.choice([None, *SIZE_NAMES])) for c, sh in SEEN_COMPOUNDS] if s.form in (
-            "single", "rel", "and") else []
-        out = [CaptionStruct({"single": "and", "rel": "rel_and"}[s.form], [*s.phrases, x], list(s.relations))
+    elif category == "add_obj":
+        # append "and a <absent object>" (sizes drawn for an "and" too: same stream)
+        extras = ([Phrase(c, sh, rng.choice([None, *SIZE_NAMES])) for c, sh in SEEN_COMPOUNDS]
+                  if s.form in ("single", "rel", "and") else [])
+        out = [CaptionStruct({"single": "and", "rel": "rel_and"}[s.form], [*s.phrases, x],
+                             list(s.relations))
                for x in extras if s.form != "and"]
-    elif category == "add_att":     # phrases are made in object order, so phrase i describes objects[i]
+    elif category == "add_att":
+        # phrases are made in object order, so phrase i describes objects[i]
         out = [_copy_struct(s, i, size="small" if objects[i].size == "large" else "large")
                for i, p in enumerate(s.phrases) if p.size is None]
     else:
@@ -321,7 +353,8 @@ def _negative_candidates(category: str, s: CaptionStruct, objects: list, rng: ra
 
 
 def make_negative(category: str, scene: Scene, rng: random.Random, allow_held_out: bool = False):
-    """A caption of `category`: grammatical, not the positive, false of the image (caption_is_true); None if none."""
+    """A caption of `category`: grammatical, not the positive, false of the image (caption_is_true);
+    None if none."""
     cands = _negative_candidates(category, scene.struct, scene.objects, rng)
     rng.shuffle(cands)
     for t in cands:
@@ -333,12 +366,15 @@ def make_negative(category: str, scene: Scene, rng: random.Random, allow_held_ou
 
 
 def shapes_benchmark(seed: int = 0, n: int = 1000, image_size: int = SHAPES_IMAGE_SIZE) -> dict:
-    """The built-in compositional benchmark: per SugarCrepe category, n items {"image", "caption", "negative_caption"}
-    of the test split (scenes with no negative of the category skipped); for systematicity / productivity, n items
-    {"image", "caption", "negatives", "negative_categories"} (CREPE: R@1 among them; category i made negative i)."""
-    def first_n(split, start, item):    # item(scene) of scenes start, start + 1, ...: the first n that are not None
-        return list(itertools.islice(filter(None, (item(shapes_scene(split, start + i, seed, image_size))
-                                                   for i in itertools.count())), n))
+    """The built-in compositional benchmark: per SugarCrepe category, n items {"image", "caption",
+    "negative_caption"} of the test split (scenes with no negative of the category skipped); for
+    systematicity / productivity, n items {"image", "caption", "negatives", "negative_categories"}
+    (CREPE: R@1 among them; category i made negative i)."""
+    def first_n(split, start, item):
+        # item(scene) of scenes start, start + 1, ...: the first n that are not None
+        return list(itertools.islice(
+            filter(None, (item(shapes_scene(split, start + i, seed, image_size))
+                          for i in itertools.count())), n))
 
     def pair(scene, category, rng):
         neg = make_negative(category, scene, rng)
@@ -349,10 +385,12 @@ def shapes_benchmark(seed: int = 0, n: int = 1000, image_size: int = SHAPES_IMAG
         for cat in cats:
             found.setdefault(make_negative(cat, scene, rng, allow_held_out=True), cat)
         found.pop(None, None)
-        return len(found) >= 2 and {"image": scene.image, "caption": scene.caption, "negatives": list(found),
+        return len(found) >= 2 and {"image": scene.image, "caption": scene.caption,
+                                    "negatives": list(found),
                                     "negative_categories": list(found.values())}
     out = {}    # (first_n consumes each lambda at once: no late binding)
-    for c, cat in enumerate(SHAPES_CATEGORIES):     # each category walks its own stream of test-split scenes
+    # each category walks its own stream of test-split scenes
+    for c, cat in enumerate(SHAPES_CATEGORIES):
         rng = random.Random(f"shapes-bench/{seed}/{cat}")
         out[cat] = first_n("test", 1_000_000 * (c + 1), lambda s: pair(s, cat, rng))
     for split, cats in (("systematicity", ["swap_att", "swap_obj", "replace_att", "replace_obj"]),
@@ -362,7 +400,8 @@ def shapes_benchmark(seed: int = 0, n: int = 1000, image_size: int = SHAPES_IMAG
     return out
 
 
-def shapes_classification(split: str = "train", index: int = 0, seed: int = 0, image_size: int = SHAPES_IMAGE_SIZE):
+def shapes_classification(split: str = "train", index: int = 0, seed: int = 0,
+                          image_size: int = SHAPES_IMAGE_SIZE):
     """(image, class index into SHAPE_NAMES) of a single-object image (any colour or size)."""
     rng = random.Random(f"shapes-cls/{seed}/{split}/{index}")
     label = rng.randrange(len(SHAPE_NAMES))
@@ -380,35 +419,44 @@ def shapes_captions(n: int = 5000, seed: int = 0) -> list:
 # Tokenizer
 
 def clip_clean(text: str) -> str:
-    """OpenAI CLIP's caption cleaning before the BPE (simple_tokenizer.py's basic_clean and whitespace_clean):
-    ftfy.fix_text (it also replaces lone surrogates, which the tokenizer cannot encode), html.unescape twice, whitespace
-    runs -> " ", strip, lower-case: released weights saw `&amp;`, `it’s`, `ﬁ`, full-width, mojibake fixed."""
-    if not (text.isascii() and text.isprintable() and "&" not in text):  # else fix_text would change nothing
+    """OpenAI CLIP's caption cleaning before the BPE (simple_tokenizer.py's basic_clean and
+    whitespace_clean): ftfy.fix_text (it also replaces lone surrogates, which the tokenizer cannot
+    encode), html.unescape twice, whitespace runs -> " ", strip, lower-case: released weights saw
+    `&amp;`, `it’s`, `ﬁ`, full-width, mojibake fixed."""
+    # else fix_text would change nothing
+    if not (text.isascii() and text.isprintable() and "&" not in text):
         text = html.unescape(html.unescape(ftfy.fix_text(text)))
     return " ".join(text.split()).lower()
 
 
-SOT_TOKEN, EOT_TOKEN, PAD_TOKEN, UNK_TOKEN = "<|startoftext|>", "<|endoftext|>", "<pad>", "<unk>"
+SOT_TOKEN = "<|startoftext|>"
+EOT_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<pad>"
+UNK_TOKEN = "<unk>"
 MAX_CAPTION_CHARS = 4096  # far past 77 tokens: captions are cut here before cleaning and tokenizing
 
 
 class Tokenizer:
-    """Captions -> LongTensor [B, context_length]: SOT, BPE ids, EOT, then pad id 0. Every caption is cleaned as
-    OpenAI's (clip_clean) before the BPE. Truncation keeps EOT as the last token (as OpenAI CLIP's `truncate=True`)."""
+    """Captions -> LongTensor [B, context_length]: SOT, BPE ids, EOT, then pad id 0. Every caption
+    is cleaned as OpenAI's (clip_clean) before the BPE. Truncation keeps EOT as the last token (as
+    OpenAI CLIP's `truncate=True`)."""
 
     def __init__(self, backend, kind: str, context_length: int = 77):
-        backend = _special_tokens_not_in_text(backend)      # also for tokenizer.json files saved before
-        if kind == "clip_bpe":  # no normalizer: clip_clean did OpenAI's (a second NFC or the Rust lower-case, no final
+        backend = _special_tokens_not_in_text(backend)  # also for tokenizer.json files saved before
+        if kind == "clip_bpe":
+            # no normalizer: clip_clean did OpenAI's (a second NFC or the Rust lower-case, no final
             # sigma, changes ids); also for files saved before clip_clean
             backend.normalizer, backend.pre_tokenizer = None, _clip_normalizer_and_pretokenizer()[1]
         self.backend, self.kind, self.context_length = backend, kind, context_length
-        self.sot_id, self.eot_id, self.pad_id = backend.token_to_id(SOT_TOKEN), backend.token_to_id(EOT_TOKEN), 0
+        self.sot_id, self.eot_id, self.pad_id = (backend.token_to_id(SOT_TOKEN),
+                                                 backend.token_to_id(EOT_TOKEN), 0)
         self.vocab_size = backend.get_vocab_size()
 
     def __call__(self, texts) -> torch.Tensor:
         texts = [texts] if isinstance(texts, str) else texts
         out = torch.zeros(len(texts), self.context_length, dtype=torch.long)
-        texts = [clip_clean(t[:MAX_CAPTION_CHARS]) for t in texts]    # a 10 MB caption costs no more than a long one
+        # a 10 MB caption costs no more than a long one
+        texts = [clip_clean(t[:MAX_CAPTION_CHARS]) for t in texts]
         for row, enc in enumerate(self.backend.encode_batch(texts, add_special_tokens=False)):
             ids = [self.sot_id] + enc.ids[: self.context_length - 2] + [self.eot_id]
             out[row, : len(ids)] = torch.tensor(ids)
@@ -421,7 +469,8 @@ class Tokenizer:
 
     def save(self, directory: str):
         write_file(os.path.join(directory, "tokenizer.json"), json.dumps(
-            {"kind": self.kind, "context_length": self.context_length, "tokenizer": json.loads(self.backend.to_str())}))
+            {"kind": self.kind, "context_length": self.context_length,
+             "tokenizer": json.loads(self.backend.to_str())}))
 
     @classmethod
     def load(cls, directory: str) -> "Tokenizer":
@@ -433,33 +482,38 @@ class Tokenizer:
             backend = Backend.from_str(json.dumps(blob["tokenizer"]))
         except FileNotFoundError:
             raise DataError(f"{path}: tokenizer file not found") from None
-        except Exception as e:      # malformed JSON, no "tokenizer" key, a backend tokenizers cannot read
-            raise DataError(f"{path}: not a tokenizer file written by this repo ({type(e).__name__})") from None
+        except Exception as e:
+            # malformed JSON, no "tokenizer" key, a backend tokenizers cannot read
+            raise DataError(f"{path}: not a tokenizer file written by this repo "
+                            f"({type(e).__name__})") from None
         return cls(backend, blob["kind"], blob["context_length"])
 
 
 def _special_tokens_not_in_text(backend):
-    """The backend without `added_tokens` entries for SOT/EOT/pad/unk (still in the vocabulary): `tokenizers` matches
-    added tokens inside the text, so "<|endoftext|>" in a caption got its id mid-sequence (where EOT pooling stops)."""
+    """The backend without `added_tokens` entries for SOT/EOT/pad/unk (still in the vocabulary):
+    `tokenizers` matches added tokens inside the text, so "<|endoftext|>" in a caption got its id
+    mid-sequence (where EOT pooling stops)."""
     from tokenizers import Tokenizer as Backend
     blob = json.loads(backend.to_str())
     added = blob.get("added_tokens") or []
-    blob["added_tokens"] = [t for t in added if t["content"] not in {SOT_TOKEN, EOT_TOKEN, PAD_TOKEN, UNK_TOKEN}]
+    blob["added_tokens"] = [t for t in added
+                            if t["content"] not in {SOT_TOKEN, EOT_TOKEN, PAD_TOKEN, UNK_TOKEN}]
     return backend if len(blob["added_tokens"]) == len(added) else Backend.from_str(json.dumps(blob))
 
 
 def _clip_normalizer_and_pretokenizer():
     from tokenizers import Regex, normalizers, pre_tokenizers
-    # OpenAI CLIP: whitespace cleanup + lower-case (for the trained BPE; the CLIP BPE gets clip_clean's text and no
-    # normalizer), then its word regex, then byte-level chars
+    # OpenAI CLIP: whitespace cleanup + lower-case (for the trained BPE; the CLIP BPE gets
+    # clip_clean's text and no normalizer), then its word regex, then byte-level chars
     normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "),
                                        normalizers.Strip(), normalizers.Lowercase()])
-    # no special-token alternatives (open_clip's SimpleTokenizer): a caption that contains the text "<|endoftext|>"
-    # must not put an EOT id mid-sequence, where argmax pooling would stop; contractions case-insensitive, as
-    # open_clip's re.IGNORECASE: "'ſ" (long s) is "'s" there
+    # no special-token alternatives (open_clip's SimpleTokenizer): a caption that contains the text
+    # "<|endoftext|>" must not put an EOT id mid-sequence, where argmax pooling would stop;
+    # contractions case-insensitive, as open_clip's re.IGNORECASE: "'ſ" (long s) is "'s" there
     pattern = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
-    pre = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="removed", invert=True),
-                                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    pre = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="removed", invert=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     return normalizer, pre
 
 
@@ -476,28 +530,36 @@ def clip_bpe_tokenizer(vocab_path: str, context_length: int = 77) -> Tokenizer:
     merges = [tuple(m.split()) for m in lines[1:49152 - 256 - 2 + 1]]
     if len(merges) != 48894 or any(len(m) != 2 for m in merges):
         raise DataError(f"{vocab_path}: expected 48894 BPE merges, found a different file")
-    # GPT-2/CLIP's reversible byte -> character table: printable bytes as themselves, then the others
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    # GPT-2/CLIP's reversible byte -> character table: printable bytes as themselves,
+    # then the others
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     chars = [chr(b) for b in printable] + [chr(256 + n) for n in range(256 - len(printable))]
     vocab = chars + [c + "</w>" for c in chars] + ["".join(m) for m in merges] + [SOT_TOKEN, EOT_TOKEN]
     backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(vocab)}, merges=merges,
-                                 end_of_word_suffix="</w>", continuing_subword_prefix="", unk_token=EOT_TOKEN))
+                                 end_of_word_suffix="</w>", continuing_subword_prefix="",
+                                 unk_token=EOT_TOKEN))
     backend.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Replace("</w>", " ")])
-    # SOT/EOT stay plain vocabulary entries, not added special tokens, which `tokenizers` would match inside captions
-    return Tokenizer(backend, "clip_bpe", context_length)   # which sets the pre-tokenizer and no normalizer
+    # SOT/EOT stay plain vocabulary entries, not added special tokens, which `tokenizers` would
+    # match inside captions
+    # which sets the pre-tokenizer and no normalizer
+    return Tokenizer(backend, "clip_bpe", context_length)
 
 
 def trained_bpe_tokenizer(captions, vocab_size: int = 1000, context_length: int = 77) -> Tokenizer:
-    """A small byte-level BPE (GPT-2 style) trained on the training captions, when no CLIP vocabulary is given. Ids:
-    0 pad, 1 SOT, 2 EOT, 3 unk. All 256 bytes are in the alphabet (no text is unknown); cleanup as CLIP's."""
+    """A small byte-level BPE (GPT-2 style) trained on the training captions, when no CLIP
+    vocabulary is given. Ids: 0 pad, 1 SOT, 2 EOT, 3 unk. All 256 bytes are in the alphabet (no text
+    is unknown); cleanup as CLIP's."""
     from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
     if not (captions := [clip_clean(c) for c in captions if c and c.strip()]):
         raise DataError("cannot train a tokenizer: no captions")
     backend = Backend(models.BPE(unk_token=UNK_TOKEN))
     backend.normalizer, backend.decoder = _clip_normalizer_and_pretokenizer()[0], decoders.ByteLevel()
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD_TOKEN, SOT_TOKEN, EOT_TOKEN, UNK_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=[PAD_TOKEN, SOT_TOKEN, EOT_TOKEN, UNK_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
     backend.train_from_iterator(captions, trainer=trainer)
     return Tokenizer(backend, "trained_bpe", context_length)
 
@@ -520,7 +582,8 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 class Compose:
     def __init__(self, transforms):
-        self.transforms, self.draft = transforms, getattr(transforms[0], "draft", None)   # the first step's need
+        # the first step's need
+        self.transforms, self.draft = transforms, getattr(transforms[0], "draft", None)
 
     def __call__(self, img, rng=None):
         rng = rng or random
@@ -530,14 +593,16 @@ class Compose:
 
 
 class RandomResizedCrop:
-    """torchvision's RandomResizedCrop: a random area fraction in `scale` with aspect ratio in `ratio` (log-uniform),
-    10 tries, else its fallback (the whole image, clamped to `ratio`, centred); resized to size x size with bicubic.
-    Choice: the crop is resampled with PIL's `box` (the filter may read pixels just outside the crop, as a crop of the
-    real scene would) where torchvision crops first and resizes the cut-out; sizes and offsets are torchvision's."""
+    """torchvision's RandomResizedCrop: a random area fraction in `scale` with aspect ratio in
+    `ratio` (log-uniform), 10 tries, else its fallback (the whole image, clamped to `ratio`,
+    centred); resized to size x size with bicubic. Choice: the crop is resampled with PIL's `box`
+    (the filter may read pixels just outside the crop, as a crop of the real scene would) where
+    torchvision crops first and resizes the cut-out; sizes and offsets are torchvision's."""
 
     def __init__(self, size, scale=(0.9, 1.0), ratio=(3 / 4, 4 / 3)):
         self.size, self.scale, self.ratio = size, scale, ratio
-        self.draft = math.ceil(size / math.sqrt(scale[0]))    # the smallest crop keeps >= size^2 pixels
+        # the smallest crop keeps >= size^2 pixels
+        self.draft = math.ceil(size / math.sqrt(scale[0]))
 
     def __call__(self, img, rng):
         w, h = img.size
@@ -556,8 +621,9 @@ class RandomResizedCrop:
 
 
 class Resize:
-    """torchvision's Resize(size) with bicubic on a PIL image (OpenAI's and open_clip's eval transform): the shorter
-    side becomes `size`, the longer int(size * long / short), truncated (640x480 at 224 -> 298x224, not 299)."""
+    """torchvision's Resize(size) with bicubic on a PIL image (OpenAI's and open_clip's eval
+    transform): the shorter side becomes `size`, the longer int(size * long / short), truncated
+    (640x480 at 224 -> 298x224, not 299)."""
 
     def __init__(self, size):
         self.size = self.draft = size
@@ -570,8 +636,9 @@ class Resize:
 
 
 def _centre_offset(have: int, want: int) -> int:
-    """torchvision's center_crop offset: round((have - want) / 2) with Python's round half to even (a margin of 5
-    starts at 2, one of 3 at 2); a smaller image is padded with zeros, the odd pixel after it (as PIL's crop pads)."""
+    """torchvision's center_crop offset: round((have - want) / 2) with Python's round half to even
+    (a margin of 5 starts at 2, one of 3 at 2); a smaller image is padded with zeros, the odd pixel
+    after it (as PIL's crop pads)."""
     return int(round((have - want) / 2)) if have >= want else -((want - have) // 2)
 
 
@@ -586,7 +653,8 @@ class CenterCrop:
 
 
 class RandomFlip:
-    """Horizontal flip with probability p (classification only: for captions "left of" would become wrong)."""
+    """Horizontal flip with probability p (classification only: for captions "left of" would become
+    wrong)."""
 
     def __init__(self, p=0.5):
         self.p = p
@@ -596,8 +664,9 @@ class RandomFlip:
 
 
 class ToTensor:
-    """PIL -> uint8 [3, H, W], contiguous. PIL keeps RGB as 4 bytes a pixel, so packing it one band at a
-    time costs what packing RGB does, and lays the planes out channel-first with no transpose."""
+    """PIL -> uint8 [3, H, W], contiguous. PIL keeps RGB as 4 bytes a pixel, so packing it one band
+    at a time costs what packing RGB does, and lays the planes out channel-first with no
+    transpose."""
 
     def __call__(self, img, rng=None):
         img = img if img.mode == "RGB" else img.convert("RGB")
@@ -606,19 +675,23 @@ class ToTensor:
 
 
 def normalize_images(images: torch.Tensor, device=None) -> torch.Tensor:
-    """A loader's images -> CLIP-normalised float32 on `device`: (x / 255 - mean) / std. uint8 [B, 3, H, W] moves as
-    bytes (non_blocking if pinned), converted on the device: workers send a quarter of the bytes, skip the arithmetic
-    (timm's PrefetchLoader, FFCV). Three float32 passes: on the CPU the per-pixel formula bit for bit. Float: as is."""
+    """A loader's images -> CLIP-normalised float32 on `device`: (x / 255 - mean) / std.
+    uint8 [B, 3, H, W] moves as bytes (non_blocking if pinned), converted on the device: workers
+    send a quarter of the bytes, skip the arithmetic (timm's PrefetchLoader, FFCV). Three float32
+    passes: on the CPU the per-pixel formula bit for bit. Float: as is."""
     x = images.to(device, non_blocking=True) if device is not None else images
     if x.dtype != torch.uint8:
         return x
-    mean, std = (torch.tensor(v, dtype=torch.float32, device=x.device).view(-1, 1, 1) for v in (CLIP_MEAN, CLIP_STD))
+    mean, std = (torch.tensor(v, dtype=torch.float32, device=x.device).view(-1, 1, 1)
+                 for v in (CLIP_MEAN, CLIP_STD))
     return x.float().div_(255.0).sub_(mean).div_(std)
 
 
 def train_transform(image_size: int, scale=(0.9, 1.0), flip: bool = False) -> Compose:
-    """open_clip's training transform (RandomResizedCrop scale (0.9, 1), as in CLIP), an optional horizontal flip."""
-    return Compose([RandomResizedCrop(image_size, scale), *([RandomFlip()] if flip else []), ToTensor()])
+    """open_clip's training transform (RandomResizedCrop scale (0.9, 1), as in CLIP), an optional
+    horizontal flip."""
+    return Compose([RandomResizedCrop(image_size, scale), *([RandomFlip()] if flip else []),
+                    ToTensor()])
 
 
 def eval_transform(image_size: int) -> Compose:
@@ -628,15 +701,17 @@ def eval_transform(image_size: int) -> Compose:
 # -----------------------------------------------------------------------------
 # Samples, batches and bad input
 #
-# Every reader turns a record of the user's data into a sample {"image": uint8 [3, S, S], "caption", "tree" (PTB or
-# None), "key"} or, if it is bad, a `Skip(reason, where)`. Skips travel in the batch (batch["_skips"], removed by the
-# loader), so the main process counts and logs them whatever the number of workers. A run that skips more than
-# `max_skip_fraction` (default 10%) of what it reads stops with a DataError: a data set that bad is a wrong path or a
-# broken download, and training on the rest would silently be a different experiment.
+# Every reader turns a record of the user's data into a sample {"image": uint8 [3, S, S], "caption",
+# "tree" (PTB or None), "key"} or, if it is bad, a `Skip(reason, where)`. Skips travel in the batch
+# (batch["_skips"], removed by the loader), so the main process counts and logs them whatever the
+# number of workers. A run that skips more than `max_skip_fraction` (default 10%) of what it reads
+# stops with a DataError: a data set that bad is a wrong path or a broken download, and training on
+# the rest would silently be a different experiment.
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 MAX_SKIP_FRACTION = 0.1
-SKIP_CHECK_MIN = 50  # the fraction is checked at every batch once this many samples (or an epoch's) were read
+# the fraction is checked at every batch once this many samples (or an epoch's) were read
+SKIP_CHECK_MIN = 50
 SKIP_LOG_LINES = 20  # the first skips are logged one by one, later ones only counted
 log = logging.getLogger("data")
 
@@ -665,15 +740,18 @@ def make_sample(image, caption, tree, key: str, transform, rng):
     try:
         img = Image.open(io.BytesIO(image) if isinstance(image, bytes) else image)
         if img.format == "JPEG" and getattr(transform, "draft", None):
-            # libjpeg's scaled IDCT: a stored image >= 2x the transform's need decodes at 1/2, 1/4 or 1/8 (the
-            # largest scale keeping the shorter side >= draft). Pixels differ from a full decode + bicubic
-            # (accepted: the transform resamples down anyway); smaller JPEGs and PNGs decode as before
+            # libjpeg's scaled IDCT: a stored image >= 2x the transform's need decodes at 1/2, 1/4
+            # or 1/8 (the largest scale keeping the shorter side >= draft). Pixels differ from a
+            # full decode + bicubic (accepted: the transform resamples down anyway); smaller JPEGs
+            # and PNGs decode as before
             img.draft("RGB", (transform.draft, transform.draft))
         img.load()
-        x = transform(img if img.mode == "RGB" else img.convert("RGB"), rng)   # convert() of RGB is a copy
+        # convert() of RGB is a copy
+        x = transform(img if img.mode == "RGB" else img.convert("RGB"), rng)
     except FileNotFoundError:
         return Skip("missing image file", f"{key} ({image})")
-    except Exception as e:  # PIL raises many types for bad bytes (OSError, SyntaxError, ValueError, ...)
+    except Exception as e:
+        # PIL raises many types for bad bytes (OSError, SyntaxError, ValueError, ...)
         return Skip("undecodable image", f"{key} ({type(e).__name__}: {e})"[:200])
     return {"image": x, "caption": " ".join(caption.split()), "tree": tree or None, "key": key}
 
@@ -685,16 +763,18 @@ class _Slot:
 
 
 class _SharedBatches:
-    """One DataLoader iterator's image batches in shared-memory slots made once and reused: a worker stacks a batch
-    into a free slot and sends its number, the main process copies it out (to pinned memory for CUDA) and frees it.
-    Fresh shared memory per batch (torch's default_collate) costs a page fault per 4 KiB page on first touch, 0.17 ms
-    per 224 px image on a 2-CPU VM, 7% of the decode (RESULTS.md). DataLoader keeps at most prefetch_factor x workers
-    batches in flight and one is being copied out: that many + 1 slots never run out. A batch that fits no free slot
-    falls back to fresh shared memory."""
+    """One DataLoader iterator's image batches in shared-memory slots made once and reused: a worker
+    stacks a batch into a free slot and sends its number, the main process copies it out (to pinned
+    memory for CUDA) and frees it. Fresh shared memory per batch (torch's default_collate) costs a
+    page fault per 4 KiB page on first touch, 0.17 ms per 224 px image on a 2-CPU VM, 7% of the
+    decode (RESULTS.md). DataLoader keeps at most prefetch_factor x workers batches in flight and
+    one is being copied out: that many + 1 slots never run out. A batch that fits no free slot falls
+    back to fresh shared memory."""
 
     def __init__(self, n_slots: int, slot_bytes: int):
         self.memory = torch.empty(n_slots, slot_bytes, dtype=torch.uint8).share_memory_()
-        self.busy = multiprocessing.Array("b", n_slots)    # 1 from a worker's claim until the main process copied
+        # 1 from a worker's claim until the main process copied
+        self.busy = multiprocessing.Array("b", n_slots)
 
     def claim(self, shape: tuple):
         """In a worker: (slot number, a uint8 view of `shape` into it), or None."""
@@ -710,10 +790,12 @@ class _SharedBatches:
 
     def take(self, slot: _Slot, pin: bool) -> torch.Tensor:
         """In the main process: the slot's images, copied out; the slot is free again."""
-        # numpy's allocator reuses freed memory (a fresh torch.empty would fault on every page, what the slots save)
-        out = torch.empty(slot.shape, dtype=torch.uint8, pin_memory=True) if pin else torch.from_numpy(np.empty(
-            slot.shape, np.uint8))
-        np.copyto(out.numpy(), self.memory[slot.index, :out.numel()].view(slot.shape).numpy())   # one thread
+        # numpy's allocator reuses freed memory (a fresh torch.empty would fault on every page, what
+        # the slots save)
+        out = (torch.empty(slot.shape, dtype=torch.uint8, pin_memory=True) if pin
+               else torch.from_numpy(np.empty(slot.shape, np.uint8)))
+        # one thread
+        np.copyto(out.numpy(), self.memory[slot.index, :out.numel()].view(slot.shape).numpy())
         self.busy[slot.index] = 0
         return out
 
@@ -722,24 +804,29 @@ _worker_slots = None    # a worker's _SharedBatches (set by _init_worker)
 
 
 def _stack_images(images: list) -> tuple:
-    """torch.stack through numpy, one thread (torch's threads compete with training's). In a loader worker into shared
-    memory, so sending copies nothing more: a free _SharedBatches slot (its _Slot returned too), else fresh memory."""
+    """torch.stack through numpy, one thread (torch's threads compete with training's). In a loader
+    worker into shared memory, so sending copies nothing more: a free _SharedBatches slot (its _Slot
+    returned too), else fresh memory."""
     first, shape = images[0], (len(images), *images[0].shape)
-    claimed = _worker_slots.claim(shape) if _worker_slots is not None and first.dtype == torch.uint8 else None
+    claimed = (_worker_slots.claim(shape)
+               if _worker_slots is not None and first.dtype == torch.uint8 else None)
     if claimed is not None:
         out = claimed[1]
     elif torch.utils.data.get_worker_info() is None:
-        out = torch.from_numpy(np.empty(shape, first.numpy().dtype))   # numpy's allocator: fewer page faults
+        # numpy's allocator: fewer page faults
+        out = torch.from_numpy(np.empty(shape, first.numpy().dtype))
     else:
-        out = first.new(first._typed_storage()._new_shared(first.numel() * len(images), device=first.device))
+        out = first.new(first._typed_storage()._new_shared(first.numel() * len(images),
+                                                           device=first.device))
     np.stack([x.numpy() for x in images], out=out.resize_(shape).numpy())
     return out, _Slot(claimed[0], shape) if claimed is not None else None
 
 
 def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> dict:
-    """List of samples -> batch dict. Skips (and None) are left out of the batch and listed as (reason, where) pairs
-    in batch["_skips"]; the loader removes that entry. `batch_extra` (picklable, (batch, epoch) -> dict) adds entries
-    in the loader's workers, off the training loop; the epoch lets it draw anew each epoch, replayed on resume."""
+    """List of samples -> batch dict. Skips (and None) are left out of the batch and listed as
+    (reason, where) pairs in batch["_skips"]; the loader removes that entry. `batch_extra`
+    (picklable, (batch, epoch) -> dict) adds entries in the loader's workers, off the training loop;
+    the epoch lets it draw anew each epoch, replayed on resume."""
     good = [s for s in samples if isinstance(s, dict)]
     empty = torch.zeros(0, 3, 0, 0, dtype=torch.uint8)
     images, slot = _stack_images([s["image"] for s in good]) if good else (empty, None)
@@ -758,11 +845,13 @@ def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> 
 
 
 # -----------------------------------------------------------------------------
-# Map-style datasets: shapes (generated) and files listed by a CSV, a Karpathy JSON or an ImageFolder tree
+# Map-style datasets: shapes (generated) and files listed by a CSV, a Karpathy JSON or an
+# ImageFolder tree
 
 class ShapesDataset(torch.utils.data.Dataset):
-    """Map-style view of one shapes split, generated at the model's resolution and not augmented: a crop could cut
-    an object away, a flip swaps left and right, a colour jitter changes colour names; each sample is a fresh draw."""
+    """Map-style view of one shapes split, generated at the model's resolution and not augmented: a
+    crop could cut an object away, a flip swaps left and right, a colour jitter changes colour
+    names; each sample is a fresh draw."""
 
     def __init__(self, split="train", size=None, seed=0, image_size=SHAPES_IMAGE_SIZE):
         self.split, self.seed, self.image_size = split, seed, image_size
@@ -777,7 +866,8 @@ class ShapesDataset(torch.utils.data.Dataset):
                 "key": f"{self.split}{index:08d}"}
 
 
-# One listed sample: image path (None if not listed), caption, tree, key naming the image (captions share it), label
+# One listed sample: image path (None if not listed), caption, tree, key naming the image (captions
+# share it), label
 Item = collections.namedtuple("Item", "image caption tree key label", defaults=(None,))
 
 
@@ -785,22 +875,27 @@ class FileDataset(torch.utils.data.Dataset):
     """Map-style dataset over `Item`s; images are read and transformed in __getitem__."""
 
     def __init__(self, items: list, transform, seed: int = 0):
-        self.items, self.transform, self.seed, self.epoch = items, transform, seed, 0
+        self.items = items
+        self.transform = transform
+        self.seed = seed
+        self.epoch = 0
 
     def __len__(self):
         return len(self.items)
 
     def __getitem__(self, index):
         it = self.items[index]
-        s = make_sample(*it[:4], self.transform, _sample_rng(self.seed, self.epoch, it.key))  # it[:4]: image ... key
+        # it[:4]: image ... key
+        s = make_sample(*it[:4], self.transform, _sample_rng(self.seed, self.epoch, it.key))
         if isinstance(s, dict) and it.label is not None:
             s["label"] = it.label
         return s
 
 
 def _resolve_image(path, base: str, confined: bool = False):
-    """`path` taken against `base`; with --image_root given (`confined`), a path that resolves outside
-    it (`../../x.png`, `/etc/passwd`, a symlink out) becomes a Skip: counted with its reason, never read."""
+    """`path` taken against `base`; with --image_root given (`confined`), a path that resolves
+    outside it (`../../x.png`, `/etc/passwd`, a symlink out) becomes a Skip: counted with its
+    reason, never read."""
     if not path:
         return None
     full, root = os.path.normpath(os.path.join(base, path)), os.path.realpath(base)
@@ -809,24 +904,29 @@ def _resolve_image(path, base: str, confined: bool = False):
     return full
 
 
-def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath", caption_key: str = "title",
-              separator: str | None = None, tree_key: str = "tree") -> list:
-    """open_clip's CSV/TSV convention: a header row, columns `filepath` and `title` (names overridable),
-    tab-separated by default (`separator=None` takes a tab when the header has one, else a comma). Relative paths
-    are taken against `image_root` or the CSV's folder. An optional `tree` column carries PTB trees."""
+def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath",
+              caption_key: str = "title", separator: str | None = None,
+              tree_key: str = "tree") -> list:
+    """open_clip's CSV/TSV convention: a header row, columns `filepath` and `title` (names
+    overridable), tab-separated by default (`separator=None` takes a tab when the header has one,
+    else a comma). Relative paths are taken against `image_root` or the CSV's folder. An optional
+    `tree` column carries PTB trees."""
     base = image_root or os.path.dirname(os.path.abspath(path))
     try:
-        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of a name
+        # -sig: a byte-order mark is not part of a name
+        with open(path, newline="", encoding="utf-8-sig") as f:
             sep = separator or ("\t" if "\t" in f.readline() else ",")   # from the header line
             f.seek(0)
             reader = csv.DictReader(f, delimiter=sep)
             columns = reader.fieldnames or []
             if (missing := [c for c in (img_key, caption_key) if c not in columns]):
-                raise DataError(f"{path}: malformed CSV: no column {missing[0]!r} (columns: {columns}; "
-                                f"name the columns with --csv_img_key / --csv_caption_key)")
+                raise DataError(f"{path}: malformed CSV: no column {missing[0]!r} "
+                                f"(columns: {columns}; name the columns with --csv_img_key / "
+                                f"--csv_caption_key)")
             name = os.path.basename(path)  # key: the image path as listed, else file name and line
-            items = [Item(_resolve_image(row[img_key], base, image_root is not None), row[caption_key],
-                          row.get(tree_key), row[img_key] or f"{name}:{n + 2}") for n, row in enumerate(reader)]
+            items = [Item(_resolve_image(row[img_key], base, image_root is not None),
+                          row[caption_key], row.get(tree_key), row[img_key] or f"{name}:{n + 2}")
+                     for n, row in enumerate(reader)]
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None
     except (csv.Error, UnicodeDecodeError) as e:
@@ -835,8 +935,9 @@ def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath
 
 
 def karpathy_images(json_path: str, image_root: str | None, split: str) -> list:
-    """[(image path, key, [(raw caption, tree or None), ...])] of one split of a Karpathy JSON (key =
-    filepath/filename without extension); split "train" also takes "restval" (COCO's usual 113k)."""
+    """[(image path, key, [(raw caption, tree or None), ...])] of one split of a Karpathy JSON
+    (key = filepath/filename without extension); split "train" also takes "restval" (COCO's usual
+    113k)."""
     blob = read_json(json_path)
     images = blob.get("images") if isinstance(blob, dict) else None
     if not isinstance(images, list):
@@ -847,11 +948,14 @@ def karpathy_images(json_path: str, image_root: str | None, split: str) -> list:
     for n, im in enumerate(images):
         if not isinstance(im, dict) or not isinstance(im.get("filename"), str) or \
                 not isinstance(im.get("filepath", ""), str):
-            raise DataError(f"{json_path}: malformed Karpathy JSON: images[{n}] has no 'filename' string")
+            raise DataError(f"{json_path}: malformed Karpathy JSON: images[{n}] has no "
+                            "'filename' string")
         if im.get("split") in wanted:
-            sents = [(s.get("raw"), s.get("tree")) for s in im.get("sentences", []) if isinstance(s, dict)]
+            sents = [(s.get("raw"), s.get("tree")) for s in im.get("sentences", [])
+                     if isinstance(s, dict)]
             name = os.path.join(im.get("filepath", ""), im["filename"])
-            out.append((_resolve_image(name, root, image_root is not None), os.path.splitext(name)[0], sents))
+            out.append((_resolve_image(name, root, image_root is not None),
+                        os.path.splitext(name)[0], sents))
     if not out:
         raise DataError(f"{json_path}: no images with split {split!r} (splits present: "
                         f"{', '.join(sorted({str(im.get('split')) for im in images}))})")
@@ -859,13 +963,14 @@ def karpathy_images(json_path: str, image_root: str | None, split: str) -> list:
 
 
 def image_folder(root: str):
-    """root/class_name/*.{jpg,jpeg,png,webp} -> (paths, labels, classes): every sub-folder sorted, empty ones too
-    (so class indices do not shift)."""
+    """root/class_name/*.{jpg,jpeg,png,webp} -> (paths, labels, classes): every sub-folder sorted,
+    empty ones too (so class indices do not shift)."""
     if not os.path.isdir(root):
         raise DataError(f"{root}: no such directory")
     classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
     found = [(os.path.join(root, c, name), label) for label, c in enumerate(classes)
-             for name in sorted(os.listdir(os.path.join(root, c))) if name.rsplit(".", 1)[-1].lower() in IMAGE_EXTS]
+             for name in sorted(os.listdir(os.path.join(root, c)))
+             if name.rsplit(".", 1)[-1].lower() in IMAGE_EXTS]
     if not found:
         raise DataError(f"{root}: no images in class folders (expected root/class_name/*.jpg)")
     return [p for p, _ in found], [y for _, y in found], classes
@@ -874,14 +979,16 @@ def image_folder(root: str):
 # -----------------------------------------------------------------------------
 # Webdataset / img2dataset tar shards, read with `tarfile` in streaming mode
 #
-# A record is the group of consecutive members sharing a key (the member name up to the first dot of its base
-# name): {"__key__", "__shard__", "jpg": bytes, "txt": bytes, ...}. A tar that ends early or cannot be read yields
-# one record {"__error__": ...} and stops; the half-read group it was in is dropped with it (counted).
+# A record is the group of consecutive members sharing a key (the member name up to the first dot of
+# its base name): {"__key__", "__shard__", "jpg": bytes, "txt": bytes, ...}. A tar that ends early
+# or cannot be read yields one record {"__error__": ...} and stops; the half-read group it was in is
+# dropped with it (counted).
 
 
 def expand_braces(pattern: str) -> list:
-    """`dir/{00000..00003}.tar` -> 4 names, by the `braceexpand` package (webdataset's and open_clip's shard lists:
-    {a,b} lists, {1..10..3} / {a..e} ranges, zero padding, escapes); unbalanced braces are a DataError."""
+    """`dir/{00000..00003}.tar` -> 4 names, by the `braceexpand` package (webdataset's and
+    open_clip's shard lists: {a,b} lists, {1..10..3} / {a..e} ranges, zero padding, escapes);
+    unbalanced braces are a DataError."""
     try:
         return list(braceexpand(pattern))
     except UnbalancedBracesError:
@@ -889,7 +996,8 @@ def expand_braces(pattern: str) -> list:
 
 
 def tar_records(path: str, keep_exts=None):
-    """Records of one tar, streaming. keep_exts: read only these members' bytes (others are marked present: b"")."""
+    """Records of one tar, streaming. keep_exts: read only these members' bytes (others are marked
+    present: b"")."""
     def want(name):     # the extension after the base name's first dot, as the record key splits it
         return keep_exts is None or name.rpartition("/")[2].partition(".")[2].lower() in keep_exts
 
@@ -898,7 +1006,8 @@ def tar_records(path: str, keep_exts=None):
         for rec in _group_records(path, _plain_tar_members(path, want)):
             yield rec
             done += 1
-    except _NotPlainTar:    # compressed, extension headers, damage: tarfile reads the rest again, and words any error
+    except _NotPlainTar:
+        # compressed, extension headers, damage: tarfile reads the rest again, and words any error
         yield from itertools.islice(_group_records(path, _tarfile_members(path, want)), done, None)
 
 
@@ -916,32 +1025,39 @@ def _group_records(path: str, members):
             cur[ext.lower()] = blob
     except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
         what = "empty tar" if cur is None and "empty" in str(e) else "truncated or unreadable tar"
-        yield {"__key__": cur["__key__"] if cur else "", "__shard__": path, "__error__": f"{what} ({e})"}
+        yield {"__key__": cur["__key__"] if cur else "", "__shard__": path,
+               "__error__": f"{what} ({e})"}
         return
-    yield cur if cur is not None else {"__key__": "", "__shard__": path, "__error__": "empty tar (no members)"}
+    yield (cur if cur is not None
+           else {"__key__": "", "__shard__": path, "__error__": "empty tar (no members)"})
 
 
 def _tarfile_members(path: str, want):
-    """(name, bytes) of a tar's regular files, by tarfile (any compression, pax and GNU headers); b"" if not wanted."""
+    """(name, bytes) of a tar's regular files, by tarfile (any compression, pax and GNU headers);
+    b"" if not wanted."""
     with tarfile.open(path, mode="r|*") as tf:
         for m in tf:
             if not m.isfile():
                 continue
             blob = b""
-            if want(m.name):    # the bytes straight from the stream: an extractfile reader per member cost ~45%
+            if want(m.name):
+                # the bytes straight from the stream: an extractfile reader per member cost ~45%
                 blob = tf.fileobj.read(m.size) if m.sparse is None else tf.extractfile(m).read()
                 if len(blob) < m.size:
                     raise tarfile.ReadError("unexpected end of data")
             yield m.name, blob
-        # tarfile stops quietly at a header cut short or damaged: an uncompressed tar must hold its end-of-archive
-        # marker (two zero blocks) where tarfile stopped, else the rest of the shard would be lost without a word
+        # tarfile stops quietly at a header cut short or damaged: an uncompressed tar must hold its
+        # end-of-archive marker (two zero blocks) where tarfile stopped, else the rest of the shard
+        # would be lost without a word
         if tf.fileobj.comptype == "tar":
             with open(path, "rb") as f:
                 f.seek(tf.offset)
                 end = f.read(2 * tarfile.BLOCKSIZE)
-            if len(end) < 2 * tarfile.BLOCKSIZE or end[:tarfile.BLOCKSIZE] != bytes(tarfile.BLOCKSIZE):
-                raise tarfile.ReadError("unexpected end of data" if len(end) < 2 * tarfile.BLOCKSIZE else
-                                        f"damaged member header at byte {tf.offset}")
+            if (len(end) < 2 * tarfile.BLOCKSIZE
+                    or end[:tarfile.BLOCKSIZE] != bytes(tarfile.BLOCKSIZE)):
+                raise tarfile.ReadError(
+                    "unexpected end of data" if len(end) < 2 * tarfile.BLOCKSIZE
+                    else f"damaged member header at byte {tf.offset}")
 
 
 class _NotPlainTar(Exception):
@@ -949,20 +1065,24 @@ class _NotPlainTar(Exception):
 
 
 def _plain_tar_members(path: str, want):
-    """_tarfile_members for the tars img2dataset and webdataset write (uncompressed, ustar headers, regular files and
-    folders), from the 512-byte headers themselves: tarfile's per-member parsing was ~5% of a loader worker's time
-    per image, this is a fifth of it. Anything else (compression, pax or GNU long-name headers, links, a bad
-    checksum, an early end) raises _NotPlainTar before its member is given."""
+    """_tarfile_members for the tars img2dataset and webdataset write (uncompressed, ustar headers,
+    regular files and folders), from the 512-byte headers themselves: tarfile's per-member parsing
+    was ~5% of a loader worker's time per image, this is a fifth of it. Anything else (compression,
+    pax or GNU long-name headers, links, a bad checksum, an early end) raises _NotPlainTar before
+    its member is given."""
     block = tarfile.BLOCKSIZE
-    with open(path, "rb") as f:     # an OSError here is the record {"__error__"} tarfile's open would give
+    # an OSError here is the record {"__error__"} tarfile's open would give
+    with open(path, "rb") as f:
         while True:
             header = f.read(block)
             if header == bytes(block):
-                if len(f.read(block)) < block:  # as tarfile: the zero block must be followed by a second block
+                # as tarfile: the zero block must be followed by a second block
+                if len(f.read(block)) < block:
                     raise _NotPlainTar
                 return
             try:
-                size, checksum = int(header[124:136].strip(b"\0 ") or b"0", 8), int(header[148:156].strip(b"\0 "), 8)
+                size, checksum = (int(header[124:136].strip(b"\0 ") or b"0", 8),
+                                  int(header[148:156].strip(b"\0 "), 8))
             except ValueError:      # base-256 numbers, garbage, a header cut short
                 raise _NotPlainTar from None
             if (len(header) < block or header[257:262] != b"ustar" or header[156:157] not in b"05\0"
@@ -971,7 +1091,8 @@ def _plain_tar_members(path: str, want):
             name, prefix = (header[a:b].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
                             for a, b in ((0, 100), (345, 500)))
             name, kind = f"{prefix}/{name}" if prefix else name, header[156:157]
-            if kind == b"5" or kind == b"\0" and name.endswith("/"):   # a folder, as tarfile: no data to skip
+            # a folder, as tarfile: no data to skip
+            if kind == b"5" or kind == b"\0" and name.endswith("/"):
                 continue
             wanted = want(name)
             blob = f.read(size) if wanted else b""
@@ -999,7 +1120,8 @@ def decode_record(rec: dict, transform, rng):
 
 
 def _shard_count(path: str) -> int | None:
-    """Samples in a shard by img2dataset's `{shard}_stats.json` ("successes") or sizes.json {name: count}, else None."""
+    """Samples in a shard by img2dataset's `{shard}_stats.json` ("successes") or sizes.json
+    {name: count}, else None."""
     folder, name = os.path.split(path)
     stats = os.path.join(folder, name.rsplit(".", 1)[0] + "_stats.json")
     if os.path.exists(stats):
@@ -1033,18 +1155,19 @@ def _shuffled(records, size: int, rng: random.Random):
 # Google's CC3M/CC12M TSVs have none) and the img2dataset flags that read it. The flags are
 # img2dataset.download()'s parameters (img2dataset/main.py); tests check every one.
 DATA_PRESETS = {
-    "cc3m": "sed -i '1s/^/caption\\turl\\n/' cc3m.tsv && img2dataset --url_list cc3m.tsv --input_format tsv "
-            "--url_col url --caption_col caption",
-    "cc12m": "sed -i '1s/^/url\\tcaption\\n/' cc12m.tsv && img2dataset --url_list cc12m.tsv --input_format tsv "
-             "--url_col url --caption_col caption",
-    "datacomp": "img2dataset --url_list datacomp_metadata/ --input_format parquet --url_col url --caption_col text",
+    "cc3m": "sed -i '1s/^/caption\\turl\\n/' cc3m.tsv && img2dataset --url_list cc3m.tsv "
+            "--input_format tsv --url_col url --caption_col caption",
+    "cc12m": "sed -i '1s/^/url\\tcaption\\n/' cc12m.tsv && img2dataset --url_list cc12m.tsv "
+             "--input_format tsv --url_col url --caption_col caption",
+    "datacomp": "img2dataset --url_list datacomp_metadata/ --input_format parquet --url_col url "
+                "--caption_col text",
 }
 
 
 def img2dataset_command(name: str, folder: str) -> str:
     """The shell command that writes preset `name`'s webdataset shards into `folder`."""
-    return (f"{DATA_PRESETS[name]} --output_format webdataset --output_folder {folder} --image_size 256 "
-            f"--resize_mode keep_ratio --processes_count 16 --thread_count 64")
+    return (f"{DATA_PRESETS[name]} --output_format webdataset --output_folder {folder} "
+            f"--image_size 256 --resize_mode keep_ratio --processes_count 16 --thread_count 64")
 
 
 def _tar_source(shards: list) -> dict:
@@ -1053,22 +1176,24 @@ def _tar_source(shards: list) -> dict:
 
 
 def resolve_data(spec: str, image_root: str | None = None) -> dict:
-    """What a --data spec names: {"kind": "shapes"|"tar"|"csv"|"karpathy"|"imagefolder", ...} with "shards" +
-    "num_samples" (tar), "path" (csv, karpathy, imagefolder) and "image_root"; a one-line DataError if nothing."""
+    """What a --data spec names: {"kind": "shapes"|"tar"|"csv"|"karpathy"|"imagefolder", ...} with
+    "shards" + "num_samples" (tar), "path" (csv, karpathy, imagefolder) and "image_root"; a one-line
+    DataError if nothing."""
     if spec == "shapes" or spec.startswith("shapes:"):
         return {"kind": "shapes", **parse_shapes_spec(spec)}
     if spec in DATA_PRESETS:
         root = os.environ.get("DATA_ROOT", "./data")
         folder = os.path.join(root, spec)
         if not (shards := sorted(glob.glob(os.path.join(folder, "*.tar")))):
-            raise DataError(f"{spec}: no webdataset shards (*.tar) in {folder} ($DATA_ROOT={root}); make them with: "
-                            f"{img2dataset_command(spec, folder)}")
+            raise DataError(f"{spec}: no webdataset shards (*.tar) in {folder} ($DATA_ROOT={root});"
+                            f" make them with: {img2dataset_command(spec, folder)}")
         return _tar_source(shards)
     if "{" in spec:
         if not (shards := expand_braces(spec)):
             raise DataError(f"{spec}: the brace pattern names no shard")
         if (missing := [s for s in shards if not os.path.isfile(s)]):
-            raise DataError(f"{spec}: {len(missing)} of {len(shards)} shards do not exist, first: {missing[0]}")
+            raise DataError(f"{spec}: {len(missing)} of {len(shards)} shards do not exist, "
+                            f"first: {missing[0]}")
         return _tar_source(shards)
     if not os.path.exists(spec):
         raise DataError(f"{spec}: no such file or directory")
@@ -1078,20 +1203,24 @@ def resolve_data(spec: str, image_root: str | None = None) -> dict:
         if any(os.path.isdir(os.path.join(spec, d)) for d in os.listdir(spec)):
             return {"kind": "imagefolder", "path": spec, "image_root": image_root}
         raise DataError(f"{spec}: directory has neither .tar shards nor class folders")
-    kind = {"tar": "tar", "csv": "csv", "tsv": "csv", "json": "karpathy"}.get(spec.rsplit(".", 1)[-1].lower())
+    kind = {"tar": "tar", "csv": "csv", "tsv": "csv", "json": "karpathy"}.get(
+        spec.rsplit(".", 1)[-1].lower())
     if kind is None:
-        raise DataError(f"{spec}: unknown data format (expected shapes, cc3m/cc12m/datacomp, .tar shards, "
-                        f".csv/.tsv, a Karpathy .json or an ImageFolder directory)")
-    return _tar_source([spec]) if kind == "tar" else {"kind": kind, "path": spec, "image_root": image_root}
+        raise DataError(f"{spec}: unknown data format (expected shapes, cc3m/cc12m/datacomp, "
+                        f".tar shards, .csv/.tsv, a Karpathy .json or an ImageFolder directory)")
+    return (_tar_source([spec]) if kind == "tar"
+            else {"kind": kind, "path": spec, "image_root": image_root})
 
 
 def file_items(src: dict, split: str, csv_options: dict) -> list:
     if src["kind"] == "csv":
         return csv_items(src["path"], src["image_root"], **csv_options)
-    if src["kind"] == "karpathy":   # an Item per sentence, keyed by the image (retrieval groups by key);
+    if src["kind"] == "karpathy":
+        # an Item per sentence, keyed by the image (retrieval groups by key);
         # an image without sentences gives one Item, which is skipped
         return [item for path, key, sents in karpathy_images(src["path"], src["image_root"], split)
-                for item in [Item(path, raw, tree, key) for raw, tree in sents] or [Item(path, None, None, key)]]
+                for item in [Item(path, raw, tree, key) for raw, tree in sents]
+                or [Item(path, None, None, key)]]
     paths, labels, classes = image_folder(src["path"])   # caption: the class name, '_' as spaces
     return [Item(p, classes[y].replace("_", " "), None, os.path.relpath(p, src["path"]), y)
             for p, y in zip(paths, labels)]
@@ -1102,9 +1231,10 @@ def file_items(src: dict, split: str, csv_options: dict) -> list:
 # batches consumed) so a resumed run continues with exactly the next batch, and count skips.
 
 def _init_worker(slots, worker_id):
-    """DataLoader worker_init_fn: the iterator's _SharedBatches, and SIGTERM ignored: torchrun's agent and SLURM send
-    it to the whole process group, and a worker killed by it would crash the rank before it could checkpoint (the
-    rank saves, then shuts them down). Forked with SIGTERM blocked (_start_workers), one sent meanwhile is dropped."""
+    """DataLoader worker_init_fn: the iterator's _SharedBatches, and SIGTERM ignored: torchrun's
+    agent and SLURM send it to the whole process group, and a worker killed by it would crash the
+    rank before it could checkpoint (the rank saves, then shuts them down). Forked with SIGTERM
+    blocked (_start_workers), one sent meanwhile is dropped."""
     global _worker_slots
     _worker_slots = slots
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -1112,8 +1242,9 @@ def _init_worker(slots, worker_id):
 
 
 def _start_workers(dl):
-    """iter(dl) with SIGTERM blocked while the workers are forked: between fork and _init_worker, torch's worker
-    handler would let a SIGTERM sent to the process group kill the worker (and the rank with it)."""
+    """iter(dl) with SIGTERM blocked while the workers are forked: between fork and _init_worker,
+    torch's worker handler would let a SIGTERM sent to the process group kill the worker (and the
+    rank with it)."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         return iter(dl)
@@ -1122,20 +1253,37 @@ def _start_workers(dl):
 
 
 class _Loader:
-    def __init__(self, batch_size, num_samples, tokenizer=None, train=True, rank=0, world_size=1, num_workers=0, seed=0,
-                 drop_last=True, name="data", max_skip_fraction=MAX_SKIP_FRACTION, counted_by="", image_size=None):
-        self.name, self.batch_size, self.tokenizer, self.train = name, batch_size, tokenizer, train
-        self.rank, self.world_size, self.num_workers, self.seed = rank, world_size, num_workers, seed
-        self.drop_last, self.max_skip_fraction, self.epoch, self.batches_done = drop_last, max_skip_fraction, 0, 0
-        self.good, self.skipped, self.dropped, self.skip_reasons = 0, 0, 0, collections.Counter()  # dropped: drop_last
-        self.num_samples = num_samples      # check_min: SKIP_CHECK_MIN, or one epoch's share where that is smaller
-        self.check_min = max(1, min(SKIP_CHECK_MIN, num_samples // world_size)) if num_samples else SKIP_CHECK_MIN
+    def __init__(self, batch_size, num_samples, tokenizer=None, train=True, rank=0, world_size=1,
+                 num_workers=0, seed=0, drop_last=True, name="data",
+                 max_skip_fraction=MAX_SKIP_FRACTION, counted_by="", image_size=None):
+        self.name = name
+        self.batch_size = batch_size
+        self.tokenizer = tokenizer
+        self.train = train
+        self.rank = rank
+        self.world_size = world_size
+        self.num_workers = num_workers
+        self.seed = seed
+        self.drop_last = drop_last
+        self.max_skip_fraction = max_skip_fraction
+        self.epoch = 0
+        self.batches_done = 0
+        self.good = 0
+        self.skipped = 0
+        self.dropped = 0  # dropped: drop_last
+        self.skip_reasons = collections.Counter()
+        self.num_samples = num_samples
+        # check_min: SKIP_CHECK_MIN, or one epoch's share where that is smaller
+        self.check_min = (max(1, min(SKIP_CHECK_MIN, num_samples // world_size)) if num_samples
+                          else SKIP_CHECK_MIN)
         if drop_last and num_samples is not None and num_samples < batch_size * world_size:
-            raise DataError(f"{name}: {num_samples} samples{counted_by}, fewer than one global batch "
-                            f"({batch_size} x {world_size} ranks)")
-        # pinned (page-locked) batches: normalize_images' non_blocking copy is then truly async, overlapping the step
+            raise DataError(f"{name}: {num_samples} samples{counted_by}, fewer than one "
+                            f"global batch ({batch_size} x {world_size} ranks)")
+        # pinned (page-locked) batches: normalize_images' non_blocking copy is then truly async,
+        # overlapping the step
         self.pin_memory, self.batch_extra = False, None     # batch_extra: see collate()
-        # image_size: what the transform gives, sizing the workers' reused _SharedBatches slots (None: no slots)
+        # image_size: what the transform gives, sizing the workers' reused _SharedBatches slots
+        # (None: no slots)
         self.image_bytes = 3 * image_size ** 2 if image_size else 0
 
     def set_epoch(self, epoch):
@@ -1150,13 +1298,15 @@ class _Loader:
         """The rest of the current epoch; afterwards the loader points at the next epoch."""
         fresh, n_batches = self.batches_done == 0, 0
         dataset, how = self._epoch(fresh)
-        # a private generator: DataLoader otherwise draws its workers' base seed from the global torch RNG at every
-        # iterator, so a resumed run (one iterator more) would shift a fork's dropout; samples never depend on it
-        slots = (_SharedBatches(2 * self.num_workers + 1, self.batch_size * self.image_bytes)   # prefetch_factor 2
+        # a private generator: DataLoader otherwise draws its workers' base seed from the global
+        # torch RNG at every iterator, so a resumed run (one iterator more) would shift a fork's
+        # dropout; samples never depend on it
+        # prefetch_factor 2
+        slots = (_SharedBatches(2 * self.num_workers + 1, self.batch_size * self.image_bytes)
                  if self.num_workers and self.image_bytes else None)
         dl = torch.utils.data.DataLoader(
-            dataset, num_workers=self.num_workers, persistent_workers=False, pin_memory=self.pin_memory,
-            worker_init_fn=functools.partial(_init_worker, slots),
+            dataset, num_workers=self.num_workers, persistent_workers=False,
+            pin_memory=self.pin_memory, worker_init_fn=functools.partial(_init_worker, slots),
             generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch), **how)
         for batch in _start_workers(dl):
             if isinstance(batch["image"], _Slot):
@@ -1168,19 +1318,23 @@ class _Loader:
                 yield batch
         self._check_skips()
         if fresh and n_batches == 0:
-            # too little data (a batch larger than the data, every sample bad, no shard for this rank)
-            raise DataError(f"{self.name}: rank {self.rank} got no batch in a whole epoch (samples: {self.good} good, "
-                            f"{self.skipped} skipped, {self.dropped} dropped by drop_last; batch "
-                            f"{self.batch_size} x {self.world_size} ranks x {max(1, self.num_workers)} workers)")
+            # too little data (a batch larger than the data, every sample bad, no shard
+            # for this rank)
+            raise DataError(f"{self.name}: rank {self.rank} got no batch in a whole epoch "
+                            f"(samples: {self.good} good, {self.skipped} skipped, {self.dropped} "
+                            f"dropped by drop_last; batch {self.batch_size} x {self.world_size} "
+                            f"ranks x {max(1, self.num_workers)} workers)")
         self.set_epoch(self.epoch + 1)
 
     def forever(self):
-        """Batches across epochs without end (step-based loops); an epoch giving no batch raises, never spins."""
+        """Batches across epochs without end (step-based loops); an epoch giving no batch raises,
+        never spins."""
         while True:
             yield from self
 
     def _account(self, batch: dict):
-        """Count the batch's samples and skips (logging the first); stop past max_skip_fraction bad of all read."""
+        """Count the batch's samples and skips (logging the first); stop past max_skip_fraction bad
+        of all read."""
         for reason, where in batch.pop("_skips"):
             if self.skipped < SKIP_LOG_LINES:
                 log.warning("data: skipped %s: %s", reason, where)
@@ -1189,31 +1343,35 @@ class _Loader:
         self.good += len(batch["caption"])
         self.dropped += batch.pop("_dropped", 0)
         if self.good + self.skipped + self.dropped >= self.check_min:
-            self._check_skips()     # as batches are read: a run shorter than an epoch is checked too
+            self._check_skips()  # as batches are read: a run shorter than an epoch is checked too
 
     def _check_skips(self):
         seen = self.good + self.skipped + self.dropped
         if seen and self.skipped > self.max_skip_fraction * seen:
             common = ", ".join(f"{r} x{n}" for r, n in self.skip_reasons.most_common(3))
             raise DataError(f"{self.name}: skipped {self.skipped} of {seen} samples read "
-                            f"({100 * self.skipped / seen:.0f}%; {self.good} used, {self.dropped} dropped by "
-                            f"drop_last), more than max_skip_fraction={self.max_skip_fraction} ({common})")
+                            f"({100 * self.skipped / seen:.0f}%; {self.good} used, {self.dropped} "
+                            f"dropped by drop_last), more than "
+                            f"max_skip_fraction={self.max_skip_fraction} ({common})")
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches_done": self.batches_done, "skipped": self.skipped, "good": self.good,
-                "dropped": self.dropped, "skip_reasons": dict(self.skip_reasons)}
+        return {"epoch": self.epoch, "batches_done": self.batches_done, "skipped": self.skipped,
+                "good": self.good, "dropped": self.dropped, "skip_reasons": dict(self.skip_reasons)}
 
     def load_state_dict(self, state: dict):
         self.epoch, self.batches_done = int(state["epoch"]), int(state["batches_done"])
-        self.skipped, self.good, self.dropped = (int(state.get(k, 0)) for k in ("skipped", "good", "dropped"))
+        self.skipped, self.good, self.dropped = (int(state.get(k, 0))
+                                                 for k in ("skipped", "good", "dropped"))
         self.skip_reasons = collections.Counter(state.get("skip_reasons", {}))
 
 
 class MapLoader(_Loader):
-    """DDP loader over a map-style dataset. Each epoch draws a permutation from (seed, epoch) (the same on every
-    rank), drops the tail so that every rank gets as many full batches, and gives rank r indices r, r + W, r + 2W ..."""
+    """DDP loader over a map-style dataset. Each epoch draws a permutation from (seed, epoch) (the
+    same on every rank), drops the tail so that every rank gets as many full batches, and gives rank
+    r indices r, r + W, r + 2W ..."""
 
-    def __init__(self, dataset, batch_size, **options):     # options: _Loader's keywords (tokenizer, train, rank ...)
+    def __init__(self, dataset, batch_size, **options):
+        # options: _Loader's keywords (tokenizer, train, rank ...)
         super().__init__(batch_size, len(dataset), **options)
         self.dataset = dataset
 
@@ -1230,36 +1388,46 @@ class MapLoader(_Loader):
     def _epoch(self, fresh: bool):
         """The DataLoader's dataset and batching for the rest of the epoch."""
         if fresh and self.drop_last:    # the tail cut to whole global batches, this rank's share
-            kept = len(self.dataset) // (self.batch_size * self.world_size) * self.batch_size * self.world_size
+            kept = (len(self.dataset) // (self.batch_size * self.world_size)
+                    * self.batch_size * self.world_size)
             self.dropped += len(range(kept, len(self.dataset))[self.rank::self.world_size])
         if hasattr(self.dataset, "epoch"):
             self.dataset.epoch = self.epoch
-        return self.dataset, dict(batch_sampler=self._rank_batches()[self.batches_done:], collate_fn=functools.partial(
-            collate, tokenizer=self.tokenizer, batch_extra=self.batch_extra, epoch=self.epoch))
+        return self.dataset, dict(
+            batch_sampler=self._rank_batches()[self.batches_done:],
+            collate_fn=functools.partial(collate, tokenizer=self.tokenizer,
+                                         batch_extra=self.batch_extra, epoch=self.epoch))
 
     def _advance(self, batch: dict):
         self.batches_done += 1
 
 
 class ShardStream(torch.utils.data.IterableDataset):
-    """One (rank, dataloader worker) slot's share of an epoch's shards, as batches. S = world_size x max(1, num_workers)
-    slots, slot = rank x workers + worker. Slot s reads shards s, s + S, ... of the list shuffled by (seed, epoch), the
-    same on every rank; with fewer shards than slots, every slot reads all shards and keeps records s, s + S, ...
-    Either way each record is read by exactly one slot per epoch. With `resampled`, slot s draws ceil(#shards / S)
-    shards with replacement by (seed, epoch, slot): a nominal epoch, data for every slot. Records go through a shuffle
-    buffer (train) before they are decoded, so a resumed worker replays its stream without decoding."""
+    """One (rank, dataloader worker) slot's share of an epoch's shards, as batches. S = world_size x
+    max(1, num_workers) slots, slot = rank x workers + worker. Slot s reads shards s, s + S, ... of
+    the list shuffled by (seed, epoch), the same on every rank; with fewer shards than slots, every
+    slot reads all shards and keeps records s, s + S, ... Either way each record is read by exactly
+    one slot per epoch. With `resampled`, slot s draws ceil(#shards / S) shards with replacement by
+    (seed, epoch, slot): a nominal epoch, data for every slot. Records go through a shuffle buffer
+    (train) before they are decoded, so a resumed worker replays its stream without decoding."""
 
     def __init__(self, loader, shards, transform, resampled, shuffle_buffer):
         for k in ("batch_size", "tokenizer", "seed", "train", "rank", "world_size", "drop_last"):
-            setattr(self, k, getattr(loader, k))    # a copy of the loader's settings: workers get this object
-        self.shards, self.transform, self.resampled, self.shuffle_buffer = shards, transform, resampled, shuffle_buffer
+            # a copy of the loader's settings: workers get this object
+            setattr(self, k, getattr(loader, k))
+        self.shards = shards
+        self.transform = transform
+        self.resampled = resampled
+        self.shuffle_buffer = shuffle_buffer
         self.workers, self.epoch, self.worker_offset = max(1, loader.num_workers), 0, 0
-        self.records_done, self.batch_extra = [0] * self.workers, None  # per logical worker: records consumed
+        # per logical worker: records consumed
+        self.records_done, self.batch_extra = [0] * self.workers, None
 
     def _records(self, slot: int, n_slots: int):
         if self.resampled:
             rng = random.Random(f"resample/{self.seed}/{self.epoch}/{slot}")
-            shards, stride = [rng.choice(self.shards) for _ in range(-(-len(self.shards) // n_slots))], False
+            shards, stride = [rng.choice(self.shards)
+                              for _ in range(-(-len(self.shards) // n_slots))], False
         else:
             shards = list(self.shards)
             if self.train:
@@ -1270,12 +1438,13 @@ class ShardStream(torch.utils.data.IterableDataset):
         if stride:
             records = (r for i, r in enumerate(records) if i % n_slots == slot)
         if self.train and self.shuffle_buffer > 1:
-            records = _shuffled(records, self.shuffle_buffer, random.Random(f"buffer/{self.seed}/{self.epoch}/{slot}"))
+            records = _shuffled(records, self.shuffle_buffer,
+                                random.Random(f"buffer/{self.seed}/{self.epoch}/{slot}"))
         return records
 
     def _batch(self, samples: list, logical: int, records: int, dropped: int = 0) -> dict:
-        return {**collate(samples, self.tokenizer, self.batch_extra, self.epoch), "_dropped": dropped,
-                "_meta": {"worker": logical, "records": records}}
+        return {**collate(samples, self.tokenizer, self.batch_extra, self.epoch),
+                "_dropped": dropped, "_meta": {"worker": logical, "records": records}}
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -1290,21 +1459,25 @@ class ShardStream(torch.utils.data.IterableDataset):
             if n_good == self.batch_size:
                 yield self._batch(pending, logical, n)
                 pending, n_good = [], 0
-        if pending:  # the last partial batch (its samples dropped with drop_last; skips still reported)
+        # the last partial batch (its samples dropped with drop_last; skips still reported)
+        if pending:
             kept = [s for s in pending if not (self.drop_last and isinstance(s, dict))]
             yield self._batch(kept, logical, n, dropped=len(pending) - len(kept))
 
 
 class ShardLoader(_Loader):
-    """Streaming loader over tar shards (see ShardStream for who reads what). DDP: ranks may get different numbers of
-    samples in an epoch (shards differ in size). An epoch is per rank and `forever()` rolls it into the next, so a
-    step-based loop (`--max_steps` over `forever()`) never waits for another rank; an epoch-based `for batch in loader`
-    with DDP can desynchronise ranks: use `resampled=True` and a step count. State: also per dataloader worker the
-    records it consumed and which worker gave the last batch: a resumed loader replays each worker's records without
-    decoding and restarts the round-robin at the next worker (same num_workers and world size needed)."""
+    """Streaming loader over tar shards (see ShardStream for who reads what). DDP: ranks may get
+    different numbers of samples in an epoch (shards differ in size). An epoch is per rank and
+    `forever()` rolls it into the next, so a step-based loop (`--max_steps` over `forever()`) never
+    waits for another rank; an epoch-based `for batch in loader` with DDP can desynchronise ranks:
+    use `resampled=True` and a step count. State: also per dataloader worker the records it consumed
+    and which worker gave the last batch: a resumed loader replays each worker's records without
+    decoding and restarts the round-robin at the next worker (same num_workers and world size
+    needed)."""
 
-    def __init__(self, shards, batch_size, transform=None, resampled=False, shuffle_buffer=1000, num_samples=None,
-                 **options):    # options: _Loader's keywords (tokenizer, train, rank ...)
+    def __init__(self, shards, batch_size, transform=None, resampled=False, shuffle_buffer=1000,
+                 num_samples=None, **options):
+        # options: _Loader's keywords (tokenizer, train, rank ...)
         if not shards:
             raise DataError(f"{options.get('name', 'data')}: no shard to read")
         super().__init__(batch_size, num_samples, counted_by=" (from the shards' counts)", **options)
@@ -1325,7 +1498,8 @@ class ShardLoader(_Loader):
         s = self.stream
         s.epoch, s.records_done, s.batch_extra = self.epoch, list(self.records_done), self.batch_extra
         s.worker_offset = (self.last_worker + 1) % s.workers
-        return s, dict(batch_size=None, collate_fn=dict)  # the worker's batch as is (not default_convert's walk)
+        # the worker's batch as is (not default_convert's walk)
+        return s, dict(batch_size=None, collate_fn=dict)
 
     def _advance(self, batch: dict):
         meta = batch.pop("_meta")
@@ -1333,16 +1507,19 @@ class ShardLoader(_Loader):
         self.batches_done += bool(batch["caption"])
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "records_done": list(self.records_done), "last_worker": self.last_worker,
-                "num_workers": self.stream.workers, "world_size": self.world_size}
+        return {**super().state_dict(), "records_done": list(self.records_done),
+                "last_worker": self.last_worker, "num_workers": self.stream.workers,
+                "world_size": self.world_size}
 
     def load_state_dict(self, state: dict):
         super().load_state_dict(state)
         self._new_epoch()
-        if state.get("num_workers") == self.stream.workers and state.get("world_size") == self.world_size:
+        if (state.get("num_workers") == self.stream.workers
+                and state.get("world_size") == self.world_size):
             self.records_done, self.last_worker = list(state["records_done"]), int(state["last_worker"])
         elif self.batches_done:
-            log.warning("data: loader state saved with %s workers x %s ranks; restarting epoch %d from its start",
+            log.warning("data: loader state saved with %s workers x %s ranks; "
+                        "restarting epoch %d from its start",
                         state.get("num_workers"), state.get("world_size"), self.epoch)
             self.batches_done = 0
 
@@ -1362,36 +1539,41 @@ def parse_shapes_spec(spec: str) -> dict:
     return opts
 
 
-def make_loader(spec: str, split: str = "train", batch_size: int = 64, tokenizer=None, image_size: int = 64,
-                train: bool = True, rank: int = 0, world_size: int = 1, num_workers: int = 0, seed: int = 0,
-                resampled: bool = False, drop_last: bool = True, image_root: str | None = None, *,
-                shuffle_buffer: int = 1000, max_skip_fraction: float = MAX_SKIP_FRACTION, transform=None,
-                csv_img_key: str = "filepath", csv_caption_key: str = "title", csv_separator: str | None = None,
-                pin_memory: bool = False, batch_extra=None):
-    """The loader for a `--data` spec: a MapLoader for shapes, CSV, Karpathy JSON (`split`) and ImageFolder (batches
-    also carry "label"), a ShardLoader for tar shards (`split` is ignored: a shard set is one split). Real images get
-    train_transform(image_size) when `train`, else eval_transform(image_size); `transform` (PIL image, random.Random)
-    -> tensor overrides both. `pin_memory`: page-locked batches for CUDA. `batch_extra`: see collate()."""
+def make_loader(spec: str, split: str = "train", batch_size: int = 64, tokenizer=None,
+                image_size: int = 64, train: bool = True, rank: int = 0, world_size: int = 1,
+                num_workers: int = 0, seed: int = 0, resampled: bool = False,
+                drop_last: bool = True, image_root: str | None = None, *,
+                shuffle_buffer: int = 1000, max_skip_fraction: float = MAX_SKIP_FRACTION,
+                transform=None, csv_img_key: str = "filepath", csv_caption_key: str = "title",
+                csv_separator: str | None = None, pin_memory: bool = False, batch_extra=None):
+    """The loader for a `--data` spec: a MapLoader for shapes, CSV, Karpathy JSON (`split`) and
+    ImageFolder (batches also carry "label"), a ShardLoader for tar shards (`split` is ignored: a
+    shard set is one split). Real images get train_transform(image_size) when `train`, else
+    eval_transform(image_size); `transform` (PIL image, random.Random) -> tensor overrides both.
+    `pin_memory`: page-locked batches for CUDA. `batch_extra`: see collate()."""
     src = resolve_data(spec, image_root)
-    loader_args = dict(tokenizer=tokenizer, train=train, rank=rank, world_size=world_size, num_workers=num_workers,
-                       seed=seed, drop_last=drop_last, name=spec, max_skip_fraction=max_skip_fraction,
-                       image_size=image_size)
+    loader_args = dict(tokenizer=tokenizer, train=train, rank=rank, world_size=world_size,
+                       num_workers=num_workers, seed=seed, drop_last=drop_last, name=spec,
+                       max_skip_fraction=max_skip_fraction, image_size=image_size)
     transform = transform or (train_transform if train else eval_transform)(image_size)
     if src["kind"] == "shapes":     # generated at image_size, never skipped
-        ds = ShapesDataset(split, src.get("train_size") if split == "train" else None, src.get("seed", 0), image_size)
+        ds = ShapesDataset(split, src.get("train_size") if split == "train" else None,
+                           src.get("seed", 0), image_size)
         loader = MapLoader(ds, batch_size, **loader_args)
     elif src["kind"] == "tar":
         loader = ShardLoader(src["shards"], batch_size, transform=transform, resampled=resampled,
-                             shuffle_buffer=shuffle_buffer, num_samples=src["num_samples"], **loader_args)
+                             shuffle_buffer=shuffle_buffer, num_samples=src["num_samples"],
+                             **loader_args)
     else:
-        items = file_items(src, split, dict(img_key=csv_img_key, caption_key=csv_caption_key, separator=csv_separator))
+        items = file_items(src, split, dict(img_key=csv_img_key, caption_key=csv_caption_key,
+                                            separator=csv_separator))
         loader = MapLoader(FileDataset(items, transform, seed), batch_size, **loader_args)
     loader.pin_memory, loader.batch_extra = pin_memory and torch.cuda.is_available(), batch_extra
     return loader
 
 
-def captions_for_tokenizer(spec: str, max_captions: int = 100_000, split: str = "train", image_root: str | None = None,
-                           **csv_options) -> list:
+def captions_for_tokenizer(spec: str, max_captions: int = 100_000, split: str = "train",
+                           image_root: str | None = None, **csv_options) -> list:
     """Training captions to train a BPE on (tar shards: only the .txt members are read)."""
     src = resolve_data(spec, image_root)
     if src["kind"] == "shapes":
@@ -1407,13 +1589,16 @@ def captions_for_tokenizer(spec: str, max_captions: int = 100_000, split: str = 
 # -----------------------------------------------------------------------------
 # `python data.py make-shapes`: the shapes data in the real formats
 #
-# OUT/shards/{00000..}.tar    img2dataset webdataset: {key}.png .txt .json .tree, key = train index (9 digits);
-#                             {shard}_stats.json per shard and sizes.json
-# OUT/sugarcrepe/{cat}.json   SugarCrepe {"0": {"filename", "caption", "negative_caption"}, ...}; images/ beside
-# OUT/crepe/*.csv             CREPE rows image_id,x,y,width,height,caption + negatives (CREPE_FILES): systematicity.csv,
-#                             productivity_{swap,replace}.csv; box = whole image; images OUT/crepe/images/{image_id}.png
-# OUT/karpathy/dataset_shapes.json  Karpathy JSON, splits train/val/test, one sentence per image with raw, tokens
-#                             and tree; images OUT/karpathy/{split}/ (image root = the JSON's folder, filepath = split)
+# OUT/shards/{00000..}.tar    img2dataset webdataset: {key}.png .txt .json .tree, key = train
+#                             index (9 digits); {shard}_stats.json per shard and sizes.json
+# OUT/sugarcrepe/{cat}.json   SugarCrepe {"0": {"filename", "caption", "negative_caption"}, ...};
+#                             images/ beside
+# OUT/crepe/*.csv             CREPE rows image_id,x,y,width,height,caption + negatives
+#                             (CREPE_FILES): systematicity.csv, productivity_{swap,replace}.csv;
+#                             box = whole image; images OUT/crepe/images/{image_id}.png
+# OUT/karpathy/dataset_shapes.json  Karpathy JSON, splits train/val/test, one sentence per image
+#                             with raw, tokens and tree; images OUT/karpathy/{split}/ (image root =
+#                             the JSON's folder, filepath = split)
 # OUT/csv/{train,val,test}.tsv open_clip TSV (filepath, title, tree) over the Karpathy images
 # OUT/imagefolder/{train,test}/{shape}/*.png  classification (data.shapes_classification)
 # OUT/manifest.json           what was written, with counts
@@ -1433,7 +1618,8 @@ def write_shapes_shards(out: str, n: int, seed: int, shard_size: int, image_size
                 for ext, blob in (("png", png.getvalue()), ("txt", scene.caption.encode()),
                                   ("json", json.dumps(meta).encode()), ("tree", scene.tree.encode())):
                     info = tarfile.TarInfo(f"{key}.{ext}")
-                    info.size, info.mtime, info.mode = len(blob), 0, 0o644  # fixed metadata: same seed, same bytes
+                    # fixed metadata: same seed, same bytes
+                    info.size, info.mtime, info.mode = len(blob), 0, 0o644
                     tf.addfile(info, io.BytesIO(blob))
         sizes[name] = count = min(n, first + shard_size) - first
         write_file(os.path.join(folder, name), buf.getvalue())
@@ -1456,19 +1642,22 @@ def write_shapes_benchmarks(out: str, n: int, seed: int, image_size: int) -> dic
     bench = shapes_benchmark(seed, n, image_size)
     for cat in progress(SHAPES_CATEGORIES, desc="sugarcrepe", leave=False):
         rows = {str(i): {"filename": f"{cat}_{i:05d}.png", "caption": item["caption"],
-                         "negative_caption": item["negative_caption"]} for i, item in enumerate(bench[cat])}
+                         "negative_caption": item["negative_caption"]}
+                for i, item in enumerate(bench[cat])}
         for row, item in zip(rows.values(), bench[cat]):
             write_file(os.path.join(out, "sugarcrepe", "images", row["filename"]), item["image"])
         write_file(os.path.join(out, "sugarcrepe", f"{cat}.json"), json.dumps(rows, indent=1))
     for split in progress(("systematicity", "productivity"), desc="crepe", leave=False):
         for i, item in enumerate(bench[split]):
             write_file(os.path.join(out, "crepe", "images", f"{split}_{i:05d}.png"), item["image"])
-        for name, columns, kinds in CREPE_FILES[split]:     # lists as JSON strings (ast.literal_eval reads them too)
+        for name, columns, kinds in CREPE_FILES[split]:
+            # lists as JSON strings (ast.literal_eval reads them too)
             buf = io.StringIO()
             writer = csv.writer(buf, lineterminator="\n")
             writer.writerow(["image_id", "x", "y", "width", "height", "caption"] + columns)
             for i, item in enumerate(bench[split]):
-                negs = [[x for x, cat in zip(item["negatives"], item["negative_categories"]) if cat.startswith(kind)]
+                negs = [[x for x, cat in zip(item["negatives"], item["negative_categories"])
+                         if cat.startswith(kind)]
                         for kind in kinds]
                 if any(negs):   # rows without a negative are left out; box = the whole image
                     writer.writerow([f"{split}_{i:05d}", 0, 0, item["image"].width, item["image"].height,
@@ -1484,11 +1673,13 @@ def write_shapes_karpathy(out: str, n: int, seed: int, image_size: int) -> dict:
         for i in progress(range(n), desc=f"karpathy {split}", leave=False):
             scene, filename, k = shapes_scene(split, i, seed, image_size), f"{i:09d}.png", len(images)
             write_file(os.path.join(out, "karpathy", split, filename), scene.image)
-            images.append({"filepath": split, "filename": filename, "split": split, "imgid": k, "sentids": [k],
-                           "sentences": [{"raw": scene.caption, "tokens": scene.caption.split(), "imgid": k,
-                                          "sentid": k, "tree": scene.tree}]})
+            images.append({"filepath": split, "filename": filename, "split": split, "imgid": k,
+                           "sentids": [k],
+                           "sentences": [{"raw": scene.caption, "tokens": scene.caption.split(),
+                                          "imgid": k, "sentid": k, "tree": scene.tree}]})
             rows[split].append((f"../karpathy/{split}/{filename}", scene.caption, scene.tree))
-    write_file(os.path.join(out, "karpathy", "dataset_shapes.json"), json.dumps({"dataset": "shapes", "images": images}))
+    write_file(os.path.join(out, "karpathy", "dataset_shapes.json"),
+               json.dumps({"dataset": "shapes", "images": images}))
     for split, lines in rows.items():
         write_file(os.path.join(out, "csv", f"{split}.tsv"), "".join("\t".join(r) + "\n" for r in lines))
     return {split: n for split in rows}
@@ -1504,15 +1695,16 @@ def write_shapes_imagefolder(out: str, n: int, seed: int, image_size: int) -> di
     return {"train": n, "test": n, "classes": SHAPE_NAMES}
 
 
-def make_shapes(out_dir: str, train: int = 10_000, test: int = 500, seed: int = 0, shard_size: int = 1000,
-                image_size: int = SHAPES_IMAGE_SIZE) -> dict:
+def make_shapes(out_dir: str, train: int = 10_000, test: int = 500, seed: int = 0,
+                shard_size: int = 1000, image_size: int = SHAPES_IMAGE_SIZE) -> dict:
     """Write every format (see the section comment); returns the manifest."""
     if train < 1 or test < 1 or shard_size < 1:
         raise DataError("make-shapes: --train, --test and --shard_size must be positive")
     t0 = time.time()
     shards = write_shapes_shards(out_dir, train, seed, shard_size, image_size)
     manifest = {"seed": seed, "image_size": image_size,
-                "shards": {"pattern": os.path.join(out_dir, "shards", f"{{00000..{len(shards) - 1:05d}}}.tar"),
+                "shards": {"pattern": os.path.join(out_dir, "shards",
+                                                   f"{{00000..{len(shards) - 1:05d}}}.tar"),
                            "samples": train, "shards": len(shards)},
                 "benchmarks": write_shapes_benchmarks(out_dir, test, seed, image_size),
                 "karpathy": write_shapes_karpathy(out_dir, test, seed, image_size),
@@ -1525,12 +1717,15 @@ def make_shapes(out_dir: str, train: int = 10_000, test: int = 500, seed: int = 
 # -----------------------------------------------------------------------------
 # `python data.py check`: read a dataset once, count good and skipped samples
 
-def check_data(spec: str, split: str = "train", image_root: str | None = None, batch_size: int = 64,
-               num_workers: int = 0, image_size: int = 64, drop_last: bool = False, **csv_options) -> dict:
-    """Reads a dataset once. Counts: good (in batches), skipped (bad samples, by reason) and dropped (good samples
-    cut by drop_last, as a training loader with this batch size would). No good sample: an "error" entry (exit 2)."""
-    loader = make_loader(spec, split, batch_size, image_size=image_size, train=False, num_workers=num_workers,
-                         drop_last=drop_last, image_root=image_root, max_skip_fraction=1.0, **csv_options)
+def check_data(spec: str, split: str = "train", image_root: str | None = None,
+               batch_size: int = 64, num_workers: int = 0, image_size: int = 64,
+               drop_last: bool = False, **csv_options) -> dict:
+    """Reads a dataset once. Counts: good (in batches), skipped (bad samples, by reason) and dropped
+    (good samples cut by drop_last, as a training loader with this batch size would). No good
+    sample: an "error" entry (exit 2)."""
+    loader = make_loader(spec, split, batch_size, image_size=image_size, train=False,
+                         num_workers=num_workers, drop_last=drop_last, image_root=image_root,
+                         max_skip_fraction=1.0, **csv_options)
     t0, problem = time.time(), None
     with progress(desc="check", total=loader.num_samples, leave=False) as bar:
         try:
@@ -1550,36 +1745,47 @@ def check_data(spec: str, split: str = "train", image_root: str | None = None, b
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="data.py: the shapes data in real formats, and data checks")
     sub = p.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("make-shapes", help="write the shapes data as shards, SugarCrepe, CREPE, Karpathy, ImageFolder")
+    m = sub.add_parser("make-shapes", help="write the shapes data as shards, SugarCrepe, CREPE, "
+                                           "Karpathy, ImageFolder")
     m.add_argument("--out_dir", required=True)
     m.add_argument("--train", type=int, default=10_000, help="training scenes in the shards")
-    m.add_argument("--test", type=int, default=500, help="items per benchmark category / split / class set")
+    m.add_argument("--test", type=int, default=500,
+                   help="items per benchmark category / split / class set")
     for flag, default in (("--seed", 0), ("--shard_size", 1000), ("--image_size", SHAPES_IMAGE_SIZE)):
         m.add_argument(flag, type=int, default=default)
-    c = sub.add_parser("check", help="read a dataset once; print JSON counts of good and skipped samples")
+    c = sub.add_parser("check",
+                       help="read a dataset once; print JSON counts of good and skipped samples")
     c.add_argument("--data", required=True)
     c.add_argument("--split", default="train")
     c.add_argument("--image_root", default=None)
     c.add_argument("--num_workers", type=int, default=0)
-    c.add_argument("--batch_size", type=int, default=64, help="per rank, as in training (counts what drop_last cuts)")
-    c.add_argument("--drop_last", action="store_true", help="drop the last partial batch, as training does")
-    c.add_argument("--csv_img_key", default="filepath", help="CSV/TSV column of the image paths (open_clip's name)")
+    c.add_argument("--batch_size", type=int, default=64,
+                   help="per rank, as in training (counts what drop_last cuts)")
+    c.add_argument("--drop_last", action="store_true",
+                   help="drop the last partial batch, as training does")
+    c.add_argument("--csv_img_key", default="filepath",
+                   help="CSV/TSV column of the image paths (open_clip's name)")
     c.add_argument("--csv_caption_key", default="title", help="CSV/TSV column of the captions")
-    c.add_argument("--csv_separator", default=None, help="default: tab if the header has one, else comma")
-    sub.add_parser("convert-weights", help="a TorchScript .pt you trust (OpenAI's) -> PATH.safetensors; loading it "
-                                          "runs the code it carries").add_argument("path")
+    c.add_argument("--csv_separator", default=None,
+                   help="default: tab if the header has one, else comma")
+    sub.add_parser("convert-weights",
+                   help="a TorchScript .pt you trust (OpenAI's) -> PATH.safetensors; loading it "
+                        "runs the code it carries").add_argument("path")
     args = vars(p.parse_args(argv))
-    writes = args["cmd"] != "check"    # a failed write (full disk, quota, size limit, I/O error): one line, exit 2
+    # a failed write (full disk, quota, size limit, I/O error): one line, exit 2
+    writes = args["cmd"] != "check"
     try:
         with writing(args.get("out_dir") or args["path"]) if writes else contextlib.nullcontext():
             if args["cmd"] == "convert-weights":
                 from safetensors.torch import save_file
-                sd = torch.jit.load(args["path"], map_location="cpu").state_dict()  # explicit: runs the archive's code
+                # explicit: runs the archive's code
+                sd = torch.jit.load(args["path"], map_location="cpu").state_dict()
                 out = args["path"].rsplit(".", 1)[0] + ".safetensors"
                 atomic_write(out, lambda tmp: save_file({k: v.contiguous() for k, v in sd.items()}, tmp))
                 print(out)
                 return 0
-            result = make_shapes(**args) if args.pop("cmd") == "make-shapes" else check_data(args.pop("data"), **args)
+            result = (make_shapes(**args) if args.pop("cmd") == "make-shapes"
+                      else check_data(args.pop("data"), **args))
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

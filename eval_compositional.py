@@ -373,7 +373,10 @@ def file_ref(path, box=None):
 
 class Embedder:
     def __init__(self, model, tokenizer, image_size, batch_size=64, device="cpu", progress=True):
-        self.model, self.tokenizer, self.batch_size, self.device = model, tokenizer, batch_size, device
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.device = device
         self.transform = data.eval_transform(image_size)
         self.progress = progress
         self.image_cache, self.text_cache, self.bad_images = {}, {}, {}
@@ -649,7 +652,11 @@ def json_rows(path):
     if not isinstance(doc, (list, dict)):
         raise data.DataError(f"{path}: expected a JSON list or object")
     # the text is valid JSON: walk its top-level values for their lines
-    dec, ws, rows, line, seen = json.JSONDecoder(), re.compile(r"[ \t\r\n]*"), [], 1, 0
+    dec = json.JSONDecoder()
+    ws = re.compile(r"[ \t\r\n]*")
+    rows = []
+    line = 1
+    seen = 0
     i = ws.match(text, ws.match(text).end() + 1).end()
     while text[i] not in "]}":
         key = len(rows)
@@ -1296,7 +1303,10 @@ def mat_v5_arrays(path):
         while pos + 8 <= len(buf):
             kind, size = struct.unpack(end + "II", buf[pos:pos + 8])
             if kind >> 16:  # small element: size and type in the first 4 bytes, data in the next 4
-                kind, size, start, pos = kind & 0xFFFF, kind >> 16, pos + 4, pos + 8
+                size = kind >> 16  # the high 16 bits, taken before kind is masked below
+                kind = kind & 0xFFFF
+                start = pos + 4
+                pos = pos + 8
             else:
                 start, pos = pos + 8, pos + 8 + size + (-size % 8 if kind != 15 else 0)
             if start + size > len(buf):
@@ -2398,7 +2408,10 @@ PALETTE = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (255, 127, 14), (148, 1
 def draw_line_plot(path, series, title, xlabel, ylabel, size=(640, 420)):
     """series: {name: [(x, y), ...]} -> a line plot with axes, tick labels and a legend."""
     W, H = size
-    left, right, top, bottom = 60, 20, 30, 50
+    left = 60
+    right = 20
+    top = 30
+    bottom = 50
     img = Image.new("RGB", size, "white")
     d = ImageDraw.Draw(img)
     pts = [p for s in series.values() for p in s if math.isfinite(p[1])]

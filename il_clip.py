@@ -825,7 +825,10 @@ class ILSchedule:
     the last interaction extended by t_extend."""
 
     def __init__(self, t_warm, t_distill, t_interact, generations, t_extend, enabled=True, cycles=None):
-        self.t_warm, self.t_distill, self.generations, self.enabled = t_warm, t_distill, generations, enabled
+        self.t_warm = t_warm
+        self.t_distill = t_distill
+        self.generations = generations
+        self.enabled = enabled
         self.gen_len = t_distill + t_interact
         self.total = t_warm + generations * self.gen_len + t_extend
         self.spawn_steps = [t_warm + g * self.gen_len for g in range(generations)] if enabled else []
@@ -1240,7 +1243,7 @@ def train(r):
             save_checkpoint(r)
             if r.rank == 0:
                 draw_loss_curve(r.metrics_path, os.path.join(args.out_dir, "loss_curve.png"), r.sched.spawn_steps,
-                                args.method + "+neg" * args.negatives)
+                                args.method + ("+neg" if args.negatives else ""))
         if stop:
             bar.close()
             return "stopped"
@@ -1446,7 +1449,8 @@ def run(argv=None):
 def start_line(r, resumed):
     """start: script, method, parameter count, device x world size, data (+ its size), out_dir."""
     a, size = r.args, r.loader.num_samples
-    return (f"start: {os.path.basename(__file__)} --method {a.method}{' --negatives' * a.negatives} | "
+    return (f"start: {os.path.basename(__file__)} --method {a.method}"
+            f"{' --negatives' if a.negatives else ''} | "
             f"{sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M parameters | {r.device} x {r.world} | "
             f"data {a.data}{f' ({size} train pairs)' if size else ''} | out_dir {a.out_dir}"
             + (f" | resumed at step {r.step}" if resumed else ""))
@@ -1457,7 +1461,8 @@ def end_line(r, status, seconds):
     a, out = r.args, r.args.out_dir
     gens = sorted((n for n in os.listdir(out) if re.fullmatch(r"gen\d+", n)), key=lambda n: int(n[3:]))
     names = ["checkpoint", *gens, "metrics.jsonl", "loss_curve.png", "shapes_eval.json"]
-    wrote = [n + "/" * os.path.isdir(os.path.join(out, n)) for n in names if os.path.exists(os.path.join(out, n))]
+    wrote = [n + ("/" if os.path.isdir(os.path.join(out, n)) else "")
+             for n in names if os.path.exists(os.path.join(out, n))]
     cmd = f"{f'torchrun --nproc_per_node={r.world}' if r.world > 1 else 'python'} {os.path.basename(__file__)}"
     return (f"{status}{f' by {lifecycle.stop_requested()}' if status == 'stopped' else ''}: step {r.step}/{a.max_steps} "
             f"in {seconds:.0f}s | wrote {out}/{{{', '.join(wrote)}}}"

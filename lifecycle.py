@@ -695,8 +695,16 @@ def _pct(m: float, h: float, diff: bool = False) -> str:
 def results_table(rows: dict, label: str = "method") -> str:
     """Markdown table in %: {name: {metric: value or [per-seed values]}} (a list: mean ± 95% t-interval half-width)."""
     cols = list(dict.fromkeys(c for r in rows.values() for c in r))   # a column some row lacks is blank there
-    fmt = lambda v: ("" if v is None else v if isinstance(v, str) else _pct(*mean_ci(v)) if isinstance(v, list)
-                     else f"{100 * v:.1f}")    # a str: a cell already formatted
+
+    def fmt(v):
+        if v is None:
+            return ""
+        if isinstance(v, str):  # a cell already formatted
+            return v
+        if isinstance(v, list):
+            return _pct(*mean_ci(v))
+        return f"{100 * v:.1f}"
+
     lines = [[label, *cols], ["---"] * (len(cols) + 1)] + [[n] + [fmt(r.get(c)) for c in cols] for n, r in rows.items()]
     return "\n".join("| " + " | ".join(ln) + " |" for ln in lines)
 

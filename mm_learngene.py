@@ -338,7 +338,10 @@ class AuxCLIP(CLIP):
             raise ConfigError("the auxiliary model needs both towers with the same width and the same even depth")
         own = L if method == "helg" else 0
         super().__init__(dataclasses.replace(cfg, vision_layers=own, text_layers=own))
-        self.aux_layers, self.method, self.part, self.helg_layers = L, method, part, helg_layers
+        self.aux_layers = L
+        self.method = method
+        self.part = part
+        self.helg_layers = helg_layers
         self.cfg = dataclasses.replace(self.cfg, vision_layers=L, text_layers=L)
         w = cfg.vision_width
         if method == "mmlg":
@@ -1081,7 +1084,10 @@ class ShapesClassification(torch.utils.data.Dataset):
     image is already a fresh draw of colour, size and place)."""
 
     def __init__(self, split, indices, seed, image_size):
-        self.split, self.indices, self.seed, self.image_size = split, indices, seed, image_size
+        self.split = split
+        self.indices = indices
+        self.seed = seed
+        self.image_size = image_size
         self.to_tensor = data.ToTensor()
 
     def __len__(self):
@@ -1217,7 +1223,10 @@ def eval_retrieval(model, loader, device, batch_size=100):
     """I2T / T2I R@1 (%) over every batch of `loader`; images grouped by sample key (several captions of one
     image are all correct for it). Identical token sequences are encoded once: duplicates tie exactly."""
     model.eval()
-    keys, img_feats, texts, owners = {}, [], [], []
+    keys = {}
+    img_feats = []
+    texts = []
+    owners = []
     skipped0 = getattr(loader, "skipped", 0)    # the loader's counter runs across epochs
     for batch in loader:
         new = []
@@ -1576,7 +1585,10 @@ def bleu(refs: dict, hyps: dict, n=4) -> list:
     brevity penalty uses per sentence the reference length closest to the hypothesis (ties
     to the shorter), as pycocoevalcap's option 'closest'."""
     tiny, small = 1e-15, 1e-9
-    correct, guess, testlen, reflen = [0] * n, [0] * n, 0, 0
+    correct = [0] * n
+    guess = [0] * n
+    testlen = 0
+    reflen = 0
     for k in refs:
         words = hyps[k][0].split()
         maxref = collections.Counter()      # each n-gram's largest count in one reference
@@ -1935,7 +1947,10 @@ def eval_captioning(model, loader, device, beam, refs_of, pool=None, scene_of=No
     CaptionPool, the two baselines are scored on the same images and references: its constant
     caption, and each image's nearest pool image's caption. Returns (scores, every image's captions)."""
     model.mapper.eval()
-    captions, hyps, nearest, lm_tok = {}, {}, {}, model.frozen[2]
+    captions = {}
+    hyps = {}
+    nearest = {}
+    lm_tok = model.frozen[2]
     skipped0 = getattr(loader, "skipped", 0)
     for batch in lifecycle.progress(loader, desc="captioning", total=len(loader) if hasattr(loader, "__len__") else None):
         new = [j for j, k in enumerate(batch["key"]) if k not in captions]
