@@ -87,7 +87,7 @@ def test_write_error_is_one_line_and_keeps_the_previous(tmp_path, monkeypatch):
 
 def test_file_size_limit_is_one_line(tmp_path):
     """A real RLIMIT_FSIZE hit inside state.pt (torch.save to a path would fail with no errno to name)."""
-    code = ("import resource, sys, torch, data, test_data_lifecycle as t\n"
+    code = ("import resource, sys, torch, data, lifecycle, test_data_lifecycle as t\n"
             "model, state = t.trained_state(1)\n"
             "state['pad'] = torch.zeros(1 << 18)\n"
             "resource.setrlimit(resource.RLIMIT_FSIZE, (600_000, 600_000))\n"
@@ -113,7 +113,8 @@ def test_claim_out_dir(tmp_path):
         lifecycle.claim_out_dir(out, 0, 1, "cpu")
     lifecycle.claim_out_dir(out, 0, 1, "cpu", overwrite=True, run_files=(r"checkpoint(\..*)?", r"metrics\.jsonl"))
     assert sorted(os.listdir(out)) == [".lock", "config.json", "notes.txt"]
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, data; lifecycle.claim_out_dir(sys.argv[1], 0, 1, 'cpu');"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, lifecycle\n"
+                               "lifecycle.claim_out_dir(sys.argv[1], 0, 1, 'cpu');"
                                " print('held', flush=True); sys.stdin.read()", out], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(data.__file__))
     lifecycle.release_out_dir()      # let the child take it
