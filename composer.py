@@ -1680,11 +1680,11 @@ def run_evals(model, compiler, evals, device, args):
 
 
 def sync_values(losses, bad, stop_flag, world):
-    """[loss, *parts, any non-finite, SIGTERM seen] summed over ranks (losses: the mean, the loss of the global
-    batch). The losses and the non-finite flag stay on the device until a log or save step (no sync per step). SIGTERM
-    reaches the ranks at different steps, so its flag is summed with them: every rank then stops at this same step,
-    and none waits in a collective the others left."""
-    vals = torch.cat([losses.double(), torch.stack([bad.double(), losses.new_tensor(float(stop_flag)).double()])])
+    """[loss, *parts, any non-finite, stop signal seen] summed over ranks (losses: the mean, the loss of the global
+    batch; the signal: lifecycle.stop_code's). The losses and the non-finite flag stay on the device until a log or
+    save step (no sync per step). A signal reaches the ranks at different steps, so its flag is summed with them:
+    every rank then stops at this same step, and none waits in a collective the others left."""
+    vals = torch.cat([losses.double(), torch.stack([bad.double(), losses.new_tensor(stop_flag).double()])])
     if world > 1:
         dist.all_reduce(vals)
         vals[:-2] /= world
@@ -1714,7 +1714,7 @@ def build_run(args, resume, master, world, device):
               f"{args.data} ({len(sp.captions)} train captions / {len(sp.keys)} images"
               f"{f', {sp.held_out} held out by --hold_out' if sp.held_out else ''}, {sp.n_bracketed} parsed by the "
               f"built-in bracketer, skipped {dict(sp.skipped)}; read in {time.time() - t0:.1f}s) | out_dir "
-              f"{args.out_dir}", flush=True)
+              f"{args.out_dir}" + (f" | resumed at step {resume[2]['step']}" if resume else ""), flush=True)
     return tok, compiler, sp, evals, model, cfg
 
 
@@ -1740,10 +1740,8 @@ def train(args):
     sampler = Sampler(len(sp.captions), args.batch_size, args.seed)
     metrics = os.path.join(args.out_dir, "metrics.jsonl")
     step = restore(resume, model, opt, sampler, metrics, rank, device) if resume else 0
-    if master and not resume:
-        open(metrics, "w").close()      # a fresh run starts a fresh log (--resume rewinds it)
-    if resume and master:
-        print(f"resumed from {resume[0]} at step {step}", flush=True)
+    if master and not resume:   # a fresh run starts a fresh log (--resume rewinds it); a link there is replaced
+        lifecycle.write_file(metrics, "")
     if args.compile:  # compile each transformer block (shapes vary by level: dynamic=True)
         [mod.compile(dynamic=True) for mod in model.modules() if isinstance(mod, Block)]
     step_loss = wrap_ddp(StepLoss(model, compiler, sp, args, rank, world, device), world, device)
@@ -1772,12 +1770,13 @@ def train(args):
         v = torch.stack([loss.detach(), *parts.values()]).double()
         sums, n_sum = (v if sums is None else sums + v), n_sum + 1
         at_ckpt = step % args.save_interval == 0 or step in (args.max_steps, args.stop_at)  # the same on every rank
-        signalled = lifecycle.stop_requested() is not None
+        signalled = lifecycle.stop_code()
         if step % args.log_interval == 0 or at_ckpt or (world == 1 and signalled):
             vals = sync_values(sums / n_sum, bad, signalled, world)
             if vals[-2]:
                 raise nonfinite(step, args)
             stopping = (vals[-1] > 0 or step == args.stop_at) and step < args.max_steps
+            stopped_by = lifecycle.stopped_by(vals[-1]) or "--stop_at"
         if step % args.log_interval == 0 or step == args.max_steps:
             dt, last_log = time.time() - last_log, time.time()
             rec = {"step": step, "phase": "train", "loss": round(vals[0], 6), "lr": opt.param_groups[0]["lr"],
@@ -1797,8 +1796,8 @@ def train(args):
             newest_damaged = False
         if stopping:
             if master:
-                print(f"stopped (signal or --stop_at): checkpoint saved at step {step}; continue with: "
-                      f"python composer.py train --resume --out_dir {args.out_dir}", flush=True)
+                cmd = lifecycle.resume_command(__file__, world, args.out_dir, "train")
+                print(lifecycle.stop_line(stopped_by, step, args.max_steps, cmd), flush=True)
             break
     bar.close()
     result = None
@@ -2575,12 +2574,14 @@ def main(argv=None):
         return result
     except (ComposerError, CRGError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
+        lifecycle.release_out_dir(failed=True)      # before its first step: the out_dir it made goes
         sys.exit(1 if isinstance(e, NonFinite) else 2)
-    except OSError as e:    # a full disk, a quota, a failing device: one line, the last checkpoint intact
-        if e.errno not in lifecycle.WRITE_ERRNOS:
+    except OSError as e:    # a full disk, a quota, a failing device, a read-only folder: one line, the last checkpoint
+        if e.errno not in lifecycle.WRITE_ERRNOS:   # intact
             raise
         print(f"error: {e.filename or getattr(args, 'out_dir', None) or getattr(args, 'out', '')}: {e.strerror}",
               file=sys.stderr)
+        lifecycle.release_out_dir(failed=True)
         sys.exit(2)
     finally:
         # torch's order: the process group goes last, once per process, after the run that used
@@ -2992,18 +2993,19 @@ NOT_SAVED = {"cmd", "resume", "overwrite", "out_dir", "stop_at"}
 RUN_CONTROL = NOT_SAVED | {"save_interval", "log_interval", "num_workers", "device", "compile", "eval_every", "wandb"}
 RUN_FILES = (r"checkpoint(\.prev|\.tmp)?", r"config\.json", r"tokenizer\.json", r"metrics\.jsonl", r"loss_curve\.png",
              r"eval\.json", r"wandb_id(\.txt)?")   # what --overwrite removes
-STATE_TYPES = {"step": int, "sampler": dict, "optimizer": dict, "rng": dict}   # state.pt (+ log_sums, log_steps)
+# state.pt, checked to its leaves before --resume restores anything from it (lifecycle.read_checkpoint)
+STATE_TYPES = {"step": int, "sampler": {"epoch": int, "pos": int}, "optimizer": lifecycle.OPTIMIZER_STATE,
+               "rng": lifecycle.RNG_STATE, "log_sums?": torch.Tensor, "log_steps?": int, "skipped?": {...: int}}
 
 
 def resume_run(args, rank):
     """--resume: (folder, weights, state, config, newest_damaged) of the newest whole checkpoint; args become the
     saved run's, a run-defining flag given now must equal its saved value."""
     ckpt = lifecycle.load_checkpoint(args.out_dir, STATE_TYPES, rank=rank)
-    saved = ckpt[3]["args"]
-    lifecycle.resumed_flags({k: getattr(args, k) for k in args.given}, saved, RUN_CONTROL, f"{ckpt[0]}/config.json")
+    given = {k: getattr(args, k) for k in args.given}
+    saved = lifecycle.resumed_flags(given, ckpt[3]["args"], RUN_CONTROL, f"{ckpt[0]}/config.json", NOT_SAVED)
     for k, v in saved.items():
-        if k not in args.given and k not in NOT_SAVED:
-            setattr(args, k, v)
+        setattr(args, k, v)
     return ckpt
 
 
@@ -3044,4 +3046,5 @@ def draw_loss_curve(metrics_path, png_path, args):
 
 
 if __name__ == "__main__":
+    lifecycle.hold_stop_signals_to_exit()
     main()

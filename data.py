@@ -51,7 +51,7 @@ from braceexpand import UnbalancedBracesError, braceexpand
 from PIL import Image, ImageDraw
 
 # files and the one-line user error come from the run module (data.DataError is lifecycle.DataError)
-from lifecycle import DataError, atomic_write, progress, read_json, write_file, writing
+from lifecycle import DataError, atomic_write, is_torchscript, progress, read_json, write_file, writing
 
 
 
@@ -1252,6 +1252,13 @@ def _start_workers(dl):
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+# a loader's state_dict (its position in the data), as lifecycle.read_checkpoint checks a state.pt's "loader" before
+# a resumed run restores it: the position and counts, and a stream's per-worker records (a MapLoader has none)
+LOADER_STATE = {"epoch": int, "batches_done": int, "skipped?": int, "good?": int, "dropped?": int,
+                "skip_reasons?": {...: int}, "records_done?": [int], "last_worker?": int, "num_workers?": int,
+                "world_size?": int}
+
+
 class _Loader:
     def __init__(self, batch_size, num_samples, tokenizer=None, train=True, rank=0, world_size=1,
                  num_workers=0, seed=0, drop_last=True, name="data",
@@ -1775,6 +1782,12 @@ def main(argv=None) -> int:
     # a failed write (full disk, quota, size limit, I/O error): one line, exit 2
     writes = args["cmd"] != "check"
     try:
+        path = args.get("path")
+        if args["cmd"] == "convert-weights" and not os.path.isfile(path):
+            raise DataError(f"{path}: no such file")
+        if args["cmd"] == "convert-weights" and not is_torchscript(path):     # nothing to convert (and no code run)
+            raise DataError(f"{path}: not a TorchScript archive (convert-weights is for OpenAI's .pt files; a plain "
+                            f"state dict .pt or .safetensors loads as it is)")
         with writing(args.get("out_dir") or args["path"]) if writes else contextlib.nullcontext():
             if args["cmd"] == "convert-weights":
                 from safetensors.torch import save_file

@@ -1119,6 +1119,7 @@ class RunState:
     n_loss: int = 0                 # micro-batches summed in `sums`
     text_tokens: int = 0            # their trimmed text lengths, summed (the log's text_len)
     newest_damaged: bool = False    # resumed from checkpoint.prev: the next save keeps it
+    stopped_by: str | None = None   # the stop signal, as the ranks agreed on it
     wandb: object = None            # the wandb module with --wandb (rank 0), else None
 
 
@@ -1154,8 +1155,7 @@ def setup(args, rank, world, ckpt=None):
     if ckpt is not None:
         load_checkpoint(r, ckpt)
     elif rank == 0:
-        with lifecycle.writing(r.metrics_path):
-            open(r.metrics_path, "w").close()
+        lifecycle.write_file(r.metrics_path, "")    # a fresh log (a symbolic link there is replaced, not followed)
     return r
 
 
@@ -1212,14 +1212,15 @@ def train(r):
         # (a --stop_at step saves without a log line: the resumed run logs as an uninterrupted one)
         log_now = r.step % args.log_interval == 0 or r.step == args.max_steps or r.sched.at(r.step)[0] != phase
         save_now = r.step % args.save_interval == 0 or r.step == end
-        stop = lifecycle.stop_requested() is not None
+        stop = lifecycle.stop_code()
         if not (log_now or save_now or (r.world == 1 and stop)):
             continue
-        stats = torch.cat([r.sums / max(1, r.n_loss), torch.tensor([float(stop)], device=r.device)])
+        stats = torch.cat([r.sums / max(1, r.n_loss), torch.tensor([stop], device=r.device)])
         if r.world > 1:           # mean loss over ranks; nonzero if any rank is bad / signalled
             dist.all_reduce(stats)
             stats[:2] /= r.world
         loss_v, clip_v, bad, stop = stats.tolist()
+        r.stopped_by = lifecycle.stopped_by(stop)
         if bad or (save_now or stop) and not lifecycle.all_finite([model.state_dict(), list(r.opt.state.values())]):
             bar.close()
             if r.rank == 0:
@@ -1304,7 +1305,11 @@ def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=
 # =============================================================================
 # infrastructure: il_clip's part of the run lifecycle (the rest is data.py's: the out_dir lock, the checkpoint files
 # and their fallback, write errors, stop signals, wandb, the curve), MFU, the loss curve. Nothing here changes training.
-STATE_TYPES = {"step": int, "spawned": int, "optimizer": dict, "loader": dict, "log": dict, "rng": dict}
+# state.pt, checked to its leaves before --resume restores anything from it (lifecycle.read_checkpoint)
+STATE_TYPES = {"step": int, "spawned": int, "optimizer": lifecycle.OPTIMIZER_STATE, "loader": data.LOADER_STATE,
+               "log": {"sums": torch.Tensor, "n": int, "text_tokens": int}, "rng": lifecycle.RNG_STATE,
+               "teacher": ({...: torch.Tensor}, type(None)),     # distill: the previous generation, frozen
+               "pool": ({"emb": torch.Tensor, "ptr": torch.Tensor, "count": int}, type(None))}    # NegCLIP's images
 # the flags --resume takes from its command line (ALWAYS_NOW always, the others when given); the rest
 # define the run: given with --resume, they must equal the saved values
 ALWAYS_NOW = {"out_dir", "resume", "overwrite", "given", "stop_at", "device"}
@@ -1316,9 +1321,9 @@ RUN_FILES = (r"checkpoint(\..*)?|gen\d+", r"metrics\.jsonl|shapes_eval\.json|con
 def resumed_args(args, config):
     """--resume: the saved run's flags and the run-control flags given now (a changed run-defining flag: DataError)."""
     saved = {k: config[k] for k in vars(args) if k in config} | {"model": config["preset"]}
-    lifecycle.resumed_flags({k: getattr(args, k) for k in args.given}, saved, RUN_CONTROL, args.out_dir)
-    keep = set(args.given) | ALWAYS_NOW
-    return check_args(argparse.Namespace(**(vars(args) | {k: v for k, v in saved.items() if k not in keep})))
+    given = {k: getattr(args, k) for k in args.given}
+    saved = lifecycle.resumed_flags(given, saved, RUN_CONTROL, args.out_dir, ALWAYS_NOW)
+    return check_args(argparse.Namespace(**(vars(args) | saved)))
 
 
 def save_checkpoint(r):
@@ -1365,9 +1370,9 @@ def save_generation_snapshot(r, gen):
     eval_compositional.py's per-generation analyses (paper Figs. 4, 5)."""
     if r.rank == 0:
         d = os.path.join(r.args.out_dir, f"gen{gen}")
-        os.makedirs(d, exist_ok=True)
         sd = {k: v.detach().to("cpu").contiguous() for k, v in r.model.state_dict().items()}
         with lifecycle.writing(d):
+            os.makedirs(d, exist_ok=True)
             lifecycle.atomic_write(os.path.join(d, "model.safetensors"),
                               lambda p: lifecycle.fsync(p, lambda q: save_file(sd, q, {"step": str(r.step)})))
 
@@ -1459,14 +1464,15 @@ def start_line(r, resumed):
 def end_line(r, status, seconds):
     """done / stopped: the step reached, the time, what the run wrote where, how to continue."""
     a, out = r.args, r.args.out_dir
+    cmd = lifecycle.resume_command(__file__, r.world, out)
+    if status == "stopped":
+        return lifecycle.stop_line(r.stopped_by, r.step, a.max_steps, cmd)
     gens = sorted((n for n in os.listdir(out) if re.fullmatch(r"gen\d+", n)), key=lambda n: int(n[3:]))
     names = ["checkpoint", *gens, "metrics.jsonl", "loss_curve.png", "shapes_eval.json"]
     wrote = [n + ("/" if os.path.isdir(os.path.join(out, n)) else "")
              for n in names if os.path.exists(os.path.join(out, n))]
-    cmd = f"{f'torchrun --nproc_per_node={r.world}' if r.world > 1 else 'python'} {os.path.basename(__file__)}"
-    return (f"{status}{f' by {lifecycle.stop_requested()}' if status == 'stopped' else ''}: step {r.step}/{a.max_steps} "
-            f"in {seconds:.0f}s | wrote {out}/{{{', '.join(wrote)}}}"
-            + (f" | continue with: {cmd} --resume --out_dir {out}" if r.step < a.max_steps else ""))
+    return (f"{status}: step {r.step}/{a.max_steps} in {seconds:.0f}s | wrote {out}/{{{', '.join(wrote)}}}"
+            + (f" | continue with: {cmd}" if r.step < a.max_steps else ""))
 
 
 def main(argv=None):
@@ -1477,6 +1483,7 @@ def main(argv=None):
         return run(argv)
     except data.DataError as e:
         print(f"error: {e}", file=sys.stderr)
+        lifecycle.release_out_dir(failed=True)      # before its first step: the out_dir it made goes
         return 2
     finally:
         lifecycle.release_out_dir()
@@ -1488,4 +1495,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    lifecycle.hold_stop_signals_to_exit()
     sys.exit(main())

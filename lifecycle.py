@@ -68,19 +68,25 @@ def atomic_write(path: str, write):
             os.remove(tmp)
 
 
-WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)  # full disk, quota, file-size limit, failing disk
+# a write that cannot be done for want of room or of a working disk (full disk, quota, file-size limit, failing
+# disk), of permission (a folder made read-only, a read-only mount) or on a path of the wrong kind (a file where a
+# folder belongs, or the reverse)
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+WRITE_ERRNOS = (*DISK_ERRNOS, errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST, errno.ENOTDIR, errno.EISDIR)
 
 
 @contextlib.contextmanager
 def writing(path: str, what: str = ""):
-    """A write that fails for want of room or of a working disk (WRITE_ERRNOS) -> DataError, one line naming the file
-    (the OSError's own if it names one) and `what` was being written. Other errors pass."""
+    """A write that fails for want of room, of a working disk or of permission, or on a path of the wrong kind
+    (WRITE_ERRNOS) -> DataError, one line naming the file (the OSError's own if it names one) and `what` was being
+    written. Other errors pass."""
     try:
         yield
     except Exception as e:
         if write_error(e) is None:
             raise
-        raise DataError(f"{getattr(e, 'filename', None) or path}: cannot write: {write_error(e)}{what}") from None
+        name = re.sub(rf"\.tmp{os.getpid()}$", "", str(getattr(e, "filename", None) or path))   # atomic_write's temp
+        raise DataError(f"{name}: cannot write: {write_error(e)}{what}") from None
 
 
 def save_json(path: str, obj):
@@ -103,7 +109,41 @@ def write_file(path: str, blob):
         atomic_write(path, write)
 
 
+def open_to_append(path: str):
+    """`path` opened to append, created if missing, never through a symbolic link (O_NOFOLLOW): a link planted in
+    out_dir must not send the run's writes to its target. A link there is one DataError line."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise DataError(symlink_refused(path)) from None
+        raise
+    return os.fdopen(fd, "a")
+
+
+def symlink_refused(path: str) -> str:
+    return f"{path}: a symbolic link; a run writes its own files, never through a link (remove it, or --overwrite)"
+
+
+def remove(path: str):
+    """A file, a folder with its files, or a symbolic link (the link, never what it points to)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
 OPENAI_EXTRA_KEYS = {"input_resolution", "context_length", "vocab_size"}   # ints in OpenAI's .pt
+
+
+def is_torchscript(path: str) -> bool:
+    """A TorchScript archive (OpenAI's .pt files): a zip holding constants.pkl, a format that carries code."""
+    import zipfile
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.endswith("constants.pkl") for n in z.namelist())
+    except (zipfile.BadZipFile, OSError):     # not a zip (a plain pickle), unreadable
+        return False
 
 
 def read_weights(path: str) -> dict:
@@ -116,8 +156,7 @@ def read_weights(path: str) -> dict:
             from safetensors.torch import load_file
             sd = load_file(path)
         else:
-            import zipfile     # OpenAI's .pt files are TorchScript archives, which carry code: never run here
-            if zipfile.is_zipfile(path) and any(n.endswith("constants.pkl") for n in zipfile.ZipFile(path).namelist()):
+            if is_torchscript(path):    # OpenAI's .pt files carry code: never run here
                 raise DataError(f"{path}: a TorchScript archive (a format that carries code); if you trust it, "
                                 f"convert it once: python data.py convert-weights {path}")
             sd = torch.load(path, map_location="cpu", weights_only=True)
@@ -292,31 +331,87 @@ def import_script(record: dict | None, override: str | None = None, default: str
 # them, written last. A save fills checkpoint.tmp/, fsyncs it, renames checkpoint/ -> checkpoint.prev/ (what a damaged
 # newest falls back to) and checkpoint.tmp/ -> checkpoint/.
 CHECKPOINT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "state.pt")
+# what eval_compositional.py writes into a run folder by default (its plots, without --plot_dir or --out) or by the
+# README's names (--out RUN/eval.json, RUN/probe.json): --overwrite removes them with the run they scored
+EVAL_FILES = (r"eval\.json", r"probe\.json", r"spectral\.png", r"codebook\.png", r"easy_to_learn\.png")
 _lock = None        # this process's open out_dir/.lock
 _stop = []          # the stop signals received, by name
+_run = {"created": None, "started": False, "hold_signals": False}   # see claim_out_dir, hold_stop_signals_to_exit
 
 
 def write_error(e: BaseException) -> str | None:
     """'no space left on device' etc. when e (or what it was raised during) is a WRITE_ERRNOS error, else None;
     safetensors says it only in its message ("(os error 28)")."""
+    code = write_errno(e)
+    return None if code is None else os.strerror(code).lower()
+
+
+def write_errno(e: BaseException) -> int | None:
     while e is not None:
         code = next((c for c in WRITE_ERRNOS if getattr(e, "errno", None) == c or f"(os error {c})" in str(e)), None)
         if code is not None:
-            return os.strerror(code).lower()
+            return code
         e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)     # not through a `from None`
     return None
+
+
+def out_dir_problems(dirs) -> list:
+    """What keeps a run from writing into `dirs` (out_dir, a phase's folder): each must be a writable folder (or not
+    exist yet), its checkpoint/ and checkpoint.prev/ folders (writable: a save renames them), its metrics.jsonl a
+    writable file, not a symbolic link (the log is appended to in place)."""
+    problems = []
+    for d in dirs:
+        folders = [d, os.path.join(d, "checkpoint"), os.path.join(d, "checkpoint.prev")]
+        for path in folders:
+            if os.path.lexists(path) and not os.path.isdir(path):
+                problems.append(f"{path}: not a folder (a file is there)")
+            elif os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK):
+                problems.append(f"{path}: not writable (permission denied)")
+        log = os.path.join(d, "metrics.jsonl")
+        if os.path.islink(log):
+            problems.append(symlink_refused(log))
+        elif os.path.lexists(log) and not os.path.isfile(log):
+            problems.append(f"{log}: not a file (a folder is there)")
+        elif os.path.isfile(log) and not os.access(log, os.W_OK):
+            problems.append(f"{log}: not writable (permission denied)")
+    return problems
+
+
+def make_out_dir(out_dir) -> str | None:
+    """os.makedirs(out_dir), a failure in one DataError line naming the path; -> the topmost folder it created
+    (None: out_dir was there)."""
+    top, parent = None, os.path.abspath(out_dir)
+    while not os.path.lexists(parent):
+        top, parent = parent, os.path.dirname(parent)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+            raise DataError(f"{out_dir}: not a folder (a file is there); give another --out_dir") from None
+        if top is not None and not os.path.isdir(parent):
+            raise DataError(f"{out_dir}: cannot make the folder: {parent} is a file") from None
+        raise DataError(f"{out_dir}: cannot make the folder: {e.strerror.lower()}") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise DataError(f"{out_dir}: not writable (permission denied)")
+    return top
 
 
 def claim_out_dir(out_dir, rank, world, device, resume=False, overwrite=False, run_files=(), phase_dirs=()):
     """Before anything is written: one run per out_dir (rank 0 holds an flock on out_dir/.lock, which the kernel
     drops when the process ends, killed or not); --resume needs a checkpoint (in out_dir or one of `phase_dirs`);
     a new run replaces one only with --overwrite, which removes the names in out_dir and `phase_dirs` that match a
-    `run_files` pattern. Rank 0 raises DataError; the other ranks exit 2 (on_rank0)."""
+    `run_files` pattern or EVAL_FILES (a symbolic link: the link). Then out_dir_problems: each is one line. Rank 0
+    raises DataError; the other ranks exit 2 (on_rank0)."""
     def claim():
         global _lock
         import fcntl
-        os.makedirs(out_dir, exist_ok=True)
-        _lock = open(os.path.join(out_dir, ".lock"), "a+")
+        created = make_out_dir(out_dir)
+        path = os.path.join(out_dir, ".lock")
+        try:
+            _lock = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "r+")
+        except OSError as e:
+            raise DataError(symlink_refused(path) if e.errno == errno.ELOOP else
+                            f"{path}: cannot open the lock: {e.strerror.lower()}") from None
         try:
             fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -324,26 +419,40 @@ def claim_out_dir(out_dir, rank, world, device, resume=False, overwrite=False, r
             holder = _lock.read().strip() or "?"
             release_out_dir()
             raise DataError(f"{out_dir} is in use by another run: process {holder} holds {out_dir}/.lock") from None
+        _run["created"] = created     # ours: a command that fails before its first step removes it
         _lock.truncate(0)
         print(os.getpid(), file=_lock, flush=True)
         dirs = [out_dir, *phase_dirs]
-        saved = any(os.path.isdir(os.path.join(d, c)) for d in dirs for c in ("checkpoint", "checkpoint.prev"))
+        for d in dirs if overwrite and not resume else []:
+            for name in os.listdir(d) if os.path.isdir(d) else []:
+                if any(re.fullmatch(p, name) for p in (*run_files, *EVAL_FILES)):
+                    with writing(os.path.join(d, name), " (--overwrite removes it)"):
+                        remove(os.path.join(d, name))
+        problems = out_dir_problems(dirs)
+        if problems:
+            raise DataError("; ".join(problems))
+        saved = any(has_checkpoint(d) for d in dirs)
         if resume and not saved:
             raise DataError(f"--resume: nothing to resume yet in {out_dir} (no checkpoint saved)")
         if saved and not (resume or overwrite):
             raise DataError(f"{out_dir} holds the checkpoint of an earlier run: continue it with --resume, or use "
                             f"another --out_dir, or --overwrite to replace it")
-        for d in dirs if overwrite and not resume else []:
-            for name in os.listdir(d) if os.path.isdir(d) else []:
-                path = os.path.join(d, name)
-                if any(re.fullmatch(p, name) for p in run_files):
-                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     release_out_dir()
     on_rank0(claim, rank, world, device)   # every rank learns it, so none waits in a collective rank 0 left
 
 
-def release_out_dir():
+def has_checkpoint(out_dir) -> bool:
+    """A checkpoint to resume from (checkpoint/, or checkpoint.prev/ alone: the newest deleted or half-switched)."""
+    return any(os.path.isdir(os.path.join(out_dir, c)) for c in ("checkpoint", "checkpoint.prev"))
+
+
+def release_out_dir(failed=False):
+    """Unlock out_dir. A command that `failed` before its first step (no record logged, no checkpoint saved) removes
+    the out_dir it made (claim_out_dir): a mistyped path or flag leaves no folder holding only .lock behind."""
     global _lock
+    if failed and _run["created"] and not _run["started"]:
+        shutil.rmtree(_run["created"], ignore_errors=True)
+    _run.update(created=None, started=False)
     if _lock is not None:
         _lock.close()
         _lock = None
@@ -395,8 +504,8 @@ def save_checkpoint(out_dir, weights, state, config, tokenizer, step, newest_dam
     from safetensors.torch import save_file
     tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
     weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
+        remove(tmp)     # a failed save's, a file, a link: the save's own folder is always new
         os.makedirs(tmp)
         save_file(weights, os.path.join(tmp, "model.safetensors"), {"step": str(step)})
         with open(os.path.join(tmp, "state.pt"), "wb") as f:   # a Python file: a write error keeps its errno
@@ -410,26 +519,96 @@ def save_checkpoint(out_dir, weights, state, config, tokenizer, step, newest_dam
             fsync(os.path.join(tmp, name))
         save_json(os.path.join(tmp, "sha256.json"), {n: sha256(os.path.join(tmp, n)) for n in names})
         fsync(tmp)
+        if os.path.lexists(final) and not newest_damaged:
+            remove(prev)
+            os.replace(final, prev)
+        remove(final)
+        os.replace(tmp, final)
+        fsync(out_dir)
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if write_error(e) is None:
             raise
+        if write_errno(e) not in DISK_ERRNOS:       # permission, a read-only disk, a path of the wrong kind
+            raise DataError(f"{getattr(e, 'filename', None) or out_dir}: {write_error(e)} for the step-{step} "
+                            f"checkpoint; the previous checkpoint is kept") from None
         need = sum(t.nbytes for t in tensors_in([weights, state])) / 2 ** 20
         raise DataError(f"{out_dir}: {write_error(e)} for the step-{step} checkpoint (about {need:.1f} MiB needed, "
                         f"{shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); the previous checkpoint is "
                         f"kept") from None
-    if os.path.isdir(final) and not newest_damaged:
-        shutil.rmtree(prev, ignore_errors=True)
-        os.replace(final, prev)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    fsync(out_dir)
+    _run["started"] = True
+
+
+# state.pt is checked to its leaves before a run restores anything from it (read_checkpoint): a whole file of the
+# wrong content falls back to checkpoint.prev/ like a damaged one. A spec is a type (isinstance), {key: spec} (a dict
+# with those keys, a key ending in "?" optional; {...: spec}: each other value), [spec] (a list or tuple of them),
+# (what, test) for a leaf no type names (test(value) true), or a tuple of specs, one of which holds.
+
+def accepts(set_state):
+    """A test: set_state(value) (on a throwaway generator) raises nothing."""
+    def test(value):
+        try:
+            set_state(value)
+        except Exception:
+            return False
+        return True
+    return test
+
+
+def numpy_state(n):
+    """rng_state's "numpy" entry (the MT19937 key as an int64 tensor: torch.save-able) as np.random.set_state takes
+    it."""
+    return (n[0], np.asarray(n[1].cpu() if torch.is_tensor(n[1]) else n[1]).astype(np.uint32), *n[2:])
+
+
+BYTE_TENSOR = ("a uint8 tensor", lambda t: torch.is_tensor(t) and t.dtype == torch.uint8)
+RNG_STATE = {"torch": ("torch's generator state", accepts(lambda t: torch.Generator().set_state(t.cpu()))),
+             "cuda": [BYTE_TENSOR],
+             "python": ("Python's random state", accepts(lambda v: random.Random().setstate(v))),
+             "numpy": ("NumPy's random state", accepts(lambda n: np.random.RandomState().set_state(numpy_state(n))))}
+NUMBER = (int, float)
+OPTIMIZER_STATE = {"state": {...: {...: (torch.Tensor, *NUMBER)}},      # per parameter: step, moments
+                   "param_groups": [{"params": [int], ...: (torch.Tensor, *NUMBER, bool, str, type(None), tuple)}]}
+
+
+def spec_errors(value, spec, where="") -> list:
+    """Where `value` departs from `spec` (above), as 'where: what was expected'."""
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            return [f"{where}: dict"]
+        found = []
+        for key, s in spec.items():
+            name = key[:-1] if isinstance(key, str) and key.endswith("?") else key
+            if key is ...:
+                found += [e for k, v in value.items() if k not in spec and f"{k}?" not in spec
+                          for e in spec_errors(v, s, f"{where}.{k}".lstrip("."))]
+            elif name in value:
+                found += spec_errors(value[name], s, f"{where}.{name}".lstrip("."))
+            elif name == key:       # missing: said as what was expected there
+                found += spec_errors(object(), s, f"{where}.{name}".lstrip("."))
+        return found
+    if isinstance(spec, list):
+        if not isinstance(value, (list, tuple)):
+            return [f"{where}: list"]
+        return [e for i, v in enumerate(value) for e in spec_errors(v, spec[0], f"{where}[{i}]")]
+    if isinstance(spec, tuple) and isinstance(spec[0], str):
+        return [] if spec[1](value) else [f"{where}: {spec[0]}"]
+    alternatives = spec if isinstance(spec, tuple) else (spec,)
+    if any(isinstance(value, t) for t in alternatives if isinstance(t, type)):
+        return []
+    nested = [t for t in alternatives if not isinstance(t, type)]      # ({...}, type(None)): a dict or None
+    if nested:
+        return spec_errors(value, nested[0], where)
+    return [f"{where}: {' or '.join(t.__name__ for t in alternatives)}"]
 
 
 def read_checkpoint(folder, state_types, device="cpu"):
     """(weights, state, config) of a checkpoint folder whose files all match its sha256.json and whose state.pt
-    has `state_types` ({key: type}); else a DataError naming the file that is missing, damaged or of wrong types."""
+    matches the spec `state_types` to its leaves; else a DataError naming what is missing, damaged or of wrong
+    types."""
     from safetensors.torch import load_file
+    if not os.path.isdir(folder):
+        raise DataError(f"{folder}: missing")
     sums = read_json(os.path.join(folder, "sha256.json"))
     if not isinstance(sums, dict):
         raise DataError(f"{folder}/sha256.json: damaged (not a table of file sums)")
@@ -444,10 +623,9 @@ def read_checkpoint(folder, state_types, device="cpu"):
         state = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
         raise DataError(f"{path}: unreadable ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})") from None
-    bad = [f"{k}: {getattr(t, '__name__', t)}" for k, t in state_types.items()
-           if not isinstance(state, dict) or not isinstance(state.get(k), t)]
+    bad = spec_errors(state, state_types)
     if bad:
-        raise DataError(f"{path}: wrong types (expected {', '.join(bad)})")
+        raise DataError(f"{path}: wrong types (expected {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
     return load_file(os.path.join(folder, "model.safetensors")), state, read_json(os.path.join(folder, "config.json"))
 
 
@@ -482,20 +660,20 @@ def set_rng_state(rng: dict, device):
     torch.set_rng_state(rng["torch"].cpu())
     if rng["cuda"] and str(device).startswith("cuda"):
         torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
-    n = rng["numpy"]
-    np.random.set_state((n[0], np.asarray(n[1].cpu() if torch.is_tensor(n[1]) else n[1]).astype(np.uint32), *n[2:]))
+    np.random.set_state(numpy_state(rng["numpy"]))
     random.setstate(rng["python"])
 
 
-def resumed_flags(given: dict, saved: dict, run_control, where: str) -> dict:
+def resumed_flags(given: dict, saved: dict, run_control, where: str, always_now=()) -> dict:
     """--resume continues a run with its own flags: a run-defining flag given now (`given`: name -> value) must
-    equal the saved value (DataError otherwise); returns the saved values of the flags not given."""
+    equal the saved value (DataError otherwise); a run-control flag may change. Returns the saved values of the
+    flags not given now (run control included: a resumed run logs and saves as it did), but `always_now`."""
     for name in sorted(set(given) & set(saved) - set(run_control)):
         now = json.loads(json.dumps(given[name]))
         if now != saved[name]:
             raise DataError(f"--resume: --{name} {now} differs from the saved run's {saved[name]} ({where}); drop it "
                             f"to continue that run, or start a new one in another --out_dir")
-    return {k: v for k, v in saved.items() if k not in given and k not in run_control}
+    return {k: v for k, v in saved.items() if k not in given and k not in always_now}
 
 
 def cut_metrics(path, step):
@@ -511,9 +689,11 @@ def cut_metrics(path, step):
 
 
 def log_record(path, rec, wandb=None, wandb_step=None):
-    """One metrics.jsonl line (rank 0); with --wandb also sent to Weights & Biases at its step."""
-    with writing(path), open(path, "a") as f:
+    """One metrics.jsonl line (rank 0), appended in place, never through a symbolic link; with --wandb also sent to
+    Weights & Biases at its step."""
+    with writing(path), open_to_append(path) as f:
         f.write(json.dumps(rec) + "\n")
+    _run["started"] = True
     if wandb is not None:
         wandb.log(rec, step=rec["step"] if wandb_step is None else wandb_step)
 
@@ -537,17 +717,28 @@ def _on_stop_signal(signum, frame):
     if signum == signal.SIGINT and _stop:
         print("error: interrupted again: exiting without saving", file=sys.stderr, flush=True)
         os._exit(130)
-    _stop.append(signal.Signals(signum).name)
+    _stop.append(signal.Signals(signum).name)     # a further SIGTERM: already stopping, nothing more to do
 
 
 def catch_stop_signals() -> dict:
     """SIGTERM / SIGINT ask the run to stop: the script's loop sees stop_requested(), the ranks agree, it saves and
-    stops. A second Ctrl-C exits at once, without a save (the last checkpoint stays). Returns the old handlers."""
+    stops. Further SIGTERMs change nothing; a Ctrl-C after the first signal exits at once, without a save (the last
+    checkpoint stays). Returns the old handlers."""
     _stop.clear()
     return {s: signal.signal(s, _on_stop_signal) for s in (signal.SIGTERM, signal.SIGINT)}
 
 
+def hold_stop_signals_to_exit():
+    """For a script run as its own process (its __main__): once a run is stopping, restore_signals leaves SIGTERM
+    ignored until the process ends, so a scheduler's repeated SIGTERM cannot turn a saved stop into a killed job
+    (status -15) while the process exits. Called from a script's main() in-process, handlers are restored."""
+    _run["hold_signals"] = True
+
+
 def restore_signals(handlers: dict):
+    if _stop and _run["hold_signals"]:      # SIG_IGN, not the stop handler: the interpreter's exit resets Python's
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)       # handlers to the default (a SIGINT then exits at once)
+        return
     for s, h in handlers.items():
         signal.signal(s, h)
 
@@ -555,6 +746,31 @@ def restore_signals(handlers: dict):
 def stop_requested() -> str | None:
     """The stop signal received ("SIGTERM" before "SIGINT"), or None."""
     return "SIGTERM" if "SIGTERM" in _stop else _stop[0] if _stop else None
+
+
+# a stop signal as a number the ranks sum at a sync point: any SIGTERM counts 1, a SIGINT 1/1024 (exact in float32)
+STOP_CODES = {"SIGTERM": 1.0, "SIGINT": 2.0 ** -10}
+
+
+def stop_code() -> float:
+    return STOP_CODES.get(stop_requested(), 0.0)
+
+
+def stopped_by(total: float) -> str | None:
+    """The signal behind a sum of stop_code() over the ranks (SIGTERM before SIGINT), None for 0."""
+    return next((name for name, code in STOP_CODES.items() if total >= code), None)
+
+
+def resume_command(script, world, out_dir, cmd=""):
+    """The command that continues a run: the same launcher (torchrun with as many processes, or python)."""
+    launcher = f"torchrun --nproc_per_node={world}" if world > 1 else "python"
+    return f"{launcher} {os.path.basename(script)}{f' {cmd}' if cmd else ''} --resume --out_dir {out_dir}"
+
+
+def stop_line(by, step, max_steps, command):
+    """The last line of a run stopped with a checkpoint (rank 0): by what (the signal, --stop_at), where, and how to
+    continue (resume_command)."""
+    return f"stopped by {by} at step {step}/{max_steps} | checkpoint saved | continue with: {command}"
 
 
 def progress(iterable=None, **kw):

@@ -735,7 +735,8 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
     """One training phase. `loss_fn(model, batch) -> (loss, {name: detached tensor})`, run inside
     DDP's forward when world > 1 (StepLoss). Nothing in a step waits for the device: the
     losses and a non-finite flag are read at log steps, save steps and --stop_at. Saves at
-    multiples of --save_interval, at --stop_at, on SIGTERM / SIGINT and at the end."""
+    multiples of --save_interval, at --stop_at, on SIGTERM / SIGINT and at the end. `resume`:
+    continue from out_dir's checkpoint (True), or from one already read (lifecycle.load_checkpoint's)."""
     step_loss = StepLoss(model, loss_fn, touch=world > 1)
     ddp = nn.parallel.DistributedDataParallel(step_loss, device_ids=[device] if device.startswith("cuda") else None) \
         if world > 1 else step_loss
@@ -748,7 +749,7 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
     model.zero_grad(set_to_none=True)
     trained = [p for p in model.parameters() if p.requires_grad]
     if resume:
-        load_run(run)
+        load_run(run, None if resume is True else resume)
     elif out_dir and rank == 0 and os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
         os.remove(os.path.join(out_dir, "metrics.jsonl"))     # a fresh run into an old out_dir: a fresh log
     it = loader.forever()
@@ -799,10 +800,10 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
         if (sig and done < max_steps) or at_stop:
             lifecycle.on_rank0(lambda: save_run(run), rank, world, device)     # rank 0 has written before any rank exits
             if rank == 0:
-                cmd = f"python {os.path.basename(__file__)} {args.cmd} --out_dir {args.out_dir} --resume" \
-                    if hasattr(args, "cmd") else "--resume"
-                print(f"{tag}: {signal.Signals(sig).name if sig else '--stop_at'}, checkpoint saved at step {done}; "
-                      f"continue with {cmd}", flush=True)
+                cmd = lifecycle.resume_command(__file__, world, args.out_dir, args.cmd) if hasattr(args, "cmd") \
+                    else "--resume"
+                print(lifecycle.stop_line(signal.Signals(sig).name if sig else "--stop_at", done, max_steps, cmd),
+                      flush=True)
             sys.exit(0)
         if at_save:
             lifecycle.on_rank0(lambda: save_run(run), rank, world, device)
@@ -933,7 +934,9 @@ def cmd_extract(a):
 
     config = {"args": run_flags(a), "world_size": world, **aux.meta(), "model": dataclasses.asdict(aux.cfg),
               "teacher_config": dataclasses.asdict(tcfg)}
-    start_line(a, f"extract --method {a.method}", aux, device, world, loader, rank)
+    ckpt = lifecycle.load_checkpoint(a.out_dir, STATE_TYPES, rank=rank) if a.resume else None
+    start_line(a, f"extract --method {a.method}", aux, device, world, loader, rank,
+               ckpt and f"step {ckpt[2]['step']}")
     _wandb["run"] = lifecycle.start_wandb(a.wandb, a.out_dir, config, a.resume) if a.wandb and rank == 0 else None
 
     def write_learngene(tr):
@@ -944,7 +947,7 @@ def cmd_extract(a):
         atomic_save_file(aux.state_dict(), os.path.join(a.out_dir, "learngene.safetensors"), meta)
 
     train_phase(aux, loss_fn, loader, a, rank, world, device, a.max_steps, a.out_dir, config, tok, "extract",
-                write_learngene, a.resume)
+                write_learngene, ckpt)
     if rank == 0:
         print(f"learngene parameters {aux.learngene_numel():,} (blocks + coefficients), with non-learngene parts "
               f"{sum(p.numel() for p in aux.parameters()):,}", flush=True)
@@ -974,8 +977,12 @@ def cmd_expand(a):
     if a.part != "both" and aux.method != "mmlg":
         raise ConfigError(f"--part {a.part}: only an MM-LG learngene has a multimodal part to drop")
     part = aux.part if a.part == "both" else a.part
-    sd, cfg = descendant_state(aux, a.layers, a.modality, a.seed, part)
     out = a.out_dir or f"out/descendant_{aux.method}_{a.modality}{a.layers}"
+    if os.path.exists(os.path.join(out, "model.safetensors")) and not a.overwrite:    # runs fine-tuned from it
+        raise ConfigError(f"{out} holds a descendant already (a fine-tune may name it as its --init): use another "
+                          f"--out_dir, or --overwrite to replace it")
+    lifecycle.claim_out_dir(out, 0, 1, "cpu", overwrite=a.overwrite, run_files=RUN_FILES)
+    sd, cfg = descendant_state(aux, a.layers, a.modality, a.seed, part)
     extract = json.loads(meta.get("extract", "{}"))
     write_descendant(out, sd, cfg, a.modality, meta.get("tokenizer"),
                      {"learngene": os.path.abspath(a.learngene), "method": aux.method, "part": part,
@@ -1343,14 +1350,18 @@ def cmd_finetune(a):
     results = {"init": a.init, "kind": kind, "part": init_cfg.get("part", "both"), "task": a.task,
                "modality": modality, "layers": cfg.vision_layers or cfg.text_layers, "lr": a.lr, "wd": a.wd,
                "seed": a.seed, "params": sum(p.numel() for p in model.parameters())}
-    start_line(a, f"finetune --task {a.task} --init {a.init}", model, device, world, None, rank)
+    # --resume: the newest phase's checkpoint is read now, for the start line; an earlier phase's in its turn
+    newest = next((t for t in ("finetune", "activate") if lifecycle.has_checkpoint(os.path.join(out, t))), None)
+    ckpts = {newest: lifecycle.load_checkpoint(os.path.join(out, newest), STATE_TYPES, rank=rank)} if a.resume else {}
+    start_line(a, f"finetune --task {a.task} --init {a.init}", model, device, world, None, rank,
+               a.resume and f"{newest} step {ckpts[newest][2]['step']}")
     _wandb["run"] = lifecycle.start_wandb(a.wandb, out, run_flags(a), a.resume) if a.wandb and rank == 0 else None
 
     def phase(tag, model_, loss_fn, loader, args, steps):
         """Run one phase with checkpoints in out/{tag}/; with --resume it continues from them
         (a finished phase loads its final state and runs no step)."""
         d = os.path.join(out, tag)
-        resume = a.resume and os.path.isdir(os.path.join(d, "checkpoint"))
+        resume = ckpts.get(tag) or a.resume and lifecycle.has_checkpoint(d)
         train_phase(model_, loss_fn, loader, args, rank, world, device, out_dir=d,
                     config={"phase": tag, "init": a.init, "args": run_flags(a)}, tag=tag, resume=resume,
                     max_steps=steps)
@@ -2233,6 +2244,7 @@ def build_parser():
     p.add_argument("--width", type=int, help="expected width (checked; default: not checked)")
     p.add_argument("--seed", type=int, default=0, help="He-LG: seed of the random layers")
     p.add_argument("--out_dir", help="default: out/descendant_<method>_<modality><layers>")
+    p.add_argument("--overwrite", action="store_true", help="replace a descendant already in --out_dir")
     p.set_defaults(func=cmd_expand)
     p = add_parser("finetune", help="activation + fine-tuning (retrieval, classification or captioning)")
     g = add_train_flags(p, lr_help="default: Table 6 per task (retrieval 5e-5, classification 1e-4, "
@@ -2307,6 +2319,7 @@ def main(argv=None):
             dist.barrier()      # no rank tears down its connections while another still writes
     except data.DataError as e:
         print(f"error: {e}", file=sys.stderr)
+        lifecycle.release_out_dir(failed=True)      # before its first step: the out_dir it made goes
         sys.exit(2)
     except NonFiniteError as e:
         print(str(e), file=sys.stderr, flush=True)
@@ -2316,6 +2329,7 @@ def main(argv=None):
             raise
         print(f"error: {getattr(e, 'filename', None) or a.out_dir}: {lifecycle.write_error(e)}; the last good checkpoint "
               f"is kept", file=sys.stderr)
+        lifecycle.release_out_dir(failed=True)
         sys.exit(2)
     finally:
         if _wandb["run"] is not None:
@@ -2333,19 +2347,25 @@ def main(argv=None):
 # This script's own: what a phase's state.pt holds (step, time, loader position, AdamW state, RNG states)
 # and its restore, the flags --resume lets change, the files --overwrite removes, the start and done lines.
 
-RUN_CONTROL = ("stop_at", "save_interval", "log_interval", "num_workers", "device", "resume", "overwrite", "out_dir")
+# --resume: run-control flags may change; those not given now keep their saved values, but ALWAYS_NOW's
+ALWAYS_NOW = ("stop_at", "device", "resume", "overwrite", "out_dir")
+RUN_CONTROL = (*ALWAYS_NOW, "save_interval", "log_interval", "num_workers")
 RUN_FILES = (r"metrics\.jsonl", r"loss_curve\.png", r"learngene\.safetensors", r"results\.json", r"model\.safetensors",
              r"config\.json", r"tokenizer\.json", r"captions\.json", r"wandb_id(\.txt)?", r"checkpoint(\.prev|\.tmp)?")
-STATE_TYPES = {"step": int, "elapsed": (int, float), "loader": dict, "optimizer": dict, "rng": dict}
+# state.pt, checked to its leaves before --resume restores anything from it (lifecycle.read_checkpoint)
+STATE_TYPES = {"step": int, "elapsed": (int, float), "loader": data.LOADER_STATE,
+               "optimizer": lifecycle.OPTIMIZER_STATE, "rng": lifecycle.RNG_STATE}
 _wandb = {"run": None, "offset": 0, "next": 0}    # --wandb: the module while a run is open; phase step offsets
 
 
-def start_line(a, what, model, device, world, loader, rank):
-    """The run's first line (rank 0): script, subcommand, parameters, device x world size, data, out_dir."""
+def start_line(a, what, model, device, world, loader, rank, resumed=None):
+    """The run's first line (rank 0): script, subcommand, parameters, device x world size, data, out_dir, and
+    with --resume where it continues (`resumed`: "step N", "finetune step N")."""
     if rank == 0:
         n = f" ({loader.num_samples} training samples)" if getattr(loader, "num_samples", None) else ""
         print(f"start: {os.path.basename(__file__)} {what} | {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
-              f"parameters | {device} x {world} | data {a.data}{n} | out_dir {a.out_dir}", flush=True)
+              f"parameters | {device} x {world} | data {a.data}{n} | out_dir {a.out_dir}"
+              + (f" | resumed at {resumed}" if resumed else ""), flush=True)
 
 
 def end_line(a, steps, t_start, files):
@@ -2371,9 +2391,11 @@ def save_run(run):
         run.on_save(run)
 
 
-def load_run(run):
-    """The newest usable checkpoint into model, optimizer, loader and RNGs: the run goes on bit-exactly."""
-    folder, model_sd, st, _, run.newest_damaged = lifecycle.load_checkpoint(run.out_dir, STATE_TYPES, rank=run.rank)
+def load_run(run, ckpt=None):
+    """The newest usable checkpoint (`ckpt`, or read now) into model, optimizer, loader and RNGs: the run goes on
+    bit-exactly."""
+    ckpt = ckpt or lifecycle.load_checkpoint(run.out_dir, STATE_TYPES, rank=run.rank)
+    folder, model_sd, st, _, run.newest_damaged = ckpt
     lifecycle.load_state(run.raw, model_sd, folder)
     try:
         run.opt.load_state_dict(st["optimizer"])
@@ -2406,7 +2428,7 @@ def resume_flags(a, argv):
         p._defaults.clear()
         for action in p._actions:
             action.default = argparse.SUPPRESS
-    for k, v in lifecycle.resumed_flags(vars(ap.parse_args(argv)), saved, RUN_CONTROL, path).items():
+    for k, v in lifecycle.resumed_flags(vars(ap.parse_args(argv)), saved, RUN_CONTROL, path, ALWAYS_NOW).items():
         if hasattr(a, k):
             setattr(a, k, v)
 
@@ -2416,4 +2438,5 @@ def run_flags(a) -> dict:
 
 
 if __name__ == "__main__":
+    lifecycle.hold_stop_signals_to_exit()
     main()

@@ -408,8 +408,8 @@ def test_sigterm_to_one_rank_stops_every_rank_and_resumes(tmp_path):
                                           os.path.join(out, "metrics.jsonl"), env=env)
     assert rc == 0, stderr
     step = saved_state(out)["step"]
-    assert 0 < step < 100000 and f"stopped (signal or --stop_at): checkpoint saved at step {step}; continue with: " \
-        f"python composer.py train --resume --out_dir {out}" in stdout
+    assert 0 < step < 100000 and f"stopped by SIGTERM at step {step}/100000 | checkpoint saved | continue with: " \
+        f"torchrun --nproc_per_node=2 composer.py train --resume --out_dir {out}" in stdout
     _run(["--resume", "--out_dir", out, "--stop_at", str(step + 1)], nproc=2)
     assert saved_state(out)["step"] == step + 1
 
@@ -489,7 +489,8 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_bit_exactly(tmp_path):
     stdout, stderr = p.communicate(timeout=120)
     assert p.returncode == 0, stderr
     step = saved_state(out)["step"]
-    assert f"checkpoint saved at step {step}" in stdout
+    assert f"stopped by SIGINT at step {step}/100000 | checkpoint saved | continue with: python composer.py train " \
+        f"--resume --out_dir {out}" in stdout
     _run(["--resume", "--out_dir", out, "--stop_at", str(step + 2)])
     _run(["--out_dir", ref, "--max_steps", "100000", "--stop_at", str(step + 2)] + TRAIN)
     assert saved_state(out)["step"] == step + 2 and same_weights(ref, out)

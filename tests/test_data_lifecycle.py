@@ -113,7 +113,8 @@ def test_claim_out_dir(tmp_path):
         lifecycle.claim_out_dir(out, 0, 1, "cpu")
     lifecycle.claim_out_dir(out, 0, 1, "cpu", overwrite=True, run_files=(r"checkpoint(\..*)?", r"metrics\.jsonl"))
     assert sorted(os.listdir(out)) == [".lock", "config.json", "notes.txt"]
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, lifecycle; lifecycle.claim_out_dir(sys.argv[1], 0, 1, 'cpu');"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, lifecycle\n"
+                               "lifecycle.claim_out_dir(sys.argv[1], 0, 1, 'cpu');"
                                " print('held', flush=True); sys.stdin.read()", out], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(data.__file__))
     lifecycle.release_out_dir()      # let the child take it

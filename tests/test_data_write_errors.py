@@ -73,6 +73,9 @@ def test_writing_reads_the_errno_and_safetensors_message():
     with pytest.raises(data.DataError, match="^w.safetensors: cannot write: file too large$"):
         with lifecycle.writing("w.safetensors"):     # safetensors' Rust io::Error, not an OSError
             raise RuntimeError("Error while serializing: IoError(File too large (os error 27))")
-    with pytest.raises(PermissionError):        # not a want of room: not this policy's
+    with pytest.raises(data.DataError, match="^x.bin: cannot write: permission denied$"):    # a read-only folder
         with lifecycle.writing("x.bin"):
             raise PermissionError(errno.EACCES, "Permission denied")
+    with pytest.raises(FileNotFoundError):        # not a failed write: not this policy's
+        with lifecycle.writing("x.bin"):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory")

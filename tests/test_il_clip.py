@@ -549,7 +549,8 @@ def test_sigterm_with_loader_workers_saves_and_resumes(tmp_path):
     rc, err = _signal_when_training([sys.executable, os.path.join(ROOT, "il_clip.py")] + argv +
                                     ["--max_steps", "100000"], out)
     step = train_state(out)["step"]
-    assert rc == 0 and f"stopped by SIGTERM: step {step}/100000" in err and "Traceback" not in err, err[-1500:]
+    assert rc == 0 and f"stopped by SIGTERM at step {step}/100000 | checkpoint saved" in err, err[-1500:]
+    assert "Traceback" not in err, err[-1500:]
     assert run_main(["--resume", "--out_dir", out, "--stop_at", str(step + 1)]) == 0
     assert train_state(out)["step"] == step + 1
 
@@ -562,7 +563,8 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_bit_exactly(tmp_path):
                                     out, signal.SIGINT)
     step = train_state(out)["step"]
     assert rc == 0 and "Traceback" not in err, err[-1500:]
-    assert f"stopped by SIGINT: step {step}/100000" in err and f"il_clip.py --resume --out_dir {out}" in err, err
+    assert f"stopped by SIGINT at step {step}/100000 | checkpoint saved | continue with: python il_clip.py --resume " \
+        f"--out_dir {out}" in err, err
     assert run_main(["--resume", "--out_dir", out, "--stop_at", str(step + 2)]) == 0
     assert run_main(argv + ["--out_dir", ref, "--stop_at", str(step + 2)]) == 0
     a, b = weights(ref), weights(out)
@@ -625,12 +627,15 @@ def test_resume_refuses_a_changed_run_defining_flag_and_takes_run_control_flags(
 
 
 @pytest.mark.parametrize("target", ["metrics.jsonl", "loss_curve.png"])
-def test_a_write_error_is_one_line_and_keeps_the_checkpoint(tmp_path, capsys, target):
-    """A full disk (/dev/full) under metrics.jsonl or the loss curve PNG: one error line, exit 2."""
+def test_a_write_error_is_one_line_and_keeps_the_checkpoint(tmp_path, capsys, monkeypatch, target):
+    """A full disk (/dev/full) under metrics.jsonl or the loss curve PNG: one error line, exit 2. (The log is
+    appended to in place and never through a link: /dev/full is opened in its stead.)"""
     out = str(tmp_path / "w")
     os.makedirs(out)
-    name = target if target == "metrics.jsonl" else f"{target}.tmp{os.getpid()}"   # lifecycle.atomic_write's temp
-    os.symlink("/dev/full", os.path.join(out, name))
+    if target == "metrics.jsonl":
+        monkeypatch.setattr(lifecycle, "open_to_append", lambda path: open("/dev/full", "a"))
+    else:       # lifecycle.atomic_write's temp file
+        os.symlink("/dev/full", os.path.join(out, f"{target}.tmp{os.getpid()}"))
     rc = run_main(TINY + ["--method", "clip", "--max_steps", "4", "--save_interval", "2", "--out_dir", out])
     line = _one_error_line(capsys)
     assert rc == 2 and os.path.join(out, target) in line and "no space left on device" in line, line

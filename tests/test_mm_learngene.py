@@ -458,11 +458,11 @@ class _ListLoader:
             self.done += 1
             yield self.batches[(self.done - 1) % len(self.batches)]
 
-    def state_dict(self):
-        return {"done": self.done}
+    def state_dict(self):       # data.LOADER_STATE's layout: batches read in (one endless) epoch 0
+        return {"epoch": 0, "batches_done": self.done}
 
     def load_state_dict(self, s):
-        self.done = s["done"]
+        self.done = s["batches_done"]
 
 
 def test_trainer_nan_stops_without_saving_anything_after_it(tmp_path):
@@ -498,8 +498,8 @@ def test_sigterm_to_one_rank_stops_every_rank_and_resumes(teacher, tmp_path):
                                           str(out / "metrics.jsonl"), env=ENV)
     assert rc == 0, stderr
     step = saved_step(out)
-    assert 0 < step < 100000 and f"SIGTERM, checkpoint saved at step {step}" in stdout
-    assert f"continue with python mm_learngene.py extract --out_dir {out} --resume" in stdout
+    assert 0 < step < 100000 and f"stopped by SIGTERM at step {step}/100000 | checkpoint saved" in stdout
+    assert f"continue with: torchrun --nproc_per_node=2 mm_learngene.py extract --resume --out_dir {out}" in stdout
     run_cli(["extract", "--out_dir", str(out), "--resume", "--stop_at", str(step + 1)], nproc=2)
     assert saved_step(out) == step + 1
 
