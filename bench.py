@@ -694,7 +694,7 @@ def main(argv=None):
     a("--script", default=None, help="time a fork's step: an il_clip.py-style script at PATH (default: il_clip.py)")
     args = p.parse_args(argv)
     if args.script:
-        il_clip = lifecycle.import_script(None, override=args.script)[0]
+        il_clip = lifecycle.import_script(None, __file__, args.script)[0]
     args.argv = sys.argv[1:] if argv is None else list(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":

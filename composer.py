@@ -1708,7 +1708,7 @@ def build_run(args, resume, master, world, device):
     model.to(device)
     if master:
         flags = "".join(f" --{k} {getattr(args, k)}" for k in ("modulator", "hold_out") if k in args.given)
-        print(f"start: composer.py train --method {args.method}"
+        print(f"start: {os.path.basename(__file__)} train --method {args.method}"
               f"{' --concept_mvsa' if args.concept_mvsa else ''}{flags} | "
               f"{sum(p.numel() for p in model.parameters()) / 1e6:.3f}M parameters | {device} x {world} | data "
               f"{args.data} ({len(sp.captions)} train captions / {len(sp.keys)} images"
@@ -2084,44 +2084,66 @@ def resolve_weights(path):
     return path, d if os.path.isfile(os.path.join(d, "config.json")) else os.path.dirname(d)
 
 
-def load_checkpoint(ckpt, device="cpu"):
-    """(model, tokenizer, saved args as a Namespace) from a composer.py checkpoint (resolve_weights).
-    Another script's checkpoint (il_clip.py, mm_learngene.py) is one line naming its reader."""
+def load_checkpoint(ckpt, device="cpu", script=None):
+    """(model, tokenizer, saved args as a Namespace) from a composer.py checkpoint (resolve_weights), its files
+    checked against sha256.json first. The model is built by the script the checkpoint records (a fork's weights
+    run the fork's model code), under lifecycle.find_script's trust rule: only by its bare name beside this file;
+    `script` (--script) names any other. Another script's checkpoint (il_clip.py, mm_learngene.py) is one line
+    naming its reader."""
     weights, folder = resolve_weights(ckpt)
+    me = os.path.basename(__file__)
     if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise ComposerError(f"{ckpt}: no config.json (not a composer.py out_dir)")
+        raise ComposerError(f"{ckpt}: no config.json (not a {me} out_dir)")
+    lifecycle.check_read_files(weights)
     conf = lifecycle.read_json(os.path.join(folder, "config.json"))
+    record = conf.get("script") if isinstance(conf, dict) else None
+    path = module = None
+    if isinstance(conf, dict) and isinstance(conf.get("model"), dict) and isinstance(conf.get("args"), dict):
+        path, note = lifecycle.find_script(record, __file__, script, default=me)
+        if path != os.path.abspath(__file__):
+            module = lifecycle.import_script(record, __file__, script)[0]     # its note, then the import
+        elif note:
+            print(note, file=sys.stderr, flush=True)
+    build = model_from_config if module is None else getattr(module, "model_from_config", None)
     try:
-        cfg = ModelConfig(**conf["model"])
-        model = MODELS[cfg.arch](cfg)
-        args = argparse.Namespace(**conf["args"])
+        if build is None:       # the script recorded is not a composer.py
+            raise KeyError("model_from_config")
+        model, args = build(conf)
     except (TypeError, KeyError):
-        script = conf.get("script") if isinstance(conf, dict) else None
-        name = script.get("name") if isinstance(script, dict) else None
-        raise ComposerError(f"{ckpt}: a checkpoint of {name or 'another script'}, not of composer.py: evaluate it "
+        name = record.get("name") if isinstance(record, dict) else None
+        raise ComposerError(f"{ckpt}: a checkpoint of {name or 'another script'}, not of {me}: evaluate it "
                             f"with python eval_compositional.py --ckpt {ckpt}") from None
     lifecycle.load_state(model, lifecycle.read_weights(weights), weights)   # a damaged file or another model's: one line
     return model.to(device).eval(), load_tokenizer(folder), args
 
 
+def model_from_config(conf):
+    """(model, saved args) from a checkpoint's config.json: this script's classes (a fork's: the fork's)."""
+    cfg = ModelConfig(**conf["model"])
+    return MODELS[cfg.arch](cfg), argparse.Namespace(**conf["args"])
+
+
 def cmd_eval(args):
     t_start = time.time()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tok, targs = load_checkpoint(args.ckpt, device)
+    model, tok, targs = load_checkpoint(args.ckpt, device, args.script)
+    code = sys.modules[type(model).__module__]     # the script that built it reads the data and scores (a fork)
+    print(f"model: {args.ckpt}: code {os.path.abspath(code.__file__)}", file=sys.stderr, flush=True)
     for k in ("data", "features", "regions", "clip", "quick_gelu", "image_size", "image_root"):
         if getattr(args, k, None) is None:      # the checkpoint's, unless given
             setattr(args, k, getattr(targs, k, None))
-    compiler = TextCompiler(tok, model.cfg.max_len)
+    compiler = code.TextCompiler(tok, model.cfg.max_len)
     # the paper's protocol: every image of the test split, each ranked by all captions
     out = {}
-    for name, sp in eval_sets(args, args.split, args.split, _n(args.data, args.eval_size, 1000), compiler).items():
+    sets = code.eval_sets(args, args.split, args.split, _n(args.data, args.eval_size, 1000), compiler)
+    for name, sp in sets.items():
         t0 = time.time()
-        res, S = evaluate(model, compiler, sp, device, args.parse_dropout, phrases=not args.no_phrases, seed=args.seed,
-                          folds=args.folds)
+        res, S = code.evaluate(model, compiler, sp, device, args.parse_dropout, phrases=not args.no_phrases,
+                               seed=args.seed, folds=args.folds)
         out[name] = {**res, "skipped": dict(sp.skipped), "seconds": round(time.time() - t0, 1)}
         if args.interpret and model.cfg.arch == "composer":
             for i in range(min(args.interpret, len(sp.captions))):
-                print(interpret(model, compiler, sp, S, i, device) + "\n")
+                print(code.interpret(model, compiler, sp, S, i, device) + "\n")
     print(json.dumps(out, indent=1))
     if args.out:
         write_text(args.out, json.dumps(out, indent=1) + "\n")
@@ -2501,6 +2523,8 @@ def parse_args(argv):
                                   "p2i_r1/5/10, percent)", "checkpoint and data", "features (default: the "
                                   "checkpoint's)", "evaluation", "machine and output")
     d.add_argument("--ckpt", required=True, help="a composer.py out_dir, checkpoint/ folder or model.safetensors")
+    d.add_argument("--script", help="the model code for --ckpt (default: the script its config.json records, run only "
+                   "from beside this file; any other file only when named here)")
     add_data(d, default=None)
     d.add_argument("--split", default="test", help="split of --data to evaluate")
     d.add_argument("--eval_size", type=int, help="images of --split, each with all its captions (default: the whole "

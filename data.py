@@ -84,6 +84,8 @@ SEEN_COMPOUNDS = [(c, s) for c in COLOUR_NAMES for s in SHAPE_NAMES
 SHAPES_CATEGORIES = ["replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att",
                      "add_obj", "add_att"]
 SHAPES_SPLITS = ["train", "val", "test", "systematicity", "productivity"]
+SHAPES_METRICS = ("i2t_r1", "t2i_r1", *SHAPES_CATEGORIES, "sugarcrepe_mean", "systematicity",
+                  "productivity")
 SHAPES_SIZES = {"train": 100_000, "val": 1000, "test": 1000, "systematicity": 1000,
                 "productivity": 1000}
 SHAPES_IMAGE_SIZE = 64
@@ -398,6 +400,61 @@ def shapes_benchmark(seed: int = 0, n: int = 1000, image_size: int = SHAPES_IMAG
         rng = random.Random(f"shapes-bench/{seed}/{split}")
         out[split] = first_n(split, 0, lambda s: crepe(s, cats, rng))
     return out
+
+
+@torch.no_grad()
+def score_shapes(encode_image, encode_text, tokenizer, image_size: int, device="cpu",
+                 n: int = 1000, n_val: int = SHAPES_VAL_PAIRS, seed: int = 0, batch_size: int = 256,
+                 show_progress=False) -> dict:
+    """The one scorer of the built-in benchmark (il_clip.py's end of run and eval_compositional.py's
+    `shapes` call it, so both give the same digits for any model code, a fork's too).
+    encode_image(normalised images [B, 3, S, S]) and encode_text(token ids [B, L]) are the model's,
+    each called on batches of `batch_size` in one fixed order. -> percent (2 decimals): i2t / t2i
+    R@1 on `n_val` val scenes (a hit = the same caption string; none when n_val is 0) and, per category
+    of shapes_benchmark(seed, n), the share of items whose positive caption scores strictly above
+    every negative; sugarcrepe_mean is the 7 categories' mean."""
+    tf = eval_transform(image_size)
+    cats = [*SHAPES_CATEGORIES, "systematicity", "productivity"]
+    bar = progress(total=n_val + n * len(cats), desc="shapes eval", unit="item",
+                   disable=not show_progress)
+
+    def embed(images, captions):
+        ie = []
+        for i in range(0, len(images), batch_size):
+            batch = torch.stack([tf(im) for im in images[i:i + batch_size]])
+            ie.append(encode_image(normalize_images(batch, device)).float().cpu())
+        te = [encode_text(tokenizer(captions[i:i + batch_size]).to(device)).float().cpu()
+              for i in range(0, len(captions), batch_size)]
+        bar.update(len(images))
+        return torch.cat(ie), torch.cat(te)
+
+    def pct(hits, total):
+        return round(100 * hits / total, 2)
+
+    res = {}
+    if n_val:
+        scenes = [shapes_scene("val", i, seed=seed) for i in range(n_val)]
+        caps = [s.caption for s in scenes]
+        ie, te = embed([s.image for s in scenes], caps)
+        sim = ie @ te.t()
+        same = torch.tensor([[a == b for b in caps] for a in caps])
+        res = {"i2t_r1": pct(same[torch.arange(n_val), sim.argmax(1)].sum().item(), n_val),
+               "t2i_r1": pct(same[sim.argmax(0), torch.arange(n_val)].sum().item(), n_val)}
+    bar.set_postfix_str("rendering the benchmark")
+    bench = shapes_benchmark(seed=seed, n=n)
+    for cat in cats:
+        bar.set_postfix_str(cat)
+        items = bench[cat]
+        negs = [it["negatives"] if "negatives" in it else [it["negative_caption"]] for it in items]
+        captions = [c for it, ng in zip(items, negs) for c in [it["caption"], *ng]]
+        ie, te = embed([it["image"] for it in items], captions)
+        per_item = te.split([1 + len(ng) for ng in negs])       # the positive first
+        scores = [t @ ie[j] for j, t in enumerate(per_item)]
+        res[cat] = pct(sum(bool((s[0] > s[1:]).all()) for s in scores), len(items))
+    bar.close()
+    pair_mean = sum(res[c] for c in SHAPES_CATEGORIES) / len(SHAPES_CATEGORIES)
+    res["sugarcrepe_mean"] = round(pair_mean, 2)
+    return {k: res[k] for k in SHAPES_METRICS if k in res}      # the order of every table of it
 
 
 def shapes_classification(split: str = "train", index: int = 0, seed: int = 0,

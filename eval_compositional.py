@@ -48,7 +48,6 @@ import ast
 import codecs
 import copy
 import csv
-import functools
 import glob
 import io
 import json
@@ -158,7 +157,8 @@ def get_args(argv=None):
     g.add_argument("--init", help="OpenAI-format weights (.safetensors / .pt) instead of --ckpt")
     g.add_argument("--vocab", help="bpe_simple_vocab_16e6.txt.gz, the tokenizer for --init weights")
     g.add_argument("--script", help="the model code for --ckpt and its snapshots (default: the script its config.json "
-                   "records, il_clip.py for --init weights); --compare_ckpts use the scripts they record")
+                   "records, run only from beside this file; il_clip.py for --init weights); any other file runs only "
+                   "when named here; --compare_ckpts use the scripts they record")
     g.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
                    help="the MLP activation of the loaded weights: QuickGELU (OpenAI's CLIP, open_clip's "
                         "*-quickgelu) or exact GELU (--no-quick_gelu: open_clip's LAION / DataComp ViT-B-32). Not "
@@ -257,22 +257,26 @@ OTHER_READERS = {"composer.py": "python composer.py eval --ckpt {path}",
 
 def refuse(path, maker, why):
     how = OTHER_READERS.get(maker, "the script's own evaluation").format(path=out_dir_of(path))
-    return ConfigError(f"{path}: {why}: a checkpoint of {maker}, which eval_compositional.py cannot score; use {how}")
+    return ConfigError(f"{path}: {why}: a checkpoint of {maker}, which {os.path.basename(__file__)} cannot score; "
+                       f"use {how}")
 
 
 def load_checkpoint(path, args, script=None):
     """(model, tokenizer, config) from an out_dir, a checkpoint/ folder or a weights file, built by
-    load_model(path, device, quick_gelu) of the script config.json records (`script`, else
-    --script, overrides it; bare weights: il_clip.py beside this file). config["script_used"]
-    says which file ran. Refuses, with one line, checkpoints it cannot score and tokenizers that
-    do not fit."""
+    load_model(path, device, quick_gelu) of the script config.json records, under lifecycle.find_script's
+    trust rule (only by its bare name beside this file; `script`, --script, names any other; bare weights:
+    il_clip.py beside this file). Its files are checked against sha256.json first, when there is one.
+    config["script_used"] says which file ran. Refuses, with one line, checkpoints it cannot score and
+    tokenizers that do not fit."""
     if not os.path.exists(path):
         raise ConfigError(f"{path}: checkpoint not found")
     path = lifecycle.checkpoint_dir(path)
+    lifecycle.check_read_files(os.path.join(path, "model.safetensors") if os.path.isdir(path) else path)
     cfg = read_json(os.path.join(path, "config.json")) if os.path.isfile(os.path.join(path, "config.json")) else {}
     cfg = cfg if isinstance(cfg, dict) else {}
-    record = cfg.get("script") if isinstance(cfg.get("script"), dict) else None
-    maker = (record or {}).get("name") or (
+    record = cfg.get("script")
+    named = record.get("name") if isinstance(record, dict) else None
+    maker = named if isinstance(named, str) else (
         "mm_learngene.py" if {"phase", "task", "modality"} & set(cfg) else "composer.py")
     model_cfg = cfg.get("model")
     if cfg.get("modality", "clip") != "clip":
@@ -281,20 +285,18 @@ def load_checkpoint(path, args, script=None):
     if cfg and not record and not (isinstance(model_cfg, dict) and {"vision_width", "text_width"} <= set(model_cfg)):
         raise refuse(path, maker, "config.json holds no CLIP model config")
     try:
-        module, script_path, note = lifecycle.import_script(record, override=script, default="il_clip.py")
+        module, script_path, note = lifecycle.import_script(record, __file__, script, default="il_clip.py")
     except data.DataError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(f"{path}: {e}") from None
     if not callable(getattr(module, "load_model", None)):
         raise refuse(path, maker, f"{script_path} has no load_model(path, device, quick_gelu)")
-    if note:
-        print(note, file=sys.stderr)
     try:
         model, tok, config = module.load_model(path, device=args.device, quick_gelu=args.quick_gelu)
     except Exception as e:  # noqa: BLE001: the script's own error line, else what went wrong, in one line
         own = isinstance(e, (data.DataError, getattr(module, "ConfigError", data.DataError)))
         raise ConfigError(str(e) if own else f"{path}: {script_path} cannot load it ({first_line(e)})") from None
     config["script_used"] = {"path": script_path, "sha256": lifecycle.script_record(script_path)["sha256"],
-                             "changed": bool(note) if record and record.get("sha256") else None}
+                             "changed": bool(note) if isinstance(record, dict) and record.get("sha256") else None}
     if tok is None:
         if not args.vocab:
             raise ConfigError(f"{path}: weights without a tokenizer; give --vocab bpe_simple_vocab_16e6.txt.gz")
@@ -378,6 +380,7 @@ class Embedder:
         self.batch_size = batch_size
         self.device = device
         self.transform = data.eval_transform(image_size)
+        self.image_size = image_size
         self.progress = progress
         self.image_cache, self.text_cache, self.bad_images = {}, {}, {}
 
@@ -898,28 +901,12 @@ def read_lines(path):
 # -----------------------------------------------------------------------------
 # Benchmarks: each returns {metric: value} (and may raise Skip)
 
-def shapes_refs(seed, n, name, images):
-    return [ImageRef(f"shapes/{seed}/{n}/{name}/{i}", pil=img) for i, img in enumerate(images)]
-
-
-@functools.lru_cache(maxsize=4)
-def shapes_benchmark(seed, n):
-    return data.shapes_benchmark(seed=seed, n=n)
-
-
 def bench_shapes(args, emb):
-    """The built-in benchmark: generated, so every item is scored (the flat layout of
-    data.shapes_benchmark: accuracy per category, sugarcrepe_mean (the mean of the 7), R@1 per split)."""
-    bench, out = shapes_benchmark(args.shapes_seed, args.eval_size), {}
-    for cat in data.SHAPES_CATEGORIES:
-        refs = shapes_refs(args.shapes_seed, args.eval_size, cat, [it["image"] for it in bench[cat]])
-        rows = [(r, it["caption"], it["negative_caption"]) for r, it in zip(refs, bench[cat])]
-        out[cat] = pair_accuracy(emb, Part(rows))["acc"]
-    out["sugarcrepe_mean"] = round(sum(out[c] for c in data.SHAPES_CATEGORIES) / 7, 2)
-    for split in ("systematicity", "productivity"):
-        refs = shapes_refs(args.shapes_seed, args.eval_size, split, [it["image"] for it in bench[split]])
-        rows = [(r, it["caption"], it["negatives"]) for r, it in zip(refs, bench[split])]
-        out[split] = r1_among_negatives(emb, Part(rows))["acc"]
+    """The built-in benchmark, by data.score_shapes (il_clip.py's end of run calls it too: the same digits for
+    any model code): accuracy per category, sugarcrepe_mean (the mean of the 7), R@1 per split. Generated, so
+    every item is scored."""
+    out = data.score_shapes(emb.model.encode_image, emb.model.encode_text, emb.tokenizer, emb.image_size,
+                            emb.device, n=args.eval_size, n_val=0, seed=args.shapes_seed, show_progress=emb.progress)
     return out | {"n_per_category": args.eval_size}
 
 
@@ -2482,7 +2469,8 @@ def shapes_percent(res):
 
 def shapes_run(folder: str):
     """(method, seed, results as fractions, what lifecycle.summarize_runs takes) of an il_clip.py out_dir with
-    shapes_eval.json, else None. With the easy-to-learn probe's output in probe.json (--benchmarks easy_to_learn
+    shapes_eval.json, else None; a fork's runs are a group of their own ("codebook il_clip_top8.py"), paired
+    with the original's by seed. With the easy-to-learn probe's output in probe.json (--benchmarks easy_to_learn
     --out RUN/probe.json), also its held-out accuracy at step 20, its `auc` (learning speed, Fig. 5's slope) and
     its accuracy at the last step."""
     res_path, cfg_path = os.path.join(folder, "shapes_eval.json"), os.path.join(folder, "config.json")
@@ -2500,7 +2488,9 @@ def shapes_run(folder: str):
         res |= {"probe_step20": at[20], "probe_final": runs[0]["curve"][-1]["acc"]}
         if "auc" in runs[0]:    # probe.json from before the auc was written has none
             res["probe_auc"] = runs[0]["auc"]
-    return cfg.get("method", folder) + ("+neg" if cfg.get("negatives") else ""), cfg.get("seed", folder), {
+    script = cfg.get("script", {}).get("name") if isinstance(cfg.get("script"), dict) else None
+    fork = f" {script}" if isinstance(script, str) and script != "il_clip.py" else ""
+    return cfg.get("method", folder) + ("+neg" if cfg.get("negatives") else "") + fork, cfg.get("seed", folder), {
         k: v / 100 for k, v in res.items()}
 
 
@@ -2586,7 +2576,7 @@ def run(args):
     random.seed(args.seed)
     path = args.ckpt or args.init
     model, tok, config = load_checkpoint(path, args, args.script)
-    print(f"start: eval_compositional.py {path} | benchmarks {','.join(args.benchmark_list)} | "
+    print(f"start: {os.path.basename(__file__)} {path} | benchmarks {','.join(args.benchmark_list)} | "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters | {args.device} x 1 | "
           f"out {args.out or 'the table only'}", file=sys.stderr)
     quick_gelu = bool(model_field(model, config, "quick_gelu"))

@@ -420,8 +420,9 @@ class TextTransformer(nn.Module):
 
 
 class CLIP(TextTransformer):
-    # DDP's find_unused_parameters: a fork whose forward skips parameters on some steps or ranks sets
-    # True (open_clip does where a tower is skipped). Frozen parameters need not: see train()
+    # DDP's find_unused_parameters: not needed for a trained parameter that a phase's loss leaves out
+    # (StepLoss gives it a zero gradient) nor for frozen ones (see train()); a fork whose forward skips
+    # a parameter on some steps of a phase only sets True (open_clip does where a tower is skipped)
     find_unused_parameters = False
 
     def __init__(self, cfg: ModelConfig, seed=0):
@@ -972,14 +973,22 @@ def compute_loss(model, batch, phase, agent, teacher, pool, args):
 class StepLoss(nn.Module):
     """compute_loss as the forward() DDP wraps: a term that uses a parameter directly (a learnable bias,
     a weight penalty) gets its gradient averaged over ranks like the rest (around the model alone, DDP
-    fails on it: "marked as ready twice")."""
+    fails on it: "marked as ready twice"). Every trained parameter enters the loss: one that this phase's
+    loss leaves out (a fork's SigLIP bias in distill) enters times 0 (lifecycle.unused_parameters, found
+    at the first step of each trainable set), so it trains alike on 1 process and under torchrun. The loss
+    and the gradients of the others are unchanged."""
 
     def __init__(self, model, args):
         super().__init__()
-        self.model, self.args = model, args
+        self.model, self.args, self.unused = model, args, None
 
     def forward(self, batch, phase, agent, teacher, pool):
-        return compute_loss(self.model, batch, phase, agent, teacher, pool, self.args)
+        loss, *out = compute_loss(self.model, batch, phase, agent, teacher, pool, self.args)
+        if self.unused is None:
+            self.unused = lifecycle.unused_parameters(loss, [p for p in self.model.parameters() if p.requires_grad])
+        if self.unused:
+            loss = loss + sum(p.reshape(-1)[0] for p in self.unused) * 0.0
+        return loss, *out
 
 
 # -----------------------------------------------------------------------------
@@ -1256,50 +1265,18 @@ def train(r):
 
 # -----------------------------------------------------------------------------
 # the built-in shapes benchmark, scored at the end of a run on `shapes`
-SHAPES_METRICS = ("i2t_r1", "t2i_r1", *data.SHAPES_CATEGORIES, "sugarcrepe_mean", "systematicity", "productivity")
+SHAPES_METRICS = data.SHAPES_METRICS
 
 
-@torch.no_grad()
 def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=0, batch_size=256, progress=False):
-    """The model on the built-in benchmark, in percent (2 decimals): i2t / t2i R@1 on `n_val` val
-    scenes (a hit = the same caption string) and, for each category, the share of its `n` items whose
-    positive caption scores strictly above every negative; sugarcrepe_mean is the 7 categories' mean."""
-    was_training, device = model.training, model.logit_scale.device
+    """The model on the built-in benchmark (data.score_shapes, the scorer eval_compositional.py's `shapes` calls
+    too), in percent: i2t / t2i R@1 on `n_val` val scenes and the hard-negative accuracy of each category."""
+    was_training = model.training
     model.eval()
-    tf = data.eval_transform(model.cfg.image_size)
-    cats = [*data.SHAPES_CATEGORIES, "systematicity", "productivity"]
-    bar = lifecycle.progress(total=n_val + n * len(cats), desc="shapes eval", unit="item", disable=not progress)
-
-    def embed(images, captions):
-        ie = [model.encode_image(data.normalize_images(torch.stack([tf(im) for im in images[i:i + batch_size]]),
-                                                       device)).float().cpu()
-              for i in range(0, len(images), batch_size)]
-        te = [model.encode_text(tokenizer(captions[i:i + batch_size]).to(device)).float().cpu()
-              for i in range(0, len(captions), batch_size)]
-        bar.update(len(images))
-        return torch.cat(ie), torch.cat(te)
-
-    pct = lambda hits, total: round(100 * hits / total, 2)
-    scenes = [data.shapes_scene("val", i, seed=seed) for i in range(n_val)]
-    caps = [s.caption for s in scenes]
-    ie, te = embed([s.image for s in scenes], caps)
-    sim = ie @ te.t()
-    same = torch.tensor([[a == b for b in caps] for a in caps])
-    res = {"i2t_r1": pct(same[torch.arange(n_val), sim.argmax(1)].sum().item(), n_val),
-           "t2i_r1": pct(same[sim.argmax(0), torch.arange(n_val)].sum().item(), n_val)}
-    bar.set_postfix_str("rendering the benchmark")
-    bench = data.shapes_benchmark(seed=seed, n=n)
-    for cat in cats:
-        bar.set_postfix_str(cat)
-        items = bench[cat]
-        negs = [it["negatives"] if "negatives" in it else [it["negative_caption"]] for it in items]
-        ie, te = embed([it["image"] for it in items], [c for it, ng in zip(items, negs) for c in [it["caption"], *ng]])
-        scores = [t @ ie[j] for j, t in enumerate(te.split([1 + len(ng) for ng in negs]))]  # positive first
-        res[cat] = pct(sum(bool((s[0] > s[1:]).all()) for s in scores), len(items))
-    bar.close()
-    res["sugarcrepe_mean"] = round(sum(res[c] for c in data.SHAPES_CATEGORIES) / len(data.SHAPES_CATEGORIES), 2)
+    res = data.score_shapes(model.encode_image, model.encode_text, tokenizer, model.cfg.image_size,
+                            model.logit_scale.device, n, n_val, seed, batch_size, progress)
     model.train(was_training)
-    return {k: res[k] for k in SHAPES_METRICS}
+    return res
 
 
 # =============================================================================

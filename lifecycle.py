@@ -3,7 +3,7 @@ lifecycle.py -- what the training scripts share besides the data: one run's life
 
   * files: JSON, durable and atomic writes, one-line errors for a full disk or a read-only folder;
   * weights: the reader for this repo's checkpoints, OpenAI / open_clip files and the activation they state,
-    and the training script a checkpoint records (script_record / import_script);
+    and the training script a checkpoint records (script_record; find_script's trust rule, import_script);
   * the run lifecycle: one run per out_dir (a lock), checkpoints that survive a crash and their fallback, stop
     signals, metrics.jsonl (+ wandb), progress bars, the loss-curve PNG;
   * measurement: the FLOPs of a CLIP step and MFU (bench.py and il_clip.py);
@@ -295,32 +295,64 @@ def script_record(file: str) -> dict:
         return {"name": os.path.basename(path), "path": path, "sha256": hashlib.sha256(f.read()).hexdigest()}
 
 
-def import_script(record: dict | None, override: str | None = None, default: str | None = None):
-    """-> (module, path, note) for the script a checkpoint records (see script_record), or `override` (--script
-    PATH). Looked for at its recorded path, then by name beside this file and in the working directory; `default` (a
-    script name) serves checkpoints that record none. `note`: a line to print if the script changed since training."""
+def find_script(record, reader: str, script: str | None = None, default: str | None = None):
+    """-> (path, note): the training script to build a checkpoint's model with, by the one trust rule of every
+    reader of checkpoints (a checkpoint never runs code the user did not choose), decided before anything is imported:
+      * the script `record` names (config.json's "script", see script_record) is run only from the folder of the
+        program reading it (`reader`: its __file__), found there by its bare file name; a fork lives beside the
+        original. Neither its recorded path nor the working directory is ever searched;
+      * anything else (a path elsewhere, a name with a folder in it, a file found only in the working directory) runs
+        only when the user names it: `script`, their --script PATH. Otherwise a DataError naming the record and
+        --script;
+      * `note` (None, or a line to print before the import): the file found is not the recorded text (sha256), or
+        `script` is another file than the one that trained the checkpoint.
+    `default` (a bare name beside the reader) serves weights that record no script (OpenAI / open_clip files)."""
+    folder, me = os.path.dirname(os.path.abspath(reader)), os.path.basename(reader)
+    if record is not None and not isinstance(record, dict):
+        record = {"name": record}           # a bare string, say: only a bare file name beside the reader passes
+    name, sha = (record.get("name"), record.get("sha256")) if record is not None else (default, None)
+    record = record or {}
+    if script is not None:
+        if not os.path.isfile(script):
+            raise DataError(f"--script {script}: no such file")
+        path = os.path.abspath(script)
+    else:
+        bare = isinstance(name, str) and name.endswith(".py") and name == os.path.basename(name) and "\0" not in name
+        path = os.path.join(folder, name) if bare else None
+        if path is None or not os.path.isfile(path):
+            where = record.get("path")
+            what = f"{name!r}" + (f" (recorded at {where!r})" if isinstance(where, str) and where != name else "")
+            raise DataError(f"the checkpoint's training script {what} is not a file beside {me} in {folder}, the only "
+                            f"place a recorded script is run from: put the fork there, or name the file to run with "
+                            f"--script PATH")
+    have = script_record(path)["sha256"]
+    if not isinstance(sha, str) or sha == have:
+        return path, None
+    if script is not None and os.path.basename(path) != name:
+        return path, f"note: scoring with {path}, trained by {name or 'another script'} (--script)"
+    return path, (f"note: {path} has changed since it trained this checkpoint (sha256 {have[:12]}, recorded "
+                  f"{sha[:12]})")
+
+
+def import_script(record, reader: str, script: str | None = None, default: str | None = None):
+    """-> (module, path, note): find_script's file, its note printed first, imported once per file (its classes keep
+    one identity)."""
+    import importlib.machinery
     import importlib.util
-    record = record if isinstance(record, dict) else {}
-    name = record.get("name") or default
-    candidates = [override] if override else [record.get("path"), *(
-        os.path.join(d, name) for d in (os.path.dirname(os.path.abspath(__file__)), os.getcwd()) if name)]
-    path = next((p for p in candidates if p and os.path.isfile(p)), None)
-    if path is None:
-        raise DataError(f"{override or name or 'the checkpoint'}: training script not found" + (
-            "" if override else f" (looked in {', '.join(p for p in candidates if p)}); give --script PATH"))
-    sha = script_record(path)["sha256"]
-    note = (f"note: {path} has changed since it trained this checkpoint (sha256 {sha[:12]}, recorded "
-            f"{record['sha256'][:12]})" if record.get("sha256") and record["sha256"] != sha else None)
-    module_name = "_script_" + hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:12]
-    if module_name not in sys.modules:      # import each file once: its classes stay one identity
-        spec = importlib.util.spec_from_file_location(module_name, path)
+    path, note = find_script(record, reader, script, default)
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    module_name = "_script_" + hashlib.sha256(path.encode()).hexdigest()[:12]
+    if module_name not in sys.modules:
+        loader = importlib.machinery.SourceFileLoader(module_name, path)    # --script may name any file
+        spec = importlib.util.spec_from_file_location(module_name, path, loader=loader)
         sys.modules[module_name] = module = importlib.util.module_from_spec(spec)
         try:
             spec.loader.exec_module(module)
         except Exception as e:
             del sys.modules[module_name]
             raise DataError(f"{path}: cannot import the training script ({type(e).__name__}: {e})") from None
-    return sys.modules[module_name], os.path.abspath(path), note
+    return sys.modules[module_name], path, note
 
 
 # -----------------------------------------------------------------------------
@@ -478,6 +510,23 @@ def on_rank0(fn, rank, world, device, user_errors=(DataError,)):
         raise SystemExit(int(code.item()))
 
 
+def unused_parameters(loss, params) -> list:
+    """The parameters of `params` that the autograd graph of `loss` does not reach (a term's parameter that this
+    phase's loss leaves out). A training step adds them to the loss times 0: their gradient is then zero instead of
+    none, so DDP (find_unused_parameters=False, which waits for every parameter) finishes its reduction, and AdamW
+    treats them alike on 1 process and on N ranks. Walked once per set of trained parameters: about 1 ms."""
+    reached, seen, todo = set(), set(), [loss.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if getattr(fn, "variable", None) is not None:      # AccumulateGrad: a leaf (parameter) reached
+            reached.add(id(fn.variable))
+        todo.extend(f for f, _ in fn.next_functions)
+    return [p for p in params if id(p) not in reached]
+
+
 def tensors_in(obj):
     if torch.is_tensor(obj):
         yield obj
@@ -602,6 +651,30 @@ def spec_errors(value, spec, where="") -> list:
     return [f"{where}: {' or '.join(t.__name__ for t in alternatives)}"]
 
 
+def check_sums(folder, required, only=None):
+    """The files of a checkpoint folder against its sha256.json: a DataError naming the first that is missing or
+    damaged. `required` must be listed there; `only` (names): check just those of the listed files (a reader that
+    needs no state.pt), else every listed file."""
+    sums = read_json(os.path.join(folder, "sha256.json"))
+    if not isinstance(sums, dict):
+        raise DataError(f"{folder}/sha256.json: damaged (not a table of file sums)")
+    for name in dict.fromkeys([*required, *(n for n in sums if only is None or n in only)]):
+        path = os.path.join(folder, name)
+        if name not in sums or not os.path.isfile(path):
+            raise DataError(f"{path}: missing (incomplete checkpoint)")
+        if sha256(path) != sums[name]:
+            raise DataError(f"{path}: damaged (its sha256 is not the one in sha256.json)")
+
+
+def check_read_files(weights: str):
+    """What a reader of a checkpoint (evaluation) reads, checked before it reads it: the weights file and the
+    config.json / tokenizer.json beside it, against the sha256.json there when there is one (released weights have
+    none and load as they are). A damaged file is a DataError naming it."""
+    folder = os.path.dirname(os.path.abspath(weights))
+    if os.path.isfile(os.path.join(folder, "sha256.json")):
+        check_sums(folder, [], only={os.path.basename(weights), "config.json", "tokenizer.json"})
+
+
 def read_checkpoint(folder, state_types, device="cpu"):
     """(weights, state, config) of a checkpoint folder whose files all match its sha256.json and whose state.pt
     matches the spec `state_types` to its leaves; else a DataError naming what is missing, damaged or of wrong
@@ -609,15 +682,7 @@ def read_checkpoint(folder, state_types, device="cpu"):
     from safetensors.torch import load_file
     if not os.path.isdir(folder):
         raise DataError(f"{folder}: missing")
-    sums = read_json(os.path.join(folder, "sha256.json"))
-    if not isinstance(sums, dict):
-        raise DataError(f"{folder}/sha256.json: damaged (not a table of file sums)")
-    for name in dict.fromkeys(["model.safetensors", "config.json", "state.pt", *sums]):
-        path = os.path.join(folder, name)
-        if name not in sums or not os.path.isfile(path):
-            raise DataError(f"{path}: missing (incomplete checkpoint)")
-        if sha256(path) != sums[name]:
-            raise DataError(f"{path}: damaged (its sha256 is not the one in sha256.json)")
+    check_sums(folder, ["model.safetensors", "config.json", "state.pt"])
     path = os.path.join(folder, "state.pt")
     try:
         state = torch.load(path, map_location=device, weights_only=True)

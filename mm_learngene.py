@@ -463,21 +463,18 @@ def infer_config(sd: dict, cfg: dict, path: str, need=("visual", "text")) -> Mod
     return ModelConfig(**{"vision_layers": 0, "text_layers": 0, **hparams})
 
 
-def recorded_model(path: str, quick_gelu=None):
+def recorded_model(path: str, quick_gelu=None, script=None):
     """(model, tokenizer or None, config dict) from the load_model of the script the checkpoint at `path` records
-    ("script"), so a fork's checkpoint is read by the fork's model code; None without a record or that file."""
+    ("script"), so a fork's checkpoint is read by the fork's model code; under lifecycle.find_script's trust rule
+    (only by its bare name beside this file; `script`, --script, names any other file). None without a record."""
     cfg_path = os.path.join(weights_folder(path), "config.json")
     record = lifecycle.read_json(cfg_path).get("script") if os.path.isfile(cfg_path) else None
-    if not isinstance(record, dict):
+    if record is None and script is None:
         return None
     try:
-        module, _, note = lifecycle.import_script(record)
+        module = lifecycle.import_script(record, __file__, script)[0]
     except data.DataError as e:
-        if "training script not found" in str(e):
-            return None
-        raise
-    if note:
-        print(note, file=sys.stderr)
+        raise ConfigError(f"{path}: {e}") from None
     try:
         return module.load_model(path, device="cpu", quick_gelu=quick_gelu)
     except Exception as e:      # that script's ConfigError is a class of its own: one line here too
@@ -486,11 +483,11 @@ def recorded_model(path: str, quick_gelu=None):
         raise
 
 
-def load_teacher(path: str, vocab=None, quick_gelu=None):
+def load_teacher(path: str, vocab=None, quick_gelu=None, script=None):
     """The frozen ancestry CLIP in eval mode: (model, tokenizer, ModelConfig), built by the load_model of the script
-    the checkpoint records, else by this script's (used through encode_image, encode_text, logit_scale). A
-    codebook-head teacher (il_clip --method codebook) is refused: its embeddings are not the plain CLIP ones."""
-    model, tok, config = recorded_model(path, quick_gelu) or load_model(path, quick_gelu=quick_gelu)
+    the checkpoint records (or --script), else by this script's (used through encode_image, encode_text,
+    logit_scale). A codebook-head teacher (il_clip --method codebook) is refused: its embeddings are not CLIP's."""
+    model, tok, config = recorded_model(path, quick_gelu, script) or load_model(path, quick_gelu=quick_gelu)
     m = config.get("model") or {}
     if m.get("codebook_size"):
         raise ConfigError(f"{path}: a codebook-head teacher is not supported (its embeddings are not CLIP's)")
@@ -897,7 +894,7 @@ def cmd_extract(a):
     torch.manual_seed(a.seed)
     random.seed(a.seed)
     np.random.seed(a.seed)
-    teacher, tok, tcfg = load_teacher(a.init, a.vocab, a.quick_gelu)
+    teacher, tok, tcfg = load_teacher(a.init, a.vocab, a.quick_gelu, a.script)
     if rank == 0:
         print(f"teacher: {a.init}  activation {'QuickGELU' if tcfg.quick_gelu else 'GELU'}", flush=True)
     teacher.to(device)
@@ -1048,7 +1045,7 @@ def load_init(a):
     # layout and activation); its OpenAI-layout weights are then fine-tuned in this script's CLIP,
     # built below: the reader's random init must not shift this run's draws
     with torch.random.fork_rng(devices=[]):
-        found = recorded_model(a.init) if modality == "clip" else None
+        found = recorded_model(a.init, script=a.script) if modality == "clip" else None
     sd, tok = (found[0].state_dict(), found[1]) if found else (sd, folder_tokenizer(a.init))
     cfg = infer_config(sd, found[2] if found else cfgj, a.init, need)
     model = CLIP(cfg) if modality == "clip" else VisionTransformer(cfg)
@@ -2208,6 +2205,10 @@ def add_train_flags(p, lr_help="", data_help=""):
     return p.add_argument_group("model")
 
 
+SCRIPT_HELP = ("the model code for --init's checkpoint (default: the script its config.json records, run only from "
+               "beside this file; any other file only when named here)")
+
+
 def build_parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -2218,6 +2219,7 @@ def build_parser():
                         "512, --epochs 32; on shapes 500 steps, batch 64, warm-up 50")
     g.add_argument("--init", "--teacher", dest="init", help="the ancestry (teacher): il_clip.py out_dir, "
                    "checkpoint/ folder or OpenAI-layout .safetensors/.pt (--teacher: an alias)")
+    g.add_argument("--script", help=SCRIPT_HELP)
     g.add_argument("--vocab", help="bpe_simple_vocab_16e6.txt.gz for a bare OpenAI weight file")
     g.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction,
                    help="the teacher's activation (printed at start); default: what open_clip_config.json / "
@@ -2254,6 +2256,7 @@ def build_parser():
                         data_help="retrieval/caption: shapes, Karpathy JSON, CSV, shards; classification: shapes "
                                   "or an ImageFolder root with train/ and val/ (or test/)")
     g.add_argument("--init", help="descendant out_dir, il_clip.py out_dir (PT-FT) or scratch")
+    g.add_argument("--script", help=SCRIPT_HELP)
     g.add_argument("--model", default="shapes", choices=list(AUX_PRESETS), help="scratch: the preset")
     g.add_argument("--like", help="scratch: copy config + tokenizer from this out_dir")
     g.add_argument("--layers", type=int, help="scratch: depth (default: 6, or --like's)")

@@ -549,6 +549,60 @@ def test_eval_of_another_scripts_checkpoint_names_its_reader(tmp_path, capsys):
             and f"python eval_compositional.py --ckpt {tmp_path / 'clip'}" in line)
 
 
+FILM = "            return self.out((1 + self.a(p)) * c + self.b(p))\n"
+
+
+def test_eval_scores_a_fork_with_the_forks_code(tmp_path, capsys):
+    """A fork beside composer.py that keeps the weight names (a tanh on FiLM's scale) names itself in its
+    start line and resume hint; `composer.py eval` beside it builds and scores the model with the fork's
+    code (the numbers of the fork's own final evaluation); composer.py elsewhere refuses the record in one
+    line, and with --script composer.py scores it with FiLM (other numbers), saying so."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in ("composer.py", "data.py", "lifecycle.py"):
+        shutil.copy(os.path.join(ROOT, name), repo / name)
+    src = open(os.path.join(ROOT, "composer.py")).read()
+    assert src.count(FILM) == 1
+    (repo / "composer_tanh.py").write_text(src.replace(FILM, FILM.replace("(1 + self.a(p))", "torch.tanh(self.a(p))")))
+    fork, reader = (lifecycle.import_script(None, __file__, str(repo / n))[0] for n in ("composer_tanh.py",
+                                                                                         "composer.py"))
+    out = str(tmp_path / "run")
+    argv = ["train", "--out_dir", out, "--max_steps", "3"] + TRAIN + ["--eval_size", "12"]
+    fork.main(argv + ["--stop_at", "2"])
+    stdout = capsys.readouterr().out
+    assert "start: composer_tanh.py train" in stdout and "python composer_tanh.py train --resume" in stdout
+    own = fork.main(["train", "--resume", "--out_dir", out])["eval"]["in_domain"]
+    capsys.readouterr()
+    keys = ["t2i_r1", "t2i_r5", "t2i_r10", "p2i_r1", "p2i_r5", "p2i_r10"]
+    ev = ["eval", "--ckpt", out, "--eval_size", "12"]
+    res = reader.main(ev)["test"]
+    assert {k: res[k] for k in keys} == {k: own[k] for k in keys}
+    assert f"model: {out}: code {repo / 'composer_tanh.py'}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        C.main(ev)
+    line = one_error_line(capsys)
+    assert e.value.code == 2 and "'composer_tanh.py'" in line and "--script PATH" in line
+    film = C.main(ev + ["--script", C.__file__])["test"]
+    assert f"note: scoring with {C.__file__}, trained by composer_tanh.py" in capsys.readouterr().err
+    assert any(film[k] != own[k] for k in keys)
+    assert C.main(ev + ["--script", str(repo / "composer_tanh.py")])["test"] == res
+
+
+def test_eval_refuses_a_damaged_checkpoint(tmp_path, capsys):
+    """eval checks the checkpoint against its sha256.json first: a bit-flipped config.json is one line."""
+    out = str(tmp_path / "vse")
+    C.main(["train", "--method", "vse", "--out_dir", out, "--max_steps", "1"] + TRAIN)
+    path = os.path.join(out, "checkpoint", "config.json")
+    raw = bytearray(open(path, "rb").read())
+    raw[-3] ^= 1
+    open(path, "wb").write(bytes(raw))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        C.main(["eval", "--ckpt", out, "--eval_size", "4"])
+    assert e.value.code == 2 and one_error_line(capsys) == f"error: {path}: damaged (its sha256 is not the one in " \
+                                                           "sha256.json)"
+
+
 def test_paper_sizes_are_the_default_on_real_data():
     """PT 6 / CT 5 at BERT-base width (paper section 4) unless the data is shapes; flags win."""
     shapes = C.parse_args([])

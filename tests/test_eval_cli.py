@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 import data
 import eval_compositional as E
 import il_clip
+import lifecycle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model_args", "width=32", "layers=1", "heads=2", "embed_dim=32", "image_size=32", "patch_size=8",
@@ -121,6 +122,9 @@ def test_refuses_other_methods_and_tokenizer_mismatch(ckpts, tmp_path, capsys):
     shutil.copytree(ckpts["clip"], bad_tok)
     data.build_tokenizer(captions=data.shapes_captions(200), vocab_size=280,
                          context_length=32).save(str(bad_tok / "checkpoint"))
+    sums = lifecycle.read_json(str(bad_tok / "checkpoint" / "sha256.json"))   # in order: not a damaged file
+    sums["tokenizer.json"] = lifecycle.sha256(str(bad_tok / "checkpoint" / "tokenizer.json"))
+    lifecycle.save_json(str(bad_tok / "checkpoint" / "sha256.json"), sums)
     assert E.main(["--ckpt", str(bad_tok)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "tokenizer mismatch" in err and len(err.splitlines()) == 1

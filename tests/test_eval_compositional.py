@@ -755,9 +755,9 @@ def test_shapes_runs_in_percent_and_older_fraction_files_read_alike(tmp_path, ca
 
 
 def test_il_clip_end_of_run_table_equals_eval_compositional():
-    """il_clip.py scores the shapes benchmark at the end of a run with its own short loop; it must
-    give what eval_compositional.py gives for the same model. (A plain CLIP: an untrained codebook
-    model gives exactly tied captions, which batching breaks one way or the other.)"""
+    """il_clip.py's end of run and eval_compositional.py's shapes benchmark score with one function
+    (data.score_shapes; test_shapes_matches_an_independent_loop checks it); eval's --retrieval shapes, a
+    scorer of its own, gives the end of run's R@1 on the same gallery."""
     import il_clip
     tok = data.build_tokenizer(captions=data.captions_for_tokenizer("shapes", 2000), vocab_size=300)
     cfg = il_clip.ModelConfig(**{**il_clip.MODEL_PRESETS["tiny"], "vocab_size": tok.vocab_size,

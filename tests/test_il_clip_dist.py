@@ -1,6 +1,7 @@
 """torchrun (2 processes, gloo) gives the same losses and the same updated weights as one
 process on the combined batch, for every method and every IL phase, through torch's
-DistributedDataParallel, also with a fork's loss term that uses parameters directly. One torchrun
+DistributedDataParallel, also with a fork's loss term that uses parameters directly, and with a
+SigLIP-style bias that the distill phase leaves unused (find_unused_parameters=False). One torchrun
 launch trains every method (this file is its worker script); the single-process references run in
 the pytest process."""
 import gc
@@ -40,9 +41,8 @@ METHODS = {
 
 
 class RankOneBranch(M.CLIP):
-    """A fork's data-dependent branch: an extra parameter that only rank 1 uses (so it asks DDP to
-    look for unused parameters)."""
-    find_unused_parameters = True
+    """A fork's data-dependent branch: an extra parameter that only rank 1 uses (StepLoss gives rank 0 a
+    zero gradient for it: DDP needs no search for unused parameters)."""
 
     def __init__(self, cfg, seed=0):
         super().__init__(cfg, seed)
@@ -75,7 +75,20 @@ def with_extra_terms(compute_loss):
     return loss_with_extra_terms
 
 
+def with_bias_outside_distill(compute_loss):
+    """A SigLIP-style fork's bias term, in the contrastive phases only: distill's KD loss leaves the bias
+    unused, yet it is trained (not frozen), so DDP (find_unused_parameters=False) waits for its gradient.
+    StepLoss gives it a zero one, on 1 process as on 2 ranks."""
+    def loss_with_bias(model, batch, phase, *rest):
+        loss, *out = compute_loss(model, batch, phase, *rest)
+        if phase != "distill":
+            loss = loss + model.logit_bias * batch["image"].float().mean()
+        return loss, *out
+    return loss_with_bias
+
+
 LOSS_TERMS = {"clip_bias": METHODS["clip"], "il_bias": METHODS["il"]}
+SIGLIP = ("il_siglip", METHODS["il"])
 
 
 def _weights(out_dir):
@@ -97,6 +110,8 @@ def test_torchrun_two_ranks_equal_one_process(tmp_path):
     try:
         for name, argv in LOSS_TERMS.items():
             assert _one_equals_two(tmp_path, name, argv)["logit_bias"] != -1.0        # trained
+        M.compute_loss = with_bias_outside_distill(real)
+        assert _one_equals_two(tmp_path, *SIGLIP)["logit_bias"] != -1.0
     finally:
         M.CLIP, M.compute_loss = clip, real
     # a parameter used on rank 1 only trained without a hang or a size mismatch: DDP averaged
@@ -112,7 +127,7 @@ def _one_equals_two(tmp_path, name, argv):
     la = [json.loads(x) for x in open(os.path.join(one, "metrics.jsonl"))]
     lb = [json.loads(x) for x in open(os.path.join(two, "metrics.jsonl"))]
     assert [r["phase"] for r in la] == [r["phase"] for r in lb]
-    if name in ("il", "il_bias"):
+    if name in ("il", "il_bias", "il_siglip"):
         assert [r["phase"] for r in la] == ["warmup", "distill", "distill", "interact",
                                             "distill", "distill", "interact"]
     for a, b in zip(la, lb):
@@ -135,9 +150,12 @@ if __name__ == "__main__":        # torchrun worker: every method, one process g
             sys.exit(rc)
     M.CLIP = RankOneBranch
     rc = M.main(COMMON + ["--method", "clip", "--max_steps", "2", "--out_dir", os.path.join(out, "branch")])
-    M.CLIP, M.compute_loss = BiasCLIP, with_extra_terms(M.compute_loss)
+    real = M.compute_loss
+    M.CLIP, M.compute_loss = BiasCLIP, with_extra_terms(real)
     for name, argv in LOSS_TERMS.items():
         rc = rc or M.main(COMMON + argv + ["--out_dir", os.path.join(out, name)])
+    M.compute_loss = with_bias_outside_distill(real)
+    rc = rc or M.main(COMMON + SIGLIP[1] + ["--out_dir", os.path.join(out, SIGLIP[0])])
     gc.collect()    # the DDP wrappers (in reference cycles) hold the group: they go first
     dist.destroy_process_group()
     from conftest import gloo_threads_left

@@ -18,6 +18,7 @@ import lifecycle
 import mm_learngene as M
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+E_FILE = os.path.join(ROOT, "eval_compositional.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
 
 
@@ -531,7 +532,7 @@ def test_load_model_is_the_evaluation_contract(extracted, tmp_path):
     M.main(["expand", "--learngene", lg, "--layers", "3", "--out_dir", str(tmp_path / "d")])
     M.main(["expand", "--learngene", lg, "--layers", "3", "--modality", "vision", "--out_dir", str(tmp_path / "v")])
     config = json.loads((tmp_path / "d" / "config.json").read_text())
-    module, path, note = lifecycle.import_script(config["script"])
+    module, path, note = lifecycle.import_script(config["script"], E_FILE)     # as eval_compositional.py does
     assert path == os.path.abspath(M.__file__) and note is None
     model, tok, cfg = module.load_model(str(tmp_path / "d"), device="cpu", quick_gelu=None)
     sd, dcfg = M.descendant_state(M.load_learngene(lg)[0], 3, "clip")
@@ -558,10 +559,12 @@ def test_load_model_is_the_evaluation_contract(extracted, tmp_path):
 
 
 def make_fork(tmp_path):
-    """A fork of this script whose load_model leaves a mark: it is the one that read the checkpoint."""
+    """A fork of this script, outside the repository, that leaves a mark when imported and when its load_model
+    reads a checkpoint."""
     fork = tmp_path / "fork" / "mm_fork.py"
     fork.parent.mkdir()
-    fork.write_text(open(M.__file__).read() + "\n\n_load_model = load_model\n\n\n"
+    fork.write_text(open(M.__file__).read() + f"\n\nopen({str(tmp_path / 'imported')!r}, 'a')\n"
+                    "_load_model = load_model\n\n\n"
                     "def load_model(path, device='cpu', quick_gelu=None):\n"
                     f"    open({str(tmp_path / 'mark')!r}, 'a').write(str(path) + '\\n')\n"
                     "    return _load_model(path, device, quick_gelu)\n")
@@ -569,10 +572,12 @@ def make_fork(tmp_path):
 
 
 @pytest.mark.parametrize("reader", ["extract", "finetune"])
-def test_readers_build_the_model_from_the_recorded_script(extracted, teacher, tmp_path, capsys, reader):
+def test_readers_build_the_model_from_the_recorded_script(extracted, teacher, tmp_path, capsys, monkeypatch, reader):
     """extract --init (alias --teacher) and finetune --init read a checkpoint with the load_model of the
-    script it records (a fork's, with the note when that file changed since); a record whose file is
-    gone, or none, leaves this script's own reader, with the same result."""
+    script it records, by lifecycle.find_script's trust rule: a fork outside this script's folder (its
+    recorded path, or a relative path in the working directory) is one `error:` line before any import,
+    and is run when named with --script (with the note when it changed since); no record: this script's
+    own reader, with the same result."""
     if reader == "extract":
         src = teacher
         argv = lambda init, out: ["extract", "--init", str(init), "--aux_width", "32", "--aux_heads", "2",
@@ -588,7 +593,7 @@ def test_readers_build_the_model_from_the_recorded_script(extracted, teacher, tm
         result = "model.safetensors"
     fork = make_fork(tmp_path)
     outs = {}
-    for case in ("own", "fork", "changed", "gone"):
+    for case in ("own", "elsewhere", "cwd", "fork", "changed"):
         ck = tmp_path / f"ck_{case}"
         shutil.copytree(src, ck)
         config = json.loads((ck / "config.json").read_text())
@@ -597,20 +602,31 @@ def test_readers_build_the_model_from_the_recorded_script(extracted, teacher, tm
             config.pop("script", None)
         elif case == "changed":
             record["sha256"] = "0" * 64
-        elif case == "gone":
-            record.update(path=str(tmp_path / "nowhere" / "mm_gone.py"), name="mm_gone.py")
+        elif case == "cwd":     # a downloaded folder's own file, evaluated from inside it
+            shutil.copy(fork, ck / "mm_fork.py")
+            record["path"] = "mm_fork.py"
         if case != "own":
             config["script"] = record
         (ck / "config.json").write_text(json.dumps(config))
-        (tmp_path / "mark").unlink(missing_ok=True)
         capsys.readouterr()
-        M.main(argv(ck, tmp_path / f"out_{case}"))
+        named = ["--script", str(fork)] if case in ("fork", "changed") else []
+        with monkeypatch.context() as m:
+            m.chdir(ck)
+            if case in ("elsewhere", "cwd"):
+                with pytest.raises(SystemExit) as e:
+                    M.main(argv(ck, tmp_path / f"out_{case}"))
+                err = capsys.readouterr().err.strip().splitlines()
+                assert e.value.code == 2 and len(err) == 1 and "'mm_fork.py'" in err[0], (case, err)
+                assert f"beside mm_learngene.py in {ROOT}" in err[0] and "--script PATH" in err[0], err
+                assert not (tmp_path / "imported").exists() and not (tmp_path / f"out_{case}" / result).exists()
+                continue
+            M.main(argv(ck, tmp_path / f"out_{case}") + named)
         err = capsys.readouterr().err
-        read_by_fork = (tmp_path / "mark").exists()
-        assert read_by_fork == (case in ("fork", "changed")), case
+        assert (tmp_path / "mark").exists() == (case != "own"), case
+        (tmp_path / "mark").unlink(missing_ok=True)
         assert ("has changed since it trained this checkpoint" in err) == (case == "changed"), err
         outs[case] = load_file(str(tmp_path / f"out_{case}" / result))
-    for case in ("fork", "changed", "gone"):
+    for case in ("fork", "changed"):
         assert all(torch.equal(outs["own"][k], outs[case][k]) for k in outs["own"]), case
 
 
