@@ -493,7 +493,9 @@ def load_teacher(path: str, vocab=None, quick_gelu=None):
     model, tok, config = recorded_model(path, quick_gelu) or load_model(path, quick_gelu=quick_gelu)
     m = config.get("model") or {}
     if m.get("codebook_size"):
-        raise ConfigError(f"{path}: a codebook-head teacher is not supported (its embeddings are not CLIP's)")
+        raise ConfigError(f"{path}: a codebook-head teacher (il_clip.py --method {config.get('method', 'codebook')}) is "
+                          f"not supported, its embeddings are not CLIP's: use an il_clip.py --method clip (or negclip) "
+                          f"run, or OpenAI / open_clip weights")
     mcfg = ModelConfig(**{f.name: m[f.name] for f in dataclasses.fields(ModelConfig) if f.name in m})
     if vocab:
         tok = data.build_tokenizer(vocab_path=vocab, context_length=mcfg.context_length)
@@ -690,18 +692,24 @@ def agree_flags(bad, world, device, tag, done):
     return int(sig)
 
 
-PHASE_STYLE = {"extract": ("extraction: CLIP + distillation loss (Eq. 8)", (31, 119, 180)),
-               "activate": ("activation: CLIP loss", (255, 127, 14)), "finetune": ("fine-tuning", (44, 160, 44))}
+PHASE_STYLE = {"extract": ("extraction loss (Eq. 8)", "tab:blue"), "activate": ("activation: CLIP loss", "tab:orange"),
+               "finetune": ("fine-tuning loss", "tab:green")}
+TERM_STYLE = {"clip": ("CLIP loss", "0.55"), "dist": ("distillation loss", "tab:red")}
 
 
 def draw_loss_curve(out_dir, tag):
-    """out_dir/loss_curve.png: the phase's training loss per logged step (its metrics.jsonl), labelled by phase."""
+    """out_dir/loss_curve.png: the phase's training loss per logged step (its metrics.jsonl), labelled by phase, and
+    its terms where it has more than one (extract: CLIP + distillation). Returns the Figure."""
     path = os.path.join(out_dir, "metrics.jsonl")
     with open(path) if os.path.isfile(path) else contextlib.nullcontext([]) as f:
-        pts = [(m["step"], m["loss"]) for m in map(json.loads, filter(str.strip, f)) if "loss" in m]
-    label, colour = PHASE_STYLE.get(tag, (tag, (31, 119, 180)))
-    lifecycle.draw_curves(os.path.join(out_dir, "loss_curve.png"), f"mm_learngene.py {tag}: training loss per logged step",
-                     [(label, colour, pts, 2)], xlabel="step (optimizer steps)", size=(900, 460))
+        recs = [m for m in map(json.loads, filter(str.strip, f)) if "loss" in m]
+    label, colour = PHASE_STYLE.get(tag, (tag, "tab:blue"))
+    series = [(label, [(m["step"], m["loss"]) for m in recs], {"color": colour, "linewidth": 2})]
+    if sum(k in TERM_STYLE for k in (recs[0] if recs else {})) > 1:
+        series += [(name, [(m["step"], m[k]) for m in recs], {"color": c, "linewidth": 1})
+                   for k, (name, c) in TERM_STYLE.items()]
+    return lifecycle.draw_curves(os.path.join(out_dir, "loss_curve.png"),
+                                 f"mm_learngene.py {tag}: training loss per logged step", series)
 
 
 class StepLoss(nn.Module):
@@ -897,8 +905,6 @@ def cmd_extract(a):
     random.seed(a.seed)
     np.random.seed(a.seed)
     teacher, tok, tcfg = load_teacher(a.init, a.vocab, a.quick_gelu)
-    if rank == 0:
-        print(f"teacher: {a.init}  activation {'QuickGELU' if tcfg.quick_gelu else 'GELU'}", flush=True)
     teacher.to(device)
     preset = dict(AUX_PRESETS[a.model])
     for k in ("width", "heads", "layers"):
@@ -933,7 +939,8 @@ def cmd_extract(a):
 
     config = {"args": run_flags(a), "world_size": world, **aux.meta(), "model": dataclasses.asdict(aux.cfg),
               "teacher_config": dataclasses.asdict(tcfg)}
-    start_line(a, f"extract --method {a.method}", aux, device, world, loader, rank)
+    start_line(a, f"extract --method {a.method}", aux, device, world, loader, rank,
+               [f"teacher {a.init} ({'QuickGELU' if tcfg.quick_gelu else 'GELU'})"])
     _wandb["run"] = lifecycle.start_wandb(a.wandb, a.out_dir, config, a.resume) if a.wandb and rank == 0 else None
 
     def write_learngene(tr):
@@ -946,9 +953,9 @@ def cmd_extract(a):
     train_phase(aux, loss_fn, loader, a, rank, world, device, a.max_steps, a.out_dir, config, tok, "extract",
                 write_learngene, a.resume)
     if rank == 0:
-        print(f"learngene parameters {aux.learngene_numel():,} (blocks + coefficients), with non-learngene parts "
-              f"{sum(p.numel() for p in aux.parameters()):,}", flush=True)
-        end_line(a, a.max_steps, t_start, ["learngene.safetensors", "checkpoint/", "metrics.jsonl", "loss_curve.png"])
+        end_line(a, a.max_steps, t_start, ["learngene.safetensors", "checkpoint/", "metrics.jsonl", "loss_curve.png"],
+                 f", learngene parameters {aux.learngene_numel():,} (blocks + coefficients; "
+                 f"{sum(p.numel() for p in aux.parameters()):,} with the non-learngene parts)")
 
 
 # -----------------------------------------------------------------------------
@@ -967,6 +974,7 @@ def write_descendant(out_dir, sd, cfg, modality, tok_json, extra):
 
 
 def cmd_expand(a):
+    t_start = time.time()
     if a.modality == "text":
         raise ConfigError("--modality text: no task of finetune trains a text-only descendant (the paper's tasks "
                           "are retrieval, classification and captioning); expand --modality clip for a text tower")
@@ -976,13 +984,18 @@ def cmd_expand(a):
     part = aux.part if a.part == "both" else a.part
     sd, cfg = descendant_state(aux, a.layers, a.modality, a.seed, part)
     out = a.out_dir or f"out/descendant_{aux.method}_{a.modality}{a.layers}"
+    lifecycle.start_line(__file__, f"expand --layers {a.layers} --modality {a.modality}",
+                         [f"learngene {a.learngene} ({aux.method})", f"part {a.part}"], out)
     extract = json.loads(meta.get("extract", "{}"))
     write_descendant(out, sd, cfg, a.modality, meta.get("tokenizer"),
                      {"learngene": os.path.abspath(a.learngene), "method": aux.method, "part": part,
                       "extract_data": {k: extract.get(k) for k in SOURCE_KEYS},
                       "layers": a.layers, "layer_order": expand_order(a.layers, aux.aux_layers // 2)
                       if aux.method == "mmlg" else None})
-    print(f"descendant: {out}  ({a.modality}, {a.layers} layers, {sum(v.numel() for v in sd.values()):,} parameters)")
+    lifecycle.done_line(f"a {a.layers}-layer {a.modality} descendant, {sum(v.numel() for v in sd.values()):,} "
+                        f"parameters", time.time() - t_start,
+                        [os.path.join(out, n) for n in ("model.safetensors", "config.json", "tokenizer.json")
+                         if os.path.isfile(os.path.join(out, n))])
 
 
 # -----------------------------------------------------------------------------
@@ -1377,7 +1390,8 @@ def cmd_finetune(a):
         if tok is not None:
             tok.save(out)
         atomic_write_json(results, os.path.join(out, "results.json"))
-        print(f"{a.task}: " + ", ".join(f"{k} {results[k]}" for k in EVAL_KEYS[a.task] if k in results), flush=True)
+        print(f"{a.task}: " + ", ".join(f"{k} {score_text(k, results[k])}" for k in EVAL_KEYS[a.task] if k in results),
+              flush=True)
         end_line(a, a.max_steps, t_start, ["model.safetensors", "config.json", "results.json"] +
                  ["captions.json"] * (a.task == "caption") + [f"{t}/" for t in ("activate", "finetune")
                                                               if os.path.isdir(os.path.join(out, t))])
@@ -1860,9 +1874,13 @@ def train_shapes_lm(folder: str, seed: int, steps: int = 1000):
     cfg_path = os.path.join(folder, "config.json")
     if os.path.exists(os.path.join(folder, "model.safetensors")) and os.path.exists(cfg_path):
         if lifecycle.read_json(cfg_path).get("text") == "reference pairs":
+            lifecycle.say(f"stand-in LM: {folder}: a 2-layer GPT trained on pairs of shapes reference captions, "
+                          f"standing in for GPT-2 (trained by an earlier run, reused)")
             return
         print(f"note: {folder}: a stand-in LM trained on single captions (it ignores the image); retraining it",
               file=sys.stderr, flush=True)
+    lifecycle.say(f"stand-in LM: {folder}: training a 2-layer GPT on pairs of shapes reference captions to stand in "
+                  f"for GPT-2 ({steps} steps, a few minutes on a CPU, once: runs beside this one reuse it)")
     refs = [shapes_references(data.shapes_scene("train", i, seed), SHAPES_REFERENCES,
                               random.Random(f"shapes-lm/{seed}/{i}")) for i in range(5000)]
     backend = Backend(models.BPE())
@@ -1952,7 +1970,9 @@ def eval_captioning(model, loader, device, beam, refs_of, pool=None, scene_of=No
     nearest = {}
     lm_tok = model.frozen[2]
     skipped0 = getattr(loader, "skipped", 0)
-    for batch in lifecycle.progress(loader, desc="captioning", total=len(loader) if hasattr(loader, "__len__") else None):
+    bar = lifecycle.progress(desc="captioning", unit="item")
+    for batch in loader:
+        bar.update(len(batch["key"]))
         new = [j for j, k in enumerate(batch["key"]) if k not in captions]
         for k, c in zip(batch["key"], batch["caption"]):
             captions.setdefault(k, []).append(c)
@@ -1961,6 +1981,7 @@ def eval_captioning(model, loader, device, beam, refs_of, pool=None, scene_of=No
             hyps.update({k: [lm_tok.decode(s)] for k, s in zip(keys, generate(model, images, beam))})
             if pool is not None:
                 nearest.update({k: [c] for k, c in zip(keys, pool.nearest(model.embed(images)))})
+    bar.close()
     model.mapper.train()
     refs = {k: refs_of(k, v) for k, v in captions.items()}
 
@@ -1994,10 +2015,10 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
         if not is_shapes(a.data):
             raise ConfigError("--task caption needs --lm <folder with GPT-2's model.safetensors and tokenizer.json or "
                               "vocab.json + merges.txt>; only shapes has a stand-in")
-        # beside out_dir, so runs under one parent folder share the stand-in
-        lm_dir = os.path.join(os.path.dirname(os.path.abspath(a.out_dir)), "shapes_lm")
+        # a cache beside out_dir (README: shapes_lm/), so the runs under one parent folder share the stand-in
+        lm_dir = os.path.join(os.path.dirname(os.path.normpath(a.out_dir)), "shapes_lm")
         lifecycle.on_rank0(lambda: train_shapes_lm(lm_dir, 0), rank, world, device)
-        results["lm"] = "stand-in: a 2-layer GPT trained on pairs of shapes references (not GPT-2)"
+        results["lm"] = f"stand-in: a 2-layer GPT trained on pairs of shapes references (not GPT-2), {lm_dir}"
     else:
         results["lm"] = os.path.abspath(lm_dir)
     lm, ltok = load_gpt2(lm_dir)
@@ -2073,7 +2094,7 @@ def results_table(dirs: list) -> str:
         if not os.path.exists(path):
             raise ConfigError(f"{path}: no such file (not a finished finetune out_dir)")
         r = lifecycle.read_json(path)
-        scores = ", ".join(f"{k} {r[k]}" for k in RESULT_COLUMNS.get(r.get("task"), []) if k in r)
+        scores = ", ".join(f"{k} {score_text(k, r[k])}" for k in RESULT_COLUMNS.get(r.get("task"), []) if k in r)
         what = f"{r.get('n_images')} images" + (f", {r['n_classes']} classes" if "n_classes" in r else "") + \
             (f", {r['n_refs']} refs" if "n_refs" in r else "") + f", {r.get('eval_subset', 'whole split')}" + \
             (f"; {r['n_distinct_captions']} distinct captions" if "n_distinct_captions" in r else "")
@@ -2081,7 +2102,7 @@ def results_table(dirs: list) -> str:
         lines.append(f"| {name} | {r.get('kind')} | {r.get('part', 'both')} | {r.get('layers')} | {r.get('task')} | "
                      f"{scores} | {what} |")
         for b, br in ((b, br) for b, br in r.get("baselines", {}).items() if isinstance(br, dict)):
-            scores = ", ".join(f"{k} {br[k]}" for k in RESULT_COLUMNS["caption"] if k in br)
+            scores = ", ".join(f"{k} {score_text(k, br[k])}" for k in RESULT_COLUMNS["caption"] if k in br)
             lines.append(f"| {name} | {b} caption (baseline) | | | caption | {scores} | the same images; "
                          f"{br['n_distinct_captions']} distinct captions |")
     return "\n".join(lines)
@@ -2104,7 +2125,16 @@ def finetune_run(folder):
     return runs
 
 
+def score_text(key, v):
+    """A score as printed: percents (and CIDEr-D x 100) to one decimal, counts as they are."""
+    return str(v) if key.startswith("n_") else lifecycle.percent(v)
+
+
 def cmd_report(a):
+    t_start = time.time()
+    asked = [f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k in ("results", "seeds", "learngene")
+             if (v := getattr(a, k))]
+    lifecycle.start_line(__file__, "report", asked or ["nothing asked"])
     if a.results:
         print(results_table(a.results))
     if a.seeds:   # one group per (init, part, layers, task); each paired with MM-LG at its size and task
@@ -2117,6 +2147,7 @@ def cmd_report(a):
         storage_report(a)
     elif not (a.results or a.seeds):
         raise ConfigError("report needs --learngene (Table 3), --results (finetune out_dirs) and/or --seeds DIR")
+    lifecycle.done_line(f"{len(asked)} table{'s' if len(asked) > 1 else ''} printed", time.time() - t_start)
 
 
 def storage_report(a):
@@ -2340,18 +2371,17 @@ STATE_TYPES = {"step": int, "elapsed": (int, float), "loader": dict, "optimizer"
 _wandb = {"run": None, "offset": 0, "next": 0}    # --wandb: the module while a run is open; phase step offsets
 
 
-def start_line(a, what, model, device, world, loader, rank):
-    """The run's first line (rank 0): script, subcommand, parameters, device x world size, data, out_dir."""
+def start_line(a, what, model, device, world, loader, rank, more=()):
+    """The run's first line (rank 0): script, subcommand, parameters, device x world size, data, `more`, out_dir."""
     if rank == 0:
         n = f" ({loader.num_samples} training samples)" if getattr(loader, "num_samples", None) else ""
-        print(f"start: {os.path.basename(__file__)} {what} | {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
-              f"parameters | {device} x {world} | data {a.data}{n} | out_dir {a.out_dir}", flush=True)
+        lifecycle.start_line(__file__, what, [f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters",
+                                              f"{device} x {world}", f"data {a.data}{n}", *more], a.out_dir)
 
 
-def end_line(a, steps, t_start, files):
-    """The run's last line (rank 0): steps, time, what was written where."""
-    print(f"done: step {steps}/{steps} in {time.time() - t_start:.0f}s | wrote {a.out_dir}/{{{', '.join(files)}}}",
-          flush=True)
+def end_line(a, steps, t_start, files, result=""):
+    """The run's last line (rank 0): steps (and `result`), time, what was written where."""
+    lifecycle.done_line(f"step {steps}/{steps}{result}", time.time() - t_start, [os.path.join(a.out_dir, f) for f in files])
 
 
 def save_run(run):

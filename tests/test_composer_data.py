@@ -83,7 +83,7 @@ def test_text_only_training_and_eval_without_images(tmp_path, capsys):
             "--ct_layers", "1", "--vocab_size", "200", "--n_neg_img", "1", "--n_neg_txt", "1", "--dtype", "fp32",
             "--log_interval", "1"])
     assert ("30 train captions / 6 images, 30 parsed by the built-in bracketer"
-            in capsys.readouterr().out.splitlines()[0])
+            in capsys.readouterr().err.splitlines()[0])
     res = C.main(["eval", "--ckpt", out, "--no_phrases"])["test"]      # default: the whole test split
     assert (res["images"], res["captions"], res["bracketer"]) == (6, 30, 30) and "t2i_r10" in res
     res = C.main(["eval", "--ckpt", out, "--no_phrases", "--eval_size", "2"])["test"]  # counts images

@@ -14,6 +14,7 @@ import tarfile
 
 import numpy as np
 import pytest
+from conftest import error_lines
 import torch
 from PIL import Image
 
@@ -183,7 +184,7 @@ def test_check_takes_the_csv_flags(tmp_path, capsys):
     out = json.loads(r.stdout)
     assert r.returncode == 0 and (out["good"], out["skipped"]) == (2, 1)
     r = _cli(capsys, "check", "--data", str(tmp_path / "d.csv"))
-    assert r.returncode == 2 and "--csv_img_key" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode == 2 and "--csv_img_key" in r.stderr and len(error_lines(r.stderr)) == 1
 
 
 # img2dataset.download()'s parameters (img2dataset/main.py, rom1504/img2dataset at 08538ff), which

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import error_lines
 import torch
 from safetensors.torch import load_file
 
@@ -293,7 +294,7 @@ def test_extract_resume_is_exact(teacher, extracted, tmp_path, capsys):
         M.main(args + ["--stop_at", "1"])
     assert e.value.code == 0 and "--stop_at" in capsys.readouterr().out
     M.main(args + ["--resume"])
-    assert "learngene parameters" in capsys.readouterr().out
+    assert "learngene parameters" in capsys.readouterr().err
     a = load_file(str(extracted / "learngene.safetensors"))
     b = load_file(str(tmp_path / "r" / "learngene.safetensors"))
     for k in a:
@@ -328,7 +329,7 @@ def expect_error(args, capsys, fragment):
     with pytest.raises(SystemExit) as e:
         M.main(args)
     assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
+    err = "\n".join(error_lines(capsys.readouterr().err))     # the earlier commands' start and done lines aside
     assert err.startswith("error: ") and "\n" not in err and fragment in err, err
 
 
