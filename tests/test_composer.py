@@ -192,10 +192,17 @@ def test_delta_ranking_matches_recomputation():
         assert deltas[i] == pytest.approx(C.compound_divergence(train, rest) - cd_all, abs=1e-12)
 
 
-def test_mcd_split_on_shapes(tmp_path):
+def test_mcd_split_on_shapes(tmp_path, capsys):
     res = C.main(["mcd", "--train", "shapes", "--train_size", "400", "--pool", "shapes", "--pool_split", "test",
                   "--pool_size", "200", "--size", "50", "--out_dir", str(tmp_path)])
     assert len(res["mcd"]) == 50
+    std = capsys.readouterr()      # the summary JSON on stdout; the start and done lines on stderr
+    assert json.loads(std.out)["written"] == [str(tmp_path / f) for f in ("mcd.jsonl", "random.jsonl", "windows.json")]
+    err = std.err.splitlines()
+    assert err[0] == f"start: composer.py mcd | train shapes (train) | pool shapes (test) | size 50 | out_dir {tmp_path}"
+    assert err[-1].startswith(f"done: MCD split of 50 images: compound divergence {res['mcd_compound_divergence']} "
+                              f"(random split: {res['random_compound_divergence']}) in ")
+    assert err[-1].endswith(f"s | wrote {tmp_path}/{{mcd.jsonl, random.jsonl, windows.json}}")
     assert res["mcd_compound_divergence"] > res["random_compound_divergence"]
     cds = [w["compound_divergence"] for w in res["windows"]]
     assert cds[0] == max(cds)  # graded splits: divergence falls along the ranking

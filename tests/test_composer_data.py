@@ -6,6 +6,7 @@ import argparse
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -161,7 +162,9 @@ def test_parse_subcommand(tmp_path, capsys):
     assert C.main(["parse", js, "--out", out, "--parser", "builtin"]) == 4
     sents = [s for im in json.load(open(out))["images"] for s in im["sentences"]]
     assert all(s["tree"] == C.bracket(s["raw"]) for s in sents)
-    capsys.readouterr()
+    std = capsys.readouterr()
+    assert std.out == "" and std.err.splitlines()[0] == f"start: composer.py parse | {js} | parser builtin | out {out}"
+    assert re.fullmatch(rf"done: parsed 4 captions in \d+s \| wrote {re.escape(out)}", std.err.splitlines()[-1])
     if not any(importable(m) for m in ("benepar", "stanza")):  # without a parser: how to get one
         with pytest.raises(SystemExit) as e:
             C.main(["parse", js, "--out", out])

@@ -248,3 +248,8 @@ def test_start_and_done_lines_are_one_format_on_stderr(capsys):
     assert std.out == "" and std.err.splitlines() == [line, "start: data.py check | data shapes | resumed at step 4",
                                                       done, "done: scored in 0s | wrote nothing"]
     assert [lifecycle.percent(v) for v in (12.345, 0.05, 100, None)] == ["12.3", "0.1", "100.0", "null"]
+    for warmup, steps in ((50, 20), (50, 50), (50, 0), (0, 5)):     # a note only where the peak is never reached
+        lifecycle.warmup_note(warmup, steps)
+    assert capsys.readouterr().err.splitlines() == [
+        "note: --warmup 50 is longer than the run (20 steps): the learning rate rises to 40% of --lr and never "
+        "reaches its peak (--warmup 2: 10% of the run)"]

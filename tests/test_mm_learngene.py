@@ -333,6 +333,19 @@ def expect_error(args, capsys, fragment):
     assert err.startswith("error: ") and "\n" not in err and fragment in err, err
 
 
+def test_a_codebook_teacher_is_refused_naming_the_run_to_use(tmp_path, capsys):
+    """extract needs a plain CLIP: an il_clip.py codebook / IL run is one error line saying which run to give."""
+    import il_clip
+    out = str(tmp_path / "cb")
+    assert il_clip.main(["--method", "codebook", "--codebook", "16", "--model_args", "width=32", "layers=1", "heads=2",
+                         "embed_dim=32", "image_size=32", "patch_size=8", "code_dim=32", "--batch_size", "8",
+                         "--max_steps", "0", "--eval_size", "0", "--vocab_size", "300", "--out_dir", out]) == 0
+    capsys.readouterr()
+    expect_error(EXTRACT + ["--teacher", out, "--out_dir", str(tmp_path / "lg")], capsys,
+                 f"{out}: a codebook-head teacher (il_clip.py --method codebook) is not supported, its embeddings are "
+                 f"not CLIP's: use an il_clip.py --method clip (or negclip) run, or OpenAI / open_clip weights")
+
+
 def test_bad_input(teacher, extracted, tmp_path, capsys):
     lg = str(extracted / "learngene.safetensors")
     expect_error(["expand", "--learngene", lg, "--layers", "0"], capsys, "--layers must be >= 1")
