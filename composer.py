@@ -2326,7 +2326,7 @@ def cmd_summarize(args):
     t0 = time.time()
     lifecycle.start_line(__file__, "summarize", [f"runs {args.runs}", f"baseline {args.baseline or 'the first model'}"])
     groups = lifecycle.summarize_runs(args.runs, composer_run, args.baseline)
-    lifecycle.done_line(f"{len(groups)} models summarized", time.time() - t0)
+    lifecycle.done_line(f"{len(groups)} model{'' if len(groups) == 1 else 's'} summarized", time.time() - t0)
     return groups
 
 
