@@ -712,7 +712,8 @@ def main(argv=None):
     else:
         report_train(args, run_trainer(args, args.method, device), device)
         code = 0
-    lifecycle.done_line("measured", time.time() - t0, [args.json] if args.json and mode in ("targets", "levers") else [])
+    wrote = [args.json] if args.json and mode in ("targets", "levers") else []
+    lifecycle.done_line("measured", time.time() - t0, wrote)
     return code
 
 

@@ -2127,7 +2127,8 @@ def cmd_eval(args):
             setattr(args, k, getattr(targs, k, None))
     lifecycle.start_line(__file__, "eval", [f"{args.ckpt} ({targs.method})",
                                             f"{sum(p.numel() for p in model.parameters()) / 1e6:.3f}M parameters",
-                                            f"{device} x 1", f"data {args.data}", f"out {args.out or 'the table only'}"])
+                                            f"{device} x 1", f"data {args.data}",
+                                            f"out {args.out or 'the table only'}"])
     compiler = TextCompiler(tok, model.cfg.max_len)
     # the paper's protocol: every image of the test split, each ranked by all captions
     out = {}
@@ -2236,7 +2237,8 @@ def cmd_mcd(args):
         summary["written"] = [os.path.join(args.out_dir, f) for f in [f"{n}.jsonl" for n in sets] + ["windows.json"]]
     print(json.dumps(summary, indent=1))
     lifecycle.done_line(f"MCD split of {len(res['mcd'])} images: compound divergence {res['mcd_compound_divergence']} "
-                        f"(random split: {res['random_compound_divergence']})", time.time() - t0, summary.get("written", []))
+                        f"(random split: {res['random_compound_divergence']})", time.time() - t0,
+                        summary.get("written", []))
     return res
 
 

@@ -2120,7 +2120,8 @@ def bench_spectral(args, model, tok, config):
         if gens:
             series[f"{name} (gen{{K}}/ snapshots)"] = [(gen_of(i, g), g["log10_vision"]) for i, g in enumerate(gens)]
         else:       # drawn across the generations of the others
-            series[f"{name} (final weights, no snapshots)"] = [(min(xs), r["log10_vision"]), (max(xs), r["log10_vision"])]
+            flat = r["log10_vision"]
+            series[f"{name} (final weights, no snapshots)"] = [(min(xs), flat), (max(xs), flat)]
     png = os.path.join(args.plot_dir, "spectral.png")
     draw_line_plot(png, series, "vision agent: product of spectral norms (Fig. 4; not a Lipschitz bound)",
                    "generation (snapshot gen{K}/; 0: end of the warm-up)", "log10 of the product (unitless)")
@@ -2235,7 +2236,8 @@ def bench_codebook(args, model, tok, config):
         rows.append((f"code {c}\nweight {float(usage[c]):.3g}", [to_pil(images[i]) for i in top]))
     png = os.path.join(args.plot_dir, "codebook.png")
     draw_image_grid(png, rows, f"codebook: the {args.viz_topk} images of {spec} that score highest on each of the "
-                               f"{len(codes)} most used codes (weight: its sparsemax weight summed over the images; Fig. 6)")
+                               f"{len(codes)} most used codes (weight: its sparsemax weight summed over the "
+                               f"images; Fig. 6)")
     return {"data": spec, "n_images": len(images), "n_skipped": loader.skipped, "codes": out,
             "active_codes": int((usage > 0).sum()), "png": png}
 
@@ -2436,7 +2438,8 @@ def draw_image_grid(path, rows, title):
     cols = max((len(ims) for _, ims in rows), default=1)
     width = 1.6 + 1.1 * cols
     title = "\n".join(textwrap.wrap(title, int(width * 12)))      # a narrow grid wraps its title, never cuts it
-    fig = Figure(figsize=(width, 0.2 + 0.2 * title.count("\n") + 1.1 * max(1, len(rows))), dpi=100, layout="constrained")
+    height = 0.2 + 0.2 * title.count("\n") + 1.1 * max(1, len(rows))
+    fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(max(1, len(rows)), cols, squeeze=False)
     for r, (label, ims) in enumerate(rows):

@@ -493,9 +493,10 @@ def load_teacher(path: str, vocab=None, quick_gelu=None):
     model, tok, config = recorded_model(path, quick_gelu) or load_model(path, quick_gelu=quick_gelu)
     m = config.get("model") or {}
     if m.get("codebook_size"):
-        raise ConfigError(f"{path}: a codebook-head teacher (il_clip.py --method {config.get('method', 'codebook')}) is "
-                          f"not supported, its embeddings are not CLIP's: use an il_clip.py --method clip (or negclip) "
-                          f"run, or OpenAI / open_clip weights")
+        method = config.get("method", "codebook")
+        raise ConfigError(f"{path}: a codebook-head teacher (il_clip.py --method {method}) is not supported, its "
+                          f"embeddings are not CLIP's: use an il_clip.py --method clip (or negclip) run, or OpenAI / "
+                          f"open_clip weights")
     mcfg = ModelConfig(**{f.name: m[f.name] for f in dataclasses.fields(ModelConfig) if f.name in m})
     if vocab:
         tok = data.build_tokenizer(vocab_path=vocab, context_length=mcfg.context_length)
@@ -2381,7 +2382,8 @@ def start_line(a, what, model, device, world, loader, rank, more=()):
 
 def end_line(a, steps, t_start, files, result=""):
     """The run's last line (rank 0): steps (and `result`), time, what was written where."""
-    lifecycle.done_line(f"step {steps}/{steps}{result}", time.time() - t_start, [os.path.join(a.out_dir, f) for f in files])
+    wrote = [os.path.join(a.out_dir, f) for f in files]
+    lifecycle.done_line(f"step {steps}/{steps}{result}", time.time() - t_start, wrote)
 
 
 def save_run(run):

@@ -199,7 +199,8 @@ def test_mcd_split_on_shapes(tmp_path, capsys):
     std = capsys.readouterr()      # the summary JSON on stdout; the start and done lines on stderr
     assert json.loads(std.out)["written"] == [str(tmp_path / f) for f in ("mcd.jsonl", "random.jsonl", "windows.json")]
     err = std.err.splitlines()
-    assert err[0] == f"start: composer.py mcd | train shapes (train) | pool shapes (test) | size 50 | out_dir {tmp_path}"
+    assert err[0] == (f"start: composer.py mcd | train shapes (train) | pool shapes (test) | size 50 | "
+                      f"out_dir {tmp_path}")
     assert err[-1].startswith(f"done: MCD split of 50 images: compound divergence {res['mcd_compound_divergence']} "
                               f"(random split: {res['random_compound_divergence']}) in ")
     assert err[-1].endswith(f"s | wrote {tmp_path}/{{mcd.jsonl, random.jsonl, windows.json}}")

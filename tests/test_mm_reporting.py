@@ -52,7 +52,8 @@ def test_expand_and_report_start_and_end_in_one_format(extracted, tmp_path, caps
                         lines[-1]), lines[-1]
     M.main(["report", "--learngene", str(extracted / "learngene.safetensors"), "--layers", "2", "4"])
     std = capsys.readouterr()
-    assert std.err.splitlines()[0] == f"start: mm_learngene.py report | --learngene {extracted / 'learngene.safetensors'}"
+    lg = extracted / "learngene.safetensors"
+    assert std.err.splitlines()[0] == f"start: mm_learngene.py report | --learngene {lg}"
     assert re.fullmatch(r"done: 1 table printed in \d+s \| wrote nothing", std.err.splitlines()[-1])
     assert "learngene (blocks + coefficients)" in std.out
 
