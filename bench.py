@@ -658,7 +658,6 @@ def bench_targets(args, device):
                   "targets": rows, "runs": runs,
                   "codebook_head": {"bytes": head_bytes, "counted_by": head_kind}}
         lifecycle.atomic_write(args.json, lambda p: lifecycle.save_json(p, report))   # a reader never sees half a file
-        print(f"report written to {args.json}")
     return 0
 
 
@@ -701,13 +700,21 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     args.batch_size = args.batch_size or (64 if args.model == "tiny" and not args.codebook_memory else 256)
-    for mode, bench in (("data", bench_data), ("codebook_memory", bench_codebook_memory), ("composer", bench_composer),
-                        ("targets", bench_targets), ("data_wait", bench_data_wait),
-                        ("levers", bench_levers)):
-        if getattr(args, mode):
-            return bench(args, device)
-    report_train(args, run_trainer(args, args.method, device), device)
-    return 0
+    modes = {"data": bench_data, "codebook_memory": bench_codebook_memory, "composer": bench_composer,
+             "targets": bench_targets, "data_wait": bench_data_wait, "levers": bench_levers}
+    mode = next((m for m in modes if getattr(args, m)), None)
+    t0 = time.time()
+    lifecycle.start_line(__file__, f"--{mode}" if mode else f"--method {args.method}", [
+        f"--model {args.model}", f"batch {args.batch_size}", args.dtype, device_name(device),
+        f"script {os.path.basename(il_clip.__file__)}", f"out {args.json or 'the lines on stdout'}"])
+    if mode:
+        code = modes[mode](args, device)
+    else:
+        report_train(args, run_trainer(args, args.method, device), device)
+        code = 0
+    wrote = [args.json] if args.json and mode in ("targets", "levers") else []
+    lifecycle.done_line("measured", time.time() - t0, wrote)
+    return code
 
 
 if __name__ == "__main__":

@@ -1251,7 +1251,7 @@ def caption_crgs(items: list, max_skip_frac: float, what: str):
     """[(crg, item, (key, caption, scene / image))], skips by kind, and how many captions went through the built-in
     bracketer (every run says: its parses are rougher than a real parser's, see `composer.py parse`)."""
     out, skipped, n_bracketed = [], Counter(), 0
-    for it in lifecycle.progress(items, desc=f"CRGs of {what}", leave=False):
+    for it in lifecycle.progress(items, desc=f"CRGs of {what}", unit="item", leave=False):
         key, cap, tree, obj = _resolve_item(it)
         try:
             if it.get("_error"):
@@ -1708,13 +1708,14 @@ def build_run(args, resume, master, world, device):
     model.to(device)
     if master:
         flags = "".join(f" --{k} {getattr(args, k)}" for k in ("modulator", "hold_out") if k in args.given)
-        print(f"start: {os.path.basename(__file__)} train --method {args.method}"
-              f"{' --concept_mvsa' if args.concept_mvsa else ''}{flags} | "
-              f"{sum(p.numel() for p in model.parameters()) / 1e6:.3f}M parameters | {device} x {world} | data "
-              f"{args.data} ({len(sp.captions)} train captions / {len(sp.keys)} images"
-              f"{f', {sp.held_out} held out by --hold_out' if sp.held_out else ''}, {sp.n_bracketed} parsed by the "
-              f"built-in bracketer, skipped {dict(sp.skipped)}; read in {time.time() - t0:.1f}s) | out_dir "
-              f"{args.out_dir}" + (f" | resumed at step {resume[2]['step']}" if resume else ""), flush=True)
+        mvsa = " --concept_mvsa" if args.concept_mvsa else ""
+        lifecycle.start_line(__file__, f"train --method {args.method}{mvsa}{flags}", [
+            f"{sum(p.numel() for p in model.parameters()) / 1e6:.3f}M parameters", f"{device} x {world}",
+            f"data {args.data} ({len(sp.captions)} train captions / {len(sp.keys)} images"
+            f"{f', {sp.held_out} held out by --hold_out' if sp.held_out else ''}, {sp.n_bracketed} parsed by the "
+            f"built-in bracketer, skipped {dict(sp.skipped)}; read in {time.time() - t0:.1f}s)"], args.out_dir,
+            resume[2]["step"] if resume else None)
+        lifecycle.warmup_note(args.warmup, args.max_steps)
     return tok, compiler, sp, evals, model, cfg
 
 
@@ -1753,7 +1754,7 @@ def train(args):
     model.train()
     bad = torch.zeros((), dtype=torch.bool, device=device)     # any non-finite loss since the start
     stopping, newest_damaged = False, bool(resume and resume[4])
-    bar = lifecycle.progress(desc=args.method, total=args.max_steps, initial=step)
+    bar = lifecycle.progress(desc="train", total=args.max_steps, initial=step)
     while step < args.max_steps:
         gidx = sampler.next()
         for g in opt.param_groups:
@@ -1807,9 +1808,10 @@ def train(args):
                         tracker)
         result = {"step": step, "eval": ev}
         draw_loss_curve(metrics, os.path.join(args.out_dir, "loss_curve.png"), args)
-        scores = "".join(f" | {name} t2i_r1 {r['t2i_r1']:.2f} t2i_r5 {r['t2i_r5']:.2f}" for name, r in ev.items())
-        print(f"done: step {step}/{args.max_steps} in {time.time() - t_start:.0f}s{scores} | wrote {args.out_dir}/"
-              f"{{checkpoint/, metrics.jsonl, loss_curve.png}}", flush=True)
+        scores = "; ".join(f"{name} t2i_r1 {lifecycle.percent(r['t2i_r1'])}, t2i_r5 {lifecycle.percent(r['t2i_r5'])}"
+                           for name, r in ev.items())
+        lifecycle.done_line(f"step {step}/{args.max_steps} ({scores})", time.time() - t_start,
+                            [os.path.join(args.out_dir, n) for n in ("checkpoint/", "metrics.jsonl", "loss_curve.png")])
     if tracker:
         tracker.finish()
     return result
@@ -1827,7 +1829,8 @@ def score_matrix(model, compiler, comps, captions, store, img_idx, device, cap_c
     img_idx = torch.as_tensor(img_idx, dtype=torch.long)
     vis = [model.encode_image(*store.get(img_idx[j:j + img_chunk], device)) for j in range(0, len(img_idx), img_chunk)]
     out = torch.zeros(len(captions), len(img_idx))
-    for i in lifecycle.progress(range(0, len(captions), cap_chunk), desc="scoring", leave=False):
+    bar = lifecycle.progress(total=len(captions), desc="scoring", unit="item", leave=False)
+    for i in range(0, len(captions), cap_chunk):
         tb = text_inputs(cfg, compiler, comps[i:i + cap_chunk], captions[i:i + cap_chunk], device)
         te = model.encode_text(tb)
         nc = min(cap_chunk, len(captions) - i)
@@ -1837,6 +1840,8 @@ def score_matrix(model, compiler, comps, captions, store, img_idx, device, cap_c
             pi = torch.arange(ni, device=device).repeat(nc)
             s, _ = model.score_pairs(tb, te, V, vm, pc, pi)
             out[i:i + nc, j * img_chunk:j * img_chunk + ni] = s.view(nc, ni).float().cpu()
+        bar.update(nc)
+    bar.close()
     return out
 
 
@@ -2123,6 +2128,15 @@ def model_from_config(conf):
     return MODELS[cfg.arch](cfg), argparse.Namespace(**conf["args"])
 
 
+def eval_table(out) -> str:
+    """composer.py eval's results as a markdown table: one row per evaluated split, recalls in percent."""
+    cols = list(dict.fromkeys(k for r in out.values() for k, v in r.items() if isinstance(v, (int, float))))
+    fmt = lambda k, v: "" if v is None else lifecycle.percent(v) if re.fullmatch(r"[tp]2i_r\d+", k) else str(v)
+    rows = [["split", *cols], ["---"] * (len(cols) + 1)]
+    rows += [[name, *(fmt(k, r.get(k)) for k in cols)] for name, r in out.items()]
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+
+
 def cmd_eval(args):
     t_start = time.time()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -2132,6 +2146,10 @@ def cmd_eval(args):
     for k in ("data", "features", "regions", "clip", "quick_gelu", "image_size", "image_root"):
         if getattr(args, k, None) is None:      # the checkpoint's, unless given
             setattr(args, k, getattr(targs, k, None))
+    lifecycle.start_line(__file__, "eval", [f"{args.ckpt} ({targs.method})",
+                                            f"{sum(p.numel() for p in model.parameters()) / 1e6:.3f}M parameters",
+                                            f"{device} x 1", f"data {args.data}",
+                                            f"out {args.out or 'the table only'}"])
     compiler = code.TextCompiler(tok, model.cfg.max_len)
     # the paper's protocol: every image of the test split, each ranked by all captions
     out = {}
@@ -2144,13 +2162,10 @@ def cmd_eval(args):
         if args.interpret and model.cfg.arch == "composer":
             for i in range(min(args.interpret, len(sp.captions))):
                 print(code.interpret(model, compiler, sp, S, i, device) + "\n")
-    print(json.dumps(out, indent=1))
+    print(eval_table(out))
     if args.out:
         write_text(args.out, json.dumps(out, indent=1) + "\n")
-    done = f"done: {', '.join(out)} evaluated in {time.time() - t_start:.0f}s"
-    if args.out:
-        done += f" | wrote {args.out}"
-    print(done, file=sys.stderr)
+    lifecycle.done_line(f"{', '.join(out)} evaluated", time.time() - t_start, [args.out] if args.out else [])
     return out
 
 
@@ -2165,9 +2180,13 @@ def _collect(args, spec, split, n):
 
 
 def cmd_graph(args):
+    t0 = time.time()
+    lifecycle.start_line(__file__, "graph", [f"data {args.data} ({args.split})", "out the JSON on stdout"])
     crgs, items, skipped, n_bracketed = _collect(args, args.data, args.split, _n(args.data, args.max_images, 10000))
     st = {**graph_stats(crgs, [it.get("key") for it in items]), "skipped": dict(skipped), "bracketer": n_bracketed}
     print(json.dumps(st, indent=1))
+    lifecycle.done_line(f"CRGs of {st['captions']} captions: {st['concepts']} concepts, {st['predicates']} predicates, "
+                        f"{st['primitives']} primitives", time.time() - t0)
     return st
 
 
@@ -2192,12 +2211,16 @@ def write_text(path, text):
 
 
 def cmd_mcd(args):
+    t0 = time.time()
     try:
         targets = [float(t) for t in args.targets.split(",")] if args.targets else []
     except ValueError:
         raise ComposerError(f"--targets {args.targets}: not a comma-separated list of numbers") from None
     if not 0 <= args.tolerance < 1:
         raise ComposerError(f"--tolerance {args.tolerance:g}: a fraction of the reachable range, in [0, 1)")
+    lifecycle.start_line(__file__, "mcd", [f"train {args.train} ({args.train_split})",
+                                           f"pool {args.pool} ({args.pool_split})", f"size {args.size}"],
+                         args.out_dir or "none (the summary on stdout only)")
     train_crgs, _, sk_t, nb_t = _collect(args, args.train, args.train_split, _n(args.train, args.train_size, 20000))
     held = hold_out_predicates(args.hold_out)   # the training set the models see (train --hold_out)
     n_train = len(train_crgs)
@@ -2235,6 +2258,9 @@ def cmd_mcd(args):
         lifecycle.atomic_write(os.path.join(args.out_dir, "windows.json"), lambda t: lifecycle.save_json(t, summary["windows"]))
         summary["written"] = [os.path.join(args.out_dir, f) for f in [f"{n}.jsonl" for n in sets] + ["windows.json"]]
     print(json.dumps(summary, indent=1))
+    lifecycle.done_line(f"MCD split of {len(res['mcd'])} images: compound divergence {res['mcd_compound_divergence']} "
+                        f"(random split: {res['random_compound_divergence']})", time.time() - t0,
+                        summary.get("written", []))
     return res
 
 
@@ -2321,14 +2347,20 @@ def composer_run(folder):
 
 def cmd_summarize(args):
     """Mean ± 95% t-interval over seeds per model, and paired differences against --baseline."""
-    return lifecycle.summarize_runs(args.runs, composer_run, args.baseline)
+    t0 = time.time()
+    lifecycle.start_line(__file__, "summarize", [f"runs {args.runs}", f"baseline {args.baseline or 'the first model'}"])
+    groups = lifecycle.summarize_runs(args.runs, composer_run, args.baseline)
+    lifecycle.done_line(f"{len(groups)} model{'' if len(groups) == 1 else 's'} summarized", time.time() - t0)
+    return groups
 
 
 def cmd_parse(args):
     """A copy of a caption file with a `tree` field per caption: a Karpathy JSON (sentences[].tree), a CSV/TSV (a
     `tree` column) or a JSON-lines split file. Captions that already have a tree keep it unless --overwrite."""
+    t0 = time.time()
     parse = load_parser(args.parser)
-    src, n, t0 = args.input, 0, time.time()
+    lifecycle.start_line(__file__, "parse", [args.input, f"parser {args.parser}", f"out {args.out}"])
+    src, n = args.input, 0
 
     def tree_of(caption, old):
         nonlocal n
@@ -2368,7 +2400,7 @@ def cmd_parse(args):
     else:
         raise ComposerError(f"{src}: parse reads a Karpathy .json, a .csv/.tsv or a .jsonl split file")
     write_text(args.out, text)
-    print(f"parsed {n} captions with {args.parser} in {time.time() - t0:.1f}s -> {args.out}", flush=True)
+    lifecycle.done_line(f"parsed {n} captions", time.time() - t0, [args.out])
     return n
 
 
@@ -3059,14 +3091,16 @@ def restore(ckpt, model, opt, sampler, metrics, rank, device):
 
 
 def draw_loss_curve(metrics_path, png_path, args):
-    """loss_curve.png: the total loss, labelled by the method, and its terms l_match, l_MVSA, l_order."""
+    """loss_curve.png: the total loss, labelled by the method, and its terms l_match, l_MVSA, l_order. Returns the
+    Figure."""
     with open(metrics_path) as f:
         rows = [r for r in map(json.loads, filter(str.strip, f)) if "loss" in r]
-    colours = {"loss": (31, 119, 180), "match": (255, 127, 14), "mvsa": (44, 160, 44), "order": (148, 103, 189)}
-    series = [(f"{args.method} (total)" if k == "loss" else f"l_{k}", rgb, [(r["step"], r[k]) for r in rows if k in r],
-               2 if k == "loss" else 1) for k, rgb in colours.items()]
+    terms = {"loss": ("tab:blue", 2), "match": ("tab:orange", 1), "mvsa": ("tab:green", 1), "order": ("tab:purple", 1)}
+    series = [(f"{args.method} (total)" if k == "loss" else f"l_{k}", [(r["step"], r[k]) for r in rows if k in r],
+               {"color": colour, "linewidth": width}) for k, (colour, width) in terms.items()]
     title = f"composer.py --method {args.method}: training loss ({os.path.basename(args.out_dir)})"
-    lifecycle.draw_curves(png_path, title, series)
+    return lifecycle.draw_curves(png_path, title, [s for s in series if s[1]],
+                                 ylabel="loss (l_match in nats; hinge terms unitless)")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import argparse
 import collections
 import contextlib
 import csv
+import difflib
 import functools
 import glob
 import gzip
@@ -51,7 +52,8 @@ from braceexpand import UnbalancedBracesError, braceexpand
 from PIL import Image, ImageDraw
 
 # files and the one-line user error come from the run module (data.DataError is lifecycle.DataError)
-from lifecycle import DataError, atomic_write, is_torchscript, progress, read_json, write_file, writing
+from lifecycle import (DataError, atomic_write, done_line, is_torchscript, progress, read_json,
+                       start_line, write_file, writing)
 
 
 
@@ -1253,7 +1255,11 @@ def resolve_data(spec: str, image_root: str | None = None) -> dict:
                             f"first: {missing[0]}")
         return _tar_source(shards)
     if not os.path.exists(spec):
-        raise DataError(f"{spec}: no such file or directory")
+        # a near-miss of a known name (shapse, cc3n, shape:seed=1) is suggested
+        name, colon, options = spec.partition(":")
+        near = difflib.get_close_matches(name, ["shapes", *DATA_PRESETS], n=1, cutoff=0.7)
+        hint = f" (did you mean {near[0]}{colon}{options}?)" if near else ""
+        raise DataError(f"{spec}: no such file or directory{hint}")
     if os.path.isdir(spec):
         if shards := sorted(glob.glob(os.path.join(spec, "*.tar"))):
             return _tar_source(shards)
@@ -1670,7 +1676,8 @@ def captions_for_tokenizer(spec: str, max_captions: int = 100_000, split: str = 
 def write_shapes_shards(out: str, n: int, seed: int, shard_size: int, image_size: int) -> dict:
     """Train scenes 0..n-1 in shards of `shard_size`; returns {shard file name: samples}."""
     folder, sizes = os.path.join(out, "shards"), {}
-    for first in progress(range(0, n, shard_size), desc=f"shards of {shard_size}", leave=False):
+    for first in progress(range(0, n, shard_size), desc=f"shards of {shard_size}", unit="item",
+                          leave=False):
         name, buf = f"{first // shard_size:05d}.tar", io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
             for i in range(first, min(n, first + shard_size)):
@@ -1704,14 +1711,15 @@ CREPE_FILES = {"systematicity": [("systematicity", ["valid_hard_negs_atom", "val
 
 def write_shapes_benchmarks(out: str, n: int, seed: int, image_size: int) -> dict:
     bench = shapes_benchmark(seed, n, image_size)
-    for cat in progress(SHAPES_CATEGORIES, desc="sugarcrepe", leave=False):
+    for cat in progress(SHAPES_CATEGORIES, desc="sugarcrepe", unit="item", leave=False):
         rows = {str(i): {"filename": f"{cat}_{i:05d}.png", "caption": item["caption"],
                          "negative_caption": item["negative_caption"]}
                 for i, item in enumerate(bench[cat])}
         for row, item in zip(rows.values(), bench[cat]):
             write_file(os.path.join(out, "sugarcrepe", "images", row["filename"]), item["image"])
         write_file(os.path.join(out, "sugarcrepe", f"{cat}.json"), json.dumps(rows, indent=1))
-    for split in progress(("systematicity", "productivity"), desc="crepe", leave=False):
+    for split in progress(("systematicity", "productivity"), desc="crepe", unit="item",
+                          leave=False):
         for i, item in enumerate(bench[split]):
             write_file(os.path.join(out, "crepe", "images", f"{split}_{i:05d}.png"), item["image"])
         for name, columns, kinds in CREPE_FILES[split]:
@@ -1734,7 +1742,7 @@ def write_shapes_karpathy(out: str, n: int, seed: int, image_size: int) -> dict:
     images, rows = [], {}
     for split in ("train", "val", "test"):
         rows[split] = [("filepath", "title", "tree")]
-        for i in progress(range(n), desc=f"karpathy {split}", leave=False):
+        for i in progress(range(n), desc=f"karpathy {split}", unit="item", leave=False):
             scene, filename, k = shapes_scene(split, i, seed, image_size), f"{i:09d}.png", len(images)
             write_file(os.path.join(out, "karpathy", split, filename), scene.image)
             images.append({"filepath": split, "filename": filename, "split": split, "imgid": k,
@@ -1753,7 +1761,7 @@ def write_shapes_imagefolder(out: str, n: int, seed: int, image_size: int) -> di
     for split in ("train", "test"):
         for name in SHAPE_NAMES:  # every class has its folder, even when no image drew it
             os.makedirs(os.path.join(out, "imagefolder", split, name), exist_ok=True)
-        for i in progress(range(n), desc=f"imagefolder {split}", leave=False):
+        for i in progress(range(n), desc=f"imagefolder {split}", unit="item", leave=False):
             img, label = shapes_classification(split, i, seed, image_size)
             write_file(os.path.join(out, "imagefolder", split, SHAPE_NAMES[label], f"{i:06d}.png"), img)
     return {"train": n, "test": n, "classes": SHAPE_NAMES}
@@ -1791,7 +1799,7 @@ def check_data(spec: str, split: str = "train", image_root: str | None = None,
                          num_workers=num_workers, drop_last=drop_last, image_root=image_root,
                          max_skip_fraction=1.0, **csv_options)
     t0, problem = time.time(), None
-    with progress(desc="check", total=loader.num_samples, leave=False) as bar:
+    with progress(desc="check", total=loader.num_samples, unit="item", leave=False) as bar:
         try:
             for batch in loader:
                 bar.update(len(batch["caption"]))
@@ -1836,26 +1844,38 @@ def main(argv=None) -> int:
                    help="a TorchScript .pt you trust (OpenAI's) -> PATH.safetensors; loading it "
                         "runs the code it carries").add_argument("path")
     args = vars(p.parse_args(argv))
+    cmd = args.pop("cmd")
+    t0 = time.time()
+    what = {"convert-weights": [args.get("path")],
+            "check": [f"data {args.get('data')} ({args.get('split')})"],
+            "make-shapes": [f"{args.get('train')} train scenes, {args.get('test')} per test set"]}
     # a failed write (full disk, quota, size limit, I/O error): one line, exit 2
-    writes = args["cmd"] != "check"
+    writes = cmd != "check"
     try:
         path = args.get("path")
-        if args["cmd"] == "convert-weights" and not os.path.isfile(path):
+        if cmd == "convert-weights" and not os.path.isfile(path):
             raise DataError(f"{path}: no such file")
-        if args["cmd"] == "convert-weights" and not is_torchscript(path):     # nothing to convert (and no code run)
-            raise DataError(f"{path}: not a TorchScript archive (convert-weights is for OpenAI's .pt files; a plain "
-                            f"state dict .pt or .safetensors loads as it is)")
+        if cmd == "convert-weights" and not is_torchscript(path):   # nothing to convert, no code run
+            raise DataError(f"{path}: not a TorchScript archive (convert-weights is for OpenAI's .pt "
+                            f"files; a plain state dict .pt or .safetensors loads as it is)")
+        if cmd == "check":      # a spec that names nothing: one error line, before the start line
+            resolve_data(args["data"], args["image_root"])
+        start_line(__file__, cmd, what[cmd], args.get("out_dir"))
         with writing(args.get("out_dir") or args["path"]) if writes else contextlib.nullcontext():
-            if args["cmd"] == "convert-weights":
+            if cmd == "convert-weights":
                 from safetensors.torch import save_file
                 # explicit: runs the archive's code
                 sd = torch.jit.load(args["path"], map_location="cpu").state_dict()
                 out = args["path"].rsplit(".", 1)[0] + ".safetensors"
-                atomic_write(out, lambda tmp: save_file({k: v.contiguous() for k, v in sd.items()}, tmp))
+                contiguous = {k: v.contiguous() for k, v in sd.items()}
+                atomic_write(out, lambda tmp: save_file(contiguous, tmp))
                 print(out)
+                done_line(f"{len(sd)} tensors converted", time.time() - t0, [out])
                 return 0
-            result = (make_shapes(**args) if args.pop("cmd") == "make-shapes"
-                      else check_data(args.pop("data"), **args))
+            if cmd == "make-shapes":
+                result = make_shapes(**args)
+            else:
+                result = check_data(args.pop("data"), **args)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -1863,6 +1883,15 @@ def main(argv=None) -> int:
     if result.get("error"):
         print(f"error: {result['error']}", file=sys.stderr)
         return 2
+    if cmd == "check":
+        counts = f"{result['good']} good, {result['skipped']} skipped, {result['dropped']} dropped"
+        done_line(f"{counts} samples", time.time() - t0)
+    else:
+        names = ("shards/", "sugarcrepe/", "crepe/", "csv/", "karpathy/", "imagefolder/",
+                 "manifest.json")
+        wrote = [os.path.join(args["out_dir"], n) for n in names
+                 if os.path.exists(os.path.join(args["out_dir"], n))]
+        done_line(f"the shapes data in {len(names) - 1} formats", time.time() - t0, wrote)
     return 0
 
 

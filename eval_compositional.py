@@ -35,7 +35,9 @@ Benchmarks (--benchmarks a,b,...; default `shapes`; `all` = every one below):
   spectral      product of per-layer spectral norms (exact SVD; Fig. 4's quantity, NOT a Lipschitz bound: see
                 spectral_product), per gen{g}/ snapshot, for --ckpt and every --compare_ckpts on one plot
   codebook      top-k --viz_data images per code as a PNG grid (Fig. 6)
-Every score is in percent (2 decimals). Output: a markdown table on stdout, JSON to --out, PNGs to --plot_dir. What each
+Every score is in percent (2 decimals in the JSON, 1 in the table); the analyses' other numbers say their unit in
+their name (log10_*, active_codes, n_*). Output: a markdown table on stdout (the start and done lines, bars and
+warnings on stderr), JSON to --out, PNGs (matplotlib) to --plot_dir. What each
 number covers sits beside it: n_scored and n_skipped (malformed rows, images not found or unreadable), and a mean
 is null, with the reason, unless every subset it averages was scored in full. A benchmark whose flags are not
 given is skipped; one whose paths do not exist, that fails in any way or that scored nothing is an ERROR row
@@ -59,6 +61,7 @@ import re
 import struct
 import sys
 import tarfile
+import textwrap
 import time
 import zipfile
 import zlib
@@ -69,7 +72,7 @@ from xml.etree import ElementTree
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageDraw
+from PIL import Image
 from tqdm import tqdm
 
 import data
@@ -385,7 +388,7 @@ class Embedder:
         self.image_cache, self.text_cache, self.bad_images = {}, {}, {}
 
     def _bar(self, n, desc):
-        return tqdm(total=n, desc=desc, unit="item", disable=not self.progress or n == 0, leave=False)
+        return lifecycle.progress(total=n, desc=desc, unit="item", disable=not self.progress or n == 0, leave=False)
 
     @torch.no_grad()
     def images(self, refs):
@@ -429,7 +432,7 @@ class Embedder:
 # Scores (pure functions of embeddings; rows hold ImageRefs and captions)
 
 def pct(x):
-    """A fraction as percent, rounded to 2 decimals: the unit of every number this script reports."""
+    """A fraction as percent, rounded to 2 decimals: the unit of every score this script reports."""
     return round(100.0 * float(x), 2)
 
 
@@ -545,7 +548,7 @@ def recall_at_k(sim, positive, ks=(1, 5, 10), chunk=1024):
 
 def retrieval_scores(emb, items, same_caption=False):
     """items: [(ImageRef, [captions])]. Image -> text and text -> image R@1/5/10 (i2t_r1 ... t2i_r10) and
-    mean_r, their mean. A caption is a positive of its own image; with `same_caption`, of every image with a
+    mean_recall, their mean. A caption is a positive of its own image; with `same_caption`, of every image with a
     caption of the same text (il_clip.py's shapes retrieval: generated scenes repeat captions)."""
     images = emb.images([it[0] for it in items])
     kept = usable(items, images, lambda it: [it[0]])
@@ -564,7 +567,7 @@ def retrieval_scores(emb, items, same_caption=False):
     i2t = recall_at_k(img @ txt.T, positive)
     t2i = recall_at_k(txt @ img.T, positive.T)
     out = {f"i2t_r{k}": v for k, v in i2t.items()} | {f"t2i_r{k}": v for k, v in t2i.items()}
-    out["mean_r"] = round(sum(i2t.values()) / 3 / 2 + sum(t2i.values()) / 3 / 2, 2)
+    out["mean_recall"] = round(sum(i2t.values()) / 3 / 2 + sum(t2i.values()) / 3 / 2, 2)
     return counted(out, kept, Part(items)) | {"n_captions": len(captions)}
 
 
@@ -1005,7 +1008,8 @@ def zeroshot_scores(emb, classnames, items, templates, unread=()):
 def bench_retrieval(args, emb):
     if args.retrieval == "shapes":     # il_clip.py's end-of-run gallery (evaluate_shapes), so i2t_r1 means one thing
         scenes = [data.shapes_scene("val", i, args.shapes_seed) for i in
-                  tqdm(range(data.SHAPES_VAL_PAIRS), desc="shapes val scenes", disable=args.no_progress, leave=False)]
+                  lifecycle.progress(range(data.SHAPES_VAL_PAIRS), desc="shapes val scenes", unit="item",
+                                     disable=args.no_progress, leave=False)]
         items = [(ImageRef(f"shapes-scene/{args.shapes_seed}/val/{i}", pil=s.image), [s.caption])
                  for i, s in enumerate(scenes)]
         return retrieval_scores(emb, items, same_caption=True)
@@ -2094,15 +2098,20 @@ def bench_spectral(args, model, tok, config):
     runs = {run_name(args.ckpt or args.init): spectral_curve(args.ckpt, model, args)}
     for path in compare_ckpts(args):
         runs[run_name(path)] = spectral_curve(path, load_checkpoint(path, args)[0], args)
-    n_gen = max([len(r.get("generations", [])) for r in runs.values()] + [2])
+    # x: the generation a snapshot ends (the number in its name: gen0/ is the end of the warm-up)
+    gen_of = lambda i, g: int("".join(ch for ch in os.path.basename(g["snapshot"]) if ch.isdigit()) or i)
+    xs = [gen_of(i, g) for r in runs.values() for i, g in enumerate(r.get("generations", []))] or [0, 1]
     series = {}
     for name, r in runs.items():
         gens = r.get("generations")
-        series[name] = [(i, g["log10_vision"]) for i, g in enumerate(gens)] if gens else \
-            [(0, r["log10_vision"]), (n_gen - 1, r["log10_vision"])]
+        if gens:
+            series[f"{name} (gen{{K}}/ snapshots)"] = [(gen_of(i, g), g["log10_vision"]) for i, g in enumerate(gens)]
+        else:       # drawn across the generations of the others
+            flat = r["log10_vision"]
+            series[f"{name} (final weights, no snapshots)"] = [(min(xs), flat), (max(xs), flat)]
     png = os.path.join(args.plot_dir, "spectral.png")
-    draw_line_plot(png, series, "vision agent: product of spectral norms (not a Lipschitz bound)",
-                   "generation snapshot", "log10 product")
+    draw_line_plot(png, series, "vision agent: product of spectral norms (Fig. 4; not a Lipschitz bound)",
+                   "generation (snapshot gen{K}/; 0: end of the warm-up)", "log10 of the product (unitless)")
     main = runs.pop(next(iter(runs)))
     return main | ({"compare": runs} if runs else {}) | {"png": png}
 
@@ -2211,9 +2220,11 @@ def bench_codebook(args, model, tok, config):
     for c in codes:
         top = scores[:, c].topk(min(args.viz_topk, len(images))).indices.tolist()
         out[str(c)] = {"usage": round(float(usage[c]), 6), "captions": [captions[i] for i in top]}
-        rows.append((f"code {c}", [to_pil(images[i]) for i in top]))
+        rows.append((f"code {c}\nweight {float(usage[c]):.3g}", [to_pil(images[i]) for i in top]))
     png = os.path.join(args.plot_dir, "codebook.png")
-    draw_image_grid(png, rows)
+    draw_image_grid(png, rows, f"codebook: the {args.viz_topk} images of {spec} that score highest on each of the "
+                               f"{len(codes)} most used codes (weight: its sparsemax weight summed over the "
+                               f"images; Fig. 6)")
     return {"data": spec, "n_images": len(images), "n_skipped": loader.skipped, "codes": out,
             "active_codes": int((usage > 0).sum()), "png": png}
 
@@ -2328,7 +2339,8 @@ def easy_to_learn_curve(model, tok, config, args, spec, kw):
             accs = [in_batch_accuracy(vi, student.encode_text(b["text"].to(device))) for vi, b in zip(val_img, val)]
         return pct(sum(accs) / len(accs))
     curve = [(0, evaluate())]
-    for step in tqdm(range(1, args.probe_steps + 1), desc="easy-to-learn", disable=args.no_progress, leave=False):
+    for step in lifecycle.progress(range(1, args.probe_steps + 1), desc="easy-to-learn", disable=args.no_progress,
+                                   leave=False):
         batch = next(train)
         with torch.no_grad():
             img = student.encode_image(data.normalize_images(batch["image"], device))
@@ -2376,81 +2388,58 @@ def bench_easy_to_learn(args, model, tok, config):
             curve = final if same else easy_to_learn_curve(snap, t, c, args, spec, kw)
             snap_name = os.path.relpath(snap_path, out_dir_of(path))
             gens.append({"snapshot": snap_name} | probe_result(curve, args))
-            curves[f"{name} {snap_name}"] = curve
-        curves[name] = final
+            curves[f"{name}: {snap_name}/ snapshot"] = curve
+        curves[f"{name}: final weights"] = final
         out[name] = probe_result(final, args) | ({"generations": gens} if gens else {})
     png = os.path.join(args.plot_dir, "easy_to_learn.png")
-    draw_line_plot(png, curves, "fresh language agent vs frozen vision agent", "step", "in-batch accuracy (%)")
+    draw_line_plot(png, curves, "easy-to-learn probe: a fresh language agent against the frozen vision agent (Fig. 5)",
+                   "probe step (optimizer steps)", "held-out in-batch accuracy (%)")
     return out | {"data": spec, "png": png, "seed": args.probe_seed, "steps": args.probe_steps,
                   "logit_scale": args.probe_logit_scale, "auc_steps": args.probe_auc_steps}
 
 
 # -----------------------------------------------------------------------------
-# PNGs with PIL only
+# PNGs, drawn with matplotlib (lifecycle's figure helpers); each function returns its Figure
 
-PALETTE = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (255, 127, 14), (148, 103, 189), (140, 86, 75),
-           (227, 119, 194), (127, 127, 127)]
-
-
-def draw_line_plot(path, series, title, xlabel, ylabel, size=(640, 420)):
-    """series: {name: [(x, y), ...]} -> a line plot with axes, tick labels and a legend."""
-    W, H = size
-    left = 60
-    right = 20
-    top = 30
-    bottom = 50
-    img = Image.new("RGB", size, "white")
-    d = ImageDraw.Draw(img)
-    pts = [p for s in series.values() for p in s if math.isfinite(p[1])]
-    if not pts:
-        pts = [(0, 0), (1, 1)]
-    x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
-    y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
-    x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1)
-    pad = 0.05 * (y1 - y0)
-    y0, y1 = y0 - pad, y1 + pad
-    X = lambda x: left + (x - x0) / (x1 - x0) * (W - left - right)
-    Y = lambda y: H - bottom - (y - y0) / (y1 - y0) * (H - top - bottom)
-    d.rectangle([left, top, W - right, H - bottom], outline="black")
-    for i in range(5):
-        xv, yv = x0 + i * (x1 - x0) / 4, y0 + i * (y1 - y0) / 4
-        d.line([X(xv), H - bottom, X(xv), H - bottom + 4], fill="black")
-        d.text((X(xv) - 10, H - bottom + 6), f"{xv:.4g}", fill="black")
-        d.line([left - 4, Y(yv), left, Y(yv)], fill="black")
-        d.text((4, Y(yv) - 5), f"{yv:.4g}", fill="black")
-    d.text((W // 2 - 3 * len(title), 8), title, fill="black")
-    d.text((W // 2 - 3 * len(xlabel), H - 18), xlabel, fill="black")
-    d.text((4, top - 22), ylabel, fill="black")
-    for k, (name, s) in enumerate(series.items()):
-        colour = PALETTE[k % len(PALETTE)]
-        xy = [(X(x), Y(y)) for x, y in s if math.isfinite(y)]
-        if len(xy) > 1:
-            d.line(xy, fill=colour, width=2)
-        for x, y in xy:
-            d.ellipse([x - 2, y - 2, x + 2, y + 2], fill=colour)
-        d.line([left + 10, top + 10 + 14 * k, left + 30, top + 10 + 14 * k], fill=colour, width=3)
-        d.text((left + 36, top + 4 + 14 * k), str(name), fill="black")
-    save_png(img, path)
+MARKERS, DASHES = "osD^vP*X", ["-", "--", "-.", ":"]
 
 
-def draw_image_grid(path, rows, cell=64, label_w=80):
-    """rows: [(label, [PIL images])] -> one row per label."""
+def draw_line_plot(path, series, title, xlabel, ylabel):
+    """series: {name: [(x, y), ...]} -> a line plot; x counts something (steps, generations): whole-number ticks.
+    Series that coincide (a last snapshot is the final weights) stay apart to the eye: each has its own marker and
+    dash, and each later one is drawn thinner, on top."""
+    fig, ax = lifecycle.new_figure((9, 4.2))
+    for k, (name, pts) in enumerate(series.items()):
+        lifecycle.plot_series(ax, name, [p[0] for p in pts], [p[1] for p in pts], marker=MARKERS[k % len(MARKERS)],
+                              markevery=max(1, len(pts) // 25), linestyle=DASHES[k % len(DASHES)],
+                              linewidth=max(0.8, 2.4 - 0.4 * k), markersize=max(3.0, 7.0 - k), markerfacecolor="none")
+    ax.ticklabel_format(axis="y", useOffset=False)      # values, not offsets from one: close values read apart
+    lifecycle.finish_axes(ax, title, xlabel, ylabel)
+    return lifecycle.save_figure(fig, path)
+
+
+def draw_image_grid(path, rows, title):
+    """rows: [(label, [PIL images])] -> one row of images per label, the label to its left."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
     cols = max((len(ims) for _, ims in rows), default=1)
-    img = Image.new("RGB", (label_w + cols * (cell + 4), max(1, len(rows)) * (cell + 4)), "white")
-    d = ImageDraw.Draw(img)
+    width = 1.6 + 1.1 * cols
+    title = "\n".join(textwrap.wrap(title, int(width * 12)))      # a narrow grid wraps its title, never cuts it
+    height = 0.2 + 0.2 * title.count("\n") + 1.1 * max(1, len(rows))
+    fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(max(1, len(rows)), cols, squeeze=False)
     for r, (label, ims) in enumerate(rows):
-        y = r * (cell + 4) + 2
-        d.text((4, y + cell // 2 - 5), label, fill="black")
-        for c, im in enumerate(ims):
-            img.paste(im.convert("RGB").resize((cell, cell)), (label_w + c * (cell + 4), y))
-    save_png(img, path)
-
-
-def save_png(img, path):
-    """Written whole or not at all; a full disk, quota, file-size limit or I/O error is one line naming it."""
-    with lifecycle.writing(path):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        lifecycle.atomic_write(path, lambda p: img.save(p, format="PNG"))
+        axes[r][0].set_ylabel(label, rotation=0, ha="right", va="center", fontsize=9)
+        for c, ax in enumerate(axes[r]):
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if c < len(ims):
+                ax.imshow(ims[c].convert("RGB"))
+            else:
+                ax.set_axis_off()
+    fig.suptitle(title, fontsize=10)
+    return lifecycle.save_figure(fig, path)
 
 
 # -----------------------------------------------------------------------------
@@ -2529,13 +2518,16 @@ def flatten(results):
     return rows
 
 
+NOT_PERCENT = ("log10_", "n_", "active_codes", "usage")   # numbers of the table that are not scores
+
+
 def markdown_table(results, skipped, errors):
     lines = ["| benchmark | metric | value | scored | skipped |", "|---|---|---|---|---|"]
     for bench, metric, v, n_ok, n_bad, why in flatten(results):
         if v is None:
             value = f"null ({why})" if why else "null"
         else:
-            value = f"{v:.2f}" if isinstance(v, float) else v
+            value = v if isinstance(v, int) or metric.split(".")[-1].startswith(NOT_PERCENT) else lifecycle.percent(v)
         lines.append(f"| {bench} | {metric} | {value} | {n_ok} | {n_bad} |")
     for label, whys in (("not run", skipped), ("ERROR", errors)):
         lines += [f"| {bench} | {label} | {' '.join(why.split()).replace('|', '/')} | | |"
@@ -2554,8 +2546,8 @@ def run_benchmarks(args, emb, model, tok, config):
                                                       getattr(args, "zeroshot_sets", {})}
     analyses = {"easy_to_learn": bench_easy_to_learn, "spectral": bench_spectral, "codebook": bench_codebook}
     results, skipped, failed = {}, {}, {}
-    for name in tqdm(args.benchmark_list, desc="benchmarks", unit="benchmark", file=sys.stderr,
-                     disable=args.no_progress or len(args.benchmark_list) < 2):
+    for name in lifecycle.progress(args.benchmark_list, desc="benchmarks", unit="item",
+                                   disable=args.no_progress or len(args.benchmark_list) < 2):
         try:
             results[name] = scorers[name](args, emb) if name in scorers else analyses[name](args, model, tok, config)
             if n_scored(results[name]) == 0:
@@ -2576,14 +2568,14 @@ def run(args):
     random.seed(args.seed)
     path = args.ckpt or args.init
     model, tok, config = load_checkpoint(path, args, args.script)
-    print(f"start: {os.path.basename(__file__)} {path} | benchmarks {','.join(args.benchmark_list)} | "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters | {args.device} x 1 | "
-          f"out {args.out or 'the table only'}", file=sys.stderr)
+    lifecycle.start_line(__file__, path, [f"benchmarks {','.join(args.benchmark_list)}",
+                                          f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters",
+                                          f"{args.device} x 1", f"out {args.out or 'the table only'}"])
     quick_gelu = bool(model_field(model, config, "quick_gelu"))
     source = config.get("quick_gelu_source", "config")     # "assumed": the script's load_model said so
     if args.plot_dir is None:
-        args.plot_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else (
-            out_dir_of(args.ckpt) if args.ckpt else os.path.dirname(os.path.abspath(args.init)))
+        args.plot_dir = (os.path.dirname(args.out) if args.out else out_dir_of(args.ckpt) if args.ckpt else
+                         os.path.dirname(args.init)) or "."     # as given: the done line names the files so
     emb = Embedder(model, tok, image_size_of(model, config), args.batch_size, args.device, not args.no_progress)
     results, skipped, failed = run_benchmarks(args, emb, model, tok, config)
     print(markdown_table(results, skipped, failed))
@@ -2598,9 +2590,8 @@ def run(args):
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             lifecycle.atomic_write(args.out, lambda p: lifecycle.save_json(p, blob))
     files = [args.out] * bool(args.out) + [r["png"] for r in results.values() if isinstance(r, dict) and "png" in r]
-    print(f"done: {len(results)} of {len(args.benchmark_list)} benchmarks scored"
-          + (f", {len(failed)} failed" if failed else "") + f" in {time.time() - t0:.0f}s | "
-          + (f"wrote {', '.join(files)}" if files else "wrote nothing (no --out)"), file=sys.stderr)
+    lifecycle.done_line(f"{len(results)} of {len(args.benchmark_list)} benchmarks scored"
+                        + (f", {len(failed)} failed" if failed else ""), time.time() - t0, files)
     return blob
 
 

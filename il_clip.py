@@ -1240,7 +1240,7 @@ def train(r):
             now = time.time()
             sps = (r.step - step_last) * args.batch_size / max(now - t_last, 1e-9)
             text_len = r.text_tokens / max(1, r.n_loss)
-            rec = {"step": r.step, "loss": loss_v, "clip_loss": clip_v, "lr": lr, "phase": phase, "generation": gen,
+            rec = {"step": r.step, "loss": loss_v, "clip": clip_v, "lr": lr, "phase": phase, "generation": gen,
                    "logit_scale": scale.item(), "samples_per_s": round(sps, 2),   # the scale the loss used
                    "text_len": round(text_len, 2), "mfu": lifecycle.estimate_mfu(r.cfg, sps, r.device, text_len), "time": now}
             if r.rank == 0:
@@ -1355,11 +1355,11 @@ def save_generation_snapshot(r, gen):
 
 
 # -----------------------------------------------------------------------------
-# the loss curve (paper Fig. 3), drawn by lifecycle.draw_curves
-CLIP_LOSS_COLOUR, SPAWN_COLOUR = (150, 150, 150), (200, 120, 120)
-PHASE_STYLE = {"warmup": ("warm-up", (40, 90, 200)), "distill": ("distill", (220, 120, 0)),
-               "interact": ("interact", (30, 150, 60))}
-METHOD_COLOUR = (130, 60, 170)     # a run without IL phases ("train"): one colour, named by its method
+# the loss curve (paper Fig. 3), drawn by lifecycle.draw_curves (matplotlib)
+CLIP_LOSS_COLOUR = "0.55"           # grey: the contrastive loss of every phase
+PHASE_STYLE = {"warmup": ("warm-up", "tab:blue"), "distill": ("distill (KD loss)", "tab:orange"),
+               "interact": ("interact", "tab:green")}
+METHOD_COLOUR = "tab:purple"        # a run without IL phases ("train"): one colour, named by its method
 
 
 def phase_style(phase, method):
@@ -1367,26 +1367,38 @@ def phase_style(phase, method):
     return PHASE_STYLE.get(phase, (method, METHOD_COLOUR))
 
 
-def legend_entries(recs, method, spawns=()):
-    """(label, colour) of every series drawn: the phases in order, the contrastive loss where it differs
-    from the loss (distill: the loss is KD), the spawn lines."""
-    entries = [phase_style(p, method) for p in dict.fromkeys(m.get("phase") for m in recs)]
-    if any(m.get("clip_loss", m["loss"]) != m["loss"] for m in recs):
-        entries.append(("contrastive loss", CLIP_LOSS_COLOUR))
-    return entries + ([("spawn", SPAWN_COLOUR)] if spawns else [])
+def loss_series(recs, method):
+    """[(label, points, style)]: the contrastive loss in grey where it differs from the loss somewhere (distill: the
+    loss is KD), and the loss as one line per phase; each stretch of a phase starts at the point before it, so the
+    curve stays joined (a segment takes the colour of the phase it ends in)."""
+    series = []
+    if any(m["clip"] != m["loss"] for m in recs):
+        series.append(("contrastive loss", [(m["step"], m["clip"]) for m in recs],
+                       {"color": CLIP_LOSS_COLOUR, "linewidth": 1}))
+    for phase in dict.fromkeys(m["phase"] for m in recs):
+        label, colour = phase_style(phase, method)
+        pts, own = [], []       # own: the indices of this phase's records, the only points with a marker
+        for i, m in enumerate(recs):
+            if m["phase"] == phase:
+                if i and recs[i - 1]["phase"] != phase:     # the joint with the stretch before
+                    if pts:     # a gap after the stretch before
+                        pts.append((recs[i - 1]["step"], math.nan))
+                    pts.append((recs[i - 1]["step"], recs[i - 1]["loss"]))
+                own.append(len(pts))
+                pts.append((m["step"], m["loss"]))
+        series.append((label, pts, {"color": colour, "linewidth": 2, "markevery": own}))
+    return series
 
 
 def draw_loss_curve(metrics_path, png_path, spawns=(), method="il"):
-    """The loss coloured by phase and, in grey, the contrastive loss of every phase: Fig. 3's spike at
-    each spawn (red lines) shows in the grey curve."""
+    """The loss coloured by phase and, in grey, the contrastive loss of every phase: Fig. 3's spike at each spawn
+    (a dotted line, "gen K") shows in the grey curve. Returns the Figure."""
     with open(metrics_path) if os.path.isfile(metrics_path) else nullcontext([]) as f:
         recs = [m for m in map(json.loads, filter(str.strip, f)) if "loss" in m]     # not the eval records
-    spawns = [s for s in spawns if recs and s <= recs[-1]["step"]]
-    series = [("contrastive loss", CLIP_LOSS_COLOUR, [(m["step"], m.get("clip_loss", math.nan)) for m in recs], 2),
-              ("loss", None, [(m["step"], m["loss"], phase_style(m.get("phase"), method)[1]) for m in recs], 2)]
-    lifecycle.draw_curves(png_path, f"il_clip.py, {method}: training loss (mean over each log interval)", series,
-                     [(s, f"gen {i + 1}", SPAWN_COLOUR) for i, s in enumerate(spawns)],
-                     legend_entries(recs, method, spawns))
+    for m in recs:      # metrics.jsonl written before the contrastive loss was named "clip"
+        m.setdefault("clip", m.get("clip_loss", m["loss"]))
+    return lifecycle.draw_curves(png_path, f"il_clip.py --method {method}: training loss (mean over each log interval)",
+                                 loss_series(recs, method), [(s, f"spawn, gen {i + 1}") for i, s in enumerate(spawns)])
 
 
 # -----------------------------------------------------------------------------
@@ -1405,7 +1417,8 @@ def run(argv=None):
     r = setup(args, rank, world, ckpt=ckpt)
     if rank == 0:
         r.wandb = lifecycle.start_wandb(args.wandb, args.out_dir, run_config(r), ckpt is not None) if args.wandb else None
-        print(start_line(r, ckpt is not None), flush=True)
+        start_line(r, ckpt is not None)
+        lifecycle.warmup_note(args.warmup, args.max_steps)
     status = train(r)
     if status == "done" and r.step >= args.max_steps and rank == 0 and args.eval_size > 0 \
             and args.data.startswith("shapes"):
@@ -1415,14 +1428,14 @@ def run(argv=None):
             lifecycle.save_json(path, res | {"scored": {"items_per_category": args.eval_size,
                                                    "val_pairs": data.SHAPES_VAL_PAIRS}})
         lifecycle.log_record(r.metrics_path, {"step": r.step, "phase": "eval", "time": time.time(), **res}, r.wandb)
-        rows = [list(res), ["---"] * len(res), [f"{v:.1f}" for v in res.values()]]    # a markdown table
+        rows = [list(res), ["---"] * len(res), [lifecycle.percent(v) for v in res.values()]]    # a markdown table
         print("\n".join("| " + " | ".join(row) + " |" for row in rows))
         print(f"scored: {args.eval_size} items per category (every item), "
               f"retrieval on {data.SHAPES_VAL_PAIRS} val pairs (percent)")
     if r.wandb is not None:
         r.wandb.finish()
     if rank == 0 and status != "nan":       # (the non-finite stop has printed its error line)
-        print(end_line(r, status, time.time() - t0))
+        end_line(r, status, time.time() - t0)
     if world > 1:
         dist.barrier()
     return {"done": 0, "stopped": 0, "nan": 1}[status]
@@ -1431,11 +1444,10 @@ def run(argv=None):
 def start_line(r, resumed):
     """start: script, method, parameter count, device x world size, data (+ its size), out_dir."""
     a, size = r.args, r.loader.num_samples
-    return (f"start: {os.path.basename(__file__)} --method {a.method}"
-            f"{' --negatives' if a.negatives else ''} | "
-            f"{sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M parameters | {r.device} x {r.world} | "
-            f"data {a.data}{f' ({size} train pairs)' if size else ''} | out_dir {a.out_dir}"
-            + (f" | resumed at step {r.step}" if resumed else ""))
+    negatives = " --negatives" if a.negatives else ""
+    return lifecycle.start_line(__file__, f"--method {a.method}{negatives}", [
+        f"{sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M parameters", f"{r.device} x {r.world}",
+        f"data {a.data}{f' ({size} train pairs)' if size else ''}"], a.out_dir, r.step if resumed else None)
 
 
 def end_line(r, status, seconds):
@@ -1443,13 +1455,15 @@ def end_line(r, status, seconds):
     a, out = r.args, r.args.out_dir
     cmd = lifecycle.resume_command(__file__, r.world, out)
     if status == "stopped":
-        return lifecycle.stop_line(r.stopped_by, r.step, a.max_steps, cmd)
+        line = lifecycle.stop_line(r.stopped_by, r.step, a.max_steps, cmd)
+        print(line, flush=True)
+        return line
     gens = sorted((n for n in os.listdir(out) if re.fullmatch(r"gen\d+", n)), key=lambda n: int(n[3:]))
     names = ["checkpoint", *gens, "metrics.jsonl", "loss_curve.png", "shapes_eval.json"]
-    wrote = [n + ("/" if os.path.isdir(os.path.join(out, n)) else "")
+    wrote = [os.path.join(out, n) + ("/" if os.path.isdir(os.path.join(out, n)) else "")
              for n in names if os.path.exists(os.path.join(out, n))]
-    return (f"{status}: step {r.step}/{a.max_steps} in {seconds:.0f}s | wrote {out}/{{{', '.join(wrote)}}}"
-            + (f" | continue with: {cmd}" if r.step < a.max_steps else ""))
+    more = [f"continue with: {cmd}"] if r.step < a.max_steps else []
+    return lifecycle.done_line(f"step {r.step}/{a.max_steps}", seconds, wrote, more)
 
 
 def main(argv=None):

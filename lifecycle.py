@@ -5,7 +5,8 @@ lifecycle.py -- what the training scripts share besides the data: one run's life
   * weights: the reader for this repo's checkpoints, OpenAI / open_clip files and the activation they state,
     and the training script a checkpoint records (script_record; find_script's trust rule, import_script);
   * the run lifecycle: one run per out_dir (a lock), checkpoints that survive a crash and their fallback, stop
-    signals, metrics.jsonl (+ wandb), progress bars, the loss-curve PNG;
+    signals, metrics.jsonl (+ wandb);
+  * the voice of every command: its start and done lines, progress bars; plots (matplotlib, Agg);
   * measurement: the FLOPs of a CLIP step and MFU (bench.py and il_clip.py);
   * results over seeds: run folders grouped, mean and 95% t-interval, paired differences.
 
@@ -25,7 +26,7 @@ import sys
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 
 
 class DataError(Exception):
@@ -357,7 +358,7 @@ def import_script(record, reader: str, script: str | None = None, default: str |
 
 # -----------------------------------------------------------------------------
 # The run lifecycle every training script shares: one run per out_dir, checkpoints that survive a crash, stop signals,
-# metrics.jsonl (+ wandb), a progress bar, the loss-curve PNG. The method scripts keep only what is their own: what
+# metrics.jsonl (+ wandb); the voice and plots follow below. The method scripts keep only what is their own: what
 # state.pt holds and how it is restored. out_dir/checkpoint/ holds model.safetensors, config.json (flags, model config,
 # "script"), tokenizer.json, state.pt (torch.save; read with weights_only=True: no pickled code runs) and sha256.json of
 # them, written last. A save fills checkpoint.tmp/, fsyncs it, renames checkpoint/ -> checkpoint.prev/ (what a damaged
@@ -838,69 +839,127 @@ def stop_line(by, step, max_steps, command):
     return f"stopped by {by} at step {step}/{max_steps} | checkpoint saved | continue with: {command}"
 
 
-def progress(iterable=None, **kw):
-    """A tqdm bar on stderr, on rank 0 at an interactive terminal only (a log file gets the start and done lines)."""
+def progress(iterable=None, unit="step", **kw):
+    """A tqdm bar on stderr, on rank 0 at an interactive terminal only (a log file gets the start and done lines).
+    Bars count optimizer steps ("step") or, for evaluation and data work, items ("item")."""
     from tqdm import tqdm
     kw["disable"] = kw.get("disable") or not sys.stderr.isatty() or os.environ.get("RANK", "0") != "0"
-    return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, **kw)
+    return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, unit=unit, **kw)
 
 
-def nice_ticks(lo, hi, n=5, integer=False):
-    """About n round ticks in [lo, hi]: steps of 1, 2 or 5 x 10^k, whole numbers when `integer`."""
-    raw = max(hi - lo, 1e-12) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
-    step = max(1, round(step)) if integer else step
-    first = math.ceil(lo / step) * step
-    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+# -----------------------------------------------------------------------------
+# The voice of every command: one `start:` line, tqdm bars, one `done:` line. They go to stderr, as the bars and
+# notes do; stdout carries only results (tables, JSON), so `> table.md` or `| jq` get nothing else.
+
+def say(line: str) -> str:
+    """A status line on stderr (rank 0's to print); returned, for tests."""
+    print(line, file=sys.stderr, flush=True)
+    return line
 
 
-def tick_labels(values):
-    """The ticks as text with the fewest decimals at which no two read the same."""
-    for digits in range(13):
-        labels = [f"{v:.{digits}f}" for v in values]
-        if len(set(labels)) == len(labels):
-            break
-    return labels
+def start_line(script: str, command: str = "", details=(), out_dir=None, resumed_at=None) -> str:
+    """`start: SCRIPT COMMAND | detail | ... | out_dir DIR`: what runs, on what, where it writes; a resumed run
+    says `| resumed at step N` on it. script: __file__; details: short texts (parameters, device, data);
+    resumed_at: a step, or a text such as "finetune step N"."""
+    parts = [f"start: {os.path.basename(script)} {command}".rstrip(), *details]
+    if out_dir is not None:
+        parts.append(f"out_dir {out_dir}")
+    if resumed_at is not None:     # a step, or where in a multi-phase run ("finetune step 12")
+        where = resumed_at if isinstance(resumed_at, str) else f"step {resumed_at}"
+        parts.append(f"resumed at {where}")
+    return say(" | ".join(parts))
 
 
-def draw_curves(png_path, title, series, vlines=(), legend=None, ylabel="loss (nats)", xlabel="step", size=(900, 420)):
-    """A line plot as PNG, drawn with PIL (no matplotlib in this project). series: [(label, rgb, points, width)],
-    points (x, y) or (x, y, rgb) (a segment takes its end point's colour); non-finite points are dropped.
-    vlines: [(x, text, rgb)] (IL's spawns). legend: [(label, rgb)], by default each series label once."""
-    series = [(label, c, [p for p in pts if math.isfinite(p[1])], w) for label, c, pts, w in series]
-    pts = [p for *_, ps, _ in series for p in ps]
-    (W, H), (L, R, T, B) = size, (70, 20, 40, 50)
-    img = Image.new("RGB", size, "white")
-    d = ImageDraw.Draw(img)
-    d.rectangle([L, T, W - R, H - B], outline="black")
-    for xy, text in (((L, 8), title), ((4, T - 14), ylabel), (((L + W - R) // 2 - 10, H - 18), xlabel)):
-        d.text(xy, text, fill="black")
-    if pts:
-        x1, y0, y1 = max(max(p[0] for p in pts), 1), min(p[1] for p in pts), max(p[1] for p in pts)
-        y1 = y1 if y1 > y0 else y0 + 1
-        px = lambda x: L + (W - L - R) * x / x1
-        py = lambda y: H - B - (H - T - B) * (y - y0) / (y1 - y0)
-        vlines = [v for v in vlines if v[0] <= x1]
-        for x, label, c in vlines:
-            d.line([px(x), T, px(x), H - B], fill=c)
-            d.text((px(x) + 3, T + 2), label, fill=c)
-        for label, c, ps, width in series:
-            for a, b in zip(ps, ps[1:]):
-                d.line([px(a[0]), py(a[1]), px(b[0]), py(b[1])], fill=b[2] if len(b) > 2 else c, width=width)
-        xt, yt = nice_ticks(0, x1, integer=True), nice_ticks(y0, y1)
-        for v, s in zip(xt, tick_labels(xt)):
-            d.line([px(v), H - B, px(v), H - B + 4], fill="black")
-            d.text((px(v) - 3 * len(s), H - B + 6), s, fill="black")
-        for v, s in zip(yt, tick_labels(yt)):
-            d.line([L - 4, py(v), L, py(v)], fill="black")
-            d.text((L - 8 - 6 * len(s), py(v) - 6), s, fill="black")
-        legend = legend if legend is not None else dict.fromkeys((label, c) for label, c, ps, _ in series if ps)
-        for i, (label, c) in enumerate(legend):
-            y = T + 6 + 14 * i
-            d.line([W - R - 150, y + 6, W - R - 130, y + 6], fill=c, width=3)
-            d.text((W - R - 124, y), label, fill="black")
-    write_file(png_path, img)
+def done_line(result: str, seconds: float, wrote=(), more=()) -> str:
+    """`done: RESULT in Ns | wrote PATHS | more ...`: the paths as the user gave them (folders end in "/"), those
+    in one folder grouped as `folder/{a, b}`, `wrote nothing` when there are none; `more`: what to do next."""
+    return say(" | ".join([f"done: {result} in {seconds:.0f}s", f"wrote {paths_text(wrote)}", *more]))
+
+
+def paths_text(paths) -> str:
+    """"out/a/{x, y/}, z.json" for ["out/a/x", "out/a/y/", "z.json"]: one folder's files grouped, in order."""
+    groups = {}
+    for p in paths:
+        head, tail = os.path.split(p.rstrip("/"))
+        groups.setdefault(head, []).append(tail + ("/" if p.endswith("/") else ""))
+    text = [os.path.join(h, n[0]) if len(n) == 1 else f"{os.path.join(h, '')}{{{', '.join(n)}}}"
+            for h, n in groups.items()]
+    return ", ".join(text) or "nothing"
+
+
+def warmup_note(warmup, steps):
+    """A note (rank 0) when the linear LR warm-up is longer than the run: its peak is never reached. The schedule
+    itself is left as asked (a short test run keeps the full run's warm-up slope). No run (0 steps): no note."""
+    if warmup and 0 < steps < warmup:
+        say(f"note: --warmup {warmup} is longer than the run ({steps} steps): the learning rate rises to "
+            f"{steps / warmup:.0%} of --lr and never reaches its peak (--warmup {max(1, steps // 10)}: 10% of the run)")
+
+
+def percent(v) -> str:
+    """A percent as every command prints it: one decimal (a run's standard error is above a tenth of a point)."""
+    return "null" if v is None else f"{v:.1f}"
+
+
+# -----------------------------------------------------------------------------
+# Plots: matplotlib on its Agg canvas (no display needed). Each drawing function returns its Figure, so a test can
+# read the axes (limits, labels, legend, line data) instead of pixels.
+FEW_POINTS = 30     # a series of at most this many points gets markers (a single point is otherwise invisible)
+
+
+def new_figure(size=(9, 4.2)):
+    """A Figure with one Axes on an Agg canvas, laid out so labels and an outside legend fit (constrained)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=size, dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot()
+
+
+def plot_series(ax, label, xs, ys, **style):
+    """One line; a non-finite or None y breaks it; markers when it has few points."""
+    ys = [math.nan if y is None or not math.isfinite(y) else y for y in ys]
+    if sum(map(math.isfinite, ys)) <= FEW_POINTS:
+        style = {"marker": "o", "markersize": 4} | style
+    return ax.plot(xs, ys, label=label, **style)
+
+
+def finish_axes(ax, title, xlabel, ylabel):
+    """Title, axis labels, whole-number x ticks (x counts steps or generations: never 0.5 of one), a light grid and
+    the legend outside the axes, on the right, where it never hides a line."""
+    from matplotlib.ticker import MaxNLocator
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=9, frameon=False)
+
+
+def save_figure(fig, path):
+    """The figure as a PNG at `path`, written whole or not at all (write_file)."""
+    import io
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    write_file(path, buf.getvalue())
+    return fig
+
+
+def draw_curves(png_path, title, series, marks=(), xlabel="step (optimizer steps)", ylabel="loss (nats)"):
+    """A line plot of training curves, saved as PNG; returns the Figure. series: [(label, [(x, y)], style)] with
+    matplotlib style keywords (color, linewidth ...); marks: [(x, text)] vertical lines, each labelled at the top
+    (IL's spawns, a phase change). A mark beyond the last point is left out."""
+    fig, ax = new_figure()
+    x_max = max((p[0] for _, pts, _ in series for p in pts), default=0)
+    for label, pts, style in series:
+        plot_series(ax, label, [p[0] for p in pts], [p[1] for p in pts], **style)
+    for x, text in [m for m in marks if m[0] <= x_max]:
+        ax.axvline(x, color="0.35", linestyle=":", linewidth=1)
+        ax.annotate(text, (x, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -10), textcoords="offset points",
+                    fontsize=8, color="0.25")
+    ax.set_xlim(left=0)     # a run starts at step 0: a short run's few points are not spread over a wide axis
+    finish_axes(ax, title, xlabel, ylabel)
+    return save_figure(fig, png_path)
 
 
 # -----------------------------------------------------------------------------

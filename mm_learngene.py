@@ -490,7 +490,10 @@ def load_teacher(path: str, vocab=None, quick_gelu=None, script=None):
     model, tok, config = recorded_model(path, quick_gelu, script) or load_model(path, quick_gelu=quick_gelu)
     m = config.get("model") or {}
     if m.get("codebook_size"):
-        raise ConfigError(f"{path}: a codebook-head teacher is not supported (its embeddings are not CLIP's)")
+        method = config.get("method", "codebook")
+        raise ConfigError(f"{path}: a codebook-head teacher (il_clip.py --method {method}) is not supported, its "
+                          f"embeddings are not CLIP's: use an il_clip.py --method clip (or negclip) run, or OpenAI / "
+                          f"open_clip weights")
     mcfg = ModelConfig(**{f.name: m[f.name] for f in dataclasses.fields(ModelConfig) if f.name in m})
     if vocab:
         tok = data.build_tokenizer(vocab_path=vocab, context_length=mcfg.context_length)
@@ -687,18 +690,24 @@ def agree_flags(bad, world, device, tag, done):
     return int(sig)
 
 
-PHASE_STYLE = {"extract": ("extraction: CLIP + distillation loss (Eq. 8)", (31, 119, 180)),
-               "activate": ("activation: CLIP loss", (255, 127, 14)), "finetune": ("fine-tuning", (44, 160, 44))}
+PHASE_STYLE = {"extract": ("extraction loss (Eq. 8)", "tab:blue"), "activate": ("activation: CLIP loss", "tab:orange"),
+               "finetune": ("fine-tuning loss", "tab:green")}
+TERM_STYLE = {"clip": ("CLIP loss", "0.55"), "dist": ("distillation loss", "tab:red")}
 
 
 def draw_loss_curve(out_dir, tag):
-    """out_dir/loss_curve.png: the phase's training loss per logged step (its metrics.jsonl), labelled by phase."""
+    """out_dir/loss_curve.png: the phase's training loss per logged step (its metrics.jsonl), labelled by phase, and
+    its terms where it has more than one (extract: CLIP + distillation). Returns the Figure."""
     path = os.path.join(out_dir, "metrics.jsonl")
     with open(path) if os.path.isfile(path) else contextlib.nullcontext([]) as f:
-        pts = [(m["step"], m["loss"]) for m in map(json.loads, filter(str.strip, f)) if "loss" in m]
-    label, colour = PHASE_STYLE.get(tag, (tag, (31, 119, 180)))
-    lifecycle.draw_curves(os.path.join(out_dir, "loss_curve.png"), f"mm_learngene.py {tag}: training loss per logged step",
-                     [(label, colour, pts, 2)], xlabel="step (optimizer steps)", size=(900, 460))
+        recs = [m for m in map(json.loads, filter(str.strip, f)) if "loss" in m]
+    label, colour = PHASE_STYLE.get(tag, (tag, "tab:blue"))
+    series = [(label, [(m["step"], m["loss"]) for m in recs], {"color": colour, "linewidth": 2})]
+    if sum(k in TERM_STYLE for k in (recs[0] if recs else {})) > 1:
+        series += [(name, [(m["step"], m[k]) for m in recs], {"color": c, "linewidth": 1})
+                   for k, (name, c) in TERM_STYLE.items()]
+    return lifecycle.draw_curves(os.path.join(out_dir, "loss_curve.png"),
+                                 f"mm_learngene.py {tag}: training loss per logged step", series)
 
 
 class StepLoss(nn.Module):
@@ -895,8 +904,6 @@ def cmd_extract(a):
     random.seed(a.seed)
     np.random.seed(a.seed)
     teacher, tok, tcfg = load_teacher(a.init, a.vocab, a.quick_gelu, a.script)
-    if rank == 0:
-        print(f"teacher: {a.init}  activation {'QuickGELU' if tcfg.quick_gelu else 'GELU'}", flush=True)
     teacher.to(device)
     preset = dict(AUX_PRESETS[a.model])
     for k in ("width", "heads", "layers"):
@@ -933,6 +940,7 @@ def cmd_extract(a):
               "teacher_config": dataclasses.asdict(tcfg)}
     ckpt = lifecycle.load_checkpoint(a.out_dir, STATE_TYPES, rank=rank) if a.resume else None
     start_line(a, f"extract --method {a.method}", aux, device, world, loader, rank,
+               [f"teacher {a.init} ({'QuickGELU' if tcfg.quick_gelu else 'GELU'})"],
                ckpt and f"step {ckpt[2]['step']}")
     _wandb["run"] = lifecycle.start_wandb(a.wandb, a.out_dir, config, a.resume) if a.wandb and rank == 0 else None
 
@@ -946,9 +954,9 @@ def cmd_extract(a):
     train_phase(aux, loss_fn, loader, a, rank, world, device, a.max_steps, a.out_dir, config, tok, "extract",
                 write_learngene, ckpt)
     if rank == 0:
-        print(f"learngene parameters {aux.learngene_numel():,} (blocks + coefficients), with non-learngene parts "
-              f"{sum(p.numel() for p in aux.parameters()):,}", flush=True)
-        end_line(a, a.max_steps, t_start, ["learngene.safetensors", "checkpoint/", "metrics.jsonl", "loss_curve.png"])
+        end_line(a, a.max_steps, t_start, ["learngene.safetensors", "checkpoint/", "metrics.jsonl", "loss_curve.png"],
+                 f", learngene parameters {aux.learngene_numel():,} (blocks + coefficients; "
+                 f"{sum(p.numel() for p in aux.parameters()):,} with the non-learngene parts)")
 
 
 # -----------------------------------------------------------------------------
@@ -967,6 +975,7 @@ def write_descendant(out_dir, sd, cfg, modality, tok_json, extra):
 
 
 def cmd_expand(a):
+    t_start = time.time()
     if a.modality == "text":
         raise ConfigError("--modality text: no task of finetune trains a text-only descendant (the paper's tasks "
                           "are retrieval, classification and captioning); expand --modality clip for a text tower")
@@ -979,6 +988,8 @@ def cmd_expand(a):
         raise ConfigError(f"{out} holds a descendant already (a fine-tune may name it as its --init): use another "
                           f"--out_dir, or --overwrite to replace it")
     lifecycle.claim_out_dir(out, 0, 1, "cpu", overwrite=a.overwrite, run_files=RUN_FILES)
+    lifecycle.start_line(__file__, f"expand --layers {a.layers} --modality {a.modality}",
+                         [f"learngene {a.learngene} ({aux.method})", f"part {a.part}"], out)
     sd, cfg = descendant_state(aux, a.layers, a.modality, a.seed, part)
     extract = json.loads(meta.get("extract", "{}"))
     write_descendant(out, sd, cfg, a.modality, meta.get("tokenizer"),
@@ -986,7 +997,10 @@ def cmd_expand(a):
                       "extract_data": {k: extract.get(k) for k in SOURCE_KEYS},
                       "layers": a.layers, "layer_order": expand_order(a.layers, aux.aux_layers // 2)
                       if aux.method == "mmlg" else None})
-    print(f"descendant: {out}  ({a.modality}, {a.layers} layers, {sum(v.numel() for v in sd.values()):,} parameters)")
+    lifecycle.done_line(f"a {a.layers}-layer {a.modality} descendant, {sum(v.numel() for v in sd.values()):,} "
+                        f"parameters", time.time() - t_start,
+                        [os.path.join(out, n) for n in ("model.safetensors", "config.json", "tokenizer.json")
+                         if os.path.isfile(os.path.join(out, n))])
 
 
 # -----------------------------------------------------------------------------
@@ -1350,8 +1364,9 @@ def cmd_finetune(a):
     # --resume: the newest phase's checkpoint is read now, for the start line; an earlier phase's in its turn
     newest = next((t for t in ("finetune", "activate") if lifecycle.has_checkpoint(os.path.join(out, t))), None)
     ckpts = {newest: lifecycle.load_checkpoint(os.path.join(out, newest), STATE_TYPES, rank=rank)} if a.resume else {}
+    resumed = f"{newest} step {ckpts[newest][2]['step']}" if a.resume else None
     start_line(a, f"finetune --task {a.task} --init {a.init}", model, device, world, None, rank,
-               a.resume and f"{newest} step {ckpts[newest][2]['step']}")
+               resumed=resumed)
     _wandb["run"] = lifecycle.start_wandb(a.wandb, out, run_flags(a), a.resume) if a.wandb and rank == 0 else None
 
     def phase(tag, model_, loss_fn, loader, args, steps):
@@ -1385,7 +1400,8 @@ def cmd_finetune(a):
         if tok is not None:
             tok.save(out)
         atomic_write_json(results, os.path.join(out, "results.json"))
-        print(f"{a.task}: " + ", ".join(f"{k} {results[k]}" for k in EVAL_KEYS[a.task] if k in results), flush=True)
+        print(f"{a.task}: " + ", ".join(f"{k} {score_text(k, results[k])}" for k in EVAL_KEYS[a.task] if k in results),
+              flush=True)
         end_line(a, a.max_steps, t_start, ["model.safetensors", "config.json", "results.json"] +
                  ["captions.json"] * (a.task == "caption") + [f"{t}/" for t in ("activate", "finetune")
                                                               if os.path.isdir(os.path.join(out, t))])
@@ -1868,9 +1884,13 @@ def train_shapes_lm(folder: str, seed: int, steps: int = 1000):
     cfg_path = os.path.join(folder, "config.json")
     if os.path.exists(os.path.join(folder, "model.safetensors")) and os.path.exists(cfg_path):
         if lifecycle.read_json(cfg_path).get("text") == "reference pairs":
+            lifecycle.say(f"stand-in LM: {folder}: a 2-layer GPT trained on pairs of shapes reference captions, "
+                          f"standing in for GPT-2 (trained by an earlier run, reused)")
             return
         print(f"note: {folder}: a stand-in LM trained on single captions (it ignores the image); retraining it",
               file=sys.stderr, flush=True)
+    lifecycle.say(f"stand-in LM: {folder}: training a 2-layer GPT on pairs of shapes reference captions to stand in "
+                  f"for GPT-2 ({steps} steps, a few minutes on a CPU, once: runs beside this one reuse it)")
     refs = [shapes_references(data.shapes_scene("train", i, seed), SHAPES_REFERENCES,
                               random.Random(f"shapes-lm/{seed}/{i}")) for i in range(5000)]
     backend = Backend(models.BPE())
@@ -1960,7 +1980,9 @@ def eval_captioning(model, loader, device, beam, refs_of, pool=None, scene_of=No
     nearest = {}
     lm_tok = model.frozen[2]
     skipped0 = getattr(loader, "skipped", 0)
-    for batch in lifecycle.progress(loader, desc="captioning", total=len(loader) if hasattr(loader, "__len__") else None):
+    bar = lifecycle.progress(desc="captioning", unit="item")
+    for batch in loader:
+        bar.update(len(batch["key"]))
         new = [j for j, k in enumerate(batch["key"]) if k not in captions]
         for k, c in zip(batch["key"], batch["caption"]):
             captions.setdefault(k, []).append(c)
@@ -1969,6 +1991,7 @@ def eval_captioning(model, loader, device, beam, refs_of, pool=None, scene_of=No
             hyps.update({k: [lm_tok.decode(s)] for k, s in zip(keys, generate(model, images, beam))})
             if pool is not None:
                 nearest.update({k: [c] for k, c in zip(keys, pool.nearest(model.embed(images)))})
+    bar.close()
     model.mapper.train()
     refs = {k: refs_of(k, v) for k, v in captions.items()}
 
@@ -2002,10 +2025,10 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
         if not is_shapes(a.data):
             raise ConfigError("--task caption needs --lm <folder with GPT-2's model.safetensors and tokenizer.json or "
                               "vocab.json + merges.txt>; only shapes has a stand-in")
-        # beside out_dir, so runs under one parent folder share the stand-in
-        lm_dir = os.path.join(os.path.dirname(os.path.abspath(a.out_dir)), "shapes_lm")
+        # a cache beside out_dir (README: shapes_lm/), so the runs under one parent folder share the stand-in
+        lm_dir = os.path.join(os.path.dirname(os.path.normpath(a.out_dir)), "shapes_lm")
         lifecycle.on_rank0(lambda: train_shapes_lm(lm_dir, 0), rank, world, device)
-        results["lm"] = "stand-in: a 2-layer GPT trained on pairs of shapes references (not GPT-2)"
+        results["lm"] = f"stand-in: a 2-layer GPT trained on pairs of shapes references (not GPT-2), {lm_dir}"
     else:
         results["lm"] = os.path.abspath(lm_dir)
     lm, ltok = load_gpt2(lm_dir)
@@ -2081,7 +2104,7 @@ def results_table(dirs: list) -> str:
         if not os.path.exists(path):
             raise ConfigError(f"{path}: no such file (not a finished finetune out_dir)")
         r = lifecycle.read_json(path)
-        scores = ", ".join(f"{k} {r[k]}" for k in RESULT_COLUMNS.get(r.get("task"), []) if k in r)
+        scores = ", ".join(f"{k} {score_text(k, r[k])}" for k in RESULT_COLUMNS.get(r.get("task"), []) if k in r)
         what = f"{r.get('n_images')} images" + (f", {r['n_classes']} classes" if "n_classes" in r else "") + \
             (f", {r['n_refs']} refs" if "n_refs" in r else "") + f", {r.get('eval_subset', 'whole split')}" + \
             (f"; {r['n_distinct_captions']} distinct captions" if "n_distinct_captions" in r else "")
@@ -2089,7 +2112,7 @@ def results_table(dirs: list) -> str:
         lines.append(f"| {name} | {r.get('kind')} | {r.get('part', 'both')} | {r.get('layers')} | {r.get('task')} | "
                      f"{scores} | {what} |")
         for b, br in ((b, br) for b, br in r.get("baselines", {}).items() if isinstance(br, dict)):
-            scores = ", ".join(f"{k} {br[k]}" for k in RESULT_COLUMNS["caption"] if k in br)
+            scores = ", ".join(f"{k} {score_text(k, br[k])}" for k in RESULT_COLUMNS["caption"] if k in br)
             lines.append(f"| {name} | {b} caption (baseline) | | | caption | {scores} | the same images; "
                          f"{br['n_distinct_captions']} distinct captions |")
     return "\n".join(lines)
@@ -2112,7 +2135,16 @@ def finetune_run(folder):
     return runs
 
 
+def score_text(key, v):
+    """A score as printed: percents (and CIDEr-D x 100) to one decimal, counts as they are."""
+    return str(v) if key.startswith("n_") else lifecycle.percent(v)
+
+
 def cmd_report(a):
+    t_start = time.time()
+    asked = [f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k in ("results", "seeds", "learngene")
+             if (v := getattr(a, k))]
+    lifecycle.start_line(__file__, "report", asked or ["nothing asked"])
     if a.results:
         print(results_table(a.results))
     if a.seeds:   # one group per (init, part, layers, task); each paired with MM-LG at its size and task
@@ -2125,6 +2157,7 @@ def cmd_report(a):
         storage_report(a)
     elif not (a.results or a.seeds):
         raise ConfigError("report needs --learngene (Table 3), --results (finetune out_dirs) and/or --seeds DIR")
+    lifecycle.done_line(f"{len(asked)} table{'s' if len(asked) > 1 else ''} printed", time.time() - t_start)
 
 
 def storage_report(a):
@@ -2361,20 +2394,20 @@ STATE_TYPES = {"step": int, "elapsed": (int, float), "loader": data.LOADER_STATE
 _wandb = {"run": None, "offset": 0, "next": 0}    # --wandb: the module while a run is open; phase step offsets
 
 
-def start_line(a, what, model, device, world, loader, rank, resumed=None):
-    """The run's first line (rank 0): script, subcommand, parameters, device x world size, data, out_dir, and
-    with --resume where it continues (`resumed`: "step N", "finetune step N")."""
+def start_line(a, what, model, device, world, loader, rank, more=(), resumed=None):
+    """The run's first line (rank 0): script, subcommand, parameters, device x world size, data, `more`,
+    out_dir, and with --resume where it continues (`resumed`: "step N", "finetune step N")."""
     if rank == 0:
         n = f" ({loader.num_samples} training samples)" if getattr(loader, "num_samples", None) else ""
-        print(f"start: {os.path.basename(__file__)} {what} | {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
-              f"parameters | {device} x {world} | data {a.data}{n} | out_dir {a.out_dir}"
-              + (f" | resumed at {resumed}" if resumed else ""), flush=True)
+        details = [f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", f"{device} x {world}",
+                   f"data {a.data}{n}", *more]
+        lifecycle.start_line(__file__, what, details, a.out_dir, resumed)
 
 
-def end_line(a, steps, t_start, files):
-    """The run's last line (rank 0): steps, time, what was written where."""
-    print(f"done: step {steps}/{steps} in {time.time() - t_start:.0f}s | wrote {a.out_dir}/{{{', '.join(files)}}}",
-          flush=True)
+def end_line(a, steps, t_start, files, result=""):
+    """The run's last line (rank 0): steps (and `result`), time, what was written where."""
+    wrote = [os.path.join(a.out_dir, f) for f in files]
+    lifecycle.done_line(f"step {steps}/{steps}{result}", time.time() - t_start, wrote)
 
 
 def save_run(run):

@@ -151,3 +151,46 @@ def disk_full_at_save(monkeypatch, step, code=None):
             raise OSError(code, os.strerror(code))
         real(tensors, path, metadata)
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+
+
+def read_figure(fig):
+    """What a reader sees in a matplotlib Figure (lifecycle's plots), drawn first: one dict per Axes with its title,
+    axis labels, x and y view limits, the tick labels inside them, the legend's texts and every line as (label, xs,
+    ys, Line2D) with its non-finite points left out. Asserts the figure is readable: no tick label repeats on its
+    axis, and the whole drawing (legend included) lies on the canvas."""
+    import math
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    box = fig.get_tightbbox(renderer)
+    assert box.x0 >= -1e-6 and box.y0 >= -1e-6, box
+    assert box.x1 <= fig.get_figwidth() + 1e-6 and box.y1 <= fig.get_figheight() + 1e-6, box
+    axes = []
+    for ax in fig.axes:
+        ticks = {}
+        for name, axis, (lo, hi) in (("x", ax.xaxis, ax.get_xlim()), ("y", ax.yaxis, ax.get_ylim())):
+            lo, hi = min(lo, hi), max(lo, hi)
+            ticks[name] = [t.get_text() for v, t in zip(axis.get_ticklocs(), axis.get_ticklabels())
+                           if lo - 1e-9 * abs(hi - lo) <= v <= hi + 1e-9 * abs(hi - lo)]
+            assert len(set(ticks[name])) == len(ticks[name]), (name, ticks[name])
+        legend = ax.get_legend()
+        if legend is not None:
+            lb = legend.get_window_extent(renderer)
+            assert lb.x0 >= 0 and lb.y0 >= 0 and lb.x1 <= fig.bbox.x1 + 1e-6 and lb.y1 <= fig.bbox.y1 + 1e-6, lb
+        lines = []
+        for line in ax.get_lines():
+            pts = [(float(x), float(y)) for x, y in zip(line.get_xdata(), line.get_ydata()) if math.isfinite(y)]
+            lines.append((line.get_label(), [p[0] for p in pts], [p[1] for p in pts], line))
+        axes.append({"title": ax.get_title(), "xlabel": ax.get_xlabel(), "ylabel": ax.get_ylabel(),
+                     "xlim": ax.get_xlim(), "ylim": ax.get_ylim(), "xticks": ticks["x"], "yticks": ticks["y"],
+                     "legend": [t.get_text() for t in legend.get_texts()] if legend is not None else [],
+                     "lines": lines})
+    return axes
+
+
+TALK = ("start: ", "done: ", "note: --warmup ")     # what every command says on stderr besides warnings and errors
+
+
+def error_lines(text):
+    """A command's stderr without its talk (its start and done lines, the warm-up note): what a user error must be
+    exactly one line of."""
+    return [ln for ln in text.strip().splitlines() if not ln.startswith(TALK)]

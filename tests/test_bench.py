@@ -2,6 +2,7 @@
 compiled vs eager is not tested here: inductor's C++ compile of even the tiny model takes
 longer on the shared 2-core CPU than this file's budget (tests/test_il_clip_fast.py covers --compile)."""
 import math
+import re
 import sys
 import types
 
@@ -198,8 +199,11 @@ def test_missing_open_clip_is_one_line(monkeypatch, capsys):
 
 def test_composer_mode_times_two_paths_that_agree(capsys):
     assert bench.main(["--composer", "--batch_size", "8", "--steps", "4"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "composer forward, 8 caption-image pairs" in out
+    assert err.splitlines()[0].startswith("start: bench.py --composer | --model tiny | batch 8 | fp32 | CPU (")
+    assert err.splitlines()[0].endswith(" | script il_clip.py | out the lines on stdout")
+    assert re.fullmatch(r"done: measured in \d+s \| wrote nothing", err.splitlines()[-1]), err
     assert float(out.rsplit("max |node score diff| ", 1)[1]) < 1e-5     # level-batched == node-by-node
 
 

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from conftest import error_lines
 import torch
 from safetensors.torch import load_file
 
@@ -35,7 +36,7 @@ def saved_step(out):
 
 
 def one_error_line(capsys):
-    err = capsys.readouterr().err.strip().splitlines()
+    err = error_lines(capsys.readouterr().err)
     assert len(err) == 1 and err[0].startswith("error: "), err
     return err[0]
 

@@ -12,6 +12,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from conftest import error_lines
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -89,7 +90,7 @@ def test_graph_cli_skips_and_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         C.main(["graph", "--data", str(f)])
     assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = error_lines(capsys.readouterr().err)
     assert len(err) == 1 and err[0].startswith("error: ")
 
 
@@ -191,10 +192,18 @@ def test_delta_ranking_matches_recomputation():
         assert deltas[i] == pytest.approx(C.compound_divergence(train, rest) - cd_all, abs=1e-12)
 
 
-def test_mcd_split_on_shapes(tmp_path):
+def test_mcd_split_on_shapes(tmp_path, capsys):
     res = C.main(["mcd", "--train", "shapes", "--train_size", "400", "--pool", "shapes", "--pool_split", "test",
                   "--pool_size", "200", "--size", "50", "--out_dir", str(tmp_path)])
     assert len(res["mcd"]) == 50
+    std = capsys.readouterr()      # the summary JSON on stdout; the start and done lines on stderr
+    assert json.loads(std.out)["written"] == [str(tmp_path / f) for f in ("mcd.jsonl", "random.jsonl", "windows.json")]
+    err = std.err.splitlines()
+    assert err[0] == (f"start: composer.py mcd | train shapes (train) | pool shapes (test) | size 50 | "
+                      f"out_dir {tmp_path}")
+    assert err[-1].startswith(f"done: MCD split of 50 images: compound divergence {res['mcd_compound_divergence']} "
+                              f"(random split: {res['random_compound_divergence']}) in ")
+    assert err[-1].endswith(f"s | wrote {tmp_path}/{{mcd.jsonl, random.jsonl, windows.json}}")
     assert res["mcd_compound_divergence"] > res["random_compound_divergence"]
     cds = [w["compound_divergence"] for w in res["windows"]]
     assert cds[0] == max(cds)  # graded splits: divergence falls along the ranking
@@ -251,7 +260,7 @@ def same_weights(a, b):
 
 
 def one_error_line(capsys):
-    err = capsys.readouterr().err.strip().splitlines()
+    err = error_lines(capsys.readouterr().err)
     assert len(err) == 1 and err[0].startswith("error: "), err
     return err[0]
 
@@ -326,7 +335,7 @@ def test_damaged_or_foreign_weights_one_line(tmp_path, capsys):
         open(tmp_path / "ok.safetensors", "wb").write(good)   # complete, but VSE's weights
         with pytest.raises(SystemExit) as e:
             C.main(argv)
-        err = capsys.readouterr().err.strip().splitlines()
+        err = error_lines(capsys.readouterr().err)
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and ".safetensors" in err[0], err
 
 
@@ -369,7 +378,7 @@ def test_nonfinite_loss_stops_at_the_next_check_and_keeps_the_last_good_checkpoi
     with pytest.raises(SystemExit) as e:
         C.main(["train", "--out_dir", str(tmp_path), "--max_steps", "9"] + TRAIN
                + ["--log_interval", "3", "--save_interval", "3"])
-    err = capsys.readouterr().err.strip().splitlines()
+    err = error_lines(capsys.readouterr().err)
     assert e.value.code == 1 and len(err) == 1 and "non-finite loss at a step <= 6" in err[0], err
     assert saved_state(tmp_path)["step"] == 3
     logged = [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl") if "loss" in x]
@@ -390,7 +399,7 @@ def test_nonfinite_weights_are_never_saved(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(C, "sync_values", lambda losses, bad, flag, world: [0.0] * len(losses) + [0.0, 0.0])
     with pytest.raises(SystemExit) as e:
         C.main(["train", "--out_dir", str(tmp_path), "--max_steps", "4"] + TRAIN + ["--save_interval", "1"])
-    err = capsys.readouterr().err.strip().splitlines()
+    err = error_lines(capsys.readouterr().err)
     assert e.value.code == 1 and len(err) == 1 and "non-finite" in err[0], err
     assert saved_state(tmp_path)["step"] == 1
     assert all(torch.isfinite(t).all() for t in load_file(str(tmp_path / "checkpoint" / "model.safetensors")).values())

@@ -6,6 +6,7 @@ import argparse
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -83,7 +84,7 @@ def test_text_only_training_and_eval_without_images(tmp_path, capsys):
             "--ct_layers", "1", "--vocab_size", "200", "--n_neg_img", "1", "--n_neg_txt", "1", "--dtype", "fp32",
             "--log_interval", "1"])
     assert ("30 train captions / 6 images, 30 parsed by the built-in bracketer"
-            in capsys.readouterr().out.splitlines()[0])
+            in capsys.readouterr().err.splitlines()[0])
     res = C.main(["eval", "--ckpt", out, "--no_phrases"])["test"]      # default: the whole test split
     assert (res["images"], res["captions"], res["bracketer"]) == (6, 30, 30) and "t2i_r10" in res
     res = C.main(["eval", "--ckpt", out, "--no_phrases", "--eval_size", "2"])["test"]  # counts images
@@ -161,7 +162,9 @@ def test_parse_subcommand(tmp_path, capsys):
     assert C.main(["parse", js, "--out", out, "--parser", "builtin"]) == 4
     sents = [s for im in json.load(open(out))["images"] for s in im["sentences"]]
     assert all(s["tree"] == C.bracket(s["raw"]) for s in sents)
-    capsys.readouterr()
+    std = capsys.readouterr()
+    assert std.out == "" and std.err.splitlines()[0] == f"start: composer.py parse | {js} | parser builtin | out {out}"
+    assert re.fullmatch(rf"done: parsed 4 captions in \d+s \| wrote {re.escape(out)}", std.err.splitlines()[-1])
     if not any(importable(m) for m in ("benepar", "stanza")):  # without a parser: how to get one
         with pytest.raises(SystemExit) as e:
             C.main(["parse", js, "--out", out])

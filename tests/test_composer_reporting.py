@@ -5,18 +5,18 @@ real package in offline mode when installed)."""
 import importlib.machinery
 import json
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from conftest import require_real_wandb
+from conftest import read_figure, require_real_wandb
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import composer as C  # noqa: E402
 import data  # noqa: E402
-import lifecycle
 
 pytest.importorskip("data")
 
@@ -32,12 +32,14 @@ def records(out):
 def test_start_and_end_lines_and_the_metrics_schema(tmp_path, capsys):
     out = str(tmp_path / "run")
     C.main(["--out_dir", out, "--max_steps", "6", "--log_interval", "3"] + TRAIN)
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 2, lines                       # no JSON line per log step
+    std = capsys.readouterr()
+    lines = std.err.strip().splitlines()
+    assert std.out == "" and len(lines) == 2, lines     # no JSON line per log step; the talk on stderr
     assert lines[0].startswith("start: composer.py train --method composer | ") and " parameters | cpu x 1 | " in \
         lines[0] and "| data shapes (48 train captions / 48 images" in lines[0] and lines[0].endswith(f"out_dir {out}")
-    assert lines[1].startswith("done: step 6/6 in ") and "in_domain t2i_r1 " in lines[1] and \
-        lines[1].endswith(f"wrote {out}/{{checkpoint/, metrics.jsonl, loss_curve.png}}")
+    ev = records(out)[-1]["in_domain"]
+    assert re.fullmatch(rf"done: step 6/6 \(in_domain t2i_r1 {ev['t2i_r1']:.1f}, t2i_r5 {ev['t2i_r5']:.1f}\) in \d+s "
+                        rf"\| wrote {re.escape(out)}/\{{checkpoint/, metrics.jsonl, loss_curve.png\}}", lines[1]), lines
     recs = records(out)
     assert [(r["step"], r["phase"]) for r in recs] == [(3, "train"), (6, "train"), (6, "eval")]
     for r in recs:
@@ -68,12 +70,37 @@ def test_a_resumed_run_logs_the_same_interval_means(tmp_path, capsys):
     capsys.readouterr()
 
 
-def test_plot_ticks_are_readable():
-    vals = lifecycle.nice_ticks(0, 400, integer=True)                      # the loss plot's axes (lifecycle.draw_curves)
-    assert all(isinstance(v, int) for v in vals) and vals[0] == 0 and vals[-1] <= 400 and len(vals) >= 3
-    assert lifecycle.nice_ticks(0, 3, integer=True) == [0, 1, 2, 3]        # no half steps
-    labels = lifecycle.tick_labels(lifecycle.nice_ticks(3.6381, 3.6385))        # a flat curve: labels still distinct
-    assert len(set(labels)) == len(labels) >= 3
+def test_the_loss_curve_has_every_term_with_markers_at_few_points(tmp_path):
+    """loss_curve.png of a short run (5 logged steps): the total and its three terms, each line the metrics.jsonl
+    values with a marker at every point, whole-number steps from 0, a legend on the canvas."""
+    rows = [{"step": s, "phase": "train", "loss": 3.0 - s / 10, "match": 2.0 - s / 20, "mvsa": 0.9, "order": 0.1 * s,
+             "lr": 1e-3, "time": 0.0} for s in (1, 2, 3, 4, 5)]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows + [{"step": 5, "phase": "eval", "time": 0.0}]))
+    args = C.parse_args(["--out_dir", str(tmp_path / "run")])
+    (ax,) = read_figure(C.draw_loss_curve(str(metrics), str(tmp_path / "c.png"), args))
+    assert ax["legend"] == ["composer (total)", "l_match", "l_mvsa", "l_order"]
+    assert ax["xlabel"] == "step (optimizer steps)" and ax["ylabel"].startswith("loss (")
+    for (label, xs, ys, line), key in zip(ax["lines"], ("loss", "match", "mvsa", "order")):
+        assert xs == [1, 2, 3, 4, 5] and ys == pytest.approx([r[key] for r in rows]) and line.get_marker() == "o"
+    assert ax["xlim"][0] == 0 and ax["xticks"] == ["0", "1", "2", "3", "4", "5"]
+
+
+def test_eval_prints_a_table_between_its_start_and_done_lines(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    C.main(["--out_dir", out, "--max_steps", "2"] + TRAIN)
+    capsys.readouterr()
+    res = C.main(["eval", "--ckpt", out, "--eval_size", "6", "--out", str(tmp_path / "e.json")])
+    std = capsys.readouterr()
+    err = std.err.splitlines()
+    assert err[0] == f"start: composer.py eval | {out} (composer) | " + err[0].split(" | ", 2)[2]
+    assert err[0].endswith(f" | cpu x 1 | data shapes | out {tmp_path / 'e.json'}")
+    assert re.fullmatch(rf"done: test evaluated in \d+s \| wrote {re.escape(str(tmp_path / 'e.json'))}", err[-1])
+    table = std.out.splitlines()
+    head = table[0].strip("| ").split(" | ")
+    row = dict(zip(head, table[2].strip("| ").split(" | ")))
+    assert row["split"] == "test" and row["images"] == "6" and row["t2i_r1"] == f"{res['test']['t2i_r1']:.1f}"
+    assert json.loads((tmp_path / "e.json").read_text()) == res
 
 
 def test_help_is_grouped_and_shows_defaults(capsys, monkeypatch):

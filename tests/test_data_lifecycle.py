@@ -17,6 +17,7 @@ from PIL import Image
 
 import data
 import lifecycle
+from conftest import read_figure
 
 TYPES = {"step": int, "optimizer": dict, "rng": dict}
 
@@ -201,24 +202,55 @@ def test_stop_signals():
     assert signal.getsignal(signal.SIGTERM) == old[signal.SIGTERM]
 
 
-@pytest.mark.parametrize("lo,hi,integer", [(0, 7, True), (0, 1234, True), (0.512, 0.538, False), (2.2, 6.9, False)])
-def test_ticks_are_round_distinct_and_inside(lo, hi, integer):
-    ticks = lifecycle.nice_ticks(lo, hi, integer=integer)
-    assert 2 <= len(ticks) <= 11 and all(lo - 1e-9 <= t <= hi + 1e-9 for t in ticks)
-    steps = {round(b - a, 9) for a, b in zip(ticks, ticks[1:])}
-    assert len(steps) == 1
-    step = steps.pop()
-    mantissa = step / 10 ** math.floor(math.log10(step))
-    assert any(abs(mantissa - m) < 1e-6 for m in (1, 2, 5)) and (not integer or step == int(step))
-    labels = lifecycle.tick_labels(ticks)
-    assert len(set(labels)) == len(labels)
-
-
-def test_draw_curves(tmp_path):
+@pytest.mark.parametrize("hi,lo,span", [(1, 3.6381, 2e-4), (7, 0.512, 0.026), (400, 2.2, 4.7), (48000, 1e-4, 2e-4)])
+def test_curves_read_as_their_data_with_whole_steps_and_distinct_labels(tmp_path, hi, lo, span):
+    """draw_curves: each series is its points (a non-finite one leaves a gap), the steps are whole numbers from 0,
+    no tick label repeats even on a nearly flat curve, markers on a short series, the legend and a mark's line on
+    the canvas, the PNG written."""
+    xs = sorted({0, hi // 3, hi // 2, hi})
+    a = [(x, lo + span * i / len(xs)) for i, x in enumerate(xs)]
+    b = [(x, lo + span * (1 - i / len(xs))) for i, x in enumerate(xs)]
+    b[1] = (b[1][0], math.nan)
     png = str(tmp_path / "c.png")
-    red, blue = (200, 0, 0), (0, 0, 200)
-    lifecycle.draw_curves(png, "t", [("a", red, [(0, 1.0), (5, math.nan), (10, 2.0)], 2), ("b", blue, [(0, 2), (10, 1)], 2)],
-                     vlines=[(5, "gen 1", (0, 150, 0))])
-    img = Image.open(png).convert("RGB")
-    colours = {c for _, c in img.getcolors(1 << 20)}
-    assert img.size == (900, 420) and {red, blue, (0, 150, 0)} <= colours
+    fig = lifecycle.draw_curves(png, "a title", [("a", a, {"color": "tab:red"}), ("b", b, {"color": "tab:blue"})],
+                                marks=[(hi // 2, "gen 1"), (hi + 1, "beyond the last point")])
+    (ax,) = read_figure(fig)
+    assert Image.open(png).size == (900, 420)
+    assert ax["title"] == "a title" and ax["xlabel"] == "step (optimizer steps)" and ax["ylabel"] == "loss (nats)"
+    assert ax["legend"] == ["a", "b"] and ax["xlim"][0] == 0
+    named = [(label, xs_, ys) for label, xs_, ys, _ in ax["lines"] if not label.startswith("_")]
+    assert named == [("a", [p[0] for p in a], [p[1] for p in a]),
+                     ("b", [p[0] for p in b if math.isfinite(p[1])], [p[1] for p in b if math.isfinite(p[1])])]
+    assert all(line.get_marker() == "o" for label, *_, line in ax["lines"] if not label.startswith("_"))
+    assert all(t.replace(",", "").isdigit() for t in ax["xticks"]) and len(ax["yticks"]) >= 3
+    assert [t.get_text() for t in fig.axes[0].texts] == ["gen 1"]      # a mark beyond the data is left out
+
+
+def test_a_long_series_has_no_markers_and_the_legend_stays_on_the_canvas(tmp_path):
+    long_names = [f"series {i} with a long legend label that would be cut at a fixed right edge" for i in range(6)]
+    fig = lifecycle.draw_curves(str(tmp_path / "c.png"), "t", [(n, [(s, s * (i + 1)) for s in range(200)], {})
+                                                               for i, n in enumerate(long_names)])
+    (ax,) = read_figure(fig)      # asserts the legend and every label lie on the canvas
+    assert ax["legend"] == long_names and all(line.get_marker() in ("None", None, "") for *_, line in ax["lines"])
+
+
+def test_start_and_done_lines_are_one_format_on_stderr(capsys):
+    line = lifecycle.start_line("/x/y/il_clip.py", "--method il", ["2.00M parameters", "cpu x 1"], "out/a")
+    assert line == "start: il_clip.py --method il | 2.00M parameters | cpu x 1 | out_dir out/a"
+    assert lifecycle.start_line("data.py", "check", ["data shapes"], resumed_at=4) == \
+        "start: data.py check | data shapes | resumed at step 4"
+    done = lifecycle.done_line("step 3/3", 2.4, ["out/a/checkpoint/", "out/a/metrics.jsonl", "/abs/x.json"],
+                               ["continue with: python il_clip.py --resume --out_dir out/a"])
+    assert done == ("done: step 3/3 in 2s | wrote out/a/{checkpoint/, metrics.jsonl}, /abs/x.json | "
+                    "continue with: python il_clip.py --resume --out_dir out/a")
+    assert lifecycle.done_line("scored", 0) == "done: scored in 0s | wrote nothing"
+    assert lifecycle.paths_text(["r.json"]) == "r.json"
+    std = capsys.readouterr()
+    assert std.out == "" and std.err.splitlines() == [line, "start: data.py check | data shapes | resumed at step 4",
+                                                      done, "done: scored in 0s | wrote nothing"]
+    assert [lifecycle.percent(v) for v in (12.345, 0.05, 100, None)] == ["12.3", "0.1", "100.0", "null"]
+    for warmup, steps in ((50, 20), (50, 50), (50, 0), (0, 5)):     # a note only where the peak is never reached
+        lifecycle.warmup_note(warmup, steps)
+    assert capsys.readouterr().err.splitlines() == [
+        "note: --warmup 50 is longer than the run (20 steps): the learning rate rises to 40% of --lr and never "
+        "reaches its peak (--warmup 2: 10% of the run)"]

@@ -7,6 +7,7 @@ in CSV and JSON."""
 import io
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import tarfile
 
 import numpy as np
 import pytest
+from conftest import error_lines
 import torch
 from PIL import Image
 
@@ -164,6 +166,34 @@ def test_check_counts_dropped_and_fails_on_no_data(tmp_path, capsys):
     assert r.returncode == 2 and "1 of 2 shards do not exist" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_check_says_one_start_and_one_done_line_and_suggests_a_near_miss(tmp_path, capsys):
+    """stdout holds the JSON alone; stderr the start line and the done line with the counts. A --data spec that
+    names nothing but is close to a known name (shapes, the presets) gets a 'did you mean', with its options kept."""
+    shard = _shard(tmp_path / "00000.tar", 10, n_bad=2)
+    r = _cli(capsys, "check", "--data", shard, "--batch_size", "4")
+    assert r.returncode == 0 and json.loads(r.stdout)["good"] == 10
+    err = r.stderr.splitlines()
+    assert err[0] == f"start: data.py check | data {shard} (train)" and len(err) == 2
+    assert re.fullmatch(r"done: 10 good, 2 skipped, 0 dropped samples in \d+s \| wrote nothing", err[1]), err
+    for spec, near in (("shapse", "shapes"), ("shape:train_size=8", "shapes:train_size=8"), ("cc3n", "cc3m"),
+                       ("datacomps", "datacomp"), (str(tmp_path / "nothing.csv"), None)):
+        r = _cli(capsys, "check", "--data", spec)
+        hint = f" (did you mean {near}?)" if near else ""
+        assert r.returncode == 2 and r.stderr == f"error: {spec}: no such file or directory{hint}\n", r.stderr
+    with pytest.raises(data.DataError, match=r"^shapse: no such file or directory \(did you mean shapes\?\)$"):
+        data.make_loader("shapse")      # what every script's --data meets
+
+
+def test_make_shapes_names_what_it_wrote(tmp_path, capsys):
+    out = str(tmp_path / "sd")
+    r = _cli(capsys, "make-shapes", "--out_dir", out, "--train", "3", "--test", "2", "--shard_size", "2")
+    assert r.returncode == 0 and json.loads(r.stdout)["shards"]["shards"] == 2
+    err = r.stderr.splitlines()
+    assert err[0] == f"start: data.py make-shapes | 3 train scenes, 2 per test set | out_dir {out}" and len(err) == 2
+    assert re.fullmatch(rf"done: the shapes data in 6 formats in \d+s \| wrote {re.escape(out)}/\{{shards/, "
+                        r"sugarcrepe/, crepe/, csv/, karpathy/, imagefolder/, manifest.json\}", err[1]), err
+
+
 # --- formats -----------------------------------------------------------------------------
 
 def test_csv_and_json_with_a_byte_order_mark(tmp_path):
@@ -183,7 +213,7 @@ def test_check_takes_the_csv_flags(tmp_path, capsys):
     out = json.loads(r.stdout)
     assert r.returncode == 0 and (out["good"], out["skipped"]) == (2, 1)
     r = _cli(capsys, "check", "--data", str(tmp_path / "d.csv"))
-    assert r.returncode == 2 and "--csv_img_key" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode == 2 and "--csv_img_key" in r.stderr and len(error_lines(r.stderr)) == 1
 
 
 # img2dataset.download()'s parameters (img2dataset/main.py, rom1504/img2dataset at 08538ff), which

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import error_lines
 
 import data
 import lifecycle
@@ -48,7 +49,7 @@ def fail_writes_under(monkeypatch, root, code):
 def test_make_shapes_write_error_is_one_line(tmp_path, monkeypatch, capsys, code):
     fail_writes_under(monkeypatch, tmp_path, code)
     assert data.main([*SMALL, "--out_dir", str(tmp_path / "out")]) == 2
-    err = [ln.strip() for ln in capsys.readouterr().err.splitlines() if "error" in ln]
+    err = error_lines(capsys.readouterr().err)    # its start line names the folder (and so this test)
     shard = tmp_path / "out" / "shards" / "00000.tar"
     assert err == [f"error: {shard}: cannot write: {os.strerror(code).lower()}"]
     assert os.listdir(shard.parent) == []       # the failed write's tmp file is not left behind
@@ -61,7 +62,7 @@ def test_make_shapes_under_a_real_file_size_limit(tmp_path):
     p = subprocess.run([sys.executable, "data.py", *SMALL, "--out_dir", str(tmp_path / "out")], cwd=ROOT,
                        preexec_fn=limit, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"})
-    err = [ln.strip() for ln in p.stderr.splitlines() if "error" in ln or "Traceback" in ln]
+    err = [ln.strip() for ln in error_lines(p.stderr) if "error" in ln or "Traceback" in ln]
     assert p.returncode == 2 and err == [f"error: {tmp_path / 'out' / 'shards' / '00000.tar'}: cannot write: "
                                          "file too large"], p.stderr
 

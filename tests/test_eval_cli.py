@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import data
 import eval_compositional as E
+from conftest import read_figure
 import il_clip
 import lifecycle
 
@@ -39,34 +40,41 @@ def ckpts(tmp_path_factory):
     return out
 
 
-def test_cli_end_to_end(ckpts, tmp_path):
+def test_cli_end_to_end(ckpts, tmp_path, monkeypatch, capsys):
+    """The command as a user runs it (in this process, so the figures can be read): the table on stdout, one start
+    and one done line on stderr, the JSON, and each PNG's figure drawn from the numbers in the JSON."""
     ck = ckpts["codebook"]
     sd = load_file(os.path.join(ck, "checkpoint", "model.safetensors"))
     for g in (1, 2):  # generation snapshots (Fig. 4): weights only, in the model's layout
         os.makedirs(os.path.join(ck, f"gen{g}"), exist_ok=True)
         save_file({k: v * (1.0 + 0.1 * g) if v.dim() >= 2 else v for k, v in sd.items()},
                   os.path.join(ck, f"gen{g}", "model.safetensors"))
+    figures = {}
+    for name in ("draw_line_plot", "draw_image_grid"):     # the figures, as they are saved
+        real = getattr(E, name)
+        monkeypatch.setattr(E, name, lambda path, *a, real=real: figures.setdefault(os.path.basename(path),
+                                                                                     real(path, *a)))
     out = tmp_path / "res.json"
-    p = subprocess.run([sys.executable, "eval_compositional.py", "--ckpt", ck, "--out", str(out),
-                        "--benchmarks", "shapes,sugarcrepe,spectral,codebook,easy_to_learn",
-                        "--compare_ckpts", ckpts["clip"], "--num_workers", "1"] + FAST,
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    assert (p.stdout.startswith("| benchmark | metric | value | scored | skipped |")
-            and "| shapes | sugarcrepe_mean |" in p.stdout)
-    assert "activation GELU (preset)" in p.stderr  # the tiny preset's exact GELU, said once
-    assert "skipped sugarcrepe: no --sugarcrepe given" in p.stderr
-    err = p.stderr.splitlines()     # one start line; the end line last, naming what was written
+    assert E.main(["--ckpt", ck, "--out", str(out), "--benchmarks", "shapes,sugarcrepe,spectral,codebook,easy_to_learn",
+                   "--compare_ckpts", ckpts["clip"], "--num_workers", "1"] + FAST) == 0
+    std = capsys.readouterr()
+    assert std.out.startswith("| benchmark | metric | value | scored | skipped |")
+    assert "activation GELU (preset)" in std.err  # the tiny preset's exact GELU, said once
+    assert "skipped sugarcrepe: no --sugarcrepe given" in std.err
+    err = std.err.splitlines()     # one start line; the end line last, naming what was written
     start = [ln for ln in err if ln.startswith("start: ")]
     assert len(start) == 1 and start[0].startswith(f"start: eval_compositional.py {ck} | benchmarks shapes,sugarcrepe,"
                                                    "spectral,codebook,easy_to_learn | ")
     assert start[0].endswith(f"M parameters | cpu x 1 | out {out}")
     assert err[-1].startswith("done: 4 of 5 benchmarks scored in ") and err[-1].endswith(
-        f"| wrote {out}, {tmp_path / 'spectral.png'}, {tmp_path / 'codebook.png'}, {tmp_path / 'easy_to_learn.png'}")
+        f"| wrote {tmp_path}/{{res.json, spectral.png, codebook.png, easy_to_learn.png}}")
     res = json.loads(out.read_text())["results"]
     assert "sugarcrepe_mean" in res["shapes"] and "mean_7" not in res["shapes"]
     assert set(res) == {"shapes", "spectral", "codebook", "easy_to_learn"}
     assert all(0 <= res["shapes"][c] <= 100 for c in data.SHAPES_CATEGORIES)
+    # the table: percents with one decimal, the spectral log10 values as they are
+    assert f"| shapes | sugarcrepe_mean | {res['shapes']['sugarcrepe_mean']:.1f} |" in std.out
+    assert f"| spectral | log10_product | {res['spectral']['log10_product']} |" in std.out
     # weights scaled by 1.1 then 1.2: every spectral norm scales, so the product grows
     gens = res["spectral"]["generations"]
     assert [g["snapshot"] for g in gens] == ["gen1", "gen2"]
@@ -77,7 +85,28 @@ def test_cli_end_to_end(ckpts, tmp_path):
     assert {"codebook", "clip"} <= set(curves) and [c["step"] for c in curves["codebook"]["curve"]] == [0, 2, 4]
     assert len(res["codebook"]["codes"]) == 3
     for png in ("spectral.png", "easy_to_learn.png", "codebook.png"):
-        assert os.path.getsize(tmp_path / png) > 0
+        assert open(tmp_path / png, "rb").read(4) == b"\x89PNG" and png in figures
+    # spectral.png: x the generation each snapshot ends (whole numbers), y the JSON's log10 of the vision product
+    (ax,) = read_figure(figures["spectral.png"])
+    assert ax["legend"] == ["codebook (gen{K}/ snapshots)", "clip (final weights, no snapshots)"]
+    (_, x0, y0, _), (_, x1, y1, _) = ax["lines"]
+    assert x0 == [1, 2] and y0 == pytest.approx([g["log10_vision"] for g in gens])
+    assert x1 == [1, 2] and y1 == pytest.approx([res["spectral"]["compare"]["clip"]["log10_vision"]] * 2)
+    assert ax["xticks"] == ["1", "2"] and ax["ylabel"] == "log10 of the product (unitless)"
+    assert ax["xlabel"].startswith("generation")
+    # easy_to_learn.png: one curve per checkpoint, the JSON's accuracy at each probe step; the curves stay apart
+    (ax,) = read_figure(figures["easy_to_learn.png"])
+    assert ax["legend"] == ["codebook: final weights", "clip: final weights"]
+    for (label, xs, ys, line), name in zip(ax["lines"], ("codebook", "clip")):
+        assert xs == [c["step"] for c in curves[name]["curve"]] and ys == [c["acc"] for c in curves[name]["curve"]]
+    assert len({(line.get_marker(), line.get_linestyle()) for *_, line in ax["lines"]}) == 2
+    assert ax["ylabel"] == "held-out in-batch accuracy (%)" and ax["xticks"] == ["0", "1", "2", "3", "4"]
+    # codebook.png: a row per code in the JSON's order, its top images
+    fig = figures["codebook.png"]
+    read_figure(fig)
+    rows = [ax.get_ylabel() for ax in fig.axes if ax.get_ylabel()]
+    assert [r.split("\n")[0] for r in rows] == [f"code {c}" for c in res["codebook"]["codes"]]
+    assert sum(len(ax.get_images()) for ax in fig.axes) == 3 * 2
 
 
 def test_code_scores_reproduce_the_models_image_embedding(ckpts):

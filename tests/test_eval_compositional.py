@@ -15,6 +15,7 @@ import zipfile
 
 import numpy as np
 import pytest
+from conftest import read_figure
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -530,11 +531,30 @@ def test_spectral_product_equals_product_of_numpy_singular_values():
 
 # ----------------------------------------------------------------------------- PNGs
 
-def test_pngs_are_drawn_with_pil(tmp_path):
-    E.draw_line_plot(str(tmp_path / "p.png"), {"a": [(0, 1.0), (10, 30.0)], "b": [(0, 2.0), (10, float("nan"))]},
-                     "t", "step", "acc")
-    E.draw_image_grid(str(tmp_path / "g.png"), [("code 3", [Image.new("RGB", (8, 8), RED)] * 2)])
-    assert Image.open(tmp_path / "p.png").size == (640, 420) and Image.open(tmp_path / "g.png").size[1] == 68
+def test_pngs_are_drawn_with_matplotlib_and_read_as_their_data(tmp_path):
+    """draw_line_plot: each series its points (a NaN left out), in the order given, each with its own marker and
+    dash (equal series stay visible), values not offsets on y, whole numbers on x; draw_image_grid: a row per label,
+    each image once, the title wrapped onto the canvas."""
+    series = {"a": [(0, 3.6381), (10, 3.6385), (20, 3.6389)], "b": [(0, 3.6381), (10, 3.6385), (20, 3.6389)],
+              "c": [(0, 3.6383), (10, float("nan")), (20, 3.6384)]}
+    fig = E.draw_line_plot(str(tmp_path / "p.png"), series, "a title", "probe step", "accuracy (%)")
+    (ax,) = read_figure(fig)
+    assert Image.open(tmp_path / "p.png").size == (900, 420)
+    assert (ax["title"], ax["xlabel"], ax["ylabel"], ax["legend"]) == ("a title", "probe step", "accuracy (%)",
+                                                                      ["a", "b", "c"])
+    assert [(label, xs, ys) for label, xs, ys, _ in ax["lines"]] == [
+        ("a", [0, 10, 20], [3.6381, 3.6385, 3.6389]), ("b", [0, 10, 20], [3.6381, 3.6385, 3.6389]),
+        ("c", [0, 20], [3.6383, 3.6384])]
+    styles = [(line.get_marker(), line.get_linestyle()) for *_, line in ax["lines"]]
+    assert len(set(styles)) == 3 and ax["lines"][0][3].get_linewidth() > ax["lines"][1][3].get_linewidth()
+    assert all(t.startswith("3.638") for t in ax["yticks"]) and all(t.isdigit() for t in ax["xticks"])
+    images = [Image.new("RGB", (8, 8), RED), Image.new("RGB", (8, 8), GREEN)]
+    fig = E.draw_image_grid(str(tmp_path / "g.png"), [("code 3", images), ("code 7", images[:1])], "codes " * 20)
+    read_figure(fig)
+    assert [a.get_ylabel() for a in fig.axes[::2]] == ["code 3", "code 7"]
+    assert [len(a.get_images()) for a in fig.axes] == [1, 1, 1, 0]
+    assert fig.axes[0].get_images()[0].get_array()[0, 0].tolist() == list(RED)
+    assert Image.open(tmp_path / "g.png").size == tuple(round(v * 100) for v in fig.get_size_inches())
 
 
 def test_spectral_product_is_no_lipschitz_bound_of_a_residual_block():

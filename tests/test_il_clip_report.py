@@ -10,11 +10,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import require_real_wandb
+from conftest import read_figure, require_real_wandb
 import torch
 
 import data
-import lifecycle
 import il_clip as M
 from test_il_clip import IL, ROOT, TINY, run_main
 
@@ -24,8 +23,10 @@ SCHEMA = {"step": int, "phase": str, "loss": float, "lr": float, "time": float}
 def test_start_and_end_lines_percent_results_and_the_eval_record(tmp_path, capsys):
     out = str(tmp_path / "r")
     assert run_main(TINY + IL + ["--eval_size", "6", "--out_dir", out]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    start, end = lines[0], lines[-1]
+    std = capsys.readouterr()
+    talk = [ln for ln in std.err.splitlines() if ln.startswith(("start: ", "done: "))]
+    assert len(talk) == 2, std.err
+    start, end = talk
     n_params = sum(p.numel() for p in M.load_model(out)[0].parameters())
     assert start == (f"start: il_clip.py --method il | {n_params / 1e6:.2f}M parameters | cpu x 1 | "
                      f"data shapes ({len(data.ShapesDataset('train'))} train pairs) | out_dir {out}")
@@ -39,7 +40,11 @@ def test_start_and_end_lines_percent_results_and_the_eval_record(tmp_path, capsy
     assert all(metrics[c] in shares for c in [*data.SHAPES_CATEGORIES, "systematicity", "productivity"])
     assert metrics["sugarcrepe_mean"] == pytest.approx(sum(metrics[c] for c in data.SHAPES_CATEGORIES) / 7, abs=0.01)
     assert 0 <= metrics["i2t_r1"] <= 100 and any(v > 1 for v in metrics.values())
-    assert " | ".join(f"{metrics[k]:.1f}" for k in M.SHAPES_METRICS) in "\n".join(lines)   # the printed table
+    # stdout holds the results only: the table (one decimal, as every command prints a percent) and what was scored
+    lines = std.out.splitlines()
+    assert lines[:3] == ["| " + " | ".join(M.SHAPES_METRICS) + " |", "| " + " | ".join(["---"] * 12) + " |",
+                         "| " + " | ".join(f"{metrics[k]:.1f}" for k in M.SHAPES_METRICS) + " |"]
+    assert len(lines) == 4 and lines[3].startswith("scored: 6 items per category")
     recs = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     for rec in recs[:-1]:
         assert {k: type(rec[k]) for k in SCHEMA} == SCHEMA, rec
@@ -50,12 +55,25 @@ def test_start_and_end_lines_percent_results_and_the_eval_record(tmp_path, capsy
     # a resumed run says so; a run stopped early says how to continue
     assert run_main(TINY + ["--method", "clip", "--max_steps", "4", "--stop_at", "2", "--out_dir", out,
                             "--overwrite"]) == 0
-    end = capsys.readouterr().out.strip().splitlines()[-1]
+    end = capsys.readouterr().err.strip().splitlines()[-1]
     assert end.startswith("done: step 2/4 in ") and end.endswith(f" | continue with: python il_clip.py --resume "
                                                                    f"--out_dir {out}"), end
     assert run_main(["--resume", "--out_dir", out]) == 0
-    start = capsys.readouterr().out.splitlines()[0]
+    start = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("start: "))
     assert start.startswith("start: il_clip.py --method clip | ") and start.endswith(" | resumed at step 2")
+
+
+def test_a_warmup_longer_than_the_run_gets_a_note_and_the_schedule_stays(tmp_path, capsys):
+    args = TINY + ["--method", "clip", "--max_steps", "4", "--eval_size", "0", "--log_interval", "1"]
+    assert run_main(args + ["--warmup", "10", "--out_dir", str(tmp_path / "a")]) == 0
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("note: --warmup")]
+    assert notes == ["note: --warmup 10 is longer than the run (4 steps): the learning rate rises to 40% of --lr and "
+                     "never reaches its peak (--warmup 1: 10% of the run)"]
+    lr = [json.loads(x)["lr"] for x in open(tmp_path / "a" / "metrics.jsonl")]
+    assert lr == pytest.approx([M.warmup_cosine(s, 4, 10, lr[0] * 10) for s in range(4)])   # the schedule as asked
+    assert lr[-1] == pytest.approx(0.4 * lr[0] * 10)
+    assert run_main(args + ["--warmup", "2", "--out_dir", str(tmp_path / "b")]) == 0
+    assert "note: --warmup" not in capsys.readouterr().err
 
 
 class Terminal(io.StringIO):
@@ -77,39 +95,44 @@ def test_the_final_evaluation_has_a_progress_bar_on_a_terminal(monkeypatch):
 
 
 def test_a_single_phase_run_is_one_colour_named_by_its_method(tmp_path):
+    """The loss curve of a one-phase run: one line named by the method, its points the metrics.jsonl records (not
+    the eval record), markers at a few points, whole-number steps, a legend on the canvas."""
     assert M.phase_style("train", "negclip") == ("negclip", M.METHOD_COLOUR)
     assert M.METHOD_COLOUR not in [c for _, c in M.PHASE_STYLE.values()]
-    assert M.phase_style("warmup", "il") == ("warm-up", M.PHASE_STYLE["warmup"][1])
-    recs = [{"step": s, "phase": "train", "loss": 4.0 - s / 10, "clip_loss": 4.0 - s / 10, "lr": 1e-3, "time": 0.0}
+    recs = [{"step": s, "phase": "train", "loss": 4.0 - s / 10, "clip": 4.0 - s / 10, "lr": 1e-3, "time": 0.0}
             for s in range(1, 9)]
-    assert M.legend_entries(recs, "clip") == [("clip", M.METHOD_COLOUR)]
-    il = [dict(r, phase=p) for r, p in zip(recs, ["warmup", "warmup", "distill", "interact"])]
-    il[2]["clip_loss"] = 5.0                                    # distill: the loss is KD
-    assert [label for label, _ in M.legend_entries(il, "il", [2])] == [
-        "warm-up", "distill", "interact", "contrastive loss", "spawn"]
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in recs) + json.dumps({"step": 8, "phase": "eval"}) + "\n")
-    M.draw_loss_curve(str(metrics), str(tmp_path / "c.png"), method="clip")
-    from PIL import Image
-    colours = {c for _, c in Image.open(tmp_path / "c.png").convert("RGB").getcolors(1 << 20)}
-    assert M.METHOD_COLOUR in colours and M.PHASE_STYLE["warmup"][1] not in colours
+    (ax,) = read_figure(M.draw_loss_curve(str(metrics), str(tmp_path / "c.png"), method="clip"))
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert ax["legend"] == ["clip"] and ax["xlabel"] == "step (optimizer steps)" and ax["ylabel"] == "loss (nats)"
+    assert ax["title"] == "il_clip.py --method clip: training loss (mean over each log interval)"
+    (label, xs, ys, line), = ax["lines"]
+    assert xs == [r["step"] for r in recs] and ys == pytest.approx([r["loss"] for r in recs])
+    assert line.get_marker() == "o" and line.get_color() == M.METHOD_COLOUR
+    assert all(t.isdigit() for t in ax["xticks"]) and ax["xlim"][0] == 0
 
 
-@pytest.mark.parametrize("hi", [1, 3, 7, 12, 37, 1000, 48000])
-def test_step_ticks_are_whole_numbers_inside_the_range(hi):
-    ticks = lifecycle.nice_ticks(0, hi, integer=True)
-    assert ticks[0] == 0 and ticks[-1] <= hi and len(ticks) >= 2 - (hi < 2)
-    assert all(float(t).is_integer() for t in ticks) and len(set(ticks)) == len(ticks)
-    assert all("." not in s for s in lifecycle.tick_labels(ticks))
-
-
-@pytest.mark.parametrize("lo,hi", [(3.6381, 3.6383), (0.5, 4.7), (1e-4, 3e-4), (2.0, 2.0 + 1e-6)])
-def test_loss_ticks_read_differently_and_lie_in_the_range(lo, hi):
-    ticks = lifecycle.nice_ticks(lo, hi)
-    labels = lifecycle.tick_labels(ticks)
-    assert len(ticks) >= 2 and lo - 1e-12 <= ticks[0] and ticks[-1] <= hi + 1e-12
-    assert len(set(labels)) == len(labels)
-    assert all(abs(float(s) - t) <= (hi - lo) / 10 for s, t in zip(labels, ticks))   # a label reads its tick
+def test_the_il_curve_has_each_phase_its_spawns_and_the_contrastive_loss(tmp_path):
+    """IL: a line per phase holding its records' losses (joined to the record before each of its stretches), the
+    contrastive loss in grey at every record, a dotted line at each spawn named by its generation."""
+    phases = ["warmup"] * 3 + ["distill"] * 2 + ["interact"] * 3 + ["distill"] * 2 + ["interact"] * 2
+    recs = [{"step": 2 * (i + 1), "phase": p, "loss": 1.0 + i % 4 + (p == "distill"), "clip": 2.0 + i, "lr": 1e-3,
+             "time": 0.0} for i, p in enumerate(phases)]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    fig = M.draw_loss_curve(str(metrics), str(tmp_path / "c.png"), [6, 16, 99])
+    (ax,) = read_figure(fig)
+    assert ax["legend"] == ["contrastive loss", "warm-up", "distill (KD loss)", "interact"]
+    lines = {label: (xs, ys) for label, xs, ys, _ in ax["lines"] if not label.startswith("_")}
+    assert lines["contrastive loss"] == ([r["step"] for r in recs], [r["clip"] for r in recs])
+    for phase, label in (("warmup", "warm-up"), ("distill", "distill (KD loss)"), ("interact", "interact")):
+        xs, ys = lines[label]
+        own = [(r["step"], r["loss"]) for r in recs if r["phase"] == phase]
+        joints = [(a["step"], a["loss"]) for a, b in zip(recs, recs[1:]) if b["phase"] == phase != a["phase"]]
+        assert sorted(zip(xs, ys)) == sorted(own + joints), phase
+    spawns = [line.get_xdata()[0] for line in fig.axes[0].get_lines() if line.get_label().startswith("_")]
+    assert spawns == [6, 16] and [t.get_text() for t in fig.axes[0].texts] == ["spawn, gen 1", "spawn, gen 2"]
 
 
 def test_help_is_grouped_and_shows_every_informative_default(capsys):

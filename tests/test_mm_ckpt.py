@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import mm_learngene as M
 from test_mm_learngene import EXTRACT, ENV, ROOT, _ListLoader, expect_error, run_cli, saved_step, teacher  # noqa: F401
-from conftest import disk_full_at_save
+from conftest import disk_full_at_save, error_lines
 
 
 def toy_args(**kw):
@@ -153,7 +153,7 @@ def test_damaged_newest_falls_back_to_prev_with_a_note(teacher, tmp_path, capsys
     DAMAGE[damage][0](tmp_path / "s" / "checkpoint")
     capsys.readouterr()
     M.main(args + ["--resume"])
-    err = capsys.readouterr().err.strip().splitlines()
+    err = error_lines(capsys.readouterr().err)
     assert len(err) == 1 and err[0].startswith("note: ") and "previous checkpoint" in err[0] \
         and "(step 1)" in err[0] and DAMAGE[damage][1] in err[0], err
     a, b = (load_file(str(d / "learngene.safetensors")) for d in (ref, tmp_path / "s"))
@@ -271,7 +271,7 @@ def test_write_errors_anywhere_are_one_line(teacher, tmp_path, capsys, monkeypat
         args = extract_args(teacher, tmp_path / "o")
     with pytest.raises(SystemExit) as e:
         M.main(args)
-    err = capsys.readouterr().err.strip()
+    err = "\n".join(error_lines(capsys.readouterr().err))
     assert e.value.code == 2 and err.startswith("error: ") and "\n" not in err and os.strerror(code).lower() in err, err
     assert {"metrics": "metrics.jsonl", "png": "loss_curve.png", "results": "results.json"}[what] in err
 
@@ -397,7 +397,7 @@ def test_ctrl_c_saves_like_sigterm_and_a_second_exits_at_once(teacher, tmp_path,
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         M.main(["extract", "--out_dir", str(out), "--resume"])
-    err = capsys.readouterr().err.strip().splitlines()
+    err = error_lines(capsys.readouterr().err)
     assert e.value.code == 130 and err == ["error: interrupted again: exiting without saving"], err
     assert saved_step(out) == step and signal.getsignal(signal.SIGINT) is not M.lifecycle._on_stop_signal
 

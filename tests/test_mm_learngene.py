@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import error_lines
 import torch
 from safetensors.torch import load_file
 
@@ -294,7 +295,7 @@ def test_extract_resume_is_exact(teacher, extracted, tmp_path, capsys):
         M.main(args + ["--stop_at", "1"])
     assert e.value.code == 0 and "--stop_at" in capsys.readouterr().out
     M.main(args + ["--resume"])
-    assert "learngene parameters" in capsys.readouterr().out
+    assert "learngene parameters" in capsys.readouterr().err
     a = load_file(str(extracted / "learngene.safetensors"))
     b = load_file(str(tmp_path / "r" / "learngene.safetensors"))
     for k in a:
@@ -329,8 +330,21 @@ def expect_error(args, capsys, fragment):
     with pytest.raises(SystemExit) as e:
         M.main(args)
     assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
+    err = "\n".join(error_lines(capsys.readouterr().err))     # the earlier commands' start and done lines aside
     assert err.startswith("error: ") and "\n" not in err and fragment in err, err
+
+
+def test_a_codebook_teacher_is_refused_naming_the_run_to_use(tmp_path, capsys):
+    """extract needs a plain CLIP: an il_clip.py codebook / IL run is one error line saying which run to give."""
+    import il_clip
+    out = str(tmp_path / "cb")
+    assert il_clip.main(["--method", "codebook", "--codebook", "16", "--model_args", "width=32", "layers=1", "heads=2",
+                         "embed_dim=32", "image_size=32", "patch_size=8", "code_dim=32", "--batch_size", "8",
+                         "--max_steps", "0", "--eval_size", "0", "--vocab_size", "300", "--out_dir", out]) == 0
+    capsys.readouterr()
+    expect_error(EXTRACT + ["--teacher", out, "--out_dir", str(tmp_path / "lg")], capsys,
+                 f"{out}: a codebook-head teacher (il_clip.py --method codebook) is not supported, its embeddings are "
+                 f"not CLIP's: use an il_clip.py --method clip (or negclip) run, or OpenAI / open_clip weights")
 
 
 def test_bad_input(teacher, extracted, tmp_path, capsys):
