@@ -5,11 +5,12 @@ CLIP, Codebook-CLIP (FDT), NegCLIP and IL-CLIP (iterated learning) in one file.
     python il_clip.py --method clip --max_steps 300     # plain CLIP baseline
     torchrun --standalone --nproc_per_node=8 il_clip.py --data cc3m --model ViT-B-32
 
-Paper: "Iterated Learning Improves Compositionality in Large Vision-Language Models" (Zheng et al., CVPR 2024); what
-it leaves open is marked `Choice:` where it is decided. Reads top to bottom: config -> model -> sparsemax / codebook
-head -> losses -> NegCLIP's negative captions -> IL schedule -> compute_loss (every loss term) -> IL phases
-(set_trainable, spawn) -> train -> shapes benchmark score; then one infrastructure section (what state.pt holds, MFU,
-the loss curve's series) and main. data.py holds the loaders, the tokenizer, the shapes data and the run lifecycle.
+Paper: "Iterated Learning Improves Compositionality in Large Vision-Language Models" (Zheng et al.,
+CVPR 2024); what it leaves open is marked `Choice:` where it is decided. Reads top to bottom: config
+-> model -> sparsemax / codebook head -> losses -> NegCLIP's negative captions -> IL schedule ->
+compute_loss (every loss term) -> IL phases (set_trainable, spawn) -> train -> shapes benchmark
+score; then one infrastructure section (what state.pt holds, MFU, the loss curve's series) and
+main. data.py holds the loaders, the tokenizer, the shapes data and the run lifecycle.
 """
 import argparse
 import copy
@@ -45,7 +46,8 @@ if dist.is_available():
 
 # -----------------------------------------------------------------------------
 # config
-ConfigError = data.DataError     # a user mistake in flags or files: main() prints `error: <msg>` and exits 2
+# a user mistake in flags or files: main() prints `error: <msg>` and exits 2
+ConfigError = data.DataError
 
 
 @dataclass
@@ -75,74 +77,96 @@ MODEL_PRESETS = {
     "tiny": dict(embed_dim=128, image_size=64, patch_size=8, vision_width=128, vision_layers=4,
                  vision_heads=4, context_length=32, vocab_size=1000, text_width=128, text_layers=4,
                  text_heads=4, quick_gelu=False, code_dim=128),
-    **{f"ViT-B-{p}": dict(embed_dim=512, image_size=224, patch_size=p, vision_width=768, vision_layers=12,
-                          vision_heads=12, context_length=77, vocab_size=49408, text_width=512,
-                          text_layers=12, text_heads=8, quick_gelu=True, code_dim=512) for p in (32, 16)},
-    "ViT-S-16": dict(embed_dim=384, image_size=224, patch_size=16, vision_width=384, vision_layers=12,
-                     vision_heads=6, context_length=77, vocab_size=49408, text_width=384,
+    **{f"ViT-B-{p}": dict(embed_dim=512, image_size=224, patch_size=p, vision_width=768,
+                          vision_layers=12, vision_heads=12, context_length=77, vocab_size=49408,
+                          text_width=512, text_layers=12, text_heads=8, quick_gelu=True,
+                          code_dim=512)
+       for p in (32, 16)},
+    "ViT-S-16": dict(embed_dim=384, image_size=224, patch_size=16, vision_width=384,
+                     vision_layers=12, vision_heads=6, context_length=77, vocab_size=49408, text_width=384,
                      text_layers=12, text_heads=6, quick_gelu=False, code_dim=512),
 }
 
 # Paper defaults (Table 4 / section 4.1) with --data cc3m|cc12m|datacomp, and the scaled-down
-# defaults used on the built-in shapes data (sized so `python il_clip.py` runs ~10 min on 2 CPU cores).
+# defaults used on the built-in shapes data (sized so `python il_clip.py` runs ~10 min on 2 CPU
+# cores).
 # generations=5: the paper gives no count ("K training cycles"); 5 is this repo's choice, which
 # with its CC3M step counts (6000 + 5 x (1000 + 5000) + 12000) gives 48k steps.
-PAPER_DEFAULTS = dict(model="ViT-B-32", batch_size=1024, lr=5e-4, warmup=500, rewarm=500, codebook=16384,
-                      code_temp=1000.0, t_warm=6000, t_distill=1000, t_interact=5000, generations=5, t_extend=12000,
-                      context_length=77, vocab_size=49408, neg_pool=16384, log_interval=50, save_interval=1000)
-SHAPES_DEFAULTS = dict(model="tiny", batch_size=64, lr=1e-3, warmup=50, rewarm=25, codebook=1024, code_temp=100.0,
-                       t_warm=300, t_distill=40, t_interact=160, generations=3, t_extend=100, context_length=32,
-                       vocab_size=1000, neg_pool=1024, log_interval=20, save_interval=200)
+PAPER_DEFAULTS = dict(model="ViT-B-32", batch_size=1024, lr=5e-4, warmup=500, rewarm=500,
+                      codebook=16384, code_temp=1000.0,
+                      t_warm=6000, t_distill=1000, t_interact=5000, generations=5, t_extend=12000,
+                      context_length=77, vocab_size=49408, neg_pool=16384,
+                      log_interval=50, save_interval=1000)
+SHAPES_DEFAULTS = dict(model="tiny", batch_size=64, lr=1e-3, warmup=50, rewarm=25,
+                       codebook=1024, code_temp=100.0,
+                       t_warm=300, t_distill=40, t_interact=160, generations=3, t_extend=100,
+                       context_length=32, vocab_size=1000, neg_pool=1024,
+                       log_interval=20, save_interval=200)
 CODE_TEMP_ITERS = 1000      # T = T0 * decay^(step / 1000) (FDT's schedule), floor 0.01
 KD_TEMP = 1.0               # Hinton KD temperature of the distill phase
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows "(default: X)" where X says something; what None or an off switch means, the help says."""
+    """Shows "(default: X)" where X says something; what None or an off switch means, the help
+    says."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False or action.default == [] or "default" in action.help:
+        if (action.default is None or action.default is False or action.default == []
+                or "default" in action.help):
             return action.help
         return super()._get_help_string(action)
 
 
 def build_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1], allow_abbrev=False, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1], allow_abbrev=False,
+                                formatter_class=HelpFormatter)
     by_data = lambda k: f"default: {SHAPES_DEFAULTS[k]} on shapes, {PAPER_DEFAULTS[k]} on web data"
     a = p.add_argument_group("data").add_argument
     a("--data", default="shapes", help="shapes | cc3m | cc12m | datacomp | shards | csv | ...")
-    a("--image_root", default=None, help="image folder for a CSV / Karpathy JSON --data (default: paths as written)")
+    a("--image_root", default=None,
+      help="image folder for a CSV / Karpathy JSON --data (default: paths as written)")
     a("--csv_img_key", default="filepath", help="the CSV's image column")
     a("--csv_caption_key", default="title", help="the CSV's caption column")
     a("--csv_separator", default=None, help="default: data.py picks by file extension")
-    a("--resampled", action="store_true", help="draw shards with replacement (open_clip's --dataset-resampled)")
-    a("--vocab", default=None, help="CLIP's bpe_simple_vocab_16e6.txt.gz (default: a BPE trained on the captions)")
-    a("--vocab_size", type=int, default=None, help=f"size of the trained BPE ({by_data('vocab_size')})")
+    a("--resampled", action="store_true",
+      help="draw shards with replacement (open_clip's --dataset-resampled)")
+    a("--vocab", default=None,
+      help="CLIP's bpe_simple_vocab_16e6.txt.gz (default: a BPE trained on the captions)")
+    a("--vocab_size", type=int, default=None,
+      help=f"size of the trained BPE ({by_data('vocab_size')})")
     a = p.add_argument_group("model").add_argument
     a("--model", default=None, help=f"preset: {', '.join(MODEL_PRESETS)} ({by_data('model')})")
     a("--model_args", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-      help="override the preset: width, layers, heads (both towers, or vision_/text_ KEY), embed_dim, "
-           "image_size, patch_size, context_length, code_dim, mlp_ratio")
-    a("--init", default=None, help="OpenAI/open_clip-layout weights (.safetensors or .pt) (default: random init)")
-    a("--quick_gelu", action=argparse.BooleanOptionalAction, default=None, help="default: the preset's; "
-      "with --init what open_clip_config.json / config.json beside the weights says, else OpenAI's QuickGELU "
-      "(assumed, and recorded so; --no-quick_gelu for open_clip's LAION/DataComp ViT-B-32, GELU)")
+      help="override the preset: width, layers, heads (both towers, or vision_/text_ KEY), "
+           "embed_dim, image_size, patch_size, context_length, code_dim, mlp_ratio")
+    a("--init", default=None,
+      help="OpenAI/open_clip-layout weights (.safetensors or .pt) (default: random init)")
+    a("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
+      help="default: the preset's; with --init what open_clip_config.json / config.json beside the "
+           "weights says, else OpenAI's QuickGELU (assumed, and recorded so; --no-quick_gelu for "
+           "open_clip's LAION/DataComp ViT-B-32, GELU)")
     a = p.add_argument_group("method").add_argument
-    a("--method", default="il", choices=["clip", "codebook", "negclip", "il"], help="the loss and schedule")
+    a("--method", default="il", choices=["clip", "codebook", "negclip", "il"],
+      help="the loss and schedule")
     a("--negatives", action="store_true", help="add NegCLIP hard negatives to --method il")
     a("--neg_pool", type=int, default=None, help=f"NegCLIP's image pool ({by_data('neg_pool')})")
-    a("--codebook", type=int, default=None, help=f"K codes, 0 = none ({by_data('codebook')}; with codebook / il)")
-    a("--code_temp", type=float, default=None, help="T0 of the code temperature T = T0 * decay^(step/1000), floor "
-      "0.01, dividing the scores: a large T0 spreads sparsemax's weight over many codes (a softmax at T0=100 would be "
-      f"near uniform), a small one makes it sparse ({by_data('code_temp')})")
+    a("--codebook", type=int, default=None,
+      help=f"K codes, 0 = none ({by_data('codebook')}; with codebook / il)")
+    a("--code_temp", type=float, default=None,
+      help="T0 of the code temperature T = T0 * decay^(step/1000), floor 0.01, dividing the "
+           "scores: a large T0 spreads sparsemax's weight over many codes (a softmax at T0=100 "
+           f"would be near uniform), a small one makes it sparse ({by_data('code_temp')})")
     a("--code_temp_decay", type=float, default=1.0, help="the decay of T per 1000 steps")
     a("--code_sim", default="dot", choices=["dot", "cos"],
       help="dot: q.c/sqrt(D)/T (FDT); cos: cos(q,c)/T, in [-1/T, 1/T]: use a T near 0.01-0.1")
-    a("--spawn", default="language", choices=["language", "vision", "alternate"], help="the agent re-initialised")
+    a("--spawn", default="language", choices=["language", "vision", "alternate"],
+      help="the agent re-initialised")
     a("--no_freeze_codebook", action="store_true", help="train the codebook during distill")
-    a("--distill_loss", default="kd", choices=["kd", "cos"], help="kd: Hinton KD of the logits; cos: of embeddings")
+    a("--distill_loss", default="kd", choices=["kd", "cos"],
+      help="kd: Hinton KD of the logits; cos: of embeddings")
     a("--distill_train_vision", action="store_true",
-      help="train the non-spawned agent during distill (frozen by default; needs --distill_loss kd)")
+      help="train the non-spawned agent during distill (frozen by default; "
+           "needs --distill_loss kd)")
     a("--spectral_norm", action="store_true", help="spectral norm on every nn.Linear and attention "
       "in_proj (not patch conv, embeddings, projections, codebook)")
     a = p.add_argument_group("schedule (steps)").add_argument
@@ -150,50 +174,68 @@ def build_args(argv=None):
     a("--t_warm", type=int, default=None, help=f"warm-up generation ({by_data('t_warm')})")
     a("--t_distill", type=int, default=None, help=f"distill phase ({by_data('t_distill')})")
     a("--t_interact", type=int, default=None, help=f"interact phase ({by_data('t_interact')})")
-    a("--generations", type=int, default=None, help=f"spawns ({by_data('generations')}; the paper gives no count)")
-    a("--t_extend", type=int, default=None, help=f"the last interaction's extension ({by_data('t_extend')})")
+    a("--generations", type=int, default=None,
+      help=f"spawns ({by_data('generations')}; the paper gives no count)")
+    a("--t_extend", type=int, default=None,
+      help=f"the last interaction's extension ({by_data('t_extend')})")
     a("--warmup", type=int, default=None, help=f"linear LR warm-up ({by_data('warmup')})")
-    a("--rewarm", type=int, default=None, help=f"linear LR re-warm-up at each generation start ({by_data('rewarm')})")
-    a("--lr_schedule", default="global", choices=["global", "generation", "il_cycles"], help="global: one cosine "
-      "over max_steps (paper); generation: warm-up + cosine to 0 within the warm-up, each generation, the "
-      "extension; il_cycles: generation's cycles for any method (a no-spawn control)")
+    a("--rewarm", type=int, default=None,
+      help=f"linear LR re-warm-up at each generation start ({by_data('rewarm')})")
+    a("--lr_schedule", default="global", choices=["global", "generation", "il_cycles"],
+      help="global: one cosine over max_steps (paper); generation: warm-up + cosine to 0 within the "
+           "warm-up, each generation, the extension; il_cycles: generation's cycles for any method "
+           "(a no-spawn control)")
     a = p.add_argument_group("optimisation").add_argument
-    a("--batch_size", type=int, default=None, help=f"global batch, all ranks and micro-steps ({by_data('batch_size')})")
+    a("--batch_size", type=int, default=None,
+      help=f"global batch, all ranks and micro-steps ({by_data('batch_size')})")
     a("--accum", type=int, default=1, help="gradient accumulation micro-steps")
     a("--lr", type=float, default=None, help=f"peak LR, see --lr_schedule ({by_data('lr')})")
-    a("--wd", type=float, default=0.1, help="AdamW weight decay (not on gains, biases, logit_scale)")
+    a("--wd", type=float, default=0.1,
+      help="AdamW weight decay (not on gains, biases, logit_scale)")
     a("--betas", type=float, nargs=2, default=(0.9, 0.98), help="AdamW betas")
     a("--eps", type=float, default=1e-6, help="AdamW eps")
     a("--grad_clip", type=float, default=1.0, help="gradient norm clip, 0 = off")
     a("--seed", type=int, default=0, help="init, data order, spawns, NegCLIP negatives")
     a = p.add_argument_group("machine").add_argument
-    a("--device", default=None, help="cpu | cuda (default: cuda when available; under torchrun cuda:LOCAL_RANK)")
-    a("--dtype", default=None, choices=["fp32", "bf16"], help="autocast dtype (default: bf16 on CUDA, else fp32)")
+    a("--device", default=None,
+      help="cpu | cuda (default: cuda when available; under torchrun cuda:LOCAL_RANK)")
+    a("--dtype", default=None, choices=["fp32", "bf16"],
+      help="autocast dtype (default: bf16 on CUDA, else fp32)")
     a("--compile", action="store_true", help="torch.compile the encoders")
     a("--num_workers", type=int, default=0, help="data loading processes per rank")
     a = p.add_argument_group("output").add_argument
-    a("--out_dir", default="out/il_clip", help="checkpoint/, metrics.jsonl, loss_curve.png, shapes_eval.json")
+    a("--out_dir", default="out/il_clip",
+      help="checkpoint/, metrics.jsonl, loss_curve.png, shapes_eval.json")
     a("--resume", action="store_true", help="continue the run in out_dir with its saved flags")
-    a("--overwrite", action="store_true", help="replace the checkpoint and results of an earlier run in out_dir")
-    a("--stop_at", type=int, default=None, help="stop here with a checkpoint, as if preempted (default: --max_steps)")
-    a("--log_interval", type=int, default=None, help=f"steps per metrics.jsonl line ({by_data('log_interval')})")
-    a("--save_interval", type=int, default=None, help=f"steps per checkpoint ({by_data('save_interval')})")
+    a("--overwrite", action="store_true",
+      help="replace the checkpoint and results of an earlier run in out_dir")
+    a("--stop_at", type=int, default=None,
+      help="stop here with a checkpoint, as if preempted (default: --max_steps)")
+    a("--log_interval", type=int, default=None,
+      help=f"steps per metrics.jsonl line ({by_data('log_interval')})")
+    a("--save_interval", type=int, default=None,
+      help=f"steps per checkpoint ({by_data('save_interval')})")
     a("--eval_size", type=int, default=1000,
-      help="shapes benchmark items per category (0 = no eval; 1000: a standard error of at most 1.6 points)")
-    a("--wandb", default=None, metavar="PROJECT", help="also send metrics.jsonl's records to this Weights & "
-      "Biases project (rank 0; needs `pip install wandb`; default: off)")
+      help="shapes benchmark items per category (0 = no eval; 1000: a standard error of at most "
+           "1.6 points)")
+    a("--wandb", default=None, metavar="PROJECT",
+      help="also send metrics.jsonl's records to this Weights & Biases project (rank 0; needs "
+           "`pip install wandb`; default: off)")
     args = p.parse_args(argv)
     opts = {s: act.dest for act in p._actions for s in act.option_strings}
     tokens = [t.split("=")[0] for t in (sys.argv[1:] if argv is None else argv)]
-    args.given = sorted({opts[t] for t in tokens if t in opts})    # set on the command line (--resume compares)
+    # set on the command line (--resume compares)
+    args.given = sorted({opts[t] for t in tokens if t in opts})
     if args.resume and args.overwrite:
-        raise ConfigError("--resume continues the run in --out_dir, --overwrite replaces it: give one")
+        raise ConfigError("--resume continues the run in --out_dir, --overwrite replaces it: "
+                          "give one")
     return args if args.resume else check_args(args)    # --resume: the saved flags, in run()
 
 
 def check_args(args):
     """Fill the data-dependent defaults and reject contradictory flags (ConfigError)."""
-    if args.wandb and importlib.util.find_spec("wandb") is None:    # on every rank, before anything is written
+    # on every rank, before anything is written
+    if args.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("--wandb needs the wandb package (pip install wandb)")
     if args.negatives and args.method not in ("il", "negclip"):
         raise ConfigError("--negatives goes with --method il (negclip always uses them)")
@@ -210,29 +252,34 @@ def check_args(args):
     if args.distill_train_vision and args.distill_loss == "cos":
         raise ConfigError("--distill_train_vision needs --distill_loss kd (the cos loss does not "
                           "involve the other agent, so it would get no gradient)")
-    if args.code_sim == "cos" and args.codebook and args.code_temp > 1:    # cos scores lie in [-1/T, 1/T]
-        print(f"warning: --code_sim cos with --code_temp {args.code_temp}: the sparsemax weights are "
-              f"nearly uniform; use --code_temp 0.01-0.1", file=sys.stderr)
+    # cos scores lie in [-1/T, 1/T]
+    if args.code_sim == "cos" and args.codebook and args.code_temp > 1:
+        print(f"warning: --code_sim cos with --code_temp {args.code_temp}: the sparsemax weights "
+              f"are nearly uniform; use --code_temp 0.01-0.1", file=sys.stderr)
     if min(args.t_warm, args.t_distill, args.t_interact, args.generations, args.t_extend) < 0:
         raise ConfigError("IL step counts must be >= 0")
     if args.max_steps is None:
         args.max_steps = make_schedule(args).total
     args.model_overrides = parse_model_args(args.model_args)
-    args.context_length = args.model_overrides.pop("context_length", args.context_length)  # the tokenizer's
+    # the tokenizer's
+    args.context_length = args.model_overrides.pop("context_length", args.context_length)
     return args
 
 
 def parse_model_args(pairs):
-    """["width=64", "layers=6"] -> {"vision_width": 64, "text_width": 64, ...}, typed as ModelConfig."""
-    own_flag = {"vocab_size", "eot_token_id", "quick_gelu", "codebook_size", "code_sim", "spectral_norm"}
-    field_type = {f.name: f.type for f in fields(ModelConfig) if f.name not in own_flag}  # int, float, str
+    """["width=64", "layers=6"] -> {"vision_width": 64, "text_width": 64, ...}, typed as
+    ModelConfig."""
+    own_flag = {"vocab_size", "eot_token_id", "quick_gelu", "codebook_size", "code_sim",
+                "spectral_norm"}
+    # int, float, str
+    field_type = {f.name: f.type for f in fields(ModelConfig) if f.name not in own_flag}
     out = {}
     for kv in pairs:
         key, _, value = kv.partition("=")
         names = [f"vision_{key}", f"text_{key}"] if key in ("width", "layers", "heads") else [key]
         if not value or any(n not in field_type for n in names):
-            raise ConfigError(f"--model_args {kv!r}: expected KEY=VALUE, KEY one of width, layers, heads, "
-                              f"{', '.join(field_type)}")
+            raise ConfigError(f"--model_args {kv!r}: expected KEY=VALUE, KEY one of width, layers, "
+                              f"heads, {', '.join(field_type)}")
         try:
             out.update({n: field_type[n](value) for n in names})
         except ValueError:
