@@ -399,14 +399,16 @@ class VisionTransformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         if cfg.image_size % cfg.patch_size:
-            raise ConfigError(f"image_size {cfg.image_size} is not a multiple of patch_size {cfg.patch_size}")
+            raise ConfigError(f"image_size {cfg.image_size} is not a multiple of "
+                              f"patch_size {cfg.patch_size}")
         w = cfg.vision_width
         self.grid = cfg.image_size // cfg.patch_size
         self.conv1 = nn.Conv2d(3, w, kernel_size=cfg.patch_size, stride=cfg.patch_size, bias=False)
         self.class_embedding = nn.Parameter(torch.zeros(w))
         self.positional_embedding = nn.Parameter(torch.zeros(self.grid ** 2 + 1, w))
         self.ln_pre = nn.LayerNorm(w)
-        self.transformer = Transformer(w, cfg.vision_layers, cfg.vision_heads, cfg.mlp_ratio, cfg.quick_gelu)
+        self.transformer = Transformer(w, cfg.vision_layers, cfg.vision_heads, cfg.mlp_ratio,
+                                       cfg.quick_gelu)
         self.ln_post = nn.LayerNorm(w)
         self.proj = nn.Parameter(torch.zeros(w, cfg.embed_dim))
         self.init_weights(torch.Generator().manual_seed(0))     # usable alone (CLIP re-seeds)
@@ -434,7 +436,8 @@ class VisionTransformer(nn.Module):
 
 
 class TextTransformer(nn.Module):
-    """The language tower, attributes at the top level: CLIP (a subclass) gets OpenAI's key names."""
+    """The language tower, attributes at the top level: CLIP (a subclass) gets OpenAI's key
+    names."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -442,7 +445,8 @@ class TextTransformer(nn.Module):
         w = cfg.text_width
         self.token_embedding = nn.Embedding(cfg.vocab_size, w)
         self.positional_embedding = nn.Parameter(torch.zeros(cfg.context_length, w))
-        self.transformer = Transformer(w, cfg.text_layers, cfg.text_heads, cfg.mlp_ratio, cfg.quick_gelu)
+        self.transformer = Transformer(w, cfg.text_layers, cfg.text_heads, cfg.mlp_ratio,
+                                       cfg.quick_gelu)
         self.ln_final = nn.LayerNorm(w)
         self.text_projection = nn.Parameter(torch.zeros(w, cfg.embed_dim))
         self.init_text_weights(torch.Generator().manual_seed(0))  # usable alone (CLIP re-seeds)
@@ -467,9 +471,10 @@ class TextTransformer(nn.Module):
 
 
 class CLIP(TextTransformer):
-    # DDP's find_unused_parameters: not needed for a trained parameter that a phase's loss leaves out
-    # (StepLoss gives it a zero gradient) nor for frozen ones (see train()); a fork whose forward skips
-    # a parameter on some steps of a phase only sets True (open_clip does where a tower is skipped)
+    # DDP's find_unused_parameters: not needed for a trained parameter that a phase's loss leaves
+    # out (StepLoss gives it a zero gradient) nor for frozen ones (see train()); a fork whose
+    # forward skips a parameter on some steps of a phase only sets True (open_clip does where a
+    # tower is skipped)
     find_unused_parameters = False
 
     def __init__(self, cfg: ModelConfig, seed=0):
@@ -482,12 +487,14 @@ class CLIP(TextTransformer):
             self.text_query = QueryMap(cfg.text_width, cfg.code_dim)
             # current sparsemax temperature T (a schedule: T0 * w^(step/iters), floor 0.01); saved
             self.register_buffer("code_temperature", torch.tensor(1.0))
-        g = torch.Generator().manual_seed(seed)     # the whole init from `seed`: vision, language, codebook
+        # the whole init from `seed`: vision, language, codebook
+        g = torch.Generator().manual_seed(seed)
         self.init_agent("vision", g)
         self.init_agent("language", g)
         if cfg.codebook_size:
             _normal(self, "codebook", 1.0, g)       # N(0, 1)
-        if cfg.spectral_norm:       # paper Table 3's ablation: every nn.Linear and attention in_proj
+        # paper Table 3's ablation: every nn.Linear and attention in_proj
+        if cfg.spectral_norm:
             for m in list(self.modules()):
                 if isinstance(m, (nn.Linear, Attention)):
                     spectral_norm(m, "in_proj_weight" if isinstance(m, Attention) else "weight")
@@ -543,16 +550,19 @@ class CLIP(TextTransformer):
     def forward(self, images, text):
         """The one call DDP wraps: both embeddings and the logit scale capped at 100 (OpenAI, FDT;
         with the codebook clamp [3, 6] the scale used lies in [20.1, 100])."""
-        return self.encode_image(images), self.encode_text(text), self.logit_scale.exp().clamp(max=100)
+        return (self.encode_image(images), self.encode_text(text),
+                self.logit_scale.exp().clamp(max=100))
 
     @torch.no_grad()
     def clamp_logit_scale_(self):
         """After every optimizer step: OpenAI CLIP keeps ln(scale) in [0, ln 100]; with a codebook,
-        FDT's reference code keeps it in [3, 6] (a fork changing the temperature changes it here)."""
+        FDT's reference code keeps it in [3, 6] (a fork changing the temperature changes it
+        here)."""
         self.logit_scale.clamp_(*((3.0, 6.0) if self.cfg.codebook_size else (0.0, math.log(100))))
 
 
-UNUSED_WITH_CODEBOOK = ("text_projection", "visual.proj", "visual.ln_post.weight", "visual.ln_post.bias")
+UNUSED_WITH_CODEBOOK = ("text_projection", "visual.proj",
+                        "visual.ln_post.weight", "visual.ln_post.bias")
 VISION_PREFIXES = ("visual.", "image_query.")
 LANGUAGE_PREFIXES = ("token_embedding.", "positional_embedding", "transformer.", "ln_final.",
                      "text_projection", "text_query.")
@@ -628,9 +638,10 @@ class _MaxCodeScores(torch.autograd.Function):
         dc = torch.zeros(K, D, device=q.device, dtype=acc) if ctx.needs_input_grad[1] else None
         for s in range(0, B, ctx.chunk):
             b = min(ctx.chunk, B - s)
-            # one-hot routing matrix A[k, b, p] = g[b, k] at p = argmax, built per chunk. Code-major,
-            # so that dC = A @ q is one GEMM over (b, p) with no copy of A (a [b, K, P] layout needs
-            # a transposed copy of the chunk for it), and dq reads A through a transposed view.
+            # one-hot routing matrix A[k, b, p] = g[b, k] at p = argmax, built per chunk.
+            # Code-major, so that dC = A @ q is one GEMM over (b, p) with no copy of A (a [b, K, P]
+            # layout needs a transposed copy of the chunk for it), and dq reads A through a
+            # transposed view.
             A = torch.zeros(K, b, P, device=q.device, dtype=q.dtype)
             A.scatter_(2, idx[s:s + b].t()[:, :, None], g[s:s + b].t()[:, :, None].to(q.dtype))
             if dq is not None:
@@ -640,22 +651,25 @@ class _MaxCodeScores(torch.autograd.Function):
         return dq, (dc.to(codes.dtype) if dc is not None else None), None, None, None
 
 
-CODE_SCORES_PER_CHUNK = 1 << 25    # 128 MiB of float32 scores at a time (bench.py --levers tries others)
+# 128 MiB of float32 scores at a time (bench.py --levers tries others)
+CODE_SCORES_PER_CHUNK = 1 << 25
 
 
 def max_code_scores(q, codes, valid=None, budget=None, max_tokens=None):
-    """max over valid tokens ([B, P] bool) of q @ codes.T -> [B, K] float32, in sample chunks of budget
-    (default CODE_SCORES_PER_CHUNK) // (max_tokens x K) scores (a fixed `max_tokens`: no recompile per text
-    length). Pads get -inf (FDT's reference zeroes pad features, clamping scores at >= 0)."""
+    """max over valid tokens ([B, P] bool) of q @ codes.T -> [B, K] float32, in sample chunks of
+    budget (default CODE_SCORES_PER_CHUNK) // (max_tokens x K) scores (a fixed `max_tokens`: no
+    recompile per text length). Pads get -inf (FDT's reference zeroes pad features, clamping scores
+    at >= 0)."""
     return _MaxCodeScores.apply(q, codes, valid, budget or CODE_SCORES_PER_CHUNK, max_tokens)
 
 
 # -----------------------------------------------------------------------------
 # distributed helpers and losses
 class _AllGather(torch.autograd.Function):
-    """Every rank's rows in rank order; backward returns each rank's summed gradient to its rows' owner
-    (open_clip's gather_with_grad). Synchronous collectives (torch 2.13's names): with the asynchronous
-    functional all-gather, 2-rank gloo runs died about 1 in 100 (heap corruption in gloo's worker)."""
+    """Every rank's rows in rank order; backward returns each rank's summed gradient to its rows'
+    owner (open_clip's gather_with_grad). Synchronous collectives (torch 2.13's names): with the
+    asynchronous functional all-gather, 2-rank gloo runs died about 1 in 100 (heap corruption in
+    gloo's worker)."""
 
     @staticmethod
     def forward(ctx, x):
@@ -678,8 +692,9 @@ def gather(x):
 
 
 def contrastive_loss(img, txt, scale, neg_txt=None, neg_txt_valid=None, neg_img=None):
-    """Symmetric InfoNCE, local rows against all-gathered columns (mean over ranks = the single-process loss). NegCLIP:
-    negative captions as extra image->text columns, negative images (already global) as extra text->image columns."""
+    """Symmetric InfoNCE, local rows against all-gathered columns (mean over ranks = the
+    single-process loss). NegCLIP: negative captions as extra image->text columns, negative images
+    (already global) as extra text->image columns."""
     B = img.shape[0]
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     labels = torch.arange(B, device=img.device) + rank * B
@@ -688,7 +703,8 @@ def contrastive_loss(img, txt, scale, neg_txt=None, neg_txt_valid=None, neg_img=
     img_cols = all_img if neg_img is None else torch.cat([all_img, neg_img])
     li = scale * img @ txt_cols.t()
     if neg_txt_valid is not None:   # a caption with nothing to swap gets no negative column
-        keep = torch.cat([torch.ones(all_txt.shape[0], dtype=torch.bool, device=img.device), gather(neg_txt_valid)])
+        keep = torch.cat([torch.ones(all_txt.shape[0], dtype=torch.bool, device=img.device),
+                          gather(neg_txt_valid)])
         li = li.masked_fill(~keep[None], float("-inf"))
     lt = scale * txt @ img_cols.t()
     return (F.cross_entropy(li, labels) + F.cross_entropy(lt, labels)) / 2
@@ -737,40 +753,50 @@ class ImagePool:
 # NegativeCaptions(tokenizer, seed)) adds "neg_text" and "neg_valid" to every batch. Two words of
 # one part of speech are swapped, or a spatial relation flipped. Choice: no tagger is allowed, so
 # parts of speech come from a closed-class lexicon, adjective suffixes and the position in a
-# left-to-right noun-phrase chunk; a word of unknown class (an -ing or -ed pre-modifier) is never swapped.
-DETERMINERS = set("a an the this that these those some several many his her their its my your our each every "
-                  "another no one two three four five six seven eight nine ten".split())
+# left-to-right noun-phrase chunk; a word of unknown class (an -ing or -ed pre-modifier) is never
+# swapped.
+DETERMINERS = set("a an the this that these those some several many his her their its my your "
+                  "our each every another no one two three four five six seven eight nine ten".split())
 CLOSED_CLASS = DETERMINERS | set(
-    "of in on at with by near under over above below behind beside between into onto through across along around "
-    "during for against inside outside toward towards past down up off out from about among like after before "
-    "without beneath underneath next to and or but while as who which where when whose he she it they we you him "
-    "them is are was were be been being am has have had do does did can could will would there very high".split())
-COLOUR_WORDS = set("red orange yellow green blue purple pink brown black white gray grey cyan magenta silver "
-                   "gold".split())
+    "of in on at with by near under over above below behind beside between into onto "
+    "through across along around during for against inside outside toward towards "
+    "past down up off out from about among like after before without beneath "
+    "underneath next to and or but while as who which where when whose he she it they "
+    "we you him them is are was were be been being am has have had do does did can "
+    "could will would there very high".split())
+COLOUR_WORDS = set("red orange yellow green blue purple pink brown black white gray grey cyan "
+                   "magenta silver gold".split())
 ADJECTIVES = COLOUR_WORDS | set(
-    "small large big little tiny huge tall short long young old new wooden empty busy calm soft smiling happy "
-    "snowy sunny dark bright open full clean dirty wet dry hot cold fresh round square striped crowded concrete "
-    "pretty beautiful cute sandy grassy rocky cloudy furry colorful".split())
+    "small large big little tiny huge tall short long young old new wooden empty busy "
+    "calm soft smiling happy snowy sunny dark bright open full clean dirty wet dry "
+    "hot cold fresh round square striped crowded concrete pretty beautiful cute sandy "
+    "grassy rocky cloudy furry colorful".split())
 ADJ_SUFFIX = re.compile(r".{3,}(ful|ous|ive|able|ible|ish|less)$")
 IRREGULAR_PLURALS = set("men women children people feet teeth mice geese sheep".split())
 COORDINATORS = {"and", "or", "&"}
-RELATION_OPPOSITES = {"in front of": "behind", "behind": "in front of", "to the left of": "to the right of",
-                      "to the right of": "to the left of", "on top of": "under", "underneath": "on top of",
-                      "above": "below", "below": "above", "over": "under", "under": "over", "inside": "outside",
-                      "outside": "inside", "next to": "far from", "near": "far from", "far from": "next to",
+RELATION_OPPOSITES = {"in front of": "behind", "behind": "in front of",
+                      "to the left of": "to the right of", "to the right of": "to the left of",
+                      "on top of": "under", "underneath": "on top of",
+                      "above": "below", "below": "above", "over": "under", "under": "over",
+                      "inside": "outside", "outside": "inside",
+                      "next to": "far from", "near": "far from", "far from": "next to",
                       "left": "right", "right": "left"}
 
 
 def tag_caption(words):
-    """Coarse tags: DET, CLOSED, ADJ, NOUN (chunk head, .plural), MOD (pre-head nominal), VBG, VBZ, VBN."""
+    """Coarse tags: DET, CLOSED, ADJ, NOUN (chunk head, .plural), MOD (pre-head nominal), VBG, VBZ,
+    VBN."""
     low = [w.lower() for w in words] + [""]
     # "a man rides a horse": an -s word after an open-class word and before a closed-class one
-    vbz = {i for i in range(1, len(low) - 1) if low[i].endswith("s") and not low[i].endswith("ss")
-           and low[i - 1].isalpha() and low[i - 1] not in CLOSED_CLASS | ADJECTIVES and low[i + 1] in CLOSED_CLASS}
+    vbz = {i for i in range(1, len(low) - 1)
+           if low[i].endswith("s") and not low[i].endswith("ss")
+           and low[i - 1].isalpha() and low[i - 1] not in CLOSED_CLASS | ADJECTIVES
+           and low[i + 1] in CLOSED_CLASS}
     tags, in_np = [], False
     for i, w in enumerate(low[:-1]):
         nxt = low[i + 1]
-        nominal_next = nxt and i + 1 not in vbz and nxt not in CLOSED_CLASS and not nxt.endswith(("ing", "ed"))
+        nominal_next = (nxt and i + 1 not in vbz and nxt not in CLOSED_CLASS
+                        and not nxt.endswith(("ing", "ed")))
         if w in DETERMINERS:
             tag, in_np = "DET", True
         elif w in CLOSED_CLASS or not w.isalpha():
@@ -786,7 +812,8 @@ def tag_caption(words):
         elif nominal_next and (in_np or w.endswith(("ing", "ed"))):
             tag, in_np = "MOD", True             # "dirt road", "parking lot", "striped shirt"
         else:
-            plural = w in IRREGULAR_PLURALS or (w.endswith("s") and not w.endswith(("ss", "us", "is")))
+            plural = (w in IRREGULAR_PLURALS
+                      or (w.endswith("s") and not w.endswith(("ss", "us", "is"))))
             tag, in_np = "NOUN.pl" if plural else "NOUN", False
         tags.append(tag)
     return tags
@@ -810,12 +837,14 @@ def reorders_conjuncts(low, comma, i, j):
 def negative_caption(caption, rng):
     """A NegCLIP hard negative: two nouns (same number), two adjectives or two verbs of one form
     exchanged (never adjacent, never two sides of a coordination), or one spatial relation replaced
-    by its opposite as a whole phrase ("in front of" -> "behind"). None when the caption offers nothing."""
+    by its opposite as a whole phrase ("in front of" -> "behind"). None when the caption offers
+    nothing."""
     words = caption.split()
     core = [w.strip(".,;:!?\"'") for w in words]
     low = [w.lower() for w in core]
     # a colour swaps with a colour only
-    tags = [t + ".colour" if t == "ADJ" and low[i] in COLOUR_WORDS else t for i, t in enumerate(tag_caption(core))]
+    tags = [t + ".colour" if t == "ADJ" and low[i] in COLOUR_WORDS else t
+            for i, t in enumerate(tag_caption(core))]
     comma = [w.rstrip("\"'").endswith((",", ";")) for w in words]
     text = caption.lower()
     spans = []                                    # relation phrases, longest first, not overlapping
@@ -823,7 +852,8 @@ def negative_caption(caption, rng):
         for m in re.finditer(rf"\b{phrase}\b", text):
             if not any(m.start() < e and s < m.end() for s, e, _ in spans):
                 spans.append((m.start(), m.end(), phrase))
-    in_relation = {len(text[:s].split()) + k for s, e, _ in spans for k in range(len(text[s:e].split()))}
+    in_relation = {len(text[:s].split()) + k
+                   for s, e, _ in spans for k in range(len(text[s:e].split()))}
     options = []
     for kind in ("NOUN", "NOUN.pl", "ADJ", "ADJ.colour", "VBG", "VBZ"):
         idx = [i for i, t in enumerate(tags) if t == kind and i not in in_relation]
@@ -854,7 +884,8 @@ def negative_caption(caption, rng):
 class NegativeCaptions:
     """The loader's `batch_extra`: negatives made and tokenized in the data workers (~10 ms per 256
     captions), re-drawn each epoch from (seed, epoch, sample key) as NegCLIP samples one of several
-    per caption, so a resumed run draws the same ones. neg_valid: False where nothing can be swapped."""
+    per caption, so a resumed run draws the same ones. neg_valid: False where nothing can be
+    swapped."""
 
     def __init__(self, tokenizer, seed):
         self.tokenizer, self.seed = tokenizer, seed
@@ -862,7 +893,8 @@ class NegativeCaptions:
     def __call__(self, batch, epoch):
         negs = [negative_caption(c, random.Random(f"negclip/{self.seed}/{epoch}/{k}/{c}"))
                 for c, k in zip(batch["caption"], batch["key"])]
-        return {"neg_text": self.tokenizer([n if n is not None else c for n, c in zip(negs, batch["caption"])]),
+        return {"neg_text": self.tokenizer([n if n is not None else c
+                                            for n, c in zip(negs, batch["caption"])]),
                 "neg_valid": torch.tensor([n is not None for n in negs])}
 
 
@@ -872,16 +904,20 @@ class ILSchedule:
     """warm-up [0, t_warm) = generation 0, then `generations` x [spawn -> distill -> interact],
     the last interaction extended by t_extend."""
 
-    def __init__(self, t_warm, t_distill, t_interact, generations, t_extend, enabled=True, cycles=None):
+    def __init__(self, t_warm, t_distill, t_interact, generations, t_extend, enabled=True,
+                 cycles=None):
         self.t_warm = t_warm
         self.t_distill = t_distill
         self.generations = generations
         self.enabled = enabled
         self.gen_len = t_distill + t_interact
         self.total = t_warm + generations * self.gen_len + t_extend
-        self.spawn_steps = [t_warm + g * self.gen_len for g in range(generations)] if enabled else []
-        # LR cycle starts: the spawns, or IL's generation starts without a spawn (cycles=True: a control run)
-        self.cycle_starts = [t_warm + g * self.gen_len for g in range(generations)] if cycles else self.spawn_steps
+        self.spawn_steps = ([t_warm + g * self.gen_len for g in range(generations)]
+                            if enabled else [])
+        # LR cycle starts: the spawns, or IL's generation starts without a spawn (cycles=True: a
+        # control run)
+        self.cycle_starts = ([t_warm + g * self.gen_len for g in range(generations)]
+                             if cycles else self.spawn_steps)
 
     def at(self, step):
         """(phase, generation, start step of that generation)."""
@@ -895,15 +931,17 @@ class ILSchedule:
         return phase, g + 1, start
 
     def cycle(self, step, end):
-        """[start, stop) of the LR cycle holding step under --lr_schedule generation / il_cycles: the warm-up,
-        each generation (distill + interact), the extension; the run's last cycle stops at `end`."""
+        """[start, stop) of the LR cycle holding step under --lr_schedule generation / il_cycles:
+        the warm-up, each generation (distill + interact), the extension; the run's last cycle
+        stops at `end`."""
         cuts = [0, *self.cycle_starts] + [g + self.gen_len for g in self.cycle_starts[-1:]]
         return max(c for c in cuts if c <= step), min([c for c in cuts if c > step] + [end])
 
 
 def make_schedule(args):
     return ILSchedule(args.t_warm, args.t_distill, args.t_interact, args.generations,
-                      args.t_extend, enabled=args.method == "il", cycles=args.lr_schedule == "il_cycles")
+                      args.t_extend, enabled=args.method == "il",
+                      cycles=args.lr_schedule == "il_cycles")
 
 
 def spawn_agent(args, generation):
@@ -918,32 +956,38 @@ def spawn_seed(seed, generation):
 
 
 def warmup_cosine(s, length, warm, peak):
-    """Step s of a cycle of `length` steps: linear warm-up over `warm` steps, then cosine decay to 0."""
+    """Step s of a cycle of `length` steps: linear warm-up over `warm` steps, then cosine decay to
+    0."""
     if s < warm:
         return peak * (s + 1) / warm
     return 0.5 * peak * (1 + math.cos(math.pi * min(1.0, (s - warm) / max(1, length - warm))))
 
 
 def get_lr(step, args, sched):
-    if args.lr_schedule == "global":     # paper Table 4: one cosine over the run, re-warmed up to its current point
+    # paper Table 4: one cosine over the run, re-warmed up to its current point
+    if args.lr_schedule == "global":
         lr = warmup_cosine(step, args.max_steps, args.warmup, args.lr)
         phase, gen, start = sched.at(step)
         if gen > 0 and args.rewarm > 0:  # linear re-warm-up at the start of every generation
             lr *= min(1.0, (step - start + 1) / args.rewarm)
         return lr
-    # Choice: (the paper gives no such schedule) each cycle (warm-up, each generation, the extension)
-    # warms up to the full peak and decays to 0, so late generations learn as much as early ones.
+    # Choice: (the paper gives no such schedule) each cycle (warm-up, each generation, the
+    # extension) warms up to the full peak and decays to 0, so late generations learn as much as
+    # early ones.
     start, end = sched.cycle(step, args.max_steps)
-    return warmup_cosine(step - start, end - start, args.warmup if start == 0 else args.rewarm, args.lr)
+    return warmup_cosine(step - start, end - start, args.warmup if start == 0 else args.rewarm,
+                         args.lr)
 
 
 # -----------------------------------------------------------------------------
 # weights: --init, load_model
 def load_model(path, device="cpu", quick_gelu=None):
-    """-> (model, tokenizer or None, config) from an out_dir, a checkpoint/ folder or an OpenAI-layout weight
-    file. The activation: `quick_gelu`, else the checkpoint's config, else lifecycle.weights_activation's (an
-    assumption is said on stderr); config["quick_gelu_source"] says which."""
-    folder = lifecycle.checkpoint_dir(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    """-> (model, tokenizer or None, config) from an out_dir, a checkpoint/ folder or an
+    OpenAI-layout weight file. The activation: `quick_gelu`, else the checkpoint's config, else
+    lifecycle.weights_activation's (an assumption is said on stderr); config["quick_gelu_source"]
+    says which."""
+    folder = (lifecycle.checkpoint_dir(path) if os.path.isdir(path)
+              else os.path.dirname(os.path.abspath(path)))
     if os.path.isdir(path):
         config = lifecycle.read_json(os.path.join(folder, "config.json"))
         names = {f.name for f in fields(ModelConfig)}
@@ -952,7 +996,8 @@ def load_model(path, device="cpu", quick_gelu=None):
         source = config.get("quick_gelu_source", "config")
     else:
         sd = lifecycle.read_weights(path)
-        hparams = lifecycle.clip_hparams(sd, path)     # OpenAI's conventions: a bare file has no config
+        # OpenAI's conventions: a bare file has no config
+        hparams = lifecycle.clip_hparams(sd, path)
         if "codebook" in sd:        # this script's codebook head
             hparams["codebook_size"], hparams["code_dim"] = sd["codebook"].shape
         cfg = ModelConfig(**hparams)
@@ -973,9 +1018,10 @@ def load_model(path, device="cpu", quick_gelu=None):
 # -----------------------------------------------------------------------------
 # the loss of one micro-batch: every term a forker may change sits here
 def trim_padding(text, eot_id: int, multiple: int = 8):
-    """Drop the token columns after a CPU batch's last EOT, rounded up to a multiple of 8 (tensor cores, few
-    compiled lengths): exact when nothing reads past a caption's EOT (a causal text tower; the codebook head
-    masks those positions). A device tensor is returned as is (finding the EOT would sync)."""
+    """Drop the token columns after a CPU batch's last EOT, rounded up to a multiple of 8 (tensor
+    cores, few compiled lengths): exact when nothing reads past a caption's EOT (a causal text
+    tower; the codebook head masks those positions). A device tensor is returned as is (finding the
+    EOT would sync)."""
     if text.device.type != "cpu":
         return text
     n = int((text == eot_id).int().argmax(-1).max()) + 1
