@@ -83,7 +83,8 @@ MODEL_PRESETS = {
                           code_dim=512)
        for p in (32, 16)},
     "ViT-S-16": dict(embed_dim=384, image_size=224, patch_size=16, vision_width=384,
-                     vision_layers=12, vision_heads=6, context_length=77, vocab_size=49408, text_width=384,
+                     vision_layers=12, vision_heads=6, context_length=77, vocab_size=49408,
+                     text_width=384,
                      text_layers=12, text_heads=6, quick_gelu=False, code_dim=512),
 }
 
@@ -182,9 +183,9 @@ def build_args(argv=None):
     a("--rewarm", type=int, default=None,
       help=f"linear LR re-warm-up at each generation start ({by_data('rewarm')})")
     a("--lr_schedule", default="global", choices=["global", "generation", "il_cycles"],
-      help="global: one cosine over max_steps (paper); generation: warm-up + cosine to 0 within the "
-           "warm-up, each generation, the extension; il_cycles: generation's cycles for any method "
-           "(a no-spawn control)")
+      help="global: one cosine over max_steps (paper); generation: warm-up + cosine to 0 within "
+           "the warm-up, each generation, the extension; il_cycles: generation's cycles for any "
+           "method (a no-spawn control)")
     a = p.add_argument_group("optimisation").add_argument
     a("--batch_size", type=int, default=None,
       help=f"global batch, all ranks and micro-steps ({by_data('batch_size')})")
@@ -756,7 +757,8 @@ class ImagePool:
 # left-to-right noun-phrase chunk; a word of unknown class (an -ing or -ed pre-modifier) is never
 # swapped.
 DETERMINERS = set("a an the this that these those some several many his her their its my your "
-                  "our each every another no one two three four five six seven eight nine ten".split())
+                  "our each every another no one two three four five six seven eight nine "
+                  "ten".split())
 CLOSED_CLASS = DETERMINERS | set(
     "of in on at with by near under over above below behind beside between into onto "
     "through across along around during for against inside outside toward towards "
@@ -1029,11 +1031,13 @@ def trim_padding(text, eot_id: int, multiple: int = 8):
 
 
 def compute_loss(model, batch, phase, agent, teacher, pool, args):
-    """One micro-batch -> (loss to backpropagate, contrastive loss for the log, the logit scale used, text
-    length after trimming, NegCLIP's global image embeddings for train() to add to the pool, or None).
-    NegCLIP's negative captions ride in the same text batch (one forward per micro-batch)."""
+    """One micro-batch -> (loss to backpropagate, contrastive loss for the log, the logit scale
+    used, text length after trimming, NegCLIP's global image embeddings for train() to add to the
+    pool, or None). NegCLIP's negative captions ride in the same text batch (one forward per
+    micro-batch)."""
     device = model.logit_scale.device
-    images = data.normalize_images(batch["image"], device)      # uint8 -> normalised float on the device
+    # uint8 -> normalised float on the device
+    images = data.normalize_images(batch["image"], device)
     text, n = batch["text"], batch["text"].shape[0]
     negclip = pool is not None and phase != "distill"
     if negclip:
@@ -1047,15 +1051,18 @@ def compute_loss(model, batch, phase, agent, teacher, pool, args):
         # distill (paper Sec. 3.2): the spawned agent learns the old generation's logits (kd_loss);
         # the scale is the student's, detached (logit_scale is frozen here)
         with torch.no_grad():
-            t_emb = teacher.encode_text(text) if agent == "language" else teacher.encode_image(images)
+            t_emb = (teacher.encode_text(text) if agent == "language"
+                     else teacher.encode_image(images))
         s_emb, o_emb = (txt, img) if agent == "language" else (img, txt)
         logged = contrastive_loss(img.detach(), txt.detach(), scale.detach())  # Fig. 3's curve
         if args.distill_loss == "cos":
             return (1 - (s_emb * t_emb).sum(-1)).mean(), logged, scale.detach(), text_len, None
-        return kd_loss(o_emb, s_emb, t_emb, scale.detach(), KD_TEMP), logged, scale.detach(), text_len, None
+        return (kd_loss(o_emb, s_emb, t_emb, scale.detach(), KD_TEMP), logged, scale.detach(),
+                text_len, None)
     neg_valid = neg_img = all_img = None
     if negclip:
-        # NegCLIP's extra columns (contrastive_loss): the negative captions, each image's pool neighbour
+        # NegCLIP's extra columns (contrastive_loss): the negative captions, each image's pool
+        # neighbour
         neg_valid = batch["neg_valid"].to(device, non_blocking=True)
         all_img = gather(img.detach())
         neg_img = pool.nearest(all_img)
@@ -1064,12 +1071,12 @@ def compute_loss(model, batch, phase, agent, teacher, pool, args):
 
 
 class StepLoss(nn.Module):
-    """compute_loss as the forward() DDP wraps: a term that uses a parameter directly (a learnable bias,
-    a weight penalty) gets its gradient averaged over ranks like the rest (around the model alone, DDP
-    fails on it: "marked as ready twice"). Every trained parameter enters the loss: one that this phase's
-    loss leaves out (a fork's SigLIP bias in distill) enters times 0 (lifecycle.unused_parameters, found
-    at the first step of each trainable set), so it trains alike on 1 process and under torchrun. The loss
-    and the gradients of the others are unchanged."""
+    """compute_loss as the forward() DDP wraps: a term that uses a parameter directly (a learnable
+    bias, a weight penalty) gets its gradient averaged over ranks like the rest (around the model
+    alone, DDP fails on it: "marked as ready twice"). Every trained parameter enters the loss: one
+    that this phase's loss leaves out (a fork's SigLIP bias in distill) enters times 0
+    (lifecycle.unused_parameters, found at the first step of each trainable set), so it trains alike
+    on 1 process and under torchrun. The loss and the gradients of the others are unchanged."""
 
     def __init__(self, model, args):
         super().__init__()
@@ -1078,7 +1085,8 @@ class StepLoss(nn.Module):
     def forward(self, batch, phase, agent, teacher, pool):
         loss, *out = compute_loss(self.model, batch, phase, agent, teacher, pool, self.args)
         if self.unused is None:
-            self.unused = lifecycle.unused_parameters(loss, [p for p in self.model.parameters() if p.requires_grad])
+            self.unused = lifecycle.unused_parameters(
+                loss, [p for p in self.model.parameters() if p.requires_grad])
         if self.unused:
             loss = loss + sum(p.reshape(-1)[0] for p in self.unused) * 0.0
         return loss, *out
@@ -1101,7 +1109,8 @@ def setup_distributed(args):
 
 def build_tokenizer(args, rank, world):
     """Rank 0 reads --vocab or trains a BPE on the captions into out_dir; every rank loads that."""
-    if rank == 0 and not (args.resume and os.path.isfile(os.path.join(args.out_dir, "tokenizer.json"))):
+    if rank == 0 and not (args.resume
+                          and os.path.isfile(os.path.join(args.out_dir, "tokenizer.json"))):
         captions = None if args.vocab else data.captions_for_tokenizer(
             args.data, image_root=args.image_root, img_key=args.csv_img_key,
             caption_key=args.csv_caption_key, separator=args.csv_separator)
@@ -1114,16 +1123,20 @@ def build_tokenizer(args, rank, world):
 
 
 def model_config(args, tok):
-    """The preset, then --model_args and --quick_gelu (with --init: lifecycle.weights_activation); the tokenizer
-    fixes vocabulary and length. args.quick_gelu_source records the activation's source."""
+    """The preset, then --model_args and --quick_gelu (with --init: lifecycle.weights_activation);
+    the tokenizer fixes vocabulary and length. args.quick_gelu_source records the activation's
+    source."""
     cfg = ModelConfig(**{**MODEL_PRESETS[args.model], **args.model_overrides})
-    cfg.vocab_size, cfg.context_length, cfg.eot_token_id = tok.vocab_size, tok.context_length, tok.eot_id
+    cfg.vocab_size, cfg.context_length, cfg.eot_token_id = (tok.vocab_size, tok.context_length,
+                                                            tok.eot_id)
     args.quick_gelu_source = "preset"
     if args.init:
-        cfg.quick_gelu, args.quick_gelu_source = lifecycle.weights_activation(args.quick_gelu, args.init)
+        cfg.quick_gelu, args.quick_gelu_source = lifecycle.weights_activation(args.quick_gelu,
+                                                                              args.init)
     elif args.quick_gelu is not None:
         cfg.quick_gelu, args.quick_gelu_source = args.quick_gelu, "flag"
-    cfg.codebook_size, cfg.code_sim, cfg.spectral_norm = args.codebook, args.code_sim, args.spectral_norm
+    cfg.codebook_size, cfg.code_sim, cfg.spectral_norm = (args.codebook, args.code_sim,
+                                                          args.spectral_norm)
     return cfg
 
 
