@@ -1143,7 +1143,8 @@ def model_config(args, tok):
 def param_groups(model):
     """AdamW groups: no weight decay on gains, biases, 1-d embeddings and logit_scale."""
     params = list(model.named_parameters())
-    no_decay = {n for n, p in params if p.ndim < 2 or "ln_" in n or "bias" in n or "logit_scale" in n}
+    no_decay = {n for n, p in params
+                if p.ndim < 2 or "ln_" in n or "bias" in n or "logit_scale" in n}
     return [p for n, p in params if n not in no_decay], [p for n, p in params if n in no_decay]
 
 
@@ -1151,7 +1152,8 @@ def build_model_and_optimizer(args, cfg, device):
     model = CLIP(cfg, seed=args.seed).to(device)
     if args.init:
         lifecycle.load_state(model, lifecycle.read_weights(args.init), args.init,
-                           allow_missing=("codebook", "image_query.", "text_query.", "code_temperature"))
+                             allow_missing=("codebook", "image_query.", "text_query.",
+                                            "code_temperature"))
         if getattr(args, "quick_gelu_source", None) == "assumed":
             print(lifecycle.assumed_activation_note(args.init), file=sys.stderr)
     decay, no_decay = param_groups(model)
@@ -1164,13 +1166,17 @@ def build_model_and_optimizer(args, cfg, device):
 
 
 def compile_encoders(model):
-    """Compile the encoders only (instance attributes shadow the methods): IL logic stays eager."""
-    model.encode_image, model.encode_text = torch.compile(model.encode_image), torch.compile(model.encode_text)
+    """Compile the encoders only (instance attributes shadow the methods): IL logic stays
+    eager."""
+    model.encode_image, model.encode_text = (torch.compile(model.encode_image),
+                                             torch.compile(model.encode_text))
 
 
 def frozen_copy(model, compile=False):
-    """A frozen deep copy (the distillation teacher), without the compiled encoders of `model`."""
-    compiled = {k: model.__dict__.pop(k) for k in ("encode_image", "encode_text") if k in model.__dict__}
+    """A frozen deep copy (the distillation teacher), without the compiled encoders of
+    `model`."""
+    compiled = {k: model.__dict__.pop(k) for k in ("encode_image", "encode_text")
+                if k in model.__dict__}
     copied = copy.deepcopy(model).eval().requires_grad_(False)
     model.__dict__.update(compiled)
     if compile:
@@ -1187,7 +1193,8 @@ def set_trainable(model, args, phase, agent):
         if not args.no_freeze_codebook:
             frozen.add("codebook")                         # paper: the codebook evolves smoothly
         if not args.distill_train_vision:                  # the other agent
-            frozen |= {n for n, _ in agent_params(model, "vision" if agent == "language" else "language")}
+            frozen |= {n for n, _ in agent_params(
+                model, "vision" if agent == "language" else "language")}
     for n, p in model.named_parameters():
         p.requires_grad_(n not in frozen)
 
@@ -1230,7 +1237,8 @@ class RunState:
     step: int = 0                   # optimizer steps done
     spawned: int = 0                # the last generation spawned (0: none yet)
     teacher: CLIP | None = None     # the previous generation, frozen, during distill
-    sums: torch.Tensor | None = None  # since the last log line: loss, contrastive loss, non-finite count
+    # since the last log line: loss, contrastive loss, non-finite count
+    sums: torch.Tensor | None = None
     n_loss: int = 0                 # micro-batches summed in `sums`
     text_tokens: int = 0            # their trimmed text lengths, summed (the log's text_len)
     newest_damaged: bool = False    # resumed from checkpoint.prev: the next save keeps it
@@ -1245,32 +1253,39 @@ def setup(args, rank, world, ckpt=None):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if args.batch_size % (world * args.accum):
-        raise ConfigError(f"--batch_size {args.batch_size} is not divisible by world_size x accum = "
-                          f"{world * args.accum}")
+        raise ConfigError(f"--batch_size {args.batch_size} is not divisible by "
+                          f"world_size x accum = {world * args.accum}")
     if args.init and not os.path.isfile(args.init):
         raise ConfigError(f"--init file not found: {args.init}")
-    data.resolve_data(args.data, args.image_root)   # e.g. cc3m without shards: DataError saying where it looked
+    # e.g. cc3m without shards: DataError saying where it looked
+    data.resolve_data(args.data, args.image_root)
     tok = build_tokenizer(args, rank, world)
     cfg = model_config(args, tok)
     model, opt = build_model_and_optimizer(args, cfg, device)
     pool = negatives = None
     if args.method == "negclip" or args.negatives:
-        pool = ImagePool(args.neg_pool, cfg.code_dim if cfg.codebook_size else cfg.embed_dim, device)
+        pool = ImagePool(args.neg_pool, cfg.code_dim if cfg.codebook_size else cfg.embed_dim,
+                         device)
         negatives = NegativeCaptions(tok, args.seed)   # hard-negative captions, made in the workers
     loader = data.make_loader(
         args.data, split="train", batch_size=args.batch_size // (world * args.accum), tokenizer=tok,
-        image_size=cfg.image_size, train=True, rank=rank, world_size=world, num_workers=args.num_workers,
+        image_size=cfg.image_size, train=True, rank=rank, world_size=world,
+        num_workers=args.num_workers,
         seed=args.seed, resampled=args.resampled, drop_last=True, image_root=args.image_root,
         csv_img_key=args.csv_img_key, csv_caption_key=args.csv_caption_key,
         csv_separator=args.csv_separator, pin_memory=device.type == "cuda", batch_extra=negatives)
-    r = RunState(args=args, rank=rank, world=world, device=device, tok=tok, cfg=cfg, model=model, opt=opt,
-                 autocast=nullcontext() if dt == "fp32" else torch.autocast(device.type, dtype=torch.bfloat16),
+    r = RunState(args=args, rank=rank, world=world, device=device, tok=tok, cfg=cfg, model=model,
+                 opt=opt,
+                 autocast=(nullcontext() if dt == "fp32"
+                           else torch.autocast(device.type, dtype=torch.bfloat16)),
                  sched=make_schedule(args), loader=loader, batches=loader.forever(), pool=pool,
-                 metrics_path=os.path.join(args.out_dir, "metrics.jsonl"), sums=torch.zeros(3, device=device))
+                 metrics_path=os.path.join(args.out_dir, "metrics.jsonl"),
+                 sums=torch.zeros(3, device=device))
     if ckpt is not None:
         load_checkpoint(r, ckpt)
     elif rank == 0:
-        lifecycle.write_file(r.metrics_path, "")    # a fresh log (a symbolic link there is replaced, not followed)
+        # a fresh log (a symbolic link there is replaced, not followed)
+        lifecycle.write_file(r.metrics_path, "")
     return r
 
 
@@ -1281,7 +1296,8 @@ def train(r):
     t_last, step_last, trainable_for = time.time(), r.step, None
     if r.step >= end:          # nothing to train (e.g. --max_steps 0 to export --init weights)
         save_checkpoint(r)
-    bar = lifecycle.progress(total=end, initial=r.step, desc="train", unit="step", disable=r.rank != 0)
+    bar = lifecycle.progress(total=end, initial=r.step, desc="train", unit="step",
+                             disable=r.rank != 0)
     while r.step < end:
         phase, gen, _ = r.sched.at(r.step)
         agent = spawn_agent(args, gen) if phase == "distill" else None
@@ -1303,13 +1319,15 @@ def train(r):
         for group in r.opt.param_groups:
             group["lr"] = lr
         if r.cfg.codebook_size:
-            model.code_temperature.fill_(max(0.01, args.code_temp * args.code_temp_decay ** (r.step / CODE_TEMP_ITERS)))
+            model.code_temperature.fill_(
+                max(0.01, args.code_temp * args.code_temp_decay ** (r.step / CODE_TEMP_ITERS)))
         # forward/backward, gradients averaged over ranks by DDP on the last micro-batch only
         for micro in range(args.accum):
             batch = next(r.batches)
             with fwd.no_sync() if r.world > 1 and micro < args.accum - 1 else nullcontext():
                 with r.autocast:
-                    loss, logged, scale, text_len, new_images = fwd(batch, phase, agent, r.teacher, r.pool)
+                    loss, logged, scale, text_len, new_images = fwd(batch, phase, agent,
+                                                                    r.teacher, r.pool)
                 (loss / args.accum).backward()
             if new_images is not None:
                 r.pool.push(new_images)
@@ -1325,7 +1343,8 @@ def train(r):
         bar.update()
         # sync points (the loop's only host-device syncs): log steps, save steps, phase changes
         # (a --stop_at step saves without a log line: the resumed run logs as an uninterrupted one)
-        log_now = r.step % args.log_interval == 0 or r.step == args.max_steps or r.sched.at(r.step)[0] != phase
+        log_now = (r.step % args.log_interval == 0 or r.step == args.max_steps
+                   or r.sched.at(r.step)[0] != phase)
         save_now = r.step % args.save_interval == 0 or r.step == end
         stop = lifecycle.stop_code()
         if not (log_now or save_now or (r.world == 1 and stop)):
