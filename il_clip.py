@@ -84,8 +84,8 @@ MODEL_PRESETS = {
        for p in (32, 16)},
     "ViT-S-16": dict(embed_dim=384, image_size=224, patch_size=16, vision_width=384,
                      vision_layers=12, vision_heads=6, context_length=77, vocab_size=49408,
-                     text_width=384,
-                     text_layers=12, text_heads=6, quick_gelu=False, code_dim=512),
+                     text_width=384, text_layers=12, text_heads=6, quick_gelu=False,
+                     code_dim=512),
 }
 
 # Paper defaults (Table 4 / section 4.1) with --data cc3m|cc12m|datacomp, and the scaled-down
@@ -1355,19 +1355,23 @@ def train(r):
             stats[:2] /= r.world
         loss_v, clip_v, bad, stop = stats.tolist()
         r.stopped_by = lifecycle.stopped_by(stop)
-        if bad or (save_now or stop) and not lifecycle.all_finite([model.state_dict(), list(r.opt.state.values())]):
+        if bad or (save_now or stop) and not lifecycle.all_finite(
+                [model.state_dict(), list(r.opt.state.values())]):
             bar.close()
             if r.rank == 0:
-                print(f"error: non-finite loss or weights at step <= {r.step} (phase {phase}, generation "
-                      f"{gen}); stopping, the last good checkpoint in {args.out_dir} is kept", file=sys.stderr)
+                print(f"error: non-finite loss or weights at step <= {r.step} (phase {phase}, "
+                      f"generation {gen}); stopping, the last good checkpoint in {args.out_dir} "
+                      f"is kept", file=sys.stderr)
             return "nan"
         if log_now:
             now = time.time()
             sps = (r.step - step_last) * args.batch_size / max(now - t_last, 1e-9)
             text_len = r.text_tokens / max(1, r.n_loss)
-            rec = {"step": r.step, "loss": loss_v, "clip": clip_v, "lr": lr, "phase": phase, "generation": gen,
-                   "logit_scale": scale.item(), "samples_per_s": round(sps, 2),   # the scale the loss used
-                   "text_len": round(text_len, 2), "mfu": lifecycle.estimate_mfu(r.cfg, sps, r.device, text_len), "time": now}
+            rec = {"step": r.step, "loss": loss_v, "clip": clip_v, "lr": lr, "phase": phase,
+                   "generation": gen,
+                   "logit_scale": scale.item(),     # the scale the loss used
+                   "samples_per_s": round(sps, 2), "text_len": round(text_len, 2),
+                   "mfu": lifecycle.estimate_mfu(r.cfg, sps, r.device, text_len), "time": now}
             if r.rank == 0:
                 lifecycle.log_record(r.metrics_path, rec, r.wandb)
                 bar.set_postfix(loss=f"{loss_v:.4f}", phase=phase, gen=gen)
@@ -1377,7 +1381,8 @@ def train(r):
         if save_now or stop:
             save_checkpoint(r)
             if r.rank == 0:
-                draw_loss_curve(r.metrics_path, os.path.join(args.out_dir, "loss_curve.png"), r.sched.spawn_steps,
+                draw_loss_curve(r.metrics_path, os.path.join(args.out_dir, "loss_curve.png"),
+                                r.sched.spawn_steps,
                                 args.method + ("+neg" if args.negatives else ""))
         if stop:
             bar.close()
@@ -1393,9 +1398,11 @@ def train(r):
 SHAPES_METRICS = data.SHAPES_METRICS
 
 
-def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=0, batch_size=256, progress=False):
-    """The model on the built-in benchmark (data.score_shapes, the scorer eval_compositional.py's `shapes` calls
-    too), in percent: i2t / t2i R@1 on `n_val` val scenes and the hard-negative accuracy of each category."""
+def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=0, batch_size=256,
+                    progress=False):
+    """The model on the built-in benchmark (data.score_shapes, the scorer eval_compositional.py's
+    `shapes` calls too), in percent: i2t / t2i R@1 on `n_val` val scenes and the hard-negative
+    accuracy of each category."""
     was_training = model.training
     model.eval()
     res = data.score_shapes(model.encode_image, model.encode_text, tokenizer, model.cfg.image_size,
@@ -1405,23 +1412,32 @@ def evaluate_shapes(model, tokenizer, n=1000, n_val=data.SHAPES_VAL_PAIRS, seed=
 
 
 # =============================================================================
-# infrastructure: il_clip's part of the run lifecycle (the rest is data.py's: the out_dir lock, the checkpoint files
-# and their fallback, write errors, stop signals, wandb, the curve), MFU, the loss curve. Nothing here changes training.
-# state.pt, checked to its leaves before --resume restores anything from it (lifecycle.read_checkpoint)
-STATE_TYPES = {"step": int, "spawned": int, "optimizer": lifecycle.OPTIMIZER_STATE, "loader": data.LOADER_STATE,
-               "log": {"sums": torch.Tensor, "n": int, "text_tokens": int}, "rng": lifecycle.RNG_STATE,
-               "teacher": ({...: torch.Tensor}, type(None)),     # distill: the previous generation, frozen
-               "pool": ({"emb": torch.Tensor, "ptr": torch.Tensor, "count": int}, type(None))}    # NegCLIP's images
-# the flags --resume takes from its command line (ALWAYS_NOW always, the others when given); the rest
-# define the run: given with --resume, they must equal the saved values
+# infrastructure: il_clip's part of the run lifecycle (the rest is data.py's: the out_dir lock, the
+# checkpoint files and their fallback, write errors, stop signals, wandb, the curve), MFU, the loss
+# curve. Nothing here changes training.
+# state.pt, checked to its leaves before --resume restores anything from it
+# (lifecycle.read_checkpoint)
+STATE_TYPES = {"step": int, "spawned": int, "optimizer": lifecycle.OPTIMIZER_STATE,
+               "loader": data.LOADER_STATE,
+               "log": {"sums": torch.Tensor, "n": int, "text_tokens": int},
+               "rng": lifecycle.RNG_STATE,
+               # distill: the previous generation, frozen
+               "teacher": ({...: torch.Tensor}, type(None)),
+               # NegCLIP's images
+               "pool": ({"emb": torch.Tensor, "ptr": torch.Tensor, "count": int}, type(None))}
+# the flags --resume takes from its command line (ALWAYS_NOW always, the others when given); the
+# rest define the run: given with --resume, they must equal the saved values
 ALWAYS_NOW = {"out_dir", "resume", "overwrite", "given", "stop_at", "device"}
-RUN_CONTROL = ALWAYS_NOW | {"save_interval", "log_interval", "num_workers", "eval_size", "compile", "wandb"}
+RUN_CONTROL = ALWAYS_NOW | {"save_interval", "log_interval", "num_workers", "eval_size", "compile",
+                            "wandb"}
 # what --overwrite removes from out_dir: the earlier run's checkpoints and results
-RUN_FILES = (r"checkpoint(\..*)?|gen\d+", r"metrics\.jsonl|shapes_eval\.json|config\.json|wandb_id\.txt|.*\.png")
+RUN_FILES = (r"checkpoint(\..*)?|gen\d+",
+             r"metrics\.jsonl|shapes_eval\.json|config\.json|wandb_id\.txt|.*\.png")
 
 
 def resumed_args(args, config):
-    """--resume: the saved run's flags and the run-control flags given now (a changed run-defining flag: DataError)."""
+    """--resume: the saved run's flags and the run-control flags given now (a changed run-defining
+    flag: DataError)."""
     saved = {k: config[k] for k in vars(args) if k in config} | {"model": config["preset"]}
     given = {k: getattr(args, k) for k in args.given}
     saved = lifecycle.resumed_flags(given, saved, RUN_CONTROL, args.out_dir, ALWAYS_NOW)
@@ -1432,22 +1448,28 @@ def save_checkpoint(r):
     """Everything --resume needs to continue bit-exactly from r.step (rank 0 writes)."""
     if r.rank != 0:
         return
-    state = {"step": r.step, "spawned": r.spawned, "optimizer": r.opt.state_dict(), "loader": r.loader.state_dict(),
+    state = {"step": r.step, "spawned": r.spawned, "optimizer": r.opt.state_dict(),
+             "loader": r.loader.state_dict(),
              "teacher": r.teacher.state_dict() if r.teacher is not None else None,
-             "pool": {"emb": r.pool.emb, "ptr": r.pool.ptr, "count": r.pool.count} if r.pool is not None else None,
-             "log": {"sums": r.sums, "n": r.n_loss, "text_tokens": r.text_tokens}, "rng": lifecycle.rng_state(r.device)}
-    lifecycle.save_checkpoint(r.args.out_dir, r.model.state_dict(), state, run_config(r), r.tok, r.step, r.newest_damaged)
+             "pool": ({"emb": r.pool.emb, "ptr": r.pool.ptr, "count": r.pool.count}
+                      if r.pool is not None else None),
+             "log": {"sums": r.sums, "n": r.n_loss, "text_tokens": r.text_tokens},
+             "rng": lifecycle.rng_state(r.device)}
+    lifecycle.save_checkpoint(r.args.out_dir, r.model.state_dict(), state, run_config(r), r.tok,
+                              r.step, r.newest_damaged)
     r.newest_damaged = False
 
 
 def run_config(r):
-    """config.json: the flags, the model config and the script that trained it (also wandb's config)."""
+    """config.json: the flags, the model config and the script that trained it (also wandb's
+    config)."""
     return {**vars(r.args), "preset": r.args.model, "model": asdict(r.cfg), "world_size": r.world,
             "script": lifecycle.script_record(__file__)}
 
 
 def load_checkpoint(r, ckpt):
-    """save_checkpoint undone (ckpt: lifecycle.load_checkpoint's); metrics.jsonl is cut back to the resumed step."""
+    """save_checkpoint undone (ckpt: lifecycle.load_checkpoint's); metrics.jsonl is cut back to the
+    resumed step."""
     folder, sd, state, _, r.newest_damaged = ckpt
     lifecycle.load_state(r.model, sd, folder)
     r.opt.load_state_dict(state["optimizer"])
@@ -1475,8 +1497,9 @@ def save_generation_snapshot(r, gen):
         sd = {k: v.detach().to("cpu").contiguous() for k, v in r.model.state_dict().items()}
         with lifecycle.writing(d):
             os.makedirs(d, exist_ok=True)
-            lifecycle.atomic_write(os.path.join(d, "model.safetensors"),
-                              lambda p: lifecycle.fsync(p, lambda q: save_file(sd, q, {"step": str(r.step)})))
+            lifecycle.atomic_write(
+                os.path.join(d, "model.safetensors"),
+                lambda p: lifecycle.fsync(p, lambda q: save_file(sd, q, {"step": str(r.step)})))
 
 
 # -----------------------------------------------------------------------------
@@ -1484,7 +1507,8 @@ def save_generation_snapshot(r, gen):
 CLIP_LOSS_COLOUR = "0.55"           # grey: the contrastive loss of every phase
 PHASE_STYLE = {"warmup": ("warm-up", "tab:blue"), "distill": ("distill (KD loss)", "tab:orange"),
                "interact": ("interact", "tab:green")}
-METHOD_COLOUR = "tab:purple"        # a run without IL phases ("train"): one colour, named by its method
+# a run without IL phases ("train"): one colour, named by its method
+METHOD_COLOUR = "tab:purple"
 
 
 def phase_style(phase, method):
@@ -1493,16 +1517,18 @@ def phase_style(phase, method):
 
 
 def loss_series(recs, method):
-    """[(label, points, style)]: the contrastive loss in grey where it differs from the loss somewhere (distill: the
-    loss is KD), and the loss as one line per phase; each stretch of a phase starts at the point before it, so the
-    curve stays joined (a segment takes the colour of the phase it ends in)."""
+    """[(label, points, style)]: the contrastive loss in grey where it differs from the loss
+    somewhere (distill: the loss is KD), and the loss as one line per phase; each stretch of a phase
+    starts at the point before it, so the curve stays joined (a segment takes the colour of the
+    phase it ends in)."""
     series = []
     if any(m["clip"] != m["loss"] for m in recs):
         series.append(("contrastive loss", [(m["step"], m["clip"]) for m in recs],
                        {"color": CLIP_LOSS_COLOUR, "linewidth": 1}))
     for phase in dict.fromkeys(m["phase"] for m in recs):
         label, colour = phase_style(phase, method)
-        pts, own = [], []       # own: the indices of this phase's records, the only points with a marker
+        # own: the indices of this phase's records, the only points with a marker
+        pts, own = [], []
         for i, m in enumerate(recs):
             if m["phase"] == phase:
                 if i and recs[i - 1]["phase"] != phase:     # the joint with the stretch before
@@ -1516,14 +1542,18 @@ def loss_series(recs, method):
 
 
 def draw_loss_curve(metrics_path, png_path, spawns=(), method="il"):
-    """The loss coloured by phase and, in grey, the contrastive loss of every phase: Fig. 3's spike at each spawn
-    (a dotted line, "gen K") shows in the grey curve. Returns the Figure."""
+    """The loss coloured by phase and, in grey, the contrastive loss of every phase: Fig. 3's spike
+    at each spawn (a dotted line, "gen K") shows in the grey curve. Returns the Figure."""
     with open(metrics_path) if os.path.isfile(metrics_path) else nullcontext([]) as f:
-        recs = [m for m in map(json.loads, filter(str.strip, f)) if "loss" in m]     # not the eval records
+        # not the eval records
+        recs = [m for m in map(json.loads, filter(str.strip, f)) if "loss" in m]
     for m in recs:      # metrics.jsonl written before the contrastive loss was named "clip"
         m.setdefault("clip", m.get("clip_loss", m["loss"]))
-    return lifecycle.draw_curves(png_path, f"il_clip.py --method {method}: training loss (mean over each log interval)",
-                                 loss_series(recs, method), [(s, f"spawn, gen {i + 1}") for i, s in enumerate(spawns)])
+    return lifecycle.draw_curves(
+        png_path,
+        f"il_clip.py --method {method}: training loss (mean over each log interval)",
+        loss_series(recs, method),
+        [(s, f"spawn, gen {i + 1}") for i, s in enumerate(spawns)])
 
 
 # -----------------------------------------------------------------------------
@@ -1532,8 +1562,10 @@ def run(argv=None):
     t0 = time.time()
     args = build_args(argv)
     rank, world = setup_distributed(args)
-    lifecycle.claim_out_dir(args.out_dir, rank, world, args.device, args.resume, args.overwrite, RUN_FILES)
-    ckpt = lifecycle.load_checkpoint(args.out_dir, STATE_TYPES, args.device, rank) if args.resume else None
+    lifecycle.claim_out_dir(args.out_dir, rank, world, args.device, args.resume, args.overwrite,
+                            RUN_FILES)
+    ckpt = (lifecycle.load_checkpoint(args.out_dir, STATE_TYPES, args.device, rank)
+            if args.resume else None)
     if ckpt is not None:
         args = resumed_args(args, ckpt[3])
     torch.manual_seed(args.seed)
@@ -1541,7 +1573,8 @@ def run(argv=None):
     np.random.seed(args.seed)
     r = setup(args, rank, world, ckpt=ckpt)
     if rank == 0:
-        r.wandb = lifecycle.start_wandb(args.wandb, args.out_dir, run_config(r), ckpt is not None) if args.wandb else None
+        r.wandb = (lifecycle.start_wandb(args.wandb, args.out_dir, run_config(r), ckpt is not None)
+                   if args.wandb else None)
         start_line(r, ckpt is not None)
         lifecycle.warmup_note(args.warmup, args.max_steps)
     status = train(r)
@@ -1551,9 +1584,11 @@ def run(argv=None):
         path = os.path.join(args.out_dir, "shapes_eval.json")
         with lifecycle.writing(path):
             lifecycle.save_json(path, res | {"scored": {"items_per_category": args.eval_size,
-                                                   "val_pairs": data.SHAPES_VAL_PAIRS}})
-        lifecycle.log_record(r.metrics_path, {"step": r.step, "phase": "eval", "time": time.time(), **res}, r.wandb)
-        rows = [list(res), ["---"] * len(res), [lifecycle.percent(v) for v in res.values()]]    # a markdown table
+                                                        "val_pairs": data.SHAPES_VAL_PAIRS}})
+        lifecycle.log_record(r.metrics_path,
+                             {"step": r.step, "phase": "eval", "time": time.time(), **res}, r.wandb)
+        # a markdown table
+        rows = [list(res), ["---"] * len(res), [lifecycle.percent(v) for v in res.values()]]
         print("\n".join("| " + " | ".join(row) + " |" for row in rows))
         print(f"scored: {args.eval_size} items per category (every item), "
               f"retrieval on {data.SHAPES_VAL_PAIRS} val pairs (percent)")
@@ -1571,8 +1606,10 @@ def start_line(r, resumed):
     a, size = r.args, r.loader.num_samples
     negatives = " --negatives" if a.negatives else ""
     return lifecycle.start_line(__file__, f"--method {a.method}{negatives}", [
-        f"{sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M parameters", f"{r.device} x {r.world}",
-        f"data {a.data}{f' ({size} train pairs)' if size else ''}"], a.out_dir, r.step if resumed else None)
+        f"{sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M parameters",
+        f"{r.device} x {r.world}",
+        f"data {a.data}{f' ({size} train pairs)' if size else ''}"],
+        a.out_dir, r.step if resumed else None)
 
 
 def end_line(r, status, seconds):
@@ -1583,7 +1620,8 @@ def end_line(r, status, seconds):
         line = lifecycle.stop_line(r.stopped_by, r.step, a.max_steps, cmd)
         print(line, flush=True)
         return line
-    gens = sorted((n for n in os.listdir(out) if re.fullmatch(r"gen\d+", n)), key=lambda n: int(n[3:]))
+    gens = sorted((n for n in os.listdir(out) if re.fullmatch(r"gen\d+", n)),
+                  key=lambda n: int(n[3:]))
     names = ["checkpoint", *gens, "metrics.jsonl", "loss_curve.png", "shapes_eval.json"]
     wrote = [os.path.join(out, n) + ("/" if os.path.isdir(os.path.join(out, n)) else "")
              for n in names if os.path.exists(os.path.join(out, n))]
@@ -1592,14 +1630,17 @@ def end_line(r, status, seconds):
 
 
 def main(argv=None):
-    owns_pg = dist.is_available() and not dist.is_initialized()   # a caller's group is the caller's to end
-    # installed until main returns: a SIGTERM during the final save or the evaluation does not kill it
+    # a caller's group is the caller's to end
+    owns_pg = dist.is_available() and not dist.is_initialized()
+    # installed until main returns: a SIGTERM during the final save or the evaluation does not kill
+    # it
     handlers = lifecycle.catch_stop_signals()
     try:
         return run(argv)
     except data.DataError as e:
         print(f"error: {e}", file=sys.stderr)
-        lifecycle.release_out_dir(failed=True)      # before its first step: the out_dir it made goes
+        # before its first step: the out_dir it made goes
+        lifecycle.release_out_dir(failed=True)
         return 2
     finally:
         lifecycle.release_out_dir()
