@@ -60,8 +60,9 @@ def proc_bytes(field="VmRSS", path="/proc/self/status"):
 
 
 class PeakMemory:
-    """Peak bytes since start() above those held when built. CUDA: max_memory_allocated. CPU: peak RSS
-    (VmHWM), a lower bound after the process's first model (the allocator reuses memory it kept)."""
+    """Peak bytes since start() above those held when built. CUDA: max_memory_allocated.
+    CPU: peak RSS (VmHWM), a lower bound after the process's first model (the allocator
+    reuses memory it kept)."""
 
     def __init__(self, device):
         self.device, self.cuda = device, device.type == "cuda"
@@ -87,7 +88,8 @@ def device_name(device):
 
 
 def timed(step, n, device, untimed=0, mem=None):
-    """Wall seconds per call of step() over n calls after `untimed` ones (caches, allocator, compile)."""
+    """Wall seconds per call of step() over n calls after `untimed` ones
+    (caches, allocator, compile)."""
     for _ in range(untimed):
         step()
     sync(device)
@@ -102,8 +104,8 @@ def timed(step, n, device, untimed=0, mem=None):
 
 # il_clip.py's training step (or open_clip's), written out, on one synthetic on-device batch
 def synthetic_text(B, vocab_size, context_length, g):
-    """[B, L] token ids: SOT = vocab_size - 2, words, EOT = vocab_size - 1 (the largest id, which open_clip's
-    argmax pooling finds) at a random position 2..L-1, zero padding after it."""
+    """[B, L] token ids: SOT = vocab_size - 2, words, EOT = vocab_size - 1 (the largest id, which
+    open_clip's argmax pooling finds) at a random position 2..L-1, zero padding after it."""
     text = torch.randint(1, vocab_size - 2, (B, context_length), generator=g)
     eot = torch.randint(2, context_length, (B,), generator=g)[:, None]
     pos = torch.arange(context_length)[None]
@@ -119,9 +121,9 @@ def model_config(model, method, codebook):
 
 
 def run_trainer(args, method, device):
-    """Times il_clip.py's training step, or ("open_clip") open_clip's CLIP + ClipLoss in it. `il`: distill
-    (language spawned) and interact steps timed apart after untimed warm-ups, and one spawn alone; its
-    step_s is their average at the paper's schedule."""
+    """Times il_clip.py's training step, or ("open_clip") open_clip's CLIP + ClipLoss in it. `il`:
+    distill (language spawned) and interact steps timed apart after untimed warm-ups, and one spawn
+    alone; its step_s is their average at the paper's schedule."""
     open_clip = import_open_clip() if method == "open_clip" else None
     K = args.codebook if args.codebook is not None else (1024 if args.model == "tiny" else 16384)
     cfg = model_config(args.model, method, K)
@@ -211,8 +213,8 @@ def report_train(args, res, device, label="il_clip"):
 
 # the reference: the same configuration with open_clip's model and ClipLoss
 def import_open_clip():
-    """open_clip for the reference runs only (the project never imports it); None, saying why, where it cannot be
-    imported."""
+    """open_clip for the reference runs only (the project never imports it); None, saying why, where
+    it cannot be imported."""
     try:
         import open_clip
         return open_clip
@@ -231,8 +233,8 @@ def open_clip_model(open_clip, cfg):
 
 
 def alternating_rounds(args, device, methods):
-    """Every method's run in turn, --rounds times (drift on the shared CPU hits all alike); reports and
-    returns each method's fastest run."""
+    """Every method's run in turn, --rounds times (drift on the shared CPU hits all alike); reports
+    and returns each method's fastest run."""
     runs = {m: [] for m in methods}
     for _ in range(args.rounds):
         for m in methods:
@@ -245,13 +247,15 @@ def alternating_rounds(args, device, methods):
 
 # --data: the input pipeline alone
 def cpu_seconds():
-    """CPU time of this process and its joined children (the loader's workers), to the microsecond."""
+    """CPU time of this process and its joined children (the loader's
+    workers), to the microsecond."""
     s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
 
 
 def loader_epoch(pattern, size, workers, batch, tok=None, max_batches=None):
-    """(images/s after the first batch, CPU ms/image of main + workers, images read, samples skipped)."""
+    """(images/s after the first batch, CPU ms/image of main + workers,
+    images read, samples skipped)."""
     c = cpu_seconds()
     loader = data.make_loader(pattern, batch_size=batch, tokenizer=tok, image_size=size, train=True,
                               num_workers=workers, drop_last=False, shuffle_buffer=64)
@@ -263,7 +267,8 @@ def loader_epoch(pattern, size, workers, batch, tok=None, max_batches=None):
 
 
 class _OneImage(torch.utils.data.Dataset):
-    """n samples of one fixed uint8 224 px image: a loader over it costs its batch transport alone, no decode."""
+    """n samples of one fixed uint8 224 px image: a loader over it costs its batch
+    transport alone, no decode."""
 
     def __init__(self, n):
         self.n, self.image = n, torch.randint(0, 256, (3, 224, 224), dtype=torch.uint8, generator=torch.Generator())
@@ -276,8 +281,9 @@ class _OneImage(torch.utils.data.Dataset):
 
 
 def transport_ms(n, workers, batch, slots):
-    """CPU ms/image (main + workers) of moving n uint8 224 px images from `workers` workers to the main process,
-    through reused shared-memory slots (data._SharedBatches) or fresh shared memory per batch (slots=False)."""
+    """CPU ms/image (main + workers) of moving n uint8 224 px images from `workers` workers to the
+    main process, through reused shared-memory slots (data._SharedBatches) or fresh shared memory
+    per batch (slots=False)."""
     loader = data.MapLoader(_OneImage(n), batch, num_workers=workers, image_size=224 if slots else None)
     c = cpu_seconds()
     m = sum(len(b["caption"]) for b in loader)
@@ -285,8 +291,9 @@ def transport_ms(n, workers, batch, slots):
 
 
 def jpeg_shards(folder, n, short_side, shards=2):
-    """n shapes scenes as img2dataset writes them (4:3, shorter side `short_side`, JPEG q95, noise for
-    photo-like sizes) in `shards` tars of KEY.jpg + KEY.txt with NNNNN_stats.json -> (brace pattern, JPEGs)."""
+    """n shapes scenes as img2dataset writes them (4:3, shorter side `short_side`, JPEG
+    q95, noise for photo-like sizes) in `shards` tars of KEY.jpg + KEY.txt with
+    NNNNN_stats.json -> (brace pattern, JPEGs)."""
     rng, jpegs = np.random.default_rng(0), []
     for i in range(n):
         scene = data.shapes_scene("train", i)
@@ -307,8 +314,9 @@ def jpeg_shards(folder, n, short_side, shards=2):
 
 
 def plain_loop(jpegs, size):
-    """CPU ms/image of the least a loader does: decode, RGB, a centred crop of 95% of the area (the mean of
-    make_loader's training crop, scale 0.9-1) resized to size x size (bicubic), a uint8 tensor. No draft."""
+    """CPU ms/image of the least a loader does: decode, RGB, a centred crop of 95% of the
+    area (the mean of make_loader's training crop, scale 0.9-1) resized to size x size
+    (bicubic), a uint8 tensor. No draft."""
     c = cpu_seconds()
     for b in jpegs:
         img = Image.open(io.BytesIO(b)).convert("RGB")
@@ -320,8 +328,9 @@ def plain_loop(jpegs, size):
 
 
 def plain_parallel(jpegs, size, n):
-    """plain_loop run by n forked processes at once, each on its share: CPU ms/image with as many busy cores as
-    make_loader's n workers (two busy cores slow each other: shared caches, memory bandwidth, clocks)."""
+    """plain_loop run by n forked processes at once, each on its share: CPU ms/image with as
+    many busy cores as make_loader's n workers (two busy cores slow each other: shared
+    caches, memory bandwidth, clocks)."""
     ps = [mp.get_context("fork").Process(target=plain_loop, args=(jpegs[i::n], size)) for i in range(n)]
     c = cpu_seconds()
     for p in ps:
@@ -332,13 +341,14 @@ def plain_parallel(jpegs, size, n):
 
 
 def bench_data(args, device):
-    """`--data SPEC`: that data through make_loader (decode or render + augment + tokenize). `--data`:
-    --images shapes scenes as img2dataset JPEGs, stored at 256 px (img2dataset's default; decoded in
-    full for 224) and at 512 px (JPEG draft decoding at 1/2), read at 224 px by a plain PIL loop and by
-    make_loader with 0 and --num_workers workers, alternated --rounds times, the least CPU kept; N workers are also
-    set against N plain loops at once (as many busy cores). Steady state: the slope between an epoch of one batch per
-    shard and the full one, which takes out each epoch's start-up (forking workers, their copy-on-write faults) that
-    a long epoch amortises. `--feed R`: the cores that R samples/s take, in steady state."""
+    """`--data SPEC`: that data through make_loader (decode or render + augment + tokenize).
+    `--data`: --images shapes scenes as img2dataset JPEGs, stored at 256 px (img2dataset's default;
+    decoded in full for 224) and at 512 px (JPEG draft decoding at 1/2), read at 224 px by a plain
+    PIL loop and by make_loader with 0 and --num_workers workers, alternated --rounds times, the
+    least CPU kept; N workers are also set against N plain loops at once (as many busy cores).
+    Steady state: the slope between an epoch of one batch per shard and the full one, which takes
+    out each epoch's start-up (forking workers, their copy-on-write faults) that a long epoch
+    amortises. `--feed R`: the cores that R samples/s take, in steady state."""
     B, workers = args.batch_size, args.num_workers if args.num_workers is not None else 2
     if args.data != "jpeg":
         tok = data.build_tokenizer(captions=data.captions_for_tokenizer(args.data), vocab_size=1000, context_length=32)
@@ -405,8 +415,9 @@ def bench_data(args, device):
 
 
 def bench_data_wait(args, device):
-    """`--data_wait`: il_clip's model trained on JPEG shards (img2dataset-style, 256 px) through make_loader
-    with --num_workers workers: the fraction of step time spent waiting for the next batch."""
+    """`--data_wait`: il_clip's model trained on JPEG shards (img2dataset-style, 256 px)
+    through make_loader with --num_workers workers: the fraction of step time spent
+    waiting for the next batch."""
     B, workers = args.batch_size, args.num_workers if args.num_workers is not None else 2
     with tempfile.TemporaryDirectory() as d:
         pattern, _ = jpeg_shards(d, max(args.images, B * (args.steps + args.untimed + 1)), 256)
@@ -441,8 +452,9 @@ def bench_data_wait(args, device):
 
 # --codebook_memory: the codebook head alone, chunked (il_clip) vs naive
 class LiveTensorBytes(torch.utils._python_dispatch.TorchDispatchMode):
-    """Peak live bytes of the tensor storages that ops under this mode create (a weakref finalizer
-    sees them freed). Exact on the CPU, blind to allocator overhead and scratch inside one kernel."""
+    """Peak live bytes of the tensor storages that ops under this mode create (a
+    weakref finalizer sees them freed). Exact on the CPU, blind to allocator overhead
+    and scratch inside one kernel."""
 
     def __init__(self):
         super().__init__()
@@ -468,7 +480,8 @@ class LiveTensorBytes(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def codebook_head(q, codes, naive=False, **chunking):
-    """query-map output q [B, P, D] -> max over tokens -> sparsemax over K -> weighted sum of codes."""
+    """query-map output q [B, P, D] -> max over tokens -> sparsemax over K
+    -> weighted sum of codes."""
     if naive:
         s = (q @ codes.t()).max(dim=1).values                    # materialises B x P x K
     else:
@@ -558,8 +571,8 @@ LEVERS = [  # (label, method, per-GPU batch, what is compiled, codebook scores p
 
 
 def bench_levers(args, device):
-    """Each LEVERS row timed alone (--steps after --untimed, one round), printed as soon as measured, so a
-    cut-off run still reports its first rows; with --json, a report."""
+    """Each LEVERS row timed alone (--steps after --untimed, one round), printed as soon as
+    measured, so a cut-off run still reports its first rows; with --json, a report."""
     import platform
     default_budget = il_clip.CODE_SCORES_PER_CHUNK
     rows, clip_ms = [], {}
@@ -604,7 +617,8 @@ OPS = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, "<": lambda a, b: a
 
 
 def target_rows(values, gpu):
-    """Per target: value, this machine kind's threshold and verdict (None: not measured / not a target)."""
+    """Per target: value, this machine kind's threshold and verdict (None:
+    not measured / not a target)."""
     rows = []
     for key, what, op, on_gpu, on_cpu in TARGETS:
         threshold, value = (on_gpu if gpu else on_cpu), values.get(key)
