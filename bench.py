@@ -1,24 +1,24 @@
 """
 Throughput, MFU and memory of il_clip.py's training step (nanoGPT's bench.py is the model).
 
-    python bench.py --model tiny --method il --batch_size 64                 # training step, CPU
-    python bench.py --model ViT-B-32 --method clip --batch_size 256 --compile --dtype bf16   # GPU
-    python bench.py --data --feed 6204                                       # loader vs plain PIL, cores to feed
-    python bench.py --data shapes --num_workers 0                            # one --data spec
-    python bench.py --data_wait                                              # JPEG-fed il_clip: time waiting for data
-    python bench.py --codebook_memory                                        # codebook head memory
-    python bench.py --script il_clip_softmax.py --method codebook            # a fork's training step
-    python bench.py --composer                                               # COMPOSER recursion
+    python bench.py --model tiny --method il --batch_size 64  # training step, CPU
+    python bench.py --model ViT-B-32 --method clip --batch_size 256 --compile --dtype bf16  # GPU
+    python bench.py --data --feed 6204                        # loader vs plain PIL, cores to feed
+    python bench.py --data shapes --num_workers 0             # one --data spec
+    python bench.py --data_wait                               # JPEG-fed il_clip: time waiting for data
+    python bench.py --codebook_memory                         # codebook head memory
+    python bench.py --script il_clip_softmax.py --method codebook  # a fork's training step
+    python bench.py --composer                                # COMPOSER recursion
     python bench.py --targets --model ViT-B-32 --compile --json targets.json # every target, checked
 
 How it measures: il_clip's step on one synthetic on-device batch, timed between two device syncs
-(the step keeps its host-device overlap). IL: distill and interact timed apart, and one il_clip.spawn
-(teacher copy, re-initialised agent), combined at the paper's schedule (5 x 1000
-distill steps and 5 spawns in 48k). Memory: CUDA max_memory_allocated; CPU peak RSS (VmHWM) minus the
-RSS before the model was built (a lower bound after the process's first model). A shared CPU drifts,
-so --targets / --data alternate the runs --rounds times and keep the best; compare ratios from one
-run, never across runs. --data: img2dataset-style JPEGs (shorter side 256 or 512, q95) in 2 shards, CPU
-time of main process + workers per image (getrusage).
+(the step keeps its host-device overlap). IL: distill and interact timed apart, and one
+il_clip.spawn (teacher copy, re-initialised agent), combined at the paper's schedule (5 x 1000
+distill steps and 5 spawns in 48k). Memory: CUDA max_memory_allocated; CPU peak RSS (VmHWM) minus
+the RSS before the model was built (a lower bound after the process's first model). A shared CPU
+drifts, so --targets / --data alternate the runs --rounds times and keep the best; compare ratios
+from one run, never across runs. --data: img2dataset-style JPEGs (shorter side 256 or 512, q95) in
+2 shards, CPU time of main process + workers per image (getrusage).
 --targets times open_clip's CLIP + ClipLoss too where open_clip_torch is installed.
 """
 import argparse
@@ -67,7 +67,8 @@ class PeakMemory:
     def __init__(self, device):
         self.device, self.cuda = device, device.type == "cuda"
         self.base = torch.cuda.memory_allocated(device) if self.cuda else proc_bytes()
-        self.kind = "max_memory_allocated" if self.cuda else "peak RSS delta (VmHWM), a lower bound after the first run"
+        self.kind = ("max_memory_allocated" if self.cuda
+                     else "peak RSS delta (VmHWM), a lower bound after the first run")
 
     def start(self):
         if self.cuda:
@@ -76,7 +77,8 @@ class PeakMemory:
             f.write("5")
 
     def peak(self):
-        return (torch.cuda.max_memory_allocated(self.device) if self.cuda else proc_bytes("VmHWM")) - self.base
+        return (torch.cuda.max_memory_allocated(self.device) if self.cuda
+                else proc_bytes("VmHWM")) - self.base
 
 
 def fmt_bytes(n):
@@ -84,7 +86,8 @@ def fmt_bytes(n):
 
 
 def device_name(device):
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    return (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else f"CPU ({torch.get_num_threads()} threads)")
 
 
 def timed(step, n, device, untimed=0, mem=None):
@@ -127,25 +130,30 @@ def run_trainer(args, method, device):
     open_clip = import_open_clip() if method == "open_clip" else None
     K = args.codebook if args.codebook is not None else (1024 if args.model == "tiny" else 16384)
     cfg = model_config(args.model, method, K)
-    il_args = il_clip.build_args(["--model", args.model, "--method", "clip" if open_clip else method]
+    il_args = il_clip.build_args(["--model", args.model,
+                                  "--method", "clip" if open_clip else method]
                                  + (["--codebook", str(K)] if cfg.codebook_size else [])
                                  + (["--compile"] if args.compile else []))
     mem = PeakMemory(device)
     seed = getattr(args, "seed", 0)
     torch.manual_seed(seed)
-    model = open_clip_model(open_clip, cfg).to(device).train() if open_clip else il_clip.CLIP(cfg, seed=seed).to(device)
+    model = (open_clip_model(open_clip, cfg).to(device).train() if open_clip
+             else il_clip.CLIP(cfg, seed=seed).to(device))
     decay, no_decay = il_clip.param_groups(model)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}],
                             lr=5e-4, betas=(0.9, 0.98), eps=1e-6, fused=device.type == "cuda")
     lever = getattr(args, "lever", "encoders")
     if open_clip:
         fwd, loss_fn = torch.compile(model) if args.compile else model, open_clip.loss.ClipLoss()
     elif args.compile and (lever == "encoders" or method == "il"):
         il_clip.compile_encoders(model)
-    elif args.compile:      # --levers: the towers and the loss in one compiled graph, optionally CUDA-graphed
+    elif args.compile:
+        # --levers: the towers and the loss in one compiled graph, optionally CUDA-graphed
         fwd_loss = torch.compile(lambda im, tx: il_clip.contrastive_loss(*model(im, tx)),
                                  mode="reduce-overhead" if lever == "step+cudagraphs" else None)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext()
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
+                else contextlib.nullcontext())
     g, B = torch.Generator().manual_seed(seed), args.batch_size
     images = torch.randn(B, 3, cfg.image_size, cfg.image_size, generator=g).to(device)
     # il_clip's text stays on the CPU: compute_loss trims its padding there (no device sync)
@@ -159,10 +167,11 @@ def run_trainer(args, method, device):
             elif args.compile and lever != "encoders" and method != "il":
                 if lever == "step+cudagraphs":
                     torch.compiler.cudagraph_mark_step_begin()
-                loss = fwd_loss(images, il_clip.trim_padding(text, cfg.eot_token_id).to(device, non_blocking=True))
+                loss = fwd_loss(images, il_clip.trim_padding(text, cfg.eot_token_id)
+                                .to(device, non_blocking=True))
             else:
-                loss = il_clip.compute_loss(model, batch, phase, "language" if teacher else None, teacher, None,
-                                            il_args)[0]
+                loss = il_clip.compute_loss(model, batch, phase, "language" if teacher else None,
+                                            teacher, None, il_args)[0]
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
         opt.step()
@@ -174,7 +183,8 @@ def run_trainer(args, method, device):
         il_clip.set_trainable(model, il_args, "train", None)
     res = {"method": "clip" if open_clip else method, "cfg": cfg, "mem_kind": mem.kind}
     if method != "il":
-        return {**res, "step_s": timed(step, args.steps, device, args.untimed, mem), "peak_bytes": mem.peak()}
+        return {**res, "step_s": timed(step, args.steps, device, args.untimed, mem),
+                "peak_bytes": mem.peak()}
     for _ in range(args.untimed):
         step()
     d = max(1, round(args.steps / 6))           # the paper's 1000 distill : 5000 interact
@@ -189,7 +199,8 @@ def run_trainer(args, method, device):
     il_clip.set_trainable(model, il_args, "interact", None)
     res["interact_s"] = timed(lambda: step("interact"), i, device)
     # the paper's schedule: 48000 steps, 5 x 1000 distill, 5 spawns, the rest contrastive
-    res["step_s"] = (5000 * res["distill_s"] + 43000 * res["interact_s"] + 5 * res["spawn_s"]) / 48000
+    res["step_s"] = (5000 * res["distill_s"] + 43000 * res["interact_s"]
+                     + 5 * res["spawn_s"]) / 48000
     return {**res, "d": d, "i": i, "peak_bytes": mem.peak()}
 
 
@@ -197,16 +208,19 @@ def report_train(args, res, device, label="il_clip"):
     cfg, step = res["cfg"], res["step_s"]
     flops, sps = lifecycle.estimate_flops_per_pair(cfg), args.batch_size / step
     mfu = lifecycle.estimate_mfu(cfg, sps, device)
-    print(f"{label} {args.model} {res['method']} {f'K={cfg.codebook_size} ' if cfg.codebook_size else ''}batch "
-          f"{args.batch_size} {args.dtype}{' compiled' if args.compile else ''} on {device_name(device)}")
+    print(f"{label} {args.model} {res['method']} "
+          f"{f'K={cfg.codebook_size} ' if cfg.codebook_size else ''}batch {args.batch_size} "
+          f"{args.dtype}{' compiled' if args.compile else ''} on {device_name(device)}")
     if res["method"] == "il":
-        print(f"  distill step {res['distill_s'] * 1e3:.1f} ms ({res['d']} timed), interact step "
-              f"{res['interact_s'] * 1e3:.1f} ms ({res['i']} timed), spawn {res['spawn_s'] * 1e3:.0f} ms")
+        print(f"  distill step {res['distill_s'] * 1e3:.1f} ms ({res['d']} timed), "
+              f"interact step {res['interact_s'] * 1e3:.1f} ms ({res['i']} timed), "
+              f"spawn {res['spawn_s'] * 1e3:.0f} ms")
         print(f"  IL average at the paper's schedule (5 x 1000 distill steps, 5 spawns in 48k): "
               f"{step * 1e3:.1f} ms/step")
     else:
         print(f"  step {step * 1e3:.1f} ms")
-    print(f"  {sps:,.1f} samples/s, {flops / 1e9:.2f} GFLOPs/pair/step -> {flops * sps / 1e12:.3f} TFLOP/s, "
+    print(f"  {sps:,.1f} samples/s, {flops / 1e9:.2f} GFLOPs/pair/step -> "
+          f"{flops * sps / 1e12:.3f} TFLOP/s, "
           f"MFU {'n/a (no GPU peak for this device)' if mfu is None else f'{mfu:.1%}'}")
     print(f"  peak memory {fmt_bytes(res['peak_bytes'])} ({res['mem_kind']})")
 
@@ -227,8 +241,9 @@ def open_clip_model(open_clip, cfg):
     vision = CLIPVisionCfg(layers=cfg.vision_layers, width=cfg.vision_width,
                            head_width=cfg.vision_width // cfg.vision_heads, mlp_ratio=cfg.mlp_ratio,
                            patch_size=cfg.patch_size, image_size=cfg.image_size)
-    text = CLIPTextCfg(context_length=cfg.context_length, vocab_size=cfg.vocab_size, width=cfg.text_width,
-                       heads=cfg.text_heads, layers=cfg.text_layers, mlp_ratio=cfg.mlp_ratio)
+    text = CLIPTextCfg(context_length=cfg.context_length, vocab_size=cfg.vocab_size,
+                       width=cfg.text_width, heads=cfg.text_heads, layers=cfg.text_layers,
+                       mlp_ratio=cfg.mlp_ratio)
     return CLIP(cfg.embed_dim, vision, text, quick_gelu=cfg.quick_gelu)
 
 
@@ -271,7 +286,8 @@ class _OneImage(torch.utils.data.Dataset):
     transport alone, no decode."""
 
     def __init__(self, n):
-        self.n, self.image = n, torch.randint(0, 256, (3, 224, 224), dtype=torch.uint8, generator=torch.Generator())
+        self.n, self.image = n, torch.randint(0, 256, (3, 224, 224), dtype=torch.uint8,
+                                              generator=torch.Generator())
 
     def __len__(self):
         return self.n
@@ -284,7 +300,8 @@ def transport_ms(n, workers, batch, slots):
     """CPU ms/image (main + workers) of moving n uint8 224 px images from `workers` workers to the
     main process, through reused shared-memory slots (data._SharedBatches) or fresh shared memory
     per batch (slots=False)."""
-    loader = data.MapLoader(_OneImage(n), batch, num_workers=workers, image_size=224 if slots else None)
+    loader = data.MapLoader(_OneImage(n), batch, num_workers=workers,
+                            image_size=224 if slots else None)
     c = cpu_seconds()
     m = sum(len(b["caption"]) for b in loader)
     return (cpu_seconds() - c) / m * 1e3
@@ -297,9 +314,11 @@ def jpeg_shards(folder, n, short_side, shards=2):
     rng, jpegs = np.random.default_rng(0), []
     for i in range(n):
         scene = data.shapes_scene("train", i)
-        x = np.asarray(scene.image.resize((short_side * 4 // 3, short_side), Image.BICUBIC), np.float32)
+        x = np.asarray(scene.image.resize((short_side * 4 // 3, short_side), Image.BICUBIC),
+                       np.float32)
         buf = io.BytesIO()
-        Image.fromarray(np.clip(x + rng.normal(0, 12, x.shape), 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=95)
+        Image.fromarray(np.clip(x + rng.normal(0, 12, x.shape), 0, 255).astype(np.uint8)).save(
+            buf, "JPEG", quality=95)
         jpegs.append((buf.getvalue(), scene.caption))
     for s in range(shards):
         keys = range(s, n, shards)
@@ -322,7 +341,8 @@ def plain_loop(jpegs, size):
         img = Image.open(io.BytesIO(b)).convert("RGB")
         w, h = img.size
         cw, ch = round(w * 0.95 ** 0.5), round(h * 0.95 ** 0.5)
-        img = img.resize((size, size), Image.BICUBIC, box=((w - cw) // 2, (h - ch) // 2, (w + cw) // 2, (h + ch) // 2))
+        img = img.resize((size, size), Image.BICUBIC,
+                         box=((w - cw) // 2, (h - ch) // 2, (w + cw) // 2, (h + ch) // 2))
         torch.from_numpy(np.array(img))
     return (cpu_seconds() - c) / len(jpegs) * 1e3
 
@@ -331,7 +351,8 @@ def plain_parallel(jpegs, size, n):
     """plain_loop run by n forked processes at once, each on its share: CPU ms/image with as
     many busy cores as make_loader's n workers (two busy cores slow each other: shared
     caches, memory bandwidth, clocks)."""
-    ps = [mp.get_context("fork").Process(target=plain_loop, args=(jpegs[i::n], size)) for i in range(n)]
+    ps = [mp.get_context("fork").Process(target=plain_loop, args=(jpegs[i::n], size))
+          for i in range(n)]
     c = cpu_seconds()
     for p in ps:
         p.start()
@@ -351,66 +372,81 @@ def bench_data(args, device):
     amortises. `--feed R`: the cores that R samples/s take, in steady state."""
     B, workers = args.batch_size, args.num_workers if args.num_workers is not None else 2
     if args.data != "jpeg":
-        tok = data.build_tokenizer(captions=data.captions_for_tokenizer(args.data), vocab_size=1000, context_length=32)
+        tok = data.build_tokenizer(captions=data.captions_for_tokenizer(args.data), vocab_size=1000,
+                                   context_length=32)
         size = il_clip.MODEL_PRESETS[args.model]["image_size"]
         rate, cpu_ms, n, skipped = loader_epoch(args.data, size, workers, B, tok, args.steps)
-        print(f"data {args.data}: image {size}, batch {B}, num_workers {workers}: {rate:,.1f} samples/s, "
-              f"{cpu_ms:.2f} CPU ms/sample, {n} samples (first batch and tokenizer not timed), skipped {skipped}")
+        print(f"data {args.data}: image {size}, batch {B}, num_workers {workers}: "
+              f"{rate:,.1f} samples/s, {cpu_ms:.2f} CPU ms/sample, {n} samples "
+              f"(first batch and tokenizer not timed), skipped {skipped}")
         return 0
-    print(f"{args.images} img2dataset JPEGs in 2 shards read at 224 px, batch {B}, {os.cpu_count()} CPUs, CPU ms per "
-          f"image (main process + workers, each epoch's worker start-up included), least of {args.rounds} rounds; each "
-          f"ratio is the median over rounds of the two costs measured side by side in a round (the machine's speed "
-          f"drifts):")
+    print(f"{args.images} img2dataset JPEGs in 2 shards read at 224 px, batch {B}, "
+          f"{os.cpu_count()} CPUs, CPU ms per image (main process + workers, each epoch's worker "
+          f"start-up included), least of {args.rounds} rounds; each ratio is the median over "
+          f"rounds of the two costs measured side by side in a round (the machine's speed drifts):")
     costs, tiny = {}, 2 * B     # the short epoch: one batch per shard (one per worker at 2 workers)
     for stored in (256, 512):
         with tempfile.TemporaryDirectory() as d:
             pattern, jpegs = jpeg_shards(d, args.images, stored)
             os.mkdir(os.path.join(d, "short"))
-            short_pattern = jpeg_shards(os.path.join(d, "short"), tiny, stored)[0] if args.images > tiny else None
-            runs = {k: [] for k in ("plain", "parallel", 0, workers, "steady0", "steady", "start0", "start")}
+            short_pattern = (jpeg_shards(os.path.join(d, "short"), tiny, stored)[0]
+                             if args.images > tiny else None)
+            runs = {k: [] for k in ("plain", "parallel", 0, workers,
+                                    "steady0", "steady", "start0", "start")}
             for _ in range(args.rounds):
                 runs["plain"].append(plain_loop(jpegs, 224))
                 runs["parallel"].append(plain_parallel(jpegs, 224, max(1, workers)))
                 for w, tag in ((0, "0"), (workers, "")):
                     _, ms, n, _ = loader_epoch(pattern, 224, w, B)
                     runs[w].append(ms)
-                    if short_pattern:   # steady state: the slope between the short and the full epoch
+                    # steady state: the slope between the short and the full epoch
+                    if short_pattern:
                         _, ms_short, n_short, _ = loader_epoch(short_pattern, 224, w, B)
                         runs["steady" + tag].append((ms * n - ms_short * n_short) / (n - n_short))
-                        runs["start" + tag].append(ms_short * n_short - runs["steady" + tag][-1] * n_short)
-        (plain, parallel), ms = (min(runs[k]) for k in ("plain", "parallel")), {w: min(runs[w]) for w in (0, workers)}
-        # with few images the start-up noise can exceed the images between the two epochs: no slope then
+                        runs["start" + tag].append(ms_short * n_short
+                                                   - runs["steady" + tag][-1] * n_short)
+        (plain, parallel), ms = ((min(runs[k]) for k in ("plain", "parallel")),
+                                 {w: min(runs[w]) for w in (0, workers)})
+        # with few images the start-up noise can exceed the images between the two epochs:
+        # no slope then
         separable = short_pattern and min(runs["steady0"] + runs["steady"]) > 0
         costs[stored] = min(runs["steady"]) if separable else ms[workers]
         kib = sum(map(len, jpegs)) / len(jpegs) / 1024
         ratio = lambda a, b: statistics.median(x / y for x, y in zip(runs[a], runs[b]))
         print(f"  stored {stored} px ({kib:.0f} KiB){', draft 1/2' if stored == 512 else ''}: "
-              f"plain PIL loop {plain:.2f}; make_loader 0 workers {ms[0]:.2f} ({ratio(0, 'plain'):.2f}x plain), "
-              f"{workers} workers {ms[workers]:.2f} ({ratio(workers, 'plain'):.2f}x plain; "
-              f"{ratio(workers, 'parallel'):.2f}x {max(1, workers)} plain loops at once, {parallel:.2f})")
+              f"plain PIL loop {plain:.2f}; make_loader 0 workers {ms[0]:.2f} "
+              f"({ratio(0, 'plain'):.2f}x plain), {workers} workers {ms[workers]:.2f} "
+              f"({ratio(workers, 'plain'):.2f}x plain; {ratio(workers, 'parallel'):.2f}x "
+              f"{max(1, workers)} plain loops at once, {parallel:.2f})")
         if short_pattern and not separable:
-            print(f"    steady state: not separable at {args.images} images (a slope between {tiny}- and "
-                  f"{args.images}-image epochs at or below zero, start-up noise exceeding the images between "
-                  f"them; use more --images); --feed uses the full epoch")
+            print(f"    steady state: not separable at {args.images} images (a slope between "
+                  f"{tiny}- and {args.images}-image epochs at or below zero, start-up noise "
+                  f"exceeding the images between them; use more --images); "
+                  f"--feed uses the full epoch")
         elif short_pattern:
-            print(f"    steady state (each epoch's start-up, {statistics.median(runs['start0']):.0f} / "
-                  f"{statistics.median(runs['start']):.0f} CPU ms at 0 / {workers} workers, taken out: the slope "
-                  f"between {tiny}- and {args.images}-image epochs): 0 workers {min(runs['steady0']):.2f} "
-                  f"({ratio('steady0', 'plain'):.2f}x plain), {workers} workers {min(runs['steady']):.2f} "
-                  f"({ratio('steady', 'plain'):.2f}x plain; {ratio('steady', 'parallel'):.2f}x {max(1, workers)} "
-                  f"plain loops at once)")
+            print(f"    steady state (each epoch's start-up, "
+                  f"{statistics.median(runs['start0']):.0f} / "
+                  f"{statistics.median(runs['start']):.0f} CPU ms at 0 / {workers} workers, "
+                  f"taken out: the slope between {tiny}- and {args.images}-image epochs): "
+                  f"0 workers {min(runs['steady0']):.2f} ({ratio('steady0', 'plain'):.2f}x plain), "
+                  f"{workers} workers {min(runs['steady']):.2f} "
+                  f"({ratio('steady', 'plain'):.2f}x plain; "
+                  f"{ratio('steady', 'parallel'):.2f}x {max(1, workers)} plain loops at once)")
     if workers:
         runs = {True: [], False: []}
         for _ in range(args.rounds):
             for slots in runs:
                 runs[slots].append(transport_ms(4096, workers, B, slots))
-        print(f"  batch transport alone (4096 images, no decode), {workers} workers: {min(runs[True]):.3f} ms/image "
-              f"through reused shared-memory slots, {min(runs[False]):.3f} through fresh shared memory per batch "
-              f"(median difference {statistics.median(b - a for a, b in zip(runs[True], runs[False])):.3f})")
+        print(f"  batch transport alone (4096 images, no decode), {workers} workers: "
+              f"{min(runs[True]):.3f} ms/image through reused shared-memory slots, "
+              f"{min(runs[False]):.3f} through fresh shared memory per batch (median difference "
+              f"{statistics.median(b - a for a, b in zip(runs[True], runs[False])):.3f})")
     if args.feed:
-        print(f"  feeding {args.feed:,.0f} samples/s takes " + ", ".join(
-            f"{math.ceil(args.feed * ms / 1e3)} cores at {stored} px" for stored, ms in costs.items())
-              + " (cores as fast as these, steady state where separable; make_loader's main process included)")
+        print(f"  feeding {args.feed:,.0f} samples/s takes "
+              + ", ".join(f"{math.ceil(args.feed * ms / 1e3)} cores at {stored} px"
+                          for stored, ms in costs.items())
+              + " (cores as fast as these, steady state where separable;"
+                " make_loader's main process included)")
     return 0
 
 
@@ -421,21 +457,23 @@ def bench_data_wait(args, device):
     B, workers = args.batch_size, args.num_workers if args.num_workers is not None else 2
     with tempfile.TemporaryDirectory() as d:
         pattern, _ = jpeg_shards(d, max(args.images, B * (args.steps + args.untimed + 1)), 256)
-        tok = data.build_tokenizer(captions=data.captions_for_tokenizer(pattern), vocab_size=1000, context_length=32)
+        tok = data.build_tokenizer(captions=data.captions_for_tokenizer(pattern), vocab_size=1000,
+                                   context_length=32)
         il_args = il_clip.build_args(["--model", args.model, "--method", "clip", "--data", pattern])
         cfg = il_clip.model_config(il_args, tok)
         model, opt = il_clip.build_model_and_optimizer(il_args, cfg, device)
         il_clip.set_trainable(model, il_args, "train", None)
         bf16 = args.dtype == "bf16"
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        batches = data.make_loader(pattern, batch_size=B, tokenizer=tok, image_size=cfg.image_size, num_workers=workers,
-                                   pin_memory=device.type == "cuda").forever()
+        autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16
+                    else contextlib.nullcontext())
+        batches = data.make_loader(pattern, batch_size=B, tokenizer=tok, image_size=cfg.image_size,
+                                   num_workers=workers, pin_memory=device.type == "cuda").forever()
         wait = total = 0.0
-        for i in range(args.untimed + args.steps):        # the first steps start the workers: not timed
+        for i in range(args.untimed + args.steps):  # the first steps start the workers: not timed
             t0 = time.perf_counter()
             b = next(batches)
             t1 = time.perf_counter()
-            with autocast:      # the uint8 batch normalised on the device, as the training scripts do
+            with autocast:  # the uint8 batch normalised on the device, as the training scripts do
                 batch = {"image": data.normalize_images(b["image"], device), "text": b["text"]}
                 loss = il_clip.compute_loss(model, batch, "train", None, None, None, il_args)[0]
             loss.backward()
@@ -444,9 +482,11 @@ def bench_data_wait(args, device):
             sync(device)
             if i >= args.untimed:
                 wait, total = wait + t1 - t0, total + time.perf_counter() - t0
-    print(f"il_clip {args.model} clip on JPEG shards ({cfg.image_size} px from 256 px), batch {B}, {workers} workers, "
-          f"{device_name(device)}, {os.cpu_count()} CPUs: step {total / args.steps * 1e3:.1f} ms, waiting for the next "
-          f"batch {wait / args.steps * 1e3:.1f} ms = {wait / total:.1%} of step time ({args.steps} steps timed)")
+    print(f"il_clip {args.model} clip on JPEG shards ({cfg.image_size} px from 256 px), batch {B}, "
+          f"{workers} workers, {device_name(device)}, {os.cpu_count()} CPUs: "
+          f"step {total / args.steps * 1e3:.1f} ms, waiting for the next batch "
+          f"{wait / args.steps * 1e3:.1f} ms = {wait / total:.1%} of step time "
+          f"({args.steps} steps timed)")
     return 0
 
 
@@ -466,7 +506,8 @@ class LiveTensorBytes(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        storages = lambda x: [t.untyped_storage() for t in torch.utils._pytree.tree_leaves(x)  # noqa: E731
+        storages = lambda x: [t.untyped_storage()  # noqa: E731
+                              for t in torch.utils._pytree.tree_leaves(x)
                               if isinstance(t, torch.Tensor)]
         inputs = {st.data_ptr() for st in storages((args, kwargs))}
         for st in storages(out):
