@@ -551,15 +551,17 @@ def head_peak(B, P, K, D, naive, device, **chunking):
 
 def bench_codebook_memory(args, device):
     B, K, D = args.batch_size, args.codebook or 16384, args.code_dim
-    print(f"codebook head forward + backward, B={B}, K={K}, D={D}, exact sparsemax, fp32, {device_name(device)}")
+    print(f"codebook head forward + backward, B={B}, K={K}, D={D}, exact sparsemax, fp32, "
+          f"{device_name(device)}")
     avail = proc_bytes("MemAvailable", "/proc/meminfo")
     for P in (49, 196):
         ours, kind = head_peak(B, P, K, D, False, device)
         naive_need = B * P * K * 4
-        naive_s = (fmt_bytes(head_peak(B, P, K, D, True, device)[0]) if device.type == "cuda" or 3 * naive_need < avail
+        naive_s = (fmt_bytes(head_peak(B, P, K, D, True, device)[0])
+                   if device.type == "cuda" or 3 * naive_need < avail
                    else f"skipped (B*P*K*4 = {fmt_bytes(naive_need)}, too close to free memory)")
-        print(f"  P={P:3d}: chunked {fmt_bytes(ours):>10}   naive {naive_s:>10}   "
-              f"(B*P*K fp32 = {fmt_bytes(naive_need)}, B*K fp32 = {fmt_bytes(B * K * 4)})  [{kind}]")
+        print(f"  P={P:3d}: chunked {fmt_bytes(ours):>10}   naive {naive_s:>10}   (B*P*K fp32 = "
+              f"{fmt_bytes(naive_need)}, B*K fp32 = {fmt_bytes(B * K * 4)})  [{kind}]")
     return 0
 
 
@@ -568,7 +570,8 @@ def bench_composer(args, device):
     import composer
     n = args.batch_size
     scenes = [data.shapes_scene("train", i) for i in range(n)]
-    tok = data.build_tokenizer(captions=[s.caption for s in scenes], vocab_size=1000, context_length=32)
+    tok = data.build_tokenizer(captions=[s.caption for s in scenes], vocab_size=1000,
+                               context_length=32)
     cfg = composer.ModelConfig(vocab_size=tok.vocab_size, eot_token_id=tok.eot_id)
     torch.manual_seed(0)
     model = composer.Composer(cfg).to(device).eval()
@@ -579,27 +582,33 @@ def bench_composer(args, device):
     feats, boxes, mask = store.get(torch.arange(n), device)
 
     def batched():
-        tb = {k: v.to(device) if torch.is_tensor(v) else v for k, v in composer.collate_text(comps).items()}
+        tb = {k: v.to(device) if torch.is_tensor(v) else v
+              for k, v in composer.collate_text(comps).items()}
         V, vm = model.encode_image(feats, boxes, mask)
         idx = torch.arange(n, device=device)
         return model.score_pairs(tb, model.encode_text(tb), V, vm, idx, idx)[1]["node_score"]
 
     def recursive():
-        return torch.cat([model.score_recursive(c, feats[i], boxes[i], mask[i]) for i, c in enumerate(comps)])
+        return torch.cat([model.score_recursive(c, feats[i], boxes[i], mask[i])
+                          for i, c in enumerate(comps)])
 
     with torch.no_grad():
         a, b = batched(), recursive()                            # warm-up, and the outputs compared
         tb_, tr_ = (statistics.median(timed(fn, 1, device) for _ in range(max(1, args.steps // 4)))
                     for fn in (batched, recursive))
-    print(f"composer forward, {n} caption-image pairs ({sum(len(c['nodes']) for c in comps)} concept nodes, max depth "
-          f"{max(max(x['level'] for x in c['nodes']) for c in comps)}), width {cfg.width}, {device_name(device)}:")
-    print(f"  level-batched {tb_ * 1e3:.1f} ms ({n / tb_:,.1f} pairs/s), node-by-node {tr_ * 1e3:.1f} ms "
-          f"({n / tr_:,.1f} pairs/s): {tr_ / tb_:.1f}x; max |node score diff| {float((a - b).abs().max()):.2e}")
+    print(f"composer forward, {n} caption-image pairs "
+          f"({sum(len(c['nodes']) for c in comps)} concept nodes, "
+          f"max depth {max(max(x['level'] for x in c['nodes']) for c in comps)}), "
+          f"width {cfg.width}, {device_name(device)}:")
+    print(f"  level-batched {tb_ * 1e3:.1f} ms ({n / tb_:,.1f} pairs/s), "
+          f"node-by-node {tr_ * 1e3:.1f} ms ({n / tr_:,.1f} pairs/s): {tr_ / tb_:.1f}x; "
+          f"max |node score diff| {float((a - b).abs().max()):.2e}")
     return 0
 
 
 # --levers: what moves CLIP's MFU and the codebook head's cost, one lever at a time (GPU)
-LEVERS = [  # (label, method, per-GPU batch, what is compiled, codebook scores per chunk or None: il_clip's)
+# (label, method, per-GPU batch, what is compiled, codebook scores per chunk or None: il_clip's)
+LEVERS = [
     ("CLIP: encoders compiled (il_clip --compile)", "clip", 256, "encoders", None),
     ("CLIP: towers + loss in one graph, CUDA graphs", "clip", 256, "step+cudagraphs", None),
     ("Codebook-CLIP: encoders compiled (il_clip --compile)", "codebook", 256, "encoders", None),
@@ -617,10 +626,12 @@ def bench_levers(args, device):
     import platform
     default_budget = il_clip.CODE_SCORES_PER_CHUNK
     rows, clip_ms = [], {}
-    print(f"| {args.model}, {args.dtype}, {device_name(device)}, torch {torch.__version__} | batch | step | samples/s "
-          f"| MFU | peak memory | / CLIP (same batch, baseline) |\n|---|---|---|---|---|---|---|", flush=True)
+    print(f"| {args.model}, {args.dtype}, {device_name(device)}, torch {torch.__version__} "
+          f"| batch | step | samples/s | MFU | peak memory | / CLIP (same batch, baseline) |\n"
+          f"|---|---|---|---|---|---|---|", flush=True)
     for label, method, batch, lever, budget in LEVERS:
-        run = argparse.Namespace(**{**vars(args), "batch_size": batch, "lever": lever, "compile": True})
+        run = argparse.Namespace(**{**vars(args), "batch_size": batch, "lever": lever,
+                                    "compile": True})
         il_clip.CODE_SCORES_PER_CHUNK = budget or default_budget
         try:
             res = run_trainer(run, method, device)
@@ -631,22 +642,26 @@ def bench_levers(args, device):
         if method == "clip" and lever == "encoders":
             clip_ms[batch] = ms
         ratio = f"{ms / clip_ms[batch]:.3f}x" if method != "clip" and batch in clip_ms else ""
-        print(f"| {label} | {batch} | {ms:.1f} ms | {sps:,.0f} | {'-' if mfu is None else f'{mfu:.1%}'} | "
+        print(f"| {label} | {batch} | {ms:.1f} ms | {sps:,.0f} | "
+              f"{'-' if mfu is None else f'{mfu:.1%}'} | "
               f"{fmt_bytes(res['peak_bytes'])} | {ratio} |", flush=True)
-        rows.append({"label": label, "method": method, "batch": batch, "compiled": lever, "chunk_scores": budget,
-                     "step_ms": ms, "samples_per_s": sps, "mfu": mfu, "peak_bytes": res["peak_bytes"]})
+        rows.append({"label": label, "method": method, "batch": batch, "compiled": lever,
+                     "chunk_scores": budget, "step_ms": ms, "samples_per_s": sps, "mfu": mfu,
+                     "peak_bytes": res["peak_bytes"]})
         del res
         gc.collect()
         torch.cuda.empty_cache() if device.type == "cuda" else None
     if args.json:
-        report = {"device": device_name(device), "torch": torch.__version__, "python": platform.python_version(),
+        report = {"device": device_name(device), "torch": torch.__version__,
+                  "python": platform.python_version(),
                   "command": "python bench.py " + " ".join(args.argv), "rows": rows}
         lifecycle.atomic_write(args.json, lambda p: lifecycle.save_json(p, report))
     return 0
 
 
 # --targets: every speed target measured in one run and checked against its threshold
-# (key, what is measured, comparison, threshold on a GPU, threshold on the CPU; None = not a target there)
+# (key, what is measured, comparison, threshold on a GPU, threshold on the CPU;
+# None = not a target there)
 TARGETS = [
     ("clip_mfu", "CLIP MFU (dense bf16 peak)", ">=", 0.35, None),
     ("codebook_over_clip", "Codebook-CLIP step time / CLIP step time", "<=", 1.15, None),
@@ -664,7 +679,8 @@ def target_rows(values, gpu):
     for key, what, op, on_gpu, on_cpu in TARGETS:
         threshold, value = (on_gpu if gpu else on_cpu), values.get(key)
         ok = None if threshold is None or value is None else bool(OPS[op](value, threshold))
-        rows.append({"key": key, "what": what, "op": op, "threshold": threshold, "value": value, "ok": ok})
+        rows.append({"key": key, "what": what, "op": op,
+                     "threshold": threshold, "value": value, "ok": ok})
     return rows
 
 
@@ -677,16 +693,20 @@ def bench_targets(args, device):
     res = alternating_rounds(args, device, methods)
     clip_step = res["clip"]["step_s"]
     head_bytes, head_kind = head_peak(256, 49, 16384, 512, False, device)
-    rows = target_rows({"clip_mfu": lifecycle.estimate_mfu(res["clip"]["cfg"], args.batch_size / clip_step, device),
-                        "codebook_over_clip": res["codebook"]["step_s"] / clip_step,
-                        "il_over_codebook": res["il"]["step_s"] / res["codebook"]["step_s"],
-                        # samples/s ratio = inverse step-time ratio (same batch)
-                        "vs_open_clip": res["open_clip"]["step_s"] / clip_step if "open_clip" in res else None,
-                        "codebook_head_bytes": head_bytes}, device.type == "cuda")
-    print(f"codebook head (B=256, P=49, K=16384, D=512, fp32) peak {fmt_bytes(head_bytes)} [{head_kind}]")
-    print(f"\ntargets on {device_name(device)}: {args.model}, batch {args.batch_size}, {args.dtype}, K="
-          f"{res['codebook']['cfg'].codebook_size}{', compiled' if args.compile else ''} (the GPU thresholds are set "
-          f"for ViT-B-32, batch 256, bf16, K=16384)\n| target | measured | threshold | met |\n|---|---|---|---|")
+    rows = target_rows({
+        "clip_mfu": lifecycle.estimate_mfu(res["clip"]["cfg"], args.batch_size / clip_step, device),
+        "codebook_over_clip": res["codebook"]["step_s"] / clip_step,
+        "il_over_codebook": res["il"]["step_s"] / res["codebook"]["step_s"],
+        # samples/s ratio = inverse step-time ratio (same batch)
+        "vs_open_clip": res["open_clip"]["step_s"] / clip_step if "open_clip" in res else None,
+        "codebook_head_bytes": head_bytes}, device.type == "cuda")
+    print(f"codebook head (B=256, P=49, K=16384, D=512, fp32) peak {fmt_bytes(head_bytes)} "
+          f"[{head_kind}]")
+    print(f"\ntargets on {device_name(device)}: {args.model}, batch {args.batch_size}, "
+          f"{args.dtype}, K={res['codebook']['cfg'].codebook_size}"
+          f"{', compiled' if args.compile else ''} "
+          f"(the GPU thresholds are set for ViT-B-32, batch 256, bf16, K=16384)\n"
+          f"| target | measured | threshold | met |\n|---|---|---|---|")
 
     def fmt(key, v):
         if v is None:
@@ -699,26 +719,31 @@ def bench_targets(args, device):
 
     for r in rows:
         thr = "-" if r["threshold"] is None else f"{r['op']} {fmt(r['key'], r['threshold'])}"
-        verdict = {True: "yes", False: "**no**", None: "n/a" if r["threshold"] is None else "not measured"}[r["ok"]]
+        verdict = {True: "yes", False: "**no**",
+                   None: "n/a" if r["threshold"] is None else "not measured"}[r["ok"]]
         print(f"| {r['what']} | {fmt(r['key'], r['value'])} | {thr} | {verdict} |")
     judged = [r for r in rows if r["ok"] is not None]
     print(f"{sum(r['ok'] for r in judged)} of {len(judged)} targets met on this machine"
           + ("" if "open_clip" in res else " (open_clip not importable: no reference)"))
     if args.json:
-        runs = {m: {k: (dataclasses.asdict(v) if k == "cfg" else v) for k, v in r.items()} for m, r in res.items()}
-        report = {"device": device_name(device), "torch": torch.__version__, "python": platform.python_version(),
+        runs = {m: {k: (dataclasses.asdict(v) if k == "cfg" else v) for k, v in r.items()}
+                for m, r in res.items()}
+        report = {"device": device_name(device), "torch": torch.__version__,
+                  "python": platform.python_version(),
                   "command": "python bench.py " + " ".join(args.argv),
-                  "config": {k: getattr(args, k)
-                             for k in ("model", "batch_size", "dtype", "compile", "steps", "untimed")},
+                  "config": {k: getattr(args, k) for k in ("model", "batch_size", "dtype",
+                                                           "compile", "steps", "untimed")},
                   "targets": rows, "runs": runs,
                   "codebook_head": {"bytes": head_bytes, "counted_by": head_kind}}
-        lifecycle.atomic_write(args.json, lambda p: lifecycle.save_json(p, report))   # a reader never sees half a file
+        # a reader never sees half a file
+        lifecycle.atomic_write(args.json, lambda p: lifecycle.save_json(p, report))
     return 0
 
 
 def main(argv=None):
     global il_clip      # --script: bench imports the script it measures
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--model", default="tiny", choices=list(il_clip.MODEL_PRESETS))
     a("--method", default="clip", choices=["clip", "codebook", "il"])
@@ -731,21 +756,25 @@ def main(argv=None):
     a("--steps", type=int, default=10, help="timed steps")
     a("--untimed", type=int, default=3, help="steps run before timing starts (not an LR warm-up)")
     a("--rounds", type=int, default=2, help="--targets / --data: alternations, best kept")
-    a("--data", nargs="?", const="jpeg", default=None, help="the loader alone: JPEG shards vs plain PIL, "
-      "or an il_clip.py --data spec")
-    a("--num_workers", type=int, default=None, help="--data / --data_wait: loader workers (default 2)")
+    a("--data", nargs="?", const="jpeg", default=None,
+      help="the loader alone: JPEG shards vs plain PIL, or an il_clip.py --data spec")
+    a("--num_workers", type=int, default=None,
+      help="--data / --data_wait: loader workers (default 2)")
     a("--images", type=int, default=256, help="--data / --data_wait: JPEGs in the shards")
     a("--feed", type=float, default=None, help="--data: the cores that this many samples/s take")
-    a("--data_wait", action="store_true", help="il_clip on JPEG shards: the step time spent waiting for data")
+    a("--data_wait", action="store_true",
+      help="il_clip on JPEG shards: the step time spent waiting for data")
     a("--codebook_memory", action="store_true", help="peak memory of the codebook head alone")
     a("--code_dim", type=int, default=512, help="--codebook_memory: D of codes and queries")
     a("--composer", action="store_true", help="level-batched vs node-by-node composition")
     a("--targets", action="store_true", help="measure every speed target and check each")
-    a("--levers", action="store_true", help="CLIP and Codebook-CLIP steps with each MFU lever in turn (GPU)")
+    a("--levers", action="store_true",
+      help="CLIP and Codebook-CLIP steps with each MFU lever in turn (GPU)")
     a("--out", "--json", dest="json", default=None,
       help="--targets / --levers: also write the report to this JSON file")
     a("--seed", type=int, default=0, help="weights and synthetic batch of the timed steps")
-    a("--script", default=None, help="time a fork's step: an il_clip.py-style script at PATH (default: il_clip.py)")
+    a("--script", default=None,
+      help="time a fork's step: an il_clip.py-style script at PATH (default: il_clip.py)")
     args = p.parse_args(argv)
     if args.script:
         il_clip = lifecycle.import_script(None, __file__, args.script)[0]
@@ -754,14 +783,17 @@ def main(argv=None):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    args.batch_size = args.batch_size or (64 if args.model == "tiny" and not args.codebook_memory else 256)
-    modes = {"data": bench_data, "codebook_memory": bench_codebook_memory, "composer": bench_composer,
-             "targets": bench_targets, "data_wait": bench_data_wait, "levers": bench_levers}
+    args.batch_size = (args.batch_size
+                       or (64 if args.model == "tiny" and not args.codebook_memory else 256))
+    modes = {"data": bench_data, "codebook_memory": bench_codebook_memory,
+             "composer": bench_composer, "targets": bench_targets,
+             "data_wait": bench_data_wait, "levers": bench_levers}
     mode = next((m for m in modes if getattr(args, m)), None)
     t0 = time.time()
     lifecycle.start_line(__file__, f"--{mode}" if mode else f"--method {args.method}", [
         f"--model {args.model}", f"batch {args.batch_size}", args.dtype, device_name(device),
-        f"script {os.path.basename(il_clip.__file__)}", f"out {args.json or 'the lines on stdout'}"])
+        f"script {os.path.basename(il_clip.__file__)}",
+        f"out {args.json or 'the lines on stdout'}"])
     if mode:
         code = modes[mode](args, device)
     else:
