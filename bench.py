@@ -1,24 +1,24 @@
 """
 Throughput, MFU and memory of il_clip.py's training step (nanoGPT's bench.py is the model).
 
-    python bench.py --model tiny --method il --batch_size 64                 # training step, CPU
-    python bench.py --model ViT-B-32 --method clip --batch_size 256 --compile --dtype bf16   # GPU
-    python bench.py --data --feed 6204                                       # loader vs plain PIL, cores to feed
-    python bench.py --data shapes --num_workers 0                            # one --data spec
-    python bench.py --data_wait                                              # JPEG-fed il_clip: time waiting for data
-    python bench.py --codebook_memory                                        # codebook head memory
-    python bench.py --script il_clip_softmax.py --method codebook            # a fork's training step
-    python bench.py --composer                                               # COMPOSER recursion
+    python bench.py --model tiny --method il --batch_size 64  # training step, CPU
+    python bench.py --model ViT-B-32 --method clip --batch_size 256 --compile --dtype bf16  # GPU
+    python bench.py --data --feed 6204                        # loader vs plain PIL, cores to feed
+    python bench.py --data shapes --num_workers 0             # one --data spec
+    python bench.py --data_wait                               # JPEG-fed il_clip: time waiting for data
+    python bench.py --codebook_memory                         # codebook head memory
+    python bench.py --script il_clip_softmax.py --method codebook  # a fork's training step
+    python bench.py --composer                                # COMPOSER recursion
     python bench.py --targets --model ViT-B-32 --compile --json targets.json # every target, checked
 
 How it measures: il_clip's step on one synthetic on-device batch, timed between two device syncs
-(the step keeps its host-device overlap). IL: distill and interact timed apart, and one il_clip.spawn
-(teacher copy, re-initialised agent), combined at the paper's schedule (5 x 1000
-distill steps and 5 spawns in 48k). Memory: CUDA max_memory_allocated; CPU peak RSS (VmHWM) minus the
-RSS before the model was built (a lower bound after the process's first model). A shared CPU drifts,
-so --targets / --data alternate the runs --rounds times and keep the best; compare ratios from one
-run, never across runs. --data: img2dataset-style JPEGs (shorter side 256 or 512, q95) in 2 shards, CPU
-time of main process + workers per image (getrusage).
+(the step keeps its host-device overlap). IL: distill and interact timed apart, and one
+il_clip.spawn (teacher copy, re-initialised agent), combined at the paper's schedule (5 x 1000
+distill steps and 5 spawns in 48k). Memory: CUDA max_memory_allocated; CPU peak RSS (VmHWM) minus
+the RSS before the model was built (a lower bound after the process's first model). A shared CPU
+drifts, so --targets / --data alternate the runs --rounds times and keep the best; compare ratios
+from one run, never across runs. --data: img2dataset-style JPEGs (shorter side 256 or 512, q95) in
+2 shards, CPU time of main process + workers per image (getrusage).
 --targets times open_clip's CLIP + ClipLoss too where open_clip_torch is installed.
 """
 import argparse
@@ -60,13 +60,15 @@ def proc_bytes(field="VmRSS", path="/proc/self/status"):
 
 
 class PeakMemory:
-    """Peak bytes since start() above those held when built. CUDA: max_memory_allocated. CPU: peak RSS
-    (VmHWM), a lower bound after the process's first model (the allocator reuses memory it kept)."""
+    """Peak bytes since start() above those held when built. CUDA: max_memory_allocated.
+    CPU: peak RSS (VmHWM), a lower bound after the process's first model (the allocator
+    reuses memory it kept)."""
 
     def __init__(self, device):
         self.device, self.cuda = device, device.type == "cuda"
         self.base = torch.cuda.memory_allocated(device) if self.cuda else proc_bytes()
-        self.kind = "max_memory_allocated" if self.cuda else "peak RSS delta (VmHWM), a lower bound after the first run"
+        self.kind = ("max_memory_allocated" if self.cuda
+                     else "peak RSS delta (VmHWM), a lower bound after the first run")
 
     def start(self):
         if self.cuda:
@@ -75,7 +77,8 @@ class PeakMemory:
             f.write("5")
 
     def peak(self):
-        return (torch.cuda.max_memory_allocated(self.device) if self.cuda else proc_bytes("VmHWM")) - self.base
+        return (torch.cuda.max_memory_allocated(self.device) if self.cuda
+                else proc_bytes("VmHWM")) - self.base
 
 
 def fmt_bytes(n):
@@ -83,11 +86,13 @@ def fmt_bytes(n):
 
 
 def device_name(device):
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    return (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else f"CPU ({torch.get_num_threads()} threads)")
 
 
 def timed(step, n, device, untimed=0, mem=None):
-    """Wall seconds per call of step() over n calls after `untimed` ones (caches, allocator, compile)."""
+    """Wall seconds per call of step() over n calls after `untimed` ones
+    (caches, allocator, compile)."""
     for _ in range(untimed):
         step()
     sync(device)
@@ -102,8 +107,8 @@ def timed(step, n, device, untimed=0, mem=None):
 
 # il_clip.py's training step (or open_clip's), written out, on one synthetic on-device batch
 def synthetic_text(B, vocab_size, context_length, g):
-    """[B, L] token ids: SOT = vocab_size - 2, words, EOT = vocab_size - 1 (the largest id, which open_clip's
-    argmax pooling finds) at a random position 2..L-1, zero padding after it."""
+    """[B, L] token ids: SOT = vocab_size - 2, words, EOT = vocab_size - 1 (the largest id, which
+    open_clip's argmax pooling finds) at a random position 2..L-1, zero padding after it."""
     text = torch.randint(1, vocab_size - 2, (B, context_length), generator=g)
     eot = torch.randint(2, context_length, (B,), generator=g)[:, None]
     pos = torch.arange(context_length)[None]
@@ -119,31 +124,36 @@ def model_config(model, method, codebook):
 
 
 def run_trainer(args, method, device):
-    """Times il_clip.py's training step, or ("open_clip") open_clip's CLIP + ClipLoss in it. `il`: distill
-    (language spawned) and interact steps timed apart after untimed warm-ups, and one spawn alone; its
-    step_s is their average at the paper's schedule."""
+    """Times il_clip.py's training step, or ("open_clip") open_clip's CLIP + ClipLoss in it. `il`:
+    distill (language spawned) and interact steps timed apart after untimed warm-ups, and one spawn
+    alone; its step_s is their average at the paper's schedule."""
     open_clip = import_open_clip() if method == "open_clip" else None
     K = args.codebook if args.codebook is not None else (1024 if args.model == "tiny" else 16384)
     cfg = model_config(args.model, method, K)
-    il_args = il_clip.build_args(["--model", args.model, "--method", "clip" if open_clip else method]
+    il_args = il_clip.build_args(["--model", args.model,
+                                  "--method", "clip" if open_clip else method]
                                  + (["--codebook", str(K)] if cfg.codebook_size else [])
                                  + (["--compile"] if args.compile else []))
     mem = PeakMemory(device)
     seed = getattr(args, "seed", 0)
     torch.manual_seed(seed)
-    model = open_clip_model(open_clip, cfg).to(device).train() if open_clip else il_clip.CLIP(cfg, seed=seed).to(device)
+    model = (open_clip_model(open_clip, cfg).to(device).train() if open_clip
+             else il_clip.CLIP(cfg, seed=seed).to(device))
     decay, no_decay = il_clip.param_groups(model)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}],
                             lr=5e-4, betas=(0.9, 0.98), eps=1e-6, fused=device.type == "cuda")
     lever = getattr(args, "lever", "encoders")
     if open_clip:
         fwd, loss_fn = torch.compile(model) if args.compile else model, open_clip.loss.ClipLoss()
     elif args.compile and (lever == "encoders" or method == "il"):
         il_clip.compile_encoders(model)
-    elif args.compile:      # --levers: the towers and the loss in one compiled graph, optionally CUDA-graphed
+    elif args.compile:
+        # --levers: the towers and the loss in one compiled graph, optionally CUDA-graphed
         fwd_loss = torch.compile(lambda im, tx: il_clip.contrastive_loss(*model(im, tx)),
                                  mode="reduce-overhead" if lever == "step+cudagraphs" else None)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext()
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
+                else contextlib.nullcontext())
     g, B = torch.Generator().manual_seed(seed), args.batch_size
     images = torch.randn(B, 3, cfg.image_size, cfg.image_size, generator=g).to(device)
     # il_clip's text stays on the CPU: compute_loss trims its padding there (no device sync)
@@ -157,10 +167,11 @@ def run_trainer(args, method, device):
             elif args.compile and lever != "encoders" and method != "il":
                 if lever == "step+cudagraphs":
                     torch.compiler.cudagraph_mark_step_begin()
-                loss = fwd_loss(images, il_clip.trim_padding(text, cfg.eot_token_id).to(device, non_blocking=True))
+                loss = fwd_loss(images, il_clip.trim_padding(text, cfg.eot_token_id)
+                                .to(device, non_blocking=True))
             else:
-                loss = il_clip.compute_loss(model, batch, phase, "language" if teacher else None, teacher, None,
-                                            il_args)[0]
+                loss = il_clip.compute_loss(model, batch, phase, "language" if teacher else None,
+                                            teacher, None, il_args)[0]
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
         opt.step()
@@ -172,7 +183,8 @@ def run_trainer(args, method, device):
         il_clip.set_trainable(model, il_args, "train", None)
     res = {"method": "clip" if open_clip else method, "cfg": cfg, "mem_kind": mem.kind}
     if method != "il":
-        return {**res, "step_s": timed(step, args.steps, device, args.untimed, mem), "peak_bytes": mem.peak()}
+        return {**res, "step_s": timed(step, args.steps, device, args.untimed, mem),
+                "peak_bytes": mem.peak()}
     for _ in range(args.untimed):
         step()
     d = max(1, round(args.steps / 6))           # the paper's 1000 distill : 5000 interact
@@ -187,7 +199,8 @@ def run_trainer(args, method, device):
     il_clip.set_trainable(model, il_args, "interact", None)
     res["interact_s"] = timed(lambda: step("interact"), i, device)
     # the paper's schedule: 48000 steps, 5 x 1000 distill, 5 spawns, the rest contrastive
-    res["step_s"] = (5000 * res["distill_s"] + 43000 * res["interact_s"] + 5 * res["spawn_s"]) / 48000
+    res["step_s"] = (5000 * res["distill_s"] + 43000 * res["interact_s"]
+                     + 5 * res["spawn_s"]) / 48000
     return {**res, "d": d, "i": i, "peak_bytes": mem.peak()}
 
 
@@ -195,24 +208,27 @@ def report_train(args, res, device, label="il_clip"):
     cfg, step = res["cfg"], res["step_s"]
     flops, sps = lifecycle.estimate_flops_per_pair(cfg), args.batch_size / step
     mfu = lifecycle.estimate_mfu(cfg, sps, device)
-    print(f"{label} {args.model} {res['method']} {f'K={cfg.codebook_size} ' if cfg.codebook_size else ''}batch "
-          f"{args.batch_size} {args.dtype}{' compiled' if args.compile else ''} on {device_name(device)}")
+    print(f"{label} {args.model} {res['method']} "
+          f"{f'K={cfg.codebook_size} ' if cfg.codebook_size else ''}batch {args.batch_size} "
+          f"{args.dtype}{' compiled' if args.compile else ''} on {device_name(device)}")
     if res["method"] == "il":
-        print(f"  distill step {res['distill_s'] * 1e3:.1f} ms ({res['d']} timed), interact step "
-              f"{res['interact_s'] * 1e3:.1f} ms ({res['i']} timed), spawn {res['spawn_s'] * 1e3:.0f} ms")
+        print(f"  distill step {res['distill_s'] * 1e3:.1f} ms ({res['d']} timed), "
+              f"interact step {res['interact_s'] * 1e3:.1f} ms ({res['i']} timed), "
+              f"spawn {res['spawn_s'] * 1e3:.0f} ms")
         print(f"  IL average at the paper's schedule (5 x 1000 distill steps, 5 spawns in 48k): "
               f"{step * 1e3:.1f} ms/step")
     else:
         print(f"  step {step * 1e3:.1f} ms")
-    print(f"  {sps:,.1f} samples/s, {flops / 1e9:.2f} GFLOPs/pair/step -> {flops * sps / 1e12:.3f} TFLOP/s, "
+    print(f"  {sps:,.1f} samples/s, {flops / 1e9:.2f} GFLOPs/pair/step -> "
+          f"{flops * sps / 1e12:.3f} TFLOP/s, "
           f"MFU {'n/a (no GPU peak for this device)' if mfu is None else f'{mfu:.1%}'}")
     print(f"  peak memory {fmt_bytes(res['peak_bytes'])} ({res['mem_kind']})")
 
 
 # the reference: the same configuration with open_clip's model and ClipLoss
 def import_open_clip():
-    """open_clip for the reference runs only (the project never imports it); None, saying why, where it cannot be
-    imported."""
+    """open_clip for the reference runs only (the project never imports it); None, saying why, where
+    it cannot be imported."""
     try:
         import open_clip
         return open_clip
@@ -225,14 +241,15 @@ def open_clip_model(open_clip, cfg):
     vision = CLIPVisionCfg(layers=cfg.vision_layers, width=cfg.vision_width,
                            head_width=cfg.vision_width // cfg.vision_heads, mlp_ratio=cfg.mlp_ratio,
                            patch_size=cfg.patch_size, image_size=cfg.image_size)
-    text = CLIPTextCfg(context_length=cfg.context_length, vocab_size=cfg.vocab_size, width=cfg.text_width,
-                       heads=cfg.text_heads, layers=cfg.text_layers, mlp_ratio=cfg.mlp_ratio)
+    text = CLIPTextCfg(context_length=cfg.context_length, vocab_size=cfg.vocab_size,
+                       width=cfg.text_width, heads=cfg.text_heads, layers=cfg.text_layers,
+                       mlp_ratio=cfg.mlp_ratio)
     return CLIP(cfg.embed_dim, vision, text, quick_gelu=cfg.quick_gelu)
 
 
 def alternating_rounds(args, device, methods):
-    """Every method's run in turn, --rounds times (drift on the shared CPU hits all alike); reports and
-    returns each method's fastest run."""
+    """Every method's run in turn, --rounds times (drift on the shared CPU hits all alike); reports
+    and returns each method's fastest run."""
     runs = {m: [] for m in methods}
     for _ in range(args.rounds):
         for m in methods:
@@ -245,13 +262,15 @@ def alternating_rounds(args, device, methods):
 
 # --data: the input pipeline alone
 def cpu_seconds():
-    """CPU time of this process and its joined children (the loader's workers), to the microsecond."""
+    """CPU time of this process and its joined children (the loader's
+    workers), to the microsecond."""
     s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
 
 
 def loader_epoch(pattern, size, workers, batch, tok=None, max_batches=None):
-    """(images/s after the first batch, CPU ms/image of main + workers, images read, samples skipped)."""
+    """(images/s after the first batch, CPU ms/image of main + workers,
+    images read, samples skipped)."""
     c = cpu_seconds()
     loader = data.make_loader(pattern, batch_size=batch, tokenizer=tok, image_size=size, train=True,
                               num_workers=workers, drop_last=False, shuffle_buffer=64)
@@ -263,10 +282,12 @@ def loader_epoch(pattern, size, workers, batch, tok=None, max_batches=None):
 
 
 class _OneImage(torch.utils.data.Dataset):
-    """n samples of one fixed uint8 224 px image: a loader over it costs its batch transport alone, no decode."""
+    """n samples of one fixed uint8 224 px image: a loader over it costs its batch
+    transport alone, no decode."""
 
     def __init__(self, n):
-        self.n, self.image = n, torch.randint(0, 256, (3, 224, 224), dtype=torch.uint8, generator=torch.Generator())
+        self.n, self.image = n, torch.randint(0, 256, (3, 224, 224), dtype=torch.uint8,
+                                              generator=torch.Generator())
 
     def __len__(self):
         return self.n
@@ -276,23 +297,28 @@ class _OneImage(torch.utils.data.Dataset):
 
 
 def transport_ms(n, workers, batch, slots):
-    """CPU ms/image (main + workers) of moving n uint8 224 px images from `workers` workers to the main process,
-    through reused shared-memory slots (data._SharedBatches) or fresh shared memory per batch (slots=False)."""
-    loader = data.MapLoader(_OneImage(n), batch, num_workers=workers, image_size=224 if slots else None)
+    """CPU ms/image (main + workers) of moving n uint8 224 px images from `workers` workers to the
+    main process, through reused shared-memory slots (data._SharedBatches) or fresh shared memory
+    per batch (slots=False)."""
+    loader = data.MapLoader(_OneImage(n), batch, num_workers=workers,
+                            image_size=224 if slots else None)
     c = cpu_seconds()
     m = sum(len(b["caption"]) for b in loader)
     return (cpu_seconds() - c) / m * 1e3
 
 
 def jpeg_shards(folder, n, short_side, shards=2):
-    """n shapes scenes as img2dataset writes them (4:3, shorter side `short_side`, JPEG q95, noise for
-    photo-like sizes) in `shards` tars of KEY.jpg + KEY.txt with NNNNN_stats.json -> (brace pattern, JPEGs)."""
+    """n shapes scenes as img2dataset writes them (4:3, shorter side `short_side`, JPEG
+    q95, noise for photo-like sizes) in `shards` tars of KEY.jpg + KEY.txt with
+    NNNNN_stats.json -> (brace pattern, JPEGs)."""
     rng, jpegs = np.random.default_rng(0), []
     for i in range(n):
         scene = data.shapes_scene("train", i)
-        x = np.asarray(scene.image.resize((short_side * 4 // 3, short_side), Image.BICUBIC), np.float32)
+        x = np.asarray(scene.image.resize((short_side * 4 // 3, short_side), Image.BICUBIC),
+                       np.float32)
         buf = io.BytesIO()
-        Image.fromarray(np.clip(x + rng.normal(0, 12, x.shape), 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=95)
+        Image.fromarray(np.clip(x + rng.normal(0, 12, x.shape), 0, 255).astype(np.uint8)).save(
+            buf, "JPEG", quality=95)
         jpegs.append((buf.getvalue(), scene.caption))
     for s in range(shards):
         keys = range(s, n, shards)
@@ -307,22 +333,26 @@ def jpeg_shards(folder, n, short_side, shards=2):
 
 
 def plain_loop(jpegs, size):
-    """CPU ms/image of the least a loader does: decode, RGB, a centred crop of 95% of the area (the mean of
-    make_loader's training crop, scale 0.9-1) resized to size x size (bicubic), a uint8 tensor. No draft."""
+    """CPU ms/image of the least a loader does: decode, RGB, a centred crop of 95% of the
+    area (the mean of make_loader's training crop, scale 0.9-1) resized to size x size
+    (bicubic), a uint8 tensor. No draft."""
     c = cpu_seconds()
     for b in jpegs:
         img = Image.open(io.BytesIO(b)).convert("RGB")
         w, h = img.size
         cw, ch = round(w * 0.95 ** 0.5), round(h * 0.95 ** 0.5)
-        img = img.resize((size, size), Image.BICUBIC, box=((w - cw) // 2, (h - ch) // 2, (w + cw) // 2, (h + ch) // 2))
+        img = img.resize((size, size), Image.BICUBIC,
+                         box=((w - cw) // 2, (h - ch) // 2, (w + cw) // 2, (h + ch) // 2))
         torch.from_numpy(np.array(img))
     return (cpu_seconds() - c) / len(jpegs) * 1e3
 
 
 def plain_parallel(jpegs, size, n):
-    """plain_loop run by n forked processes at once, each on its share: CPU ms/image with as many busy cores as
-    make_loader's n workers (two busy cores slow each other: shared caches, memory bandwidth, clocks)."""
-    ps = [mp.get_context("fork").Process(target=plain_loop, args=(jpegs[i::n], size)) for i in range(n)]
+    """plain_loop run by n forked processes at once, each on its share: CPU ms/image with as
+    many busy cores as make_loader's n workers (two busy cores slow each other: shared
+    caches, memory bandwidth, clocks)."""
+    ps = [mp.get_context("fork").Process(target=plain_loop, args=(jpegs[i::n], size))
+          for i in range(n)]
     c = cpu_seconds()
     for p in ps:
         p.start()
@@ -332,99 +362,118 @@ def plain_parallel(jpegs, size, n):
 
 
 def bench_data(args, device):
-    """`--data SPEC`: that data through make_loader (decode or render + augment + tokenize). `--data`:
-    --images shapes scenes as img2dataset JPEGs, stored at 256 px (img2dataset's default; decoded in
-    full for 224) and at 512 px (JPEG draft decoding at 1/2), read at 224 px by a plain PIL loop and by
-    make_loader with 0 and --num_workers workers, alternated --rounds times, the least CPU kept; N workers are also
-    set against N plain loops at once (as many busy cores). Steady state: the slope between an epoch of one batch per
-    shard and the full one, which takes out each epoch's start-up (forking workers, their copy-on-write faults) that
-    a long epoch amortises. `--feed R`: the cores that R samples/s take, in steady state."""
+    """`--data SPEC`: that data through make_loader (decode or render + augment + tokenize).
+    `--data`: --images shapes scenes as img2dataset JPEGs, stored at 256 px (img2dataset's default;
+    decoded in full for 224) and at 512 px (JPEG draft decoding at 1/2), read at 224 px by a plain
+    PIL loop and by make_loader with 0 and --num_workers workers, alternated --rounds times, the
+    least CPU kept; N workers are also set against N plain loops at once (as many busy cores).
+    Steady state: the slope between an epoch of one batch per shard and the full one, which takes
+    out each epoch's start-up (forking workers, their copy-on-write faults) that a long epoch
+    amortises. `--feed R`: the cores that R samples/s take, in steady state."""
     B, workers = args.batch_size, args.num_workers if args.num_workers is not None else 2
     if args.data != "jpeg":
-        tok = data.build_tokenizer(captions=data.captions_for_tokenizer(args.data), vocab_size=1000, context_length=32)
+        tok = data.build_tokenizer(captions=data.captions_for_tokenizer(args.data), vocab_size=1000,
+                                   context_length=32)
         size = il_clip.MODEL_PRESETS[args.model]["image_size"]
         rate, cpu_ms, n, skipped = loader_epoch(args.data, size, workers, B, tok, args.steps)
-        print(f"data {args.data}: image {size}, batch {B}, num_workers {workers}: {rate:,.1f} samples/s, "
-              f"{cpu_ms:.2f} CPU ms/sample, {n} samples (first batch and tokenizer not timed), skipped {skipped}")
+        print(f"data {args.data}: image {size}, batch {B}, num_workers {workers}: "
+              f"{rate:,.1f} samples/s, {cpu_ms:.2f} CPU ms/sample, {n} samples "
+              f"(first batch and tokenizer not timed), skipped {skipped}")
         return 0
-    print(f"{args.images} img2dataset JPEGs in 2 shards read at 224 px, batch {B}, {os.cpu_count()} CPUs, CPU ms per "
-          f"image (main process + workers, each epoch's worker start-up included), least of {args.rounds} rounds; each "
-          f"ratio is the median over rounds of the two costs measured side by side in a round (the machine's speed "
-          f"drifts):")
+    print(f"{args.images} img2dataset JPEGs in 2 shards read at 224 px, batch {B}, "
+          f"{os.cpu_count()} CPUs, CPU ms per image (main process + workers, each epoch's worker "
+          f"start-up included), least of {args.rounds} rounds; each ratio is the median over "
+          f"rounds of the two costs measured side by side in a round (the machine's speed drifts):")
     costs, tiny = {}, 2 * B     # the short epoch: one batch per shard (one per worker at 2 workers)
     for stored in (256, 512):
         with tempfile.TemporaryDirectory() as d:
             pattern, jpegs = jpeg_shards(d, args.images, stored)
             os.mkdir(os.path.join(d, "short"))
-            short_pattern = jpeg_shards(os.path.join(d, "short"), tiny, stored)[0] if args.images > tiny else None
-            runs = {k: [] for k in ("plain", "parallel", 0, workers, "steady0", "steady", "start0", "start")}
+            short_pattern = (jpeg_shards(os.path.join(d, "short"), tiny, stored)[0]
+                             if args.images > tiny else None)
+            runs = {k: [] for k in ("plain", "parallel", 0, workers,
+                                    "steady0", "steady", "start0", "start")}
             for _ in range(args.rounds):
                 runs["plain"].append(plain_loop(jpegs, 224))
                 runs["parallel"].append(plain_parallel(jpegs, 224, max(1, workers)))
                 for w, tag in ((0, "0"), (workers, "")):
                     _, ms, n, _ = loader_epoch(pattern, 224, w, B)
                     runs[w].append(ms)
-                    if short_pattern:   # steady state: the slope between the short and the full epoch
+                    # steady state: the slope between the short and the full epoch
+                    if short_pattern:
                         _, ms_short, n_short, _ = loader_epoch(short_pattern, 224, w, B)
                         runs["steady" + tag].append((ms * n - ms_short * n_short) / (n - n_short))
-                        runs["start" + tag].append(ms_short * n_short - runs["steady" + tag][-1] * n_short)
-        (plain, parallel), ms = (min(runs[k]) for k in ("plain", "parallel")), {w: min(runs[w]) for w in (0, workers)}
-        # with few images the start-up noise can exceed the images between the two epochs: no slope then
+                        runs["start" + tag].append(ms_short * n_short
+                                                   - runs["steady" + tag][-1] * n_short)
+        (plain, parallel), ms = ((min(runs[k]) for k in ("plain", "parallel")),
+                                 {w: min(runs[w]) for w in (0, workers)})
+        # with few images the start-up noise can exceed the images between the two epochs:
+        # no slope then
         separable = short_pattern and min(runs["steady0"] + runs["steady"]) > 0
         costs[stored] = min(runs["steady"]) if separable else ms[workers]
         kib = sum(map(len, jpegs)) / len(jpegs) / 1024
         ratio = lambda a, b: statistics.median(x / y for x, y in zip(runs[a], runs[b]))
         print(f"  stored {stored} px ({kib:.0f} KiB){', draft 1/2' if stored == 512 else ''}: "
-              f"plain PIL loop {plain:.2f}; make_loader 0 workers {ms[0]:.2f} ({ratio(0, 'plain'):.2f}x plain), "
-              f"{workers} workers {ms[workers]:.2f} ({ratio(workers, 'plain'):.2f}x plain; "
-              f"{ratio(workers, 'parallel'):.2f}x {max(1, workers)} plain loops at once, {parallel:.2f})")
+              f"plain PIL loop {plain:.2f}; make_loader 0 workers {ms[0]:.2f} "
+              f"({ratio(0, 'plain'):.2f}x plain), {workers} workers {ms[workers]:.2f} "
+              f"({ratio(workers, 'plain'):.2f}x plain; {ratio(workers, 'parallel'):.2f}x "
+              f"{max(1, workers)} plain loops at once, {parallel:.2f})")
         if short_pattern and not separable:
-            print(f"    steady state: not separable at {args.images} images (a slope between {tiny}- and "
-                  f"{args.images}-image epochs at or below zero, start-up noise exceeding the images between "
-                  f"them; use more --images); --feed uses the full epoch")
+            print(f"    steady state: not separable at {args.images} images (a slope between "
+                  f"{tiny}- and {args.images}-image epochs at or below zero, start-up noise "
+                  f"exceeding the images between them; use more --images); "
+                  f"--feed uses the full epoch")
         elif short_pattern:
-            print(f"    steady state (each epoch's start-up, {statistics.median(runs['start0']):.0f} / "
-                  f"{statistics.median(runs['start']):.0f} CPU ms at 0 / {workers} workers, taken out: the slope "
-                  f"between {tiny}- and {args.images}-image epochs): 0 workers {min(runs['steady0']):.2f} "
-                  f"({ratio('steady0', 'plain'):.2f}x plain), {workers} workers {min(runs['steady']):.2f} "
-                  f"({ratio('steady', 'plain'):.2f}x plain; {ratio('steady', 'parallel'):.2f}x {max(1, workers)} "
-                  f"plain loops at once)")
+            print(f"    steady state (each epoch's start-up, "
+                  f"{statistics.median(runs['start0']):.0f} / "
+                  f"{statistics.median(runs['start']):.0f} CPU ms at 0 / {workers} workers, "
+                  f"taken out: the slope between {tiny}- and {args.images}-image epochs): "
+                  f"0 workers {min(runs['steady0']):.2f} ({ratio('steady0', 'plain'):.2f}x plain), "
+                  f"{workers} workers {min(runs['steady']):.2f} "
+                  f"({ratio('steady', 'plain'):.2f}x plain; "
+                  f"{ratio('steady', 'parallel'):.2f}x {max(1, workers)} plain loops at once)")
     if workers:
         runs = {True: [], False: []}
         for _ in range(args.rounds):
             for slots in runs:
                 runs[slots].append(transport_ms(4096, workers, B, slots))
-        print(f"  batch transport alone (4096 images, no decode), {workers} workers: {min(runs[True]):.3f} ms/image "
-              f"through reused shared-memory slots, {min(runs[False]):.3f} through fresh shared memory per batch "
-              f"(median difference {statistics.median(b - a for a, b in zip(runs[True], runs[False])):.3f})")
+        print(f"  batch transport alone (4096 images, no decode), {workers} workers: "
+              f"{min(runs[True]):.3f} ms/image through reused shared-memory slots, "
+              f"{min(runs[False]):.3f} through fresh shared memory per batch (median difference "
+              f"{statistics.median(b - a for a, b in zip(runs[True], runs[False])):.3f})")
     if args.feed:
-        print(f"  feeding {args.feed:,.0f} samples/s takes " + ", ".join(
-            f"{math.ceil(args.feed * ms / 1e3)} cores at {stored} px" for stored, ms in costs.items())
-              + " (cores as fast as these, steady state where separable; make_loader's main process included)")
+        print(f"  feeding {args.feed:,.0f} samples/s takes "
+              + ", ".join(f"{math.ceil(args.feed * ms / 1e3)} cores at {stored} px"
+                          for stored, ms in costs.items())
+              + " (cores as fast as these, steady state where separable;"
+                " make_loader's main process included)")
     return 0
 
 
 def bench_data_wait(args, device):
-    """`--data_wait`: il_clip's model trained on JPEG shards (img2dataset-style, 256 px) through make_loader
-    with --num_workers workers: the fraction of step time spent waiting for the next batch."""
+    """`--data_wait`: il_clip's model trained on JPEG shards (img2dataset-style, 256 px)
+    through make_loader with --num_workers workers: the fraction of step time spent
+    waiting for the next batch."""
     B, workers = args.batch_size, args.num_workers if args.num_workers is not None else 2
     with tempfile.TemporaryDirectory() as d:
         pattern, _ = jpeg_shards(d, max(args.images, B * (args.steps + args.untimed + 1)), 256)
-        tok = data.build_tokenizer(captions=data.captions_for_tokenizer(pattern), vocab_size=1000, context_length=32)
+        tok = data.build_tokenizer(captions=data.captions_for_tokenizer(pattern), vocab_size=1000,
+                                   context_length=32)
         il_args = il_clip.build_args(["--model", args.model, "--method", "clip", "--data", pattern])
         cfg = il_clip.model_config(il_args, tok)
         model, opt = il_clip.build_model_and_optimizer(il_args, cfg, device)
         il_clip.set_trainable(model, il_args, "train", None)
         bf16 = args.dtype == "bf16"
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        batches = data.make_loader(pattern, batch_size=B, tokenizer=tok, image_size=cfg.image_size, num_workers=workers,
-                                   pin_memory=device.type == "cuda").forever()
+        autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16
+                    else contextlib.nullcontext())
+        batches = data.make_loader(pattern, batch_size=B, tokenizer=tok, image_size=cfg.image_size,
+                                   num_workers=workers, pin_memory=device.type == "cuda").forever()
         wait = total = 0.0
-        for i in range(args.untimed + args.steps):        # the first steps start the workers: not timed
+        for i in range(args.untimed + args.steps):  # the first steps start the workers: not timed
             t0 = time.perf_counter()
             b = next(batches)
             t1 = time.perf_counter()
-            with autocast:      # the uint8 batch normalised on the device, as the training scripts do
+            with autocast:  # the uint8 batch normalised on the device, as the training scripts do
                 batch = {"image": data.normalize_images(b["image"], device), "text": b["text"]}
                 loss = il_clip.compute_loss(model, batch, "train", None, None, None, il_args)[0]
             loss.backward()
@@ -433,16 +482,19 @@ def bench_data_wait(args, device):
             sync(device)
             if i >= args.untimed:
                 wait, total = wait + t1 - t0, total + time.perf_counter() - t0
-    print(f"il_clip {args.model} clip on JPEG shards ({cfg.image_size} px from 256 px), batch {B}, {workers} workers, "
-          f"{device_name(device)}, {os.cpu_count()} CPUs: step {total / args.steps * 1e3:.1f} ms, waiting for the next "
-          f"batch {wait / args.steps * 1e3:.1f} ms = {wait / total:.1%} of step time ({args.steps} steps timed)")
+    print(f"il_clip {args.model} clip on JPEG shards ({cfg.image_size} px from 256 px), batch {B}, "
+          f"{workers} workers, {device_name(device)}, {os.cpu_count()} CPUs: "
+          f"step {total / args.steps * 1e3:.1f} ms, waiting for the next batch "
+          f"{wait / args.steps * 1e3:.1f} ms = {wait / total:.1%} of step time "
+          f"({args.steps} steps timed)")
     return 0
 
 
 # --codebook_memory: the codebook head alone, chunked (il_clip) vs naive
 class LiveTensorBytes(torch.utils._python_dispatch.TorchDispatchMode):
-    """Peak live bytes of the tensor storages that ops under this mode create (a weakref finalizer
-    sees them freed). Exact on the CPU, blind to allocator overhead and scratch inside one kernel."""
+    """Peak live bytes of the tensor storages that ops under this mode create (a
+    weakref finalizer sees them freed). Exact on the CPU, blind to allocator overhead
+    and scratch inside one kernel."""
 
     def __init__(self):
         super().__init__()
@@ -454,7 +506,8 @@ class LiveTensorBytes(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        storages = lambda x: [t.untyped_storage() for t in torch.utils._pytree.tree_leaves(x)  # noqa: E731
+        storages = lambda x: [t.untyped_storage()  # noqa: E731
+                              for t in torch.utils._pytree.tree_leaves(x)
                               if isinstance(t, torch.Tensor)]
         inputs = {st.data_ptr() for st in storages((args, kwargs))}
         for st in storages(out):
@@ -468,7 +521,8 @@ class LiveTensorBytes(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def codebook_head(q, codes, naive=False, **chunking):
-    """query-map output q [B, P, D] -> max over tokens -> sparsemax over K -> weighted sum of codes."""
+    """query-map output q [B, P, D] -> max over tokens -> sparsemax over K
+    -> weighted sum of codes."""
     if naive:
         s = (q @ codes.t()).max(dim=1).values                    # materialises B x P x K
     else:
@@ -497,15 +551,17 @@ def head_peak(B, P, K, D, naive, device, **chunking):
 
 def bench_codebook_memory(args, device):
     B, K, D = args.batch_size, args.codebook or 16384, args.code_dim
-    print(f"codebook head forward + backward, B={B}, K={K}, D={D}, exact sparsemax, fp32, {device_name(device)}")
+    print(f"codebook head forward + backward, B={B}, K={K}, D={D}, exact sparsemax, fp32, "
+          f"{device_name(device)}")
     avail = proc_bytes("MemAvailable", "/proc/meminfo")
     for P in (49, 196):
         ours, kind = head_peak(B, P, K, D, False, device)
         naive_need = B * P * K * 4
-        naive_s = (fmt_bytes(head_peak(B, P, K, D, True, device)[0]) if device.type == "cuda" or 3 * naive_need < avail
+        naive_s = (fmt_bytes(head_peak(B, P, K, D, True, device)[0])
+                   if device.type == "cuda" or 3 * naive_need < avail
                    else f"skipped (B*P*K*4 = {fmt_bytes(naive_need)}, too close to free memory)")
-        print(f"  P={P:3d}: chunked {fmt_bytes(ours):>10}   naive {naive_s:>10}   "
-              f"(B*P*K fp32 = {fmt_bytes(naive_need)}, B*K fp32 = {fmt_bytes(B * K * 4)})  [{kind}]")
+        print(f"  P={P:3d}: chunked {fmt_bytes(ours):>10}   naive {naive_s:>10}   (B*P*K fp32 = "
+              f"{fmt_bytes(naive_need)}, B*K fp32 = {fmt_bytes(B * K * 4)})  [{kind}]")
     return 0
 
 
@@ -514,7 +570,8 @@ def bench_composer(args, device):
     import composer
     n = args.batch_size
     scenes = [data.shapes_scene("train", i) for i in range(n)]
-    tok = data.build_tokenizer(captions=[s.caption for s in scenes], vocab_size=1000, context_length=32)
+    tok = data.build_tokenizer(captions=[s.caption for s in scenes], vocab_size=1000,
+                               context_length=32)
     cfg = composer.ModelConfig(vocab_size=tok.vocab_size, eot_token_id=tok.eot_id)
     torch.manual_seed(0)
     model = composer.Composer(cfg).to(device).eval()
@@ -525,27 +582,33 @@ def bench_composer(args, device):
     feats, boxes, mask = store.get(torch.arange(n), device)
 
     def batched():
-        tb = {k: v.to(device) if torch.is_tensor(v) else v for k, v in composer.collate_text(comps).items()}
+        tb = {k: v.to(device) if torch.is_tensor(v) else v
+              for k, v in composer.collate_text(comps).items()}
         V, vm = model.encode_image(feats, boxes, mask)
         idx = torch.arange(n, device=device)
         return model.score_pairs(tb, model.encode_text(tb), V, vm, idx, idx)[1]["node_score"]
 
     def recursive():
-        return torch.cat([model.score_recursive(c, feats[i], boxes[i], mask[i]) for i, c in enumerate(comps)])
+        return torch.cat([model.score_recursive(c, feats[i], boxes[i], mask[i])
+                          for i, c in enumerate(comps)])
 
     with torch.no_grad():
         a, b = batched(), recursive()                            # warm-up, and the outputs compared
         tb_, tr_ = (statistics.median(timed(fn, 1, device) for _ in range(max(1, args.steps // 4)))
                     for fn in (batched, recursive))
-    print(f"composer forward, {n} caption-image pairs ({sum(len(c['nodes']) for c in comps)} concept nodes, max depth "
-          f"{max(max(x['level'] for x in c['nodes']) for c in comps)}), width {cfg.width}, {device_name(device)}:")
-    print(f"  level-batched {tb_ * 1e3:.1f} ms ({n / tb_:,.1f} pairs/s), node-by-node {tr_ * 1e3:.1f} ms "
-          f"({n / tr_:,.1f} pairs/s): {tr_ / tb_:.1f}x; max |node score diff| {float((a - b).abs().max()):.2e}")
+    print(f"composer forward, {n} caption-image pairs "
+          f"({sum(len(c['nodes']) for c in comps)} concept nodes, "
+          f"max depth {max(max(x['level'] for x in c['nodes']) for c in comps)}), "
+          f"width {cfg.width}, {device_name(device)}:")
+    print(f"  level-batched {tb_ * 1e3:.1f} ms ({n / tb_:,.1f} pairs/s), "
+          f"node-by-node {tr_ * 1e3:.1f} ms ({n / tr_:,.1f} pairs/s): {tr_ / tb_:.1f}x; "
+          f"max |node score diff| {float((a - b).abs().max()):.2e}")
     return 0
 
 
 # --levers: what moves CLIP's MFU and the codebook head's cost, one lever at a time (GPU)
-LEVERS = [  # (label, method, per-GPU batch, what is compiled, codebook scores per chunk or None: il_clip's)
+# (label, method, per-GPU batch, what is compiled, codebook scores per chunk or None: il_clip's)
+LEVERS = [
     ("CLIP: encoders compiled (il_clip --compile)", "clip", 256, "encoders", None),
     ("CLIP: towers + loss in one graph, CUDA graphs", "clip", 256, "step+cudagraphs", None),
     ("Codebook-CLIP: encoders compiled (il_clip --compile)", "codebook", 256, "encoders", None),
@@ -558,15 +621,17 @@ LEVERS = [  # (label, method, per-GPU batch, what is compiled, codebook scores p
 
 
 def bench_levers(args, device):
-    """Each LEVERS row timed alone (--steps after --untimed, one round), printed as soon as measured, so a
-    cut-off run still reports its first rows; with --json, a report."""
+    """Each LEVERS row timed alone (--steps after --untimed, one round), printed as soon as
+    measured, so a cut-off run still reports its first rows; with --json, a report."""
     import platform
     default_budget = il_clip.CODE_SCORES_PER_CHUNK
     rows, clip_ms = [], {}
-    print(f"| {args.model}, {args.dtype}, {device_name(device)}, torch {torch.__version__} | batch | step | samples/s "
-          f"| MFU | peak memory | / CLIP (same batch, baseline) |\n|---|---|---|---|---|---|---|", flush=True)
+    print(f"| {args.model}, {args.dtype}, {device_name(device)}, torch {torch.__version__} "
+          f"| batch | step | samples/s | MFU | peak memory | / CLIP (same batch, baseline) |\n"
+          f"|---|---|---|---|---|---|---|", flush=True)
     for label, method, batch, lever, budget in LEVERS:
-        run = argparse.Namespace(**{**vars(args), "batch_size": batch, "lever": lever, "compile": True})
+        run = argparse.Namespace(**{**vars(args), "batch_size": batch, "lever": lever,
+                                    "compile": True})
         il_clip.CODE_SCORES_PER_CHUNK = budget or default_budget
         try:
             res = run_trainer(run, method, device)
@@ -577,22 +642,26 @@ def bench_levers(args, device):
         if method == "clip" and lever == "encoders":
             clip_ms[batch] = ms
         ratio = f"{ms / clip_ms[batch]:.3f}x" if method != "clip" and batch in clip_ms else ""
-        print(f"| {label} | {batch} | {ms:.1f} ms | {sps:,.0f} | {'-' if mfu is None else f'{mfu:.1%}'} | "
+        print(f"| {label} | {batch} | {ms:.1f} ms | {sps:,.0f} | "
+              f"{'-' if mfu is None else f'{mfu:.1%}'} | "
               f"{fmt_bytes(res['peak_bytes'])} | {ratio} |", flush=True)
-        rows.append({"label": label, "method": method, "batch": batch, "compiled": lever, "chunk_scores": budget,
-                     "step_ms": ms, "samples_per_s": sps, "mfu": mfu, "peak_bytes": res["peak_bytes"]})
+        rows.append({"label": label, "method": method, "batch": batch, "compiled": lever,
+                     "chunk_scores": budget, "step_ms": ms, "samples_per_s": sps, "mfu": mfu,
+                     "peak_bytes": res["peak_bytes"]})
         del res
         gc.collect()
         torch.cuda.empty_cache() if device.type == "cuda" else None
     if args.json:
-        report = {"device": device_name(device), "torch": torch.__version__, "python": platform.python_version(),
+        report = {"device": device_name(device), "torch": torch.__version__,
+                  "python": platform.python_version(),
                   "command": "python bench.py " + " ".join(args.argv), "rows": rows}
         lifecycle.atomic_write(args.json, lambda p: lifecycle.save_json(p, report))
     return 0
 
 
 # --targets: every speed target measured in one run and checked against its threshold
-# (key, what is measured, comparison, threshold on a GPU, threshold on the CPU; None = not a target there)
+# (key, what is measured, comparison, threshold on a GPU, threshold on the CPU;
+# None = not a target there)
 TARGETS = [
     ("clip_mfu", "CLIP MFU (dense bf16 peak)", ">=", 0.35, None),
     ("codebook_over_clip", "Codebook-CLIP step time / CLIP step time", "<=", 1.15, None),
@@ -604,12 +673,14 @@ OPS = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, "<": lambda a, b: a
 
 
 def target_rows(values, gpu):
-    """Per target: value, this machine kind's threshold and verdict (None: not measured / not a target)."""
+    """Per target: value, this machine kind's threshold and verdict (None:
+    not measured / not a target)."""
     rows = []
     for key, what, op, on_gpu, on_cpu in TARGETS:
         threshold, value = (on_gpu if gpu else on_cpu), values.get(key)
         ok = None if threshold is None or value is None else bool(OPS[op](value, threshold))
-        rows.append({"key": key, "what": what, "op": op, "threshold": threshold, "value": value, "ok": ok})
+        rows.append({"key": key, "what": what, "op": op,
+                     "threshold": threshold, "value": value, "ok": ok})
     return rows
 
 
@@ -622,16 +693,20 @@ def bench_targets(args, device):
     res = alternating_rounds(args, device, methods)
     clip_step = res["clip"]["step_s"]
     head_bytes, head_kind = head_peak(256, 49, 16384, 512, False, device)
-    rows = target_rows({"clip_mfu": lifecycle.estimate_mfu(res["clip"]["cfg"], args.batch_size / clip_step, device),
-                        "codebook_over_clip": res["codebook"]["step_s"] / clip_step,
-                        "il_over_codebook": res["il"]["step_s"] / res["codebook"]["step_s"],
-                        # samples/s ratio = inverse step-time ratio (same batch)
-                        "vs_open_clip": res["open_clip"]["step_s"] / clip_step if "open_clip" in res else None,
-                        "codebook_head_bytes": head_bytes}, device.type == "cuda")
-    print(f"codebook head (B=256, P=49, K=16384, D=512, fp32) peak {fmt_bytes(head_bytes)} [{head_kind}]")
-    print(f"\ntargets on {device_name(device)}: {args.model}, batch {args.batch_size}, {args.dtype}, K="
-          f"{res['codebook']['cfg'].codebook_size}{', compiled' if args.compile else ''} (the GPU thresholds are set "
-          f"for ViT-B-32, batch 256, bf16, K=16384)\n| target | measured | threshold | met |\n|---|---|---|---|")
+    rows = target_rows({
+        "clip_mfu": lifecycle.estimate_mfu(res["clip"]["cfg"], args.batch_size / clip_step, device),
+        "codebook_over_clip": res["codebook"]["step_s"] / clip_step,
+        "il_over_codebook": res["il"]["step_s"] / res["codebook"]["step_s"],
+        # samples/s ratio = inverse step-time ratio (same batch)
+        "vs_open_clip": res["open_clip"]["step_s"] / clip_step if "open_clip" in res else None,
+        "codebook_head_bytes": head_bytes}, device.type == "cuda")
+    print(f"codebook head (B=256, P=49, K=16384, D=512, fp32) peak {fmt_bytes(head_bytes)} "
+          f"[{head_kind}]")
+    print(f"\ntargets on {device_name(device)}: {args.model}, batch {args.batch_size}, "
+          f"{args.dtype}, K={res['codebook']['cfg'].codebook_size}"
+          f"{', compiled' if args.compile else ''} "
+          f"(the GPU thresholds are set for ViT-B-32, batch 256, bf16, K=16384)\n"
+          f"| target | measured | threshold | met |\n|---|---|---|---|")
 
     def fmt(key, v):
         if v is None:
@@ -644,26 +719,31 @@ def bench_targets(args, device):
 
     for r in rows:
         thr = "-" if r["threshold"] is None else f"{r['op']} {fmt(r['key'], r['threshold'])}"
-        verdict = {True: "yes", False: "**no**", None: "n/a" if r["threshold"] is None else "not measured"}[r["ok"]]
+        verdict = {True: "yes", False: "**no**",
+                   None: "n/a" if r["threshold"] is None else "not measured"}[r["ok"]]
         print(f"| {r['what']} | {fmt(r['key'], r['value'])} | {thr} | {verdict} |")
     judged = [r for r in rows if r["ok"] is not None]
     print(f"{sum(r['ok'] for r in judged)} of {len(judged)} targets met on this machine"
           + ("" if "open_clip" in res else " (open_clip not importable: no reference)"))
     if args.json:
-        runs = {m: {k: (dataclasses.asdict(v) if k == "cfg" else v) for k, v in r.items()} for m, r in res.items()}
-        report = {"device": device_name(device), "torch": torch.__version__, "python": platform.python_version(),
+        runs = {m: {k: (dataclasses.asdict(v) if k == "cfg" else v) for k, v in r.items()}
+                for m, r in res.items()}
+        report = {"device": device_name(device), "torch": torch.__version__,
+                  "python": platform.python_version(),
                   "command": "python bench.py " + " ".join(args.argv),
-                  "config": {k: getattr(args, k)
-                             for k in ("model", "batch_size", "dtype", "compile", "steps", "untimed")},
+                  "config": {k: getattr(args, k) for k in ("model", "batch_size", "dtype",
+                                                           "compile", "steps", "untimed")},
                   "targets": rows, "runs": runs,
                   "codebook_head": {"bytes": head_bytes, "counted_by": head_kind}}
-        lifecycle.atomic_write(args.json, lambda p: lifecycle.save_json(p, report))   # a reader never sees half a file
+        # a reader never sees half a file
+        lifecycle.atomic_write(args.json, lambda p: lifecycle.save_json(p, report))
     return 0
 
 
 def main(argv=None):
     global il_clip      # --script: bench imports the script it measures
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--model", default="tiny", choices=list(il_clip.MODEL_PRESETS))
     a("--method", default="clip", choices=["clip", "codebook", "il"])
@@ -676,21 +756,25 @@ def main(argv=None):
     a("--steps", type=int, default=10, help="timed steps")
     a("--untimed", type=int, default=3, help="steps run before timing starts (not an LR warm-up)")
     a("--rounds", type=int, default=2, help="--targets / --data: alternations, best kept")
-    a("--data", nargs="?", const="jpeg", default=None, help="the loader alone: JPEG shards vs plain PIL, "
-      "or an il_clip.py --data spec")
-    a("--num_workers", type=int, default=None, help="--data / --data_wait: loader workers (default 2)")
+    a("--data", nargs="?", const="jpeg", default=None,
+      help="the loader alone: JPEG shards vs plain PIL, or an il_clip.py --data spec")
+    a("--num_workers", type=int, default=None,
+      help="--data / --data_wait: loader workers (default 2)")
     a("--images", type=int, default=256, help="--data / --data_wait: JPEGs in the shards")
     a("--feed", type=float, default=None, help="--data: the cores that this many samples/s take")
-    a("--data_wait", action="store_true", help="il_clip on JPEG shards: the step time spent waiting for data")
+    a("--data_wait", action="store_true",
+      help="il_clip on JPEG shards: the step time spent waiting for data")
     a("--codebook_memory", action="store_true", help="peak memory of the codebook head alone")
     a("--code_dim", type=int, default=512, help="--codebook_memory: D of codes and queries")
     a("--composer", action="store_true", help="level-batched vs node-by-node composition")
     a("--targets", action="store_true", help="measure every speed target and check each")
-    a("--levers", action="store_true", help="CLIP and Codebook-CLIP steps with each MFU lever in turn (GPU)")
+    a("--levers", action="store_true",
+      help="CLIP and Codebook-CLIP steps with each MFU lever in turn (GPU)")
     a("--out", "--json", dest="json", default=None,
       help="--targets / --levers: also write the report to this JSON file")
     a("--seed", type=int, default=0, help="weights and synthetic batch of the timed steps")
-    a("--script", default=None, help="time a fork's step: an il_clip.py-style script at PATH (default: il_clip.py)")
+    a("--script", default=None,
+      help="time a fork's step: an il_clip.py-style script at PATH (default: il_clip.py)")
     args = p.parse_args(argv)
     if args.script:
         il_clip = lifecycle.import_script(None, __file__, args.script)[0]
@@ -699,14 +783,17 @@ def main(argv=None):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    args.batch_size = args.batch_size or (64 if args.model == "tiny" and not args.codebook_memory else 256)
-    modes = {"data": bench_data, "codebook_memory": bench_codebook_memory, "composer": bench_composer,
-             "targets": bench_targets, "data_wait": bench_data_wait, "levers": bench_levers}
+    args.batch_size = (args.batch_size
+                       or (64 if args.model == "tiny" and not args.codebook_memory else 256))
+    modes = {"data": bench_data, "codebook_memory": bench_codebook_memory,
+             "composer": bench_composer, "targets": bench_targets,
+             "data_wait": bench_data_wait, "levers": bench_levers}
     mode = next((m for m in modes if getattr(args, m)), None)
     t0 = time.time()
     lifecycle.start_line(__file__, f"--{mode}" if mode else f"--method {args.method}", [
         f"--model {args.model}", f"batch {args.batch_size}", args.dtype, device_name(device),
-        f"script {os.path.basename(il_clip.__file__)}", f"out {args.json or 'the lines on stdout'}"])
+        f"script {os.path.basename(il_clip.__file__)}",
+        f"out {args.json or 'the lines on stdout'}"])
     if mode:
         code = modes[mode](args, device)
     else:
