@@ -2,10 +2,11 @@
 lifecycle.py -- what the training scripts share besides the data: one run's life in its out_dir.
 
   * files: JSON, durable and atomic writes, one-line errors for a full disk or a read-only folder;
-  * weights: the reader for this repo's checkpoints, OpenAI / open_clip files and the activation they state,
-    and the training script a checkpoint records (script_record; find_script's trust rule, import_script);
-  * the run lifecycle: one run per out_dir (a lock), checkpoints that survive a crash and their fallback, stop
-    signals, metrics.jsonl (+ wandb);
+  * weights: the reader for this repo's checkpoints, OpenAI / open_clip files and the activation
+    they state, and the training script a checkpoint records (script_record; find_script's trust
+    rule, import_script);
+  * the run lifecycle: one run per out_dir (a lock), checkpoints that survive a crash and their
+    fallback, stop signals, metrics.jsonl (+ wandb);
   * the voice of every command: its start and done lines, progress bars; plots (matplotlib, Agg);
   * measurement: the FLOPs of a CLIP step and MFU (bench.py and il_clip.py);
   * results over seeds: run folders grouped, mean and 95% t-interval, paired differences.
@@ -34,8 +35,9 @@ class DataError(Exception):
 
 
 # -----------------------------------------------------------------------------
-# Files: JSON, durable and atomic writes, weights. Each training script writes and reads its own checkpoints
-# (out_dir/checkpoint/: model.safetensors, config.json, state.pt ...); readers find the weights with checkpoint_dir.
+# Files: JSON, durable and atomic writes, weights. Each training script writes and reads its own
+# checkpoints (out_dir/checkpoint/: model.safetensors, config.json, state.pt ...); readers find the
+# weights with checkpoint_dir.
 
 def read_json(path: str):
     try:
@@ -43,12 +45,14 @@ def read_json(path: str):
             return json.load(f)
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, MemoryError) as e:   # nested too deep, too big
+    # nested too deep, too big
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, MemoryError) as e:
         raise DataError(f"{path}: malformed JSON ({e or type(e).__name__})") from None
 
 
 def fsync(path: str, write=None):
-    """write(path) if given, then flush the file or folder to disk: a checkpoint must survive a power cut or SIGKILL."""
+    """write(path) if given, then flush the file or folder to disk: a checkpoint must survive a
+    power cut or SIGKILL."""
     if write is not None:
         write(path)
     fd = os.open(path, os.O_RDONLY)
@@ -59,7 +63,8 @@ def fsync(path: str, write=None):
 
 
 def atomic_write(path: str, write):
-    """write(tmp), then rename over `path`: a reader never sees half a file (nor a failed write's tmp)."""
+    """write(tmp), then rename over `path`: a reader never sees half a file (nor a failed write's
+    tmp)."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         write(tmp)
@@ -69,24 +74,26 @@ def atomic_write(path: str, write):
             os.remove(tmp)
 
 
-# a write that cannot be done for want of room or of a working disk (full disk, quota, file-size limit, failing
-# disk), of permission (a folder made read-only, a read-only mount) or on a path of the wrong kind (a file where a
-# folder belongs, or the reverse)
+# a write that cannot be done for want of room or of a working disk (full disk, quota, file-size
+# limit, failing disk), of permission (a folder made read-only, a read-only mount) or on a path of
+# the wrong kind (a file where a folder belongs, or the reverse)
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
-WRITE_ERRNOS = (*DISK_ERRNOS, errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST, errno.ENOTDIR, errno.EISDIR)
+WRITE_ERRNOS = (*DISK_ERRNOS, errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST, errno.ENOTDIR,
+                errno.EISDIR)
 
 
 @contextlib.contextmanager
 def writing(path: str, what: str = ""):
-    """A write that fails for want of room, of a working disk or of permission, or on a path of the wrong kind
-    (WRITE_ERRNOS) -> DataError, one line naming the file (the OSError's own if it names one) and `what` was being
-    written. Other errors pass."""
+    """A write that fails for want of room, of a working disk or of permission, or on a path of the
+    wrong kind (WRITE_ERRNOS) -> DataError, one line naming the file (the OSError's own if it names
+    one) and `what` was being written. Other errors pass."""
     try:
         yield
     except Exception as e:
         if write_error(e) is None:
             raise
-        name = re.sub(rf"\.tmp{os.getpid()}$", "", str(getattr(e, "filename", None) or path))   # atomic_write's temp
+        # atomic_write's temp
+        name = re.sub(rf"\.tmp{os.getpid()}$", "", str(getattr(e, "filename", None) or path))
         raise DataError(f"{name}: cannot write: {write_error(e)}{what}") from None
 
 
@@ -98,7 +105,8 @@ def save_json(path: str, obj):
 
 
 def write_file(path: str, blob):
-    """`blob` (bytes, a str as UTF-8, a PIL image as PNG) as the file `path`, atomically, its folder made if missing."""
+    """`blob` (bytes, a str as UTF-8, a PIL image as PNG) as the file `path`, atomically, its folder
+    made if missing."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
 
     def write(tmp):
@@ -111,10 +119,12 @@ def write_file(path: str, blob):
 
 
 def open_to_append(path: str):
-    """`path` opened to append, created if missing, never through a symbolic link (O_NOFOLLOW): a link planted in
-    out_dir must not send the run's writes to its target. A link there is one DataError line."""
+    """`path` opened to append, created if missing, never through a symbolic link (O_NOFOLLOW): a
+    link planted in out_dir must not send the run's writes to its target. A link there is one
+    DataError line."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise DataError(symlink_refused(path)) from None
@@ -123,7 +133,8 @@ def open_to_append(path: str):
 
 
 def symlink_refused(path: str) -> str:
-    return f"{path}: a symbolic link; a run writes its own files, never through a link (remove it, or --overwrite)"
+    return (f"{path}: a symbolic link; a run writes its own files, never through a link "
+            f"(remove it, or --overwrite)")
 
 
 def remove(path: str):
@@ -138,7 +149,8 @@ OPENAI_EXTRA_KEYS = {"input_resolution", "context_length", "vocab_size"}   # int
 
 
 def is_torchscript(path: str) -> bool:
-    """A TorchScript archive (OpenAI's .pt files): a zip holding constants.pkl, a format that carries code."""
+    """A TorchScript archive (OpenAI's .pt files): a zip holding constants.pkl, a format that
+    carries code."""
     import zipfile
     try:
         with zipfile.ZipFile(path) as z:
@@ -148,8 +160,9 @@ def is_torchscript(path: str) -> bool:
 
 
 def read_weights(path: str) -> dict:
-    """A state dict of tensors from .safetensors or a torch .pt (weights_only: no pickled code runs); TorchScript
-    archives (OpenAI's) are refused (convert-weights); open_clip's {"state_dict": ...}, DDP's "module." unwrapped."""
+    """A state dict of tensors from .safetensors or a torch .pt (weights_only: no pickled code
+    runs); TorchScript archives (OpenAI's) are refused (convert-weights); open_clip's
+    {"state_dict": ...}, DDP's "module." unwrapped."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: weights file not found")
     try:
@@ -158,8 +171,9 @@ def read_weights(path: str) -> dict:
             sd = load_file(path)
         else:
             if is_torchscript(path):    # OpenAI's .pt files carry code: never run here
-                raise DataError(f"{path}: a TorchScript archive (a format that carries code); if you trust it, "
-                                f"convert it once: python data.py convert-weights {path}")
+                raise DataError(f"{path}: a TorchScript archive (a format that carries code); "
+                                f"if you trust it, convert it once: "
+                                f"python data.py convert-weights {path}")
             sd = torch.load(path, map_location="cpu", weights_only=True)
     except DataError:
         raise
@@ -174,17 +188,22 @@ def read_weights(path: str) -> dict:
             if torch.is_tensor(v) and k not in OPENAI_EXTRA_KEYS}
 
 
-# OpenAI's layout names every tensor, and most hyperparameters follow from their shapes. Three do not show: the
-# heads (OpenAI: width // 64), the EOT id (OpenAI: the last id) and the activation (OpenAI: QuickGELU). A config.json
-# beside the weights (this repo's runs and descendants) states them; a bare weights file gets OpenAI's conventions.
-TOWER_KEYS = {"visual": ("visual.conv1.weight", "visual.positional_embedding", "visual.proj", "visual.ln_post.weight"),
-              "text": ("token_embedding.weight", "positional_embedding", "text_projection", "ln_final.weight")}
+# OpenAI's layout names every tensor, and most hyperparameters follow from their shapes. Three do
+# not show: the heads (OpenAI: width // 64), the EOT id (OpenAI: the last id) and the activation
+# (OpenAI: QuickGELU). A config.json beside the weights (this repo's runs and descendants) states
+# them; a bare weights file gets OpenAI's conventions.
+TOWER_KEYS = {"visual": ("visual.conv1.weight", "visual.positional_embedding", "visual.proj",
+                         "visual.ln_post.weight"),
+              "text": ("token_embedding.weight", "positional_embedding", "text_projection",
+                       "ln_final.weight")}
 
 
-def clip_hparams(sd: dict, path: str, config: dict | None = None, towers=("visual", "text")) -> dict:
-    """The hyperparameters of OpenAI-layout CLIP weights, named as il_clip's / mm_learngene's ModelConfig fields:
-    the shapes of the towers in `towers` (a vision-only descendant has no text tower), and what `config` (the
-    config.json beside the weights, if any) states of the heads, the EOT id and the activation."""
+def clip_hparams(sd: dict, path: str, config: dict | None = None,
+                 towers=("visual", "text")) -> dict:
+    """The hyperparameters of OpenAI-layout CLIP weights, named as il_clip's / mm_learngene's
+    ModelConfig fields: the shapes of the towers in `towers` (a vision-only descendant has no text
+    tower), and what `config` (the config.json beside the weights, if any) states of the heads, the
+    EOT id and the activation."""
     config = config or {}
     model = config.get("model") if isinstance(config.get("model"), dict) else {}
 
@@ -201,7 +220,8 @@ def clip_hparams(sd: dict, path: str, config: dict | None = None, towers=("visua
         missing = [k for k in TOWER_KEYS[tower] if k not in sd]
         if missing:
             name = "vision" if tower == "visual" else "text"
-            raise DataError(f"{path}: cannot read the {name} tower (missing {missing[0]}; not OpenAI CLIP layout)")
+            raise DataError(f"{path}: cannot read the {name} tower "
+                            f"(missing {missing[0]}; not OpenAI CLIP layout)")
     hp = {}
     if "visual" in towers:
         width, _, patch, _ = sd["visual.conv1.weight"].shape
@@ -230,13 +250,15 @@ def clip_hparams(sd: dict, path: str, config: dict | None = None, towers=("visua
 
 
 def load_state(model, sd: dict, source: str, allow_missing=()):
-    """model.load_state_dict(sd); missing (but `allow_missing`), unexpected or misshaped keys: one error line."""
+    """model.load_state_dict(sd); missing (but `allow_missing`), unexpected or misshaped keys: one
+    error line."""
     own = model.state_dict()
     problems = {"missing keys": [k for k in own if k not in sd and not k.startswith(allow_missing)],
                 "unexpected keys": [k for k in sd if k not in own],
                 "shape mismatch": [f"{k} {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
                                    for k in own if k in sd and sd[k].shape != own[k].shape]}
-    problems = [f"{what} {', '.join(ks[:3])}{' ...' if len(ks) > 3 else ''}" for what, ks in problems.items() if ks]
+    problems = [f"{what} {', '.join(ks[:3])}{' ...' if len(ks) > 3 else ''}"
+                for what, ks in problems.items() if ks]
     if problems:
         raise DataError(f"config/weights mismatch for {source}: " + "; ".join(problems))
     model.load_state_dict(sd, strict=False)
@@ -250,7 +272,8 @@ ACTIVATION_FILES = ("open_clip_config.json", "config.json")
 
 
 def _stated_activation(cfg) -> bool | None:
-    """quick_gelu as a config file states it, else None (also where it repeats "quick_gelu_source": "assumed")."""
+    """quick_gelu as a config file states it, else None (also where it repeats
+    "quick_gelu_source": "assumed")."""
     if not isinstance(cfg, dict):
         return None
     model = cfg.get("model")
@@ -263,9 +286,9 @@ def _stated_activation(cfg) -> bool | None:
 
 
 def weights_activation(flag, weights: str, folders=()) -> tuple:
-    """(quick_gelu, source) of a weights file: the flag when given ("flag"), else what a config file beside the
-    weights (or in `folders`) says (source: its path), else OpenAI's QuickGELU, "assumed" (the caller says so:
-    open_clip's LAION / DataComp models are GELU)."""
+    """(quick_gelu, source) of a weights file: the flag when given ("flag"), else what a config file
+    beside the weights (or in `folders`) says (source: its path), else OpenAI's QuickGELU,
+    "assumed" (the caller says so: open_clip's LAION / DataComp models are GELU)."""
     if flag is not None:
         return bool(flag), "flag"
     for folder in dict.fromkeys([os.path.dirname(os.path.abspath(weights)), *folders]):
@@ -277,67 +300,81 @@ def weights_activation(flag, weights: str, folders=()) -> tuple:
 
 
 def assumed_activation_note(path: str, trained: bool = False) -> str:
-    """The stderr line when weights_activation said "assumed" (`trained`: the checkpoint's run assumed it)."""
-    what = ("its run assumed OpenAI's QuickGELU for --init weights that did not say their activation" if trained else
-            "no open_clip_config.json or config.json beside it says its activation: assuming OpenAI's QuickGELU")
-    return f"note: {path}: {what} (--no-quick_gelu for GELU models such as open_clip's LAION / DataComp ViT-B-32)"
+    """The stderr line when weights_activation said "assumed" (`trained`: the checkpoint's run
+    assumed it)."""
+    what = ("its run assumed OpenAI's QuickGELU for --init weights that did not say their "
+            "activation" if trained else
+            "no open_clip_config.json or config.json beside it says its activation: "
+            "assuming OpenAI's QuickGELU")
+    return (f"note: {path}: {what} "
+            f"(--no-quick_gelu for GELU models such as open_clip's LAION / DataComp ViT-B-32)")
 
 
 def checkpoint_dir(path: str) -> str:
-    """An out_dir -> its checkpoint/ when that holds a model.safetensors (all training scripts), else `path` as is."""
+    """An out_dir -> its checkpoint/ when that holds a model.safetensors (all training scripts),
+    else `path` as is."""
     inner = os.path.join(path, "checkpoint")
     return inner if os.path.isfile(os.path.join(inner, "model.safetensors")) else path
 
 
 def script_record(file: str) -> dict:
-    """config.json's "script": a checkpoint's reader imports it, so a fork's weights run the fork's own model code."""
+    """config.json's "script": a checkpoint's reader imports it, so a fork's weights run the fork's
+    own model code."""
     path = os.path.abspath(file)
     with open(path, "rb") as f:
-        return {"name": os.path.basename(path), "path": path, "sha256": hashlib.sha256(f.read()).hexdigest()}
+        return {"name": os.path.basename(path), "path": path,
+                "sha256": hashlib.sha256(f.read()).hexdigest()}
 
 
 def find_script(record, reader: str, script: str | None = None, default: str | None = None):
-    """-> (path, note): the training script to build a checkpoint's model with, by the one trust rule of every
-    reader of checkpoints (a checkpoint never runs code the user did not choose), decided before anything is imported:
-      * the script `record` names (config.json's "script", see script_record) is run only from the folder of the
-        program reading it (`reader`: its __file__), found there by its bare file name; a fork lives beside the
-        original. Neither its recorded path nor the working directory is ever searched;
-      * anything else (a path elsewhere, a name with a folder in it, a file found only in the working directory) runs
-        only when the user names it: `script`, their --script PATH. Otherwise a DataError naming the record and
-        --script;
-      * `note` (None, or a line to print before the import): the file found is not the recorded text (sha256), or
-        `script` is another file than the one that trained the checkpoint.
-    `default` (a bare name beside the reader) serves weights that record no script (OpenAI / open_clip files)."""
+    """-> (path, note): the training script to build a checkpoint's model with, by the one trust
+    rule of every reader of checkpoints (a checkpoint never runs code the user did not choose),
+    decided before anything is imported:
+      * the script `record` names (config.json's "script", see script_record) is run only from the
+        folder of the program reading it (`reader`: its __file__), found there by its bare file
+        name; a fork lives beside the original. Neither its recorded path nor the working
+        directory is ever searched;
+      * anything else (a path elsewhere, a name with a folder in it, a file found only in the
+        working directory) runs only when the user names it: `script`, their --script PATH.
+        Otherwise a DataError naming the record and --script;
+      * `note` (None, or a line to print before the import): the file found is not the recorded
+        text (sha256), or `script` is another file than the one that trained the checkpoint.
+    `default` (a bare name beside the reader) serves weights that record no script (OpenAI /
+    open_clip files)."""
     folder, me = os.path.dirname(os.path.abspath(reader)), os.path.basename(reader)
     if record is not None and not isinstance(record, dict):
-        record = {"name": record}           # a bare string, say: only a bare file name beside the reader passes
-    name, sha = (record.get("name"), record.get("sha256")) if record is not None else (default, None)
+        # a bare string, say: only a bare file name beside the reader passes
+        record = {"name": record}
+    name, sha = ((record.get("name"), record.get("sha256")) if record is not None
+                 else (default, None))
     record = record or {}
     if script is not None:
         if not os.path.isfile(script):
             raise DataError(f"--script {script}: no such file")
         path = os.path.abspath(script)
     else:
-        bare = isinstance(name, str) and name.endswith(".py") and name == os.path.basename(name) and "\0" not in name
+        bare = (isinstance(name, str) and name.endswith(".py") and name == os.path.basename(name)
+                and "\0" not in name)
         path = os.path.join(folder, name) if bare else None
         if path is None or not os.path.isfile(path):
             where = record.get("path")
-            what = f"{name!r}" + (f" (recorded at {where!r})" if isinstance(where, str) and where != name else "")
-            raise DataError(f"the checkpoint's training script {what} is not a file beside {me} in {folder}, the only "
-                            f"place a recorded script is run from: put the fork there, or name the file to run with "
-                            f"--script PATH")
+            what = f"{name!r}" + (f" (recorded at {where!r})"
+                                  if isinstance(where, str) and where != name else "")
+            raise DataError(f"the checkpoint's training script {what} is not a file beside {me} "
+                            f"in {folder}, the only place a recorded script is run from: put the "
+                            f"fork there, or name the file to run with --script PATH")
     have = script_record(path)["sha256"]
     if not isinstance(sha, str) or sha == have:
         return path, None
     if script is not None and os.path.basename(path) != name:
         return path, f"note: scoring with {path}, trained by {name or 'another script'} (--script)"
-    return path, (f"note: {path} has changed since it trained this checkpoint (sha256 {have[:12]}, recorded "
-                  f"{sha[:12]})")
+    return path, (f"note: {path} has changed since it trained this checkpoint "
+                  f"(sha256 {have[:12]}, recorded {sha[:12]})")
 
 
 def import_script(record, reader: str, script: str | None = None, default: str | None = None):
-    """-> (module, path, note): find_script's file, its note printed first, imported once per file (its classes keep
-    one identity)."""
+    """-> (module, path, note): find_script's file, its note printed first, imported once per file
+    (its classes keep one identity)."""
     import importlib.machinery
     import importlib.util
     path, note = find_script(record, reader, script, default)
@@ -352,7 +389,8 @@ def import_script(record, reader: str, script: str | None = None, default: str |
             spec.loader.exec_module(module)
         except Exception as e:
             del sys.modules[module_name]
-            raise DataError(f"{path}: cannot import the training script ({type(e).__name__}: {e})") from None
+            raise DataError(f"{path}: cannot import the training script "
+                            f"({type(e).__name__}: {e})") from None
     return sys.modules[module_name], path, note
 
 
