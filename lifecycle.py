@@ -382,7 +382,8 @@ def import_script(record, reader: str, script: str | None = None, default: str |
         print(note, file=sys.stderr, flush=True)
     module_name = "_script_" + hashlib.sha256(path.encode()).hexdigest()[:12]
     if module_name not in sys.modules:
-        loader = importlib.machinery.SourceFileLoader(module_name, path)    # --script may name any file
+        # --script may name any file
+        loader = importlib.machinery.SourceFileLoader(module_name, path)
         spec = importlib.util.spec_from_file_location(module_name, path, loader=loader)
         sys.modules[module_name] = module = importlib.util.module_from_spec(spec)
         try:
@@ -395,41 +396,48 @@ def import_script(record, reader: str, script: str | None = None, default: str |
 
 
 # -----------------------------------------------------------------------------
-# The run lifecycle every training script shares: one run per out_dir, checkpoints that survive a crash, stop signals,
-# metrics.jsonl (+ wandb); the voice and plots follow below. The method scripts keep only what is their own: what
-# state.pt holds and how it is restored. out_dir/checkpoint/ holds model.safetensors, config.json (flags, model config,
-# "script"), tokenizer.json, state.pt (torch.save; read with weights_only=True: no pickled code runs) and sha256.json of
-# them, written last. A save fills checkpoint.tmp/, fsyncs it, renames checkpoint/ -> checkpoint.prev/ (what a damaged
-# newest falls back to) and checkpoint.tmp/ -> checkpoint/.
+# The run lifecycle every training script shares: one run per out_dir, checkpoints that survive a
+# crash, stop signals, metrics.jsonl (+ wandb); the voice and plots follow below. The method scripts
+# keep only what is their own: what state.pt holds and how it is restored. out_dir/checkpoint/
+# holds model.safetensors, config.json (flags, model config, "script"), tokenizer.json, state.pt
+# (torch.save; read with weights_only=True: no pickled code runs) and sha256.json of them, written
+# last. A save fills checkpoint.tmp/, fsyncs it, renames checkpoint/ -> checkpoint.prev/ (what a
+# damaged newest falls back to) and checkpoint.tmp/ -> checkpoint/.
 CHECKPOINT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "state.pt")
-# what eval_compositional.py writes into a run folder by default (its plots, without --plot_dir or --out) or by the
-# README's names (--out RUN/eval.json, RUN/probe.json): --overwrite removes them with the run they scored
-EVAL_FILES = (r"eval\.json", r"probe\.json", r"spectral\.png", r"codebook\.png", r"easy_to_learn\.png")
+# what eval_compositional.py writes into a run folder by default (its plots, without --plot_dir or
+# --out) or by the README's names (--out RUN/eval.json, RUN/probe.json): --overwrite removes them
+# with the run they scored
+EVAL_FILES = (r"eval\.json", r"probe\.json", r"spectral\.png", r"codebook\.png",
+              r"easy_to_learn\.png")
 _lock = None        # this process's open out_dir/.lock
 _stop = []          # the stop signals received, by name
-_run = {"created": None, "started": False, "hold_signals": False}   # see claim_out_dir, hold_stop_signals_to_exit
+# see claim_out_dir, hold_stop_signals_to_exit
+_run = {"created": None, "started": False, "hold_signals": False}
 
 
 def write_error(e: BaseException) -> str | None:
-    """'no space left on device' etc. when e (or what it was raised during) is a WRITE_ERRNOS error, else None;
-    safetensors says it only in its message ("(os error 28)")."""
+    """'no space left on device' etc. when e (or what it was raised during) is a WRITE_ERRNOS
+    error, else None; safetensors says it only in its message ("(os error 28)")."""
     code = write_errno(e)
     return None if code is None else os.strerror(code).lower()
 
 
 def write_errno(e: BaseException) -> int | None:
     while e is not None:
-        code = next((c for c in WRITE_ERRNOS if getattr(e, "errno", None) == c or f"(os error {c})" in str(e)), None)
+        code = next((c for c in WRITE_ERRNOS
+                     if getattr(e, "errno", None) == c or f"(os error {c})" in str(e)), None)
         if code is not None:
             return code
-        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)     # not through a `from None`
+        # not through a `from None`
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
     return None
 
 
 def out_dir_problems(dirs) -> list:
-    """What keeps a run from writing into `dirs` (out_dir, a phase's folder): each must be a writable folder (or not
-    exist yet), its checkpoint/ and checkpoint.prev/ folders (writable: a save renames them), its metrics.jsonl a
-    writable file, not a symbolic link (the log is appended to in place)."""
+    """What keeps a run from writing into `dirs` (out_dir, a phase's folder): each must be a
+    writable folder (or not exist yet), its checkpoint/ and checkpoint.prev/ folders (writable: a
+    save renames them), its metrics.jsonl a writable file, not a symbolic link (the log is appended
+    to in place)."""
     problems = []
     for d in dirs:
         folders = [d, os.path.join(d, "checkpoint"), os.path.join(d, "checkpoint.prev")]
@@ -449,8 +457,8 @@ def out_dir_problems(dirs) -> list:
 
 
 def make_out_dir(out_dir) -> str | None:
-    """os.makedirs(out_dir), a failure in one DataError line naming the path; -> the topmost folder it created
-    (None: out_dir was there)."""
+    """os.makedirs(out_dir), a failure in one DataError line naming the path; -> the topmost folder
+    it created (None: out_dir was there)."""
     top, parent = None, os.path.abspath(out_dir)
     while not os.path.lexists(parent):
         top, parent = parent, os.path.dirname(parent)
@@ -458,7 +466,8 @@ def make_out_dir(out_dir) -> str | None:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
-            raise DataError(f"{out_dir}: not a folder (a file is there); give another --out_dir") from None
+            raise DataError(f"{out_dir}: not a folder (a file is there); "
+                            f"give another --out_dir") from None
         if top is not None and not os.path.isdir(parent):
             raise DataError(f"{out_dir}: cannot make the folder: {parent} is a file") from None
         raise DataError(f"{out_dir}: cannot make the folder: {e.strerror.lower()}") from None
@@ -467,19 +476,22 @@ def make_out_dir(out_dir) -> str | None:
     return top
 
 
-def claim_out_dir(out_dir, rank, world, device, resume=False, overwrite=False, run_files=(), phase_dirs=()):
-    """Before anything is written: one run per out_dir (rank 0 holds an flock on out_dir/.lock, which the kernel
-    drops when the process ends, killed or not); --resume needs a checkpoint (in out_dir or one of `phase_dirs`);
-    a new run replaces one only with --overwrite, which removes the names in out_dir and `phase_dirs` that match a
-    `run_files` pattern or EVAL_FILES (a symbolic link: the link). Then out_dir_problems: each is one line. Rank 0
-    raises DataError; the other ranks exit 2 (on_rank0)."""
+def claim_out_dir(out_dir, rank, world, device, resume=False, overwrite=False, run_files=(),
+                  phase_dirs=()):
+    """Before anything is written: one run per out_dir (rank 0 holds an flock on out_dir/.lock,
+    which the kernel drops when the process ends, killed or not); --resume needs a checkpoint (in
+    out_dir or one of `phase_dirs`); a new run replaces one only with --overwrite, which removes the
+    names in out_dir and `phase_dirs` that match a `run_files` pattern or EVAL_FILES (a symbolic
+    link: the link). Then out_dir_problems: each is one line. Rank 0 raises DataError; the other
+    ranks exit 2 (on_rank0)."""
     def claim():
         global _lock
         import fcntl
         created = make_out_dir(out_dir)
         path = os.path.join(out_dir, ".lock")
         try:
-            _lock = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "r+")
+            _lock = os.fdopen(
+                os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "r+")
         except OSError as e:
             raise DataError(symlink_refused(path) if e.errno == errno.ELOOP else
                             f"{path}: cannot open the lock: {e.strerror.lower()}") from None
@@ -489,7 +501,8 @@ def claim_out_dir(out_dir, rank, world, device, resume=False, overwrite=False, r
             _lock.seek(0)
             holder = _lock.read().strip() or "?"
             release_out_dir()
-            raise DataError(f"{out_dir} is in use by another run: process {holder} holds {out_dir}/.lock") from None
+            raise DataError(f"{out_dir} is in use by another run: "
+                            f"process {holder} holds {out_dir}/.lock") from None
         _run["created"] = created     # ours: a command that fails before its first step removes it
         _lock.truncate(0)
         print(os.getpid(), file=_lock, flush=True)
@@ -506,20 +519,23 @@ def claim_out_dir(out_dir, rank, world, device, resume=False, overwrite=False, r
         if resume and not saved:
             raise DataError(f"--resume: nothing to resume yet in {out_dir} (no checkpoint saved)")
         if saved and not (resume or overwrite):
-            raise DataError(f"{out_dir} holds the checkpoint of an earlier run: continue it with --resume, or use "
-                            f"another --out_dir, or --overwrite to replace it")
+            raise DataError(f"{out_dir} holds the checkpoint of an earlier run: continue it with "
+                            f"--resume, or use another --out_dir, or --overwrite to replace it")
     release_out_dir()
-    on_rank0(claim, rank, world, device)   # every rank learns it, so none waits in a collective rank 0 left
+    # every rank learns it, so none waits in a collective rank 0 left
+    on_rank0(claim, rank, world, device)
 
 
 def has_checkpoint(out_dir) -> bool:
-    """A checkpoint to resume from (checkpoint/, or checkpoint.prev/ alone: the newest deleted or half-switched)."""
+    """A checkpoint to resume from (checkpoint/, or checkpoint.prev/ alone: the newest deleted or
+    half-switched)."""
     return any(os.path.isdir(os.path.join(out_dir, c)) for c in ("checkpoint", "checkpoint.prev"))
 
 
 def release_out_dir(failed=False):
-    """Unlock out_dir. A command that `failed` before its first step (no record logged, no checkpoint saved) removes
-    the out_dir it made (claim_out_dir): a mistyped path or flag leaves no folder holding only .lock behind."""
+    """Unlock out_dir. A command that `failed` before its first step (no record logged, no
+    checkpoint saved) removes the out_dir it made (claim_out_dir): a mistyped path or flag leaves no
+    folder holding only .lock behind."""
     global _lock
     if failed and _run["created"] and not _run["started"]:
         shutil.rmtree(_run["created"], ignore_errors=True)
@@ -530,8 +546,9 @@ def release_out_dir(failed=False):
 
 
 def on_rank0(fn, rank, world, device, user_errors=(DataError,)):
-    """fn() on rank 0 (a save, a results file), and every rank learns how it went: a user or write error is one line
-    on rank 0, and the other ranks exit with the same status instead of hanging in their next collective."""
+    """fn() on rank 0 (a save, a results file), and every rank learns how it went: a user or write
+    error is one line on rank 0, and the other ranks exit with the same status instead of hanging
+    in their next collective."""
     if world == 1:
         return fn()
     error = None
@@ -550,17 +567,19 @@ def on_rank0(fn, rank, world, device, user_errors=(DataError,)):
 
 
 def unused_parameters(loss, params) -> list:
-    """The parameters of `params` that the autograd graph of `loss` does not reach (a term's parameter that this
-    phase's loss leaves out). A training step adds them to the loss times 0: their gradient is then zero instead of
-    none, so DDP (find_unused_parameters=False, which waits for every parameter) finishes its reduction, and AdamW
-    treats them alike on 1 process and on N ranks. Walked once per set of trained parameters: about 1 ms."""
+    """The parameters of `params` that the autograd graph of `loss` does not reach (a term's
+    parameter that this phase's loss leaves out). A training step adds them to the loss times 0:
+    their gradient is then zero instead of none, so DDP (find_unused_parameters=False, which waits
+    for every parameter) finishes its reduction, and AdamW treats them alike on 1 process and on N
+    ranks. Walked once per set of trained parameters: about 1 ms."""
     reached, seen, todo = set(), set(), [loss.grad_fn]
     while todo:
         fn = todo.pop()
         if fn is None or fn in seen:
             continue
         seen.add(fn)
-        if getattr(fn, "variable", None) is not None:      # AccumulateGrad: a leaf (parameter) reached
+        # AccumulateGrad: a leaf (parameter) reached
+        if getattr(fn, "variable", None) is not None:
             reached.add(id(fn.variable))
         todo.extend(f for f, _ in fn.next_functions)
     return [p for p in params if id(p) not in reached]
@@ -575,7 +594,8 @@ def tensors_in(obj):
 
 
 def all_finite(obj) -> bool:
-    """Every floating-point tensor in a nested dict/list finite? (checked before a save: never a NaN checkpoint)"""
+    """Every floating-point tensor in a nested dict/list finite? (checked before a save: never a NaN
+    checkpoint)"""
     flags = [torch.isfinite(t).all() for t in tensors_in(obj) if t.is_floating_point()]
     return bool(torch.stack(flags).all()) if flags else True
 
@@ -586,17 +606,20 @@ def sha256(path: str) -> str:
 
 
 def save_checkpoint(out_dir, weights, state, config, tokenizer, step, newest_damaged=False):
-    """Write a checkpoint (rank 0 only), as the layout above says; out_dir/config.json and tokenizer.json too, for
-    readers of out_dir. A write error is one DataError line; checkpoint.tmp/ is removed, the earlier checkpoints
-    kept. A damaged newest (newest_damaged) is replaced without becoming checkpoint.prev/."""
+    """Write a checkpoint (rank 0 only), as the layout above says; out_dir/config.json and
+    tokenizer.json too, for readers of out_dir. A write error is one DataError line;
+    checkpoint.tmp/ is removed, the earlier checkpoints kept. A damaged newest (newest_damaged) is
+    replaced without becoming checkpoint.prev/."""
     from safetensors.torch import save_file
-    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
+    tmp, final, prev = (os.path.join(out_dir, n)
+                        for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
     weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
     try:
         remove(tmp)     # a failed save's, a file, a link: the save's own folder is always new
         os.makedirs(tmp)
         save_file(weights, os.path.join(tmp, "model.safetensors"), {"step": str(step)})
-        with open(os.path.join(tmp, "state.pt"), "wb") as f:   # a Python file: a write error keeps its errno
+        # a Python file: a write error keeps its errno
+        with open(os.path.join(tmp, "state.pt"), "wb") as f:
             torch.save(state, f)
         for folder in (tmp, out_dir):
             atomic_write(os.path.join(folder, "config.json"), lambda p: save_json(p, config))
@@ -605,7 +628,8 @@ def save_checkpoint(out_dir, weights, state, config, tokenizer, step, newest_dam
         names = sorted(os.listdir(tmp))
         for name in names:
             fsync(os.path.join(tmp, name))
-        save_json(os.path.join(tmp, "sha256.json"), {n: sha256(os.path.join(tmp, n)) for n in names})
+        save_json(os.path.join(tmp, "sha256.json"),
+                  {n: sha256(os.path.join(tmp, n)) for n in names})
         fsync(tmp)
         if os.path.lexists(final) and not newest_damaged:
             remove(prev)
@@ -617,20 +641,24 @@ def save_checkpoint(out_dir, weights, state, config, tokenizer, step, newest_dam
         shutil.rmtree(tmp, ignore_errors=True)
         if write_error(e) is None:
             raise
-        if write_errno(e) not in DISK_ERRNOS:       # permission, a read-only disk, a path of the wrong kind
-            raise DataError(f"{getattr(e, 'filename', None) or out_dir}: {write_error(e)} for the step-{step} "
-                            f"checkpoint; the previous checkpoint is kept") from None
+        # permission, a read-only disk, a path of the wrong kind
+        if write_errno(e) not in DISK_ERRNOS:
+            raise DataError(f"{getattr(e, 'filename', None) or out_dir}: {write_error(e)} "
+                            f"for the step-{step} checkpoint; "
+                            f"the previous checkpoint is kept") from None
         need = sum(t.nbytes for t in tensors_in([weights, state])) / 2 ** 20
-        raise DataError(f"{out_dir}: {write_error(e)} for the step-{step} checkpoint (about {need:.1f} MiB needed, "
-                        f"{shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); the previous checkpoint is "
-                        f"kept") from None
+        raise DataError(f"{out_dir}: {write_error(e)} for the step-{step} checkpoint "
+                        f"(about {need:.1f} MiB needed, "
+                        f"{shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); "
+                        f"the previous checkpoint is kept") from None
     _run["started"] = True
 
 
-# state.pt is checked to its leaves before a run restores anything from it (read_checkpoint): a whole file of the
-# wrong content falls back to checkpoint.prev/ like a damaged one. A spec is a type (isinstance), {key: spec} (a dict
-# with those keys, a key ending in "?" optional; {...: spec}: each other value), [spec] (a list or tuple of them),
-# (what, test) for a leaf no type names (test(value) true), or a tuple of specs, one of which holds.
+# state.pt is checked to its leaves before a run restores anything from it (read_checkpoint): a
+# whole file of the wrong content falls back to checkpoint.prev/ like a damaged one. A spec is a
+# type (isinstance), {key: spec} (a dict with those keys, a key ending in "?" optional; {...: spec}:
+# each other value), [spec] (a list or tuple of them), (what, test) for a leaf no type names
+# (test(value) true), or a tuple of specs, one of which holds.
 
 def accepts(set_state):
     """A test: set_state(value) (on a throwaway generator) raises nothing."""
@@ -644,19 +672,23 @@ def accepts(set_state):
 
 
 def numpy_state(n):
-    """rng_state's "numpy" entry (the MT19937 key as an int64 tensor: torch.save-able) as np.random.set_state takes
-    it."""
-    return (n[0], np.asarray(n[1].cpu() if torch.is_tensor(n[1]) else n[1]).astype(np.uint32), *n[2:])
+    """rng_state's "numpy" entry (the MT19937 key as an int64 tensor: torch.save-able) as
+    np.random.set_state takes it."""
+    return (n[0], np.asarray(n[1].cpu() if torch.is_tensor(n[1]) else n[1]).astype(np.uint32),
+            *n[2:])
 
 
 BYTE_TENSOR = ("a uint8 tensor", lambda t: torch.is_tensor(t) and t.dtype == torch.uint8)
-RNG_STATE = {"torch": ("torch's generator state", accepts(lambda t: torch.Generator().set_state(t.cpu()))),
+RNG_STATE = {"torch": ("torch's generator state",
+                       accepts(lambda t: torch.Generator().set_state(t.cpu()))),
              "cuda": [BYTE_TENSOR],
              "python": ("Python's random state", accepts(lambda v: random.Random().setstate(v))),
-             "numpy": ("NumPy's random state", accepts(lambda n: np.random.RandomState().set_state(numpy_state(n))))}
+             "numpy": ("NumPy's random state",
+                       accepts(lambda n: np.random.RandomState().set_state(numpy_state(n))))}
 NUMBER = (int, float)
-OPTIMIZER_STATE = {"state": {...: {...: (torch.Tensor, *NUMBER)}},      # per parameter: step, moments
-                   "param_groups": [{"params": [int], ...: (torch.Tensor, *NUMBER, bool, str, type(None), tuple)}]}
+OPTIMIZER_STATE = {"state": {...: {...: (torch.Tensor, *NUMBER)}},  # per parameter: step, moments
+                   "param_groups": [{"params": [int],
+                                     ...: (torch.Tensor, *NUMBER, bool, str, type(None), tuple)}]}
 
 
 def spec_errors(value, spec, where="") -> list:
@@ -684,7 +716,8 @@ def spec_errors(value, spec, where="") -> list:
     alternatives = spec if isinstance(spec, tuple) else (spec,)
     if any(isinstance(value, t) for t in alternatives if isinstance(t, type)):
         return []
-    nested = [t for t in alternatives if not isinstance(t, type)]      # ({...}, type(None)): a dict or None
+    # ({...}, type(None)): a dict or None
+    nested = [t for t in alternatives if not isinstance(t, type)]
     if nested:
         return spec_errors(value, nested[0], where)
     return [f"{where}: {' or '.join(t.__name__ for t in alternatives)}"]
