@@ -724,9 +724,9 @@ def spec_errors(value, spec, where="") -> list:
 
 
 def check_sums(folder, required, only=None):
-    """The files of a checkpoint folder against its sha256.json: a DataError naming the first that is missing or
-    damaged. `required` must be listed there; `only` (names): check just those of the listed files (a reader that
-    needs no state.pt), else every listed file."""
+    """The files of a checkpoint folder against its sha256.json: a DataError naming the first that
+    is missing or damaged. `required` must be listed there; `only` (names): check just those of the
+    listed files (a reader that needs no state.pt), else every listed file."""
     sums = read_json(os.path.join(folder, "sha256.json"))
     if not isinstance(sums, dict):
         raise DataError(f"{folder}/sha256.json: damaged (not a table of file sums)")
@@ -739,18 +739,19 @@ def check_sums(folder, required, only=None):
 
 
 def check_read_files(weights: str):
-    """What a reader of a checkpoint (evaluation) reads, checked before it reads it: the weights file and the
-    config.json / tokenizer.json beside it, against the sha256.json there when there is one (released weights have
-    none and load as they are). A damaged file is a DataError naming it."""
+    """What a reader of a checkpoint (evaluation) reads, checked before it reads it: the weights
+    file and the config.json / tokenizer.json beside it, against the sha256.json there when there
+    is one (released weights have none and load as they are). A damaged file is a DataError naming
+    it."""
     folder = os.path.dirname(os.path.abspath(weights))
     if os.path.isfile(os.path.join(folder, "sha256.json")):
         check_sums(folder, [], only={os.path.basename(weights), "config.json", "tokenizer.json"})
 
 
 def read_checkpoint(folder, state_types, device="cpu"):
-    """(weights, state, config) of a checkpoint folder whose files all match its sha256.json and whose state.pt
-    matches the spec `state_types` to its leaves; else a DataError naming what is missing, damaged or of wrong
-    types."""
+    """(weights, state, config) of a checkpoint folder whose files all match its sha256.json and
+    whose state.pt matches the spec `state_types` to its leaves; else a DataError naming what is
+    missing, damaged or of wrong types."""
     from safetensors.torch import load_file
     if not os.path.isdir(folder):
         raise DataError(f"{folder}: missing")
@@ -759,16 +760,20 @@ def read_checkpoint(folder, state_types, device="cpu"):
     try:
         state = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
-        raise DataError(f"{path}: unreadable ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})") from None
+        raise DataError(f"{path}: unreadable "
+                        f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})") from None
     bad = spec_errors(state, state_types)
     if bad:
-        raise DataError(f"{path}: wrong types (expected {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
-    return load_file(os.path.join(folder, "model.safetensors")), state, read_json(os.path.join(folder, "config.json"))
+        raise DataError(f"{path}: wrong types "
+                        f"(expected {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
+    return (load_file(os.path.join(folder, "model.safetensors")), state,
+            read_json(os.path.join(folder, "config.json")))
 
 
 def load_checkpoint(out_dir, state_types, device="cpu", rank=0):
-    """(folder, weights, state, config, newest_damaged) of out_dir/checkpoint/ when it is whole (read_checkpoint),
-    else of checkpoint.prev/, said in a note on stderr; a DataError naming the damaged file(s) when neither is."""
+    """(folder, weights, state, config, newest_damaged) of out_dir/checkpoint/ when it is whole
+    (read_checkpoint), else of checkpoint.prev/, said in a note on stderr; a DataError naming the
+    damaged file(s) when neither is."""
     errors = []
     for folder in (os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "checkpoint.prev")):
         if errors and not os.path.isdir(folder):
@@ -779,8 +784,8 @@ def load_checkpoint(out_dir, state_types, device="cpu", rank=0):
             errors.append(str(e))
             continue
         if errors and rank == 0:
-            print(f"note: {errors[0]}; resuming from the previous checkpoint {folder} (step {found[2]['step']})",
-                  file=sys.stderr, flush=True)
+            print(f"note: {errors[0]}; resuming from the previous checkpoint {folder} "
+                  f"(step {found[2]['step']})", file=sys.stderr, flush=True)
         return found
     raise DataError("; and ".join(errors))
 
@@ -802,23 +807,27 @@ def set_rng_state(rng: dict, device):
 
 
 def resumed_flags(given: dict, saved: dict, run_control, where: str, always_now=()) -> dict:
-    """--resume continues a run with its own flags: a run-defining flag given now (`given`: name -> value) must
-    equal the saved value (DataError otherwise); a run-control flag may change. Returns the saved values of the
-    flags not given now (run control included: a resumed run logs and saves as it did), but `always_now`."""
+    """--resume continues a run with its own flags: a run-defining flag given now (`given`: name ->
+    value) must equal the saved value (DataError otherwise); a run-control flag may change. Returns
+    the saved values of the flags not given now (run control included: a resumed run logs and saves
+    as it did), but `always_now`."""
     for name in sorted(set(given) & set(saved) - set(run_control)):
         now = json.loads(json.dumps(given[name]))
         if now != saved[name]:
-            raise DataError(f"--resume: --{name} {now} differs from the saved run's {saved[name]} ({where}); drop it "
-                            f"to continue that run, or start a new one in another --out_dir")
+            raise DataError(f"--resume: --{name} {now} differs from the saved run's {saved[name]} "
+                            f"({where}); drop it to continue that run, or start a new one in "
+                            f"another --out_dir")
     return {k: v for k, v in saved.items() if k not in given and k not in always_now}
 
 
 def cut_metrics(path, step):
-    """metrics.jsonl back to the resumed step (no step logged twice; a finished run resumed is evaluated again)."""
+    """metrics.jsonl back to the resumed step (no step logged twice; a finished run resumed is
+    evaluated again)."""
     with open(path) if os.path.isfile(path) else contextlib.nullcontext([]) as f:
         kept = "".join(ln for ln in f if ln.strip() and (m := json.loads(ln))["step"] <= step
                        and m.get("phase") != "eval")
-    def write(tmp):     # closed before the rename: a flush that fails at close (full disk) must raise here
+    # closed before the rename: a flush that fails at close (full disk) must raise here
+    def write(tmp):
         with open(tmp, "w") as f:
             f.write(kept)
     with writing(path):
@@ -826,8 +835,8 @@ def cut_metrics(path, step):
 
 
 def log_record(path, rec, wandb=None, wandb_step=None):
-    """One metrics.jsonl line (rank 0), appended in place, never through a symbolic link; with --wandb also sent to
-    Weights & Biases at its step."""
+    """One metrics.jsonl line (rank 0), appended in place, never through a symbolic link; with
+    --wandb also sent to Weights & Biases at its step."""
     with writing(path), open_to_append(path) as f:
         f.write(json.dumps(rec) + "\n")
     _run["started"] = True
@@ -836,8 +845,8 @@ def log_record(path, rec, wandb=None, wandb_step=None):
 
 
 def start_wandb(project, out_dir, config, resumed):
-    """--wandb PROJECT (nanoGPT's wandb_log), rank 0: a W&B run named after out_dir with the run's config; its id
-    is kept in out_dir/wandb_id.txt, so --resume continues the same W&B run."""
+    """--wandb PROJECT (nanoGPT's wandb_log), rank 0: a W&B run named after out_dir with the run's
+    config; its id is kept in out_dir/wandb_id.txt, so --resume continues the same W&B run."""
     try:
         import wandb
     except ImportError:
@@ -845,8 +854,8 @@ def start_wandb(project, out_dir, config, resumed):
     path = os.path.join(out_dir, "wandb_id.txt")
     run_id = open(path).read().strip() if resumed and os.path.isfile(path) else os.urandom(4).hex()
     write_file(path, run_id + "\n")
-    wandb.init(project=project, name=os.path.basename(os.path.abspath(out_dir)), id=run_id, resume="allow",
-               config=config)
+    wandb.init(project=project, name=os.path.basename(os.path.abspath(out_dir)), id=run_id,
+               resume="allow", config=config)
     return wandb
 
 
@@ -854,27 +863,31 @@ def _on_stop_signal(signum, frame):
     if signum == signal.SIGINT and _stop:
         print("error: interrupted again: exiting without saving", file=sys.stderr, flush=True)
         os._exit(130)
-    _stop.append(signal.Signals(signum).name)     # a further SIGTERM: already stopping, nothing more to do
+    # a further SIGTERM: already stopping, nothing more to do
+    _stop.append(signal.Signals(signum).name)
 
 
 def catch_stop_signals() -> dict:
-    """SIGTERM / SIGINT ask the run to stop: the script's loop sees stop_requested(), the ranks agree, it saves and
-    stops. Further SIGTERMs change nothing; a Ctrl-C after the first signal exits at once, without a save (the last
-    checkpoint stays). Returns the old handlers."""
+    """SIGTERM / SIGINT ask the run to stop: the script's loop sees stop_requested(), the ranks
+    agree, it saves and stops. Further SIGTERMs change nothing; a Ctrl-C after the first signal
+    exits at once, without a save (the last checkpoint stays). Returns the old handlers."""
     _stop.clear()
     return {s: signal.signal(s, _on_stop_signal) for s in (signal.SIGTERM, signal.SIGINT)}
 
 
 def hold_stop_signals_to_exit():
-    """For a script run as its own process (its __main__): once a run is stopping, restore_signals leaves SIGTERM
-    ignored until the process ends, so a scheduler's repeated SIGTERM cannot turn a saved stop into a killed job
-    (status -15) while the process exits. Called from a script's main() in-process, handlers are restored."""
+    """For a script run as its own process (its __main__): once a run is stopping, restore_signals
+    leaves SIGTERM ignored until the process ends, so a scheduler's repeated SIGTERM cannot turn a
+    saved stop into a killed job (status -15) while the process exits. Called from a script's
+    main() in-process, handlers are restored."""
     _run["hold_signals"] = True
 
 
 def restore_signals(handlers: dict):
-    if _stop and _run["hold_signals"]:      # SIG_IGN, not the stop handler: the interpreter's exit resets Python's
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)       # handlers to the default (a SIGINT then exits at once)
+    # SIG_IGN, not the stop handler: the interpreter's exit resets Python's handlers to the default
+    # (a SIGINT then exits at once)
+    if _stop and _run["hold_signals"]:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return
     for s, h in handlers.items():
         signal.signal(s, h)
@@ -885,7 +898,8 @@ def stop_requested() -> str | None:
     return "SIGTERM" if "SIGTERM" in _stop else _stop[0] if _stop else None
 
 
-# a stop signal as a number the ranks sum at a sync point: any SIGTERM counts 1, a SIGINT 1/1024 (exact in float32)
+# a stop signal as a number the ranks sum at a sync point: any SIGTERM counts 1, a SIGINT 1/1024
+# (exact in float32)
 STOP_CODES = {"SIGTERM": 1.0, "SIGINT": 2.0 ** -10}
 
 
@@ -899,22 +913,27 @@ def stopped_by(total: float) -> str | None:
 
 
 def resume_command(script, world, out_dir, cmd=""):
-    """The command that continues a run: the same launcher (torchrun with as many processes, or python)."""
+    """The command that continues a run: the same launcher (torchrun with as many processes, or
+    python)."""
     launcher = f"torchrun --nproc_per_node={world}" if world > 1 else "python"
-    return f"{launcher} {os.path.basename(script)}{f' {cmd}' if cmd else ''} --resume --out_dir {out_dir}"
+    return (f"{launcher} {os.path.basename(script)}{f' {cmd}' if cmd else ''} "
+            f"--resume --out_dir {out_dir}")
 
 
 def stop_line(by, step, max_steps, command):
-    """The last line of a run stopped with a checkpoint (rank 0): by what (the signal, --stop_at), where, and how to
-    continue (resume_command)."""
-    return f"stopped by {by} at step {step}/{max_steps} | checkpoint saved | continue with: {command}"
+    """The last line of a run stopped with a checkpoint (rank 0): by what (the signal, --stop_at),
+    where, and how to continue (resume_command)."""
+    return (f"stopped by {by} at step {step}/{max_steps} | checkpoint saved | "
+            f"continue with: {command}")
 
 
 def progress(iterable=None, unit="step", **kw):
-    """A tqdm bar on stderr, on rank 0 at an interactive terminal only (a log file gets the start and done lines).
-    Bars count optimizer steps ("step") or, for evaluation and data work, items ("item")."""
+    """A tqdm bar on stderr, on rank 0 at an interactive terminal only (a log file gets the start
+    and done lines). Bars count optimizer steps ("step") or, for evaluation and data work, items
+    ("item")."""
     from tqdm import tqdm
-    kw["disable"] = kw.get("disable") or not sys.stderr.isatty() or os.environ.get("RANK", "0") != "0"
+    kw["disable"] = (kw.get("disable") or not sys.stderr.isatty()
+                     or os.environ.get("RANK", "0") != "0")
     return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, unit=unit, **kw)
 
 
