@@ -898,8 +898,8 @@ def stop_requested() -> str | None:
     return "SIGTERM" if "SIGTERM" in _stop else _stop[0] if _stop else None
 
 
-# a stop signal as a number the ranks sum at a sync point: any SIGTERM counts 1, a SIGINT 1/1024
-# (exact in float32)
+# a stop signal as a number the ranks sum at a sync point: any SIGTERM counts 1, a SIGINT
+# 1/1024 (exact in float32)
 STOP_CODES = {"SIGTERM": 1.0, "SIGINT": 2.0 ** -10}
 
 
@@ -938,8 +938,9 @@ def progress(iterable=None, unit="step", **kw):
 
 
 # -----------------------------------------------------------------------------
-# The voice of every command: one `start:` line, tqdm bars, one `done:` line. They go to stderr, as the bars and
-# notes do; stdout carries only results (tables, JSON), so `> table.md` or `| jq` get nothing else.
+# The voice of every command: one `start:` line, tqdm bars, one `done:` line. They go to stderr, as
+# the bars and notes do; stdout carries only results (tables, JSON), so `> table.md` or `| jq` get
+# nothing else.
 
 def say(line: str) -> str:
     """A status line on stderr (rank 0's to print); returned, for tests."""
@@ -948,9 +949,9 @@ def say(line: str) -> str:
 
 
 def start_line(script: str, command: str = "", details=(), out_dir=None, resumed_at=None) -> str:
-    """`start: SCRIPT COMMAND | detail | ... | out_dir DIR`: what runs, on what, where it writes; a resumed run
-    says `| resumed at step N` on it. script: __file__; details: short texts (parameters, device, data);
-    resumed_at: a step, or a text such as "finetune step N"."""
+    """`start: SCRIPT COMMAND | detail | ... | out_dir DIR`: what runs, on what, where it writes; a
+    resumed run says `| resumed at step N` on it. script: __file__; details: short texts
+    (parameters, device, data); resumed_at: a step, or a text such as "finetune step N"."""
     parts = [f"start: {os.path.basename(script)} {command}".rstrip(), *details]
     if out_dir is not None:
         parts.append(f"out_dir {out_dir}")
@@ -961,13 +962,16 @@ def start_line(script: str, command: str = "", details=(), out_dir=None, resumed
 
 
 def done_line(result: str, seconds: float, wrote=(), more=()) -> str:
-    """`done: RESULT in Ns | wrote PATHS | more ...`: the paths as the user gave them (folders end in "/"), those
-    in one folder grouped as `folder/{a, b}`, `wrote nothing` when there are none; `more`: what to do next."""
-    return say(" | ".join([f"done: {result} in {seconds:.0f}s", f"wrote {paths_text(wrote)}", *more]))
+    """`done: RESULT in Ns | wrote PATHS | more ...`: the paths as the user gave them (folders end
+    in "/"), those in one folder grouped as `folder/{a, b}`, `wrote nothing` when there are none;
+    `more`: what to do next."""
+    return say(" | ".join([f"done: {result} in {seconds:.0f}s", f"wrote {paths_text(wrote)}",
+                           *more]))
 
 
 def paths_text(paths) -> str:
-    """"out/a/{x, y/}, z.json" for ["out/a/x", "out/a/y/", "z.json"]: one folder's files grouped, in order."""
+    """"out/a/{x, y/}, z.json" for ["out/a/x", "out/a/y/", "z.json"]: one folder's files grouped,
+    in order."""
     groups = {}
     for p in paths:
         head, tail = os.path.split(p.rstrip("/"))
@@ -978,26 +982,31 @@ def paths_text(paths) -> str:
 
 
 def warmup_note(warmup, steps):
-    """A note (rank 0) when the linear LR warm-up is longer than the run: its peak is never reached. The schedule
-    itself is left as asked (a short test run keeps the full run's warm-up slope). No run (0 steps): no note."""
+    """A note (rank 0) when the linear LR warm-up is longer than the run: its peak is never reached.
+    The schedule itself is left as asked (a short test run keeps the full run's warm-up slope). No
+    run (0 steps): no note."""
     if warmup and 0 < steps < warmup:
-        say(f"note: --warmup {warmup} is longer than the run ({steps} steps): the learning rate rises to "
-            f"{steps / warmup:.0%} of --lr and never reaches its peak (--warmup {max(1, steps // 10)}: 10% of the run)")
+        say(f"note: --warmup {warmup} is longer than the run ({steps} steps): the learning rate "
+            f"rises to {steps / warmup:.0%} of --lr and never reaches its peak "
+            f"(--warmup {max(1, steps // 10)}: 10% of the run)")
 
 
 def percent(v) -> str:
-    """A percent as every command prints it: one decimal (a run's standard error is above a tenth of a point)."""
+    """A percent as every command prints it: one decimal (a run's standard error is above a tenth
+    of a point)."""
     return "null" if v is None else f"{v:.1f}"
 
 
 # -----------------------------------------------------------------------------
-# Plots: matplotlib on its Agg canvas (no display needed). Each drawing function returns its Figure, so a test can
-# read the axes (limits, labels, legend, line data) instead of pixels.
-FEW_POINTS = 30     # a series of at most this many points gets markers (a single point is otherwise invisible)
+# Plots: matplotlib on its Agg canvas (no display needed). Each drawing function returns its
+# Figure, so a test can read the axes (limits, labels, legend, line data) instead of pixels.
+# a series of at most this many points gets markers (a single point is otherwise invisible)
+FEW_POINTS = 30
 
 
 def new_figure(size=(9, 4.2)):
-    """A Figure with one Axes on an Agg canvas, laid out so labels and an outside legend fit (constrained)."""
+    """A Figure with one Axes on an Agg canvas, laid out so labels and an outside legend fit
+    (constrained)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     fig = Figure(figsize=size, dpi=100, layout="constrained")
@@ -1014,8 +1023,8 @@ def plot_series(ax, label, xs, ys, **style):
 
 
 def finish_axes(ax, title, xlabel, ylabel):
-    """Title, axis labels, whole-number x ticks (x counts steps or generations: never 0.5 of one), a light grid and
-    the legend outside the axes, on the right, where it never hides a line."""
+    """Title, axis labels, whole-number x ticks (x counts steps or generations: never 0.5 of one), a
+    light grid and the legend outside the axes, on the right, where it never hides a line."""
     from matplotlib.ticker import MaxNLocator
     ax.set_title(title, fontsize=10)
     ax.set_xlabel(xlabel)
@@ -1023,7 +1032,8 @@ def finish_axes(ax, title, xlabel, ylabel):
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=9, frameon=False)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=9,
+                  frameon=False)
 
 
 def save_figure(fig, path):
@@ -1035,19 +1045,22 @@ def save_figure(fig, path):
     return fig
 
 
-def draw_curves(png_path, title, series, marks=(), xlabel="step (optimizer steps)", ylabel="loss (nats)"):
-    """A line plot of training curves, saved as PNG; returns the Figure. series: [(label, [(x, y)], style)] with
-    matplotlib style keywords (color, linewidth ...); marks: [(x, text)] vertical lines, each labelled at the top
-    (IL's spawns, a phase change). A mark beyond the last point is left out."""
+def draw_curves(png_path, title, series, marks=(), xlabel="step (optimizer steps)",
+                ylabel="loss (nats)"):
+    """A line plot of training curves, saved as PNG; returns the Figure. series: [(label, [(x, y)],
+    style)] with matplotlib style keywords (color, linewidth ...); marks: [(x, text)] vertical
+    lines, each labelled at the top (IL's spawns, a phase change). A mark beyond the last point is
+    left out."""
     fig, ax = new_figure()
     x_max = max((p[0] for _, pts, _ in series for p in pts), default=0)
     for label, pts, style in series:
         plot_series(ax, label, [p[0] for p in pts], [p[1] for p in pts], **style)
     for x, text in [m for m in marks if m[0] <= x_max]:
         ax.axvline(x, color="0.35", linestyle=":", linewidth=1)
-        ax.annotate(text, (x, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -10), textcoords="offset points",
-                    fontsize=8, color="0.25")
-    ax.set_xlim(left=0)     # a run starts at step 0: a short run's few points are not spread over a wide axis
+        ax.annotate(text, (x, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -10),
+                    textcoords="offset points", fontsize=8, color="0.25")
+    # a run starts at step 0: a short run's few points are not spread over a wide axis
+    ax.set_xlim(left=0)
     finish_axes(ax, title, xlabel, ylabel)
     return save_figure(fig, png_path)
 
@@ -1059,11 +1072,13 @@ def estimate_flops_per_pair(cfg, text_len=None):
     """Training FLOPs per pair (3 x forward, 2 per MAC) at text length `text_len` (default full)."""
     P, T = (cfg.image_size // cfg.patch_size) ** 2, text_len or cfg.context_length
     tower = lambda n, w, L: L * (12 * n * w * w + 2 * n * n * w)       # QKV, out, MLP + attention
-    macs = tower(P + 1, cfg.vision_width, cfg.vision_layers) + P * 3 * cfg.patch_size ** 2 * cfg.vision_width
+    macs = (tower(P + 1, cfg.vision_width, cfg.vision_layers)
+            + P * 3 * cfg.patch_size ** 2 * cfg.vision_width)
     macs += tower(T, cfg.text_width, cfg.text_layers)
     if cfg.codebook_size:   # query maps, token x code scores, the weighted sum of the codes
         K, D = cfg.codebook_size, cfg.code_dim
-        macs += sum(n * (w * D + D * D) + n * K * D + K * D for n, w in ((P, cfg.vision_width), (T, cfg.text_width)))
+        macs += sum(n * (w * D + D * D) + n * K * D + K * D
+                    for n, w in ((P, cfg.vision_width), (T, cfg.text_width)))
     else:
         macs += (cfg.vision_width + cfg.text_width) * cfg.embed_dim
     return 3 * 2 * macs
@@ -1081,7 +1096,8 @@ def peak_flops(device_name):
 
 def estimate_mfu(cfg, pairs_per_s, device, text_len=None):
     """Model FLOPs utilisation against the dense bf16 peak of the GPU (None on CPU/unknown)."""
-    peak = peak_flops(torch.cuda.get_device_name(device)) if str(device).startswith("cuda") else None
+    peak = (peak_flops(torch.cuda.get_device_name(device)) if str(device).startswith("cuda")
+            else None)
     return None if peak is None else estimate_flops_per_pair(cfg, text_len) * pairs_per_s / peak
 
 
@@ -1089,7 +1105,8 @@ def estimate_mfu(cfg, pairs_per_s, device, text_len=None):
 # Results over seeds: the run folders of the training scripts, grouped, with 95% intervals
 # (every script's `summarize`/`report --seeds` reads its runs with its own read_run)
 
-# t_{0.975, df} for df = 1..30 (standard tables); beyond 30 the Cornish-Fisher expansion is within 1e-4
+# t_{0.975, df} for df = 1..30 (standard tables); beyond 30 the Cornish-Fisher expansion is
+# within 1e-4
 T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
         2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
         2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
@@ -1103,28 +1120,34 @@ def t975(df: int) -> float:
 
 
 def mean_ci(values) -> tuple:
-    """(mean, half-width of the two-sided 95% Student-t interval) over seeds; nan width for one seed."""
+    """(mean, half-width of the two-sided 95% Student-t interval) over seeds; nan width for one
+    seed."""
     v = np.asarray(values, dtype=np.float64)
     h = t975(len(v) - 1) * float(v.std(ddof=1)) / math.sqrt(len(v)) if len(v) > 1 else math.nan
     return float(v.mean()), h
 
 
 def paired_diff(a: dict, b: dict) -> tuple:
-    """Paired difference A - B over the seeds both have ({seed: value} each): (mean, half-width, n)."""
+    """Paired difference A - B over the seeds both have ({seed: value} each): (mean, half-width,
+    n)."""
     seeds = sorted(set(a) & set(b))
-    return (*mean_ci([a[s] - b[s] for s in seeds]), len(seeds)) if seeds else (math.nan, math.nan, 0)
+    return ((*mean_ci([a[s] - b[s] for s in seeds]), len(seeds)) if seeds
+            else (math.nan, math.nan, 0))
 
 
 def _pct(m: float, h: float, diff: bool = False) -> str:
-    """m ± h in %; a paired difference (`diff`) is signed, and starred where its interval excludes zero
-    (a star needs an interval: two seeds or more, some spread)."""
+    """m ± h in %; a paired difference (`diff`) is signed, and starred where its interval excludes
+    zero (a star needs an interval: two seeds or more, some spread)."""
     head = f"{100 * m:+.1f}" if diff else f"{100 * m:.1f}"
-    return (head if math.isnan(h) else f"{head} ± {100 * h:.1f}") + ("*" if diff and h > 0 and abs(m) > h else "")
+    return ((head if math.isnan(h) else f"{head} ± {100 * h:.1f}")
+            + ("*" if diff and h > 0 and abs(m) > h else ""))
 
 
 def results_table(rows: dict, label: str = "method") -> str:
-    """Markdown table in %: {name: {metric: value or [per-seed values]}} (a list: mean ± 95% t-interval half-width)."""
-    cols = list(dict.fromkeys(c for r in rows.values() for c in r))   # a column some row lacks is blank there
+    """Markdown table in %: {name: {metric: value or [per-seed values]}} (a list: mean ± 95%
+    t-interval half-width)."""
+    # a column some row lacks is blank there
+    cols = list(dict.fromkeys(c for r in rows.values() for c in r))
 
     def fmt(v):
         if v is None:
@@ -1135,20 +1158,23 @@ def results_table(rows: dict, label: str = "method") -> str:
             return _pct(*mean_ci(v))
         return f"{100 * v:.1f}"
 
-    lines = [[label, *cols], ["---"] * (len(cols) + 1)] + [[n] + [fmt(r.get(c)) for c in cols] for n, r in rows.items()]
+    lines = ([[label, *cols], ["---"] * (len(cols) + 1)]
+             + [[n] + [fmt(r.get(c)) for c in cols] for n, r in rows.items()])
     return "\n".join("| " + " | ".join(ln) + " |" for ln in lines)
 
 
 def summarize_runs(root: str, read_run, baseline=None) -> dict:
-    """Run folders under `root` that `read_run` reads (-> (group, seed, {metric: fraction}) or a list), grouped; prints
-    mean ± 95% t-interval per group and each group's paired difference against its baseline (a group, default the
-    first, or a function group -> group) on shared seeds (*: excludes 0). -> {group: {metric: {seed: value}}}"""
+    """Run folders under `root` that `read_run` reads (-> (group, seed, {metric: fraction}) or a
+    list), grouped; prints mean ± 95% t-interval per group and each group's paired difference
+    against its baseline (a group, default the first, or a function group -> group) on shared seeds
+    (*: excludes 0). -> {group: {metric: {seed: value}}}"""
     if not os.path.isdir(root):
         raise DataError(f"{root}: no such folder of runs")
     groups = {}
     for d in sorted(os.listdir(root)):
         runs = read_run(os.path.join(root, d)) if os.path.isdir(os.path.join(root, d)) else None
-        for name, seed, res in [runs] if isinstance(runs, tuple) else runs or []:   # one run or several
+        # one run or several
+        for name, seed, res in [runs] if isinstance(runs, tuple) else runs or []:
             for k, v in res.items():
                 groups.setdefault(name, {}).setdefault(k, {})[seed] = v
     if not groups:
@@ -1156,18 +1182,24 @@ def summarize_runs(root: str, read_run, baseline=None) -> dict:
     if not callable(baseline):      # one group every other is paired with, or a rule per group
         fixed = baseline or next(iter(groups))
         if fixed not in groups:
-            raise DataError(f"{root}: no runs of baseline {fixed!r} (methods: {', '.join(groups)})")
+            raise DataError(f"{root}: no runs of baseline {fixed!r} "
+                            f"(methods: {', '.join(groups)})")
         baseline = lambda name: fixed
-    tables = {}     # one table per kind of run (retrieval, captioning ...), told by its first metric;
-    for name, r in groups.items():      # a metric only some of its runs have is a column, blank where absent
+    # one table per kind of run (retrieval, captioning ...), told by its first metric;
+    # a metric only some of its runs have is a column, blank where absent
+    tables = {}
+    for name, r in groups.items():
         tables.setdefault(next(iter(r)), []).append(name)
     for names in tables.values():
         cols = list(dict.fromkeys(c for n in names for c in groups[n]))
         n_seeds = {n: len({s for v in groups[n].values() for s in v}) for n in names}
-        print(results_table({f"{n} ({n_seeds[n]})": {k: list(v.values()) for k, v in groups[n].items()}
-                             for n in names}, label="method (n seeds)"))
+        print(results_table(
+            {f"{n} ({n_seeds[n]})": {k: list(v.values()) for k, v in groups[n].items()}
+             for n in names},
+            label="method (n seeds)"))
         paired = {}
-        for name, base in ((n, baseline(n)) for n in names if baseline(n) in names and baseline(n) != n):
+        for name, base in ((n, baseline(n)) for n in names
+                           if baseline(n) in names and baseline(n) != n):
             a, b = groups[name], groups[base]
             d = {c: paired_diff(a[c], b[c]) for c in cols if c in a and c in b}
             paired[f"{name} - {base} ({max((k for *_, k in d.values()), default=0)})"] = {
