@@ -63,8 +63,8 @@ def fsync(path: str, write=None):
 
 
 def atomic_write(path: str, write):
-    """write(tmp), then rename over `path`: a reader never sees half a file (nor a failed write's
-    tmp)."""
+    """write(tmp), then rename over `path`: a reader never sees half a file (nor
+    a failed write's tmp)."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         write(tmp)
@@ -119,9 +119,9 @@ def write_file(path: str, blob):
 
 
 def open_to_append(path: str):
-    """`path` opened to append, created if missing, never through a symbolic link (O_NOFOLLOW): a
-    link planted in out_dir must not send the run's writes to its target. A link there is one
-    DataError line."""
+    """`path` opened to append, created if missing, never through a symbolic
+    link (O_NOFOLLOW): a link planted in out_dir must not send the run's writes
+    to its target. A link there is one DataError line."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o644)
@@ -149,8 +149,8 @@ OPENAI_EXTRA_KEYS = {"input_resolution", "context_length", "vocab_size"}   # int
 
 
 def is_torchscript(path: str) -> bool:
-    """A TorchScript archive (OpenAI's .pt files): a zip holding constants.pkl, a format that
-    carries code."""
+    """A TorchScript archive (OpenAI's .pt files): a zip holding constants.pkl,
+    a format that carries code."""
     import zipfile
     try:
         with zipfile.ZipFile(path) as z:
@@ -250,8 +250,8 @@ def clip_hparams(sd: dict, path: str, config: dict | None = None,
 
 
 def load_state(model, sd: dict, source: str, allow_missing=()):
-    """model.load_state_dict(sd); missing (but `allow_missing`), unexpected or misshaped keys: one
-    error line."""
+    """model.load_state_dict(sd); missing (but `allow_missing`), unexpected or
+    misshaped keys: one error line."""
     own = model.state_dict()
     problems = {"missing keys": [k for k in own if k not in sd and not k.startswith(allow_missing)],
                 "unexpected keys": [k for k in sd if k not in own],
@@ -300,8 +300,8 @@ def weights_activation(flag, weights: str, folders=()) -> tuple:
 
 
 def assumed_activation_note(path: str, trained: bool = False) -> str:
-    """The stderr line when weights_activation said "assumed" (`trained`: the checkpoint's run
-    assumed it)."""
+    """The stderr line when weights_activation said "assumed" (`trained`: the
+    checkpoint's run assumed it)."""
     what = ("its run assumed OpenAI's QuickGELU for --init weights that did not say their "
             "activation" if trained else
             "no open_clip_config.json or config.json beside it says its activation: "
@@ -339,8 +339,8 @@ def find_script(record, reader: str, script: str | None = None, default: str | N
         Otherwise a DataError naming the record and --script;
       * `note` (None, or a line to print before the import): the file found is not the recorded
         text (sha256), or `script` is another file than the one that trained the checkpoint.
-    `default` (a bare name beside the reader) serves weights that record no script (OpenAI /
-    open_clip files)."""
+    `default` (a bare name beside the reader) serves weights that record no script
+    (OpenAI / open_clip files)."""
     folder, me = os.path.dirname(os.path.abspath(reader)), os.path.basename(reader)
     if record is not None and not isinstance(record, dict):
         # a bare string, say: only a bare file name beside the reader passes
@@ -527,8 +527,8 @@ def claim_out_dir(out_dir, rank, world, device, resume=False, overwrite=False, r
 
 
 def has_checkpoint(out_dir) -> bool:
-    """A checkpoint to resume from (checkpoint/, or checkpoint.prev/ alone: the newest deleted or
-    half-switched)."""
+    """A checkpoint to resume from (checkpoint/, or checkpoint.prev/ alone: the
+    newest deleted or half-switched)."""
     return any(os.path.isdir(os.path.join(out_dir, c)) for c in ("checkpoint", "checkpoint.prev"))
 
 
@@ -594,8 +594,8 @@ def tensors_in(obj):
 
 
 def all_finite(obj) -> bool:
-    """Every floating-point tensor in a nested dict/list finite? (checked before a save: never a NaN
-    checkpoint)"""
+    """Every floating-point tensor in a nested dict/list finite? (checked before
+    a save: never a NaN checkpoint)"""
     flags = [torch.isfinite(t).all() for t in tensors_in(obj) if t.is_floating_point()]
     return bool(torch.stack(flags).all()) if flags else True
 
@@ -739,10 +739,10 @@ def check_sums(folder, required, only=None):
 
 
 def check_read_files(weights: str):
-    """What a reader of a checkpoint (evaluation) reads, checked before it reads it: the weights
-    file and the config.json / tokenizer.json beside it, against the sha256.json there when there
-    is one (released weights have none and load as they are). A damaged file is a DataError naming
-    it."""
+    """What a reader of a checkpoint (evaluation) reads, checked before it reads
+    it: the weights file and the config.json / tokenizer.json beside it, against
+    the sha256.json there when there is one (released weights have none and load
+    as they are). A damaged file is a DataError naming it."""
     folder = os.path.dirname(os.path.abspath(weights))
     if os.path.isfile(os.path.join(folder, "sha256.json")):
         check_sums(folder, [], only={os.path.basename(weights), "config.json", "tokenizer.json"})
@@ -821,8 +821,8 @@ def resumed_flags(given: dict, saved: dict, run_control, where: str, always_now=
 
 
 def cut_metrics(path, step):
-    """metrics.jsonl back to the resumed step (no step logged twice; a finished run resumed is
-    evaluated again)."""
+    """metrics.jsonl back to the resumed step (no step logged twice; a finished
+    run resumed is evaluated again)."""
     with open(path) if os.path.isfile(path) else contextlib.nullcontext([]) as f:
         kept = "".join(ln for ln in f if ln.strip() and (m := json.loads(ln))["step"] <= step
                        and m.get("phase") != "eval")
@@ -913,8 +913,8 @@ def stopped_by(total: float) -> str | None:
 
 
 def resume_command(script, world, out_dir, cmd=""):
-    """The command that continues a run: the same launcher (torchrun with as many processes, or
-    python)."""
+    """The command that continues a run: the same launcher (torchrun with as
+    many processes, or python)."""
     launcher = f"torchrun --nproc_per_node={world}" if world > 1 else "python"
     return (f"{launcher} {os.path.basename(script)}{f' {cmd}' if cmd else ''} "
             f"--resume --out_dir {out_dir}")
@@ -928,9 +928,9 @@ def stop_line(by, step, max_steps, command):
 
 
 def progress(iterable=None, unit="step", **kw):
-    """A tqdm bar on stderr, on rank 0 at an interactive terminal only (a log file gets the start
-    and done lines). Bars count optimizer steps ("step") or, for evaluation and data work, items
-    ("item")."""
+    """A tqdm bar on stderr, on rank 0 at an interactive terminal only (a log
+    file gets the start and done lines). Bars count optimizer steps ("step") or,
+    for evaluation and data work, items ("item")."""
     from tqdm import tqdm
     kw["disable"] = (kw.get("disable") or not sys.stderr.isatty()
                      or os.environ.get("RANK", "0") != "0")
@@ -970,8 +970,8 @@ def done_line(result: str, seconds: float, wrote=(), more=()) -> str:
 
 
 def paths_text(paths) -> str:
-    """"out/a/{x, y/}, z.json" for ["out/a/x", "out/a/y/", "z.json"]: one folder's files grouped,
-    in order."""
+    """"out/a/{x, y/}, z.json" for ["out/a/x", "out/a/y/", "z.json"]: one
+    folder's files grouped, in order."""
     groups = {}
     for p in paths:
         head, tail = os.path.split(p.rstrip("/"))
@@ -1005,8 +1005,8 @@ FEW_POINTS = 30
 
 
 def new_figure(size=(9, 4.2)):
-    """A Figure with one Axes on an Agg canvas, laid out so labels and an outside legend fit
-    (constrained)."""
+    """A Figure with one Axes on an Agg canvas, laid out so labels and an
+    outside legend fit (constrained)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     fig = Figure(figsize=size, dpi=100, layout="constrained")
@@ -1047,10 +1047,10 @@ def save_figure(fig, path):
 
 def draw_curves(png_path, title, series, marks=(), xlabel="step (optimizer steps)",
                 ylabel="loss (nats)"):
-    """A line plot of training curves, saved as PNG; returns the Figure. series: [(label, [(x, y)],
-    style)] with matplotlib style keywords (color, linewidth ...); marks: [(x, text)] vertical
-    lines, each labelled at the top (IL's spawns, a phase change). A mark beyond the last point is
-    left out."""
+    """A line plot of training curves, saved as PNG; returns the Figure. series:
+    [(label, [(x, y)], style)] with matplotlib style keywords (color, linewidth ...);
+    marks: [(x, text)] vertical lines, each labelled at the top (IL's spawns, a phase
+    change). A mark beyond the last point is left out."""
     fig, ax = new_figure()
     x_max = max((p[0] for _, pts, _ in series for p in pts), default=0)
     for label, pts, style in series:
@@ -1120,16 +1120,16 @@ def t975(df: int) -> float:
 
 
 def mean_ci(values) -> tuple:
-    """(mean, half-width of the two-sided 95% Student-t interval) over seeds; nan width for one
-    seed."""
+    """(mean, half-width of the two-sided 95% Student-t interval) over seeds;
+    nan width for one seed."""
     v = np.asarray(values, dtype=np.float64)
     h = t975(len(v) - 1) * float(v.std(ddof=1)) / math.sqrt(len(v)) if len(v) > 1 else math.nan
     return float(v.mean()), h
 
 
 def paired_diff(a: dict, b: dict) -> tuple:
-    """Paired difference A - B over the seeds both have ({seed: value} each): (mean, half-width,
-    n)."""
+    """Paired difference A - B over the seeds both have ({seed: value} each):
+    (mean, half-width, n)."""
     seeds = sorted(set(a) & set(b))
     return ((*mean_ci([a[s] - b[s] for s in seeds]), len(seeds)) if seeds
             else (math.nan, math.nan, 0))
@@ -1144,8 +1144,8 @@ def _pct(m: float, h: float, diff: bool = False) -> str:
 
 
 def results_table(rows: dict, label: str = "method") -> str:
-    """Markdown table in %: {name: {metric: value or [per-seed values]}} (a list: mean ± 95%
-    t-interval half-width)."""
+    """Markdown table in %: {name: {metric: value or [per-seed values]}} (a
+    list: mean ± 95% t-interval half-width)."""
     # a column some row lacks is blank there
     cols = list(dict.fromkeys(c for r in rows.values() for c in r))
 
