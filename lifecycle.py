@@ -302,10 +302,10 @@ def weights_activation(flag, weights: str, folders=()) -> tuple:
 def assumed_activation_note(path: str, trained: bool = False) -> str:
     """The stderr line when weights_activation said "assumed" (`trained`: the
     checkpoint's run assumed it)."""
-    what = ("its run assumed OpenAI's QuickGELU for --init weights that did not say their "
-            "activation" if trained else
-            "no open_clip_config.json or config.json beside it says its activation: "
-            "assuming OpenAI's QuickGELU")
+    what = (("its run assumed OpenAI's QuickGELU for --init weights "
+             "that did not say their activation") if trained else
+            ("no open_clip_config.json or config.json beside it says its activation: "
+             "assuming OpenAI's QuickGELU"))
     return (f"note: {path}: {what} "
             f"(--no-quick_gelu for GELU models such as open_clip's LAION / DataComp ViT-B-32)")
 
