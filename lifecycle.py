@@ -2,10 +2,11 @@
 lifecycle.py -- what the training scripts share besides the data: one run's life in its out_dir.
 
   * files: JSON, durable and atomic writes, one-line errors for a full disk or a read-only folder;
-  * weights: the reader for this repo's checkpoints, OpenAI / open_clip files and the activation they state,
-    and the training script a checkpoint records (script_record; find_script's trust rule, import_script);
-  * the run lifecycle: one run per out_dir (a lock), checkpoints that survive a crash and their fallback, stop
-    signals, metrics.jsonl (+ wandb);
+  * weights: the reader for this repo's checkpoints, OpenAI / open_clip files and the activation
+    they state, and the training script a checkpoint records (script_record; find_script's trust
+    rule, import_script);
+  * the run lifecycle: one run per out_dir (a lock), checkpoints that survive a crash and their
+    fallback, stop signals, metrics.jsonl (+ wandb);
   * the voice of every command: its start and done lines, progress bars; plots (matplotlib, Agg);
   * measurement: the FLOPs of a CLIP step and MFU (bench.py and il_clip.py);
   * results over seeds: run folders grouped, mean and 95% t-interval, paired differences.
@@ -34,8 +35,9 @@ class DataError(Exception):
 
 
 # -----------------------------------------------------------------------------
-# Files: JSON, durable and atomic writes, weights. Each training script writes and reads its own checkpoints
-# (out_dir/checkpoint/: model.safetensors, config.json, state.pt ...); readers find the weights with checkpoint_dir.
+# Files: JSON, durable and atomic writes, weights. Each training script writes and reads its own
+# checkpoints (out_dir/checkpoint/: model.safetensors, config.json, state.pt ...); readers find the
+# weights with checkpoint_dir.
 
 def read_json(path: str):
     try:
@@ -43,12 +45,14 @@ def read_json(path: str):
             return json.load(f)
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, MemoryError) as e:   # nested too deep, too big
+    # nested too deep, too big
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, MemoryError) as e:
         raise DataError(f"{path}: malformed JSON ({e or type(e).__name__})") from None
 
 
 def fsync(path: str, write=None):
-    """write(path) if given, then flush the file or folder to disk: a checkpoint must survive a power cut or SIGKILL."""
+    """write(path) if given, then flush the file or folder to disk: a checkpoint must survive a
+    power cut or SIGKILL."""
     if write is not None:
         write(path)
     fd = os.open(path, os.O_RDONLY)
@@ -59,7 +63,8 @@ def fsync(path: str, write=None):
 
 
 def atomic_write(path: str, write):
-    """write(tmp), then rename over `path`: a reader never sees half a file (nor a failed write's tmp)."""
+    """write(tmp), then rename over `path`: a reader never sees half a file (nor
+    a failed write's tmp)."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         write(tmp)
@@ -69,24 +74,26 @@ def atomic_write(path: str, write):
             os.remove(tmp)
 
 
-# a write that cannot be done for want of room or of a working disk (full disk, quota, file-size limit, failing
-# disk), of permission (a folder made read-only, a read-only mount) or on a path of the wrong kind (a file where a
-# folder belongs, or the reverse)
+# a write that cannot be done for want of room or of a working disk (full disk, quota, file-size
+# limit, failing disk), of permission (a folder made read-only, a read-only mount) or on a path of
+# the wrong kind (a file where a folder belongs, or the reverse)
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
-WRITE_ERRNOS = (*DISK_ERRNOS, errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST, errno.ENOTDIR, errno.EISDIR)
+WRITE_ERRNOS = (*DISK_ERRNOS, errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST, errno.ENOTDIR,
+                errno.EISDIR)
 
 
 @contextlib.contextmanager
 def writing(path: str, what: str = ""):
-    """A write that fails for want of room, of a working disk or of permission, or on a path of the wrong kind
-    (WRITE_ERRNOS) -> DataError, one line naming the file (the OSError's own if it names one) and `what` was being
-    written. Other errors pass."""
+    """A write that fails for want of room, of a working disk or of permission, or on a path of the
+    wrong kind (WRITE_ERRNOS) -> DataError, one line naming the file (the OSError's own if it names
+    one) and `what` was being written. Other errors pass."""
     try:
         yield
     except Exception as e:
         if write_error(e) is None:
             raise
-        name = re.sub(rf"\.tmp{os.getpid()}$", "", str(getattr(e, "filename", None) or path))   # atomic_write's temp
+        # atomic_write's temp
+        name = re.sub(rf"\.tmp{os.getpid()}$", "", str(getattr(e, "filename", None) or path))
         raise DataError(f"{name}: cannot write: {write_error(e)}{what}") from None
 
 
@@ -98,7 +105,8 @@ def save_json(path: str, obj):
 
 
 def write_file(path: str, blob):
-    """`blob` (bytes, a str as UTF-8, a PIL image as PNG) as the file `path`, atomically, its folder made if missing."""
+    """`blob` (bytes, a str as UTF-8, a PIL image as PNG) as the file `path`, atomically, its folder
+    made if missing."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
 
     def write(tmp):
@@ -111,10 +119,12 @@ def write_file(path: str, blob):
 
 
 def open_to_append(path: str):
-    """`path` opened to append, created if missing, never through a symbolic link (O_NOFOLLOW): a link planted in
-    out_dir must not send the run's writes to its target. A link there is one DataError line."""
+    """`path` opened to append, created if missing, never through a symbolic
+    link (O_NOFOLLOW): a link planted in out_dir must not send the run's writes
+    to its target. A link there is one DataError line."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise DataError(symlink_refused(path)) from None
@@ -123,7 +133,8 @@ def open_to_append(path: str):
 
 
 def symlink_refused(path: str) -> str:
-    return f"{path}: a symbolic link; a run writes its own files, never through a link (remove it, or --overwrite)"
+    return (f"{path}: a symbolic link; a run writes its own files, never through a link "
+            f"(remove it, or --overwrite)")
 
 
 def remove(path: str):
@@ -138,7 +149,8 @@ OPENAI_EXTRA_KEYS = {"input_resolution", "context_length", "vocab_size"}   # int
 
 
 def is_torchscript(path: str) -> bool:
-    """A TorchScript archive (OpenAI's .pt files): a zip holding constants.pkl, a format that carries code."""
+    """A TorchScript archive (OpenAI's .pt files): a zip holding constants.pkl,
+    a format that carries code."""
     import zipfile
     try:
         with zipfile.ZipFile(path) as z:
@@ -148,8 +160,9 @@ def is_torchscript(path: str) -> bool:
 
 
 def read_weights(path: str) -> dict:
-    """A state dict of tensors from .safetensors or a torch .pt (weights_only: no pickled code runs); TorchScript
-    archives (OpenAI's) are refused (convert-weights); open_clip's {"state_dict": ...}, DDP's "module." unwrapped."""
+    """A state dict of tensors from .safetensors or a torch .pt (weights_only: no pickled code
+    runs); TorchScript archives (OpenAI's) are refused (convert-weights); open_clip's
+    {"state_dict": ...}, DDP's "module." unwrapped."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: weights file not found")
     try:
@@ -158,8 +171,9 @@ def read_weights(path: str) -> dict:
             sd = load_file(path)
         else:
             if is_torchscript(path):    # OpenAI's .pt files carry code: never run here
-                raise DataError(f"{path}: a TorchScript archive (a format that carries code); if you trust it, "
-                                f"convert it once: python data.py convert-weights {path}")
+                raise DataError(f"{path}: a TorchScript archive (a format that carries code); "
+                                f"if you trust it, convert it once: "
+                                f"python data.py convert-weights {path}")
             sd = torch.load(path, map_location="cpu", weights_only=True)
     except DataError:
         raise
@@ -174,17 +188,22 @@ def read_weights(path: str) -> dict:
             if torch.is_tensor(v) and k not in OPENAI_EXTRA_KEYS}
 
 
-# OpenAI's layout names every tensor, and most hyperparameters follow from their shapes. Three do not show: the
-# heads (OpenAI: width // 64), the EOT id (OpenAI: the last id) and the activation (OpenAI: QuickGELU). A config.json
-# beside the weights (this repo's runs and descendants) states them; a bare weights file gets OpenAI's conventions.
-TOWER_KEYS = {"visual": ("visual.conv1.weight", "visual.positional_embedding", "visual.proj", "visual.ln_post.weight"),
-              "text": ("token_embedding.weight", "positional_embedding", "text_projection", "ln_final.weight")}
+# OpenAI's layout names every tensor, and most hyperparameters follow from their shapes. Three do
+# not show: the heads (OpenAI: width // 64), the EOT id (OpenAI: the last id) and the activation
+# (OpenAI: QuickGELU). A config.json beside the weights (this repo's runs and descendants) states
+# them; a bare weights file gets OpenAI's conventions.
+TOWER_KEYS = {"visual": ("visual.conv1.weight", "visual.positional_embedding", "visual.proj",
+                         "visual.ln_post.weight"),
+              "text": ("token_embedding.weight", "positional_embedding", "text_projection",
+                       "ln_final.weight")}
 
 
-def clip_hparams(sd: dict, path: str, config: dict | None = None, towers=("visual", "text")) -> dict:
-    """The hyperparameters of OpenAI-layout CLIP weights, named as il_clip's / mm_learngene's ModelConfig fields:
-    the shapes of the towers in `towers` (a vision-only descendant has no text tower), and what `config` (the
-    config.json beside the weights, if any) states of the heads, the EOT id and the activation."""
+def clip_hparams(sd: dict, path: str, config: dict | None = None,
+                 towers=("visual", "text")) -> dict:
+    """The hyperparameters of OpenAI-layout CLIP weights, named as il_clip's / mm_learngene's
+    ModelConfig fields: the shapes of the towers in `towers` (a vision-only descendant has no text
+    tower), and what `config` (the config.json beside the weights, if any) states of the heads, the
+    EOT id and the activation."""
     config = config or {}
     model = config.get("model") if isinstance(config.get("model"), dict) else {}
 
@@ -201,7 +220,8 @@ def clip_hparams(sd: dict, path: str, config: dict | None = None, towers=("visua
         missing = [k for k in TOWER_KEYS[tower] if k not in sd]
         if missing:
             name = "vision" if tower == "visual" else "text"
-            raise DataError(f"{path}: cannot read the {name} tower (missing {missing[0]}; not OpenAI CLIP layout)")
+            raise DataError(f"{path}: cannot read the {name} tower "
+                            f"(missing {missing[0]}; not OpenAI CLIP layout)")
     hp = {}
     if "visual" in towers:
         width, _, patch, _ = sd["visual.conv1.weight"].shape
@@ -230,13 +250,15 @@ def clip_hparams(sd: dict, path: str, config: dict | None = None, towers=("visua
 
 
 def load_state(model, sd: dict, source: str, allow_missing=()):
-    """model.load_state_dict(sd); missing (but `allow_missing`), unexpected or misshaped keys: one error line."""
+    """model.load_state_dict(sd); missing (but `allow_missing`), unexpected or
+    misshaped keys: one error line."""
     own = model.state_dict()
     problems = {"missing keys": [k for k in own if k not in sd and not k.startswith(allow_missing)],
                 "unexpected keys": [k for k in sd if k not in own],
                 "shape mismatch": [f"{k} {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
                                    for k in own if k in sd and sd[k].shape != own[k].shape]}
-    problems = [f"{what} {', '.join(ks[:3])}{' ...' if len(ks) > 3 else ''}" for what, ks in problems.items() if ks]
+    problems = [f"{what} {', '.join(ks[:3])}{' ...' if len(ks) > 3 else ''}"
+                for what, ks in problems.items() if ks]
     if problems:
         raise DataError(f"config/weights mismatch for {source}: " + "; ".join(problems))
     model.load_state_dict(sd, strict=False)
@@ -250,7 +272,8 @@ ACTIVATION_FILES = ("open_clip_config.json", "config.json")
 
 
 def _stated_activation(cfg) -> bool | None:
-    """quick_gelu as a config file states it, else None (also where it repeats "quick_gelu_source": "assumed")."""
+    """quick_gelu as a config file states it, else None (also where it repeats
+    "quick_gelu_source": "assumed")."""
     if not isinstance(cfg, dict):
         return None
     model = cfg.get("model")
@@ -263,9 +286,9 @@ def _stated_activation(cfg) -> bool | None:
 
 
 def weights_activation(flag, weights: str, folders=()) -> tuple:
-    """(quick_gelu, source) of a weights file: the flag when given ("flag"), else what a config file beside the
-    weights (or in `folders`) says (source: its path), else OpenAI's QuickGELU, "assumed" (the caller says so:
-    open_clip's LAION / DataComp models are GELU)."""
+    """(quick_gelu, source) of a weights file: the flag when given ("flag"), else what a config file
+    beside the weights (or in `folders`) says (source: its path), else OpenAI's QuickGELU,
+    "assumed" (the caller says so: open_clip's LAION / DataComp models are GELU)."""
     if flag is not None:
         return bool(flag), "flag"
     for folder in dict.fromkeys([os.path.dirname(os.path.abspath(weights)), *folders]):
@@ -277,67 +300,81 @@ def weights_activation(flag, weights: str, folders=()) -> tuple:
 
 
 def assumed_activation_note(path: str, trained: bool = False) -> str:
-    """The stderr line when weights_activation said "assumed" (`trained`: the checkpoint's run assumed it)."""
-    what = ("its run assumed OpenAI's QuickGELU for --init weights that did not say their activation" if trained else
-            "no open_clip_config.json or config.json beside it says its activation: assuming OpenAI's QuickGELU")
-    return f"note: {path}: {what} (--no-quick_gelu for GELU models such as open_clip's LAION / DataComp ViT-B-32)"
+    """The stderr line when weights_activation said "assumed" (`trained`: the
+    checkpoint's run assumed it)."""
+    what = (("its run assumed OpenAI's QuickGELU for --init weights "
+             "that did not say their activation") if trained else
+            ("no open_clip_config.json or config.json beside it says its activation: "
+             "assuming OpenAI's QuickGELU"))
+    return (f"note: {path}: {what} "
+            f"(--no-quick_gelu for GELU models such as open_clip's LAION / DataComp ViT-B-32)")
 
 
 def checkpoint_dir(path: str) -> str:
-    """An out_dir -> its checkpoint/ when that holds a model.safetensors (all training scripts), else `path` as is."""
+    """An out_dir -> its checkpoint/ when that holds a model.safetensors (all training scripts),
+    else `path` as is."""
     inner = os.path.join(path, "checkpoint")
     return inner if os.path.isfile(os.path.join(inner, "model.safetensors")) else path
 
 
 def script_record(file: str) -> dict:
-    """config.json's "script": a checkpoint's reader imports it, so a fork's weights run the fork's own model code."""
+    """config.json's "script": a checkpoint's reader imports it, so a fork's weights run the fork's
+    own model code."""
     path = os.path.abspath(file)
     with open(path, "rb") as f:
-        return {"name": os.path.basename(path), "path": path, "sha256": hashlib.sha256(f.read()).hexdigest()}
+        return {"name": os.path.basename(path), "path": path,
+                "sha256": hashlib.sha256(f.read()).hexdigest()}
 
 
 def find_script(record, reader: str, script: str | None = None, default: str | None = None):
-    """-> (path, note): the training script to build a checkpoint's model with, by the one trust rule of every
-    reader of checkpoints (a checkpoint never runs code the user did not choose), decided before anything is imported:
-      * the script `record` names (config.json's "script", see script_record) is run only from the folder of the
-        program reading it (`reader`: its __file__), found there by its bare file name; a fork lives beside the
-        original. Neither its recorded path nor the working directory is ever searched;
-      * anything else (a path elsewhere, a name with a folder in it, a file found only in the working directory) runs
-        only when the user names it: `script`, their --script PATH. Otherwise a DataError naming the record and
-        --script;
-      * `note` (None, or a line to print before the import): the file found is not the recorded text (sha256), or
-        `script` is another file than the one that trained the checkpoint.
-    `default` (a bare name beside the reader) serves weights that record no script (OpenAI / open_clip files)."""
+    """-> (path, note): the training script to build a checkpoint's model with, by the one trust
+    rule of every reader of checkpoints (a checkpoint never runs code the user did not choose),
+    decided before anything is imported:
+      * the script `record` names (config.json's "script", see script_record) is run only from the
+        folder of the program reading it (`reader`: its __file__), found there by its bare file
+        name; a fork lives beside the original. Neither its recorded path nor the working
+        directory is ever searched;
+      * anything else (a path elsewhere, a name with a folder in it, a file found only in the
+        working directory) runs only when the user names it: `script`, their --script PATH.
+        Otherwise a DataError naming the record and --script;
+      * `note` (None, or a line to print before the import): the file found is not the recorded
+        text (sha256), or `script` is another file than the one that trained the checkpoint.
+    `default` (a bare name beside the reader) serves weights that record no script
+    (OpenAI / open_clip files)."""
     folder, me = os.path.dirname(os.path.abspath(reader)), os.path.basename(reader)
     if record is not None and not isinstance(record, dict):
-        record = {"name": record}           # a bare string, say: only a bare file name beside the reader passes
-    name, sha = (record.get("name"), record.get("sha256")) if record is not None else (default, None)
+        # a bare string, say: only a bare file name beside the reader passes
+        record = {"name": record}
+    name, sha = ((record.get("name"), record.get("sha256")) if record is not None
+                 else (default, None))
     record = record or {}
     if script is not None:
         if not os.path.isfile(script):
             raise DataError(f"--script {script}: no such file")
         path = os.path.abspath(script)
     else:
-        bare = isinstance(name, str) and name.endswith(".py") and name == os.path.basename(name) and "\0" not in name
+        bare = (isinstance(name, str) and name.endswith(".py") and name == os.path.basename(name)
+                and "\0" not in name)
         path = os.path.join(folder, name) if bare else None
         if path is None or not os.path.isfile(path):
             where = record.get("path")
-            what = f"{name!r}" + (f" (recorded at {where!r})" if isinstance(where, str) and where != name else "")
-            raise DataError(f"the checkpoint's training script {what} is not a file beside {me} in {folder}, the only "
-                            f"place a recorded script is run from: put the fork there, or name the file to run with "
-                            f"--script PATH")
+            what = f"{name!r}" + (f" (recorded at {where!r})"
+                                  if isinstance(where, str) and where != name else "")
+            raise DataError(f"the checkpoint's training script {what} is not a file beside {me} "
+                            f"in {folder}, the only place a recorded script is run from: put the "
+                            f"fork there, or name the file to run with --script PATH")
     have = script_record(path)["sha256"]
     if not isinstance(sha, str) or sha == have:
         return path, None
     if script is not None and os.path.basename(path) != name:
         return path, f"note: scoring with {path}, trained by {name or 'another script'} (--script)"
-    return path, (f"note: {path} has changed since it trained this checkpoint (sha256 {have[:12]}, recorded "
-                  f"{sha[:12]})")
+    return path, (f"note: {path} has changed since it trained this checkpoint "
+                  f"(sha256 {have[:12]}, recorded {sha[:12]})")
 
 
 def import_script(record, reader: str, script: str | None = None, default: str | None = None):
-    """-> (module, path, note): find_script's file, its note printed first, imported once per file (its classes keep
-    one identity)."""
+    """-> (module, path, note): find_script's file, its note printed first, imported once per file
+    (its classes keep one identity)."""
     import importlib.machinery
     import importlib.util
     path, note = find_script(record, reader, script, default)
@@ -345,53 +382,62 @@ def import_script(record, reader: str, script: str | None = None, default: str |
         print(note, file=sys.stderr, flush=True)
     module_name = "_script_" + hashlib.sha256(path.encode()).hexdigest()[:12]
     if module_name not in sys.modules:
-        loader = importlib.machinery.SourceFileLoader(module_name, path)    # --script may name any file
+        # --script may name any file
+        loader = importlib.machinery.SourceFileLoader(module_name, path)
         spec = importlib.util.spec_from_file_location(module_name, path, loader=loader)
         sys.modules[module_name] = module = importlib.util.module_from_spec(spec)
         try:
             spec.loader.exec_module(module)
         except Exception as e:
             del sys.modules[module_name]
-            raise DataError(f"{path}: cannot import the training script ({type(e).__name__}: {e})") from None
+            raise DataError(f"{path}: cannot import the training script "
+                            f"({type(e).__name__}: {e})") from None
     return sys.modules[module_name], path, note
 
 
 # -----------------------------------------------------------------------------
-# The run lifecycle every training script shares: one run per out_dir, checkpoints that survive a crash, stop signals,
-# metrics.jsonl (+ wandb); the voice and plots follow below. The method scripts keep only what is their own: what
-# state.pt holds and how it is restored. out_dir/checkpoint/ holds model.safetensors, config.json (flags, model config,
-# "script"), tokenizer.json, state.pt (torch.save; read with weights_only=True: no pickled code runs) and sha256.json of
-# them, written last. A save fills checkpoint.tmp/, fsyncs it, renames checkpoint/ -> checkpoint.prev/ (what a damaged
-# newest falls back to) and checkpoint.tmp/ -> checkpoint/.
+# The run lifecycle every training script shares: one run per out_dir, checkpoints that survive a
+# crash, stop signals, metrics.jsonl (+ wandb); the voice and plots follow below. The method scripts
+# keep only what is their own: what state.pt holds and how it is restored. out_dir/checkpoint/
+# holds model.safetensors, config.json (flags, model config, "script"), tokenizer.json, state.pt
+# (torch.save; read with weights_only=True: no pickled code runs) and sha256.json of them, written
+# last. A save fills checkpoint.tmp/, fsyncs it, renames checkpoint/ -> checkpoint.prev/ (what a
+# damaged newest falls back to) and checkpoint.tmp/ -> checkpoint/.
 CHECKPOINT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "state.pt")
-# what eval_compositional.py writes into a run folder by default (its plots, without --plot_dir or --out) or by the
-# README's names (--out RUN/eval.json, RUN/probe.json): --overwrite removes them with the run they scored
-EVAL_FILES = (r"eval\.json", r"probe\.json", r"spectral\.png", r"codebook\.png", r"easy_to_learn\.png")
+# what eval_compositional.py writes into a run folder by default (its plots, without --plot_dir or
+# --out) or by the README's names (--out RUN/eval.json, RUN/probe.json): --overwrite removes them
+# with the run they scored
+EVAL_FILES = (r"eval\.json", r"probe\.json", r"spectral\.png", r"codebook\.png",
+              r"easy_to_learn\.png")
 _lock = None        # this process's open out_dir/.lock
 _stop = []          # the stop signals received, by name
-_run = {"created": None, "started": False, "hold_signals": False}   # see claim_out_dir, hold_stop_signals_to_exit
+# see claim_out_dir, hold_stop_signals_to_exit
+_run = {"created": None, "started": False, "hold_signals": False}
 
 
 def write_error(e: BaseException) -> str | None:
-    """'no space left on device' etc. when e (or what it was raised during) is a WRITE_ERRNOS error, else None;
-    safetensors says it only in its message ("(os error 28)")."""
+    """'no space left on device' etc. when e (or what it was raised during) is a WRITE_ERRNOS
+    error, else None; safetensors says it only in its message ("(os error 28)")."""
     code = write_errno(e)
     return None if code is None else os.strerror(code).lower()
 
 
 def write_errno(e: BaseException) -> int | None:
     while e is not None:
-        code = next((c for c in WRITE_ERRNOS if getattr(e, "errno", None) == c or f"(os error {c})" in str(e)), None)
+        code = next((c for c in WRITE_ERRNOS
+                     if getattr(e, "errno", None) == c or f"(os error {c})" in str(e)), None)
         if code is not None:
             return code
-        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)     # not through a `from None`
+        # not through a `from None`
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
     return None
 
 
 def out_dir_problems(dirs) -> list:
-    """What keeps a run from writing into `dirs` (out_dir, a phase's folder): each must be a writable folder (or not
-    exist yet), its checkpoint/ and checkpoint.prev/ folders (writable: a save renames them), its metrics.jsonl a
-    writable file, not a symbolic link (the log is appended to in place)."""
+    """What keeps a run from writing into `dirs` (out_dir, a phase's folder): each must be a
+    writable folder (or not exist yet), its checkpoint/ and checkpoint.prev/ folders (writable: a
+    save renames them), its metrics.jsonl a writable file, not a symbolic link (the log is appended
+    to in place)."""
     problems = []
     for d in dirs:
         folders = [d, os.path.join(d, "checkpoint"), os.path.join(d, "checkpoint.prev")]
@@ -411,8 +457,8 @@ def out_dir_problems(dirs) -> list:
 
 
 def make_out_dir(out_dir) -> str | None:
-    """os.makedirs(out_dir), a failure in one DataError line naming the path; -> the topmost folder it created
-    (None: out_dir was there)."""
+    """os.makedirs(out_dir), a failure in one DataError line naming the path; -> the topmost folder
+    it created (None: out_dir was there)."""
     top, parent = None, os.path.abspath(out_dir)
     while not os.path.lexists(parent):
         top, parent = parent, os.path.dirname(parent)
@@ -420,7 +466,8 @@ def make_out_dir(out_dir) -> str | None:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
-            raise DataError(f"{out_dir}: not a folder (a file is there); give another --out_dir") from None
+            raise DataError(f"{out_dir}: not a folder (a file is there); "
+                            f"give another --out_dir") from None
         if top is not None and not os.path.isdir(parent):
             raise DataError(f"{out_dir}: cannot make the folder: {parent} is a file") from None
         raise DataError(f"{out_dir}: cannot make the folder: {e.strerror.lower()}") from None
@@ -429,19 +476,22 @@ def make_out_dir(out_dir) -> str | None:
     return top
 
 
-def claim_out_dir(out_dir, rank, world, device, resume=False, overwrite=False, run_files=(), phase_dirs=()):
-    """Before anything is written: one run per out_dir (rank 0 holds an flock on out_dir/.lock, which the kernel
-    drops when the process ends, killed or not); --resume needs a checkpoint (in out_dir or one of `phase_dirs`);
-    a new run replaces one only with --overwrite, which removes the names in out_dir and `phase_dirs` that match a
-    `run_files` pattern or EVAL_FILES (a symbolic link: the link). Then out_dir_problems: each is one line. Rank 0
-    raises DataError; the other ranks exit 2 (on_rank0)."""
+def claim_out_dir(out_dir, rank, world, device, resume=False, overwrite=False, run_files=(),
+                  phase_dirs=()):
+    """Before anything is written: one run per out_dir (rank 0 holds an flock on out_dir/.lock,
+    which the kernel drops when the process ends, killed or not); --resume needs a checkpoint (in
+    out_dir or one of `phase_dirs`); a new run replaces one only with --overwrite, which removes the
+    names in out_dir and `phase_dirs` that match a `run_files` pattern or EVAL_FILES (a symbolic
+    link: the link). Then out_dir_problems: each is one line. Rank 0 raises DataError; the other
+    ranks exit 2 (on_rank0)."""
     def claim():
         global _lock
         import fcntl
         created = make_out_dir(out_dir)
         path = os.path.join(out_dir, ".lock")
         try:
-            _lock = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "r+")
+            _lock = os.fdopen(
+                os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "r+")
         except OSError as e:
             raise DataError(symlink_refused(path) if e.errno == errno.ELOOP else
                             f"{path}: cannot open the lock: {e.strerror.lower()}") from None
@@ -451,7 +501,8 @@ def claim_out_dir(out_dir, rank, world, device, resume=False, overwrite=False, r
             _lock.seek(0)
             holder = _lock.read().strip() or "?"
             release_out_dir()
-            raise DataError(f"{out_dir} is in use by another run: process {holder} holds {out_dir}/.lock") from None
+            raise DataError(f"{out_dir} is in use by another run: "
+                            f"process {holder} holds {out_dir}/.lock") from None
         _run["created"] = created     # ours: a command that fails before its first step removes it
         _lock.truncate(0)
         print(os.getpid(), file=_lock, flush=True)
@@ -468,20 +519,23 @@ def claim_out_dir(out_dir, rank, world, device, resume=False, overwrite=False, r
         if resume and not saved:
             raise DataError(f"--resume: nothing to resume yet in {out_dir} (no checkpoint saved)")
         if saved and not (resume or overwrite):
-            raise DataError(f"{out_dir} holds the checkpoint of an earlier run: continue it with --resume, or use "
-                            f"another --out_dir, or --overwrite to replace it")
+            raise DataError(f"{out_dir} holds the checkpoint of an earlier run: continue it with "
+                            f"--resume, or use another --out_dir, or --overwrite to replace it")
     release_out_dir()
-    on_rank0(claim, rank, world, device)   # every rank learns it, so none waits in a collective rank 0 left
+    # every rank learns it, so none waits in a collective rank 0 left
+    on_rank0(claim, rank, world, device)
 
 
 def has_checkpoint(out_dir) -> bool:
-    """A checkpoint to resume from (checkpoint/, or checkpoint.prev/ alone: the newest deleted or half-switched)."""
+    """A checkpoint to resume from (checkpoint/, or checkpoint.prev/ alone: the
+    newest deleted or half-switched)."""
     return any(os.path.isdir(os.path.join(out_dir, c)) for c in ("checkpoint", "checkpoint.prev"))
 
 
 def release_out_dir(failed=False):
-    """Unlock out_dir. A command that `failed` before its first step (no record logged, no checkpoint saved) removes
-    the out_dir it made (claim_out_dir): a mistyped path or flag leaves no folder holding only .lock behind."""
+    """Unlock out_dir. A command that `failed` before its first step (no record logged, no
+    checkpoint saved) removes the out_dir it made (claim_out_dir): a mistyped path or flag leaves no
+    folder holding only .lock behind."""
     global _lock
     if failed and _run["created"] and not _run["started"]:
         shutil.rmtree(_run["created"], ignore_errors=True)
@@ -492,8 +546,9 @@ def release_out_dir(failed=False):
 
 
 def on_rank0(fn, rank, world, device, user_errors=(DataError,)):
-    """fn() on rank 0 (a save, a results file), and every rank learns how it went: a user or write error is one line
-    on rank 0, and the other ranks exit with the same status instead of hanging in their next collective."""
+    """fn() on rank 0 (a save, a results file), and every rank learns how it went: a user or write
+    error is one line on rank 0, and the other ranks exit with the same status instead of hanging
+    in their next collective."""
     if world == 1:
         return fn()
     error = None
@@ -512,17 +567,19 @@ def on_rank0(fn, rank, world, device, user_errors=(DataError,)):
 
 
 def unused_parameters(loss, params) -> list:
-    """The parameters of `params` that the autograd graph of `loss` does not reach (a term's parameter that this
-    phase's loss leaves out). A training step adds them to the loss times 0: their gradient is then zero instead of
-    none, so DDP (find_unused_parameters=False, which waits for every parameter) finishes its reduction, and AdamW
-    treats them alike on 1 process and on N ranks. Walked once per set of trained parameters: about 1 ms."""
+    """The parameters of `params` that the autograd graph of `loss` does not reach (a term's
+    parameter that this phase's loss leaves out). A training step adds them to the loss times 0:
+    their gradient is then zero instead of none, so DDP (find_unused_parameters=False, which waits
+    for every parameter) finishes its reduction, and AdamW treats them alike on 1 process and on N
+    ranks. Walked once per set of trained parameters: about 1 ms."""
     reached, seen, todo = set(), set(), [loss.grad_fn]
     while todo:
         fn = todo.pop()
         if fn is None or fn in seen:
             continue
         seen.add(fn)
-        if getattr(fn, "variable", None) is not None:      # AccumulateGrad: a leaf (parameter) reached
+        # AccumulateGrad: a leaf (parameter) reached
+        if getattr(fn, "variable", None) is not None:
             reached.add(id(fn.variable))
         todo.extend(f for f, _ in fn.next_functions)
     return [p for p in params if id(p) not in reached]
@@ -537,7 +594,8 @@ def tensors_in(obj):
 
 
 def all_finite(obj) -> bool:
-    """Every floating-point tensor in a nested dict/list finite? (checked before a save: never a NaN checkpoint)"""
+    """Every floating-point tensor in a nested dict/list finite? (checked before
+    a save: never a NaN checkpoint)"""
     flags = [torch.isfinite(t).all() for t in tensors_in(obj) if t.is_floating_point()]
     return bool(torch.stack(flags).all()) if flags else True
 
@@ -548,17 +606,20 @@ def sha256(path: str) -> str:
 
 
 def save_checkpoint(out_dir, weights, state, config, tokenizer, step, newest_damaged=False):
-    """Write a checkpoint (rank 0 only), as the layout above says; out_dir/config.json and tokenizer.json too, for
-    readers of out_dir. A write error is one DataError line; checkpoint.tmp/ is removed, the earlier checkpoints
-    kept. A damaged newest (newest_damaged) is replaced without becoming checkpoint.prev/."""
+    """Write a checkpoint (rank 0 only), as the layout above says; out_dir/config.json and
+    tokenizer.json too, for readers of out_dir. A write error is one DataError line;
+    checkpoint.tmp/ is removed, the earlier checkpoints kept. A damaged newest (newest_damaged) is
+    replaced without becoming checkpoint.prev/."""
     from safetensors.torch import save_file
-    tmp, final, prev = (os.path.join(out_dir, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
+    tmp, final, prev = (os.path.join(out_dir, n)
+                        for n in ("checkpoint.tmp", "checkpoint", "checkpoint.prev"))
     weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
     try:
         remove(tmp)     # a failed save's, a file, a link: the save's own folder is always new
         os.makedirs(tmp)
         save_file(weights, os.path.join(tmp, "model.safetensors"), {"step": str(step)})
-        with open(os.path.join(tmp, "state.pt"), "wb") as f:   # a Python file: a write error keeps its errno
+        # a Python file: a write error keeps its errno
+        with open(os.path.join(tmp, "state.pt"), "wb") as f:
             torch.save(state, f)
         for folder in (tmp, out_dir):
             atomic_write(os.path.join(folder, "config.json"), lambda p: save_json(p, config))
@@ -567,7 +628,8 @@ def save_checkpoint(out_dir, weights, state, config, tokenizer, step, newest_dam
         names = sorted(os.listdir(tmp))
         for name in names:
             fsync(os.path.join(tmp, name))
-        save_json(os.path.join(tmp, "sha256.json"), {n: sha256(os.path.join(tmp, n)) for n in names})
+        save_json(os.path.join(tmp, "sha256.json"),
+                  {n: sha256(os.path.join(tmp, n)) for n in names})
         fsync(tmp)
         if os.path.lexists(final) and not newest_damaged:
             remove(prev)
@@ -579,20 +641,24 @@ def save_checkpoint(out_dir, weights, state, config, tokenizer, step, newest_dam
         shutil.rmtree(tmp, ignore_errors=True)
         if write_error(e) is None:
             raise
-        if write_errno(e) not in DISK_ERRNOS:       # permission, a read-only disk, a path of the wrong kind
-            raise DataError(f"{getattr(e, 'filename', None) or out_dir}: {write_error(e)} for the step-{step} "
-                            f"checkpoint; the previous checkpoint is kept") from None
+        # permission, a read-only disk, a path of the wrong kind
+        if write_errno(e) not in DISK_ERRNOS:
+            raise DataError(f"{getattr(e, 'filename', None) or out_dir}: {write_error(e)} "
+                            f"for the step-{step} checkpoint; "
+                            f"the previous checkpoint is kept") from None
         need = sum(t.nbytes for t in tensors_in([weights, state])) / 2 ** 20
-        raise DataError(f"{out_dir}: {write_error(e)} for the step-{step} checkpoint (about {need:.1f} MiB needed, "
-                        f"{shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); the previous checkpoint is "
-                        f"kept") from None
+        raise DataError(f"{out_dir}: {write_error(e)} for the step-{step} checkpoint "
+                        f"(about {need:.1f} MiB needed, "
+                        f"{shutil.disk_usage(out_dir).free / 2 ** 20:.1f} MiB free); "
+                        f"the previous checkpoint is kept") from None
     _run["started"] = True
 
 
-# state.pt is checked to its leaves before a run restores anything from it (read_checkpoint): a whole file of the
-# wrong content falls back to checkpoint.prev/ like a damaged one. A spec is a type (isinstance), {key: spec} (a dict
-# with those keys, a key ending in "?" optional; {...: spec}: each other value), [spec] (a list or tuple of them),
-# (what, test) for a leaf no type names (test(value) true), or a tuple of specs, one of which holds.
+# state.pt is checked to its leaves before a run restores anything from it (read_checkpoint): a
+# whole file of the wrong content falls back to checkpoint.prev/ like a damaged one. A spec is a
+# type (isinstance), {key: spec} (a dict with those keys, a key ending in "?" optional; {...: spec}:
+# each other value), [spec] (a list or tuple of them), (what, test) for a leaf no type names
+# (test(value) true), or a tuple of specs, one of which holds.
 
 def accepts(set_state):
     """A test: set_state(value) (on a throwaway generator) raises nothing."""
@@ -606,19 +672,23 @@ def accepts(set_state):
 
 
 def numpy_state(n):
-    """rng_state's "numpy" entry (the MT19937 key as an int64 tensor: torch.save-able) as np.random.set_state takes
-    it."""
-    return (n[0], np.asarray(n[1].cpu() if torch.is_tensor(n[1]) else n[1]).astype(np.uint32), *n[2:])
+    """rng_state's "numpy" entry (the MT19937 key as an int64 tensor: torch.save-able) as
+    np.random.set_state takes it."""
+    return (n[0], np.asarray(n[1].cpu() if torch.is_tensor(n[1]) else n[1]).astype(np.uint32),
+            *n[2:])
 
 
 BYTE_TENSOR = ("a uint8 tensor", lambda t: torch.is_tensor(t) and t.dtype == torch.uint8)
-RNG_STATE = {"torch": ("torch's generator state", accepts(lambda t: torch.Generator().set_state(t.cpu()))),
+RNG_STATE = {"torch": ("torch's generator state",
+                       accepts(lambda t: torch.Generator().set_state(t.cpu()))),
              "cuda": [BYTE_TENSOR],
              "python": ("Python's random state", accepts(lambda v: random.Random().setstate(v))),
-             "numpy": ("NumPy's random state", accepts(lambda n: np.random.RandomState().set_state(numpy_state(n))))}
+             "numpy": ("NumPy's random state",
+                       accepts(lambda n: np.random.RandomState().set_state(numpy_state(n))))}
 NUMBER = (int, float)
-OPTIMIZER_STATE = {"state": {...: {...: (torch.Tensor, *NUMBER)}},      # per parameter: step, moments
-                   "param_groups": [{"params": [int], ...: (torch.Tensor, *NUMBER, bool, str, type(None), tuple)}]}
+OPTIMIZER_STATE = {"state": {...: {...: (torch.Tensor, *NUMBER)}},  # per parameter: step, moments
+                   "param_groups": [{"params": [int],
+                                     ...: (torch.Tensor, *NUMBER, bool, str, type(None), tuple)}]}
 
 
 def spec_errors(value, spec, where="") -> list:
@@ -646,16 +716,17 @@ def spec_errors(value, spec, where="") -> list:
     alternatives = spec if isinstance(spec, tuple) else (spec,)
     if any(isinstance(value, t) for t in alternatives if isinstance(t, type)):
         return []
-    nested = [t for t in alternatives if not isinstance(t, type)]      # ({...}, type(None)): a dict or None
+    # ({...}, type(None)): a dict or None
+    nested = [t for t in alternatives if not isinstance(t, type)]
     if nested:
         return spec_errors(value, nested[0], where)
     return [f"{where}: {' or '.join(t.__name__ for t in alternatives)}"]
 
 
 def check_sums(folder, required, only=None):
-    """The files of a checkpoint folder against its sha256.json: a DataError naming the first that is missing or
-    damaged. `required` must be listed there; `only` (names): check just those of the listed files (a reader that
-    needs no state.pt), else every listed file."""
+    """The files of a checkpoint folder against its sha256.json: a DataError naming the first that
+    is missing or damaged. `required` must be listed there; `only` (names): check just those of the
+    listed files (a reader that needs no state.pt), else every listed file."""
     sums = read_json(os.path.join(folder, "sha256.json"))
     if not isinstance(sums, dict):
         raise DataError(f"{folder}/sha256.json: damaged (not a table of file sums)")
@@ -668,18 +739,19 @@ def check_sums(folder, required, only=None):
 
 
 def check_read_files(weights: str):
-    """What a reader of a checkpoint (evaluation) reads, checked before it reads it: the weights file and the
-    config.json / tokenizer.json beside it, against the sha256.json there when there is one (released weights have
-    none and load as they are). A damaged file is a DataError naming it."""
+    """What a reader of a checkpoint (evaluation) reads, checked before it reads
+    it: the weights file and the config.json / tokenizer.json beside it, against
+    the sha256.json there when there is one (released weights have none and load
+    as they are). A damaged file is a DataError naming it."""
     folder = os.path.dirname(os.path.abspath(weights))
     if os.path.isfile(os.path.join(folder, "sha256.json")):
         check_sums(folder, [], only={os.path.basename(weights), "config.json", "tokenizer.json"})
 
 
 def read_checkpoint(folder, state_types, device="cpu"):
-    """(weights, state, config) of a checkpoint folder whose files all match its sha256.json and whose state.pt
-    matches the spec `state_types` to its leaves; else a DataError naming what is missing, damaged or of wrong
-    types."""
+    """(weights, state, config) of a checkpoint folder whose files all match its sha256.json and
+    whose state.pt matches the spec `state_types` to its leaves; else a DataError naming what is
+    missing, damaged or of wrong types."""
     from safetensors.torch import load_file
     if not os.path.isdir(folder):
         raise DataError(f"{folder}: missing")
@@ -688,16 +760,20 @@ def read_checkpoint(folder, state_types, device="cpu"):
     try:
         state = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
-        raise DataError(f"{path}: unreadable ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})") from None
+        raise DataError(f"{path}: unreadable "
+                        f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})") from None
     bad = spec_errors(state, state_types)
     if bad:
-        raise DataError(f"{path}: wrong types (expected {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
-    return load_file(os.path.join(folder, "model.safetensors")), state, read_json(os.path.join(folder, "config.json"))
+        raise DataError(f"{path}: wrong types "
+                        f"(expected {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
+    return (load_file(os.path.join(folder, "model.safetensors")), state,
+            read_json(os.path.join(folder, "config.json")))
 
 
 def load_checkpoint(out_dir, state_types, device="cpu", rank=0):
-    """(folder, weights, state, config, newest_damaged) of out_dir/checkpoint/ when it is whole (read_checkpoint),
-    else of checkpoint.prev/, said in a note on stderr; a DataError naming the damaged file(s) when neither is."""
+    """(folder, weights, state, config, newest_damaged) of out_dir/checkpoint/ when it is whole
+    (read_checkpoint), else of checkpoint.prev/, said in a note on stderr; a DataError naming the
+    damaged file(s) when neither is."""
     errors = []
     for folder in (os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "checkpoint.prev")):
         if errors and not os.path.isdir(folder):
@@ -708,8 +784,8 @@ def load_checkpoint(out_dir, state_types, device="cpu", rank=0):
             errors.append(str(e))
             continue
         if errors and rank == 0:
-            print(f"note: {errors[0]}; resuming from the previous checkpoint {folder} (step {found[2]['step']})",
-                  file=sys.stderr, flush=True)
+            print(f"note: {errors[0]}; resuming from the previous checkpoint {folder} "
+                  f"(step {found[2]['step']})", file=sys.stderr, flush=True)
         return found
     raise DataError("; and ".join(errors))
 
@@ -731,23 +807,27 @@ def set_rng_state(rng: dict, device):
 
 
 def resumed_flags(given: dict, saved: dict, run_control, where: str, always_now=()) -> dict:
-    """--resume continues a run with its own flags: a run-defining flag given now (`given`: name -> value) must
-    equal the saved value (DataError otherwise); a run-control flag may change. Returns the saved values of the
-    flags not given now (run control included: a resumed run logs and saves as it did), but `always_now`."""
+    """--resume continues a run with its own flags: a run-defining flag given now (`given`: name ->
+    value) must equal the saved value (DataError otherwise); a run-control flag may change. Returns
+    the saved values of the flags not given now (run control included: a resumed run logs and saves
+    as it did), but `always_now`."""
     for name in sorted(set(given) & set(saved) - set(run_control)):
         now = json.loads(json.dumps(given[name]))
         if now != saved[name]:
-            raise DataError(f"--resume: --{name} {now} differs from the saved run's {saved[name]} ({where}); drop it "
-                            f"to continue that run, or start a new one in another --out_dir")
+            raise DataError(f"--resume: --{name} {now} differs from the saved run's {saved[name]} "
+                            f"({where}); drop it to continue that run, or start a new one in "
+                            f"another --out_dir")
     return {k: v for k, v in saved.items() if k not in given and k not in always_now}
 
 
 def cut_metrics(path, step):
-    """metrics.jsonl back to the resumed step (no step logged twice; a finished run resumed is evaluated again)."""
+    """metrics.jsonl back to the resumed step (no step logged twice; a finished
+    run resumed is evaluated again)."""
     with open(path) if os.path.isfile(path) else contextlib.nullcontext([]) as f:
         kept = "".join(ln for ln in f if ln.strip() and (m := json.loads(ln))["step"] <= step
                        and m.get("phase") != "eval")
-    def write(tmp):     # closed before the rename: a flush that fails at close (full disk) must raise here
+    # closed before the rename: a flush that fails at close (full disk) must raise here
+    def write(tmp):
         with open(tmp, "w") as f:
             f.write(kept)
     with writing(path):
@@ -755,8 +835,8 @@ def cut_metrics(path, step):
 
 
 def log_record(path, rec, wandb=None, wandb_step=None):
-    """One metrics.jsonl line (rank 0), appended in place, never through a symbolic link; with --wandb also sent to
-    Weights & Biases at its step."""
+    """One metrics.jsonl line (rank 0), appended in place, never through a symbolic link; with
+    --wandb also sent to Weights & Biases at its step."""
     with writing(path), open_to_append(path) as f:
         f.write(json.dumps(rec) + "\n")
     _run["started"] = True
@@ -765,8 +845,8 @@ def log_record(path, rec, wandb=None, wandb_step=None):
 
 
 def start_wandb(project, out_dir, config, resumed):
-    """--wandb PROJECT (nanoGPT's wandb_log), rank 0: a W&B run named after out_dir with the run's config; its id
-    is kept in out_dir/wandb_id.txt, so --resume continues the same W&B run."""
+    """--wandb PROJECT (nanoGPT's wandb_log), rank 0: a W&B run named after out_dir with the run's
+    config; its id is kept in out_dir/wandb_id.txt, so --resume continues the same W&B run."""
     try:
         import wandb
     except ImportError:
@@ -774,8 +854,8 @@ def start_wandb(project, out_dir, config, resumed):
     path = os.path.join(out_dir, "wandb_id.txt")
     run_id = open(path).read().strip() if resumed and os.path.isfile(path) else os.urandom(4).hex()
     write_file(path, run_id + "\n")
-    wandb.init(project=project, name=os.path.basename(os.path.abspath(out_dir)), id=run_id, resume="allow",
-               config=config)
+    wandb.init(project=project, name=os.path.basename(os.path.abspath(out_dir)), id=run_id,
+               resume="allow", config=config)
     return wandb
 
 
@@ -783,27 +863,31 @@ def _on_stop_signal(signum, frame):
     if signum == signal.SIGINT and _stop:
         print("error: interrupted again: exiting without saving", file=sys.stderr, flush=True)
         os._exit(130)
-    _stop.append(signal.Signals(signum).name)     # a further SIGTERM: already stopping, nothing more to do
+    # a further SIGTERM: already stopping, nothing more to do
+    _stop.append(signal.Signals(signum).name)
 
 
 def catch_stop_signals() -> dict:
-    """SIGTERM / SIGINT ask the run to stop: the script's loop sees stop_requested(), the ranks agree, it saves and
-    stops. Further SIGTERMs change nothing; a Ctrl-C after the first signal exits at once, without a save (the last
-    checkpoint stays). Returns the old handlers."""
+    """SIGTERM / SIGINT ask the run to stop: the script's loop sees stop_requested(), the ranks
+    agree, it saves and stops. Further SIGTERMs change nothing; a Ctrl-C after the first signal
+    exits at once, without a save (the last checkpoint stays). Returns the old handlers."""
     _stop.clear()
     return {s: signal.signal(s, _on_stop_signal) for s in (signal.SIGTERM, signal.SIGINT)}
 
 
 def hold_stop_signals_to_exit():
-    """For a script run as its own process (its __main__): once a run is stopping, restore_signals leaves SIGTERM
-    ignored until the process ends, so a scheduler's repeated SIGTERM cannot turn a saved stop into a killed job
-    (status -15) while the process exits. Called from a script's main() in-process, handlers are restored."""
+    """For a script run as its own process (its __main__): once a run is stopping, restore_signals
+    leaves SIGTERM ignored until the process ends, so a scheduler's repeated SIGTERM cannot turn a
+    saved stop into a killed job (status -15) while the process exits. Called from a script's
+    main() in-process, handlers are restored."""
     _run["hold_signals"] = True
 
 
 def restore_signals(handlers: dict):
-    if _stop and _run["hold_signals"]:      # SIG_IGN, not the stop handler: the interpreter's exit resets Python's
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)       # handlers to the default (a SIGINT then exits at once)
+    # SIG_IGN, not the stop handler: the interpreter's exit resets Python's handlers to the default
+    # (a SIGINT then exits at once)
+    if _stop and _run["hold_signals"]:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return
     for s, h in handlers.items():
         signal.signal(s, h)
@@ -814,7 +898,8 @@ def stop_requested() -> str | None:
     return "SIGTERM" if "SIGTERM" in _stop else _stop[0] if _stop else None
 
 
-# a stop signal as a number the ranks sum at a sync point: any SIGTERM counts 1, a SIGINT 1/1024 (exact in float32)
+# a stop signal as a number the ranks sum at a sync point: any SIGTERM counts 1, a SIGINT
+# 1/1024 (exact in float32)
 STOP_CODES = {"SIGTERM": 1.0, "SIGINT": 2.0 ** -10}
 
 
@@ -828,28 +913,34 @@ def stopped_by(total: float) -> str | None:
 
 
 def resume_command(script, world, out_dir, cmd=""):
-    """The command that continues a run: the same launcher (torchrun with as many processes, or python)."""
+    """The command that continues a run: the same launcher (torchrun with as
+    many processes, or python)."""
     launcher = f"torchrun --nproc_per_node={world}" if world > 1 else "python"
-    return f"{launcher} {os.path.basename(script)}{f' {cmd}' if cmd else ''} --resume --out_dir {out_dir}"
+    return (f"{launcher} {os.path.basename(script)}{f' {cmd}' if cmd else ''} "
+            f"--resume --out_dir {out_dir}")
 
 
 def stop_line(by, step, max_steps, command):
-    """The last line of a run stopped with a checkpoint (rank 0): by what (the signal, --stop_at), where, and how to
-    continue (resume_command)."""
-    return f"stopped by {by} at step {step}/{max_steps} | checkpoint saved | continue with: {command}"
+    """The last line of a run stopped with a checkpoint (rank 0): by what (the signal, --stop_at),
+    where, and how to continue (resume_command)."""
+    return (f"stopped by {by} at step {step}/{max_steps} | checkpoint saved | "
+            f"continue with: {command}")
 
 
 def progress(iterable=None, unit="step", **kw):
-    """A tqdm bar on stderr, on rank 0 at an interactive terminal only (a log file gets the start and done lines).
-    Bars count optimizer steps ("step") or, for evaluation and data work, items ("item")."""
+    """A tqdm bar on stderr, on rank 0 at an interactive terminal only (a log
+    file gets the start and done lines). Bars count optimizer steps ("step") or,
+    for evaluation and data work, items ("item")."""
     from tqdm import tqdm
-    kw["disable"] = kw.get("disable") or not sys.stderr.isatty() or os.environ.get("RANK", "0") != "0"
+    kw["disable"] = (kw.get("disable") or not sys.stderr.isatty()
+                     or os.environ.get("RANK", "0") != "0")
     return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, unit=unit, **kw)
 
 
 # -----------------------------------------------------------------------------
-# The voice of every command: one `start:` line, tqdm bars, one `done:` line. They go to stderr, as the bars and
-# notes do; stdout carries only results (tables, JSON), so `> table.md` or `| jq` get nothing else.
+# The voice of every command: one `start:` line, tqdm bars, one `done:` line. They go to stderr, as
+# the bars and notes do; stdout carries only results (tables, JSON), so `> table.md` or `| jq` get
+# nothing else.
 
 def say(line: str) -> str:
     """A status line on stderr (rank 0's to print); returned, for tests."""
@@ -858,9 +949,9 @@ def say(line: str) -> str:
 
 
 def start_line(script: str, command: str = "", details=(), out_dir=None, resumed_at=None) -> str:
-    """`start: SCRIPT COMMAND | detail | ... | out_dir DIR`: what runs, on what, where it writes; a resumed run
-    says `| resumed at step N` on it. script: __file__; details: short texts (parameters, device, data);
-    resumed_at: a step, or a text such as "finetune step N"."""
+    """`start: SCRIPT COMMAND | detail | ... | out_dir DIR`: what runs, on what, where it writes; a
+    resumed run says `| resumed at step N` on it. script: __file__; details: short texts
+    (parameters, device, data); resumed_at: a step, or a text such as "finetune step N"."""
     parts = [f"start: {os.path.basename(script)} {command}".rstrip(), *details]
     if out_dir is not None:
         parts.append(f"out_dir {out_dir}")
@@ -871,13 +962,16 @@ def start_line(script: str, command: str = "", details=(), out_dir=None, resumed
 
 
 def done_line(result: str, seconds: float, wrote=(), more=()) -> str:
-    """`done: RESULT in Ns | wrote PATHS | more ...`: the paths as the user gave them (folders end in "/"), those
-    in one folder grouped as `folder/{a, b}`, `wrote nothing` when there are none; `more`: what to do next."""
-    return say(" | ".join([f"done: {result} in {seconds:.0f}s", f"wrote {paths_text(wrote)}", *more]))
+    """`done: RESULT in Ns | wrote PATHS | more ...`: the paths as the user gave them (folders end
+    in "/"), those in one folder grouped as `folder/{a, b}`, `wrote nothing` when there are none;
+    `more`: what to do next."""
+    return say(" | ".join([f"done: {result} in {seconds:.0f}s", f"wrote {paths_text(wrote)}",
+                           *more]))
 
 
 def paths_text(paths) -> str:
-    """"out/a/{x, y/}, z.json" for ["out/a/x", "out/a/y/", "z.json"]: one folder's files grouped, in order."""
+    """"out/a/{x, y/}, z.json" for ["out/a/x", "out/a/y/", "z.json"]: one
+    folder's files grouped, in order."""
     groups = {}
     for p in paths:
         head, tail = os.path.split(p.rstrip("/"))
@@ -888,26 +982,31 @@ def paths_text(paths) -> str:
 
 
 def warmup_note(warmup, steps):
-    """A note (rank 0) when the linear LR warm-up is longer than the run: its peak is never reached. The schedule
-    itself is left as asked (a short test run keeps the full run's warm-up slope). No run (0 steps): no note."""
+    """A note (rank 0) when the linear LR warm-up is longer than the run: its peak is never reached.
+    The schedule itself is left as asked (a short test run keeps the full run's warm-up slope). No
+    run (0 steps): no note."""
     if warmup and 0 < steps < warmup:
-        say(f"note: --warmup {warmup} is longer than the run ({steps} steps): the learning rate rises to "
-            f"{steps / warmup:.0%} of --lr and never reaches its peak (--warmup {max(1, steps // 10)}: 10% of the run)")
+        say(f"note: --warmup {warmup} is longer than the run ({steps} steps): the learning rate "
+            f"rises to {steps / warmup:.0%} of --lr and never reaches its peak "
+            f"(--warmup {max(1, steps // 10)}: 10% of the run)")
 
 
 def percent(v) -> str:
-    """A percent as every command prints it: one decimal (a run's standard error is above a tenth of a point)."""
+    """A percent as every command prints it: one decimal (a run's standard error is above a tenth
+    of a point)."""
     return "null" if v is None else f"{v:.1f}"
 
 
 # -----------------------------------------------------------------------------
-# Plots: matplotlib on its Agg canvas (no display needed). Each drawing function returns its Figure, so a test can
-# read the axes (limits, labels, legend, line data) instead of pixels.
-FEW_POINTS = 30     # a series of at most this many points gets markers (a single point is otherwise invisible)
+# Plots: matplotlib on its Agg canvas (no display needed). Each drawing function returns its
+# Figure, so a test can read the axes (limits, labels, legend, line data) instead of pixels.
+# a series of at most this many points gets markers (a single point is otherwise invisible)
+FEW_POINTS = 30
 
 
 def new_figure(size=(9, 4.2)):
-    """A Figure with one Axes on an Agg canvas, laid out so labels and an outside legend fit (constrained)."""
+    """A Figure with one Axes on an Agg canvas, laid out so labels and an
+    outside legend fit (constrained)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     fig = Figure(figsize=size, dpi=100, layout="constrained")
@@ -924,8 +1023,8 @@ def plot_series(ax, label, xs, ys, **style):
 
 
 def finish_axes(ax, title, xlabel, ylabel):
-    """Title, axis labels, whole-number x ticks (x counts steps or generations: never 0.5 of one), a light grid and
-    the legend outside the axes, on the right, where it never hides a line."""
+    """Title, axis labels, whole-number x ticks (x counts steps or generations: never 0.5 of one), a
+    light grid and the legend outside the axes, on the right, where it never hides a line."""
     from matplotlib.ticker import MaxNLocator
     ax.set_title(title, fontsize=10)
     ax.set_xlabel(xlabel)
@@ -933,7 +1032,8 @@ def finish_axes(ax, title, xlabel, ylabel):
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=9, frameon=False)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=9,
+                  frameon=False)
 
 
 def save_figure(fig, path):
@@ -945,19 +1045,22 @@ def save_figure(fig, path):
     return fig
 
 
-def draw_curves(png_path, title, series, marks=(), xlabel="step (optimizer steps)", ylabel="loss (nats)"):
-    """A line plot of training curves, saved as PNG; returns the Figure. series: [(label, [(x, y)], style)] with
-    matplotlib style keywords (color, linewidth ...); marks: [(x, text)] vertical lines, each labelled at the top
-    (IL's spawns, a phase change). A mark beyond the last point is left out."""
+def draw_curves(png_path, title, series, marks=(), xlabel="step (optimizer steps)",
+                ylabel="loss (nats)"):
+    """A line plot of training curves, saved as PNG; returns the Figure. series:
+    [(label, [(x, y)], style)] with matplotlib style keywords (color, linewidth ...);
+    marks: [(x, text)] vertical lines, each labelled at the top (IL's spawns, a phase
+    change). A mark beyond the last point is left out."""
     fig, ax = new_figure()
     x_max = max((p[0] for _, pts, _ in series for p in pts), default=0)
     for label, pts, style in series:
         plot_series(ax, label, [p[0] for p in pts], [p[1] for p in pts], **style)
     for x, text in [m for m in marks if m[0] <= x_max]:
         ax.axvline(x, color="0.35", linestyle=":", linewidth=1)
-        ax.annotate(text, (x, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -10), textcoords="offset points",
-                    fontsize=8, color="0.25")
-    ax.set_xlim(left=0)     # a run starts at step 0: a short run's few points are not spread over a wide axis
+        ax.annotate(text, (x, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -10),
+                    textcoords="offset points", fontsize=8, color="0.25")
+    # a run starts at step 0: a short run's few points are not spread over a wide axis
+    ax.set_xlim(left=0)
     finish_axes(ax, title, xlabel, ylabel)
     return save_figure(fig, png_path)
 
@@ -969,11 +1072,13 @@ def estimate_flops_per_pair(cfg, text_len=None):
     """Training FLOPs per pair (3 x forward, 2 per MAC) at text length `text_len` (default full)."""
     P, T = (cfg.image_size // cfg.patch_size) ** 2, text_len or cfg.context_length
     tower = lambda n, w, L: L * (12 * n * w * w + 2 * n * n * w)       # QKV, out, MLP + attention
-    macs = tower(P + 1, cfg.vision_width, cfg.vision_layers) + P * 3 * cfg.patch_size ** 2 * cfg.vision_width
+    macs = (tower(P + 1, cfg.vision_width, cfg.vision_layers)
+            + P * 3 * cfg.patch_size ** 2 * cfg.vision_width)
     macs += tower(T, cfg.text_width, cfg.text_layers)
     if cfg.codebook_size:   # query maps, token x code scores, the weighted sum of the codes
         K, D = cfg.codebook_size, cfg.code_dim
-        macs += sum(n * (w * D + D * D) + n * K * D + K * D for n, w in ((P, cfg.vision_width), (T, cfg.text_width)))
+        macs += sum(n * (w * D + D * D) + n * K * D + K * D
+                    for n, w in ((P, cfg.vision_width), (T, cfg.text_width)))
     else:
         macs += (cfg.vision_width + cfg.text_width) * cfg.embed_dim
     return 3 * 2 * macs
@@ -991,7 +1096,8 @@ def peak_flops(device_name):
 
 def estimate_mfu(cfg, pairs_per_s, device, text_len=None):
     """Model FLOPs utilisation against the dense bf16 peak of the GPU (None on CPU/unknown)."""
-    peak = peak_flops(torch.cuda.get_device_name(device)) if str(device).startswith("cuda") else None
+    peak = (peak_flops(torch.cuda.get_device_name(device)) if str(device).startswith("cuda")
+            else None)
     return None if peak is None else estimate_flops_per_pair(cfg, text_len) * pairs_per_s / peak
 
 
@@ -999,7 +1105,8 @@ def estimate_mfu(cfg, pairs_per_s, device, text_len=None):
 # Results over seeds: the run folders of the training scripts, grouped, with 95% intervals
 # (every script's `summarize`/`report --seeds` reads its runs with its own read_run)
 
-# t_{0.975, df} for df = 1..30 (standard tables); beyond 30 the Cornish-Fisher expansion is within 1e-4
+# t_{0.975, df} for df = 1..30 (standard tables); beyond 30 the Cornish-Fisher expansion is
+# within 1e-4
 T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
         2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
         2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
@@ -1013,28 +1120,34 @@ def t975(df: int) -> float:
 
 
 def mean_ci(values) -> tuple:
-    """(mean, half-width of the two-sided 95% Student-t interval) over seeds; nan width for one seed."""
+    """(mean, half-width of the two-sided 95% Student-t interval) over seeds;
+    nan width for one seed."""
     v = np.asarray(values, dtype=np.float64)
     h = t975(len(v) - 1) * float(v.std(ddof=1)) / math.sqrt(len(v)) if len(v) > 1 else math.nan
     return float(v.mean()), h
 
 
 def paired_diff(a: dict, b: dict) -> tuple:
-    """Paired difference A - B over the seeds both have ({seed: value} each): (mean, half-width, n)."""
+    """Paired difference A - B over the seeds both have ({seed: value} each):
+    (mean, half-width, n)."""
     seeds = sorted(set(a) & set(b))
-    return (*mean_ci([a[s] - b[s] for s in seeds]), len(seeds)) if seeds else (math.nan, math.nan, 0)
+    return ((*mean_ci([a[s] - b[s] for s in seeds]), len(seeds)) if seeds
+            else (math.nan, math.nan, 0))
 
 
 def _pct(m: float, h: float, diff: bool = False) -> str:
-    """m ± h in %; a paired difference (`diff`) is signed, and starred where its interval excludes zero
-    (a star needs an interval: two seeds or more, some spread)."""
+    """m ± h in %; a paired difference (`diff`) is signed, and starred where its interval excludes
+    zero (a star needs an interval: two seeds or more, some spread)."""
     head = f"{100 * m:+.1f}" if diff else f"{100 * m:.1f}"
-    return (head if math.isnan(h) else f"{head} ± {100 * h:.1f}") + ("*" if diff and h > 0 and abs(m) > h else "")
+    return ((head if math.isnan(h) else f"{head} ± {100 * h:.1f}")
+            + ("*" if diff and h > 0 and abs(m) > h else ""))
 
 
 def results_table(rows: dict, label: str = "method") -> str:
-    """Markdown table in %: {name: {metric: value or [per-seed values]}} (a list: mean ± 95% t-interval half-width)."""
-    cols = list(dict.fromkeys(c for r in rows.values() for c in r))   # a column some row lacks is blank there
+    """Markdown table in %: {name: {metric: value or [per-seed values]}} (a
+    list: mean ± 95% t-interval half-width)."""
+    # a column some row lacks is blank there
+    cols = list(dict.fromkeys(c for r in rows.values() for c in r))
 
     def fmt(v):
         if v is None:
@@ -1045,20 +1158,23 @@ def results_table(rows: dict, label: str = "method") -> str:
             return _pct(*mean_ci(v))
         return f"{100 * v:.1f}"
 
-    lines = [[label, *cols], ["---"] * (len(cols) + 1)] + [[n] + [fmt(r.get(c)) for c in cols] for n, r in rows.items()]
+    lines = ([[label, *cols], ["---"] * (len(cols) + 1)]
+             + [[n] + [fmt(r.get(c)) for c in cols] for n, r in rows.items()])
     return "\n".join("| " + " | ".join(ln) + " |" for ln in lines)
 
 
 def summarize_runs(root: str, read_run, baseline=None) -> dict:
-    """Run folders under `root` that `read_run` reads (-> (group, seed, {metric: fraction}) or a list), grouped; prints
-    mean ± 95% t-interval per group and each group's paired difference against its baseline (a group, default the
-    first, or a function group -> group) on shared seeds (*: excludes 0). -> {group: {metric: {seed: value}}}"""
+    """Run folders under `root` that `read_run` reads (-> (group, seed, {metric: fraction}) or a
+    list), grouped; prints mean ± 95% t-interval per group and each group's paired difference
+    against its baseline (a group, default the first, or a function group -> group) on shared seeds
+    (*: excludes 0). -> {group: {metric: {seed: value}}}"""
     if not os.path.isdir(root):
         raise DataError(f"{root}: no such folder of runs")
     groups = {}
     for d in sorted(os.listdir(root)):
         runs = read_run(os.path.join(root, d)) if os.path.isdir(os.path.join(root, d)) else None
-        for name, seed, res in [runs] if isinstance(runs, tuple) else runs or []:   # one run or several
+        # one run or several
+        for name, seed, res in [runs] if isinstance(runs, tuple) else runs or []:
             for k, v in res.items():
                 groups.setdefault(name, {}).setdefault(k, {})[seed] = v
     if not groups:
@@ -1066,18 +1182,24 @@ def summarize_runs(root: str, read_run, baseline=None) -> dict:
     if not callable(baseline):      # one group every other is paired with, or a rule per group
         fixed = baseline or next(iter(groups))
         if fixed not in groups:
-            raise DataError(f"{root}: no runs of baseline {fixed!r} (methods: {', '.join(groups)})")
+            raise DataError(f"{root}: no runs of baseline {fixed!r} "
+                            f"(methods: {', '.join(groups)})")
         baseline = lambda name: fixed
-    tables = {}     # one table per kind of run (retrieval, captioning ...), told by its first metric;
-    for name, r in groups.items():      # a metric only some of its runs have is a column, blank where absent
+    # one table per kind of run (retrieval, captioning ...), told by its first metric;
+    # a metric only some of its runs have is a column, blank where absent
+    tables = {}
+    for name, r in groups.items():
         tables.setdefault(next(iter(r)), []).append(name)
     for names in tables.values():
         cols = list(dict.fromkeys(c for n in names for c in groups[n]))
         n_seeds = {n: len({s for v in groups[n].values() for s in v}) for n in names}
-        print(results_table({f"{n} ({n_seeds[n]})": {k: list(v.values()) for k, v in groups[n].items()}
-                             for n in names}, label="method (n seeds)"))
+        print(results_table(
+            {f"{n} ({n_seeds[n]})": {k: list(v.values()) for k, v in groups[n].items()}
+             for n in names},
+            label="method (n seeds)"))
         paired = {}
-        for name, base in ((n, baseline(n)) for n in names if baseline(n) in names and baseline(n) != n):
+        for name, base in ((n, baseline(n)) for n in names
+                           if baseline(n) in names and baseline(n) != n):
             a, b = groups[name], groups[base]
             d = {c: paired_diff(a[c], b[c]) for c in cols if c in a and c in b}
             paired[f"{name} - {base} ({max((k for *_, k in d.values()), default=0)})"] = {
