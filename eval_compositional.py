@@ -91,22 +91,26 @@ def _split(text):
 
 # OpenAI CLIP's 80 ImageNet prompt templates (CLIP repo, notebooks/Prompt_Engineering_for_ImageNet.ipynb)
 OPENAI_IMAGENET_TEMPLATES = _split("""
-a bad photo of a {}. | a photo of many {}. | a sculpture of a {}. | a photo of the hard to see {}. | a low resolution
-photo of the {}. | a rendering of a {}. | graffiti of a {}. | a bad photo of the {}. | a cropped photo of the {}. | a
-tattoo of a {}. | the embroidered {}. | a photo of a hard to see {}. | a bright photo of a {}. | a photo of a clean {}.
-| a photo of a dirty {}. | a dark photo of the {}. | a drawing of a {}. | a photo of my {}. | the plastic {}. | a photo
-of the cool {}. | a close-up photo of a {}. | a black and white photo of the {}. | a painting of the {}. | a painting
-of a {}. | a pixelated photo of the {}. | a sculpture of the {}. | a bright photo of the {}. | a cropped photo of a {}.
-| a plastic {}. | a photo of the dirty {}. | a jpeg corrupted photo of a {}. | a blurry photo of the {}. | a photo of
-the {}. | a good photo of the {}. | a rendering of the {}. | a {} in a video game. | a photo of one {}. | a doodle of a
-{}. | a close-up photo of the {}. | a photo of a {}. | the origami {}. | the {} in a video game. | a sketch of a {}. |
-a doodle of the {}. | a origami {}. | a low resolution photo of a {}. | the toy {}. | a rendition of the {}. | a photo
-of the clean {}. | a photo of a large {}. | a rendition of a {}. | a photo of a nice {}. | a photo of a weird {}. | a
-blurry photo of a {}. | a cartoon {}. | art of a {}. | a sketch of the {}. | a embroidered {}. | a pixelated photo of a
-{}. | itap of the {}. | a jpeg corrupted photo of the {}. | a good photo of a {}. | a plushie {}. | a photo of the nice
-{}. | a photo of the small {}. | a photo of the weird {}. | the cartoon {}. | art of the {}. | a drawing of the {}. | a
-photo of the large {}. | a black and white photo of a {}. | the plushie {}. | a dark photo of a {}. | itap of a {}. |
-graffiti of the {}. | a toy {}. | itap of my {}. | a photo of a cool {}. | a photo of a small {}. | a tattoo of the {}.
+a bad photo of a {}. | a photo of many {}. | a sculpture of a {}. | a photo of the hard to see {}. |
+a low resolution photo of the {}. | a rendering of a {}. | graffiti of a {}. | a bad photo of the
+{}. | a cropped photo of the {}. | a tattoo of a {}. | the embroidered {}. | a photo of a hard to
+see {}. | a bright photo of a {}. | a photo of a clean {}. | a photo of a dirty {}. | a dark photo
+of the {}. | a drawing of a {}. | a photo of my {}. | the plastic {}. | a photo of the cool {}. | a
+close-up photo of a {}. | a black and white photo of the {}. | a painting of the {}. | a painting of
+a {}. | a pixelated photo of the {}. | a sculpture of the {}. | a bright photo of the {}. | a
+cropped photo of a {}. | a plastic {}. | a photo of the dirty {}. | a jpeg corrupted photo of a {}.
+| a blurry photo of the {}. | a photo of the {}. | a good photo of the {}. | a rendering of the {}.
+| a {} in a video game. | a photo of one {}. | a doodle of a {}. | a close-up photo of the {}. | a
+photo of a {}. | the origami {}. | the {} in a video game. | a sketch of a {}. | a doodle of the {}.
+| a origami {}. | a low resolution photo of a {}. | the toy {}. | a rendition of the {}. | a photo
+of the clean {}. | a photo of a large {}. | a rendition of a {}. | a photo of a nice {}. | a photo
+of a weird {}. | a blurry photo of a {}. | a cartoon {}. | art of a {}. | a sketch of the {}. | a
+embroidered {}. | a pixelated photo of a {}. | itap of the {}. | a jpeg corrupted photo of the {}. |
+a good photo of a {}. | a plushie {}. | a photo of the nice {}. | a photo of the small {}. | a photo
+of the weird {}. | the cartoon {}. | art of the {}. | a drawing of the {}. | a photo of the large
+{}. | a black and white photo of a {}. | the plushie {}. | a dark photo of a {}. | itap of a {}. |
+graffiti of the {}. | a toy {}. | itap of my {}. | a photo of a cool {}. | a photo of a small {}. |
+a tattoo of the {}.
 """)
 # --templates NAME: a named set; --templates FILE: your own (one per line, with `{}`)
 TEMPLATES = {"clip8": ["a photo of a {}.", "a picture of a {}.", "a rendering of a {}.", "a drawing of a {}.",
@@ -1663,253 +1667,298 @@ WNID = re.compile(r"n\d{8}")
 
 # ImageNet-1k's 1000 WordNet IDs, sorted: the class order of torchvision's ImageNet and of a wnid-folder tree
 IMAGENET_WNIDS = _split("""
-n01440764 n01443537 n01484850 n01491361 n01494475 n01496331 n01498041 n01514668 n01514859 n01518878 n01530575 n01531178
-n01532829 n01534433 n01537544 n01558993 n01560419 n01580077 n01582220 n01592084 n01601694 n01608432 n01614925 n01616318
-n01622779 n01629819 n01630670 n01631663 n01632458 n01632777 n01641577 n01644373 n01644900 n01664065 n01665541 n01667114
-n01667778 n01669191 n01675722 n01677366 n01682714 n01685808 n01687978 n01688243 n01689811 n01692333 n01693334 n01694178
-n01695060 n01697457 n01698640 n01704323 n01728572 n01728920 n01729322 n01729977 n01734418 n01735189 n01737021 n01739381
-n01740131 n01742172 n01744401 n01748264 n01749939 n01751748 n01753488 n01755581 n01756291 n01768244 n01770081 n01770393
-n01773157 n01773549 n01773797 n01774384 n01774750 n01775062 n01776313 n01784675 n01795545 n01796340 n01797886 n01798484
-n01806143 n01806567 n01807496 n01817953 n01818515 n01819313 n01820546 n01824575 n01828970 n01829413 n01833805 n01843065
-n01843383 n01847000 n01855032 n01855672 n01860187 n01871265 n01872401 n01873310 n01877812 n01882714 n01883070 n01910747
-n01914609 n01917289 n01924916 n01930112 n01943899 n01944390 n01945685 n01950731 n01955084 n01968897 n01978287 n01978455
-n01980166 n01981276 n01983481 n01984695 n01985128 n01986214 n01990800 n02002556 n02002724 n02006656 n02007558 n02009229
-n02009912 n02011460 n02012849 n02013706 n02017213 n02018207 n02018795 n02025239 n02027492 n02028035 n02033041 n02037110
-n02051845 n02056570 n02058221 n02066245 n02071294 n02074367 n02077923 n02085620 n02085782 n02085936 n02086079 n02086240
-n02086646 n02086910 n02087046 n02087394 n02088094 n02088238 n02088364 n02088466 n02088632 n02089078 n02089867 n02089973
-n02090379 n02090622 n02090721 n02091032 n02091134 n02091244 n02091467 n02091635 n02091831 n02092002 n02092339 n02093256
-n02093428 n02093647 n02093754 n02093859 n02093991 n02094114 n02094258 n02094433 n02095314 n02095570 n02095889 n02096051
-n02096177 n02096294 n02096437 n02096585 n02097047 n02097130 n02097209 n02097298 n02097474 n02097658 n02098105 n02098286
-n02098413 n02099267 n02099429 n02099601 n02099712 n02099849 n02100236 n02100583 n02100735 n02100877 n02101006 n02101388
-n02101556 n02102040 n02102177 n02102318 n02102480 n02102973 n02104029 n02104365 n02105056 n02105162 n02105251 n02105412
-n02105505 n02105641 n02105855 n02106030 n02106166 n02106382 n02106550 n02106662 n02107142 n02107312 n02107574 n02107683
-n02107908 n02108000 n02108089 n02108422 n02108551 n02108915 n02109047 n02109525 n02109961 n02110063 n02110185 n02110341
-n02110627 n02110806 n02110958 n02111129 n02111277 n02111500 n02111889 n02112018 n02112137 n02112350 n02112706 n02113023
-n02113186 n02113624 n02113712 n02113799 n02113978 n02114367 n02114548 n02114712 n02114855 n02115641 n02115913 n02116738
-n02117135 n02119022 n02119789 n02120079 n02120505 n02123045 n02123159 n02123394 n02123597 n02124075 n02125311 n02127052
-n02128385 n02128757 n02128925 n02129165 n02129604 n02130308 n02132136 n02133161 n02134084 n02134418 n02137549 n02138441
-n02165105 n02165456 n02167151 n02168699 n02169497 n02172182 n02174001 n02177972 n02190166 n02206856 n02219486 n02226429
-n02229544 n02231487 n02233338 n02236044 n02256656 n02259212 n02264363 n02268443 n02268853 n02276258 n02277742 n02279972
-n02280649 n02281406 n02281787 n02317335 n02319095 n02321529 n02325366 n02326432 n02328150 n02342885 n02346627 n02356798
-n02361337 n02363005 n02364673 n02389026 n02391049 n02395406 n02396427 n02397096 n02398521 n02403003 n02408429 n02410509
-n02412080 n02415577 n02417914 n02422106 n02422699 n02423022 n02437312 n02437616 n02441942 n02442845 n02443114 n02443484
-n02444819 n02445715 n02447366 n02454379 n02457408 n02480495 n02480855 n02481823 n02483362 n02483708 n02484975 n02486261
-n02486410 n02487347 n02488291 n02488702 n02489166 n02490219 n02492035 n02492660 n02493509 n02493793 n02494079 n02497673
-n02500267 n02504013 n02504458 n02509815 n02510455 n02514041 n02526121 n02536864 n02606052 n02607072 n02640242 n02641379
-n02643566 n02655020 n02666196 n02667093 n02669723 n02672831 n02676566 n02687172 n02690373 n02692877 n02699494 n02701002
-n02704792 n02708093 n02727426 n02730930 n02747177 n02749479 n02769748 n02776631 n02777292 n02782093 n02783161 n02786058
-n02787622 n02788148 n02790996 n02791124 n02791270 n02793495 n02794156 n02795169 n02797295 n02799071 n02802426 n02804414
-n02804610 n02807133 n02808304 n02808440 n02814533 n02814860 n02815834 n02817516 n02823428 n02823750 n02825657 n02834397
-n02835271 n02837789 n02840245 n02841315 n02843684 n02859443 n02860847 n02865351 n02869837 n02870880 n02871525 n02877765
-n02879718 n02883205 n02892201 n02892767 n02894605 n02895154 n02906734 n02909870 n02910353 n02916936 n02917067 n02927161
-n02930766 n02939185 n02948072 n02950826 n02951358 n02951585 n02963159 n02965783 n02966193 n02966687 n02971356 n02974003
-n02977058 n02978881 n02979186 n02980441 n02981792 n02988304 n02992211 n02992529 n02999410 n03000134 n03000247 n03000684
-n03014705 n03016953 n03017168 n03018349 n03026506 n03028079 n03032252 n03041632 n03042490 n03045698 n03047690 n03062245
-n03063599 n03063689 n03065424 n03075370 n03085013 n03089624 n03095699 n03100240 n03109150 n03110669 n03124043 n03124170
-n03125729 n03126707 n03127747 n03127925 n03131574 n03133878 n03134739 n03141823 n03146219 n03160309 n03179701 n03180011
-n03187595 n03188531 n03196217 n03197337 n03201208 n03207743 n03207941 n03208938 n03216828 n03218198 n03220513 n03223299
-n03240683 n03249569 n03250847 n03255030 n03259280 n03271574 n03272010 n03272562 n03290653 n03291819 n03297495 n03314780
-n03325584 n03337140 n03344393 n03345487 n03347037 n03355925 n03372029 n03376595 n03379051 n03384352 n03388043 n03388183
-n03388549 n03393912 n03394916 n03400231 n03404251 n03417042 n03424325 n03425413 n03443371 n03444034 n03445777 n03445924
-n03447447 n03447721 n03450230 n03452741 n03457902 n03459775 n03461385 n03467068 n03476684 n03476991 n03478589 n03481172
-n03482405 n03483316 n03485407 n03485794 n03492542 n03494278 n03495258 n03496892 n03498962 n03527444 n03529860 n03530642
-n03532672 n03534580 n03535780 n03538406 n03544143 n03584254 n03584829 n03590841 n03594734 n03594945 n03595614 n03598930
-n03599486 n03602883 n03617480 n03623198 n03627232 n03630383 n03633091 n03637318 n03642806 n03649909 n03657121 n03658185
-n03661043 n03662601 n03666591 n03670208 n03673027 n03676483 n03680355 n03690938 n03691459 n03692522 n03697007 n03706229
-n03709823 n03710193 n03710637 n03710721 n03717622 n03720891 n03721384 n03724870 n03729826 n03733131 n03733281 n03733805
-n03742115 n03743016 n03759954 n03761084 n03763968 n03764736 n03769881 n03770439 n03770679 n03773504 n03775071 n03775546
-n03776460 n03777568 n03777754 n03781244 n03782006 n03785016 n03786901 n03787032 n03788195 n03788365 n03791053 n03792782
-n03792972 n03793489 n03794056 n03796401 n03803284 n03804744 n03814639 n03814906 n03825788 n03832673 n03837869 n03838899
-n03840681 n03841143 n03843555 n03854065 n03857828 n03866082 n03868242 n03868863 n03871628 n03873416 n03874293 n03874599
-n03876231 n03877472 n03877845 n03884397 n03887697 n03888257 n03888605 n03891251 n03891332 n03895866 n03899768 n03902125
-n03903868 n03908618 n03908714 n03916031 n03920288 n03924679 n03929660 n03929855 n03930313 n03930630 n03933933 n03935335
-n03937543 n03938244 n03942813 n03944341 n03947888 n03950228 n03954731 n03956157 n03958227 n03961711 n03967562 n03970156
-n03976467 n03976657 n03977966 n03980874 n03982430 n03983396 n03991062 n03992509 n03995372 n03998194 n04004767 n04005630
-n04008634 n04009552 n04019541 n04023962 n04026417 n04033901 n04033995 n04037443 n04039381 n04040759 n04041544 n04044716
-n04049303 n04065272 n04067472 n04069434 n04070727 n04074963 n04081281 n04086273 n04090263 n04099969 n04111531 n04116512
-n04118538 n04118776 n04120489 n04125021 n04127249 n04131690 n04133789 n04136333 n04141076 n04141327 n04141975 n04146614
-n04147183 n04149813 n04152593 n04153751 n04154565 n04162706 n04179913 n04192698 n04200800 n04201297 n04204238 n04204347
-n04208210 n04209133 n04209239 n04228054 n04229816 n04235860 n04238763 n04239074 n04243546 n04251144 n04252077 n04252225
-n04254120 n04254680 n04254777 n04258138 n04259630 n04263257 n04264628 n04265275 n04266014 n04270147 n04273569 n04275548
-n04277352 n04285008 n04286575 n04296562 n04310018 n04311004 n04311174 n04317175 n04325704 n04326547 n04328186 n04330267
-n04332243 n04335435 n04336792 n04344873 n04346328 n04347754 n04350905 n04355338 n04355933 n04356056 n04357314 n04366367
-n04367480 n04370456 n04371430 n04371774 n04372370 n04376876 n04380533 n04389033 n04392985 n04398044 n04399382 n04404412
-n04409515 n04417672 n04418357 n04423845 n04428191 n04429376 n04435653 n04442312 n04443257 n04447861 n04456115 n04458633
-n04461696 n04462240 n04465501 n04467665 n04476259 n04479046 n04482393 n04483307 n04485082 n04486054 n04487081 n04487394
-n04493381 n04501370 n04505470 n04507155 n04509417 n04515003 n04517823 n04522168 n04523525 n04525038 n04525305 n04532106
-n04532670 n04536866 n04540053 n04542943 n04548280 n04548362 n04550184 n04552348 n04553703 n04554684 n04557648 n04560804
-n04562935 n04579145 n04579432 n04584207 n04589890 n04590129 n04591157 n04591713 n04592741 n04596742 n04597913 n04599235
-n04604644 n04606251 n04612504 n04613696 n06359193 n06596364 n06785654 n06794110 n06874185 n07248320 n07565083 n07579787
-n07583066 n07584110 n07590611 n07613480 n07614500 n07615774 n07684084 n07693725 n07695742 n07697313 n07697537 n07711569
-n07714571 n07714990 n07715103 n07716358 n07716906 n07717410 n07717556 n07718472 n07718747 n07720875 n07730033 n07734744
-n07742313 n07745940 n07747607 n07749582 n07753113 n07753275 n07753592 n07754684 n07760859 n07768694 n07802026 n07831146
-n07836838 n07860988 n07871810 n07873807 n07875152 n07880968 n07892512 n07920052 n07930864 n07932039 n09193705 n09229709
-n09246464 n09256479 n09288635 n09332890 n09399592 n09421951 n09428293 n09468604 n09472597 n09835506 n10148035 n10565667
-n11879895 n11939491 n12057211 n12144580 n12267677 n12620546 n12768682 n12985857 n12998815 n13037406 n13040303 n13044778
-n13052670 n13054560 n13133613 n15075141
+n01440764 n01443537 n01484850 n01491361 n01494475 n01496331 n01498041 n01514668 n01514859 n01518878
+n01530575 n01531178 n01532829 n01534433 n01537544 n01558993 n01560419 n01580077 n01582220 n01592084
+n01601694 n01608432 n01614925 n01616318 n01622779 n01629819 n01630670 n01631663 n01632458 n01632777
+n01641577 n01644373 n01644900 n01664065 n01665541 n01667114 n01667778 n01669191 n01675722 n01677366
+n01682714 n01685808 n01687978 n01688243 n01689811 n01692333 n01693334 n01694178 n01695060 n01697457
+n01698640 n01704323 n01728572 n01728920 n01729322 n01729977 n01734418 n01735189 n01737021 n01739381
+n01740131 n01742172 n01744401 n01748264 n01749939 n01751748 n01753488 n01755581 n01756291 n01768244
+n01770081 n01770393 n01773157 n01773549 n01773797 n01774384 n01774750 n01775062 n01776313 n01784675
+n01795545 n01796340 n01797886 n01798484 n01806143 n01806567 n01807496 n01817953 n01818515 n01819313
+n01820546 n01824575 n01828970 n01829413 n01833805 n01843065 n01843383 n01847000 n01855032 n01855672
+n01860187 n01871265 n01872401 n01873310 n01877812 n01882714 n01883070 n01910747 n01914609 n01917289
+n01924916 n01930112 n01943899 n01944390 n01945685 n01950731 n01955084 n01968897 n01978287 n01978455
+n01980166 n01981276 n01983481 n01984695 n01985128 n01986214 n01990800 n02002556 n02002724 n02006656
+n02007558 n02009229 n02009912 n02011460 n02012849 n02013706 n02017213 n02018207 n02018795 n02025239
+n02027492 n02028035 n02033041 n02037110 n02051845 n02056570 n02058221 n02066245 n02071294 n02074367
+n02077923 n02085620 n02085782 n02085936 n02086079 n02086240 n02086646 n02086910 n02087046 n02087394
+n02088094 n02088238 n02088364 n02088466 n02088632 n02089078 n02089867 n02089973 n02090379 n02090622
+n02090721 n02091032 n02091134 n02091244 n02091467 n02091635 n02091831 n02092002 n02092339 n02093256
+n02093428 n02093647 n02093754 n02093859 n02093991 n02094114 n02094258 n02094433 n02095314 n02095570
+n02095889 n02096051 n02096177 n02096294 n02096437 n02096585 n02097047 n02097130 n02097209 n02097298
+n02097474 n02097658 n02098105 n02098286 n02098413 n02099267 n02099429 n02099601 n02099712 n02099849
+n02100236 n02100583 n02100735 n02100877 n02101006 n02101388 n02101556 n02102040 n02102177 n02102318
+n02102480 n02102973 n02104029 n02104365 n02105056 n02105162 n02105251 n02105412 n02105505 n02105641
+n02105855 n02106030 n02106166 n02106382 n02106550 n02106662 n02107142 n02107312 n02107574 n02107683
+n02107908 n02108000 n02108089 n02108422 n02108551 n02108915 n02109047 n02109525 n02109961 n02110063
+n02110185 n02110341 n02110627 n02110806 n02110958 n02111129 n02111277 n02111500 n02111889 n02112018
+n02112137 n02112350 n02112706 n02113023 n02113186 n02113624 n02113712 n02113799 n02113978 n02114367
+n02114548 n02114712 n02114855 n02115641 n02115913 n02116738 n02117135 n02119022 n02119789 n02120079
+n02120505 n02123045 n02123159 n02123394 n02123597 n02124075 n02125311 n02127052 n02128385 n02128757
+n02128925 n02129165 n02129604 n02130308 n02132136 n02133161 n02134084 n02134418 n02137549 n02138441
+n02165105 n02165456 n02167151 n02168699 n02169497 n02172182 n02174001 n02177972 n02190166 n02206856
+n02219486 n02226429 n02229544 n02231487 n02233338 n02236044 n02256656 n02259212 n02264363 n02268443
+n02268853 n02276258 n02277742 n02279972 n02280649 n02281406 n02281787 n02317335 n02319095 n02321529
+n02325366 n02326432 n02328150 n02342885 n02346627 n02356798 n02361337 n02363005 n02364673 n02389026
+n02391049 n02395406 n02396427 n02397096 n02398521 n02403003 n02408429 n02410509 n02412080 n02415577
+n02417914 n02422106 n02422699 n02423022 n02437312 n02437616 n02441942 n02442845 n02443114 n02443484
+n02444819 n02445715 n02447366 n02454379 n02457408 n02480495 n02480855 n02481823 n02483362 n02483708
+n02484975 n02486261 n02486410 n02487347 n02488291 n02488702 n02489166 n02490219 n02492035 n02492660
+n02493509 n02493793 n02494079 n02497673 n02500267 n02504013 n02504458 n02509815 n02510455 n02514041
+n02526121 n02536864 n02606052 n02607072 n02640242 n02641379 n02643566 n02655020 n02666196 n02667093
+n02669723 n02672831 n02676566 n02687172 n02690373 n02692877 n02699494 n02701002 n02704792 n02708093
+n02727426 n02730930 n02747177 n02749479 n02769748 n02776631 n02777292 n02782093 n02783161 n02786058
+n02787622 n02788148 n02790996 n02791124 n02791270 n02793495 n02794156 n02795169 n02797295 n02799071
+n02802426 n02804414 n02804610 n02807133 n02808304 n02808440 n02814533 n02814860 n02815834 n02817516
+n02823428 n02823750 n02825657 n02834397 n02835271 n02837789 n02840245 n02841315 n02843684 n02859443
+n02860847 n02865351 n02869837 n02870880 n02871525 n02877765 n02879718 n02883205 n02892201 n02892767
+n02894605 n02895154 n02906734 n02909870 n02910353 n02916936 n02917067 n02927161 n02930766 n02939185
+n02948072 n02950826 n02951358 n02951585 n02963159 n02965783 n02966193 n02966687 n02971356 n02974003
+n02977058 n02978881 n02979186 n02980441 n02981792 n02988304 n02992211 n02992529 n02999410 n03000134
+n03000247 n03000684 n03014705 n03016953 n03017168 n03018349 n03026506 n03028079 n03032252 n03041632
+n03042490 n03045698 n03047690 n03062245 n03063599 n03063689 n03065424 n03075370 n03085013 n03089624
+n03095699 n03100240 n03109150 n03110669 n03124043 n03124170 n03125729 n03126707 n03127747 n03127925
+n03131574 n03133878 n03134739 n03141823 n03146219 n03160309 n03179701 n03180011 n03187595 n03188531
+n03196217 n03197337 n03201208 n03207743 n03207941 n03208938 n03216828 n03218198 n03220513 n03223299
+n03240683 n03249569 n03250847 n03255030 n03259280 n03271574 n03272010 n03272562 n03290653 n03291819
+n03297495 n03314780 n03325584 n03337140 n03344393 n03345487 n03347037 n03355925 n03372029 n03376595
+n03379051 n03384352 n03388043 n03388183 n03388549 n03393912 n03394916 n03400231 n03404251 n03417042
+n03424325 n03425413 n03443371 n03444034 n03445777 n03445924 n03447447 n03447721 n03450230 n03452741
+n03457902 n03459775 n03461385 n03467068 n03476684 n03476991 n03478589 n03481172 n03482405 n03483316
+n03485407 n03485794 n03492542 n03494278 n03495258 n03496892 n03498962 n03527444 n03529860 n03530642
+n03532672 n03534580 n03535780 n03538406 n03544143 n03584254 n03584829 n03590841 n03594734 n03594945
+n03595614 n03598930 n03599486 n03602883 n03617480 n03623198 n03627232 n03630383 n03633091 n03637318
+n03642806 n03649909 n03657121 n03658185 n03661043 n03662601 n03666591 n03670208 n03673027 n03676483
+n03680355 n03690938 n03691459 n03692522 n03697007 n03706229 n03709823 n03710193 n03710637 n03710721
+n03717622 n03720891 n03721384 n03724870 n03729826 n03733131 n03733281 n03733805 n03742115 n03743016
+n03759954 n03761084 n03763968 n03764736 n03769881 n03770439 n03770679 n03773504 n03775071 n03775546
+n03776460 n03777568 n03777754 n03781244 n03782006 n03785016 n03786901 n03787032 n03788195 n03788365
+n03791053 n03792782 n03792972 n03793489 n03794056 n03796401 n03803284 n03804744 n03814639 n03814906
+n03825788 n03832673 n03837869 n03838899 n03840681 n03841143 n03843555 n03854065 n03857828 n03866082
+n03868242 n03868863 n03871628 n03873416 n03874293 n03874599 n03876231 n03877472 n03877845 n03884397
+n03887697 n03888257 n03888605 n03891251 n03891332 n03895866 n03899768 n03902125 n03903868 n03908618
+n03908714 n03916031 n03920288 n03924679 n03929660 n03929855 n03930313 n03930630 n03933933 n03935335
+n03937543 n03938244 n03942813 n03944341 n03947888 n03950228 n03954731 n03956157 n03958227 n03961711
+n03967562 n03970156 n03976467 n03976657 n03977966 n03980874 n03982430 n03983396 n03991062 n03992509
+n03995372 n03998194 n04004767 n04005630 n04008634 n04009552 n04019541 n04023962 n04026417 n04033901
+n04033995 n04037443 n04039381 n04040759 n04041544 n04044716 n04049303 n04065272 n04067472 n04069434
+n04070727 n04074963 n04081281 n04086273 n04090263 n04099969 n04111531 n04116512 n04118538 n04118776
+n04120489 n04125021 n04127249 n04131690 n04133789 n04136333 n04141076 n04141327 n04141975 n04146614
+n04147183 n04149813 n04152593 n04153751 n04154565 n04162706 n04179913 n04192698 n04200800 n04201297
+n04204238 n04204347 n04208210 n04209133 n04209239 n04228054 n04229816 n04235860 n04238763 n04239074
+n04243546 n04251144 n04252077 n04252225 n04254120 n04254680 n04254777 n04258138 n04259630 n04263257
+n04264628 n04265275 n04266014 n04270147 n04273569 n04275548 n04277352 n04285008 n04286575 n04296562
+n04310018 n04311004 n04311174 n04317175 n04325704 n04326547 n04328186 n04330267 n04332243 n04335435
+n04336792 n04344873 n04346328 n04347754 n04350905 n04355338 n04355933 n04356056 n04357314 n04366367
+n04367480 n04370456 n04371430 n04371774 n04372370 n04376876 n04380533 n04389033 n04392985 n04398044
+n04399382 n04404412 n04409515 n04417672 n04418357 n04423845 n04428191 n04429376 n04435653 n04442312
+n04443257 n04447861 n04456115 n04458633 n04461696 n04462240 n04465501 n04467665 n04476259 n04479046
+n04482393 n04483307 n04485082 n04486054 n04487081 n04487394 n04493381 n04501370 n04505470 n04507155
+n04509417 n04515003 n04517823 n04522168 n04523525 n04525038 n04525305 n04532106 n04532670 n04536866
+n04540053 n04542943 n04548280 n04548362 n04550184 n04552348 n04553703 n04554684 n04557648 n04560804
+n04562935 n04579145 n04579432 n04584207 n04589890 n04590129 n04591157 n04591713 n04592741 n04596742
+n04597913 n04599235 n04604644 n04606251 n04612504 n04613696 n06359193 n06596364 n06785654 n06794110
+n06874185 n07248320 n07565083 n07579787 n07583066 n07584110 n07590611 n07613480 n07614500 n07615774
+n07684084 n07693725 n07695742 n07697313 n07697537 n07711569 n07714571 n07714990 n07715103 n07716358
+n07716906 n07717410 n07717556 n07718472 n07718747 n07720875 n07730033 n07734744 n07742313 n07745940
+n07747607 n07749582 n07753113 n07753275 n07753592 n07754684 n07760859 n07768694 n07802026 n07831146
+n07836838 n07860988 n07871810 n07873807 n07875152 n07880968 n07892512 n07920052 n07930864 n07932039
+n09193705 n09229709 n09246464 n09256479 n09288635 n09332890 n09399592 n09421951 n09428293 n09468604
+n09472597 n09835506 n10148035 n10565667 n11879895 n11939491 n12057211 n12144580 n12267677 n12620546
+n12768682 n12985857 n12998815 n13037406 n13040303 n13044778 n13052670 n13054560 n13133613 n15075141
 """)
 
 # OpenAI CLIP's ImageNet class names, in IMAGENET_WNIDS order
 IMAGENET_CLASSNAMES = _split("""
-tench | goldfish | great white shark | tiger shark | hammerhead shark | electric ray | stingray | rooster | hen |
-ostrich | brambling | goldfinch | house finch | junco | indigo bunting | American robin | bulbul | jay | magpie |
-chickadee | American dipper | kite (bird of prey) | bald eagle | vulture | great grey owl | fire salamander | smooth
-newt | newt | spotted salamander | axolotl | American bullfrog | tree frog | tailed frog | loggerhead sea turtle |
-leatherback sea turtle | mud turtle | terrapin | box turtle | banded gecko | green iguana | Carolina anole | desert
-grassland whiptail lizard | agama | frilled-necked lizard | alligator lizard | Gila monster | European green lizard |
-chameleon | Komodo dragon | Nile crocodile | American alligator | triceratops | worm snake | ring-necked snake |
-eastern hog-nosed snake | smooth green snake | kingsnake | garter snake | water snake | vine snake | night snake | boa
-constrictor | African rock python | Indian cobra | green mamba | sea snake | Saharan horned viper | eastern diamondback
-rattlesnake | sidewinder rattlesnake | trilobite | harvestman | scorpion | yellow garden spider | barn spider |
-European garden spider | southern black widow | tarantula | wolf spider | tick | centipede | black grouse | ptarmigan |
-ruffed grouse | prairie grouse | peafowl | quail | partridge | african grey parrot | macaw | sulphur-crested cockatoo |
-lorikeet | coucal | bee eater | hornbill | hummingbird | jacamar | toucan | duck | red-breasted merganser | goose |
-black swan | tusker | echidna | platypus | wallaby | koala | wombat | jellyfish | sea anemone | brain coral | flatworm
-| nematode | conch | snail | slug | sea slug | chiton | chambered nautilus | Dungeness crab | rock crab | fiddler crab
-| red king crab | American lobster | spiny lobster | crayfish | hermit crab | isopod | white stork | black stork |
-spoonbill | flamingo | little blue heron | great egret | bittern bird | crane bird | limpkin | common gallinule |
-American coot | bustard | ruddy turnstone | dunlin | common redshank | dowitcher | oystercatcher | pelican | king
-penguin | albatross | grey whale | killer whale | dugong | sea lion | Chihuahua | Japanese Chin | Maltese | Pekingese |
-Shih Tzu | King Charles Spaniel | Papillon | toy terrier | Rhodesian Ridgeback | Afghan Hound | Basset Hound | Beagle |
-Bloodhound | Bluetick Coonhound | Black and Tan Coonhound | Treeing Walker Coonhound | English foxhound | Redbone
-Coonhound | borzoi | Irish Wolfhound | Italian Greyhound | Whippet | Ibizan Hound | Norwegian Elkhound | Otterhound |
-Saluki | Scottish Deerhound | Weimaraner | Staffordshire Bull Terrier | American Staffordshire Terrier | Bedlington
-Terrier | Border Terrier | Kerry Blue Terrier | Irish Terrier | Norfolk Terrier | Norwich Terrier | Yorkshire Terrier |
-Wire Fox Terrier | Lakeland Terrier | Sealyham Terrier | Airedale Terrier | Cairn Terrier | Australian Terrier | Dandie
-Dinmont Terrier | Boston Terrier | Miniature Schnauzer | Giant Schnauzer | Standard Schnauzer | Scottish Terrier |
-Tibetan Terrier | Australian Silky Terrier | Soft-coated Wheaten Terrier | West Highland White Terrier | Lhasa Apso |
-Flat-Coated Retriever | Curly-coated Retriever | Golden Retriever | Labrador Retriever | Chesapeake Bay Retriever |
-German Shorthaired Pointer | Vizsla | English Setter | Irish Setter | Gordon Setter | Brittany dog | Clumber Spaniel |
-English Springer Spaniel | Welsh Springer Spaniel | Cocker Spaniel | Sussex Spaniel | Irish Water Spaniel | Kuvasz |
-Schipperke | Groenendael dog | Malinois | Briard | Australian Kelpie | Komondor | Old English Sheepdog | Shetland
-Sheepdog | collie | Border Collie | Bouvier des Flandres dog | Rottweiler | German Shepherd Dog | Dobermann | Miniature
-Pinscher | Greater Swiss Mountain Dog | Bernese Mountain Dog | Appenzeller Sennenhund | Entlebucher Sennenhund | Boxer
-| Bullmastiff | Tibetan Mastiff | French Bulldog | Great Dane | St. Bernard | husky | Alaskan Malamute | Siberian Husky
-| Dalmatian | Affenpinscher | Basenji | pug | Leonberger | Newfoundland dog | Great Pyrenees dog | Samoyed | Pomeranian
-| Chow Chow | Keeshond | brussels griffon | Pembroke Welsh Corgi | Cardigan Welsh Corgi | Toy Poodle | Miniature Poodle
-| Standard Poodle | Mexican hairless dog (xoloitzcuintli) | grey wolf | Alaskan tundra wolf | red wolf or maned wolf |
-coyote | dingo | dhole | African wild dog | hyena | red fox | kit fox | Arctic fox | grey fox | tabby cat | tiger cat |
-Persian cat | Siamese cat | Egyptian Mau | cougar | lynx | leopard | snow leopard | jaguar | lion | tiger | cheetah |
-brown bear | American black bear | polar bear | sloth bear | mongoose | meerkat | tiger beetle | ladybug | ground
-beetle | longhorn beetle | leaf beetle | dung beetle | rhinoceros beetle | weevil | fly | bee | ant | grasshopper |
-cricket insect | stick insect | cockroach | praying mantis | cicada | leafhopper | lacewing | dragonfly | damselfly |
-red admiral butterfly | ringlet butterfly | monarch butterfly | small white butterfly | sulphur butterfly |
-gossamer-winged butterfly | starfish | sea urchin | sea cucumber | cottontail rabbit | hare | Angora rabbit | hamster |
-porcupine | fox squirrel | marmot | beaver | guinea pig | common sorrel horse | zebra | pig | wild boar | warthog |
-hippopotamus | ox | water buffalo | bison | ram (adult male sheep) | bighorn sheep | Alpine ibex | hartebeest | impala
-(antelope) | gazelle | arabian camel | llama | weasel | mink | European polecat | black-footed ferret | otter | skunk |
-badger | armadillo | three-toed sloth | orangutan | gorilla | chimpanzee | gibbon | siamang | guenon | patas monkey |
-baboon | macaque | langur | black-and-white colobus | proboscis monkey | marmoset | white-headed capuchin | howler
-monkey | titi monkey | Geoffroy's spider monkey | common squirrel monkey | ring-tailed lemur | indri | Asian elephant |
-African bush elephant | red panda | giant panda | snoek fish | eel | silver salmon | rock beauty fish | clownfish |
-sturgeon | gar fish | lionfish | pufferfish | abacus | abaya | academic gown | accordion | acoustic guitar | aircraft
-carrier | airliner | airship | altar | ambulance | amphibious vehicle | analog clock | apiary | apron | trash can |
-assault rifle | backpack | bakery | balance beam | balloon | ballpoint pen | Band-Aid | banjo | baluster / handrail |
-barbell | barber chair | barbershop | barn | barometer | barrel | wheelbarrow | baseball | basketball | bassinet |
-bassoon | swimming cap | bath towel | bathtub | station wagon | lighthouse | beaker | military hat (bearskin or shako)
-| beer bottle | beer glass | bell tower | baby bib | tandem bicycle | bikini | ring binder | binoculars | birdhouse |
-boathouse | bobsleigh | bolo tie | poke bonnet | bookcase | bookstore | bottle cap | hunting bow | bow tie | brass
-memorial plaque | bra | breakwater | breastplate | broom | bucket | buckle | bulletproof vest | high-speed train |
-butcher shop | taxicab | cauldron | candle | cannon | canoe | can opener | cardigan | car mirror | carousel | tool kit
-| cardboard box / carton | car wheel | automated teller machine | cassette | cassette player | castle | catamaran | CD
-player | cello | mobile phone | chain | chain-link fence | chain mail | chainsaw | storage chest | chiffonier | bell or
-wind chime | china cabinet | Christmas stocking | church | movie theater | cleaver | cliff dwelling | cloak | clogs |
-cocktail shaker | coffee mug | coffeemaker | spiral or coil | combination lock | computer keyboard | candy store |
-container ship | convertible | corkscrew | cornet | cowboy boot | cowboy hat | cradle | construction crane | crash
-helmet | crate | infant bed | Crock Pot | croquet ball | crutch | cuirass | dam | desk | desktop computer | rotary dial
-telephone | diaper | digital clock | digital watch | dining table | dishcloth | dishwasher | disc brake | dock | dog
-sled | dome | doormat | drilling rig | drum | drumstick | dumbbell | Dutch oven | electric fan | electric guitar |
-electric locomotive | entertainment center | envelope | espresso machine | face powder | feather boa | filing cabinet |
-fireboat | fire truck | fire screen | flagpole | flute | folding chair | football helmet | forklift | fountain |
-fountain pen | four-poster bed | freight car | French horn | frying pan | fur coat | garbage truck | gas mask or
-respirator | gas pump | goblet | go-kart | golf ball | golf cart | gondola | gong | gown | grand piano | greenhouse |
-radiator grille | grocery store | guillotine | hair clip | hair spray | half-track | hammer | hamper | hair dryer |
-hand-held computer | handkerchief | hard disk drive | harmonica | harp | combine harvester | hatchet | holster | home
-theater | honeycomb | hook | hoop skirt | gymnastic horizontal bar | horse-drawn vehicle | hourglass | iPod | clothes
-iron | carved pumpkin | jeans | jeep | T-shirt | jigsaw puzzle | rickshaw | joystick | kimono | knee pad | knot | lab
-coat | ladle | lampshade | laptop computer | lawn mower | lens cap | letter opener | library | lifeboat | lighter |
-limousine | ocean liner | lipstick | slip-on shoe | lotion | music speaker | loupe magnifying glass | sawmill |
-magnetic compass | messenger bag | mailbox | tights | one-piece bathing suit | manhole cover | maraca | marimba | mask
-| matchstick | maypole | maze | measuring cup | medicine cabinet | megalith | microphone | microwave oven | military
-uniform | milk can | minibus | miniskirt | minivan | missile | mitten | mixing bowl | mobile home | ford model t |
-modem | monastery | monitor | moped | mortar and pestle | graduation cap | mosque | mosquito net | vespa | mountain
-bike | tent | computer mouse | mousetrap | moving van | muzzle | metal nail | neck brace | necklace | baby pacifier |
-notebook computer | obelisk | oboe | ocarina | odometer | oil filter | pipe organ | oscilloscope | overskirt | bullock
-cart | oxygen mask | product packet / packaging | paddle | paddle wheel | padlock | paintbrush | pajamas | palace | pan
-flute | paper towel | parachute | parallel bars | park bench | parking meter | railroad car | patio | payphone |
-pedestal | pencil case | pencil sharpener | perfume | Petri dish | photocopier | plectrum | Pickelhaube | picket fence
-| pickup truck | pier | piggy bank | pill bottle | pillow | ping-pong ball | pinwheel | pirate ship | drink pitcher |
-block plane | planetarium | plastic bag | plate rack | farm plow | plunger | Polaroid camera | pole | police van |
-poncho | pool table | soda bottle | plant pot | potter's wheel | power drill | prayer rug | printer | prison | missile
-| projector | hockey puck | punching bag | purse | quill | quilt | race car | racket | radiator | radio | radio
-telescope | rain barrel | recreational vehicle | fishing casting reel | reflex camera | refrigerator | remote control |
-restaurant | revolver | rifle | rocking chair | rotisserie | eraser | rugby ball | ruler measuring stick | sneaker |
-safe | safety pin | salt shaker | sandal | sarong | saxophone | scabbard | weighing scale | school bus | schooner |
-scoreboard | CRT monitor | screw | screwdriver | seat belt | sewing machine | shield | shoe store | shoji screen / room
-divider | shopping basket | shopping cart | shovel | shower cap | shower curtain | ski | balaclava ski mask | sleeping
-bag | slide rule | sliding door | slot machine | snorkel | snowmobile | snowplow | soap dispenser | soccer ball | sock
-| solar thermal collector | sombrero | soup bowl | keyboard space bar | space heater | space shuttle | spatula |
-motorboat | spider web | spindle | sports car | spotlight | stage | steam locomotive | through arch bridge | steel drum
-| stethoscope | scarf | stone wall | stopwatch | stove | strainer | tram | stretcher | couch | stupa | submarine | suit
-| sundial | sunglasses | sunglasses | sunscreen | suspension bridge | mop | sweatshirt | swim trunks / shorts | swing |
-electrical switch | syringe | table lamp | tank | tape player | teapot | teddy bear | television | tennis ball |
-thatched roof | front curtain | thimble | threshing machine | throne | tile roof | toaster | tobacco shop | toilet seat
-| torch | totem pole | tow truck | toy store | tractor | semi-trailer truck | tray | trench coat | tricycle | trimaran
-| tripod | triumphal arch | trolleybus | trombone | hot tub | turnstile | typewriter keyboard | umbrella | unicycle |
-upright piano | vacuum cleaner | vase | vaulted or arched ceiling | velvet fabric | vending machine | vestment |
-viaduct | violin | volleyball | waffle iron | wall clock | wallet | wardrobe | military aircraft | sink | washing
-machine | water bottle | water jug | water tower | whiskey jug | whistle | hair wig | window screen | window shade |
-Windsor tie | wine bottle | airplane wing | wok | wooden spoon | wool | split-rail fence | shipwreck | sailboat | yurt
-| website | comic book | crossword | traffic or street sign | traffic light | dust jacket | menu | plate | guacamole |
-consomme | hot pot | trifle | ice cream | popsicle | baguette | bagel | pretzel | cheeseburger | hot dog | mashed
-potatoes | cabbage | broccoli | cauliflower | zucchini | spaghetti squash | acorn squash | butternut squash | cucumber
-| artichoke | bell pepper | cardoon | mushroom | Granny Smith apple | strawberry | orange | lemon | fig | pineapple |
-banana | jackfruit | cherimoya (custard apple) | pomegranate | hay | carbonara | chocolate syrup | dough | meatloaf |
-pizza | pot pie | burrito | red wine | espresso | tea cup | eggnog | mountain | bubble | cliff | coral reef | geyser |
-lakeshore | promontory | sandbar | beach | valley | volcano | baseball player | bridegroom | scuba diver | rapeseed |
-daisy | yellow lady's slipper | corn | acorn | rose hip | horse chestnut seed | coral fungus | agaric | gyromitra |
-stinkhorn mushroom | earth star fungus | hen of the woods mushroom | bolete | corn cob | toilet paper
+tench | goldfish | great white shark | tiger shark | hammerhead shark | electric ray | stingray |
+rooster | hen | ostrich | brambling | goldfinch | house finch | junco | indigo bunting | American
+robin | bulbul | jay | magpie | chickadee | American dipper | kite (bird of prey) | bald eagle |
+vulture | great grey owl | fire salamander | smooth newt | newt | spotted salamander | axolotl |
+American bullfrog | tree frog | tailed frog | loggerhead sea turtle | leatherback sea turtle | mud
+turtle | terrapin | box turtle | banded gecko | green iguana | Carolina anole | desert grassland
+whiptail lizard | agama | frilled-necked lizard | alligator lizard | Gila monster | European green
+lizard | chameleon | Komodo dragon | Nile crocodile | American alligator | triceratops | worm snake
+| ring-necked snake | eastern hog-nosed snake | smooth green snake | kingsnake | garter snake |
+water snake | vine snake | night snake | boa constrictor | African rock python | Indian cobra |
+green mamba | sea snake | Saharan horned viper | eastern diamondback rattlesnake | sidewinder
+rattlesnake | trilobite | harvestman | scorpion | yellow garden spider | barn spider | European
+garden spider | southern black widow | tarantula | wolf spider | tick | centipede | black grouse |
+ptarmigan | ruffed grouse | prairie grouse | peafowl | quail | partridge | african grey parrot |
+macaw | sulphur-crested cockatoo | lorikeet | coucal | bee eater | hornbill | hummingbird | jacamar
+| toucan | duck | red-breasted merganser | goose | black swan | tusker | echidna | platypus |
+wallaby | koala | wombat | jellyfish | sea anemone | brain coral | flatworm | nematode | conch |
+snail | slug | sea slug | chiton | chambered nautilus | Dungeness crab | rock crab | fiddler crab |
+red king crab | American lobster | spiny lobster | crayfish | hermit crab | isopod | white stork |
+black stork | spoonbill | flamingo | little blue heron | great egret | bittern bird | crane bird |
+limpkin | common gallinule | American coot | bustard | ruddy turnstone | dunlin | common redshank |
+dowitcher | oystercatcher | pelican | king penguin | albatross | grey whale | killer whale | dugong
+| sea lion | Chihuahua | Japanese Chin | Maltese | Pekingese | Shih Tzu | King Charles Spaniel |
+Papillon | toy terrier | Rhodesian Ridgeback | Afghan Hound | Basset Hound | Beagle | Bloodhound |
+Bluetick Coonhound | Black and Tan Coonhound | Treeing Walker Coonhound | English foxhound | Redbone
+Coonhound | borzoi | Irish Wolfhound | Italian Greyhound | Whippet | Ibizan Hound | Norwegian
+Elkhound | Otterhound | Saluki | Scottish Deerhound | Weimaraner | Staffordshire Bull Terrier |
+American Staffordshire Terrier | Bedlington Terrier | Border Terrier | Kerry Blue Terrier | Irish
+Terrier | Norfolk Terrier | Norwich Terrier | Yorkshire Terrier | Wire Fox Terrier | Lakeland
+Terrier | Sealyham Terrier | Airedale Terrier | Cairn Terrier | Australian Terrier | Dandie Dinmont
+Terrier | Boston Terrier | Miniature Schnauzer | Giant Schnauzer | Standard Schnauzer | Scottish
+Terrier | Tibetan Terrier | Australian Silky Terrier | Soft-coated Wheaten Terrier | West Highland
+White Terrier | Lhasa Apso | Flat-Coated Retriever | Curly-coated Retriever | Golden Retriever |
+Labrador Retriever | Chesapeake Bay Retriever | German Shorthaired Pointer | Vizsla | English Setter
+| Irish Setter | Gordon Setter | Brittany dog | Clumber Spaniel | English Springer Spaniel | Welsh
+Springer Spaniel | Cocker Spaniel | Sussex Spaniel | Irish Water Spaniel | Kuvasz | Schipperke |
+Groenendael dog | Malinois | Briard | Australian Kelpie | Komondor | Old English Sheepdog | Shetland
+Sheepdog | collie | Border Collie | Bouvier des Flandres dog | Rottweiler | German Shepherd Dog |
+Dobermann | Miniature Pinscher | Greater Swiss Mountain Dog | Bernese Mountain Dog | Appenzeller
+Sennenhund | Entlebucher Sennenhund | Boxer | Bullmastiff | Tibetan Mastiff | French Bulldog | Great
+Dane | St. Bernard | husky | Alaskan Malamute | Siberian Husky | Dalmatian | Affenpinscher | Basenji
+| pug | Leonberger | Newfoundland dog | Great Pyrenees dog | Samoyed | Pomeranian | Chow Chow |
+Keeshond | brussels griffon | Pembroke Welsh Corgi | Cardigan Welsh Corgi | Toy Poodle | Miniature
+Poodle | Standard Poodle | Mexican hairless dog (xoloitzcuintli) | grey wolf | Alaskan tundra wolf |
+red wolf or maned wolf | coyote | dingo | dhole | African wild dog | hyena | red fox | kit fox |
+Arctic fox | grey fox | tabby cat | tiger cat | Persian cat | Siamese cat | Egyptian Mau | cougar |
+lynx | leopard | snow leopard | jaguar | lion | tiger | cheetah | brown bear | American black bear |
+polar bear | sloth bear | mongoose | meerkat | tiger beetle | ladybug | ground beetle | longhorn
+beetle | leaf beetle | dung beetle | rhinoceros beetle | weevil | fly | bee | ant | grasshopper |
+cricket insect | stick insect | cockroach | praying mantis | cicada | leafhopper | lacewing |
+dragonfly | damselfly | red admiral butterfly | ringlet butterfly | monarch butterfly | small white
+butterfly | sulphur butterfly | gossamer-winged butterfly | starfish | sea urchin | sea cucumber |
+cottontail rabbit | hare | Angora rabbit | hamster | porcupine | fox squirrel | marmot | beaver |
+guinea pig | common sorrel horse | zebra | pig | wild boar | warthog | hippopotamus | ox | water
+buffalo | bison | ram (adult male sheep) | bighorn sheep | Alpine ibex | hartebeest | impala
+(antelope) | gazelle | arabian camel | llama | weasel | mink | European polecat | black-footed
+ferret | otter | skunk | badger | armadillo | three-toed sloth | orangutan | gorilla | chimpanzee |
+gibbon | siamang | guenon | patas monkey | baboon | macaque | langur | black-and-white colobus |
+proboscis monkey | marmoset | white-headed capuchin | howler monkey | titi monkey | Geoffroy's
+spider monkey | common squirrel monkey | ring-tailed lemur | indri | Asian elephant | African bush
+elephant | red panda | giant panda | snoek fish | eel | silver salmon | rock beauty fish | clownfish
+| sturgeon | gar fish | lionfish | pufferfish | abacus | abaya | academic gown | accordion |
+acoustic guitar | aircraft carrier | airliner | airship | altar | ambulance | amphibious vehicle |
+analog clock | apiary | apron | trash can | assault rifle | backpack | bakery | balance beam |
+balloon | ballpoint pen | Band-Aid | banjo | baluster / handrail | barbell | barber chair |
+barbershop | barn | barometer | barrel | wheelbarrow | baseball | basketball | bassinet | bassoon |
+swimming cap | bath towel | bathtub | station wagon | lighthouse | beaker | military hat (bearskin
+or shako) | beer bottle | beer glass | bell tower | baby bib | tandem bicycle | bikini | ring binder
+| binoculars | birdhouse | boathouse | bobsleigh | bolo tie | poke bonnet | bookcase | bookstore |
+bottle cap | hunting bow | bow tie | brass memorial plaque | bra | breakwater | breastplate | broom
+| bucket | buckle | bulletproof vest | high-speed train | butcher shop | taxicab | cauldron | candle
+| cannon | canoe | can opener | cardigan | car mirror | carousel | tool kit | cardboard box / carton
+| car wheel | automated teller machine | cassette | cassette player | castle | catamaran | CD player
+| cello | mobile phone | chain | chain-link fence | chain mail | chainsaw | storage chest |
+chiffonier | bell or wind chime | china cabinet | Christmas stocking | church | movie theater |
+cleaver | cliff dwelling | cloak | clogs | cocktail shaker | coffee mug | coffeemaker | spiral or
+coil | combination lock | computer keyboard | candy store | container ship | convertible | corkscrew
+| cornet | cowboy boot | cowboy hat | cradle | construction crane | crash helmet | crate | infant
+bed | Crock Pot | croquet ball | crutch | cuirass | dam | desk | desktop computer | rotary dial
+telephone | diaper | digital clock | digital watch | dining table | dishcloth | dishwasher | disc
+brake | dock | dog sled | dome | doormat | drilling rig | drum | drumstick | dumbbell | Dutch oven |
+electric fan | electric guitar | electric locomotive | entertainment center | envelope | espresso
+machine | face powder | feather boa | filing cabinet | fireboat | fire truck | fire screen |
+flagpole | flute | folding chair | football helmet | forklift | fountain | fountain pen |
+four-poster bed | freight car | French horn | frying pan | fur coat | garbage truck | gas mask or
+respirator | gas pump | goblet | go-kart | golf ball | golf cart | gondola | gong | gown | grand
+piano | greenhouse | radiator grille | grocery store | guillotine | hair clip | hair spray |
+half-track | hammer | hamper | hair dryer | hand-held computer | handkerchief | hard disk drive |
+harmonica | harp | combine harvester | hatchet | holster | home theater | honeycomb | hook | hoop
+skirt | gymnastic horizontal bar | horse-drawn vehicle | hourglass | iPod | clothes iron | carved
+pumpkin | jeans | jeep | T-shirt | jigsaw puzzle | rickshaw | joystick | kimono | knee pad | knot |
+lab coat | ladle | lampshade | laptop computer | lawn mower | lens cap | letter opener | library |
+lifeboat | lighter | limousine | ocean liner | lipstick | slip-on shoe | lotion | music speaker |
+loupe magnifying glass | sawmill | magnetic compass | messenger bag | mailbox | tights | one-piece
+bathing suit | manhole cover | maraca | marimba | mask | matchstick | maypole | maze | measuring cup
+| medicine cabinet | megalith | microphone | microwave oven | military uniform | milk can | minibus
+| miniskirt | minivan | missile | mitten | mixing bowl | mobile home | ford model t | modem |
+monastery | monitor | moped | mortar and pestle | graduation cap | mosque | mosquito net | vespa |
+mountain bike | tent | computer mouse | mousetrap | moving van | muzzle | metal nail | neck brace |
+necklace | baby pacifier | notebook computer | obelisk | oboe | ocarina | odometer | oil filter |
+pipe organ | oscilloscope | overskirt | bullock cart | oxygen mask | product packet / packaging |
+paddle | paddle wheel | padlock | paintbrush | pajamas | palace | pan flute | paper towel |
+parachute | parallel bars | park bench | parking meter | railroad car | patio | payphone | pedestal
+| pencil case | pencil sharpener | perfume | Petri dish | photocopier | plectrum | Pickelhaube |
+picket fence | pickup truck | pier | piggy bank | pill bottle | pillow | ping-pong ball | pinwheel |
+pirate ship | drink pitcher | block plane | planetarium | plastic bag | plate rack | farm plow |
+plunger | Polaroid camera | pole | police van | poncho | pool table | soda bottle | plant pot |
+potter's wheel | power drill | prayer rug | printer | prison | missile | projector | hockey puck |
+punching bag | purse | quill | quilt | race car | racket | radiator | radio | radio telescope | rain
+barrel | recreational vehicle | fishing casting reel | reflex camera | refrigerator | remote control
+| restaurant | revolver | rifle | rocking chair | rotisserie | eraser | rugby ball | ruler measuring
+stick | sneaker | safe | safety pin | salt shaker | sandal | sarong | saxophone | scabbard |
+weighing scale | school bus | schooner | scoreboard | CRT monitor | screw | screwdriver | seat belt
+| sewing machine | shield | shoe store | shoji screen / room divider | shopping basket | shopping
+cart | shovel | shower cap | shower curtain | ski | balaclava ski mask | sleeping bag | slide rule |
+sliding door | slot machine | snorkel | snowmobile | snowplow | soap dispenser | soccer ball | sock
+| solar thermal collector | sombrero | soup bowl | keyboard space bar | space heater | space shuttle
+| spatula | motorboat | spider web | spindle | sports car | spotlight | stage | steam locomotive |
+through arch bridge | steel drum | stethoscope | scarf | stone wall | stopwatch | stove | strainer |
+tram | stretcher | couch | stupa | submarine | suit | sundial | sunglasses | sunglasses | sunscreen
+| suspension bridge | mop | sweatshirt | swim trunks / shorts | swing | electrical switch | syringe
+| table lamp | tank | tape player | teapot | teddy bear | television | tennis ball | thatched roof |
+front curtain | thimble | threshing machine | throne | tile roof | toaster | tobacco shop | toilet
+seat | torch | totem pole | tow truck | toy store | tractor | semi-trailer truck | tray | trench
+coat | tricycle | trimaran | tripod | triumphal arch | trolleybus | trombone | hot tub | turnstile |
+typewriter keyboard | umbrella | unicycle | upright piano | vacuum cleaner | vase | vaulted or
+arched ceiling | velvet fabric | vending machine | vestment | viaduct | violin | volleyball | waffle
+iron | wall clock | wallet | wardrobe | military aircraft | sink | washing machine | water bottle |
+water jug | water tower | whiskey jug | whistle | hair wig | window screen | window shade | Windsor
+tie | wine bottle | airplane wing | wok | wooden spoon | wool | split-rail fence | shipwreck |
+sailboat | yurt | website | comic book | crossword | traffic or street sign | traffic light | dust
+jacket | menu | plate | guacamole | consomme | hot pot | trifle | ice cream | popsicle | baguette |
+bagel | pretzel | cheeseburger | hot dog | mashed potatoes | cabbage | broccoli | cauliflower |
+zucchini | spaghetti squash | acorn squash | butternut squash | cucumber | artichoke | bell pepper |
+cardoon | mushroom | Granny Smith apple | strawberry | orange | lemon | fig | pineapple | banana |
+jackfruit | cherimoya (custard apple) | pomegranate | hay | carbonara | chocolate syrup | dough |
+meatloaf | pizza | pot pie | burrito | red wine | espresso | tea cup | eggnog | mountain | bubble |
+cliff | coral reef | geyser | lakeshore | promontory | sandbar | beach | valley | volcano | baseball
+player | bridegroom | scuba diver | rapeseed | daisy | yellow lady's slipper | corn | acorn | rose
+hip | horse chestnut seed | coral fungus | agaric | gyromitra | stinkhorn mushroom | earth star
+fungus | hen of the woods mushroom | bolete | corn cob | toilet paper
 """)
 
 # the 200 classes of ImageNet-A and of ImageNet-R (Hendrycks et al.; the folders of their releases)
 IMAGENET_A_WNIDS = _split("""
-n01498041 n01531178 n01534433 n01558993 n01580077 n01614925 n01616318 n01631663 n01641577 n01669191 n01677366 n01687978
-n01694178 n01698640 n01735189 n01770081 n01770393 n01774750 n01784675 n01819313 n01820546 n01833805 n01843383 n01847000
-n01855672 n01882714 n01910747 n01914609 n01924916 n01944390 n01985128 n01986214 n02007558 n02009912 n02037110 n02051845
-n02077923 n02085620 n02099601 n02106550 n02106662 n02110958 n02119022 n02123394 n02127052 n02129165 n02133161 n02137549
-n02165456 n02174001 n02177972 n02190166 n02206856 n02219486 n02226429 n02231487 n02233338 n02236044 n02259212 n02268443
-n02279972 n02280649 n02281787 n02317335 n02325366 n02346627 n02356798 n02361337 n02410509 n02445715 n02454379 n02486410
-n02492035 n02504458 n02655020 n02669723 n02672831 n02676566 n02690373 n02701002 n02730930 n02777292 n02782093 n02787622
-n02793495 n02797295 n02802426 n02814860 n02815834 n02837789 n02879718 n02883205 n02895154 n02906734 n02948072 n02951358
-n02980441 n02992211 n02999410 n03014705 n03026506 n03124043 n03125729 n03187595 n03196217 n03223299 n03250847 n03255030
-n03291819 n03325584 n03355925 n03384352 n03388043 n03417042 n03443371 n03444034 n03445924 n03452741 n03483316 n03584829
-n03590841 n03594945 n03617480 n03666591 n03670208 n03717622 n03720891 n03721384 n03724870 n03775071 n03788195 n03804744
-n03837869 n03840681 n03854065 n03888257 n03891332 n03935335 n03982430 n04019541 n04033901 n04039381 n04067472 n04086273
-n04099969 n04118538 n04131690 n04133789 n04141076 n04146614 n04147183 n04179913 n04208210 n04235860 n04252077 n04252225
-n04254120 n04270147 n04275548 n04310018 n04317175 n04344873 n04347754 n04355338 n04366367 n04376876 n04389033 n04399382
-n04442312 n04456115 n04482393 n04507155 n04509417 n04532670 n04540053 n04554684 n04562935 n04591713 n04606251 n07583066
-n07695742 n07697313 n07697537 n07714990 n07718472 n07720875 n07734744 n07749582 n07753592 n07760859 n07768694 n07831146
-n09229709 n09246464 n09472597 n09835506 n11879895 n12057211 n12144580 n12267677
+n01498041 n01531178 n01534433 n01558993 n01580077 n01614925 n01616318 n01631663 n01641577 n01669191
+n01677366 n01687978 n01694178 n01698640 n01735189 n01770081 n01770393 n01774750 n01784675 n01819313
+n01820546 n01833805 n01843383 n01847000 n01855672 n01882714 n01910747 n01914609 n01924916 n01944390
+n01985128 n01986214 n02007558 n02009912 n02037110 n02051845 n02077923 n02085620 n02099601 n02106550
+n02106662 n02110958 n02119022 n02123394 n02127052 n02129165 n02133161 n02137549 n02165456 n02174001
+n02177972 n02190166 n02206856 n02219486 n02226429 n02231487 n02233338 n02236044 n02259212 n02268443
+n02279972 n02280649 n02281787 n02317335 n02325366 n02346627 n02356798 n02361337 n02410509 n02445715
+n02454379 n02486410 n02492035 n02504458 n02655020 n02669723 n02672831 n02676566 n02690373 n02701002
+n02730930 n02777292 n02782093 n02787622 n02793495 n02797295 n02802426 n02814860 n02815834 n02837789
+n02879718 n02883205 n02895154 n02906734 n02948072 n02951358 n02980441 n02992211 n02999410 n03014705
+n03026506 n03124043 n03125729 n03187595 n03196217 n03223299 n03250847 n03255030 n03291819 n03325584
+n03355925 n03384352 n03388043 n03417042 n03443371 n03444034 n03445924 n03452741 n03483316 n03584829
+n03590841 n03594945 n03617480 n03666591 n03670208 n03717622 n03720891 n03721384 n03724870 n03775071
+n03788195 n03804744 n03837869 n03840681 n03854065 n03888257 n03891332 n03935335 n03982430 n04019541
+n04033901 n04039381 n04067472 n04086273 n04099969 n04118538 n04131690 n04133789 n04141076 n04146614
+n04147183 n04179913 n04208210 n04235860 n04252077 n04252225 n04254120 n04270147 n04275548 n04310018
+n04317175 n04344873 n04347754 n04355338 n04366367 n04376876 n04389033 n04399382 n04442312 n04456115
+n04482393 n04507155 n04509417 n04532670 n04540053 n04554684 n04562935 n04591713 n04606251 n07583066
+n07695742 n07697313 n07697537 n07714990 n07718472 n07720875 n07734744 n07749582 n07753592 n07760859
+n07768694 n07831146 n09229709 n09246464 n09472597 n09835506 n11879895 n12057211 n12144580 n12267677
 """)
 
 IMAGENET_R_WNIDS = _split("""
-n01443537 n01484850 n01494475 n01498041 n01514859 n01518878 n01531178 n01534433 n01614925 n01616318 n01630670 n01632777
-n01644373 n01677366 n01694178 n01748264 n01770393 n01774750 n01784675 n01806143 n01820546 n01833805 n01843383 n01847000
-n01855672 n01860187 n01882714 n01910747 n01944390 n01983481 n01986214 n02007558 n02009912 n02051845 n02056570 n02066245
-n02071294 n02077923 n02085620 n02086240 n02088094 n02088238 n02088364 n02088466 n02091032 n02091134 n02092339 n02094433
-n02096585 n02097298 n02098286 n02099601 n02099712 n02102318 n02106030 n02106166 n02106550 n02106662 n02108089 n02108915
-n02109525 n02110185 n02110341 n02110958 n02112018 n02112137 n02113023 n02113624 n02113799 n02114367 n02117135 n02119022
-n02123045 n02128385 n02128757 n02129165 n02129604 n02130308 n02134084 n02138441 n02165456 n02190166 n02206856 n02219486
-n02226429 n02233338 n02236044 n02268443 n02279972 n02317335 n02325366 n02346627 n02356798 n02363005 n02364673 n02391049
-n02395406 n02398521 n02410509 n02423022 n02437616 n02445715 n02447366 n02480495 n02480855 n02481823 n02483362 n02486410
-n02510455 n02526121 n02607072 n02655020 n02672831 n02701002 n02749479 n02769748 n02793495 n02797295 n02802426 n02808440
-n02814860 n02823750 n02841315 n02843684 n02883205 n02906734 n02909870 n02939185 n02948072 n02950826 n02951358 n02966193
-n02980441 n02992529 n03124170 n03272010 n03345487 n03372029 n03424325 n03452741 n03467068 n03481172 n03494278 n03495258
-n03498962 n03594945 n03602883 n03630383 n03649909 n03676483 n03710193 n03773504 n03775071 n03888257 n03930630 n03947888
-n04086273 n04118538 n04133789 n04141076 n04146614 n04147183 n04192698 n04254680 n04266014 n04275548 n04310018 n04325704
-n04347754 n04389033 n04409515 n04465501 n04487394 n04522168 n04536866 n04552348 n04591713 n07614500 n07693725 n07695742
-n07697313 n07697537 n07714571 n07714990 n07718472 n07720875 n07734744 n07742313 n07745940 n07749582 n07753275 n07753592
-n07768694 n07873807 n07880968 n07920052 n09472597 n09835506 n10565667 n12267677
+n01443537 n01484850 n01494475 n01498041 n01514859 n01518878 n01531178 n01534433 n01614925 n01616318
+n01630670 n01632777 n01644373 n01677366 n01694178 n01748264 n01770393 n01774750 n01784675 n01806143
+n01820546 n01833805 n01843383 n01847000 n01855672 n01860187 n01882714 n01910747 n01944390 n01983481
+n01986214 n02007558 n02009912 n02051845 n02056570 n02066245 n02071294 n02077923 n02085620 n02086240
+n02088094 n02088238 n02088364 n02088466 n02091032 n02091134 n02092339 n02094433 n02096585 n02097298
+n02098286 n02099601 n02099712 n02102318 n02106030 n02106166 n02106550 n02106662 n02108089 n02108915
+n02109525 n02110185 n02110341 n02110958 n02112018 n02112137 n02113023 n02113624 n02113799 n02114367
+n02117135 n02119022 n02123045 n02128385 n02128757 n02129165 n02129604 n02130308 n02134084 n02138441
+n02165456 n02190166 n02206856 n02219486 n02226429 n02233338 n02236044 n02268443 n02279972 n02317335
+n02325366 n02346627 n02356798 n02363005 n02364673 n02391049 n02395406 n02398521 n02410509 n02423022
+n02437616 n02445715 n02447366 n02480495 n02480855 n02481823 n02483362 n02486410 n02510455 n02526121
+n02607072 n02655020 n02672831 n02701002 n02749479 n02769748 n02793495 n02797295 n02802426 n02808440
+n02814860 n02823750 n02841315 n02843684 n02883205 n02906734 n02909870 n02939185 n02948072 n02950826
+n02951358 n02966193 n02980441 n02992529 n03124170 n03272010 n03345487 n03372029 n03424325 n03452741
+n03467068 n03481172 n03494278 n03495258 n03498962 n03594945 n03602883 n03630383 n03649909 n03676483
+n03710193 n03773504 n03775071 n03888257 n03930630 n03947888 n04086273 n04118538 n04133789 n04141076
+n04146614 n04147183 n04192698 n04254680 n04266014 n04275548 n04310018 n04325704 n04347754 n04389033
+n04409515 n04465501 n04487394 n04522168 n04536866 n04552348 n04591713 n07614500 n07693725 n07695742
+n07697313 n07697537 n07714571 n07714990 n07718472 n07720875 n07734744 n07742313 n07745940 n07749582
+n07753275 n07753592 n07768694 n07873807 n07880968 n07920052 n09472597 n09835506 n10565667 n12267677
 """)
 
 # CIFAR's batches.meta / meta label names as written: CLIP_benchmark prompts with torchvision's
@@ -1917,13 +1966,14 @@ n07768694 n07873807 n07880968 n07920052 n09472597 n09835506 n10565667 n12267677
 CIFAR10_CLASSNAMES = _split("airplane automobile bird cat deer dog frog horse ship truck")
 
 CIFAR100_CLASSNAMES = _split("""
-apple aquarium_fish baby bear beaver bed bee beetle bicycle bottle bowl boy bridge bus butterfly camel can castle
-caterpillar cattle chair chimpanzee clock cloud cockroach couch crab crocodile cup dinosaur dolphin elephant flatfish
-forest fox girl hamster house kangaroo keyboard lamp lawn_mower leopard lion lizard lobster man maple_tree motorcycle
-mountain mouse mushroom oak_tree orange orchid otter palm_tree pear pickup_truck pine_tree plain plate poppy porcupine
-possum rabbit raccoon ray road rocket rose sea seal shark shrew skunk skyscraper snail snake spider squirrel streetcar
-sunflower sweet_pepper table tank telephone television tiger tractor train trout tulip turtle wardrobe whale
-willow_tree wolf woman worm
+apple aquarium_fish baby bear beaver bed bee beetle bicycle bottle bowl boy bridge bus butterfly
+camel can castle caterpillar cattle chair chimpanzee clock cloud cockroach couch crab crocodile cup
+dinosaur dolphin elephant flatfish forest fox girl hamster house kangaroo keyboard lamp lawn_mower
+leopard lion lizard lobster man maple_tree motorcycle mountain mouse mushroom oak_tree orange orchid
+otter palm_tree pear pickup_truck pine_tree plain plate poppy porcupine possum rabbit raccoon ray
+road rocket rose sea seal shark shrew skunk skyscraper snail snake spider squirrel streetcar
+sunflower sweet_pepper table tank telephone television tiger tractor train trout tulip turtle
+wardrobe whale willow_tree wolf woman worm
 """)
 
 STL10_CLASSNAMES = _split("airplane bird car cat deer dog horse monkey ship truck")  # class_names.txt
@@ -1932,14 +1982,16 @@ VOC2007_CLASSNAMES = _split("aeroplane bicycle bird boat bottle bus car cat chai
 
 # Caltech101's 102 category folders, sorted; CLIP_benchmark renames some
 CALTECH101_FOLDERS = _split("""
-BACKGROUND_Google Faces Faces_easy Leopards Motorbikes accordion airplanes anchor ant barrel bass beaver binocular
-bonsai brain brontosaurus buddha butterfly camera cannon car_side ceiling_fan cellphone chair chandelier cougar_body
-cougar_face crab crayfish crocodile crocodile_head cup dalmatian dollar_bill dolphin dragonfly electric_guitar elephant
-emu euphonium ewer ferry flamingo flamingo_head garfield gerenuk gramophone grand_piano hawksbill headphone hedgehog
-helicopter ibis inline_skate joshua_tree kangaroo ketch lamp laptop llama lobster lotus mandolin mayfly menorah
-metronome minaret nautilus octopus okapi pagoda panda pigeon pizza platypus pyramid revolver rhino rooster saxophone
-schooner scissors scorpion sea_horse snoopy soccer_ball stapler starfish stegosaurus stop_sign strawberry sunflower
-tick trilobite umbrella watch water_lilly wheelchair wild_cat windsor_chair wrench yin_yang
+BACKGROUND_Google Faces Faces_easy Leopards Motorbikes accordion airplanes anchor ant barrel bass
+beaver binocular bonsai brain brontosaurus buddha butterfly camera cannon car_side ceiling_fan
+cellphone chair chandelier cougar_body cougar_face crab crayfish crocodile crocodile_head cup
+dalmatian dollar_bill dolphin dragonfly electric_guitar elephant emu euphonium ewer ferry flamingo
+flamingo_head garfield gerenuk gramophone grand_piano hawksbill headphone hedgehog helicopter ibis
+inline_skate joshua_tree kangaroo ketch lamp laptop llama lobster lotus mandolin mayfly menorah
+metronome minaret nautilus octopus okapi pagoda panda pigeon pizza platypus pyramid revolver rhino
+rooster saxophone schooner scissors scorpion sea_horse snoopy soccer_ball stapler starfish
+stegosaurus stop_sign strawberry sunflower tick trilobite umbrella watch water_lilly wheelchair
+wild_cat windsor_chair wrench yin_yang
 """)
 
 CALTECH101_RENAMED = {"BACKGROUND_Google": "background",
@@ -1958,64 +2010,71 @@ CALTECH101_RENAMED = {"BACKGROUND_Google": "background",
 
 # Oxford-IIIT Pet's 37 breeds, class ids 1-37 in order
 PETS = _split("""
-Abyssinian | American Bulldog | American Pit Bull Terrier | Basset Hound | Beagle | Bengal | Birman | Bombay | Boxer |
-British Shorthair | Chihuahua | Egyptian Mau | English Cocker Spaniel | English Setter | German Shorthaired | Great
-Pyrenees | Havanese | Japanese Chin | Keeshond | Leonberger | Maine Coon | Miniature Pinscher | Newfoundland | Persian
-| Pomeranian | Pug | Ragdoll | Russian Blue | Saint Bernard | Samoyed | Scottish Terrier | Shiba Inu | Siamese | Sphynx
-| Staffordshire Bull Terrier | Wheaten Terrier | Yorkshire Terrier
+Abyssinian | American Bulldog | American Pit Bull Terrier | Basset Hound | Beagle | Bengal | Birman
+| Bombay | Boxer | British Shorthair | Chihuahua | Egyptian Mau | English Cocker Spaniel | English
+Setter | German Shorthaired | Great Pyrenees | Havanese | Japanese Chin | Keeshond | Leonberger |
+Maine Coon | Miniature Pinscher | Newfoundland | Persian | Pomeranian | Pug | Ragdoll | Russian Blue
+| Saint Bernard | Samoyed | Scottish Terrier | Shiba Inu | Siamese | Sphynx | Staffordshire Bull
+Terrier | Wheaten Terrier | Yorkshire Terrier
 """)
 
 # Oxford Flowers102's names, labels 1-102 in order
 FLOWERS = _split("""
-pink primrose | hard-leaved pocket orchid | canterbury bells | sweet pea | english marigold | tiger lily | moon orchid
-| bird of paradise | monkshood | globe thistle | snapdragon | colt's foot | king protea | spear thistle | yellow iris |
-globe flower | purple coneflower | peruvian lily | balloon flower | giant white arum lily | fire lily | pincushion
-flower | fritillary | red ginger | grape hyacinth | corn poppy | prince of wales feathers | stemless gentian |
-artichoke | sweet william | carnation | garden phlox | love in the mist | mexican aster | alpine sea holly |
-ruby-lipped cattleya | cape flower | great masterwort | siam tulip | lenten rose | barbeton daisy | daffodil | sword
-lily | poinsettia | bolero deep blue | wallflower | marigold | buttercup | oxeye daisy | common dandelion | petunia |
-wild pansy | primula | sunflower | pelargonium | bishop of llandaff | gaura | geranium | orange dahlia | pink and
-yellow dahlia | cautleya spicata | japanese anemone | black-eyed susan | silverbush | californian poppy | osteospermum
-| spring crocus | bearded iris | windflower | tree poppy | gazania | azalea | water lily | rose | thorn apple | morning
-glory | passion flower | lotus | toad lily | anthurium | frangipani | clematis | hibiscus | columbine | desert-rose |
-tree mallow | magnolia | cyclamen | watercress | canna lily | hippeastrum | bee balm | air plant | foxglove |
-bougainvillea | camellia | mallow | mexican petunia | bromelia | blanket flower | trumpet creeper | blackberry lily
+pink primrose | hard-leaved pocket orchid | canterbury bells | sweet pea | english marigold | tiger
+lily | moon orchid | bird of paradise | monkshood | globe thistle | snapdragon | colt's foot | king
+protea | spear thistle | yellow iris | globe flower | purple coneflower | peruvian lily | balloon
+flower | giant white arum lily | fire lily | pincushion flower | fritillary | red ginger | grape
+hyacinth | corn poppy | prince of wales feathers | stemless gentian | artichoke | sweet william |
+carnation | garden phlox | love in the mist | mexican aster | alpine sea holly | ruby-lipped
+cattleya | cape flower | great masterwort | siam tulip | lenten rose | barbeton daisy | daffodil |
+sword lily | poinsettia | bolero deep blue | wallflower | marigold | buttercup | oxeye daisy |
+common dandelion | petunia | wild pansy | primula | sunflower | pelargonium | bishop of llandaff |
+gaura | geranium | orange dahlia | pink and yellow dahlia | cautleya spicata | japanese anemone |
+black-eyed susan | silverbush | californian poppy | osteospermum | spring crocus | bearded iris |
+windflower | tree poppy | gazania | azalea | water lily | rose | thorn apple | morning glory |
+passion flower | lotus | toad lily | anthurium | frangipani | clematis | hibiscus | columbine |
+desert-rose | tree mallow | magnolia | cyclamen | watercress | canna lily | hippeastrum | bee balm |
+air plant | foxglove | bougainvillea | camellia | mallow | mexican petunia | bromelia | blanket
+flower | trumpet creeper | blackberry lily
 """)
 
 # NWPU-RESISC45's 45 class folders
 RESISC45_FOLDERS = _split("""
-airplane airport baseball_diamond basketball_court beach bridge chaparral church circular_farmland cloud
-commercial_area dense_residential desert forest freeway golf_course ground_track_field harbor industrial_area
-intersection island lake meadow medium_residential mobile_home_park mountain overpass palace parking_lot railway
-railway_station rectangular_farmland river roundabout runway sea_ice ship snowberg sparse_residential stadium
-storage_tank tennis_court terrace thermal_power_station wetland
+airplane airport baseball_diamond basketball_court beach bridge chaparral church circular_farmland
+cloud commercial_area dense_residential desert forest freeway golf_course ground_track_field harbor
+industrial_area intersection island lake meadow medium_residential mobile_home_park mountain
+overpass palace parking_lot railway railway_station rectangular_farmland river roundabout runway
+sea_ice ship snowberg sparse_residential stadium storage_tank tennis_court terrace
+thermal_power_station wetland
 """)
 
 CLEVR_COUNT = _split("three four five six seven eight nine ten")  # objects in the scene, 3-10
 SMALLNORB_AZIMUTH = [str(i) for i in range(18)]  # TFDS names its 18 azimuth classes by number
 # DMLab: {nearby, far, very far} x {apple/melon (reward), lemon (penalty)}
 DMLAB = _split("""
-nearby apple/melon | far apple/melon | very far apple/melon | nearby lemon | far lemon | very far lemon
+nearby apple/melon | far apple/melon | very far apple/melon | nearby lemon | far lemon | very far
+lemon
 """)
 
 # CLIP_benchmark's templates for CIFAR-10 and CIFAR-100
 CIFAR_TEMPLATES = _split("""
-a photo of a {}. | a blurry photo of a {}. | a black and white photo of a {}. | a low contrast photo of a {}. | a high
-contrast photo of a {}. | a bad photo of a {}. | a good photo of a {}. | a photo of a small {}. | a photo of a big {}.
-| a photo of the {}. | a blurry photo of the {}. | a black and white photo of the {}. | a low contrast photo of the {}.
-| a high contrast photo of the {}. | a bad photo of the {}. | a good photo of the {}. | a photo of the small {}. | a
-photo of the big {}.
+a photo of a {}. | a blurry photo of a {}. | a black and white photo of a {}. | a low contrast photo
+of a {}. | a high contrast photo of a {}. | a bad photo of a {}. | a good photo of a {}. | a photo
+of a small {}. | a photo of a big {}. | a photo of the {}. | a blurry photo of the {}. | a black and
+white photo of the {}. | a low contrast photo of the {}. | a high contrast photo of the {}. | a bad
+photo of the {}. | a good photo of the {}. | a photo of the small {}. | a photo of the big {}.
 """)
 
 A_THE_TEMPLATES = ["a photo of a {}.", "a photo of the {}."]  # STL-10, SUN397; VOC2007 the first
 
 CALTECH101_TEMPLATES = _split("""
-a photo of a {}. | a painting of a {}. | a plastic {}. | a sculpture of a {}. | a sketch of a {}. | a tattoo of a {}. |
-a toy {}. | a rendition of a {}. | a embroidered {}. | a cartoon {}. | a {} in a video game. | a plushie {}. | a
-origami {}. | art of a {}. | graffiti of a {}. | a drawing of a {}. | a doodle of a {}. | a photo of the {}. | a
-painting of the {}. | the plastic {}. | a sculpture of the {}. | a sketch of the {}. | a tattoo of the {}. | the toy
-{}. | a rendition of the {}. | the embroidered {}. | the cartoon {}. | the {} in a video game. | the plushie {}. | the
-origami {}. | art of the {}. | graffiti of the {}. | a drawing of the {}. | a doodle of the {}.
+a photo of a {}. | a painting of a {}. | a plastic {}. | a sculpture of a {}. | a sketch of a {}. |
+a tattoo of a {}. | a toy {}. | a rendition of a {}. | a embroidered {}. | a cartoon {}. | a {} in a
+video game. | a plushie {}. | a origami {}. | art of a {}. | graffiti of a {}. | a drawing of a {}.
+| a doodle of a {}. | a photo of the {}. | a painting of the {}. | the plastic {}. | a sculpture of
+the {}. | a sketch of the {}. | a tattoo of the {}. | the toy {}. | a rendition of the {}. | the
+embroidered {}. | the cartoon {}. | the {} in a video game. | the plushie {}. | the origami {}. |
+art of the {}. | graffiti of the {}. | a drawing of the {}. | a doodle of the {}.
 """)
 
 
