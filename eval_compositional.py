@@ -1,7 +1,7 @@
 """
-Evaluate an il_clip.py / mm_learngene.py checkpoint (or a fork's: the model is built by the script its
-config.json records, --script overrides) on compositional and recognition benchmarks, and run the analysis
-probes of the IL-CLIP paper (section 4.4).
+Evaluate an il_clip.py / mm_learngene.py checkpoint (or a fork's: the model is built by the script
+its config.json records, --script overrides) on compositional and recognition benchmarks, and run
+the analysis probes of the IL-CLIP paper (section 4.4).
 
     python eval_compositional.py --ckpt out/il                       # built-in shapes benchmark
     python eval_compositional.py --ckpt out/il --benchmarks all \
@@ -11,39 +11,45 @@ probes of the IL-CLIP paper (section 4.4).
     python -c "import eval_compositional as ev; ev.summarize_runs('out/study/confirm', baseline='il')"
 
 Benchmarks (--benchmarks a,b,...; default `shapes`; `all` = every one below):
-  shapes        the built-in benchmark of data.py: 7 SugarCrepe categories (pair accuracy) + systematicity /
-                productivity (R@1 among positive + hard negatives). No files.
-  sugarcrepe    --sugarcrepe DIR ({subset}.json x 7) --sugarcrepe_images DIR (COCO val2017); per subset, Table 1's
-                add / replace / swap means, and sugarcrepe_mean (the mean of the 7)
-  crepe         --crepe DIR (the released CSVs, searched recursively) --crepe_images DIR (Visual Genome: VG_100K/,
-                VG_100K_2/; the CSV's image_path when present); per file, and per productivity type (atom,
-                negate, swap) the mean over complexities 4-12
+  shapes        the built-in benchmark of data.py: 7 SugarCrepe categories (pair accuracy) +
+                systematicity / productivity (R@1 among positive + hard negatives). No files.
+  sugarcrepe    --sugarcrepe DIR ({subset}.json x 7) --sugarcrepe_images DIR (COCO val2017); per
+                subset, Table 1's add / replace / swap means, and sugarcrepe_mean (the mean of
+                the 7)
+  crepe         --crepe DIR (the released CSVs, searched recursively) --crepe_images DIR (Visual
+                Genome: VG_100K/, VG_100K_2/; the CSV's image_path when present); per file, and per
+                productivity type (atom, negate, swap) the mean over complexities 4-12
   cola          --cola FILE (JSON list of [img1, cap1, img2, cap2]) --cola_images DIR
   winoground    --winoground DIR (examples.jsonl + images/ or images.zip, at DIR or DIR/data)
-  zeroshot      --zeroshot DIR|shapes (ImageFolder; WordNet-ID folders get ImageNet's names) [--classnames F]
-                [--templates NAME|F]: top-1, top-5 (null under 5 classes), mean per-class recall (CLIP_benchmark's).
-                --zeroshot NAME=PATH (repeatable): one of the IL paper's 18 Table 2 datasets read in its released
-                layout, with its own class names and templates (see zeroshot_sets); --zeroshot_suite il_clip
-                prints Table 2's row
-  retrieval     --retrieval FILE|shapes (Karpathy JSON; shapes: il_clip.py's end-of-run gallery, the first 1000 val
-                pairs) --retrieval_images DIR [--retrieval_split]: i2t_r1 i2t_r5 i2t_r10 t2i_r1 t2i_r5 t2i_r10
-  linear_probe  --linear_probe DIR|shapes (ImageFolder with train/ and test/); L-BFGS to convergence, L2 strength
-                swept on held-out train (CLIP's protocol; --no-linear_probe_l2_sweep: none)
-  easy_to_learn frozen vision agent + codebook, a fresh language agent (fixed seed, fixed --probe_logit_scale)
-                trained on --probe_data; accuracy curve and its `auc` over the first --probe_auc_steps for --ckpt
-                and every --compare_ckpts (--probe_generations: each gen{g}/ snapshot too) on one plot (Fig. 5)
-  spectral      product of per-layer spectral norms (exact SVD; Fig. 4's quantity, NOT a Lipschitz bound: see
-                spectral_product), per gen{g}/ snapshot, for --ckpt and every --compare_ckpts on one plot
+  zeroshot      --zeroshot DIR|shapes (ImageFolder; WordNet-ID folders get ImageNet's names)
+                [--classnames F] [--templates NAME|F]: top-1, top-5 (null under 5 classes), mean
+                per-class recall (CLIP_benchmark's). --zeroshot NAME=PATH (repeatable): one of the
+                IL paper's 18 Table 2 datasets read in its released layout, with its own class names
+                and templates (see zeroshot_sets); --zeroshot_suite il_clip prints Table 2's row
+  retrieval     --retrieval FILE|shapes (Karpathy JSON; shapes: il_clip.py's end-of-run gallery, the
+                first 1000 val pairs) --retrieval_images DIR [--retrieval_split]: i2t_r1 i2t_r5
+                i2t_r10 t2i_r1 t2i_r5 t2i_r10
+  linear_probe  --linear_probe DIR|shapes (ImageFolder with train/ and test/); L-BFGS to
+                convergence, L2 strength swept on held-out train (CLIP's protocol;
+                --no-linear_probe_l2_sweep: none)
+  easy_to_learn frozen vision agent + codebook, a fresh language agent (fixed seed, fixed
+                --probe_logit_scale) trained on --probe_data; accuracy curve and its `auc` over the
+                first --probe_auc_steps for --ckpt and every --compare_ckpts (--probe_generations:
+                each gen{g}/ snapshot too) on one plot (Fig. 5)
+  spectral      product of per-layer spectral norms (exact SVD; Fig. 4's quantity, NOT a Lipschitz
+                bound: see spectral_product), per gen{g}/ snapshot, for --ckpt and every
+                --compare_ckpts on one plot
   codebook      top-k --viz_data images per code as a PNG grid (Fig. 6)
-Every score is in percent (2 decimals in the JSON, 1 in the table); the analyses' other numbers say their unit in
-their name (log10_*, active_codes, n_*). Output: a markdown table on stdout (the start and done lines, bars and
-warnings on stderr), JSON to --out, PNGs (matplotlib) to --plot_dir. What each
-number covers sits beside it: n_scored and n_skipped (malformed rows, images not found or unreadable), and a mean
-is null, with the reason, unless every subset it averages was scored in full. A benchmark whose flags are not
-given is skipped; one whose paths do not exist, that fails in any way or that scored nothing is an ERROR row
-with its reason and exit status 2 at the end (the other benchmarks still run). Scoring conventions (stated
-once): a hard-negative comparison is correct only if the positive scores strictly higher, so a tie counts as
-wrong; R@k ranks ties pessimistically (a negative that ties the best positive is ranked above it).
+Every score is in percent (2 decimals in the JSON, 1 in the table); the analyses' other numbers say
+their unit in their name (log10_*, active_codes, n_*). Output: a markdown table on stdout (the start
+and done lines, bars and warnings on stderr), JSON to --out, PNGs (matplotlib) to --plot_dir. What
+each number covers sits beside it: n_scored and n_skipped (malformed rows, images not found or
+unreadable), and a mean is null, with the reason, unless every subset it averages was scored in
+full. A benchmark whose flags are not given is skipped; one whose paths do not exist, that fails in
+any way or that scored nothing is an ERROR row with its reason and exit status 2 at the end (the
+other benchmarks still run). Scoring conventions (stated once): a hard-negative comparison is
+correct only if the positive scores strictly higher, so a tie counts as wrong; R@k ranks ties
+pessimistically (a negative that ties the best positive is ranked above it).
 """
 import argparse
 import ast
@@ -85,11 +91,13 @@ IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")
 
 
 def _split(text):
-    """A block below: '|'-separated names (whitespace normalised), or whitespace-separated tokens."""
+    """A block below: '|'-separated names (whitespace normalised), or whitespace-separated
+    tokens."""
     return [" ".join(x.split()) for x in text.split("|")] if "|" in text else text.split()
 
 
-# OpenAI CLIP's 80 ImageNet prompt templates (CLIP repo, notebooks/Prompt_Engineering_for_ImageNet.ipynb)
+# OpenAI CLIP's 80 ImageNet prompt templates (CLIP repo,
+# notebooks/Prompt_Engineering_for_ImageNet.ipynb)
 OPENAI_IMAGENET_TEMPLATES = _split("""
 a bad photo of a {}. | a photo of many {}. | a sculpture of a {}. | a photo of the hard to see {}. |
 a low resolution photo of the {}. | a rendering of a {}. | graffiti of a {}. | a bad photo of the
@@ -131,7 +139,8 @@ def warn(msg):
     tqdm.write(f"warning: {msg}", file=sys.stderr)
 
 
-MAX_BLOB = 1 << 28  # bytes one TFRecord record, MAT file / inflated element or zip member may hold in memory
+# bytes one TFRecord record, MAT file / inflated element or zip member may hold in memory
+MAX_BLOB = 1 << 28
 
 
 def names_file(read):
@@ -270,11 +279,11 @@ def refuse(path, maker, why):
 
 def load_checkpoint(path, args, script=None):
     """(model, tokenizer, config) from an out_dir, a checkpoint/ folder or a weights file, built by
-    load_model(path, device, quick_gelu) of the script config.json records, under lifecycle.find_script's
-    trust rule (only by its bare name beside this file; `script`, --script, names any other; bare weights:
-    il_clip.py beside this file). Its files are checked against sha256.json first, when there is one.
-    config["script_used"] says which file ran. Refuses, with one line, checkpoints it cannot score and
-    tokenizers that do not fit."""
+    load_model(path, device, quick_gelu) of the script config.json records, under
+    lifecycle.find_script's trust rule (only by its bare name beside this file; `script`, --script,
+    names any other; bare weights: il_clip.py beside this file). Its files are checked against
+    sha256.json first, when there is one. config["script_used"] says which file ran. Refuses, with
+    one line, checkpoints it cannot score and tokenizers that do not fit."""
     if not os.path.exists(path):
         raise ConfigError(f"{path}: checkpoint not found")
     path = lifecycle.checkpoint_dir(path)
@@ -487,7 +496,8 @@ def r1_among_negatives(emb, part):
     text, index = emb.texts(captions), {c: i for i, c in enumerate(captions)}
     correct = 0
     for r in rows:
-        s = (text[[index[c] for c in [r[1], *r[2]]]] * images[r[0].key]).sum(-1)  # equal captions tie exactly
+        # equal captions tie exactly
+        s = (text[[index[c] for c in [r[1], *r[2]]]] * images[r[0].key]).sum(-1)
         correct += bool(len(s) == 1 or s[0] > s[1:].max())
     return counted({"acc": pct(correct / len(rows))}, rows, part)
 
@@ -509,7 +519,8 @@ def pair_of_pairs(emb, part):
     rows = usable(part.rows, images, lambda r: [r[0], r[2]])
     if not rows:
         return counted({"text": None, "image": None, "group": None}, rows, part)
-    img = torch.stack([torch.stack([images[r[0].key], images[r[2].key]]) for r in rows])  # [N, 2, E]
+    # [N, 2, E]
+    img = torch.stack([torch.stack([images[r[0].key], images[r[2].key]]) for r in rows])
     cap = torch.stack([emb.texts([r[1], r[3]]) for r in rows])  # [N, 2, E]
     return counted(winoground_scores((cap[:, :, None] * img[:, None]).sum(-1)), rows, part)
 
@@ -551,9 +562,10 @@ def recall_at_k(sim, positive, ks=(1, 5, 10), chunk=1024):
 
 
 def retrieval_scores(emb, items, same_caption=False):
-    """items: [(ImageRef, [captions])]. Image -> text and text -> image R@1/5/10 (i2t_r1 ... t2i_r10) and
-    mean_recall, their mean. A caption is a positive of its own image; with `same_caption`, of every image with a
-    caption of the same text (il_clip.py's shapes retrieval: generated scenes repeat captions)."""
+    """items: [(ImageRef, [captions])]. Image -> text and text -> image R@1/5/10 (i2t_r1 ...
+    t2i_r10) and mean_recall, their mean. A caption is a positive of its own image; with
+    `same_caption`, of every image with a caption of the same text (il_clip.py's shapes retrieval:
+    generated scenes repeat captions)."""
     images = emb.images([it[0] for it in items])
     kept = usable(items, images, lambda it: [it[0]])
     if len(kept) < len(items):   # R@K over a smaller gallery is easier: not the benchmark's number
@@ -713,7 +725,8 @@ def read_sugarcrepe(root, image_root):
     for subset in SUGARCREPE_SUBSETS:
         path = os.path.join(root, f"{subset}.json")
         early = os.path.join(root, f"{subset[:-len('_obj')]}_ent.json") if subset.endswith("_obj") else path
-        path = early if not os.path.exists(path) and os.path.exists(early) else path  # *_ent.json: early releases
+        # *_ent.json: early releases
+        path = early if not os.path.exists(path) and os.path.exists(early) else path
         if not os.path.exists(path):
             warn(f"{path} not found; SugarCrepe subset {subset} not scored")
             continue
@@ -743,7 +756,8 @@ def parse_list(text):
     return list(value)
 
 
-CREPE_TYPES = ("atom", "negate", "swap")  # productivity hard-negative types, as CREPE's files spell them
+# productivity hard-negative types, as CREPE's files spell them
+CREPE_TYPES = ("atom", "negate", "swap")
 CREPE_COMPLEXITIES = range(4, 13)
 
 
@@ -909,9 +923,9 @@ def read_lines(path):
 # Benchmarks: each returns {metric: value} (and may raise Skip)
 
 def bench_shapes(args, emb):
-    """The built-in benchmark, by data.score_shapes (il_clip.py's end of run calls it too: the same digits for
-    any model code): accuracy per category, sugarcrepe_mean (the mean of the 7), R@1 per split. Generated, so
-    every item is scored."""
+    """The built-in benchmark, by data.score_shapes (il_clip.py's end of run calls it too: the same
+    digits for any model code): accuracy per category, sugarcrepe_mean (the mean of the 7), R@1 per
+    split. Generated, so every item is scored."""
     out = data.score_shapes(emb.model.encode_image, emb.model.encode_text, emb.tokenizer, emb.image_size,
                             emb.device, n=args.eval_size, n_val=0, seed=args.shapes_seed, show_progress=emb.progress)
     return out | {"n_per_category": args.eval_size}
@@ -1001,8 +1015,9 @@ def bench_zeroshot(args, emb):
 
 
 def zeroshot_scores(emb, classnames, items, templates, unread=()):
-    """CLIP_benchmark's metrics of items [(ImageRef, label)]; what was not scored (`unread`: rows the
-    reader could not read, then images that could not be decoded) is counted, with its reasons."""
+    """CLIP_benchmark's metrics of items [(ImageRef, label)]; what was not scored (`unread`: rows
+    the reader could not read, then images that could not be decoded) is counted, with its
+    reasons."""
     x, y, skipped = classification_features(emb, items)
     skipped = [*unread, *skipped]
     return classification_scores(x @ zeroshot_weights(emb, classnames, templates).T, y) | {
@@ -1010,7 +1025,8 @@ def zeroshot_scores(emb, classnames, items, templates, unread=()):
 
 
 def bench_retrieval(args, emb):
-    if args.retrieval == "shapes":     # il_clip.py's end-of-run gallery (evaluate_shapes), so i2t_r1 means one thing
+    # il_clip.py's end-of-run gallery (evaluate_shapes), so i2t_r1 means one thing
+    if args.retrieval == "shapes":
         scenes = [data.shapes_scene("val", i, args.shapes_seed) for i in
                   lifecycle.progress(range(data.SHAPES_VAL_PAIRS), desc="shapes val scenes", unit="item",
                                      disable=args.no_progress, leave=False)]
@@ -1083,7 +1099,8 @@ class LazyRef(ImageRef):
 
 def find_root(path, *markers):
     """The folder at or below `path` (up to 3 wrapper folders deep) that holds every marker (a file,
-    folder or glob): releases unpack into named folders (cifar-10-batches-py/, VOCdevkit/VOC2007/)."""
+    folder or glob): releases unpack into named folders (cifar-10-batches-py/,
+    VOCdevkit/VOC2007/)."""
     todo = [(path, 0)]
     while todo:
         d, depth = todo.pop(0)
@@ -1100,9 +1117,9 @@ def array_refs(name, arrays):
 
 
 def wnid_tree(path, head_wnids, names):
-    """ImageNet val / ImageNet-Sketch / -A / -R: one folder per WordNet ID (ILSVRC2012_img_val sorted
-    into folders by the devkit's valprep.sh, as torchvision and CLIP_benchmark read it). Every class
-    of the head is scored, so a missing folder removes images, never classes."""
+    """ImageNet val / ImageNet-Sketch / -A / -R: one folder per WordNet ID (ILSVRC2012_img_val
+    sorted into folders by the devkit's valprep.sh, as torchvision and CLIP_benchmark read it).
+    Every class of the head is scored, so a missing folder removes images, never classes."""
     candidates = [path] + [os.path.join(path, sub) for sub in ("val", "sketch", "imagenet-a", "imagenet-r")]
     root = next((d for d in candidates if os.path.isdir(d) and any(WNID.fullmatch(s) for s in os.listdir(d))), path)
     folders, items = read_image_folder(root)
@@ -1143,9 +1160,10 @@ class PlainUnpickler(pickle.Unpickler):
 
 
 def read_cifar(path, n_classes):
-    """CIFAR-10/100 test set: the python version (cifar-10-batches-py/test_batch, cifar-100-python/test;
-    rows of 1024 R, 1024 G, 1024 B bytes) or the binary version (test_batch.bin: 1 label byte + 3072;
-    CIFAR-100's test.bin: coarse and fine label bytes + 3072)."""
+    """CIFAR-10/100 test set: the python version (cifar-10-batches-py/test_batch,
+    cifar-100-python/test; rows of 1024 R, 1024 G, 1024 B bytes) or the binary version
+    (test_batch.bin: 1 label byte + 3072; CIFAR-100's test.bin: coarse and fine label bytes +
+    3072)."""
     py, binary, key = (("test_batch", "test_batch.bin", "labels") if n_classes == 10
                        else ("test", "test.bin", "fine_labels"))
     if os.path.isdir(path) and not glob.glob(os.path.join(glob.escape(path), "**", py), recursive=True):
@@ -1195,8 +1213,8 @@ def read_json(path):
 
 
 def split_list(path, parse):
-    """[parse(fields)] of a whitespace-separated list file, '#' comments skipped; a bad line is warned
-    about and kept as (None, why): a zero-shot reader's row that could not be read."""
+    """[parse(fields)] of a whitespace-separated list file, '#' comments skipped; a bad line is
+    warned about and kept as (None, why): a zero-shot reader's row that could not be read."""
     out = []
     for line_no, line in enumerate(read_lines(path), 1):
         if not line.startswith("#"):
@@ -1227,9 +1245,9 @@ def read_food101(path):
 
 
 def read_sun397(path):
-    """SUN397: ClassName.txt (/a/abbey, /a/apartment_building/outdoor, ...), images {class}/sun_*.jpg.
-    With a partition file (Partitions.zip: Testing_01.txt) beside it, its test images; without,
-    every image, as CLIP_benchmark (torchvision's SUN397 has no split)."""
+    """SUN397: ClassName.txt (/a/abbey, /a/apartment_building/outdoor, ...), images
+    {class}/sun_*.jpg. With a partition file (Partitions.zip: Testing_01.txt) beside it, its test
+    images; without, every image, as CLIP_benchmark (torchvision's SUN397 has no split)."""
     root = find_root(path, "ClassName.txt")
     classes = [c[3:] if c[2:3] == "/" else c.lstrip("/") for c in read_lines(os.path.join(root, "ClassName.txt"))]
     index = {c: i for i, c in enumerate(classes)}
@@ -1246,8 +1264,9 @@ def read_sun397(path):
 
 
 def read_caltech101(path):
-    """Caltech101: 101_ObjectCategories/{category}/image_NNNN.jpg, all 102 folders (BACKGROUND_Google
-    included) and every image, with CLIP_benchmark's names (it defines no test split)."""
+    """Caltech101: 101_ObjectCategories/{category}/image_NNNN.jpg, all 102 folders
+    (BACKGROUND_Google included) and every image, with CLIP_benchmark's names (it defines no test
+    split)."""
     root = find_root(path, "101_ObjectCategories")
     index = {f: i for i, f in enumerate(CALTECH101_FOLDERS)}
     folders, items = read_image_folder(os.path.join(root, "101_ObjectCategories"))
@@ -1330,7 +1349,8 @@ def mat_v5_arrays(path):
 
 
 def inflate(blob, chunk=1 << 20):
-    """zlib-inflate in chunks, refusing more than MAX_BLOB bytes of output (a zip bomb stops there)."""
+    """zlib-inflate in chunks, refusing more than MAX_BLOB bytes of output (a zip bomb stops
+    there)."""
     z, out = zlib.decompressobj(), bytearray()
     while piece := z.decompress(blob, chunk):
         out += piece
@@ -1371,13 +1391,14 @@ def read_objectnet(path):
 
 
 def read_resisc45(path):
-    """NWPU-RESISC45: an ImageFolder of the 45 scene folders (700 images each), every image
-    (VTAB's test split is the last 20% of TFDS's shuffled order, which the release does not carry)."""
+    """NWPU-RESISC45: an ImageFolder of the 45 scene folders (700 images each), every image (VTAB's
+    test split is the last 20% of TFDS's shuffled order, which the release does not carry)."""
     root = find_root(path, "airplane", "wetland")
     folders, items = read_image_folder(root)
     if folders != RESISC45_FOLDERS:
         raise data.DataError(f"{root}: expected the 45 RESISC45 class folders, found {len(folders)}")
-    return folders, items, "all images (VTAB's 20% test split needs TFDS)"  # TFDS's names: underscores kept
+    # TFDS's names: underscores kept
+    return folders, items, "all images (VTAB's 20% test split needs TFDS)"
 
 
 def read_clevr(path):
@@ -1454,8 +1475,8 @@ def protobuf_fields(buf, start, end):
 
 def tf_example(buf):
     """{feature: [(offset, size)] (bytes_list) or [int] (int64_list)} of a tf.train.Example:
-    Example.features (1) > Features.feature (1: map entries, key 1, value 2) > Feature.bytes_list (1)
-    or int64_list (3) > value (1; int64 packed or not)."""
+    Example.features (1) > Features.feature (1: map entries, key 1, value 2) > Feature.bytes_list
+    (1) or int64_list (3) > value (1; int64 packed or not)."""
     out = {}
     (fo, fs), = protobuf_fields(buf, 0, len(buf))[1]
     for eo, es in protobuf_fields(buf, fo, fo + fs).get(1, []):
@@ -1514,9 +1535,9 @@ def read_dmlab(path):
 
 
 def read_clip_benchmark_wds(path):
-    """CLIP_benchmark's webdataset export of any of these datasets (its `clip-benchmark/wds_*` releases
-    on the Hugging Face Hub): classnames.txt, test/{0..n-1}.tar holding {key}.webp|png|jpg and
-    {key}.cls (the label as text). Images are read in place from the uncompressed shards."""
+    """CLIP_benchmark's webdataset export of any of these datasets (its `clip-benchmark/wds_*`
+    releases on the Hugging Face Hub): classnames.txt, test/{0..n-1}.tar holding {key}.webp|png|jpg
+    and {key}.cls (the label as text). Images are read in place from the uncompressed shards."""
     root = find_root(path, "classnames.txt", os.path.join("test", "*.tar"))
     shards = sorted(glob.glob(os.path.join(glob.escape(root), "test", "*.tar")),
                     key=lambda s: (len(os.path.basename(s)), os.path.basename(s)))
@@ -1577,7 +1598,8 @@ def zeroshot_sets():
 
 
 def zeroshot_set_name(name):
-    """'ImageNet-1k', 'imagenet1k', 'IN-sketch', 'Flowers102' ... -> the key in zeroshot_sets(), or None."""
+    """'ImageNet-1k', 'imagenet1k', 'IN-sketch', 'Flowers102' ... -> the key in zeroshot_sets(), or
+    None."""
     key = re.sub(r"[^a-z0-9]", "", name.lower())
     aliases = {"imagenet": "imagenet1k", "insketch": "imagenetsketch", "flowers": "flowers102", "oxfordpets": "pets"}
     key = aliases.get(key, key)
@@ -1586,8 +1608,9 @@ def zeroshot_set_name(name):
 
 def split_zeroshot_flags(args):
     """--zeroshot values: NAME=PATH (a named dataset) or a plain DIR|shapes (the last one wins).
-    Sets args.zeroshot (plain; None when none was given: the benchmark is skipped) and args.zeroshot_sets; the
-    `zeroshot` benchmark becomes one benchmark per named set (zeroshot/NAME) beside the plain one."""
+    Sets args.zeroshot (plain; None when none was given: the benchmark is skipped) and
+    args.zeroshot_sets; the `zeroshot` benchmark becomes one benchmark per named set (zeroshot/NAME)
+    beside the plain one."""
     values, plain, sets = args.zeroshot or [], [], {}
     for v in values:
         name, sep, path = v.partition("=")
@@ -1608,7 +1631,8 @@ def split_zeroshot_flags(args):
 
 
 def bench_zeroshot_set(name):
-    """The scorer of `zeroshot/NAME`: its reader, its class names and templates, CLIP_benchmark's metrics."""
+    """The scorer of `zeroshot/NAME`: its reader, its class names and templates, CLIP_benchmark's
+    metrics."""
     def score(args, emb):
         spec = zeroshot_sets()[name]
         require((args.zeroshot_sets[name], f"--zeroshot {name}=PATH"))
@@ -1616,7 +1640,8 @@ def bench_zeroshot_set(name):
         wds = (os.path.isfile(os.path.join(path, "classnames.txt"))
                and glob.glob(os.path.join(glob.escape(path), "test", "*.tar")))
         classnames, items, note = names_file(read_clip_benchmark_wds if wds else spec.reader)(path)
-        unread = [why for ref, why in items if ref is None]   # rows the reader could not read, with why
+        # rows the reader could not read, with why
+        unread = [why for ref, why in items if ref is None]
         items = [it for it in items if it[0] is not None]
         if not items:
             raise data.DataError(f"{path}: no {name} test images found ({note})")
@@ -1665,7 +1690,8 @@ def suite_table(row):
 WNID = re.compile(r"n\d{8}")
 
 
-# ImageNet-1k's 1000 WordNet IDs, sorted: the class order of torchvision's ImageNet and of a wnid-folder tree
+# ImageNet-1k's 1000 WordNet IDs, sorted: the class order of torchvision's ImageNet and of a
+# wnid-folder tree
 IMAGENET_WNIDS = _split("""
 n01440764 n01443537 n01484850 n01491361 n01494475 n01496331 n01498041 n01514668 n01514859 n01518878
 n01530575 n01531178 n01532829 n01534433 n01537544 n01558993 n01560419 n01580077 n01582220 n01592084
@@ -1976,9 +2002,11 @@ sunflower sweet_pepper table tank telephone television tiger tractor train trout
 wardrobe whale willow_tree wolf woman worm
 """)
 
-STL10_CLASSNAMES = _split("airplane bird car cat deer dog horse monkey ship truck")  # class_names.txt
+# class_names.txt
+STL10_CLASSNAMES = _split("airplane bird car cat deer dog horse monkey ship truck")
+# VOC's class names, as written
 VOC2007_CLASSNAMES = _split("aeroplane bicycle bird boat bottle bus car cat chair cow diningtable dog horse motorbike "
-                            "person pottedplant sheep sofa train tvmonitor")  # VOC's class names, as written
+                            "person pottedplant sheep sofa train tvmonitor")
 
 # Caltech101's 102 category folders, sorted; CLIP_benchmark renames some
 CALTECH101_FOLDERS = _split("""
@@ -2003,7 +2031,8 @@ CALTECH101_RENAMED = {"BACKGROUND_Google": "background",
                       "car_side": "side of a car",
                       "cougar_body": "body of a cougar cat",
                       "cougar_face": "face of a cougar cat",
-                      "crocodile_head": "head of a  crocodile",   # sic, two spaces (CLIP_benchmark's)
+                      # sic, two spaces (CLIP_benchmark's)
+                      "crocodile_head": "head of a  crocodile",
                       "flamingo_head": "head of a flamingo",
                       "snoopy": "snoopy (cartoon beagle)",
                       "yin_yang": "yin and yang symbol"}
@@ -2297,14 +2326,16 @@ def to_pil(x):
 
 
 def image_code_scores(model, images):
-    """Per-code scores of images, r_i = max over patches of q(f_p) . c_i (paper Eq. 2, with
-    the scaling and temperature of the model's script), and their sparsemax weights w_i (Eq. 3): [B, K] each."""
+    """Per-code scores of images, r_i = max over patches of q(f_p) . c_i (paper Eq. 2, with the
+    scaling and temperature of the model's script), and their sparsemax weights w_i (Eq. 3): [B, K]
+    each."""
     return model.code_scores(model.visual.forward_tokens(images), None, model.image_query)
 
 
 def code_support(model, tok, n=256, seed=0):
-    """How sparse the codebook head is: the sparsemax support (codes with weight > 0) per image and per caption of
-    `n` shapes val scenes, its median, the mean largest weight, and the codes any of them uses."""
+    """How sparse the codebook head is: the sparsemax support (codes with weight > 0) per image and
+    per caption of `n` shapes val scenes, its median, the mean largest weight, and the codes any of
+    them uses."""
     scenes = [data.shapes_scene("val", i, seed=seed) for i in range(n)]
     tf, device = data.eval_transform(image_size_of(model, {})), model.logit_scale.device
     with torch.no_grad():
@@ -2323,12 +2354,13 @@ def code_support(model, tok, n=256, seed=0):
 
 
 def codes_per_sample(pattern):
-    """`python -c "import eval_compositional as ev; ev.codes_per_sample('out/run*')"`: code_support of every
-    il_clip.py checkpoint the glob matches, one line each."""
+    """`python -c "import eval_compositional as ev; ev.codes_per_sample('out/run*')"`: code_support
+    of every il_clip.py checkpoint the glob matches, one line each."""
     import glob
     args = argparse.Namespace(device="cpu", quick_gelu=None, vocab=None)
     found = {}
-    for path in sorted(p for p in glob.glob(pattern) if os.path.isdir(p)):     # run folders, not their logs
+    # run folders, not their logs
+    for path in sorted(p for p in glob.glob(pattern) if os.path.isdir(p)):
         model, tok, _ = load_checkpoint(path, args)
         found[path] = r = code_support(model, tok)
         print(f"{path}: " + "; ".join(f"{k} {v['codes_median']:.0f} codes (median; mean {v['codes_mean']}, largest "
@@ -2385,9 +2417,10 @@ def easy_to_learn_curve(model, tok, config, args, spec, kw):
     student.eval()  # no dropout; vision statistics stay fixed
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.probe_lr, weight_decay=0.0)
-    # Choice: one fixed scale for every checkpoint, not each one's learnt scale (CLIP ~17, IL ~23 on shapes):
-    # the scale sets how sharp the student's softmax is, hence its effective step size, so probing each
-    # checkpoint at its own scale would compare scales, not representations. 1/0.07: a fresh CLIP's start.
+    # Choice: one fixed scale for every checkpoint, not each one's learnt scale (CLIP ~17, IL ~23 on
+    # shapes): the scale sets how sharp the student's softmax is, hence its effective step size, so
+    # probing each checkpoint at its own scale would compare scales, not representations. 1/0.07: a
+    # fresh CLIP's start.
     scale = args.probe_logit_scale
     train, val = probe_batches(spec, kw, tok, size, args)
     with torch.no_grad():
@@ -2442,7 +2475,8 @@ def bench_easy_to_learn(args, model, tok, config):
         gens = []
         for snap_path in generation_snapshots(path) if args.probe_generations else []:
             snap = load_snapshot(snap_path, m, path, args)
-            a, b = snap.state_dict(), m.state_dict()    # the last snapshot is often the final weights
+            # the last snapshot is often the final weights
+            a, b = snap.state_dict(), m.state_dict()
             same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
             curve = final if same else easy_to_learn_curve(snap, t, c, args, spec, kw)
             snap_name = os.path.relpath(snap_path, out_dir_of(path))
@@ -2464,15 +2498,16 @@ MARKERS, DASHES = "osD^vP*X", ["-", "--", "-.", ":"]
 
 
 def draw_line_plot(path, series, title, xlabel, ylabel):
-    """series: {name: [(x, y), ...]} -> a line plot; x counts something (steps, generations): whole-number ticks.
-    Series that coincide (a last snapshot is the final weights) stay apart to the eye: each has its own marker and
-    dash, and each later one is drawn thinner, on top."""
+    """series: {name: [(x, y), ...]} -> a line plot; x counts something (steps, generations):
+    whole-number ticks. Series that coincide (a last snapshot is the final weights) stay apart to
+    the eye: each has its own marker and dash, and each later one is drawn thinner, on top."""
     fig, ax = lifecycle.new_figure((9, 4.2))
     for k, (name, pts) in enumerate(series.items()):
         lifecycle.plot_series(ax, name, [p[0] for p in pts], [p[1] for p in pts], marker=MARKERS[k % len(MARKERS)],
                               markevery=max(1, len(pts) // 25), linestyle=DASHES[k % len(DASHES)],
                               linewidth=max(0.8, 2.4 - 0.4 * k), markersize=max(3.0, 7.0 - k), markerfacecolor="none")
-    ax.ticklabel_format(axis="y", useOffset=False)      # values, not offsets from one: close values read apart
+    # values, not offsets from one: close values read apart
+    ax.ticklabel_format(axis="y", useOffset=False)
     lifecycle.finish_axes(ax, title, xlabel, ylabel)
     return lifecycle.save_figure(fig, path)
 
@@ -2483,7 +2518,8 @@ def draw_image_grid(path, rows, title):
     from matplotlib.figure import Figure
     cols = max((len(ims) for _, ims in rows), default=1)
     width = 1.6 + 1.1 * cols
-    title = "\n".join(textwrap.wrap(title, int(width * 12)))      # a narrow grid wraps its title, never cuts it
+    # a narrow grid wraps its title, never cuts it
+    title = "\n".join(textwrap.wrap(title, int(width * 12)))
     height = 0.2 + 0.2 * title.count("\n") + 1.1 * max(1, len(rows))
     fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
@@ -2505,9 +2541,9 @@ def draw_image_grid(path, rows, title):
 # Results over seeds of il_clip.py runs (the statistics are lifecycle.summarize_runs')
 
 def shapes_percent(res):
-    """il_clip.py's end-of-run shapes results (evaluate_shapes, shapes_eval.json) -> {metric: percent} with
-    sugarcrepe_mean. Percent is told by key: the percent results carry sugarcrepe_mean (reporting's names); those
-    written before (fractions) have none, and are scaled."""
+    """il_clip.py's end-of-run shapes results (evaluate_shapes, shapes_eval.json) -> {metric:
+    percent} with sugarcrepe_mean. Percent is told by key: the percent results carry sugarcrepe_mean
+    (reporting's names); those written before (fractions) have none, and are scaled."""
     res = {k: v for k, v in res.items() if k != "scored"}       # the metrics, not what was scored
     if "sugarcrepe_mean" not in res:
         res = {k: 100 * v for k, v in res.items()}
@@ -2516,11 +2552,11 @@ def shapes_percent(res):
 
 
 def shapes_run(folder: str):
-    """(method, seed, results as fractions, what lifecycle.summarize_runs takes) of an il_clip.py out_dir with
-    shapes_eval.json, else None; a fork's runs are a group of their own ("codebook il_clip_top8.py"), paired
-    with the original's by seed. With the easy-to-learn probe's output in probe.json (--benchmarks easy_to_learn
-    --out RUN/probe.json), also its held-out accuracy at step 20, its `auc` (learning speed, Fig. 5's slope) and
-    its accuracy at the last step."""
+    """(method, seed, results as fractions, what lifecycle.summarize_runs takes) of an il_clip.py
+    out_dir with shapes_eval.json, else None; a fork's runs are a group of their own ("codebook
+    il_clip_top8.py"), paired with the original's by seed. With the easy-to-learn probe's output in
+    probe.json (--benchmarks easy_to_learn --out RUN/probe.json), also its held-out accuracy at step
+    20, its `auc` (learning speed, Fig. 5's slope) and its accuracy at the last step."""
     res_path, cfg_path = os.path.join(folder, "shapes_eval.json"), os.path.join(folder, "config.json")
     if not (os.path.isfile(res_path) and os.path.isfile(cfg_path)):
         return None
@@ -2570,7 +2606,8 @@ def flatten(results):
             if isinstance(x, dict):
                 walk(bench, f"{prefix}{k}.", x)
             elif x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)):
-                name = prefix[:-1] if k == "acc" and prefix else f"{prefix}{k}"  # add_obj, not add_obj.acc
+                # add_obj, not add_obj.acc
+                name = prefix[:-1] if k == "acc" and prefix else f"{prefix}{k}"
                 rows.append((bench, name, x, v.get("n_scored", ""), v.get("n_skipped", ""), v.get("reason", "")))
     for bench, r in results.items():
         walk(bench, "", r)
@@ -2631,10 +2668,12 @@ def run(args):
                                           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters",
                                           f"{args.device} x 1", f"out {args.out or 'the table only'}"])
     quick_gelu = bool(model_field(model, config, "quick_gelu"))
-    source = config.get("quick_gelu_source", "config")     # "assumed": the script's load_model said so
+    # "assumed": the script's load_model said so
+    source = config.get("quick_gelu_source", "config")
     if args.plot_dir is None:
         args.plot_dir = (os.path.dirname(args.out) if args.out else out_dir_of(args.ckpt) if args.ckpt else
-                         os.path.dirname(args.init)) or "."     # as given: the done line names the files so
+                         # as given: the done line names the files so
+                         os.path.dirname(args.init)) or "."
     emb = Embedder(model, tok, image_size_of(model, config), args.batch_size, args.device, not args.no_progress)
     results, skipped, failed = run_benchmarks(args, emb, model, tok, config)
     print(markdown_table(results, skipped, failed))
@@ -2645,7 +2684,8 @@ def run(args):
         blob["zeroshot_suite"] = zeroshot_suite_row(results, failed)
         print(f"\nIL-CLIP paper, Table 2 (zero-shot top-1):\n{suite_table(blob['zeroshot_suite'])}")
     if args.out:
-        with lifecycle.writing(args.out):    # a full disk (quota, size limit, I/O error): one line, no half file left
+        # a full disk (quota, size limit, I/O error): one line, no half file left
+        with lifecycle.writing(args.out):
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             lifecycle.atomic_write(args.out, lambda p: lifecycle.save_json(p, blob))
     files = [args.out] * bool(args.out) + [r["png"] for r in results.values() if isinstance(r, dict) and "png" in r]
