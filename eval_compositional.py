@@ -86,7 +86,8 @@ import lifecycle
 
 BENCHMARKS = ["shapes", "sugarcrepe", "crepe", "cola", "winoground", "zeroshot", "retrieval",
               "linear_probe", "easy_to_learn", "spectral", "codebook"]
-SUGARCREPE_SUBSETS = ["add_obj", "add_att", "replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att"]
+SUGARCREPE_SUBSETS = ["add_obj", "add_att", "replace_obj", "replace_att", "replace_rel", "swap_obj",
+                      "swap_att"]
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")
 
 
@@ -152,7 +153,8 @@ def names_file(read):
         except (data.DataError, Skip):
             raise
         except Exception as e:  # noqa: BLE001
-            raise data.DataError(f"{path}: unreadable ({type(e).__name__}: {first_line(e)})") from None
+            raise data.DataError(f"{path}: unreadable ({type(e).__name__}: "
+                                 f"{first_line(e)})") from None
     return reader
 
 
@@ -161,7 +163,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     help text says what they mean), nor where the help already names its default."""
     def _get_help_string(self, action):
         text, d = action.help or "", action.default
-        if d in (None, "", argparse.SUPPRESS) or d is False or "default" in text or not action.option_strings:
+        if (d in (None, "", argparse.SUPPRESS) or d is False or "default" in text
+            or not action.option_strings):
             return text
         return f"{text} (default: {d})".strip()
 
@@ -172,93 +175,123 @@ def get_args(argv=None):
     g.add_argument("--ckpt", help="an il_clip.py / mm_learngene.py out_dir")
     g.add_argument("--init", help="OpenAI-format weights (.safetensors / .pt) instead of --ckpt")
     g.add_argument("--vocab", help="bpe_simple_vocab_16e6.txt.gz, the tokenizer for --init weights")
-    g.add_argument("--script", help="the model code for --ckpt and its snapshots (default: the script its config.json "
-                   "records, run only from beside this file; il_clip.py for --init weights); any other file runs only "
-                   "when named here; --compare_ckpts use the scripts they record")
+    g.add_argument("--script", help="the model code for --ckpt and its snapshots (default: the "
+                   "script its config.json records, run only from beside this file; il_clip.py for "
+                   "--init weights); any other file runs only when named here; --compare_ckpts use "
+                   "the scripts they record")
     g.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction, default=None,
-                   help="the MLP activation of the loaded weights: QuickGELU (OpenAI's CLIP, open_clip's "
-                        "*-quickgelu) or exact GELU (--no-quick_gelu: open_clip's LAION / DataComp ViT-B-32). Not "
-                        "given: what the checkpoint's config.json says; for --init weights the open_clip_config.json / "
-                        "config.json beside them, else QuickGELU (assumed, said so). Printed.")
+                   help="the MLP activation of the loaded weights: QuickGELU (OpenAI's CLIP, "
+                   "open_clip's *-quickgelu) or exact GELU (--no-quick_gelu: open_clip's LAION / "
+                   "DataComp ViT-B-32). Not given: what the checkpoint's config.json says; for "
+                   "--init weights the open_clip_config.json / config.json beside them, else "
+                   "QuickGELU (assumed, said so). Printed.")
     g = p.add_argument_group("benchmarks and the built-in shapes data")
-    g.add_argument("--benchmarks", default="shapes", help=f"comma list of {','.join(BENCHMARKS)} or all")
-    g.add_argument("--eval_size", type=int, default=1000, help="shapes benchmark items per category (retrieval "
-                   f"shapes: always il_clip.py's {data.SHAPES_VAL_PAIRS} val pairs)")
-    g.add_argument("--shapes_seed", type=int, default=0, help="seed of the shapes benchmark and galleries")
-    g = p.add_argument_group("data: the released compositional benchmarks (files; a benchmark without them is skipped)")
-    for name, what in (("sugarcrepe", "folder of {subset}.json"), ("crepe", "folder of the released CSVs"),
+    g.add_argument("--benchmarks", default="shapes", help=f"comma list of {','.join(BENCHMARKS)} "
+                   "or all")
+    g.add_argument("--eval_size", type=int, default=1000, help="shapes benchmark items per "
+                   "category (retrieval shapes: always il_clip.py's "
+                   f"{data.SHAPES_VAL_PAIRS} val pairs)")
+    g.add_argument("--shapes_seed", type=int, default=0,
+                   help="seed of the shapes benchmark and galleries")
+    g = p.add_argument_group("data: the released compositional benchmarks (files; a benchmark "
+                             "without them is skipped)")
+    for name, what in (("sugarcrepe", "folder of {subset}.json"),
+                       ("crepe", "folder of the released CSVs"),
                        ("cola", "JSON list of [img1, cap1, img2, cap2]")):
         g.add_argument(f"--{name}", help=what)
         g.add_argument(f"--{name}_images", help=f"image root of --{name}")
     g.add_argument("--winoground", help="folder with examples.jsonl + images/ or images.zip")
     g = p.add_argument_group("data: zero-shot, retrieval, linear probe")
-    g.add_argument("--zeroshot", action="append", help="ImageFolder DIR, or `shapes`; or NAME=PATH, repeatable: one of "
-                   f"the IL paper's 18 Table 2 datasets in its released layout (names: {' '.join(zeroshot_sets())})")
-    g.add_argument("--zeroshot_suite", choices=["il_clip"], help="print the IL paper's Table 2 row (top-1 per "
-                   "dataset, n_scored, the mean over those scored) for the --zeroshot NAME=PATH given")
-    g.add_argument("--classnames", help="class names, one per line in sorted-folder order (not given: folder names)")
-    g.add_argument("--templates", default="clip8", help=f"zero-shot prompt templates: {' | '.join(TEMPLATES)} "
-                   "(OpenAI's 80 ImageNet templates) or a FILE, one per line with {} (default: clip8, 8 of the 80)")
-    g.add_argument("--retrieval", help="Karpathy JSON FILE, or `shapes` (il_clip.py's end-of-run gallery: "
-                   f"{data.SHAPES_VAL_PAIRS} val pairs)")
+    g.add_argument("--zeroshot", action="append", help="ImageFolder DIR, or `shapes`; or "
+                   "NAME=PATH, repeatable: one of the IL paper's 18 Table 2 datasets in its "
+                   f"released layout (names: {' '.join(zeroshot_sets())})")
+    g.add_argument("--zeroshot_suite", choices=["il_clip"], help="print the IL paper's Table 2 row "
+                   "(top-1 per dataset, n_scored, the mean over those scored) for the --zeroshot "
+                   "NAME=PATH given")
+    g.add_argument("--classnames", help="class names, one per line in sorted-folder order (not "
+                   "given: folder names)")
+    g.add_argument("--templates", default="clip8", help="zero-shot prompt templates: "
+                   f"{' | '.join(TEMPLATES)} (OpenAI's 80 ImageNet templates) or a FILE, one per "
+                   "line with {} (default: clip8, 8 of the 80)")
+    g.add_argument("--retrieval", help="Karpathy JSON FILE, or `shapes` (il_clip.py's end-of-run "
+                   f"gallery: {data.SHAPES_VAL_PAIRS} val pairs)")
     g.add_argument("--retrieval_images", help="image root of the Karpathy JSON")
     g.add_argument("--retrieval_split", default="test", help="the Karpathy JSON's split scored")
     g.add_argument("--linear_probe", help="ImageFolder DIR with train/ and test/, or `shapes`")
     g.add_argument("--linear_probe_l2_sweep", action=argparse.BooleanOptionalAction, default=True,
-                   help="linear probe: pick the L2 strength on held-out train (the CLIP paper's protocol; "
-                        "--no-linear_probe_l2_sweep: no weight decay)")
+                   help="linear probe: pick the L2 strength on held-out train (the CLIP paper's "
+                   "protocol; --no-linear_probe_l2_sweep: no weight decay)")
     g.add_argument("--linear_probe_val_frac", type=float, default=0.2,
                    help="--linear_probe_l2_sweep: train fraction held out to pick the L2 strength")
     g = p.add_argument_group("method: the analysis probes (easy_to_learn, spectral, codebook)")
-    g.add_argument("--compare_ckpts", default="",
-                   help="easy_to_learn, spectral: more checkpoints drawn in the same plot (comma list; Figs. 4, 5)")
-    g.add_argument("--probe_data", help="easy_to_learn: any --data spec (not given: the checkpoint's training data)")
-    g.add_argument("--viz_data", help="codebook: any --data spec (not given: the checkpoint's training data)")
+    g.add_argument("--compare_ckpts", default="", help="easy_to_learn, spectral: more checkpoints "
+                   "drawn in the same plot (comma list; Figs. 4, 5)")
+    g.add_argument("--probe_data", help="easy_to_learn: any --data spec (not given: the "
+                   "checkpoint's training data)")
+    g.add_argument("--viz_data", help="codebook: any --data spec (not given: the "
+                   "checkpoint's training data)")
     for key, what in (("image_root", "image root"), ("csv_img_key", "CSV image column"),
-                      ("csv_caption_key", "CSV caption column"), ("csv_separator", "CSV separator")):
-        g.add_argument(f"--{key}", help=f"--probe_data / --viz_data {what} (not given: the checkpoint's)")
-    g.add_argument("--probe_steps", type=int, default=200, help="easy_to_learn: training steps of the fresh agent")
+                      ("csv_caption_key", "CSV caption column"),
+                      ("csv_separator", "CSV separator")):
+        g.add_argument(f"--{key}", help=f"--probe_data / --viz_data {what} (not given: "
+                       "the checkpoint's)")
+    g.add_argument("--probe_steps", type=int, default=200, help="easy_to_learn: training steps of "
+                   "the fresh agent")
     g.add_argument("--probe_batch", type=int, default=64, help="easy_to_learn: its batch size")
-    g.add_argument("--probe_lr", type=float, default=5e-4, help="easy_to_learn: its AdamW learning rate")
-    g.add_argument("--probe_eval_every", type=int, default=20, help="easy_to_learn: steps between accuracy points")
-    g.add_argument("--probe_eval_size", type=int, default=256, help="easy_to_learn: held-out pairs of the curve")
-    g.add_argument("--probe_seed", type=int, default=1234, help="easy_to_learn: seed of the fresh language agent "
-                   "(the same for every checkpoint)")
+    g.add_argument("--probe_lr", type=float, default=5e-4,
+                   help="easy_to_learn: its AdamW learning rate")
+    g.add_argument("--probe_eval_every", type=int, default=20, help="easy_to_learn: steps between "
+                   "accuracy points")
+    g.add_argument("--probe_eval_size", type=int, default=256, help="easy_to_learn: held-out "
+                   "pairs of the curve")
+    g.add_argument("--probe_seed", type=int, default=1234, help="easy_to_learn: seed of the fresh "
+                   "language agent (the same for every checkpoint)")
     g.add_argument("--probe_logit_scale", type=float, default=1 / 0.07,
-                   help="easy_to_learn: the student's fixed logit scale, the same for every checkpoint (default "
-                        "1/0.07, CLIP's initial scale; not the checkpoint's learnt one)")
-    g.add_argument("--probe_generations", action="store_true",
-                   help="easy_to_learn: also probe every gen{g}/ snapshot of each checkpoint, one curve each (Fig. 5)")
-    g.add_argument("--probe_auc_steps", type=int, default=60,
-                   help="easy_to_learn: `auc` = mean accuracy over the evaluation points after 1..N probe steps "
-                        "(learning speed, Fig. 5's initial slope)")
-    g.add_argument("--viz_codes", type=int, default=8, help="codebook: how many codes (the most used ones)")
+                   help="easy_to_learn: the student's fixed logit scale, the same for every "
+                   "checkpoint (default 1/0.07, CLIP's initial scale; not the "
+                   "checkpoint's learnt one)")
+    g.add_argument("--probe_generations", action="store_true", help="easy_to_learn: also probe "
+                   "every gen{g}/ snapshot of each checkpoint, one curve each (Fig. 5)")
+    g.add_argument("--probe_auc_steps", type=int, default=60, help="easy_to_learn: `auc` = mean "
+                   "accuracy over the evaluation points after 1..N probe steps (learning speed, "
+                   "Fig. 5's initial slope)")
+    g.add_argument("--viz_codes", type=int, default=8, help="codebook: how many codes (the "
+                   "most used ones)")
     g.add_argument("--viz_topk", type=int, default=5, help="codebook: images shown per code")
-    g.add_argument("--viz_images", type=int, default=500, help="codebook: --viz_data images searched")
+    g.add_argument("--viz_images", type=int, default=500, help="codebook: --viz_data "
+                   "images searched")
     g = p.add_argument_group("machine")
-    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device")
     g.add_argument("--batch_size", type=int, default=64, help="images / captions per forward pass")
-    g.add_argument("--num_workers", type=int, default=0, help="DataLoader workers of the analyses' --probe_data / "
-                   "--viz_data loaders (the benchmarks read their files in this process)")
-    g.add_argument("--seed", type=int, default=0, help="torch / python seed; the linear probe's held-out split")
+    g.add_argument("--num_workers", type=int, default=0, help="DataLoader workers of the analyses' "
+                   "--probe_data / --viz_data loaders (the benchmarks read their files "
+                   "in this process)")
+    g.add_argument("--seed", type=int, default=0, help="torch / python seed; the linear "
+                   "probe's held-out split")
     g = p.add_argument_group("output")
     g.add_argument("--out", help="write the results as JSON here (not given: the table only)")
-    g.add_argument("--plot_dir", help="where PNGs go (not given: the --out folder, else the checkpoint dir)")
+    g.add_argument("--plot_dir", help="where PNGs go (not given: the --out folder, else the "
+                   "checkpoint dir)")
     g.add_argument("--no_progress", action="store_true", help="no tqdm bars")
     args = p.parse_args(argv)
-    names = BENCHMARKS if args.benchmarks == "all" else [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    names = (BENCHMARKS if args.benchmarks == "all"
+             else [b.strip() for b in args.benchmarks.split(",") if b.strip()])
     unknown = [b for b in names if b not in BENCHMARKS]
     if unknown:
-        raise ConfigError(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)} or all")
+        raise ConfigError(f"unknown benchmark(s) {', '.join(unknown)}; choose from "
+                          f"{', '.join(BENCHMARKS)} or all")
     args.benchmark_list = names
     split_zeroshot_flags(args)
     if bool(args.ckpt) == bool(args.init):
         raise ConfigError("give exactly one of --ckpt OUT_DIR or --init WEIGHTS")
     if not 0 < args.probe_logit_scale < math.inf:
-        raise ConfigError(f"--probe_logit_scale {args.probe_logit_scale}: expected a positive number")
+        raise ConfigError(f"--probe_logit_scale {args.probe_logit_scale}: expected a "
+                          "positive number")
     if args.probe_auc_steps < min(args.probe_eval_every, args.probe_steps):
-        raise ConfigError(f"--probe_auc_steps {args.probe_auc_steps}: no evaluation point in steps 1..N "
-                          f"(--probe_eval_every {args.probe_eval_every}, --probe_steps {args.probe_steps})")
+        raise ConfigError(f"--probe_auc_steps {args.probe_auc_steps}: no evaluation point in steps "
+                          f"1..N (--probe_eval_every {args.probe_eval_every}, --probe_steps "
+                          f"{args.probe_steps})")
     return args
 
 
@@ -268,13 +301,14 @@ def get_args(argv=None):
 
 # scripts whose checkpoints these benchmarks cannot score, and what reads them instead
 OTHER_READERS = {"composer.py": "python composer.py eval --ckpt {path}",
-                 "mm_learngene.py": "python mm_learngene.py report --results {path} (a fine-tune's own metrics)"}
+                 "mm_learngene.py": "python mm_learngene.py report --results {path} (a "
+                                    "fine-tune's own metrics)"}
 
 
 def refuse(path, maker, why):
     how = OTHER_READERS.get(maker, "the script's own evaluation").format(path=out_dir_of(path))
-    return ConfigError(f"{path}: {why}: a checkpoint of {maker}, which {os.path.basename(__file__)} cannot score; "
-                       f"use {how}")
+    return ConfigError(f"{path}: {why}: a checkpoint of {maker}, which "
+                       f"{os.path.basename(__file__)} cannot score; use {how}")
 
 
 def load_checkpoint(path, args, script=None):
@@ -287,8 +321,10 @@ def load_checkpoint(path, args, script=None):
     if not os.path.exists(path):
         raise ConfigError(f"{path}: checkpoint not found")
     path = lifecycle.checkpoint_dir(path)
-    lifecycle.check_read_files(os.path.join(path, "model.safetensors") if os.path.isdir(path) else path)
-    cfg = read_json(os.path.join(path, "config.json")) if os.path.isfile(os.path.join(path, "config.json")) else {}
+    lifecycle.check_read_files(os.path.join(path, "model.safetensors") if os.path.isdir(path)
+                               else path)
+    cfg = (read_json(os.path.join(path, "config.json"))
+           if os.path.isfile(os.path.join(path, "config.json")) else {})
     cfg = cfg if isinstance(cfg, dict) else {}
     record = cfg.get("script")
     named = record.get("name") if isinstance(record, dict) else None
@@ -296,12 +332,14 @@ def load_checkpoint(path, args, script=None):
         "mm_learngene.py" if {"phase", "task", "modality"} & set(cfg) else "composer.py")
     model_cfg = cfg.get("model")
     if cfg.get("modality", "clip") != "clip":
-        raise refuse(path, maker, f"a {cfg['modality']}-only descendant (these benchmarks need both towers: "
-                                  "expand one with --modality clip)")
-    if cfg and not record and not (isinstance(model_cfg, dict) and {"vision_width", "text_width"} <= set(model_cfg)):
+        raise refuse(path, maker, f"a {cfg['modality']}-only descendant (these benchmarks need "
+                     "both towers: expand one with --modality clip)")
+    if (cfg and not record and not (isinstance(model_cfg, dict)
+                                    and {"vision_width", "text_width"} <= set(model_cfg))):
         raise refuse(path, maker, "config.json holds no CLIP model config")
     try:
-        module, script_path, note = lifecycle.import_script(record, __file__, script, default="il_clip.py")
+        module, script_path, note = lifecycle.import_script(record, __file__, script,
+                                                            default="il_clip.py")
     except data.DataError as e:
         raise ConfigError(f"{path}: {e}") from None
     if not callable(getattr(module, "load_model", None)):
@@ -310,12 +348,16 @@ def load_checkpoint(path, args, script=None):
         model, tok, config = module.load_model(path, device=args.device, quick_gelu=args.quick_gelu)
     except Exception as e:  # noqa: BLE001: the script's own error line, else what went wrong, in one line
         own = isinstance(e, (data.DataError, getattr(module, "ConfigError", data.DataError)))
-        raise ConfigError(str(e) if own else f"{path}: {script_path} cannot load it ({first_line(e)})") from None
-    config["script_used"] = {"path": script_path, "sha256": lifecycle.script_record(script_path)["sha256"],
-                             "changed": bool(note) if isinstance(record, dict) and record.get("sha256") else None}
+        raise ConfigError(str(e) if own else f"{path}: {script_path} cannot load it "
+                          f"({first_line(e)})") from None
+    config["script_used"] = {"path": script_path,
+                             "sha256": lifecycle.script_record(script_path)["sha256"],
+                             "changed": bool(note) if isinstance(record, dict)
+                             and record.get("sha256") else None}
     if tok is None:
         if not args.vocab:
-            raise ConfigError(f"{path}: weights without a tokenizer; give --vocab bpe_simple_vocab_16e6.txt.gz")
+            raise ConfigError(f"{path}: weights without a tokenizer; give --vocab "
+                              "bpe_simple_vocab_16e6.txt.gz")
         tok = data.build_tokenizer(vocab_path=args.vocab,
                                    context_length=model_field(model, config, "context_length", 77))
     check_tokenizer(tok, model, config, path)
@@ -336,7 +378,8 @@ def first_line(e):
 
 def model_field(model, config, name, default=None):
     """A model-config value: model.cfg / model.config (dataclass or dict), else config.json."""
-    for holder in (getattr(model, "cfg", None), getattr(model, "config", None), config, (config or {}).get("model")):
+    for holder in (getattr(model, "cfg", None), getattr(model, "config", None), config,
+                   (config or {}).get("model")):
         if holder is None:
             continue
         value = holder.get(name) if isinstance(holder, dict) else getattr(holder, name, None)
@@ -372,7 +415,8 @@ class ImageRef:
             with zipfile.ZipFile(self.path) as z:
                 info = z.getinfo(self.member)
                 if info.file_size > MAX_BLOB or info.compress_size > os.path.getsize(self.path):
-                    raise ValueError(f"{self.member} declares {info.file_size} bytes: over the cap or the file")
+                    raise ValueError(f"{self.member} declares {info.file_size} bytes: over the "
+                                     "cap or the file")
                 img = Image.open(io.BytesIO(z.read(self.member)))
         else:
             img = self.pil if self.pil is not None else Image.open(self.path)
@@ -401,13 +445,15 @@ class Embedder:
         self.image_cache, self.text_cache, self.bad_images = {}, {}, {}
 
     def _bar(self, n, desc):
-        return lifecycle.progress(total=n, desc=desc, unit="item", disable=not self.progress or n == 0, leave=False)
+        return lifecycle.progress(total=n, desc=desc, unit="item", disable=not self.progress
+                                  or n == 0, leave=False)
 
     @torch.no_grad()
     def images(self, refs):
         """{key: embedding} for every ref whose image could be read (the others are warned
         about once and left out, so a benchmark can drop the rows that use them)."""
-        todo = list({r.key: r for r in refs if r.key not in self.image_cache and r.key not in self.bad_images}.values())
+        todo = list({r.key: r for r in refs if r.key not in self.image_cache
+                     and r.key not in self.bad_images}.values())
         bar = self._bar(len(todo), "images")
         for i in range(0, len(todo), self.batch_size):
             chunk, tensors = [], []
@@ -416,10 +462,12 @@ class Embedder:
                     tensors.append(self.transform(r.open()))
                     chunk.append(r)
                 except Exception as e:  # noqa: BLE001: any undecodable image is skipped, with its reason
-                    self.bad_images[r.key] = f"{r.path or r.key}: {type(e).__name__}: {first_line(e)}"
+                    self.bad_images[r.key] = (f"{r.path or r.key}: {type(e).__name__}: "
+                                              f"{first_line(e)}")
                     warn(f"{self.bad_images[r.key]}; rows that use it are skipped")
             if chunk:
-                z = self.model.encode_image(data.normalize_images(torch.stack(tensors), self.device)).float().cpu()
+                z = self.model.encode_image(data.normalize_images(torch.stack(tensors),
+                                                                  self.device)).float().cpu()
                 self.image_cache.update(zip((r.key for r in chunk), z))
             bar.update(len(todo[i:i + self.batch_size]))
         bar.close()
@@ -569,8 +617,9 @@ def retrieval_scores(emb, items, same_caption=False):
     images = emb.images([it[0] for it in items])
     kept = usable(items, images, lambda it: [it[0]])
     if len(kept) < len(items):   # R@K over a smaller gallery is easier: not the benchmark's number
-        raise data.DataError(f"{len(items) - len(kept)} of {len(items)} images could not be read (see the warnings "
-                             f"above): R@K over a smaller gallery is not comparable, so none is given")
+        raise data.DataError(f"{len(items) - len(kept)} of {len(items)} images could not be read "
+                             "(see the warnings above): R@K over a smaller gallery is not "
+                             "comparable, so none is given")
     img = torch.stack([images[it[0].key] for it in kept])
     captions = [c for it in kept for c in it[1]]
     owner = torch.tensor([i for i, it in enumerate(kept) for _ in it[1]])
@@ -600,7 +649,8 @@ def classification_scores(logits, labels, ks=(1, 5)):
     the recall of each class present in `labels`, averaged with equal weight)."""
     out = {}
     for k in ks:
-        hit = (logits.topk(k, dim=1).indices == labels[:, None]).any(1) if k <= logits.shape[1] else None
+        hit = ((logits.topk(k, dim=1).indices == labels[:, None]).any(1) if k <= logits.shape[1]
+               else None)
         out[f"top{k}"] = None if hit is None else pct(hit.float().mean())
     pred = logits.argmax(1)
     recalls = [(pred[labels == c] == c).float().mean() for c in labels.unique()]
@@ -615,8 +665,9 @@ def fit_logistic(x, y, n_classes, weight_decay, max_iter=1000, tol=1e-6):
     x = x.double()
     w = torch.zeros(x.shape[1], n_classes, dtype=torch.float64, requires_grad=True)
     b = torch.zeros(n_classes, dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=max_iter, max_eval=2 * max_iter, tolerance_grad=tol,
-                            tolerance_change=1e-12, history_size=20, line_search_fn="strong_wolfe")
+    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=max_iter, max_eval=2 * max_iter,
+                            tolerance_grad=tol, tolerance_change=1e-12, history_size=20,
+                            line_search_fn="strong_wolfe")
 
     def closure():
         opt.zero_grad()
@@ -653,7 +704,8 @@ def linear_probe(train_x, train_y, test_x, test_y, n_classes, sweep=True, val_fr
     w, b, fit = fit_logistic(train_x, train_y, n_classes, out["weight_decay"])
     if not fit["converged"]:
         warn(f"linear probe: L-BFGS stopped after {fit['iterations']} iterations with gradient "
-             f"{fit['grad_max']:.2e} (not converged; an unregularised separable fit has no optimum)")
+             f"{fit['grad_max']:.2e} (not converged; an unregularised separable fit "
+             "has no optimum)")
     acc = ((test_x @ w + b).argmax(1) == test_y).float().mean()
     return {"top1": pct(acc)} | out | fit | {"n_train": len(train_x), "n_test": len(test_x)}
 
@@ -724,7 +776,8 @@ def read_sugarcrepe(root, image_root):
     out = {}
     for subset in SUGARCREPE_SUBSETS:
         path = os.path.join(root, f"{subset}.json")
-        early = os.path.join(root, f"{subset[:-len('_obj')]}_ent.json") if subset.endswith("_obj") else path
+        early = (os.path.join(root, f"{subset[:-len('_obj')]}_ent.json") if subset.endswith("_obj")
+                 else path)
         # *_ent.json: early releases
         path = early if not os.path.exists(path) and os.path.exists(early) else path
         if not os.path.exists(path):
@@ -734,7 +787,8 @@ def read_sugarcrepe(root, image_root):
         for line, key, v in json_rows(path):
             fields = ("filename", "caption", "negative_caption")
             if not isinstance(v, dict) or not all(isinstance(v.get(k), str) for k in fields):
-                bad_row(path, line, f"entry {key!r} needs string fields filename, caption, negative_caption")
+                bad_row(path, line, f"entry {key!r} needs string fields filename, caption, "
+                        "negative_caption")
                 part.skipped += 1
                 continue
             img = find_image(image_root, v["filename"], ("",))
@@ -770,7 +824,8 @@ def crepe_subsets(path, fieldnames):
     stem = os.path.splitext(os.path.basename(path))[0]
     if "hard_negs" in fieldnames:
         m = re.fullmatch(r"prod_vg_hard_negs_(\w+?)_complexity_(\d+)", stem)
-        return {f"productivity/{m[1]}/complexity_{m[2]}" if m else f"productivity/{stem}": "hard_negs"}
+        return {f"productivity/{m[1]}/complexity_{m[2]}" if m
+                else f"productivity/{stem}": "hard_negs"}
     m = re.fullmatch(r"syst_vg_hard_negs_(\w+?)_in_(\w+)", stem)
     prefix = f"systematicity/{m[2]}/{m[1]}" if m else f"systematicity/{stem}"
     return {f"{prefix}/{col[len('valid_hard_negs_'):]}": col for col in fieldnames
@@ -800,11 +855,12 @@ def read_crepe_file(path, image_root, out):
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         fields = reader.fieldnames or []
-        missing = [c for c in ("image_id", "x", "y", "width", "height", "caption") if c not in fields]
+        missing = [c for c in ("image_id", "x", "y", "width", "height", "caption")
+                   if c not in fields]
         subsets = crepe_subsets(path, fields)
         if missing or not subsets:
-            warn(f"{path}: not a CREPE hard-negative CSV (needs image_id,x,y,width,height,caption and "
-                 f"hard_negs or valid_hard_negs_*); file skipped")
+            warn(f"{path}: not a CREPE hard-negative CSV (needs image_id,x,y,width,height,caption "
+                 "and hard_negs or valid_hard_negs_*); file skipped")
             return
         parts = {name: out.setdefault(name, Part([])) for name in subsets}
         for row in reader:
@@ -813,7 +869,8 @@ def read_crepe_file(path, image_root, out):
                 box = tuple(int(round(float(row[c]))) for c in ("x", "y", "width", "height"))
                 negs = {name: parse_list(row[col]) for name, col in subsets.items()}
                 img = find_vg_image(image_root, row)
-                why = None if img else f"image {row['image_id']} not found under {image_root} (VG_100K/, VG_100K_2/)"
+                why = (None if img else f"image {row['image_id']} not found under {image_root} "
+                       "(VG_100K/, VG_100K_2/)")
             except (ValueError, SyntaxError, TypeError) as e:
                 why = f"bad box or hard-negative list ({type(e).__name__})"
             if why:
@@ -870,12 +927,14 @@ def winoground_images(folder):
     of folder/images.zip (the Hugging Face release ships the zip; no unzip needed)."""
     image_dir, zip_path = os.path.join(folder, "images"), os.path.join(folder, "images.zip")
     if os.path.isdir(image_dir):
-        return lambda name: (lambda p: p and file_ref(p))(find_image(image_dir, name, ("",) + IMAGE_EXTS))
+        return lambda name: (lambda p: p
+                             and file_ref(p))(find_image(image_dir, name, ("",) + IMAGE_EXTS))
     if not os.path.isfile(zip_path):
         return lambda name: None
     try:
         with zipfile.ZipFile(zip_path) as z:
-            members = {os.path.splitext(os.path.basename(m))[0]: m for m in z.namelist() if not m.endswith("/")}
+            members = {os.path.splitext(os.path.basename(m))[0]: m for m in z.namelist()
+                       if not m.endswith("/")}
     except (zipfile.BadZipFile, OSError) as e:
         raise data.DataError(f"{zip_path}: cannot read ({e})") from None
     zip_path = os.path.abspath(zip_path)
@@ -900,7 +959,8 @@ def read_winoground(root):
                 v = json.loads(text)
                 names, caps = [v["image_0"], v["image_1"]], [v["caption_0"], v["caption_1"]]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
-                bad_row(path, line, f"needs image_0, image_1, caption_0, caption_1 ({type(e).__name__})")
+                bad_row(path, line, "needs image_0, image_1, caption_0, caption_1 "
+                        f"({type(e).__name__})")
                 part.skipped += 1
                 continue
             pair_of_pairs_row(path, line, find, names, caps, part)
@@ -926,8 +986,9 @@ def bench_shapes(args, emb):
     """The built-in benchmark, by data.score_shapes (il_clip.py's end of run calls it too: the same
     digits for any model code): accuracy per category, sugarcrepe_mean (the mean of the 7), R@1 per
     split. Generated, so every item is scored."""
-    out = data.score_shapes(emb.model.encode_image, emb.model.encode_text, emb.tokenizer, emb.image_size,
-                            emb.device, n=args.eval_size, n_val=0, seed=args.shapes_seed, show_progress=emb.progress)
+    out = data.score_shapes(emb.model.encode_image, emb.model.encode_text, emb.tokenizer,
+                            emb.image_size, emb.device, n=args.eval_size, n_val=0,
+                            seed=args.shapes_seed, show_progress=emb.progress)
     return out | {"n_per_category": args.eval_size}
 
 
@@ -936,10 +997,13 @@ def bench_sugarcrepe(args, emb):
     subsets) and the mean of all 7; a mean is given only over subsets scored in full."""
     require((args.sugarcrepe, "--sugarcrepe"), (args.sugarcrepe_images, "--sugarcrepe_images"))
     parts = read_sugarcrepe(args.sugarcrepe, args.sugarcrepe_images)
-    out = {s: pair_accuracy(emb, parts[s]) if s in parts else
-           {"acc": None, "n_scored": 0, "n_skipped": 0, "reason": f"{s}.json not found"} for s in SUGARCREPE_SUBSETS}
+    out = {s: pair_accuracy(emb, parts[s]) if s in parts else {"acc": None, "n_scored": 0,
+                                                               "n_skipped": 0,
+                                                               "reason": f"{s}.json not found"}
+           for s in SUGARCREPE_SUBSETS}
     for group in ("add", "replace", "swap"):
-        out[group] = complete_mean(out, [s for s in SUGARCREPE_SUBSETS if s.startswith(f"{group}_")])
+        out[group] = complete_mean(out, [s for s in SUGARCREPE_SUBSETS
+                                         if s.startswith(f"{group}_")])
     out["sugarcrepe_mean"] = complete_mean(out, SUGARCREPE_SUBSETS)
     return out
 
@@ -996,19 +1060,22 @@ def read_templates(spec):
     templates = read_lines(spec)
     bad = [t for t in templates if "{}" not in t]
     if bad or not templates:
-        raise data.DataError(f"{spec}: " + (f"template without {{}}: {bad[0]!r}" if bad else "no templates"))
+        raise data.DataError(f"{spec}: " + (f"template without {{}}: {bad[0]!r}" if bad
+                                            else "no templates"))
     return templates
 
 
 def bench_zeroshot(args, emb):
     if args.zeroshot == "shapes":
-        classnames, items = shapes_classification_set("test", max(args.eval_size, 100), args.shapes_seed)
+        classnames, items = shapes_classification_set("test", max(args.eval_size, 100),
+                                                      args.shapes_seed)
     else:
         require((args.zeroshot, "--zeroshot"))
         folders, items = read_image_folder(args.zeroshot)
         classnames = read_lines(args.classnames) if args.classnames else folder_classnames(folders)
         if len(classnames) != len(folders):
-            raise data.DataError(f"{args.classnames}: {len(classnames)} class names for {len(folders)} class folders")
+            raise data.DataError(f"{args.classnames}: {len(classnames)} class names for "
+                                 f"{len(folders)} class folders")
     templates = read_templates(args.templates)
     return zeroshot_scores(emb, classnames, items, templates) | {
         "templates": args.templates if args.templates in TEMPLATES else len(templates)}
@@ -1020,16 +1087,18 @@ def zeroshot_scores(emb, classnames, items, templates, unread=()):
     reasons."""
     x, y, skipped = classification_features(emb, items)
     skipped = [*unread, *skipped]
-    return classification_scores(x @ zeroshot_weights(emb, classnames, templates).T, y) | {
-        "n_scored": len(y), "n_skipped": len(skipped), "skipped_because": skipped[:20], "classes": len(classnames)}
+    return (classification_scores(x @ zeroshot_weights(emb, classnames, templates).T, y)
+            | {"n_scored": len(y), "n_skipped": len(skipped), "skipped_because": skipped[:20],
+               "classes": len(classnames)})
 
 
 def bench_retrieval(args, emb):
     # il_clip.py's end-of-run gallery (evaluate_shapes), so i2t_r1 means one thing
     if args.retrieval == "shapes":
-        scenes = [data.shapes_scene("val", i, args.shapes_seed) for i in
-                  lifecycle.progress(range(data.SHAPES_VAL_PAIRS), desc="shapes val scenes", unit="item",
-                                     disable=args.no_progress, leave=False)]
+        scenes = [data.shapes_scene("val", i, args.shapes_seed)
+                  for i in lifecycle.progress(range(data.SHAPES_VAL_PAIRS),
+                                              desc="shapes val scenes", unit="item",
+                                              disable=args.no_progress, leave=False)]
         items = [(ImageRef(f"shapes-scene/{args.shapes_seed}/val/{i}", pil=s.image), [s.caption])
                  for i, s in enumerate(scenes)]
         return retrieval_scores(emb, items, same_caption=True)
@@ -1039,7 +1108,8 @@ def bench_retrieval(args, emb):
     return retrieval_scores(emb, items)
 
 
-def karpathy_items(json_path: str, image_root: str | None = None, split: str = "test", with_trees=False) -> list:
+def karpathy_items(json_path: str, image_root: str | None = None, split: str = "test",
+                   with_trees=False) -> list:
     """Per-image caption lists for retrieval evaluation: [(image_path, [captions])], or
     [(image_path, [captions], [trees])] with `with_trees`. Empty captions are left out."""
     out = []
@@ -1064,11 +1134,14 @@ def bench_linear_probe(args, emb):
         classnames, train = read_image_folder(train_dir)
         test_classes, test = read_image_folder(test_dir)
         if test_classes != classnames:
-            raise data.DataError(f"{args.linear_probe}: train/ and test/ have different class folders")
-    (tx, ty, train_skipped), (vx, vy, test_skipped) = (classification_features(emb, items) for items in (train, test))
-    out = linear_probe(tx, ty, vx, vy, len(classnames), args.linear_probe_l2_sweep, args.linear_probe_val_frac,
-                       args.seed)
-    return out | {"n_scored": len(vy), "n_skipped": len(test_skipped), "n_train_skipped": len(train_skipped)}
+            raise data.DataError(f"{args.linear_probe}: train/ and test/ have "
+                                 "different class folders")
+    (tx, ty, train_skipped), (vx, vy, test_skipped) = (classification_features(emb, items)
+                                                       for items in (train, test))
+    out = linear_probe(tx, ty, vx, vy, len(classnames), args.linear_probe_l2_sweep,
+                       args.linear_probe_val_frac, args.seed)
+    return (out | {"n_scored": len(vy), "n_skipped": len(test_skipped),
+                   "n_train_skipped": len(train_skipped)})
 
 
 # -----------------------------------------------------------------------------
@@ -1107,9 +1180,10 @@ def find_root(path, *markers):
         if all(glob.glob(os.path.join(glob.escape(d), m)) for m in markers):
             return d
         if depth < 3 and os.path.isdir(d):
-            todo += [(os.path.join(d, s), depth + 1) for s in sorted(os.listdir(d)) if os.path.isdir(os.path.join(d, s))
-                     and len(todo) < 64]
-    raise data.DataError(f"{path}: not the released layout: no folder here with {', '.join(markers)}")
+            todo += [(os.path.join(d, s), depth + 1) for s in sorted(os.listdir(d))
+                     if os.path.isdir(os.path.join(d, s)) and len(todo) < 64]
+    raise data.DataError(f"{path}: not the released layout: no folder here with "
+                         f"{', '.join(markers)}")
 
 
 def array_refs(name, arrays):
@@ -1120,8 +1194,10 @@ def wnid_tree(path, head_wnids, names):
     """ImageNet val / ImageNet-Sketch / -A / -R: one folder per WordNet ID (ILSVRC2012_img_val
     sorted into folders by the devkit's valprep.sh, as torchvision and CLIP_benchmark read it).
     Every class of the head is scored, so a missing folder removes images, never classes."""
-    candidates = [path] + [os.path.join(path, sub) for sub in ("val", "sketch", "imagenet-a", "imagenet-r")]
-    root = next((d for d in candidates if os.path.isdir(d) and any(WNID.fullmatch(s) for s in os.listdir(d))), path)
+    candidates = ([path] + [os.path.join(path, sub) for sub in ("val", "sketch", "imagenet-a",
+                                                                "imagenet-r")])
+    root = next((d for d in candidates if os.path.isdir(d)
+                 and any(WNID.fullmatch(s) for s in os.listdir(d))), path)
     folders, items = read_image_folder(root)
     index = {w: i for i, w in enumerate(head_wnids)}
     unknown = [f for f in folders if f not in index]
@@ -1129,7 +1205,8 @@ def wnid_tree(path, head_wnids, names):
         raise data.DataError(f"{root}: {len(unknown)} class folders are not among this dataset's "
                              f"{len(head_wnids)} WordNet IDs (first: {unknown[0]!r})")
     head = [names[IMAGENET_WNIDS.index(w)] for w in head_wnids]
-    return head, [(r, index[folders[y]]) for r, y in items], f"{len(folders)} of {len(head_wnids)} class folders"
+    return (head, [(r, index[folders[y]]) for r, y in items],
+            f"{len(folders)} of {len(head_wnids)} class folders")
 
 
 def folder_classnames(folders):
@@ -1138,19 +1215,21 @@ def folder_classnames(folders):
     wnids = [f for f in folders if WNID.fullmatch(f)]
     known = {w: n for w, n in zip(IMAGENET_WNIDS, IMAGENET_CLASSNAMES)}
     if wnids and all(f in known for f in folders):
-        print(f"zeroshot: {len(folders)} WordNet-ID folders: ImageNet class names used", file=sys.stderr)
+        print(f"zeroshot: {len(folders)} WordNet-ID folders: ImageNet class names used",
+              file=sys.stderr)
         return [known[f] for f in folders]
     if wnids:
-        warn(f"{len(wnids)} class folders look like WordNet IDs but not all are ImageNet-1k's: prompts use the "
-             "folder names; give --classnames")
+        warn(f"{len(wnids)} class folders look like WordNet IDs but not all are ImageNet-1k's: "
+             "prompts use the folder names; give --classnames")
     return [c.replace("_", " ") for c in folders]
 
 
 class PlainUnpickler(pickle.Unpickler):
     """CIFAR's python batches are pickles: only numbers, strings, lists, dicts and numpy arrays are
     built; any other class or function (code a pickle could run) is refused."""
-    ALLOWED = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype, ("_codecs", "encode"): codecs.encode,
-               ("numpy.core.multiarray", "_reconstruct"): np.zeros(0).__reduce__()[0],
+    ALLOWED = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype,
+               ("_codecs", "encode"): codecs.encode, ("numpy.core.multiarray",
+                                                      "_reconstruct"): np.zeros(0).__reduce__()[0],
                ("numpy._core.multiarray", "_reconstruct"): np.zeros(0).__reduce__()[0]}
 
     def find_class(self, module, name):
@@ -1166,11 +1245,14 @@ def read_cifar(path, n_classes):
     3072)."""
     py, binary, key = (("test_batch", "test_batch.bin", "labels") if n_classes == 10
                        else ("test", "test.bin", "fine_labels"))
-    if os.path.isdir(path) and not glob.glob(os.path.join(glob.escape(path), "**", py), recursive=True):
+    if (os.path.isdir(path) and not glob.glob(os.path.join(glob.escape(path), "**", py),
+                                              recursive=True)):
         root = find_root(path, binary)  # the binary version, memory-mapped
-        rec, skip = np.memmap(os.path.join(root, binary), dtype=np.uint8, mode="r"), 1 if n_classes == 10 else 2
+        rec, skip = (np.memmap(os.path.join(root, binary), dtype=np.uint8, mode="r"),
+                     1 if n_classes == 10 else 2)
         if rec.size % (skip + 3072):
-            raise data.DataError(f"{os.path.join(root, binary)}: size is not a whole number of records")
+            raise data.DataError(f"{os.path.join(root, binary)}: size is not a whole "
+                                 "number of records")
         rec = rec.reshape(-1, skip + 3072)
         pixels, labels = rec[:, skip:], rec[:, skip - 1]
     else:
@@ -1180,18 +1262,22 @@ def read_cifar(path, n_classes):
             with open(file, "rb") as f:
                 batch = PlainUnpickler(f, encoding="latin1").load()
             pixels, labels = batch["data"], batch[key]
-        except (pickle.UnpicklingError, KeyError, ValueError, EOFError, TypeError, AttributeError) as e:
+        except (pickle.UnpicklingError, KeyError, ValueError, EOFError, TypeError,
+                AttributeError) as e:
             raise data.DataError(f"{file}: not a CIFAR python batch ({e})") from None
         # the declared shapes bound what is built: N x 3072 uint8 pixels, N integer labels
-        if not (isinstance(pixels, np.ndarray) and pixels.dtype == np.uint8 and pixels.shape[1:] == (3072,)
-                and isinstance(labels, (list, np.ndarray)) and all(isinstance(v, (int, np.integer)) for v in labels)):
-            raise data.DataError(f"{file}: not N x 3072 uint8 pixels (`data`) with N integer labels (`{key}`)")
+        if not (isinstance(pixels, np.ndarray) and pixels.dtype == np.uint8
+                and pixels.shape[1:] == (3072,) and isinstance(labels, (list, np.ndarray))
+                and all(isinstance(v, (int, np.integer)) for v in labels)):
+            raise data.DataError(f"{file}: not N x 3072 uint8 pixels (`data`) with N integer "
+                                 f"labels (`{key}`)")
         if len(labels) != len(pixels):
             raise data.DataError(f"{file}: {len(labels)} labels for {len(pixels)} images")
         labels = np.asarray(labels)
     images = pixels.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
     names = CIFAR10_CLASSNAMES if n_classes == 10 else CIFAR100_CLASSNAMES
-    return names, list(zip(array_refs(os.path.join(root, "cifar-test"), images), labels.tolist())), "test batch"
+    return (names, list(zip(array_refs(os.path.join(root, "cifar-test"), images), labels.tolist())),
+            "test batch")
 
 
 def read_stl10(path):
@@ -1201,9 +1287,11 @@ def read_stl10(path):
     x = np.memmap(os.path.join(root, "test_X.bin"), dtype=np.uint8, mode="r")
     y = np.fromfile(os.path.join(root, "test_y.bin"), dtype=np.uint8).astype(np.int64) - 1
     if x.size != len(y) * 3 * 96 * 96:
-        raise data.DataError(f"{root}: test_X.bin holds {x.size} bytes for {len(y)} labels of 3x96x96 images")
+        raise data.DataError(f"{root}: test_X.bin holds {x.size} bytes for {len(y)} labels "
+                             "of 3x96x96 images")
     images = x.reshape(-1, 3, 96, 96).transpose(0, 3, 2, 1)  # column-major channels -> H x W x C
-    return STL10_CLASSNAMES, list(zip(array_refs(os.path.join(root, "test_X.bin"), images), y.tolist())), "test split"
+    return (STL10_CLASSNAMES, list(zip(array_refs(os.path.join(root, "test_X.bin"), images),
+                                       y.tolist())), "test split")
 
 
 @names_file
@@ -1230,8 +1318,10 @@ def read_pets(path):
     """Oxford-IIIT Pet: annotations/test.txt lines `Abyssinian_201 1 1 1` (image, class id 1-37,
     species, breed id), images/{image}.jpg."""
     root = find_root(path, os.path.join("annotations", "test.txt"), "images")
-    rows = split_list(os.path.join(root, "annotations", "test.txt"), lambda f: (f[0], int(f[1]) - 1))
-    return PETS, [(n and file_ref(os.path.join(root, "images", f"{n}.jpg")), y) for n, y in rows], "test.txt"
+    rows = split_list(os.path.join(root, "annotations", "test.txt"),
+                      lambda f: (f[0], int(f[1]) - 1))
+    return (PETS, [(n and file_ref(os.path.join(root, "images", f"{n}.jpg")), y) for n, y in rows],
+            "test.txt")
 
 
 def read_food101(path):
@@ -1240,7 +1330,8 @@ def read_food101(path):
     root = find_root(path, os.path.join("meta", "test.json"), "images")
     split = read_json(os.path.join(root, "meta", "test.json"))
     classes = sorted(split)
-    items = [(file_ref(os.path.join(root, "images", f"{f}.jpg")), y) for y, c in enumerate(classes) for f in split[c]]
+    items = [(file_ref(os.path.join(root, "images", f"{f}.jpg")), y) for y, c in enumerate(classes)
+             for f in split[c]]
     return [c.replace("_", " ") for c in classes], items, "meta/test.json"
 
 
@@ -1249,17 +1340,21 @@ def read_sun397(path):
     {class}/sun_*.jpg. With a partition file (Partitions.zip: Testing_01.txt) beside it, its test
     images; without, every image, as CLIP_benchmark (torchvision's SUN397 has no split)."""
     root = find_root(path, "ClassName.txt")
-    classes = [c[3:] if c[2:3] == "/" else c.lstrip("/") for c in read_lines(os.path.join(root, "ClassName.txt"))]
+    classes = [c[3:] if c[2:3] == "/" else c.lstrip("/")
+               for c in read_lines(os.path.join(root, "ClassName.txt"))]
     index = {c: i for i, c in enumerate(classes)}
     names = [c.replace("_", " ").replace("/", " ") for c in classes]
-    for part in (os.path.join(root, "Testing_01.txt"), os.path.join(root, "Partitions", "Testing_01.txt")):
+    for part in (os.path.join(root, "Testing_01.txt"),
+                 os.path.join(root, "Partitions", "Testing_01.txt")):
         if os.path.isfile(part):
             rel = [p.lstrip("/") for p in read_lines(part)]
-            return names, [(file_ref(os.path.join(root, p)), index[os.path.dirname(p)[2:]]) if os.path.dirname(p)[2:]
-                           in index else (None, f"{part}: {p}: class not in ClassName.txt") for p in rel], \
-                "Partitions/Testing_01.txt"
+            return (names, [(file_ref(os.path.join(root, p)), index[os.path.dirname(p)[2:]])
+                            if os.path.dirname(p)[2:] in index
+                            else (None, f"{part}: {p}: class not in ClassName.txt") for p in rel],
+                    "Partitions/Testing_01.txt")
     items = [(file_ref(p), y) for y, c in enumerate(classes)
-             for p in sorted(glob.glob(os.path.join(glob.escape(root), c[0], *c.split("/"), "sun_*.jpg")))]
+             for p in sorted(glob.glob(os.path.join(glob.escape(root), c[0], *c.split("/"),
+                                                    "sun_*.jpg")))]
     return names, items, "all images (no partition file given; CLIP_benchmark's protocol)"
 
 
@@ -1281,15 +1376,18 @@ def read_voc2007(path):
     """VOC2007, single-label (CLIP_benchmark's voc2007): every object box of the test images
     (ImageSets/Main/aeroplane_test.txt lists them) cropped from JPEGImages/, labelled by its class;
     Annotations/{id}.xml gives <object><name> and <bndbox> xmin ymin xmax ymax."""
-    root = find_root(path, "Annotations", "JPEGImages", os.path.join("ImageSets", "Main", "aeroplane_test.txt"))
+    root = find_root(path, "Annotations", "JPEGImages",
+                     os.path.join("ImageSets", "Main", "aeroplane_test.txt"))
     ids = split_list(os.path.join(root, "ImageSets", "Main", "aeroplane_test.txt"), lambda f: f[0])
     index, items = {c: i for i, c in enumerate(VOC2007_CLASSNAMES)}, []
     for i in ids:
         xml, objects = os.path.join(root, "Annotations", f"{i}.xml"), []
         try:
             for obj in ElementTree.parse(xml).getroot().iter("object"):
-                x0, y0, x1, y1 = (int(float(obj.find("bndbox").find(k).text)) for k in ("xmin", "ymin", "xmax", "ymax"))
-                objects.append((file_ref(os.path.join(root, "JPEGImages", f"{i}.jpg"), (x0, y0, x1 - x0, y1 - y0)),
+                x0, y0, x1, y1 = (int(float(obj.find("bndbox").find(k).text))
+                                  for k in ("xmin", "ymin", "xmax", "ymax"))
+                objects.append((file_ref(os.path.join(root, "JPEGImages", f"{i}.jpg"),
+                                         (x0, y0, x1 - x0, y1 - y0)),
                                 index[obj.find("name").text.strip()]))
         except Exception as e:  # noqa: BLE001: an unreadable annotation skips its image, counted
             objects = [(None, f"{xml}: {type(e).__name__}: {first_line(e)}")]
@@ -1304,13 +1402,15 @@ def mat_v5_arrays(path):
     imagelabels.mat, setid.mat): a 128-byte header, then tagged elements; miCOMPRESSED elements
     are zlib streams of further elements. Enough for these files, not a general reader."""
     if os.path.getsize(path) > MAX_BLOB:
-        raise data.DataError(f"{path}: {os.path.getsize(path)} bytes, over the {MAX_BLOB}-byte cap for a .mat file")
+        raise data.DataError(f"{path}: {os.path.getsize(path)} bytes, over the {MAX_BLOB}-byte cap "
+                             "for a .mat file")
     with open(path, "rb") as f:
         blob = f.read()
     if len(blob) < 128 or blob[126:128] not in (b"IM", b"MI"):
         raise data.DataError(f"{path}: not a MATLAB v5 .mat file")
     end = "<" if blob[126:128] == b"IM" else ">"
-    types = {1: "i1", 2: "u1", 3: "i2", 4: "u2", 5: "i4", 6: "u4", 7: "f4", 9: "f8", 12: "i8", 13: "u8"}
+    types = {1: "i1", 2: "u1", 3: "i2", 4: "u2", 5: "i4", 6: "u4", 7: "f4", 9: "f8", 12: "i8",
+             13: "u8"}
 
     def elements(buf):
         pos = 0
@@ -1334,7 +1434,8 @@ def mat_v5_arrays(path):
         kind, raw = parts[3] if len(parts) > 3 else (9, b"")
         if kind not in types:
             return name, None
-        return name, np.frombuffer(raw, dtype=end + types[kind]).astype(np.float64).reshape(dims[::-1]).T
+        return (name, np.frombuffer(raw, dtype=end + types[kind]).astype(np.float64).reshape(
+            dims[::-1]).T)
 
     out = {}
     try:
@@ -1364,7 +1465,8 @@ def read_flowers102(path):
     """Oxford Flowers102: jpg/image_NNNNN.jpg, imagelabels.mat (labels 1-102 per image), setid.mat
     (tstid: the 6149 test image numbers)."""
     root = find_root(path, "jpg", "imagelabels.mat", "setid.mat")
-    labels, split = mat_v5_arrays(os.path.join(root, "imagelabels.mat")), mat_v5_arrays(os.path.join(root, "setid.mat"))
+    labels, split = (mat_v5_arrays(os.path.join(root, "imagelabels.mat")),
+                     mat_v5_arrays(os.path.join(root, "setid.mat")))
     if labels.get("labels") is None or split.get("tstid") is None:
         raise data.DataError(f"{root}: imagelabels.mat needs `labels`, setid.mat needs `tstid`")
     y = labels["labels"].ravel().astype(int)
@@ -1378,16 +1480,19 @@ def read_objectnet(path):
     objectnet_to_imagenet_1k.json; the 113 classes that map to ImageNet-1k (as CLIP_benchmark), each
     named by its ObjectNet label, lower-cased."""
     root = find_root(path, "images", os.path.join("mappings", "objectnet_to_imagenet_1k.json"))
-    folder_of = {v: k for k, v in read_json(os.path.join(root, "mappings", "folder_to_objectnet_label.json")).items()}
+    folder_of = {v: k for k, v in read_json(os.path.join(root, "mappings",
+                                                         "folder_to_objectnet_label.json")).items()}
     shared = read_json(os.path.join(root, "mappings", "objectnet_to_imagenet_1k.json"))
     if any(label not in folder_of for label in shared):
-        raise data.DataError(f"{root}/mappings: an ObjectNet label of objectnet_to_imagenet_1k.json has no folder")
+        raise data.DataError(f"{root}/mappings: an ObjectNet label of "
+                             "objectnet_to_imagenet_1k.json has no folder")
     overlap = sorted(folder_of[label] for label in shared)
     label_of = {v: k for k, v in folder_of.items()}
     items = [(file_ref(p), y) for y, f in enumerate(overlap)
              for p in sorted(glob.glob(os.path.join(glob.escape(root), "images", f, "*")))
              if p.lower().endswith(IMAGE_EXTS)]
-    return [label_of[f].lower() for f in overlap], items, f"{len(overlap)} classes shared with ImageNet-1k"
+    return ([label_of[f].lower() for f in overlap], items, f"{len(overlap)} classes shared "
+            "with ImageNet-1k")
 
 
 def read_resisc45(path):
@@ -1396,7 +1501,8 @@ def read_resisc45(path):
     root = find_root(path, "airplane", "wetland")
     folders, items = read_image_folder(root)
     if folders != RESISC45_FOLDERS:
-        raise data.DataError(f"{root}: expected the 45 RESISC45 class folders, found {len(folders)}")
+        raise data.DataError(f"{root}: expected the 45 RESISC45 class folders, "
+                             f"found {len(folders)}")
     # TFDS's names: underscores kept
     return folders, items, "all images (VTAB's 20% test split needs TFDS)"
 
@@ -1404,15 +1510,18 @@ def read_resisc45(path):
 def read_clevr(path):
     """CLEVR v1.0, VTAB's count_all task: scenes/CLEVR_val_scenes.json, images/val/*.png; label =
     number of objects - 3 (3-10 objects). VTAB's test split is CLEVR's validation set."""
-    root = find_root(path, os.path.join("scenes", "CLEVR_val_scenes.json"), os.path.join("images", "val"))
+    root = find_root(path, os.path.join("scenes", "CLEVR_val_scenes.json"),
+                     os.path.join("images", "val"))
     try:
         scenes = read_json(os.path.join(root, "scenes", "CLEVR_val_scenes.json"))["scenes"]
         rows = [(s["image_filename"], len(s["objects"]) - 3) for s in scenes]
     except (KeyError, TypeError) as e:
-        raise data.DataError(f"{root}/scenes/CLEVR_val_scenes.json: {type(e).__name__}: {e}") from None
+        raise data.DataError(f"{root}/scenes/CLEVR_val_scenes.json: "
+                             f"{type(e).__name__}: {e}") from None
     items = [(file_ref(os.path.join(root, "images", "val", f)), y) for f, y in rows if 0 <= y < 8]
-    return CLEVR_COUNT, items, "validation set (VTAB test)" + (f", {len(rows) - len(items)} scenes outside 3-10 objects"
-                                                                 if len(rows) > len(items) else "")
+    return (CLEVR_COUNT, items, "validation set (VTAB test)" + (f", {len(rows) - len(items)} "
+                                                                "scenes outside 3-10 objects"
+                                                                if len(rows) > len(items) else ""))
 
 
 def norb_matrix(path):
@@ -1424,8 +1533,8 @@ def norb_matrix(path):
     ndim = int(head[1])
     dims = tuple(int(d) for d in np.fromfile(path, dtype="<i4", count=ndim, offset=8))
     try:
-        return np.memmap(path, dtype="u1" if head[0] == 0x1E3D4C55 else "<i4", mode="r", offset=8 + 4 * max(3, ndim),
-                         shape=dims)
+        return np.memmap(path, dtype="u1" if head[0] == 0x1E3D4C55 else "<i4", mode="r",
+                         offset=8 + 4 * max(3, ndim), shape=dims)
     except ValueError as e:
         raise data.DataError(f"{path}: shape {dims} does not fit the file ({e})") from None
 
@@ -1435,9 +1544,11 @@ def read_smallnorb(path):
     smallnorb-5x01235x9x18x6x2x96x96-testing-{dat,info}.mat, gunzipped; the first camera's image."""
     stem = "smallnorb-5x01235x9x18x6x2x96x96-testing-"
     root = find_root(path, f"{stem}dat.mat", f"{stem}info.mat")
-    dat, info = norb_matrix(os.path.join(root, f"{stem}dat.mat")), norb_matrix(os.path.join(root, f"{stem}info.mat"))
+    dat, info = (norb_matrix(os.path.join(root, f"{stem}dat.mat")),
+                 norb_matrix(os.path.join(root, f"{stem}info.mat")))
     if dat.ndim != 4 or info.ndim != 2 or len(dat) != len(info):
-        raise data.DataError(f"{root}: testing-dat.mat {dat.shape} and testing-info.mat {info.shape} do not pair up")
+        raise data.DataError(f"{root}: testing-dat.mat {dat.shape} and testing-info.mat "
+                             f"{info.shape} do not pair up")
     refs = array_refs(os.path.join(root, f"{stem}dat.mat"), dat[:, 0])
     return SMALLNORB_AZIMUTH, list(zip(refs, (info[:, 2] // 2).tolist())), \
         "all 24,300 test pairs (VTAB scores half of TFDS's shuffled order)"
@@ -1485,7 +1596,8 @@ def tf_example(buf):
         (kind, ((lo, ls),)), = protobuf_fields(buf, vo, vo + vs).items()
         values = protobuf_fields(buf, lo, lo + ls).get(1, [])
         if kind == 3:  # packed: one length-delimited run of varints
-            values = [x for v in values for x in ([v] if isinstance(v, int) else packed_varints(buf, *v))]
+            values = [x for v in values for x in ([v] if isinstance(v, int)
+                                                  else packed_varints(buf, *v))]
         out[bytes(buf[ko:ko + ks]).decode()] = values
     return out
 
@@ -1509,8 +1621,8 @@ def tfrecords(path):
                 raise ValueError("truncated record header")
             n = struct.unpack("<Q", header[:8])[0]
             if n > min(size - f.tell() - 4, MAX_BLOB):
-                raise data.DataError(f"{path}: record at byte {f.tell() - 12} says {n} bytes: more than the file "
-                                     f"holds or the {MAX_BLOB}-byte cap")
+                raise data.DataError(f"{path}: record at byte {f.tell() - 12} says {n} bytes: more "
+                                     f"than the file holds or the {MAX_BLOB}-byte cap")
             offset, record = f.tell(), f.read(n)
             if len(record) < n or len(f.read(4)) < 4:
                 raise ValueError("truncated record")
@@ -1527,10 +1639,11 @@ def read_dmlab(path):
         try:
             for offset, ex in tfrecords(file):
                 (io_, size), = ex["image"]
-                items.append((LazyRef(f"{file}@{offset + io_}", path=file, span=(offset + io_, size)), ex["label"][0]))
+                items.append((LazyRef(f"{file}@{offset + io_}", path=file,
+                                      span=(offset + io_, size)), ex["label"][0]))
         except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise data.DataError(f"{file}: record {len(items) + 1}: not a tf.train.Example with image and label "
-                                 f"({e})") from None
+            raise data.DataError(f"{file}: record {len(items) + 1}: not a tf.train.Example with "
+                                 f"image and label ({e})") from None
     return DMLAB, items, "test split (VTAB test)"
 
 
@@ -1557,11 +1670,13 @@ def read_clip_benchmark_wds(path):
             raise data.DataError(f"{shard}: unreadable tar shard ({e})") from None
         for key, g in groups.items():
             try:
-                items.append((LazyRef(f"{shard}/{key}", path=shard, span=g["image"]), int(g["cls"].decode().strip())))
+                items.append((LazyRef(f"{shard}/{key}", path=shard, span=g["image"]),
+                              int(g["cls"].decode().strip())))
             except (KeyError, ValueError, UnicodeDecodeError):
                 items.append((None, f"{shard}: {key}: no image or no integer .cls"))
                 warn(f"{items[-1][1]}; sample skipped")
-    return read_lines(os.path.join(root, "classnames.txt")), items, "CLIP_benchmark webdataset, test split"
+    return (read_lines(os.path.join(root, "classnames.txt")), items,
+            "CLIP_benchmark webdataset, test split")
 
 
 ZeroShotSet = namedtuple("ZeroShotSet", "column reader templates")
@@ -1570,38 +1685,45 @@ ZeroShotSet = namedtuple("ZeroShotSet", "column reader templates")
 def zeroshot_sets():
     """Table 2's columns, in the paper's order: name -> (column, reader(path), templates)."""
     imagenet = OPENAI_IMAGENET_TEMPLATES
-    return {
-        "imagenet1k": ZeroShotSet("ImageNet1k", lambda p: wnid_tree(p, IMAGENET_WNIDS, IMAGENET_CLASSNAMES), imagenet),
-        "cifar100": ZeroShotSet("CIFAR-100", lambda p: read_cifar(p, 100), CIFAR_TEMPLATES),
-        "cifar10": ZeroShotSet("CIFAR-10", lambda p: read_cifar(p, 10), CIFAR_TEMPLATES),
-        "stl10": ZeroShotSet("STL-10", read_stl10, A_THE_TEMPLATES),
-        "voc2007": ZeroShotSet("VOC2007", read_voc2007, A_THE_TEMPLATES[:1]),
-        "caltech101": ZeroShotSet("Caltech101", read_caltech101, CALTECH101_TEMPLATES),
-        "sun397": ZeroShotSet("SUN397", read_sun397, A_THE_TEMPLATES),
-        "pets": ZeroShotSet("Pets", read_pets, ["a photo of a {}, a type of pet."]),
-        "flowers102": ZeroShotSet("Flowers102", read_flowers102, ["a photo of a {}, a type of flower."]),
-        "food101": ZeroShotSet("Food101", read_food101, ["a photo of {}, a type of food."]),
-        "objectnet": ZeroShotSet("ObjectNet", read_objectnet, imagenet),
-        "clevr": ZeroShotSet("CLEVR", read_clevr, ["a picture of {} objects"]),
-        "smallnorb": ZeroShotSet("Smallnorb", read_smallnorb, ["an object rotated at {}", "something rotated at {}",
-                                                               "{} rotation", "something at a {} angle"]),
-        "resisc45": ZeroShotSet("Resisc45", read_resisc45, ["a sattelite image of {}", "an aerial view of {}",
-                                                            "a sattelite photo of {}", "{} from above"]),
-        "dmlab": ZeroShotSet("DMLAB", read_dmlab, ["{}"]),
-        "imagenet-a": ZeroShotSet("ImageNet-A", lambda p: wnid_tree(p, IMAGENET_A_WNIDS, IMAGENET_CLASSNAMES),
-                                  imagenet),
-        "imagenet-r": ZeroShotSet("ImageNet-R", lambda p: wnid_tree(p, IMAGENET_R_WNIDS, IMAGENET_CLASSNAMES),
-                                  imagenet),
-        "imagenet-sketch": ZeroShotSet("IN-sketch", lambda p: wnid_tree(p, IMAGENET_WNIDS, IMAGENET_CLASSNAMES),
-                                       imagenet),
-    }
+    return {"imagenet1k": ZeroShotSet("ImageNet1k",
+                                      lambda p: wnid_tree(p, IMAGENET_WNIDS, IMAGENET_CLASSNAMES),
+                                      imagenet),
+            "cifar100": ZeroShotSet("CIFAR-100", lambda p: read_cifar(p, 100), CIFAR_TEMPLATES),
+            "cifar10": ZeroShotSet("CIFAR-10", lambda p: read_cifar(p, 10), CIFAR_TEMPLATES),
+            "stl10": ZeroShotSet("STL-10", read_stl10, A_THE_TEMPLATES),
+            "voc2007": ZeroShotSet("VOC2007", read_voc2007, A_THE_TEMPLATES[:1]),
+            "caltech101": ZeroShotSet("Caltech101", read_caltech101, CALTECH101_TEMPLATES),
+            "sun397": ZeroShotSet("SUN397", read_sun397, A_THE_TEMPLATES),
+            "pets": ZeroShotSet("Pets", read_pets, ["a photo of a {}, a type of pet."]),
+            "flowers102": ZeroShotSet("Flowers102", read_flowers102,
+                                      ["a photo of a {}, a type of flower."]),
+            "food101": ZeroShotSet("Food101", read_food101, ["a photo of {}, a type of food."]),
+            "objectnet": ZeroShotSet("ObjectNet", read_objectnet, imagenet),
+            "clevr": ZeroShotSet("CLEVR", read_clevr, ["a picture of {} objects"]),
+            "smallnorb": ZeroShotSet("Smallnorb", read_smallnorb,
+                                     ["an object rotated at {}", "something rotated at {}",
+                                      "{} rotation", "something at a {} angle"]),
+            "resisc45": ZeroShotSet("Resisc45", read_resisc45,
+                                    ["a sattelite image of {}", "an aerial view of {}",
+                                     "a sattelite photo of {}", "{} from above"]),
+            "dmlab": ZeroShotSet("DMLAB", read_dmlab, ["{}"]),
+            "imagenet-a": ZeroShotSet("ImageNet-A",
+                                      lambda p: wnid_tree(p, IMAGENET_A_WNIDS, IMAGENET_CLASSNAMES),
+                                      imagenet),
+            "imagenet-r": ZeroShotSet("ImageNet-R",
+                                      lambda p: wnid_tree(p, IMAGENET_R_WNIDS, IMAGENET_CLASSNAMES),
+                                      imagenet),
+            "imagenet-sketch": ZeroShotSet("IN-sketch",
+                                           lambda p: wnid_tree(p, IMAGENET_WNIDS,
+                                                               IMAGENET_CLASSNAMES), imagenet),}
 
 
 def zeroshot_set_name(name):
     """'ImageNet-1k', 'imagenet1k', 'IN-sketch', 'Flowers102' ... -> the key in zeroshot_sets(), or
     None."""
     key = re.sub(r"[^a-z0-9]", "", name.lower())
-    aliases = {"imagenet": "imagenet1k", "insketch": "imagenetsketch", "flowers": "flowers102", "oxfordpets": "pets"}
+    aliases = {"imagenet": "imagenet1k", "insketch": "imagenetsketch", "flowers": "flowers102",
+               "oxfordpets": "pets"}
     key = aliases.get(key, key)
     return next((n for n in zeroshot_sets() if re.sub(r"[^a-z0-9]", "", n) == key), None)
 
@@ -1617,7 +1739,8 @@ def split_zeroshot_flags(args):
         if sep and zeroshot_set_name(name):
             sets[zeroshot_set_name(name)] = path
         elif sep and not os.path.exists(v):
-            raise ConfigError(f"--zeroshot {v}: unknown dataset {name!r}; choose from {', '.join(zeroshot_sets())}")
+            raise ConfigError(f"--zeroshot {v}: unknown dataset {name!r}; choose from "
+                              f"{', '.join(zeroshot_sets())}")
         else:
             plain.append(v)
     args.zeroshot, args.zeroshot_sets = plain[-1] if plain else None, sets
@@ -1647,10 +1770,12 @@ def bench_zeroshot_set(name):
             raise data.DataError(f"{path}: no {name} test images found ({note})")
         outside = [y for _, y in items if not 0 <= y < len(classnames)]
         if outside:
-            raise data.DataError(f"{path}: {len(outside)} labels outside 0-{len(classnames) - 1} (first: {outside[0]})")
-        print(f"zeroshot/{name}: {len(items)} images, {len(classnames)} classes ({note})", file=sys.stderr)
-        return zeroshot_scores(emb, classnames, items, spec.templates, unread) | {"templates": len(spec.templates),
-                                                                                 "split": note}
+            raise data.DataError(f"{path}: {len(outside)} labels outside 0-{len(classnames) - 1} "
+                                 f"(first: {outside[0]})")
+        print(f"zeroshot/{name}: {len(items)} images, {len(classnames)} classes ({note})",
+              file=sys.stderr)
+        return (zeroshot_scores(emb, classnames, items, spec.templates, unread)
+                | {"templates": len(spec.templates), "split": note})
     return score
 
 
@@ -1661,10 +1786,12 @@ def zeroshot_suite_row(results, failed):
     for name, spec in zeroshot_sets().items():
         r = results.get(f"zeroshot/{name}")
         if r is not None and r.get("top1") is not None:
-            row[spec.column] = {"top1": r["top1"], "n_scored": r["n_scored"], "n_skipped": r["n_skipped"]}
+            row[spec.column] = {"top1": r["top1"], "n_scored": r["n_scored"],
+                                "n_skipped": r["n_skipped"]}
             scored.append(r["top1"])
         else:
-            row[spec.column] = {"top1": None, "n_scored": 0, "reason": failed.get(f"zeroshot/{name}", "not given")}
+            row[spec.column] = {"top1": None, "n_scored": 0,
+                                "reason": failed.get(f"zeroshot/{name}", "not given")}
             missing.append(spec.column)
     mean = round(sum(scored) / len(scored), 2) if scored else None
     row["Mean"] = {"top1": mean, "over": len(scored), "not_scored": missing}
@@ -1674,12 +1801,13 @@ def zeroshot_suite_row(results, failed):
 def suite_table(row):
     cols = list(row)
     cell = lambda v: "—" if v is None else f"{v:.1f}"
-    lines = ["| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|",
-             "| top-1 | " + " | ".join(cell(row[c]["top1"]) for c in cols) + " |",
-             "| n_scored | " + " | ".join(str(row[c].get("n_scored", "")) for c in cols[:-1]) + " | |"]
+    lines = ["| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|", "| top-1 | "
+             + " | ".join(cell(row[c]["top1"]) for c in cols) + " |", "| n_scored | "
+             + " | ".join(str(row[c].get("n_scored", "")) for c in cols[:-1]) + " | |"]
     missing = row["Mean"]["not_scored"]
     if missing:
-        lines.append(f"Mean over the {row['Mean']['over']} datasets scored; not scored: {', '.join(missing)}")
+        lines.append(f"Mean over the {row['Mean']['over']} datasets scored; not scored: "
+                     f"{', '.join(missing)}")
     return "\n".join(lines)
 
 
@@ -2005,8 +2133,8 @@ wardrobe whale willow_tree wolf woman worm
 # class_names.txt
 STL10_CLASSNAMES = _split("airplane bird car cat deer dog horse monkey ship truck")
 # VOC's class names, as written
-VOC2007_CLASSNAMES = _split("aeroplane bicycle bird boat bottle bus car cat chair cow diningtable dog horse motorbike "
-                            "person pottedplant sheep sofa train tvmonitor")
+VOC2007_CLASSNAMES = _split("aeroplane bicycle bird boat bottle bus car cat chair cow diningtable "
+                            "dog horse motorbike person pottedplant sheep sofa train tvmonitor")
 
 # Caltech101's 102 category folders, sorted; CLIP_benchmark renames some
 CALTECH101_FOLDERS = _split("""
@@ -2144,7 +2272,8 @@ def spectral_product(model):
     vision = [n for n in per_layer if n.startswith(prefixes)]
     text = [n for n in per_layer if not n.startswith(prefixes) and n != "codebook"]
     return {"log10_product": log(per_layer), "log10_vision": log(vision), "log10_text": log(text),
-            "layers": len(per_layer), "spectral_norms": {n: round(v, 6) for n, v in per_layer.items()}}
+            "layers": len(per_layer), "spectral_norms": {n: round(v, 6)
+                                                         for n, v in per_layer.items()}}
 
 
 def out_dir_of(ckpt):
@@ -2162,8 +2291,9 @@ def generation_snapshots(ckpt):
     root = out_dir_of(ckpt)
     found = glob.glob(os.path.join(root, "gen*", "model.safetensors")) + \
         glob.glob(os.path.join(root, "generations", "*", "model.safetensors"))
-    found = [os.path.dirname(p) for p in found] + glob.glob(os.path.join(root, "*gen*.safetensors")) + \
-        glob.glob(os.path.join(root, "generations", "*.safetensors"))
+    found = ([os.path.dirname(p) for p in found]
+             + glob.glob(os.path.join(root, "*gen*.safetensors"))
+             + glob.glob(os.path.join(root, "generations", "*.safetensors")))
     num = lambda p: int("".join(ch for ch in os.path.basename(p) if ch.isdigit()) or -1)
     return sorted(set(found), key=lambda p: (num(p), p))
 
@@ -2187,19 +2317,23 @@ def bench_spectral(args, model, tok, config):
     for path in compare_ckpts(args):
         runs[run_name(path)] = spectral_curve(path, load_checkpoint(path, args)[0], args)
     # x: the generation a snapshot ends (the number in its name: gen0/ is the end of the warm-up)
-    gen_of = lambda i, g: int("".join(ch for ch in os.path.basename(g["snapshot"]) if ch.isdigit()) or i)
-    xs = [gen_of(i, g) for r in runs.values() for i, g in enumerate(r.get("generations", []))] or [0, 1]
+    gen_of = (lambda i, g: int("".join(ch for ch in os.path.basename(g["snapshot"]) if ch.isdigit())
+                               or i))
+    xs = ([gen_of(i, g) for r in runs.values() for i, g in enumerate(r.get("generations", []))]
+          or [0, 1])
     series = {}
     for name, r in runs.items():
         gens = r.get("generations")
         if gens:
-            series[f"{name} (gen{{K}}/ snapshots)"] = [(gen_of(i, g), g["log10_vision"]) for i, g in enumerate(gens)]
+            series[f"{name} (gen{{K}}/ snapshots)"] = [(gen_of(i, g), g["log10_vision"])
+                                                       for i, g in enumerate(gens)]
         else:       # drawn across the generations of the others
             flat = r["log10_vision"]
             series[f"{name} (final weights, no snapshots)"] = [(min(xs), flat), (max(xs), flat)]
     png = os.path.join(args.plot_dir, "spectral.png")
-    draw_line_plot(png, series, "vision agent: product of spectral norms (Fig. 4; not a Lipschitz bound)",
-                   "generation (snapshot gen{K}/; 0: end of the warm-up)", "log10 of the product (unitless)")
+    draw_line_plot(png, series, "vision agent: product of spectral norms (Fig. 4; not a "
+                   "Lipschitz bound)", "generation (snapshot gen{K}/; 0: end of the warm-up)",
+                   "log10 of the product (unitless)")
     main = runs.pop(next(iter(runs)))
     return main | ({"compare": runs} if runs else {}) | {"png": png}
 
@@ -2212,9 +2346,11 @@ def load_snapshot(path, model, ckpt, args):
     from safetensors.torch import load_file
     snap = copy.deepcopy(model)
     try:
-        snap.load_state_dict(load_file(os.path.join(path, "model.safetensors") if os.path.isdir(path) else path))
+        snap.load_state_dict(load_file(os.path.join(path, "model.safetensors")
+                                       if os.path.isdir(path) else path))
     except RuntimeError as e:
-        raise ConfigError(f"{path}: generation snapshot does not match the model of {ckpt} ({first_line(e)})") from None
+        raise ConfigError(f"{path}: generation snapshot does not match the model of {ckpt} "
+                          f"({first_line(e)})") from None
     return snap
 
 
@@ -2234,18 +2370,22 @@ def analysis_data(args, config, flag):
     cfg = config if isinstance(config, dict) else {}
     spec = getattr(args, flag) or cfg.get("data")
     if not spec:
-        raise Skip(f"give --{flag} (any --data spec): the weights do not say what data they were trained on")
-    pick = lambda k, default: getattr(args, k) if getattr(args, k) is not None else cfg.get(k, default)
-    return spec, {"image_root": pick("image_root", None), "csv_img_key": pick("csv_img_key", "filepath"),
-                  "csv_caption_key": pick("csv_caption_key", "title"), "csv_separator": pick("csv_separator", None),
-                  "num_workers": getattr(args, "num_workers", 0)}
+        raise Skip(f"give --{flag} (any --data spec): the weights do not say what data they "
+                   "were trained on")
+    pick = (lambda k, default: getattr(args, k) if getattr(args, k) is not None
+            else cfg.get(k, default))
+    return (spec, {"image_root": pick("image_root", None),
+                   "csv_img_key": pick("csv_img_key", "filepath"),
+                   "csv_caption_key": pick("csv_caption_key", "title"),
+                   "csv_separator": pick("csv_separator", None),
+                   "num_workers": getattr(args, "num_workers", 0)})
 
 
 def loader_for(spec, kw, split, tok, image_size, batch_size, train, seed=0):
     """data.make_loader for an analysis: a DataError (bad spec, unreadable files) is the
     analysis's error line, not a crash."""
-    return data.make_loader(spec, split, batch_size=batch_size, tokenizer=tok, image_size=image_size, train=train,
-                            seed=seed, drop_last=train, **kw)
+    return data.make_loader(spec, split, batch_size=batch_size, tokenizer=tok,
+                            image_size=image_size, train=train, seed=seed, drop_last=train, **kw)
 
 
 HELD_OUT_PERCENT = 10   # of a split-less dataset's pairs (by key), never trained on by the probe
@@ -2265,14 +2405,15 @@ def held_out_rule(spec, kw, seed):
 def select(batch, keep):
     """The rows of a loader batch whose key `keep` accepts."""
     rows = [i for i, k in enumerate(batch["key"]) if keep(k)]
-    return {k: (v[rows] if torch.is_tensor(v) else [v[i] for i in rows]) if k in ("image", "text", "caption", "key")
-            else v for k, v in batch.items()}
+    return {k: (v[rows] if torch.is_tensor(v) else [v[i] for i in rows])
+            if k in ("image", "text", "caption", "key") else v for k, v in batch.items()}
 
 
 def eval_batches(spec, kw, tok, size, batch_size, n, held_out=None):
     """Up to n (image, caption) pairs: the `val` split, or with `held_out` (held_out_rule) the
     pairs it holds out of the data in loader order."""
-    loader = loader_for(spec, kw, "val" if held_out is None else "train", tok, size, batch_size, train=False)
+    loader = loader_for(spec, kw, "val" if held_out is None else "train", tok, size, batch_size,
+                        train=False)
     batches, seen = [], 0
     for b in loader:
         b = b if held_out is None else select(b, held_out)
@@ -2282,8 +2423,9 @@ def eval_batches(spec, kw, tok, size, batch_size, n, held_out=None):
         if seen >= n:
             break
     if not batches:
-        raise data.DataError(f"{spec}: no readable image-caption pair for the analysis" + (
-            "" if held_out is None else f" among the {HELD_OUT_PERCENT}% of its pairs held out (too small a dataset?)"))
+        raise data.DataError(f"{spec}: no readable image-caption pair for the analysis"
+                             + ("" if held_out is None else f" among the {HELD_OUT_PERCENT}% of "
+                                "its pairs held out (too small a dataset?)"))
     return batches, loader
 
 
@@ -2293,13 +2435,15 @@ def bench_codebook(args, model, tok, config):
     if not getattr(getattr(model, "cfg", None), "codebook_size", 0):
         raise Skip("the model has no codebook (needs il_clip.py --method codebook / il)")
     spec, kw = analysis_data(args, config, "viz_data")
-    batches, loader = eval_batches(spec, kw, tok, image_size_of(model, config), args.batch_size, args.viz_images)
+    batches, loader = eval_batches(spec, kw, tok, image_size_of(model, config), args.batch_size,
+                                   args.viz_images)
     images = torch.cat([b["image"] for b in batches])[:args.viz_images]
     captions = [c for b in batches for c in b["caption"]][:args.viz_images]
     scores, weights = [], []
     with torch.no_grad():
         for i in range(0, len(images), args.batch_size):
-            s, w = image_code_scores(model, data.normalize_images(images[i:i + args.batch_size], args.device))
+            s, w = image_code_scores(model, data.normalize_images(images[i:i + args.batch_size],
+                                                                  args.device))
             scores.append(s.float().cpu()), weights.append(w.float().cpu())
     scores, weights = torch.cat(scores), torch.cat(weights)  # [N, K]
     usage = weights.sum(0)
@@ -2310,17 +2454,19 @@ def bench_codebook(args, model, tok, config):
         out[str(c)] = {"usage": round(float(usage[c]), 6), "captions": [captions[i] for i in top]}
         rows.append((f"code {c}\nweight {float(usage[c]):.3g}", [to_pil(images[i]) for i in top]))
     png = os.path.join(args.plot_dir, "codebook.png")
-    draw_image_grid(png, rows, f"codebook: the {args.viz_topk} images of {spec} that score highest on each of the "
-                               f"{len(codes)} most used codes (weight: its sparsemax weight summed over the "
-                               f"images; Fig. 6)")
+    draw_image_grid(png, rows, f"codebook: the {args.viz_topk} images of {spec} that score highest "
+                    f"on each of the {len(codes)} most used codes (weight: its sparsemax weight "
+                    "summed over the images; Fig. 6)")
     return {"data": spec, "n_images": len(images), "n_skipped": loader.skipped, "codes": out,
             "active_codes": int((usage > 0).sum()), "png": png}
 
 
 def to_pil(x):
     """A loader's image (uint8, or CLIP-normalised float: undone) back to a PIL image."""
-    mean, std = torch.tensor(data.CLIP_MEAN)[:, None, None], torch.tensor(data.CLIP_STD)[:, None, None]
-    x = x.cpu() if x.dtype == torch.uint8 else ((x.float().cpu() * std + mean).clamp(0, 1) * 255).round().byte()
+    mean, std = (torch.tensor(data.CLIP_MEAN)[:, None, None],
+                 torch.tensor(data.CLIP_STD)[:, None, None])
+    x = (x.cpu() if x.dtype == torch.uint8 else ((x.float().cpu() * std + mean).clamp(0, 1)
+                                                 * 255).round().byte())
     arr = x.permute(1, 2, 0).numpy()
     return Image.fromarray(arr)
 
@@ -2339,17 +2485,22 @@ def code_support(model, tok, n=256, seed=0):
     scenes = [data.shapes_scene("val", i, seed=seed) for i in range(n)]
     tf, device = data.eval_transform(image_size_of(model, {})), model.logit_scale.device
     with torch.no_grad():
-        w_img = image_code_scores(model, data.normalize_images(torch.stack([tf(s.image) for s in scenes]), device))[1]
+        w_img = image_code_scores(model,
+                                  data.normalize_images(torch.stack([tf(s.image) for s in scenes]),
+                                                        device))[1]
         text = tok([s.caption for s in scenes]).to(device)
         x, eot = model.forward_tokens(text)
         valid = torch.arange(text.shape[1], device=device)[None] <= eot[:, None]
-        w_txt = model.code_scores(x, valid, model.text_query, max_tokens=model.cfg.context_length)[1]
+        w_txt = model.code_scores(x, valid, model.text_query,
+                                  max_tokens=model.cfg.context_length)[1]
     out = {}
     for name, w in (("image", w_img.float()), ("caption", w_txt.float())):
         support = (w > 0).sum(1).float()
-        out[name] = {"codes_median": float(support.median()), "codes_mean": round(float(support.mean()), 2),
+        out[name] = {"codes_median": float(support.median()),
+                     "codes_mean": round(float(support.mean()), 2),
                      "max_weight_mean": round(float(w.max(1).values.mean()), 4),
-                     "codes_used_by_any": int((w > 0).any(0).sum()), "codebook_size": w.shape[1], "n": n}
+                     "codes_used_by_any": int((w > 0).any(0).sum()), "codebook_size": w.shape[1],
+                     "n": n}
     return out
 
 
@@ -2363,10 +2514,11 @@ def codes_per_sample(pattern):
     for path in sorted(p for p in glob.glob(pattern) if os.path.isdir(p)):
         model, tok, _ = load_checkpoint(path, args)
         found[path] = r = code_support(model, tok)
-        print(f"{path}: " + "; ".join(f"{k} {v['codes_median']:.0f} codes (median; mean {v['codes_mean']}, largest "
-                                      f"weight {v['max_weight_mean']:.2f}), "
-                                      f"{v['codes_used_by_any']}/{v['codebook_size']} used by any of {v['n']}"
-                                      for k, v in r.items()))
+        print(f"{path}: " + "; ".join(f"{k} {v['codes_median']:.0f} codes (median; mean "
+                                      f"{v['codes_mean']}, largest weight "
+                                      f"{v['max_weight_mean']:.2f}), "
+                                      f"{v['codes_used_by_any']}/{v['codebook_size']} used by "
+                                      f"any of {v['n']}" for k, v in r.items()))
     return found
 
 
@@ -2396,17 +2548,21 @@ def in_batch_accuracy(img, txt):
     """Mean of image -> text and text -> image top-1 within the batch."""
     s = img @ txt.T
     target = torch.arange(len(s))
-    return 0.5 * float((s.argmax(1) == target).float().mean() + (s.argmax(0) == target).float().mean())
+    return (0.5 * float((s.argmax(1) == target).float().mean()
+                        + (s.argmax(0) == target).float().mean()))
 
 
 def probe_batches(spec, kw, tok, size, args):
     """(endless training batches, held-out batches) of the easy-to-learn probe: disjoint for
     every kind of data (held_out_rule)."""
     held_out = held_out_rule(spec, kw, args.probe_seed)
-    train = loader_for(spec, kw, "train", tok, size, args.probe_batch, train=True, seed=args.probe_seed).forever()
+    train = loader_for(spec, kw, "train", tok, size, args.probe_batch, train=True,
+                       seed=args.probe_seed).forever()
     if held_out is not None:   # the held-out pairs never reach the student
-        train = (b for b in map(lambda b: select(b, lambda k: not held_out(k)), train) if len(b["caption"]) > 1)
-    return train, eval_batches(spec, kw, tok, size, args.probe_batch, args.probe_eval_size, held_out)[0]
+        train = (b for b in map(lambda b: select(b, lambda k: not held_out(k)), train)
+                 if len(b["caption"]) > 1)
+    return (train, eval_batches(spec, kw, tok, size, args.probe_batch, args.probe_eval_size,
+                                held_out)[0])
 
 
 def easy_to_learn_curve(model, tok, config, args, spec, kw):
@@ -2428,11 +2584,12 @@ def easy_to_learn_curve(model, tok, config, args, spec, kw):
 
     def evaluate():
         with torch.no_grad():
-            accs = [in_batch_accuracy(vi, student.encode_text(b["text"].to(device))) for vi, b in zip(val_img, val)]
+            accs = [in_batch_accuracy(vi, student.encode_text(b["text"].to(device)))
+                    for vi, b in zip(val_img, val)]
         return pct(sum(accs) / len(accs))
     curve = [(0, evaluate())]
-    for step in lifecycle.progress(range(1, args.probe_steps + 1), desc="easy-to-learn", disable=args.no_progress,
-                                   leave=False):
+    for step in lifecycle.progress(range(1, args.probe_steps + 1), desc="easy-to-learn",
+                                   disable=args.no_progress, leave=False):
         batch = next(train)
         with torch.no_grad():
             img = student.encode_image(data.normalize_images(batch["image"], device))
@@ -2485,8 +2642,9 @@ def bench_easy_to_learn(args, model, tok, config):
         curves[f"{name}: final weights"] = final
         out[name] = probe_result(final, args) | ({"generations": gens} if gens else {})
     png = os.path.join(args.plot_dir, "easy_to_learn.png")
-    draw_line_plot(png, curves, "easy-to-learn probe: a fresh language agent against the frozen vision agent (Fig. 5)",
-                   "probe step (optimizer steps)", "held-out in-batch accuracy (%)")
+    draw_line_plot(png, curves, "easy-to-learn probe: a fresh language agent against the frozen "
+                   "vision agent (Fig. 5)", "probe step (optimizer steps)",
+                   "held-out in-batch accuracy (%)")
     return out | {"data": spec, "png": png, "seed": args.probe_seed, "steps": args.probe_steps,
                   "logit_scale": args.probe_logit_scale, "auc_steps": args.probe_auc_steps}
 
@@ -2503,9 +2661,10 @@ def draw_line_plot(path, series, title, xlabel, ylabel):
     the eye: each has its own marker and dash, and each later one is drawn thinner, on top."""
     fig, ax = lifecycle.new_figure((9, 4.2))
     for k, (name, pts) in enumerate(series.items()):
-        lifecycle.plot_series(ax, name, [p[0] for p in pts], [p[1] for p in pts], marker=MARKERS[k % len(MARKERS)],
-                              markevery=max(1, len(pts) // 25), linestyle=DASHES[k % len(DASHES)],
-                              linewidth=max(0.8, 2.4 - 0.4 * k), markersize=max(3.0, 7.0 - k), markerfacecolor="none")
+        lifecycle.plot_series(ax, name, [p[0] for p in pts], [p[1] for p in pts],
+                              marker=MARKERS[k % len(MARKERS)], markevery=max(1, len(pts) // 25),
+                              linestyle=DASHES[k % len(DASHES)], linewidth=max(0.8, 2.4 - 0.4 * k),
+                              markersize=max(3.0, 7.0 - k), markerfacecolor="none")
     # values, not offsets from one: close values read apart
     ax.ticklabel_format(axis="y", useOffset=False)
     lifecycle.finish_axes(ax, title, xlabel, ylabel)
@@ -2557,7 +2716,8 @@ def shapes_run(folder: str):
     il_clip_top8.py"), paired with the original's by seed. With the easy-to-learn probe's output in
     probe.json (--benchmarks easy_to_learn --out RUN/probe.json), also its held-out accuracy at step
     20, its `auc` (learning speed, Fig. 5's slope) and its accuracy at the last step."""
-    res_path, cfg_path = os.path.join(folder, "shapes_eval.json"), os.path.join(folder, "config.json")
+    res_path, cfg_path = (os.path.join(folder, "shapes_eval.json"),
+                          os.path.join(folder, "config.json"))
     if not (os.path.isfile(res_path) and os.path.isfile(cfg_path)):
         return None
     cfg, res = lifecycle.read_json(cfg_path), shapes_percent(lifecycle.read_json(res_path))
@@ -2574,8 +2734,8 @@ def shapes_run(folder: str):
             res["probe_auc"] = runs[0]["auc"]
     script = cfg.get("script", {}).get("name") if isinstance(cfg.get("script"), dict) else None
     fork = f" {script}" if isinstance(script, str) and script != "il_clip.py" else ""
-    return cfg.get("method", folder) + ("+neg" if cfg.get("negatives") else "") + fork, cfg.get("seed", folder), {
-        k: v / 100 for k, v in res.items()}
+    return (cfg.get("method", folder) + ("+neg" if cfg.get("negatives") else "") + fork,
+            cfg.get("seed", folder), {k: v / 100 for k, v in res.items()})
 
 
 def summarize_runs(root: str, baseline: str | None = None, read_run=shapes_run) -> dict:
@@ -2587,9 +2747,10 @@ def summarize_runs(root: str, baseline: str | None = None, read_run=shapes_run) 
 # Report
 
 # counts and settings: kept in the JSON, left out of the table (counts get their own columns)
-META_KEYS = {"n", "n_scored", "n_skipped", "n_train_skipped", "n_per_category", "n_images", "n_captions", "n_train",
-             "n_test", "classes", "templates", "layers", "seed", "steps", "weight_decay", "spectral_norms", "curve",
-             "codes", "png", "generations", "over", "reason", "logit_scale", "auc_steps"}
+META_KEYS = {"n", "n_scored", "n_skipped", "n_train_skipped", "n_per_category", "n_images",
+             "n_captions", "n_train", "n_test", "classes", "templates", "layers", "seed", "steps",
+             "weight_decay", "spectral_norms", "curve", "codes", "png", "generations", "over",
+             "reason", "logit_scale", "auc_steps"}
 
 
 def flatten(results):
@@ -2608,7 +2769,8 @@ def flatten(results):
             elif x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)):
                 # add_obj, not add_obj.acc
                 name = prefix[:-1] if k == "acc" and prefix else f"{prefix}{k}"
-                rows.append((bench, name, x, v.get("n_scored", ""), v.get("n_skipped", ""), v.get("reason", "")))
+                rows.append((bench, name, x, v.get("n_scored", ""), v.get("n_skipped", ""),
+                             v.get("reason", "")))
     for bench, r in results.items():
         walk(bench, "", r)
     return rows
@@ -2623,7 +2785,8 @@ def markdown_table(results, skipped, errors):
         if v is None:
             value = f"null ({why})" if why else "null"
         else:
-            value = v if isinstance(v, int) or metric.split(".")[-1].startswith(NOT_PERCENT) else lifecycle.percent(v)
+            value = (v if isinstance(v, int) or metric.split(".")[-1].startswith(NOT_PERCENT)
+                     else lifecycle.percent(v))
         lines.append(f"| {bench} | {metric} | {value} | {n_ok} | {n_bad} |")
     for label, whys in (("not run", skipped), ("ERROR", errors)):
         lines += [f"| {bench} | {label} | {' '.join(why.split()).replace('|', '/')} | | |"
@@ -2636,18 +2799,22 @@ def run_benchmarks(args, emb, model, tok, config):
     fails (any exception: a hostile file, a checkpoint it cannot load, a bug), or scored no
     item at all, is an error: its line is printed now, the others still run, the table shows
     the reason and the exit status says so at the end."""
-    scorers = {"shapes": bench_shapes, "sugarcrepe": bench_sugarcrepe, "crepe": bench_crepe, "cola": bench_cola,
-               "winoground": bench_winoground, "zeroshot": bench_zeroshot, "retrieval": bench_retrieval,
-               "linear_probe": bench_linear_probe} | {f"zeroshot/{n}": bench_zeroshot_set(n) for n in
-                                                      getattr(args, "zeroshot_sets", {})}
-    analyses = {"easy_to_learn": bench_easy_to_learn, "spectral": bench_spectral, "codebook": bench_codebook}
+    scorers = ({"shapes": bench_shapes, "sugarcrepe": bench_sugarcrepe, "crepe": bench_crepe,
+                "cola": bench_cola, "winoground": bench_winoground, "zeroshot": bench_zeroshot,
+                "retrieval": bench_retrieval, "linear_probe": bench_linear_probe}
+               | {f"zeroshot/{n}": bench_zeroshot_set(n)
+                  for n in getattr(args, "zeroshot_sets", {})})
+    analyses = {"easy_to_learn": bench_easy_to_learn, "spectral": bench_spectral,
+                "codebook": bench_codebook}
     results, skipped, failed = {}, {}, {}
     for name in lifecycle.progress(args.benchmark_list, desc="benchmarks", unit="item",
                                    disable=args.no_progress or len(args.benchmark_list) < 2):
         try:
-            results[name] = scorers[name](args, emb) if name in scorers else analyses[name](args, model, tok, config)
+            results[name] = (scorers[name](args, emb) if name in scorers
+                             else analyses[name](args, model, tok, config))
             if n_scored(results[name]) == 0:
-                raise data.DataError("scored nothing: no item could be read (see the warnings above)")
+                raise data.DataError("scored nothing: no item could be read (see the "
+                                     "warnings above)")
         except Skip as e:
             skipped[name] = str(e)
             tqdm.write(f"skipped {name}: {e}", file=sys.stderr)
@@ -2665,8 +2832,9 @@ def run(args):
     path = args.ckpt or args.init
     model, tok, config = load_checkpoint(path, args, args.script)
     lifecycle.start_line(__file__, path, [f"benchmarks {','.join(args.benchmark_list)}",
-                                          f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters",
-                                          f"{args.device} x 1", f"out {args.out or 'the table only'}"])
+                                          f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
+                                          "parameters", f"{args.device} x 1",
+                                          f"out {args.out or 'the table only'}"])
     quick_gelu = bool(model_field(model, config, "quick_gelu"))
     # "assumed": the script's load_model said so
     source = config.get("quick_gelu_source", "config")
@@ -2674,12 +2842,14 @@ def run(args):
         args.plot_dir = (os.path.dirname(args.out) if args.out else out_dir_of(args.ckpt) if args.ckpt else
                          # as given: the done line names the files so
                          os.path.dirname(args.init)) or "."
-    emb = Embedder(model, tok, image_size_of(model, config), args.batch_size, args.device, not args.no_progress)
+    emb = Embedder(model, tok, image_size_of(model, config), args.batch_size, args.device,
+                   not args.no_progress)
     results, skipped, failed = run_benchmarks(args, emb, model, tok, config)
     print(markdown_table(results, skipped, failed))
-    blob = {"checkpoint": os.path.abspath(path), "script": config.get("script_used"), "quick_gelu": quick_gelu,
-            "quick_gelu_source": source, "results": results, "skipped": skipped,
-            "errors": failed, "args": {k: v for k, v in vars(args).items() if k != "benchmark_list"}}
+    blob = {"checkpoint": os.path.abspath(path), "script": config.get("script_used"),
+            "quick_gelu": quick_gelu, "quick_gelu_source": source, "results": results,
+            "skipped": skipped, "errors": failed, "args": {k: v for k, v in vars(args).items()
+                                                           if k != "benchmark_list"}}
     if getattr(args, "zeroshot_suite", None):
         blob["zeroshot_suite"] = zeroshot_suite_row(results, failed)
         print(f"\nIL-CLIP paper, Table 2 (zero-shot top-1):\n{suite_table(blob['zeroshot_suite'])}")
@@ -2688,7 +2858,8 @@ def run(args):
         with lifecycle.writing(args.out):
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             lifecycle.atomic_write(args.out, lambda p: lifecycle.save_json(p, blob))
-    files = [args.out] * bool(args.out) + [r["png"] for r in results.values() if isinstance(r, dict) and "png" in r]
+    files = ([args.out] * bool(args.out) + [r["png"] for r in results.values()
+                                            if isinstance(r, dict) and "png" in r])
     lifecycle.done_line(f"{len(results)} of {len(args.benchmark_list)} benchmarks scored"
                         + (f", {len(failed)} failed" if failed else ""), time.time() - t0, files)
     return blob
