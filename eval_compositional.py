@@ -122,10 +122,11 @@ graffiti of the {}. | a toy {}. | itap of my {}. | a photo of a cool {}. | a pho
 a tattoo of the {}.
 """)
 # --templates NAME: a named set; --templates FILE: your own (one per line, with `{}`)
-TEMPLATES = {"clip8": ["a photo of a {}.", "a picture of a {}.", "a rendering of a {}.", "a drawing of a {}.",
-                       "a photo of the {}.", "a close-up photo of a {}.", "a photo of a small {}.",
-                       "a photo of a large {}."],  # 8 of the 80, the default
-             "openai_imagenet": OPENAI_IMAGENET_TEMPLATES}
+TEMPLATES = {
+    "clip8": ["a photo of a {}.", "a picture of a {}.", "a rendering of a {}.",
+              "a drawing of a {}.", "a photo of the {}.", "a close-up photo of a {}.",
+              "a photo of a small {}.", "a photo of a large {}."],  # 8 of the 80, the default
+    "openai_imagenet": OPENAI_IMAGENET_TEMPLATES}
 
 
 class ConfigError(Exception):
@@ -346,14 +347,15 @@ def load_checkpoint(path, args, script=None):
         raise refuse(path, maker, f"{script_path} has no load_model(path, device, quick_gelu)")
     try:
         model, tok, config = module.load_model(path, device=args.device, quick_gelu=args.quick_gelu)
-    except Exception as e:  # noqa: BLE001: the script's own error line, else what went wrong, in one line
+    # the script's own error line, else what went wrong, in one line
+    except Exception as e:  # noqa: BLE001
         own = isinstance(e, (data.DataError, getattr(module, "ConfigError", data.DataError)))
         raise ConfigError(str(e) if own else f"{path}: {script_path} cannot load it "
                           f"({first_line(e)})") from None
     config["script_used"] = {"path": script_path,
                              "sha256": lifecycle.script_record(script_path)["sha256"],
-                             "changed": bool(note) if isinstance(record, dict)
-                             and record.get("sha256") else None}
+                             "changed": (bool(note) if isinstance(record, dict)
+                                         and record.get("sha256") else None)}
     if tok is None:
         if not args.vocab:
             raise ConfigError(f"{path}: weights without a tokenizer; give --vocab "
@@ -445,8 +447,8 @@ class Embedder:
         self.image_cache, self.text_cache, self.bad_images = {}, {}, {}
 
     def _bar(self, n, desc):
-        return lifecycle.progress(total=n, desc=desc, unit="item", disable=not self.progress
-                                  or n == 0, leave=False)
+        return lifecycle.progress(total=n, desc=desc, unit="item",
+                                  disable=not self.progress or n == 0, leave=False)
 
     @torch.no_grad()
     def images(self, refs):
@@ -461,7 +463,8 @@ class Embedder:
                 try:
                     tensors.append(self.transform(r.open()))
                     chunk.append(r)
-                except Exception as e:  # noqa: BLE001: any undecodable image is skipped, with its reason
+                # any undecodable image is skipped, with its reason
+                except Exception as e:  # noqa: BLE001
                     self.bad_images[r.key] = (f"{r.path or r.key}: {type(e).__name__}: "
                                               f"{first_line(e)}")
                     warn(f"{self.bad_images[r.key]}; rows that use it are skipped")
@@ -927,8 +930,8 @@ def winoground_images(folder):
     of folder/images.zip (the Hugging Face release ships the zip; no unzip needed)."""
     image_dir, zip_path = os.path.join(folder, "images"), os.path.join(folder, "images.zip")
     if os.path.isdir(image_dir):
-        return lambda name: (lambda p: p
-                             and file_ref(p))(find_image(image_dir, name, ("",) + IMAGE_EXTS))
+        return lambda name: (lambda p: p and file_ref(p))(find_image(image_dir, name,
+                                                                      ("",) + IMAGE_EXTS))
     if not os.path.isfile(zip_path):
         return lambda name: None
     try:
@@ -997,9 +1000,8 @@ def bench_sugarcrepe(args, emb):
     subsets) and the mean of all 7; a mean is given only over subsets scored in full."""
     require((args.sugarcrepe, "--sugarcrepe"), (args.sugarcrepe_images, "--sugarcrepe_images"))
     parts = read_sugarcrepe(args.sugarcrepe, args.sugarcrepe_images)
-    out = {s: pair_accuracy(emb, parts[s]) if s in parts else {"acc": None, "n_scored": 0,
-                                                               "n_skipped": 0,
-                                                               "reason": f"{s}.json not found"}
+    out = {s: pair_accuracy(emb, parts[s]) if s in parts else
+           {"acc": None, "n_scored": 0, "n_skipped": 0, "reason": f"{s}.json not found"}
            for s in SUGARCREPE_SUBSETS}
     for group in ("add", "replace", "swap"):
         out[group] = complete_mean(out, [s for s in SUGARCREPE_SUBSETS
@@ -1194,8 +1196,8 @@ def wnid_tree(path, head_wnids, names):
     """ImageNet val / ImageNet-Sketch / -A / -R: one folder per WordNet ID (ILSVRC2012_img_val
     sorted into folders by the devkit's valprep.sh, as torchvision and CLIP_benchmark read it).
     Every class of the head is scored, so a missing folder removes images, never classes."""
-    candidates = ([path] + [os.path.join(path, sub) for sub in ("val", "sketch", "imagenet-a",
-                                                                "imagenet-r")])
+    candidates = [path] + [os.path.join(path, sub)
+                           for sub in ("val", "sketch", "imagenet-a", "imagenet-r")]
     root = next((d for d in candidates if os.path.isdir(d)
                  and any(WNID.fullmatch(s) for s in os.listdir(d))), path)
     folders, items = read_image_folder(root)
@@ -1228,8 +1230,8 @@ class PlainUnpickler(pickle.Unpickler):
     """CIFAR's python batches are pickles: only numbers, strings, lists, dicts and numpy arrays are
     built; any other class or function (code a pickle could run) is refused."""
     ALLOWED = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype,
-               ("_codecs", "encode"): codecs.encode, ("numpy.core.multiarray",
-                                                      "_reconstruct"): np.zeros(0).__reduce__()[0],
+               ("_codecs", "encode"): codecs.encode,
+               ("numpy.core.multiarray", "_reconstruct"): np.zeros(0).__reduce__()[0],
                ("numpy._core.multiarray", "_reconstruct"): np.zeros(0).__reduce__()[0]}
 
     def find_class(self, module, name):
@@ -1434,8 +1436,8 @@ def mat_v5_arrays(path):
         kind, raw = parts[3] if len(parts) > 3 else (9, b"")
         if kind not in types:
             return name, None
-        return (name, np.frombuffer(raw, dtype=end + types[kind]).astype(np.float64).reshape(
-            dims[::-1]).T)
+        return name, (np.frombuffer(raw, dtype=end + types[kind]).astype(np.float64)
+                      .reshape(dims[::-1]).T)
 
     out = {}
     try:
@@ -1685,37 +1687,39 @@ ZeroShotSet = namedtuple("ZeroShotSet", "column reader templates")
 def zeroshot_sets():
     """Table 2's columns, in the paper's order: name -> (column, reader(path), templates)."""
     imagenet = OPENAI_IMAGENET_TEMPLATES
-    return {"imagenet1k": ZeroShotSet("ImageNet1k",
-                                      lambda p: wnid_tree(p, IMAGENET_WNIDS, IMAGENET_CLASSNAMES),
-                                      imagenet),
-            "cifar100": ZeroShotSet("CIFAR-100", lambda p: read_cifar(p, 100), CIFAR_TEMPLATES),
-            "cifar10": ZeroShotSet("CIFAR-10", lambda p: read_cifar(p, 10), CIFAR_TEMPLATES),
-            "stl10": ZeroShotSet("STL-10", read_stl10, A_THE_TEMPLATES),
-            "voc2007": ZeroShotSet("VOC2007", read_voc2007, A_THE_TEMPLATES[:1]),
-            "caltech101": ZeroShotSet("Caltech101", read_caltech101, CALTECH101_TEMPLATES),
-            "sun397": ZeroShotSet("SUN397", read_sun397, A_THE_TEMPLATES),
-            "pets": ZeroShotSet("Pets", read_pets, ["a photo of a {}, a type of pet."]),
-            "flowers102": ZeroShotSet("Flowers102", read_flowers102,
-                                      ["a photo of a {}, a type of flower."]),
-            "food101": ZeroShotSet("Food101", read_food101, ["a photo of {}, a type of food."]),
-            "objectnet": ZeroShotSet("ObjectNet", read_objectnet, imagenet),
-            "clevr": ZeroShotSet("CLEVR", read_clevr, ["a picture of {} objects"]),
-            "smallnorb": ZeroShotSet("Smallnorb", read_smallnorb,
-                                     ["an object rotated at {}", "something rotated at {}",
-                                      "{} rotation", "something at a {} angle"]),
-            "resisc45": ZeroShotSet("Resisc45", read_resisc45,
-                                    ["a sattelite image of {}", "an aerial view of {}",
-                                     "a sattelite photo of {}", "{} from above"]),
-            "dmlab": ZeroShotSet("DMLAB", read_dmlab, ["{}"]),
-            "imagenet-a": ZeroShotSet("ImageNet-A",
-                                      lambda p: wnid_tree(p, IMAGENET_A_WNIDS, IMAGENET_CLASSNAMES),
-                                      imagenet),
-            "imagenet-r": ZeroShotSet("ImageNet-R",
-                                      lambda p: wnid_tree(p, IMAGENET_R_WNIDS, IMAGENET_CLASSNAMES),
-                                      imagenet),
-            "imagenet-sketch": ZeroShotSet("IN-sketch",
-                                           lambda p: wnid_tree(p, IMAGENET_WNIDS,
-                                                               IMAGENET_CLASSNAMES), imagenet),}
+    return {
+        "imagenet1k": ZeroShotSet("ImageNet1k",
+                                  lambda p: wnid_tree(p, IMAGENET_WNIDS, IMAGENET_CLASSNAMES),
+                                  imagenet),
+        "cifar100": ZeroShotSet("CIFAR-100", lambda p: read_cifar(p, 100), CIFAR_TEMPLATES),
+        "cifar10": ZeroShotSet("CIFAR-10", lambda p: read_cifar(p, 10), CIFAR_TEMPLATES),
+        "stl10": ZeroShotSet("STL-10", read_stl10, A_THE_TEMPLATES),
+        "voc2007": ZeroShotSet("VOC2007", read_voc2007, A_THE_TEMPLATES[:1]),
+        "caltech101": ZeroShotSet("Caltech101", read_caltech101, CALTECH101_TEMPLATES),
+        "sun397": ZeroShotSet("SUN397", read_sun397, A_THE_TEMPLATES),
+        "pets": ZeroShotSet("Pets", read_pets, ["a photo of a {}, a type of pet."]),
+        "flowers102": ZeroShotSet("Flowers102", read_flowers102,
+                                  ["a photo of a {}, a type of flower."]),
+        "food101": ZeroShotSet("Food101", read_food101, ["a photo of {}, a type of food."]),
+        "objectnet": ZeroShotSet("ObjectNet", read_objectnet, imagenet),
+        "clevr": ZeroShotSet("CLEVR", read_clevr, ["a picture of {} objects"]),
+        "smallnorb": ZeroShotSet("Smallnorb", read_smallnorb,
+                                 ["an object rotated at {}", "something rotated at {}",
+                                  "{} rotation", "something at a {} angle"]),
+        "resisc45": ZeroShotSet("Resisc45", read_resisc45,
+                                ["a sattelite image of {}", "an aerial view of {}",
+                                 "a sattelite photo of {}", "{} from above"]),
+        "dmlab": ZeroShotSet("DMLAB", read_dmlab, ["{}"]),
+        "imagenet-a": ZeroShotSet("ImageNet-A",
+                                  lambda p: wnid_tree(p, IMAGENET_A_WNIDS, IMAGENET_CLASSNAMES),
+                                  imagenet),
+        "imagenet-r": ZeroShotSet("ImageNet-R",
+                                  lambda p: wnid_tree(p, IMAGENET_R_WNIDS, IMAGENET_CLASSNAMES),
+                                  imagenet),
+        "imagenet-sketch": ZeroShotSet("IN-sketch",
+                                       lambda p: wnid_tree(p, IMAGENET_WNIDS, IMAGENET_CLASSNAMES),
+                                       imagenet),
+    }
 
 
 def zeroshot_set_name(name):
@@ -1801,9 +1805,10 @@ def zeroshot_suite_row(results, failed):
 def suite_table(row):
     cols = list(row)
     cell = lambda v: "—" if v is None else f"{v:.1f}"
-    lines = ["| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|", "| top-1 | "
-             + " | ".join(cell(row[c]["top1"]) for c in cols) + " |", "| n_scored | "
-             + " | ".join(str(row[c].get("n_scored", "")) for c in cols[:-1]) + " | |"]
+    lines = ["| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|",
+             "| top-1 | " + " | ".join(cell(row[c]["top1"]) for c in cols) + " |",
+             "| n_scored | " + " | ".join(str(row[c].get("n_scored", "")) for c in cols[:-1])
+             + " | |"]
     missing = row["Mean"]["not_scored"]
     if missing:
         lines.append(f"Mean over the {row['Mean']['over']} datasets scored; not scored: "
@@ -2465,8 +2470,8 @@ def to_pil(x):
     """A loader's image (uint8, or CLIP-normalised float: undone) back to a PIL image."""
     mean, std = (torch.tensor(data.CLIP_MEAN)[:, None, None],
                  torch.tensor(data.CLIP_STD)[:, None, None])
-    x = (x.cpu() if x.dtype == torch.uint8 else ((x.float().cpu() * std + mean).clamp(0, 1)
-                                                 * 255).round().byte())
+    x = (x.cpu() if x.dtype == torch.uint8
+         else ((x.float().cpu() * std + mean).clamp(0, 1) * 255).round().byte())
     arr = x.permute(1, 2, 0).numpy()
     return Image.fromarray(arr)
 
@@ -2831,17 +2836,18 @@ def run(args):
     random.seed(args.seed)
     path = args.ckpt or args.init
     model, tok, config = load_checkpoint(path, args, args.script)
-    lifecycle.start_line(__file__, path, [f"benchmarks {','.join(args.benchmark_list)}",
-                                          f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
-                                          "parameters", f"{args.device} x 1",
-                                          f"out {args.out or 'the table only'}"])
+    lifecycle.start_line(__file__, path, [
+        f"benchmarks {','.join(args.benchmark_list)}",
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters",
+        f"{args.device} x 1", f"out {args.out or 'the table only'}"])
     quick_gelu = bool(model_field(model, config, "quick_gelu"))
     # "assumed": the script's load_model said so
     source = config.get("quick_gelu_source", "config")
     if args.plot_dir is None:
-        args.plot_dir = (os.path.dirname(args.out) if args.out else out_dir_of(args.ckpt) if args.ckpt else
+        args.plot_dir = (os.path.dirname(args.out) if args.out
+                         else out_dir_of(args.ckpt) if args.ckpt
                          # as given: the done line names the files so
-                         os.path.dirname(args.init)) or "."
+                         else os.path.dirname(args.init)) or "."
     emb = Embedder(model, tok, image_size_of(model, config), args.batch_size, args.device,
                    not args.no_progress)
     results, skipped, failed = run_benchmarks(args, emb, model, tok, config)
