@@ -1,19 +1,21 @@
 """
-COMPOSER: visually grounded concept composition (Zhang, Hu, Qiu, Shaw, Sha; Findings of EMNLP 2021), in one file
-that reads top to bottom:
+COMPOSER: visually grounded concept composition (Zhang, Hu, Qiu, Shaw, Sha; Findings of EMNLP
+2021), in one file that reads top to bottom:
 
   1. CRG    Concept & Relation Graph from PTB trees, denotations
   2. text   CRG -> token ids (templates with placeholder tokens)
-  3. model  COMPOSER (primitive cross-attention, Predicate Transformer, modulator, Composition Transformer,
-            linear regressor), level-batched; baselines VSE, single-stream, ViLBERT
+  3. model  COMPOSER (primitive cross-attention, Predicate Transformer, modulator, Composition
+            Transformer, linear regressor), level-batched; baselines VSE, single-stream, ViLBERT
   4. feats  region features: shapes gold boxes, region safetensors, frozen il_clip patches
   5. data   captions + CRGs + region features of a split
   6. loss   l_match + l_MVSA (hinge / nll) + l_order
   7. train  torchrun DDP (gloo on CPU), the training loop
-  8. eval   text->image and phrase->image retrieval (t2i_r1/5/10, p2i_r1/5/10, percent), interpretation view
+  8. eval   text->image and phrase->image retrieval (t2i_r1/5/10, p2i_r1/5/10, percent),
+            interpretation view
   9. MCD    compound divergence, the delta-ranking split procedure, graded splits
  10. main   subcommands train (default) | eval | graph | mcd | parse | summarize
-  then      the rule-based bracketer (appendix); what state.pt holds (data.py runs the checkpoints, lock, signals)
+  then      the rule-based bracketer (appendix); what state.pt holds (data.py runs the
+            checkpoints, lock, signals)
 
   python composer.py                                   # train COMPOSER on shapes
   python composer.py --method vse | single | vilbert   # baselines at the same budget
@@ -23,8 +25,8 @@ that reads top to bottom:
   python composer.py mcd --train shapes --pool shapes --pool_split test --size 300 --out_dir out/mcd
   python composer.py parse dataset_flickr30k.json --out f30k_trees.json   # benepar / stanza trees
 
-No public code of COMPOSER or the CRG exists; every choice the paper leaves open is written next to the code that
-makes it, marked "Choice:".
+No public code of COMPOSER or the CRG exists; every choice the paper leaves open is written next
+to the code that makes it, marked "Choice:".
 """
 import argparse
 import contextlib
@@ -55,10 +57,11 @@ import data  # the repo's shared module (shapes, tokenizer, loaders, run lifecyc
 import lifecycle
 
 if dist.is_available():
-    # Imported before any process group exists: these functions take `group=group.WORLD` as a default, evaluated on
-    # import. Imported later (DDP does, through torch._dynamo), the defaults hold the group past
-    # destroy_process_group, so its gloo worker threads run on into interpreter exit, where one freeing a Python
-    # tensor aborts the process ("terminate called without an active exception").
+    # Imported before any process group exists: these functions take `group=group.WORLD` as a
+    # default, evaluated on import. Imported later (DDP does, through torch._dynamo), the defaults
+    # hold the group past destroy_process_group, so its gloo worker threads run on into interpreter
+    # exit, where one freeing a Python tensor aborts the process ("terminate called without an
+    # active exception").
     import torch.distributed.nn.functional  # noqa: F401
 
 
@@ -107,7 +110,8 @@ def _strip_function_tags(label: str) -> str:
 
 
 def parse_ptb(s: str) -> Tree:
-    """PTB string -> Tree, `(ROOT ...)` / `( ...)` and top unary chains unwrapped; else CRGError('malformed_tree')."""
+    """PTB string -> Tree, `(ROOT ...)` / `( ...)` and top unary chains unwrapped; else
+    CRGError('malformed_tree')."""
     toks = re.findall(r"\(|\)|[^\s()]+", s or "")
     pos = 0
 
@@ -166,7 +170,8 @@ class Prim:
 
 @dataclass
 class Concept:
-    """A concept: its words, its constituent's tag, and its predicate `template`: words (str) and slots (int)."""
+    """A concept: its words, its constituent's tag, and its predicate `template`: words (str) and
+    slots (int)."""
     tag: str
     words: list
     template: list
@@ -206,8 +211,8 @@ def _is_concept(t: Tree) -> bool:
 
 
 def _build_concept(t: Tree, tag: str) -> Concept:
-    """The predicate of constituent t: its words, each maximal sub-concept / primitive a slot (built recursively:
-    the paper's repeated extraction)."""
+    """The predicate of constituent t: its words, each maximal sub-concept / primitive a slot (built
+    recursively: the paper's repeated extraction)."""
     template, children = [], []
 
     def walk(m: Tree):
@@ -239,7 +244,8 @@ def _norm(s: str) -> str:
 
 
 def crg_from_tree(tree: str, caption: str | None = None) -> Concept:
-    """The CRG (root concept, any tag) of one caption. CRGError: malformed_tree, tree_mismatch, no_primitive."""
+    """The CRG (root concept, any tag) of one caption. CRGError: malformed_tree, tree_mismatch,
+    no_primitive."""
     t = parse_ptb(tree)
     if caption is not None and _norm("".join(t.leaves())) != _norm(caption):
         raise CRGError("tree_mismatch", f"tree does not match its caption: {caption[:60]!r}")
@@ -279,7 +285,8 @@ def drop_branches(c: Concept, p: float, rng: random.Random) -> Concept:
 
 
 def graph_stats(crgs: list, image_keys: list) -> dict:
-    """Paper Table 1; a denotation is the set of images whose captions contain the concept (section 2)."""
+    """Paper Table 1; a denotation is the set of images whose captions contain the concept (section
+    2)."""
     denot = defaultdict(set)
     predicates, primitives = set(), set()
     for crg, key in zip(crgs, image_keys):
@@ -320,7 +327,8 @@ class TextCompiler:
         return [self.cache[w] for w in words]
 
     def compile(self, crg: Concept) -> dict:
-        """-> {"prims": [ids], "nodes": [{tok, slots: [(pos, is_prim, local)], level, parent}] (post-order)}"""
+        """-> {"prims": [ids], "nodes": [{tok, slots: [(pos, is_prim, local)], level, parent}]
+        (post-order)}"""
         concepts = crg.concepts()
         cidx = {id(c): i for i, c in enumerate(concepts)}
         prims, pidx, parent = [], {}, {}
@@ -352,9 +360,9 @@ class TextCompiler:
 
 
 class BertTokenizer:
-    """BERT's WordPiece (a release's vocab.txt, via `tokenizers`) behind data.Tokenizer's interface: [CLS] pieces
-    [SEP] [PAD]... Lower-cases when tokenizer_config.json's do_lower_case says so or, without it, when the vocabulary
-    has no upper-case word (bert-base-uncased)."""
+    """BERT's WordPiece (a release's vocab.txt, via `tokenizers`) behind data.Tokenizer's interface:
+    [CLS] pieces [SEP] [PAD]... Lower-cases when tokenizer_config.json's do_lower_case says so or,
+    without it, when the vocabulary has no upper-case word (bert-base-uncased)."""
     kind = "bert_wordpiece"
 
     def __init__(self, backend, context_length=77):
@@ -461,14 +469,17 @@ class ModelConfig:
     # text vocabulary; composer appends len(PLACEHOLDER_TAGS) placeholder ids
     vocab_size: int = 1000
     eot_token_id: int = 2
-    max_len: int = 77             # positions (template tokens for composer, caption tokens for baselines)
+    # positions (template tokens for composer, caption tokens for baselines)
+    max_len: int = 77
     feat_dim: int = 70            # region feature dim D (boxes are always 5-d)
     width: int = 64               # paper: 768 (BERT-base); CPU default 64
     heads: int = 4
     mlp_ratio: int = 4
     vis_layers: int = 1           # visual self-attention over regions, once per image
-    pt_layers: int = 1            # Predicate Transformer depth (paper: 6, BERT-initialised; --model paper)
-    ct_layers: int = 3            # Composition Transformer: self, cross, self, ... ending in self (paper: 5)
+    # Predicate Transformer depth (paper: 6, BERT-initialised; --model paper)
+    pt_layers: int = 1
+    # Composition Transformer: self, cross, self, ... ending in self (paper: 5)
+    ct_layers: int = 3
     modulator: str = "film"       # film | mlp | replace
     crossatt_primitives: bool = True
     # text stream = BERT's post-LN layers and embedding LN (--bert, paper section 5.1)
@@ -498,9 +509,9 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block. kind: "self", "cross" (keys/values ctx) or "self+cross" (keys/values x U ctx: the
-    paper's primitive encoder). post_ln: BERT's layer (LayerNorm after each residual, same parameter names), for the
-    text stream with --bert."""
+    """Pre-LN transformer block. kind: "self", "cross" (keys/values ctx) or "self+cross"
+    (keys/values x U ctx: the paper's primitive encoder). post_ln: BERT's layer (LayerNorm after
+    each residual, same parameter names), for the text stream with --bert."""
 
     def __init__(self, w, h, r, kind="self", post_ln=False):
         super().__init__()
@@ -541,9 +552,10 @@ def _ct_kinds(n):
 
 
 class VisualEncoder(nn.Module):
-    """Regions -> [I, N, w]: Linear(feat) + Linear(box) (ViLBERT's 5-d position feature), LN, self-attention.
-    Choice (Composer, single-stream): the text does not update the visual stream (ViLBERT's co-attention would), so
-    it is computed once per image and shared by every node and caption scored against it."""
+    """Regions -> [I, N, w]: Linear(feat) + Linear(box) (ViLBERT's 5-d position feature), LN,
+    self-attention. Choice (Composer, single-stream): the text does not update the visual stream
+    (ViLBERT's co-attention would), so it is computed once per image and shared by every node and
+    caption scored against it."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -560,8 +572,9 @@ class VisualEncoder(nn.Module):
 
 
 class Modulator(nn.Module):
-    """Binds a child concept embedding c to its placeholder p (paper section 3.2). film: MLP((1 + MLP_a(p)) * c +
-    MLP_b(p)) (Choice: centred at 1, the untrained modulator passes c on unscaled); mlp: MLP([p; c]); replace: c."""
+    """Binds a child concept embedding c to its placeholder p (paper section 3.2). film: MLP((1 +
+    MLP_a(p)) * c + MLP_b(p)) (Choice: centred at 1, the untrained modulator passes c on unscaled);
+    mlp: MLP([p; c]); replace: c."""
 
     def __init__(self, kind, w):
         super().__init__()
@@ -582,8 +595,8 @@ class Modulator(nn.Module):
 
 
 class ModelBase(nn.Module):
-    """Every model's token + position embeddings (with --bert, BERT's LayerNorm over their sum) and, but for VSE's own,
-    the visual encoder (created in this order)."""
+    """Every model's token + position embeddings (with --bert, BERT's LayerNorm over their sum) and,
+    but for VSE's own, the visual encoder (created in this order)."""
 
     def __init__(self, cfg: ModelConfig, n_tok=None, visual=True):
         super().__init__()
@@ -603,7 +616,8 @@ class ModelBase(nn.Module):
 
 
 class Composer(ModelBase):
-    """COMPOSER over collate_text() batches; a "pair" is (caption, image); every concept node of a pair gets s(x, c)."""
+    """COMPOSER over collate_text() batches; a "pair" is (caption, image); every concept node of a
+    pair gets s(x, c)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, cfg.vocab_size + len(PLACEHOLDER_TAGS))
@@ -644,8 +658,8 @@ class Composer(ModelBase):
         return masked_mean(self.prim(q, qmask, V, vmask), qmask)  # mean over the word's pieces
 
     def compose(self, seq, tmask, slot_rows, slot_pos, child_emb, V, vmask):
-        """Encoded predicates seq [n, T, w], their slots filled with the modulated children, through the CT with an
-        output token -> (embedding, score)."""
+        """Encoded predicates seq [n, T, w], their slots filled with the modulated children, through
+        the CT with an output token -> (embedding, score)."""
         if len(slot_rows):
             seq = seq.index_put((slot_rows, slot_pos),
                                 self.mod(seq[slot_rows, slot_pos], child_emb).to(seq.dtype))
@@ -657,8 +671,9 @@ class Composer(ModelBase):
         return e, self.theta(e).squeeze(-1)
 
     def score_pairs(self, tb, te, V, vmask, pair_cap, pair_img):
-        """Level-batched recursion (paper section 3.2): level 1 nodes of every pair, then level 2, ..., one batched
-        call per level. Returns (root scores [Q], {"node_score" [M'], "node_start" [Q], "node_src" [M']})."""
+        """Level-batched recursion (paper section 3.2): level 1 nodes of every pair, then level 2,
+        ..., one batched call per level. Returns (root scores [Q], {"node_score" [M'], "node_start"
+        [Q], "node_src" [M']})."""
         dev = pair_cap.device
         npr, nnd = tb["cap_nprim"][pair_cap], tb["cap_nnode"][pair_cap]
 
@@ -697,7 +712,8 @@ class Composer(ModelBase):
         return score[root], {"node_score": score, "node_start": nstart, "node_src": nsrc}
 
     def score_recursive(self, comp, feats, boxes, mask):
-        """Reference for score_pairs (tests, bench.py): node-by-node recursion, one caption, one image."""
+        """Reference for score_pairs (tests, bench.py): node-by-node recursion, one caption, one
+        image."""
         tb = collate_text([comp])
         te = self.encode_text(tb)
         V, vmask = self.encode_image(feats[None], boxes[None], mask[None])
@@ -731,14 +747,16 @@ def caption_tokens(tb, cfg):
 
 
 def embed_caption(model, tb):
-    """Token + position embeddings of the caption-level models (cross-encoders, VSE), and the mask."""
+    """Token + position embeddings of the caption-level models (cross-encoders, VSE), and the
+    mask."""
     t, mask = caption_tokens(tb, model.cfg)
     return model.embed(t), mask
 
 
 class SingleStream(ModelBase):
-    """Baseline: one transformer over the caption's tokens (no tree), self- and cross-attention interleaved like the
-    CT; theta at the SOT position. Equal budget: pt_layers self blocks + the CT pattern."""
+    """Baseline: one transformer over the caption's tokens (no tree), self- and cross-attention
+    interleaved like the CT; theta at the SOT position. Equal budget: pt_layers self blocks + the CT
+    pattern."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -774,11 +792,12 @@ class CoAttention(nn.Module):
 
 
 class ViLBERT(ModelBase):
-    """Baseline: two-stream co-attention transformer, no image-text pretraining (paper section 5.1: like COMPOSER and
-    VSE it starts from BERT, --bert, and sees no Conceptual Captions). Text: pt_layers text-only blocks, then ct_layers
-    rounds of Co-TRM + a self-attention block in each stream (the text updates the visual stream, unlike COMPOSER).
-    Score: theta(h_CLS * mean of the visual stream), ViLBERT's alignment head (the regions have no IMG token: their
-    masked mean stands in). --concept_mvsa adds l_MVSA over every concept: "ViLBERT + MVSA" (paper Table 5)."""
+    """Baseline: two-stream co-attention transformer, no image-text pretraining (paper section 5.1:
+    like COMPOSER and VSE it starts from BERT, --bert, and sees no Conceptual Captions). Text:
+    pt_layers text-only blocks, then ct_layers rounds of Co-TRM + a self-attention block in each
+    stream (the text updates the visual stream, unlike COMPOSER). Score: theta(h_CLS * mean of the
+    visual stream), ViLBERT's alignment head (the regions have no IMG token: their masked mean
+    stands in). --concept_mvsa adds l_MVSA over every concept: "ViLBERT + MVSA" (paper Table 5)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -811,8 +830,8 @@ class ViLBERT(ModelBase):
 
 
 class VSE(ModelBase):
-    """Baseline (Kiros et al. 2014, paper appendix C): mean of contextualised tokens, mean of residual-MLP regions,
-    scale * cosine. Equal budget: pt_layers + ct_layers text blocks."""
+    """Baseline (Kiros et al. 2014, paper appendix C): mean of contextualised tokens, mean of
+    residual-MLP regions, scale * cosine. Equal budget: pt_layers + ct_layers text blocks."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, visual=False)
@@ -865,8 +884,8 @@ def read_bert_config(bert_dir):
 
 
 def read_bert(bert_dir):
-    """(config, weights) of a released BERT (Hugging Face layout); BertForPreTraining's "bert." prefix dropped,
-    LayerNorm gamma / beta read as weight / bias."""
+    """(config, weights) of a released BERT (Hugging Face layout); BertForPreTraining's "bert."
+    prefix dropped, LayerNorm gamma / beta read as weight / bias."""
     conf = read_bert_config(bert_dir)
     try:
         sd = load_file(os.path.join(bert_dir, "model.safetensors"))
@@ -890,8 +909,8 @@ def bert_sizes(conf):
 
 
 def bert_targets(model):
-    """{parameter name: (BERT key(s), how to make the tensor)} for the text stream: embeddings, then bert_blocks()
-    from BERT layer 0 on (key + value -> one kv matrix)."""
+    """{parameter name: (BERT key(s), how to make the tensor)} for the text stream: embeddings, then
+    bert_blocks() from BERT layer 0 on (key + value -> one kv matrix)."""
     n_tok, L = model.cfg.vocab_size, model.cfg.max_len
     out = {"tok_emb.weight": (["embeddings.word_embeddings.weight"],
                               lambda w, p: torch.cat([w, p[n_tok:]])),
@@ -946,7 +965,8 @@ def init_from_bert(model, bert_dir):
 
 def text_inputs(cfg: ModelConfig, compiler: TextCompiler, comps: list, captions: list,
                 device="cpu"):
-    """The text batch a model takes, on `device`: compiled CRGs (composer) or caption token ids (baselines)."""
+    """The text batch a model takes, on `device`: compiled CRGs (composer) or caption token ids
+    (baselines)."""
     tb = collate_text(comps) if cfg.arch == "composer" else {"tokens": compiler.tok(captions)}
     return {k: v.to(device) for k, v in tb.items()}
 
@@ -957,14 +977,16 @@ def compile_for(cfg: ModelConfig, compiler: TextCompiler, crgs: list) -> list:
 
 
 # =============================================================================
-# 4. Visual features: [I, N, D] feats, [I, N, 5] boxes (x0, y0, x1, y1, area; normalised), [I, N] mask. Three sources.
+# 4. Visual features: [I, N, D] feats, [I, N, 5] boxes (x0, y0, x1, y1, area; normalised), [I, N]
+# mask. Three sources.
 # =============================================================================
 
 def shapes_region_features(image, objects, max_regions=8):
-    """Default for `shapes`: the gold object boxes as regions (the paper uses detector boxes). Choice: a fixed,
-    non-learned descriptor per box (a stand-in for the frozen detector features): mean and std RGB of the box's
-    foreground pixels (pixels that differ from the background colour = median of the image border) + the box's 8x8
-    foreground-occupancy mask (shape), 70-d; boxes normalised. Regions are sorted by x0 (not in caption order)."""
+    """Default for `shapes`: the gold object boxes as regions (the paper uses detector boxes).
+    Choice: a fixed, non-learned descriptor per box (a stand-in for the frozen detector features):
+    mean and std RGB of the box's foreground pixels (pixels that differ from the background colour =
+    median of the image border) + the box's 8x8 foreground-occupancy mask (shape), 70-d; boxes
+    normalised. Regions are sorted by x0 (not in caption order)."""
     a = np.asarray(image, dtype=np.float32) / 255.0
     H, W = a.shape[:2]
     border = np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]])
@@ -984,7 +1006,8 @@ def shapes_region_features(image, objects, max_regions=8):
 
 
 def pad_regions(feats: list, boxes: list):
-    """Per-image feats [n_i, D], boxes [n_i, 5] -> zero-padded [I, N, D], [I, N, 5] and the mask [I, N]."""
+    """Per-image feats [n_i, D], boxes [n_i, 5] -> zero-padded [I, N, D], [I, N, 5] and the mask [I,
+    N]."""
     I, N, D = len(feats), max(f.shape[0] for f in feats), feats[0].shape[1]
     fs, bs, mask = torch.zeros(I, N, D), torch.zeros(I, N, 5), torch.zeros(I, N, dtype=torch.bool)
     for i, (f, b) in enumerate(zip(feats, boxes)):
@@ -1008,7 +1031,8 @@ class FeatureStore:
 
 
 class TensorFile:
-    """Row ranges of a safetensors file's tensors through safe_open's slices: a rank reads only its items."""
+    """Row ranges of a safetensors file's tensors through safe_open's slices: a rank reads only its
+    items."""
 
     def __init__(self, path):
         self.path = path
@@ -1028,10 +1052,11 @@ class TensorFile:
 
 
 class RegionStore:
-    """Precomputed region features, read per item (memory does not grow with the data set). Layouts (--regions):
-    DIR/{key}.safetensors (feats [N, D], boxes [N, 5]) or FILE.safetensors (feats [M, N, D], boxes [M, N, 5], optional
-    n_regions [M], metadata {"keys": JSON list of M}). check(key) reads only the header (Flickr30k's 2048-d regions are
-    ~24 GB); read(key) reads the item and checks its values, so a non-finite item is skipped when first read."""
+    """Precomputed region features, read per item (memory does not grow with the data set). Layouts
+    (--regions): DIR/{key}.safetensors (feats [N, D], boxes [N, 5]) or FILE.safetensors (feats [M,
+    N, D], boxes [M, N, 5], optional n_regions [M], metadata {"keys": JSON list of M}). check(key)
+    reads only the header (Flickr30k's 2048-d regions are ~24 GB); read(key) reads the item and
+    checks its values, so a non-finite item is skipped when first read."""
 
     def __init__(self, path):
         self.path, self.dim = path, None
@@ -1054,7 +1079,8 @@ class RegionStore:
             self.dim = f[2]
 
     def check(self, key):
-        """Header-only validation of one item; returns where it lives (a TensorFile, or the one file's row)."""
+        """Header-only validation of one item; returns where it lives (a TensorFile, or the one
+        file's row)."""
         if self.one is not None:
             if (i := self.row.get(key)) is None:
                 raise CRGError("bad_regions", f"{self.path}: no regions for image {key!r}")
@@ -1072,7 +1098,8 @@ class RegionStore:
         return tf
 
     def read(self, key):
-        """(feats [n, D], boxes [n, 5]) float32 of one image; CRGError('bad_regions') for a bad item."""
+        """(feats [n, D], boxes [n, 5]) float32 of one image; CRGError('bad_regions') for a bad
+        item."""
         at = self.check(key)
         if self.one is not None:
             n = self.n_valid[at]
@@ -1090,10 +1117,11 @@ class RegionStore:
 
 
 class LazyFeatures:
-    """The FeatureStore interface over a RegionStore: get() reads the batch's items only. An item found bad when first
-    read is counted in `skipped` (the split's counter), said once on stderr, and skipped from then on: it stands as
-    one all-zero region, so the batch keeps its shape on every rank and the image, still a candidate, carries no
-    evidence. More bad items than max_frac of the split stop the run (as --max_skip_frac does for captions)."""
+    """The FeatureStore interface over a RegionStore: get() reads the batch's items only. An item
+    found bad when first read is counted in `skipped` (the split's counter), said once on stderr,
+    and skipped from then on: it stands as one all-zero region, so the batch keeps its shape on
+    every rank and the image, still a candidate, carries no evidence. More bad items than max_frac
+    of the split stop the run (as --max_skip_frac does for captions)."""
 
     def __init__(self, regions, keys, skipped, max_frac):
         self.regions, self.keys, self.feat_dim = regions, keys, regions.dim
@@ -1124,9 +1152,10 @@ class LazyFeatures:
 
 
 def load_clip_vision(path, quick_gelu=None):
-    """The vision tower of an il_clip.py checkpoint or OpenAI-format CLIP weights: (visual.* state dict, heads,
-    quick_gelu, image size); written here so that composer.py imports only data.py. Heads from the run's config.json,
-    else OpenAI's width / 64; the activation from --quick_gelu, else the config files, else QuickGELU (assumed)."""
+    """The vision tower of an il_clip.py checkpoint or OpenAI-format CLIP weights: (visual.* state
+    dict, heads, quick_gelu, image size); written here so that composer.py imports only data.py.
+    Heads from the run's config.json, else OpenAI's width / 64; the activation from --quick_gelu,
+    else the config files, else QuickGELU (assumed)."""
     weights, folder = resolve_weights(path)
     # read_weights also reads OpenAI's JIT .pt
     sd = {k: v.float() for k, v in lifecycle.read_weights(weights).items()
@@ -1147,7 +1176,8 @@ def load_clip_vision(path, quick_gelu=None):
 
 
 def vit_patch_tokens(sd, heads, quick_gelu, images):
-    """Last-block patch tokens before ln_post (il_clip's forward_tokens): OpenAI's ViT over the state dict."""
+    """Last-block patch tokens before ln_post (il_clip's forward_tokens): OpenAI's ViT over the
+    state dict."""
     ln = lambda x, p: F.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"])
     lin = lambda x, p: F.linear(x, sd[p + ".weight"], sd[p + ".bias"])
     conv = sd["visual.conv1.weight"]
@@ -1177,7 +1207,8 @@ def clip_patch_features(images, clip_path, batch=64, quick_gelu=None):
     tf = data.eval_transform(size)
     feats = []
     for i in range(0, len(images), batch):
-        # loader batches (uint8 or normalised) and PIL images (shapes) alike: CLIP-normalised float32
+        # loader batches (uint8 or normalised) and PIL images (shapes) alike: CLIP-normalised
+        # float32
         x = data.normalize_images(
             torch.stack([im if torch.is_tensor(im) else tf(im) for im in images[i:i + batch]]),
             "cpu")
@@ -1215,14 +1246,16 @@ class Split:
 
 
 def _n(spec, n, shapes_default):
-    """An image count flag: the value given, else the whole split (None), or on shapes (no whole split) its default."""
+    """An image count flag: the value given, else the whole split (None), or on shapes (no whole
+    split) its default."""
     return n if n is not None else (shapes_default if _is_shapes(spec) else None)
 
 
 def _spec_items(args, spec, split, n, with_images=False) -> list:
-    """Caption items (JSON-able dicts, the lines of a split file) of the first `n` images of a split (0 / None: all).
-    Shapes items name (split, index, seed) and are regenerated on use. Other specs are read without decoding an image
-    (so text-only work and --features regions need no JPEGs); only --features clip (with_images) runs the loader."""
+    """Caption items (JSON-able dicts, the lines of a split file) of the first `n` images of a split
+    (0 / None: all). Shapes items name (split, index, seed) and are regenerated on use. Other specs
+    are read without decoding an image (so text-only work and --features regions need no JPEGs);
+    only --features clip (with_images) runs the loader."""
     if spec.endswith(".jsonl"):
         return _first_images(read_split_file(spec), n)
     if _is_shapes(spec):
@@ -1311,8 +1344,9 @@ def _check_skips(skipped: Counter, total: int, max_frac: float, what: str):
 
 
 def caption_crgs(items: list, max_skip_frac: float, what: str):
-    """[(crg, item, (key, caption, scene / image))], skips by kind, and how many captions went through the built-in
-    bracketer (every run says: its parses are rougher than a real parser's, see `composer.py parse`)."""
+    """[(crg, item, (key, caption, scene / image))], skips by kind, and how many captions went
+    through the built-in bracketer (every run says: its parses are rougher than a real parser's, see
+    `composer.py parse`)."""
     out, skipped, n_bracketed = [], Counter(), 0
     for it in lifecycle.progress(items, desc=f"CRGs of {what}", unit="item", leave=False):
         key, cap, tree, obj = _resolve_item(it)
@@ -1331,15 +1365,16 @@ def caption_crgs(items: list, max_skip_frac: float, what: str):
 
 def load_split(args, split: str, n: int | None, items: list | None = None,
                hold_out=frozenset()) -> Split:
-    """Captions, CRGs and region features (--features) of the first `n` images of a split (or of split-file items).
-    Captions with a predicate in `hold_out` are left out, and so is an image none of whose captions is left."""
+    """Captions, CRGs and region features (--features) of the first `n` images of a split (or of
+    split-file items). Captions with a predicate in `hold_out` are left out, and so is an image none
+    of whose captions is left."""
     if items is None:
         items = _spec_items(args, args.data, split, n, with_images=args.features == "clip")
     what = f"{args.data} ({split})"
     crgs, skipped, n_bracketed = caption_crgs(items, args.max_skip_frac, what)
     held = {id(it) for c, it, _ in crgs if holds_out(c, hold_out)}
-    crgs, items = [x for x in crgs if id(x[1]) not in held], [it for it in items
-                                                              if id(it) not in held]
+    crgs, items = ([x for x in crgs if id(x[1]) not in held],
+                   [it for it in items if id(it) not in held])
     regions = RegionStore(args.regions) if args.features == "regions" else None
     keys = []
     kidx = {}
@@ -1351,7 +1386,8 @@ def load_split(args, split: str, n: int | None, items: list | None = None,
     its = []
 
     def add_image(key, obj):
-        """The image's index once its features are made or checked; None when bad (its captions are skipped)."""
+        """The image's index once its features are made or checked; None when bad (its captions are
+        skipped)."""
         if key not in kidx and key not in bad:
             try:
                 if args.features == "gold":
@@ -1428,9 +1464,10 @@ def match_loss(s_pos, s_neg):
 
 
 def mvsa_hinge(s, s_negc, s_negx, alpha=0.8, denom=None):
-    """l_MVSA (hinge): per concept c of a true pair, [a - s(x,c) + s(x,c-)]_+ + [a - s(x,c) + s(x-,c)]_+.
-    Choice: each term is averaged over its negatives and the sum over concepts (the paper sums; the mean keeps
-    lambda = 1 independent of batch and tree size). `denom`: the global concept count / world under DDP."""
+    """l_MVSA (hinge): per concept c of a true pair, [a - s(x,c) + s(x,c-)]_+ + [a - s(x,c) +
+    s(x-,c)]_+. Choice: each term is averaged over its negatives and the sum over concepts (the
+    paper sums; the mean keeps lambda = 1 independent of batch and tree size). `denom`: the global
+    concept count / world under DDP."""
     s = s[:, None]
     t = (alpha - s + s_negc).clamp(min=0).mean(1) + (alpha - s + s_negx).clamp(min=0).mean(1)
     return t.sum() / (denom or len(t))
@@ -1450,15 +1487,17 @@ def mvsa_loss(s, s_negc, s_negx, denom, args):
 
 
 def order_loss(s_parent, s_child, beta=0.2, denom=None):
-    """l_order (Zhang et al. 2020): [b - s(x, c_parent) + s(x, c_child)]_+ per concept edge, mean; no edges: 0."""
+    """l_order (Zhang et al. 2020): [b - s(x, c_parent) + s(x, c_child)]_+ per concept edge, mean;
+    no edges: 0."""
     return (beta - s_parent + s_child).clamp(min=0).sum() / max(1, denom or s_parent.numel())
 
 
 def vse_inbatch_loss(scale, te, V, img_of, local, device):
-    """VSE's symmetric in-batch softmax for this rank's pairs `local` over the whole global batch (te, V: its unit
-    text / image embeddings); other pairs of the same image are masked out. Choice: VSE trains with this natural
-    recipe, stronger than the sampled negatives the cross-modal models can afford; `--vse_loss sampled` gives it
-    l_match with the same sampled negatives as COMPOSER and the single stream."""
+    """VSE's symmetric in-batch softmax for this rank's pairs `local` over the whole global batch
+    (te, V: its unit text / image embeddings); other pairs of the same image are masked out. Choice:
+    VSE trains with this natural recipe, stronger than the sampled negatives the cross-modal models
+    can afford; `--vse_loss sampled` gives it l_match with the same sampled negatives as COMPOSER
+    and the single stream."""
     same = ((img_of[local][:, None] == img_of[None, :])
             & (torch.arange(len(img_of))[None, :] != local[:, None]))
     same, target = same.to(device), local.to(device)
@@ -1467,8 +1506,8 @@ def vse_inbatch_loss(scale, te, V, img_of, local, device):
 
 
 def _neg_concept(levels_i, levels_j):
-    """Choice: the negative concept c- of concept c is the negative caption's concept of the same height (the k-th
-    for the k-th, cyclic), else of the nearest height."""
+    """Choice: the negative concept c- of concept c is the negative caption's concept of the same
+    height (the k-th for the k-th, cyclic), else of the nearest height."""
     by_h = defaultdict(list)
     for u, h in enumerate(levels_j):
         by_h[h].append(u)
@@ -1481,9 +1520,9 @@ def _neg_concept(levels_i, levels_j):
 
 
 def composer_losses(aux, comps, cap_idx, neg_img_pairs, neg_txt_caps, pair_base, args, world=1):
-    """MVSA + order terms from one step's node scores. Pair i is this rank's true pair i (caption cap_idx[i]),
-    pair_base[0] + i*ki + m its m-th negative image, pair_base[1] + i*kt + m its m-th negative caption
-    (neg_txt_caps[i][m]). Normalised by global counts (see mvsa_hinge)."""
+    """MVSA + order terms from one step's node scores. Pair i is this rank's true pair i (caption
+    cap_idx[i]), pair_base[0] + i*ki + m its m-th negative image, pair_base[1] + i*kt + m its m-th
+    negative caption (neg_txt_caps[i][m]). Normalised by global counts (see mvsa_hinge)."""
     ns, start = aux["node_score"], aux["node_start"].tolist()
     pos_i = []
     negx_i = []
@@ -1512,9 +1551,10 @@ def composer_losses(aux, comps, cap_idx, neg_img_pairs, neg_txt_caps, pair_base,
 
 
 def concept_mvsa(model, compiler, sp, caps, local, ni, nt, V, vm, args, world, device):
-    """l_MVSA for a caption-level baseline ("ViLBERT + MVSA", paper Table 5): every concept of a true caption, as its
-    own text, against the pair's image (s) and the negative images (s_x-); each negative caption's _neg_concept
-    against the true image gives s_c-. ni / nt: batch positions of each pair's negatives. Normalised as COMPOSER's."""
+    """l_MVSA for a caption-level baseline ("ViLBERT + MVSA", paper Table 5): every concept of a
+    true caption, as its own text, against the pair's image (s) and the negative images (s_x-); each
+    negative caption's _neg_concept against the true image gives s_c-. ni / nt: batch positions of
+    each pair's negatives. Normalised as COMPOSER's."""
     texts = []
     tid = {}
     pc = []
@@ -1569,8 +1609,8 @@ def autocast(device, dtype):
 
 
 class StepLoss(nn.Module):
-    """The training step as one forward(), so that DDP (which syncs the gradients of what forward() used) can wrap
-    it; the data and compiler ride along as plain attributes."""
+    """The training step as one forward(), so that DDP (which syncs the gradients of what forward()
+    used) can wrap it; the data and compiler ride along as plain attributes."""
 
     def __init__(self, model, compiler, sp, args, rank, world, device):
         super().__init__()
@@ -1580,7 +1620,8 @@ class StepLoss(nn.Module):
     def forward(self, gidx, step):
         compiler, sp, args, rank, world, device = self.ctx
         loss, parts = train_step(self.model, compiler, sp, gidx, rank, world, step, args, device)
-        # every trained parameter enters the loss, times 0 (see wrap_ddp); loss and gradients unchanged
+        # every trained parameter enters the loss, times 0 (see wrap_ddp); loss and gradients
+        # unchanged
         if world > 1:
             loss = loss + sum(p.reshape(-1)[0] for p in self.model.parameters()
                               if p.requires_grad) * 0.0
@@ -1588,9 +1629,10 @@ class StepLoss(nn.Module):
 
 
 def wrap_ddp(step_loss, world, device):
-    """DDP over the step. A rank's captions may not reach every tree level or modulator branch (VSE's in-batch loss
-    skips parameters), whose gradients DDP would wait for forever; StepLoss gives those a zero gradient instead.
-    Choice: this, not find_unused_parameters, which walks the graph every step and warns when nothing is unused."""
+    """DDP over the step. A rank's captions may not reach every tree level or modulator branch
+    (VSE's in-batch loss skips parameters), whose gradients DDP would wait for forever; StepLoss
+    gives those a zero gradient instead. Choice: this, not find_unused_parameters, which walks the
+    graph every step and warns when nothing is unused."""
     if world == 1:
         return step_loss
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -1598,8 +1640,8 @@ def wrap_ddp(step_loss, world, device):
 
 
 class Sampler:
-    """Global batches of caption indices: a permutation per (seed, epoch), the same on every rank (rank r trains on
-    r::world of each)."""
+    """Global batches of caption indices: a permutation per (seed, epoch), the same on every rank
+    (rank r trains on r::world of each)."""
 
     def __init__(self, n, batch, seed):
         if n < batch:
@@ -1627,8 +1669,8 @@ class Sampler:
 
 
 def sample_negatives(img_of, k, gen):
-    """For each position of a global batch, k random positions with another image (ViLBERT-style in-batch
-    negatives; the generator is the same on all ranks)."""
+    """For each position of a global batch, k random positions with another image (ViLBERT-style
+    in-batch negatives; the generator is the same on all ranks)."""
     B = len(img_of)
     r = torch.rand(B, B, generator=gen)
     same = img_of[:, None] == img_of[None, :]
@@ -1674,8 +1716,8 @@ def train_step(model, compiler, sp: Split, gidx, rank, world, step, args, device
 
 
 def get_lr(step, args):
-    """Choice: linear warm-up then cosine to 10% (the paper's step schedule is for 20 epochs of BERT fine-tuning; a
-    from-scratch tiny model trains better with cosine)."""
+    """Choice: linear warm-up then cosine to 10% (the paper's step schedule is for 20 epochs of BERT
+    fine-tuning; a from-scratch tiny model trains better with cosine)."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     t = (step - args.warmup) / max(1, args.max_steps - args.warmup)
@@ -1692,8 +1734,8 @@ def nonfinite(step, args):
 
 
 def build_tokenizer(args, folder=None):
-    """The resumed checkpoint's tokenizer, or BERT's WordPiece (--bert), the CLIP BPE (--vocab), a BPE trained on the
-    captions."""
+    """The resumed checkpoint's tokenizer, or BERT's WordPiece (--bert), the CLIP BPE (--vocab), a
+    BPE trained on the captions."""
     if folder:
         return load_tokenizer(folder)
     if getattr(args, "bert", None):
@@ -1739,7 +1781,8 @@ def check_args(args, world):
 
 
 def eval_sets(args, name, split, n, compiler):
-    """{name: the first n images of `split`} (none when n is 0), then each --split_file by its file stem."""
+    """{name: the first n images of `split`} (none when n is 0), then each --split_file by its file
+    stem."""
     sets = {name: load_split(args, split, n)} if n != 0 else {}
     for path in args.split_file or []:
         sets[os.path.splitext(os.path.basename(path))[0]] = load_split(args, None, None,
@@ -1762,10 +1805,11 @@ def run_evals(model, compiler, evals, device, args):
 
 
 def sync_values(losses, bad, stop_flag, world):
-    """[loss, *parts, any non-finite, stop signal seen] summed over ranks (losses: the mean, the loss of the global
-    batch; the signal: lifecycle.stop_code's). The losses and the non-finite flag stay on the device until a log or
-    save step (no sync per step). A signal reaches the ranks at different steps, so its flag is summed with them:
-    every rank then stops at this same step, and none waits in a collective the others left."""
+    """[loss, *parts, any non-finite, stop signal seen] summed over ranks (losses: the mean, the
+    loss of the global batch; the signal: lifecycle.stop_code's). The losses and the non-finite flag
+    stay on the device until a log or save step (no sync per step). A signal reaches the ranks at
+    different steps, so its flag is summed with them: every rank then stops at this same step, and
+    none waits in a collective the others left."""
     vals = torch.cat([losses.double(),
                       torch.stack([bad.double(), losses.new_tensor(stop_flag).double()])])
     if world > 1:
@@ -1775,7 +1819,8 @@ def sync_values(losses, bad, stop_flag, world):
 
 
 def build_run(args, resume, master, world, device):
-    """Tokenizer, compiler, training and eval data, the model (--bert, --init) on `device`; rank 0 says what it read."""
+    """Tokenizer, compiler, training and eval data, the model (--bert, --init) on `device`; rank 0
+    says what it read."""
     tok = build_tokenizer(args, resume and resume[0])
     compiler = TextCompiler(tok, args.max_len)
     t0 = time.time()
@@ -1839,8 +1884,8 @@ def train(args):
         [mod.compile(dynamic=True) for mod in model.modules() if isinstance(mod, Block)]
     step_loss = wrap_ddp(StepLoss(model, compiler, sp, args, rank, world, device), world, device)
     last_log = time.time()
-    # the losses summed on the device over the log interval (logged as their mean; saved, so a resumed run logs the
-    # same means)
+    # the losses summed on the device over the log interval (logged as their mean; saved, so a
+    # resumed run logs the same means)
     sums, n_sum = ((resume[2].get("log_sums"), resume[2].get("log_steps", 0)) if resume
                    else (None, 0))
     sums = None if sums is None or not n_sum else sums.to(device)
@@ -1920,14 +1965,15 @@ def train(args):
 
 
 # =============================================================================
-# 8. Evaluation (paper section 5): text->image and phrase->image R@1/5/10 (t2i_r*, p2i_r*), interpretation view
+# 8. Evaluation (paper section 5): text->image and phrase->image R@1/5/10 (t2i_r*, p2i_r*),
+# interpretation view
 # =============================================================================
 
 @torch.no_grad()
 def score_matrix(model, compiler, comps, captions, store, img_idx, device, cap_chunk=32,
                  img_chunk=128):
-    """Scores [C, I] of every caption against every image: the text side runs once per caption chunk, the visual
-    side once per image chunk, each block one level-batched call."""
+    """Scores [C, I] of every caption against every image: the text side runs once per caption
+    chunk, the visual side once per image chunk, each block one level-batched call."""
     cfg = model.cfg
     img_idx = torch.as_tensor(img_idx, dtype=torch.long)
     vis = [model.encode_image(*store.get(img_idx[j:j + img_chunk], device))
@@ -1950,9 +1996,9 @@ def score_matrix(model, compiler, comps, captions, store, img_idx, device, cap_c
 
 
 def recall_at(scores, gold_sets, ks=(1, 5, 10), name="t2i"):
-    """{name}_r{k}: percent of queries with a correct image among the k best (gold_sets: per query the set of correct
-    image columns). Ties count against the query: a hit needs fewer than k wrong images scoring >= the best correct
-    one."""
+    """{name}_r{k}: percent of queries with a correct image among the k best (gold_sets: per query
+    the set of correct image columns). Ties count against the query: a hit needs fewer than k wrong
+    images scoring >= the best correct one."""
     G = torch.zeros_like(scores, dtype=torch.bool)
     for q, g in enumerate(gold_sets):
         G[q, list(g)] = True
@@ -1962,9 +2008,10 @@ def recall_at(scores, gold_sets, ks=(1, 5, 10), name="t2i"):
 
 
 def phrase_queries(sp: Split, per_caption=5, seed=0):
-    """Phrase->image (paper section 5): up to 5 non-sentence concepts per caption; a hit is any image whose caption
-    contains the phrase (its denotation within the evaluated images). Choice: when a caption has more, 5 are drawn
-    with a fixed seed. Returns the query CRGs, texts, correct-image sets and each query's source image."""
+    """Phrase->image (paper section 5): up to 5 non-sentence concepts per caption; a hit is any
+    image whose caption contains the phrase (its denotation within the evaluated images). Choice:
+    when a caption has more, 5 are drawn with a fixed seed. Returns the query CRGs, texts,
+    correct-image sets and each query's source image."""
     rng = random.Random(seed)
     denot = defaultdict(set)
     for crg, im in zip(sp.crgs, sp.cap_img):
@@ -1979,9 +2026,10 @@ def phrase_queries(sp: Split, per_caption=5, seed=0):
 
 
 def gallery_scores(model, compiler, comps, captions, src, store, n_img, folds, device):
-    """Scores [C, n_img]; folds = 1: every caption against every image (the paper's protocol). folds = K: image j in
-    gallery j % K, a caption scored only against its source image's gallery (-inf elsewhere): COCO's "5 x 1K test",
-    many queries at 1/K of the cost (a cross-modal model scores every pair: 1000 images cost 25x 200)."""
+    """Scores [C, n_img]; folds = 1: every caption against every image (the paper's protocol). folds
+    = K: image j in gallery j % K, a caption scored only against its source image's gallery (-inf
+    elsewhere): COCO's "5 x 1K test", many queries at 1/K of the cost (a cross-modal model scores
+    every pair: 1000 images cost 25x 200)."""
     if folds == 1:
         return score_matrix(model, compiler, comps, captions, store, list(range(n_img)), device)
     S = torch.full((len(captions), n_img), -float("inf"))
@@ -1997,8 +2045,8 @@ def gallery_scores(model, compiler, comps, captions, src, store, n_img, folds, d
 
 @torch.no_grad()
 def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True, seed=0, folds=1):
-    """Text->image t2i_r1/5/10 (each caption ranks all images of the split, or of its gallery) and phrase->image
-    p2i_r1/5/10, in percent, with what was scored."""
+    """Text->image t2i_r1/5/10 (each caption ranks all images of the split, or of its gallery) and
+    phrase->image p2i_r1/5/10, in percent, with what was scored."""
     model.eval()
     rng = random.Random(seed)
     crgs = [drop_branches(c, parse_dropout, rng) for c in sp.crgs] if parse_dropout > 0 else sp.crgs
@@ -2022,8 +2070,8 @@ def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True
 
 @torch.no_grad()
 def interpret(model, compiler, sp: Split, S, i, device) -> str:
-    """Paper Fig. 5: every concept's score on caption i's true image and on a wrong one (Choice: the highest-scoring
-    wrong image, the most informative contrast)."""
+    """Paper Fig. 5: every concept's score on caption i's true image and on a wrong one (Choice: the
+    highest-scoring wrong image, the most informative contrast)."""
     g = sp.cap_img[i]
     row = S[i].clone()
     row[g] = -float("inf")
@@ -2077,9 +2125,10 @@ def compounds_and_atoms(crgs: list) -> tuple:
 
 
 def delta_ranking(train: Counter, items: list, alpha: float = 0.1):
-    """Delta_i = CD(pool without item i) - CD(pool), for every item (a Counter of compounds), in O(total compounds)
-    via the closed form of the Chernoff coefficient. Returns (cd_all, deltas). An item whose compounds are rare in
-    training has Delta_i < 0 (removing it makes the pool *less* divergent)."""
+    """Delta_i = CD(pool without item i) - CD(pool), for every item (a Counter of compounds), in
+    O(total compounds) via the closed form of the Chernoff coefficient. Returns (cd_all, deltas). An
+    item whose compounds are rare in training has Delta_i < 0 (removing it makes the pool *less*
+    divergent)."""
     P = sum(train.values())
     Qk = Counter()
     for it in items:
@@ -2101,11 +2150,12 @@ def delta_ranking(train: Counter, items: list, alpha: float = 0.1):
 
 
 def mcd_split(train_crgs: list, pool: list, size: int, stride: int | None = None):
-    """Paper appendix B. `pool` = list of (item, [crg, ...]) (an image with its captions). 1) drop pool items with a
-    primitive unseen in training; 2) Delta-rank; 3) the top `size` items form the MCD split; 4) sliding windows of
-    `size` over the ranking give graded splits. Choice: the paper's "top ranking" is read as *most negative* Delta
-    first (the items whose removal lowers the divergence most, i.e. that carry the divergence); the printed CD of the
-    split confirms the direction. Returns a dict with the order, the split and windows."""
+    """Paper appendix B. `pool` = list of (item, [crg, ...]) (an image with its captions). 1) drop
+    pool items with a primitive unseen in training; 2) Delta-rank; 3) the top `size` items form the
+    MCD split; 4) sliding windows of `size` over the ranking give graded splits. Choice: the paper's
+    "top ranking" is read as *most negative* Delta first (the items whose removal lowers the
+    divergence most, i.e. that carry the divergence); the printed CD of the split confirms the
+    direction. Returns a dict with the order, the split and windows."""
     train_c, train_a = compounds_and_atoms(train_crgs)
     kept = [(it, crgs) for it, crgs in pool
             if all(p.word in train_a for c in crgs for p in c.primitives())]
@@ -2140,14 +2190,15 @@ def mcd_split(train_crgs: list, pool: list, size: int, stride: int | None = None
             "windows": windows}
 
 
-# Choice (issue 43): on shapes every predicate of the test split is frequent in training, so no split of it reaches
-# the paper's compound divergence (0.15-0.31; 0.026 at most). `--hold_out shapes` leaves four size-colour predicates
-# out of training, their words all seen ("a small red [NN]" never, "a red [NN]", "a large red [NN]", "a small green
-# [NN]" often), as the shapes benchmark holds colour-shape compounds out for its systematicity split; the test pool
-# keeps them.
+# Choice (issue 43): on shapes every predicate of the test split is frequent in training, so no
+# split of it reaches the paper's compound divergence (0.15-0.31; 0.026 at most). `--hold_out
+# shapes` leaves four size-colour predicates out of training, their words all seen ("a small red
+# [NN]" never, "a red [NN]", "a large red [NN]", "a small green [NN]" often), as the shapes
+# benchmark holds colour-shape compounds out for its systematicity split; the test pool keeps them.
 def hold_out_predicates(value) -> frozenset:
-    """--hold_out: none (empty), `shapes` (red-small, blue-large, purple-small, white-large), or comma-separated
-    predicates as `composer.py graph` prints them ("a small red [NN]", "[NP] is above [NP]")."""
+    """--hold_out: none (empty), `shapes` (red-small, blue-large, purple-small, white-large), or
+    comma-separated predicates as `composer.py graph` prints them ("a small red [NN]", "[NP] is
+    above [NP]")."""
     if value == "shapes":
         return frozenset(f"a {data.SIZE_NAMES[(i // 2) % 2]} {c} [NN]"
                          for i, c in enumerate(data.COLOUR_NAMES) if i % 2 == 0)
@@ -2166,10 +2217,11 @@ def pick_windows(windows: list, targets: list) -> list:
 
 
 def target_problems(targets: list, windows: list, tolerance: float) -> list:
-    """What is wrong with the windows picked for --targets: a target further from every window than `tolerance` times
-    the reachable range (the windows' lowest to highest divergence; an absolute tolerance would be 40% of the range on
-    shapes, which spans 0.004..0.026) is out of reach of this pool, and a target whose window another target already
-    took (the two would be one split twice)."""
+    """What is wrong with the windows picked for --targets: a target further from every window than
+    `tolerance` times the reachable range (the windows' lowest to highest divergence; an absolute
+    tolerance would be 40% of the range on shapes, which spans 0.004..0.026) is out of reach of this
+    pool, and a target whose window another target already took (the two would be one split
+    twice)."""
     out, first = [], {}
     cds = [w["compound_divergence"] for w in windows]
     # + 1e-9: a window's own (rounded) divergence is in reach
@@ -2209,11 +2261,12 @@ def resolve_weights(path):
 
 
 def load_checkpoint(ckpt, device="cpu", script=None):
-    """(model, tokenizer, saved args as a Namespace) from a composer.py checkpoint (resolve_weights), its files
-    checked against sha256.json first. The model is built by the script the checkpoint records (a fork's weights
-    run the fork's model code), under lifecycle.find_script's trust rule: only by its bare name beside this file;
-    `script` (--script) names any other. Another script's checkpoint (il_clip.py, mm_learngene.py) is one line
-    naming its reader."""
+    """(model, tokenizer, saved args as a Namespace) from a composer.py checkpoint
+    (resolve_weights), its files checked against sha256.json first. The model is built by the script
+    the checkpoint records (a fork's weights run the fork's model code), under
+    lifecycle.find_script's trust rule: only by its bare name beside this file; `script` (--script)
+    names any other. Another script's checkpoint (il_clip.py, mm_learngene.py) is one line naming
+    its reader."""
     weights, folder = resolve_weights(ckpt)
     me = os.path.basename(__file__)
     if not os.path.isfile(os.path.join(folder, "config.json")):
@@ -2237,21 +2290,24 @@ def load_checkpoint(ckpt, device="cpu", script=None):
         model, args = build(conf)
     except (TypeError, KeyError):
         name = record.get("name") if isinstance(record, dict) else None
-        raise ComposerError(f"{ckpt}: a checkpoint of {name or 'another script'}, not of {me}: evaluate it "
-                            f"with python eval_compositional.py --ckpt {ckpt}") from None
+        raise ComposerError(f"{ckpt}: a checkpoint of {name or 'another script'}, not of {me}: "
+                            "evaluate it with python eval_compositional.py "
+                            f"--ckpt {ckpt}") from None
     # a damaged file or another model's: one line
     lifecycle.load_state(model, lifecycle.read_weights(weights), weights)
     return model.to(device).eval(), load_tokenizer(folder), args
 
 
 def model_from_config(conf):
-    """(model, saved args) from a checkpoint's config.json: this script's classes (a fork's: the fork's)."""
+    """(model, saved args) from a checkpoint's config.json: this script's classes (a fork's: the
+    fork's)."""
     cfg = ModelConfig(**conf["model"])
     return MODELS[cfg.arch](cfg), argparse.Namespace(**conf["args"])
 
 
 def eval_table(out) -> str:
-    """composer.py eval's results as a markdown table: one row per evaluated split, recalls in percent."""
+    """composer.py eval's results as a markdown table: one row per evaluated split, recalls in
+    percent."""
     cols = list(dict.fromkeys(k for r in out.values() for k, v in r.items()
                               if isinstance(v, (int, float))))
     fmt = lambda k, v: ("" if v is None else lifecycle.percent(v)
@@ -2355,8 +2411,8 @@ def cmd_mcd(args):
         raise ComposerError(f"--tolerance {args.tolerance:g}: a fraction of the reachable range, "
                             "in [0, 1)")
     lifecycle.start_line(__file__, "mcd",
-                         [f"train {args.train} ({args.train_split})", f"pool {args.pool} "
-                          f"({args.pool_split})", f"size {args.size}"],
+                         [f"train {args.train} ({args.train_split})",
+                          f"pool {args.pool} ({args.pool_split})", f"size {args.size}"],
                          args.out_dir or "none (the summary on stdout only)")
     train_crgs, _, sk_t, nb_t = _collect(args, args.train, args.train_split,
                                          _n(args.train, args.train_size, 20000))
@@ -2426,7 +2482,8 @@ def _installed(name):
 
 
 def _benepar_parser():
-    """benepar (Kitaev & Klein 2018, the paper's parser) in the first installed spaCy English pipeline."""
+    """benepar (Kitaev & Klein 2018, the paper's parser) in the first installed spaCy English
+    pipeline."""
     if not _installed("spacy"):
         raise ComposerError("benepar is installed but spaCy is not: pip install spacy && "
                             "python -m spacy download en_core_web_md")
@@ -2453,15 +2510,16 @@ def _stanza_parser():
                               download_method=None)
     # stanza's missing-resource errors are OSErrors
     except (OSError, ValueError, LookupError, KeyError) as e:
-        raise ComposerError(f"stanza is installed but its English models are not ({type(e).__name__}): python -c "
-                            f"\"import stanza; stanza.download('en', processors='tokenize,pos,constituency')\"") \
-            from None
+        raise ComposerError("stanza is installed but its English models are not "
+                            f"({type(e).__name__}): python -c \"import stanza; stanza.download("
+                            "'en', processors='tokenize,pos,constituency')\"") from None
     return lambda c: "(ROOT " + " ".join(str(s.constituency) for s in nlp(c).sentences) + ")"
 
 
 def load_parser(name):
-    """caption -> PTB string: a real parser (not in requirements; 'auto': benepar, then stanza) or the built-in
-    bracketer. A parser installed without its model says so (that, not "no parser", is what the user must fix)."""
+    """caption -> PTB string: a real parser (not in requirements; 'auto': benepar, then stanza) or
+    the built-in bracketer. A parser installed without its model says so (that, not "no parser", is
+    what the user must fix)."""
     if name == "builtin":
         return bracket
     problems = []
@@ -2475,9 +2533,10 @@ def load_parser(name):
 
 
 def composer_run(folder):
-    """(model, seed, {"<eval set> t2i_r<k>": fraction}) of a finished `composer.py train` out_dir: its config.json and
-    out_dir/eval.json (`composer.py eval --out`) if there is one, else the final eval record of metrics.jsonl; None if
-    unfinished. Runs written before the metric names were t2i_r<k> (R@<k>, under "eval") read the same."""
+    """(model, seed, {"<eval set> t2i_r<k>": fraction}) of a finished `composer.py train` out_dir:
+    its config.json and out_dir/eval.json (`composer.py eval --out`) if there is one, else the final
+    eval record of metrics.jsonl; None if unfinished. Runs written before the metric names were
+    t2i_r<k> (R@<k>, under "eval") read the same."""
     cfg_path, metrics = os.path.join(folder, "config.json"), os.path.join(folder, "metrics.jsonl")
     if not (os.path.isfile(cfg_path) and os.path.isfile(metrics)):
         return None
@@ -2488,10 +2547,10 @@ def composer_run(folder):
     if os.path.isfile(os.path.join(folder, "eval.json")):
         final = lifecycle.read_json(os.path.join(folder, "eval.json"))
     a = lifecycle.read_json(cfg_path)["args"]
-    name = a["method"] + (f" {a['modulator']}"
-                          if a["method"] == "composer"
-                          and a["modulator"] != "film" else "") + (" +mvsa"
-                                                                   if a.get("concept_mvsa") else "")
+    name = (a["method"]
+            + (f" {a['modulator']}" if a["method"] == "composer" and a["modulator"] != "film"
+               else "")
+            + (" +mvsa" if a.get("concept_mvsa") else ""))
     old = {"R@1": "t2i_r1", "R@5": "t2i_r5"}
     return name, a["seed"], {f"{split} {old.get(k, k)}": v / 100
                              for split, r in final.get("eval", final).items() if isinstance(r, dict)
@@ -2510,8 +2569,9 @@ def cmd_summarize(args):
 
 
 def cmd_parse(args):
-    """A copy of a caption file with a `tree` field per caption: a Karpathy JSON (sentences[].tree), a CSV/TSV (a
-    `tree` column) or a JSON-lines split file. Captions that already have a tree keep it unless --overwrite."""
+    """A copy of a caption file with a `tree` field per caption: a Karpathy JSON (sentences[].tree),
+    a CSV/TSV (a `tree` column) or a JSON-lines split file. Captions that already have a tree keep
+    it unless --overwrite."""
     t0 = time.time()
     parse = load_parser(args.parser)
     lifecycle.start_line(__file__, "parse",
@@ -2563,12 +2623,13 @@ def cmd_parse(args):
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Every flag's default in its help, unless it says nothing (None, False: the help text says what that means)."""
+    """Every flag's default in its help, unless it says nothing (None, False: the help text says
+    what that means)."""
 
     def _get_help_string(self, action):
         h = action.help or ""
-        if action.option_strings and action.default not in (None, argparse.SUPPRESS) and action.default is not False \
-                and "%(default)" not in h:
+        if (action.option_strings and action.default not in (None, argparse.SUPPRESS)
+                and action.default is not False and "%(default)" not in h):
             h += " (default: %(default)s)"
         return h
 
@@ -2636,7 +2697,8 @@ def add_machine(g, seed_help="the run's seed: initialisation, batches, negatives
                    help="loader workers decoding images (--features clip)")
 
 
-# paper section 4 / appendix C: BERT-base sizes, PT 6 and CT 5 (S X S X S, ending in text self-attention)
+# paper section 4 / appendix C: BERT-base sizes, PT 6 and CT 5 (S X S X S, ending in text
+# self-attention)
 SIZE_PRESETS = {"shapes": dict(width=64, heads=4, pt_layers=1, ct_layers=3),
                 "paper": dict(width=768, heads=12, pt_layers=6, ct_layers=5)}
 HOLD_OUT_HELP = ("leave the training captions with these predicates out (default: none): `shapes` "
@@ -2738,8 +2800,8 @@ def add_train_parser(sub):
 
 
 def given_flags(parser, argv, dests):
-    """The flags given on the command line (what --resume compares with the saved run's): argv parsed again with
-    every default None (no flag takes None from a command line)."""
+    """The flags given on the command line (what --resume compares with the saved run's): argv
+    parsed again with every default None (no flag takes None from a command line)."""
     quiet = copy.deepcopy(parser)
     quiet.set_defaults(**dict.fromkeys(dests))
     return {k for k, v in vars(quiet.parse_args(argv)).items() if v is not None}
@@ -2856,8 +2918,9 @@ def main(argv=None):
         lifecycle.release_out_dir(failed=True)
         sys.exit(1 if isinstance(e, NonFinite) else 2)
     # a full disk, a quota, a failing device, a read-only folder: one line, the last checkpoint
+    # intact
     except OSError as e:
-        if e.errno not in lifecycle.WRITE_ERRNOS:   # intact
+        if e.errno not in lifecycle.WRITE_ERRNOS:
             raise
         print(f"error: {e.filename or getattr(args, 'out_dir', None) or getattr(args, 'out', '')}: "
               f"{e.strerror}", file=sys.stderr)
@@ -2876,18 +2939,20 @@ def main(argv=None):
 # =============================================================================
 # Appendix: the rule-based bracketer, for captions without trees (closed-class word lists, no model)
 # =============================================================================
-# Choice: a deterministic tagger + recursive-descent chunker in the Kitaev-Klein (benepar) / PTB style, not a
-# statistical parser. It knows closed-class words, ~200 caption verbs with their inflections, colour/size/material
-# adjectives and adjective-only suffixes; context decides the ambiguous ones (a verb form right after a noun phrase is
-# the verb, "rides" after "a man"; a base form after a plural subject is VBP; after a form of be/have a participle,
-# "was hit"; an -ing word after a determiner with no noun after it is a noun, "the building"; an adjective ending a
-# determiner phrase is its head noun, "a large blue square"), and open words are tagged by their position. Tokens as
-# PTB's: "girl 's" (POS inside the possessor NP), "t-shirt" one token. Structure: NP -> base NP [PP (right-branching
-# inside the PP; after "X of Y" the next PP modifies "X of Y") | VBG-phrase (reduced relative) | SBAR
-# (who/that/which)] and NP CC NP; S -> NP VP; inside the VP, PPs attach to the VP and only "of" PPs to the object NP;
-# "to VB" makes S, "while VBG" and "while/as NP VP" make SBAR. Measured against gold parses of 168 real-style
-# captions, 60 of them held out (tests/fixtures/composer_captions_*.txt, tests/test_composer_bracketer.py). A real
-# parser (`composer.py parse`) is better still.
+# Choice: a deterministic tagger + recursive-descent chunker in the Kitaev-Klein (benepar) / PTB
+# style, not a statistical parser. It knows closed-class words, ~200 caption verbs with their
+# inflections, colour/size/material adjectives and adjective-only suffixes; context decides the
+# ambiguous ones (a verb form right after a noun phrase is the verb, "rides" after "a man"; a base
+# form after a plural subject is VBP; after a form of be/have a participle, "was hit"; an -ing word
+# after a determiner with no noun after it is a noun, "the building"; an adjective ending a
+# determiner phrase is its head noun, "a large blue square"), and open words are tagged by their
+# position. Tokens as PTB's: "girl 's" (POS inside the possessor NP), "t-shirt" one token.
+# Structure: NP -> base NP [PP (right-branching inside the PP; after "X of Y" the next PP modifies
+# "X of Y") | VBG-phrase (reduced relative) | SBAR (who/that/which)] and NP CC NP; S -> NP VP;
+# inside the VP, PPs attach to the VP and only "of" PPs to the object NP; "to VB" makes S, "while
+# VBG" and "while/as NP VP" make SBAR. Measured against gold parses of 168 real-style captions, 60
+# of them held out (tests/fixtures/composer_captions_*.txt, tests/test_composer_bracketer.py). A
+# real parser (`composer.py parse`) is better still.
 _CLOSED = {}
 for _tag, _words in {
     "DT": "a an the this these those some any every each no another all both either neither",
@@ -2898,24 +2963,27 @@ for _tag, _words in {
     "NN": "someone somebody something everyone everybody everything anyone anything nobody nothing",
     "PRP": "he she it they we i you him them us me himself herself themselves",
     "CD": "one two three four five six seven eight nine ten eleven twelve dozen",
-    "IN": "of in on at by with from into onto over under above below behind beside besides near through across along "
-          "around between among against toward towards inside outside beneath underneath upon during while for like "
-          "than via past beyond atop after before without within as because if since until although though whilst "
-          "amongst throughout",
+    "IN": "of in on at by with from into onto over under above below behind beside besides near "
+          "through across along around between among against toward towards inside outside "
+          "beneath underneath upon during while for like than via past beyond atop after before "
+          "without within as because if since until although though whilst amongst throughout",
     "TO": "to", "CC": "and or but nor", "EX": "there", "WP": "who whom what", "WDT": "which whose",
-    "VBZ": "is has does", "VBP": "are have do am", "VBD": "was were had did", "VB": "be", "VBN": "been", "VBG": "being",
+    "VBZ": "is has does", "VBP": "are have do am", "VBD": "was were had did", "VB": "be",
+    "VBN": "been", "VBG": "being",
     "MD": "can could will would may might should must",
     "RB": "very not also just together too almost really quite n't away out up down off back here "
           "nearby alone only still so even",
-    "JJ": "red green blue yellow orange purple pink brown black white gray grey cyan magenta beige tan golden silver "
-          "blond blonde dark light bright colorful colourful striped spotted plaid small large big tiny huge little "
-          "tall short long old young new wooden metal plastic glass open empty full other same different round "
-          "square wet dry hot cold warm snowy sandy grassy rocky muddy dirty clean happy sad busy crowded clear cloudy "
-          "sunny shirtless bald elderly high low wide narrow deep thick thin fat heavy fresh asian african american "
-          "indian left right top bottom middle front first second third last next several many few various multiple "
-          "numerous professional outdoor indoor electric giant adult female male pretty beautiful nice cute fancy "
-          "older younger smaller larger bigger single double public private great good cool fun funny "
-          "lovely broken shiny fluffy furry messy leafy rusty dusty",
+    "JJ": "red green blue yellow orange purple pink brown black white gray grey cyan magenta beige "
+          "tan golden silver blond blonde dark light bright colorful colourful striped spotted "
+          "plaid small large big tiny huge little tall short long old young new wooden metal "
+          "plastic glass open empty full other same different round square wet dry hot cold warm "
+          "snowy sandy grassy rocky muddy dirty clean happy sad busy crowded clear cloudy sunny "
+          "shirtless bald elderly high low wide narrow deep thick thin fat heavy fresh asian "
+          "african american indian left right top bottom middle front first second third last "
+          "next several many few various multiple numerous professional outdoor indoor electric "
+          "giant adult female male pretty beautiful nice cute fancy older younger smaller larger "
+          "bigger single double public private great good cool fun funny lovely broken shiny "
+          "fluffy furry messy leafy rusty dusty",
 }.items():
     for _w in _words.split():
         _CLOSED.setdefault(_w, _tag)
@@ -2971,8 +3039,8 @@ def _inflections(lemma):
     ing = re.sub(r"ie$", "y", re.sub(r"(?<![ie])e$", "", stem)) + "ing"  # lying, riding, seeing
     s = re.sub(r"([^aeiou])y$", r"\1ie", lemma) + (
         "es" if re.search(r"(s|sh|ch|x|z|o)$", lemma) else "s")  # tries
-    ed = lemma + "d" if lemma.endswith("e") else re.sub(r"([^aeiou])y$", r"\1i",
-                                                        stem) + "ed"  # tied, tried
+    ed = (lemma + "d" if lemma.endswith("e")
+          else re.sub(r"([^aeiou])y$", r"\1i", stem) + "ed")  # tied, tried
     forms = {lemma: "base", s: "s", ing: "ing"}
     for f in ([ed] if lemma not in _IRREGULAR else []) + _IRREGULAR.get(lemma, "").split():
         forms.setdefault(f, "ed")
@@ -3030,10 +3098,11 @@ def _noun(w):
 
 
 def _open_tag(w, prev, nxt, nxt2, pw, existential):
-    """Tag of an open word (no closed class, verb form or suffix) from its position: an intensifier between a verb and
-    a predicate adjective ("looks super happy."), a predicate adjective after a copula ("is cool.", but "there is
-    snow."), a verb between a noun and a determiner ("a woman slices the bread"), a prenominal modifier when
-    hyphenated ("a red-and-white sweater"), else a noun."""
+    """Tag of an open word (no closed class, verb form or suffix) from its position: an intensifier
+    between a verb and a predicate adjective ("looks super happy."), a predicate adjective after a
+    copula ("is cool.", but "there is snow."), a verb between a noun and a determiner ("a woman
+    slices the bread"), a prenominal modifier when hyphenated ("a red-and-white sweater"), else a
+    noun."""
     end = (None, ".", ",", "CC")
     if prev in _VERB_TAGS + ("RB",) and nxt == "JJ" and nxt2 in end:
         return "RB"
@@ -3070,7 +3139,8 @@ def _tag_words(words):
         elif t == "RB" and np_inside and w.endswith("ly"):
             t = "JJ" if nxt in _NOUN_TAGS + ("JJ",) else "NN"  # "a lovely day", "a family"
         elif t == "VBG" and prev in ("DT", "PRP$", "JJ", "CD", "POS"):
-            # "the building" (no noun after: NN); "a swimming pool" (compound: NN); "a running dog" (modifier: VBG)
+            # "the building" (no noun after: NN); "a swimming pool" (compound: NN); "a running dog"
+            # (modifier: VBG)
             t = "NN" if nxt not in _NOUN_TAGS or w in _ING_COMPOUND else "VBG"
         elif kind in ("base", "ed") and pw in _BE and prev in _VERB_TAGS:
             t = "VBN"  # passive / perfect: "was hit", "is being cut", "has eaten"
@@ -3079,24 +3149,24 @@ def _tag_words(words):
         elif kind == "base" and (prev in ("NNS", "PRP", "TO", "MD")
                                  or (prev == "CC" and "VBP" in tags)):
             t = "VBP" if prev in ("NNS", "PRP") else "VB"
-        elif kind == "base" and prev == "NN" and w in _PAST_IS_BASE and nxt in ("DT", "PRP$", "CD",
-                                                                                "IN"):
+        elif (kind == "base" and prev == "NN" and w in _PAST_IS_BASE
+              and nxt in ("DT", "PRP$", "CD", "IN")):
             # "the player hit the ball": after a singular subject the bare form is the past
             t = "VBD"
         elif kind == "ed" and (after_np or prev in ("VBZ", "VBP", "VBD", "VBN", "RB")):
             t = "VBD" if after_np else "VBN"
         elif kind in ("base", "s") and t in ("VB", "VBZ"):
             t = _noun(w)  # a verb form where no verb can stand: a noun ("a bus stop", "the waves")
-        elif t == "NNS" and prev == "NN" and nxt in ("DT", "PRP$", "IN", "CD", "TO") and kind is None \
-                and not any(x in _VERB_TAGS for x in tags):
+        elif (t == "NNS" and prev == "NN" and nxt in ("DT", "PRP$", "IN", "CD", "TO")
+              and kind is None and not any(x in _VERB_TAGS for x in tags)):
             t = "VBZ"  # an unknown -s word between a singular subject and its object: the verb
         tags.append(t)
     return tags
 
 
 class _Chunker:
-    """Recursive descent over tagged words: noun phrases, verb phrases and the sentence; every method returns (tree
-    string, next index) or None."""
+    """Recursive descent over tagged words: noun phrases, verb phrases and the sentence; every
+    method returns (tree string, next index) or None."""
 
     def __init__(self, words, tags):
         self.w, self.t, self.n = words, tags, len(words)
@@ -3118,9 +3188,8 @@ class _Chunker:
             j += 1
         mods = ("JJ", "VBN", "RB", "VBG")
         while self.tag(j) in mods:
-            if self.tag(j + 1) == "CC" and self.tag(j +
-                                                    2) in mods and self.tag(j +
-                                                                            3) in mods + _NOUN_TAGS:
+            if (self.tag(j + 1) == "CC" and self.tag(j + 2) in mods
+                    and self.tag(j + 3) in mods + _NOUN_TAGS):
                 out.append(f"(ADJP {self.leaf(j)} {self.leaf(j + 1)} {self.leaf(j + 2)})")
                 j += 3
             elif self.tag(j + 1) in mods + _NOUN_TAGS:
@@ -3145,8 +3214,9 @@ class _Chunker:
         return "(NP " + " ".join(out) + ")", k
 
     def np(self, i, mode):
-        """A base NP and its post-modifiers. mode: 'top' (PPs, reduced relatives, relative clauses, coordination),
-        'pp' (the NP inside a PP: PPs, right-branching), 'object' (only "of" PPs, "full of", relative clauses)."""
+        """A base NP and its post-modifiers. mode: 'top' (PPs, reduced relatives, relative clauses,
+        coordination), 'pp' (the NP inside a PP: PPs, right-branching), 'object' (only "of" PPs,
+        "full of", relative clauses)."""
         r = self.base_np(i)
         if r is None:
             return None
@@ -3166,14 +3236,13 @@ class _Chunker:
                 mods.append(pp)
                 if mode == "pp":
                     break
-            elif w == "next" and self.tag(j + 1) == "TO" and mode == "top" and (inner := self.np(
-                    j + 2, "pp")):
-                mods.append(f"(ADVP {self.leaf(j)} (PP {self.leaf(j + 1)} {inner[0]}))"
-                            )  # "a dog next to a cat"
+            elif (w == "next" and self.tag(j + 1) == "TO" and mode == "top"
+                  and (inner := self.np(j + 2, "pp"))):
+                # "a dog next to a cat"
+                mods.append(f"(ADVP {self.leaf(j)} (PP {self.leaf(j + 1)} {inner[0]}))")
                 j = inner[1]
-            elif t == "JJ" and self.tag(j + 1) == "IN" and self.w[j +
-                                                                  1] == "of" and (inner := self.np(
-                                                                      j + 2, "pp")):
+            elif (t == "JJ" and self.tag(j + 1) == "IN" and self.w[j + 1] == "of"
+                  and (inner := self.np(j + 2, "pp"))):
                 mods.append(f"(ADJP {self.leaf(j)} (PP {self.leaf(j + 1)} {inner[0]}))")
                 j = inner[1]
             elif t == "VBG" and mode == "top":
@@ -3193,15 +3262,15 @@ class _Chunker:
         return tree, j
 
     def coordination(self, tree, j, mode):
-        """NP [, NP]* CC NP inside a PP or an object ("with a stove and a sink", "has cabinets and a fridge"). Inside a
-        PP a conjunct with its own modifiers ("and a woman in a coat") is left to the coordination of the whole NP."""
+        """NP [, NP]* CC NP inside a PP or an object ("with a stove and a sink", "has cabinets and a
+        fridge"). Inside a PP a conjunct with its own modifiers ("and a woman in a coat") is left to
+        the coordination of the whole NP."""
         parts, k = [tree], j
         while self.tag(k) in (",", "CC"):
             c = k + 2 if self.tag(k) == "," and self.tag(k + 1) == "CC" else k + 1
             r = self.base_np(c) if mode == "pp" else self.np(c, "object")
-            if r is None or self.tag(r[1]) in ("VBG",
-                                               "VBN") or (mode == "pp"
-                                                          and self.tag(r[1]) in ("IN", "TO")):
+            if (r is None or self.tag(r[1]) in ("VBG", "VBN")
+                    or (mode == "pp" and self.tag(r[1]) in ("IN", "TO"))):
                 break
             parts += [self.leaf(x) for x in range(k, c)] + [r[0]]
             k = r[1]
@@ -3278,7 +3347,8 @@ class _Chunker:
 
 def bracket(caption: str) -> str:
     """Caption -> PTB string with the rule-based tagger and chunker above (no model download)."""
-    # PTB tokens: hyphenated words stay one token ("t-shirt"); clitics split off ("girl 's", "is n't")
+    # PTB tokens: hyphenated words stay one token ("t-shirt"); clitics split off
+    # ("girl 's", "is n't")
     words = re.findall(
         r"[a-z0-9]+(?:-[a-z0-9]+)*(?=n't)|n't|[a-z0-9]+(?:-[a-z0-9]+)*|'[a-z]+|[.,!?;:]",
         caption.lower().replace("\u2019", "'"))  # a typographic apostrophe is an apostrophe
@@ -3295,26 +3365,29 @@ def bracket(caption: str) -> str:
 # =============================================================================
 # Infrastructure: what composer.py adds to data.py's run lifecycle
 # =============================================================================
-# data.py holds the run lifecycle every training script shares (the out_dir lock, checkpoint save / verify / fallback,
-# RNG states, resumed flags, stop signals, metrics.jsonl + wandb, the plot). composer.py's own parts are below: what
-# its state.pt holds and how it is restored, its run-control flags, the series of its loss plot.
+# data.py holds the run lifecycle every training script shares (the out_dir lock, checkpoint save /
+# verify / fallback, RNG states, resumed flags, stop signals, metrics.jsonl + wandb, the plot).
+# composer.py's own parts are below: what its state.pt holds and how it is restored, its run-control
+# flags, the series of its loss plot.
 
-# --resume takes every flag from the run's config.json but NOT_SAVED; a flag given on the command line must equal
-# the saved value, except the run-control ones
+# --resume takes every flag from the run's config.json but NOT_SAVED; a flag given on the command
+# line must equal the saved value, except the run-control ones
 NOT_SAVED = {"cmd", "resume", "overwrite", "out_dir", "stop_at"}
 RUN_CONTROL = NOT_SAVED | {"save_interval", "log_interval", "num_workers", "device", "compile",
                            "eval_every", "wandb"}
-RUN_FILES = (r"checkpoint(\.prev|\.tmp)?", r"config\.json", r"tokenizer\.json", r"metrics\.jsonl", r"loss_curve\.png",
-             r"eval\.json", r"wandb_id(\.txt)?")   # what --overwrite removes
-# state.pt, checked to its leaves before --resume restores anything from it (lifecycle.read_checkpoint)
+# what --overwrite removes
+RUN_FILES = (r"checkpoint(\.prev|\.tmp)?", r"config\.json", r"tokenizer\.json", r"metrics\.jsonl",
+             r"loss_curve\.png", r"eval\.json", r"wandb_id(\.txt)?")
+# state.pt, checked to its leaves before --resume restores anything from it
+# (lifecycle.read_checkpoint)
 STATE_TYPES = {"step": int, "sampler": {"epoch": int, "pos": int},
                "optimizer": lifecycle.OPTIMIZER_STATE, "rng": lifecycle.RNG_STATE,
                "log_sums?": torch.Tensor, "log_steps?": int, "skipped?": {...: int}}
 
 
 def resume_run(args, rank):
-    """--resume: (folder, weights, state, config, newest_damaged) of the newest whole checkpoint; args become the
-    saved run's, a run-defining flag given now must equal its saved value."""
+    """--resume: (folder, weights, state, config, newest_damaged) of the newest whole checkpoint;
+    args become the saved run's, a run-defining flag given now must equal its saved value."""
     ckpt = lifecycle.load_checkpoint(args.out_dir, STATE_TYPES, rank=rank)
     given = {k: getattr(args, k) for k in args.given}
     saved = lifecycle.resumed_flags(given, ckpt[3]["args"], RUN_CONTROL, f"{ckpt[0]}/config.json",
@@ -3326,8 +3399,9 @@ def resume_run(args, rank):
 
 def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra, device,
                     newest_damaged=False):
-    """Everything --resume needs to continue bit-exactly from `step` (rank 0 writes). Non-finite weights or optimizer
-    state are never saved (NonFinite); a write error is one error line; either way the last checkpoint stays."""
+    """Everything --resume needs to continue bit-exactly from `step` (rank 0 writes). Non-finite
+    weights or optimizer state are never saved (NonFinite); a write error is one error line; either
+    way the last checkpoint stays."""
     weights, optim = model.state_dict(), opt.state_dict()
     if not lifecycle.all_finite([weights, optim["state"]]):
         raise nonfinite(step, args)
@@ -3339,8 +3413,8 @@ def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra, d
 
 
 def restore(ckpt, model, opt, sampler, metrics, rank, device):
-    """--resume: weights, optimizer, sampler position and RNG states; metrics.jsonl cut back to the resumed step
-    (no step is logged twice). Returns the step."""
+    """--resume: weights, optimizer, sampler position and RNG states; metrics.jsonl cut back to the
+    resumed step (no step is logged twice). Returns the step."""
     folder, weights, st = ckpt[:3]
     lifecycle.load_state(model, weights, folder)
     opt.load_state_dict(st["optimizer"])
@@ -3352,14 +3426,15 @@ def restore(ckpt, model, opt, sampler, metrics, rank, device):
 
 
 def draw_loss_curve(metrics_path, png_path, args):
-    """loss_curve.png: the total loss, labelled by the method, and its terms l_match, l_MVSA, l_order. Returns the
-    Figure."""
+    """loss_curve.png: the total loss, labelled by the method, and its terms l_match, l_MVSA,
+    l_order. Returns the Figure."""
     with open(metrics_path) as f:
         rows = [r for r in map(json.loads, filter(str.strip, f)) if "loss" in r]
     terms = {"loss": ("tab:blue", 2), "match": ("tab:orange", 1), "mvsa": ("tab:green", 1),
              "order": ("tab:purple", 1)}
-    series = [(f"{args.method} (total)" if k == "loss" else f"l_{k}", [(r["step"], r[k]) for r in rows if k in r],
-               {"color": colour, "linewidth": width}) for k, (colour, width) in terms.items()]
+    series = [(f"{args.method} (total)" if k == "loss" else f"l_{k}",
+               [(r["step"], r[k]) for r in rows if k in r], {"color": colour, "linewidth": width})
+              for k, (colour, width) in terms.items()]
     title = f"composer.py --method {args.method}: training loss ({os.path.basename(args.out_dir)})"
     return lifecycle.draw_curves(png_path, title, [s for s in series if s[1]],
                                  ylabel="loss (l_match in nats; hinge terms unitless)")
