@@ -285,8 +285,8 @@ def drop_branches(c: Concept, p: float, rng: random.Random) -> Concept:
 
 
 def graph_stats(crgs: list, image_keys: list) -> dict:
-    """Paper Table 1; a denotation is the set of images whose captions contain the concept (section
-    2)."""
+    """Paper Table 1; a denotation is the set of images whose captions contain the concept
+    (section 2)."""
     denot = defaultdict(set)
     predicates, primitives = set(), set()
     for crg, key in zip(crgs, image_keys):
@@ -572,9 +572,9 @@ class VisualEncoder(nn.Module):
 
 
 class Modulator(nn.Module):
-    """Binds a child concept embedding c to its placeholder p (paper section 3.2). film: MLP((1 +
-    MLP_a(p)) * c + MLP_b(p)) (Choice: centred at 1, the untrained modulator passes c on unscaled);
-    mlp: MLP([p; c]); replace: c."""
+    """Binds a child concept embedding c to its placeholder p (paper section 3.2).
+    film: MLP((1 + MLP_a(p)) * c + MLP_b(p)) (Choice: centred at 1, the untrained modulator passes
+    c on unscaled); mlp: MLP([p; c]); replace: c."""
 
     def __init__(self, kind, w):
         super().__init__()
@@ -672,8 +672,8 @@ class Composer(ModelBase):
 
     def score_pairs(self, tb, te, V, vmask, pair_cap, pair_img):
         """Level-batched recursion (paper section 3.2): level 1 nodes of every pair, then level 2,
-        ..., one batched call per level. Returns (root scores [Q], {"node_score" [M'], "node_start"
-        [Q], "node_src" [M']})."""
+        ..., one batched call per level. Returns (root scores [Q],
+        {"node_score" [M'], "node_start" [Q], "node_src" [M']})."""
         dev = pair_cap.device
         npr, nnd = tb["cap_nprim"][pair_cap], tb["cap_nnode"][pair_cap]
 
@@ -1006,8 +1006,8 @@ def shapes_region_features(image, objects, max_regions=8):
 
 
 def pad_regions(feats: list, boxes: list):
-    """Per-image feats [n_i, D], boxes [n_i, 5] -> zero-padded [I, N, D], [I, N, 5] and the mask [I,
-    N]."""
+    """Per-image feats [n_i, D], boxes [n_i, 5] -> zero-padded [I, N, D], [I, N, 5] and the mask
+    [I, N]."""
     I, N, D = len(feats), max(f.shape[0] for f in feats), feats[0].shape[1]
     fs, bs, mask = torch.zeros(I, N, D), torch.zeros(I, N, 5), torch.zeros(I, N, dtype=torch.bool)
     for i, (f, b) in enumerate(zip(feats, boxes)):
@@ -1053,10 +1053,10 @@ class TensorFile:
 
 class RegionStore:
     """Precomputed region features, read per item (memory does not grow with the data set). Layouts
-    (--regions): DIR/{key}.safetensors (feats [N, D], boxes [N, 5]) or FILE.safetensors (feats [M,
-    N, D], boxes [M, N, 5], optional n_regions [M], metadata {"keys": JSON list of M}). check(key)
-    reads only the header (Flickr30k's 2048-d regions are ~24 GB); read(key) reads the item and
-    checks its values, so a non-finite item is skipped when first read."""
+    (--regions): DIR/{key}.safetensors (feats [N, D], boxes [N, 5]) or FILE.safetensors
+    (feats [M, N, D], boxes [M, N, 5], optional n_regions [M], metadata {"keys": JSON list of M}).
+    check(key) reads only the header (Flickr30k's 2048-d regions are ~24 GB); read(key) reads the
+    item and checks its values, so a non-finite item is skipped when first read."""
 
     def __init__(self, path):
         self.path, self.dim = path, None
@@ -1464,10 +1464,10 @@ def match_loss(s_pos, s_neg):
 
 
 def mvsa_hinge(s, s_negc, s_negx, alpha=0.8, denom=None):
-    """l_MVSA (hinge): per concept c of a true pair, [a - s(x,c) + s(x,c-)]_+ + [a - s(x,c) +
-    s(x-,c)]_+. Choice: each term is averaged over its negatives and the sum over concepts (the
-    paper sums; the mean keeps lambda = 1 independent of batch and tree size). `denom`: the global
-    concept count / world under DDP."""
+    """l_MVSA (hinge): per concept c of a true pair, [a - s(x,c) + s(x,c-)]_+
+    + [a - s(x,c) + s(x-,c)]_+. Choice: each term is averaged over its negatives and the sum over
+    concepts (the paper sums; the mean keeps lambda = 1 independent of batch and tree size).
+    `denom`: the global concept count / world under DDP."""
     s = s[:, None]
     t = (alpha - s + s_negc).clamp(min=0).mean(1) + (alpha - s + s_negx).clamp(min=0).mean(1)
     return t.sum() / (denom or len(t))
@@ -2026,10 +2026,10 @@ def phrase_queries(sp: Split, per_caption=5, seed=0):
 
 
 def gallery_scores(model, compiler, comps, captions, src, store, n_img, folds, device):
-    """Scores [C, n_img]; folds = 1: every caption against every image (the paper's protocol). folds
-    = K: image j in gallery j % K, a caption scored only against its source image's gallery (-inf
-    elsewhere): COCO's "5 x 1K test", many queries at 1/K of the cost (a cross-modal model scores
-    every pair: 1000 images cost 25x 200)."""
+    """Scores [C, n_img]; folds = 1: every caption against every image (the paper's protocol).
+    folds = K: image j in gallery j % K, a caption scored only against its source image's gallery
+    (-inf elsewhere): COCO's "5 x 1K test", many queries at 1/K of the cost (a cross-modal model
+    scores every pair: 1000 images cost 25x 200)."""
     if folds == 1:
         return score_matrix(model, compiler, comps, captions, store, list(range(n_img)), device)
     S = torch.full((len(captions), n_img), -float("inf"))
@@ -2395,9 +2395,8 @@ def _pool(args):
 
 
 def write_text(path, text):
-    lifecycle.atomic_write(
-        path, lambda tmp: lifecycle.fsync(
-            tmp, lambda p: pathlib.Path(p).write_text(text, encoding="utf-8")))
+    lifecycle.atomic_write(path, lambda tmp: lifecycle.fsync(
+        tmp, lambda p: pathlib.Path(p).write_text(text, encoding="utf-8")))
 
 
 def cmd_mcd(args):
