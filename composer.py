@@ -1,19 +1,21 @@
 """
-COMPOSER: visually grounded concept composition (Zhang, Hu, Qiu, Shaw, Sha; Findings of EMNLP 2021), in one file
-that reads top to bottom:
+COMPOSER: visually grounded concept composition (Zhang, Hu, Qiu, Shaw, Sha; Findings of EMNLP
+2021), in one file that reads top to bottom:
 
   1. CRG    Concept & Relation Graph from PTB trees, denotations
   2. text   CRG -> token ids (templates with placeholder tokens)
-  3. model  COMPOSER (primitive cross-attention, Predicate Transformer, modulator, Composition Transformer,
-            linear regressor), level-batched; baselines VSE, single-stream, ViLBERT
+  3. model  COMPOSER (primitive cross-attention, Predicate Transformer, modulator, Composition
+            Transformer, linear regressor), level-batched; baselines VSE, single-stream, ViLBERT
   4. feats  region features: shapes gold boxes, region safetensors, frozen il_clip patches
   5. data   captions + CRGs + region features of a split
   6. loss   l_match + l_MVSA (hinge / nll) + l_order
   7. train  torchrun DDP (gloo on CPU), the training loop
-  8. eval   text->image and phrase->image retrieval (t2i_r1/5/10, p2i_r1/5/10, percent), interpretation view
+  8. eval   text->image and phrase->image retrieval (t2i_r1/5/10, p2i_r1/5/10, percent),
+            interpretation view
   9. MCD    compound divergence, the delta-ranking split procedure, graded splits
  10. main   subcommands train (default) | eval | graph | mcd | parse | summarize
-  then      the rule-based bracketer (appendix); what state.pt holds (data.py runs the checkpoints, lock, signals)
+  then      the rule-based bracketer (appendix); what state.pt holds (data.py runs the
+            checkpoints, lock, signals)
 
   python composer.py                                   # train COMPOSER on shapes
   python composer.py --method vse | single | vilbert   # baselines at the same budget
@@ -23,8 +25,8 @@ that reads top to bottom:
   python composer.py mcd --train shapes --pool shapes --pool_split test --size 300 --out_dir out/mcd
   python composer.py parse dataset_flickr30k.json --out f30k_trees.json   # benepar / stanza trees
 
-No public code of COMPOSER or the CRG exists; every choice the paper leaves open is written next to the code that
-makes it, marked "Choice:".
+No public code of COMPOSER or the CRG exists; every choice the paper leaves open is written next
+to the code that makes it, marked "Choice:".
 """
 import argparse
 import contextlib
@@ -55,10 +57,11 @@ import data  # the repo's shared module (shapes, tokenizer, loaders, run lifecyc
 import lifecycle
 
 if dist.is_available():
-    # Imported before any process group exists: these functions take `group=group.WORLD` as a default, evaluated on
-    # import. Imported later (DDP does, through torch._dynamo), the defaults hold the group past
-    # destroy_process_group, so its gloo worker threads run on into interpreter exit, where one freeing a Python
-    # tensor aborts the process ("terminate called without an active exception").
+    # Imported before any process group exists: these functions take `group=group.WORLD` as a
+    # default, evaluated on import. Imported later (DDP does, through torch._dynamo), the defaults
+    # hold the group past destroy_process_group, so its gloo worker threads run on into interpreter
+    # exit, where one freeing a Python tensor aborts the process ("terminate called without an
+    # active exception").
     import torch.distributed.nn.functional  # noqa: F401
 
 
@@ -107,7 +110,8 @@ def _strip_function_tags(label: str) -> str:
 
 
 def parse_ptb(s: str) -> Tree:
-    """PTB string -> Tree, `(ROOT ...)` / `( ...)` and top unary chains unwrapped; else CRGError('malformed_tree')."""
+    """PTB string -> Tree, `(ROOT ...)` / `( ...)` and top unary chains unwrapped; else
+    CRGError('malformed_tree')."""
     toks = re.findall(r"\(|\)|[^\s()]+", s or "")
     pos = 0
 
@@ -166,7 +170,8 @@ class Prim:
 
 @dataclass
 class Concept:
-    """A concept: its words, its constituent's tag, and its predicate `template`: words (str) and slots (int)."""
+    """A concept: its words, its constituent's tag, and its predicate `template`: words (str) and
+    slots (int)."""
     tag: str
     words: list
     template: list
@@ -178,7 +183,8 @@ class Concept:
 
     @property
     def predicate(self):
-        return " ".join(f"[{self.children[t].tag}]" if isinstance(t, int) else t for t in self.template)
+        return " ".join(f"[{self.children[t].tag}]" if isinstance(t, int) else t
+                        for t in self.template)
 
     @property
     def height(self):
@@ -195,7 +201,8 @@ class Concept:
 
 
 def _has_prim(t: Tree) -> bool:
-    return t.label in PRIMITIVE_TAGS if t.word is not None else any(_has_prim(c) for c in t.children)
+    return (t.label in PRIMITIVE_TAGS if t.word is not None
+            else any(_has_prim(c) for c in t.children))
 
 
 def _is_concept(t: Tree) -> bool:
@@ -204,8 +211,8 @@ def _is_concept(t: Tree) -> bool:
 
 
 def _build_concept(t: Tree, tag: str) -> Concept:
-    """The predicate of constituent t: its words, each maximal sub-concept / primitive a slot (built recursively:
-    the paper's repeated extraction)."""
+    """The predicate of constituent t: its words, each maximal sub-concept / primitive a slot (built
+    recursively: the paper's repeated extraction)."""
     template, children = [], []
 
     def walk(m: Tree):
@@ -237,7 +244,8 @@ def _norm(s: str) -> str:
 
 
 def crg_from_tree(tree: str, caption: str | None = None) -> Concept:
-    """The CRG (root concept, any tag) of one caption. CRGError: malformed_tree, tree_mismatch, no_primitive."""
+    """The CRG (root concept, any tag) of one caption. CRGError: malformed_tree, tree_mismatch,
+    no_primitive."""
     t = parse_ptb(tree)
     if caption is not None and _norm("".join(t.leaves())) != _norm(caption):
         raise CRGError("tree_mismatch", f"tree does not match its caption: {caption[:60]!r}")
@@ -277,7 +285,8 @@ def drop_branches(c: Concept, p: float, rng: random.Random) -> Concept:
 
 
 def graph_stats(crgs: list, image_keys: list) -> dict:
-    """Paper Table 1; a denotation is the set of images whose captions contain the concept (section 2)."""
+    """Paper Table 1; a denotation is the set of images whose captions contain the concept
+    (section 2)."""
     denot = defaultdict(set)
     predicates, primitives = set(), set()
     for crg, key in zip(crgs, image_keys):
@@ -292,7 +301,8 @@ def graph_stats(crgs: list, image_keys: list) -> dict:
             "concepts": sum(1 for t in denot if t not in primitives) if crgs else 0,
             "predicates": len(predicates), "primitives": len(primitives),
             "avg_height": round(float(np.mean([c.height for c in crgs])), 3) if crgs else 0.0,
-            "avg_concepts_per_caption": round(float(np.mean([len(c.concepts()) for c in crgs])), 3) if crgs else 0.0,
+            "avg_concepts_per_caption":
+                round(float(np.mean([len(c.concepts()) for c in crgs])), 3) if crgs else 0.0,
             "avg_denotation_size": round(float(np.mean(sizes)), 3) if sizes else 0.0}
 
 
@@ -317,7 +327,8 @@ class TextCompiler:
         return [self.cache[w] for w in words]
 
     def compile(self, crg: Concept) -> dict:
-        """-> {"prims": [ids], "nodes": [{tok, slots: [(pos, is_prim, local)], level, parent}] (post-order)}"""
+        """-> {"prims": [ids], "nodes": [{tok, slots: [(pos, is_prim, local)], level, parent}]
+        (post-order)}"""
         concepts = crg.concepts()
         cidx = {id(c): i for i, c in enumerate(concepts)}
         prims, pidx, parent = [], {}, {}
@@ -341,15 +352,17 @@ class TextCompiler:
                 else:
                     ids.extend(self.cache[t])
             if len(ids) > self.max_len:
-                raise CRGError("too_long", f"predicate longer than {self.max_len} tokens: {c.predicate[:60]!r}")
-            nodes.append({"tok": ids, "slots": slots, "level": c.height, "parent": parent.get(id(c), -1)})
+                raise CRGError("too_long", f"predicate longer than {self.max_len} tokens: "
+                                           f"{c.predicate[:60]!r}")
+            nodes.append({"tok": ids, "slots": slots, "level": c.height,
+                          "parent": parent.get(id(c), -1)})
         return {"prims": [self.cache[w] for w in prims], "nodes": nodes}
 
 
 class BertTokenizer:
-    """BERT's WordPiece (a release's vocab.txt, via `tokenizers`) behind data.Tokenizer's interface: [CLS] pieces
-    [SEP] [PAD]... Lower-cases when tokenizer_config.json's do_lower_case says so or, without it, when the vocabulary
-    has no upper-case word (bert-base-uncased)."""
+    """BERT's WordPiece (a release's vocab.txt, via `tokenizers`) behind data.Tokenizer's interface:
+    [CLS] pieces [SEP] [PAD]... Lower-cases when tokenizer_config.json's do_lower_case says so or,
+    without it, when the vocabulary has no upper-case word (bert-base-uncased)."""
     kind = "bert_wordpiece"
 
     def __init__(self, backend, context_length=77):
@@ -368,13 +381,15 @@ class BertTokenizer:
             with open(path, encoding="utf-8") as f:
                 vocab = {line.rstrip("\n"): i for i, line in enumerate(f)}
         except OSError as e:
-            raise ComposerError(f"{path}: cannot read BERT's vocabulary ({e.strerror}; {BERT_NEEDS})") from None
+            raise ComposerError(f"{path}: cannot read BERT's vocabulary ({e.strerror}; "
+                                f"{BERT_NEEDS})") from None
         conf = os.path.join(bert_dir, "tokenizer_config.json")
         lower = json.load(open(conf)).get("do_lower_case") if os.path.isfile(conf) else None
         if lower is None:
             lower = not any(t[:1].isupper() for t in vocab if not t.startswith("["))
         backend = Backend(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
-        backend.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, lowercase=lower)
+        backend.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
+                                                        lowercase=lower)
         backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         backend.decoder = decoders.WordPiece()
         return cls(backend, context_length)
@@ -408,7 +423,8 @@ def load_tokenizer(folder):
         blob = {}
     if isinstance(blob, dict) and blob.get("kind") == BertTokenizer.kind:
         from tokenizers import Tokenizer as Backend
-        return BertTokenizer(Backend.from_str(json.dumps(blob["tokenizer"])), blob["context_length"])
+        return BertTokenizer(Backend.from_str(json.dumps(blob["tokenizer"])),
+                             blob["context_length"])
     return data.Tokenizer.load(folder)
 
 
@@ -431,12 +447,15 @@ def collate_text(comps: list) -> dict:
     for r, n in enumerate(nodes):
         for s, (pos, isp, loc) in enumerate(n["slots"]):
             slot_pos[r, s], child_prim[r, s], child_local[r, s] = pos, isp, loc
-    return {"prim_tok": _pad(prims), "prim_len": torch.tensor([len(p) for p in prims], dtype=torch.long),
-            "node_tok": _pad([n["tok"] for n in nodes]), "node_len": torch.tensor([len(n["tok"]) for n in nodes]),
+    return {"prim_tok": _pad(prims),
+            "prim_len": torch.tensor([len(p) for p in prims], dtype=torch.long),
+            "node_tok": _pad([n["tok"] for n in nodes]),
+            "node_len": torch.tensor([len(n["tok"]) for n in nodes]),
             "node_level": torch.tensor([n["level"] for n in nodes]),
             "node_parent": torch.tensor([n["parent"] for n in nodes]),
             "slot_pos": slot_pos, "child_prim": child_prim, "child_local": child_local,
-            "cap_nprim": cap_nprim, "cap_nnode": cap_nnode, "cap_prim_start": torch.cumsum(cap_nprim, 0) - cap_nprim,
+            "cap_nprim": cap_nprim, "cap_nnode": cap_nnode,
+            "cap_prim_start": torch.cumsum(cap_nprim, 0) - cap_nprim,
             "cap_node_start": torch.cumsum(cap_nnode, 0) - cap_nnode}
 
 
@@ -447,22 +466,28 @@ def collate_text(comps: list) -> dict:
 @dataclass
 class ModelConfig:
     arch: str = "composer"        # composer | vse | single | vilbert
-    vocab_size: int = 1000        # text vocabulary; composer appends len(PLACEHOLDER_TAGS) placeholder ids
+    # text vocabulary; composer appends len(PLACEHOLDER_TAGS) placeholder ids
+    vocab_size: int = 1000
     eot_token_id: int = 2
-    max_len: int = 77             # positions (template tokens for composer, caption tokens for baselines)
+    # positions (template tokens for composer, caption tokens for baselines)
+    max_len: int = 77
     feat_dim: int = 70            # region feature dim D (boxes are always 5-d)
     width: int = 64               # paper: 768 (BERT-base); CPU default 64
     heads: int = 4
     mlp_ratio: int = 4
     vis_layers: int = 1           # visual self-attention over regions, once per image
-    pt_layers: int = 1            # Predicate Transformer depth (paper: 6, BERT-initialised; --model paper)
-    ct_layers: int = 3            # Composition Transformer: self, cross, self, ... ending in self (paper: 5)
+    # Predicate Transformer depth (paper: 6, BERT-initialised; --model paper)
+    pt_layers: int = 1
+    # Composition Transformer: self, cross, self, ... ending in self (paper: 5)
+    ct_layers: int = 3
     modulator: str = "film"       # film | mlp | replace
     crossatt_primitives: bool = True
-    bert: bool = False            # text stream = BERT's post-LN layers and embedding LN (--bert, paper section 5.1)
+    # text stream = BERT's post-LN layers and embedding LN (--bert, paper section 5.1)
+    bert: bool = False
 
 
-BERT_LN_EPS = 1e-12  # BERT's LayerNorm epsilon (every released BERT config has layer_norm_eps 1e-12)
+# BERT's LayerNorm epsilon (every released BERT config has layer_norm_eps 1e-12)
+BERT_LN_EPS = 1e-12
 BERT_NEEDS = "--bert needs a released BERT: config.json, model.safetensors, vocab.txt"
 
 
@@ -484,16 +509,18 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block. kind: "self", "cross" (keys/values ctx) or "self+cross" (keys/values x U ctx: the
-    paper's primitive encoder). post_ln: BERT's layer (LayerNorm after each residual, same parameter names), for the
-    text stream with --bert."""
+    """Pre-LN transformer block. kind: "self", "cross" (keys/values ctx) or "self+cross"
+    (keys/values x U ctx: the paper's primitive encoder). post_ln: BERT's layer (LayerNorm after
+    each residual, same parameter names), for the text stream with --bert."""
 
     def __init__(self, w, h, r, kind="self", post_ln=False):
         super().__init__()
         self.kind, self.post_ln = kind, post_ln
         eps = BERT_LN_EPS if post_ln else 1e-5
-        self.ln1, self.attn, self.ln2 = nn.LayerNorm(w, eps=eps), Attention(w, h), nn.LayerNorm(w, eps=eps)
-        self.mlp = nn.Sequential(nn.Linear(w, r * w), nn.GELU(), nn.Linear(r * w, w))  # GELU: erf, as BERT's
+        self.ln1, self.attn, self.ln2 = (nn.LayerNorm(w, eps=eps), Attention(w, h),
+                                         nn.LayerNorm(w, eps=eps))
+        # GELU: erf, as BERT's
+        self.mlp = nn.Sequential(nn.Linear(w, r * w), nn.GELU(), nn.Linear(r * w, w))
         if kind != "self":
             self.ln_ctx = nn.LayerNorm(w)
 
@@ -525,15 +552,17 @@ def _ct_kinds(n):
 
 
 class VisualEncoder(nn.Module):
-    """Regions -> [I, N, w]: Linear(feat) + Linear(box) (ViLBERT's 5-d position feature), LN, self-attention.
-    Choice (Composer, single-stream): the text does not update the visual stream (ViLBERT's co-attention would), so
-    it is computed once per image and shared by every node and caption scored against it."""
+    """Regions -> [I, N, w]: Linear(feat) + Linear(box) (ViLBERT's 5-d position feature), LN,
+    self-attention. Choice (Composer, single-stream): the text does not update the visual stream
+    (ViLBERT's co-attention would), so it is computed once per image and shared by every node and
+    caption scored against it."""
 
     def __init__(self, cfg):
         super().__init__()
         w = cfg.width
         self.feat, self.box, self.ln = nn.Linear(cfg.feat_dim, w), nn.Linear(5, w), nn.LayerNorm(w)
-        self.blocks = nn.ModuleList(Block(w, cfg.heads, cfg.mlp_ratio) for _ in range(cfg.vis_layers))
+        self.blocks = nn.ModuleList(Block(w, cfg.heads, cfg.mlp_ratio)
+                                    for _ in range(cfg.vis_layers))
 
     def forward(self, feats, boxes, mask):
         x = self.ln(self.feat(feats) + self.box(boxes))
@@ -543,13 +572,15 @@ class VisualEncoder(nn.Module):
 
 
 class Modulator(nn.Module):
-    """Binds a child concept embedding c to its placeholder p (paper section 3.2). film: MLP((1 + MLP_a(p)) * c +
-    MLP_b(p)) (Choice: centred at 1, the untrained modulator passes c on unscaled); mlp: MLP([p; c]); replace: c."""
+    """Binds a child concept embedding c to its placeholder p (paper section 3.2).
+    film: MLP((1 + MLP_a(p)) * c + MLP_b(p)) (Choice: centred at 1, the untrained modulator passes
+    c on unscaled); mlp: MLP([p; c]); replace: c."""
 
     def __init__(self, kind, w):
         super().__init__()
         self.kind = kind
-        mlp = lambda i: nn.Sequential(nn.Linear(i, w), nn.GELU(), nn.Linear(w, w))  # paper: hidden = width
+        # paper: hidden = width
+        mlp = lambda i: nn.Sequential(nn.Linear(i, w), nn.GELU(), nn.Linear(w, w))
         if kind == "film":
             self.a, self.b, self.out = mlp(w), mlp(w), mlp(w)
         elif kind == "mlp":
@@ -564,8 +595,8 @@ class Modulator(nn.Module):
 
 
 class ModelBase(nn.Module):
-    """Every model's token + position embeddings (with --bert, BERT's LayerNorm over their sum) and, but for VSE's own,
-    the visual encoder (created in this order)."""
+    """Every model's token + position embeddings (with --bert, BERT's LayerNorm over their sum) and,
+    but for VSE's own, the visual encoder (created in this order)."""
 
     def __init__(self, cfg: ModelConfig, n_tok=None, visual=True):
         super().__init__()
@@ -585,7 +616,8 @@ class ModelBase(nn.Module):
 
 
 class Composer(ModelBase):
-    """COMPOSER over collate_text() batches; a "pair" is (caption, image); every concept node of a pair gets s(x, c)."""
+    """COMPOSER over collate_text() batches; a "pair" is (caption, image); every concept node of a
+    pair gets s(x, c)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, cfg.vocab_size + len(PLACEHOLDER_TAGS))
@@ -611,22 +643,26 @@ class Composer(ModelBase):
 
     def encode_text(self, tb):
         """Predicate Transformer over every template; embeddings of primitive word pieces."""
-        tmask = torch.arange(tb["node_tok"].shape[1], device=tb["node_tok"].device) < tb["node_len"][:, None]
+        tmask = torch.arange(tb["node_tok"].shape[1],
+                             device=tb["node_tok"].device) < tb["node_len"][:, None]
         x = self.embed(tb["node_tok"])
         for b in self.pt:
             x = b(x, tmask)
-        pmask = torch.arange(tb["prim_tok"].shape[1], device=tb["prim_tok"].device) < tb["prim_len"][:, None]
-        return {"pt": self.pt_ln(x), "tmask": tmask, "prim": self.embed(tb["prim_tok"]), "pmask": pmask}
+        pmask = torch.arange(tb["prim_tok"].shape[1],
+                             device=tb["prim_tok"].device) < tb["prim_len"][:, None]
+        return {"pt": self.pt_ln(x), "tmask": tmask, "prim": self.embed(tb["prim_tok"]),
+                "pmask": pmask}
 
     # --- the composition step for a set of nodes (any mix of captions, images and depths)
     def encode_primitives(self, q, qmask, V, vmask):
         return masked_mean(self.prim(q, qmask, V, vmask), qmask)  # mean over the word's pieces
 
     def compose(self, seq, tmask, slot_rows, slot_pos, child_emb, V, vmask):
-        """Encoded predicates seq [n, T, w], their slots filled with the modulated children, through the CT with an
-        output token -> (embedding, score)."""
+        """Encoded predicates seq [n, T, w], their slots filled with the modulated children, through
+        the CT with an output token -> (embedding, score)."""
         if len(slot_rows):
-            seq = seq.index_put((slot_rows, slot_pos), self.mod(seq[slot_rows, slot_pos], child_emb).to(seq.dtype))
+            seq = seq.index_put((slot_rows, slot_pos),
+                                self.mod(seq[slot_rows, slot_pos], child_emb).to(seq.dtype))
         x = torch.cat([self.out_token.expand(seq.shape[0], 1, -1).to(seq.dtype), seq], 1)
         mask = torch.cat([torch.ones_like(tmask[:, :1]), tmask], 1)
         for b in self.ct:
@@ -635,8 +671,9 @@ class Composer(ModelBase):
         return e, self.theta(e).squeeze(-1)
 
     def score_pairs(self, tb, te, V, vmask, pair_cap, pair_img):
-        """Level-batched recursion (paper section 3.2): level 1 nodes of every pair, then level 2, ..., one batched
-        call per level. Returns (root scores [Q], {"node_score" [M'], "node_start" [Q], "node_src" [M']})."""
+        """Level-batched recursion (paper section 3.2): level 1 nodes of every pair, then level 2,
+        ..., one batched call per level. Returns (root scores [Q],
+        {"node_score" [M'], "node_start" [Q], "node_src" [M']})."""
         dev = pair_cap.device
         npr, nnd = tb["cap_nprim"][pair_cap], tb["cap_nnode"][pair_cap]
 
@@ -648,7 +685,8 @@ class Composer(ModelBase):
 
         ppair, pstart, psrc = expand(npr, tb["cap_prim_start"])
         npair, nstart, nsrc = expand(nnd, tb["cap_node_start"])
-        E_p = self.encode_primitives(te["prim"][psrc], te["pmask"][psrc], V[pair_img[ppair]], vmask[pair_img[ppair]])
+        E_p = self.encode_primitives(te["prim"][psrc], te["pmask"][psrc], V[pair_img[ppair]],
+                                     vmask[pair_img[ppair]])
         P, M = E_p.shape[0], nsrc.shape[0]
         # child ids into cat([E_p, E_c]) per pair node and slot
         slot_pos = tb["slot_pos"][nsrc]
@@ -665,7 +703,8 @@ class Composer(ModelBase):
             rows, cols = (sp >= 0).nonzero(as_tuple=True)
             E_all = torch.cat([E_p, E_c])
             e, s = self.compose(te["pt"][nsrc[sel]], te["tmask"][nsrc[sel]], rows, sp[rows, cols],
-                                E_all[child[sel][rows, cols]], V[pair_img[npair[sel]]], vmask[pair_img[npair[sel]]])
+                                E_all[child[sel][rows, cols]], V[pair_img[npair[sel]]],
+                                vmask[pair_img[npair[sel]]])
             # under bf16 autocast theta's output is bf16: the buffers keep their own dtype
             E_c = E_c.index_copy(0, sel, e.to(E_c.dtype))
             score = score.index_copy(0, sel, s.to(score.dtype))
@@ -673,7 +712,8 @@ class Composer(ModelBase):
         return score[root], {"node_score": score, "node_start": nstart, "node_src": nsrc}
 
     def score_recursive(self, comp, feats, boxes, mask):
-        """Reference for score_pairs (tests, bench.py): node-by-node recursion, one caption, one image."""
+        """Reference for score_pairs (tests, bench.py): node-by-node recursion, one caption, one
+        image."""
         tb = collate_text([comp])
         te = self.encode_text(tb)
         V, vmask = self.encode_image(feats[None], boxes[None], mask[None])
@@ -707,14 +747,16 @@ def caption_tokens(tb, cfg):
 
 
 def embed_caption(model, tb):
-    """Token + position embeddings of the caption-level models (cross-encoders, VSE), and the mask."""
+    """Token + position embeddings of the caption-level models (cross-encoders, VSE), and the
+    mask."""
     t, mask = caption_tokens(tb, model.cfg)
     return model.embed(t), mask
 
 
 class SingleStream(ModelBase):
-    """Baseline: one transformer over the caption's tokens (no tree), self- and cross-attention interleaved like the
-    CT; theta at the SOT position. Equal budget: pt_layers self blocks + the CT pattern."""
+    """Baseline: one transformer over the caption's tokens (no tree), self- and cross-attention
+    interleaved like the CT; theta at the SOT position. Equal budget: pt_layers self blocks + the CT
+    pattern."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -750,16 +792,18 @@ class CoAttention(nn.Module):
 
 
 class ViLBERT(ModelBase):
-    """Baseline: two-stream co-attention transformer, no image-text pretraining (paper section 5.1: like COMPOSER and
-    VSE it starts from BERT, --bert, and sees no Conceptual Captions). Text: pt_layers text-only blocks, then ct_layers
-    rounds of Co-TRM + a self-attention block in each stream (the text updates the visual stream, unlike COMPOSER).
-    Score: theta(h_CLS * mean of the visual stream), ViLBERT's alignment head (the regions have no IMG token: their
-    masked mean stands in). --concept_mvsa adds l_MVSA over every concept: "ViLBERT + MVSA" (paper Table 5)."""
+    """Baseline: two-stream co-attention transformer, no image-text pretraining (paper section 5.1:
+    like COMPOSER and VSE it starts from BERT, --bert, and sees no Conceptual Captions). Text:
+    pt_layers text-only blocks, then ct_layers rounds of Co-TRM + a self-attention block in each
+    stream (the text updates the visual stream, unlike COMPOSER). Score: theta(h_CLS * mean of the
+    visual stream), ViLBERT's alignment head (the regions have no IMG token: their masked mean
+    stands in). --concept_mvsa adds l_MVSA over every concept: "ViLBERT + MVSA" (paper Table 5)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         w, h, r = cfg.width, cfg.heads, cfg.mlp_ratio
-        self.text_blocks = nn.ModuleList(Block(w, h, r, post_ln=cfg.bert) for _ in range(cfg.pt_layers))
+        self.text_blocks = nn.ModuleList(Block(w, h, r, post_ln=cfg.bert)
+                                         for _ in range(cfg.pt_layers))
         self.co = nn.ModuleList(CoAttention(w, h, r) for _ in range(cfg.ct_layers))
         self.t_self = nn.ModuleList(Block(w, h, r, post_ln=cfg.bert) for _ in range(cfg.ct_layers))
         self.v_self = nn.ModuleList(Block(w, h, r) for _ in range(cfg.ct_layers))
@@ -786,16 +830,18 @@ class ViLBERT(ModelBase):
 
 
 class VSE(ModelBase):
-    """Baseline (Kiros et al. 2014, paper appendix C): mean of contextualised tokens, mean of residual-MLP regions,
-    scale * cosine. Equal budget: pt_layers + ct_layers text blocks."""
+    """Baseline (Kiros et al. 2014, paper appendix C): mean of contextualised tokens, mean of
+    residual-MLP regions, scale * cosine. Equal budget: pt_layers + ct_layers text blocks."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, visual=False)
         w, h, r = cfg.width, cfg.heads, cfg.mlp_ratio
-        self.blocks = nn.ModuleList(Block(w, h, r, post_ln=cfg.bert) for _ in range(cfg.pt_layers + cfg.ct_layers))
+        self.blocks = nn.ModuleList(Block(w, h, r, post_ln=cfg.bert)
+                                    for _ in range(cfg.pt_layers + cfg.ct_layers))
         self.ln_t, self.proj_t = nn.LayerNorm(w), nn.Linear(w, w)
         self.feat, self.box = nn.Linear(cfg.feat_dim, w), nn.Linear(5, w)
-        self.mlp_v = nn.Sequential(nn.LayerNorm(w), nn.Linear(w, r * w), nn.GELU(), nn.Linear(r * w, w))
+        self.mlp_v = nn.Sequential(nn.LayerNorm(w), nn.Linear(w, r * w), nn.GELU(),
+                                   nn.Linear(r * w, w))
         self.proj_v = nn.Linear(w, w)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(10.0)))
 
@@ -838,16 +884,18 @@ def read_bert_config(bert_dir):
 
 
 def read_bert(bert_dir):
-    """(config, weights) of a released BERT (Hugging Face layout); BertForPreTraining's "bert." prefix dropped,
-    LayerNorm gamma / beta read as weight / bias."""
+    """(config, weights) of a released BERT (Hugging Face layout); BertForPreTraining's "bert."
+    prefix dropped, LayerNorm gamma / beta read as weight / bias."""
     conf = read_bert_config(bert_dir)
     try:
         sd = load_file(os.path.join(bert_dir, "model.safetensors"))
     except FileNotFoundError as e:
         raise ComposerError(f"{e.filename}: not found ({BERT_NEEDS})") from None
     except (ValueError, OSError, SafetensorError) as e:
-        raise ComposerError(f"{bert_dir}: unreadable BERT release ({type(e).__name__}: {str(e)[:80]})") from None
-    norm = lambda k: re.sub(r"\.gamma$", ".weight", re.sub(r"\.beta$", ".bias", k[5:] if k.startswith("bert.") else k))
+        raise ComposerError(f"{bert_dir}: unreadable BERT release ({type(e).__name__}: "
+                            f"{str(e)[:80]})") from None
+    norm = lambda k: re.sub(r"\.gamma$", ".weight",
+                            re.sub(r"\.beta$", ".bias", k[5:] if k.startswith("bert.") else k))
     return conf, {norm(k): v for k, v in sd.items()}
 
 
@@ -855,18 +903,20 @@ def bert_sizes(conf):
     """ModelConfig sizes a BERT config fixes: width, heads, mlp_ratio (bert-base: 768, 12, 4)."""
     w, ff = conf.get("hidden_size"), conf.get("intermediate_size")
     if not w or not ff or ff % w or conf.get("hidden_act", "gelu") != "gelu":
-        raise ComposerError(f"--bert: config.json with hidden_size {w}, intermediate_size {ff}, hidden_act "
-                            f"{conf.get('hidden_act')}: not a BERT this model can take")
+        raise ComposerError(f"--bert: config.json with hidden_size {w}, intermediate_size {ff}, "
+                            f"hidden_act {conf.get('hidden_act')}: not a BERT this model can take")
     return {"width": w, "heads": conf["num_attention_heads"], "mlp_ratio": ff // w}
 
 
 def bert_targets(model):
-    """{parameter name: (BERT key(s), how to make the tensor)} for the text stream: embeddings, then bert_blocks()
-    from BERT layer 0 on (key + value -> one kv matrix)."""
+    """{parameter name: (BERT key(s), how to make the tensor)} for the text stream: embeddings, then
+    bert_blocks() from BERT layer 0 on (key + value -> one kv matrix)."""
     n_tok, L = model.cfg.vocab_size, model.cfg.max_len
-    out = {"tok_emb.weight": (["embeddings.word_embeddings.weight"], lambda w, p: torch.cat([w, p[n_tok:]])),
+    out = {"tok_emb.weight": (["embeddings.word_embeddings.weight"],
+                              lambda w, p: torch.cat([w, p[n_tok:]])),
            # token type 0 everywhere: its embedding folds into the position embedding
-           "pos_emb.weight": (["embeddings.position_embeddings.weight", "embeddings.token_type_embeddings.weight"],
+           "pos_emb.weight": (["embeddings.position_embeddings.weight",
+                               "embeddings.token_type_embeddings.weight"],
                               lambda pe, tt, p: pe[:L] + tt[0]),
            "emb_ln.weight": (["embeddings.LayerNorm.weight"], None),
            "emb_ln.bias": (["embeddings.LayerNorm.bias"], None)}
@@ -874,11 +924,14 @@ def bert_targets(model):
     for i, b in enumerate(model.bert_blocks()):
         ours, src = names[id(b)], f"encoder.layer.{i}."
         for wb in ("weight", "bias"):
-            for mine, theirs in (("attn.q", "attention.self.query"), ("attn.o", "attention.output.dense"),
-                                 ("ln1", "attention.output.LayerNorm"), ("mlp.0", "intermediate.dense"),
+            for mine, theirs in (("attn.q", "attention.self.query"),
+                                 ("attn.o", "attention.output.dense"),
+                                 ("ln1", "attention.output.LayerNorm"),
+                                 ("mlp.0", "intermediate.dense"),
                                  ("mlp.2", "output.dense"), ("ln2", "output.LayerNorm")):
                 out[f"{ours}.{mine}.{wb}"] = ([f"{src}{theirs}.{wb}"], None)
-            out[f"{ours}.attn.kv.{wb}"] = ([f"{src}attention.self.key.{wb}", f"{src}attention.self.value.{wb}"],
+            out[f"{ours}.attn.kv.{wb}"] = ([f"{src}attention.self.key.{wb}",
+                                            f"{src}attention.self.value.{wb}"],
                                            lambda k, v, p: torch.cat([k, v]))
     return out
 
@@ -887,28 +940,33 @@ def bert_targets(model):
 def init_from_bert(model, bert_dir):
     """Copy a released BERT into the model's text stream (bert_targets); every shape is checked."""
     if not hasattr(model, "bert_blocks") or not model.cfg.bert:
-        raise ComposerError("--bert initialises --model composer, vilbert or vse (paper section 5.1)")
+        raise ComposerError("--bert initialises --model composer, vilbert or vse (paper "
+                            "section 5.1)")
     conf, sd = read_bert(bert_dir)
     n_layers, n_pos = conf.get("num_hidden_layers", 0), conf.get("max_position_embeddings", 0)
     if len(model.bert_blocks()) > n_layers or model.cfg.max_len > n_pos:
         raise ComposerError(f"--bert {bert_dir}: {conf.get('num_hidden_layers')} layers and "
                             f"{conf.get('max_position_embeddings')} positions, the model needs "
-                            f"{len(model.bert_blocks())} text layers and --max_len {model.cfg.max_len}")
+                            f"{len(model.bert_blocks())} text layers and --max_len "
+                            f"{model.cfg.max_len}")
     params = dict(model.named_parameters())
     for name, (keys, make) in bert_targets(model).items():
         if any(k not in sd for k in keys):
-            raise ComposerError(f"--bert {bert_dir}: model.safetensors has no {[k for k in keys if k not in sd][0]}")
+            raise ComposerError(f"--bert {bert_dir}: model.safetensors has no "
+                                f"{[k for k in keys if k not in sd][0]}")
         p = params[name]
         t = make(*[sd[k] for k in keys], p) if make else sd[keys[0]]
         if t.shape != p.shape:
-            raise ComposerError(f"--bert {bert_dir}: {keys[0]} has shape {list(sd[keys[0]].shape)}, {name} needs "
-                                f"{list(p.shape)}")
+            raise ComposerError(f"--bert {bert_dir}: {keys[0]} has shape "
+                                f"{list(sd[keys[0]].shape)}, {name} needs {list(p.shape)}")
         p.copy_(t.to(p.dtype))
     return model
 
 
-def text_inputs(cfg: ModelConfig, compiler: TextCompiler, comps: list, captions: list, device="cpu"):
-    """The text batch a model takes, on `device`: compiled CRGs (composer) or caption token ids (baselines)."""
+def text_inputs(cfg: ModelConfig, compiler: TextCompiler, comps: list, captions: list,
+                device="cpu"):
+    """The text batch a model takes, on `device`: compiled CRGs (composer) or caption token ids
+    (baselines)."""
     tb = collate_text(comps) if cfg.arch == "composer" else {"tokens": compiler.tok(captions)}
     return {k: v.to(device) for k, v in tb.items()}
 
@@ -919,14 +977,16 @@ def compile_for(cfg: ModelConfig, compiler: TextCompiler, crgs: list) -> list:
 
 
 # =============================================================================
-# 4. Visual features: [I, N, D] feats, [I, N, 5] boxes (x0, y0, x1, y1, area; normalised), [I, N] mask. Three sources.
+# 4. Visual features: [I, N, D] feats, [I, N, 5] boxes (x0, y0, x1, y1, area; normalised), [I, N]
+# mask. Three sources.
 # =============================================================================
 
 def shapes_region_features(image, objects, max_regions=8):
-    """Default for `shapes`: the gold object boxes as regions (the paper uses detector boxes). Choice: a fixed,
-    non-learned descriptor per box (a stand-in for the frozen detector features): mean and std RGB of the box's
-    foreground pixels (pixels that differ from the background colour = median of the image border) + the box's 8x8
-    foreground-occupancy mask (shape), 70-d; boxes normalised. Regions are sorted by x0 (not in caption order)."""
+    """Default for `shapes`: the gold object boxes as regions (the paper uses detector boxes).
+    Choice: a fixed, non-learned descriptor per box (a stand-in for the frozen detector features):
+    mean and std RGB of the box's foreground pixels (pixels that differ from the background colour =
+    median of the image border) + the box's 8x8 foreground-occupancy mask (shape), 70-d; boxes
+    normalised. Regions are sorted by x0 (not in caption order)."""
     a = np.asarray(image, dtype=np.float32) / 255.0
     H, W = a.shape[:2]
     border = np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]])
@@ -934,21 +994,25 @@ def shapes_region_features(image, objects, max_regions=8):
     feats, boxes = [], []
     for o in sorted(objects, key=lambda o: (o.box[0], o.box[1]))[:max_regions]:
         x0, y0 = max(0, int(o.box[0])), max(0, int(o.box[1]))
-        x1, y1 = min(W, max(x0 + 1, int(math.ceil(o.box[2])))), min(H, max(y0 + 1, int(math.ceil(o.box[3]))))
+        x1, y1 = (min(W, max(x0 + 1, int(math.ceil(o.box[2])))),
+                  min(H, max(y0 + 1, int(math.ceil(o.box[3])))))
         crop, m = a[y0:y1, x0:x1], fg[y0:y1, x0:x1]
         px = crop[m] if m.any() else crop.reshape(-1, 3)
-        occ = np.asarray(Image.fromarray((m * 255).astype(np.uint8)).resize((8, 8), Image.BOX), np.float32) / 255
+        occ = np.asarray(Image.fromarray((m * 255).astype(np.uint8)).resize((8, 8), Image.BOX),
+                         np.float32) / 255
         feats.append(np.concatenate([px.mean(0), px.std(0), occ.reshape(-1)]))
         boxes.append([x0 / W, y0 / H, x1 / W, y1 / H, (x1 - x0) * (y1 - y0) / (W * H)])
     return np.stack(feats).astype(np.float32), np.asarray(boxes, np.float32)
 
 
 def pad_regions(feats: list, boxes: list):
-    """Per-image feats [n_i, D], boxes [n_i, 5] -> zero-padded [I, N, D], [I, N, 5] and the mask [I, N]."""
+    """Per-image feats [n_i, D], boxes [n_i, 5] -> zero-padded [I, N, D], [I, N, 5] and the mask
+    [I, N]."""
     I, N, D = len(feats), max(f.shape[0] for f in feats), feats[0].shape[1]
     fs, bs, mask = torch.zeros(I, N, D), torch.zeros(I, N, 5), torch.zeros(I, N, dtype=torch.bool)
     for i, (f, b) in enumerate(zip(feats, boxes)):
-        fs[i, :len(f)], bs[i, :len(b)], mask[i, :len(f)] = torch.as_tensor(f), torch.as_tensor(b), True
+        fs[i, :len(f)], bs[i, :len(b)], mask[i, :len(f)] = (
+            torch.as_tensor(f), torch.as_tensor(b), True)
     return fs, bs, mask
 
 
@@ -967,17 +1031,20 @@ class FeatureStore:
 
 
 class TensorFile:
-    """Row ranges of a safetensors file's tensors through safe_open's slices: a rank reads only its items."""
+    """Row ranges of a safetensors file's tensors through safe_open's slices: a rank reads only its
+    items."""
 
     def __init__(self, path):
         self.path = path
         try:
             with safe_open(path, "pt") as f:
-                self.meta, self.shapes = f.metadata() or {}, {k: f.get_slice(k).get_shape() for k in f.keys()}
+                self.meta, self.shapes = (f.metadata() or {},
+                                          {k: f.get_slice(k).get_shape() for k in f.keys()})
         except FileNotFoundError:
             raise CRGError("bad_regions", f"{path}: region file not found") from None
         except (SafetensorError, OSError) as e:  # a bad header, a file cut short
-            raise CRGError("bad_regions", f"{path}: not a safetensors file or cut short ({e})") from None
+            raise CRGError("bad_regions",
+                           f"{path}: not a safetensors file or cut short ({e})") from None
 
     def rows(self, name, lo=None, hi=None):
         with safe_open(self.path, "pt") as f:
@@ -985,10 +1052,11 @@ class TensorFile:
 
 
 class RegionStore:
-    """Precomputed region features, read per item (memory does not grow with the data set). Layouts (--regions):
-    DIR/{key}.safetensors (feats [N, D], boxes [N, 5]) or FILE.safetensors (feats [M, N, D], boxes [M, N, 5], optional
-    n_regions [M], metadata {"keys": JSON list of M}). check(key) reads only the header (Flickr30k's 2048-d regions are
-    ~24 GB); read(key) reads the item and checks its values, so a non-finite item is skipped when first read."""
+    """Precomputed region features, read per item (memory does not grow with the data set). Layouts
+    (--regions): DIR/{key}.safetensors (feats [N, D], boxes [N, 5]) or FILE.safetensors
+    (feats [M, N, D], boxes [M, N, 5], optional n_regions [M], metadata {"keys": JSON list of M}).
+    check(key) reads only the header (Flickr30k's 2048-d regions are ~24 GB); read(key) reads the
+    item and checks its values, so a non-finite item is skipped when first read."""
 
     def __init__(self, path):
         self.path, self.dim = path, None
@@ -996,40 +1064,47 @@ class RegionStore:
         if self.one is not None:
             f, b = self.one.shapes.get("feats"), self.one.shapes.get("boxes")
             if f is None or b is None or len(f) != 3 or b != [f[0], f[1], 5]:
-                raise ComposerError(f"{path}: needs feats [M, N, D] and boxes [M, N, 5], has {f} and {b}")
+                raise ComposerError(f"{path}: needs feats [M, N, D] and boxes [M, N, 5], has "
+                                    f"{f} and {b}")
             try:
                 keys = json.loads(self.one.meta.get("keys", "null"))
             except ValueError:
                 keys = None
             if not (isinstance(keys, list) and len(keys) == f[0]):
-                raise ComposerError(f"{path}: metadata 'keys' must be a JSON list of {f[0]} image keys")
+                raise ComposerError(f"{path}: metadata 'keys' must be a JSON list of {f[0]} "
+                                    "image keys")
             self.row = {k: i for i, k in enumerate(keys)}
             n = self.one.shapes.get("n_regions")
             self.n_valid = self.one.rows("n_regions").tolist() if n else [f[1]] * f[0]
             self.dim = f[2]
 
     def check(self, key):
-        """Header-only validation of one item; returns where it lives (a TensorFile, or the one file's row)."""
+        """Header-only validation of one item; returns where it lives (a TensorFile, or the one
+        file's row)."""
         if self.one is not None:
             if (i := self.row.get(key)) is None:
                 raise CRGError("bad_regions", f"{self.path}: no regions for image {key!r}")
             if not 0 < self.n_valid[i] <= self.one.shapes["feats"][1]:
-                raise CRGError("bad_regions", f"{self.path}[{key}]: n_regions {self.n_valid[i]} out of range")
+                raise CRGError("bad_regions", f"{self.path}[{key}]: n_regions {self.n_valid[i]} "
+                               "out of range")
             return i
         tf = TensorFile(os.path.join(self.path, f"{key}.safetensors"))
         f, b = tf.shapes.get("feats"), tf.shapes.get("boxes")
-        if f is None or b is None or len(f) != 2 or b != [f[0], 5] or f[0] == 0 or f[1] != (self.dim or f[1]):
-            raise CRGError("bad_regions", f"{tf.path}: expected feats [N, {self.dim or 'D'}] and boxes [N, 5], "
-                                          f"got {f} and {b}")
+        if (f is None or b is None or len(f) != 2 or b != [f[0], 5] or f[0] == 0
+                or f[1] != (self.dim or f[1])):
+            raise CRGError("bad_regions", f"{tf.path}: expected feats [N, {self.dim or 'D'}] "
+                                          f"and boxes [N, 5], got {f} and {b}")
         self.dim = f[1]
         return tf
 
     def read(self, key):
-        """(feats [n, D], boxes [n, 5]) float32 of one image; CRGError('bad_regions') for a bad item."""
+        """(feats [n, D], boxes [n, 5]) float32 of one image; CRGError('bad_regions') for a bad
+        item."""
         at = self.check(key)
         if self.one is not None:
             n = self.n_valid[at]
-            feats, boxes = (self.one.rows(name, at, at + 1)[0, :n].float() for name in ("feats", "boxes"))
+            feats, boxes = (self.one.rows(name, at, at + 1)[0, :n].float()
+                            for name in ("feats", "boxes"))
         else:
             feats, boxes = at.rows("feats").float(), at.rows("boxes").float()
         if not (torch.isfinite(feats).all() and torch.isfinite(boxes).all()):
@@ -1042,10 +1117,11 @@ class RegionStore:
 
 
 class LazyFeatures:
-    """The FeatureStore interface over a RegionStore: get() reads the batch's items only. An item found bad when first
-    read is counted in `skipped` (the split's counter), said once on stderr, and skipped from then on: it stands as
-    one all-zero region, so the batch keeps its shape on every rank and the image, still a candidate, carries no
-    evidence. More bad items than max_frac of the split stop the run (as --max_skip_frac does for captions)."""
+    """The FeatureStore interface over a RegionStore: get() reads the batch's items only. An item
+    found bad when first read is counted in `skipped` (the split's counter), said once on stderr,
+    and skipped from then on: it stands as one all-zero region, so the batch keeps its shape on
+    every rank and the image, still a candidate, carries no evidence. More bad items than max_frac
+    of the split stop the run (as --max_skip_frac does for captions)."""
 
     def __init__(self, regions, keys, skipped, max_frac):
         self.regions, self.keys, self.feat_dim = regions, keys, regions.dim
@@ -1061,10 +1137,12 @@ class LazyFeatures:
             except CRGError as e:
                 self.bad.add(i)
                 self.skipped[e.kind] += 1
-                print(f"warning: {e}; skipped ({len(self.bad)} bad region items so far)", file=sys.stderr, flush=True)
+                print(f"warning: {e}; skipped ({len(self.bad)} bad region items so far)",
+                      file=sys.stderr, flush=True)
                 if len(self.bad) > self.max_frac * len(self.keys):
-                    raise ComposerError(f"{self.regions.path}: {len(self.bad)} of {len(self.keys)} region items "
-                                        f"are bad, more than --max_skip_frac {self.max_frac}") from None
+                    raise ComposerError(f"{self.regions.path}: {len(self.bad)} of {len(self.keys)} "
+                                        "region items are bad, more than --max_skip_frac "
+                                        f"{self.max_frac}") from None
         return torch.zeros(1, self.feat_dim), torch.zeros(1, 5)
 
     def get(self, idx, device="cpu"):
@@ -1074,20 +1152,22 @@ class LazyFeatures:
 
 
 def load_clip_vision(path, quick_gelu=None):
-    """The vision tower of an il_clip.py checkpoint or OpenAI-format CLIP weights: (visual.* state dict, heads,
-    quick_gelu, image size); written here so that composer.py imports only data.py. Heads from the run's config.json,
-    else OpenAI's width / 64; the activation from --quick_gelu, else the config files, else QuickGELU (assumed)."""
+    """The vision tower of an il_clip.py checkpoint or OpenAI-format CLIP weights: (visual.* state
+    dict, heads, quick_gelu, image size); written here so that composer.py imports only data.py.
+    Heads from the run's config.json, else OpenAI's width / 64; the activation from --quick_gelu,
+    else the config files, else QuickGELU (assumed)."""
     weights, folder = resolve_weights(path)
     # read_weights also reads OpenAI's JIT .pt
-    sd = {k: v.float() for k, v in lifecycle.read_weights(weights).items() if k.startswith("visual.")}
+    sd = {k: v.float() for k, v in lifecycle.read_weights(weights).items()
+          if k.startswith("visual.")}
     if "visual.conv1.weight" not in sd:
         raise ComposerError(f"{weights}: no visual.conv1.weight (not a CLIP ViT checkpoint)")
     w, patch = sd["visual.conv1.weight"].shape[0], sd["visual.conv1.weight"].shape[-1]
     conf = os.path.join(folder, "config.json")
     model_cfg = lifecycle.read_json(conf).get("model", {}) if os.path.isfile(conf) else {}
     if "vision_heads" not in model_cfg and w % 64:
-        raise ComposerError(f"{weights}: no config.json with vision_heads beside it, and width {w} is not "
-                            f"OpenAI's (64 per head): pass the il_clip.py out_dir")
+        raise ComposerError(f"{weights}: no config.json with vision_heads beside it, and width {w} "
+                            "is not OpenAI's (64 per head): pass the il_clip.py out_dir")
     grid = int(round(math.sqrt(sd["visual.positional_embedding"].shape[0] - 1)))
     quick_gelu, source = lifecycle.weights_activation(quick_gelu, weights, [folder])
     if source == "assumed":
@@ -1096,20 +1176,25 @@ def load_clip_vision(path, quick_gelu=None):
 
 
 def vit_patch_tokens(sd, heads, quick_gelu, images):
-    """Last-block patch tokens before ln_post (il_clip's forward_tokens): OpenAI's ViT over the state dict."""
+    """Last-block patch tokens before ln_post (il_clip's forward_tokens): OpenAI's ViT over the
+    state dict."""
     ln = lambda x, p: F.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"])
     lin = lambda x, p: F.linear(x, sd[p + ".weight"], sd[p + ".bias"])
     conv = sd["visual.conv1.weight"]
     x = F.conv2d(images, conv, stride=conv.shape[-1]).flatten(2).transpose(1, 2)
     B, w = x.shape[0], x.shape[2]
-    x = torch.cat([sd["visual.class_embedding"].expand(B, 1, -1), x], 1) + sd["visual.positional_embedding"]
+    x = (torch.cat([sd["visual.class_embedding"].expand(B, 1, -1), x], 1)
+         + sd["visual.positional_embedding"])
     x = ln(x, "visual.ln_pre")
-    T, L = x.shape[1], 1 + max(int(k.split(".")[3]) for k in sd if k.startswith("visual.transformer.resblocks."))
+    T, L = x.shape[1], 1 + max(int(k.split(".")[3]) for k in sd
+                               if k.startswith("visual.transformer.resblocks."))
     for i in range(L):
         p = f"visual.transformer.resblocks.{i}."
-        q, k, v = F.linear(ln(x, p + "ln_1"), sd[p + "attn.in_proj_weight"], sd[p + "attn.in_proj_bias"]).split(w, -1)
+        q, k, v = F.linear(ln(x, p + "ln_1"), sd[p + "attn.in_proj_weight"],
+                           sd[p + "attn.in_proj_bias"]).split(w, -1)
         q, k, v = (t.view(B, T, heads, w // heads).transpose(1, 2) for t in (q, k, v))
-        x = x + lin(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, w), p + "attn.out_proj")
+        x = x + lin(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, w),
+                    p + "attn.out_proj")
         h = lin(ln(x, p + "ln_2"), p + "mlp.c_fc")
         x = x + lin(h * torch.sigmoid(1.702 * h) if quick_gelu else F.gelu(h), p + "mlp.c_proj")
     return x[:, 1:]
@@ -1122,18 +1207,21 @@ def clip_patch_features(images, clip_path, batch=64, quick_gelu=None):
     tf = data.eval_transform(size)
     feats = []
     for i in range(0, len(images), batch):
-        # loader batches (uint8 or normalised) and PIL images (shapes) alike: CLIP-normalised float32
-        x = data.normalize_images(torch.stack([im if torch.is_tensor(im) else tf(im) for im in images[i:i + batch]]),
-                                  "cpu")
+        # loader batches (uint8 or normalised) and PIL images (shapes) alike: CLIP-normalised
+        # float32
+        x = data.normalize_images(
+            torch.stack([im if torch.is_tensor(im) else tf(im) for im in images[i:i + batch]]),
+            "cpu")
         if x.shape[-1] != size:
-            raise ComposerError(f"{clip_path} takes {size}px images, the loader gives {x.shape[-1]}px: "
-                                f"pass --image_size {size}")
+            raise ComposerError(f"{clip_path} takes {size}px images, the loader gives "
+                                f"{x.shape[-1]}px: pass --image_size {size}")
         feats.append(vit_patch_tokens(sd, heads, quick_gelu, x))
     feats = torch.cat(feats)
     P = feats.shape[1]
     g = int(round(math.sqrt(P)))
     ys, xs = torch.meshgrid(torch.arange(g), torch.arange(g), indexing="ij")
-    box = torch.stack([xs / g, ys / g, (xs + 1) / g, (ys + 1) / g, torch.full_like(xs, 1, dtype=torch.float) / P], -1)
+    box = torch.stack([xs / g, ys / g, (xs + 1) / g, (ys + 1) / g,
+                       torch.full_like(xs, 1, dtype=torch.float) / P], -1)
     box = box.reshape(P, 5).float().numpy()
     return [f.numpy() for f in feats], [box] * len(feats)
 
@@ -1158,21 +1246,25 @@ class Split:
 
 
 def _n(spec, n, shapes_default):
-    """An image count flag: the value given, else the whole split (None), or on shapes (no whole split) its default."""
+    """An image count flag: the value given, else the whole split (None), or on shapes (no whole
+    split) its default."""
     return n if n is not None else (shapes_default if _is_shapes(spec) else None)
 
 
 def _spec_items(args, spec, split, n, with_images=False) -> list:
-    """Caption items (JSON-able dicts, the lines of a split file) of the first `n` images of a split (0 / None: all).
-    Shapes items name (split, index, seed) and are regenerated on use. Other specs are read without decoding an image
-    (so text-only work and --features regions need no JPEGs); only --features clip (with_images) runs the loader."""
+    """Caption items (JSON-able dicts, the lines of a split file) of the first `n` images of a split
+    (0 / None: all). Shapes items name (split, index, seed) and are regenerated on use. Other specs
+    are read without decoding an image (so text-only work and --features regions need no JPEGs);
+    only --features clip (with_images) runs the loader."""
     if spec.endswith(".jsonl"):
         return _first_images(read_split_file(spec), n)
     if _is_shapes(spec):
         seed = data.parse_shapes_spec(spec).get("seed", 0)
-        return [{"source": "shapes", "split": split, "index": i, "seed": seed, "key": f"{split}{i:08d}"}
+        return [{"source": "shapes", "split": split, "index": i, "seed": seed,
+                 "key": f"{split}{i:08d}"}
                 for i in range(n)]
-    return _image_items(args, spec, split, n) if with_images else _first_images(_text_items(args, spec, split), n)
+    return (_image_items(args, spec, split, n) if with_images
+            else _first_images(_text_items(args, spec, split), n))
 
 
 def _first_images(items, n):
@@ -1189,7 +1281,8 @@ def _first_images(items, n):
 
 
 def csv_options(args):
-    return dict(img_key=getattr(args, "csv_img_key", "filepath"), caption_key=getattr(args, "csv_caption_key", "title"),
+    return dict(img_key=getattr(args, "csv_img_key", "filepath"),
+                caption_key=getattr(args, "csv_caption_key", "title"),
                 separator=getattr(args, "csv_separator", None))
 
 
@@ -1199,29 +1292,32 @@ def _text_items(args, spec, split):
         raise ComposerError(f"{spec}: an ImageFolder has class labels, not captions")
     if src["kind"] != "tar":
         for it in data.file_items(src, split, csv_options(args)):
-            yield {"source": spec, "split": split, "key": it.key, "caption": it.caption or "", "tree": it.tree}
+            yield {"source": spec, "split": split, "key": it.key, "caption": it.caption or "",
+                   "tree": it.tree}
         return
     for shard in src["shards"]:  # a shard set is one split (webdataset has no split field)
         for r in data.tar_records(shard, keep_exts={"txt", "tree"}):
             if "__error__" in r:
-                yield {"source": spec, "split": split, "key": f"{shard}:{r['__key__']}", "caption": "",
-                       "tree": None, "_error": "bad_shard"}
+                yield {"source": spec, "split": split, "key": f"{shard}:{r['__key__']}",
+                       "caption": "", "tree": None, "_error": "bad_shard"}
                 continue
             text = lambda ext: r[ext].decode("utf-8", "replace").strip() if r.get(ext) else None
-            yield {"source": spec, "split": split, "key": r["__key__"], "caption": text("txt") or "",
-                   "tree": text("tree")}
+            yield {"source": spec, "split": split, "key": r["__key__"],
+                   "caption": text("txt") or "", "tree": text("tree")}
 
 
 def _image_items(args, spec, split, n):
     items, keys = [], set()
-    loader = data.make_loader(spec, split=split, batch_size=64, tokenizer=None, train=False, drop_last=False,
-                              image_size=getattr(args, "image_size", 64), image_root=getattr(args, "image_root", None),
+    loader = data.make_loader(spec, split=split, batch_size=64, tokenizer=None, train=False,
+                              drop_last=False, image_size=getattr(args, "image_size", 64),
+                              image_root=getattr(args, "image_root", None),
                               num_workers=getattr(args, "num_workers", 0),
                               **{f"csv_{k}": v for k, v in csv_options(args).items()})
     for b in loader:
         for j, (k, c, t) in enumerate(zip(b["key"], b["caption"], b["tree"])):
             keys.add(k)
-            items.append({"source": spec, "split": split, "key": k, "caption": c, "tree": t, "_image": b["image"][j]})
+            items.append({"source": spec, "split": split, "key": k, "caption": c, "tree": t,
+                          "_image": b["image"][j]})
         if n and len(keys) > n:
             break
     return _first_images(items, n)
@@ -1243,13 +1339,14 @@ def _check_skips(skipped: Counter, total: int, max_frac: float, what: str):
     if bad >= total:
         raise ComposerError(f"{what}: no usable captions ({dict(skipped)} skipped)")
     if bad / total > max_frac:
-        raise ComposerError(f"{what}: {bad} of {total} captions skipped ({dict(skipped)}), more than "
-                            f"--max_skip_frac {max_frac}")
+        raise ComposerError(f"{what}: {bad} of {total} captions skipped ({dict(skipped)}), more "
+                            f"than --max_skip_frac {max_frac}")
 
 
 def caption_crgs(items: list, max_skip_frac: float, what: str):
-    """[(crg, item, (key, caption, scene / image))], skips by kind, and how many captions went through the built-in
-    bracketer (every run says: its parses are rougher than a real parser's, see `composer.py parse`)."""
+    """[(crg, item, (key, caption, scene / image))], skips by kind, and how many captions went
+    through the built-in bracketer (every run says: its parses are rougher than a real parser's, see
+    `composer.py parse`)."""
     out, skipped, n_bracketed = [], Counter(), 0
     for it in lifecycle.progress(items, desc=f"CRGs of {what}", unit="item", leave=False):
         key, cap, tree, obj = _resolve_item(it)
@@ -1266,15 +1363,18 @@ def caption_crgs(items: list, max_skip_frac: float, what: str):
     return out, skipped, n_bracketed
 
 
-def load_split(args, split: str, n: int | None, items: list | None = None, hold_out=frozenset()) -> Split:
-    """Captions, CRGs and region features (--features) of the first `n` images of a split (or of split-file items).
-    Captions with a predicate in `hold_out` are left out, and so is an image none of whose captions is left."""
+def load_split(args, split: str, n: int | None, items: list | None = None,
+               hold_out=frozenset()) -> Split:
+    """Captions, CRGs and region features (--features) of the first `n` images of a split (or of
+    split-file items). Captions with a predicate in `hold_out` are left out, and so is an image none
+    of whose captions is left."""
     if items is None:
         items = _spec_items(args, args.data, split, n, with_images=args.features == "clip")
     what = f"{args.data} ({split})"
     crgs, skipped, n_bracketed = caption_crgs(items, args.max_skip_frac, what)
     held = {id(it) for c, it, _ in crgs if holds_out(c, hold_out)}
-    crgs, items = [x for x in crgs if id(x[1]) not in held], [it for it in items if id(it) not in held]
+    crgs, items = ([x for x in crgs if id(x[1]) not in held],
+                   [it for it in items if id(it) not in held])
     regions = RegionStore(args.regions) if args.features == "regions" else None
     keys = []
     kidx = {}
@@ -1286,20 +1386,23 @@ def load_split(args, split: str, n: int | None, items: list | None = None, hold_
     its = []
 
     def add_image(key, obj):
-        """The image's index once its features are made or checked; None when bad (its captions are skipped)."""
+        """The image's index once its features are made or checked; None when bad (its captions are
+        skipped)."""
         if key not in kidx and key not in bad:
             try:
                 if args.features == "gold":
                     if obj is None or not hasattr(obj, "objects"):
-                        raise ComposerError("--features gold needs --data shapes (use regions or clip)")
+                        raise ComposerError("--features gold needs --data shapes (use regions "
+                                            "or clip)")
                     feats.append(shapes_region_features(obj.image, obj.objects))
                 elif args.features == "regions":
                     regions.check(key)
                 elif obj is None:
-                    raise ComposerError("--features clip with a split file needs shapes items (no images "
-                                        "for other sources; evaluate with --split instead)")
+                    raise ComposerError("--features clip with a split file needs shapes items (no "
+                                        "images for other sources; evaluate with --split instead)")
                 else:
-                    feats.append(obj.image if hasattr(obj, "image") else obj)  # images; clip features below
+                    # images; clip features below
+                    feats.append(obj.image if hasattr(obj, "image") else obj)
             except CRGError as e:
                 bad[key] = e.kind
                 return None
@@ -1325,10 +1428,12 @@ def load_split(args, split: str, n: int | None, items: list | None = None, hold_
     if args.features == "regions":
         store = regions.select(keys, skipped, args.max_skip_frac)
     elif args.features == "clip":
-        store = FeatureStore(*clip_patch_features(feats, args.clip, quick_gelu=getattr(args, "quick_gelu", None)))
+        store = FeatureStore(
+            *clip_patch_features(feats, args.clip, quick_gelu=getattr(args, "quick_gelu", None)))
     else:
         store = FeatureStore([f for f, _ in feats], [b for _, b in feats])
-    return Split(keys, captions, kept, cap_img, store, skipped, items=its, n_bracketed=n_bracketed, held_out=len(held))
+    return Split(keys, captions, kept, cap_img, store, skipped, items=its, n_bracketed=n_bracketed,
+                 held_out=len(held))
 
 
 def attach_compiler(sp: Split, compiler: TextCompiler, max_skip_frac: float):
@@ -1354,13 +1459,15 @@ def attach_compiler(sp: Split, compiler: TextCompiler, max_skip_frac: float):
 
 def match_loss(s_pos, s_neg):
     """l_match: NLL of the true pair against its sampled negative pairs. s_pos [b], s_neg [b, k]."""
-    return F.cross_entropy(torch.cat([s_pos[:, None], s_neg], 1), torch.zeros_like(s_pos, dtype=torch.long))
+    return F.cross_entropy(torch.cat([s_pos[:, None], s_neg], 1),
+                           torch.zeros_like(s_pos, dtype=torch.long))
 
 
 def mvsa_hinge(s, s_negc, s_negx, alpha=0.8, denom=None):
-    """l_MVSA (hinge): per concept c of a true pair, [a - s(x,c) + s(x,c-)]_+ + [a - s(x,c) + s(x-,c)]_+.
-    Choice: each term is averaged over its negatives and the sum over concepts (the paper sums; the mean keeps
-    lambda = 1 independent of batch and tree size). `denom`: the global concept count / world under DDP."""
+    """l_MVSA (hinge): per concept c of a true pair, [a - s(x,c) + s(x,c-)]_+
+    + [a - s(x,c) + s(x-,c)]_+. Choice: each term is averaged over its negatives and the sum over
+    concepts (the paper sums; the mean keeps lambda = 1 independent of batch and tree size).
+    `denom`: the global concept count / world under DDP."""
     s = s[:, None]
     t = (alpha - s + s_negc).clamp(min=0).mean(1) + (alpha - s + s_negx).clamp(min=0).mean(1)
     return t.sum() / (denom or len(t))
@@ -1380,24 +1487,27 @@ def mvsa_loss(s, s_negc, s_negx, denom, args):
 
 
 def order_loss(s_parent, s_child, beta=0.2, denom=None):
-    """l_order (Zhang et al. 2020): [b - s(x, c_parent) + s(x, c_child)]_+ per concept edge, mean; no edges: 0."""
+    """l_order (Zhang et al. 2020): [b - s(x, c_parent) + s(x, c_child)]_+ per concept edge, mean;
+    no edges: 0."""
     return (beta - s_parent + s_child).clamp(min=0).sum() / max(1, denom or s_parent.numel())
 
 
 def vse_inbatch_loss(scale, te, V, img_of, local, device):
-    """VSE's symmetric in-batch softmax for this rank's pairs `local` over the whole global batch (te, V: its unit
-    text / image embeddings); other pairs of the same image are masked out. Choice: VSE trains with this natural
-    recipe, stronger than the sampled negatives the cross-modal models can afford; `--vse_loss sampled` gives it
-    l_match with the same sampled negatives as COMPOSER and the single stream."""
-    same = (img_of[local][:, None] == img_of[None, :]) & (torch.arange(len(img_of))[None, :] != local[:, None])
+    """VSE's symmetric in-batch softmax for this rank's pairs `local` over the whole global batch
+    (te, V: its unit text / image embeddings); other pairs of the same image are masked out. Choice:
+    VSE trains with this natural recipe, stronger than the sampled negatives the cross-modal models
+    can afford; `--vse_loss sampled` gives it l_match with the same sampled negatives as COMPOSER
+    and the single stream."""
+    same = ((img_of[local][:, None] == img_of[None, :])
+            & (torch.arange(len(img_of))[None, :] != local[:, None]))
     same, target = same.to(device), local.to(device)
     return 0.5 * (F.cross_entropy((scale * te[local] @ V.t()).masked_fill(same, -1e4), target) +
                   F.cross_entropy((scale * V[local] @ te.t()).masked_fill(same, -1e4), target))
 
 
 def _neg_concept(levels_i, levels_j):
-    """Choice: the negative concept c- of concept c is the negative caption's concept of the same height (the k-th
-    for the k-th, cyclic), else of the nearest height."""
+    """Choice: the negative concept c- of concept c is the negative caption's concept of the same
+    height (the k-th for the k-th, cyclic), else of the nearest height."""
     by_h = defaultdict(list)
     for u, h in enumerate(levels_j):
         by_h[h].append(u)
@@ -1410,9 +1520,9 @@ def _neg_concept(levels_i, levels_j):
 
 
 def composer_losses(aux, comps, cap_idx, neg_img_pairs, neg_txt_caps, pair_base, args, world=1):
-    """MVSA + order terms from one step's node scores. Pair i is this rank's true pair i (caption cap_idx[i]),
-    pair_base[0] + i*ki + m its m-th negative image, pair_base[1] + i*kt + m its m-th negative caption
-    (neg_txt_caps[i][m]). Normalised by global counts (see mvsa_hinge)."""
+    """MVSA + order terms from one step's node scores. Pair i is this rank's true pair i (caption
+    cap_idx[i]), pair_base[0] + i*ki + m its m-th negative image, pair_base[1] + i*kt + m its m-th
+    negative caption (neg_txt_caps[i][m]). Normalised by global counts (see mvsa_hinge)."""
     ns, start = aux["node_score"], aux["node_start"].tolist()
     pos_i = []
     negx_i = []
@@ -1432,16 +1542,19 @@ def composer_losses(aux, comps, cap_idx, neg_img_pairs, neg_txt_caps, pair_base,
                 par_i.append(start[i] + n["parent"])
                 chi_i.append(start[i] + u)
     t = lambda x: torch.tensor(x, dtype=torch.long, device=ns.device)
-    s, sx, sc = ns[t(pos_i)], ns[t(negx_i)].reshape(len(pos_i), ki), ns[t(negc_i)].reshape(len(pos_i), kt)
+    s, sx, sc = (ns[t(pos_i)], ns[t(negx_i)].reshape(len(pos_i), ki),
+                 ns[t(negc_i)].reshape(len(pos_i), kt))
     n_nodes = sum(len(c["nodes"]) for c in comps) / world
     n_edges = sum(len(c["nodes"]) - 1 for c in comps) / world
-    return mvsa_loss(s, sc, sx, n_nodes, args), order_loss(ns[t(par_i)], ns[t(chi_i)], args.beta, n_edges)
+    return (mvsa_loss(s, sc, sx, n_nodes, args),
+            order_loss(ns[t(par_i)], ns[t(chi_i)], args.beta, n_edges))
 
 
 def concept_mvsa(model, compiler, sp, caps, local, ni, nt, V, vm, args, world, device):
-    """l_MVSA for a caption-level baseline ("ViLBERT + MVSA", paper Table 5): every concept of a true caption, as its
-    own text, against the pair's image (s) and the negative images (s_x-); each negative caption's _neg_concept
-    against the true image gives s_c-. ni / nt: batch positions of each pair's negatives. Normalised as COMPOSER's."""
+    """l_MVSA for a caption-level baseline ("ViLBERT + MVSA", paper Table 5): every concept of a
+    true caption, as its own text, against the pair's image (s) and the negative images (s_x-); each
+    negative caption's _neg_concept against the true image gives s_c-. ni / nt: batch positions of
+    each pair's negatives. Normalised as COMPOSER's."""
     texts = []
     tid = {}
     pc = []
@@ -1477,7 +1590,8 @@ def concept_mvsa(model, compiler, sp, caps, local, ni, nt, V, vm, args, world, d
 # =============================================================================
 
 def setup_distributed(device_arg):
-    world, rank, local = (int(os.environ.get(k, d)) for k, d in (("WORLD_SIZE", 1), ("RANK", 0), ("LOCAL_RANK", 0)))
+    world, rank, local = (int(os.environ.get(k, d))
+                          for k, d in (("WORLD_SIZE", 1), ("RANK", 0), ("LOCAL_RANK", 0)))
     device = device_arg or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and world > 1:
         device = f"cuda:{local}"
@@ -1495,8 +1609,8 @@ def autocast(device, dtype):
 
 
 class StepLoss(nn.Module):
-    """The training step as one forward(), so that DDP (which syncs the gradients of what forward() used) can wrap
-    it; the data and compiler ride along as plain attributes."""
+    """The training step as one forward(), so that DDP (which syncs the gradients of what forward()
+    used) can wrap it; the data and compiler ride along as plain attributes."""
 
     def __init__(self, model, compiler, sp, args, rank, world, device):
         super().__init__()
@@ -1506,15 +1620,19 @@ class StepLoss(nn.Module):
     def forward(self, gidx, step):
         compiler, sp, args, rank, world, device = self.ctx
         loss, parts = train_step(self.model, compiler, sp, gidx, rank, world, step, args, device)
-        if world > 1:   # every trained parameter enters the loss, times 0 (see wrap_ddp); loss and gradients unchanged
-            loss = loss + sum(p.reshape(-1)[0] for p in self.model.parameters() if p.requires_grad) * 0.0
+        # every trained parameter enters the loss, times 0 (see wrap_ddp); loss and gradients
+        # unchanged
+        if world > 1:
+            loss = loss + sum(p.reshape(-1)[0] for p in self.model.parameters()
+                              if p.requires_grad) * 0.0
         return loss, parts
 
 
 def wrap_ddp(step_loss, world, device):
-    """DDP over the step. A rank's captions may not reach every tree level or modulator branch (VSE's in-batch loss
-    skips parameters), whose gradients DDP would wait for forever; StepLoss gives those a zero gradient instead.
-    Choice: this, not find_unused_parameters, which walks the graph every step and warns when nothing is unused."""
+    """DDP over the step. A rank's captions may not reach every tree level or modulator branch
+    (VSE's in-batch loss skips parameters), whose gradients DDP would wait for forever; StepLoss
+    gives those a zero gradient instead. Choice: this, not find_unused_parameters, which walks the
+    graph every step and warns when nothing is unused."""
     if world == 1:
         return step_loss
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -1522,8 +1640,8 @@ def wrap_ddp(step_loss, world, device):
 
 
 class Sampler:
-    """Global batches of caption indices: a permutation per (seed, epoch), the same on every rank (rank r trains on
-    r::world of each)."""
+    """Global batches of caption indices: a permutation per (seed, epoch), the same on every rank
+    (rank r trains on r::world of each)."""
 
     def __init__(self, n, batch, seed):
         if n < batch:
@@ -1537,7 +1655,8 @@ class Sampler:
     def next(self):
         if self.pos + self.batch > self.n:
             self.epoch, self.pos = self.epoch + 1, 0
-        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch))
+        perm = torch.randperm(
+            self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch))
         b = perm[self.pos:self.pos + self.batch]
         self.pos += self.batch
         return b
@@ -1550,8 +1669,8 @@ class Sampler:
 
 
 def sample_negatives(img_of, k, gen):
-    """For each position of a global batch, k random positions with another image (ViLBERT-style in-batch
-    negatives; the generator is the same on all ranks)."""
+    """For each position of a global batch, k random positions with another image (ViLBERT-style
+    in-batch negatives; the generator is the same on all ranks)."""
     B = len(img_of)
     r = torch.rand(B, B, generator=gen)
     same = img_of[:, None] == img_of[None, :]
@@ -1585,8 +1704,8 @@ def train_step(model, compiler, sp: Split, gidx, rank, world, step, args, device
     parts = {"match": l_match.detach()}       # read only at log steps: no device sync per step
     loss = l_match
     if cfg.arch == "composer" and (args.lambda1 > 0 or args.lambda2 > 0):
-        l_mvsa, l_order = composer_losses(aux, comps, local.tolist(), ki, nt[local].tolist(), (b, b + b * ki), args,
-                                          world)
+        l_mvsa, l_order = composer_losses(aux, comps, local.tolist(), ki, nt[local].tolist(),
+                                          (b, b + b * ki), args, world)
         loss = loss + args.lambda1 * l_mvsa + args.lambda2 * l_order
         parts.update(mvsa=l_mvsa.detach(), order=l_order.detach())
     elif args.concept_mvsa:
@@ -1597,8 +1716,8 @@ def train_step(model, compiler, sp: Split, gidx, rank, world, step, args, device
 
 
 def get_lr(step, args):
-    """Choice: linear warm-up then cosine to 10% (the paper's step schedule is for 20 epochs of BERT fine-tuning; a
-    from-scratch tiny model trains better with cosine)."""
+    """Choice: linear warm-up then cosine to 10% (the paper's step schedule is for 20 epochs of BERT
+    fine-tuning; a from-scratch tiny model trains better with cosine)."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     t = (step - args.warmup) / max(1, args.max_steps - args.warmup)
@@ -1610,19 +1729,21 @@ class NonFinite(ComposerError):
 
 
 def nonfinite(step, args):
-    return NonFinite(f"non-finite loss at a step <= {step}: stopping; the last good checkpoint is in {args.out_dir}")
+    return NonFinite(f"non-finite loss at a step <= {step}: stopping; the last good checkpoint "
+                     f"is in {args.out_dir}")
 
 
 def build_tokenizer(args, folder=None):
-    """The resumed checkpoint's tokenizer, or BERT's WordPiece (--bert), the CLIP BPE (--vocab), a BPE trained on the
-    captions."""
+    """The resumed checkpoint's tokenizer, or BERT's WordPiece (--bert), the CLIP BPE (--vocab), a
+    BPE trained on the captions."""
     if folder:
         return load_tokenizer(folder)
     if getattr(args, "bert", None):
         return BertTokenizer.from_release(args.bert, args.max_len)
-    captions = data.captions_for_tokenizer(args.data, image_root=getattr(args, "image_root", None), **csv_options(args))
-    return data.build_tokenizer(vocab_path=args.vocab, captions=captions, vocab_size=args.vocab_size,
-                                context_length=args.max_len)
+    captions = data.captions_for_tokenizer(args.data, image_root=getattr(args, "image_root", None),
+                                           **csv_options(args))
+    return data.build_tokenizer(vocab_path=args.vocab, captions=captions,
+                                vocab_size=args.vocab_size, context_length=args.max_len)
 
 
 def read_split_file(path):
@@ -1632,16 +1753,18 @@ def read_split_file(path):
     except FileNotFoundError:
         raise ComposerError(f"{path}: split file not found") from None
     except json.JSONDecodeError as e:
-        raise ComposerError(f"{path}: not a JSON-lines split file ({e.msg}, line {e.lineno})") from None
+        raise ComposerError(
+            f"{path}: not a JSON-lines split file ({e.msg}, line {e.lineno})") from None
 
 
 def make_model(args, tok, feat_dim):
     # --bert: BERT's width, heads and MLP size (the paper preset's are bert-base's: 768, 12, 4)
     sizes = bert_sizes(read_bert_config(args.bert)) if getattr(args, "bert", None) else \
         {"width": args.width, "heads": args.heads}
-    cfg = ModelConfig(arch=args.method, vocab_size=tok.vocab_size, eot_token_id=tok.eot_id, max_len=args.max_len,
-                      feat_dim=feat_dim, vis_layers=args.vis_layers, pt_layers=args.pt_layers, ct_layers=args.ct_layers,
-                      modulator=args.modulator, crossatt_primitives=not args.no_crossatt_primitives,
+    cfg = ModelConfig(arch=args.method, vocab_size=tok.vocab_size, eot_token_id=tok.eot_id,
+                      max_len=args.max_len, feat_dim=feat_dim, vis_layers=args.vis_layers,
+                      pt_layers=args.pt_layers, ct_layers=args.ct_layers, modulator=args.modulator,
+                      crossatt_primitives=not args.no_crossatt_primitives,
                       bert=bool(getattr(args, "bert", None)), **sizes)
     return MODELS[cfg.arch](cfg), cfg
 
@@ -1658,10 +1781,12 @@ def check_args(args, world):
 
 
 def eval_sets(args, name, split, n, compiler):
-    """{name: the first n images of `split`} (none when n is 0), then each --split_file by its file stem."""
+    """{name: the first n images of `split`} (none when n is 0), then each --split_file by its file
+    stem."""
     sets = {name: load_split(args, split, n)} if n != 0 else {}
     for path in args.split_file or []:
-        sets[os.path.splitext(os.path.basename(path))[0]] = load_split(args, None, None, items=read_split_file(path))
+        sets[os.path.splitext(os.path.basename(path))[0]] = load_split(args, None, None,
+                                                                       items=read_split_file(path))
     return {k: attach_compiler(sp, compiler, args.max_skip_frac) for k, sp in sets.items()}
 
 
@@ -1672,19 +1797,21 @@ def build_optimizer(model, args):  # AdamW, weight decay on matrices only
 
 
 def run_evals(model, compiler, evals, device, args):
-    out = {name: evaluate(model, compiler, es, device, args.parse_dropout, phrases=name == "in_domain", seed=args.seed,
-                          folds=args.folds)[0]
+    out = {name: evaluate(model, compiler, es, device, args.parse_dropout,
+                          phrases=name == "in_domain", seed=args.seed, folds=args.folds)[0]
            for name, es in evals.items()}
     model.train()
     return out
 
 
 def sync_values(losses, bad, stop_flag, world):
-    """[loss, *parts, any non-finite, stop signal seen] summed over ranks (losses: the mean, the loss of the global
-    batch; the signal: lifecycle.stop_code's). The losses and the non-finite flag stay on the device until a log or
-    save step (no sync per step). A signal reaches the ranks at different steps, so its flag is summed with them:
-    every rank then stops at this same step, and none waits in a collective the others left."""
-    vals = torch.cat([losses.double(), torch.stack([bad.double(), losses.new_tensor(stop_flag).double()])])
+    """[loss, *parts, any non-finite, stop signal seen] summed over ranks (losses: the mean, the
+    loss of the global batch; the signal: lifecycle.stop_code's). The losses and the non-finite flag
+    stay on the device until a log or save step (no sync per step). A signal reaches the ranks at
+    different steps, so its flag is summed with them: every rank then stops at this same step, and
+    none waits in a collective the others left."""
+    vals = torch.cat([losses.double(),
+                      torch.stack([bad.double(), losses.new_tensor(stop_flag).double()])])
     if world > 1:
         dist.all_reduce(vals)
         vals[:-2] /= world
@@ -1692,13 +1819,16 @@ def sync_values(losses, bad, stop_flag, world):
 
 
 def build_run(args, resume, master, world, device):
-    """Tokenizer, compiler, training and eval data, the model (--bert, --init) on `device`; rank 0 says what it read."""
+    """Tokenizer, compiler, training and eval data, the model (--bert, --init) on `device`; rank 0
+    says what it read."""
     tok = build_tokenizer(args, resume and resume[0])
     compiler = TextCompiler(tok, args.max_len)
     t0 = time.time()
     sp = attach_compiler(load_split(args, "train", _n(args.data, args.train_size, 12800),
-                                    hold_out=hold_out_predicates(args.hold_out)), compiler, args.max_skip_frac)
-    evals = eval_sets(args, "in_domain", args.eval_split, _n(args.data, args.eval_size, 200), compiler)
+                                    hold_out=hold_out_predicates(args.hold_out)),
+                         compiler, args.max_skip_frac)
+    evals = eval_sets(args, "in_domain", args.eval_split, _n(args.data, args.eval_size, 200),
+                      compiler)
     model, cfg = make_model(args, tok, sp.store.feat_dim)
     if args.bert and not resume:
         init_from_bert(model, args.bert)
@@ -1707,14 +1837,17 @@ def build_run(args, resume, master, world, device):
         lifecycle.load_state(model, lifecycle.read_weights(weights), weights)
     model.to(device)
     if master:
-        flags = "".join(f" --{k} {getattr(args, k)}" for k in ("modulator", "hold_out") if k in args.given)
+        flags = "".join(f" --{k} {getattr(args, k)}" for k in ("modulator", "hold_out")
+                        if k in args.given)
         mvsa = " --concept_mvsa" if args.concept_mvsa else ""
         lifecycle.start_line(__file__, f"train --method {args.method}{mvsa}{flags}", [
-            f"{sum(p.numel() for p in model.parameters()) / 1e6:.3f}M parameters", f"{device} x {world}",
+            f"{sum(p.numel() for p in model.parameters()) / 1e6:.3f}M parameters",
+            f"{device} x {world}",
             f"data {args.data} ({len(sp.captions)} train captions / {len(sp.keys)} images"
-            f"{f', {sp.held_out} held out by --hold_out' if sp.held_out else ''}, {sp.n_bracketed} parsed by the "
-            f"built-in bracketer, skipped {dict(sp.skipped)}; read in {time.time() - t0:.1f}s)"], args.out_dir,
-            resume[2]["step"] if resume else None)
+            f"{f', {sp.held_out} held out by --hold_out' if sp.held_out else ''}, "
+            f"{sp.n_bracketed} parsed by the built-in bracketer, skipped {dict(sp.skipped)}; "
+            f"read in {time.time() - t0:.1f}s)"],
+            args.out_dir, resume[2]["step"] if resume else None)
         lifecycle.warmup_note(args.warmup, args.max_steps)
     return tok, compiler, sp, evals, model, cfg
 
@@ -1722,11 +1855,14 @@ def build_run(args, resume, master, world, device):
 def train(args):
     rank, world, device = setup_distributed(args.device)
     master = rank == 0
-    lifecycle.claim_out_dir(args.out_dir, rank, world, device, args.resume, args.overwrite, RUN_FILES)
+    lifecycle.claim_out_dir(args.out_dir, rank, world, device, args.resume, args.overwrite,
+                            RUN_FILES)
     resume = resume_run(args, rank) if args.resume else None    # args become the saved run's
     check_args(args, world)
-    if args.wandb and not _installed("wandb"):      # every rank stops, rank 0 says why; before the data is read
-        raise SystemExit(2) if rank else ComposerError("--wandb needs the wandb package (pip install wandb)")
+    # every rank stops, rank 0 says why; before the data is read
+    if args.wandb and not _installed("wandb"):
+        raise (SystemExit(2) if rank
+               else ComposerError("--wandb needs the wandb package (pip install wandb)"))
     tracker = None
     if master and args.wandb:
         config = {k: v for k, v in vars(args).items() if k != "given"}
@@ -1741,15 +1877,17 @@ def train(args):
     sampler = Sampler(len(sp.captions), args.batch_size, args.seed)
     metrics = os.path.join(args.out_dir, "metrics.jsonl")
     step = restore(resume, model, opt, sampler, metrics, rank, device) if resume else 0
-    if master and not resume:   # a fresh run starts a fresh log (--resume rewinds it); a link there is replaced
+    # a fresh run starts a fresh log (--resume rewinds it); a link there is replaced
+    if master and not resume:
         lifecycle.write_file(metrics, "")
     if args.compile:  # compile each transformer block (shapes vary by level: dynamic=True)
         [mod.compile(dynamic=True) for mod in model.modules() if isinstance(mod, Block)]
     step_loss = wrap_ddp(StepLoss(model, compiler, sp, args, rank, world, device), world, device)
     last_log = time.time()
-    # the losses summed on the device over the log interval (logged as their mean; saved, so a resumed run logs the
-    # same means)
-    sums, n_sum = (resume[2].get("log_sums"), resume[2].get("log_steps", 0)) if resume else (None, 0)
+    # the losses summed on the device over the log interval (logged as their mean; saved, so a
+    # resumed run logs the same means)
+    sums, n_sum = ((resume[2].get("log_sums"), resume[2].get("log_steps", 0)) if resume
+                   else (None, 0))
     sums = None if sums is None or not n_sum else sums.to(device)
     model.train()
     bad = torch.zeros((), dtype=torch.bool, device=device)     # any non-finite loss since the start
@@ -1770,7 +1908,8 @@ def train(args):
         bar.update()
         v = torch.stack([loss.detach(), *parts.values()]).double()
         sums, n_sum = (v if sums is None else sums + v), n_sum + 1
-        at_ckpt = step % args.save_interval == 0 or step in (args.max_steps, args.stop_at)  # the same on every rank
+        # the same on every rank
+        at_ckpt = step % args.save_interval == 0 or step in (args.max_steps, args.stop_at)
         signalled = lifecycle.stop_code()
         if step % args.log_interval == 0 or at_ckpt or (world == 1 and signalled):
             vals = sync_values(sums / n_sum, bad, signalled, world)
@@ -1780,20 +1919,25 @@ def train(args):
             stopped_by = lifecycle.stopped_by(vals[-1]) or "--stop_at"
         if step % args.log_interval == 0 or step == args.max_steps:
             dt, last_log = time.time() - last_log, time.time()
-            rec = {"step": step, "phase": "train", "loss": round(vals[0], 6), "lr": opt.param_groups[0]["lr"],
-                   "time": round(time.time(), 3), **{k: round(x, 6) for k, x in zip(parts, vals[1:-2])},
+            rec = {"step": step, "phase": "train", "loss": round(vals[0], 6),
+                   "lr": opt.param_groups[0]["lr"], "time": round(time.time(), 3),
+                   **{k: round(x, 6) for k, x in zip(parts, vals[1:-2])},
                    "samples_per_s": round(args.batch_size * n_sum / max(dt, 1e-9), 1)}
             if master:
                 lifecycle.log_record(metrics, rec, tracker)
             bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", refresh=False)
             sums, n_sum = None, 0
         if args.eval_every and step % args.eval_every == 0 and step < args.max_steps and master:
-            lifecycle.log_record(metrics, {"step": step, "phase": "eval", "time": round(time.time(), 3),
-                                      **run_evals(model, compiler, evals, device, args)}, tracker)
+            lifecycle.log_record(metrics, {"step": step, "phase": "eval",
+                                           "time": round(time.time(), 3),
+                                           **run_evals(model, compiler, evals, device, args)},
+                                 tracker)
         if master and (at_ckpt or stopping):
-            extra = {"skipped": dict(sp.skipped), "log_sums": (sums if sums is not None else torch.zeros(0)).cpu(),
+            extra = {"skipped": dict(sp.skipped),
+                     "log_sums": (sums if sums is not None else torch.zeros(0)).cpu(),
                      "log_steps": n_sum}
-            save_checkpoint(args.out_dir, model, opt, cfg, args, step, sampler, tok, extra, device, newest_damaged)
+            save_checkpoint(args.out_dir, model, opt, cfg, args, step, sampler, tok, extra, device,
+                            newest_damaged)
             newest_damaged = False
         if stopping:
             if master:
@@ -1804,30 +1948,36 @@ def train(args):
     result = None
     if master and not stopping:
         ev = run_evals(model, compiler, evals, device, args)
-        lifecycle.log_record(metrics, {"step": step, "phase": "eval", "time": round(time.time(), 3), "final": True, **ev},
-                        tracker)
+        lifecycle.log_record(metrics, {"step": step, "phase": "eval", "time": round(time.time(), 3),
+                                       "final": True, **ev},
+                             tracker)
         result = {"step": step, "eval": ev}
         draw_loss_curve(metrics, os.path.join(args.out_dir, "loss_curve.png"), args)
-        scores = "; ".join(f"{name} t2i_r1 {lifecycle.percent(r['t2i_r1'])}, t2i_r5 {lifecycle.percent(r['t2i_r5'])}"
+        scores = "; ".join(f"{name} t2i_r1 {lifecycle.percent(r['t2i_r1'])}, "
+                           f"t2i_r5 {lifecycle.percent(r['t2i_r5'])}"
                            for name, r in ev.items())
         lifecycle.done_line(f"step {step}/{args.max_steps} ({scores})", time.time() - t_start,
-                            [os.path.join(args.out_dir, n) for n in ("checkpoint/", "metrics.jsonl", "loss_curve.png")])
+                            [os.path.join(args.out_dir, n)
+                             for n in ("checkpoint/", "metrics.jsonl", "loss_curve.png")])
     if tracker:
         tracker.finish()
     return result
 
 
 # =============================================================================
-# 8. Evaluation (paper section 5): text->image and phrase->image R@1/5/10 (t2i_r*, p2i_r*), interpretation view
+# 8. Evaluation (paper section 5): text->image and phrase->image R@1/5/10 (t2i_r*, p2i_r*),
+# interpretation view
 # =============================================================================
 
 @torch.no_grad()
-def score_matrix(model, compiler, comps, captions, store, img_idx, device, cap_chunk=32, img_chunk=128):
-    """Scores [C, I] of every caption against every image: the text side runs once per caption chunk, the visual
-    side once per image chunk, each block one level-batched call."""
+def score_matrix(model, compiler, comps, captions, store, img_idx, device, cap_chunk=32,
+                 img_chunk=128):
+    """Scores [C, I] of every caption against every image: the text side runs once per caption
+    chunk, the visual side once per image chunk, each block one level-batched call."""
     cfg = model.cfg
     img_idx = torch.as_tensor(img_idx, dtype=torch.long)
-    vis = [model.encode_image(*store.get(img_idx[j:j + img_chunk], device)) for j in range(0, len(img_idx), img_chunk)]
+    vis = [model.encode_image(*store.get(img_idx[j:j + img_chunk], device))
+           for j in range(0, len(img_idx), img_chunk)]
     out = torch.zeros(len(captions), len(img_idx))
     bar = lifecycle.progress(total=len(captions), desc="scoring", unit="item", leave=False)
     for i in range(0, len(captions), cap_chunk):
@@ -1846,9 +1996,9 @@ def score_matrix(model, compiler, comps, captions, store, img_idx, device, cap_c
 
 
 def recall_at(scores, gold_sets, ks=(1, 5, 10), name="t2i"):
-    """{name}_r{k}: percent of queries with a correct image among the k best (gold_sets: per query the set of correct
-    image columns). Ties count against the query: a hit needs fewer than k wrong images scoring >= the best correct
-    one."""
+    """{name}_r{k}: percent of queries with a correct image among the k best (gold_sets: per query
+    the set of correct image columns). Ties count against the query: a hit needs fewer than k wrong
+    images scoring >= the best correct one."""
     G = torch.zeros_like(scores, dtype=torch.bool)
     for q, g in enumerate(gold_sets):
         G[q, list(g)] = True
@@ -1858,9 +2008,10 @@ def recall_at(scores, gold_sets, ks=(1, 5, 10), name="t2i"):
 
 
 def phrase_queries(sp: Split, per_caption=5, seed=0):
-    """Phrase->image (paper section 5): up to 5 non-sentence concepts per caption; a hit is any image whose caption
-    contains the phrase (its denotation within the evaluated images). Choice: when a caption has more, 5 are drawn
-    with a fixed seed. Returns the query CRGs, texts, correct-image sets and each query's source image."""
+    """Phrase->image (paper section 5): up to 5 non-sentence concepts per caption; a hit is any
+    image whose caption contains the phrase (its denotation within the evaluated images). Choice:
+    when a caption has more, 5 are drawn with a fixed seed. Returns the query CRGs, texts,
+    correct-image sets and each query's source image."""
     rng = random.Random(seed)
     denot = defaultdict(set)
     for crg, im in zip(sp.crgs, sp.cap_img):
@@ -1870,13 +2021,15 @@ def phrase_queries(sp: Split, per_caption=5, seed=0):
     for crg, im in zip(sp.crgs, sp.cap_img):
         sub = crg.concepts()[:-1]
         qs += [(c, im) for c in (rng.sample(sub, per_caption) if len(sub) > per_caption else sub)]
-    return [c for c, _ in qs], [c.text for c, _ in qs], [denot[c.text] for c, _ in qs], [im for _, im in qs]
+    return ([c for c, _ in qs], [c.text for c, _ in qs], [denot[c.text] for c, _ in qs],
+            [im for _, im in qs])
 
 
 def gallery_scores(model, compiler, comps, captions, src, store, n_img, folds, device):
-    """Scores [C, n_img]; folds = 1: every caption against every image (the paper's protocol). folds = K: image j in
-    gallery j % K, a caption scored only against its source image's gallery (-inf elsewhere): COCO's "5 x 1K test",
-    many queries at 1/K of the cost (a cross-modal model scores every pair: 1000 images cost 25x 200)."""
+    """Scores [C, n_img]; folds = 1: every caption against every image (the paper's protocol).
+    folds = K: image j in gallery j % K, a caption scored only against its source image's gallery
+    (-inf elsewhere): COCO's "5 x 1K test", many queries at 1/K of the cost (a cross-modal model
+    scores every pair: 1000 images cost 25x 200)."""
     if folds == 1:
         return score_matrix(model, compiler, comps, captions, store, list(range(n_img)), device)
     S = torch.full((len(captions), n_img), -float("inf"))
@@ -1885,14 +2038,15 @@ def gallery_scores(model, compiler, comps, captions, src, store, n_img, folds, d
         imgs = list(range(f, n_img, folds))
         if q:
             S[torch.tensor(q)[:, None], torch.tensor(imgs)] = score_matrix(
-                model, compiler, [comps[i] for i in q], [captions[i] for i in q], store, imgs, device)
+                model, compiler, [comps[i] for i in q], [captions[i] for i in q], store, imgs,
+                device)
     return S
 
 
 @torch.no_grad()
 def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True, seed=0, folds=1):
-    """Text->image t2i_r1/5/10 (each caption ranks all images of the split, or of its gallery) and phrase->image
-    p2i_r1/5/10, in percent, with what was scored."""
+    """Text->image t2i_r1/5/10 (each caption ranks all images of the split, or of its gallery) and
+    phrase->image p2i_r1/5/10, in percent, with what was scored."""
     model.eval()
     rng = random.Random(seed)
     crgs = [drop_branches(c, parse_dropout, rng) for c in sp.crgs] if parse_dropout > 0 else sp.crgs
@@ -1900,9 +2054,11 @@ def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True
     n_img = len(sp.keys)
     if not 1 <= folds <= max(n_img, 1):
         raise ComposerError(f"--folds {folds}: needs 1 <= folds <= the {n_img} images of the split")
-    S = gallery_scores(model, compiler, comps, sp.captions, sp.cap_img, sp.store, n_img, folds, device)
-    res = {"images": n_img, "captions": len(sp.captions), "folds": folds, "gallery": -(-n_img // folds),
-           "bracketer": sp.n_bracketed, **recall_at(S, [{g} for g in sp.cap_img])}
+    S = gallery_scores(model, compiler, comps, sp.captions, sp.cap_img, sp.store, n_img, folds,
+                       device)
+    res = {"images": n_img, "captions": len(sp.captions), "folds": folds,
+           "gallery": -(-n_img // folds), "bracketer": sp.n_bracketed,
+           **recall_at(S, [{g} for g in sp.cap_img])}
     if phrases:
         pc, pcap, gold, src = phrase_queries(sp, seed=seed)
         if pc:
@@ -1914,8 +2070,8 @@ def evaluate(model, compiler, sp: Split, device, parse_dropout=0.0, phrases=True
 
 @torch.no_grad()
 def interpret(model, compiler, sp: Split, S, i, device) -> str:
-    """Paper Fig. 5: every concept's score on caption i's true image and on a wrong one (Choice: the highest-scoring
-    wrong image, the most informative contrast)."""
+    """Paper Fig. 5: every concept's score on caption i's true image and on a wrong one (Choice: the
+    highest-scoring wrong image, the most informative contrast)."""
     g = sp.cap_img[i]
     row = S[i].clone()
     row[g] = -float("inf")
@@ -1935,8 +2091,8 @@ def interpret(model, compiler, sp: Split, S, i, device) -> str:
             lines.append(f"{'  ' * depth}({c.tag}) {c.word}")
             return
         j = idx[id(c)]
-        lines.append(f"{'  ' * depth}[{c.tag}] {c.text:<50s} true {ns[j]:+6.2f}  wrong {ns[n + j]:+6.2f}"
-                     f"   predicate: {c.predicate}")
+        lines.append(f"{'  ' * depth}[{c.tag}] {c.text:<50s} true {ns[j]:+6.2f}  wrong "
+                     f"{ns[n + j]:+6.2f}   predicate: {c.predicate}")
         for ch in c.children:
             show(ch, depth + 1)
 
@@ -1954,7 +2110,8 @@ def chernoff_divergence(p: Counter, q: Counter, alpha: float) -> float:
     P, Q = sum(p.values()), sum(q.values())
     if P <= 0 or Q <= 0:
         return 1.0
-    return 1.0 - sum((pc / P) ** alpha * (q[k] / Q) ** (1 - alpha) for k, pc in p.items() if q.get(k, 0) > 0)
+    return 1.0 - sum((pc / P) ** alpha * (q[k] / Q) ** (1 - alpha) for k, pc in p.items()
+                     if q.get(k, 0) > 0)
 
 
 compound_divergence = functools.partial(chernoff_divergence, alpha=0.1)
@@ -1968,9 +2125,10 @@ def compounds_and_atoms(crgs: list) -> tuple:
 
 
 def delta_ranking(train: Counter, items: list, alpha: float = 0.1):
-    """Delta_i = CD(pool without item i) - CD(pool), for every item (a Counter of compounds), in O(total compounds)
-    via the closed form of the Chernoff coefficient. Returns (cd_all, deltas). An item whose compounds are rare in
-    training has Delta_i < 0 (removing it makes the pool *less* divergent)."""
+    """Delta_i = CD(pool without item i) - CD(pool), for every item (a Counter of compounds), in
+    O(total compounds) via the closed form of the Chernoff coefficient. Returns (cd_all, deltas). An
+    item whose compounds are rare in training has Delta_i < 0 (removing it makes the pool *less*
+    divergent)."""
     P = sum(train.values())
     Qk = Counter()
     for it in items:
@@ -1985,19 +2143,22 @@ def delta_ranking(train: Counter, items: list, alpha: float = 0.1):
         if T - n_i <= 0:
             deltas.append(1.0 - cd_all)
             continue
-        S_i = S - sum(pa[k] * (Qk[k] ** (1 - alpha) - (Qk[k] - c) ** (1 - alpha)) for k, c in it.items() if k in pa)
+        S_i = S - sum(pa[k] * (Qk[k] ** (1 - alpha) - (Qk[k] - c) ** (1 - alpha))
+                      for k, c in it.items() if k in pa)
         deltas.append((1.0 - S_i / (T - n_i) ** (1 - alpha)) - cd_all)
     return cd_all, deltas
 
 
 def mcd_split(train_crgs: list, pool: list, size: int, stride: int | None = None):
-    """Paper appendix B. `pool` = list of (item, [crg, ...]) (an image with its captions). 1) drop pool items with a
-    primitive unseen in training; 2) Delta-rank; 3) the top `size` items form the MCD split; 4) sliding windows of
-    `size` over the ranking give graded splits. Choice: the paper's "top ranking" is read as *most negative* Delta
-    first (the items whose removal lowers the divergence most, i.e. that carry the divergence); the printed CD of the
-    split confirms the direction. Returns a dict with the order, the split and windows."""
+    """Paper appendix B. `pool` = list of (item, [crg, ...]) (an image with its captions). 1) drop
+    pool items with a primitive unseen in training; 2) Delta-rank; 3) the top `size` items form the
+    MCD split; 4) sliding windows of `size` over the ranking give graded splits. Choice: the paper's
+    "top ranking" is read as *most negative* Delta first (the items whose removal lowers the
+    divergence most, i.e. that carry the divergence); the printed CD of the split confirms the
+    direction. Returns a dict with the order, the split and windows."""
     train_c, train_a = compounds_and_atoms(train_crgs)
-    kept = [(it, crgs) for it, crgs in pool if all(p.word in train_a for c in crgs for p in c.primitives())]
+    kept = [(it, crgs) for it, crgs in pool
+            if all(p.word in train_a for c in crgs for p in c.primitives())]
     dropped = len(pool) - len(kept)
     comp, atoms = zip(*[compounds_and_atoms(crgs) for _, crgs in kept]) if kept else ([], [])
     cd_all, deltas = delta_ranking(train_c, comp)
@@ -2020,23 +2181,27 @@ def mcd_split(train_crgs: list, pool: list, size: int, stride: int | None = None
     rnd = random.Random(0).sample(range(len(kept)), size) if kept else []
     cd_r, ad_r = divergences(rnd)
     cd_m, ad_m = divergences(order[:size])
-    return {"pool": len(pool), "dropped_unseen_primitive": dropped, "pool_compound_divergence": round(cd_all, 5),
-            "mcd": [kept[i][0] for i in order[:size]], "mcd_compound_divergence": cd_m, "mcd_atom_divergence": ad_m,
-            "random": [kept[i][0] for i in rnd], "random_compound_divergence": cd_r, "random_atom_divergence": ad_r,
+    return {"pool": len(pool), "dropped_unseen_primitive": dropped,
+            "pool_compound_divergence": round(cd_all, 5),
+            "mcd": [kept[i][0] for i in order[:size]], "mcd_compound_divergence": cd_m,
+            "mcd_atom_divergence": ad_m,
+            "random": [kept[i][0] for i in rnd], "random_compound_divergence": cd_r,
+            "random_atom_divergence": ad_r,
             "windows": windows}
 
 
-# Choice (issue 43): on shapes every predicate of the test split is frequent in training, so no split of it reaches
-# the paper's compound divergence (0.15-0.31; 0.026 at most). `--hold_out shapes` leaves four size-colour predicates
-# out of training, their words all seen ("a small red [NN]" never, "a red [NN]", "a large red [NN]", "a small green
-# [NN]" often), as the shapes benchmark holds colour-shape compounds out for its systematicity split; the test pool
-# keeps them.
+# Choice (issue 43): on shapes every predicate of the test split is frequent in training, so no
+# split of it reaches the paper's compound divergence (0.15-0.31; 0.026 at most). `--hold_out
+# shapes` leaves four size-colour predicates out of training, their words all seen ("a small red
+# [NN]" never, "a red [NN]", "a large red [NN]", "a small green [NN]" often), as the shapes
+# benchmark holds colour-shape compounds out for its systematicity split; the test pool keeps them.
 def hold_out_predicates(value) -> frozenset:
-    """--hold_out: none (empty), `shapes` (red-small, blue-large, purple-small, white-large), or comma-separated
-    predicates as `composer.py graph` prints them ("a small red [NN]", "[NP] is above [NP]")."""
+    """--hold_out: none (empty), `shapes` (red-small, blue-large, purple-small, white-large), or
+    comma-separated predicates as `composer.py graph` prints them ("a small red [NN]", "[NP] is
+    above [NP]")."""
     if value == "shapes":
-        return frozenset(f"a {data.SIZE_NAMES[(i // 2) % 2]} {c} [NN]" for i, c in enumerate(data.COLOUR_NAMES)
-                         if i % 2 == 0)
+        return frozenset(f"a {data.SIZE_NAMES[(i // 2) % 2]} {c} [NN]"
+                         for i, c in enumerate(data.COLOUR_NAMES) if i % 2 == 0)
     return frozenset(p.strip() for p in (value or "").split(",") if p.strip())
 
 
@@ -2047,24 +2212,29 @@ def holds_out(crg: Concept, held: frozenset) -> bool:
 def pick_windows(windows: list, targets: list) -> list:
     """For each target compound divergence, the graded-split window closest to it (the paper's
     Fig. 4 uses 16 splits from 0.15 to 0.31); ties go to the earlier window."""
-    return [min(windows, key=lambda w: (abs(w["compound_divergence"] - t), w["start"])) for t in targets]
+    return [min(windows, key=lambda w: (abs(w["compound_divergence"] - t), w["start"]))
+            for t in targets]
 
 
 def target_problems(targets: list, windows: list, tolerance: float) -> list:
-    """What is wrong with the windows picked for --targets: a target further from every window than `tolerance` times
-    the reachable range (the windows' lowest to highest divergence; an absolute tolerance would be 40% of the range on
-    shapes, which spans 0.004..0.026) is out of reach of this pool, and a target whose window another target already
-    took (the two would be one split twice)."""
+    """What is wrong with the windows picked for --targets: a target further from every window than
+    `tolerance` times the reachable range (the windows' lowest to highest divergence; an absolute
+    tolerance would be 40% of the range on shapes, which spans 0.004..0.026) is out of reach of this
+    pool, and a target whose window another target already took (the two would be one split
+    twice)."""
     out, first = [], {}
     cds = [w["compound_divergence"] for w in windows]
-    tol = tolerance * (max(cds) - min(cds)) + 1e-9   # + 1e-9: a window's own (rounded) divergence is in reach
+    # + 1e-9: a window's own (rounded) divergence is in reach
+    tol = tolerance * (max(cds) - min(cds)) + 1e-9
     for t, w in zip(targets, pick_windows(windows, targets)):
         cd = w["compound_divergence"]
         if abs(cd - t) > tol:
-            out.append(f"target {t:g} is out of reach of this pool: its windows span {min(cds):g}..{max(cds):g} "
-                       f"(nearest reachable compound divergence {cd:g}; --tolerance {tolerance:g} of the range)")
+            out.append(f"target {t:g} is out of reach of this pool: its windows span "
+                       f"{min(cds):g}..{max(cds):g} (nearest reachable compound divergence "
+                       f"{cd:g}; --tolerance {tolerance:g} of the range)")
         if w["start"] in first:
-            out.append(f"targets {first[w['start']]:g} and {t:g} pick the same window (divergence {cd:g})")
+            out.append(f"targets {first[w['start']]:g} and {t:g} pick the same window "
+                       f"(divergence {cd:g})")
         first.setdefault(w["start"], t)
     return out
 
@@ -2078,7 +2248,8 @@ def resolve_weights(path):
     out_dir (its checkpoint/, else a model.safetensors directly in it: the old layout), a
     checkpoint/ folder, or a weights file (config next to it, or in the out_dir above)."""
     if os.path.isdir(path):
-        d = os.path.join(path, "checkpoint") if os.path.isdir(os.path.join(path, "checkpoint")) else path
+        d = (os.path.join(path, "checkpoint") if os.path.isdir(os.path.join(path, "checkpoint"))
+             else path)
         w = os.path.join(d, "model.safetensors")
         if not os.path.isfile(w):
             raise ComposerError(f"{path}: no checkpoint/model.safetensors or model.safetensors")
@@ -2090,11 +2261,12 @@ def resolve_weights(path):
 
 
 def load_checkpoint(ckpt, device="cpu", script=None):
-    """(model, tokenizer, saved args as a Namespace) from a composer.py checkpoint (resolve_weights), its files
-    checked against sha256.json first. The model is built by the script the checkpoint records (a fork's weights
-    run the fork's model code), under lifecycle.find_script's trust rule: only by its bare name beside this file;
-    `script` (--script) names any other. Another script's checkpoint (il_clip.py, mm_learngene.py) is one line
-    naming its reader."""
+    """(model, tokenizer, saved args as a Namespace) from a composer.py checkpoint
+    (resolve_weights), its files checked against sha256.json first. The model is built by the script
+    the checkpoint records (a fork's weights run the fork's model code), under
+    lifecycle.find_script's trust rule: only by its bare name beside this file; `script` (--script)
+    names any other. Another script's checkpoint (il_clip.py, mm_learngene.py) is one line naming
+    its reader."""
     weights, folder = resolve_weights(ckpt)
     me = os.path.basename(__file__)
     if not os.path.isfile(os.path.join(folder, "config.json")):
@@ -2103,10 +2275,12 @@ def load_checkpoint(ckpt, device="cpu", script=None):
     conf = lifecycle.read_json(os.path.join(folder, "config.json"))
     record = conf.get("script") if isinstance(conf, dict) else None
     path = module = None
-    if isinstance(conf, dict) and isinstance(conf.get("model"), dict) and isinstance(conf.get("args"), dict):
+    if (isinstance(conf, dict) and isinstance(conf.get("model"), dict)
+            and isinstance(conf.get("args"), dict)):
         path, note = lifecycle.find_script(record, __file__, script, default=me)
         if path != os.path.abspath(__file__):
-            module = lifecycle.import_script(record, __file__, script)[0]     # its note, then the import
+            # its note, then the import
+            module = lifecycle.import_script(record, __file__, script)[0]
         elif note:
             print(note, file=sys.stderr, flush=True)
     build = model_from_config if module is None else getattr(module, "model_from_config", None)
@@ -2116,22 +2290,28 @@ def load_checkpoint(ckpt, device="cpu", script=None):
         model, args = build(conf)
     except (TypeError, KeyError):
         name = record.get("name") if isinstance(record, dict) else None
-        raise ComposerError(f"{ckpt}: a checkpoint of {name or 'another script'}, not of {me}: evaluate it "
-                            f"with python eval_compositional.py --ckpt {ckpt}") from None
-    lifecycle.load_state(model, lifecycle.read_weights(weights), weights)   # a damaged file or another model's: one line
+        raise ComposerError(f"{ckpt}: a checkpoint of {name or 'another script'}, not of {me}: "
+                            "evaluate it with python eval_compositional.py "
+                            f"--ckpt {ckpt}") from None
+    # a damaged file or another model's: one line
+    lifecycle.load_state(model, lifecycle.read_weights(weights), weights)
     return model.to(device).eval(), load_tokenizer(folder), args
 
 
 def model_from_config(conf):
-    """(model, saved args) from a checkpoint's config.json: this script's classes (a fork's: the fork's)."""
+    """(model, saved args) from a checkpoint's config.json: this script's classes (a fork's: the
+    fork's)."""
     cfg = ModelConfig(**conf["model"])
     return MODELS[cfg.arch](cfg), argparse.Namespace(**conf["args"])
 
 
 def eval_table(out) -> str:
-    """composer.py eval's results as a markdown table: one row per evaluated split, recalls in percent."""
-    cols = list(dict.fromkeys(k for r in out.values() for k, v in r.items() if isinstance(v, (int, float))))
-    fmt = lambda k, v: "" if v is None else lifecycle.percent(v) if re.fullmatch(r"[tp]2i_r\d+", k) else str(v)
+    """composer.py eval's results as a markdown table: one row per evaluated split, recalls in
+    percent."""
+    cols = list(dict.fromkeys(k for r in out.values() for k, v in r.items()
+                              if isinstance(v, (int, float))))
+    fmt = lambda k, v: ("" if v is None else lifecycle.percent(v)
+                        if re.fullmatch(r"[tp]2i_r\d+", k) else str(v))
     rows = [["split", *cols], ["---"] * (len(cols) + 1)]
     rows += [[name, *(fmt(k, r.get(k)) for k in cols)] for name, r in out.items()]
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
@@ -2141,23 +2321,25 @@ def cmd_eval(args):
     t_start = time.time()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tok, targs = load_checkpoint(args.ckpt, device, args.script)
-    code = sys.modules[type(model).__module__]     # the script that built it reads the data and scores (a fork)
+    # the script that built it reads the data and scores (a fork)
+    code = sys.modules[type(model).__module__]
     print(f"model: {args.ckpt}: code {os.path.abspath(code.__file__)}", file=sys.stderr, flush=True)
     for k in ("data", "features", "regions", "clip", "quick_gelu", "image_size", "image_root"):
         if getattr(args, k, None) is None:      # the checkpoint's, unless given
             setattr(args, k, getattr(targs, k, None))
-    lifecycle.start_line(__file__, "eval", [f"{args.ckpt} ({targs.method})",
-                                            f"{sum(p.numel() for p in model.parameters()) / 1e6:.3f}M parameters",
-                                            f"{device} x 1", f"data {args.data}",
-                                            f"out {args.out or 'the table only'}"])
+    lifecycle.start_line(__file__, "eval", [
+        f"{args.ckpt} ({targs.method})",
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.3f}M parameters", f"{device} x 1",
+        f"data {args.data}", f"out {args.out or 'the table only'}"])
     compiler = code.TextCompiler(tok, model.cfg.max_len)
     # the paper's protocol: every image of the test split, each ranked by all captions
     out = {}
-    sets = code.eval_sets(args, args.split, args.split, _n(args.data, args.eval_size, 1000), compiler)
+    sets = code.eval_sets(args, args.split, args.split, _n(args.data, args.eval_size, 1000),
+                          compiler)
     for name, sp in sets.items():
         t0 = time.time()
-        res, S = code.evaluate(model, compiler, sp, device, args.parse_dropout, phrases=not args.no_phrases,
-                               seed=args.seed, folds=args.folds)
+        res, S = code.evaluate(model, compiler, sp, device, args.parse_dropout,
+                               phrases=not args.no_phrases, seed=args.seed, folds=args.folds)
         out[name] = {**res, "skipped": dict(sp.skipped), "seconds": round(time.time() - t0, 1)}
         if args.interpret and model.cfg.arch == "composer":
             for i in range(min(args.interpret, len(sp.captions))):
@@ -2165,28 +2347,34 @@ def cmd_eval(args):
     print(eval_table(out))
     if args.out:
         write_text(args.out, json.dumps(out, indent=1) + "\n")
-    lifecycle.done_line(f"{', '.join(out)} evaluated", time.time() - t_start, [args.out] if args.out else [])
+    lifecycle.done_line(f"{', '.join(out)} evaluated", time.time() - t_start,
+                        [args.out] if args.out else [])
     return out
 
 
 def _collect(args, spec, split, n):
     """CRGs of a spec's captions (for graph / mcd; no visual features, no image decoding)."""
     t0 = time.time()
-    crgs, skipped, n_bracketed = caption_crgs(_spec_items(args, spec, split, n), args.max_skip_frac, spec)
-    print(f"{spec} ({split}): {len(crgs)} captions of {len({it.get('key') for _, it, _ in crgs})} images read "
-          f"in {time.time() - t0:.1f}s; {n_bracketed} parsed by the built-in bracketer (no tree); "
-          f"skipped {dict(skipped)}", file=sys.stderr, flush=True)
+    crgs, skipped, n_bracketed = caption_crgs(_spec_items(args, spec, split, n), args.max_skip_frac,
+                                              spec)
+    print(f"{spec} ({split}): {len(crgs)} captions of {len({it.get('key') for _, it, _ in crgs})} "
+          f"images read in {time.time() - t0:.1f}s; {n_bracketed} parsed by the built-in bracketer "
+          f"(no tree); skipped {dict(skipped)}", file=sys.stderr, flush=True)
     return [c for c, _, _ in crgs], [it for _, it, _ in crgs], skipped, n_bracketed
 
 
 def cmd_graph(args):
     t0 = time.time()
-    lifecycle.start_line(__file__, "graph", [f"data {args.data} ({args.split})", "out the JSON on stdout"])
-    crgs, items, skipped, n_bracketed = _collect(args, args.data, args.split, _n(args.data, args.max_images, 10000))
-    st = {**graph_stats(crgs, [it.get("key") for it in items]), "skipped": dict(skipped), "bracketer": n_bracketed}
+    lifecycle.start_line(__file__, "graph",
+                         [f"data {args.data} ({args.split})", "out the JSON on stdout"])
+    crgs, items, skipped, n_bracketed = _collect(args, args.data, args.split,
+                                                 _n(args.data, args.max_images, 10000))
+    st = {**graph_stats(crgs, [it.get("key") for it in items]), "skipped": dict(skipped),
+          "bracketer": n_bracketed}
     print(json.dumps(st, indent=1))
-    lifecycle.done_line(f"CRGs of {st['captions']} captions: {st['concepts']} concepts, {st['predicates']} predicates, "
-                        f"{st['primitives']} primitives", time.time() - t0)
+    lifecycle.done_line(f"CRGs of {st['captions']} captions: {st['concepts']} concepts, "
+                        f"{st['predicates']} predicates, {st['primitives']} primitives",
+                        time.time() - t0)
     return st
 
 
@@ -2207,7 +2395,8 @@ def _pool(args):
 
 
 def write_text(path, text):
-    lifecycle.atomic_write(path, lambda tmp: lifecycle.fsync(tmp, lambda p: pathlib.Path(p).write_text(text, encoding="utf-8")))
+    lifecycle.atomic_write(path, lambda tmp: lifecycle.fsync(
+        tmp, lambda p: pathlib.Path(p).write_text(text, encoding="utf-8")))
 
 
 def cmd_mcd(args):
@@ -2215,13 +2404,17 @@ def cmd_mcd(args):
     try:
         targets = [float(t) for t in args.targets.split(",")] if args.targets else []
     except ValueError:
-        raise ComposerError(f"--targets {args.targets}: not a comma-separated list of numbers") from None
+        raise ComposerError(
+            f"--targets {args.targets}: not a comma-separated list of numbers") from None
     if not 0 <= args.tolerance < 1:
-        raise ComposerError(f"--tolerance {args.tolerance:g}: a fraction of the reachable range, in [0, 1)")
-    lifecycle.start_line(__file__, "mcd", [f"train {args.train} ({args.train_split})",
-                                           f"pool {args.pool} ({args.pool_split})", f"size {args.size}"],
+        raise ComposerError(f"--tolerance {args.tolerance:g}: a fraction of the reachable range, "
+                            "in [0, 1)")
+    lifecycle.start_line(__file__, "mcd",
+                         [f"train {args.train} ({args.train_split})",
+                          f"pool {args.pool} ({args.pool_split})", f"size {args.size}"],
                          args.out_dir or "none (the summary on stdout only)")
-    train_crgs, _, sk_t, nb_t = _collect(args, args.train, args.train_split, _n(args.train, args.train_size, 20000))
+    train_crgs, _, sk_t, nb_t = _collect(args, args.train, args.train_split,
+                                         _n(args.train, args.train_size, 20000))
     held = hold_out_predicates(args.hold_out)   # the training set the models see (train --hold_out)
     n_train = len(train_crgs)
     train_crgs = [c for c in train_crgs if not holds_out(c, held)]
@@ -2230,13 +2423,15 @@ def cmd_mcd(args):
     stride = args.stride or (max(1, args.size // 10) if targets else None)
     res = mcd_split(train_crgs, pool, args.size, stride)
     meta = lambda w: {k: v for k, v in w.items() if k != "items"}   # a window without its items
-    summary = {**{k: v for k, v in res.items() if k not in ("mcd", "random", "windows")}, "pool_images": len(pool),
-               "windows": [meta(w) for w in res["windows"]]}
+    summary = {**{k: v for k, v in res.items() if k not in ("mcd", "random", "windows")},
+               "pool_images": len(pool), "windows": [meta(w) for w in res["windows"]]}
     picked = {f"target_{t:g}": w for t, w in zip(targets, pick_windows(res["windows"], targets))}
     problems = target_problems(targets, res["windows"], args.tolerance)
     if problems and not args.nearest:
-        raise ComposerError("; ".join(problems) + " (--nearest writes the nearest reachable splits anyway, each once; "
-                            "a larger --pool or a smaller --size widens the range, --hold_out raises it)")
+        raise ComposerError("; ".join(problems)
+                            + " (--nearest writes the nearest reachable splits anyway, each once; "
+                            "a larger --pool or a smaller --size widens the range, --hold_out "
+                            "raises it)")
     for msg in problems:
         print(f"warning: {msg}", file=sys.stderr, flush=True)
     # a window picked by several targets is written once, under the first target's name
@@ -2248,25 +2443,31 @@ def cmd_mcd(args):
     summary["skipped"] = {"train": dict(sk_t), "pool": dict(sk_p)}
     summary["bracketer"] = {"train": nb_t, "pool": nb_p}
     if held:
-        summary["hold_out"] = {"predicates": sorted(held), "train_captions_left_out": n_train - len(train_crgs)}
+        summary["hold_out"] = {"predicates": sorted(held),
+                               "train_captions_left_out": n_train - len(train_crgs)}
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)
-        sets = {"mcd": res["mcd"], "random": res["random"], **{n: w["items"] for n, w in picked.items()}}
+        sets = {"mcd": res["mcd"], "random": res["random"],
+                **{n: w["items"] for n, w in picked.items()}}
         for name, keys in sets.items():
             lines = [json.dumps(it) + "\n" for k in keys for _, it in by_img[k]]
             write_text(os.path.join(args.out_dir, f"{name}.jsonl"), "".join(lines))
-        lifecycle.atomic_write(os.path.join(args.out_dir, "windows.json"), lambda t: lifecycle.save_json(t, summary["windows"]))
-        summary["written"] = [os.path.join(args.out_dir, f) for f in [f"{n}.jsonl" for n in sets] + ["windows.json"]]
+        lifecycle.atomic_write(os.path.join(args.out_dir, "windows.json"),
+                               lambda t: lifecycle.save_json(t, summary["windows"]))
+        summary["written"] = [os.path.join(args.out_dir, f)
+                              for f in [f"{n}.jsonl" for n in sets] + ["windows.json"]]
     print(json.dumps(summary, indent=1))
-    lifecycle.done_line(f"MCD split of {len(res['mcd'])} images: compound divergence {res['mcd_compound_divergence']} "
-                        f"(random split: {res['random_compound_divergence']})", time.time() - t0,
+    lifecycle.done_line(f"MCD split of {len(res['mcd'])} images: compound divergence "
+                        f"{res['mcd_compound_divergence']} (random split: "
+                        f"{res['random_compound_divergence']})", time.time() - t0,
                         summary.get("written", []))
     return res
 
 
-PARSER_HELP = ("no constituency parser is installed. Either: pip install benepar spacy && python -m spacy download "
-               "en_core_web_md && python -c \"import benepar; benepar.download('benepar_en3')\" (the paper's parser, "
-               "Kitaev & Klein 2018), or: pip install stanza && python -c \"import stanza; stanza.download('en')\"")
+PARSER_HELP = ("no constituency parser is installed. Either: pip install benepar spacy && python "
+               "-m spacy download en_core_web_md && python -c \"import benepar; "
+               "benepar.download('benepar_en3')\" (the paper's parser, Kitaev & Klein 2018), or: "
+               "pip install stanza && python -c \"import stanza; stanza.download('en')\"")
 # benepar needs a spaCy English pipeline only for sentence splitting and tokens: any installed one
 SPACY_MODELS = ("en_core_web_md", "en_core_web_lg", "en_core_web_sm", "en_core_web_trf")
 
@@ -2280,43 +2481,49 @@ def _installed(name):
 
 
 def _benepar_parser():
-    """benepar (Kitaev & Klein 2018, the paper's parser) in the first installed spaCy English pipeline."""
+    """benepar (Kitaev & Klein 2018, the paper's parser) in the first installed spaCy English
+    pipeline."""
     if not _installed("spacy"):
         raise ComposerError("benepar is installed but spaCy is not: pip install spacy && "
                             "python -m spacy download en_core_web_md")
     model = next((m for m in SPACY_MODELS if _installed(m)), None)
     if model is None:
-        raise ComposerError(f"benepar is installed but no spaCy English model ({', '.join(SPACY_MODELS)}) is: "
-                            f"python -m spacy download en_core_web_md")
+        raise ComposerError("benepar is installed but no spaCy English model "
+                            f"({', '.join(SPACY_MODELS)}) is: python -m spacy download "
+                            "en_core_web_md")
     import benepar  # noqa: F401  (registers the spaCy pipe)
     import spacy
     nlp = spacy.load(model)
     try:
         nlp.add_pipe("benepar", config={"model": "benepar_en3"})
     except LookupError:  # benepar finds its models through nltk's data path
-        raise ComposerError("benepar is installed but its model benepar_en3 is not: "
-                            "python -c \"import benepar; benepar.download('benepar_en3')\"") from None
+        raise ComposerError("benepar is installed but its model benepar_en3 is not: python -c "
+                            "\"import benepar; benepar.download('benepar_en3')\"") from None
     return lambda c: "(ROOT " + " ".join(s._.parse_string for s in nlp(c).sents) + ")"
 
 
 def _stanza_parser():
     import stanza
     try:  # download_method=None: never fetch models behind the user's back
-        nlp = stanza.Pipeline("en", processors="tokenize,pos,constituency", verbose=False, download_method=None)
-    except (OSError, ValueError, LookupError, KeyError) as e:  # stanza's missing-resource errors are OSErrors
-        raise ComposerError(f"stanza is installed but its English models are not ({type(e).__name__}): python -c "
-                            f"\"import stanza; stanza.download('en', processors='tokenize,pos,constituency')\"") \
-            from None
+        nlp = stanza.Pipeline("en", processors="tokenize,pos,constituency", verbose=False,
+                              download_method=None)
+    # stanza's missing-resource errors are OSErrors
+    except (OSError, ValueError, LookupError, KeyError) as e:
+        raise ComposerError("stanza is installed but its English models are not "
+                            f"({type(e).__name__}): python -c \"import stanza; stanza.download("
+                            "'en', processors='tokenize,pos,constituency')\"") from None
     return lambda c: "(ROOT " + " ".join(str(s.constituency) for s in nlp(c).sentences) + ")"
 
 
 def load_parser(name):
-    """caption -> PTB string: a real parser (not in requirements; 'auto': benepar, then stanza) or the built-in
-    bracketer. A parser installed without its model says so (that, not "no parser", is what the user must fix)."""
+    """caption -> PTB string: a real parser (not in requirements; 'auto': benepar, then stanza) or
+    the built-in bracketer. A parser installed without its model says so (that, not "no parser", is
+    what the user must fix)."""
     if name == "builtin":
         return bracket
     problems = []
-    for which in [w for w in (["benepar", "stanza"] if name == "auto" else [name]) if _installed(w)]:
+    for which in [w for w in (["benepar", "stanza"] if name == "auto" else [name])
+                  if _installed(w)]:
         try:
             return _benepar_parser() if which == "benepar" else _stanza_parser()
         except ComposerError as e:
@@ -2325,9 +2532,10 @@ def load_parser(name):
 
 
 def composer_run(folder):
-    """(model, seed, {"<eval set> t2i_r<k>": fraction}) of a finished `composer.py train` out_dir: its config.json and
-    out_dir/eval.json (`composer.py eval --out`) if there is one, else the final eval record of metrics.jsonl; None if
-    unfinished. Runs written before the metric names were t2i_r<k> (R@<k>, under "eval") read the same."""
+    """(model, seed, {"<eval set> t2i_r<k>": fraction}) of a finished `composer.py train` out_dir:
+    its config.json and out_dir/eval.json (`composer.py eval --out`) if there is one, else the final
+    eval record of metrics.jsonl; None if unfinished. Runs written before the metric names were
+    t2i_r<k> (R@<k>, under "eval") read the same."""
     cfg_path, metrics = os.path.join(folder, "config.json"), os.path.join(folder, "metrics.jsonl")
     if not (os.path.isfile(cfg_path) and os.path.isfile(metrics)):
         return None
@@ -2338,28 +2546,35 @@ def composer_run(folder):
     if os.path.isfile(os.path.join(folder, "eval.json")):
         final = lifecycle.read_json(os.path.join(folder, "eval.json"))
     a = lifecycle.read_json(cfg_path)["args"]
-    name = a["method"] + (f" {a['modulator']}" if a["method"] == "composer" and a["modulator"] != "film" else "") \
-        + (" +mvsa" if a.get("concept_mvsa") else "")
+    name = (a["method"]
+            + (f" {a['modulator']}" if a["method"] == "composer" and a["modulator"] != "film"
+               else "")
+            + (" +mvsa" if a.get("concept_mvsa") else ""))
     old = {"R@1": "t2i_r1", "R@5": "t2i_r5"}
-    return name, a["seed"], {f"{split} {old.get(k, k)}": v / 100 for split, r in final.get("eval", final).items()
-                             if isinstance(r, dict) for k, v in r.items() if old.get(k, k) in ("t2i_r1", "t2i_r5")}
+    return name, a["seed"], {f"{split} {old.get(k, k)}": v / 100
+                             for split, r in final.get("eval", final).items() if isinstance(r, dict)
+                             for k, v in r.items() if old.get(k, k) in ("t2i_r1", "t2i_r5")}
 
 
 def cmd_summarize(args):
     """Mean ± 95% t-interval over seeds per model, and paired differences against --baseline."""
     t0 = time.time()
-    lifecycle.start_line(__file__, "summarize", [f"runs {args.runs}", f"baseline {args.baseline or 'the first model'}"])
+    lifecycle.start_line(__file__, "summarize",
+                         [f"runs {args.runs}", f"baseline {args.baseline or 'the first model'}"])
     groups = lifecycle.summarize_runs(args.runs, composer_run, args.baseline)
-    lifecycle.done_line(f"{len(groups)} model{'' if len(groups) == 1 else 's'} summarized", time.time() - t0)
+    lifecycle.done_line(f"{len(groups)} model{'' if len(groups) == 1 else 's'} summarized",
+                        time.time() - t0)
     return groups
 
 
 def cmd_parse(args):
-    """A copy of a caption file with a `tree` field per caption: a Karpathy JSON (sentences[].tree), a CSV/TSV (a
-    `tree` column) or a JSON-lines split file. Captions that already have a tree keep it unless --overwrite."""
+    """A copy of a caption file with a `tree` field per caption: a Karpathy JSON (sentences[].tree),
+    a CSV/TSV (a `tree` column) or a JSON-lines split file. Captions that already have a tree keep
+    it unless --overwrite."""
     t0 = time.time()
     parse = load_parser(args.parser)
-    lifecycle.start_line(__file__, "parse", [args.input, f"parser {args.parser}", f"out {args.out}"])
+    lifecycle.start_line(__file__, "parse",
+                         [args.input, f"parser {args.parser}", f"out {args.out}"])
     src, n = args.input, 0
 
     def tree_of(caption, old):
@@ -2391,120 +2606,153 @@ def cmd_parse(args):
         if args.csv_caption_key not in cols:
             raise ComposerError(f"{src}: no column {args.csv_caption_key!r} (columns: {cols})")
         out = io.StringIO()
-        w = csv.DictWriter(out, cols + ([] if "tree" in cols else ["tree"]), delimiter=sep, lineterminator="\n")
+        w = csv.DictWriter(out, cols + ([] if "tree" in cols else ["tree"]), delimiter=sep,
+                           lineterminator="\n")
         w.writeheader()
         for r in rows:
             r["tree"] = tree_of(r[args.csv_caption_key], r.get("tree")) or ""
             w.writerow(r)
         text = out.getvalue()
     else:
-        raise ComposerError(f"{src}: parse reads a Karpathy .json, a .csv/.tsv or a .jsonl split file")
+        raise ComposerError(f"{src}: parse reads a Karpathy .json, a .csv/.tsv or a .jsonl "
+                            "split file")
     write_text(args.out, text)
     lifecycle.done_line(f"parsed {n} captions", time.time() - t0, [args.out])
     return n
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Every flag's default in its help, unless it says nothing (None, False: the help text says what that means)."""
+    """Every flag's default in its help, unless it says nothing (None, False: the help text says
+    what that means)."""
 
     def _get_help_string(self, action):
         h = action.help or ""
-        if action.option_strings and action.default not in (None, argparse.SUPPRESS) and action.default is not False \
-                and "%(default)" not in h:
+        if (action.option_strings and action.default not in (None, argparse.SUPPRESS)
+                and action.default is not False and "%(default)" not in h):
             h += " (default: %(default)s)"
         return h
 
 
 def subparser(sub, name, help_text, *groups):
-    p = sub.add_parser(name, help=help_text, description=help_text.replace("%%", "%"),   # help= is %-formatted
+    # help= is %-formatted
+    p = sub.add_parser(name, help=help_text, description=help_text.replace("%%", "%"),
                        formatter_class=HelpFormatter)
     return p, [p.add_argument_group(g) for g in groups]
 
 
 def add_data(g, default="shapes"):
     """The flags every subcommand that reads captions shares (data.py's specs and CSV columns)."""
-    g.add_argument("--data", default=default, help="data spec (data.py): shapes, shapes:train_size=N,seed=S, a "
-                   "Karpathy .json, .csv/.tsv, tar shards" + ("" if default else " (default: the checkpoint's)"))
-    g.add_argument("--max_skip_frac", type=float, default=0.1, help="stop if more captions than this are skipped")
-    g.add_argument("--image_root", help="folder the captions' image paths are relative to (default: "
-                   "beside the caption file)")
+    g.add_argument("--data", default=default,
+                   help="data spec (data.py): shapes, shapes:train_size=N,seed=S, a Karpathy "
+                   ".json, .csv/.tsv, tar shards"
+                   + ("" if default else " (default: the checkpoint's)"))
+    g.add_argument("--max_skip_frac", type=float, default=0.1,
+                   help="stop if more captions than this are skipped")
+    g.add_argument("--image_root",
+                   help="folder the captions' image paths are relative to (default: beside the "
+                   "caption file)")
     g.add_argument("--csv_img_key", default="filepath", help="CSV image column (open_clip's name)")
     add_csv_text(g)
 
 
 def add_csv_text(g):
     g.add_argument("--csv_caption_key", default="title", help="CSV caption column")
-    g.add_argument("--csv_separator", help="CSV separator (default: tab if the header has one, else comma)")
+    g.add_argument("--csv_separator",
+                   help="CSV separator (default: tab if the header has one, else comma)")
 
 
 def add_eval_sets(g):
-    g.add_argument("--split_file", action="append", help="an extra eval set written by `composer.py mcd` (repeat the "
-                   "flag for several; default: none)")
-    g.add_argument("--parse_dropout", type=float, default=0.0, help="remove parse branches with prob p at eval "
-                   "(paper Table 7)")
-    g.add_argument("--folds", type=int, default=1, help="rank each caption within 1 of K galleries of the split "
-                   "(image j in gallery j %% K; COCO's 5 x 1K protocol); 1: all images, the paper's protocol")
+    g.add_argument("--split_file", action="append",
+                   help="an extra eval set written by `composer.py mcd` (repeat the flag for "
+                   "several; default: none)")
+    g.add_argument("--parse_dropout", type=float, default=0.0,
+                   help="remove parse branches with prob p at eval (paper Table 7)")
+    g.add_argument("--folds", type=int, default=1,
+                   help="rank each caption within 1 of K galleries of the split (image j in "
+                   "gallery j %% K; COCO's 5 x 1K protocol); 1: all images, the paper's protocol")
 
 
 def add_features(g, default="gold"):
     g.add_argument("--features", choices=["gold", "regions", "clip"], default=default,
-                   help="gold: shapes gold boxes; regions: --regions (read per item); clip: frozen il_clip/CLIP ViT "
-                        "patches" + ("" if default else " (default: the checkpoint's)"))
-    g.add_argument("--regions", help="DIR of {key}.safetensors (feats [N,D], boxes [N,5]) or one FILE.safetensors "
-                   "(feats [M,N,D], boxes [M,N,5], optional n_regions [M], metadata keys: JSON list)")
+                   help="gold: shapes gold boxes; regions: --regions (read per item); clip: frozen "
+                   "il_clip/CLIP ViT patches" + ("" if default else " (default: the checkpoint's)"))
+    g.add_argument("--regions",
+                   help="DIR of {key}.safetensors (feats [N,D], boxes [N,5]) or one "
+                   "FILE.safetensors (feats [M,N,D], boxes [M,N,5], optional n_regions [M], "
+                   "metadata keys: JSON list)")
     g.add_argument("--clip", help="il_clip.py out_dir or OpenAI-format weights (--features clip)")
     g.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction,
-                   help="the --clip weights' activation; default: what open_clip_config.json / config.json beside "
-                        "them says, else OpenAI's QuickGELU (said on stderr; --no-quick_gelu for GELU models)")
-    g.add_argument("--image_size", type=int, default=64, help="image side the --clip features are taken at")
+                   help="the --clip weights' activation; default: what open_clip_config.json / "
+                   "config.json beside them says, else OpenAI's QuickGELU (said on stderr; "
+                   "--no-quick_gelu for GELU models)")
+    g.add_argument("--image_size", type=int, default=64,
+                   help="image side the --clip features are taken at")
 
 
 def add_machine(g, seed_help="the run's seed: initialisation, batches, negatives"):
     g.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda when there is one, else cpu)")
     g.add_argument("--seed", type=int, default=0, help=seed_help)
-    g.add_argument("--num_workers", type=int, default=0, help="loader workers decoding images (--features clip)")
+    g.add_argument("--num_workers", type=int, default=0,
+                   help="loader workers decoding images (--features clip)")
 
 
-# paper section 4 / appendix C: BERT-base sizes, PT 6 and CT 5 (S X S X S, ending in text self-attention)
+# paper section 4 / appendix C: BERT-base sizes, PT 6 and CT 5 (S X S X S, ending in text
+# self-attention)
 SIZE_PRESETS = {"shapes": dict(width=64, heads=4, pt_layers=1, ct_layers=3),
                 "paper": dict(width=768, heads=12, pt_layers=6, ct_layers=5)}
-HOLD_OUT_HELP = ("leave the training captions with these predicates out (default: none): `shapes` (four size-colour "
-                 "predicates, e.g. 'a small red [NN]'; its MCD split reaches the paper's compound divergence) or "
-                 "comma-separated predicates as `graph` prints them; give train and mcd the same")
+HOLD_OUT_HELP = ("leave the training captions with these predicates out (default: none): `shapes` "
+                 "(four size-colour predicates, e.g. 'a small red [NN]'; its MCD split reaches the "
+                 "paper's compound divergence) or comma-separated predicates as `graph` prints "
+                 "them; give train and mcd the same")
 
 
 def add_train_parser(sub):
-    t, (d, m, me, s, o, ma, out) = subparser(sub, "train", "train COMPOSER or a baseline (the default when the first "
-                                             "argument is a flag)", "data", "model", "method", "schedule",
-                                             "optimisation", "machine", "output")
+    t, (d, m, me, s, o, ma, out) = subparser(sub, "train", "train COMPOSER or a baseline (the "
+                                             "default when the first argument is a flag)", "data",
+                                             "model", "method", "schedule", "optimisation",
+                                             "machine", "output")
     add_data(d)
-    d.add_argument("--train_size", type=int, help="training images (default: the whole split; shapes: 12800)")
+    d.add_argument("--train_size", type=int,
+                   help="training images (default: the whole split; shapes: 12800)")
     d.add_argument("--hold_out", help=HOLD_OUT_HELP)
-    d.add_argument("--eval_size", type=int, help="in-domain eval images of --eval_split (0: none; default: all; "
+    d.add_argument("--eval_size", type=int,
+                   help="in-domain eval images of --eval_split (0: none; default: all; "
                    "shapes: 200)")
-    d.add_argument("--eval_split", default="test", help="split of --data the in-domain evaluation reads")
+    d.add_argument("--eval_split", default="test",
+                   help="split of --data the in-domain evaluation reads")
     add_eval_sets(d)
     add_features(d)
-    m.add_argument("--model", choices=list(SIZE_PRESETS), help="shapes: width 64, 4 heads, PT 1, CT 3 (CPU); paper: "
-                   "width 768, 12 heads, PT 6, CT 5 (default: shapes for --data shapes, else paper); --width --heads "
+    m.add_argument("--model", choices=list(SIZE_PRESETS),
+                   help="shapes: width 64, 4 heads, PT 1, CT 3 (CPU); paper: width 768, 12 heads, "
+                   "PT 6, CT 5 (default: shapes for --data shapes, else paper); --width --heads "
                    "--pt_layers --ct_layers override the preset")
     for k in SIZE_PRESETS["paper"]:  # width, heads, pt_layers, ct_layers
         m.add_argument(f"--{k}", type=int, help="default: the --model preset's")
-    m.add_argument("--vis_layers", type=int, default=1, help="visual encoder layers over the regions")
+    m.add_argument("--vis_layers", type=int, default=1,
+                   help="visual encoder layers over the regions")
     m.add_argument("--modulator", choices=["film", "mlp", "replace"], default="film",
-                   help="how a predicate's output conditions the Composition Transformer (paper Table 4)")
+                   help="how a predicate's output conditions the Composition Transformer (paper "
+                   "Table 4)")
     m.add_argument("--no_crossatt_primitives", action="store_true",
                    help="primitives without cross-attention to the image (paper Table 4)")
     m.add_argument("--max_len", type=int, default=40, help="tokens per text")
-    m.add_argument("--vocab", help="bpe_simple_vocab_16e6.txt.gz (default: a BPE trained on the captions)")
-    m.add_argument("--vocab_size", type=int, default=1000, help="size of the BPE trained on the captions")
-    m.add_argument("--bert", help="a released BERT folder (e.g. bert-base-uncased): its WordPiece and weights "
-                   "initialise the text stream of composer (the PT), vilbert and vse (paper section 5.1)")
-    m.add_argument("--init", help="initial weights: a composer out_dir or model.safetensors (default: random)")
-    me.add_argument("--method", choices=list(MODELS), default="composer", help="composer | baselines: vse, single "
-                    "(one stream, text->image attention), vilbert (two-stream co-attention, no image-text pretraining)")
+    m.add_argument("--vocab",
+                   help="bpe_simple_vocab_16e6.txt.gz (default: a BPE trained on the captions)")
+    m.add_argument("--vocab_size", type=int, default=1000,
+                   help="size of the BPE trained on the captions")
+    m.add_argument("--bert",
+                   help="a released BERT folder (e.g. bert-base-uncased): its WordPiece and "
+                   "weights initialise the text stream of composer (the PT), vilbert and vse "
+                   "(paper section 5.1)")
+    m.add_argument("--init",
+                   help="initial weights: a composer out_dir or model.safetensors "
+                   "(default: random)")
+    me.add_argument("--method", choices=list(MODELS), default="composer",
+                    help="composer | baselines: vse, single (one stream, text->image attention), "
+                    "vilbert (two-stream co-attention, no image-text pretraining)")
     me.add_argument("--concept_mvsa", action="store_true",
-                    help="single / vilbert: add l_MVSA over every concept of the caption (\"ViLBERT + MVSA\", Table 5)")
+                    help="single / vilbert: add l_MVSA over every concept of the caption "
+                    "(\"ViLBERT + MVSA\", Table 5)")
     me.add_argument("--mvsa", choices=["hinge", "nll"], default="hinge", help="the form of l_MVSA")
     me.add_argument("--alpha", type=float, default=0.8, help="MVSA hinge margin")
     me.add_argument("--beta", type=float, default=0.2, help="order hinge margin")
@@ -2512,105 +2760,140 @@ def add_train_parser(sub):
     me.add_argument("--lambda2", type=float, default=1.0, help="weight of l_order")
     me.add_argument("--vse_loss", choices=["inbatch", "sampled"], default="inbatch",
                     help="VSE: symmetric in-batch softmax, or l_match with the sampled negatives")
-    me.add_argument("--n_neg_img", type=int, default=3, help="negative images per true pair (l_match, MVSA)")
-    me.add_argument("--n_neg_txt", type=int, default=3, help="negative captions per true pair (l_match, MVSA)")
+    me.add_argument("--n_neg_img", type=int, default=3,
+                    help="negative images per true pair (l_match, MVSA)")
+    me.add_argument("--n_neg_txt", type=int, default=3,
+                    help="negative captions per true pair (l_match, MVSA)")
     s.add_argument("--max_steps", type=int, default=400, help="optimizer steps")
-    s.add_argument("--warmup", type=int, default=50, help="linear warm-up steps, then cosine to 10%% of --lr")
-    s.add_argument("--stop_at", type=int, help="stop at this step with a checkpoint, as if preempted (default: run "
-                   "to --max_steps)")
+    s.add_argument("--warmup", type=int, default=50,
+                   help="linear warm-up steps, then cosine to 10%% of --lr")
+    s.add_argument("--stop_at", type=int,
+                   help="stop at this step with a checkpoint, as if preempted (default: run to "
+                   "--max_steps)")
     o.add_argument("--batch_size", type=int, default=32, help="global batch (split over ranks)")
     o.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
     o.add_argument("--wd", type=float, default=0.01, help="AdamW weight decay (matrices only)")
     o.add_argument("--grad_clip", type=float, default=1.0, help="gradient norm clip")
     add_machine(ma)
-    ma.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="bf16 autocast on CUDA (CPU runs fp32)")
+    ma.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16",
+                    help="bf16 autocast on CUDA (CPU runs fp32)")
     ma.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
-    out.add_argument("--out_dir", default="out/composer", help="checkpoint/, metrics.jsonl, loss_curve.png go here")
-    out.add_argument("--resume", action="store_true", help="continue the run in --out_dir with its own flags, from "
-                     "checkpoint/ (or checkpoint.prev/)")
-    out.add_argument("--overwrite", action="store_true", help="a new run in an --out_dir that holds one: remove the "
-                     "previous run's checkpoints and results first")
-    out.add_argument("--log_interval", type=int, default=25, help="steps between metrics.jsonl records")
-    out.add_argument("--save_interval", type=int, default=200, help="checkpoint at multiples of this step")
-    out.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps (0: at the end only)")
-    out.add_argument("--wandb", metavar="PROJECT", help="also send the metrics.jsonl records to this Weights & Biases "
-                     "project (needs `pip install wandb`; default: off)")
+    out.add_argument("--out_dir", default="out/composer",
+                     help="checkpoint/, metrics.jsonl, loss_curve.png go here")
+    out.add_argument("--resume", action="store_true",
+                     help="continue the run in --out_dir with its own flags, from checkpoint/ (or "
+                     "checkpoint.prev/)")
+    out.add_argument("--overwrite", action="store_true",
+                     help="a new run in an --out_dir that holds one: remove the previous run's "
+                     "checkpoints and results first")
+    out.add_argument("--log_interval", type=int, default=25,
+                     help="steps between metrics.jsonl records")
+    out.add_argument("--save_interval", type=int, default=200,
+                     help="checkpoint at multiples of this step")
+    out.add_argument("--eval_every", type=int, default=0,
+                     help="evaluate every N steps (0: at the end only)")
+    out.add_argument("--wandb", metavar="PROJECT",
+                     help="also send the metrics.jsonl records to this Weights & Biases project "
+                     "(needs `pip install wandb`; default: off)")
     return t
 
 
 def given_flags(parser, argv, dests):
-    """The flags given on the command line (what --resume compares with the saved run's): argv parsed again with
-    every default None (no flag takes None from a command line)."""
+    """The flags given on the command line (what --resume compares with the saved run's): argv
+    parsed again with every default None (no flag takes None from a command line)."""
     quiet = copy.deepcopy(parser)
     quiet.set_defaults(**dict.fromkeys(dests))
     return {k for k, v in vars(quiet.parse_args(argv)).items() if v is not None}
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description="COMPOSER: CRG, model, training, retrieval, MCD splits",
+    ap = argparse.ArgumentParser(description="COMPOSER: CRG, model, training, retrieval, "
+                                 "MCD splits",
                                  epilog="python composer.py SUBCOMMAND --help for each one's flags")
     sub = ap.add_subparsers(dest="cmd", metavar="{train,eval,graph,mcd,parse,summarize}")
     train_parser = add_train_parser(sub)
-    _, (d, f, ev, ma) = subparser(sub, "eval", "text->image and phrase->image retrieval of a checkpoint (t2i_r1/5/10, "
-                                  "p2i_r1/5/10, percent)", "checkpoint and data", "features (default: the "
-                                  "checkpoint's)", "evaluation", "machine and output")
-    d.add_argument("--ckpt", required=True, help="a composer.py out_dir, checkpoint/ folder or model.safetensors")
-    d.add_argument("--script", help="the model code for --ckpt (default: the script its config.json records, run only "
-                   "from beside this file; any other file only when named here)")
+    _, (d, f, ev, ma) = subparser(sub, "eval", "text->image and phrase->image retrieval of a "
+                                  "checkpoint (t2i_r1/5/10, p2i_r1/5/10, percent)",
+                                  "checkpoint and data", "features (default: the checkpoint's)",
+                                  "evaluation", "machine and output")
+    d.add_argument("--ckpt", required=True,
+                   help="a composer.py out_dir, checkpoint/ folder or model.safetensors")
+    d.add_argument("--script",
+                   help="the model code for --ckpt (default: the script its config.json records, "
+                   "run only from beside this file; any other file only when named here)")
     add_data(d, default=None)
     d.add_argument("--split", default="test", help="split of --data to evaluate")
-    d.add_argument("--eval_size", type=int, help="images of --split, each with all its captions (default: the whole "
-                   "split, the paper's protocol: Flickr30k test 1000 images x 5 captions, COCO 5k / --eval_size 1000 "
-                   "for 1k; shapes: 1000; 0: none)")
+    d.add_argument("--eval_size", type=int,
+                   help="images of --split, each with all its captions (default: the whole split, "
+                   "the paper's protocol: Flickr30k test 1000 images x 5 captions, COCO 5k / "
+                   "--eval_size 1000 for 1k; shapes: 1000; 0: none)")
     add_features(f, default=None)
     add_eval_sets(ev)
     ev.add_argument("--no_phrases", action="store_true", help="skip phrase->image retrieval")
-    ev.add_argument("--interpret", type=int, default=0, help="print the per-node score tree of the first K captions")
+    ev.add_argument("--interpret", type=int, default=0,
+                    help="print the per-node score tree of the first K captions")
     add_machine(ma, seed_help="seed of the phrase sample and of --parse_dropout")
-    ma.add_argument("--out", help="also write the results to this JSON file (`summarize` reads RUN/eval.json; "
-                    "default: stdout only)")
-    _, (g,) = subparser(sub, "graph", "CRG statistics of a caption set (paper Table 1); reads no image", "data")
+    ma.add_argument("--out",
+                    help="also write the results to this JSON file (`summarize` reads "
+                    "RUN/eval.json; default: stdout only)")
+    _, (g,) = subparser(sub, "graph", "CRG statistics of a caption set (paper Table 1); reads "
+                        "no image", "data")
     add_data(g)
     g.add_argument("--split", default="train", help="split of --data to read")
     g.add_argument("--max_images", type=int, help="images to read (default: all; shapes: 10000)")
-    _, (d, sp, out) = subparser(sub, "mcd", "maximum compound divergence splits (paper appendix B), --targets for "
-                                "graded ones", "training set and pool", "split", "output")
+    _, (d, sp, out) = subparser(sub, "mcd", "maximum compound divergence splits (paper appendix "
+                                "B), --targets for graded ones", "training set and pool", "split",
+                                "output")
     add_data(d)
-    d.add_argument("--train", default="shapes", help="training data spec (or a .jsonl of caption items)")
+    d.add_argument("--train", default="shapes",
+                   help="training data spec (or a .jsonl of caption items)")
     d.add_argument("--train_split", default="train", help="split of --train")
     d.add_argument("--train_size", type=int, help="training images (default: all; shapes: 20000)")
     d.add_argument("--hold_out", help=HOLD_OUT_HELP)
-    d.add_argument("--pool", default="shapes", help="candidate data spec (or a .jsonl of caption items)")
-    d.add_argument("--pool_split", default="test", help="split(s) of the pool, comma-separated (e.g. val,test)")
-    d.add_argument("--pool_size", type=int, help="pool images over all its splits (default: all; shapes: 1000)")
+    d.add_argument("--pool", default="shapes",
+                   help="candidate data spec (or a .jsonl of caption items)")
+    d.add_argument("--pool_split", default="test",
+                   help="split(s) of the pool, comma-separated (e.g. val,test)")
+    d.add_argument("--pool_size", type=int,
+                   help="pool images over all its splits (default: all; shapes: 1000)")
     sp.add_argument("--size", type=int, default=300, help="items (images) in the MCD split")
-    sp.add_argument("--stride", type=int, help="sliding-window stride for graded splits (default: --size / 2, or / "
-                    "10 with --targets)")
-    sp.add_argument("--targets", help="comma-separated compound divergences, e.g. 0.15,0.2,0.25,0.31: write "
-                    "target_<t>.jsonl, the window closest to each; a target out of reach of the pool, or two targets "
-                    "on one window, is an error unless --nearest (default: none)")
-    sp.add_argument("--tolerance", type=float, default=0.05, help="--targets: how far a window's divergence may be "
-                    "from its target, as a fraction of the reachable range (the windows' lowest to highest divergence)")
-    sp.add_argument("--nearest", action="store_true", help="--targets: write the nearest reachable split for an "
-                    "out-of-reach target (with a warning); targets that share a window write it once")
-    out.add_argument("--out_dir", help="write mcd.jsonl, random.jsonl, windows.json (+ target_*.jsonl) here (default: "
-                     "print only)")
-    _, (g,) = subparser(sub, "summarize", "runs of several models and seeds: mean ± 95%% interval, paired "
-                        "differences", "runs")
+    sp.add_argument("--stride", type=int,
+                    help="sliding-window stride for graded splits (default: --size / 2, or / 10 "
+                    "with --targets)")
+    sp.add_argument("--targets",
+                    help="comma-separated compound divergences, e.g. 0.15,0.2,0.25,0.31: write "
+                    "target_<t>.jsonl, the window closest to each; a target out of reach of the "
+                    "pool, or two targets on one window, is an error unless --nearest "
+                    "(default: none)")
+    sp.add_argument("--tolerance", type=float, default=0.05,
+                    help="--targets: how far a window's divergence may be from its target, as a "
+                    "fraction of the reachable range (the windows' lowest to highest divergence)")
+    sp.add_argument("--nearest", action="store_true",
+                    help="--targets: write the nearest reachable split for an out-of-reach target "
+                    "(with a warning); targets that share a window write it once")
+    out.add_argument("--out_dir",
+                     help="write mcd.jsonl, random.jsonl, windows.json (+ target_*.jsonl) here "
+                     "(default: print only)")
+    _, (g,) = subparser(sub, "summarize", "runs of several models and seeds: mean ± 95%% interval, "
+                        "paired differences", "runs")
     g.add_argument("runs", help="folder whose sub-folders are `composer.py train` out_dirs")
-    g.add_argument("--baseline", default="composer", help="the model the paired differences are taken against")
-    _, (g,) = subparser(sub, "parse", "write constituency trees into a copy of a caption file (benepar / stanza)",
-                        "parse")
+    g.add_argument("--baseline", default="composer",
+                   help="the model the paired differences are taken against")
+    _, (g,) = subparser(sub, "parse", "write constituency trees into a copy of a caption file "
+                        "(benepar / stanza)", "parse")
     g.add_argument("input", help="Karpathy .json, .csv/.tsv, or a .jsonl split file")
     g.add_argument("--out", required=True, help="the copy with `tree` fields")
-    g.add_argument("--parser", choices=["auto", "benepar", "stanza", "builtin"], default="auto", help="auto: "
-                   "benepar, else stanza (neither is in requirements.txt); builtin: the rule-based bracketer")
-    g.add_argument("--overwrite", action="store_true", help="re-parse captions that already have a tree")
+    g.add_argument("--parser", choices=["auto", "benepar", "stanza", "builtin"], default="auto",
+                   help="auto: benepar, else stanza (neither is in requirements.txt); builtin: the "
+                   "rule-based bracketer")
+    g.add_argument("--overwrite", action="store_true",
+                   help="re-parse captions that already have a tree")
     add_csv_text(g)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["train"] + list(argv)
     args = ap.parse_args(argv)
-    if args.cmd == "train":   # the paper's sizes on real data, CPU sizes on shapes; explicit flags win
+    # the paper's sizes on real data, CPU sizes on shapes; explicit flags win
+    if args.cmd == "train":
         args.given = given_flags(train_parser, argv[1:], vars(args))
         args.model = args.model or ("shapes" if args.data.startswith("shapes") else "paper")
         for k, v in SIZE_PRESETS[args.model].items():
@@ -2623,20 +2906,23 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     handlers = lifecycle.catch_stop_signals() if args.cmd == "train" else {}
     try:
-        result = {"train": train, "eval": cmd_eval, "graph": cmd_graph, "mcd": cmd_mcd, "parse": cmd_parse,
-                  "summarize": cmd_summarize}[args.cmd](args)
+        result = {"train": train, "eval": cmd_eval, "graph": cmd_graph, "mcd": cmd_mcd,
+                  "parse": cmd_parse, "summarize": cmd_summarize}[args.cmd](args)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()      # no rank tears down its connections while another still uses them
         return result
     except (ComposerError, CRGError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
-        lifecycle.release_out_dir(failed=True)      # before its first step: the out_dir it made goes
+        # before its first step: the out_dir it made goes
+        lifecycle.release_out_dir(failed=True)
         sys.exit(1 if isinstance(e, NonFinite) else 2)
-    except OSError as e:    # a full disk, a quota, a failing device, a read-only folder: one line, the last checkpoint
-        if e.errno not in lifecycle.WRITE_ERRNOS:   # intact
+    # a full disk, a quota, a failing device, a read-only folder: one line, the last checkpoint
+    # intact
+    except OSError as e:
+        if e.errno not in lifecycle.WRITE_ERRNOS:
             raise
-        print(f"error: {e.filename or getattr(args, 'out_dir', None) or getattr(args, 'out', '')}: {e.strerror}",
-              file=sys.stderr)
+        print(f"error: {e.filename or getattr(args, 'out_dir', None) or getattr(args, 'out', '')}: "
+              f"{e.strerror}", file=sys.stderr)
         lifecycle.release_out_dir(failed=True)
         sys.exit(2)
     finally:
@@ -2652,92 +2938,108 @@ def main(argv=None):
 # =============================================================================
 # Appendix: the rule-based bracketer, for captions without trees (closed-class word lists, no model)
 # =============================================================================
-# Choice: a deterministic tagger + recursive-descent chunker in the Kitaev-Klein (benepar) / PTB style, not a
-# statistical parser. It knows closed-class words, ~200 caption verbs with their inflections, colour/size/material
-# adjectives and adjective-only suffixes; context decides the ambiguous ones (a verb form right after a noun phrase is
-# the verb, "rides" after "a man"; a base form after a plural subject is VBP; after a form of be/have a participle,
-# "was hit"; an -ing word after a determiner with no noun after it is a noun, "the building"; an adjective ending a
-# determiner phrase is its head noun, "a large blue square"), and open words are tagged by their position. Tokens as
-# PTB's: "girl 's" (POS inside the possessor NP), "t-shirt" one token. Structure: NP -> base NP [PP (right-branching
-# inside the PP; after "X of Y" the next PP modifies "X of Y") | VBG-phrase (reduced relative) | SBAR
-# (who/that/which)] and NP CC NP; S -> NP VP; inside the VP, PPs attach to the VP and only "of" PPs to the object NP;
-# "to VB" makes S, "while VBG" and "while/as NP VP" make SBAR. Measured against gold parses of 168 real-style
-# captions, 60 of them held out (tests/fixtures/composer_captions_*.txt, tests/test_composer_bracketer.py). A real
-# parser (`composer.py parse`) is better still.
+# Choice: a deterministic tagger + recursive-descent chunker in the Kitaev-Klein (benepar) / PTB
+# style, not a statistical parser. It knows closed-class words, ~200 caption verbs with their
+# inflections, colour/size/material adjectives and adjective-only suffixes; context decides the
+# ambiguous ones (a verb form right after a noun phrase is the verb, "rides" after "a man"; a base
+# form after a plural subject is VBP; after a form of be/have a participle, "was hit"; an -ing word
+# after a determiner with no noun after it is a noun, "the building"; an adjective ending a
+# determiner phrase is its head noun, "a large blue square"), and open words are tagged by their
+# position. Tokens as PTB's: "girl 's" (POS inside the possessor NP), "t-shirt" one token.
+# Structure: NP -> base NP [PP (right-branching inside the PP; after "X of Y" the next PP modifies
+# "X of Y") | VBG-phrase (reduced relative) | SBAR (who/that/which)] and NP CC NP; S -> NP VP;
+# inside the VP, PPs attach to the VP and only "of" PPs to the object NP; "to VB" makes S, "while
+# VBG" and "while/as NP VP" make SBAR. Measured against gold parses of 168 real-style captions, 60
+# of them held out (tests/fixtures/composer_captions_*.txt, tests/test_composer_bracketer.py). A
+# real parser (`composer.py parse`) is better still.
 _CLOSED = {}
 for _tag, _words in {
     "DT": "a an the this these those some any every each no another all both either neither",
     "PRP$": "his her its their our my your",
     "NNS": "people men women children feet teeth geese mice police cattle clothes jeans "
            "pants shorts glasses sunglasses",
-    "NN": "someone somebody something everyone everybody everything anyone anything nobody nothing",  # PTB: NN
+    # PTB: NN
+    "NN": "someone somebody something everyone everybody everything anyone anything nobody nothing",
     "PRP": "he she it they we i you him them us me himself herself themselves",
     "CD": "one two three four five six seven eight nine ten eleven twelve dozen",
-    "IN": "of in on at by with from into onto over under above below behind beside besides near through across along "
-          "around between among against toward towards inside outside beneath underneath upon during while for like "
-          "than via past beyond atop after before without within as because if since until although though whilst "
-          "amongst throughout",
+    "IN": "of in on at by with from into onto over under above below behind beside besides near "
+          "through across along around between among against toward towards inside outside "
+          "beneath underneath upon during while for like than via past beyond atop after before "
+          "without within as because if since until although though whilst amongst throughout",
     "TO": "to", "CC": "and or but nor", "EX": "there", "WP": "who whom what", "WDT": "which whose",
-    "VBZ": "is has does", "VBP": "are have do am", "VBD": "was were had did", "VB": "be", "VBN": "been", "VBG": "being",
+    "VBZ": "is has does", "VBP": "are have do am", "VBD": "was were had did", "VB": "be",
+    "VBN": "been", "VBG": "being",
     "MD": "can could will would may might should must",
     "RB": "very not also just together too almost really quite n't away out up down off back here "
           "nearby alone only still so even",
-    "JJ": "red green blue yellow orange purple pink brown black white gray grey cyan magenta beige tan golden silver "
-          "blond blonde dark light bright colorful colourful striped spotted plaid small large big tiny huge little "
-          "tall short long old young new wooden metal plastic glass open empty full other same different round "
-          "square wet dry hot cold warm snowy sandy grassy rocky muddy dirty clean happy sad busy crowded clear cloudy "
-          "sunny shirtless bald elderly high low wide narrow deep thick thin fat heavy fresh asian african american "
-          "indian left right top bottom middle front first second third last next several many few various multiple "
-          "numerous professional outdoor indoor electric giant adult female male pretty beautiful nice cute fancy "
-          "older younger smaller larger bigger single double public private great good cool fun funny "
-          "lovely broken shiny fluffy furry messy leafy rusty dusty",
+    "JJ": "red green blue yellow orange purple pink brown black white gray grey cyan magenta beige "
+          "tan golden silver blond blonde dark light bright colorful colourful striped spotted "
+          "plaid small large big tiny huge little tall short long old young new wooden metal "
+          "plastic glass open empty full other same different round square wet dry hot cold warm "
+          "snowy sandy grassy rocky muddy dirty clean happy sad busy crowded clear cloudy sunny "
+          "shirtless bald elderly high low wide narrow deep thick thin fat heavy fresh asian "
+          "african american indian left right top bottom middle front first second third last "
+          "next several many few various multiple numerous professional outdoor indoor electric "
+          "giant adult female male pretty beautiful nice cute fancy older younger smaller larger "
+          "bigger single double public private great good cool fun funny lovely broken shiny "
+          "fluffy furry messy leafy rusty dusty",
 }.items():
     for _w in _words.split():
         _CLOSED.setdefault(_w, _tag)
 # words that are nouns in "to the left of", "in front of", "on top of" (after a determiner, or
 # after a preposition when "of" follows)
-_NOUN_AFTER_DET = {"left", "right", "top", "bottom", "middle", "front", "side", "back", "center", "centre"}
+_NOUN_AFTER_DET = {"left", "right", "top", "bottom", "middle", "front", "side", "back", "center",
+                   "centre"}
 # -ing words that are nouns (PTB NN) even without a determiner
-_ING_NOUNS = set("building clothing ceiling painting wedding evening morning railing ring string thing something "
-                 "nothing anything everything spring sibling pudding awning earring icing lighting king wing "
-                 "swing".split())
+_ING_NOUNS = set("building clothing ceiling painting wedding evening morning railing ring string "
+                 "thing something nothing anything everything spring sibling pudding awning "
+                 "earring icing lighting king wing swing".split())
 # -ing words that head a noun compound ("a swimming pool", "the parking lot") and are NN there
-_ING_COMPOUND = set("swimming dining parking fishing climbing living waiting shopping sleeping cutting driving "
-                    "washing baking bowling boxing skiing surfing racing training".split())
-_VERB_LEMMAS = (
-    "ride sit stand walk run jump play hold eat drink look watch wear carry climb throw catch kick hit swim surf ski "
-    "skate dance sing read write talk smile laugh cook cut paint push pull fly drive wait sleep lie lay lean rest "
-    "fish work sell buy perform prepare grab lift pose point chase bite lick sniff fall cross pass graze feed race "
-    "dive splash speed bike hike pick clean wash build fix use wave celebrate arrive leave enter exit open close show "
-    "hang serve shop stare kiss hug shake touch take make give put get go come stroll jog march roll slide swing "
-    "bounce kneel crouch squat fill pour blow check type drag ring lead see find stick spin sweep dig hide beat chat "
-    "help nap tap set let beg wrap clap trim rub reach step stop skip cheer compete fight tackle score block paddle "
-    "row sail float wade stretch bend tie teach learn study listen stir sip taste chew bake grill fry mow rake plant "
-    "water sled skateboard snowboard wrestle box juggle balance practice attempt try decorate display gather crowd "
-    "line sort load unload examine inspect repair adjust fold cover smoke relax enjoy admire observe yell shout "
-    "scream cry gesture hand pet pat groom herd tow haul deliver board approach follow guide leap hop dribble shoot "
-    "pitch bat hurry rush cycle pedal steer park dress").split()
-_IRREGULAR = {"ride": "rode ridden", "sit": "sat", "stand": "stood", "run": "ran", "eat": "ate eaten",
-              "drink": "drank drunk", "hold": "held", "wear": "wore worn", "throw": "threw thrown", "catch": "caught",
-              "swim": "swam swum", "sing": "sang sung", "write": "wrote written", "fly": "flew flown",
-              "drive": "drove driven", "sleep": "slept", "lie": "lay lain", "lay": "laid", "fall": "fell fallen",
-              "feed": "fed", "dive": "dove", "speed": "sped", "build": "built", "take": "took taken", "make": "made",
-              "give": "gave given", "get": "got gotten", "go": "went gone", "come": "came", "leave": "left",
-              "swing": "swung", "blow": "blew blown", "buy": "bought", "sell": "sold", "shake": "shook shaken",
-              "hang": "hung", "bite": "bit bitten", "kneel": "knelt", "lead": "led", "see": "saw seen",
-              "find": "found", "stick": "stuck", "spin": "spun", "sweep": "swept", "dig": "dug", "hide": "hid hidden",
-              "beat": "beaten", "teach": "taught", "shoot": "shot", "leap": "leapt", "hit": "hit", "cut": "cut",
+_ING_COMPOUND = set(
+    "swimming dining parking fishing climbing living waiting shopping sleeping cutting driving "
+    "washing baking bowling boxing skiing surfing racing training".split())
+_VERB_LEMMAS = ("ride sit stand walk run jump play hold eat drink look watch wear carry climb "
+                "throw catch kick hit swim surf ski skate dance sing read write talk smile laugh "
+                "cook cut paint push pull fly drive wait sleep lie lay lean rest fish work sell "
+                "buy perform prepare grab lift pose point chase bite lick sniff fall cross pass "
+                "graze feed race dive splash speed bike hike pick clean wash build fix use wave "
+                "celebrate arrive leave enter exit open close show hang serve shop stare kiss hug "
+                "shake touch take make give put get go come stroll jog march roll slide swing "
+                "bounce kneel crouch squat fill pour blow check type drag ring lead see find stick "
+                "spin sweep dig hide beat chat help nap tap set let beg wrap clap trim rub reach "
+                "step stop skip cheer compete fight tackle score block paddle row sail float wade "
+                "stretch bend tie teach learn study listen stir sip taste chew bake grill fry mow "
+                "rake plant water sled skateboard snowboard wrestle box juggle balance practice "
+                "attempt try decorate display gather crowd line sort load unload examine inspect "
+                "repair adjust fold cover smoke relax enjoy admire observe yell shout scream cry "
+                "gesture hand pet pat groom herd tow haul deliver board approach follow guide leap "
+                "hop dribble shoot pitch bat hurry rush cycle pedal steer park dress").split()
+_IRREGULAR = {"ride": "rode ridden", "sit": "sat", "stand": "stood", "run": "ran",
+              "eat": "ate eaten", "drink": "drank drunk", "hold": "held", "wear": "wore worn",
+              "throw": "threw thrown", "catch": "caught", "swim": "swam swum", "sing": "sang sung",
+              "write": "wrote written", "fly": "flew flown", "drive": "drove driven",
+              "sleep": "slept", "lie": "lay lain", "lay": "laid", "fall": "fell fallen",
+              "feed": "fed", "dive": "dove", "speed": "sped", "build": "built",
+              "take": "took taken", "make": "made", "give": "gave given", "get": "got gotten",
+              "go": "went gone", "come": "came", "leave": "left", "swing": "swung",
+              "blow": "blew blown", "buy": "bought", "sell": "sold", "shake": "shook shaken",
+              "hang": "hung", "bite": "bit bitten", "kneel": "knelt", "lead": "led",
+              "see": "saw seen", "find": "found", "stick": "stuck", "spin": "spun",
+              "sweep": "swept", "dig": "dug", "hide": "hid hidden", "beat": "beaten",
+              "teach": "taught", "shoot": "shot", "leap": "leapt", "hit": "hit", "cut": "cut",
               "put": "put", "set": "set", "let": "let"}
-_DOUBLE = set("run sit swim cut hit shop jog get put dig spin drag skip stop chat grab hug nap tap set let beg wrap "
-              "clap trim rub step sled".split())
+_DOUBLE = set("run sit swim cut hit shop jog get put dig spin drag skip stop chat grab hug nap tap "
+              "set let beg wrap clap trim rub step sled".split())
 
 
 def _inflections(lemma):
     """{form: kind} for kind in base, s, ing, ed (regular rules + _IRREGULAR)."""
     stem = lemma + lemma[-1] if lemma in _DOUBLE else lemma  # running, stopped
     ing = re.sub(r"ie$", "y", re.sub(r"(?<![ie])e$", "", stem)) + "ing"  # lying, riding, seeing
-    s = re.sub(r"([^aeiou])y$", r"\1ie", lemma) + ("es" if re.search(r"(s|sh|ch|x|z|o)$", lemma) else "s")  # tries
-    ed = lemma + "d" if lemma.endswith("e") else re.sub(r"([^aeiou])y$", r"\1i", stem) + "ed"  # tied, tried
+    s = re.sub(r"([^aeiou])y$", r"\1ie", lemma) + (
+        "es" if re.search(r"(s|sh|ch|x|z|o)$", lemma) else "s")  # tries
+    ed = (lemma + "d" if lemma.endswith("e")
+          else re.sub(r"([^aeiou])y$", r"\1i", stem) + "ed")  # tied, tried
     forms = {lemma: "base", s: "s", ing: "ing"}
     for f in ([ed] if lemma not in _IRREGULAR else []) + _IRREGULAR.get(lemma, "").split():
         forms.setdefault(f, "ed")
@@ -2757,8 +3059,10 @@ _VERB_TAGS = ("VB", "VBZ", "VBP", "VBD", "VBN", "VBG", "MD")
 # festival, signal, musician, cheese), so words with those endings are nouns like any open word.
 _JJ_SUFFIX = re.compile(r"\w{3,}(ous|ful|less|ical|ional|ular|etic|atic|istic)$|\w{5,}(ive|ish)$")
 # words that open a clause ("while a dog runs"); they never head a PP inside an NP
-_SUBORD = {"while", "as", "because", "if", "since", "until", "although", "though", "whilst", "when", "whereas"}
-_BE = {"is", "are", "was", "were", "be", "been", "being", "am", "has", "have", "had", "'s", "'re", "'m"}
+_SUBORD = {"while", "as", "because", "if", "since", "until", "although", "though", "whilst", "when",
+           "whereas"}
+_BE = {"is", "are", "was", "were", "be", "been", "being", "am", "has", "have", "had", "'s", "'re",
+       "'m"}
 _PAST_IS_BASE = {w for w, forms in _IRREGULAR.items() if w in forms.split()}  # hit, cut, put, ...
 
 
@@ -2793,10 +3097,11 @@ def _noun(w):
 
 
 def _open_tag(w, prev, nxt, nxt2, pw, existential):
-    """Tag of an open word (no closed class, verb form or suffix) from its position: an intensifier between a verb and
-    a predicate adjective ("looks super happy."), a predicate adjective after a copula ("is cool.", but "there is
-    snow."), a verb between a noun and a determiner ("a woman slices the bread"), a prenominal modifier when
-    hyphenated ("a red-and-white sweater"), else a noun."""
+    """Tag of an open word (no closed class, verb form or suffix) from its position: an intensifier
+    between a verb and a predicate adjective ("looks super happy."), a predicate adjective after a
+    copula ("is cool.", but "there is snow."), a verb between a noun and a determiner ("a woman
+    slices the bread"), a prenominal modifier when hyphenated ("a red-and-white sweater"), else a
+    noun."""
     end = (None, ".", ",", "CC")
     if prev in _VERB_TAGS + ("RB",) and nxt == "JJ" and nxt2 in end:
         return "RB"
@@ -2814,14 +3119,17 @@ def _tag_words(words):
     for i, w in enumerate(words):
         prev = tags[-1] if tags else None
         pw = words[i - 1] if i else None
-        nxt, nxt2 = ((lex[k] or _noun(words[k])) if k < len(words) else None for k in (i + 1, i + 2))
+        nxt, nxt2 = ((lex[k] or _noun(words[k])) if k < len(words) else None
+                     for k in (i + 1, i + 2))
         t = lex[i] or _open_tag(w, prev, nxt, nxt2, pw, "EX" in tags)
         kind = _VERB_FORMS.get(w)
         after_np = prev in _NOUN_TAGS or prev == "PRP"
         np_inside = prev in ("DT", "PRP$", "CD", "JJ", "POS")
         if w == "'s":
-            t = "VBZ" if prev in ("PRP", "EX", "WDT", "WP") or pw == "that" else "POS"  # "it's" / "girl's"
-        elif w in _NOUN_AFTER_DET and (prev == "DT" or (prev == "IN" and nxt == "IN" and words[i + 1] == "of")):
+            # "it's" / "girl's"
+            t = "VBZ" if prev in ("PRP", "EX", "WDT", "WP") or pw == "that" else "POS"
+        elif w in _NOUN_AFTER_DET and (prev == "DT"
+                                       or (prev == "IN" and nxt == "IN" and words[i + 1] == "of")):
             t = "NN"
         elif w in _ING_NOUNS and kind == "ing" and prev in _VERB_TAGS + _NOUN_TAGS + ("RB", "CC"):
             t = "VBG"  # "is painting a wall", "a man painting a wall" (but "a painting")
@@ -2830,30 +3138,34 @@ def _tag_words(words):
         elif t == "RB" and np_inside and w.endswith("ly"):
             t = "JJ" if nxt in _NOUN_TAGS + ("JJ",) else "NN"  # "a lovely day", "a family"
         elif t == "VBG" and prev in ("DT", "PRP$", "JJ", "CD", "POS"):
-            # "the building" (no noun after: NN); "a swimming pool" (compound: NN); "a running dog" (modifier: VBG)
+            # "the building" (no noun after: NN); "a swimming pool" (compound: NN); "a running dog"
+            # (modifier: VBG)
             t = "NN" if nxt not in _NOUN_TAGS or w in _ING_COMPOUND else "VBG"
         elif kind in ("base", "ed") and pw in _BE and prev in _VERB_TAGS:
             t = "VBN"  # passive / perfect: "was hit", "is being cut", "has eaten"
         elif kind == "s" and after_np:
             t = "VBZ"
-        elif kind == "base" and (prev in ("NNS", "PRP", "TO", "MD") or (prev == "CC" and "VBP" in tags)):
+        elif kind == "base" and (prev in ("NNS", "PRP", "TO", "MD")
+                                 or (prev == "CC" and "VBP" in tags)):
             t = "VBP" if prev in ("NNS", "PRP") else "VB"
-        elif kind == "base" and prev == "NN" and w in _PAST_IS_BASE and nxt in ("DT", "PRP$", "CD", "IN"):
-            t = "VBD"  # "the player hit the ball": after a singular subject the bare form is the past
+        elif (kind == "base" and prev == "NN" and w in _PAST_IS_BASE
+              and nxt in ("DT", "PRP$", "CD", "IN")):
+            # "the player hit the ball": after a singular subject the bare form is the past
+            t = "VBD"
         elif kind == "ed" and (after_np or prev in ("VBZ", "VBP", "VBD", "VBN", "RB")):
             t = "VBD" if after_np else "VBN"
         elif kind in ("base", "s") and t in ("VB", "VBZ"):
             t = _noun(w)  # a verb form where no verb can stand: a noun ("a bus stop", "the waves")
-        elif t == "NNS" and prev == "NN" and nxt in ("DT", "PRP$", "IN", "CD", "TO") and kind is None \
-                and not any(x in _VERB_TAGS for x in tags):
+        elif (t == "NNS" and prev == "NN" and nxt in ("DT", "PRP$", "IN", "CD", "TO")
+              and kind is None and not any(x in _VERB_TAGS for x in tags)):
             t = "VBZ"  # an unknown -s word between a singular subject and its object: the verb
         tags.append(t)
     return tags
 
 
 class _Chunker:
-    """Recursive descent over tagged words: noun phrases, verb phrases and the sentence; every method returns (tree
-    string, next index) or None."""
+    """Recursive descent over tagged words: noun phrases, verb phrases and the sentence; every
+    method returns (tree string, next index) or None."""
 
     def __init__(self, words, tags):
         self.w, self.t, self.n = words, tags, len(words)
@@ -2875,7 +3187,8 @@ class _Chunker:
             j += 1
         mods = ("JJ", "VBN", "RB", "VBG")
         while self.tag(j) in mods:
-            if self.tag(j + 1) == "CC" and self.tag(j + 2) in mods and self.tag(j + 3) in mods + _NOUN_TAGS:
+            if (self.tag(j + 1) == "CC" and self.tag(j + 2) in mods
+                    and self.tag(j + 3) in mods + _NOUN_TAGS):
                 out.append(f"(ADJP {self.leaf(j)} {self.leaf(j + 1)} {self.leaf(j + 2)})")
                 j += 3
             elif self.tag(j + 1) in mods + _NOUN_TAGS:
@@ -2900,8 +3213,9 @@ class _Chunker:
         return "(NP " + " ".join(out) + ")", k
 
     def np(self, i, mode):
-        """A base NP and its post-modifiers. mode: 'top' (PPs, reduced relatives, relative clauses, coordination),
-        'pp' (the NP inside a PP: PPs, right-branching), 'object' (only "of" PPs, "full of", relative clauses)."""
+        """A base NP and its post-modifiers. mode: 'top' (PPs, reduced relatives, relative clauses,
+        coordination), 'pp' (the NP inside a PP: PPs, right-branching), 'object' (only "of" PPs,
+        "full of", relative clauses)."""
         r = self.base_np(i)
         if r is None:
             return None
@@ -2914,16 +3228,20 @@ class _Chunker:
                 if inner is None:
                     break
                 pp, j = f"(PP {self.leaf(j)} {inner[0]})", inner[1]
-                if w == "of":  # "a plate of food on a table": the next PP modifies "a plate of food"
+                # "a plate of food on a table": the next PP modifies "a plate of food"
+                if w == "of":
                     head, mods = f"(NP {' '.join([head, *mods, pp])})", []
                     continue
                 mods.append(pp)
                 if mode == "pp":
                     break
-            elif w == "next" and self.tag(j + 1) == "TO" and mode == "top" and (inner := self.np(j + 2, "pp")):
-                mods.append(f"(ADVP {self.leaf(j)} (PP {self.leaf(j + 1)} {inner[0]}))")  # "a dog next to a cat"
+            elif (w == "next" and self.tag(j + 1) == "TO" and mode == "top"
+                  and (inner := self.np(j + 2, "pp"))):
+                # "a dog next to a cat"
+                mods.append(f"(ADVP {self.leaf(j)} (PP {self.leaf(j + 1)} {inner[0]}))")
                 j = inner[1]
-            elif t == "JJ" and self.tag(j + 1) == "IN" and self.w[j + 1] == "of" and (inner := self.np(j + 2, "pp")):
+            elif (t == "JJ" and self.tag(j + 1) == "IN" and self.w[j + 1] == "of"
+                  and (inner := self.np(j + 2, "pp"))):
                 mods.append(f"(ADJP {self.leaf(j)} (PP {self.leaf(j + 1)} {inner[0]}))")
                 j = inner[1]
             elif t == "VBG" and mode == "top":
@@ -2943,13 +3261,15 @@ class _Chunker:
         return tree, j
 
     def coordination(self, tree, j, mode):
-        """NP [, NP]* CC NP inside a PP or an object ("with a stove and a sink", "has cabinets and a fridge"). Inside a
-        PP a conjunct with its own modifiers ("and a woman in a coat") is left to the coordination of the whole NP."""
+        """NP [, NP]* CC NP inside a PP or an object ("with a stove and a sink", "has cabinets and a
+        fridge"). Inside a PP a conjunct with its own modifiers ("and a woman in a coat") is left to
+        the coordination of the whole NP."""
         parts, k = [tree], j
         while self.tag(k) in (",", "CC"):
             c = k + 2 if self.tag(k) == "," and self.tag(k + 1) == "CC" else k + 1
             r = self.base_np(c) if mode == "pp" else self.np(c, "object")
-            if r is None or self.tag(r[1]) in ("VBG", "VBN") or (mode == "pp" and self.tag(r[1]) in ("IN", "TO")):
+            if (r is None or self.tag(r[1]) in ("VBG", "VBN")
+                    or (mode == "pp" and self.tag(r[1]) in ("IN", "TO"))):
                 break
             parts += [self.leaf(x) for x in range(k, c)] + [r[0]]
             k = r[1]
@@ -2971,14 +3291,17 @@ class _Chunker:
             if t == ".":
                 break
             if t == "IN" and self.w[j] in _SUBORD and (cl := self.clause(j + 1)):
-                out.append(f"(SBAR {self.leaf(j)} {cl[0]})")  # "while a dog runs", "as the sun sets"
+                # "while a dog runs", "as the sun sets"
+                out.append(f"(SBAR {self.leaf(j)} {cl[0]})")
                 j = cl[1]
                 continue
             if t in _VERB_TAGS and t != "VBG" and stop_finite and t not in ("VB", "VBN"):
                 break
-            if (t, self.tag(j + 1)) in (("TO", "VB"), ("IN", "VBG")):   # "to ride a bike", "while riding"
+            # "to ride a bike", "while riding"
+            if (t, self.tag(j + 1)) in (("TO", "VB"), ("IN", "VBG")):
                 v, k = self.vp(j + 1, stop_finite)
-                out.append(f"(S (VP {self.leaf(j)} {v}))" if t == "TO" else f"(SBAR {self.leaf(j)} (S {v}))")
+                out.append(f"(S (VP {self.leaf(j)} {v}))"
+                           if t == "TO" else f"(SBAR {self.leaf(j)} (S {v}))")
                 j = k
             elif t in ("IN", "TO") and (inner := self.np(j + 1, "pp")):
                 out.append(f"(PP {self.leaf(j)} {inner[0]})")
@@ -3023,9 +3346,11 @@ class _Chunker:
 
 def bracket(caption: str) -> str:
     """Caption -> PTB string with the rule-based tagger and chunker above (no model download)."""
-    # PTB tokens: hyphenated words stay one token ("t-shirt"); clitics split off ("girl 's", "is n't")
-    words = re.findall(r"[a-z0-9]+(?:-[a-z0-9]+)*(?=n't)|n't|[a-z0-9]+(?:-[a-z0-9]+)*|'[a-z]+|[.,!?;:]",
-                       caption.lower().replace("\u2019", "'"))  # a typographic apostrophe is an apostrophe
+    # PTB tokens: hyphenated words stay one token ("t-shirt"); clitics split off
+    # ("girl 's", "is n't")
+    words = re.findall(
+        r"[a-z0-9]+(?:-[a-z0-9]+)*(?=n't)|n't|[a-z0-9]+(?:-[a-z0-9]+)*|'[a-z]+|[.,!?;:]",
+        caption.lower().replace("\u2019", "'"))  # a typographic apostrophe is an apostrophe
     if not words:
         return "(S )"
     ch = _Chunker(words, _tag_words(words))
@@ -3039,47 +3364,56 @@ def bracket(caption: str) -> str:
 # =============================================================================
 # Infrastructure: what composer.py adds to data.py's run lifecycle
 # =============================================================================
-# data.py holds the run lifecycle every training script shares (the out_dir lock, checkpoint save / verify / fallback,
-# RNG states, resumed flags, stop signals, metrics.jsonl + wandb, the plot). composer.py's own parts are below: what
-# its state.pt holds and how it is restored, its run-control flags, the series of its loss plot.
+# data.py holds the run lifecycle every training script shares (the out_dir lock, checkpoint save /
+# verify / fallback, RNG states, resumed flags, stop signals, metrics.jsonl + wandb, the plot).
+# composer.py's own parts are below: what its state.pt holds and how it is restored, its run-control
+# flags, the series of its loss plot.
 
-# --resume takes every flag from the run's config.json but NOT_SAVED; a flag given on the command line must equal
-# the saved value, except the run-control ones
+# --resume takes every flag from the run's config.json but NOT_SAVED; a flag given on the command
+# line must equal the saved value, except the run-control ones
 NOT_SAVED = {"cmd", "resume", "overwrite", "out_dir", "stop_at"}
-RUN_CONTROL = NOT_SAVED | {"save_interval", "log_interval", "num_workers", "device", "compile", "eval_every", "wandb"}
-RUN_FILES = (r"checkpoint(\.prev|\.tmp)?", r"config\.json", r"tokenizer\.json", r"metrics\.jsonl", r"loss_curve\.png",
-             r"eval\.json", r"wandb_id(\.txt)?")   # what --overwrite removes
-# state.pt, checked to its leaves before --resume restores anything from it (lifecycle.read_checkpoint)
-STATE_TYPES = {"step": int, "sampler": {"epoch": int, "pos": int}, "optimizer": lifecycle.OPTIMIZER_STATE,
-               "rng": lifecycle.RNG_STATE, "log_sums?": torch.Tensor, "log_steps?": int, "skipped?": {...: int}}
+RUN_CONTROL = NOT_SAVED | {"save_interval", "log_interval", "num_workers", "device", "compile",
+                           "eval_every", "wandb"}
+# what --overwrite removes
+RUN_FILES = (r"checkpoint(\.prev|\.tmp)?", r"config\.json", r"tokenizer\.json", r"metrics\.jsonl",
+             r"loss_curve\.png", r"eval\.json", r"wandb_id(\.txt)?")
+# state.pt, checked to its leaves before --resume restores anything from it
+# (lifecycle.read_checkpoint)
+STATE_TYPES = {"step": int, "sampler": {"epoch": int, "pos": int},
+               "optimizer": lifecycle.OPTIMIZER_STATE, "rng": lifecycle.RNG_STATE,
+               "log_sums?": torch.Tensor, "log_steps?": int, "skipped?": {...: int}}
 
 
 def resume_run(args, rank):
-    """--resume: (folder, weights, state, config, newest_damaged) of the newest whole checkpoint; args become the
-    saved run's, a run-defining flag given now must equal its saved value."""
+    """--resume: (folder, weights, state, config, newest_damaged) of the newest whole checkpoint;
+    args become the saved run's, a run-defining flag given now must equal its saved value."""
     ckpt = lifecycle.load_checkpoint(args.out_dir, STATE_TYPES, rank=rank)
     given = {k: getattr(args, k) for k in args.given}
-    saved = lifecycle.resumed_flags(given, ckpt[3]["args"], RUN_CONTROL, f"{ckpt[0]}/config.json", NOT_SAVED)
+    saved = lifecycle.resumed_flags(given, ckpt[3]["args"], RUN_CONTROL, f"{ckpt[0]}/config.json",
+                                    NOT_SAVED)
     for k, v in saved.items():
         setattr(args, k, v)
     return ckpt
 
 
-def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra, device, newest_damaged=False):
-    """Everything --resume needs to continue bit-exactly from `step` (rank 0 writes). Non-finite weights or optimizer
-    state are never saved (NonFinite); a write error is one error line; either way the last checkpoint stays."""
+def save_checkpoint(out_dir, model, opt, cfg, args, step, sampler, tok, extra, device,
+                    newest_damaged=False):
+    """Everything --resume needs to continue bit-exactly from `step` (rank 0 writes). Non-finite
+    weights or optimizer state are never saved (NonFinite); a write error is one error line; either
+    way the last checkpoint stays."""
     weights, optim = model.state_dict(), opt.state_dict()
     if not lifecycle.all_finite([weights, optim["state"]]):
         raise nonfinite(step, args)
-    state = {"step": step, "sampler": sampler.state_dict(), "optimizer": optim, "rng": lifecycle.rng_state(device), **extra}
+    state = {"step": step, "sampler": sampler.state_dict(), "optimizer": optim,
+             "rng": lifecycle.rng_state(device), **extra}
     config = {"args": {k: v for k, v in vars(args).items() if k != "given"}, "model": asdict(cfg),
               "script": lifecycle.script_record(__file__)}
     lifecycle.save_checkpoint(out_dir, weights, state, config, tok, step, newest_damaged)
 
 
 def restore(ckpt, model, opt, sampler, metrics, rank, device):
-    """--resume: weights, optimizer, sampler position and RNG states; metrics.jsonl cut back to the resumed step
-    (no step is logged twice). Returns the step."""
+    """--resume: weights, optimizer, sampler position and RNG states; metrics.jsonl cut back to the
+    resumed step (no step is logged twice). Returns the step."""
     folder, weights, st = ckpt[:3]
     lifecycle.load_state(model, weights, folder)
     opt.load_state_dict(st["optimizer"])
@@ -3091,13 +3425,15 @@ def restore(ckpt, model, opt, sampler, metrics, rank, device):
 
 
 def draw_loss_curve(metrics_path, png_path, args):
-    """loss_curve.png: the total loss, labelled by the method, and its terms l_match, l_MVSA, l_order. Returns the
-    Figure."""
+    """loss_curve.png: the total loss, labelled by the method, and its terms l_match, l_MVSA,
+    l_order. Returns the Figure."""
     with open(metrics_path) as f:
         rows = [r for r in map(json.loads, filter(str.strip, f)) if "loss" in r]
-    terms = {"loss": ("tab:blue", 2), "match": ("tab:orange", 1), "mvsa": ("tab:green", 1), "order": ("tab:purple", 1)}
-    series = [(f"{args.method} (total)" if k == "loss" else f"l_{k}", [(r["step"], r[k]) for r in rows if k in r],
-               {"color": colour, "linewidth": width}) for k, (colour, width) in terms.items()]
+    terms = {"loss": ("tab:blue", 2), "match": ("tab:orange", 1), "mvsa": ("tab:green", 1),
+             "order": ("tab:purple", 1)}
+    series = [(f"{args.method} (total)" if k == "loss" else f"l_{k}",
+               [(r["step"], r[k]) for r in rows if k in r], {"color": colour, "linewidth": width})
+              for k, (colour, width) in terms.items()]
     title = f"composer.py --method {args.method}: training loss ({os.path.basename(args.out_dir)})"
     return lifecycle.draw_curves(png_path, title, [s for s in series if s[1]],
                                  ylabel="loss (l_match in nats; hinge terms unitless)")
