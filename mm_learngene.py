@@ -708,9 +708,9 @@ def warmup_steps(warmup, max_steps, tag, rank):
     """--warmup (-1: 10% of the run). CHOICE: a warm-up longer than the run (Table 6's 10k steps on
     a small set) would never reach the peak lr, so it is cut to 10% of the run, said in one note."""
     if warmup > max_steps and rank == 0:
-        print(f"note: {tag}: the warm-up of {warmup} steps is longer than the run "
-              f"({max_steps} steps); warming up for {max(1, max_steps // 10)} steps "
-              f"(10% of the run)", file=sys.stderr, flush=True)
+        print(f"note: {tag}: the warm-up of {warmup} steps is longer than the run ({max_steps} "
+              f"steps); warming up for {max(1, max_steps // 10)} steps (10% of the run)",
+              file=sys.stderr, flush=True)
     return max(1, max_steps // 10 if warmup < 0 or warmup > max_steps else warmup)
 
 
@@ -1036,7 +1036,7 @@ def write_descendant(out_dir, sd, cfg, modality, tok_json, extra):
     # "model": the ModelConfig fields, the layout il_clip.load_model reads
     atomic_write_json({"model": dataclasses.asdict(cfg), "modality": modality, **extra,
                        "script": lifecycle.script_record(__file__)},
-                       os.path.join(out_dir, "config.json"))
+                      os.path.join(out_dir, "config.json"))
     if tok_json is not None:    # the learngene's copy of the teacher's tokenizer.json, as written
         write = lambda tmp: lifecycle.fsync(tmp, lambda f: pathlib.Path(f).write_text(tok_json))
         lifecycle.atomic_write(os.path.join(out_dir, "tokenizer.json"), write)
@@ -1055,9 +1055,8 @@ def cmd_expand(a):
     out = a.out_dir or f"out/descendant_{aux.method}_{a.modality}{a.layers}"
     # runs fine-tuned from it
     if os.path.exists(os.path.join(out, "model.safetensors")) and not a.overwrite:
-        raise ConfigError(f"{out} holds a descendant already (a fine-tune may name it "
-                          f"as its --init): use another "
-                          f"--out_dir, or --overwrite to replace it")
+        raise ConfigError(f"{out} holds a descendant already (a fine-tune may name it as its "
+                          f"--init): use another --out_dir, or --overwrite to replace it")
     lifecycle.claim_out_dir(out, 0, 1, "cpu", overwrite=a.overwrite, run_files=RUN_FILES)
     lifecycle.start_line(__file__, f"expand --layers {a.layers} --modality {a.modality}",
                          [f"learngene {a.learngene} ({aux.method})", f"part {a.part}"], out)
@@ -1070,9 +1069,9 @@ def cmd_expand(a):
                       if aux.method == "mmlg" else None})
     lifecycle.done_line(f"a {a.layers}-layer {a.modality} descendant, "
                         f"{sum(v.numel() for v in sd.values()):,} parameters",
-                        time.time() - t_start,
-                        [os.path.join(out, n)
-                         for n in ("model.safetensors", "config.json", "tokenizer.json")
+                        time.time() - t_start, [os.path.join(out, n)
+                                                for n in ("model.safetensors", "config.json",
+                                                          "tokenizer.json")
                          if os.path.isfile(os.path.join(out, n))])
 
 
@@ -1125,13 +1124,13 @@ def load_init(a):
         return model, tok, cfg, modality, "scratch", {}
     sd, cfgj = read_state(a.init)
     if any(k.startswith(LEARNGENE_PREFIXES) for k in sd):
-        raise ConfigError(f"{a.init}: a learngene file; run `expand` first and pass the descendant "
-                          f"out_dir")
+        raise ConfigError(f"{a.init}: a learngene file; run `expand` first and pass the "
+                          f"descendant out_dir")
     modality = cfgj.get("modality", "clip")
     need = MODALITY_TOWERS.get(modality)
     if need is None or modality == "text":
-        raise ConfigError(f"{a.init}: finetune supports clip and vision descendants, not "
-                          f"{modality}")
+        raise ConfigError(f"{a.init}: finetune supports clip and vision descendants, "
+                          f"not {modality}")
     # a CLIP checkpoint that records its script is read by that script's load_model (a fork's
     # layout and activation); its OpenAI-layout weights are then fine-tuned in this script's CLIP,
     # built below: the reader's random init must not shift this run's draws
@@ -1220,8 +1219,8 @@ def folder_items(folder: str, classes: list) -> list:
     paths, labels, names = data.image_folder(folder)
     unknown = sorted(set(names) - set(classes))
     if unknown:
-        raise ConfigError(f"{folder}: class folder {unknown[0]!r} is not in the training folder's "
-                          f"classes")
+        raise ConfigError(f"{folder}: class folder {unknown[0]!r} is not in the training "
+                          f"folder's classes")
     return [data.Item(p, names[y].replace("_", " "), None, os.path.relpath(p, folder),
                       classes.index(names[y]))
             for p, y in zip(paths, labels)]
@@ -1247,10 +1246,9 @@ def classification_data(a, image_size, rank, world):
         train_dir, eval_dir = imagefolder_splits(a.data, a.eval_split)
         classes = data.image_folder(train_dir)[2]
         train_items, eval_items = folder_items(train_dir, classes), folder_items(eval_dir, classes)
-        train_items = [train_items[i]
-                       for i in stratified_subsample([it.label for it in train_items],
+        train_items = [train_items[i] for i in stratified_subsample([it.label for it in train_items],
                                                                      a.train_size
-                                                                     or len(train_items), a.seed)]
+                                                                    or len(train_items), a.seed)]
         eval_items = [eval_items[i] for i in stratified_subsample([it.label for it in eval_items],
                                                                   a.eval_size
                                                                   or len(eval_items), a.seed)]
@@ -1296,9 +1294,8 @@ def retrieval_loader(a, tok, image_size, batch_size=100):
                           f"Karpathy JSON, CSV or shards held out from training)")
     if src["kind"] == "tar":
         if a.eval_size:
-            raise ConfigError(f"{spec}: --eval_size needs a listed split (Karpathy "
-                              f"JSON, CSV, shapes); "
-                              f"tar shards are evaluated whole")
+            raise ConfigError(f"{spec}: --eval_size needs a listed split (Karpathy JSON, CSV, "
+                              f"shapes); tar shards are evaluated whole")
         return data.make_loader(spec, split, batch_size, tok, image_size, train=False,
                                 drop_last=False)
     if src["kind"] == "shapes":
@@ -1402,8 +1399,8 @@ def activation_source(a, init_cfg: dict) -> dict:
         except data.DataError as e:
             raise ConfigError(f"{a.init}: the learngene's activation data are missing ({e}); they "
                               f"were recorded at extraction in "
-                              f"{init_cfg.get('learngene', a.init)}; pass --activate_data to "
-                              f"override")
+                              f"{init_cfg.get('learngene', a.init)}; pass --activate_data "
+                              f"to override")
         return src
     return {**data_source(a), "data": a.activate_data}
 
@@ -1503,8 +1500,8 @@ def cmd_finetune(a):
 
     def finish():       # rank 0: the evaluation and every file it writes
         results.update(evaluate())
-        log_record(os.path.join(out, "finetune"),
-                   {"step": a.max_steps, "phase": "eval", "time": round(time.time(), 3),
+        log_record(os.path.join(out, "finetune"), {"step": a.max_steps, "phase": "eval",
+                                                   "time": round(time.time(), 3),
                                                    **{k: results[k] for k in EVAL_KEYS[a.task]
                                                       if k in results}})
         os.makedirs(out, exist_ok=True)
@@ -1512,7 +1509,7 @@ def cmd_finetune(a):
         # "model", "modality", "script": what load_model needs to read a retrieval fine-tune
         atomic_write_json({**run_flags(a), "results": results, "model": dataclasses.asdict(cfg),
                            "modality": modality, "script": lifecycle.script_record(__file__)},
-                           os.path.join(out, "config.json"))
+                          os.path.join(out, "config.json"))
         if tok is not None:
             tok.save(out)
         atomic_write_json(results, os.path.join(out, "results.json"))
@@ -1521,8 +1518,7 @@ def cmd_finetune(a):
                           if k in results),
               flush=True)
         end_line(a, a.max_steps, t_start, ["model.safetensors", "config.json", "results.json"] +
-                 ["captions.json"] * (a.task == "caption")
-                 + [f"{t}/" for t in ("activate", "finetune")
+                 ["captions.json"] * (a.task == "caption") + [f"{t}/" for t in ("activate", "finetune")
                                                               if os.path.isdir(os.path.join(out, t))])
     lifecycle.on_rank0(finish, rank, world, device)
 
@@ -2029,8 +2025,8 @@ def train_shapes_lm(folder: str, seed: int, steps: int = 1000):
     if os.path.exists(os.path.join(folder, "model.safetensors")) and os.path.exists(cfg_path):
         if lifecycle.read_json(cfg_path).get("text") == "reference pairs":
             lifecycle.say(f"stand-in LM: {folder}: a 2-layer GPT trained on pairs of shapes "
-                          f"reference captions, standing in for GPT-2 (trained by an "
-                          f"earlier run, reused)")
+                          f"reference captions, standing in for GPT-2 (trained by an earlier "
+                          f"run, reused)")
             return
         print(f"note: {folder}: a stand-in LM trained on single captions (it ignores the image); "
               f"retraining it",
@@ -2180,8 +2176,8 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
     if lm_dir is None:
         if not is_shapes(a.data):
             raise ConfigError("--task caption needs --lm <folder with GPT-2's model.safetensors "
-                              "and tokenizer.json or vocab.json + merges.txt>; only shapes has a "
-                              "stand-in")
+                              "and tokenizer.json or vocab.json + merges.txt>; only shapes "
+                              "has a stand-in")
         # a cache beside out_dir (README: shapes_lm/), so the runs under one parent folder share the
         # stand-in
         lm_dir = os.path.join(os.path.dirname(os.path.normpath(a.out_dir)), "shapes_lm")
@@ -2253,9 +2249,8 @@ def _run_cost(path):
 RESULT_COLUMNS = {"retrieval": ["i2t_r1", "t2i_r1"], "classification": ["top1"],
                   "caption": ["bleu4", "cider", "rouge_l", "truth_rate"]}
 # the scores (percent) of a fine-tune's eval record in metrics.jsonl and its last line
-EVAL_KEYS = {**RESULT_COLUMNS,
-             "caption": ["bleu1", "bleu2", "bleu3", "bleu4", "cider", "rouge_l", "truth_rate",
-                                           "grammatical_rate", "n_distinct_captions"]}
+EVAL_KEYS = {**RESULT_COLUMNS, "caption": ["bleu1", "bleu2", "bleu3", "bleu4", "cider", "rouge_l",
+                                           "truth_rate", "grammatical_rate", "n_distinct_captions"]}
 
 
 def results_table(dirs: list) -> str:
@@ -2272,8 +2267,7 @@ def results_table(dirs: list) -> str:
                            for k in RESULT_COLUMNS.get(r.get("task"), []) if k in r)
         what = f"{r.get('n_images')} images" + (f", {r['n_classes']} classes"
                                                 if "n_classes" in r else "") + \
-            (f", {r['n_refs']} "
-             f"refs" if "n_refs" in r else "") + f", {r.get('eval_subset', 'whole split')}" + \
+            (f", {r['n_refs']} refs" if "n_refs" in r else "") + f", {r.get('eval_subset', 'whole split')}" + \
             (f"; {r['n_distinct_captions']} distinct captions"
              if "n_distinct_captions" in r else "")
         name = os.path.basename(os.path.normpath(d))
@@ -2300,7 +2294,7 @@ def finetune_run(folder):
     runs = [(name, r.get("seed", 0), {k: r[k] / 100 for k in cols if k in r})]
     runs += [(f"{b} caption" + (f" ({r['kind']})" if b == "nearest" else "") + f" {r['layers']}",
               r.get("seed", 0), {k: br[k] / 100 for k in cols if k in br})
-              for b, br in r.get("baselines", {}).items()
+             for b, br in r.get("baselines", {}).items()
              if isinstance(br, dict)]
     return runs
 
@@ -2436,8 +2430,8 @@ def build_parser():
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_parser = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
     p = add_parser("extract", help="distil a teacher CLIP into the learngene "
-                   "(paper: CC3M+CC12M, --model ViT-S-16, Table 6's schedule: the "
-                   "defaults off shapes)")
+                   "(paper: CC3M+CC12M, --model ViT-S-16, Table 6's schedule: the defaults "
+                   "off shapes)")
     g = add_train_flags(p, lr_help="default: Table 6 (1e-3, --wd 0.1); off shapes also warm-up 10k "
                         "steps, batch 512, --epochs 32; on shapes 500 steps, batch 64, warm-up 50")
     g.add_argument("--init", "--teacher", dest="init",
@@ -2449,7 +2443,7 @@ def build_parser():
                    help="the teacher's activation (printed at start); default: what "
                    "open_clip_config.json / "
                         "config.json beside it says, else (a bare weight file) QuickGELU as "
-                        "OpenAI's CLIPs")
+                   "OpenAI's CLIPs")
     g.add_argument("--model", default="shapes", choices=list(AUX_PRESETS),
                    help="the auxiliary model's preset")
     for flag in ("--aux_width", "--aux_heads", "--aux_layers", "--patch_size"):
@@ -2473,8 +2467,9 @@ def build_parser():
                    help="Table 4's ablations at initialisation, from one full MM-LG learngene: "
                    "no_mm leaves the "
                         "multimodal term c^m theta^m out of Eq. 1-2, only_mm the unimodal term; "
-                        "the kept term keeps its extracted coefficient "
-                        "(nothing rescaled or random); embeddings, LNs and projections stay")
+                   "the kept term keeps "
+                        "its extracted coefficient (nothing rescaled or random); embeddings, LNs "
+                   "and projections stay")
     p.add_argument("--width", type=int, help="expected width (checked; default: not checked)")
     p.add_argument("--seed", type=int, default=0, help="He-LG: seed of the random layers")
     p.add_argument("--out_dir", help="default: out/descendant_<method>_<modality><layers>")
@@ -2527,8 +2522,8 @@ def build_parser():
     g = p.add_argument_group("captioning")
     g.add_argument("--lm", help="folder with GPT-2's model.safetensors + tokenizer.json (or "
                    "vocab.json + "
-                                "merges.txt); default on shapes: a stand-in GPT trained beside "
-                                "--out_dir")
+                                "merges.txt); default on shapes: a stand-in GPT trained "
+                   "beside --out_dir")
     g.add_argument("--beam", type=int, default=1, help="decoding: 1 greedy, >1 beam search")
     g.add_argument("--baselines", action="store_true",
                    help="also score the best constant caption (the pool's "
