@@ -201,7 +201,8 @@ class VisionTransformer(nn.Module):
         """Pooled CLS feature after ln_post (before proj). `layers`: list of per-layer param
         dicts (the auxiliary model's computed layers); None = this module's own resblocks."""
         x = self.conv1(images).flatten(2).transpose(1, 2)
-        x = torch.cat([self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1), x], 1) + self.positional_embedding
+        x = torch.cat([self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1), x], 1) + \
+            self.positional_embedding
         x = self.ln_pre(x)
         for p in layers if layers is not None else [b.params() for b in self.transformer.resblocks]:
             x = block_fn(x, p, self.cfg.vision_heads, False, self.cfg.quick_gelu)
@@ -537,7 +538,8 @@ def load_model(path, device="cpu", quick_gelu=None):
     config.json beside the weights says, else OpenAI's QuickGELU, said on stderr."""
     sd, cfg = read_state(path)
     what = "learngene" if any(k.startswith(LEARNGENE_PREFIXES) for k in sd) else \
-        cfg.get("modality", "clip") if cfg.get("task", "retrieval") == "retrieval" else f"{cfg['task']} fine-tune"
+        cfg.get("modality", "clip") if cfg.get("task", "retrieval") == "retrieval" else \
+        f"{cfg['task']} fine-tune"
     if what != "clip":
         raise ConfigError(f"{path}: a {what} model; evaluation needs both towers (a CLIP "
                           f"descendant, expand --modality clip, or a retrieval fine-tune)")
@@ -693,7 +695,8 @@ def atomic_save_file(tensors, path, metadata=None):
     own metadata, written whole or not at all (lifecycle.atomic_write) and fsynced
     (lifecycle.fsync)."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    lifecycle.atomic_write(path, lambda tmp: lifecycle.fsync(tmp, lambda f: save_file(tensors, f, metadata=metadata)))
+    lifecycle.atomic_write(path, lambda tmp: lifecycle.fsync(tmp, lambda f: save_file(tensors, f,
+                                                                                  metadata=metadata)))
 
 
 def atomic_write_json(obj, path):
@@ -840,8 +843,10 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
         t0 = time.time()
         run.step = done = step + 1
         at_log = done % args.log_interval == 0 or done == max_steps
-        at_save = bool(out_dir) and args.save_interval > 0 and done % args.save_interval == 0 and done < max_steps
-        at_stop = getattr(args, "stop_at", None) is not None and done == args.stop_at and done < max_steps
+        at_save = (bool(out_dir) and args.save_interval > 0 and done % args.save_interval == 0
+                   and done < max_steps)
+        at_stop = (getattr(args, "stop_at", None) is not None and done == args.stop_at
+                   and done < max_steps)
         # flags are read (a device sync) only where every rank reads them at the same step;
         # one process may stop at any step
         sig = (at_log or at_save or at_stop or (world == 1 and lifecycle.stop_requested())) and \
@@ -862,8 +867,8 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
             # rank 0 has written before any rank exits
             lifecycle.on_rank0(lambda: save_run(run), rank, world, device)
             if rank == 0:
-                cmd = lifecycle.resume_command(__file__, world, args.out_dir, args.cmd) if hasattr(args, "cmd") \
-                    else "--resume"
+                cmd = lifecycle.resume_command(__file__, world, args.out_dir, args.cmd) \
+                    if hasattr(args, "cmd") else "--resume"
                 print(lifecycle.stop_line(signal.Signals(sig).name if sig else "--stop_at", done,
                                           max_steps, cmd),
                       flush=True)
@@ -1008,7 +1013,8 @@ def cmd_extract(a):
     start_line(a, f"extract --method {a.method}", aux, device, world, loader, rank,
                [f"teacher {a.init} ({'QuickGELU' if tcfg.quick_gelu else 'GELU'})"],
                ckpt and f"step {ckpt[2]['step']}")
-    _wandb["run"] = lifecycle.start_wandb(a.wandb, a.out_dir, config, a.resume) if a.wandb and rank == 0 else None
+    _wandb["run"] = lifecycle.start_wandb(a.wandb, a.out_dir, config, a.resume) \
+        if a.wandb and rank == 0 else None
 
     def write_learngene(tr):
         tok_json = pathlib.Path(a.out_dir, "tokenizer.json").read_text()
@@ -1470,11 +1476,13 @@ def cmd_finetune(a):
     # its turn
     newest = next((t for t in ("finetune", "activate")
                    if lifecycle.has_checkpoint(os.path.join(out, t))), None)
-    ckpts = {newest: lifecycle.load_checkpoint(os.path.join(out, newest), STATE_TYPES, rank=rank)} if a.resume else {}
+    ckpts = {newest: lifecycle.load_checkpoint(os.path.join(out, newest), STATE_TYPES, rank=rank)} \
+        if a.resume else {}
     resumed = f"{newest} step {ckpts[newest][2]['step']}" if a.resume else None
     start_line(a, f"finetune --task {a.task} --init {a.init}", model, device, world, None, rank,
                resumed=resumed)
-    _wandb["run"] = lifecycle.start_wandb(a.wandb, out, run_flags(a), a.resume) if a.wandb and rank == 0 else None
+    _wandb["run"] = lifecycle.start_wandb(a.wandb, out, run_flags(a), a.resume) \
+        if a.wandb and rank == 0 else None
 
     def phase(tag, model_, loss_fn, loader, args, steps):
         """Run one phase with checkpoints in out/{tag}/; with --resume it continues from them
@@ -1896,7 +1904,8 @@ def _reference_struct(scene: data.Scene, rng: random.Random) -> data.CaptionStru
     # related instead where the relation is as clear as captions state (placement margin)
     if form == "and":
         (a, b), margin = objs[:2], data.RELATION_MARGIN * scene.image.size[0] / data.SHAPES_IMAGE_SIZE
-        if abs(abs(b.centre[0] - a.centre[0]) - abs(b.centre[1] - a.centre[1])) >= margin and rng.random() < 0.5:
+        if abs(abs(b.centre[0] - a.centre[0]) - abs(b.centre[1] - a.centre[1])) >= margin \
+                and rng.random() < 0.5:
             form, rels = "rel", [data.relation_between(a, b)]
     if form in ("rel", "copula"):
         form = rng.choice(["rel", "copula"])
@@ -1933,7 +1942,8 @@ def shapes_references(scene: data.Scene, n: int, rng: random.Random) -> list:
 def shapes_scene_of(spec: str, image_size: int):
     """image key ("{split}{index:08d}", ShapesDataset's) -> its data.Scene, for shapes `spec`."""
     seed = data.parse_shapes_spec(spec).get("seed", 0)
-    return functools.lru_cache(maxsize=None)(lambda key: data.shapes_scene(key[:-8], int(key[-8:]), seed, image_size))
+    return functools.lru_cache(maxsize=None)(
+        lambda key: data.shapes_scene(key[:-8], int(key[-8:]), seed, image_size))
 
 
 def reference_captions(spec: str, image_size: int):
@@ -1942,8 +1952,8 @@ def reference_captions(spec: str, image_size: int):
     if not is_shapes(spec):
         return lambda key, captions: captions
     seed, scene_of = data.parse_shapes_spec(spec).get("seed", 0), shapes_scene_of(spec, image_size)
-    return lambda key, captions: shapes_references(scene_of(key), SHAPES_REFERENCES,
-                                                   random.Random(f"shapes-refs/{seed}/{key[:-8]}/{int(key[-8:])}"))
+    return lambda key, captions: shapes_references(
+        scene_of(key), SHAPES_REFERENCES, random.Random(f"shapes-refs/{seed}/{key[:-8]}/{int(key[-8:])}"))
 
 
 # --- grounding on shapes: is a caption true of its image? (no benchmark on real data can say) -----
@@ -2199,7 +2209,8 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
         # at most 30 tokens with EOS
         ids = [ltok.encode(c)[:29] + [ltok.eos] for c in batch["caption"]]
         tokens, mask = (t.to(device) for t in pad_ids(ids, ltok.eos))
-        return F.cross_entropy(m(data.normalize_images(batch["image"], device), tokens)[mask].float(), tokens[mask]), {}
+        return F.cross_entropy(m(data.normalize_images(batch["image"], device), tokens)[mask].float(),
+                               tokens[mask]), {}
 
     def evaluate():
         t0 = time.time()
@@ -2265,11 +2276,11 @@ def results_table(dirs: list) -> str:
         r = lifecycle.read_json(path)
         scores = ", ".join(f"{k} {score_text(k, r[k])}"
                            for k in RESULT_COLUMNS.get(r.get("task"), []) if k in r)
-        what = f"{r.get('n_images')} images" + (f", {r['n_classes']} classes"
-                                                if "n_classes" in r else "") + \
-            (f", {r['n_refs']} refs" if "n_refs" in r else "") + f", {r.get('eval_subset', 'whole split')}" + \
-            (f"; {r['n_distinct_captions']} distinct captions"
-             if "n_distinct_captions" in r else "")
+        what = f"{r.get('n_images')} images" + \
+            (f", {r['n_classes']} classes" if "n_classes" in r else "") + \
+            (f", {r['n_refs']} refs" if "n_refs" in r else "") + \
+            f", {r.get('eval_subset', 'whole split')}" + \
+            (f"; {r['n_distinct_captions']} distinct captions" if "n_distinct_captions" in r else "")
         name = os.path.basename(os.path.normpath(d))
         lines.append(f"| {name} | {r.get('kind')} | {r.get('part', 'both')} | {r.get('layers')} | "
                      f"{r.get('task')} | {scores} | {what} |")
@@ -2369,8 +2380,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         h = action.help or ""
-        if action.option_strings and action.default not in (None, argparse.SUPPRESS) and action.default is not False \
-                and "default" not in h:
+        if action.option_strings and action.default not in (None, argparse.SUPPRESS) \
+                and action.default is not False and "default" not in h:
             h += " (default: %(default)s)"
         return h
 
@@ -2674,7 +2685,8 @@ def load_run(run, ckpt=None):
 
 
 def phase_dirs(a):
-    return [os.path.join(a.out_dir, t) for t in ("activate", "finetune")] if a.cmd == "finetune" else [a.out_dir]
+    return [os.path.join(a.out_dir, t) for t in ("activate", "finetune")] \
+        if a.cmd == "finetune" else [a.out_dir]
 
 
 def resume_flags(a, argv):
@@ -2684,7 +2696,8 @@ def resume_flags(a, argv):
                    for c in ("checkpoint", "checkpoint.prev")):
         with contextlib.suppress(OSError, data.DataError, LookupError, TypeError):
             path = os.path.join(folder, "config.json")
-            if lifecycle.sha256(path) == lifecycle.read_json(os.path.join(folder, "sha256.json"))["config.json"]:
+            if lifecycle.sha256(path) == \
+                    lifecycle.read_json(os.path.join(folder, "sha256.json"))["config.json"]:
                 saved = lifecycle.read_json(path)["args"]
                 break
     else:
