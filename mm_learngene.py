@@ -2426,8 +2426,8 @@ def add_train_flags(p, lr_help="", data_help=""):
     g.add_argument("--overwrite", action="store_true",
                    help="a new run on an out_dir with a checkpoint: remove it")
     g.add_argument("--wandb", metavar="PROJECT",
-                   help="also send the metrics.jsonl records to this Weights & Biases "
-                   "project (rank 0; needs `pip install wandb`)")
+                   help="also send the metrics.jsonl records to this Weights & Biases project "
+                        "(rank 0; needs `pip install wandb`)")
     return p.add_argument_group("model")
 
 
@@ -2440,21 +2440,20 @@ def build_parser():
                                  formatter_class=HelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_parser = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
-    p = add_parser("extract", help="distil a teacher CLIP into the learngene "
-                   "(paper: CC3M+CC12M, --model ViT-S-16, Table 6's schedule: the defaults "
-                   "off shapes)")
+    p = add_parser("extract", help="distil a teacher CLIP into the learngene (paper: CC3M+CC12M, "
+                                   "--model ViT-S-16, Table 6's schedule: the defaults off shapes)")
     g = add_train_flags(p, lr_help="default: Table 6 (1e-3, --wd 0.1); off shapes also warm-up 10k "
-                        "steps, batch 512, --epochs 32; on shapes 500 steps, batch 64, warm-up 50")
+                                   "steps, batch 512, --epochs 32; on shapes 500 steps, batch 64, "
+                                   "warm-up 50")
     g.add_argument("--init", "--teacher", dest="init",
-                   help="the ancestry (teacher): il_clip.py out_dir, "
-                   "checkpoint/ folder or OpenAI-layout .safetensors/.pt (--teacher: an alias)")
+                   help="the ancestry (teacher): il_clip.py out_dir, checkpoint/ folder or "
+                        "OpenAI-layout .safetensors/.pt (--teacher: an alias)")
     g.add_argument("--script", help=SCRIPT_HELP)
     g.add_argument("--vocab", help="bpe_simple_vocab_16e6.txt.gz for a bare OpenAI weight file")
     g.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction,
                    help="the teacher's activation (printed at start); default: what "
-                   "open_clip_config.json / "
-                        "config.json beside it says, else (a bare weight file) QuickGELU as "
-                   "OpenAI's CLIPs")
+                        "open_clip_config.json / config.json beside it says, else (a bare weight "
+                        "file) QuickGELU as OpenAI's CLIPs")
     g.add_argument("--model", default="shapes", choices=list(AUX_PRESETS),
                    help="the auxiliary model's preset")
     for flag in ("--aux_width", "--aux_heads", "--aux_layers", "--patch_size"):
@@ -2476,11 +2475,9 @@ def build_parser():
     p.add_argument("--modality", default="clip", choices=["clip", "vision", "text"])
     p.add_argument("--part", default="both", choices=["both", "no_mm", "only_mm"],
                    help="Table 4's ablations at initialisation, from one full MM-LG learngene: "
-                   "no_mm leaves the "
-                        "multimodal term c^m theta^m out of Eq. 1-2, only_mm the unimodal term; "
-                   "the kept term keeps "
-                        "its extracted coefficient (nothing rescaled or random); embeddings, LNs "
-                   "and projections stay")
+                        "no_mm leaves the multimodal term c^m theta^m out of Eq. 1-2, only_mm the "
+                        "unimodal term; the kept term keeps its extracted coefficient (nothing "
+                        "rescaled or random); embeddings, LNs and projections stay")
     p.add_argument("--width", type=int, help="expected width (checked; default: not checked)")
     p.add_argument("--seed", type=int, default=0, help="He-LG: seed of the random layers")
     p.add_argument("--out_dir", help="default: out/descendant_<method>_<modality><layers>")
@@ -2490,13 +2487,14 @@ def build_parser():
     p = add_parser("finetune",
                    help="activation + fine-tuning (retrieval, classification or captioning)")
     g = add_train_flags(p, lr_help="default: Table 6 per task (retrieval 5e-5, classification "
-                        "1e-4, caption 2e-5; --wd 0.01). Off shapes every Table 6 value is the "
-                        "default: warm-up 10k/5k/5k steps, batch 256, --epochs 50/500/10; on "
-                        "shapes 300 steps, batch 64, warm-up 30. Classification trains with "
-                        "RandomResizedCrop(0.08-1) + flip on ImageFolder data",
+                                   "1e-4, caption 2e-5; --wd 0.01). Off shapes every Table 6 value "
+                                   "is the default: warm-up 10k/5k/5k steps, batch 256, --epochs "
+                                   "50/500/10; on shapes 300 steps, batch 64, warm-up 30. "
+                                   "Classification trains with RandomResizedCrop(0.08-1) + flip on "
+                                   "ImageFolder data",
                         data_help="retrieval/caption: shapes, Karpathy JSON, CSV, shards; "
-                        "classification: shapes "
-                                  "or an ImageFolder root with train/ and val/ (or test/)")
+                                  "classification: shapes or an ImageFolder root with train/ and "
+                                  "val/ (or test/)")
     g.add_argument("--init", help="descendant out_dir, il_clip.py out_dir (PT-FT) or scratch")
     g.add_argument("--script", help=SCRIPT_HELP)
     g.add_argument("--model", default="shapes", choices=list(AUX_PRESETS),
@@ -2515,32 +2513,31 @@ def build_parser():
                    help="default: computed from --activate_frac and --activate_epochs")
     g.add_argument("--activate_data",
                    help="default: the learngene's extraction data, recorded in the descendant "
-                                           "(required if not recorded)")
+                        "(required if not recorded)")
     g.add_argument("--activate_lr", type=float, default=5e-4)
     g.add_argument("--train_size", type=int,
                    help="classification: a seeded class-stratified subsample of N training images "
-                   "(default: all)")
+                        "(default: all)")
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval_split", default="auto",
                    help="auto: ImageFolder val/ else test/; shapes/JSON: test")
     g.add_argument("--eval_size", type=int,
                    help="opt-in seeded subsample: N images (classification: stratified by class; "
-                   "retrieval and "
-                        "captioning: N images with all their captions). Default: the whole split")
+                        "retrieval and captioning: N images with all their captions). Default: the "
+                        "whole split")
     g.add_argument("--eval_data",
                    help="retrieval/caption evaluation data when --data is a CSV or shards (no test "
-                                       "split); default: --data's test split")
+                        "split); default: --data's test split")
     g = p.add_argument_group("captioning")
     g.add_argument("--lm", help="folder with GPT-2's model.safetensors + tokenizer.json (or "
-                   "vocab.json + "
-                                "merges.txt); default on shapes: a stand-in GPT trained "
-                   "beside --out_dir")
+                                "vocab.json + merges.txt); default on shapes: a stand-in GPT "
+                                "trained beside --out_dir")
     g.add_argument("--beam", type=int, default=1, help="decoding: 1 greedy, >1 beam search")
     g.add_argument("--baselines", action="store_true",
-                   help="also score the best constant caption (the pool's "
-                   "training caption of highest CIDEr-D) and the nearest-neighbour caption (of the "
-                   "pool image most similar in the frozen encoder's embedding), on the same images "
-                   "and references")
+                   help="also score the best constant caption (the pool's training caption of "
+                        "highest CIDEr-D) and the nearest-neighbour caption (of the pool image "
+                        "most similar in the frozen encoder's embedding), on the same images and "
+                        "references")
     g.add_argument("--baseline_pool", type=int, default=1000,
                    help="--baselines: the first N training images")
     p.set_defaults(func=cmd_finetune)
@@ -2554,10 +2551,10 @@ def build_parser():
     p.add_argument("--results", nargs="*", help="finetune out_dirs: one row each (Tables 1, 2, 4)")
     p.add_argument("--seeds",
                    help="a folder of finetune out_dirs (several seeds): mean ± 95%% interval per "
-                                   "setting and paired differences against --baseline")
+                        "setting and paired differences against --baseline")
     p.add_argument("--baseline",
                    help="with --seeds: the setting every other is paired with, e.g. 'mmlg both 6 "
-                                      "retrieval' (default: MM-LG of the same size and task)")
+                        "retrieval' (default: MM-LG of the same size and task)")
     p.set_defaults(func=cmd_report)
     return ap
 
