@@ -108,9 +108,9 @@ SHAPES_SIZED = {"extract": {"max_steps": 500, "batch_size": 64, "warmup": 50},
 
 # The Linear weights and biases of one transformer layer: the "theta" of the paper
 # ("the entirety of weights and biases of linear processes for MSA and MLP", Sec. 3.1).
-LINEAR_NAMES = ["attn.in_proj_weight", "attn.in_proj_bias", "attn.out_proj.weight",
-                "attn.out_proj.bias", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight",
-                "mlp.c_proj.bias"]
+LINEAR_NAMES = ["attn.in_proj_weight", "attn.in_proj_bias",
+                "attn.out_proj.weight", "attn.out_proj.bias",
+                "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"]
 LN_NAMES = ["ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias"]
 TOWERS = ("visual", "text")
 MODALITY_TOWERS = {"clip": TOWERS, "vision": ("visual",), "text": ("text",)}   # expand --modality
@@ -302,7 +302,8 @@ def mmlg_learngene(w: int, L: int, part: str) -> nn.Module:
     """theta1, theta2 = {vision, language, multimodal} blocks (Linear weights only) and the
     coefficient vectors c^v, c^l, c^mv, c^ml of length L/2 (paper Sec. 3.1)."""
     uni, mm = part != "only_mm", part != "no_mm"
-    names, coefs = ["vision", "language"] * uni + ["multimodal"] * mm, ["v", "l"] * uni + ["mv", "ml"] * mm
+    names, coefs = (["vision", "language"] * uni + ["multimodal"] * mm,
+                    ["v", "l"] * uni + ["mv", "ml"] * mm)
     lg = nn.Module()
     for g in ("theta1", "theta2"):
         setattr(lg, g, nn.ModuleDict({n: Block(w, ln=False) for n in names}))
@@ -336,9 +337,9 @@ class AuxCLIP(CLIP):
     method "mmlg" (paper): learngene.theta{1,2}.{vision,language,multimodal}.<linear names>,
       learngene.coef.{v,l,mv,ml} (length L/2), shared_ln.{visual,text}.ln_{1,2}.*; the towers' own
       resblocks are empty. Layer i, (g, k) = aux_index(i), of the vision tower (Eq. 1) and the
-      language tower (Eq. 2):   W_i^v = c^v[k] theta_g^v + c^mv[k] theta_g^m,   W_i^l = c^l[k]
-      theta_g^l + c^ml[k] theta_g^m part "no_mm" drops the theta^m terms, part "only_mm" the
-      theta^v, theta^l terms.
+      language tower (Eq. 2):
+        W_i^v = c^v[k] theta_g^v + c^mv[k] theta_g^m,   W_i^l = c^l[k] theta_g^l + c^ml[k] theta_g^m
+      part "no_mm" drops the theta^m terms, part "only_mm" the theta^v, theta^l terms.
     method "tleg" (Xia et al. 2024b): per tower tleg.{visual,text}.{A,B} full blocks (Linear +
       LayerNorm), layer l of an L-layer stack = A + (l / L) * B.
     method "helg" (Wang et al. 2022): an ordinary CLIP distilled from the teacher; the learngene is
@@ -695,8 +696,8 @@ def atomic_save_file(tensors, path, metadata=None):
     own metadata, written whole or not at all (lifecycle.atomic_write) and fsynced
     (lifecycle.fsync)."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    lifecycle.atomic_write(path, lambda tmp: lifecycle.fsync(tmp, lambda f: save_file(tensors, f,
-                                                                                  metadata=metadata)))
+    lifecycle.atomic_write(path, lambda tmp: lifecycle.fsync(
+        tmp, lambda f: save_file(tensors, f, metadata=metadata)))
 
 
 def atomic_write_json(obj, path):
@@ -795,9 +796,8 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
     continue from out_dir's checkpoint (True), or from one already read
     (lifecycle.load_checkpoint's)."""
     step_loss = StepLoss(model, loss_fn, touch=world > 1)
-    ddp = nn.parallel.DistributedDataParallel(step_loss,
-                                              device_ids=[device]
-                                              if device.startswith("cuda") else None) \
+    ddp = nn.parallel.DistributedDataParallel(
+        step_loss, device_ids=[device] if device.startswith("cuda") else None) \
         if world > 1 else step_loss
     fwd = torch.compile(ddp) if getattr(args, "compile", False) else ddp
     # the state of the phase that a checkpoint holds (save_run, load_run)
@@ -987,8 +987,7 @@ def cmd_extract(a):
                       vision_heads=preset["heads"], context_length=tok.context_length,
                       vocab_size=tok.vocab_size, text_width=preset["width"],
                       text_layers=preset["layers"], text_heads=preset["heads"],
-                      eot_token_id=tok.eot_id,
-                      quick_gelu=False)  # the student is a new model: GELU
+                      eot_token_id=tok.eot_id, quick_gelu=False)  # the student is a new model: GELU
     if cfg.image_size % cfg.patch_size:
         raise ConfigError(f"image size {cfg.image_size} is not a multiple of patch size "
                           f"{cfg.patch_size}")
@@ -1075,9 +1074,8 @@ def cmd_expand(a):
                       if aux.method == "mmlg" else None})
     lifecycle.done_line(f"a {a.layers}-layer {a.modality} descendant, "
                         f"{sum(v.numel() for v in sd.values()):,} parameters",
-                        time.time() - t_start, [os.path.join(out, n)
-                                                for n in ("model.safetensors", "config.json",
-                                                          "tokenizer.json")
+                        time.time() - t_start,
+                        [os.path.join(out, n) for n in ("model.safetensors", "config.json", "tokenizer.json")
                          if os.path.isfile(os.path.join(out, n))])
 
 
@@ -1252,12 +1250,10 @@ def classification_data(a, image_size, rank, world):
         train_dir, eval_dir = imagefolder_splits(a.data, a.eval_split)
         classes = data.image_folder(train_dir)[2]
         train_items, eval_items = folder_items(train_dir, classes), folder_items(eval_dir, classes)
-        train_items = [train_items[i] for i in stratified_subsample([it.label for it in train_items],
-                                                                     a.train_size
-                                                                    or len(train_items), a.seed)]
-        eval_items = [eval_items[i] for i in stratified_subsample([it.label for it in eval_items],
-                                                                  a.eval_size
-                                                                  or len(eval_items), a.seed)]
+        train_items = [train_items[i] for i in stratified_subsample(
+            [it.label for it in train_items], a.train_size or len(train_items), a.seed)]
+        eval_items = [eval_items[i] for i in stratified_subsample(
+            [it.label for it in eval_items], a.eval_size or len(eval_items), a.seed)]
         # classification augmentation (Table 6 fine-tuning): random resized crop (0.08, 1) + flip
         aug = data.train_transform(image_size, scale=(0.08, 1.0), flip=True)
         train_ds = data.FileDataset(train_items, aug, a.seed)
@@ -1508,10 +1504,9 @@ def cmd_finetune(a):
 
     def finish():       # rank 0: the evaluation and every file it writes
         results.update(evaluate())
-        log_record(os.path.join(out, "finetune"), {"step": a.max_steps, "phase": "eval",
-                                                   "time": round(time.time(), 3),
-                                                   **{k: results[k] for k in EVAL_KEYS[a.task]
-                                                      if k in results}})
+        log_record(os.path.join(out, "finetune"),
+                   {"step": a.max_steps, "phase": "eval", "time": round(time.time(), 3),
+                    **{k: results[k] for k in EVAL_KEYS[a.task] if k in results}})
         os.makedirs(out, exist_ok=True)
         atomic_save_file(final.state_dict(), os.path.join(out, "model.safetensors"))
         # "model", "modality", "script": what load_model needs to read a retrieval fine-tune
@@ -1521,13 +1516,12 @@ def cmd_finetune(a):
         if tok is not None:
             tok.save(out)
         atomic_write_json(results, os.path.join(out, "results.json"))
-        print(f"{a.task}: "
-              + ", ".join(f"{k} {score_text(k, results[k])}" for k in EVAL_KEYS[a.task]
-                          if k in results),
+        print(f"{a.task}: " + ", ".join(f"{k} {score_text(k, results[k])}"
+                                        for k in EVAL_KEYS[a.task] if k in results),
               flush=True)
         end_line(a, a.max_steps, t_start, ["model.safetensors", "config.json", "results.json"] +
-                 ["captions.json"] * (a.task == "caption") + [f"{t}/" for t in ("activate", "finetune")
-                                                              if os.path.isdir(os.path.join(out, t))])
+                 ["captions.json"] * (a.task == "caption") +
+                 [f"{t}/" for t in ("activate", "finetune") if os.path.isdir(os.path.join(out, t))])
     lifecycle.on_rank0(finish, rank, world, device)
 
 
@@ -1718,8 +1712,7 @@ def generate(model, images, beam=1, max_len=30):
             live = [b for b in beams if not b[2]]
             if not live:
                 break
-            emb = torch.stack([torch.cat([p, lm.wte(torch.tensor(ids, dtype=torch.long,
-                                                                 device=p.device))])
+            emb = torch.stack([torch.cat([p, lm.wte(torch.tensor(ids, dtype=torch.long, device=p.device))])
                                for ids, _, _ in live])
             logp = lm(emb)[:, -1].float().log_softmax(-1)
             cand = [b for b in beams if b[2]]
@@ -2614,8 +2607,8 @@ def main(argv=None):
 # state, RNG states) and its restore, the flags --resume lets change, the files --overwrite removes,
 # the start and done lines.
 
-# --resume: run-control flags may change; those not given now keep their saved values, but
-# ALWAYS_NOW's
+# --resume: run-control flags may change; those not given now keep their saved values,
+# but ALWAYS_NOW's
 ALWAYS_NOW = ("stop_at", "device", "resume", "overwrite", "out_dir")
 RUN_CONTROL = (*ALWAYS_NOW, "save_interval", "log_interval", "num_workers")
 RUN_FILES = (r"metrics\.jsonl", r"loss_curve\.png", r"learngene\.safetensors", r"results\.json",
