@@ -2,24 +2,26 @@
 mm_learngene.py -- MM-LG (Chen et al., "Extracting Multimodal Learngene in CLIP"), the first
 public implementation, plus the learngene baselines it is compared with (He-LG, TLEG).
 
-  extract   distil an ancestry CLIP (--init: il_clip.py out_dir or OpenAI-layout weights) into a weight-shared
-            auxiliary CLIP-ViT-S whose layers are built from the learngene (two block groups theta1, theta2 of
-            {vision, language, multimodal} blocks plus coefficient vectors c^v, c^l, c^mv, c^ml);
-            writes learngene.safetensors.
-  expand    learngene -> a normal descendant (CLIP or vision tower, any depth up to 2x the unique layers) in
-            OpenAI state-dict layout, as an out_dir that il_clip.py loads.
-  finetune  activation (short contrastive training on 10% of the learngene's extraction data, one epoch) then
-            fine-tuning with Table 6's settings: retrieval (I2T/T2I R@1), classification (top-1) or captioning
-            (--task caption: ClipCap mapper into a frozen GPT-2; BLEU, CIDEr-D, ROUGE-L against every reference,
-            5 per shapes image; --baselines adds the best constant and the nearest-neighbour caption). Whole
-            eval splits by default. Baselines: --init scratch, --init <il_clip out_dir> (PT-FT), He-LG and TLEG
-            descendants (extract --method helg|tleg); Table 4's ablations: expand --part no_mm|only_mm.
+  extract   distil an ancestry CLIP (--init: il_clip.py out_dir or OpenAI-layout weights) into a
+            weight-shared auxiliary CLIP-ViT-S whose layers are built from the learngene (two block
+            groups theta1, theta2 of {vision, language, multimodal} blocks plus coefficient vectors
+            c^v, c^l, c^mv, c^ml); writes learngene.safetensors.
+  expand    learngene -> a normal descendant (CLIP or vision tower, any depth up to 2x the unique
+            layers) in OpenAI state-dict layout, as an out_dir that il_clip.py loads.
+  finetune  activation (short contrastive training on 10% of the learngene's extraction data, one
+            epoch) then fine-tuning with Table 6's settings: retrieval (I2T/T2I R@1), classification
+            (top-1) or captioning (--task caption: ClipCap mapper into a frozen GPT-2; BLEU,
+            CIDEr-D, ROUGE-L against every reference, 5 per shapes image; --baselines adds the best
+            constant and the nearest-neighbour caption). Whole eval splits by default. Baselines:
+            --init scratch, --init <il_clip out_dir> (PT-FT), He-LG and TLEG descendants (extract
+            --method helg|tleg); Table 4's ablations: expand --part no_mm|only_mm.
   report    parameter storage and pre-training cost (Table 3); finetune results side by side.
 
-Reads top to bottom: config -> model -> learngene parametrisations -> losses -> training loop -> subcommands ->
-main, then one short section of infrastructure: what a checkpoint holds; the run lifecycle itself (checkpoints,
-the out_dir lock, --resume / --overwrite, signals, write errors) is data.py's. The only repo import is data.py;
-a checkpoint that records another training script is read with that script's load_model.
+Reads top to bottom: config -> model -> learngene parametrisations -> losses -> training loop ->
+subcommands -> main, then one short section of infrastructure: what a checkpoint holds; the run
+lifecycle itself (checkpoints, the out_dir lock, --resume / --overwrite, signals, write errors) is
+data.py's. The only repo import is data.py; a checkpoint that records another training script is
+read with that script's load_model.
 
 Every choice the paper leaves open is marked "CHOICE:" next to the equation it concerns.
 """
@@ -52,10 +54,11 @@ import data
 import lifecycle
 
 if dist.is_available():
-    # Imported before any process group exists: these functions take `group=group.WORLD` as a default, evaluated on
-    # import. Imported later (DDP does, through torch._dynamo), the defaults hold the group past destroy_process_group,
-    # so its gloo worker threads run on into interpreter exit, where one freeing a Python tensor aborts the process
-    # ("terminate called without an active exception").
+    # Imported before any process group exists: these functions take `group=group.WORLD` as a
+    # default, evaluated on import. Imported later (DDP does, through torch._dynamo), the defaults
+    # hold the group past destroy_process_group, so its gloo worker threads run on into interpreter
+    # exit, where one freeing a Python tensor aborts the process ("terminate called without an
+    # active exception").
     import torch.distributed.nn.functional  # noqa: F401
 
 
@@ -92,10 +95,11 @@ AUX_PRESETS = {
     "ViT-S-16": dict(width=384, heads=6, layers=12, patch_size=16, embed_dim=384),
 }
 
-# Table 6 (appendix A.3), the defaults when --data is not shapes: (lr, weight decay, warm-up steps, global batch,
-# epochs) for extraction and each fine-tuning task. Captioning's weight decay is blank in the table; 0.01 like the
-# others is a CHOICE. The table leaves open the optimizer, its betas and the decay after warm-up: CHOICE AdamW(0.9,
-# 0.98, eps 1e-6), weight decay on matrices only, cosine decay to lr/10 (make_optimizer, get_lr).
+# Table 6 (appendix A.3), the defaults when --data is not shapes: (lr, weight decay, warm-up steps,
+# global batch, epochs) for extraction and each fine-tuning task. Captioning's weight decay is blank
+# in the table; 0.01 like the others is a CHOICE. The table leaves open the optimizer, its betas and
+# the decay after warm-up: CHOICE AdamW(0.9, 0.98, eps 1e-6), weight decay on matrices only, cosine
+# decay to lr/10 (make_optimizer, get_lr).
 TABLE6 = {"extract": (1e-3, 0.1, 10_000, 512, 32), "retrieval": (5e-5, 0.01, 10_000, 256, 50),
           "classification": (1e-4, 0.01, 5_000, 256, 500), "caption": (2e-5, 0.01, 5_000, 256, 10)}
 # On shapes: Table 6's lr and weight decay with CPU-sized steps, batch and warm-up
@@ -104,7 +108,8 @@ SHAPES_SIZED = {"extract": {"max_steps": 500, "batch_size": 64, "warmup": 50},
 
 # The Linear weights and biases of one transformer layer: the "theta" of the paper
 # ("the entirety of weights and biases of linear processes for MSA and MLP", Sec. 3.1).
-LINEAR_NAMES = ["attn.in_proj_weight", "attn.in_proj_bias", "attn.out_proj.weight", "attn.out_proj.bias",
+LINEAR_NAMES = ["attn.in_proj_weight", "attn.in_proj_bias",
+                "attn.out_proj.weight", "attn.out_proj.bias",
                 "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"]
 LN_NAMES = ["ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias"]
 TOWERS = ("visual", "text")
@@ -131,7 +136,8 @@ def block_fn(x, p: dict, heads: int, causal: bool, quick_gelu: bool):
     W = x.shape[-1]
     h = F.layer_norm(x, (W,), p["ln_1.weight"], p["ln_1.bias"], 1e-5)
     q, k, v = F.linear(h, p["attn.in_proj_weight"], p["attn.in_proj_bias"]).split(W, dim=-1)
-    x = x + F.linear(attention(q, k, v, heads, causal), p["attn.out_proj.weight"], p["attn.out_proj.bias"])
+    x = x + F.linear(attention(q, k, v, heads, causal), p["attn.out_proj.weight"],
+                     p["attn.out_proj.bias"])
     h = F.layer_norm(x, (W,), p["ln_2.weight"], p["ln_2.bias"], 1e-5)
     h = F.linear(h, p["mlp.c_fc.weight"], p["mlp.c_fc.bias"])
     h = h * torch.sigmoid(1.702 * h) if quick_gelu else F.gelu(h)
@@ -195,7 +201,8 @@ class VisionTransformer(nn.Module):
         """Pooled CLS feature after ln_post (before proj). `layers`: list of per-layer param
         dicts (the auxiliary model's computed layers); None = this module's own resblocks."""
         x = self.conv1(images).flatten(2).transpose(1, 2)
-        x = torch.cat([self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1), x], 1) + self.positional_embedding
+        x = torch.cat([self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1), x], 1) + \
+            self.positional_embedding
         x = self.ln_pre(x)
         for p in layers if layers is not None else [b.params() for b in self.transformer.resblocks]:
             x = block_fn(x, p, self.cfg.vision_heads, False, self.cfg.quick_gelu)
@@ -222,13 +229,15 @@ class TextTransformer(nn.Module):
             x = block_fn(x, p, self.cfg.text_heads, True, self.cfg.quick_gelu)
         x = self.ln_final(x)
         # EOT pooling (contract): first position equal to eot_token_id
-        return x[torch.arange(x.shape[0], device=x.device), (text == self.cfg.eot_token_id).int().argmax(-1)]
+        return x[torch.arange(x.shape[0], device=x.device),
+                 (text == self.cfg.eot_token_id).int().argmax(-1)]
 
     def layer_list(self, tower):  # the auxiliary model overrides this
         return None
 
     def encode_text(self, text):
-        return F.normalize(self.text_features(text, self.layer_list("text")) @ self.text_projection, dim=-1)
+        return F.normalize(self.text_features(text, self.layer_list("text"))
+                           @ self.text_projection, dim=-1)
 
 
 def capped_scale(model):
@@ -246,7 +255,8 @@ class CLIP(TextTransformer):
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
 
     def encode_image(self, images):
-        return F.normalize(self.visual(images, self.layer_list("visual")) @ self.visual.proj, dim=-1)
+        return F.normalize(self.visual(images, self.layer_list("visual"))
+                           @ self.visual.proj, dim=-1)
 
     def forward(self, images, text):
         return self.encode_image(images), self.encode_text(text), capped_scale(self)
@@ -273,14 +283,15 @@ def aux_index(i: int) -> tuple:
 
 
 def expand_order(n: int, unique: int) -> list:
-    """Descendant depth n -> which unique layer each of its layers copies (paper Sec. 3.3): "replicate each of the
-    first n-6 layers once and connect them in sequence" (8 -> [0,0,1,1,2,3,4,5]; 12 -> [0,0,1,1,...,5,5] = the
-    auxiliary model). CHOICE: n < unique keeps the first n unique layers (the paper only builds 6, 8, 12)."""
+    """Descendant depth n -> which unique layer each of its layers copies (paper Sec. 3.3):
+    "replicate each of the first n-6 layers once and connect them in sequence" (8 ->
+    [0,0,1,1,2,3,4,5]; 12 -> [0,0,1,1,...,5,5] = the auxiliary model). CHOICE: n < unique keeps the
+    first n unique layers (the paper only builds 6, 8, 12)."""
     if n < 1:
         raise ConfigError(f"--layers must be >= 1, got {n}")
     if n > 2 * unique:
-        raise ConfigError(f"--layers {n}: a learngene with {unique} unique layers fills at most {2 * unique} "
-                          f"layers (each unique layer is replicated at most once)")
+        raise ConfigError(f"--layers {n}: a learngene with {unique} unique layers fills at most "
+                          f"{2 * unique} layers (each unique layer is replicated at most once)")
     if n <= unique:
         return list(range(n))
     rep = n - unique
@@ -291,15 +302,17 @@ def mmlg_learngene(w: int, L: int, part: str) -> nn.Module:
     """theta1, theta2 = {vision, language, multimodal} blocks (Linear weights only) and the
     coefficient vectors c^v, c^l, c^mv, c^ml of length L/2 (paper Sec. 3.1)."""
     uni, mm = part != "only_mm", part != "no_mm"
-    names, coefs = ["vision", "language"] * uni + ["multimodal"] * mm, ["v", "l"] * uni + ["mv", "ml"] * mm
+    names, coefs = (["vision", "language"] * uni + ["multimodal"] * mm,
+                    ["v", "l"] * uni + ["mv", "ml"] * mm)
     lg = nn.Module()
     for g in ("theta1", "theta2"):
         setattr(lg, g, nn.ModuleDict({n: Block(w, ln=False) for n in names}))
         for b in getattr(lg, g).values():
             init_block(b, w, L)
-    # CHOICE (init of c, not given by the paper): with both parts 1/sqrt(2) each, so c*theta + c'*theta^m of two
-    # independent OpenAI-initialised blocks has the variance of one; with a single part 1. Coefficients get no weight
-    # decay (it would pull them, and with them every layer, towards zero).
+    # CHOICE (init of c, not given by the paper): with both parts 1/sqrt(2) each, so c*theta +
+    # c'*theta^m of two independent OpenAI-initialised blocks has the variance of one; with a single
+    # part 1. Coefficients get no weight decay (it would pull them, and with them every layer,
+    # towards zero).
     c0 = 1.0 if part != "both" else 2 ** -0.5
     lg.coef = nn.ParameterDict({c: nn.Parameter(torch.full((L // 2,), c0)) for c in coefs})
     return lg
@@ -311,8 +324,8 @@ def tleg_learngene(w: int, L: int) -> nn.ModuleDict:
     for t in TOWERS:
         init_block(tleg[t]["A"], w, L)
         init_block(tleg[t]["B"], w, L)
-        # CHOICE: B starts with the same random Linear init as A (so layers differ from step 0) and zero
-        # LayerNorm gains/biases (LN of every layer starts as A's).
+        # CHOICE: B starts with the same random Linear init as A (so layers differ from step 0) and
+        # zero LayerNorm gains/biases (LN of every layer starts as A's).
         for n in LN_NAMES:
             nn.init.zeros_(tleg[t]["B"].get_parameter(n))
     return tleg
@@ -323,19 +336,22 @@ class AuxCLIP(CLIP):
 
     method "mmlg" (paper): learngene.theta{1,2}.{vision,language,multimodal}.<linear names>,
       learngene.coef.{v,l,mv,ml} (length L/2), shared_ln.{visual,text}.ln_{1,2}.*; the towers' own
-      resblocks are empty. Layer i, (g, k) = aux_index(i), of the vision tower (Eq. 1) and the language
-      tower (Eq. 2):   W_i^v = c^v[k] theta_g^v + c^mv[k] theta_g^m,   W_i^l = c^l[k] theta_g^l + c^ml[k] theta_g^m
+      resblocks are empty. Layer i, (g, k) = aux_index(i), of the vision tower (Eq. 1) and the
+      language tower (Eq. 2):
+        W_i^v = c^v[k] theta_g^v + c^mv[k] theta_g^m,   W_i^l = c^l[k] theta_g^l + c^ml[k] theta_g^m
       part "no_mm" drops the theta^m terms, part "only_mm" the theta^v, theta^l terms.
     method "tleg" (Xia et al. 2024b): per tower tleg.{visual,text}.{A,B} full blocks (Linear +
       LayerNorm), layer l of an L-layer stack = A + (l / L) * B.
     method "helg" (Wang et al. 2022): an ordinary CLIP distilled from the teacher; the learngene is
       its last `helg_layers` layers per tower (expand fills the rest randomly).
-    Embeddings, ln_pre/post/final, projections and logit_scale are ordinary parameters, stored with it."""
+    Embeddings, ln_pre/post/final, projections and logit_scale are ordinary parameters, stored with
+    it."""
 
     def __init__(self, cfg: ModelConfig, method="mmlg", part="both", helg_layers=3):
         L = cfg.vision_layers
         if cfg.vision_layers != cfg.text_layers or cfg.vision_width != cfg.text_width or L < 2 or L % 2:
-            raise ConfigError("the auxiliary model needs both towers with the same width and the same even depth")
+            raise ConfigError("the auxiliary model needs both towers with the same width and the "
+                              "same even depth")
         own = L if method == "helg" else 0
         super().__init__(dataclasses.replace(cfg, vision_layers=own, text_layers=own))
         self.aux_layers = L
@@ -348,7 +364,8 @@ class AuxCLIP(CLIP):
             self.learngene = mmlg_learngene(w, L, part)
             # Paper: "The Layer Normalization part is shared in each Transformer layer";
             # CHOICE: one set per modality (the learngene holds the linear layers, not the norms).
-            self.shared_ln = nn.ModuleDict({t: nn.ModuleDict({"ln_1": nn.LayerNorm(w), "ln_2": nn.LayerNorm(w)})
+            self.shared_ln = nn.ModuleDict({t: nn.ModuleDict({"ln_1": nn.LayerNorm(w),
+                                                              "ln_2": nn.LayerNorm(w)})
                                             for t in TOWERS})
         elif method == "tleg":
             self.tleg = tleg_learngene(w, L)
@@ -357,8 +374,9 @@ class AuxCLIP(CLIP):
 
     # --- the layers of a stack of depth n built from the learngene ---------------------------
     def mmlg_layer(self, tower, g, k, part=None):
-        """Eq. 1 / Eq. 2 for (group g, coefficient k). `part` (Table 4's ablations at initialisation) leaves a term
-        out of the sum (see AuxCLIP); the kept term keeps its extracted coefficient."""
+        """Eq. 1 / Eq. 2 for (group g, coefficient k). `part` (Table 4's ablations at
+        initialisation) leaves a term out of the sum (see AuxCLIP); the kept term keeps its
+        extracted coefficient."""
         part = part or self.part
         if part != self.part and self.part != "both":
             raise ConfigError(f"--part {part}: this learngene was extracted with part {self.part}")
@@ -366,7 +384,8 @@ class AuxCLIP(CLIP):
         theta, coef = getattr(self.learngene, ("theta1", "theta2")[g]), self.learngene.coef
         terms = ([(coef[cu][k], theta[uni].params())] if part != "only_mm" else []) + \
             ([(coef[cm][k], theta["multimodal"].params())] if part != "no_mm" else [])
-        # the same sum for the auxiliary forward and the expansion: n = 12 reproduces the auxiliary model bit for bit
+        # the same sum for the auxiliary forward and the expansion: n = 12 reproduces the auxiliary
+        # model bit for bit
         p = {n: functools.reduce(torch.add, [c * t[n] for c, t in terms]) for n in LINEAR_NAMES}
         return {**p, **dict(self.shared_ln[tower].named_parameters())}
 
@@ -386,12 +405,15 @@ class AuxCLIP(CLIP):
         """Per-layer param dicts of an n-layer descendant tower (paper Sec. 3.3)."""
         if n < 1:
             raise ConfigError(f"--layers must be >= 1, got {n}")
-        if self.method == "mmlg":      # unique layer k = aux layers 2k and 2k+1: (g, k) = (k % 2, k), Fig. 3b
-            return [self.mmlg_layer(tower, k % 2, k, part) for k in expand_order(n, self.aux_layers // 2)]
+        # unique layer k = aux layers 2k and 2k+1: (g, k) = (k % 2, k), Fig. 3b
+        if self.method == "mmlg":
+            return [self.mmlg_layer(tower, k % 2, k, part)
+                    for k in expand_order(n, self.aux_layers // 2)]
         if self.method == "tleg":  # TLEG: theta_l = theta_A + (l / n) theta_B, l = 0..n-1
             return [self.tleg_layer(tower, l, n) for l in range(n)]
         # He-LG: the last K layers of the distilled model on top of n-K random layers
-        blocks = (self.visual.transformer.resblocks if tower == "visual" else self.transformer.resblocks)
+        blocks = (self.visual.transformer.resblocks if tower == "visual"
+                  else self.transformer.resblocks)
         kept = [b.params() for b in blocks[self.aux_layers - min(n, self.helg_layers):]]
         gen, w = torch.Generator().manual_seed(seed * 2 + (tower == "text")), self.cfg.vision_width
         return [init_block(Block(w), w, n, gen).params() for _ in range(n - len(kept))] + kept
@@ -401,7 +423,8 @@ class AuxCLIP(CLIP):
         if self.method == "helg":
             per_layer = sum(p.numel() for p in self.transformer.resblocks[0].parameters())
             return 2 * min(self.helg_layers, self.aux_layers) * per_layer
-        return sum(v.numel() for k, v in self.state_dict().items() if k.startswith(("learngene.", "tleg.")))
+        return sum(v.numel() for k, v in self.state_dict().items()
+                   if k.startswith(("learngene.", "tleg.")))
 
     def meta(self) -> dict:
         return {"method": self.method, "part": self.part, "helg_layers": self.helg_layers,
@@ -418,7 +441,8 @@ def descendant_state(aux: AuxCLIP, n: int, modality: str, seed: int = 0, part=No
             if k.startswith(LEARNGENE_PREFIXES) or ".resblocks." in k:
                 continue        # the layers are built from the learngene below
             tower = "visual" if k.startswith("visual.") else ("clip" if k == "logit_scale" else "text")
-            if tower in towers or (tower == "clip" and modality == "clip"):      # logit_scale: only a CLIP's
+            # logit_scale: only a CLIP's
+            if tower in towers or (tower == "clip" and modality == "clip"):
                 sd[k] = v.clone()
         for tower in towers:
             prefix = "visual.transformer.resblocks." if tower == "visual" else "transformer.resblocks."
@@ -440,8 +464,9 @@ def weights_folder(path: str) -> str:
 
 
 def read_state(path: str) -> tuple:
-    """(state dict, config dict or {}) of an out_dir, a checkpoint/ folder or an OpenAI-layout .safetensors / .pt,
-    with the config.json beside it if there is one (a bare file: OpenAI's conventions, see infer_config)."""
+    """(state dict, config dict or {}) of an out_dir, a checkpoint/ folder or an OpenAI-layout
+    .safetensors / .pt, with the config.json beside it if there is one (a bare file: OpenAI's
+    conventions, see infer_config)."""
     folder = weights_folder(path)
     if os.path.isdir(path):
         path = os.path.join(folder, "model.safetensors")
@@ -457,16 +482,17 @@ def folder_tokenizer(path: str):
 
 
 def infer_config(sd: dict, cfg: dict, path: str, need=("visual", "text")) -> ModelConfig:
-    """ModelConfig of OpenAI-layout weights (lifecycle.clip_hparams: shapes, and what config.json states); the
-    towers not in `need` keep 0 layers."""
+    """ModelConfig of OpenAI-layout weights (lifecycle.clip_hparams: shapes, and what config.json
+    states); the towers not in `need` keep 0 layers."""
     hparams = lifecycle.clip_hparams(sd, path, cfg, need)
     return ModelConfig(**{"vision_layers": 0, "text_layers": 0, **hparams})
 
 
 def recorded_model(path: str, quick_gelu=None, script=None):
-    """(model, tokenizer or None, config dict) from the load_model of the script the checkpoint at `path` records
-    ("script"), so a fork's checkpoint is read by the fork's model code; under lifecycle.find_script's trust rule
-    (only by its bare name beside this file; `script`, --script, names any other file). None without a record."""
+    """(model, tokenizer or None, config dict) from the load_model of the script the checkpoint at
+    `path` records ("script"), so a fork's checkpoint is read by the fork's model code; under
+    lifecycle.find_script's trust rule (only by its bare name beside this file; `script`, --script,
+    names any other file). None without a record."""
     cfg_path = os.path.join(weights_folder(path), "config.json")
     record = lifecycle.read_json(cfg_path).get("script") if os.path.isfile(cfg_path) else None
     if record is None and script is None:
@@ -484,35 +510,40 @@ def recorded_model(path: str, quick_gelu=None, script=None):
 
 
 def load_teacher(path: str, vocab=None, quick_gelu=None, script=None):
-    """The frozen ancestry CLIP in eval mode: (model, tokenizer, ModelConfig), built by the load_model of the script
-    the checkpoint records (or --script), else by this script's (used through encode_image, encode_text,
-    logit_scale). A codebook-head teacher (il_clip --method codebook) is refused: its embeddings are not CLIP's."""
+    """The frozen ancestry CLIP in eval mode: (model, tokenizer, ModelConfig), built by the
+    load_model of the script the checkpoint records (or --script), else by this script's (used
+    through encode_image, encode_text, logit_scale). A codebook-head teacher (il_clip --method
+    codebook) is refused: its embeddings are not CLIP's."""
     model, tok, config = recorded_model(path, quick_gelu, script) or load_model(path, quick_gelu=quick_gelu)
     m = config.get("model") or {}
     if m.get("codebook_size"):
         method = config.get("method", "codebook")
-        raise ConfigError(f"{path}: a codebook-head teacher (il_clip.py --method {method}) is not supported, its "
-                          f"embeddings are not CLIP's: use an il_clip.py --method clip (or negclip) run, or OpenAI / "
-                          f"open_clip weights")
-    mcfg = ModelConfig(**{f.name: m[f.name] for f in dataclasses.fields(ModelConfig) if f.name in m})
+        raise ConfigError(f"{path}: a codebook-head teacher (il_clip.py --method {method}) is not "
+                          f"supported, its embeddings are not CLIP's: use an il_clip.py --method "
+                          f"clip (or negclip) run, or OpenAI / open_clip weights")
+    mcfg = ModelConfig(**{f.name: m[f.name] for f in dataclasses.fields(ModelConfig)
+                          if f.name in m})
     if vocab:
         tok = data.build_tokenizer(vocab_path=vocab, context_length=mcfg.context_length)
     if tok is None:
-        raise ConfigError(f"{path}: no tokenizer.json beside the teacher; pass --vocab bpe_simple_vocab_16e6.txt.gz")
+        raise ConfigError(f"{path}: no tokenizer.json beside the teacher; pass --vocab "
+                          f"bpe_simple_vocab_16e6.txt.gz")
     return model.eval().requires_grad_(False), tok, mcfg
 
 
 def load_model(path, device="cpu", quick_gelu=None):
-    """-> (CLIP in eval mode, tokenizer or None, config dict) of a CLIP descendant (expand --modality clip), a
-    retrieval fine-tune's out_dir, an il_clip.py out_dir or OpenAI-layout weights: the contract eval_compositional.py
-    calls (as il_clip.load_model); encode_image / encode_text give L2-normalised embeddings. `quick_gelu` None: what
-    the open_clip_config.json / config.json beside the weights says, else OpenAI's QuickGELU, said on stderr."""
+    """-> (CLIP in eval mode, tokenizer or None, config dict) of a CLIP descendant (expand
+    --modality clip), a retrieval fine-tune's out_dir, an il_clip.py out_dir or OpenAI-layout
+    weights: the contract eval_compositional.py calls (as il_clip.load_model); encode_image /
+    encode_text give L2-normalised embeddings. `quick_gelu` None: what the open_clip_config.json /
+    config.json beside the weights says, else OpenAI's QuickGELU, said on stderr."""
     sd, cfg = read_state(path)
     what = "learngene" if any(k.startswith(LEARNGENE_PREFIXES) for k in sd) else \
-        cfg.get("modality", "clip") if cfg.get("task", "retrieval") == "retrieval" else f"{cfg['task']} fine-tune"
+        cfg.get("modality", "clip") if cfg.get("task", "retrieval") == "retrieval" else \
+        f"{cfg['task']} fine-tune"
     if what != "clip":
-        raise ConfigError(f"{path}: a {what} model; evaluation needs both towers (a CLIP descendant, expand "
-                          f"--modality clip, or a retrieval fine-tune)")
+        raise ConfigError(f"{path}: a {what} model; evaluation needs both towers (a CLIP "
+                          f"descendant, expand --modality clip, or a retrieval fine-tune)")
     weights = os.path.join(weights_folder(path), "model.safetensors") if os.path.isdir(path) else path
     quick_gelu, source = lifecycle.weights_activation(quick_gelu, weights)
     if source == "assumed":
@@ -532,7 +563,8 @@ def load_learngene(path: str, width=None) -> tuple:
             meta, sd = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
         info = json.loads(meta["learngene"])
     except Exception as e:
-        raise ConfigError(f"{path}: not a learngene file written by mm_learngene.py ({type(e).__name__})")
+        raise ConfigError(f"{path}: not a learngene file written by mm_learngene.py "
+                          f"({type(e).__name__})")
     cfg = ModelConfig(**info["model_config"])
     if width is not None and width != cfg.vision_width:
         raise ConfigError(f"{path}: learngene of width {cfg.vision_width}, expected width {width}")
@@ -541,7 +573,8 @@ def load_learngene(path: str, width=None) -> tuple:
     for k, v in sd.items():
         if k in expected and expected[k].shape != v.shape:
             raise ConfigError(f"{path}: {k} has shape {tuple(v.shape)}, the file's config (width "
-                              f"{cfg.vision_width}) needs {tuple(expected[k].shape)}: learngene from another width")
+                              f"{cfg.vision_width}) needs {tuple(expected[k].shape)}: learngene "
+                              f"from another width")
     missing, unexpected = aux.load_state_dict(sd, strict=False)
     if missing or unexpected:
         raise ConfigError(f"{path}: learngene does not match its config (missing {missing[:1]}, "
@@ -554,14 +587,16 @@ def load_learngene(path: str, width=None) -> tuple:
 
 
 class _AllGather(torch.autograd.Function):
-    """Every rank's rows in rank order; the backward sums each rank's gradient for these rows and returns it to their
-    owner (open_clip's gather_with_grad). Both collectives are synchronous: with torch's asynchronous functional
-    all-gather, 2-rank gloo runs died about 1 in 100 (heap corruption found in gloo's worker thread)."""
+    """Every rank's rows in rank order; the backward sums each rank's gradient for these rows and
+    returns it to their owner (open_clip's gather_with_grad). Both collectives are synchronous: with
+    torch's asynchronous functional all-gather, 2-rank gloo runs died about 1 in 100 (heap
+    corruption found in gloo's worker thread)."""
 
     @staticmethod
     def forward(ctx, x):
         out = x.new_empty((dist.get_world_size() * x.shape[0], *x.shape[1:]))
-        dist.all_gather_single(out, x.contiguous())    # torch 2.13's name for all_gather_into_tensor
+        # torch 2.13's name for all_gather_into_tensor
+        dist.all_gather_single(out, x.contiguous())
         return out
 
     @staticmethod
@@ -592,15 +627,18 @@ def clip_loss(i2t, t2i, labels):
 
 
 def soft_ce(student_logits, teacher_logits):
-    """CE(logit^aux, logit^anc) of Eq. 5-6. CHOICE: soft-target cross-entropy, target softmax(teacher logits),
-    row-wise, mean over rows, no extra distillation temperature (each model's own logit scale is its temperature)."""
+    """CE(logit^aux, logit^anc) of Eq. 5-6. CHOICE: soft-target cross-entropy, target
+    softmax(teacher logits), row-wise, mean over rows, no extra distillation temperature (each
+    model's own logit scale is its temperature)."""
     return -(teacher_logits.softmax(-1) * student_logits.log_softmax(-1)).sum(-1).mean()
 
 
 @torch.no_grad()
 def teacher_logits(teacher, images, text):
-    """The frozen ancestry's (i2t, t2i) logits of Eq. 5-6, with its own logit scale, capped at 100 as the student's."""
-    t_i2t, t_t2i, _ = clip_logits(teacher.encode_image(images).float(), teacher.encode_text(text).float(),
+    """The frozen ancestry's (i2t, t2i) logits of Eq. 5-6, with its own logit scale, capped at 100
+    as the student's."""
+    t_i2t, t_t2i, _ = clip_logits(teacher.encode_image(images).float(),
+                                  teacher.encode_text(text).float(),
                                   capped_scale(teacher).float(), grad=False)
     return t_i2t, t_t2i
 
@@ -636,12 +674,13 @@ def autocast(device, dtype):
 
 
 def make_optimizer(model, lr, weight_decay, device):
-    """AdamW(0.9, 0.98); weight decay on matrices only (not gains, biases, coefficients, class_embedding,
-    logit_scale)."""
+    """AdamW(0.9, 0.98); weight decay on matrices only (not gains, biases, coefficients,
+    class_embedding, logit_scale)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-6, fused=device.startswith("cuda") or None)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-6,
+                             fused=device.startswith("cuda") or None)
 
 
 def get_lr(step, max_steps, lr, warmup):
@@ -654,9 +693,11 @@ def get_lr(step, max_steps, lr, warmup):
 
 def atomic_save_file(tensors, path, metadata=None):
     """A .safetensors outside the checkpoint set (learngene, descendant, final model) with its
-    own metadata, written whole or not at all (lifecycle.atomic_write) and fsynced (lifecycle.fsync)."""
+    own metadata, written whole or not at all (lifecycle.atomic_write) and fsynced
+    (lifecycle.fsync)."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    lifecycle.atomic_write(path, lambda tmp: lifecycle.fsync(tmp, lambda f: save_file(tensors, f, metadata=metadata)))
+    lifecycle.atomic_write(path, lambda tmp: lifecycle.fsync(
+        tmp, lambda f: save_file(tensors, f, metadata=metadata)))
 
 
 def atomic_write_json(obj, path):
@@ -668,36 +709,42 @@ class NonFiniteError(Exception):
 
 
 def warmup_steps(warmup, max_steps, tag, rank):
-    """--warmup (-1: 10% of the run). CHOICE: a warm-up longer than the run (Table 6's 10k steps on a
-    small set) would never reach the peak lr, so it is cut to 10% of the run, said in one note."""
+    """--warmup (-1: 10% of the run). CHOICE: a warm-up longer than the run (Table 6's 10k steps on
+    a small set) would never reach the peak lr, so it is cut to 10% of the run, said in one note."""
     if warmup > max_steps and rank == 0:
-        print(f"note: {tag}: the warm-up of {warmup} steps is longer than the run ({max_steps} steps); warming up "
-              f"for {max(1, max_steps // 10)} steps (10% of the run)", file=sys.stderr, flush=True)
+        print(f"note: {tag}: the warm-up of {warmup} steps is longer than the run ({max_steps} "
+              f"steps); warming up for {max(1, max_steps // 10)} steps (10% of the run)",
+              file=sys.stderr, flush=True)
     return max(1, max_steps // 10 if warmup < 0 or warmup > max_steps else warmup)
 
 
 def agree_flags(bad, world, device, tag, done):
-    """Every rank's non-finite flag and the signal it received (SIGTERM, SIGINT; 0: none), combined (MAX) over ranks.
-    A signal reaches the ranks at different steps: agreeing here makes all of them stop at this same step, and none
-    is left waiting in a collective the others have left. Returns the signal to stop for, or 0."""
+    """Every rank's non-finite flag and the signal it received (SIGTERM, SIGINT; 0: none), combined
+    (MAX) over ranks. A signal reaches the ranks at different steps: agreeing here makes all of them
+    stop at this same step, and none is left waiting in a collective the others have left. Returns
+    the signal to stop for, or 0."""
     sig = lifecycle.stop_requested()
-    flags = torch.stack([bad.float(), torch.tensor(float(signal.Signals[sig] if sig else 0), device=device)])
+    flags = torch.stack([bad.float(),
+                         torch.tensor(float(signal.Signals[sig] if sig else 0), device=device)])
     if world > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     bad, sig = flags.tolist()
     if bad:
-        raise NonFiniteError(f"{tag}: non-finite loss at a step <= {done}; stopped, the last good checkpoint is kept")
+        raise NonFiniteError(f"{tag}: non-finite loss at a step <= {done}; stopped, the last good "
+                             f"checkpoint is kept")
     return int(sig)
 
 
-PHASE_STYLE = {"extract": ("extraction loss (Eq. 8)", "tab:blue"), "activate": ("activation: CLIP loss", "tab:orange"),
+PHASE_STYLE = {"extract": ("extraction loss (Eq. 8)", "tab:blue"),
+               "activate": ("activation: CLIP loss", "tab:orange"),
                "finetune": ("fine-tuning loss", "tab:green")}
 TERM_STYLE = {"clip": ("CLIP loss", "0.55"), "dist": ("distillation loss", "tab:red")}
 
 
 def draw_loss_curve(out_dir, tag):
-    """out_dir/loss_curve.png: the phase's training loss per logged step (its metrics.jsonl), labelled by phase, and
-    its terms where it has more than one (extract: CLIP + distillation). Returns the Figure."""
+    """out_dir/loss_curve.png: the phase's training loss per logged step (its metrics.jsonl),
+    labelled by phase, and its terms where it has more than one (extract: CLIP + distillation).
+    Returns the Figure."""
     path = os.path.join(out_dir, "metrics.jsonl")
     with open(path) if os.path.isfile(path) else contextlib.nullcontext([]) as f:
         recs = [m for m in map(json.loads, filter(str.strip, f)) if "loss" in m]
@@ -711,11 +758,12 @@ def draw_loss_curve(out_dir, tag):
 
 
 class StepLoss(nn.Module):
-    """loss_fn(model, batch) as the forward() that DDP wraps, so every loss term runs inside it: a term that uses a
-    parameter directly (a learnable bias, a weight penalty) gets its gradient averaged over ranks like the rest, and
-    loss_fn sees the model itself with 1 rank or many. `touch` (under DDP): every trained parameter enters the loss,
-    times 0, so one that a rank's step leaves unused (a fork's term, a branch some batches skip) gets a zero gradient
-    there and DDP's buckets match on every rank. CHOICE: this, not find_unused_parameters, which walks the graph
+    """loss_fn(model, batch) as the forward() that DDP wraps, so every loss term runs inside it: a
+    term that uses a parameter directly (a learnable bias, a weight penalty) gets its gradient
+    averaged over ranks like the rest, and loss_fn sees the model itself with 1 rank or many.
+    `touch` (under DDP): every trained parameter enters the loss, times 0, so one that a rank's step
+    leaves unused (a fork's term, a branch some batches skip) gets a zero gradient there and DDP's
+    buckets match on every rank. CHOICE: this, not find_unused_parameters, which walks the graph
     every step and warns when nothing is unused; the loss and the other gradients are unchanged."""
 
     def __init__(self, model, loss_fn, touch=False):
@@ -725,46 +773,55 @@ class StepLoss(nn.Module):
     def forward(self, batch):
         loss, parts = self.loss_fn(self.model, batch)
         if self.touch:
-            loss = loss + sum(p.reshape(-1)[0] for p in self.model.parameters() if p.requires_grad) * 0.0
+            loss = loss + sum(p.reshape(-1)[0] for p in self.model.parameters()
+                              if p.requires_grad) * 0.0
         return loss, parts
 
 
 def log_record(out_dir, m):
-    """One metrics.jsonl record (rank 0), also to --wandb, where a later phase logs after the earlier phases' steps."""
+    """One metrics.jsonl record (rank 0), also to --wandb, where a later phase logs after the
+    earlier phases' steps."""
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        lifecycle.log_record(os.path.join(out_dir, "metrics.jsonl"), m, _wandb["run"], m["step"] + _wandb["offset"])
+        lifecycle.log_record(os.path.join(out_dir, "metrics.jsonl"), m, _wandb["run"],
+                             m["step"] + _wandb["offset"])
 
 
-def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, out_dir=None, config=None,
-                tokenizer=None, tag="train", on_save=None, resume=False):
+def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, out_dir=None,
+                config=None, tokenizer=None, tag="train", on_save=None, resume=False):
     """One training phase. `loss_fn(model, batch) -> (loss, {name: detached tensor})`, run inside
     DDP's forward when world > 1 (StepLoss). Nothing in a step waits for the device: the
     losses and a non-finite flag are read at log steps, save steps and --stop_at. Saves at
     multiples of --save_interval, at --stop_at, on SIGTERM / SIGINT and at the end. `resume`:
-    continue from out_dir's checkpoint (True), or from one already read (lifecycle.load_checkpoint's)."""
+    continue from out_dir's checkpoint (True), or from one already read
+    (lifecycle.load_checkpoint's)."""
     step_loss = StepLoss(model, loss_fn, touch=world > 1)
-    ddp = nn.parallel.DistributedDataParallel(step_loss, device_ids=[device] if device.startswith("cuda") else None) \
+    ddp = nn.parallel.DistributedDataParallel(
+        step_loss, device_ids=[device] if device.startswith("cuda") else None) \
         if world > 1 else step_loss
     fwd = torch.compile(ddp) if getattr(args, "compile", False) else ddp
     # the state of the phase that a checkpoint holds (save_run, load_run)
-    run = types.SimpleNamespace(raw=model, opt=make_optimizer(model, args.lr, args.wd, device), loader=loader,
-                                out_dir=out_dir, config=config or {}, tokenizer=tokenizer, tag=tag, rank=rank,
-                                on_save=on_save, device=device, step=0, elapsed=0.0, newest_damaged=False)
+    run = types.SimpleNamespace(raw=model, opt=make_optimizer(model, args.lr, args.wd, device),
+                                loader=loader, out_dir=out_dir, config=config or {},
+                                tokenizer=tokenizer, tag=tag, rank=rank, on_save=on_save,
+                                device=device, step=0, elapsed=0.0, newest_damaged=False)
     # no gradient carried over from an earlier phase (a resumed run starts without one)
     model.zero_grad(set_to_none=True)
     trained = [p for p in model.parameters() if p.requires_grad]
     if resume:
         load_run(run, None if resume is True else resume)
     elif out_dir and rank == 0 and os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
-        os.remove(os.path.join(out_dir, "metrics.jsonl"))     # a fresh run into an old out_dir: a fresh log
+        # a fresh run into an old out_dir: a fresh log
+        os.remove(os.path.join(out_dir, "metrics.jsonl"))
     it = loader.forever()
     warmup = warmup_steps(args.warmup, max_steps, tag, rank)
     bad = torch.zeros((), dtype=torch.bool, device=device)
     t0 = t_log = time.time()
     step_log = run.step
-    bar = lifecycle.progress(range(run.step, max_steps), desc=tag, initial=run.step, total=max_steps)
-    # --wandb: one run per process; a phase (finetune after activate) logs after the earlier phases' steps
+    bar = lifecycle.progress(range(run.step, max_steps), desc=tag, initial=run.step,
+                             total=max_steps)
+    # --wandb: one run per process; a phase (finetune after activate) logs after the earlier phases'
+    # steps
     _wandb["offset"], _wandb["next"] = _wandb["next"], _wandb["next"] + max_steps
     for step in bar:
         lr = get_lr(step, max_steps, args.lr, warmup)
@@ -786,8 +843,10 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
         t0 = time.time()
         run.step = done = step + 1
         at_log = done % args.log_interval == 0 or done == max_steps
-        at_save = bool(out_dir) and args.save_interval > 0 and done % args.save_interval == 0 and done < max_steps
-        at_stop = getattr(args, "stop_at", None) is not None and done == args.stop_at and done < max_steps
+        at_save = (bool(out_dir) and args.save_interval > 0 and done % args.save_interval == 0
+                   and done < max_steps)
+        at_stop = (getattr(args, "stop_at", None) is not None and done == args.stop_at
+                   and done < max_steps)
         # flags are read (a device sync) only where every rank reads them at the same step;
         # one process may stop at any step
         sig = (at_log or at_save or at_stop or (world == 1 and lifecycle.stop_requested())) and \
@@ -799,16 +858,19 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
             vals = (vals / world).tolist()
             sps = args.batch_size * (done - step_log) / max(1e-9, time.time() - t_log)
             t_log, step_log = time.time(), done
-            rec = {"step": done, "phase": tag, "loss": vals[0], "lr": lr, "time": round(time.time(), 3),
-                   "elapsed": round(run.elapsed, 3), "samples_per_s": round(sps, 1), **dict(zip(parts, vals[1:]))}
+            rec = {"step": done, "phase": tag, "loss": vals[0], "lr": lr,
+                   "time": round(time.time(), 3), "elapsed": round(run.elapsed, 3),
+                   "samples_per_s": round(sps, 1), **dict(zip(parts, vals[1:]))}
             lifecycle.on_rank0(lambda: log_record(out_dir, rec), rank, world, device)
             bar.set_postfix(loss=f"{vals[0]:.4f}", lr=f"{lr:.2e}", refresh=False)
         if (sig and done < max_steps) or at_stop:
-            lifecycle.on_rank0(lambda: save_run(run), rank, world, device)     # rank 0 has written before any rank exits
+            # rank 0 has written before any rank exits
+            lifecycle.on_rank0(lambda: save_run(run), rank, world, device)
             if rank == 0:
-                cmd = lifecycle.resume_command(__file__, world, args.out_dir, args.cmd) if hasattr(args, "cmd") \
-                    else "--resume"
-                print(lifecycle.stop_line(signal.Signals(sig).name if sig else "--stop_at", done, max_steps, cmd),
+                cmd = lifecycle.resume_command(__file__, world, args.out_dir, args.cmd) \
+                    if hasattr(args, "cmd") else "--resume"
+                print(lifecycle.stop_line(signal.Signals(sig).name if sig else "--stop_at", done,
+                                          max_steps, cmd),
                       flush=True)
             sys.exit(0)
         if at_save:
@@ -816,7 +878,8 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
     bar.close()
     agree_flags(bad, world, device, tag, run.step)
     if out_dir:
-        lifecycle.on_rank0(lambda: (save_run(run), draw_loss_curve(out_dir, tag)), rank, world, device)
+        lifecycle.on_rank0(lambda: (save_run(run), draw_loss_curve(out_dir, tag)), rank,
+                           world, device)
     return run
 
 
@@ -855,11 +918,13 @@ def recorded_source(a) -> dict:
 
 
 def table6_defaults(a, column: str):
-    """Fill the flags left unset: Table 6's `column` off shapes; on shapes its lr and weight decay with SHAPES_SIZED
-    steps, batch and warm-up. Off shapes an unset --max_steps follows from --epochs (train_steps)."""
+    """Fill the flags left unset: Table 6's `column` off shapes; on shapes its lr and weight decay
+    with SHAPES_SIZED steps, batch and warm-up. Off shapes an unset --max_steps follows from
+    --epochs (train_steps)."""
     lr, wd, warmup, batch, epochs = TABLE6[column]
     if is_shapes(a.data):
-        values = {"lr": lr, "wd": wd, **SHAPES_SIZED["extract" if column == "extract" else "finetune"]}
+        values = {"lr": lr, "wd": wd,
+                  **SHAPES_SIZED["extract" if column == "extract" else "finetune"]}
         if a.epochs is not None:        # --epochs asked on shapes: the steps follow from it
             del values["max_steps"]
     else:
@@ -886,9 +951,9 @@ def train_loader(a, src: dict, tok, image_size, rank, world, seed, ordered=False
     the ranks; a CSV flag that is None (not recorded) takes data.make_loader's default.
     `ordered`: the training split in data order, every sample, eval transforms."""
     csv = {k: src[k] for k in CSV_FLAGS if src.get(k) is not None}
-    return data.make_loader(src["data"], "train", 100 if ordered else a.batch_size // world, tok, image_size,
-                            not ordered, rank, world, a.num_workers, seed, drop_last=not ordered,
-                            image_root=src["image_root"], **csv)
+    return data.make_loader(src["data"], "train", 100 if ordered else a.batch_size // world, tok,
+                            image_size, not ordered, rank, world, a.num_workers, seed,
+                            drop_last=not ordered, image_root=src["image_root"], **csv)
 
 
 # -----------------------------------------------------------------------------
@@ -899,7 +964,8 @@ def cmd_extract(a):
     t_start = time.time()
     table6_defaults(a, "extract")
     rank, world, device = setup_distributed(a.device)
-    lifecycle.claim_out_dir(a.out_dir, rank, world, device, a.resume, a.overwrite, RUN_FILES)   # before any write there
+    # before any write there
+    lifecycle.claim_out_dir(a.out_dir, rank, world, device, a.resume, a.overwrite, RUN_FILES)
     torch.manual_seed(a.seed)
     random.seed(a.seed)
     np.random.seed(a.seed)
@@ -912,16 +978,19 @@ def cmd_extract(a):
     if preset["width"] % preset["heads"]:
         raise ConfigError(f"width {preset['width']} is not divisible by {preset['heads']} heads")
     if preset["layers"] < 2 or preset["layers"] % 2:
-        raise ConfigError(f"--aux_layers must be even and >= 2 (two layers per coefficient), got {preset['layers']}")
+        raise ConfigError(f"--aux_layers must be even and >= 2 (two layers per coefficient), got "
+                          f"{preset['layers']}")
     # The student sees the teacher's images and tokens: same image size and tokenizer.
     cfg = ModelConfig(embed_dim=preset["embed_dim"] if a.aux_width is None else preset["width"],
                       image_size=tcfg.image_size, patch_size=a.patch_size or preset["patch_size"],
-                      vision_width=preset["width"], vision_layers=preset["layers"], vision_heads=preset["heads"],
-                      context_length=tok.context_length, vocab_size=tok.vocab_size, text_width=preset["width"],
-                      text_layers=preset["layers"], text_heads=preset["heads"], eot_token_id=tok.eot_id,
-                      quick_gelu=False)  # the student is a new model: GELU
+                      vision_width=preset["width"], vision_layers=preset["layers"],
+                      vision_heads=preset["heads"], context_length=tok.context_length,
+                      vocab_size=tok.vocab_size, text_width=preset["width"],
+                      text_layers=preset["layers"], text_heads=preset["heads"],
+                      eot_token_id=tok.eot_id, quick_gelu=False)  # the student is a new model: GELU
     if cfg.image_size % cfg.patch_size:
-        raise ConfigError(f"image size {cfg.image_size} is not a multiple of patch size {cfg.patch_size}")
+        raise ConfigError(f"image size {cfg.image_size} is not a multiple of patch size "
+                          f"{cfg.patch_size}")
     part = "no_mm" if a.no_mm else ("only_mm" if a.only_mm else "both")
     aux = AuxCLIP(cfg, a.method, part, a.helg_layers).to(device)
     loader = train_loader(a, data_source(a), tok, cfg.image_size, rank, world, a.seed)
@@ -934,27 +1003,30 @@ def cmd_extract(a):
         t_i2t, t_t2i = teacher_logits(teacher, images, text)
         l_clip = clip_loss(s_i2t, s_t2i, labels)
         l_dist = distill_loss(s_i2t, s_t2i, t_i2t, t_t2i)
-        return l_clip + a.lambda_dist * l_dist, {"clip": l_clip.detach(), "dist": l_dist.detach()}  # Eq. 8
+        # Eq. 8
+        return l_clip + a.lambda_dist * l_dist, {"clip": l_clip.detach(), "dist": l_dist.detach()}
 
-    config = {"args": run_flags(a), "world_size": world, **aux.meta(), "model": dataclasses.asdict(aux.cfg),
-              "teacher_config": dataclasses.asdict(tcfg)}
+    config = {"args": run_flags(a), "world_size": world, **aux.meta(),
+              "model": dataclasses.asdict(aux.cfg), "teacher_config": dataclasses.asdict(tcfg)}
     ckpt = lifecycle.load_checkpoint(a.out_dir, STATE_TYPES, rank=rank) if a.resume else None
     start_line(a, f"extract --method {a.method}", aux, device, world, loader, rank,
                [f"teacher {a.init} ({'QuickGELU' if tcfg.quick_gelu else 'GELU'})"],
                ckpt and f"step {ckpt[2]['step']}")
-    _wandb["run"] = lifecycle.start_wandb(a.wandb, a.out_dir, config, a.resume) if a.wandb and rank == 0 else None
+    _wandb["run"] = lifecycle.start_wandb(a.wandb, a.out_dir, config, a.resume) \
+        if a.wandb and rank == 0 else None
 
     def write_learngene(tr):
         tok_json = pathlib.Path(a.out_dir, "tokenizer.json").read_text()
         meta = {"learngene": json.dumps(aux.meta()), "tokenizer": tok_json,
-                "extract": json.dumps({"step": tr.step, "elapsed": tr.elapsed, "batch_size": a.batch_size,
-                                       **recorded_source(a)})}
+                "extract": json.dumps({"step": tr.step, "elapsed": tr.elapsed,
+                                       "batch_size": a.batch_size, **recorded_source(a)})}
         atomic_save_file(aux.state_dict(), os.path.join(a.out_dir, "learngene.safetensors"), meta)
 
-    train_phase(aux, loss_fn, loader, a, rank, world, device, a.max_steps, a.out_dir, config, tok, "extract",
-                write_learngene, ckpt)
+    train_phase(aux, loss_fn, loader, a, rank, world, device, a.max_steps, a.out_dir, config, tok,
+                "extract", write_learngene, ckpt)
     if rank == 0:
-        end_line(a, a.max_steps, t_start, ["learngene.safetensors", "checkpoint/", "metrics.jsonl", "loss_curve.png"],
+        end_line(a, a.max_steps, t_start,
+                 ["learngene.safetensors", "checkpoint/", "metrics.jsonl", "loss_curve.png"],
                  f", learngene parameters {aux.learngene_numel():,} (blocks + coefficients; "
                  f"{sum(p.numel() for p in aux.parameters()):,} with the non-learngene parts)")
 
@@ -968,7 +1040,8 @@ def write_descendant(out_dir, sd, cfg, modality, tok_json, extra):
     atomic_save_file(sd, os.path.join(out_dir, "model.safetensors"))
     # "model": the ModelConfig fields, the layout il_clip.load_model reads
     atomic_write_json({"model": dataclasses.asdict(cfg), "modality": modality, **extra,
-                       "script": lifecycle.script_record(__file__)}, os.path.join(out_dir, "config.json"))
+                       "script": lifecycle.script_record(__file__)},
+                      os.path.join(out_dir, "config.json"))
     if tok_json is not None:    # the learngene's copy of the teacher's tokenizer.json, as written
         write = lambda tmp: lifecycle.fsync(tmp, lambda f: pathlib.Path(f).write_text(tok_json))
         lifecycle.atomic_write(os.path.join(out_dir, "tokenizer.json"), write)
@@ -977,16 +1050,18 @@ def write_descendant(out_dir, sd, cfg, modality, tok_json, extra):
 def cmd_expand(a):
     t_start = time.time()
     if a.modality == "text":
-        raise ConfigError("--modality text: no task of finetune trains a text-only descendant (the paper's tasks "
-                          "are retrieval, classification and captioning); expand --modality clip for a text tower")
+        raise ConfigError("--modality text: no task of finetune trains a text-only descendant (the "
+                          "paper's tasks are retrieval, classification and captioning); expand "
+                          "--modality clip for a text tower")
     aux, meta = load_learngene(a.learngene, a.width)
     if a.part != "both" and aux.method != "mmlg":
         raise ConfigError(f"--part {a.part}: only an MM-LG learngene has a multimodal part to drop")
     part = aux.part if a.part == "both" else a.part
     out = a.out_dir or f"out/descendant_{aux.method}_{a.modality}{a.layers}"
-    if os.path.exists(os.path.join(out, "model.safetensors")) and not a.overwrite:    # runs fine-tuned from it
-        raise ConfigError(f"{out} holds a descendant already (a fine-tune may name it as its --init): use another "
-                          f"--out_dir, or --overwrite to replace it")
+    # runs fine-tuned from it
+    if os.path.exists(os.path.join(out, "model.safetensors")) and not a.overwrite:
+        raise ConfigError(f"{out} holds a descendant already (a fine-tune may name it as its "
+                          f"--init): use another --out_dir, or --overwrite to replace it")
     lifecycle.claim_out_dir(out, 0, 1, "cpu", overwrite=a.overwrite, run_files=RUN_FILES)
     lifecycle.start_line(__file__, f"expand --layers {a.layers} --modality {a.modality}",
                          [f"learngene {a.learngene} ({aux.method})", f"part {a.part}"], out)
@@ -997,8 +1072,9 @@ def cmd_expand(a):
                       "extract_data": {k: extract.get(k) for k in SOURCE_KEYS},
                       "layers": a.layers, "layer_order": expand_order(a.layers, aux.aux_layers // 2)
                       if aux.method == "mmlg" else None})
-    lifecycle.done_line(f"a {a.layers}-layer {a.modality} descendant, {sum(v.numel() for v in sd.values()):,} "
-                        f"parameters", time.time() - t_start,
+    lifecycle.done_line(f"a {a.layers}-layer {a.modality} descendant, "
+                        f"{sum(v.numel() for v in sd.values()):,} parameters",
+                        time.time() - t_start,
                         [os.path.join(out, n) for n in ("model.safetensors", "config.json", "tokenizer.json")
                          if os.path.isfile(os.path.join(out, n))])
 
@@ -1034,14 +1110,16 @@ def load_init(a):
             cfg, tok = infer_config(sd, cfgj, a.like, MODALITY_TOWERS[modality]), folder_tokenizer(a.like)
         if tok is None:
             captions = (data.captions_for_tokenizer("shapes") if a.task == "classification" else
-                        data.captions_for_tokenizer(a.data, image_root=a.image_root, **csv_options(a)))
+                        data.captions_for_tokenizer(a.data, image_root=a.image_root,
+                                                    **csv_options(a)))
             tok = data.build_tokenizer(captions=captions, context_length=77)
         if cfg is None:
             p, n = AUX_PRESETS[a.model], a.layers or 6
-            cfg = ModelConfig(embed_dim=p["embed_dim"], image_size=a.image_size, patch_size=p["patch_size"],
-                              vision_width=p["width"], vision_layers=n, vision_heads=p["heads"],
-                              context_length=tok.context_length, vocab_size=tok.vocab_size, text_width=p["width"],
-                              text_layers=n, text_heads=p["heads"], eot_token_id=tok.eot_id)
+            cfg = ModelConfig(embed_dim=p["embed_dim"], image_size=a.image_size,
+                              patch_size=p["patch_size"], vision_width=p["width"], vision_layers=n,
+                              vision_heads=p["heads"], context_length=tok.context_length,
+                              vocab_size=tok.vocab_size, text_width=p["width"], text_layers=n,
+                              text_heads=p["heads"], eot_token_id=tok.eot_id)
         elif a.layers:
             cfg = dataclasses.replace(cfg, vision_layers=a.layers if cfg.vision_layers else 0,
                                       text_layers=a.layers if cfg.text_layers else 0)
@@ -1050,11 +1128,13 @@ def load_init(a):
         return model, tok, cfg, modality, "scratch", {}
     sd, cfgj = read_state(a.init)
     if any(k.startswith(LEARNGENE_PREFIXES) for k in sd):
-        raise ConfigError(f"{a.init}: a learngene file; run `expand` first and pass the descendant out_dir")
+        raise ConfigError(f"{a.init}: a learngene file; run `expand` first and pass the "
+                          f"descendant out_dir")
     modality = cfgj.get("modality", "clip")
     need = MODALITY_TOWERS.get(modality)
     if need is None or modality == "text":
-        raise ConfigError(f"{a.init}: finetune supports clip and vision descendants, not {modality}")
+        raise ConfigError(f"{a.init}: finetune supports clip and vision descendants, "
+                          f"not {modality}")
     # a CLIP checkpoint that records its script is read by that script's load_model (a fork's
     # layout and activation); its OpenAI-layout weights are then fine-tuned in this script's CLIP,
     # built below: the reader's random init must not shift this run's draws
@@ -1075,9 +1155,10 @@ def load_init(a):
 
 
 def stratified_subsample(labels: list, n: int, seed: int) -> list:
-    """`n` of the indices of `labels`, seeded, each class in proportion to its size (largest remainder, ties to the
-    larger class then the lower label), in index order. Used for the opt-in --train_size / --eval_size (the first n
-    of a class-sorted split would be the first few classes only)."""
+    """`n` of the indices of `labels`, seeded, each class in proportion to its size (largest
+    remainder, ties to the larger class then the lower label), in index order. Used for the opt-in
+    --train_size / --eval_size (the first n of a class-sorted split would be the first few classes
+    only)."""
     if n >= len(labels):
         return list(range(len(labels)))
     groups = {}
@@ -1112,24 +1193,28 @@ class ShapesClassification(torch.utils.data.Dataset):
         return len(self.indices)
 
     def __getitem__(self, i):
-        img, label = data.shapes_classification(self.split, self.indices[i], self.seed, self.image_size)
+        img, label = data.shapes_classification(self.split, self.indices[i], self.seed,
+                                                self.image_size)
         return {"image": self.to_tensor(img), "caption": data.SHAPE_NAMES[label],
                 "key": f"{self.split}{self.indices[i]:08d}", "label": label}
 
 
 def imagefolder_splits(root: str, eval_split: str) -> tuple:
-    """(train folder, eval folder) of an ImageNet-style tree: root/train/ with root/val/ (ImageNet) or root/test/;
-    `eval_split` "auto" takes val/, else test/. A flat folder (class folders directly under root) is an error:
-    training and scoring on the same images would be a silently wrong number."""
+    """(train folder, eval folder) of an ImageNet-style tree: root/train/ with root/val/ (ImageNet)
+    or root/test/; `eval_split` "auto" takes val/, else test/. A flat folder (class folders directly
+    under root) is an error: training and scoring on the same images would be a silently wrong
+    number."""
     train = os.path.join(root, "train")
     if not os.path.isdir(train):
-        raise ConfigError(f"{root}: an ImageFolder needs train/ and val/ (or test/) sub-folders of class folders "
-                          f"(root/train/<class>/*.jpg); a flat folder has no held-out split")
+        raise ConfigError(f"{root}: an ImageFolder needs train/ and val/ (or test/) sub-folders of "
+                          f"class folders (root/train/<class>/*.jpg); a flat folder has no "
+                          f"held-out split")
     names = ["val", "test"] if eval_split == "auto" else [eval_split]
     for name in names:
         if os.path.isdir(os.path.join(root, name)):
             return train, os.path.join(root, name)
-    raise ConfigError(f"{root}: no {' or '.join(n + '/' for n in names)} folder beside train/ to evaluate on")
+    raise ConfigError(f"{root}: no {' or '.join(n + '/' for n in names)} folder beside train/ to "
+                      f"evaluate on")
 
 
 def folder_items(folder: str, classes: list) -> list:
@@ -1138,8 +1223,10 @@ def folder_items(folder: str, classes: list) -> list:
     paths, labels, names = data.image_folder(folder)
     unknown = sorted(set(names) - set(classes))
     if unknown:
-        raise ConfigError(f"{folder}: class folder {unknown[0]!r} is not in the training folder's classes")
-    return [data.Item(p, names[y].replace("_", " "), None, os.path.relpath(p, folder), classes.index(names[y]))
+        raise ConfigError(f"{folder}: class folder {unknown[0]!r} is not in the training "
+                          f"folder's classes")
+    return [data.Item(p, names[y].replace("_", " "), None, os.path.relpath(p, folder),
+                      classes.index(names[y]))
             for p, y in zip(paths, labels)]
 
 
@@ -1152,7 +1239,8 @@ def classification_data(a, image_size, rank, world):
         s, classes = opts.get("seed", 0), list(data.SHAPE_NAMES)
         sizes = {"train": opts.get("train_size", 5000), "test": 1000}
         split = "test" if a.eval_split == "auto" else a.eval_split
-        labels = {sp: [shapes_class_label(sp, i, s) for i in range(sizes.get(sp, 1000))] for sp in ("train", split)}
+        labels = {sp: [shapes_class_label(sp, i, s) for i in range(sizes.get(sp, 1000))]
+                  for sp in ("train", split)}
         pick = {sp: stratified_subsample(labels[sp], n or len(labels[sp]), a.seed)
                 for sp, n in (("train", a.train_size), (split, a.eval_size))}
         train_ds = ShapesClassification("train", pick["train"], s, image_size)
@@ -1162,17 +1250,18 @@ def classification_data(a, image_size, rank, world):
         train_dir, eval_dir = imagefolder_splits(a.data, a.eval_split)
         classes = data.image_folder(train_dir)[2]
         train_items, eval_items = folder_items(train_dir, classes), folder_items(eval_dir, classes)
-        train_items = [train_items[i] for i in stratified_subsample([it.label for it in train_items],
-                                                                     a.train_size or len(train_items), a.seed)]
-        eval_items = [eval_items[i] for i in stratified_subsample([it.label for it in eval_items],
-                                                                  a.eval_size or len(eval_items), a.seed)]
+        train_items = [train_items[i] for i in stratified_subsample(
+            [it.label for it in train_items], a.train_size or len(train_items), a.seed)]
+        eval_items = [eval_items[i] for i in stratified_subsample(
+            [it.label for it in eval_items], a.eval_size or len(eval_items), a.seed)]
         # classification augmentation (Table 6 fine-tuning): random resized crop (0.08, 1) + flip
         aug = data.train_transform(image_size, scale=(0.08, 1.0), flip=True)
         train_ds = data.FileDataset(train_items, aug, a.seed)
         eval_ds = data.FileDataset(eval_items, data.eval_transform(image_size), a.seed)
         eval_name = eval_dir
     train = data.MapLoader(train_ds, a.batch_size // world, train=True, rank=rank, world_size=world,
-                           num_workers=a.num_workers, seed=a.seed, name=a.data, image_size=image_size)
+                           num_workers=a.num_workers, seed=a.seed, name=a.data,
+                           image_size=image_size)
     test = data.MapLoader(eval_ds, 100, train=False, drop_last=False, name=eval_name)
     subsample = f"seeded stratified subsample (seed {a.seed})" if a.eval_size else "whole split"
     return train, test, classes, {"eval_data": eval_name, "eval_subset": subsample}
@@ -1190,24 +1279,27 @@ def eval_classification(clf, loader, device, n_classes):
         total += len(pred)
         seen.update(batch["label"].tolist())
     clf.train()
-    return {"top1": round(100 * right / max(1, total), 2), "n_images": total, "n_classes_scored": len(seen),
-            "n_classes": n_classes, "eval_skipped": loader.skipped - skipped0}
+    return {"top1": round(100 * right / max(1, total), 2), "n_images": total,
+            "n_classes_scored": len(seen), "n_classes": n_classes,
+            "eval_skipped": loader.skipped - skipped0}
 
 
 def retrieval_loader(a, tok, image_size, batch_size=100):
-    """Loader over the retrieval eval split: every image with all its captions, or with --eval_size N a seeded sample
-    of N IMAGES (each with all its captions; COCO 5k / Flickr30k 1k count images). Tar shards are evaluated whole."""
+    """Loader over the retrieval eval split: every image with all its captions, or with --eval_size
+    N a seeded sample of N IMAGES (each with all its captions; COCO 5k / Flickr30k 1k count images).
+    Tar shards are evaluated whole."""
     split = "test" if a.eval_split == "auto" else a.eval_split
     spec = getattr(a, "eval_data", None) or a.data
     src = data.resolve_data(spec, a.image_root)
     if src["kind"] in ("csv", "tar") and not getattr(a, "eval_data", None):
-        raise ConfigError(f"{a.data}: a CSV or shard set has no test split; pass --eval_data (a Karpathy JSON, "
-                          f"CSV or shards held out from training)")
+        raise ConfigError(f"{a.data}: a CSV or shard set has no test split; pass --eval_data (a "
+                          f"Karpathy JSON, CSV or shards held out from training)")
     if src["kind"] == "tar":
         if a.eval_size:
-            raise ConfigError(f"{spec}: --eval_size needs a listed split (Karpathy JSON, CSV, shapes); "
-                              f"tar shards are evaluated whole")
-        return data.make_loader(spec, split, batch_size, tok, image_size, train=False, drop_last=False)
+            raise ConfigError(f"{spec}: --eval_size needs a listed split (Karpathy JSON, CSV, "
+                              f"shapes); tar shards are evaluated whole")
+        return data.make_loader(spec, split, batch_size, tok, image_size, train=False,
+                                drop_last=False)
     if src["kind"] == "shapes":
         ds = data.ShapesDataset(split, None, src.get("seed", 0), image_size)
         keys = [f"{split}{i:08d}" for i in range(len(ds))]
@@ -1224,10 +1316,11 @@ def retrieval_loader(a, tok, image_size, batch_size=100):
 
 
 def retrieval_hits(sim, owners):
-    """Per-query R@1 hits (i2t [images], t2i [texts], bool) from `sim` [images, texts] and `owners` [texts]
-    (each text's image). Ties count as misses: a hit scores strictly higher than every wrong candidate, so a
-    collapsed model scores 0 and two identical captions of different images (shapes repeats short ones such
-    as "a white star") credit neither, whatever their order (`argmax` credited the first)."""
+    """Per-query R@1 hits (i2t [images], t2i [texts], bool) from `sim` [images, texts] and `owners`
+    [texts] (each text's image). Ties count as misses: a hit scores strictly higher than every wrong
+    candidate, so a collapsed model scores 0 and two identical captions of different images (shapes
+    repeats short ones such as "a white star") credit neither, whatever their order (`argmax`
+    credited the first)."""
     pos = owners[None, :] == torch.arange(sim.shape[0], device=sim.device)[:, None]
     best_pos = sim.masked_fill(~pos, -math.inf).amax(1)
     best_neg = sim.masked_fill(pos, -math.inf).amax(1)
@@ -1238,8 +1331,9 @@ def retrieval_hits(sim, owners):
 
 @torch.no_grad()
 def eval_retrieval(model, loader, device, batch_size=100):
-    """I2T / T2I R@1 (%) over every batch of `loader`; images grouped by sample key (several captions of one
-    image are all correct for it). Identical token sequences are encoded once: duplicates tie exactly."""
+    """I2T / T2I R@1 (%) over every batch of `loader`; images grouped by sample key (several
+    captions of one image are all correct for it). Identical token sequences are encoded once:
+    duplicates tie exactly."""
     model.eval()
     keys = {}
     img_feats = []
@@ -1262,36 +1356,42 @@ def eval_retrieval(model, loader, device, batch_size=100):
     I = torch.cat(img_feats)
     i2t, t2i = retrieval_hits(I @ T.t(), torch.tensor(owners, device=device))
     model.train()
-    return {"i2t_r1": round(i2t.float().mean().item() * 100, 2), "t2i_r1": round(t2i.float().mean().item() * 100, 2),
-            "n_images": len(I), "n_texts": len(T), "eval_skipped": getattr(loader, "skipped", 0) - skipped0}
+    return {"i2t_r1": round(i2t.float().mean().item() * 100, 2),
+            "t2i_r1": round(t2i.float().mean().item() * 100, 2), "n_images": len(I),
+            "n_texts": len(T), "eval_skipped": getattr(loader, "skipped", 0) - skipped0}
 
 
 def count_shard_samples(spec: str, image_root=None) -> int:
-    """Samples of a shard set without count files (no _stats.json / sizes.json): the loader's records that hold an
-    image, from the tar headers alone. A damaged shard counts the records before the damage (its error record holds
-    no image)."""
-    return sum(any(e in rec for e in data.IMAGE_EXTS) for shard in data.resolve_data(spec, image_root)["shards"]
+    """Samples of a shard set without count files (no _stats.json / sizes.json): the loader's
+    records that hold an image, from the tar headers alone. A damaged shard counts the records
+    before the damage (its error record holds no image)."""
+    return sum(any(e in rec for e in data.IMAGE_EXTS)
+               for shard in data.resolve_data(spec, image_root)["shards"]
                for rec in data.tar_records(shard, keep_exts=()))
 
 
 def epoch_samples(loader, src: dict, rank: int, tag: str) -> int:
-    """Samples in one epoch of `loader` over data source `src`; shards without count files are counted."""
+    """Samples in one epoch of `loader` over data source `src`; shards without count files are
+    counted."""
     n = loader.num_samples
     if n is None:
         n = count_shard_samples(src["data"], src["image_root"])
         if rank == 0:
-            print(f"{tag}: {src['data']} has no count files; counted {n} samples in the shards", flush=True)
+            print(f"{tag}: {src['data']} has no count files; counted {n} samples in the "
+                  f"shards", flush=True)
     return n
 
 
 def activation_source(a, init_cfg: dict) -> dict:
-    """Activation data (appendix A.2.1: 10% of the pre-training data, one epoch): --activate_data, else the data the
-    learngene was extracted on, recorded by extract and expand. Never a silent `shapes` for real fine-tuning data."""
+    """Activation data (appendix A.2.1: 10% of the pre-training data, one epoch): --activate_data,
+    else the data the learngene was extracted on, recorded by extract and expand. Never a silent
+    `shapes` for real fine-tuning data."""
     rec = init_cfg.get("extract_data") or {}
     spec = a.activate_data or rec.get("data")
     if spec is None:
-        raise ConfigError(f"{a.init}: the descendant does not record its learngene's extraction data; "
-                          f"pass --activate_data (the paper: its pre-training data, CC3M + CC12M)")
+        raise ConfigError(f"{a.init}: the descendant does not record its learngene's extraction "
+                          f"data; pass --activate_data (the paper: its pre-training data, "
+                          f"CC3M + CC12M)")
     if a.activate_data is None:
         src = {k: rec.get(k) for k in SOURCE_KEYS}
         try:
@@ -1299,8 +1399,10 @@ def activation_source(a, init_cfg: dict) -> dict:
             if src["image_root"] and not os.path.isdir(src["image_root"]):
                 raise data.DataError(f"--image_root {src['image_root']}: no such directory")
         except data.DataError as e:
-            raise ConfigError(f"{a.init}: the learngene's activation data are missing ({e}); they were recorded at "
-                              f"extraction in {init_cfg.get('learngene', a.init)}; pass --activate_data to override")
+            raise ConfigError(f"{a.init}: the learngene's activation data are missing ({e}); they "
+                              f"were recorded at extraction in "
+                              f"{init_cfg.get('learngene', a.init)}; pass --activate_data "
+                              f"to override")
         return src
     return {**data_source(a), "data": a.activate_data}
 
@@ -1312,8 +1414,10 @@ def activate(a, model, tok, cfg, init_cfg, phase, results, rank, world, device):
     n = epoch_samples(loader, src, rank, "activation")
     steps = a.activate_steps or max(1, int(a.activate_frac * n * a.activate_epochs) // a.batch_size)
     act_args = argparse.Namespace(**{**vars(a), "lr": a.activate_lr, "warmup": -1, "stop_at": None})
-    phase("activate", model, lambda m, b: contrastive_loss_fn(m, b, device), loader, act_args, steps)
-    results.update({"activation_data": src["data"], "activation_samples": n, "activation_steps": steps})
+    phase("activate", model, lambda m, b: contrastive_loss_fn(m, b, device), loader,
+          act_args, steps)
+    results.update({"activation_data": src["data"], "activation_samples": n,
+                    "activation_steps": steps})
 
 
 # A fine-tuning task: (a, model, tok, cfg, modality, results, rank, world, device) -> (the module
@@ -1330,7 +1434,8 @@ def classification_task(a, model, tok, cfg, modality, results, rank, world, devi
     clf = Classifier(visual, len(classes)).to(device)
 
     def cls_loss(m, batch):
-        return F.cross_entropy(m(data.normalize_images(batch["image"], device)), batch["label"].to(device)), {}
+        return F.cross_entropy(m(data.normalize_images(batch["image"], device)),
+                               batch["label"].to(device)), {}
 
     def evaluate():
         return {**info, **eval_classification(clf, test, device, len(classes)),
@@ -1353,21 +1458,27 @@ def cmd_finetune(a):
     t_start = time.time()
     rank, world, device = setup_distributed(a.device)
     out = a.out_dir
-    lifecycle.claim_out_dir(out, rank, world, device, a.resume, a.overwrite, RUN_FILES, phase_dirs(a))   # before any write
+    # before any write
+    lifecycle.claim_out_dir(out, rank, world, device, a.resume, a.overwrite, RUN_FILES,
+                            phase_dirs(a))
     table6_defaults(a, a.task)
     torch.manual_seed(a.seed)
     model, tok, cfg, modality, kind, init_cfg = load_init(a)
     model.to(device)
     results = {"init": a.init, "kind": kind, "part": init_cfg.get("part", "both"), "task": a.task,
-               "modality": modality, "layers": cfg.vision_layers or cfg.text_layers, "lr": a.lr, "wd": a.wd,
-               "seed": a.seed, "params": sum(p.numel() for p in model.parameters())}
-    # --resume: the newest phase's checkpoint is read now, for the start line; an earlier phase's in its turn
-    newest = next((t for t in ("finetune", "activate") if lifecycle.has_checkpoint(os.path.join(out, t))), None)
-    ckpts = {newest: lifecycle.load_checkpoint(os.path.join(out, newest), STATE_TYPES, rank=rank)} if a.resume else {}
+               "modality": modality, "layers": cfg.vision_layers or cfg.text_layers, "lr": a.lr,
+               "wd": a.wd, "seed": a.seed, "params": sum(p.numel() for p in model.parameters())}
+    # --resume: the newest phase's checkpoint is read now, for the start line; an earlier phase's in
+    # its turn
+    newest = next((t for t in ("finetune", "activate")
+                   if lifecycle.has_checkpoint(os.path.join(out, t))), None)
+    ckpts = {newest: lifecycle.load_checkpoint(os.path.join(out, newest), STATE_TYPES, rank=rank)} \
+        if a.resume else {}
     resumed = f"{newest} step {ckpts[newest][2]['step']}" if a.resume else None
     start_line(a, f"finetune --task {a.task} --init {a.init}", model, device, world, None, rank,
                resumed=resumed)
-    _wandb["run"] = lifecycle.start_wandb(a.wandb, out, run_flags(a), a.resume) if a.wandb and rank == 0 else None
+    _wandb["run"] = lifecycle.start_wandb(a.wandb, out, run_flags(a), a.resume) \
+        if a.wandb and rank == 0 else None
 
     def phase(tag, model_, loss_fn, loader, args, steps):
         """Run one phase with checkpoints in out/{tag}/; with --resume it continues from them
@@ -1375,14 +1486,17 @@ def cmd_finetune(a):
         d = os.path.join(out, tag)
         resume = ckpts.get(tag) or a.resume and lifecycle.has_checkpoint(d)
         train_phase(model_, loss_fn, loader, args, rank, world, device, out_dir=d,
-                    config={"phase": tag, "init": a.init, "args": run_flags(a)}, tag=tag, resume=resume,
-                    max_steps=steps)
-    # Activation (appendix A.2.1). CHOICE: applied to every learngene descendant (MM-LG, TLEG, He-LG alike), not to
-    # scratch or PT-FT; needs both towers (a vision-only descendant is not activated); learning rate --activate_lr.
+                    config={"phase": tag, "init": a.init, "args": run_flags(a)}, tag=tag,
+                    resume=resume, max_steps=steps)
+    # Activation (appendix A.2.1). CHOICE: applied to every learngene descendant (MM-LG, TLEG, He-LG
+    # alike), not to scratch or PT-FT; needs both towers (a vision-only descendant is not
+    # activated); learning rate --activate_lr.
     if a.activate_frac > 0 and kind in ("mmlg", "tleg", "helg") and modality == "clip":
         activate(a, model, tok, cfg, init_cfg, phase, results, rank, world, device)
-    task = {"retrieval": retrieval_task, "classification": classification_task, "caption": caption_task}[a.task]
-    final, loss_fn, train, evaluate = task(a, model, tok, cfg, modality, results, rank, world, device)
+    task = {"retrieval": retrieval_task, "classification": classification_task,
+            "caption": caption_task}[a.task]
+    final, loss_fn, train, evaluate = task(a, model, tok, cfg, modality, results, rank,
+                                           world, device)
     a.max_steps = train_steps(a, train, data_source(a), rank, "finetune")
     results.update({"batch_size": a.batch_size, "warmup": a.warmup, "epochs": a.epochs})
     phase("finetune", final, loss_fn, train, a, a.max_steps)
@@ -1390,29 +1504,33 @@ def cmd_finetune(a):
 
     def finish():       # rank 0: the evaluation and every file it writes
         results.update(evaluate())
-        log_record(os.path.join(out, "finetune"), {"step": a.max_steps, "phase": "eval", "time": round(time.time(), 3),
-                                                   **{k: results[k] for k in EVAL_KEYS[a.task] if k in results}})
+        log_record(os.path.join(out, "finetune"),
+                   {"step": a.max_steps, "phase": "eval", "time": round(time.time(), 3),
+                    **{k: results[k] for k in EVAL_KEYS[a.task] if k in results}})
         os.makedirs(out, exist_ok=True)
         atomic_save_file(final.state_dict(), os.path.join(out, "model.safetensors"))
         # "model", "modality", "script": what load_model needs to read a retrieval fine-tune
-        atomic_write_json({**run_flags(a), "results": results, "model": dataclasses.asdict(cfg), "modality": modality,
-                           "script": lifecycle.script_record(__file__)}, os.path.join(out, "config.json"))
+        atomic_write_json({**run_flags(a), "results": results, "model": dataclasses.asdict(cfg),
+                           "modality": modality, "script": lifecycle.script_record(__file__)},
+                          os.path.join(out, "config.json"))
         if tok is not None:
             tok.save(out)
         atomic_write_json(results, os.path.join(out, "results.json"))
-        print(f"{a.task}: " + ", ".join(f"{k} {score_text(k, results[k])}" for k in EVAL_KEYS[a.task] if k in results),
+        print(f"{a.task}: " + ", ".join(f"{k} {score_text(k, results[k])}"
+                                        for k in EVAL_KEYS[a.task] if k in results),
               flush=True)
         end_line(a, a.max_steps, t_start, ["model.safetensors", "config.json", "results.json"] +
-                 ["captions.json"] * (a.task == "caption") + [f"{t}/" for t in ("activate", "finetune")
-                                                              if os.path.isdir(os.path.join(out, t))])
+                 ["captions.json"] * (a.task == "caption") +
+                 [f"{t}/" for t in ("activate", "finetune") if os.path.isdir(os.path.join(out, t))])
     lifecycle.on_rank0(finish, rank, world, device)
 
 
 # -----------------------------------------------------------------------------
-# Captioning (paper Sec. 4.4, Table 2): ClipCap (Mokady & Hertz 2021) with its transformer mapping network. The
-# descendant's vision encoder and the language model are frozen; only the mapper is trained. The language model is GPT-2
-# in raw PyTorch, in the released HF key layout (wte, wpe, h.{i}.ln_1, h.{i}.attn.c_attn (Conv1D: weight [in, out]),
-# h.{i}.attn.c_proj, h.{i}.ln_2, h.{i}.mlp.c_fc, h.{i}.mlp.c_proj, ln_f; optional `transformer.` prefix).
+# Captioning (paper Sec. 4.4, Table 2): ClipCap (Mokady & Hertz 2021) with its transformer mapping
+# network. The descendant's vision encoder and the language model are frozen; only the mapper is
+# trained. The language model is GPT-2 in raw PyTorch, in the released HF key layout (wte, wpe,
+# h.{i}.ln_1, h.{i}.attn.c_attn (Conv1D: weight [in, out]), h.{i}.attn.c_proj, h.{i}.ln_2,
+# h.{i}.mlp.c_fc, h.{i}.mlp.c_proj, ln_f; optional `transformer.` prefix).
 
 GPT2_EOS = "<|endoftext|>"
 
@@ -1441,11 +1559,13 @@ class GPT2Block(nn.Module):
     def forward(self, x):
         q, k, v = self.attn.c_attn(self.ln_1(x)).split(x.shape[-1], dim=-1)
         x = x + self.attn.c_proj(attention(q, k, v, self.heads, True))
-        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh"))  # GPT-2's gelu_new
+        # GPT-2's gelu_new
+        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh"))
 
 
 class GPT2(nn.Module):
-    """GPT-2 (Radford et al. 2019) on input embeddings (ClipCap feeds a prefix); LM head tied to wte."""
+    """GPT-2 (Radford et al. 2019) on input embeddings (ClipCap feeds a prefix); LM head tied to
+    wte."""
 
     def __init__(self, vocab_size, n_positions, d, layers, heads):
         super().__init__()
@@ -1463,7 +1583,8 @@ class GPT2(nn.Module):
 
 
 class LMTokenizer:
-    """`tokenizers` byte-level BPE of a language model: tokenizer.json, or vocab.json + merges.txt."""
+    """`tokenizers` byte-level BPE of a language model: tokenizer.json, or vocab.json +
+    merges.txt."""
 
     def __init__(self, folder):
         import tokenizers
@@ -1474,14 +1595,15 @@ class LMTokenizer:
                 self.backend = tokenizers.ByteLevelBPETokenizer(os.path.join(folder, "vocab.json"),
                                                                 os.path.join(folder, "merges.txt"))
         except Exception as e:
-            raise ConfigError(f"{folder}: cannot read the LM tokenizer (tokenizer.json or vocab.json + merges.txt: "
-                              f"{type(e).__name__})")
+            raise ConfigError(f"{folder}: cannot read the LM tokenizer (tokenizer.json or "
+                              f"vocab.json + merges.txt: {type(e).__name__})")
         self.eos = self.backend.token_to_id(GPT2_EOS)
         if self.eos is None:
             raise ConfigError(f"{folder}: the LM tokenizer has no {GPT2_EOS} token")
 
     def encode(self, text):
-        return self.backend.encode(" " + " ".join(text.split())).ids  # GPT-2 words carry a leading space
+        # GPT-2 words carry a leading space
+        return self.backend.encode(" " + " ".join(text.split())).ids
 
     def decode(self, ids):
         return self.backend.decode([i for i in ids if i != self.eos]).strip()
@@ -1492,10 +1614,13 @@ def load_gpt2(folder: str) -> tuple:
     released HF layout; heads from its config.json ("n_head"), else d // 64."""
     path = os.path.join(folder, "model.safetensors")
     if not os.path.exists(path):
-        raise ConfigError(f"{path}: no such file (--lm wants a folder with GPT-2's model.safetensors)")
+        raise ConfigError(f"{path}: no such file (--lm wants a folder with GPT-2's "
+                          f"model.safetensors)")
     sd = {k.removeprefix("transformer."): v for k, v in lifecycle.read_weights(path).items()}
-    # the causal-mask buffers h.{i}.attn.bias / .masked_bias and the tied lm_head are not weights here
-    sd = {k: v for k, v in sd.items() if k.split(".")[-2:] not in (["attn", "bias"], ["attn", "masked_bias"])
+    # the causal-mask buffers h.{i}.attn.bias / .masked_bias and the tied lm_head are not weights
+    # here
+    sd = {k: v for k, v in sd.items()
+          if k.split(".")[-2:] not in (["attn", "bias"], ["attn", "masked_bias"])
           and k != "lm_head.weight"}
     if "wte.weight" not in sd or "wpe.weight" not in sd:
         raise ConfigError(f"{path}: not a GPT-2 checkpoint (no wte.weight / wpe.weight)")
@@ -1506,7 +1631,8 @@ def load_gpt2(folder: str) -> tuple:
     lm = GPT2(vocab, sd["wpe.weight"].shape[0], d, layers, cfg.get("n_head", max(1, d // 64)))
     missing, unexpected = lm.load_state_dict(sd, strict=False)
     if missing or unexpected:
-        raise ConfigError(f"{path}: GPT-2 keys do not match (missing {missing[:1]}, unexpected {unexpected[:1]})")
+        raise ConfigError(f"{path}: GPT-2 keys do not match (missing {missing[:1]}, unexpected "
+                          f"{unexpected[:1]})")
     return lm.eval().requires_grad_(False), LMTokenizer(folder)
 
 
@@ -1520,7 +1646,8 @@ class TransformerMapper(nn.Module):
         self.clip_length = clip_length
         self.linear = nn.Linear(dim_clip, clip_length * dim_lm)
         self.prefix_const = nn.Parameter(torch.randn(prefix_length, dim_lm))
-        layer = nn.TransformerEncoderLayer(dim_lm, heads, 2 * dim_lm, dropout=0.0, batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(dim_lm, heads, 2 * dim_lm, dropout=0.0, batch_first=True,
+                                           norm_first=True)
         self.transformer = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
 
     def forward(self, x):
@@ -1601,7 +1728,8 @@ def generate(model, images, beam=1, max_len=30):
 # Inputs are {image id: [tokenised strings]} (refs) and {image id: [one hypothesis]}.
 
 def ngram_counts(words, n):
-    return collections.Counter(tuple(words[i:i + k]) for k in range(1, n + 1) for i in range(len(words) - k + 1))
+    return collections.Counter(tuple(words[i:i + k]) for k in range(1, n + 1)
+                               for i in range(len(words) - k + 1))
 
 
 def bleu(refs: dict, hyps: dict, n=4) -> list:
@@ -1637,7 +1765,8 @@ def bleu(refs: dict, hyps: dict, n=4) -> list:
 def cider_vectors(refs: dict, n=4):
     """CIDEr's tf-idf n-gram vectors with document frequencies from the references: vec(text)
     -> (per-n {n-gram: weight}, per-n norms, bigram count), and every reference's vector."""
-    df = collections.Counter(g for k in refs for g in {g for r in refs[k] for g in ngram_counts(r.split(), n)})
+    df = collections.Counter(g for k in refs
+                             for g in {g for r in refs[k] for g in ngram_counts(r.split(), n)})
     log_n = math.log(len(refs))
 
     @functools.lru_cache(maxsize=None)
@@ -1652,9 +1781,10 @@ def cider_vectors(refs: dict, n=4):
 
 
 def cider_d(refs: dict, hyps: dict, n=4, sigma=6.0) -> float:
-    """Corpus CIDEr-D (Vedantam et al. 2015) as pycocoevalcap's Cider: tf-idf n-gram vectors with document
-    frequencies from the references, clipped hypothesis weights, a Gaussian length penalty (sigma 6; "length" = the
-    bigram count, as there), the mean over n = 1..4 and over references, x10; the mean over images."""
+    """Corpus CIDEr-D (Vedantam et al. 2015) as pycocoevalcap's Cider: tf-idf n-gram vectors with
+    document frequencies from the references, clipped hypothesis weights, a Gaussian length penalty
+    (sigma 6; "length" = the bigram count, as there), the mean over n = 1..4 and over references,
+    x10; the mean over images."""
     vec, ref_vecs = cider_vectors(refs, n)
     out = 0.0
     for k in refs:
@@ -1677,7 +1807,8 @@ def constant_ciders(refs: dict, candidates: list, n=4, sigma=6.0) -> list:
     the references' n-grams: the same sum, term by term, regrouped by n-gram (the constant
     baseline scores ~1000 candidates against ~5000 references)."""
     vec, ref_vecs = cider_vectors(refs, n)
-    post = collections.defaultdict(list)        # n-gram -> (weight, norm, length, 1 / refs of its image)
+    # n-gram -> (weight, norm, length, 1 / refs of its image)
+    post = collections.defaultdict(list)
     for k, vs in ref_vecs.items():
         for vr, nr, lr in vs:
             for j in range(n):
@@ -1723,9 +1854,11 @@ def rouge_l(refs: dict, hyps: dict, beta=1.2) -> float:
 
 
 def caption_tokens(text: str) -> str:
-    """Lower case, punctuation dropped, one space between words. CHOICE: stands in for the COCO evaluation's Java
-    PTBTokenizer (which also drops punctuation); contractions such as "man's" stay one word here, two there."""
-    return " ".join("".join(ch if ch.isalnum() or ch == "'" else " " for ch in text.lower()).split())
+    """Lower case, punctuation dropped, one space between words. CHOICE: stands in for the COCO
+    evaluation's Java PTBTokenizer (which also drops punctuation); contractions such as "man's" stay
+    one word here, two there."""
+    return " ".join("".join(ch if ch.isalnum() or ch == "'" else " "
+                            for ch in text.lower()).split())
 
 
 def caption_scores(refs: dict, hyps: dict) -> dict:
@@ -1733,7 +1866,8 @@ def caption_scores(refs: dict, hyps: dict) -> dict:
     refs = {k: [caption_tokens(r) for r in v] for k, v in refs.items()}
     hyps = {k: [caption_tokens(v[0])] for k, v in hyps.items()}   # an empty caption is scored empty
     return {**{f"bleu{j + 1}": round(100 * x, 2) for j, x in enumerate(bleu(refs, hyps))},
-            "cider": round(100 * cider_d(refs, hyps), 2), "rouge_l": round(100 * rouge_l(refs, hyps), 2)}
+            "cider": round(100 * cider_d(refs, hyps), 2),
+            "rouge_l": round(100 * rouge_l(refs, hyps), 2)}
 
 
 # Several references per shapes image (shapes_references), as COCO has five: with one
@@ -1743,14 +1877,14 @@ SHAPES_REFERENCES = 5
 REFERENCE_WORDS = {
     "size": {"small": ["small", "little", "tiny"], "large": ["large", "big"]},
     "colour": {"purple": ["purple", "violet"]},
-    "shape": {"circle": ["circle", "disc"], "square": ["square"], "triangle": ["triangle"], "star": ["star"],
-              "cross": ["cross", "plus sign"], "diamond": ["diamond", "rhombus"]},
+    "shape": {"circle": ["circle", "disc"], "square": ["square"], "triangle": ["triangle"],
+              "star": ["star"], "cross": ["cross", "plus sign"], "diamond": ["diamond", "rhombus"]},
     "relation": {"to the left of": ["to the left of", "left of", "on the left of"],
                  "to the right of": ["to the right of", "right of", "on the right of"],
                  "above": ["above", "over"], "below": ["below", "under", "beneath"]},
 }
-CONVERSE = {"to the left of": "to the right of", "to the right of": "to the left of", "above": "below",
-            "below": "above"}
+CONVERSE = {"to the left of": "to the right of", "to the right of": "to the left of",
+            "above": "below", "below": "above"}
 
 
 def _reference_struct(scene: data.Scene, rng: random.Random) -> data.CaptionStruct:
@@ -1760,9 +1894,11 @@ def _reference_struct(scene: data.Scene, rng: random.Random) -> data.CaptionStru
     objs, s = scene.objects, scene.struct
     phrases = [data.Phrase(o.colour, o.shape, o.size if rng.random() < 0.5 else None) for o in objs]
     form, rels = s.form, list(s.relations)
-    if form == "and":       # related instead where the relation is as clear as captions state (placement margin)
+    # related instead where the relation is as clear as captions state (placement margin)
+    if form == "and":
         (a, b), margin = objs[:2], data.RELATION_MARGIN * scene.image.size[0] / data.SHAPES_IMAGE_SIZE
-        if abs(abs(b.centre[0] - a.centre[0]) - abs(b.centre[1] - a.centre[1])) >= margin and rng.random() < 0.5:
+        if abs(abs(b.centre[0] - a.centre[0]) - abs(b.centre[1] - a.centre[1])) >= margin \
+                and rng.random() < 0.5:
             form, rels = "rel", [data.relation_between(a, b)]
     if form in ("rel", "copula"):
         form = rng.choice(["rel", "copula"])
@@ -1799,7 +1935,8 @@ def shapes_references(scene: data.Scene, n: int, rng: random.Random) -> list:
 def shapes_scene_of(spec: str, image_size: int):
     """image key ("{split}{index:08d}", ShapesDataset's) -> its data.Scene, for shapes `spec`."""
     seed = data.parse_shapes_spec(spec).get("seed", 0)
-    return functools.lru_cache(maxsize=None)(lambda key: data.shapes_scene(key[:-8], int(key[-8:]), seed, image_size))
+    return functools.lru_cache(maxsize=None)(
+        lambda key: data.shapes_scene(key[:-8], int(key[-8:]), seed, image_size))
 
 
 def reference_captions(spec: str, image_size: int):
@@ -1808,28 +1945,31 @@ def reference_captions(spec: str, image_size: int):
     if not is_shapes(spec):
         return lambda key, captions: captions
     seed, scene_of = data.parse_shapes_spec(spec).get("seed", 0), shapes_scene_of(spec, image_size)
-    return lambda key, captions: shapes_references(scene_of(key), SHAPES_REFERENCES,
-                                                   random.Random(f"shapes-refs/{seed}/{key[:-8]}/{int(key[-8:])}"))
+    return lambda key, captions: shapes_references(
+        scene_of(key), SHAPES_REFERENCES, random.Random(f"shapes-refs/{seed}/{key[:-8]}/{int(key[-8:])}"))
 
 
 # --- grounding on shapes: is a caption true of its image? (no benchmark on real data can say) -----
-# every word a shapes caption or reference uses -> the grammar's word (REFERENCE_WORDS read backwards)
+# every word a shapes caption or reference uses -> the grammar's word (REFERENCE_WORDS read
+# backwards)
 GRAMMAR_WORDS = {kind: {tuple(w.split()): w for w in names} for kind, names in (
     ("size", data.SIZE_NAMES), ("colour", data.COLOUR_NAMES), ("shape", data.SHAPE_NAMES),
     ("relation", data.RELATION_NAMES))}
 for _kind, _words in REFERENCE_WORDS.items():
-    GRAMMAR_WORDS[_kind].update((tuple(syn.split()), w) for w, syns in _words.items() for syn in syns)
+    GRAMMAR_WORDS[_kind].update((tuple(syn.split()), w) for w, syns in _words.items()
+                                for syn in syns)
 
 
 def parse_shapes_caption(text: str):
     """A caption in the shapes grammar, in REFERENCE_WORDS' words and with an optional "there is"
-    (every reference's form) -> its data.CaptionStruct in the grammar's words; None if it is not one.
-    CHOICE: "a" and "an" are not checked against the next word (an article changes no fact)."""
+    (every reference's form) -> its data.CaptionStruct in the grammar's words; None if it is not
+    one. CHOICE: "a" and "an" are not checked against the next word (an article changes no fact)."""
     words, pos = caption_tokens(text).removeprefix("there is ").split(), 0
 
     def word(kind):
         nonlocal pos
-        for w in sorted(GRAMMAR_WORDS[kind], key=len, reverse=True):    # "left of" after "to the left of"
+        # "left of" after "to the left of"
+        for w in sorted(GRAMMAR_WORDS[kind], key=len, reverse=True):
             if tuple(words[pos:pos + len(w)]) == w:
                 pos += len(w)
                 return GRAMMAR_WORDS[kind][w]
@@ -1867,30 +2007,36 @@ def grounding(hyps: dict, scene_of) -> dict:
     parse_shapes_caption and checked by data.caption_is_true, the check every reference passes;
     and the share in the grammar at all (a caption outside it counts as not true)."""
     parsed = {k: parse_shapes_caption(h[0]) for k, h in hyps.items()}
-    true = sum(p is not None and data.caption_is_true(p, scene_of(k).objects) for k, p in parsed.items())
+    true = sum(p is not None and data.caption_is_true(p, scene_of(k).objects)
+               for k, p in parsed.items())
     return {"truth_rate": round(100 * true / len(hyps), 2),
-            "grammatical_rate": round(100 * sum(p is not None for p in parsed.values()) / len(hyps), 2)}
+            "grammatical_rate": round(100 * sum(p is not None for p in parsed.values())
+                                      / len(hyps), 2)}
 
 
 def train_shapes_lm(folder: str, seed: int, steps: int = 1000):
-    """The stand-in for GPT-2 on `shapes`: a 2-layer GPT (same class, same released key layout, same loader) with its
-    own byte-level BPE, trained on two references of one training image in a row ("<eos> r1 <eos> r2 <eos>"); written
-    to `folder` once and reused. Why pairs: ClipCap's frozen GPT-2 continues what its context says, and the mapper's
-    prefix is that context. A stand-in trained on single captions never has to read a context (nothing before a
-    caption tells anything about it), so no prefix could steer it: the mapper's loss stayed at the LM's own and the
-    captioner wrote the same 13-15 captions for 1000 images. Trained on pairs, the second caption follows from the
-    first (the same objects in other words): it reads its context."""
+    """The stand-in for GPT-2 on `shapes`: a 2-layer GPT (same class, same released key layout, same
+    loader) with its own byte-level BPE, trained on two references of one training image in a row
+    ("<eos> r1 <eos> r2 <eos>"); written to `folder` once and reused. Why pairs: ClipCap's frozen
+    GPT-2 continues what its context says, and the mapper's prefix is that context. A stand-in
+    trained on single captions never has to read a context (nothing before a caption tells anything
+    about it), so no prefix could steer it: the mapper's loss stayed at the LM's own and the
+    captioner wrote the same 13-15 captions for 1000 images. Trained on pairs, the second caption
+    follows from the first (the same objects in other words): it reads its context."""
     from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
     cfg_path = os.path.join(folder, "config.json")
     if os.path.exists(os.path.join(folder, "model.safetensors")) and os.path.exists(cfg_path):
         if lifecycle.read_json(cfg_path).get("text") == "reference pairs":
-            lifecycle.say(f"stand-in LM: {folder}: a 2-layer GPT trained on pairs of shapes reference captions, "
-                          f"standing in for GPT-2 (trained by an earlier run, reused)")
+            lifecycle.say(f"stand-in LM: {folder}: a 2-layer GPT trained on pairs of shapes "
+                          f"reference captions, standing in for GPT-2 (trained by an earlier "
+                          f"run, reused)")
             return
-        print(f"note: {folder}: a stand-in LM trained on single captions (it ignores the image); retraining it",
+        print(f"note: {folder}: a stand-in LM trained on single captions (it ignores the image); "
+              f"retraining it",
               file=sys.stderr, flush=True)
-    lifecycle.say(f"stand-in LM: {folder}: training a 2-layer GPT on pairs of shapes reference captions to stand in "
-                  f"for GPT-2 ({steps} steps, a few minutes on a CPU, once: runs beside this one reuse it)")
+    lifecycle.say(f"stand-in LM: {folder}: training a 2-layer GPT on pairs of shapes reference "
+                  f"captions to stand in for GPT-2 ({steps} steps, a few minutes on a CPU, once: "
+                  f"runs beside this one reuse it)")
     refs = [shapes_references(data.shapes_scene("train", i, seed), SHAPES_REFERENCES,
                               random.Random(f"shapes-lm/{seed}/{i}")) for i in range(5000)]
     backend = Backend(models.BPE())
@@ -1902,7 +2048,8 @@ def train_shapes_lm(folder: str, seed: int, steps: int = 1000):
     os.makedirs(folder, exist_ok=True)
     backend.save(os.path.join(folder, "tokenizer.json"))
     tok = LMTokenizer(folder)
-    # its own RNG streams: the run that trains the stand-in must draw the mapper's init like the runs that reuse it
+    # its own RNG streams: the run that trains the stand-in must draw the mapper's init like the
+    # runs that reuse it
     rng = random.Random(f"shapes-lm/{seed}")
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -1912,20 +2059,25 @@ def train_shapes_lm(folder: str, seed: int, steps: int = 1000):
             for g in opt.param_groups:
                 g["lr"] = get_lr(step, steps, 2e-3, max(1, steps // 10))
             pairs = [rng.sample(refs[rng.randrange(len(refs))], 2) for _ in range(64)]
-            tokens, mask = pad_ids([tok.encode(x) + [tok.eos] + tok.encode(y) + [tok.eos] for x, y in pairs], tok.eos)
-            seq = torch.cat([torch.full((len(pairs), 1), tok.eos), tokens], 1)     # EOS opens a text (GPT-2)
+            tokens, mask = pad_ids([tok.encode(x) + [tok.eos] + tok.encode(y) + [tok.eos]
+                                    for x, y in pairs], tok.eos)
+            # EOS opens a text (GPT-2)
+            seq = torch.cat([torch.full((len(pairs), 1), tok.eos), tokens], 1)
             loss = F.cross_entropy(lm(lm.wte(seq[:, :-1]))[mask], tokens[mask])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
     atomic_save_file(lm.state_dict(), os.path.join(folder, "model.safetensors"))
-    atomic_write_json({"n_head": 4, "stand_in": "a 2-layer GPT trained on pairs of shapes references, not GPT-2",
-                       "text": "reference pairs", "final_lm_loss": round(loss.item(), 4), "steps": steps}, cfg_path)
+    atomic_write_json({"n_head": 4,
+                       "stand_in": "a 2-layer GPT trained on pairs of shapes references, not GPT-2",
+                       "text": "reference pairs", "final_lm_loss": round(loss.item(), 4),
+                       "steps": steps}, cfg_path)
 
 
 class CaptionPool:
-    """Training images for the captioning baselines: their image embeddings (ClipCap's input, for cosine similarity),
-    their first training caption, and the best constant caption chosen on them."""
+    """Training images for the captioning baselines: their image embeddings (ClipCap's input, for
+    cosine similarity), their first training caption, and the best constant caption chosen on
+    them."""
 
     def __init__(self, feats, captions, refs):
         self.feats, self.captions = F.normalize(feats, dim=-1), captions
@@ -1933,7 +2085,8 @@ class CaptionPool:
 
     def nearest(self, feats) -> list:
         """The caption of the most similar pool image, per row of `feats`."""
-        return [self.captions[i] for i in (F.normalize(feats, dim=-1) @ self.feats.t()).argmax(1).tolist()]
+        return [self.captions[i]
+                for i in (F.normalize(feats, dim=-1) @ self.feats.t()).argmax(1).tolist()]
 
 
 def best_constant(refs: dict, candidates: list) -> tuple:
@@ -1973,7 +2126,8 @@ def eval_captioning(model, loader, device, beam, refs_of, pool=None, scene_of=No
     """Captions every eval image once (its key), scored against all its references (`refs_of`);
     on shapes (`scene_of`) also the share of captions true of their image (grounding). With a
     CaptionPool, the two baselines are scored on the same images and references: its constant
-    caption, and each image's nearest pool image's caption. Returns (scores, every image's captions)."""
+    caption, and each image's nearest pool image's caption. Returns (scores, every image's
+    captions)."""
     model.mapper.eval()
     captions = {}
     hyps = {}
@@ -1988,7 +2142,8 @@ def eval_captioning(model, loader, device, beam, refs_of, pool=None, scene_of=No
             captions.setdefault(k, []).append(c)
         if new:
             images, keys = data.normalize_images(batch["image"][new], device), [batch["key"][j] for j in new]
-            hyps.update({k: [lm_tok.decode(s)] for k, s in zip(keys, generate(model, images, beam))})
+            hyps.update({k: [lm_tok.decode(s)]
+                         for k, s in zip(keys, generate(model, images, beam))})
             if pool is not None:
                 nearest.update({k: [c] for k, c in zip(keys, pool.nearest(model.embed(images)))})
     bar.close()
@@ -2000,8 +2155,8 @@ def eval_captioning(model, loader, device, beam, refs_of, pool=None, scene_of=No
         # image, and that can still score (the most frequent caption's n-grams)
         return {**caption_scores(refs, h), "n_distinct_captions": len({c[0] for c in h.values()}),
                 **(grounding(h, scene_of) if scene_of else {})}
-    out = {**scores(hyps), "n_images": len(refs), "n_refs": sum(map(len, refs.values())), "beam": beam,
-           "eval_skipped": getattr(loader, "skipped", 0) - skipped0,
+    out = {**scores(hyps), "n_images": len(refs), "n_refs": sum(map(len, refs.values())),
+           "beam": beam, "eval_skipped": getattr(loader, "skipped", 0) - skipped0,
            "examples": [{"ref": refs[k][0], "hyp": hyps[k][0]} for k in list(refs)[:3]]}
     per_image = {k: {"caption": hyps[k][0], "references": refs[k]} for k in refs}
     for k, r in per_image.items():
@@ -2023,9 +2178,11 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
     lm_dir = a.lm
     if lm_dir is None:
         if not is_shapes(a.data):
-            raise ConfigError("--task caption needs --lm <folder with GPT-2's model.safetensors and tokenizer.json or "
-                              "vocab.json + merges.txt>; only shapes has a stand-in")
-        # a cache beside out_dir (README: shapes_lm/), so the runs under one parent folder share the stand-in
+            raise ConfigError("--task caption needs --lm <folder with GPT-2's model.safetensors "
+                              "and tokenizer.json or vocab.json + merges.txt>; only shapes "
+                              "has a stand-in")
+        # a cache beside out_dir (README: shapes_lm/), so the runs under one parent folder share the
+        # stand-in
         lm_dir = os.path.join(os.path.dirname(os.path.normpath(a.out_dir)), "shapes_lm")
         lifecycle.on_rank0(lambda: train_shapes_lm(lm_dir, 0), rank, world, device)
         results["lm"] = f"stand-in: a 2-layer GPT trained on pairs of shapes references (not GPT-2), {lm_dir}"
@@ -2042,17 +2199,21 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
     refs_of = reference_captions(spec, cfg.image_size)
 
     def loss_fn(m, batch):
-        ids = [ltok.encode(c)[:29] + [ltok.eos] for c in batch["caption"]]     # at most 30 tokens with EOS
+        # at most 30 tokens with EOS
+        ids = [ltok.encode(c)[:29] + [ltok.eos] for c in batch["caption"]]
         tokens, mask = (t.to(device) for t in pad_ids(ids, ltok.eos))
-        return F.cross_entropy(m(data.normalize_images(batch["image"], device), tokens)[mask].float(), tokens[mask]), {}
+        return F.cross_entropy(m(data.normalize_images(batch["image"], device), tokens)[mask].float(),
+                               tokens[mask]), {}
 
     def evaluate():
         t0 = time.time()
         pool = caption_pool(a, cap, cfg.image_size, device) if a.baselines else None
         scores, per_image = eval_captioning(cap, test, device, a.beam, refs_of, pool,
-                                            shapes_scene_of(spec, cfg.image_size) if is_shapes(spec) else None)
+                                            shapes_scene_of(spec, cfg.image_size)
+                                            if is_shapes(spec) else None)
         atomic_write_json(per_image, os.path.join(a.out_dir, "captions.json"))
-        return {**scores, "eval_subset": image_subset(a), "eval_seconds": round(time.time() - t0, 1)}
+        return {**scores, "eval_subset": image_subset(a),
+                "eval_seconds": round(time.time() - t0, 1)}
     return cap, loss_fn, train, evaluate
 
 
@@ -2068,7 +2229,8 @@ def _run_cost(path):
         try:
             j = torch.load(st, map_location="cpu", weights_only=True)
         except Exception as e:
-            raise ConfigError(f"{st}: cannot read the training state ({type(e).__name__})") from None
+            raise ConfigError(f"{st}: cannot read the training state "
+                              f"({type(e).__name__})") from None
         steps, secs = j.get("step"), j.get("elapsed")
     cj = os.path.join(path, "config.json")
     if os.path.exists(cj):
@@ -2091,30 +2253,35 @@ def _run_cost(path):
 RESULT_COLUMNS = {"retrieval": ["i2t_r1", "t2i_r1"], "classification": ["top1"],
                   "caption": ["bleu4", "cider", "rouge_l", "truth_rate"]}
 # the scores (percent) of a fine-tune's eval record in metrics.jsonl and its last line
-EVAL_KEYS = {**RESULT_COLUMNS, "caption": ["bleu1", "bleu2", "bleu3", "bleu4", "cider", "rouge_l", "truth_rate",
-                                           "grammatical_rate", "n_distinct_captions"]}
+EVAL_KEYS = {**RESULT_COLUMNS, "caption": ["bleu1", "bleu2", "bleu3", "bleu4", "cider", "rouge_l",
+                                           "truth_rate", "grammatical_rate", "n_distinct_captions"]}
 
 
 def results_table(dirs: list) -> str:
     """One row per finetune out_dir (its results.json): what was initialised (method, part,
     layers), the scores, and what was scored (images, classes, subset)."""
-    lines = ["| run | init | part | layers | task | scores | evaluated |", "|---|---|---|---:|---|---|---|"]
+    lines = ["| run | init | part | layers | task | scores | evaluated |",
+             "|---|---|---|---:|---|---|---|"]
     for d in dirs:
         path = os.path.join(d, "results.json")
         if not os.path.exists(path):
             raise ConfigError(f"{path}: no such file (not a finished finetune out_dir)")
         r = lifecycle.read_json(path)
-        scores = ", ".join(f"{k} {score_text(k, r[k])}" for k in RESULT_COLUMNS.get(r.get("task"), []) if k in r)
-        what = f"{r.get('n_images')} images" + (f", {r['n_classes']} classes" if "n_classes" in r else "") + \
-            (f", {r['n_refs']} refs" if "n_refs" in r else "") + f", {r.get('eval_subset', 'whole split')}" + \
+        scores = ", ".join(f"{k} {score_text(k, r[k])}"
+                           for k in RESULT_COLUMNS.get(r.get("task"), []) if k in r)
+        what = f"{r.get('n_images')} images" + \
+            (f", {r['n_classes']} classes" if "n_classes" in r else "") + \
+            (f", {r['n_refs']} refs" if "n_refs" in r else "") + \
+            f", {r.get('eval_subset', 'whole split')}" + \
             (f"; {r['n_distinct_captions']} distinct captions" if "n_distinct_captions" in r else "")
         name = os.path.basename(os.path.normpath(d))
-        lines.append(f"| {name} | {r.get('kind')} | {r.get('part', 'both')} | {r.get('layers')} | {r.get('task')} | "
-                     f"{scores} | {what} |")
+        lines.append(f"| {name} | {r.get('kind')} | {r.get('part', 'both')} | {r.get('layers')} | "
+                     f"{r.get('task')} | {scores} | {what} |")
         for b, br in ((b, br) for b, br in r.get("baselines", {}).items() if isinstance(br, dict)):
-            scores = ", ".join(f"{k} {score_text(k, br[k])}" for k in RESULT_COLUMNS["caption"] if k in br)
-            lines.append(f"| {name} | {b} caption (baseline) | | | caption | {scores} | the same images; "
-                         f"{br['n_distinct_captions']} distinct captions |")
+            scores = ", ".join(f"{k} {score_text(k, br[k])}"
+                               for k in RESULT_COLUMNS["caption"] if k in br)
+            lines.append(f"| {name} | {b} caption (baseline) | | | caption | {scores} | the same "
+                         f"images; {br['n_distinct_captions']} distinct captions |")
     return "\n".join(lines)
 
 
@@ -2129,8 +2296,9 @@ def finetune_run(folder):
     cols = RESULT_COLUMNS.get(r.get("task"), [])
     name = f"{r['kind']} {r.get('part', 'both')} {r['layers']} {r['task']}"
     runs = [(name, r.get("seed", 0), {k: r[k] / 100 for k in cols if k in r})]
-    runs += [(f"{b} caption" + (f" ({r['kind']})" if b == "nearest" else "") + f" {r['layers']}", r.get("seed", 0),
-              {k: br[k] / 100 for k in cols if k in br}) for b, br in r.get("baselines", {}).items()
+    runs += [(f"{b} caption" + (f" ({r['kind']})" if b == "nearest" else "") + f" {r['layers']}",
+              r.get("seed", 0), {k: br[k] / 100 for k in cols if k in br})
+             for b, br in r.get("baselines", {}).items()
              if isinstance(br, dict)]
     return runs
 
@@ -2142,13 +2310,16 @@ def score_text(key, v):
 
 def cmd_report(a):
     t_start = time.time()
-    asked = [f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k in ("results", "seeds", "learngene")
+    asked = [f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+             for k in ("results", "seeds", "learngene")
              if (v := getattr(a, k))]
     lifecycle.start_line(__file__, "report", asked or ["nothing asked"])
     if a.results:
         print(results_table(a.results))
-    if a.seeds:   # one group per (init, part, layers, task); each paired with MM-LG at its size and task
-        def mmlg_of(group):   # "tleg both 6 caption" and "nearest caption 6" -> "mmlg both 6 caption"
+    # one group per (init, part, layers, task); each paired with MM-LG at its size and task
+    if a.seeds:
+        # "tleg both 6 caption" and "nearest caption 6" -> "mmlg both 6 caption"
+        def mmlg_of(group):
             words = group.split()
             layers, task = (words[-2], words[-1]) if words[-1] in RESULT_COLUMNS else (words[-1], "caption")
             return a.baseline or f"mmlg both {layers} {task}"
@@ -2156,23 +2327,27 @@ def cmd_report(a):
     if a.learngene:
         storage_report(a)
     elif not (a.results or a.seeds):
-        raise ConfigError("report needs --learngene (Table 3), --results (finetune out_dirs) and/or --seeds DIR")
-    lifecycle.done_line(f"{len(asked)} table{'s' if len(asked) > 1 else ''} printed", time.time() - t_start)
+        raise ConfigError("report needs --learngene (Table 3), --results (finetune out_dirs) "
+                          "and/or --seeds DIR")
+    lifecycle.done_line(f"{len(asked)} table{'s' if len(asked) > 1 else ''} printed",
+                        time.time() - t_start)
 
 
 def storage_report(a):
     aux, meta = load_learngene(a.learngene)
     lg = aux.learngene_numel()
     lg_all = sum(p.numel() for p in aux.parameters())
-    rows = [(n, sum(v.numel() for v in descendant_state(aux, n, "clip", 0)[0].values())) for n in a.layers]
+    rows = [(n, sum(v.numel() for v in descendant_state(aux, n, "clip", 0)[0].values()))
+            for n in a.layers]
     total = sum(cnt for _, cnt in rows)
     ext = json.loads(meta.get("extract", "{}"))
     lines = ["| | parameters stored | ratio |", "|---|---:|---:|",
              *[f"| PT-FT {n}-layer CLIP | {cnt:,} | |" for n, cnt in rows],
              f"| PT-FT total ({', '.join(str(n) for n in a.layers)} layers) | {total:,} | 100% |",
-             f"| {aux.method.upper()} learngene (blocks + coefficients) | {lg:,} | {100 * lg / total:.1f}% |",
-             f"| {aux.method.upper()} learngene file (+ embeddings, LNs, projections) | {lg_all:,} | "
-             f"{100 * lg_all / total:.1f}% |",
+             f"| {aux.method.upper()} learngene (blocks + coefficients) | {lg:,} | "
+             f"{100 * lg / total:.1f}% |",
+             f"| {aux.method.upper()} learngene file (+ embeddings, LNs, projections) | {lg_all:,} "
+             f"| {100 * lg_all / total:.1f}% |",
              "", "| pre-training | steps | batch | seconds |", "|---|---:|---:|---:|",
              f"| extraction (once, all sizes) | {ext.get('step')} | {ext.get('batch_size')} | "
              f"{ext.get('elapsed', 0):.0f} |"]
@@ -2183,8 +2358,8 @@ def storage_report(a):
         pt_steps += s or 0
         pt_secs += t or 0
     if a.ptft and ext.get("elapsed"):
-        lines.append(f"| PT-FT total / extraction | {pt_steps / max(1, ext.get('step') or 1):.2f}x steps | | "
-                     f"{pt_secs / max(1e-9, ext['elapsed']):.2f}x time |")
+        lines.append(f"| PT-FT total / extraction | {pt_steps / max(1, ext.get('step') or 1):.2f}x "
+                     f"steps | | {pt_secs / max(1e-9, ext['elapsed']):.2f}x time |")
     print("\n".join(lines))
 
 
@@ -2193,12 +2368,13 @@ def storage_report(a):
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """--help with "(default: X)" where X says something (not None, False or already in the help)."""
+    """--help with "(default: X)" where X says something (not None, False or already in the
+    help)."""
 
     def _get_help_string(self, action):
         h = action.help or ""
-        if action.option_strings and action.default not in (None, argparse.SUPPRESS) and action.default is not False \
-                and "default" not in h:
+        if action.option_strings and action.default not in (None, argparse.SUPPRESS) \
+                and action.default is not False and "default" not in h:
             h += " (default: %(default)s)"
         return h
 
@@ -2206,66 +2382,84 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 def add_train_flags(p, lr_help="", data_help=""):
     """The training flags in groups; those left unset are filled from Table 6 (table6_defaults)."""
     g = p.add_argument_group("data")
-    g.add_argument("--data", default="shapes", help=data_help or "shapes, tar shards, CSV, Karpathy JSON")
+    g.add_argument("--data", default="shapes",
+                   help=data_help or "shapes, tar shards, CSV, Karpathy JSON")
     g.add_argument("--image_root", help="folder the image paths of a CSV / Karpathy JSON are under")
     g.add_argument("--csv_img_key", default="filepath", help="CSV column of the image paths")
     g.add_argument("--csv_caption_key", default="title", help="CSV column of the captions")
     g.add_argument("--csv_separator", help="default: tab if the header has one, else comma")
     g.add_argument("--num_workers", type=int, default=0, help="data loading processes per rank")
     g = p.add_argument_group("schedule (unset: Table 6's, see --lr)")
-    g.add_argument("--max_steps", type=int, help="default: from --epochs off shapes, Table 6 sized on shapes")
-    g.add_argument("--epochs", type=float, help="epochs when --max_steps is not given (default: Table 6's off shapes)")
+    g.add_argument("--max_steps", type=int,
+                   help="default: from --epochs off shapes, Table 6 sized on shapes")
+    g.add_argument("--epochs", type=float,
+                   help="epochs when --max_steps is not given (default: Table 6's off shapes)")
     g.add_argument("--warmup", type=int, help="warm-up steps (-1: 10%% of the steps)")
     g.add_argument("--batch_size", type=int, help="global batch size")
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=float, help=lr_help)
-    g.add_argument("--wd", type=float, help="AdamW weight decay on matrices (not on gains, biases, coefficients)")
+    g.add_argument("--wd", type=float,
+                   help="AdamW weight decay on matrices (not on gains, biases, coefficients)")
     g.add_argument("--grad_clip", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("machine")
     g.add_argument("--device", help="default: cuda if available, else cpu")
-    g.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="autocast dtype on CUDA (CPU: fp32)")
+    g.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"],
+                   help="autocast dtype on CUDA (CPU: fp32)")
     g.add_argument("--compile", action="store_true", help="torch.compile the training step")
     g = p.add_argument_group("output")
     g.add_argument("--out_dir", help="the run's folder (finetune: out/finetune_<task> when unset)")
     g.add_argument("--log_interval", type=int, default=10, help="steps per metrics.jsonl record")
-    g.add_argument("--save_interval", type=int, default=200, help="checkpoint every N steps (0: only at the end)")
-    g.add_argument("--stop_at", type=int, help="stop at this step with a checkpoint, as if preempted")
-    g.add_argument("--resume", action="store_true", help="continue the run in --out_dir with its saved flags")
-    g.add_argument("--overwrite", action="store_true", help="a new run on an out_dir with a checkpoint: remove it")
-    g.add_argument("--wandb", metavar="PROJECT", help="also send the metrics.jsonl records to this Weights & Biases "
-                   "project (rank 0; needs `pip install wandb`)")
+    g.add_argument("--save_interval", type=int, default=200,
+                   help="checkpoint every N steps (0: only at the end)")
+    g.add_argument("--stop_at", type=int,
+                   help="stop at this step with a checkpoint, as if preempted")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run in --out_dir with its saved flags")
+    g.add_argument("--overwrite", action="store_true",
+                   help="a new run on an out_dir with a checkpoint: remove it")
+    g.add_argument("--wandb", metavar="PROJECT",
+                   help="also send the metrics.jsonl records to this Weights & Biases project "
+                        "(rank 0; needs `pip install wandb`)")
     return p.add_argument_group("model")
 
 
-SCRIPT_HELP = ("the model code for --init's checkpoint (default: the script its config.json records, run only from "
-               "beside this file; any other file only when named here)")
+SCRIPT_HELP = ("the model code for --init's checkpoint (default: the script its config.json "
+               "records, run only from beside this file; any other file only when named here)")
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_parser = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
-    p = add_parser("extract", help="distil a teacher CLIP into the learngene "
-                   "(paper: CC3M+CC12M, --model ViT-S-16, Table 6's schedule: the defaults off shapes)")
-    g = add_train_flags(p, lr_help="default: Table 6 (1e-3, --wd 0.1); off shapes also warm-up 10k steps, batch "
-                        "512, --epochs 32; on shapes 500 steps, batch 64, warm-up 50")
-    g.add_argument("--init", "--teacher", dest="init", help="the ancestry (teacher): il_clip.py out_dir, "
-                   "checkpoint/ folder or OpenAI-layout .safetensors/.pt (--teacher: an alias)")
+    p = add_parser("extract", help="distil a teacher CLIP into the learngene (paper: CC3M+CC12M, "
+                                   "--model ViT-S-16, Table 6's schedule: the defaults off shapes)")
+    g = add_train_flags(p, lr_help="default: Table 6 (1e-3, --wd 0.1); off shapes also warm-up 10k "
+                                   "steps, batch 512, --epochs 32; on shapes 500 steps, batch 64, "
+                                   "warm-up 50")
+    g.add_argument("--init", "--teacher", dest="init",
+                   help="the ancestry (teacher): il_clip.py out_dir, checkpoint/ folder or "
+                        "OpenAI-layout .safetensors/.pt (--teacher: an alias)")
     g.add_argument("--script", help=SCRIPT_HELP)
     g.add_argument("--vocab", help="bpe_simple_vocab_16e6.txt.gz for a bare OpenAI weight file")
     g.add_argument("--quick_gelu", action=argparse.BooleanOptionalAction,
-                   help="the teacher's activation (printed at start); default: what open_clip_config.json / "
-                        "config.json beside it says, else (a bare weight file) QuickGELU as OpenAI's CLIPs")
-    g.add_argument("--model", default="shapes", choices=list(AUX_PRESETS), help="the auxiliary model's preset")
+                   help="the teacher's activation (printed at start); default: what "
+                        "open_clip_config.json / config.json beside it says, else (a bare weight "
+                        "file) QuickGELU as OpenAI's CLIPs")
+    g.add_argument("--model", default="shapes", choices=list(AUX_PRESETS),
+                   help="the auxiliary model's preset")
     for flag in ("--aux_width", "--aux_heads", "--aux_layers", "--patch_size"):
         g.add_argument(flag, type=int, help="default: the preset's")
     g = p.add_argument_group("method")
     g.add_argument("--method", default="mmlg", choices=["mmlg", "tleg", "helg"])
-    g.add_argument("--helg_layers", type=int, default=3, help="He-LG: layers per tower kept as the learngene")
+    g.add_argument("--helg_layers", type=int, default=3,
+                   help="He-LG: layers per tower kept as the learngene")
     x = g.add_mutually_exclusive_group()
-    x.add_argument("--no_mm", action="store_true", help="extra (not Table 4): extract without multimodal blocks")
-    x.add_argument("--only_mm", action="store_true", help="extra (not Table 4): extract multimodal blocks only")
+    x.add_argument("--no_mm", action="store_true",
+                   help="extra (not Table 4): extract without multimodal blocks")
+    x.add_argument("--only_mm", action="store_true",
+                   help="extra (not Table 4): extract multimodal blocks only")
     g.add_argument("--lambda_dist", type=float, default=1.0, help="lambda of Eq. 8 (paper: 1)")
     p.set_defaults(func=cmd_extract, out_dir="out/learngene")
     p = add_parser("expand", help="learngene -> descendant out_dir (OpenAI layout)")
@@ -2273,63 +2467,87 @@ def build_parser():
     p.add_argument("--layers", type=int, required=True)
     p.add_argument("--modality", default="clip", choices=["clip", "vision", "text"])
     p.add_argument("--part", default="both", choices=["both", "no_mm", "only_mm"],
-                   help="Table 4's ablations at initialisation, from one full MM-LG learngene: no_mm leaves the "
-                        "multimodal term c^m theta^m out of Eq. 1-2, only_mm the unimodal term; the kept term keeps "
-                        "its extracted coefficient (nothing rescaled or random); embeddings, LNs and projections stay")
+                   help="Table 4's ablations at initialisation, from one full MM-LG learngene: "
+                        "no_mm leaves the multimodal term c^m theta^m out of Eq. 1-2, only_mm the "
+                        "unimodal term; the kept term keeps its extracted coefficient (nothing "
+                        "rescaled or random); embeddings, LNs and projections stay")
     p.add_argument("--width", type=int, help="expected width (checked; default: not checked)")
     p.add_argument("--seed", type=int, default=0, help="He-LG: seed of the random layers")
     p.add_argument("--out_dir", help="default: out/descendant_<method>_<modality><layers>")
-    p.add_argument("--overwrite", action="store_true", help="replace a descendant already in --out_dir")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a descendant already in --out_dir")
     p.set_defaults(func=cmd_expand)
-    p = add_parser("finetune", help="activation + fine-tuning (retrieval, classification or captioning)")
-    g = add_train_flags(p, lr_help="default: Table 6 per task (retrieval 5e-5, classification 1e-4, "
-                        "caption 2e-5; --wd 0.01). Off shapes every Table 6 value is the default: warm-up 10k/5k/5k "
-                        "steps, batch 256, --epochs 50/500/10; on shapes 300 steps, batch 64, warm-up 30. "
-                        "Classification trains with RandomResizedCrop(0.08-1) + flip on ImageFolder data",
-                        data_help="retrieval/caption: shapes, Karpathy JSON, CSV, shards; classification: shapes "
-                                  "or an ImageFolder root with train/ and val/ (or test/)")
+    p = add_parser("finetune",
+                   help="activation + fine-tuning (retrieval, classification or captioning)")
+    g = add_train_flags(p, lr_help="default: Table 6 per task (retrieval 5e-5, classification "
+                                   "1e-4, caption 2e-5; --wd 0.01). Off shapes every Table 6 value "
+                                   "is the default: warm-up 10k/5k/5k steps, batch 256, --epochs "
+                                   "50/500/10; on shapes 300 steps, batch 64, warm-up 30. "
+                                   "Classification trains with RandomResizedCrop(0.08-1) + flip on "
+                                   "ImageFolder data",
+                        data_help="retrieval/caption: shapes, Karpathy JSON, CSV, shards; "
+                                  "classification: shapes or an ImageFolder root with train/ and "
+                                  "val/ (or test/)")
     g.add_argument("--init", help="descendant out_dir, il_clip.py out_dir (PT-FT) or scratch")
     g.add_argument("--script", help=SCRIPT_HELP)
-    g.add_argument("--model", default="shapes", choices=list(AUX_PRESETS), help="scratch: the preset")
+    g.add_argument("--model", default="shapes", choices=list(AUX_PRESETS),
+                   help="scratch: the preset")
     g.add_argument("--like", help="scratch: copy config + tokenizer from this out_dir")
     g.add_argument("--layers", type=int, help="scratch: depth (default: 6, or --like's)")
     g.add_argument("--modality", default="clip", choices=["clip", "vision"], help="scratch: towers")
     g.add_argument("--image_size", type=int, default=64, help="scratch without --like")
     g = p.add_argument_group("method: task and activation (appendix A.2)")
-    g.add_argument("--task", default="retrieval", choices=["retrieval", "classification", "caption"])
-    g.add_argument("--activate_frac", type=float, default=0.1, help="paper: 10%% of the pre-training data")
+    g.add_argument("--task", default="retrieval",
+                   choices=["retrieval", "classification", "caption"])
+    g.add_argument("--activate_frac", type=float, default=0.1,
+                   help="paper: 10%% of the pre-training data")
     g.add_argument("--activate_epochs", type=float, default=1.0)
-    g.add_argument("--activate_steps", type=int, help="default: computed from --activate_frac and --activate_epochs")
-    g.add_argument("--activate_data", help="default: the learngene's extraction data, recorded in the descendant "
-                                           "(required if not recorded)")
+    g.add_argument("--activate_steps", type=int,
+                   help="default: computed from --activate_frac and --activate_epochs")
+    g.add_argument("--activate_data",
+                   help="default: the learngene's extraction data, recorded in the descendant "
+                        "(required if not recorded)")
     g.add_argument("--activate_lr", type=float, default=5e-4)
     g.add_argument("--train_size", type=int,
-                   help="classification: a seeded class-stratified subsample of N training images (default: all)")
+                   help="classification: a seeded class-stratified subsample of N training images "
+                        "(default: all)")
     g = p.add_argument_group("evaluation")
-    g.add_argument("--eval_split", default="auto", help="auto: ImageFolder val/ else test/; shapes/JSON: test")
+    g.add_argument("--eval_split", default="auto",
+                   help="auto: ImageFolder val/ else test/; shapes/JSON: test")
     g.add_argument("--eval_size", type=int,
-                   help="opt-in seeded subsample: N images (classification: stratified by class; retrieval and "
-                        "captioning: N images with all their captions). Default: the whole split")
-    g.add_argument("--eval_data", help="retrieval/caption evaluation data when --data is a CSV or shards (no test "
-                                       "split); default: --data's test split")
+                   help="opt-in seeded subsample: N images (classification: stratified by class; "
+                        "retrieval and captioning: N images with all their captions). Default: the "
+                        "whole split")
+    g.add_argument("--eval_data",
+                   help="retrieval/caption evaluation data when --data is a CSV or shards (no test "
+                        "split); default: --data's test split")
     g = p.add_argument_group("captioning")
-    g.add_argument("--lm", help="folder with GPT-2's model.safetensors + tokenizer.json (or vocab.json + "
-                                "merges.txt); default on shapes: a stand-in GPT trained beside --out_dir")
+    g.add_argument("--lm", help="folder with GPT-2's model.safetensors + tokenizer.json (or "
+                                "vocab.json + merges.txt); default on shapes: a stand-in GPT "
+                                "trained beside --out_dir")
     g.add_argument("--beam", type=int, default=1, help="decoding: 1 greedy, >1 beam search")
-    g.add_argument("--baselines", action="store_true", help="also score the best constant caption (the pool's "
-                   "training caption of highest CIDEr-D) and the nearest-neighbour caption (of the pool image most "
-                   "similar in the frozen encoder's embedding), on the same images and references")
-    g.add_argument("--baseline_pool", type=int, default=1000, help="--baselines: the first N training images")
+    g.add_argument("--baselines", action="store_true",
+                   help="also score the best constant caption (the pool's training caption of "
+                        "highest CIDEr-D) and the nearest-neighbour caption (of the pool image "
+                        "most similar in the frozen encoder's embedding), on the same images and "
+                        "references")
+    g.add_argument("--baseline_pool", type=int, default=1000,
+                   help="--baselines: the first N training images")
     p.set_defaults(func=cmd_finetune)
-    p = add_parser("report", help="storage / cost table (paper Table 3) and fine-tuning results side by side")
+    p = add_parser("report",
+                   help="storage / cost table (paper Table 3) and fine-tuning results side by side")
     p.add_argument("--learngene", help="learngene.safetensors: Table 3's storage and cost")
-    p.add_argument("--layers", type=int, nargs="+", default=[6, 8, 12], help="--learngene: descendant depths")
-    p.add_argument("--ptft", nargs="*", help="il_clip.py out_dirs of the directly pre-trained sizes")
+    p.add_argument("--layers", type=int, nargs="+", default=[6, 8, 12],
+                   help="--learngene: descendant depths")
+    p.add_argument("--ptft", nargs="*",
+                   help="il_clip.py out_dirs of the directly pre-trained sizes")
     p.add_argument("--results", nargs="*", help="finetune out_dirs: one row each (Tables 1, 2, 4)")
-    p.add_argument("--seeds", help="a folder of finetune out_dirs (several seeds): mean ± 95%% interval per "
-                                   "setting and paired differences against --baseline")
-    p.add_argument("--baseline", help="with --seeds: the setting every other is paired with, e.g. 'mmlg both 6 "
-                                      "retrieval' (default: MM-LG of the same size and task)")
+    p.add_argument("--seeds",
+                   help="a folder of finetune out_dirs (several seeds): mean ± 95%% interval per "
+                        "setting and paired differences against --baseline")
+    p.add_argument("--baseline",
+                   help="with --seeds: the setting every other is paired with, e.g. 'mmlg both 6 "
+                        "retrieval' (default: MM-LG of the same size and task)")
     p.set_defaults(func=cmd_report)
     return ap
 
@@ -2343,9 +2561,12 @@ def main(argv=None):
             a.out_dir = a.out_dir or f"out/finetune_{a.task}"
             if a.resume:
                 resume_flags(a, argv)
-            if a.init is None and not a.resume:     # (with --resume, claim_out_dir says what is missing)
-                raise ConfigError(f"{a.cmd} needs --init ({'the teacher' if a.cmd == 'extract' else 'a descendant'})")
-        if getattr(a, "wandb", None):       # on every rank, before training: the package is optional
+            # (with --resume, claim_out_dir says what is missing)
+            if a.init is None and not a.resume:
+                raise ConfigError(f"{a.cmd} needs --init "
+                                  f"({'the teacher' if a.cmd == 'extract' else 'a descendant'})")
+        # on every rank, before training: the package is optional
+        if getattr(a, "wandb", None):
             try:
                 import wandb  # noqa: F401
             except ImportError:
@@ -2355,7 +2576,8 @@ def main(argv=None):
             dist.barrier()      # no rank tears down its connections while another still writes
     except data.DataError as e:
         print(f"error: {e}", file=sys.stderr)
-        lifecycle.release_out_dir(failed=True)      # before its first step: the out_dir it made goes
+        # before its first step: the out_dir it made goes
+        lifecycle.release_out_dir(failed=True)
         sys.exit(2)
     except NonFiniteError as e:
         print(str(e), file=sys.stderr, flush=True)
@@ -2363,44 +2585,51 @@ def main(argv=None):
     except Exception as e:
         if lifecycle.write_error(e) is None:
             raise
-        print(f"error: {getattr(e, 'filename', None) or a.out_dir}: {lifecycle.write_error(e)}; the last good checkpoint "
-              f"is kept", file=sys.stderr)
+        print(f"error: {getattr(e, 'filename', None) or a.out_dir}: {lifecycle.write_error(e)}; "
+              f"the last good checkpoint is kept", file=sys.stderr)
         lifecycle.release_out_dir(failed=True)
         sys.exit(2)
     finally:
         if _wandb["run"] is not None:
             _wandb["run"].finish()
         lifecycle.release_out_dir()
-        lifecycle.restore_signals(handlers)     # only now: a signal during the final save is not fatal
+        # only now: a signal during the final save is not fatal
+        lifecycle.restore_signals(handlers)
         if dist.is_available() and dist.is_initialized():
             gc.collect()    # the DDP wrapper (in a reference cycle) holds the group: it goes first
             dist.destroy_process_group()
 
 
 # -----------------------------------------------------------------------------
-# Infrastructure: the run lifecycle is data.py's (the out_dir lock, checkpoint/ with sha256.json and the
-# fallback to checkpoint.prev/, RNG states, write errors, stop signals, metrics.jsonl + wandb, the curve).
-# This script's own: what a phase's state.pt holds (step, time, loader position, AdamW state, RNG states)
-# and its restore, the flags --resume lets change, the files --overwrite removes, the start and done lines.
+# Infrastructure: the run lifecycle is data.py's (the out_dir lock, checkpoint/ with sha256.json and
+# the fallback to checkpoint.prev/, RNG states, write errors, stop signals, metrics.jsonl + wandb,
+# the curve). This script's own: what a phase's state.pt holds (step, time, loader position, AdamW
+# state, RNG states) and its restore, the flags --resume lets change, the files --overwrite removes,
+# the start and done lines.
 
-# --resume: run-control flags may change; those not given now keep their saved values, but ALWAYS_NOW's
+# --resume: run-control flags may change; those not given now keep their saved values,
+# but ALWAYS_NOW's
 ALWAYS_NOW = ("stop_at", "device", "resume", "overwrite", "out_dir")
 RUN_CONTROL = (*ALWAYS_NOW, "save_interval", "log_interval", "num_workers")
-RUN_FILES = (r"metrics\.jsonl", r"loss_curve\.png", r"learngene\.safetensors", r"results\.json", r"model\.safetensors",
-             r"config\.json", r"tokenizer\.json", r"captions\.json", r"wandb_id(\.txt)?", r"checkpoint(\.prev|\.tmp)?")
-# state.pt, checked to its leaves before --resume restores anything from it (lifecycle.read_checkpoint)
+RUN_FILES = (r"metrics\.jsonl", r"loss_curve\.png", r"learngene\.safetensors", r"results\.json",
+             r"model\.safetensors", r"config\.json", r"tokenizer\.json", r"captions\.json",
+             r"wandb_id(\.txt)?", r"checkpoint(\.prev|\.tmp)?")
+# state.pt, checked to its leaves before --resume restores anything from it
+# (lifecycle.read_checkpoint)
 STATE_TYPES = {"step": int, "elapsed": (int, float), "loader": data.LOADER_STATE,
                "optimizer": lifecycle.OPTIMIZER_STATE, "rng": lifecycle.RNG_STATE}
-_wandb = {"run": None, "offset": 0, "next": 0}    # --wandb: the module while a run is open; phase step offsets
+# --wandb: the module while a run is open; phase step offsets
+_wandb = {"run": None, "offset": 0, "next": 0}
 
 
 def start_line(a, what, model, device, world, loader, rank, more=(), resumed=None):
-    """The run's first line (rank 0): script, subcommand, parameters, device x world size, data, `more`,
-    out_dir, and with --resume where it continues (`resumed`: "step N", "finetune step N")."""
+    """The run's first line (rank 0): script, subcommand, parameters, device x world size, data,
+    `more`, out_dir, and with --resume where it continues (`resumed`: "step N", "finetune step
+    N")."""
     if rank == 0:
         n = f" ({loader.num_samples} training samples)" if getattr(loader, "num_samples", None) else ""
-        details = [f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", f"{device} x {world}",
-                   f"data {a.data}{n}", *more]
+        details = [f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters",
+                   f"{device} x {world}", f"data {a.data}{n}", *more]
         lifecycle.start_line(__file__, what, details, a.out_dir, resumed)
 
 
@@ -2416,11 +2645,12 @@ def save_run(run):
         return
     sd, opt = run.raw.state_dict(), run.opt.state_dict()
     if not lifecycle.all_finite([sd, opt["state"]]):
-        raise NonFiniteError(f"{run.tag}: non-finite weights at step {run.step}; stopped, the last good checkpoint "
-                             f"is kept")
-    state = {"step": run.step, "elapsed": run.elapsed, "loader": run.loader.state_dict(), "optimizer": opt,
-             "rng": lifecycle.rng_state(run.device)}
-    lifecycle.save_checkpoint(run.out_dir, sd, state, {**run.config, "script": lifecycle.script_record(__file__)},
+        raise NonFiniteError(f"{run.tag}: non-finite weights at step {run.step}; stopped, the last "
+                             f"good checkpoint is kept")
+    state = {"step": run.step, "elapsed": run.elapsed, "loader": run.loader.state_dict(),
+             "optimizer": opt, "rng": lifecycle.rng_state(run.device)}
+    lifecycle.save_checkpoint(run.out_dir, sd, state,
+                              {**run.config, "script": lifecycle.script_record(__file__)},
                          run.tokenizer, run.step, run.newest_damaged)
     run.newest_damaged = False
     if run.on_save:
@@ -2428,8 +2658,8 @@ def save_run(run):
 
 
 def load_run(run, ckpt=None):
-    """The newest usable checkpoint (`ckpt`, or read now) into model, optimizer, loader and RNGs: the run goes on
-    bit-exactly."""
+    """The newest usable checkpoint (`ckpt`, or read now) into model, optimizer, loader and RNGs:
+    the run goes on bit-exactly."""
     ckpt = ckpt or lifecycle.load_checkpoint(run.out_dir, STATE_TYPES, rank=run.rank)
     folder, model_sd, st, _, run.newest_damaged = ckpt
     lifecycle.load_state(run.raw, model_sd, folder)
@@ -2445,26 +2675,31 @@ def load_run(run, ckpt=None):
 
 
 def phase_dirs(a):
-    return [os.path.join(a.out_dir, t) for t in ("activate", "finetune")] if a.cmd == "finetune" else [a.out_dir]
+    return [os.path.join(a.out_dir, t) for t in ("activate", "finetune")] \
+        if a.cmd == "finetune" else [a.out_dir]
 
 
 def resume_flags(a, argv):
     """--resume: the saved run's flags (its newest checkpoint's config.json that sha256.json vouches
     for); a run-defining flag given with another value is refused; run control may change."""
-    for folder in (os.path.join(d, c) for d in phase_dirs(a)[::-1] for c in ("checkpoint", "checkpoint.prev")):
+    for folder in (os.path.join(d, c) for d in phase_dirs(a)[::-1]
+                   for c in ("checkpoint", "checkpoint.prev")):
         with contextlib.suppress(OSError, data.DataError, LookupError, TypeError):
             path = os.path.join(folder, "config.json")
-            if lifecycle.sha256(path) == lifecycle.read_json(os.path.join(folder, "sha256.json"))["config.json"]:
+            if lifecycle.sha256(path) == \
+                    lifecycle.read_json(os.path.join(folder, "sha256.json"))["config.json"]:
                 saved = lifecycle.read_json(path)["args"]
                 break
     else:
         return                       # claim_out_dir says there is nothing to resume
     ap = build_parser()             # the flags given on the command line: every default suppressed
-    for p in [ap, *next(x for x in ap._actions if isinstance(x, argparse._SubParsersAction)).choices.values()]:
+    for p in [ap, *next(x for x in ap._actions
+                        if isinstance(x, argparse._SubParsersAction)).choices.values()]:
         p._defaults.clear()
         for action in p._actions:
             action.default = argparse.SUPPRESS
-    for k, v in lifecycle.resumed_flags(vars(ap.parse_args(argv)), saved, RUN_CONTROL, path, ALWAYS_NOW).items():
+    for k, v in lifecycle.resumed_flags(vars(ap.parse_args(argv)), saved, RUN_CONTROL,
+                                        path, ALWAYS_NOW).items():
         if hasattr(a, k):
             setattr(a, k, v)
 
