@@ -22,6 +22,7 @@ import eval_compositional as E
 import il_clip as I
 import lifecycle
 import mm_learngene as M
+from conftest import error_lines
 from test_composer import TRAIN
 from test_il_clip import TINY
 from test_mm_learngene import EXTRACT, teacher  # noqa: F401
@@ -183,7 +184,7 @@ def test_a_read_only_out_dir_is_one_line_before_training_and_mid_run():
             _, err = p.communicate(timeout=120)
         finally:
             p.kill()
-        lines = err.strip().splitlines()
+        lines = error_lines(err)       # without the start line
         assert p.returncode == 2 and len(lines) == 1, err
         # at the next save ("... for the step-N checkpoint; the previous checkpoint is kept") or, if the chmod came
         # just after a save, at the loss curve drawn after it
@@ -305,8 +306,9 @@ def test_composer_stop_and_resume_lines(tmp_path, capsys):
         f"stopped by --stop_at at step 1/3 | checkpoint saved | continue with: python composer.py train --resume "
         f"--out_dir {out}")
     C.main(["train", "--resume", "--out_dir", out])
-    lines = capsys.readouterr().out.splitlines()
-    start = [ln for ln in lines if ln.startswith("start: ")]
+    std = capsys.readouterr()
+    lines = std.out.splitlines() + std.err.splitlines()
+    start = [ln for ln in std.err.splitlines() if ln.startswith("start: ")]
     assert len(start) == 1 and start[0].endswith(f"out_dir {out} | resumed at step 1"), lines
     assert not any("resumed from" in ln for ln in lines)
 
@@ -320,7 +322,7 @@ def test_mm_resume_keeps_the_saved_run_control_flags(teacher, tmp_path, capsys):
         f"stopped by --stop_at at step 3/6 | checkpoint saved | continue with: python mm_learngene.py extract "
         f"--resume --out_dir {out}")
     M.main(["extract", "--out_dir", out, "--resume"])       # --log_interval 1 and --save_interval 2 kept
-    start = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("start: ")]
+    start = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("start: ")]
     assert len(start) == 1 and start[0].endswith(f"out_dir {out} | resumed at step 3"), start
     saved = json.load(open(os.path.join(out, "checkpoint", "config.json")))["args"]
     assert saved["log_interval"] == 1 and saved["save_interval"] == 2 and saved["stop_at"] is None
