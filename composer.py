@@ -1942,7 +1942,7 @@ def train(args):
         if stopping:
             if master:
                 cmd = lifecycle.resume_command(__file__, world, args.out_dir, "train")
-                print(lifecycle.stop_line(stopped_by, step, args.max_steps, cmd), flush=True)
+                lifecycle.stop_line(stopped_by, step, args.max_steps, cmd)
             break
     bar.close()
     result = None

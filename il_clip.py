@@ -1617,9 +1617,7 @@ def end_line(r, status, seconds):
     a, out = r.args, r.args.out_dir
     cmd = lifecycle.resume_command(__file__, r.world, out)
     if status == "stopped":
-        line = lifecycle.stop_line(r.stopped_by, r.step, a.max_steps, cmd)
-        print(line, flush=True)
-        return line
+        return lifecycle.stop_line(r.stopped_by, r.step, a.max_steps, cmd)
     gens = sorted((n for n in os.listdir(out) if re.fullmatch(r"gen\d+", n)),
                   key=lambda n: int(n[3:]))
     names = ["checkpoint", *gens, "metrics.jsonl", "loss_curve.png", "shapes_eval.json"]

@@ -921,10 +921,10 @@ def resume_command(script, world, out_dir, cmd=""):
 
 
 def stop_line(by, step, max_steps, command):
-    """The last line of a run stopped with a checkpoint (rank 0): by what (the signal, --stop_at),
-    where, and how to continue (resume_command)."""
-    return (f"stopped by {by} at step {step}/{max_steps} | checkpoint saved | "
-            f"continue with: {command}")
+    """The last line of a run stopped with a checkpoint (rank 0), in place of its done line and on
+    the same stream: by what (the signal, --stop_at), where, and how to continue (resume_command)."""
+    return say(f"stopped by {by} at step {step}/{max_steps} | checkpoint saved | "
+               f"continue with: {command}")
 
 
 def progress(iterable=None, unit="step", **kw):

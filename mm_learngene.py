@@ -869,9 +869,8 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
             if rank == 0:
                 cmd = lifecycle.resume_command(__file__, world, args.out_dir, args.cmd) \
                     if hasattr(args, "cmd") else "--resume"
-                print(lifecycle.stop_line(signal.Signals(sig).name if sig else "--stop_at", done,
-                                          max_steps, cmd),
-                      flush=True)
+                lifecycle.stop_line(signal.Signals(sig).name if sig else "--stop_at", done,
+                                    max_steps, cmd)
             sys.exit(0)
         if at_save:
             lifecycle.on_rank0(lambda: save_run(run), rank, world, device)

@@ -187,7 +187,7 @@ def read_figure(fig):
     return axes
 
 
-TALK = ("start: ", "done: ", "note: --warmup ")     # what every command says on stderr besides warnings and errors
+TALK = ("start: ", "done: ", "stopped by ", "note: --warmup ")   # what commands say on stderr, not errors
 
 
 def error_lines(text):

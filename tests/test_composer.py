@@ -418,7 +418,7 @@ def test_sigterm_to_one_rank_stops_every_rank_and_resumes(tmp_path):
     assert rc == 0, stderr
     step = saved_state(out)["step"]
     assert 0 < step < 100000 and f"stopped by SIGTERM at step {step}/100000 | checkpoint saved | continue with: " \
-        f"torchrun --nproc_per_node=2 composer.py train --resume --out_dir {out}" in stdout
+        f"torchrun --nproc_per_node=2 composer.py train --resume --out_dir {out}" in stderr
     _run(["--resume", "--out_dir", out, "--stop_at", str(step + 1)], nproc=2)
     assert saved_state(out)["step"] == step + 1
 
@@ -499,7 +499,7 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_bit_exactly(tmp_path):
     assert p.returncode == 0, stderr
     step = saved_state(out)["step"]
     assert f"stopped by SIGINT at step {step}/100000 | checkpoint saved | continue with: python composer.py train " \
-        f"--resume --out_dir {out}" in stdout
+        f"--resume --out_dir {out}" in stderr
     _run(["--resume", "--out_dir", out, "--stop_at", str(step + 2)])
     _run(["--out_dir", ref, "--max_steps", "100000", "--stop_at", str(step + 2)] + TRAIN)
     assert saved_state(out)["step"] == step + 2 and same_weights(ref, out)
@@ -579,7 +579,7 @@ def test_eval_scores_a_fork_with_the_forks_code(tmp_path, capsys):
     argv = ["train", "--out_dir", out, "--max_steps", "3"] + TRAIN + ["--eval_size", "12"]
     fork.main(argv + ["--stop_at", "2"])
     std = capsys.readouterr()
-    assert "start: composer_tanh.py train" in std.err and "python composer_tanh.py train --resume" in std.out
+    assert "start: composer_tanh.py train" in std.err and "python composer_tanh.py train --resume" in std.err
     own = fork.main(["train", "--resume", "--out_dir", out])["eval"]["in_domain"]
     capsys.readouterr()
     keys = ["t2i_r1", "t2i_r5", "t2i_r10", "p2i_r1", "p2i_r5", "p2i_r10"]

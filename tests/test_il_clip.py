@@ -537,7 +537,7 @@ def _signal_when_training(cmd, out, sig=signal.SIGTERM):
         time.sleep(0.2)
     os.killpg(p.pid, sig)
     out, err = p.communicate(timeout=120)
-    return p.returncode, out.decode() + err.decode()     # the end line on stdout, any error on stderr
+    return p.returncode, out.decode() + err.decode()     # the start, stop and error lines are on stderr
 
 
 def env_1thread():

@@ -181,9 +181,9 @@ def test_sigterm_to_the_process_group_under_torchrun_with_workers_saves_and_resu
     os.killpg(p.pid, signal.SIGTERM)
     stdout, stderr = p.communicate(timeout=180)
     step = torch.load(os.path.join(out, "checkpoint", "state.pt"), weights_only=True)["step"]
-    assert 0 < step < 100000 and f"stopped by SIGTERM at step {step}/100000 | checkpoint saved" in stdout, \
+    assert 0 < step < 100000 and f"stopped by SIGTERM at step {step}/100000 | checkpoint saved" in stderr, \
         stdout + stderr
-    assert "continue with: torchrun --nproc_per_node=2 il_clip.py --resume --out_dir" in stdout, stdout
+    assert "continue with: torchrun --nproc_per_node=2 il_clip.py --resume --out_dir" in stderr, stderr
     assert 'il_clip.py", line' not in stderr, stderr      # no traceback through a rank (the agent's may follow)
     assert "exitcode  : 1" not in stderr and "ChildFailedError" not in stderr, stderr
     torchrun = torchrun[:torchrun.index(os.path.join(ROOT, "il_clip.py")) + 1]

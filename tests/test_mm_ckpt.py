@@ -178,7 +178,7 @@ def test_sigterm_to_the_process_group_with_two_workers(teacher, tmp_path):  # no
     stdout, stderr = p.communicate(timeout=120)
     step = saved_step(out)
     assert f"stopped by SIGTERM at step {step}/100000 | checkpoint saved | continue with: torchrun " \
-        f"--nproc_per_node=2 mm_learngene.py extract --resume --out_dir {out}" in stdout, stderr
+        f"--nproc_per_node=2 mm_learngene.py extract --resume --out_dir {out}" in stderr, stderr
     assert "DataLoader worker" not in stderr and "non-finite" not in stderr, stderr
     # same --max_steps (the LR schedule depends on it), both stopped one step later
     more = ["--num_workers", "2", "--max_steps", "100000", "--stop_at", str(step + 1)]
@@ -381,8 +381,8 @@ def test_ctrl_c_saves_like_sigterm_and_a_second_exits_at_once(teacher, tmp_path,
     p.send_signal(signal.SIGINT)
     stdout, stderr = p.communicate(timeout=120)
     step = saved_step(out)
-    assert p.returncode == 0 and f"stopped by SIGINT at step {step}/100000 | checkpoint saved" in stdout, stderr
-    assert f"continue with: python mm_learngene.py extract --resume --out_dir {out}" in stdout
+    assert p.returncode == 0 and f"stopped by SIGINT at step {step}/100000 | checkpoint saved" in stderr, stderr
+    assert f"continue with: python mm_learngene.py extract --resume --out_dir {out}" in stderr
     real = M.distill_loss
 
     def two_ctrl_c(*a):          # two Ctrl-C within one step: the second one exits at once

@@ -293,7 +293,7 @@ def test_extract_resume_is_exact(teacher, extracted, tmp_path, capsys):
     args = EXTRACT + ["--teacher", str(teacher), "--out_dir", str(tmp_path / "r")]
     with pytest.raises(SystemExit) as e:
         M.main(args + ["--stop_at", "1"])
-    assert e.value.code == 0 and "--stop_at" in capsys.readouterr().out
+    assert e.value.code == 0 and "stopped by --stop_at" in capsys.readouterr().err
     M.main(args + ["--resume"])
     assert "learngene parameters" in capsys.readouterr().err
     a = load_file(str(extracted / "learngene.safetensors"))
@@ -447,7 +447,7 @@ def test_finetune_resume_is_exact(extracted, tmp_path, capsys, task):
     M.main(args + ["--out_dir", str(tmp_path / "one")])
     with pytest.raises(SystemExit) as e:
         M.main(args + ["--out_dir", str(tmp_path / "two"), "--stop_at", "2"])
-    assert e.value.code == 0 and "--stop_at" in capsys.readouterr().out
+    assert e.value.code == 0 and "stopped by --stop_at" in capsys.readouterr().err
     assert saved_step(tmp_path / "two" / "finetune") == 2
     M.main(args + ["--out_dir", str(tmp_path / "two"), "--resume"])
     a, b = (load_file(str(tmp_path / r / "model.safetensors")) for r in ("one", "two"))
@@ -513,8 +513,8 @@ def test_sigterm_to_one_rank_stops_every_rank_and_resumes(teacher, tmp_path):
                                           str(out / "metrics.jsonl"), env=ENV)
     assert rc == 0, stderr
     step = saved_step(out)
-    assert 0 < step < 100000 and f"stopped by SIGTERM at step {step}/100000 | checkpoint saved" in stdout
-    assert f"continue with: torchrun --nproc_per_node=2 mm_learngene.py extract --resume --out_dir {out}" in stdout
+    assert 0 < step < 100000 and f"stopped by SIGTERM at step {step}/100000 | checkpoint saved" in stderr
+    assert f"continue with: torchrun --nproc_per_node=2 mm_learngene.py extract --resume --out_dir {out}" in stderr
     run_cli(["extract", "--out_dir", str(out), "--resume", "--stop_at", str(step + 1)], nproc=2)
     assert saved_step(out) == step + 1
 

@@ -293,7 +293,7 @@ def test_a_sigterm_storm_after_the_stop_still_exits_0(script, teacher, tmp_path)
     stdout, stderr = p.communicate()
     step = lifecycle.load_checkpoint(out, {"step": int})[2]["step"]
     assert p.returncode == 0 and sent > 1, (p.returncode, sent, stderr[-2000:])
-    assert f"stopped by SIGTERM at step {step}/100000 | checkpoint saved | continue with: python {argv[0]}" in stdout
+    assert f"stopped by SIGTERM at step {step}/100000 | checkpoint saved | continue with: python {argv[0]}" in stderr
 
 
 # -----------------------------------------------------------------------------
@@ -302,7 +302,7 @@ def test_a_sigterm_storm_after_the_stop_still_exits_0(script, teacher, tmp_path)
 def test_composer_stop_and_resume_lines(tmp_path, capsys):
     out = str(tmp_path / "o")
     C.main(["train"] + TRAIN + ["--max_steps", "3", "--stop_at", "1", "--out_dir", out])
-    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"stopped by --stop_at at step 1/3 | checkpoint saved | continue with: python composer.py train --resume "
         f"--out_dir {out}")
     C.main(["train", "--resume", "--out_dir", out])
@@ -318,7 +318,7 @@ def test_mm_resume_keeps_the_saved_run_control_flags(teacher, tmp_path, capsys):
     argv = EXTRACT + ["--teacher", str(teacher), "--out_dir", out, "--max_steps", "6", "--save_interval", "2"]
     with pytest.raises(SystemExit):
         M.main(argv + ["--stop_at", "3"])
-    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"stopped by --stop_at at step 3/6 | checkpoint saved | continue with: python mm_learngene.py extract "
         f"--resume --out_dir {out}")
     M.main(["extract", "--out_dir", out, "--resume"])       # --log_interval 1 and --save_interval 2 kept
