@@ -14,7 +14,7 @@ COMPOSER: visually grounded concept composition (Zhang, Hu, Qiu, Shaw, Sha; Find
             interpretation view
   9. MCD    compound divergence, the delta-ranking split procedure, graded splits
  10. main   subcommands train (default) | eval | graph | mcd | parse | summarize
-  then      the rule-based bracketer (appendix); what state.pt holds (data.py runs the
+  then      the rule-based bracketer (appendix); what state.pt holds (lifecycle.py runs the
             checkpoints, lock, signals)
 
   python composer.py                                   # train COMPOSER on shapes
@@ -53,7 +53,7 @@ from PIL import Image
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-import data  # the repo's shared module (shapes, tokenizer, loaders, run lifecycle)
+import data  # the data: shapes, tokenizer, loaders
 import lifecycle
 
 if dist.is_available():

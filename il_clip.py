@@ -10,7 +10,7 @@ CVPR 2024); what it leaves open is marked `Choice:` where it is decided. Reads t
 -> model -> sparsemax / codebook head -> losses -> NegCLIP's negative captions -> IL schedule ->
 compute_loss (every loss term) -> IL phases (set_trainable, spawn) -> train -> shapes benchmark
 score; then one infrastructure section (what state.pt holds, MFU, the loss curve's series) and
-main. data.py holds the loaders, the tokenizer, the shapes data and the run lifecycle.
+main. data.py holds the loaders, the tokenizer and the shapes data; lifecycle.py the run lifecycle.
 """
 import argparse
 import copy

@@ -20,8 +20,8 @@ public implementation, plus the learngene baselines it is compared with (He-LG, 
 Reads top to bottom: config -> model -> learngene parametrisations -> losses -> training loop ->
 subcommands -> main, then one short section of infrastructure: what a checkpoint holds; the run
 lifecycle itself (checkpoints, the out_dir lock, --resume / --overwrite, signals, write errors) is
-data.py's. The only repo import is data.py; a checkpoint that records another training script is
-read with that script's load_model.
+lifecycle.py's. The only repo imports are data.py and lifecycle.py; a checkpoint that records
+another training script is read with that script's load_model (by bare name, or --script PATH).
 
 Every choice the paper leaves open is marked "CHOICE:" next to the equation it concerns.
 """
