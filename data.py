@@ -412,9 +412,9 @@ def score_shapes(encode_image, encode_text, tokenizer, image_size: int, device="
     `shapes` call it, so both give the same digits for any model code, a fork's too).
     encode_image(normalised images [B, 3, S, S]) and encode_text(token ids [B, L]) are the model's,
     each called on batches of `batch_size` in one fixed order. -> percent (2 decimals): i2t / t2i
-    R@1 on `n_val` val scenes (a hit = the same caption string; none when n_val is 0) and, per category
-    of shapes_benchmark(seed, n), the share of items whose positive caption scores strictly above
-    every negative; sugarcrepe_mean is the 7 categories' mean."""
+    R@1 on `n_val` val scenes (a hit = the same caption string; none when n_val is 0) and, per
+    category of shapes_benchmark(seed, n), the share of items whose positive caption scores strictly
+    above every negative; sugarcrepe_mean is the 7 categories' mean."""
     tf = eval_transform(image_size)
     cats = [*SHAPES_CATEGORIES, "systematicity", "productivity"]
     bar = progress(total=n_val + n * len(cats), desc="shapes eval", unit="item",
@@ -1315,11 +1315,12 @@ def _start_workers(dl):
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-# a loader's state_dict (its position in the data), as lifecycle.read_checkpoint checks a state.pt's "loader" before
-# a resumed run restores it: the position and counts, and a stream's per-worker records (a MapLoader has none)
+# a loader's state_dict (its position in the data), as lifecycle.read_checkpoint checks a state.pt's
+# "loader" before a resumed run restores it: the position and counts, and a stream's per-worker
+# records (a MapLoader has none)
 LOADER_STATE = {"epoch": int, "batches_done": int, "skipped?": int, "good?": int, "dropped?": int,
-                "skip_reasons?": {...: int}, "records_done?": [int], "last_worker?": int, "num_workers?": int,
-                "world_size?": int}
+                "skip_reasons?": {...: int}, "records_done?": [int], "last_worker?": int,
+                "num_workers?": int, "world_size?": int}
 
 
 class _Loader:
@@ -1586,7 +1587,8 @@ class ShardLoader(_Loader):
         self._new_epoch()
         if (state.get("num_workers") == self.stream.workers
                 and state.get("world_size") == self.world_size):
-            self.records_done, self.last_worker = list(state["records_done"]), int(state["last_worker"])
+            self.records_done = list(state["records_done"])
+            self.last_worker = int(state["last_worker"])
         elif self.batches_done:
             log.warning("data: loader state saved with %s workers x %s ranks; "
                         "restarting epoch %d from its start",
@@ -1682,8 +1684,9 @@ def write_shapes_shards(out: str, n: int, seed: int, shard_size: int, image_size
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
             for i in range(first, min(n, first + shard_size)):
                 scene, key = shapes_scene("train", i, seed, image_size), f"{i:09d}"
-                meta = {"key": key, "caption": scene.caption, "status": "success", "width": image_size,
-                        "height": image_size, "objects": [vars(o) for o in scene.objects]}
+                meta = {"key": key, "caption": scene.caption, "status": "success",
+                        "width": image_size, "height": image_size,
+                        "objects": [vars(o) for o in scene.objects]}
                 png = io.BytesIO()
                 scene.image.save(png, format="PNG")
                 for ext, blob in (("png", png.getvalue()), ("txt", scene.caption.encode()),
@@ -1732,8 +1735,9 @@ def write_shapes_benchmarks(out: str, n: int, seed: int, image_size: int) -> dic
                          if cat.startswith(kind)]
                         for kind in kinds]
                 if any(negs):   # rows without a negative are left out; box = the whole image
-                    writer.writerow([f"{split}_{i:05d}", 0, 0, item["image"].width, item["image"].height,
-                                     item["caption"]] + [json.dumps(neg) for neg in negs])
+                    writer.writerow([f"{split}_{i:05d}", 0, 0, item["image"].width,
+                                     item["image"].height, item["caption"]]
+                                    + [json.dumps(neg) for neg in negs])
             write_file(os.path.join(out, "crepe", f"{name}.csv"), buf.getvalue())
     return {k: len(v) for k, v in bench.items()}
 
@@ -1753,7 +1757,8 @@ def write_shapes_karpathy(out: str, n: int, seed: int, image_size: int) -> dict:
     write_file(os.path.join(out, "karpathy", "dataset_shapes.json"),
                json.dumps({"dataset": "shapes", "images": images}))
     for split, lines in rows.items():
-        write_file(os.path.join(out, "csv", f"{split}.tsv"), "".join("\t".join(r) + "\n" for r in lines))
+        write_file(os.path.join(out, "csv", f"{split}.tsv"),
+                   "".join("\t".join(r) + "\n" for r in lines))
     return {split: n for split in rows}
 
 
@@ -1763,7 +1768,8 @@ def write_shapes_imagefolder(out: str, n: int, seed: int, image_size: int) -> di
             os.makedirs(os.path.join(out, "imagefolder", split, name), exist_ok=True)
         for i in progress(range(n), desc=f"imagefolder {split}", unit="item", leave=False):
             img, label = shapes_classification(split, i, seed, image_size)
-            write_file(os.path.join(out, "imagefolder", split, SHAPE_NAMES[label], f"{i:06d}.png"), img)
+            write_file(os.path.join(out, "imagefolder", split, SHAPE_NAMES[label], f"{i:06d}.png"),
+                       img)
     return {"train": n, "test": n, "classes": SHAPE_NAMES}
 
 
@@ -1815,7 +1821,8 @@ def check_data(spec: str, split: str = "train", image_root: str | None = None,
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="data.py: the shapes data in real formats, and data checks")
+    p = argparse.ArgumentParser(
+        description="data.py: the shapes data in real formats, and data checks")
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make-shapes", help="write the shapes data as shards, SugarCrepe, CREPE, "
                                            "Karpathy, ImageFolder")
