@@ -867,8 +867,7 @@ def train_phase(model, loss_fn, loader, args, rank, world, device, max_steps, ou
             # rank 0 has written before any rank exits
             lifecycle.on_rank0(lambda: save_run(run), rank, world, device)
             if rank == 0:
-                cmd = lifecycle.resume_command(__file__, world, args.out_dir, args.cmd) \
-                    if hasattr(args, "cmd") else "--resume"
+                cmd = lifecycle.resume_command(__file__, world, args.out_dir, getattr(args, "cmd", ""))
                 lifecycle.stop_line(signal.Signals(sig).name if sig else "--stop_at", done,
                                     max_steps, cmd)
             sys.exit(0)
