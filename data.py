@@ -52,8 +52,8 @@ from braceexpand import UnbalancedBracesError, braceexpand
 from PIL import Image, ImageDraw
 
 # files and the one-line user error come from the run module (data.DataError is lifecycle.DataError)
-from lifecycle import (DataError, atomic_write, done_line, is_torchscript, progress, read_json,
-                       start_line, write_file, writing)
+from lifecycle import (DataError, check_torchscript, convert_torchscript, done_line, progress,
+                       read_json, start_line, write_file, writing)
 
 
 
@@ -1859,25 +1859,16 @@ def main(argv=None) -> int:
     # a failed write (full disk, quota, size limit, I/O error): one line, exit 2
     writes = cmd != "check"
     try:
-        path = args.get("path")
-        if cmd == "convert-weights" and not os.path.isfile(path):
-            raise DataError(f"{path}: no such file")
-        if cmd == "convert-weights" and not is_torchscript(path):   # nothing to convert, no code run
-            raise DataError(f"{path}: not a TorchScript archive (convert-weights is for OpenAI's .pt "
-                            f"files; a plain state dict .pt or .safetensors loads as it is)")
+        if cmd == "convert-weights":    # nothing to convert: one error line, no code run
+            check_torchscript(args["path"])
         if cmd == "check":      # a spec that names nothing: one error line, before the start line
             resolve_data(args["data"], args["image_root"])
         start_line(__file__, cmd, what[cmd], args.get("out_dir"))
         with writing(args.get("out_dir") or args["path"]) if writes else contextlib.nullcontext():
             if cmd == "convert-weights":
-                from safetensors.torch import save_file
-                # explicit: runs the archive's code
-                sd = torch.jit.load(args["path"], map_location="cpu").state_dict()
-                out = args["path"].rsplit(".", 1)[0] + ".safetensors"
-                contiguous = {k: v.contiguous() for k, v in sd.items()}
-                atomic_write(out, lambda tmp: save_file(contiguous, tmp))
+                out, n_tensors = convert_torchscript(args["path"])
                 print(out)
-                done_line(f"{len(sd)} tensors converted", time.time() - t0, [out])
+                done_line(f"{n_tensors} tensors converted", time.time() - t0, [out])
                 return 0
             if cmd == "make-shapes":
                 result = make_shapes(**args)

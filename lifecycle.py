@@ -3,8 +3,8 @@ lifecycle.py -- what the training scripts share besides the data: one run's life
 
   * files: JSON, durable and atomic writes, one-line errors for a full disk or a read-only folder;
   * weights: the reader for this repo's checkpoints, OpenAI / open_clip files and the activation
-    they state, and the training script a checkpoint records (script_record; find_script's trust
-    rule, import_script);
+    they state, the TorchScript conversion behind `data.py convert-weights`, and the training
+    script a checkpoint records (script_record; find_script's trust rule, import_script);
   * the run lifecycle: one run per out_dir (a lock), checkpoints that survive a crash and their
     fallback, stop signals, metrics.jsonl (+ wandb);
   * the voice of every command: its start and done lines, progress bars; plots (matplotlib, Agg);
@@ -157,6 +157,27 @@ def is_torchscript(path: str) -> bool:
             return any(n.endswith("constants.pkl") for n in z.namelist())
     except (zipfile.BadZipFile, OSError):     # not a zip (a plain pickle), unreadable
         return False
+
+
+def check_torchscript(path: str):
+    """convert-weights' input: an existing TorchScript archive (anything else is refused before a
+    byte is written or any code runs)."""
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such file")
+    if not is_torchscript(path):
+        raise DataError(f"{path}: not a TorchScript archive (convert-weights is for OpenAI's .pt "
+                        f"files; a plain state dict .pt or .safetensors loads as it is)")
+
+
+def convert_torchscript(path: str) -> tuple:
+    """A TorchScript archive you trust -> its tensors in PATH.safetensors beside it, atomically;
+    loading it runs the code it carries. -> (written path, number of tensors)."""
+    from safetensors.torch import save_file
+    sd = torch.jit.load(path, map_location="cpu").state_dict()
+    out = path.rsplit(".", 1)[0] + ".safetensors"
+    contiguous = {k: v.contiguous() for k, v in sd.items()}
+    atomic_write(out, lambda tmp: save_file(contiguous, tmp))
+    return out, len(sd)
 
 
 def read_weights(path: str) -> dict:
