@@ -11,13 +11,11 @@ data.py -- the data every script of this repo reads.
     that the step normalises on the device (normalize_images), split across DDP ranks and workers,
     bad samples skipped and counted, exact resume.
 
-What a run does with its out_dir (checkpoints, the lock, signals, logs, plots, weights files,
-results over seeds) is in lifecycle.py; DataError, the one-line error for the user's data and paths,
-is defined there and used here.
+What a run does with its out_dir (checkpoints, lock, signals, logs, plots, weights files, results
+over seeds) is lifecycle.py's; so is DataError (data.DataError), the user's one-line error.
 
 Commands (python data.py COMMAND --help): make-shapes --out_dir DIR (the shapes data in the real
-formats), check --data SPEC (count good and skipped samples),
-convert-weights PATH (.pt -> .safetensors)
+formats), check --data SPEC (good and skipped counts), convert-weights PATH (.pt -> .safetensors)
 """
 import argparse
 import collections
@@ -51,23 +49,19 @@ import torch
 from braceexpand import UnbalancedBracesError, braceexpand
 from PIL import Image, ImageDraw
 
-# files and the one-line user error come from the run module (data.DataError is lifecycle.DataError)
 from lifecycle import (DataError, check_torchscript, convert_torchscript, done_line, progress,
                        read_json, start_line, write_file, writing)
 
 
-
 # -----------------------------------------------------------------------------
-# The `shapes` dataset
-#
-# Grammar (lower case, no punctuation): an object is ("a"|"an") [size] colour shape, e.g. "a small
-# red circle"; a relation is one of RELATION_NAMES; a caption is one of CAPTION_FORMS ("rel_and":
-# the relation binds the first two objects, the third is only present; "chain", A rel1 B and B rel2
-# C, in the productivity split only). Size words are mentioned with probability 1/2 per object, so
-# "add_att" negatives exist. Relations are geometric and unambiguous: a related pair's centres
-# differ in |dx| and |dy| by at least RELATION_MARGIN pixels, and exactly one of the four relations
-# holds between any ordered pair. Held-out compounds (systematicity): one colour-shape pair per
-# colour never occurs in the train/val/test splits, in images or captions, including hard negatives.
+# The `shapes` dataset. Grammar (lower case, no punctuation): an object is ("a"|"an") [size] colour
+# shape, e.g. "a small red circle"; a relation is one of RELATION_NAMES; a caption is one of
+# CAPTION_FORMS ("rel_and": the relation binds the first two objects, the third is only present;
+# "chain", A rel1 B and B rel2 C, in the productivity split only). Size words appear with
+# probability 1/2 per object, so "add_att" negatives exist. Relations are geometric and unambiguous:
+# a related pair's centres differ in |dx| and |dy| by at least RELATION_MARGIN pixels, and exactly
+# one of the four relations holds between any ordered pair. Held-out compounds (systematicity): one
+# colour-shape pair per colour never occurs in train/val/test: images, captions, hard negatives.
 
 SHAPE_NAMES = ["circle", "square", "triangle", "star", "cross", "diamond"]
 COLOURS = {
@@ -120,8 +114,7 @@ class Phrase:
 
 @dataclass
 class CaptionStruct:
-    """A caption before it is rendered: phrases joined by `form` (CAPTION_FORMS), relations[i] of
-    phrases i, i+1."""
+    """Phrases joined by `form` (CAPTION_FORMS); relations[i] joins phrases i, i+1."""
     form: str
     phrases: list
     relations: list = field(default_factory=list)
@@ -155,8 +148,7 @@ def _related_pairs(form: str) -> list:
 
 
 def render_caption(s: CaptionStruct, word=None) -> str:
-    """The caption's words; `word(kind, value)` may give a synonym for a word
-    (mm_learngene.shapes_references)."""
+    """The caption; `word(kind, value)` may give a synonym (mm_learngene.shapes_references)."""
     word, parts = word or (lambda kind, value: value), {}
     for i, p in enumerate(s.phrases):
         words = (([word("size", p.size)] if p.size else []) + [word("colour", p.colour)]
@@ -174,8 +166,7 @@ def _pp_tree(relation: str, np_tree: str) -> str:
     return f"(PP (TO to) (NP (NP (DT the) (NN {side})) (PP (IN of) {np_tree})))"
 
 
-# caption form -> its PTB tree: {0}..{2} the phrases' NPs, {pp} the PP of relation 0 (a chain's: of
-# NP 1 + PP 1)
+# form -> PTB tree: {0}..{2} the phrases' NPs, {pp} relation 0's PP (a chain's: of NP 1 + PP 1)
 TREE_FORMS = {"single": "(ROOT {0})", "rel": "(ROOT (NP {0} {pp}))",
               "copula": "(ROOT (S {0} (VP (VBZ is) {pp})))", "and": "(ROOT (NP {0} (CC and) {1}))",
               "rel_and": "(ROOT (NP (NP {0} {pp}) (CC and) {2}))", "chain": "(ROOT (NP {0} {pp}))"}
@@ -190,8 +181,7 @@ def caption_tree(s: CaptionStruct) -> str:
 
 
 def caption_is_true(s: CaptionStruct, objects: list) -> bool:
-    """True iff the phrases can be assigned to distinct matching objects such that every stated
-    relation holds."""
+    """True iff the phrases match distinct objects such that every stated relation holds."""
     rels = [(i, s.relations[i], j) for i, j in _related_pairs(s.form)]
     for assign in itertools.permutations(range(len(objects)), len(s.phrases)):
         ok = all(objects[o].colour == p.colour and objects[o].shape == p.shape
@@ -241,7 +231,6 @@ def _draw_object(draw: ImageDraw.ImageDraw, o: Obj, rgb: tuple):
     elif o.shape == "diamond":
         draw.polygon([(cx, y0), (x1, cy), (cx, y1), (x0, cy)], fill=rgb)
     elif o.shape == "star":
-        # (radius, angle)
         rads = [(r if k % 2 == 0 else r * 0.45, -math.pi / 2 + k * math.pi / 5) for k in range(10)]
         draw.polygon([(cx + rad * math.cos(a), cy + rad * math.sin(a)) for rad, a in rads], fill=rgb)
     elif o.shape == "cross":
@@ -254,8 +243,7 @@ def _draw_object(draw: ImageDraw.ImageDraw, o: Obj, rgb: tuple):
 
 def render_scene(objects: list, rng: random.Random,
                  image_size: int = SHAPES_IMAGE_SIZE) -> Image.Image:
-    """Dark varied background; colours jittered +-20 per channel: colour names are categories, not
-    pixel values."""
+    """Dark varied background; colours jittered +-20: colour names are categories, not pixels."""
     img = Image.new("RGB", (image_size, image_size), tuple(rng.randint(10, 60) for _ in range(3)))
     draw = ImageDraw.Draw(img)
     for o in objects:
@@ -265,8 +253,7 @@ def render_scene(objects: list, rng: random.Random,
 
 
 def _scene_layout(split: str, rng: random.Random):
-    """(objects, caption form): train/val/test 1-3 objects, at most one relation; productivity a
-    3-object chain."""
+    """(objects, caption form): 1-3 objects, at most one relation; productivity: a chain of 3."""
     if split == "productivity":
         return 3, "chain"
     u = rng.random()
@@ -357,8 +344,7 @@ def _negative_candidates(category: str, s: CaptionStruct, objects: list, rng: ra
 
 
 def make_negative(category: str, scene: Scene, rng: random.Random, allow_held_out: bool = False):
-    """A caption of `category`: grammatical, not the positive, false of the image (caption_is_true);
-    None if none."""
+    """A caption of `category`: grammatical, not the positive, false of the image; None if none."""
     cands = _negative_candidates(category, scene.struct, scene.objects, rng)
     rng.shuffle(cands)
     for t in cands:
@@ -408,13 +394,12 @@ def shapes_benchmark(seed: int = 0, n: int = 1000, image_size: int = SHAPES_IMAG
 def score_shapes(encode_image, encode_text, tokenizer, image_size: int, device="cpu",
                  n: int = 1000, n_val: int = SHAPES_VAL_PAIRS, seed: int = 0, batch_size: int = 256,
                  show_progress=False) -> dict:
-    """The one scorer of the built-in benchmark (il_clip.py's end of run and eval_compositional.py's
-    `shapes` call it, so both give the same digits for any model code, a fork's too).
-    encode_image(normalised images [B, 3, S, S]) and encode_text(token ids [B, L]) are the model's,
-    each called on batches of `batch_size` in one fixed order. -> percent (2 decimals): i2t / t2i
-    R@1 on `n_val` val scenes (a hit = the same caption string; none when n_val is 0) and, per
-    category of shapes_benchmark(seed, n), the share of items whose positive caption scores strictly
-    above every negative; sugarcrepe_mean is the 7 categories' mean."""
+    """The one scorer of the built-in benchmark: il_clip.py and eval_compositional.py call it, so
+    both give the same digits for any model code. encode_image(normalised images [B, 3, S, S]) and
+    encode_text(token ids [B, L]) are the model's, called on `batch_size` batches in a fixed order.
+    -> percent (2 decimals): i2t / t2i R@1 on `n_val` val scenes (a hit = the same caption; none if
+    n_val is 0) and, per category of shapes_benchmark(seed, n), the share of items whose positive
+    scores strictly above every negative; sugarcrepe_mean: the 7 categories' mean."""
     tf = eval_transform(image_size)
     cats = [*SHAPES_CATEGORIES, "systematicity", "productivity"]
     bar = progress(total=n_val + n * len(cats), desc="shapes eval", unit="item",
@@ -496,9 +481,8 @@ MAX_CAPTION_CHARS = 4096  # far past 77 tokens: captions are cut here before cle
 
 
 class Tokenizer:
-    """Captions -> LongTensor [B, context_length]: SOT, BPE ids, EOT, then pad id 0. Every caption
-    is cleaned as OpenAI's (clip_clean) before the BPE. Truncation keeps EOT as the last token (as
-    OpenAI CLIP's `truncate=True`)."""
+    """Captions -> LongTensor [B, context_length]: SOT, BPE ids of clip_clean(caption), EOT, pad id
+    0. Truncation keeps EOT as the last token (OpenAI CLIP's `truncate=True`)."""
 
     def __init__(self, backend, kind: str, context_length: int = 77):
         backend = _special_tokens_not_in_text(backend)  # also for tokenizer.json files saved before
@@ -550,8 +534,7 @@ class Tokenizer:
 
 def _special_tokens_not_in_text(backend):
     """The backend without `added_tokens` entries for SOT/EOT/pad/unk (still in the vocabulary):
-    `tokenizers` matches added tokens inside the text, so "<|endoftext|>" in a caption got its id
-    mid-sequence (where EOT pooling stops)."""
+    `tokenizers` matched "<|endoftext|>" inside a caption, an EOT id where pooling stops."""
     from tokenizers import Tokenizer as Backend
     blob = json.loads(backend.to_str())
     added = blob.get("added_tokens") or []
@@ -589,8 +572,7 @@ def clip_bpe_tokenizer(vocab_path: str, context_length: int = 77) -> Tokenizer:
     merges = [tuple(m.split()) for m in lines[1:49152 - 256 - 2 + 1]]
     if len(merges) != 48894 or any(len(m) != 2 for m in merges):
         raise DataError(f"{vocab_path}: expected 48894 BPE merges, found a different file")
-    # GPT-2/CLIP's reversible byte -> character table: printable bytes as themselves,
-    # then the others
+    # GPT-2/CLIP's reversible byte -> character table: printable bytes as themselves, then the rest
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
                  *range(ord("®"), ord("ÿ") + 1)]
     chars = [chr(b) for b in printable] + [chr(256 + n) for n in range(256 - len(printable))]
@@ -599,16 +581,14 @@ def clip_bpe_tokenizer(vocab_path: str, context_length: int = 77) -> Tokenizer:
                                  end_of_word_suffix="</w>", continuing_subword_prefix="",
                                  unk_token=EOT_TOKEN))
     backend.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Replace("</w>", " ")])
-    # SOT/EOT stay plain vocabulary entries, not added special tokens, which `tokenizers` would
-    # match inside captions
-    # which sets the pre-tokenizer and no normalizer
+    # SOT/EOT stay plain vocabulary entries: `tokenizers` matches added tokens inside captions.
+    # Tokenizer sets the pre-tokenizer and no normalizer
     return Tokenizer(backend, "clip_bpe", context_length)
 
 
 def trained_bpe_tokenizer(captions, vocab_size: int = 1000, context_length: int = 77) -> Tokenizer:
-    """A small byte-level BPE (GPT-2 style) trained on the training captions, when no CLIP
-    vocabulary is given. Ids: 0 pad, 1 SOT, 2 EOT, 3 unk. All 256 bytes are in the alphabet (no text
-    is unknown); cleanup as CLIP's."""
+    """A byte-level BPE (GPT-2 style) trained on the captions when no CLIP vocabulary is given, ids
+    0 pad, 1 SOT, 2 EOT, 3 unk; all 256 bytes in the alphabet (no text unknown); CLIP's cleanup."""
     from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
     if not (captions := [clip_clean(c) for c in captions if c and c.strip()]):
         raise DataError("cannot train a tokenizer: no captions")
@@ -641,7 +621,6 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 class Compose:
     def __init__(self, transforms):
-        # the first step's need
         self.transforms, self.draft = transforms, getattr(transforms[0], "draft", None)
 
     def __call__(self, img, rng=None):
@@ -652,11 +631,10 @@ class Compose:
 
 
 class RandomResizedCrop:
-    """torchvision's RandomResizedCrop: a random area fraction in `scale` with aspect ratio in
-    `ratio` (log-uniform), 10 tries, else its fallback (the whole image, clamped to `ratio`,
-    centred); resized to size x size with bicubic. Choice: the crop is resampled with PIL's `box`
-    (the filter may read pixels just outside the crop, as a crop of the real scene would) where
-    torchvision crops first and resizes the cut-out; sizes and offsets are torchvision's."""
+    """torchvision's RandomResizedCrop: an area fraction in `scale`, aspect ratio in `ratio`
+    (log-uniform), 10 tries, else the whole image clamped to `ratio`, centred; bicubic to size x
+    size. Choice: PIL resamples the crop by `box` (the filter may read pixels just outside it, as a
+    crop of the real scene would); torchvision cuts first. Sizes and offsets are torchvision's."""
 
     def __init__(self, size, scale=(0.9, 1.0), ratio=(3 / 4, 4 / 3)):
         self.size, self.scale, self.ratio = size, scale, ratio
@@ -680,9 +658,8 @@ class RandomResizedCrop:
 
 
 class Resize:
-    """torchvision's Resize(size) with bicubic on a PIL image (OpenAI's and open_clip's eval
-    transform): the shorter side becomes `size`, the longer int(size * long / short), truncated
-    (640x480 at 224 -> 298x224, not 299)."""
+    """torchvision's bicubic Resize(size) (OpenAI's and open_clip's eval): the shorter side becomes
+    `size`, the longer int(size * long / short), truncated (640x480 at 224 -> 298x224, not 299)."""
 
     def __init__(self, size):
         self.size = self.draft = size
@@ -712,8 +689,7 @@ class CenterCrop:
 
 
 class RandomFlip:
-    """Horizontal flip with probability p (classification only: for captions "left of" would become
-    wrong)."""
+    """Horizontal flip, probability p (classification only: "left of" captions would be wrong)."""
 
     def __init__(self, p=0.5):
         self.p = p
@@ -723,9 +699,8 @@ class RandomFlip:
 
 
 class ToTensor:
-    """PIL -> uint8 [3, H, W], contiguous. PIL keeps RGB as 4 bytes a pixel, so packing it one band
-    at a time costs what packing RGB does, and lays the planes out channel-first with no
-    transpose."""
+    """PIL -> uint8 [3, H, W], contiguous. PIL keeps RGB as 4 bytes a pixel: packing one band at a
+    time costs what packing RGB does, and lays the planes out channel-first with no transpose."""
 
     def __call__(self, img, rng=None):
         img = img if img.mode == "RGB" else img.convert("RGB")
@@ -734,10 +709,10 @@ class ToTensor:
 
 
 def normalize_images(images: torch.Tensor, device=None) -> torch.Tensor:
-    """A loader's images -> CLIP-normalised float32 on `device`: (x / 255 - mean) / std.
-    uint8 [B, 3, H, W] moves as bytes (non_blocking if pinned), converted on the device: workers
-    send a quarter of the bytes, skip the arithmetic (timm's PrefetchLoader, FFCV). Three float32
-    passes: on the CPU the per-pixel formula bit for bit. Float: as is."""
+    """A loader's images -> CLIP-normalised float32 on `device`: (x / 255 - mean) / std. uint8 moves
+    as bytes (non_blocking if pinned), converted on the device: workers send a quarter of the bytes
+    (timm's PrefetchLoader, FFCV). Three float32 passes: the per-pixel formula bit for bit on the
+    CPU. Float: as is."""
     x = images.to(device, non_blocking=True) if device is not None else images
     if x.dtype != torch.uint8:
         return x
@@ -747,8 +722,7 @@ def normalize_images(images: torch.Tensor, device=None) -> torch.Tensor:
 
 
 def train_transform(image_size: int, scale=(0.9, 1.0), flip: bool = False) -> Compose:
-    """open_clip's training transform (RandomResizedCrop scale (0.9, 1), as in CLIP), an optional
-    horizontal flip."""
+    """open_clip's training transform (RandomResizedCrop scale (0.9, 1), as CLIP), optional flip."""
     return Compose([RandomResizedCrop(image_size, scale), *([RandomFlip()] if flip else []),
                     ToTensor()])
 
@@ -758,14 +732,12 @@ def eval_transform(image_size: int) -> Compose:
 
 
 # -----------------------------------------------------------------------------
-# Samples, batches and bad input
-#
-# Every reader turns a record of the user's data into a sample {"image": uint8 [3, S, S], "caption",
-# "tree" (PTB or None), "key"} or, if it is bad, a `Skip(reason, where)`. Skips travel in the batch
-# (batch["_skips"], removed by the loader), so the main process counts and logs them whatever the
-# number of workers. A run that skips more than `max_skip_fraction` (default 10%) of what it reads
-# stops with a DataError: a data set that bad is a wrong path or a broken download, and training on
-# the rest would silently be a different experiment.
+# Samples, batches and bad input. Every reader turns a record of the user's data into a sample
+# {"image": uint8 [3, S, S], "caption", "tree" (PTB or None), "key"} or, if it is bad, a
+# `Skip(reason, where)`. Skips travel in the batch (batch["_skips"], removed by the loader), so the
+# main process counts and logs them whatever the number of workers. A run that skips more than
+# `max_skip_fraction` (default 10%) of what it reads stops with a DataError: such data is a wrong
+# path or a broken download, and training on the rest would silently be another experiment.
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 MAX_SKIP_FRACTION = 0.1
@@ -779,8 +751,6 @@ log = logging.getLogger("data")
 class Skip:
     reason: str  # a short category, e.g. "undecodable image"; counted in loader.skip_reasons
     where: str  # the file / key it came from
-
-
 
 
 def _sample_rng(seed: int, epoch: int, index) -> random.Random:
@@ -823,12 +793,11 @@ class _Slot:
 
 class _SharedBatches:
     """One DataLoader iterator's image batches in shared-memory slots made once and reused: a worker
-    stacks a batch into a free slot and sends its number, the main process copies it out (to pinned
-    memory for CUDA) and frees it. Fresh shared memory per batch (torch's default_collate) costs a
-    page fault per 4 KiB page on first touch, 0.17 ms per 224 px image on a 2-CPU VM, 7% of the
-    decode (RESULTS.md). DataLoader keeps at most prefetch_factor x workers batches in flight and
-    one is being copied out: that many + 1 slots never run out. A batch that fits no free slot falls
-    back to fresh shared memory."""
+    stacks a batch into a free slot and sends its number; the main process copies it out (to pinned
+    memory for CUDA) and frees it. Fresh shared memory per batch (default_collate) page-faults on
+    first touch: 0.17 ms per 224 px image on a 2-CPU VM, 7% of the decode (RESULTS.md). At most
+    prefetch_factor x workers batches are in flight and one is copied out: that many + 1 slots never
+    run out. A batch that fits no free slot falls back to fresh shared memory."""
 
     def __init__(self, n_slots: int, slot_bytes: int):
         self.memory = torch.empty(n_slots, slot_bytes, dtype=torch.uint8).share_memory_()
@@ -849,8 +818,7 @@ class _SharedBatches:
 
     def take(self, slot: _Slot, pin: bool) -> torch.Tensor:
         """In the main process: the slot's images, copied out; the slot is free again."""
-        # numpy's allocator reuses freed memory (a fresh torch.empty would fault on every page, what
-        # the slots save)
+        # numpy's allocator reuses freed memory (a fresh torch.empty faults on every page again)
         out = (torch.empty(slot.shape, dtype=torch.uint8, pin_memory=True) if pin
                else torch.from_numpy(np.empty(slot.shape, np.uint8)))
         # one thread
@@ -863,9 +831,8 @@ _worker_slots = None    # a worker's _SharedBatches (set by _init_worker)
 
 
 def _stack_images(images: list) -> tuple:
-    """torch.stack through numpy, one thread (torch's threads compete with training's). In a loader
-    worker into shared memory, so sending copies nothing more: a free _SharedBatches slot (its _Slot
-    returned too), else fresh memory."""
+    """torch.stack through numpy, one thread (torch's compete with training's). In a worker into
+    shared memory, so sending copies nothing: a free _SharedBatches slot (+ its _Slot) or fresh."""
     first, shape = images[0], (len(images), *images[0].shape)
     claimed = (_worker_slots.claim(shape)
                if _worker_slots is not None and first.dtype == torch.uint8 else None)
@@ -882,10 +849,9 @@ def _stack_images(images: list) -> tuple:
 
 
 def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> dict:
-    """List of samples -> batch dict. Skips (and None) are left out of the batch and listed as
-    (reason, where) pairs in batch["_skips"]; the loader removes that entry. `batch_extra`
-    (picklable, (batch, epoch) -> dict) adds entries in the loader's workers, off the training loop;
-    the epoch lets it draw anew each epoch, replayed on resume."""
+    """Samples -> batch dict; Skips (and None) are listed as (reason, where) in batch["_skips"],
+    which the loader removes. `batch_extra` (picklable, (batch, epoch) -> dict) adds entries in the
+    workers, off the training loop; the epoch lets it draw anew each epoch, replayed on resume."""
     good = [s for s in samples if isinstance(s, dict)]
     empty = torch.zeros(0, 3, 0, 0, dtype=torch.uint8)
     images, slot = _stack_images([s["image"] for s in good]) if good else (empty, None)
@@ -908,9 +874,8 @@ def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> 
 # ImageFolder tree
 
 class ShapesDataset(torch.utils.data.Dataset):
-    """Map-style view of one shapes split, generated at the model's resolution and not augmented: a
-    crop could cut an object away, a flip swaps left and right, a colour jitter changes colour
-    names; each sample is a fresh draw."""
+    """One shapes split, generated at the model's resolution, not augmented (a crop could cut an
+    object away, a flip swaps left and right, a jitter changes colour names): each a fresh draw."""
 
     def __init__(self, split="train", size=None, seed=0, image_size=SHAPES_IMAGE_SIZE):
         self.split, self.seed, self.image_size = split, seed, image_size
@@ -925,8 +890,7 @@ class ShapesDataset(torch.utils.data.Dataset):
                 "key": f"{self.split}{index:08d}"}
 
 
-# One listed sample: image path (None if not listed), caption, tree, key naming the image (captions
-# share it), label
+# One listed sample: image path (None if not listed), caption, tree, key (the image's), label
 Item = collections.namedtuple("Item", "image caption tree key label", defaults=(None,))
 
 
@@ -944,7 +908,6 @@ class FileDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         it = self.items[index]
-        # it[:4]: image ... key
         s = make_sample(*it[:4], self.transform, _sample_rng(self.seed, self.epoch, it.key))
         if isinstance(s, dict) and it.label is not None:
             s["label"] = it.label
@@ -952,9 +915,8 @@ class FileDataset(torch.utils.data.Dataset):
 
 
 def _resolve_image(path, base: str, confined: bool = False):
-    """`path` taken against `base`; with --image_root given (`confined`), a path that resolves
-    outside it (`../../x.png`, `/etc/passwd`, a symlink out) becomes a Skip: counted with its
-    reason, never read."""
+    """`path` against `base`; with --image_root (`confined`), a path that resolves outside it
+    (`../../x.png`, `/etc/passwd`, a symlink out) becomes a Skip: counted, never read."""
     if not path:
         return None
     full, root = os.path.normpath(os.path.join(base, path)), os.path.realpath(base)
@@ -966,10 +928,9 @@ def _resolve_image(path, base: str, confined: bool = False):
 def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath",
               caption_key: str = "title", separator: str | None = None,
               tree_key: str = "tree") -> list:
-    """open_clip's CSV/TSV convention: a header row, columns `filepath` and `title` (names
-    overridable), tab-separated by default (`separator=None` takes a tab when the header has one,
-    else a comma). Relative paths are taken against `image_root` or the CSV's folder. An optional
-    `tree` column carries PTB trees."""
+    """open_clip's CSV/TSV: a header row, columns `filepath` and `title` (names overridable); the
+    separator is a tab if the header has one, else a comma. Relative paths are taken against
+    `image_root` or the CSV's folder. An optional `tree` column carries PTB trees."""
     base = image_root or os.path.dirname(os.path.abspath(path))
     try:
         # -sig: a byte-order mark is not part of a name
@@ -994,9 +955,8 @@ def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath
 
 
 def karpathy_images(json_path: str, image_root: str | None, split: str) -> list:
-    """[(image path, key, [(raw caption, tree or None), ...])] of one split of a Karpathy JSON
-    (key = filepath/filename without extension); split "train" also takes "restval" (COCO's usual
-    113k)."""
+    """[(image path, key = filepath/filename sans extension, [(raw caption, tree or None), ...])] of
+    a split of a Karpathy JSON; "train" also takes "restval" (COCO's usual 113k)."""
     blob = read_json(json_path)
     images = blob.get("images") if isinstance(blob, dict) else None
     if not isinstance(images, list):
@@ -1036,18 +996,14 @@ def image_folder(root: str):
 
 
 # -----------------------------------------------------------------------------
-# Webdataset / img2dataset tar shards, read with `tarfile` in streaming mode
-#
-# A record is the group of consecutive members sharing a key (the member name up to the first dot of
-# its base name): {"__key__", "__shard__", "jpg": bytes, "txt": bytes, ...}. A tar that ends early
-# or cannot be read yields one record {"__error__": ...} and stops; the half-read group it was in is
-# dropped with it (counted).
-
+# Webdataset / img2dataset tar shards, read with `tarfile` in streaming mode. A record is the group
+# of consecutive members sharing a key (the member name up to the first dot of its base name):
+# {"__key__", "__shard__", "jpg": bytes, "txt": bytes, ...}. A truncated or unreadable tar yields
+# one record {"__error__": ...} and stops; its half-read group is dropped (counted).
 
 def expand_braces(pattern: str) -> list:
-    """`dir/{00000..00003}.tar` -> 4 names, by the `braceexpand` package (webdataset's and
-    open_clip's shard lists: {a,b} lists, {1..10..3} / {a..e} ranges, zero padding, escapes);
-    unbalanced braces are a DataError."""
+    """`dir/{00000..00003}.tar` -> 4 names by `braceexpand` (as webdataset and open_clip: {a,b},
+    {1..10..3} / {a..e} ranges, zero padding, escapes); unbalanced braces are a DataError."""
     try:
         return list(braceexpand(pattern))
     except UnbalancedBracesError:
@@ -1092,8 +1048,7 @@ def _group_records(path: str, members):
 
 
 def _tarfile_members(path: str, want):
-    """(name, bytes) of a tar's regular files, by tarfile (any compression, pax and GNU headers);
-    b"" if not wanted."""
+    """(name, bytes) of a tar's files by tarfile (any compression, pax, GNU); b"" if unwanted."""
     with tarfile.open(path, mode="r|*") as tf:
         for m in tf:
             if not m.isfile():
@@ -1124,11 +1079,10 @@ class _NotPlainTar(Exception):
 
 
 def _plain_tar_members(path: str, want):
-    """_tarfile_members for the tars img2dataset and webdataset write (uncompressed, ustar headers,
-    regular files and folders), from the 512-byte headers themselves: tarfile's per-member parsing
-    was ~5% of a loader worker's time per image, this is a fifth of it. Anything else (compression,
-    pax or GNU long-name headers, links, a bad checksum, an early end) raises _NotPlainTar before
-    its member is given."""
+    """_tarfile_members for img2dataset's and webdataset's tars (uncompressed, ustar, files and
+    folders) from the 512-byte headers: tarfile's parsing was ~5% of a worker's time per image,
+    this a fifth of it. Anything else (compression, pax or GNU long names, links, a bad checksum, an
+    early end) raises _NotPlainTar before its member is given."""
     block = tarfile.BLOCKSIZE
     # an OSError here is the record {"__error__"} tarfile's open would give
     with open(path, "rb") as f:
@@ -1235,9 +1189,8 @@ def _tar_source(shards: list) -> dict:
 
 
 def resolve_data(spec: str, image_root: str | None = None) -> dict:
-    """What a --data spec names: {"kind": "shapes"|"tar"|"csv"|"karpathy"|"imagefolder", ...} with
-    "shards" + "num_samples" (tar), "path" (csv, karpathy, imagefolder) and "image_root"; a one-line
-    DataError if nothing."""
+    """What a --data spec names: {"kind": shapes|tar|csv|karpathy|imagefolder, ...} with "shards" +
+    "num_samples" (tar) or "path" + "image_root" (the others); a DataError if nothing."""
     if spec == "shapes" or spec.startswith("shapes:"):
         return {"kind": "shapes", **parse_shapes_spec(spec)}
     if spec in DATA_PRESETS:
@@ -1315,9 +1268,8 @@ def _start_workers(dl):
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-# a loader's state_dict (its position in the data), as lifecycle.read_checkpoint checks a state.pt's
-# "loader" before a resumed run restores it: the position and counts, and a stream's per-worker
-# records (a MapLoader has none)
+# a loader's state_dict as lifecycle.read_checkpoint checks it before a resume: position, counts
+# and a stream's per-worker records (a MapLoader has none)
 LOADER_STATE = {"epoch": int, "batches_done": int, "skipped?": int, "good?": int, "dropped?": int,
                 "skip_reasons?": {...: int}, "records_done?": [int], "last_worker?": int,
                 "num_workers?": int, "world_size?": int}
@@ -1344,17 +1296,14 @@ class _Loader:
         self.dropped = 0  # dropped: drop_last
         self.skip_reasons = collections.Counter()
         self.num_samples = num_samples
-        # check_min: SKIP_CHECK_MIN, or one epoch's share where that is smaller
         self.check_min = (max(1, min(SKIP_CHECK_MIN, num_samples // world_size)) if num_samples
                           else SKIP_CHECK_MIN)
         if drop_last and num_samples is not None and num_samples < batch_size * world_size:
             raise DataError(f"{name}: {num_samples} samples{counted_by}, fewer than one "
                             f"global batch ({batch_size} x {world_size} ranks)")
-        # pinned (page-locked) batches: normalize_images' non_blocking copy is then truly async,
-        # overlapping the step
+        # pinned batches: normalize_images' non_blocking copy is truly async, overlapping the step
         self.pin_memory, self.batch_extra = False, None     # batch_extra: see collate()
-        # image_size: what the transform gives, sizing the workers' reused _SharedBatches slots
-        # (None: no slots)
+        # image_size (what the transform gives) sizes the workers' _SharedBatches slots; None: none
         self.image_bytes = 3 * image_size ** 2 if image_size else 0
 
     def set_epoch(self, epoch):
@@ -1389,8 +1338,7 @@ class _Loader:
                 yield batch
         self._check_skips()
         if fresh and n_batches == 0:
-            # too little data (a batch larger than the data, every sample bad, no shard
-            # for this rank)
+            # too little data (a batch larger than the data, all samples bad, no shard for the rank)
             raise DataError(f"{self.name}: rank {self.rank} got no batch in a whole epoch "
                             f"(samples: {self.good} good, {self.skipped} skipped, {self.dropped} "
                             f"dropped by drop_last; batch {self.batch_size} x {self.world_size} "
@@ -1398,14 +1346,12 @@ class _Loader:
         self.set_epoch(self.epoch + 1)
 
     def forever(self):
-        """Batches across epochs without end (step-based loops); an epoch giving no batch raises,
-        never spins."""
+        """Batches across epochs, no end (step-based loops); an empty epoch raises, never spins."""
         while True:
             yield from self
 
     def _account(self, batch: dict):
-        """Count the batch's samples and skips (logging the first); stop past max_skip_fraction bad
-        of all read."""
+        """Count the batch's samples and skips (logging the first); stop past max_skip_fraction."""
         for reason, where in batch.pop("_skips"):
             if self.skipped < SKIP_LOG_LINES:
                 log.warning("data: skipped %s: %s", reason, where)
@@ -1437,12 +1383,10 @@ class _Loader:
 
 
 class MapLoader(_Loader):
-    """DDP loader over a map-style dataset. Each epoch draws a permutation from (seed, epoch) (the
-    same on every rank), drops the tail so that every rank gets as many full batches, and gives rank
-    r indices r, r + W, r + 2W ..."""
+    """DDP loader over a map-style dataset: a permutation by (seed, epoch), the same on every rank,
+    its tail cut so all ranks get as many full batches; rank r gets indices r, r + W, r + 2W ..."""
 
     def __init__(self, dataset, batch_size, **options):
-        # options: _Loader's keywords (tokenizer, train, rank ...)
         super().__init__(batch_size, len(dataset), **options)
         self.dataset = dataset
 
@@ -1537,18 +1481,15 @@ class ShardStream(torch.utils.data.IterableDataset):
 
 
 class ShardLoader(_Loader):
-    """Streaming loader over tar shards (see ShardStream for who reads what). DDP: ranks may get
-    different numbers of samples in an epoch (shards differ in size). An epoch is per rank and
-    `forever()` rolls it into the next, so a step-based loop (`--max_steps` over `forever()`) never
-    waits for another rank; an epoch-based `for batch in loader` with DDP can desynchronise ranks:
-    use `resampled=True` and a step count. State: also per dataloader worker the records it consumed
-    and which worker gave the last batch: a resumed loader replays each worker's records without
-    decoding and restarts the round-robin at the next worker (same num_workers and world size
-    needed)."""
+    """Streaming loader over tar shards (ShardStream: who reads what). Ranks may get different
+    numbers of samples an epoch (shards differ in size). An epoch is per rank and `forever()` rolls
+    it into the next, so a step-based loop never waits for another rank; `for batch in loader` with
+    DDP can desynchronise ranks: use `resampled=True` and a step count. State: also each worker's
+    records consumed and which worker gave the last batch: a resumed loader replays the records
+    without decoding and restarts the round-robin at the next worker (same workers x ranks)."""
 
     def __init__(self, shards, batch_size, transform=None, resampled=False, shuffle_buffer=1000,
                  num_samples=None, **options):
-        # options: _Loader's keywords (tokenizer, train, rank ...)
         if not shards:
             raise DataError(f"{options.get('name', 'data')}: no shard to read")
         super().__init__(batch_size, num_samples, counted_by=" (from the shards' counts)", **options)
@@ -1619,10 +1560,9 @@ def make_loader(spec: str, split: str = "train", batch_size: int = 64, tokenizer
                 transform=None, csv_img_key: str = "filepath", csv_caption_key: str = "title",
                 csv_separator: str | None = None, pin_memory: bool = False, batch_extra=None):
     """The loader for a `--data` spec: a MapLoader for shapes, CSV, Karpathy JSON (`split`) and
-    ImageFolder (batches also carry "label"), a ShardLoader for tar shards (`split` is ignored: a
-    shard set is one split). Real images get train_transform(image_size) when `train`, else
-    eval_transform(image_size); `transform` (PIL image, random.Random) -> tensor overrides both.
-    `pin_memory`: page-locked batches for CUDA. `batch_extra`: see collate()."""
+    ImageFolder (+ "label"), a ShardLoader for tar shards (one split: `split` ignored). Real images
+    get train_transform when `train`, else eval_transform; `transform` (PIL image, random.Random) ->
+    tensor overrides both. `pin_memory`: page-locked batches for CUDA. `batch_extra`: collate()."""
     src = resolve_data(spec, image_root)
     loader_args = dict(tokenizer=tokenizer, train=train, rank=rank, world_size=world_size,
                        num_workers=num_workers, seed=seed, drop_last=drop_last, name=spec,
@@ -1660,20 +1600,16 @@ def captions_for_tokenizer(spec: str, max_captions: int = 100_000, split: str = 
 
 # -----------------------------------------------------------------------------
 # `python data.py make-shapes`: the shapes data in the real formats
-#
-# OUT/shards/{00000..}.tar    img2dataset webdataset: {key}.png .txt .json .tree, key = train
-#                             index (9 digits); {shard}_stats.json per shard and sizes.json
-# OUT/sugarcrepe/{cat}.json   SugarCrepe {"0": {"filename", "caption", "negative_caption"}, ...};
-#                             images/ beside
-# OUT/crepe/*.csv             CREPE rows image_id,x,y,width,height,caption + negatives
-#                             (CREPE_FILES): systematicity.csv, productivity_{swap,replace}.csv;
-#                             box = whole image; images OUT/crepe/images/{image_id}.png
-# OUT/karpathy/dataset_shapes.json  Karpathy JSON, splits train/val/test, one sentence per image
-#                             with raw, tokens and tree; images OUT/karpathy/{split}/ (image root =
-#                             the JSON's folder, filepath = split)
-# OUT/csv/{train,val,test}.tsv open_clip TSV (filepath, title, tree) over the Karpathy images
-# OUT/imagefolder/{train,test}/{shape}/*.png  classification (data.shapes_classification)
-# OUT/manifest.json           what was written, with counts
+# OUT/shards/{00000..}.tar: img2dataset webdataset, {key}.png .txt .json .tree (key: train index,
+#   9 digits); {shard}_stats.json per shard and sizes.json
+# OUT/sugarcrepe/{cat}.json + images/: SugarCrepe {"0": {"filename", "caption", "negative_caption"}}
+# OUT/crepe/*.csv + images/{image_id}.png: CREPE rows image_id,x,y,width,height,caption + negatives
+#   (CREPE_FILES: systematicity.csv, productivity_{swap,replace}.csv); box = the whole image
+# OUT/karpathy/dataset_shapes.json + {split}/: Karpathy JSON, splits train/val/test, one sentence
+#   per image with raw, tokens and tree (image root = the JSON's folder, filepath = split)
+# OUT/csv/{train,val,test}.tsv: open_clip TSV (filepath, title, tree) over the Karpathy images
+# OUT/imagefolder/{train,test}/{shape}/*.png: classification (data.shapes_classification)
+# OUT/manifest.json: what was written, with counts
 
 def write_shapes_shards(out: str, n: int, seed: int, shard_size: int, image_size: int) -> dict:
     """Train scenes 0..n-1 in shards of `shard_size`; returns {shard file name: samples}."""
@@ -1798,9 +1734,8 @@ def make_shapes(out_dir: str, train: int = 10_000, test: int = 500, seed: int = 
 def check_data(spec: str, split: str = "train", image_root: str | None = None,
                batch_size: int = 64, num_workers: int = 0, image_size: int = 64,
                drop_last: bool = False, **csv_options) -> dict:
-    """Reads a dataset once. Counts: good (in batches), skipped (bad samples, by reason) and dropped
-    (good samples cut by drop_last, as a training loader with this batch size would). No good
-    sample: an "error" entry (exit 2)."""
+    """Reads a dataset once; counts good (in batches), skipped (by reason) and dropped (cut by
+    drop_last, as training at this batch size would). No good sample: an "error" entry (exit 2)."""
     loader = make_loader(spec, split, batch_size, image_size=image_size, train=False,
                          num_workers=num_workers, drop_last=drop_last, image_root=image_root,
                          max_skip_fraction=1.0, **csv_options)
