@@ -34,7 +34,6 @@ import math
 import multiprocessing
 import os
 import random
-import signal
 import sys
 import tarfile
 import time
@@ -50,7 +49,8 @@ from braceexpand import UnbalancedBracesError, braceexpand
 from PIL import Image, ImageDraw
 
 from lifecycle import (DataError, check_torchscript, convert_torchscript, done_line, progress,
-                       read_json, start_line, write_file, writing)
+                       read_json, start_line, start_workers, worker_ignores_sigterm, write_file,
+                       writing)
 
 
 # -----------------------------------------------------------------------------
@@ -1247,25 +1247,10 @@ def file_items(src: dict, split: str, csv_options: dict) -> list:
 # batches consumed) so a resumed run continues with exactly the next batch, and count skips.
 
 def _init_worker(slots, worker_id):
-    """DataLoader worker_init_fn: the iterator's _SharedBatches, and SIGTERM ignored: torchrun's
-    agent and SLURM send it to the whole process group, and a worker killed by it would crash the
-    rank before it could checkpoint (the rank saves, then shuts them down). Forked with SIGTERM
-    blocked (_start_workers), one sent meanwhile is dropped."""
+    """DataLoader worker_init_fn: the iterator's _SharedBatches; SIGTERM ignored (see lifecycle)."""
     global _worker_slots
     _worker_slots = slots
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-
-
-def _start_workers(dl):
-    """iter(dl) with SIGTERM blocked while the workers are forked: between fork and _init_worker,
-    torch's worker handler would let a SIGTERM sent to the process group kill the worker (and the
-    rank with it)."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    try:
-        return iter(dl)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    worker_ignores_sigterm()
 
 
 # a loader's state_dict as lifecycle.read_checkpoint checks it before a resume: position, counts
@@ -1328,7 +1313,7 @@ class _Loader:
             dataset, num_workers=self.num_workers, persistent_workers=False,
             pin_memory=self.pin_memory, worker_init_fn=functools.partial(_init_worker, slots),
             generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch), **how)
-        for batch in _start_workers(dl):
+        for batch in start_workers(dl):
             if isinstance(batch["image"], _Slot):
                 batch["image"] = slots.take(batch["image"], self.pin_memory)
             self._advance(batch)

@@ -6,7 +6,7 @@ lifecycle.py -- what the training scripts share besides the data: one run's life
     they state, the TorchScript conversion behind `data.py convert-weights`, and the training
     script a checkpoint records (script_record; find_script's trust rule, import_script);
   * the run lifecycle: one run per out_dir (a lock), checkpoints that survive a crash and their
-    fallback, stop signals, metrics.jsonl (+ wandb);
+    fallback, stop signals (the loader workers' too), metrics.jsonl (+ wandb);
   * the voice of every command: its start and done lines, progress bars; plots (matplotlib, Agg);
   * measurement: the FLOPs of a CLIP step and MFU (bench.py and il_clip.py);
   * results over seeds: run folders grouped, mean and 95% t-interval, paired differences.
@@ -912,6 +912,26 @@ def restore_signals(handlers: dict):
         return
     for s, h in handlers.items():
         signal.signal(s, h)
+
+
+def worker_ignores_sigterm():
+    """In a DataLoader worker (data.py's worker_init_fn): SIGTERM ignored. torchrun's agent and
+    SLURM send it to the whole process group, and a worker killed by it would crash the rank before
+    it could checkpoint (the rank saves, then shuts them down). Forked with SIGTERM blocked
+    (start_workers), one sent meanwhile is dropped."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def start_workers(dl):
+    """iter(dl) with SIGTERM blocked while the workers are forked: between fork and
+    worker_ignores_sigterm, torch's worker handler would let a SIGTERM sent to the process group
+    kill the worker (and the rank with it)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return iter(dl)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def stop_requested() -> str | None:
