@@ -356,10 +356,10 @@ def make_negative(category: str, scene: Scene, rng: random.Random, allow_held_ou
 
 
 def shapes_benchmark(seed: int = 0, n: int = 1000, image_size: int = SHAPES_IMAGE_SIZE) -> dict:
-    """The built-in compositional benchmark: per SugarCrepe category, n items {"image", "caption",
-    "negative_caption"} of the test split (scenes with no negative of the category skipped); for
-    systematicity / productivity, n items {"image", "caption", "negatives", "negative_categories"}
-    (CREPE: R@1 among them; category i made negative i)."""
+    """The built-in benchmark: per SugarCrepe category, n items {"image", "caption",
+    "negative_caption"} of test scenes (those with none skipped); systematicity / productivity: n
+    items {"image", "caption", "negatives", "negative_categories"} (CREPE R@1; category i made
+    negative i)."""
     def first_n(split, start, item):
         # item(scene) of scenes start, start + 1, ...: the first n that are not None
         return list(itertools.islice(
@@ -394,12 +394,11 @@ def shapes_benchmark(seed: int = 0, n: int = 1000, image_size: int = SHAPES_IMAG
 def score_shapes(encode_image, encode_text, tokenizer, image_size: int, device="cpu",
                  n: int = 1000, n_val: int = SHAPES_VAL_PAIRS, seed: int = 0, batch_size: int = 256,
                  show_progress=False) -> dict:
-    """The one scorer of the built-in benchmark: il_clip.py and eval_compositional.py call it, so
-    both give the same digits for any model code. encode_image(normalised images [B, 3, S, S]) and
-    encode_text(token ids [B, L]) are the model's, called on `batch_size` batches in a fixed order.
-    -> percent (2 decimals): i2t / t2i R@1 on `n_val` val scenes (a hit = the same caption; none if
-    n_val is 0) and, per category of shapes_benchmark(seed, n), the share of items whose positive
-    scores strictly above every negative; sugarcrepe_mean: the 7 categories' mean."""
+    """The benchmark's one scorer (il_clip.py, eval_compositional.py: same digits for any model).
+    encode_image(normalised [B, 3, S, S]), encode_text(ids [B, L]): the model's, on `batch_size`
+    batches in a fixed order. -> percent (2 decimals): i2t / t2i R@1 on `n_val` val scenes (hit:
+    same caption; none if n_val is 0) and, per category of shapes_benchmark(seed, n), the share of
+    items whose positive strictly beats every negative; sugarcrepe_mean: mean of the 7."""
     tf = eval_transform(image_size)
     cats = [*SHAPES_CATEGORIES, "systematicity", "productivity"]
     bar = progress(total=n_val + n * len(cats), desc="shapes eval", unit="item",
@@ -581,8 +580,7 @@ def clip_bpe_tokenizer(vocab_path: str, context_length: int = 77) -> Tokenizer:
                                  end_of_word_suffix="</w>", continuing_subword_prefix="",
                                  unk_token=EOT_TOKEN))
     backend.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Replace("</w>", " ")])
-    # SOT/EOT stay plain vocabulary entries: `tokenizers` matches added tokens inside captions.
-    # Tokenizer sets the pre-tokenizer and no normalizer
+    # SOT/EOT stay plain vocabulary (added tokens match in captions); Tokenizer sets pre-tokenizer
     return Tokenizer(backend, "clip_bpe", context_length)
 
 
@@ -610,10 +608,9 @@ def build_tokenizer(vocab_path: str | None = None, captions=None, vocab_size: in
 
 
 # -----------------------------------------------------------------------------
-# Transforms: PIL image -> uint8 tensor [3, S, S] (normalize_images makes it float on the device);
-# each random transform takes an optional `rng` (random.Random) so a dataset can make augmentation a
-# pure function of (seed, epoch, index): a resumed run then sees exactly the same pixels. A
-# transform's `draft` is the shorter side a JPEG may be decoded down to (see make_sample).
+# Transforms: PIL image -> uint8 tensor [3, S, S] (float on the device: normalize_images); a random
+# transform takes `rng` (random.Random), so augmentation is a pure function of (seed, epoch, index):
+# a resume sees the same pixels. `draft`: the shorter side a JPEG may decode to (make_sample).
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -631,10 +628,9 @@ class Compose:
 
 
 class RandomResizedCrop:
-    """torchvision's RandomResizedCrop: an area fraction in `scale`, aspect ratio in `ratio`
-    (log-uniform), 10 tries, else the whole image clamped to `ratio`, centred; bicubic to size x
-    size. Choice: PIL resamples the crop by `box` (the filter may read pixels just outside it, as a
-    crop of the real scene would); torchvision cuts first. Sizes and offsets are torchvision's."""
+    """torchvision's RandomResizedCrop (area in `scale`, log-uniform aspect in `ratio`, 10 tries,
+    else the centred whole image clamped to `ratio`), bicubic to size x size; PIL resamples the crop
+    by `box` (its filter may read just outside, as in the real scene; torchvision cuts first)."""
 
     def __init__(self, size, scale=(0.9, 1.0), ratio=(3 / 4, 4 / 3)):
         self.size, self.scale, self.ratio = size, scale, ratio
@@ -672,9 +668,8 @@ class Resize:
 
 
 def _centre_offset(have: int, want: int) -> int:
-    """torchvision's center_crop offset: round((have - want) / 2) with Python's round half to even
-    (a margin of 5 starts at 2, one of 3 at 2); a smaller image is padded with zeros, the odd pixel
-    after it (as PIL's crop pads)."""
+    """torchvision's center_crop offset: round((have - want) / 2), half to even (a margin of 5
+    starts at 2, one of 3 at 2); smaller: zero-padded, the odd pixel after (as PIL's crop)."""
     return int(round((have - want) / 2)) if have >= want else -((want - have) // 2)
 
 
@@ -709,10 +704,9 @@ class ToTensor:
 
 
 def normalize_images(images: torch.Tensor, device=None) -> torch.Tensor:
-    """A loader's images -> CLIP-normalised float32 on `device`: (x / 255 - mean) / std. uint8 moves
-    as bytes (non_blocking if pinned), converted on the device: workers send a quarter of the bytes
-    (timm's PrefetchLoader, FFCV). Three float32 passes: the per-pixel formula bit for bit on the
-    CPU. Float: as is."""
+    """Loader images -> CLIP-normalised float32 on `device`: (x / 255 - mean) / std. uint8 moves as
+    bytes (non_blocking if pinned): workers send a quarter of the bytes (timm's PrefetchLoader,
+    FFCV). Three float32 passes: on CPU the per-pixel formula bit for bit. Float: as is."""
     x = images.to(device, non_blocking=True) if device is not None else images
     if x.dtype != torch.uint8:
         return x
@@ -769,10 +763,9 @@ def make_sample(image, caption, tree, key: str, transform, rng):
     try:
         img = Image.open(io.BytesIO(image) if isinstance(image, bytes) else image)
         if img.format == "JPEG" and getattr(transform, "draft", None):
-            # libjpeg's scaled IDCT: a stored image >= 2x the transform's need decodes at 1/2, 1/4
-            # or 1/8 (the largest scale keeping the shorter side >= draft). Pixels differ from a
-            # full decode + bicubic (accepted: the transform resamples down anyway); smaller JPEGs
-            # and PNGs decode as before
+            # libjpeg's scaled IDCT: an image >= 2x the transform's need decodes at 1/2, 1/4 or 1/8
+            # (the largest scale keeping the shorter side >= draft). Pixels differ from a full
+            # decode + bicubic (accepted: the transform downsamples anyway)
             img.draft("RGB", (transform.draft, transform.draft))
         img.load()
         # convert() of RGB is a copy
@@ -792,12 +785,11 @@ class _Slot:
 
 
 class _SharedBatches:
-    """One DataLoader iterator's image batches in shared-memory slots made once and reused: a worker
-    stacks a batch into a free slot and sends its number; the main process copies it out (to pinned
-    memory for CUDA) and frees it. Fresh shared memory per batch (default_collate) page-faults on
-    first touch: 0.17 ms per 224 px image on a 2-CPU VM, 7% of the decode (RESULTS.md). At most
-    prefetch_factor x workers batches are in flight and one is copied out: that many + 1 slots never
-    run out. A batch that fits no free slot falls back to fresh shared memory."""
+    """One DataLoader iterator's image batches in shared-memory slots made once, reused: a worker
+    stacks a batch into a free slot and sends its number; the main process copies it out (pinned for
+    CUDA) and frees it. Fresh shared memory per batch page-faults on first touch: 0.17 ms per 224 px
+    image on a 2-CPU VM, 7% of the decode (RESULTS.md). With prefetch_factor x workers batches in
+    flight and 1 being copied out, slots never run out; a batch that fits none gets fresh memory."""
 
     def __init__(self, n_slots: int, slot_bytes: int):
         self.memory = torch.empty(n_slots, slot_bytes, dtype=torch.uint8).share_memory_()
@@ -849,9 +841,9 @@ def _stack_images(images: list) -> tuple:
 
 
 def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> dict:
-    """Samples -> batch dict; Skips (and None) are listed as (reason, where) in batch["_skips"],
-    which the loader removes. `batch_extra` (picklable, (batch, epoch) -> dict) adds entries in the
-    workers, off the training loop; the epoch lets it draw anew each epoch, replayed on resume."""
+    """Samples -> batch; Skips (and None) go to batch["_skips"] as (reason, where), which the loader
+    removes. `batch_extra` (picklable, (batch, epoch) -> dict) adds entries in the workers, off the
+    training loop; by the epoch it can draw anew each epoch, replayed on resume."""
     good = [s for s in samples if isinstance(s, dict)]
     empty = torch.zeros(0, 3, 0, 0, dtype=torch.uint8)
     images, slot = _stack_images([s["image"] for s in good]) if good else (empty, None)
@@ -870,8 +862,7 @@ def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> 
 
 
 # -----------------------------------------------------------------------------
-# Map-style datasets: shapes (generated) and files listed by a CSV, a Karpathy JSON or an
-# ImageFolder tree
+# Map-style datasets: shapes (generated) and files listed by a CSV, Karpathy JSON or ImageFolder
 
 class ShapesDataset(torch.utils.data.Dataset):
     """One shapes split, generated at the model's resolution, not augmented (a crop could cut an
@@ -928,9 +919,9 @@ def _resolve_image(path, base: str, confined: bool = False):
 def csv_items(path: str, image_root: str | None = None, img_key: str = "filepath",
               caption_key: str = "title", separator: str | None = None,
               tree_key: str = "tree") -> list:
-    """open_clip's CSV/TSV: a header row, columns `filepath` and `title` (names overridable); the
-    separator is a tab if the header has one, else a comma. Relative paths are taken against
-    `image_root` or the CSV's folder. An optional `tree` column carries PTB trees."""
+    """open_clip's CSV/TSV: a header, columns `filepath`, `title` (overridable), tab-separated if
+    the header has a tab, else commas; paths relative to `image_root` or the CSV folder; optional
+    `tree` column (PTB)."""
     base = image_root or os.path.dirname(os.path.abspath(path))
     try:
         # -sig: a byte-order mark is not part of a name
@@ -1011,8 +1002,7 @@ def expand_braces(pattern: str) -> list:
 
 
 def tar_records(path: str, keep_exts=None):
-    """Records of one tar, streaming. keep_exts: read only these members' bytes (others are marked
-    present: b"")."""
+    """Records of one tar, streaming; keep_exts: read only these members' bytes (others: b"")."""
     def want(name):     # the extension after the base name's first dot, as the record key splits it
         return keep_exts is None or name.rpartition("/")[2].partition(".")[2].lower() in keep_exts
 
@@ -1060,9 +1050,8 @@ def _tarfile_members(path: str, want):
                 if len(blob) < m.size:
                     raise tarfile.ReadError("unexpected end of data")
             yield m.name, blob
-        # tarfile stops quietly at a header cut short or damaged: an uncompressed tar must hold its
-        # end-of-archive marker (two zero blocks) where tarfile stopped, else the rest of the shard
-        # would be lost without a word
+        # tarfile stops quietly at a cut or damaged header: an uncompressed tar must hold its end
+        # marker (two zero blocks) where tarfile stopped, else the rest would be lost without a word
         if tf.fileobj.comptype == "tar":
             with open(path, "rb") as f:
                 f.seek(tf.offset)
@@ -1080,9 +1069,8 @@ class _NotPlainTar(Exception):
 
 def _plain_tar_members(path: str, want):
     """_tarfile_members for img2dataset's and webdataset's tars (uncompressed, ustar, files and
-    folders) from the 512-byte headers: tarfile's parsing was ~5% of a worker's time per image,
-    this a fifth of it. Anything else (compression, pax or GNU long names, links, a bad checksum, an
-    early end) raises _NotPlainTar before its member is given."""
+    folders) from the 512-byte headers, a fifth of tarfile's cost (~5% of a worker's time). Others
+    (compression, pax/GNU long names, links, bad checksum, early end) raise _NotPlainTar first."""
     block = tarfile.BLOCKSIZE
     # an OSError here is the record {"__error__"} tarfile's open would give
     with open(path, "rb") as f:
@@ -1133,8 +1121,7 @@ def decode_record(rec: dict, transform, rng):
 
 
 def _shard_count(path: str) -> int | None:
-    """Samples in a shard by img2dataset's `{shard}_stats.json` ("successes") or sizes.json
-    {name: count}, else None."""
+    """Samples in a shard: its img2dataset _stats.json ("successes"), else sizes.json, else None."""
     folder, name = os.path.split(path)
     stats = os.path.join(folder, name.rsplit(".", 1)[0] + "_stats.json")
     if os.path.exists(stats):
@@ -1164,9 +1151,8 @@ def _shuffled(records, size: int, rng: random.Random):
 # -----------------------------------------------------------------------------
 # --data specs: presets, shard patterns, files, folders
 
-# name -> how to make its shards: the released URL list (with the header line img2dataset needs:
-# Google's CC3M/CC12M TSVs have none) and the img2dataset flags that read it. The flags are
-# img2dataset.download()'s parameters (img2dataset/main.py); tests check every one.
+# name -> how to make its shards: the released URL list (+ the header line img2dataset needs, which
+# Google's CC3M/CC12M TSVs lack) and img2dataset.download()'s flags (img2dataset/main.py; tested).
 DATA_PRESETS = {
     "cc3m": "sed -i '1s/^/caption\\turl\\n/' cc3m.tsv && img2dataset --url_list cc3m.tsv "
             "--input_format tsv --url_col url --caption_col caption",
@@ -1232,8 +1218,7 @@ def file_items(src: dict, split: str, csv_options: dict) -> list:
     if src["kind"] == "csv":
         return csv_items(src["path"], src["image_root"], **csv_options)
     if src["kind"] == "karpathy":
-        # an Item per sentence, keyed by the image (retrieval groups by key);
-        # an image without sentences gives one Item, which is skipped
+        # an Item per sentence, keyed by the image (retrieval groups by key); none: one, skipped
         return [item for path, key, sents in karpathy_images(src["path"], src["image_root"], split)
                 for item in [Item(path, raw, tree, key) for raw, tree in sents]
                 or [Item(path, None, None, key)]]
@@ -1303,12 +1288,11 @@ class _Loader:
         """The rest of the current epoch; afterwards the loader points at the next epoch."""
         fresh, n_batches = self.batches_done == 0, 0
         dataset, how = self._epoch(fresh)
-        # a private generator: DataLoader otherwise draws its workers' base seed from the global
-        # torch RNG at every iterator, so a resumed run (one iterator more) would shift a fork's
-        # dropout; samples never depend on it
         # prefetch_factor 2
         slots = (_SharedBatches(2 * self.num_workers + 1, self.batch_size * self.image_bytes)
                  if self.num_workers and self.image_bytes else None)
+        # a private generator: DataLoader otherwise seeds its workers from the global torch RNG at
+        # every iterator, so a resume (one iterator more) would shift a fork's dropout; not samples
         dl = torch.utils.data.DataLoader(
             dataset, num_workers=self.num_workers, persistent_workers=False,
             pin_memory=self.pin_memory, worker_init_fn=functools.partial(_init_worker, slots),
@@ -1405,11 +1389,10 @@ class MapLoader(_Loader):
 class ShardStream(torch.utils.data.IterableDataset):
     """One (rank, dataloader worker) slot's share of an epoch's shards, as batches. S = world_size x
     max(1, num_workers) slots, slot = rank x workers + worker. Slot s reads shards s, s + S, ... of
-    the list shuffled by (seed, epoch), the same on every rank; with fewer shards than slots, every
-    slot reads all shards and keeps records s, s + S, ... Either way each record is read by exactly
-    one slot per epoch. With `resampled`, slot s draws ceil(#shards / S) shards with replacement by
-    (seed, epoch, slot): a nominal epoch, data for every slot. Records go through a shuffle buffer
-    (train) before they are decoded, so a resumed worker replays its stream without decoding."""
+    the list shuffled by (seed, epoch), the same on every rank; with fewer shards than slots, each
+    slot reads all shards, keeping records s, s + S, ...: one slot reads each record. `resampled`:
+    slot s draws ceil(#shards / S) shards with replacement by (seed, epoch, slot): data for all.
+    Shuffled (train) before decoding: a resumed worker replays its records undecoded."""
 
     def __init__(self, loader, shards, transform, resampled, shuffle_buffer):
         for k in ("batch_size", "tokenizer", "seed", "train", "rank", "world_size", "drop_last"):
@@ -1467,11 +1450,10 @@ class ShardStream(torch.utils.data.IterableDataset):
 
 class ShardLoader(_Loader):
     """Streaming loader over tar shards (ShardStream: who reads what). Ranks may get different
-    numbers of samples an epoch (shards differ in size). An epoch is per rank and `forever()` rolls
-    it into the next, so a step-based loop never waits for another rank; `for batch in loader` with
-    DDP can desynchronise ranks: use `resampled=True` and a step count. State: also each worker's
-    records consumed and which worker gave the last batch: a resumed loader replays the records
-    without decoding and restarts the round-robin at the next worker (same workers x ranks)."""
+    numbers of samples an epoch (shards differ in size); an epoch is per rank and `forever()` rolls
+    into the next, so a step-based loop never waits for another rank (an epoch loop with DDP can
+    desynchronise ranks: use `resampled=True` and a step count). State: also each worker's records
+    and the last batch's worker: a resume replays records undecoded, same workers x ranks needed."""
 
     def __init__(self, shards, batch_size, transform=None, resampled=False, shuffle_buffer=1000,
                  num_samples=None, **options):
