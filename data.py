@@ -841,9 +841,8 @@ def _stack_images(images: list) -> tuple:
 
 
 def collate(samples: list, tokenizer=None, batch_extra=None, epoch: int = 0) -> dict:
-    """Samples -> batch; Skips (and None) go to batch["_skips"] as (reason, where), which the loader
-    removes. `batch_extra` (picklable, (batch, epoch) -> dict) adds entries in the workers, off the
-    training loop; by the epoch it can draw anew each epoch, replayed on resume."""
+    """Samples -> batch; Skips (and None) go to batch["_skips"] as (reason, where). `batch_extra`
+    (picklable, (batch, epoch) -> dict) adds entries in workers; by epoch, replayed on resume."""
     good = [s for s in samples if isinstance(s, dict)]
     empty = torch.zeros(0, 3, 0, 0, dtype=torch.uint8)
     images, slot = _stack_images([s["image"] for s in good]) if good else (empty, None)
@@ -1238,8 +1237,7 @@ def _init_worker(slots, worker_id):
     worker_ignores_sigterm()
 
 
-# a loader's state_dict as lifecycle.read_checkpoint checks it before a resume: position, counts
-# and a stream's per-worker records (a MapLoader has none)
+# a loader's state_dict as lifecycle.read_checkpoint checks it on resume (a MapLoader: no records)
 LOADER_STATE = {"epoch": int, "batches_done": int, "skipped?": int, "good?": int, "dropped?": int,
                 "skip_reasons?": {...: int}, "records_done?": [int], "last_worker?": int,
                 "num_workers?": int, "world_size?": int}
@@ -1527,9 +1525,8 @@ def make_loader(spec: str, split: str = "train", batch_size: int = 64, tokenizer
                 transform=None, csv_img_key: str = "filepath", csv_caption_key: str = "title",
                 csv_separator: str | None = None, pin_memory: bool = False, batch_extra=None):
     """The loader for a `--data` spec: a MapLoader for shapes, CSV, Karpathy JSON (`split`) and
-    ImageFolder (+ "label"), a ShardLoader for tar shards (one split: `split` ignored). Real images
-    get train_transform when `train`, else eval_transform; `transform` (PIL image, random.Random) ->
-    tensor overrides both. `pin_memory`: page-locked batches for CUDA. `batch_extra`: collate()."""
+    ImageFolder (+ "label"), a ShardLoader for tar shards (one split). `transform` (PIL image, rng)
+    -> tensor: default train_transform if `train`, else eval_transform. `batch_extra`: collate()."""
     src = resolve_data(spec, image_root)
     loader_args = dict(tokenizer=tokenizer, train=train, rank=rank, world_size=world_size,
                        num_workers=num_workers, seed=seed, drop_last=drop_last, name=spec,
