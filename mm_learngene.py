@@ -197,16 +197,17 @@ class VisionTransformer(nn.Module):
         self.ln_post = nn.LayerNorm(w)
         self.proj = nn.Parameter(scale * torch.randn(w, cfg.embed_dim))
 
-    def forward(self, images, layers=None):
-        """Pooled CLS feature after ln_post (before proj). `layers`: list of per-layer param
-        dicts (the auxiliary model's computed layers); None = this module's own resblocks."""
+    def forward(self, images, layers=None, all_tokens=False):
+        """Pooled CLS feature after ln_post (before proj); `all_tokens`: every token after ln_post
+        [B, 1 + grid^2, W]. `layers`: list of per-layer param dicts (the auxiliary model's computed
+        layers); None = this module's own resblocks."""
         x = self.conv1(images).flatten(2).transpose(1, 2)
         x = torch.cat([self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1), x], 1) + \
             self.positional_embedding
         x = self.ln_pre(x)
         for p in layers if layers is not None else [b.params() for b in self.transformer.resblocks]:
             x = block_fn(x, p, self.cfg.vision_heads, False, self.cfg.quick_gelu)
-        return self.ln_post(x[:, 0])
+        return self.ln_post(x if all_tokens else x[:, 0])
 
 
 class TextTransformer(nn.Module):
@@ -1637,32 +1638,70 @@ def load_gpt2(folder: str) -> tuple:
 class TransformerMapper(nn.Module):
     """ClipCap's transformer mapping network: the image embedding -> `clip_length` tokens,
     concatenated with `prefix_length` learned constants, through a transformer; the outputs
-    at the constants are the prefix fed to the LM (ClipCap: 10 + 10 tokens, 8 layers)."""
+    at the constants are the prefix fed to the LM (ClipCap: 10 + 10 tokens, 8 layers).
+    `token_input`: the input is already a set of tokens [B, T, dim_clip] (the encoder's grid, or
+    the oracle's objects), each mapped to one LM-wide token by the same Linear."""
 
-    def __init__(self, dim_clip, dim_lm, prefix_length=10, clip_length=10, layers=8, heads=8):
+    def __init__(self, dim_clip, dim_lm, prefix_length=10, clip_length=10, layers=8, heads=8,
+                 token_input=False):
         super().__init__()
         self.clip_length = clip_length
-        self.linear = nn.Linear(dim_clip, clip_length * dim_lm)
+        out_tokens = 1 if token_input else clip_length
+        self.linear = nn.Linear(dim_clip, out_tokens * dim_lm)
         self.prefix_const = nn.Parameter(torch.randn(prefix_length, dim_lm))
         layer = nn.TransformerEncoderLayer(dim_lm, heads, 2 * dim_lm, dropout=0.0, batch_first=True,
                                            norm_first=True)
         self.transformer = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
 
     def forward(self, x):
-        x = self.linear(x).view(x.shape[0], self.clip_length, -1)
+        if x.dim() == 3:
+            x = self.linear(x)
+        else:
+            x = self.linear(x).view(x.shape[0], self.clip_length, -1)
         prefix = self.prefix_const.unsqueeze(0).expand(x.shape[0], -1, -1)
-        return self.transformer(torch.cat([x, prefix], 1))[:, self.clip_length:]
+        return self.transformer(torch.cat([x, prefix], 1))[:, x.shape[1]:]
+
+
+SCENE_TOKEN_WIDTH = len(data.COLOUR_NAMES) + len(data.SHAPE_NAMES) + len(data.SIZE_NAMES) + 2
+
+
+def scene_tokens(scene: data.Scene, image_size: int) -> torch.Tensor:
+    """The oracle's input (--caption_input scene): one token per object, [3, 18], what a caption
+    can state and no pixels: one-hot colour (8), shape (6) and size (2), and the centre (x, y) /
+    image size; objects in a fixed order (colour, then shape: no caption order leaks), zeros past
+    the scene's objects."""
+    out = torch.zeros(3, SCENE_TOKEN_WIDTH)
+    objects = sorted(scene.objects, key=lambda o: (data.COLOUR_NAMES.index(o.colour),
+                                                   data.SHAPE_NAMES.index(o.shape)))
+    for i, o in enumerate(objects):
+        shape_at = len(data.COLOUR_NAMES)
+        size_at = shape_at + len(data.SHAPE_NAMES)
+        out[i, data.COLOUR_NAMES.index(o.colour)] = 1
+        out[i, shape_at + data.SHAPE_NAMES.index(o.shape)] = 1
+        out[i, size_at + data.SIZE_NAMES.index(o.size)] = 1
+        out[i, -2:] = torch.tensor(o.centre) / image_size
+    return out
 
 
 class ClipCap(nn.Module):
     """Frozen vision encoder -> mapper -> frozen LM. Only the mapper is a registered module
-    (trained, checkpointed, DDP-synchronised); the frozen parts sit in a tuple."""
+    (trained, checkpointed, DDP-synchronised); the frozen parts sit in a tuple. What the mapper
+    reads (--caption_input): "embed", CLIP's image embedding (ClipCap); "grid", every token of the
+    encoder's last layer; "scene", the oracle: the true objects of a shapes image (scene_tokens,
+    `scene_of`: image key -> data.Scene), no pixels."""
 
-    def __init__(self, visual, lm, tok, dim_clip, heads=8):
+    def __init__(self, visual, lm, tok, dim_clip, heads=8, inputs="embed", scene_of=None):
         super().__init__()
         self.frozen = (visual.eval().requires_grad_(False), lm, tok)
+        self.inputs = inputs
+        self.scene_of = scene_of
         d = lm.wte.weight.shape[1]
-        self.mapper = TransformerMapper(dim_clip, d, heads=heads if d % heads == 0 else 1)
+        if inputs == "grid":
+            dim_clip = visual.cfg.vision_width
+        if inputs == "scene":
+            dim_clip = SCENE_TOKEN_WIDTH
+        self.mapper = TransformerMapper(dim_clip, d, heads=heads if d % heads == 0 else 1,
+                                        token_input=inputs != "embed")
 
     @torch.no_grad()
     def embed(self, images):
@@ -1670,13 +1709,23 @@ class ClipCap(nn.Module):
         visual = self.frozen[0]
         return (visual(images) @ visual.proj).float()
 
-    def prefix(self, images):
-        return self.mapper(self.embed(images))
+    @torch.no_grad()
+    def features(self, images, keys):
+        """What the mapper reads of these images (`keys`: their image keys)."""
+        if self.inputs == "grid":
+            return self.frozen[0](images, all_tokens=True).float()
+        if self.inputs == "scene":
+            size = images.shape[-1]
+            return torch.stack([scene_tokens(self.scene_of(k), size) for k in keys]).to(images.device)
+        return self.embed(images)
 
-    def forward(self, images, tokens):
+    def prefix(self, images, keys=None):
+        return self.mapper(self.features(images, keys))
+
+    def forward(self, images, tokens, keys=None):
         """Teacher-forced logits of `tokens` [B, T] after the prefix: [B, T, vocab]."""
         lm = self.frozen[1]
-        p = self.prefix(images)
+        p = self.prefix(images, keys)
         return lm(torch.cat([p, lm.wte(tokens)], 1))[:, p.shape[1] - 1:-1]
 
 
@@ -1690,21 +1739,40 @@ def pad_ids(ids, eos):
     return tokens, mask
 
 
+def repeat_bans(ids: list, n: int) -> list:
+    """The tokens that would repeat an n-gram already in `ids` (n 0: none), as Hugging Face's
+    no_repeat_ngram_size: "a blue star and a blue star" is never true of a shapes image, whose
+    objects differ."""
+    if n <= 0 or len(ids) < n - 1:
+        return []
+    tail = ids[len(ids) - n + 1:]
+    return [ids[i + n - 1] for i in range(len(ids) - n + 1) if ids[i:i + n - 1] == tail]
+
+
+def ban(logits, rows: list, n: int):
+    """-inf, in place, at each row's repeat_bans."""
+    for r, ids in enumerate(rows):
+        logits[r, repeat_bans(ids, n)] = -math.inf
+    return logits
+
+
 @torch.no_grad()
-def generate(model, images, beam=1, max_len=30):
+def generate(model, images, beam=1, max_len=30, keys=None, no_repeat=0):
     """Captions (token id lists) for `images`: greedy (beam 1) or beam search with scores
-    divided by length (ClipCap's generate_beam). No KV cache: captions are short."""
+    divided by length (ClipCap's generate_beam); `no_repeat` n: no n-gram twice (repeat_bans).
+    No KV cache: captions are short."""
     lm, tok = model.frozen[1], model.frozen[2]
     if beam == 1:       # greedy: every image at once, one token each step
-        prefix = model.prefix(images)
+        prefix = model.prefix(images, keys)
         ids = torch.empty(len(prefix), 0, dtype=torch.long, device=prefix.device)
         for _ in range(max_len):
-            ids = torch.cat([ids, lm(torch.cat([prefix, lm.wte(ids)], 1))[:, -1].argmax(-1, keepdim=True)], 1)
+            logits = ban(lm(torch.cat([prefix, lm.wte(ids)], 1))[:, -1], ids.tolist(), no_repeat)
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
             if (ids == tok.eos).any(1).all():
                 break
         return [row[:row.index(tok.eos) + 1] if tok.eos in row else row for row in ids.tolist()]
     out = []
-    for p in model.prefix(images):
+    for p in model.prefix(images, keys):
         beams = [([], 0.0, False)]                       # (ids, sum log-prob, finished)
         for _ in range(max_len):
             live = [b for b in beams if not b[2]]
@@ -1712,7 +1780,7 @@ def generate(model, images, beam=1, max_len=30):
                 break
             emb = torch.stack([torch.cat([p, lm.wte(torch.tensor(ids, dtype=torch.long, device=p.device))])
                                for ids, _, _ in live])
-            logp = lm(emb)[:, -1].float().log_softmax(-1)
+            logp = ban(lm(emb)[:, -1].float().log_softmax(-1), [b[0] for b in live], no_repeat)
             cand = [b for b in beams if b[2]]
             top = logp.topk(beam, -1)
             for (ids, s, _), vals, idx in zip(live, top.values.tolist(), top.indices.tolist()):
@@ -2003,13 +2071,17 @@ def parse_shapes_caption(text: str):
 def grounding(hyps: dict, scene_of) -> dict:
     """The share (%) of captions ({image key: [caption]}) that are true of their image: parsed by
     parse_shapes_caption and checked by data.caption_is_true, the check every reference passes;
-    and the share in the grammar at all (a caption outside it counts as not true)."""
+    the share in the grammar at all (a caption outside it counts as not true); and the share that
+    name one object twice ("a blue star and a blue star": never true, a scene's objects differ)."""
     parsed = {k: parse_shapes_caption(h[0]) for k, h in hyps.items()}
     true = sum(p is not None and data.caption_is_true(p, scene_of(k).objects)
                for k, p in parsed.items())
+    grammatical = [p for p in parsed.values() if p is not None]
+    repeated = sum(len({(q.colour, q.shape) for q in p.phrases}) < len(p.phrases)
+                   for p in grammatical)
     return {"truth_rate": round(100 * true / len(hyps), 2),
-            "grammatical_rate": round(100 * sum(p is not None for p in parsed.values())
-                                      / len(hyps), 2)}
+            "grammatical_rate": round(100 * len(grammatical) / len(hyps), 2),
+            "repeated_object_rate": round(100 * repeated / len(hyps), 2)}
 
 
 def train_shapes_lm(folder: str, seed: int, steps: int = 1000):
@@ -2120,7 +2192,8 @@ def caption_pool(a, cap, image_size, device) -> CaptionPool:
 
 
 @torch.no_grad()
-def eval_captioning(model, loader, device, beam, refs_of, pool=None, scene_of=None):
+def eval_captioning(model, loader, device, beam, refs_of, pool=None, scene_of=None,
+                    no_repeat=0):
     """Captions every eval image once (its key), scored against all its references (`refs_of`);
     on shapes (`scene_of`) also the share of captions true of their image (grounding). With a
     CaptionPool, the two baselines are scored on the same images and references: its constant
@@ -2140,8 +2213,8 @@ def eval_captioning(model, loader, device, beam, refs_of, pool=None, scene_of=No
             captions.setdefault(k, []).append(c)
         if new:
             images, keys = data.normalize_images(batch["image"][new], device), [batch["key"][j] for j in new]
-            hyps.update({k: [lm_tok.decode(s)]
-                         for k, s in zip(keys, generate(model, images, beam))})
+            ids = generate(model, images, beam, keys=keys, no_repeat=no_repeat)
+            hyps.update({k: [lm_tok.decode(s)] for k, s in zip(keys, ids)})
             if pool is not None:
                 nearest.update({k: [c] for k, c in zip(keys, pool.nearest(model.embed(images)))})
     bar.close()
@@ -2154,7 +2227,7 @@ def eval_captioning(model, loader, device, beam, refs_of, pool=None, scene_of=No
         return {**caption_scores(refs, h), "n_distinct_captions": len({c[0] for c in h.values()}),
                 **(grounding(h, scene_of) if scene_of else {})}
     out = {**scores(hyps), "n_images": len(refs), "n_refs": sum(map(len, refs.values())),
-           "beam": beam, "eval_skipped": getattr(loader, "skipped", 0) - skipped0,
+           "beam": beam, "no_repeat_ngram": no_repeat, "eval_skipped": getattr(loader, "skipped", 0) - skipped0,
            "examples": [{"ref": refs[k][0], "hyp": hyps[k][0]} for k in list(refs)[:3]]}
     per_image = {k: {"caption": hyps[k][0], "references": refs[k]} for k in refs}
     for k, r in per_image.items():
@@ -2189,26 +2262,29 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
     lm, ltok = load_gpt2(lm_dir)
     lm.to(device)
     visual = model.visual if modality == "clip" else model
-    cap = ClipCap(visual, lm, ltok, cfg.embed_dim).to(device)
+    spec = getattr(a, "eval_data", None) or a.data
+    scene_of = shapes_scene_of(spec, cfg.image_size) if is_shapes(spec) else None
+    cap = ClipCap(visual, lm, ltok, cfg.embed_dim, inputs=a.caption_input, scene_of=scene_of)
+    cap.to(device)
+    results["caption_input"] = a.caption_input
     # captioned images: shapes, Karpathy JSON, CSV, shards; evaluated as retrieval's split
     train = train_loader(a, data_source(a), None, cfg.image_size, rank, world, a.seed)
     test = retrieval_loader(a, None, cfg.image_size)
-    spec = getattr(a, "eval_data", None) or a.data
     refs_of = reference_captions(spec, cfg.image_size)
 
     def loss_fn(m, batch):
         # at most 30 tokens with EOS
         ids = [ltok.encode(c)[:29] + [ltok.eos] for c in batch["caption"]]
         tokens, mask = (t.to(device) for t in pad_ids(ids, ltok.eos))
-        return F.cross_entropy(m(data.normalize_images(batch["image"], device), tokens)[mask].float(),
-                               tokens[mask]), {}
+        images = data.normalize_images(batch["image"], device)
+        logits = m(images, tokens, batch["key"])
+        return F.cross_entropy(logits[mask].float(), tokens[mask]), {}
 
     def evaluate():
         t0 = time.time()
         pool = caption_pool(a, cap, cfg.image_size, device) if a.baselines else None
-        scores, per_image = eval_captioning(cap, test, device, a.beam, refs_of, pool,
-                                            shapes_scene_of(spec, cfg.image_size)
-                                            if is_shapes(spec) else None)
+        scores, per_image = eval_captioning(cap, test, device, a.beam, refs_of, pool, scene_of,
+                                            a.no_repeat_ngram)
         atomic_write_json(per_image, os.path.join(a.out_dir, "captions.json"))
         return {**scores, "eval_subset": image_subset(a),
                 "eval_seconds": round(time.time() - t0, 1)}
@@ -2249,10 +2325,11 @@ def _run_cost(path):
 
 
 RESULT_COLUMNS = {"retrieval": ["i2t_r1", "t2i_r1"], "classification": ["top1"],
-                  "caption": ["bleu4", "cider", "rouge_l", "truth_rate"]}
+                  "caption": ["bleu4", "cider", "rouge_l", "truth_rate", "repeated_object_rate"]}
 # the scores (percent) of a fine-tune's eval record in metrics.jsonl and its last line
 EVAL_KEYS = {**RESULT_COLUMNS, "caption": ["bleu1", "bleu2", "bleu3", "bleu4", "cider", "rouge_l",
-                                           "truth_rate", "grammatical_rate", "n_distinct_captions"]}
+                                           "truth_rate", "grammatical_rate",
+                                           "repeated_object_rate", "n_distinct_captions"]}
 
 
 def results_table(dirs: list) -> str:
@@ -2286,15 +2363,19 @@ def results_table(dirs: list) -> str:
 def finetune_run(folder):
     """(init method part layers task, seed, {score: fraction}) of a finished finetune out_dir;
     a captioning run also yields its two baselines as groups of their own (the nearest-neighbour
-    caption named by the encoder whose embedding found the neighbour)."""
+    caption named by the encoder whose embedding found the neighbour); a mapper that reads more
+    than ClipCap's embedding is named by what it reads ("mmlg+grid")."""
     path = os.path.join(folder, "results.json")
     if not os.path.isfile(path):
         return None
     r = lifecycle.read_json(path)
     cols = RESULT_COLUMNS.get(r.get("task"), [])
-    name = f"{r['kind']} {r.get('part', 'both')} {r['layers']} {r['task']}"
+    kind = r["kind"]
+    if r.get("caption_input", "embed") != "embed":
+        kind = f"{kind}+{r['caption_input']}"
+    name = f"{kind} {r.get('part', 'both')} {r['layers']} {r['task']}"
     runs = [(name, r.get("seed", 0), {k: r[k] / 100 for k in cols if k in r})]
-    runs += [(f"{b} caption" + (f" ({r['kind']})" if b == "nearest" else "") + f" {r['layers']}",
+    runs += [(f"{b} caption" + (f" ({kind})" if b == "nearest" else "") + f" {r['layers']}",
               r.get("seed", 0), {k: br[k] / 100 for k in cols if k in br})
              for b, br in r.get("baselines", {}).items()
              if isinstance(br, dict)]
@@ -2524,6 +2605,12 @@ def build_parser():
                                 "vocab.json + merges.txt); default on shapes: a stand-in GPT "
                                 "trained beside --out_dir")
     g.add_argument("--beam", type=int, default=1, help="decoding: 1 greedy, >1 beam search")
+    g.add_argument("--no_repeat_ngram", type=int, default=0,
+                   help="decoding: no n-gram of this many tokens twice in a caption (0: off)")
+    g.add_argument("--caption_input", default="embed", choices=["embed", "grid", "scene"],
+                   help="what the mapper reads: embed, CLIP's image embedding (ClipCap); grid, "
+                        "every token of the encoder's last layer; scene (shapes), the oracle: "
+                        "the true objects, no pixels")
     g.add_argument("--baselines", action="store_true",
                    help="also score the best constant caption (the pool's training caption of "
                         "highest CIDEr-D) and the nearest-neighbour caption (of the pool image "
@@ -2563,6 +2650,10 @@ def main(argv=None):
             if a.init is None and not a.resume:
                 raise ConfigError(f"{a.cmd} needs --init "
                                   f"({'the teacher' if a.cmd == 'extract' else 'a descendant'})")
+            oracle = a.cmd == "finetune" and a.caption_input == "scene"
+            if oracle and not (is_shapes(a.data) and a.eval_data in (None, a.data)):
+                raise ConfigError("--caption_input scene (the oracle) reads the true objects of "
+                                  "shapes images: it needs --data shapes and no other --eval_data")
         # on every rank, before training: the package is optional
         if getattr(a, "wandb", None):
             try:

@@ -334,7 +334,8 @@ def test_finetune_caption_baselines_on_shapes_references(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "constant caption (baseline)" in out and "nearest caption (baseline)" in out
     assert f"cider {base['constant']['cider']:.1f}, " in out
-    assert f"truth_rate {base['constant']['truth_rate']:.1f} |" in out
+    assert f"truth_rate {base['constant']['truth_rate']:.1f}, " in out
+    assert f"repeated_object_rate {base['constant']['repeated_object_rate']:.1f} |" in out
 
 
 def test_shapes_stand_in_leaves_the_global_rng_alone(tmp_path):

@@ -400,3 +400,25 @@ def test_report_seeds_pairs_each_setting_with_mmlg_of_its_size(tmp_path, capsys)
     d = np.array([70.0, 71.0, 72.0]) / 100            # cider: (120 + seed) - 50
     assert row.split(" | ")[2] == f"{100 * d.mean():+.1f} ± {100 * lifecycle.T975[1] * d.std(ddof=1) / np.sqrt(3):.1f}*"
     assert any(ln.startswith("| tleg both 6 caption - mmlg both 6 caption (3) |") for ln in out)
+
+
+def test_report_seeds_names_a_mapper_by_what_it_reads(tmp_path, capsys):
+    """A caption fine-tune whose mapper reads the grid or the oracle's scene is its own group
+    ("mmlg+grid ..."), so ClipCap's embedding, the grid and the oracle pair by seed in one folder."""
+    for seed in (0, 1, 2):
+        for inputs, truth in (("embed", 4.0), ("grid", 7.0 + seed), ("scene", 40.0)):
+            d = tmp_path / f"{inputs}_s{seed}"
+            os.makedirs(d)
+            lifecycle.save_json(str(d / "results.json"), {
+                "kind": "mmlg", "part": "both", "layers": 6, "task": "caption", "seed": seed,
+                "caption_input": inputs, "bleu4": 20.0, "truth_rate": truth, "repeated_object_rate": 1.0,
+                "baselines": {"nearest": {"bleu4": 21.0, "truth_rate": 4.5}, "pool_images": 1000}})
+    M.main(["report", "--seeds", str(tmp_path), "--baseline", "mmlg+grid both 6 caption"])
+    out = capsys.readouterr().out.splitlines()
+    header = next(ln for ln in out if ln.startswith("| paired difference"))
+    col = header.split(" | ").index("truth_rate")
+    row = next(ln for ln in out if ln.startswith("| mmlg both 6 caption - mmlg+grid both 6 caption (3) |"))
+    d = np.array([4.0 - 7.0, 4.0 - 8.0, 4.0 - 9.0]) / 100
+    assert row.split(" | ")[col] == f"{100 * d.mean():+.1f} ± {100 * lifecycle.T975[1] * d.std(ddof=1) / np.sqrt(3):.1f}*"
+    assert any(ln.startswith("| mmlg+scene both 6 caption - mmlg+grid both 6 caption (3) |") for ln in out)
+    assert any(ln.startswith("| nearest caption (mmlg+grid) 6 - mmlg+grid both 6 caption (3) |") for ln in out)

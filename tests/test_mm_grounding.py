@@ -5,6 +5,7 @@ stand-in LM is trained on reference pairs, batched greedy decoding equals a hand
 import json
 import random
 
+import pytest
 import torch
 
 import data
@@ -44,8 +45,11 @@ def test_truth_rate_against_hand_built_scenes():
     scene_of = lambda key: data.Scene(None, "", "", SCENES[key.split("/")[0]], [])
     hyps = {f"{s}/{i}": [c] for i, (s, c, _, _) in enumerate(CASES)}
     got = M.grounding(hyps, scene_of)
+    # by hand: the two captions that name one object twice
+    repeated = ["a red circle and a red circle", "a green square to the left of a green square"]
     assert got == {"truth_rate": round(100 * sum(t for *_, t in CASES) / len(CASES), 2),
-                   "grammatical_rate": round(100 * sum(g for _, _, g, _ in CASES) / len(CASES), 2)}
+                   "grammatical_rate": round(100 * sum(g for _, _, g, _ in CASES) / len(CASES), 2),
+                   "repeated_object_rate": round(100 * len(repeated) / len(CASES), 2)}
     for i, (s, c, gram, true) in enumerate(CASES):      # one by one: each case as worked out
         one = M.grounding({f"{s}/{i}": [c]}, scene_of)
         assert (one["grammatical_rate"], one["truth_rate"]) == (100 * gram, 100 * true), c
@@ -86,3 +90,63 @@ def test_stand_in_lm_is_trained_on_reference_pairs_and_replaces_an_old_one(tmp_p
     M.train_shapes_lm(str(folder), 0, steps=3)
     assert "retraining it" in capsys.readouterr().err
     assert json.loads((folder / "config.json").read_text())["steps"] == 3
+
+
+def ngrams(ids, n):
+    return [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+
+
+def test_repeat_bans_by_hand_and_no_ngram_twice_in_decoding(tmp_path):
+    """--no_repeat_ngram n: repeat_bans worked out by hand; greedy and beam captions then hold no
+    n-gram twice, where the same captioner without it repeats one."""
+    assert M.repeat_bans([5, 6, 7, 5, 6], 3) == [7]             # "5 6" was followed by 7
+    assert M.repeat_bans([5, 6, 7, 5, 6], 2) == [7]             # "6" was followed by 7
+    assert M.repeat_bans([5, 6, 5], 2) == [6]
+    assert sorted(M.repeat_bans([5, 6, 5], 1)) == [5, 5, 6]      # n 1: no token twice
+    assert M.repeat_bans([5, 6, 7], 0) == [] and M.repeat_bans([5], 3) == []
+    lm, tok, cap = tiny_captioner(tmp_path)
+    images = torch.randn(6, 3, 16, 16)
+    plain = M.generate(cap, images, beam=1, max_len=12)
+    assert any(len(set(ngrams(c, 2))) < len(ngrams(c, 2)) for c in plain)   # the test can fail
+    for beam in (1, 3):
+        for c in M.generate(cap, images, beam=beam, max_len=12, no_repeat=2):
+            assert len(set(ngrams(c, 2))) == len(ngrams(c, 2)), c
+
+
+def test_the_mapper_reads_the_grid_or_the_oracles_objects(tmp_path):
+    """--caption_input: grid = every last-layer token (its first is the pooled CLS feature);
+    scene = one token per true object (scene_tokens, worked out by hand), no pixels."""
+    lm, tok, cap = tiny_captioner(tmp_path)
+    visual = cap.frozen[0]
+    images = torch.randn(2, 3, 16, 16)
+    grid = visual(images, all_tokens=True)
+    assert grid.shape == (2, 1 + 2 * 2, 16) and torch.allclose(grid[:, 0], visual(images))
+    scene = data.Scene(None, "", "", [obj("star", "blue", "small", 40, 8), obj("circle", "red", "large", 8, 24)], [])
+    got = M.scene_tokens(scene, 64)
+    want = torch.zeros(3, 18)
+    # the red circle first (red before blue in COLOUR_NAMES): red 0, circle 8 + 0, large 14 + 1
+    want[0, [0, 8, 15]] = 1
+    want[0, 16:] = torch.tensor([8 / 64, 24 / 64])
+    # the blue star: blue 2, star 8 + 3, small 14 + 0
+    want[1, [2, 11, 14]] = 1
+    want[1, 16:] = torch.tensor([40 / 64, 8 / 64])
+    assert torch.equal(got, want)
+    for inputs, width in (("grid", 16), ("scene", 18)):
+        c = M.ClipCap(visual, lm, tok, 8, inputs=inputs, scene_of=lambda key: scene)
+        assert c.mapper.linear.in_features == width
+        logits = c(images, torch.zeros(2, 3, dtype=torch.long), keys=["a", "b"])
+        logits.sum().backward()
+        assert all(p.grad is not None for p in c.mapper.parameters())
+        assert all(p.grad is None for p in visual.parameters())
+    # the oracle sees no pixels: other images, the same prefix
+    assert torch.equal(c.prefix(images, ["a", "b"]), c.prefix(torch.randn(2, 3, 16, 16), ["a", "b"]))
+
+
+def test_the_oracle_on_other_data_is_one_line_before_any_work(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        M.main(["finetune", "--init", "scratch", "--task", "caption", "--caption_input", "scene",
+                "--data", str(tmp_path / "train.csv"), "--out_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == ["error: --caption_input scene (the oracle) reads the true objects of shapes "
+                                         "images: it needs --data shapes and no other --eval_data"]
+    assert not (tmp_path / "run").exists()
