@@ -2260,6 +2260,9 @@ def caption_task(a, model, tok, cfg, modality, results, rank, world, device):
     else:
         results["lm"] = os.path.abspath(lm_dir)
     lm, ltok = load_gpt2(lm_dir)
+    if lm.wpe.num_embeddings < 10 + 30:
+        raise ConfigError(f"{lm_dir}: the LM has {lm.wpe.num_embeddings} positions; captioning "
+                          f"needs 40 (the mapper's 10-token prefix and captions of up to 30)")
     lm.to(device)
     visual = model.visual if modality == "clip" else model
     spec = getattr(a, "eval_data", None) or a.data

@@ -156,7 +156,7 @@ def test_best_constant_and_nearest_caption():
     assert pool.nearest(query) == want and pool.constant == best
 
 
-def write_released_gpt2(folder, d=16, layers=2, heads=2, vocab_text=None):
+def write_released_gpt2(folder, d=16, layers=2, heads=2, vocab_text=None, positions=40):
     """A tiny randomly initialised GPT-2 in the released HF layout: `transformer.` prefix,
     Conv1D weights [in, out], the causal-mask buffer attn.bias, a tied lm_head; its byte-level
     BPE as vocab.json + merges.txt."""
@@ -166,7 +166,7 @@ def write_released_gpt2(folder, d=16, layers=2, heads=2, vocab_text=None):
                             special_tokens=[M.GPT2_EOS], show_progress=False)
     os.makedirs(folder, exist_ok=True)
     tok.save_model(str(folder))
-    V, P = tok.get_vocab_size(), 32
+    V, P = tok.get_vocab_size(), positions
     g = torch.Generator().manual_seed(0)
     r = lambda *s: 0.2 * torch.randn(*s, generator=g)
     sd = {"transformer.wte.weight": r(V, d), "transformer.wpe.weight": r(P, d),
@@ -346,3 +346,13 @@ def test_shapes_stand_in_leaves_the_global_rng_alone(tmp_path):
     assert torch.equal(torch.get_rng_state(), before)
     lm, tok = M.load_gpt2(str(tmp_path / "lm"))
     assert tok.decode(tok.encode("a red circle")) == "a red circle" and len(lm.h) == 2
+
+
+def test_an_lm_too_short_for_prefix_and_caption_is_one_line(tmp_path, capsys):
+    write_released_gpt2(tmp_path / "gpt2", positions=32)
+    with pytest.raises(SystemExit) as e:
+        M.main(["finetune", "--init", "scratch", "--layers", "1", "--task", "caption", "--image_size", "32",
+                "--lm", str(tmp_path / "gpt2"), "--max_steps", "1", "--out_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err == (f"error: {tmp_path / 'gpt2'}: the LM has 32 positions; captioning needs 40 "
+                                         f"(the mapper's 10-token prefix and captions of up to 30)")

@@ -422,3 +422,26 @@ def test_report_seeds_names_a_mapper_by_what_it_reads(tmp_path, capsys):
     assert row.split(" | ")[col] == f"{100 * d.mean():+.1f} ± {100 * lifecycle.T975[1] * d.std(ddof=1) / np.sqrt(3):.1f}*"
     assert any(ln.startswith("| mmlg+scene both 6 caption - mmlg+grid both 6 caption (3) |") for ln in out)
     assert any(ln.startswith("| nearest caption (mmlg+grid) 6 - mmlg+grid both 6 caption (3) |") for ln in out)
+
+
+def test_finetune_caption_on_the_grid_two_ranks_equal_one_process(tmp_path, extracted):  # noqa: F811
+    """--caption_input grid under torchrun with 2 gloo ranks (the image keys travel with the batch
+    through DDP's forward) ends with the single process's mapper and the same captions."""
+    from test_mm_learngene import run_cli
+    from test_mm_caption import write_released_gpt2
+    from safetensors.torch import load_file
+    write_released_gpt2(tmp_path / "gpt2", vocab_text=data.shapes_captions(200))
+    M.main(["expand", "--learngene", str(extracted / "learngene.safetensors"), "--layers", "2",
+            "--out_dir", str(tmp_path / "d")])
+    args = ["finetune", "--init", str(tmp_path / "d"), "--task", "caption", "--caption_input", "grid",
+            "--lm", str(tmp_path / "gpt2"), "--activate_frac", "0", "--data", "shapes:train_size=48",
+            "--max_steps", "3", "--batch_size", "8", "--eval_size", "12", "--log_interval", "1", "--dtype", "fp32"]
+    run_cli(args + ["--out_dir", str(tmp_path / "one")])
+    run_cli(args + ["--out_dir", str(tmp_path / "two")], nproc=2)
+    a, b = (load_file(str(tmp_path / r / "model.safetensors")) for r in ("one", "two"))
+    assert a.keys() == b.keys() and any(k.startswith("mapper.") for k in a)
+    for k in a:     # Adam's steps on near-zero gradients carry the ranks' summation order
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=2e-4)
+    ca, cb = (json.loads((tmp_path / r / "captions.json").read_text()) for r in ("one", "two"))
+    assert len(ca) == 12 and ca == cb
+    assert json.loads((tmp_path / "one" / "results.json").read_text())["caption_input"] == "grid"
