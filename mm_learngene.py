@@ -2227,7 +2227,8 @@ def eval_captioning(model, loader, device, beam, refs_of, pool=None, scene_of=No
         return {**caption_scores(refs, h), "n_distinct_captions": len({c[0] for c in h.values()}),
                 **(grounding(h, scene_of) if scene_of else {})}
     out = {**scores(hyps), "n_images": len(refs), "n_refs": sum(map(len, refs.values())),
-           "beam": beam, "no_repeat_ngram": no_repeat, "eval_skipped": getattr(loader, "skipped", 0) - skipped0,
+           "beam": beam, "no_repeat_ngram": no_repeat,
+           "eval_skipped": getattr(loader, "skipped", 0) - skipped0,
            "examples": [{"ref": refs[k][0], "hyp": hyps[k][0]} for k in list(refs)[:3]]}
     per_image = {k: {"caption": hyps[k][0], "references": refs[k]} for k in refs}
     for k, r in per_image.items():
