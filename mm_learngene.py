@@ -1671,11 +1671,11 @@ def scene_tokens(scene: data.Scene, image_size: int) -> torch.Tensor:
     image size; objects in a fixed order (colour, then shape: no caption order leaks), zeros past
     the scene's objects."""
     out = torch.zeros(3, SCENE_TOKEN_WIDTH)
+    shape_at = len(data.COLOUR_NAMES)
+    size_at = shape_at + len(data.SHAPE_NAMES)
     objects = sorted(scene.objects, key=lambda o: (data.COLOUR_NAMES.index(o.colour),
                                                    data.SHAPE_NAMES.index(o.shape)))
     for i, o in enumerate(objects):
-        shape_at = len(data.COLOUR_NAMES)
-        size_at = shape_at + len(data.SHAPE_NAMES)
         out[i, data.COLOUR_NAMES.index(o.colour)] = 1
         out[i, shape_at + data.SHAPE_NAMES.index(o.shape)] = 1
         out[i, size_at + data.SIZE_NAMES.index(o.size)] = 1
@@ -1688,7 +1688,8 @@ class ClipCap(nn.Module):
     (trained, checkpointed, DDP-synchronised); the frozen parts sit in a tuple. What the mapper
     reads (--caption_input): "embed", CLIP's image embedding (ClipCap); "grid", every token of the
     encoder's last layer; "scene", the oracle: the true objects of a shapes image (scene_tokens,
-    `scene_of`: image key -> data.Scene), no pixels."""
+    `scene_of`: image key -> data.Scene), no pixels. grid and scene are this repository's, not the
+    paper's (RESULTS.md, "The captioner's limit")."""
 
     def __init__(self, visual, lm, tok, dim_clip, heads=8, inputs="embed", scene_of=None):
         super().__init__()
@@ -1766,7 +1767,9 @@ def generate(model, images, beam=1, max_len=30, keys=None, no_repeat=0):
         prefix = model.prefix(images, keys)
         ids = torch.empty(len(prefix), 0, dtype=torch.long, device=prefix.device)
         for _ in range(max_len):
-            logits = ban(lm(torch.cat([prefix, lm.wte(ids)], 1))[:, -1], ids.tolist(), no_repeat)
+            logits = lm(torch.cat([prefix, lm.wte(ids)], 1))[:, -1]
+            if no_repeat:
+                logits = ban(logits, ids.tolist(), no_repeat)
             ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
             if (ids == tok.eos).any(1).all():
                 break
@@ -1780,7 +1783,9 @@ def generate(model, images, beam=1, max_len=30, keys=None, no_repeat=0):
                 break
             emb = torch.stack([torch.cat([p, lm.wte(torch.tensor(ids, dtype=torch.long, device=p.device))])
                                for ids, _, _ in live])
-            logp = ban(lm(emb)[:, -1].float().log_softmax(-1), [b[0] for b in live], no_repeat)
+            logp = lm(emb)[:, -1].float().log_softmax(-1)
+            if no_repeat:
+                logp = ban(logp, [b[0] for b in live], no_repeat)
             cand = [b for b in beams if b[2]]
             top = logp.topk(beam, -1)
             for (ids, s, _), vals, idx in zip(live, top.values.tolist(), top.indices.tolist()):
