@@ -399,7 +399,7 @@ def import_script(record, reader: str, script: str | None = None, default: str |
     import importlib.machinery
     import importlib.util
     path, note = find_script(record, reader, script, default)
-    if note:
+    if note and os.environ.get("RANK", "0") == "0":     # every rank imports, rank 0 says so
         print(note, file=sys.stderr, flush=True)
     module_name = "_script_" + hashlib.sha256(path.encode()).hexdigest()[:12]
     if module_name not in sys.modules:
